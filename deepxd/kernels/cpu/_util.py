@@ -1,0 +1,20 @@
+"""Helpers shared by the numpy kernels: low-precision dtypes compute in float32 and round once into the output."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+#: dtypes whose arithmetic runs in float32 (numpy has no fast loops for them)
+LOW = frozenset(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn))
+
+
+def is_int(a: np.ndarray) -> bool:
+    return a.dtype.kind in "iu"
+
+
+def up(a: np.ndarray) -> np.ndarray:
+    """`a` in its compute dtype (float32 for the low-precision floats)."""
+    return a.astype(F32) if a.dtype in LOW else a

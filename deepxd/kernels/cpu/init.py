@@ -1,0 +1,54 @@
+"""Fill existing tensors: constant, arange, random (seed 0: fresh entropy), dropout (in place, scaled)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deepxd.kernels.cpu._util import F32, F64, LOW
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(None if seed == 0 else seed & (2**64 - 1))
+
+
+def constant(value, out):
+    if out.dtype in LOW:
+        out[...] = np.float32(value)
+    else:
+        out.fill(value)
+
+
+def arange(start, step, out):
+    n = out.size
+    flat = out.reshape(-1)
+    if out.dtype.kind in "iu" and isinstance(start, int) and isinstance(step, int):
+        flat[...] = np.arange(n, dtype=np.int64) * step + start
+    else:
+        flat[...] = np.arange(n, dtype=F64) * step + start
+
+
+def _fill_float(out: np.ndarray, sample) -> None:
+    dt = F64 if out.dtype == F64 else F32
+    out[...] = sample(dt)
+
+
+def uniform(low, high, seed, out):
+    rng = _rng(seed)
+    _fill_float(out, lambda dt: rng.random(out.shape, dtype=dt) * (high - low) + low)
+
+
+def normal(mean, std, seed, out):
+    rng = _rng(seed)
+    _fill_float(out, lambda dt: rng.standard_normal(out.shape, dtype=dt) * std + mean)
+
+
+def dropout(p, seed, a):
+    if p == 0 or a.size == 0:
+        return
+    keep = _rng(seed).random(a.shape, dtype=F32) >= p
+    scale = 1.0 / (1.0 - p)
+    if a.dtype in LOW:
+        a[...] = a.astype(F32) * keep * scale
+    else:
+        a *= keep
+        a *= a.dtype.type(scale)

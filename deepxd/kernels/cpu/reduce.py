@@ -1,0 +1,57 @@
+"""Reductions over dims (empty dims: all). Low-precision floats and small integers accumulate wider, then round."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deepxd.kernels.cpu._util import F32, LOW
+
+
+def _acc(a: np.ndarray):
+    if a.dtype in LOW:
+        return F32
+    if a.dtype.kind in "iu":
+        return np.int64
+    return None
+
+
+def _dims(a, dims):
+    return tuple(d % a.ndim for d in dims) if len(dims) else None
+
+
+def sum(a, dims, keepdims, out):
+    acc = _acc(a)
+    if acc is None:
+        np.sum(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
+    else:
+        out[...] = np.sum(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc)
+
+
+def prod(a, dims, keepdims, out):
+    acc = _acc(a)
+    if acc is None:
+        np.prod(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
+    else:
+        out[...] = np.prod(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc)
+
+
+def reducemax(a, dims, keepdims, out):
+    out[...] = np.max(a if a.dtype not in LOW else a.astype(F32), axis=_dims(a, dims), keepdims=keepdims)
+
+
+def reducemin(a, dims, keepdims, out):
+    out[...] = np.min(a if a.dtype not in LOW else a.astype(F32), axis=_dims(a, dims), keepdims=keepdims)
+
+
+def argmax(a, dim, keepdims, out):
+    if a.ndim == 0:
+        out[...] = 0
+    else:
+        out[...] = np.argmax(a if a.dtype not in LOW else a.astype(F32), axis=dim % a.ndim, keepdims=keepdims)
+
+
+def argmin(a, dim, keepdims, out):
+    if a.ndim == 0:
+        out[...] = 0
+    else:
+        out[...] = np.argmin(a if a.dtype not in LOW else a.astype(F32), axis=dim % a.ndim, keepdims=keepdims)
