@@ -37,7 +37,7 @@ def write_tensor(base: str | os.PathLike[str], array: np.ndarray) -> None:
     Path(base).parent.mkdir(parents=True, exist_ok=True)
     tmp = base + ".data.tmp"
     with open(tmp, "wb") as f:
-        f.write(memoryview(data).cast("B") if data.size else b"")
+        f.write(data.reshape(-1).view(np.uint8).data if data.size else b"")
     os.replace(tmp, base + ".data")
     with open(base + ".shape", "w") as f:
         yaml.safe_dump(shape_doc(tuple(array.shape), dtype), f, default_flow_style=None, sort_keys=False)

@@ -78,6 +78,8 @@ class OpDef:
     differentiable: bool = False
     effects: bool = False  # does more than write its returns: I/O, tensor life, variables
     deepxir: bool = True  # one of the 60 operators of the existing deepxIR
+    min_args: int = 0  # required args (the rest have defaults)
+    min_returns: int = 0
 
     def signature(self) -> str:
         def fmt(a: Arg) -> str:
@@ -138,6 +140,16 @@ def elementwise(*idx: int, dtype: str | None = None) -> Infer:
         shape = broadcast(c.op.name, *(c.args[i].shape for i in idx), names=[c.names[i] for i in idx])
         return [TensorMeta(shape, dtype or dt)]
 
+    if len(idx) == 2:
+        i, j = idx
+
+        def rule2(c: Call) -> list[TensorMeta | None]:
+            a, b = c.args[i], c.args[j]
+            if a.dtype != b.dtype or a.shape != b.shape:
+                return rule(c)
+            return [TensorMeta(a.shape, dtype or a.dtype)]
+
+        return rule2
     return rule
 
 
@@ -167,8 +179,7 @@ def _newtensor(c: Call) -> list[TensorMeta | None]:
     if any(d < 0 for d in shape):
         raise DeepxError(f"newtensor: shape {list(shape)} of '{c.out_names[0]}' has a negative dimension")
     dtype = c.out_dtypes[0]
-    if dtype in ("any", "float", "int", "float8"):
-        dtype = "float32"
+    dtype = {"any": "float32", "float": "float32", "int": "int32", "float8": "float8e4m3"}.get(dtype, dtype)
     if dtype not in STORABLE:
         raise DeepxError(f"newtensor: dtype {dtype} of '{c.out_names[0]}' cannot be stored (use {_fmt(STORABLE)})")
     return [c.outs[0] if c.outs[0] is not None else TensorMeta(tuple(shape), dtype)]
@@ -293,7 +304,11 @@ def _concat(c: Call) -> list[TensorMeta | None]:
 
 def _broadcast_to(c: Call) -> list[TensorMeta | None]:
     a, shape = c.args[0], tuple(c.args[1])
-    if len(shape) < len(a.shape) or broadcast("broadcastTo", a.shape, shape, names=c.names[:1]) != shape:
+    try:
+        ok = len(shape) >= len(a.shape) and broadcast("broadcastTo", a.shape, shape) == shape
+    except DeepxError:
+        ok = False
+    if not ok:
         raise DeepxError(f"broadcastTo: '{c.names[0]}' of shape {a.shape} cannot be broadcast to {list(shape)}")
     return [TensorMeta(shape, a.dtype)]
 
@@ -478,7 +493,8 @@ def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtyp
        doc: str, *, grad: bool = False, effects: bool = False, deepxir: bool = True) -> None:
     if name in OPS:
         raise ValueError(f"op {name} defined twice")
-    OPS[name] = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, grad, effects, deepxir)
+    OPS[name] = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, grad, effects, deepxir,
+                      sum(a.required for a in args), sum(a.required for a in returns))
 
 
 # -- tensor life: create, copy, free, rename (they change the set of tensors; kernels get the store)
@@ -708,16 +724,15 @@ _KINDS = {"tensor": ("tensor",), "var": ("var",), "vector": ("vector",), "listte
 
 
 def _check_kind(op: OpDef, a: Arg, p: Param, pos: str) -> None:
-    if p.category and p.category not in _KINDS[a.kind]:
+    if p.category and p.category != a.kind and p.category not in _KINDS[a.kind]:
         raise DeepxError(f"{op.name}: {pos} '{a.name}' must be a {a.kind}, got {_describe(p)}")
 
 
-def _arity(op: OpDef, given: int, spec: tuple[Arg, ...], what: str) -> None:
+def _arity_error(op: OpDef, given: int, spec: tuple[Arg, ...], what: str) -> DeepxError:
     need = sum(a.required for a in spec)
-    if not need <= given <= len(spec):
-        names = ", ".join(a.name if a.required else f"[{a.name}]" for a in spec)
-        count = str(need) if need == len(spec) else f"{need} to {len(spec)}"
-        raise DeepxError(f"{op.name}: expects {count} {what} ({names}), got {given}")
+    names = ", ".join(a.name if a.required else f"[{a.name}]" for a in spec)
+    count = str(need) if need == len(spec) else f"{need} to {len(spec)}"
+    return DeepxError(f"{op.name}: expects {count} {what} ({names}), got {given}")
 
 
 def _tensor(op: OpDef, a: Arg, name: Any, env: Env, pos: str) -> TensorMeta:
@@ -739,33 +754,42 @@ def bind(instr: Instr, env: Env) -> Bound:
     op = OPS.get(instr.name)
     if op is None:
         raise DeepxError(f"op '{instr.name}' not found")
-    _arity(op, len(instr.args), op.args, "arguments")
-    _arity(op, len(instr.returns), op.returns, "returns")
+    if not op.min_args <= len(instr.args) <= len(op.args):
+        raise _arity_error(op, len(instr.args), op.args, "arguments")
+    if not op.min_returns <= len(instr.returns) <= len(op.returns):
+        raise _arity_error(op, len(instr.returns), op.returns, "returns")
     args: list[Any] = []
     names: list[Any] = []
     unknown = False
+    params = instr.args
+    n = len(params)
+    meta_of = env.meta
     for i, a in enumerate(op.args):
-        if i >= len(instr.args):
+        if i >= n:
             args.append(a.default)
             names.append(None)
             continue
-        p = instr.args[i]
-        _check_kind(op, a, p, "argument")
-        if a.kind == "tensor":
-            meta = _tensor(op, a, str(p.value), env, "argument")
+        p = params[i]
+        kind = a.kind
+        if p.category and p.category != kind:
+            _check_kind(op, a, p, "argument")
+        if kind == "tensor":
+            name = p.value if type(p.value) is str else str(p.value)
+            meta = meta_of(name)
+            if meta is None or (meta is not UNKNOWN and meta.dtype not in (a.dtypes or op.dtypes)):
+                meta = _tensor(op, a, name, env, "argument")
             unknown |= meta is UNKNOWN
             args.append(meta)
-            names.append(str(p.value))
-        elif a.kind == "listtensor":
+            names.append(name)
+        elif kind == "listtensor":
             items = p.value if isinstance(p.value, tuple) else _vector_text(str(p.value))
             if items is None:
                 raise DeepxError(f"{op.name}: {a.name} must be a tensor list like [a b], got {_describe(p)}")
-            metas = [_tensor(op, a, str(n), env, "argument") for n in items]
+            metas = [_tensor(op, a, str(x), env, "argument") for x in items]
             unknown |= any(m is UNKNOWN for m in metas)
             args.append(metas)
-            names.append([str(n) for n in items])
-        elif a.kind in ("vector", "shape") and not (a.kind == "shape" and p.category == "var" and
-                                                    not isinstance(p.value, str)):
+            names.append([str(x) for x in items])
+        elif kind == "vector" or (kind == "shape" and (p.category != "var" or isinstance(p.value, str))):
             args.append(_vector(op, a, p, env))
             names.append(None)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, Bound, TensorMeta, bind
 
 log = logging.getLogger(__name__)
+
+# inf and nan follow IEEE rules as in torch; numpy's RuntimeWarnings from our kernels are noise. A module-scoped
+# filter costs nothing per call, where np.errstate costs microseconds.
+warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"deepxd\.kernels\.cpu")
 
 #: families whose kernels take (executor, bound instruction)
 STORE_FAMILIES = frozenset({"life", "io"})
@@ -67,7 +72,10 @@ class CpuExecutor:
     # -- the Env that instructions are checked against
     def meta(self, name: str) -> TensorMeta | None:
         a = self.tensors.get(name)
-        return None if a is None else TensorMeta(a.shape, dtype_name(a.dtype))
+        if a is None:
+            return None
+        dt = _NAMES.get(a.dtype)
+        return TensorMeta(a.shape, dt if dt is not None else dtype_name(a.dtype))
 
     def var(self, name: str) -> Any:
         return self.variables.get(name)
@@ -110,9 +118,8 @@ class CpuExecutor:
                     arr = np.empty(meta.shape, to_numpy(meta.dtype))
                 outs.append(arr)
             repeat = b.instr.get_meta("benchmark.repeat") if b.instr.meta else None
-            with np.errstate(all="ignore"):
-                for _ in range(int(repeat) if repeat and repeat.isdigit() else 1):
-                    kernel(*args, *outs)
+            for _ in range(int(repeat) if repeat and repeat.isdigit() else 1):
+                kernel(*args, *outs)
             for n, arr in zip(b.out_names, outs):
                 tensors[n] = arr
         except DeepxError:
@@ -120,7 +127,7 @@ class CpuExecutor:
         except MemoryError:
             sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m)
             raise DeepxError(f"{name}: out of memory (outputs {sizes})") from None
-        except (ValueError, TypeError, IndexError, OverflowError, KeyError) as e:
+        except (ValueError, TypeError, IndexError, OverflowError, KeyError, FloatingPointError) as e:
             raise DeepxError(f"{name}: {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None
 
     def check_path(self, op: str, path: str) -> str:
@@ -136,7 +143,7 @@ class CpuExecutor:
     def put(self, name: str, array: np.ndarray) -> None:
         """Store `array` (any dtype deepx knows) as tensor `name`."""
         dtype_name(array.dtype)
-        self.tensors[name] = np.ascontiguousarray(array)
+        self.tensors[name] = np.asarray(array, order="C")
 
     def get(self, name: str) -> np.ndarray:
         try:

@@ -25,7 +25,7 @@ def greaterscalar(a, s, out):
 
 
 def _close(a, b, eps, out):
-    if not eps or a.dtype == np.bool_:
+    if not eps:
         np.equal(up(a), b if np.isscalar(b) else up(b), out=out)
     else:
         np.less_equal(np.abs(a.astype(F64) - (np.asarray(b, dtype=F64))), eps, out=out)

@@ -95,6 +95,8 @@ def mulscalar(a, s, out):
 
 
 def divscalar(a, s, out):
+    if is_int(out) and s == 0:
+        raise DeepxError("divscalar: integer division by zero")
     if is_int(out) and isinstance(s, int):
         _int_div("divscalar", a, s, out)
     else:
@@ -123,6 +125,10 @@ def rsubscalar(s, a, out):
 def rdivscalar(s, a, out):
     if is_int(out) and isinstance(s, int):
         _int_div("rdivscalar", s, a, out)
+    elif is_int(out):
+        if np.any(a == 0):
+            raise DeepxError("rdivscalar: integer division by zero")
+        _rscalar(np.divide, s, a, out)
     else:
         _rscalar(np.divide, s, a, out)
 

@@ -33,8 +33,17 @@ def _fill_float(out: np.ndarray, sample) -> None:
 
 
 def uniform(low, high, seed, out):
+    if high <= low:
+        out[...] = low
+        return
     rng = _rng(seed)
-    _fill_float(out, lambda dt: rng.random(out.shape, dtype=dt) * (high - low) + low)
+    dt = F64 if out.dtype == F64 else F32
+    out[...] = rng.random(out.shape, dtype=dt) * (high - low) + low
+    # rounding (into float32, or into a 16-bit storage) can land on high itself: draw those again, so U[low, high)
+    bad = out >= high
+    while bad.any():
+        out[bad] = rng.random(int(bad.sum()), dtype=dt) * (high - low) + low
+        bad = out >= high
 
 
 def normal(mean, std, seed, out):

@@ -7,6 +7,7 @@ import builtins
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
+from deepxd.kernels.cpu._util import F32, LOW, up
 
 
 def reshape(a, shape, out):
@@ -40,7 +41,9 @@ def indexselect(a, index, axis, out):
 def indexadd(a, index, src, axis, out):
     axis %= a.ndim
     _check_index("indexadd", index, a.shape[axis], axis)
-    if out is not a:
+    low = out.dtype in LOW
+    acc = a.astype(F32) if low else out
+    if not low and out is not a:
         out[...] = a
     flat = index.reshape(-1)
     src = src.reshape(*a.shape[:axis], flat.size, *a.shape[axis + 1:])
@@ -48,9 +51,11 @@ def indexadd(a, index, src, axis, out):
         # sum rows that share an index with one sort, then one fancy-indexed add: far faster than np.add.at
         order = np.argsort(flat, kind="stable")
         keys, starts = np.unique(flat[order], return_index=True)
-        out[keys] += np.add.reduceat(src[order], starts, axis=0).astype(out.dtype, copy=False)
+        acc[keys] += np.add.reduceat(up(src)[order], starts, axis=0).astype(acc.dtype, copy=False)
     else:
-        np.add.at(out, (slice(None),) * axis + (flat,), src)
+        np.add.at(acc, (builtins.slice(None),) * axis + (flat,), up(src))
+    if low:
+        out[...] = acc
 
 
 def repeat(a, reps, out):
@@ -58,7 +63,7 @@ def repeat(a, reps, out):
 
 
 def _slices(starts, ends, steps):
-    return tuple(slice(b, e, s) for b, e, s in zip(starts, ends, steps))
+    return tuple(builtins.slice(b, e, s) for b, e, s in zip(starts, ends, steps))
 
 
 def slice(a, starts, ends, steps, out):

@@ -1,0 +1,98 @@
+"""Kernel-layer cost against numpy called directly, in one run.
+
+For float32 add, mul, exp, sum at 1K and 16M elements and matmul at 1024 and 2048, three timings per case:
+  numpy    numpy called directly on preallocated arrays (np.add(a, b, out=c)): the floor
+  kernel   the deepx CPU kernel (deepxd.kernels.cpu.<family>.<op>) on the same arrays
+  run      CpuExecutor.run(instr): check the instruction against the catalogue, resolve names, then the kernel
+Prints ratios (time / numpy time) and, at 1K, the microseconds above numpy; writes bench/results/kernels.json.
+
+    python bench/kernels.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from deepx_sdk.ir import Instr, Param
+from deepxd.kernels.cpu import KERNELS, CpuExecutor
+
+
+def best_time(fn, number: int, repeat: int) -> float:
+    """Seconds per call, the best mean over `repeat` batches of `number` calls."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / number)
+    return best
+
+
+def cases(quick: bool):
+    big = 1 << 22 if quick else 1 << 24
+    for n, label in ((1024, "1K"), (big, "4M" if quick else "16M")):
+        yield f"add {label}", "add", [(n,), (n,)], lambda a, b, c: np.add(a, b, out=c), ()
+        yield f"mul {label}", "mul", [(n,), (n,)], lambda a, b, c: np.multiply(a, b, out=c), ()
+        yield f"exp {label}", "exp", [(n,)], lambda a, c: np.exp(a, out=c), ()
+        yield f"sum {label}", "sum", [(n,)], lambda a, c: np.sum(a, axis=(0,), out=c), ((0,), False)
+    for n in (512, 1024) if quick else (1024, 2048):
+        yield f"matmul {n}", "matmul", [(n, n), (n, n)], lambda a, b, c: np.matmul(a, b, out=c), ()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (a smoke run)")
+    opts = ap.parse_args()
+    rng = np.random.default_rng(0)
+    rows = []
+    for label, name, shapes, direct, extra in cases(opts.quick):
+        ex = CpuExecutor()
+        inputs = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+        names = [f"x{i}" for i in range(len(inputs))]
+        for n, a in zip(names, inputs):
+            ex.put(n, a)
+        args = [Param.tensor(n, "float32") for n in names]
+        if name == "sum":
+            args += [Param.vector(extra[0]), Param.var(extra[1])]
+        instr = Instr(name, tuple(args), (Param.tensor("out", "float32"),))
+        ex.run(instr)  # creates the output
+        out = ex.get("out")
+        kernel = KERNELS[name]
+        elems = inputs[0].size
+        if name == "matmul":
+            number, repeat = (3, 3) if shapes[0][0] >= 2048 else (10, 3)
+        elif elems > 100_000:
+            number, repeat = 5, 5
+        else:
+            number, repeat = 20_000, 5
+        if opts.quick:
+            number = max(1, number // 10)
+        t_np = best_time(lambda: direct(*inputs, out), number, repeat)
+        t_k = best_time(lambda: kernel(*inputs, *extra, out), number, repeat)
+        t_run = best_time(lambda: ex.run(instr), number, repeat)
+        np.testing.assert_allclose(ex.get("out"), out, rtol=1e-4)
+        rows.append({"case": label, "numpy_us": t_np * 1e6, "kernel_us": t_k * 1e6, "run_us": t_run * 1e6,
+                     "kernel_ratio": t_k / t_np, "run_ratio": t_run / t_np,
+                     "kernel_over_us": (t_k - t_np) * 1e6, "run_over_us": (t_run - t_np) * 1e6})
+    print(f"{'case':<12}{'numpy us':>12}{'kernel us':>12}{'run us':>12}{'kernel/np':>11}{'run/np':>9}"
+          f"{'kernel +us':>12}{'run +us':>10}")
+    for r in rows:
+        print(f"{r['case']:<12}{r['numpy_us']:>12.2f}{r['kernel_us']:>12.2f}{r['run_us']:>12.2f}"
+              f"{r['kernel_ratio']:>11.3f}{r['run_ratio']:>9.3f}{r['kernel_over_us']:>12.2f}{r['run_over_us']:>10.2f}")
+    out = Path(__file__).parent / "results" / "kernels.json"
+    out.parent.mkdir(exist_ok=True)
+    meta = {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
+            "quick": opts.quick}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"written {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Render the op catalogue as the Markdown tables of docs/ir.md, so the docs never drift from the code.
+
+    python -m deepx_sdk.ir.doc            # print the tables
+    python -m deepx_sdk.ir.doc --write    # rewrite the generated part of docs/ir.md
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from deepx_sdk.ir.dtypes import ALL, FLOATS, INTS, NUMERIC, STORABLE
+from deepx_sdk.ir.ops import OPS, OpDef, _fmt
+
+BEGIN = "<!-- BEGIN GENERATED: python -m deepx_sdk.ir.doc --write -->"
+END = "<!-- END GENERATED -->"
+
+_FAMILY_TITLES = {
+    "life": "Tensor life and variables",
+    "init": "Init",
+    "io": "IO",
+    "elementwise": "Elementwise",
+    "compare": "Comparison and selection",
+    "matmul": "Matmul",
+    "shape": "Change shape",
+    "reduce": "Reduce",
+    "nn": "Neural-network ops",
+    "optim": "Optimizer updates",
+}
+
+
+_SETS = {STORABLE: "all", ALL: "float, int, bool", NUMERIC: "float, int", FLOATS: "float",
+         INTS | {"bool"}: "int, bool"}
+
+
+def _dtypes(op: OpDef) -> str:
+    return _SETS.get(op.dtypes) or _fmt(op.dtypes)
+
+
+def render() -> str:
+    lines = []
+    for family, title in _FAMILY_TITLES.items():
+        ops = [op for op in OPS.values() if op.family == family]
+        if not ops:
+            continue
+        lines += [f"### {title} (`deepxd/kernels/cpu/{family}.py`)", "",
+                  "| op | signature | dtypes | grad | what it does |", "| --- | --- | --- | --- | --- |"]
+        for op in ops:
+            name = f"`{op.name}`" + ("" if op.deepxir else " *")
+            sig = op.signature().split("(", 1)[1].replace("|", "\\|")
+            lines.append(f"| {name} | `({sig}` | {_dtypes(op)} | {'yes' if op.differentiable else ''} | "
+                         f"{op.doc.replace('|', '/')} |")
+        lines.append("")
+    n_ir = sum(op.deepxir for op in OPS.values())
+    lines.append(f"{len(OPS)} ops: the {n_ir} of deepxIR and {len(OPS) - n_ir} more, marked *. Dtypes: float = "
+                 "float64 float32 float16 bfloat16; int = int64 int32 int16 int8; all = those, bool, float8e5m2 and "
+                 "float8e4m3.")
+    return "\n".join(lines)
+
+
+def rewrite(path: Path) -> bool:
+    """Replace the generated section of `path`; True when it changed."""
+    text = path.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{render()}\n{END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    if "--write" in sys.argv:
+        target = Path(__file__).resolve().parents[2] / "docs" / "ir.md"
+        rewrite(target)
+    else:
+        sys.stdout.write(render() + "\n")
