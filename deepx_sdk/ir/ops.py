@@ -711,6 +711,8 @@ def _vector(op: OpDef, a: Arg, p: Param, env: Env | None) -> tuple[Any, ...]:
                 raise DeepxError(f"{op.name}: {a.name}={value!r} is not a vector and no vector of that name is set "
                                  "(vecset)")
         value = parsed
+    if not isinstance(value, tuple):
+        raise DeepxError(f"{op.name}: {a.name} must be a vector like [2 3], got {value!r}")
     out = []
     for x in value:
         if isinstance(x, bool) or not isinstance(x, (int, float)) or (isinstance(x, float) and not x.is_integer()):
@@ -888,3 +890,56 @@ def check_program(instrs: Iterable[Instr], env: Env) -> list[Bound]:
         sym.apply(b)
         bound.append(b)
     return bound
+
+
+def _cacheable(b: Bound) -> bool:
+    """A checked instruction whose outcome depends only on the metas of its tensors (no named variables, no
+    change to the set of tensors), so that it can be reused while those metas hold."""
+    if b.op.effects or b.op.family == "life":
+        return False
+    for a, p in zip(b.op.args, b.instr.args):
+        if a.kind in ("var", "vector", "shape") and a.vtype not in ("str", "any") and isinstance(p.value, str):
+            return False
+    return True
+
+
+class BindCache:
+    """Remembers checked instructions: a training loop sends the same instructions every step, and checking one
+    again costs a few dict lookups instead of the whole of `bind`."""
+
+    def __init__(self, size: int = 8192) -> None:
+        self.size = size
+        self._plans: dict[Instr, tuple[Bound, tuple[tuple[str, TensorMeta | None], ...],
+                                       tuple[tuple[str, TensorMeta | None, TensorMeta | None], ...]]] = {}
+
+    def bind(self, instr: Instr, env: Env) -> Bound:
+        plan = self._plans.get(instr)
+        if plan is not None:
+            b, ins, outs = plan
+            meta = env.meta
+            for name, m in ins:
+                if meta(name) != m:
+                    break
+            else:
+                for name, before, after in outs:
+                    cur = meta(name)
+                    if cur != after and cur != before:
+                        break
+                else:
+                    return b
+        b = bind(instr, env)
+        if _cacheable(b):
+            if len(self._plans) >= self.size:
+                self._plans.clear()
+            ins_list: list[tuple[str, TensorMeta | None]] = []
+            for a, n, m in zip(b.op.args, b.names, b.args):
+                if a.kind == "tensor":
+                    ins_list.append((n, m))
+                elif a.kind == "listtensor":
+                    ins_list.extend(zip(n, m))
+            outs_t = tuple((str(n), env.meta(str(n)), m) for n, m in zip(b.out_names, b.outs) if m is not None)
+            self._plans[instr] = (b, tuple(ins_list), outs_t)
+        return b
+
+    def clear(self) -> None:
+        self._plans.clear()

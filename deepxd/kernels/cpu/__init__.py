@@ -20,7 +20,7 @@ import numpy as np
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import from_numpy, to_numpy
 from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import OPS, Bound, TensorMeta, bind
+from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ KERNELS: dict[str, Callable[..., None]] = _load_kernels()
 
 _NAMES: dict[np.dtype, str] = {}
 
+#: per op, how each arg reaches an array kernel: 0 its value, 1 the named tensor's array, 2 a list of arrays
+_ARG_KINDS: dict[str, tuple[int, ...]] = {
+    name: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0 for a in op.args)
+    for name, op in OPS.items()
+}
+
 
 def dtype_name(dt: np.dtype) -> str:
     try:
@@ -52,6 +58,46 @@ def dtype_name(dt: np.dtype) -> str:
     except KeyError:
         _NAMES[dt] = from_numpy(dt)
         return _NAMES[dt]
+
+
+class TensorTable(dict[str, np.ndarray]):
+    """name -> array, with `metas` (name -> TensorMeta) kept beside it so that checking an instruction reads shapes
+    and dtypes with plain dict lookups. Reads are dict reads; writes keep both in step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metas: dict[str, TensorMeta] = {}
+
+    def __setitem__(self, name: str, array: np.ndarray) -> None:
+        dict.__setitem__(self, name, array)
+        dt = _NAMES.get(array.dtype)
+        self.metas[name] = TensorMeta(array.shape, dt if dt is not None else dtype_name(array.dtype))
+
+    def __delitem__(self, name: str) -> None:
+        dict.__delitem__(self, name)
+        del self.metas[name]
+
+    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
+        self.metas.pop(name, None)
+        return dict.pop(self, name, *default)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.metas.clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    def setdefault(self, name: str, array: np.ndarray) -> np.ndarray:  # type: ignore[override]
+        if name not in self:
+            self[name] = array
+        return self[name]
+
+    def popitem(self) -> tuple[str, np.ndarray]:
+        name, array = dict.popitem(self)
+        self.metas.pop(name, None)
+        return name, array
 
 
 class CpuExecutor:
@@ -63,20 +109,16 @@ class CpuExecutor:
 
     def __init__(self, *, io_roots: Iterable[str | os.PathLike[str]] | None = None,
                  output: Callable[[str], None] | None = None) -> None:
-        self.tensors: dict[str, np.ndarray] = {}
+        self.tensors = TensorTable()
+        # the Env lookup that checking reads, bound to the metas dict's get: C speed
+        self.meta: Callable[[str], TensorMeta | None] = self.tensors.metas.get
+        self.plans = BindCache()
         self.variables: dict[str, Any] = {}
         self.vectors: dict[str, tuple[Any, ...]] = {}
         self.io_roots = None if io_roots is None else [Path(r).resolve() for r in io_roots]
         self.output: Callable[[str], None] = output or (lambda text: log.info("%s", text))
 
     # -- the Env that instructions are checked against
-    def meta(self, name: str) -> TensorMeta | None:
-        a = self.tensors.get(name)
-        if a is None:
-            return None
-        dt = _NAMES.get(a.dtype)
-        return TensorMeta(a.shape, dt if dt is not None else dtype_name(a.dtype))
-
     def var(self, name: str) -> Any:
         return self.variables.get(name)
 
@@ -85,7 +127,7 @@ class CpuExecutor:
 
     # -- running
     def run(self, instr: Instr) -> None:
-        self.execute(bind(instr, self))
+        self.execute(self.plans.bind(instr, self))
 
     def run_all(self, instrs: Sequence[Instr]) -> None:
         for instr in instrs:
@@ -100,32 +142,35 @@ class CpuExecutor:
                 kernel(self, b)
                 return
             if name == "reshape" and b.out_names[0] == b.names[0]:
-                self.tensors[b.names[0]] = self.tensors[b.names[0]].reshape(b.outs[0].shape)
+                self.tensors[b.names[0]] = self.tensors[b.names[0]].reshape(b.outs[0].shape)  # type: ignore[union-attr]
                 return
             tensors = self.tensors
-            args = []
-            for a, value, n in zip(b.op.args, b.args, b.names):
-                if a.kind == "tensor":
-                    args.append(tensors[n])
-                elif a.kind == "listtensor":
-                    args.append([tensors[x] for x in n])
-                else:
-                    args.append(value)
+            args = [tensors[n] if k == 1 else value if k == 0 else [tensors[x] for x in n]
+                    for k, value, n in zip(_ARG_KINDS[name], b.args, b.names)]
+            metas = tensors.metas
             outs = []
+            fresh = False
             for n, meta in zip(b.out_names, b.outs):
-                arr = tensors.get(n)
-                if arr is None or arr.shape != meta.shape or dtype_name(arr.dtype) != meta.dtype:
-                    arr = np.empty(meta.shape, to_numpy(meta.dtype))
-                outs.append(arr)
-            repeat = b.instr.get_meta("benchmark.repeat") if b.instr.meta else None
-            for _ in range(int(repeat) if repeat and repeat.isdigit() else 1):
+                if metas.get(n) == meta:
+                    outs.append(tensors[n])
+                else:
+                    assert meta is not None
+                    outs.append(np.empty(meta.shape, to_numpy(meta.dtype)))
+                    fresh = True
+            if b.instr.meta and b.instr.get_meta("benchmark.repeat"):
+                repeat = b.instr.get_meta("benchmark.repeat") or "1"
+                for _ in range(int(repeat) if repeat.isdigit() else 1):
+                    kernel(*args, *outs)
+            else:
                 kernel(*args, *outs)
-            for n, arr in zip(b.out_names, outs):
-                tensors[n] = arr
+            if fresh:
+                for n, arr in zip(b.out_names, outs):
+                    if tensors.get(n) is not arr:
+                        tensors[n] = arr
         except DeepxError:
             raise
         except MemoryError:
-            sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m)
+            sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m is not None)
             raise DeepxError(f"{name}: out of memory (outputs {sizes})") from None
         except (ValueError, TypeError, IndexError, OverflowError, KeyError, FloatingPointError) as e:
             raise DeepxError(f"{name}: {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None

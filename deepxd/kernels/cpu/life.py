@@ -24,6 +24,7 @@ def newtensor(ex: CpuExecutor, b: Bound) -> None:
         log.warning("newtensor: tensor '%s' already exists; keeping the old one", name)
         return
     meta = b.outs[0]
+    assert meta is not None
     ex.tensors[name] = np.zeros(meta.shape, to_numpy(meta.dtype))
 
 

@@ -6,11 +6,16 @@ import numpy as np
 
 from deepxd.kernels.cpu._util import F32, LOW
 
+_F64, _F32 = np.dtype(np.float64), np.dtype(np.float32)
+
 
 def _acc(a: np.ndarray):
-    if a.dtype in LOW:
+    dt = a.dtype
+    if dt is _F32 or dt is _F64:
+        return None
+    if dt in LOW:
         return F32
-    if a.dtype.kind in "iu":
+    if dt.kind in "iu":
         return np.int64
     return None
 
@@ -30,7 +35,7 @@ def sum(a, dims, keepdims, out):
 def prod(a, dims, keepdims, out):
     acc = _acc(a)
     if acc is None:
-        np.prod(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
+        np.multiply.reduce(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
     else:
         out[...] = np.prod(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc)
 
