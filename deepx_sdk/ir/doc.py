@@ -49,7 +49,7 @@ def render() -> str:
             name = f"`{op.name}`" + ("" if op.deepxir else " *")
             sig = op.signature().split("(", 1)[1].replace("|", "\\|")
             lines.append(f"| {name} | `({sig}` | {_dtypes(op)} | {'yes' if op.differentiable else ''} | "
-                         f"{op.doc.replace('|', '/')} |")
+                         f"{op.doc.replace('|', chr(92) + '|')} |")
         lines.append("")
     n_ir = sum(op.deepxir for op in OPS.values())
     lines.append(f"{len(OPS)} ops: the {n_ir} of deepxIR and {len(OPS) - n_ir} more, marked *. Dtypes: float = "

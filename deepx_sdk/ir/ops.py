@@ -349,7 +349,7 @@ def _reduce(c: Call) -> list[TensorMeta | None]:
 
 def _argreduce(c: Call) -> list[TensorMeta | None]:
     a = c.args[0]
-    dim = norm_dim(c.op.name, c.args[1], len(a.shape))
+    dim = norm_dim(c.op.name, c.args[1], len(a.shape), scalar_ok=True)
     if a.shape and a.shape[dim] == 0:
         raise DeepxError(f"{c.op.name}: cannot reduce the empty dim {dim} of '{c.names[0]}' (shape {a.shape})")
     return [TensorMeta(reduced(a.shape, (dim,), bool(c.args[2])), "int64")]
@@ -357,7 +357,7 @@ def _argreduce(c: Call) -> list[TensorMeta | None]:
 
 def _softmax(c: Call) -> list[TensorMeta | None]:
     a = c.args[0]
-    norm_dim(c.op.name, c.args[1], len(a.shape))
+    norm_dim(c.op.name, c.args[1], len(a.shape), scalar_ok=True)
     return [TensorMeta(a.shape, a.dtype)]
 
 
@@ -449,6 +449,16 @@ def _update(n_state: int) -> Infer:
     def rule(c: Call) -> list[TensorMeta | None]:
         idx = list(range(2 + n_state))
         _dtype_match(c, *idx)
+        hp = {a.name: v for a, v in zip(c.op.args, c.args) if a.kind == "var"}
+        problems = [f"{k}={hp[k]} must be >= 0" for k in ("lr", "eps", "weight_decay", "momentum", "dampening")
+                    if k in hp and not hp[k] >= 0]
+        problems += [f"{k}={hp[k]} must be in [0, 1)" for k in ("beta1", "beta2") if k in hp and not 0 <= hp[k] < 1]
+        if hp.get("step", 1) < 1:
+            problems.append(f"step={hp['step']} must count from 1")
+        if hp.get("nesterov") and not (hp.get("momentum", 0) > 0 and hp.get("dampening", 0) == 0):
+            problems.append("nesterov needs momentum > 0 and dampening 0")
+        if problems:
+            raise DeepxError(f"{c.op.name}: {'; '.join(problems)}")
         p = c.args[0]
         for i in idx[1:]:
             if c.args[i].shape != p.shape:
@@ -668,6 +678,8 @@ def _describe(p: Param) -> str:
 
 def _var(op: OpDef, a: Arg, p: Param, env: Env | None) -> Any:
     value = p.value
+    if hasattr(value, "item") and not isinstance(value, (str, tuple)):  # a numpy scalar
+        value = value.item()
     if p.category == "":
         value = literal(str(value)) if a.vtype != "str" else value
     if a.vtype == "str":
@@ -701,6 +713,10 @@ _VTYPE = {"num": "number", "int": "integer", "bool": "boolean", "str": "string"}
 
 def _vector(op: OpDef, a: Arg, p: Param, env: Env | None) -> tuple[Any, ...]:
     value = p.value
+    if a.kind == "shape" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = (value,)  # newtensor (var<int32>:5): a 1-d shape
+    if isinstance(value, list):
+        value = tuple(value)
     if isinstance(value, str):
         parsed = _vector_text(value)
         if parsed is None and a.kind == "shape" and value.strip():
@@ -791,7 +807,7 @@ def bind(instr: Instr, env: Env) -> Bound:
             unknown |= any(m is UNKNOWN for m in metas)
             args.append(metas)
             names.append([str(x) for x in items])
-        elif kind == "vector" or (kind == "shape" and (p.category != "var" or isinstance(p.value, str))):
+        elif kind == "vector" or kind == "shape":
             args.append(_vector(op, a, p, env))
             names.append(None)
         else:
@@ -805,9 +821,10 @@ def bind(instr: Instr, env: Env) -> Bound:
             continue
         p = instr.returns[i]
         _check_kind(op, a, p, "return")
-        out_names.append(p.value)
+        name = p.value if type(p.value) is str else str(p.value)
+        out_names.append(name)
         out_dtypes.append(p.dtype)
-        outs.append(env.meta(str(p.value)) if a.kind == "tensor" else None)
+        outs.append(meta_of(name) if a.kind == "tensor" else None)
     if unknown:
         return Bound(op, instr, args, names, [UNKNOWN if a.kind == "tensor" else None for a in op.returns],
                      out_names)
@@ -858,6 +875,9 @@ class SymbolicEnv:
             self.tensors[str(b.out_names[0])] = None
         elif name == "renametensor":
             old = str(b.out_names[0])
+            if str(b.args[0]) != old and self.meta(str(b.args[0])) is not None:
+                raise DeepxError(f"renametensor: cannot rename '{old}' to '{b.args[0]}': a tensor named "
+                                 f"'{b.args[0]}' exists")
             self.tensors[str(b.args[0])] = self.meta(old)
             self.tensors[old] = None
         elif name == "argset":
@@ -878,16 +898,27 @@ def load_name(path: str) -> str:
     return path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
 
 
-def check_program(instrs: Iterable[Instr], env: Env) -> list[Bound]:
-    """Check every instruction in order, as the program would run, before any runs."""
+class ProgramError(DeepxError):
+    """A program refused by `check_program`: `index` is the 0-based position of the bad instruction."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+def check_program(instrs: Iterable[Instr], env: Env, cache: BindCache | None = None) -> list[Bound]:
+    """Check every instruction in order, as the program would run, before any runs.
+
+    Raises ProgramError ("instruction 3: add: ...", with .index) for the first bad one."""
     sym = SymbolicEnv(base=env)
+    bind_one = cache.bind if cache is not None else bind
     bound = []
     for i, instr in enumerate(instrs):
         try:
-            b = bind(instr, sym)
+            b = bind_one(instr, sym)
+            sym.apply(b)
         except DeepxError as e:
-            raise DeepxError(f"instruction {i + 1}: {e}") from None
-        sym.apply(b)
+            raise ProgramError(f"instruction {i + 1}: {e}", i) from None
         bound.append(b)
     return bound
 
@@ -903,19 +934,36 @@ def _cacheable(b: Bound) -> bool:
     return True
 
 
+def _same_scalars(a: Instr, b: Instr) -> bool:
+    """Equal params can still differ where Python's == is loose: 1 == 1.0 == True, 0.0 == -0.0."""
+    for p, q in zip(a.args, b.args):
+        if p.category in ("var", "") and (type(p.value) is not type(q.value) or
+                                          (type(p.value) is float and repr(p.value) != repr(q.value))):
+            return False
+    return True
+
+
 class BindCache:
     """Remembers checked instructions: a training loop sends the same instructions every step, and checking one
     again costs a few dict lookups instead of the whole of `bind`."""
 
     def __init__(self, size: int = 8192) -> None:
         self.size = size
-        self._plans: dict[Instr, tuple[Bound, tuple[tuple[str, TensorMeta | None], ...],
+        self._plans: dict[tuple[Any, ...], tuple[Bound, tuple[tuple[str, TensorMeta | None], ...],
                                        tuple[tuple[str, TensorMeta | None, TensorMeta | None], ...]]] = {}
 
     def bind(self, instr: Instr, env: Env) -> Bound:
-        plan = self._plans.get(instr)
+        key = instr[:3]  # metadata (ids, timestamps) does not change what an instruction does
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # lists inside: not hashable, check it the long way
+            return bind(instr, env)
+        if plan is not None and not _same_scalars(plan[0].instr, instr):
+            plan = None
         if plan is not None:
             b, ins, outs = plan
+            if b.instr is not instr:
+                b = b._replace(instr=instr)
             meta = env.meta
             for name, m in ins:
                 if meta(name) != m:
@@ -938,7 +986,7 @@ class BindCache:
                 elif a.kind == "listtensor":
                     ins_list.extend(zip(n, m))
             outs_t = tuple((str(n), env.meta(str(n)), m) for n, m in zip(b.out_names, b.outs) if m is not None)
-            self._plans[instr] = (b, tuple(ins_list), outs_t)
+            self._plans[key] = (b, tuple(ins_list), outs_t)
         return b
 
     def clear(self) -> None:

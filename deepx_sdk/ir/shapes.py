@@ -40,11 +40,16 @@ def broadcast(op: str, *shapes: Shape, names: Sequence[str] = ()) -> Shape:
     return tuple(out)
 
 
-def norm_dim(op: str, dim: int, ndim: int, what: str = "dim") -> int:
-    """A dim in [-ndim, ndim) made non-negative."""
-    if not -ndim <= dim < max(ndim, 1):
+def norm_dim(op: str, dim: int, ndim: int, what: str = "dim", scalar_ok: bool = False) -> int:
+    """A dim in [-ndim, ndim) made non-negative. A rank-0 tensor has no dims, unless `scalar_ok` (softmax, argmax
+    treat it as one element along dim 0 or -1, as torch does)."""
+    if ndim == 0:
+        if scalar_ok and dim in (0, -1):
+            return 0
+        raise DeepxError(f"{op}: {what} {dim} out of range for a tensor of rank 0 (it has no dims)")
+    if not -ndim <= dim < ndim:
         raise DeepxError(f"{op}: {what} {dim} out of range for a tensor of rank {ndim} (expected {-ndim}..{ndim - 1})")
-    return dim % ndim if ndim else 0
+    return dim % ndim
 
 
 def norm_dims(op: str, dims: Sequence[int], ndim: int) -> tuple[int, ...]:

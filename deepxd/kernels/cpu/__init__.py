@@ -69,9 +69,14 @@ class TensorTable(dict[str, np.ndarray]):
         self.metas: dict[str, TensorMeta] = {}
 
     def __setitem__(self, name: str, array: np.ndarray) -> None:
-        dict.__setitem__(self, name, array)
         dt = _NAMES.get(array.dtype)
-        self.metas[name] = TensorMeta(array.shape, dt if dt is not None else dtype_name(array.dtype))
+        meta = TensorMeta(array.shape, dt if dt is not None else dtype_name(array.dtype))  # refuses unknown dtypes
+        dict.__setitem__(self, name, array)
+        self.metas[name] = meta
+
+    def __ior__(self, other: Any) -> TensorTable:  # type: ignore[override,misc]
+        self.update(other)
+        return self
 
     def __delitem__(self, name: str) -> None:
         dict.__delitem__(self, name)
@@ -159,7 +164,7 @@ class CpuExecutor:
                     fresh = True
             if b.instr.meta and b.instr.get_meta("benchmark.repeat"):
                 repeat = b.instr.get_meta("benchmark.repeat") or "1"
-                for _ in range(int(repeat) if repeat.isdigit() else 1):
+                for _ in range(max(1, int(repeat)) if repeat.isdigit() else 1):
                     kernel(*args, *outs)
             else:
                 kernel(*args, *outs)
@@ -188,7 +193,7 @@ class CpuExecutor:
     def put(self, name: str, array: np.ndarray) -> None:
         """Store `array` (any dtype deepx knows) as tensor `name`."""
         dtype_name(array.dtype)
-        self.tensors[name] = np.asarray(array, order="C")
+        self.tensors[name] = np.array(array, order="C", copy=True)  # ours: a caller's later reshape cannot desync
 
     def get(self, name: str) -> np.ndarray:
         try:

@@ -18,3 +18,19 @@ def is_int(a: np.ndarray) -> bool:
 def up(a: np.ndarray) -> np.ndarray:
     """`a` in its compute dtype (float32 for the low-precision floats)."""
     return a.astype(F32) if a.dtype in LOW else a
+
+
+def scalar_for(out: np.ndarray, s):
+    """A Python scalar as `out`'s dtype would hold it: integers out of range wrap (as C casts do)."""
+    if out.dtype.kind in "iub" and isinstance(s, int) and not isinstance(s, bool):
+        info = np.iinfo(out.dtype) if out.dtype.kind != "b" else None
+        if info is not None and not info.min <= s <= info.max:
+            return np.array(s, dtype=np.int64).astype(out.dtype)
+    return s
+
+
+def fill(out: np.ndarray, value) -> None:
+    if out.dtype in LOW:
+        out[...] = np.float32(value)
+    else:
+        out.fill(scalar_for(out, value))

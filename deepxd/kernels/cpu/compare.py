@@ -16,12 +16,16 @@ def greater(a, b, out):
     np.greater(up(a), up(b), out=out)
 
 
+def _wide(a):
+    return a.astype(np.int64) if a.dtype.kind in "iu" else up(a)
+
+
 def lessscalar(a, s, out):
-    np.less(up(a), s, out=out)
+    np.less(_wide(a) if type(s) is int else up(a), s, out=out)
 
 
 def greaterscalar(a, s, out):
-    np.greater(up(a), s, out=out)
+    np.greater(_wide(a) if type(s) is int else up(a), s, out=out)
 
 
 def _close(a, b, eps, out):

@@ -22,13 +22,22 @@ def _binary(f: np.ufunc, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
 def _scalar(f: np.ufunc, a: np.ndarray, s: float, out: np.ndarray) -> None:
     if out.dtype in LOW:
         out[...] = f(up(a), s)
+    elif type(s) is int and out.dtype.kind in "iu" and not _fits(s, out.dtype):
+        np.copyto(out, f(a.astype(np.int64), s), casting="unsafe")
     else:
         f(a, s, out=out, casting="unsafe")
+
+
+def _fits(s: int, dt: np.dtype) -> bool:
+    info = np.iinfo(dt)
+    return info.min <= s <= info.max
 
 
 def _rscalar(f: np.ufunc, s: float, a: np.ndarray, out: np.ndarray) -> None:
     if out.dtype in LOW:
         out[...] = f(s, up(a))
+    elif type(s) is int and out.dtype.kind in "iu" and not _fits(s, out.dtype):
+        np.copyto(out, f(s, a.astype(np.int64)), casting="unsafe")
     else:
         f(s, a, out=out, casting="unsafe")
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
+import ml_dtypes
 import numpy as np
 
-from deepxd.kernels.cpu._util import F32, F64, LOW
+from deepx_sdk.errors import DeepxError
+from deepxd.kernels.cpu._util import F32, F64, LOW, fill
 
 
 def _rng(seed: int) -> np.random.Generator:
@@ -12,10 +16,7 @@ def _rng(seed: int) -> np.random.Generator:
 
 
 def constant(value, out):
-    if out.dtype in LOW:
-        out[...] = np.float32(value)
-    else:
-        out.fill(value)
+    fill(out, value)
 
 
 def arange(start, step, out):
@@ -33,17 +34,24 @@ def _fill_float(out: np.ndarray, sample) -> None:
 
 
 def uniform(low, high, seed, out):
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise DeepxError(f"uniform: low={low} and high={high} must be finite")
+    top = float(ml_dtypes.finfo(out.dtype).max)
+    if low < -top or high > top:
+        raise DeepxError(f"uniform: [{low}, {high}) does not fit {out.dtype} (largest {top:g})")
     if high <= low:
         out[...] = low
         return
     rng = _rng(seed)
-    dt = F64 if out.dtype == F64 else F32
-    out[...] = rng.random(out.shape, dtype=dt) * (high - low) + low
-    # rounding (into float32, or into a 16-bit storage) can land on high itself: draw those again, so U[low, high)
+    out[...] = rng.random(out.shape, dtype=F64) * (high - low) + low
+    # rounding into the storage dtype can land on high itself: draw those again (a few rounds), so U[low, high)
     bad = out >= high
-    while bad.any():
-        out[bad] = rng.random(int(bad.sum()), dtype=dt) * (high - low) + low
+    for _ in range(8):
+        if not bad.any():
+            return
+        out[bad] = rng.random(int(bad.sum()), dtype=F64) * (high - low) + low
         bad = out >= high
+    raise DeepxError(f"uniform: {out.dtype} has (almost) no values in [{low}, {high}); widen the range")
 
 
 def normal(mean, std, seed, out):

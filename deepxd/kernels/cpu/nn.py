@@ -20,9 +20,15 @@ def relu(a, out):
     np.maximum(a, 0, out=out) if out.dtype not in LOW else out.__setitem__(..., np.maximum(_work(a), 0))
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """1/(1+exp(-x)) with full relative precision in both tails: exp of -|x| never overflows."""
+    e = np.exp(-np.abs(x))
+    r = 1.0 / (1.0 + e)
+    return np.where(x >= 0, r, e * r)
+
+
 def sigmoid(a, out):
-    x = _work(a)
-    out[...] = 0.5 * (1.0 + np.tanh(0.5 * x))  # = 1/(1+exp(-x)), and never overflows
+    out[...] = _sigmoid(_work(a))
 
 
 def tanh(a, out):
@@ -60,7 +66,7 @@ def gelu(a, approximate, out):
 
 def silu(a, out):
     x = _work(a)
-    out[...] = x * (0.5 * (1.0 + np.tanh(0.5 * x)))
+    out[...] = x * _sigmoid(x)
 
 
 def _shifted(x: np.ndarray, dim: int) -> np.ndarray:

@@ -22,16 +22,17 @@ def sgd(param, grad, buf, lr, momentum, dampening, weight_decay, nesterov, step,
     p, g = _work(param), _work(grad)
     if weight_decay:
         g = g + weight_decay * p
+    b = None
     if momentum:
-        b = _work(buf)
         if step <= 1:
             b = g.copy()
         else:
-            b = b * momentum
+            b = _work(buf) * momentum
             b += (1 - dampening) * g
-        _store(buf_out, b)
         g = g + momentum * b if nesterov else b
     p = p - lr * g
+    if b is not None:  # every value computed before any is stored: a failure changes nothing
+        _store(buf_out, b)
     _store(param_out, p)
 
 

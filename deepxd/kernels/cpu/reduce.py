@@ -29,7 +29,7 @@ def sum(a, dims, keepdims, out):
     if acc is None:
         np.sum(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
     else:
-        out[...] = np.sum(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc)
+        np.copyto(out, np.sum(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc), casting="unsafe")
 
 
 def prod(a, dims, keepdims, out):
@@ -37,7 +37,7 @@ def prod(a, dims, keepdims, out):
     if acc is None:
         np.multiply.reduce(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
     else:
-        out[...] = np.prod(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc)
+        np.copyto(out, np.prod(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc), casting="unsafe")
 
 
 def reducemax(a, dims, keepdims, out):

@@ -7,7 +7,7 @@ import builtins
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
-from deepxd.kernels.cpu._util import F32, LOW, up
+from deepxd.kernels.cpu._util import F32, LOW, fill, up
 
 
 def reshape(a, shape, out):
@@ -35,12 +35,16 @@ def _check_index(op: str, index: np.ndarray, size: int, axis: int) -> None:
 def indexselect(a, index, axis, out):
     axis %= a.ndim
     _check_index("indexselect", index, a.shape[axis], axis)
+    if out is a:  # np.take does not buffer in wrap mode
+        a = a.copy()
     np.take(a, index, axis=axis, out=out, mode="wrap")
 
 
 def indexadd(a, index, src, axis, out):
     axis %= a.ndim
     _check_index("indexadd", index, a.shape[axis], axis)
+    if src is out:
+        src = src.copy()
     low = out.dtype in LOW
     acc = a.astype(F32) if low else out
     if not low and out is not a:
@@ -71,12 +75,16 @@ def slice(a, starts, ends, steps, out):
 
 
 def sliceassign(a, starts, ends, steps, v, out):
+    if v is out:
+        v = v.copy()
     if out is not a:
         out[...] = a
     out[_slices(starts, ends, steps)] = v
 
 
 def pad(a, pads, value, out):
-    out.fill(value)
+    if out is a:
+        a = a.copy()
+    fill(out, value)
     out[tuple(builtins.slice(pads[2 * i], pads[2 * i] + d) for i, d in enumerate(a.shape))] = a
 
