@@ -53,9 +53,8 @@ def instr_from_obj(obj: Any) -> Instr:
     name, args, returns, meta = obj
     if not isinstance(name, str) or not name:
         raise DeepxError(f"instruction: the op name must be a non-empty string, got {_show(name)}")
-    return Instr(
-        name, _params_from_obj(name, "argument", args), _params_from_obj(name, "return", returns), _meta(name, meta)
-    )
+    return Instr(name, _params_from_obj(name, "argument", args), _params_from_obj(name, "return", returns),
+                 _meta(name, meta) if meta else ())
 
 
 def pack_instr(instr: Instr) -> bytes:
@@ -64,6 +63,38 @@ def pack_instr(instr: Instr) -> bytes:
 
 def unpack_instr(data: bytes) -> Instr:
     return instr_from_obj(_unpack(data))
+
+
+# Both ends of a native connection keep the instructions they have packed or unpacked: a training step sends the
+# same instructions every time, and a repeated instruction then costs one dict lookup on each side, and decodes to
+# the very same Instr object (which lets the daemon's bind cache match it by identity).
+_PACKED: dict[Instr, bytes] = {}
+_UNPACKED: dict[bytes, Instr] = {}
+_CACHE_MAX = 1 << 16
+
+
+def pack_instr_cached(instr: Instr) -> bytes:
+    """pack_instr, remembered."""
+    try:
+        data = _PACKED.get(instr)
+    except TypeError:  # lists inside
+        return pack_instr(instr)
+    if data is None:
+        if len(_PACKED) >= _CACHE_MAX:
+            _PACKED.clear()
+        data = _PACKED[instr] = pack_instr(instr)
+    return data
+
+
+def unpack_instr_cached(data: bytes) -> Instr:
+    """unpack_instr, remembered: equal bytes give the same Instr object."""
+    instr = _UNPACKED.get(data)
+    if instr is None:
+        instr = unpack_instr(data)
+        if len(_UNPACKED) >= _CACHE_MAX:
+            _UNPACKED.clear()
+        _UNPACKED[bytes(data)] = instr
+    return instr
 
 
 def pack_program(instrs: Sequence[Instr]) -> bytes:
@@ -123,10 +154,40 @@ def _plain(v: object) -> Scalar:
     raise DeepxError(f"cannot encode a {type(v).__name__} value; use bool, int, float, str or a tuple of them")
 
 
+# decoded params by (category, precisions, value type, value): a program repeats its params, and a training loop
+# repeats its programs, so most params decode with one dict lookup instead of full validation
+_PARAMS: dict[tuple[Any, ...], Param] = {}
+_PARAMS_MAX = 1 << 16
+
+
 def _params_from_obj(op: str, side: str, obj: Any) -> tuple[Param, ...]:
     if not isinstance(obj, (list, tuple)):
         raise DeepxError(f"{op}: the {side}s must be a list of parameters, got {_show(obj)}")
-    return tuple(_param_from_obj(op, f"{side} {k}", p) for k, p in enumerate(obj))
+    out = []
+    for k, p in enumerate(obj):
+        key = None
+        if type(p) is list and len(p) == 3:
+            v = p[2]
+            tv = type(v)
+            if tv is str or tv is int or tv is bool or (tv is float and v != 0.0):
+                key = (p[0], p[1], tv, v)
+            elif tv is list:
+                key = (p[0], p[1], tv, *v)
+        if key is not None:
+            try:
+                hit = _PARAMS.get(key)
+            except TypeError:  # unhashable items: decode the long way
+                hit, key = None, None
+            if hit is not None:
+                out.append(hit)
+                continue
+        param = _param_from_obj(op, f"{side} {k}", p)
+        if key is not None:
+            if len(_PARAMS) >= _PARAMS_MAX:
+                _PARAMS.clear()
+            _PARAMS[key] = param
+        out.append(param)
+    return tuple(out)
 
 
 def _param_from_obj(op: str, where: str, obj: Any) -> Param:

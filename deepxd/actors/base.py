@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from types import CoroutineType
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
@@ -37,6 +38,7 @@ class _Stop:
 
 
 _STOP = _Stop()
+_CRASH = "\0crash"  # an envelope that makes the actor's task raise a crash that happened in a direct ask
 
 
 @dataclass(slots=True)
@@ -69,6 +71,10 @@ class Actor:
         self.stats = ActorStats()
         self._task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        self._handlers: dict[str, Any] = {}
+        self._busy = False  # a message is being handled (by the actor's task, or directly for an asker)
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.ref = ActorRef(self)
 
     # -- lifecycle hooks
@@ -93,9 +99,49 @@ class Actor:
         self.state = "running"
         while True:
             env = await self.mailbox.get()
+            while self._busy:  # an ask is being answered directly (see ActorRef.ask)
+                await self._idle.wait()
             if isinstance(env, _Stop):
                 break
-            await self._handle(env)
+            if env.name == _CRASH:
+                raise env.kwargs["exc"]
+            self._busy = True
+            self._idle.clear()
+            try:
+                await self._handle(env)
+            finally:
+                self._busy = False
+                self._idle.set()
+
+    async def _direct(self, name: str, kwargs: dict[str, Any]) -> Any:
+        """Answer an ask in the asker's task: only while the mailbox is empty and nothing is being handled, so
+        messages are still handled one at a time and in order; it saves two trips through the event loop."""
+        self._busy = True
+        self._idle.clear()
+        handler = self._handlers.get(name)
+        if handler is None:
+            handler = self._handlers[name] = getattr(self, f"on_{name}", None)
+        t0 = time.perf_counter()
+        try:
+            if handler is None:
+                raise DeepxError(f"{self.name}: unknown message '{name}'")
+            result = handler(**kwargs)
+            if type(result) is CoroutineType or inspect.isawaitable(result):
+                result = await result
+            return result
+        except ActorCrash as e:
+            self._count_error(name, e)
+            self.mailbox.put_nowait(Envelope(_CRASH, {"exc": e}, None))  # the actor's own task crashes on it
+            raise
+        except Exception as e:
+            self._count_error(name, e)
+            raise
+        finally:
+            self._busy = False
+            self._idle.set()
+            self.stats.handled += 1
+            self.stats.busy_s += time.perf_counter() - t0
+            self.stats.by_message[name] = self.stats.by_message.get(name, 0) + 1
 
     async def _handle(self, env: Envelope) -> None:
         handler = getattr(self, f"on_{env.name}", None)
@@ -112,11 +158,11 @@ class Actor:
             raise
         except ActorCrash as e:
             self._answer_error(env, e)
-            self._count_error(env, e)
+            self._count_error(env.name, e)
             raise
         except Exception as e:
             self._answer_error(env, e)
-            self._count_error(env, e)
+            self._count_error(env.name, e)
             if env.future is None and not isinstance(e, DeepxError):
                 log.exception("%s: message '%s' failed", self.name, env.name)
         else:
@@ -131,9 +177,9 @@ class Actor:
         if env.future is not None and not env.future.done():
             env.future.set_exception(e)
 
-    def _count_error(self, env: Envelope, e: BaseException) -> None:
+    def _count_error(self, name: str, e: BaseException) -> None:
         self.stats.errors += 1
-        self.stats.last_error = f"{env.name}: {e}"
+        self.stats.last_error = f"{name}: {e}"
 
     async def stop(self, drain: bool = True) -> None:
         """Stop after the messages already queued (drain) or now; pending asks then fail with ActorStopped."""
@@ -201,6 +247,9 @@ class ActorRef:
         return fut
 
     async def ask(self, message: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        a = self._actor
+        if timeout is None and not a._busy and a.state == "running" and a.mailbox.empty():
+            return await a._direct(message, kwargs)
         fut = self.ask_future(message, **kwargs)
         if timeout is None:
             return await fut

@@ -1,0 +1,241 @@
+"""The CPU op worker: owns the stack tensors and runs checked programs on the numpy kernels.
+
+A program is checked whole against this worker's tensors before any of it runs (a bad program changes nothing).
+Small programs run inline on the event loop (a thread hop costs more than they do); a program with a heavy
+instruction runs on this worker's single thread, so control traffic keeps flowing and order is kept.
+Heap tensors (held by heapmem) appear here as zero-copy views of their shared-memory segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.ops import Bound, ProgramError, check_program
+from deepx_sdk.ir.shapes import numel
+from deepxd.actors.base import Actor, ActorRef
+from deepxd.kernels.cpu import CpuExecutor, dtype_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What happened to a program: `done` instructions ran; `error` (with `error_index`) stopped it."""
+
+    done: int = 0
+    error: str = ""
+    error_index: int = -1
+    times_us: list[float] = field(default_factory=list)  # start, end of each instruction that ran, from t0
+    t0: float = 0.0  # wall-clock start, seconds since the epoch
+    output: list[str] = field(default_factory=list)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class OpStat:
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+class CpuWorker(Actor):
+    role = "op-cpu"
+
+    def __init__(self, name: str = "op-cpu", *, heapmem: ActorRef | None = None, io_roots: Sequence[str] | None = None,
+                 inline_elements: int = 1 << 16, output_log: bool = True) -> None:
+        super().__init__(name)
+        self._output: list[str] = []
+        self.ex = CpuExecutor(io_roots=io_roots, output=self._print)
+        self.heapmem = heapmem
+        self.heap: dict[str, np.ndarray] = {}  # heap tensor name -> its shared-memory view
+        self.inline_elements = inline_elements
+        self.output_log = output_log
+        self.op_stats: dict[str, OpStat] = {}
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
+
+    def _print(self, text: str) -> None:
+        self._output.append(text)
+        if self.output_log:
+            log.info("print: %s", text)
+
+    async def on_stop(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.ex.tensors.clear()
+        self.heap.clear()
+
+    # -- programs
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
+        result = RunResult(t0=time.time())
+        self._output = []
+        try:
+            bounds = check_program(program, self.ex, self.ex.plans)
+            self._check_heap(bounds)
+            for name in fetch:
+                if not self._will_exist(name, bounds):
+                    raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        except ProgramError as e:
+            result.error, result.error_index = str(e), e.index
+            return result
+        if self._heavy(bounds):
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, bounds, result)
+        else:
+            self._execute(bounds, result)
+        for b in bounds[: result.done]:
+            if b.op.name == "deltensor":
+                await self._forget_heap(str(b.out_names[0]))
+        result.output = self._output
+        if not result.error:
+            result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
+        return result
+
+    def _execute(self, bounds: list[Bound], result: RunResult) -> None:
+        times = result.times_us
+        stats = self.op_stats
+        start = time.perf_counter()
+        for i, b in enumerate(bounds):
+            t0 = time.perf_counter()
+            try:
+                self.ex.execute(b)
+            except DeepxError as e:
+                result.error, result.error_index = f"instruction {i + 1}: {e}", i
+                return
+            t1 = time.perf_counter()
+            times.append((t0 - start) * 1e6)
+            times.append((t1 - start) * 1e6)
+            result.done = i + 1
+            s = stats.get(b.op.name)
+            if s is None:
+                s = stats[b.op.name] = OpStat()
+            s.calls += 1
+            s.seconds += t1 - t0
+            s.bytes += b.nbytes
+
+    def _heavy(self, bounds: list[Bound]) -> bool:
+        total = 0
+        for b in bounds:
+            if b.op.family == "io":
+                return True
+            if b.op.name == "matmul" and numel(b.args[0].shape) * b.args[1].shape[-1] >= 1 << 16:
+                return True
+            for m in b.outs:
+                if m is not None and m.shape[:1] != (-1,):
+                    total += numel(m.shape)
+            if total > self.inline_elements:
+                return True
+        return False
+
+    def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
+        exists = name in self.ex.tensors
+        for b in bounds:
+            if b.op.name == "deltensor" and b.out_names[0] == name:
+                exists = False
+            elif b.op.name == "renametensor":
+                if b.out_names[0] == name:
+                    exists = False
+                elif b.args[0] == name:
+                    exists = True
+            elif name in b.out_names or (b.op.name == "load" and name in (str(b.args[0]).rsplit("/", 1)[-1],)):
+                exists = True
+        return exists
+
+    def _check_heap(self, bounds: list[Bound]) -> None:
+        if not self.heap:
+            return
+        for i, b in enumerate(bounds):
+            for n, m in zip(b.out_names, b.outs):
+                view = self.heap.get(n) if isinstance(n, str) else None
+                if view is not None and m is not None and (m.shape != view.shape or m.dtype != dtype_name(view.dtype)):
+                    raise ProgramError(
+                        f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
+                        f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
+            if b.op.name == "renametensor" and b.out_names[0] in self.heap:
+                raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
+                                   "renamed", i)
+
+    async def _forget_heap(self, name: str) -> None:
+        if self.heap.pop(name, None) is not None and self.heapmem is not None:
+            try:
+                await self.heapmem.ask("release", name=name, holder=self.name)
+            except DeepxError as e:
+                log.warning("releasing heap tensor '%s': %s", name, e)
+
+    # -- data in and out
+    def on_fetch(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        out = {}
+        for name in names:
+            out[name] = self.ex.get(name).copy()
+        return out
+
+    async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
+                     heap: bool = False, owner: str = "") -> dict[str, Any]:
+        npdt = to_numpy(dtype)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise DeepxError(f"put: shape {list(shape)} of '{name}' has a negative dimension")
+        want = numel(shape) * npdt.itemsize
+        if len(data) != want:
+            raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
+        array = np.frombuffer(data, dtype=npdt).reshape(shape)
+        if heap:
+            if self.heapmem is None:
+                raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
+            if name in self.heap:
+                view = self.heap[name]
+                if view.shape != shape or view.dtype != npdt:
+                    raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}")
+            else:
+                if name in self.ex.tensors:
+                    raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
+                try:
+                    await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype,
+                                           owner=owner or self.name, zero=False)
+                except DeepxError as e:
+                    if "exists" not in str(e):
+                        raise
+                    await self.heapmem.ask("attach", name=name, holder=self.name)
+                view = await self.heapmem.ask("array", name=name)
+                self.heap[name] = view
+            view = self.heap[name]
+            view[...] = array
+            self.ex.tensors[name] = view
+        else:
+            if name in self.heap:
+                raise DeepxError(f"put: '{name}' is a heap tensor; put it with heap=true")
+            self.ex.put(name, array.copy())
+        return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "heap" if heap else "stack"}
+
+    async def on_attach_heap(self, name: str) -> dict[str, Any]:
+        """Make an existing heap tensor visible to programs here."""
+        if self.heapmem is None:
+            raise DeepxError("no heapmem role runs on this node")
+        info = await self.heapmem.ask("attach", name=name, holder=self.name)
+        view = await self.heapmem.ask("array", name=name)
+        self.heap[name] = view
+        self.ex.tensors[name] = view
+        return dict(info)
+
+    # -- what an operator sees
+    def on_tensors(self) -> list[dict[str, Any]]:
+        rows = []
+        for name, a in self.ex.tensors.items():
+            rows.append({"name": name, "dtype": dtype_name(a.dtype), "shape": list(a.shape), "bytes": int(a.nbytes),
+                         "kind": "heap" if name in self.heap else "stack", "owner": self.name, "device": "cpu"})
+        return rows
+
+    def on_op_stats(self) -> dict[str, dict[str, float]]:
+        return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
+
+    def on_variables(self) -> dict[str, Any]:
+        return {"vars": dict(self.ex.variables), "vectors": {k: list(v) for k, v in self.ex.vectors.items()}}
+

@@ -1,0 +1,162 @@
+"""A deepxd node: the storage plane, the actors for the chosen roles, the transports, and one shutdown path.
+
+`Node.serve()` = `start()` -> wait for a stop request -> `shutdown()`: transports stop accepting, in-flight
+programs drain (up to `drain_timeout_s`), actors stop in reverse order (heapmem unlinks every segment), the socket
+file is removed. The first SIGINT/SIGTERM starts that; a second forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+from deepx_sdk.errors import DeepxError
+from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
+from deepxd.config import Config, udp_address
+from deepxd.kv.base import KV, open_kv
+
+log = logging.getLogger(__name__)
+
+
+class Node:
+    def __init__(self, config: Config) -> None:
+        self.config = config.resolved()
+        self.kv: KV | None = None
+        self.supervisor = Supervisor(RestartPolicy(self.config.restart_max, self.config.restart_window_s))
+        self.refs: dict[str, ActorRef] = {}
+        self.servers: list[Any] = []
+        self.stopping = asyncio.Event()
+        self._signals = 0
+        self.started = asyncio.Event()
+
+    # -- start
+    async def start(self) -> None:
+        c = self.config
+        self.kv = open_kv(c.kv, prefix=c.kv_prefix, **({"fsync": c.kv_fsync} if c.kv.startswith("memory") else {}))
+        await self.kv.connect()
+        try:
+            await self._start_actors()
+            await self._start_transports()
+        except BaseException:
+            await self.shutdown()
+            raise
+        log.info("deepxd node %s up: roles %s, listening on %s%s, storage %s", c.node_id, ",".join(c.roles),
+                 c.listen, "" if c.udp == "off" else f" and udp://{c.udp}", c.kv)
+        self.started.set()
+
+    async def _start_actors(self) -> None:
+        from deepxd.actors.opcpu import CpuWorker
+        from deepxd.actors.registry import Registry
+        from deepxd.actors.scheduler import Scheduler
+
+        c = self.config
+        assert self.kv is not None
+        roles = set(c.roles)
+        if "heapmem" in roles:
+            from deepxd.actors.heapmem import HeapMemory
+
+            self.refs["heapmem"] = self.supervisor.start(HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes))
+        workers: dict[str, ActorRef] = {}
+        if "op-cpu" in roles:
+            workers["op-cpu"] = self.refs["op-cpu"] = self.supervisor.start(
+                CpuWorker(heapmem=self.refs.get("heapmem"), io_roots=c.io_roots, inline_elements=c.inline_elements))
+        if "op-cuda" in roles:
+            raise DeepxError("op-cuda: the CUDA worker is not part of this build yet; start without it")
+        if "scheduler" in roles:
+            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers))
+        if "registry" in roles:
+            addresses = {"unix": c.listen, **({"udp": c.udp} if c.udp != "off" else {})}
+            self.refs["registry"] = self.supervisor.start(Registry(
+                self.kv, c.node_id, roles=c.roles, addresses=addresses, workers=workers,
+                heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s))
+            await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
+
+    async def _start_transports(self) -> None:
+        from deepxd.net.native import NativeServer
+        from deepxd.net.udp import start_udp
+
+        c = self.config
+        native = NativeServer(self, c.socket_path, max_frame=c.max_frame_bytes)
+        await native.start()
+        self.servers.append(native)
+        if c.udp != "off":
+            host, port = udp_address(c.udp)
+            self.servers.append(await start_udp(self, host, port))
+
+    # -- what transports call
+    def ref(self, role: str) -> ActorRef:
+        r = self.refs.get(role)
+        if r is None:
+            raise DeepxError(f"role '{role}' does not run on node {self.config.node_id} (roles: "
+                             f"{','.join(self.config.roles)})")
+        return r
+
+    def actor_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for a in self.supervisor.actors.values():
+            a_: Actor = a
+            rows.append({"name": a_.name, "role": a_.role, "state": a_.state, "mailbox": a_.mailbox.qsize(),
+                         "handled": a_.stats.handled, "errors": a_.stats.errors, "restarts": a_.stats.restarts,
+                         "busy_s": round(a_.stats.busy_s, 6), "last_error": a_.stats.last_error})
+        return rows
+
+    # -- run until asked to stop
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+        try:
+            await self.start()
+            await self.stopping.wait()
+        finally:
+            await self.shutdown()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("received %s: draining in-flight programs, then stopping (send it again to force)", sig.name)
+            self.stopping.set()
+        else:
+            log.warning("received %s again: forcing exit", sig.name)
+            self._force_cleanup()
+            os._exit(1)
+
+    def _force_cleanup(self) -> None:
+        for s in self.servers:
+            try:
+                s.force_close()
+            except Exception as e:
+                log.debug("force close: %s", e)
+        hm = self.supervisor.actors.get("heapmem")
+        if hm is not None and hasattr(hm, "unlink_all"):
+            hm.unlink_all()
+
+    async def shutdown(self) -> None:
+        if getattr(self, "_shut", False):
+            return
+        self._shut = True
+        for s in self.servers:
+            await s.stop_accepting()
+        sched = self.supervisor.actors.get("scheduler")
+        if sched is not None:
+            try:
+                await asyncio.wait_for(sched.stop(drain=True), self.config.drain_timeout_s)
+            except TimeoutError:
+                log.warning("in-flight programs did not finish within %.0f s; stopping anyway",
+                            self.config.drain_timeout_s)
+        for s in self.servers:
+            await s.close()
+        await self.supervisor.stop_all(drain=True)
+        if self.kv is not None:
+            await self.kv.close()
+        log.info("deepxd node %s stopped", self.config.node_id)
