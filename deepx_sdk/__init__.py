@@ -1,7 +1,116 @@
-"""deepx: write a model as plain maths; the daemon compiles and runs its IR graph."""
+"""deepx: write a model as plain maths; the daemon compiles and runs its IR graph.
+
+    import deepx_sdk as dx
+    x = dx.randn(4, 3)
+    w = dx.ones(3, 2, requires_grad=True)
+    y = (x @ w).relu().sum()
+    print(y.item())
+
+With no address (and no DEEPX_ADDRESS) the first use starts an embedded daemon in this process; `dx.connect(
+"unix:///path")` uses a running deepxd, `dx.connect("udp://host:port")` any deepx executor (eager, write-only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 from deepx_sdk.errors import DeepxError, DeepxParseError
+from deepx_sdk.session import Session, connect, disconnect, session
+from deepx_sdk.tensor import (
+    Tensor,
+    arange,
+    as_tensor,
+    cat,
+    concat,
+    empty,
+    empty_like,
+    from_numpy,
+    full,
+    full_like,
+    linspace,
+    matmul,
+    maximum,
+    minimum,
+    ones,
+    ones_like,
+    rand,
+    rand_like,
+    randint,
+    randn,
+    randn_like,
+    stack,
+    tensor,
+    where,
+    zeros,
+    zeros_like,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["DeepxError", "DeepxParseError", "__version__"]
+# dtypes: the deepxIR precision names, so that `x.dtype == dx.float32` and `dtype=dx.int64` read as in torch
+float64 = double = "float64"
+float32 = float = "float32"  # noqa: A001
+float16 = half = "float16"
+bfloat16 = "bfloat16"
+int64 = long = "int64"
+int32 = int = "int32"  # noqa: A001
+int16 = short = "int16"
+int8 = "int8"
+bool = "bool"  # noqa: A001
+float8_e5m2 = "float8e5m2"
+float8_e4m3fn = "float8e4m3"
+
+
+def sync() -> None:
+    """Run everything recorded so far; raise the first error since the last sync."""
+    session().sync()
+
+
+def manual_seed(seed: Any) -> None:
+    """Make random ops (rand, randn, dropout, init) reproducible from here on."""
+    s = session()
+    s.base_seed = int(seed)
+    import itertools
+
+    s.seed_counter = itertools.count(1)
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Operations inside record no gradient information, as torch.no_grad()."""
+    s = session()
+    before = s.grad_enabled
+    s.grad_enabled = False
+    try:
+        yield
+    finally:
+        s.grad_enabled = before
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+def _lazy(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"deepx_sdk.{name}")
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("nn", "optim", "io"):
+        return _lazy(name)
+    raise AttributeError(f"module 'deepx_sdk' has no attribute {name!r}")
+
+
+for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "abs", "softmax", "log_softmax",
+           "sum", "mean", "prod", "max", "min", "argmax", "argmin", "reshape", "flatten", "permute", "transpose",
+           "squeeze", "unsqueeze", "clamp", "var", "std", "amax", "amin", "t"):
+    globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
+
+__all__ = ["DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange", "as_tensor", "cat",
+           "concat", "connect", "disconnect", "empty", "empty_like", "from_numpy", "full", "full_like", "linspace",
+           "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like",
+           "randint", "randn", "randn_like", "session", "stack", "sync", "tensor", "where", "zeros", "zeros_like"]

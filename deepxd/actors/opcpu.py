@@ -87,10 +87,15 @@ class CpuWorker(Actor):
         except ProgramError as e:
             result.error, result.error_index = str(e), e.index
             return result
+        heap_new = await self._heap_tensors_to_create(bounds)
         if self._heavy(bounds):
-            await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, bounds, result)
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, bounds, result, heap_new)
         else:
-            self._execute(bounds, result)
+            self._execute(bounds, result, heap_new)
+        for i, name in ((i, str(bounds[i].out_names[0])) for i in heap_new if i >= result.done):
+            self.heap.pop(name, None)  # never reached: give the segment back
+            if self.heapmem is not None:
+                await self.heapmem.ask("delete", name=name, force=True)
         for b in bounds[: result.done]:
             if b.op.name == "deltensor":
                 await self._forget_heap(str(b.out_names[0]))
@@ -99,14 +104,37 @@ class CpuWorker(Actor):
             result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
         return result
 
-    def _execute(self, bounds: list[Bound], result: RunResult) -> None:
+    async def _heap_tensors_to_create(self, bounds: list[Bound]) -> dict[int, np.ndarray]:
+        """`newtensor ... // kind=heap` makes a heap tensor (in heapmem's shared memory): created before the program
+        runs, put in place when its instruction is reached."""
+        out: dict[int, np.ndarray] = {}
+        if self.heapmem is None:
+            return out
+        for i, b in enumerate(bounds):
+            if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
+                name = str(b.out_names[0])
+                meta = b.outs[0]
+                if name in self.ex.tensors or meta is None:
+                    continue
+                await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,
+                                       owner=self.name, zero=True)
+                out[i] = await self.heapmem.ask("array", name=name)
+        return out
+
+    def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, np.ndarray] | None = None) -> None:
         times = result.times_us
         stats = self.op_stats
         start = time.perf_counter()
         for i, b in enumerate(bounds):
             t0 = time.perf_counter()
             try:
-                self.ex.execute(b)
+                if heap_new and i in heap_new:
+                    view = heap_new[i]
+                    name = str(b.out_names[0])
+                    self.heap[name] = view
+                    self.ex.tensors[name] = view
+                else:
+                    self.ex.execute(b)
             except DeepxError as e:
                 result.error, result.error_index = f"instruction {i + 1}: {e}", i
                 return

@@ -1,0 +1,337 @@
+"""A session: where instructions are recorded, and the transport that runs them.
+
+Tensor operations append instructions to the session's pending program; it is sent as one frame when a value is
+read, at `dx.sync()`, or when it grows past `max_pending`. Transports:
+
+- embedded (the default): a deepxd node inside this process, on its own event loop in a background thread;
+- `unix:///path`: a running deepxd over the native protocol;
+- `udp://host:port`: deepxIR text to any deepx executor (eager; values cannot be read back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import os
+import secrets
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.text import format_text
+
+log = logging.getLogger(__name__)
+
+_SDK_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Outcome:
+    """What a transport reports for one program."""
+
+    ok: bool
+    done: int
+    error: str | None
+    error_index: int
+    tensors: dict[str, np.ndarray]
+    output: list[str]
+
+
+class Transport:
+    def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:
+        raise DeepxError(f"{type(self).__name__} cannot run programs")
+
+    def put(self, name: str, array: np.ndarray, heap: bool) -> None:
+        raise DeepxError(f"{type(self).__name__} cannot send tensor data")
+
+    def close(self) -> None:
+        pass
+
+    can_read = True
+    explicit_broadcast = False
+
+
+class NativeTransport(Transport):
+    def __init__(self, address: str) -> None:
+        from deepx_sdk.client import NativeClient
+
+        self.client = NativeClient(address, client="deepx_sdk")
+        self.address = address
+
+    def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:
+        r = self.client.run(program, fetch)
+        return Outcome(r.ok, r.done, r.error, r.error_index, r.tensors, r.output)
+
+    def put(self, name: str, array: np.ndarray, heap: bool) -> None:
+        self.client.put(name, array, heap=heap)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class EmbeddedTransport(Transport):
+    """A deepxd node in this process: the same actors, on an event loop in a background thread. Programs go to its
+    scheduler directly (no socket, no serialization); it also listens on a private socket for deepxctl."""
+
+    def __init__(self) -> None:
+        from deepx_sdk.paths import runtime_dir
+        from deepxd.config import Config
+
+        sock = runtime_dir() / f"embedded-{os.getpid()}-{id(self)}.sock"
+        roles = ["registry", "heapmem", "scheduler", "op-cpu"]
+        self.config = Config(listen=f"unix://{sock}", udp="off", roles=roles, node_id=f"embedded-{os.getpid()}",
+                             log_level="warning")
+        self.loop = _new_loop()
+        self.node: Any = None
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(self._start())
+            except BaseException as e:
+                failure.append(e)
+                ready.set()
+                return
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, name="deepx-embedded", daemon=True)
+        self.thread.start()
+        ready.wait()
+        if failure:
+            raise DeepxError(f"the embedded deepxd did not start: {failure[0]}") from failure[0]
+        self.address = self.config.listen
+
+    async def _start(self) -> None:
+        from deepxd.node import Node
+
+        self.node = Node(self.config)
+        await self.node.start()
+
+    def _call(self, coro: Any) -> Any:
+        if not self.thread.is_alive():
+            coro.close()
+            raise DeepxError("the embedded deepxd has stopped; call dx.connect() again")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:
+        r = self._call(self.node.ref("scheduler").ask("run", program=list(program), fetch=list(fetch)))
+        return Outcome(not r.error, r.done, r.error or None, r.error_index, r.tensors, r.output)
+
+    def put(self, name: str, array: np.ndarray, heap: bool) -> None:
+        from deepx_sdk.ir.dtypes import from_numpy
+
+        a = np.ascontiguousarray(array)
+        self._call(self.node.ref("op-cpu").ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(a.shape),
+                                               data=a.reshape(-1).view(np.uint8).data, heap=heap))
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self.node.shutdown(), self.loop).result(30)
+            except Exception as e:
+                log.warning("embedded deepxd: shutdown failed: %s", e)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+class UdpTransport(Transport):
+    """deepxIR text over UDP to any deepx executor, one line at a time, waiting for each reply (as the existing
+    front end does). There is no way to read values back."""
+
+    can_read = False
+    explicit_broadcast = True
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        import socket
+
+        host, _, port = address.removeprefix("udp://").rpartition(":")
+        try:
+            self.target = (host.strip("[]") or "127.0.0.1", int(port))
+        except ValueError:
+            raise DeepxError(f"bad address {address!r}: use udp://host:port") from None
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.settimeout(timeout)
+        self.address = address
+
+    def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:
+        if fetch:
+            raise DeepxError(f"cannot read tensor values over {self.address}: deepxIR over UDP has no way back for "
+                             "data; connect to a deepxd over unix:// (or embedded) to read values")
+        for i, instr in enumerate(program):
+            self.sock.sendto(format_text(instr).encode(), self.target)
+            try:
+                reply = self.sock.recv(65536).decode(errors="replace")
+            except OSError as e:
+                raise DeepxError(f"no reply from {self.address} for {instr.name}: {e}") from None
+            head, _, rest = reply.partition("//")
+            if head.split()[-1:] != ["ok"]:
+                msg = rest.split("finish_at=", 1)[-1].split(" ", 1)[-1] if "finish_at=" in rest else reply
+                return Outcome(False, i, msg.strip(), i, {}, [])
+        return Outcome(True, len(program), None, -1, {}, [])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+def open_transport(address: str | None) -> Transport:
+    address = address or os.environ.get("DEEPX_ADDRESS") or ""
+    if not address or address == "embedded":
+        return EmbeddedTransport()
+    if address.startswith("unix://"):
+        return NativeTransport(address)
+    if address.startswith("udp://"):
+        return UdpTransport(address)
+    raise DeepxError(f"unknown address {address!r}: use unix:///path, udp://host:port, or nothing for embedded")
+
+
+class Session:
+    """Records instructions and runs them through a transport when a value is needed."""
+
+    def __init__(self, transport: Transport, *, max_pending: int = 4096) -> None:
+        self.transport = transport
+        self.pending: list[Instr] = []
+        self.origins: list[tuple[CodeType, int] | None] = []
+        self.max_pending = max_pending
+        self.error: DeepxError | None = None
+        self._names = itertools.count()
+        # tensor names are unique across the clients of one daemon: a prefix of this process and session
+        self._prefix = f"x{os.getpid():x}{secrets.token_hex(2)}_"
+        self._lock = threading.RLock()
+        self.closed = False
+        self.grad_enabled = True
+        self.seed_counter = itertools.count(1)
+        self.base_seed: int | None = None
+
+    def new_name(self) -> str:
+        return f"{self._prefix}{next(self._names)}"
+
+    def record(self, instr: Instr) -> None:
+        """Append an instruction; remember which line of user code made it."""
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_filename.startswith(_SDK_DIR):
+            f = f.f_back  # type: ignore[assignment]
+        with self._lock:
+            self.pending.append(instr)
+            self.origins.append((f.f_code, f.f_lineno) if f is not None else None)
+            if len(self.pending) >= self.max_pending:
+                self._flush((), raise_now=False)
+
+    def record_quiet(self, instr: Instr) -> None:
+        """Append without looking for the user's line (deltensor from garbage collection)."""
+        with self._lock:
+            self.pending.append(instr)
+            self.origins.append(None)
+
+    def sync(self, fetch: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """Send what is pending (with `fetch` read back); raise the first error since the last sync."""
+        with self._lock:
+            out = self._flush(fetch, raise_now=True)
+            if self.error is not None:
+                err, self.error = self.error, None
+                raise err
+            return out
+
+    def _flush(self, fetch: Sequence[str], raise_now: bool) -> dict[str, np.ndarray]:
+        if self.closed:
+            raise DeepxError("this deepx session is closed; call dx.connect() again")
+        if not self.pending and not fetch:
+            return {}
+        program, origins = self.pending, self.origins
+        self.pending, self.origins = [], []
+        if fetch and not self.transport.can_read:
+            self.transport.run(program, ())
+            raise DeepxError(f"cannot read tensor values over {getattr(self.transport, 'address', '?')}")
+        try:
+            outcome = self.transport.run(program, fetch)
+        except DeepxError as e:
+            raise DeepxError(f"lost the connection to deepxd: {e}") from None
+        for line in outcome.output:
+            sys.stdout.write(line + "\n")
+        if not outcome.ok:
+            err = self._error(outcome, program, origins)
+            if raise_now:
+                raise err
+            if self.error is None:
+                self.error = err
+        return outcome.tensors
+
+    def _error(self, outcome: Outcome, program: list[Instr], origins: list[Any]) -> DeepxError:
+        i = outcome.error_index
+        where = ""
+        if 0 <= i < len(origins) and origins[i] is not None:
+            code, line = origins[i]
+            where = f" (from {code.co_filename}:{line}, in {code.co_name})"
+        msg = outcome.error or "the program failed"
+        return DeepxError(f"{msg}{where}")
+
+    def put(self, name: str, array: np.ndarray, heap: bool = False) -> None:
+        with self._lock:
+            self._flush((), raise_now=False)
+            self.transport.put(name, array, heap)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            with self._lock:
+                if self.pending:
+                    self._flush((), raise_now=False)
+        except DeepxError as e:
+            log.debug("closing: %s", e)
+        self.closed = True
+        self.transport.close()
+
+
+_current: Session | None = None
+_current_lock = threading.Lock()
+
+
+def connect(address: str | None = None, *, max_pending: int = 4096) -> Session:
+    """Connect to deepx: `address` None (and no DEEPX_ADDRESS) starts an embedded daemon in this process;
+    `unix:///path` reaches a running deepxd; `udp://host:port` speaks deepxIR text to any deepx executor."""
+    global _current
+    with _current_lock:
+        if _current is not None:
+            _current.close()
+        _current = Session(open_transport(address), max_pending=max_pending)
+        return _current
+
+
+def disconnect() -> None:
+    global _current
+    with _current_lock:
+        if _current is not None:
+            _current.close()
+            _current = None
+
+
+def session() -> Session:
+    """The current session; connects with the defaults on first use."""
+    s = _current
+    if s is None or s.closed:
+        return connect()
+    return s
+
+
+atexit.register(disconnect)

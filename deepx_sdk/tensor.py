@@ -1,0 +1,928 @@
+"""Tensor: a handle (name, shape, dtype) whose operators record deepxIR instructions and never compute.
+
+Shapes and dtypes are inferred here from the op catalogue, so a shape error is raised at the line that caused it.
+Dtypes follow torch's promotion rules (an int tensor times 0.5 is float32, int / int is float). A tensor that
+Python collects sends `deltensor`, so temporaries do not pile up in the daemon.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import FLOATS, INTS, to_numpy
+from deepx_sdk.ir.dtypes import from_numpy as precision_of
+from deepx_sdk.ir.instr import Instr, Param
+from deepx_sdk.ir.ops import OPS, Call, TensorMeta
+from deepx_sdk.ir.shapes import broadcast, norm_dim, numel
+from deepx_sdk.session import Session, session
+
+Shape = tuple[int, ...]
+
+# torch's default dtypes
+DEFAULT_FLOAT = "float32"
+DEFAULT_INT = "int64"
+
+_FLOAT_RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
+_INT_RANK = {"bool": 0, "int8": 1, "int16": 2, "int32": 3, "int64": 4}
+
+
+def promote(a: str, b: str) -> str:
+    """torch.result_type for two tensor dtypes."""
+    if a == b:
+        return a
+    fa, fb = a in _FLOAT_RANK, b in _FLOAT_RANK
+    if fa and fb:
+        if {a, b} == {"float16", "bfloat16"}:
+            return "float32"
+        return a if _FLOAT_RANK[a] >= _FLOAT_RANK[b] else b
+    if fa:
+        return a
+    if fb:
+        return b
+    return a if _INT_RANK.get(a, 0) >= _INT_RANK.get(b, 0) else b
+
+
+def scalar_dtype(t: str, s: Any) -> str:
+    """The dtype of `tensor op python-scalar` (a scalar never widens a tensor of its own kind)."""
+    if isinstance(s, bool):
+        return t
+    if isinstance(s, float):
+        return t if t in _FLOAT_RANK else DEFAULT_FLOAT
+    if isinstance(s, int):
+        return t if t != "bool" else DEFAULT_INT
+    raise DeepxError(f"unsupported operand {s!r} of type {type(s).__name__}; use a Tensor, an int or a float")
+
+
+def _tp(t: Tensor) -> Param:
+    return Param("tensor", (t.dtype,), t.name)
+
+
+def _vp(v: Any) -> Param:
+    return Param.var(v)
+
+
+def _vec(v: Iterable[int]) -> Param:
+    return Param("vector", ("int32",), tuple(int(x) for x in v))
+
+
+class Tensor:
+    """A deepx tensor. Model code uses it like a torch.Tensor; values live in the daemon."""
+
+    __slots__ = ("__weakref__", "_s", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
+
+    def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: bool = False) -> None:
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self._s = sess
+        self.requires_grad = requires_grad
+        self.grad: Tensor | None = None
+        self.grad_fn: Any = None
+
+    def __del__(self) -> None:
+        s = self._s
+        if s is not None and not s.closed:
+            try:
+                s.record_quiet(Instr("deltensor", (), (Param("tensor", (self.dtype,), self.name),)))
+            except Exception:  # interpreter shutdown
+                pass
+
+    # -- basics
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[norm_dim("size", dim, self.ndim)]
+
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    @property
+    def device(self) -> str:
+        return "deepx"
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.grad_fn is None
+
+    # -- reading values (these send the pending program)
+    def numpy(self) -> np.ndarray:
+        return self._s.sync(fetch=(self.name,))[self.name]
+
+    def item(self) -> Any:
+        if self.numel() != 1:
+            raise DeepxError(f"item(): tensor '{self.name}' has {self.numel()} elements, not 1")
+        return self.numpy().reshape(-1)[0].item()
+
+    def tolist(self) -> Any:
+        return self.numpy().tolist()
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __index__(self) -> int:
+        if self.dtype not in INTS:
+            raise TypeError("only integer tensors can be used as an index")
+        return int(self.item())
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.numpy()
+        return a.astype(dtype) if dtype is not None else a
+
+    def __repr__(self) -> str:
+        try:
+            values = self.numpy()
+        except DeepxError as e:
+            return f"tensor(<unavailable: {e}>, shape={list(self.shape)}, dtype={self.dtype})"
+        return format_tensor(values, self.dtype, self.requires_grad)
+
+    __str__ = __repr__
+
+    def __iter__(self) -> Any:
+        for i in range(len(self)):
+            yield self[i]
+
+    # -- recording helpers
+    def _new(self, shape: Shape, dtype: str) -> Tensor:
+        return Tensor(self._s.new_name(), shape, dtype, self._s)
+
+    def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor]) -> Tensor:
+        out = self._new(shape, dtype)
+        self._s.record(Instr(name, args, (Param("tensor", (dtype,), out.name),)))
+        if self._s.grad_enabled and any(t.requires_grad for t in inputs):
+            out.requires_grad = True
+            out.grad_fn = name
+        return out
+
+    def _infer(self, name: str, args: list[Any], names: list[Any]) -> TensorMeta:
+        op = OPS[name]
+        out = op.infer(Call(op, args, names, [None], ["any"], ["?"]))[0]
+        assert out is not None
+        return out
+
+    # -- dtype
+    def to(self, dtype: Any = None, *args: Any, **kwargs: Any) -> Tensor:
+        if isinstance(dtype, str) and dtype in ("cpu", "cuda", "deepx") or dtype is None:
+            dtype = kwargs.get("dtype")
+            if dtype is None:
+                return self
+        return self.type_as_dtype(dtype_name(dtype))
+
+    def type_as_dtype(self, dtype: str) -> Tensor:
+        if dtype == self.dtype:
+            return self
+        to_numpy(dtype)
+        return self._op("todtype", (_tp(self),), self.shape, dtype, [self])
+
+    def float(self) -> Tensor:
+        return self.type_as_dtype("float32")
+
+    def double(self) -> Tensor:
+        return self.type_as_dtype("float64")
+
+    def half(self) -> Tensor:
+        return self.type_as_dtype("float16")
+
+    def bfloat16(self) -> Tensor:
+        return self.type_as_dtype("bfloat16")
+
+    def int(self) -> Tensor:
+        return self.type_as_dtype("int32")
+
+    def long(self) -> Tensor:
+        return self.type_as_dtype("int64")
+
+    def bool(self) -> Tensor:
+        return self.type_as_dtype("bool")
+
+    def type_as(self, other: Tensor) -> Tensor:
+        return self.type_as_dtype(other.dtype)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype in FLOATS
+
+    # -- elementwise arithmetic
+    def _coerce(self, other: Any) -> Tensor | None:
+        return other if isinstance(other, Tensor) else None
+
+    def _binary(self, op: str, other: Any, scalar_op: str, rscalar_op: str | None = None,
+                reverse: bool = False, floating: bool = False) -> Tensor:
+        if isinstance(other, Tensor):
+            a, b = (other, self) if reverse else (self, other)
+            dt = promote(a.dtype, b.dtype)
+            if floating and dt not in _FLOAT_RANK:
+                dt = DEFAULT_FLOAT
+            a, b = a.type_as_dtype(dt), b.type_as_dtype(dt)
+            shape = a.shape if a.shape == b.shape else broadcast(op, a.shape, b.shape, names=[a.name, b.name])
+            if self._s.transport.explicit_broadcast:
+                a, b = a.expand(shape), b.expand(shape)
+            return self._op(op, (_tp(a), _tp(b)), shape, dt, [a, b])
+        if isinstance(other, (np.generic,)):
+            other = other.item()
+        dt = scalar_dtype(self.dtype, other)
+        if floating and dt not in _FLOAT_RANK:
+            dt = DEFAULT_FLOAT
+        a = self.type_as_dtype(dt)
+        if reverse:
+            if rscalar_op is None:
+                return a._op(op, (_tp(a._full_like_scalar(other)), _tp(a)), a.shape, dt, [a])
+            return a._op(rscalar_op, (_vp(other), _tp(a)), a.shape, dt, [a])
+        return a._op(scalar_op, (_tp(a), _vp(other)), a.shape, dt, [a])
+
+    def _full_like_scalar(self, value: Any) -> Tensor:
+        return full(self.shape, value, dtype=self.dtype)
+
+    def __add__(self, o: Any) -> Tensor:
+        return self._binary("add", o, "addscalar")
+
+    def __radd__(self, o: Any) -> Tensor:
+        return self._binary("add", o, "addscalar")
+
+    def __sub__(self, o: Any) -> Tensor:
+        return self._binary("sub", o, "subscalar")
+
+    def __rsub__(self, o: Any) -> Tensor:
+        return self._binary("sub", o, "subscalar", "rsubscalar", reverse=True)
+
+    def __mul__(self, o: Any) -> Tensor:
+        return self._binary("mul", o, "mulscalar")
+
+    def __rmul__(self, o: Any) -> Tensor:
+        return self._binary("mul", o, "mulscalar")
+
+    def __truediv__(self, o: Any) -> Tensor:
+        return self._binary("div", o, "divscalar", floating=True)
+
+    def __rtruediv__(self, o: Any) -> Tensor:
+        return self._binary("div", o, "divscalar", "rdivscalar", reverse=True, floating=True)
+
+    def __pow__(self, o: Any) -> Tensor:
+        return self._binary("pow", o, "powscalar")
+
+    def __rpow__(self, o: Any) -> Tensor:
+        return self._binary("pow", o, "powscalar", "rpowscalar", reverse=True)
+
+    def __neg__(self) -> Tensor:
+        return self._op("neg", (_tp(self),), self.shape, self.dtype, [self])
+
+    def __pos__(self) -> Tensor:
+        return self
+
+    def __abs__(self) -> Tensor:
+        return self.abs()
+
+    def __invert__(self) -> Tensor:
+        if self.dtype in FLOATS:
+            raise DeepxError(f"~ (invert) needs an integer or bool tensor; '{self.name}' is {self.dtype}")
+        return self._op("invert", (_tp(self),), self.shape, self.dtype, [self])
+
+    def __matmul__(self, o: Tensor) -> Tensor:
+        return matmul(self, o)
+
+    def __rmatmul__(self, o: Tensor) -> Tensor:
+        return matmul(o, self)
+
+    def __floordiv__(self, o: Any) -> Tensor:
+        raise DeepxError("// (floor division) is not in the op catalogue yet; use (a / b) and a cast")
+
+    # -- comparisons
+    def _compare(self, op: str, other: Any, scalar_op: str) -> Tensor:
+        if isinstance(other, Tensor):
+            dt = promote(self.dtype, other.dtype)
+            a, b = self.type_as_dtype(dt), other.type_as_dtype(dt)
+            shape = broadcast(op, a.shape, b.shape, names=[a.name, b.name])
+            args: tuple[Param, ...] = (_tp(a), _tp(b))
+            if op in ("equal", "notequal"):
+                args += (_vp(0),)
+            return self._op(op, args, shape, "bool", [])
+        if isinstance(other, np.generic):
+            other = other.item()
+        scalar_dtype(self.dtype, other)
+        a = self.type_as_dtype(DEFAULT_FLOAT) if self.dtype == "bool" and op not in ("equal", "notequal") else self
+        args = (_tp(a), _vp(other))
+        if scalar_op in ("equalscalar", "notequalscalar"):
+            args += (_vp(0),)
+        return self._op(scalar_op, args, self.shape, "bool", [])
+
+    def __lt__(self, o: Any) -> Tensor:
+        return self._compare("less", o, "lessscalar")
+
+    def __gt__(self, o: Any) -> Tensor:
+        return self._compare("greater", o, "greaterscalar")
+
+    def __le__(self, o: Any) -> Tensor:
+        return ~self._compare("greater", o, "greaterscalar")
+
+    def __ge__(self, o: Any) -> Tensor:
+        return ~self._compare("less", o, "lessscalar")
+
+    def __eq__(self, o: Any) -> Tensor:  # type: ignore[override]
+        return self._compare("equal", o, "equalscalar")
+
+    def __ne__(self, o: Any) -> Tensor:  # type: ignore[override]
+        return self._compare("notequal", o, "notequalscalar")
+
+    __hash__ = object.__hash__
+
+    def eq(self, o: Any) -> Tensor:
+        return self == o
+
+    def ne(self, o: Any) -> Tensor:
+        return self != o
+
+    def lt(self, o: Any) -> Tensor:
+        return self < o
+
+    def gt(self, o: Any) -> Tensor:
+        return self > o
+
+    def le(self, o: Any) -> Tensor:
+        return self <= o
+
+    def ge(self, o: Any) -> Tensor:
+        return self >= o
+
+    # -- unary math (method forms of dx.*)
+    def _unary(self, op: str, floating: bool = True) -> Tensor:
+        a = self.type_as_dtype(DEFAULT_FLOAT) if floating and self.dtype not in _FLOAT_RANK else self
+        return self._op(op, (_tp(a),), a.shape, a.dtype, [a])
+
+    def exp(self) -> Tensor:
+        return self._unary("exp")
+
+    def log(self) -> Tensor:
+        return self._unary("log")
+
+    def sqrt(self) -> Tensor:
+        return self._unary("sqrt")
+
+    def rsqrt(self) -> Tensor:
+        return 1.0 / self.sqrt()
+
+    def sin(self) -> Tensor:
+        return self._unary("sin")
+
+    def cos(self) -> Tensor:
+        return self._unary("cos")
+
+    def tan(self) -> Tensor:
+        return self._unary("tan")
+
+    def tanh(self) -> Tensor:
+        return self._unary("tanh")
+
+    def sigmoid(self) -> Tensor:
+        return self._unary("sigmoid")
+
+    def relu(self) -> Tensor:
+        if self.dtype not in _FLOAT_RANK:
+            return self.clamp(min=0)
+        return self._unary("relu")
+
+    def abs(self) -> Tensor:
+        return self._unary("abs", floating=False)
+
+    def neg(self) -> Tensor:
+        return -self
+
+    def square(self) -> Tensor:
+        return self * self
+
+    def pow(self, e: Any) -> Tensor:
+        return self ** e
+
+    def clamp(self, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002 (torch's names)
+        out = self
+        if min is not None:
+            out = out._binary("max", min, "maxscalar")
+        if max is not None:
+            out = out._binary("min", max, "minscalar")
+        return out
+
+    clip = clamp
+
+    def maximum(self, o: Tensor) -> Tensor:
+        return self._binary("max", o, "maxscalar")
+
+    def minimum(self, o: Tensor) -> Tensor:
+        return self._binary("min", o, "minscalar")
+
+    def softmax(self, dim: int = -1) -> Tensor:
+        a = self._unary_cast()
+        norm_dim("softmax", dim, a.ndim, scalar_ok=True)
+        return a._op("softmax", (_tp(a), _vp(int(dim))), a.shape, a.dtype, [a])
+
+    def log_softmax(self, dim: int = -1) -> Tensor:
+        a = self._unary_cast()
+        norm_dim("log_softmax", dim, a.ndim, scalar_ok=True)
+        return a._op("logsoftmax", (_tp(a), _vp(int(dim))), a.shape, a.dtype, [a])
+
+    def _unary_cast(self) -> Tensor:
+        return self.type_as_dtype(DEFAULT_FLOAT) if self.dtype not in _FLOAT_RANK else self
+
+    # -- reductions
+    def _dims(self, dim: Any) -> tuple[int, ...]:
+        if dim is None:
+            return ()
+        if isinstance(dim, int):
+            return (dim,)
+        return tuple(dim)
+
+    def _reduce(self, op: str, dim: Any, keepdim: bool, dtype: str | None = None) -> Tensor:
+        a = self.type_as_dtype(dtype) if dtype else self
+        if op == "sum" and a.dtype in ("bool", "int8", "int16", "int32"):
+            a = a.type_as_dtype("int64")  # torch sums small integers in int64
+        dims = self._dims(dim)
+        meta = self._infer(op, [TensorMeta(a.shape, a.dtype), dims, keepdim], [a.name, None, None])
+        return a._op(op, (_tp(a), _vec(dims), _vp(bool(keepdim))), meta.shape, meta.dtype, [a])
+
+    def sum(self, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Tensor:
+        return self._reduce("sum", dim, keepdim, dtype_name(dtype) if dtype is not None else None)
+
+    def prod(self, dim: Any = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("prod", dim, keepdim)
+
+    def mean(self, dim: Any = None, keepdim: bool = False) -> Tensor:
+        a = self._unary_cast()
+        dims = self._dims(dim)
+        count = numel(a.shape) if not dims else math.prod(a.shape[norm_dim("mean", d, a.ndim)] for d in dims)
+        return a._reduce("sum", dim, keepdim) / count
+
+    def var(self, dim: Any = None, keepdim: bool = False, unbiased: bool = True, correction: int | None = None) -> Tensor:
+        a = self._unary_cast()
+        dims = self._dims(dim)
+        n = numel(a.shape) if not dims else math.prod(a.shape[norm_dim("var", d, a.ndim)] for d in dims)
+        c = (1 if unbiased else 0) if correction is None else correction
+        centered = a - a.mean(dim, keepdim=True)
+        return (centered * centered).sum(dim, keepdim=keepdim) / builtins.max(n - c, 0)
+
+    def std(self, dim: Any = None, keepdim: bool = False, unbiased: bool = True) -> Tensor:
+        return self.var(dim, keepdim=keepdim, unbiased=unbiased).sqrt()
+
+    def max(self, dim: Any = None, keepdim: bool = False) -> Any:
+        if isinstance(dim, Tensor):
+            return self.maximum(dim)
+        if dim is None:
+            return self._reduce("reducemax", None, False)
+        return _ValuesIndices(self._reduce("reducemax", dim, keepdim), self.argmax(dim, keepdim))
+
+    def min(self, dim: Any = None, keepdim: bool = False) -> Any:
+        if isinstance(dim, Tensor):
+            return self.minimum(dim)
+        if dim is None:
+            return self._reduce("reducemin", None, False)
+        return _ValuesIndices(self._reduce("reducemin", dim, keepdim), self.argmin(dim, keepdim))
+
+    def amax(self, dim: Any = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("reducemax", dim, keepdim)
+
+    def amin(self, dim: Any = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("reducemin", dim, keepdim)
+
+    def _arg(self, op: str, dim: int | None, keepdim: bool) -> Tensor:
+        a = self if dim is not None else self.reshape(-1)
+        d = 0 if dim is None else dim
+        meta = self._infer(op, [TensorMeta(a.shape, a.dtype), d, keepdim], [a.name, None, None])
+        return a._op(op, (_tp(a), _vp(int(d)), _vp(bool(keepdim))), meta.shape, "int64", [])
+
+    def argmax(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return self._arg("argmax", dim, keepdim)
+
+    def argmin(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return self._arg("argmin", dim, keepdim)
+
+    def all(self) -> Tensor:
+        return self.bool().long().sum() == self.numel()
+
+    def any(self) -> Tensor:
+        return self.bool().long().sum() > 0
+
+    # -- shape
+    def reshape(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        meta = self._infer("reshape", [TensorMeta(self.shape, self.dtype), tuple(int(d) for d in shape)],
+                           [self.name, None])
+        if meta.shape == self.shape:
+            return self
+        return self._op("reshape", (_tp(self), _vec(shape)), meta.shape, self.dtype, [self])
+
+    view = reshape
+
+    def view_as(self, other: Tensor) -> Tensor:
+        return self.reshape(other.shape)
+
+    def reshape_as(self, other: Tensor) -> Tensor:
+        return self.reshape(other.shape)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+        if self.ndim == 0:
+            return self.reshape(1)
+        s = norm_dim("flatten", start_dim, self.ndim)
+        e = norm_dim("flatten", end_dim, self.ndim)
+        return self.reshape(*self.shape[:s], -1, *self.shape[e + 1:])
+
+    def permute(self, *dims: Any) -> Tensor:
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = tuple(dims[0])
+        meta = self._infer("transpose", [TensorMeta(self.shape, self.dtype), tuple(dims)], [self.name, None])
+        if tuple(d % builtins.max(self.ndim, 1) for d in dims) == tuple(range(self.ndim)):
+            return self
+        return self._op("transpose", (_tp(self), _vec(d % self.ndim for d in dims)), meta.shape, self.dtype, [self])
+
+    def transpose(self, dim0: int, dim1: int) -> Tensor:
+        order = list(range(self.ndim))
+        a, b = norm_dim("transpose", dim0, self.ndim), norm_dim("transpose", dim1, self.ndim)
+        order[a], order[b] = order[b], order[a]
+        return self.permute(order)
+
+    def t(self) -> Tensor:
+        if self.ndim > 2:
+            raise DeepxError(f"t(): '{self.name}' has {self.ndim} dims; use transpose or mT")
+        return self.transpose(0, 1) if self.ndim == 2 else self
+
+    @property
+    def T(self) -> Tensor:  # noqa: N802 (torch's name)
+        return self.permute(list(range(self.ndim))[::-1])
+
+    @property
+    def mT(self) -> Tensor:  # noqa: N802 (torch's name)
+        return self.transpose(-2, -1)
+
+    def squeeze(self, dim: int | None = None) -> Tensor:
+        if dim is None:
+            return self.reshape([d for d in self.shape if d != 1])
+        d = norm_dim("squeeze", dim, self.ndim)
+        if self.shape[d] != 1:
+            return self
+        return self.reshape(self.shape[:d] + self.shape[d + 1:])
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        d = norm_dim("unsqueeze", dim, self.ndim + 1)
+        return self.reshape(self.shape[:d] + (1,) + self.shape[d:])
+
+    def expand(self, *shape: Any) -> Tensor:
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        target = list(shape)
+        lead = len(target) - self.ndim
+        for i, d in enumerate(target):
+            if d == -1:
+                target[i] = self.shape[i - lead]
+        new = tuple(int(d) for d in target)
+        if new == self.shape:
+            return self
+        meta = self._infer("broadcastTo", [TensorMeta(self.shape, self.dtype), new], [self.name, None])
+        return self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self])
+
+    def expand_as(self, other: Tensor) -> Tensor:
+        return self.expand(other.shape)
+
+    def repeat(self, *reps: Any) -> Tensor:
+        if len(reps) == 1 and isinstance(reps[0], (tuple, list)):
+            reps = tuple(reps[0])
+        meta = self._infer("repeat", [TensorMeta(self.shape, self.dtype), tuple(reps)], [self.name, None])
+        return self._op("repeat", (_tp(self), _vec(reps)), meta.shape, self.dtype, [self])
+
+    def contiguous(self) -> Tensor:
+        return self
+
+    def clone(self) -> Tensor:
+        return self._op("copytensor", (_tp(self),), self.shape, self.dtype, [self])
+
+    def detach(self) -> Tensor:
+        out = Tensor(self._s.new_name(), self.shape, self.dtype, self._s)
+        self._s.record(Instr("copytensor", (_tp(self),), (Param("tensor", (self.dtype,), out.name),)))
+        return out
+
+    def requires_grad_(self, flag: bool = True) -> Tensor:
+        self.requires_grad = flag
+        return self
+
+    # -- indexing
+    def __getitem__(self, index: Any) -> Tensor:
+        from deepx_sdk.indexing import getitem
+
+        return getitem(self, index)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        from deepx_sdk.indexing import setitem
+
+        setitem(self, index, value)
+
+    # -- in place
+    def _assign(self, other: Tensor) -> Tensor:
+        """Make this handle hold `other`'s values (in place, as torch's x.op_() does)."""
+        if other.shape != self.shape:
+            other = other.expand(self.shape)
+        other = other.type_as_dtype(self.dtype)
+        self._s.record(Instr("copytensor", (_tp(other),), (_tp(self),)))
+        return self
+
+    def add_(self, o: Any, alpha: Any = 1) -> Tensor:
+        return self._assign(self + (o * alpha if alpha != 1 else o))
+
+    def sub_(self, o: Any, alpha: Any = 1) -> Tensor:
+        return self._assign(self - (o * alpha if alpha != 1 else o))
+
+    def mul_(self, o: Any) -> Tensor:
+        return self._assign(self * o)
+
+    def div_(self, o: Any) -> Tensor:
+        return self._assign(self / o)
+
+    def zero_(self) -> Tensor:
+        self._s.record(Instr("constant", (_vp(0),), (_tp(self),)))
+        return self
+
+    def fill_(self, value: Any) -> Tensor:
+        self._s.record(Instr("constant", (_vp(value),), (_tp(self),)))
+        return self
+
+    def copy_(self, src: Tensor) -> Tensor:
+        return self._assign(src)
+
+    def uniform_(self, a: float = 0.0, b: float = 1.0) -> Tensor:
+        self._s.record(Instr("uniform", (_vp(float(a)), _vp(float(b)), _vp(_seed(self._s))), (_tp(self),)))
+        return self
+
+    def normal_(self, mean: float = 0.0, std: float = 1.0) -> Tensor:
+        self._s.record(Instr("normal", (_vp(float(mean)), _vp(float(std)), _vp(_seed(self._s))), (_tp(self),)))
+        return self
+
+
+class _ValuesIndices(tuple):
+    """torch's (values, indices) pair from max(dim) and min(dim)."""
+
+    def __new__(cls, values: Tensor, indices: Tensor) -> _ValuesIndices:
+        return super().__new__(cls, (values, indices))
+
+    @property
+    def values(self) -> Tensor:
+        return self[0]
+
+    @property
+    def indices(self) -> Tensor:
+        return self[1]
+
+
+def _seed(s: Session) -> int:
+    """A seed for a random op: from dx.manual_seed when set (reproducible), else 0 (fresh entropy)."""
+    if s.base_seed is None:
+        return 0
+    return (s.base_seed * 1_000_003 + next(s.seed_counter)) % (2**63 - 1) or 1
+
+
+def dtype_name(dtype: Any) -> str:
+    """A deepx precision name from a name, a numpy dtype, or a dx dtype constant."""
+    if isinstance(dtype, str):
+        to_numpy(dtype)
+        return dtype
+    name = getattr(dtype, "deepx_name", None)
+    if name is not None:
+        return str(name)
+    if dtype is float:
+        return DEFAULT_FLOAT
+    if dtype is int:
+        return DEFAULT_INT
+    if dtype is bool:
+        return "bool"
+    try:
+        return precision_of(np.dtype(dtype))
+    except TypeError:
+        raise DeepxError(f"unknown dtype {dtype!r}") from None
+
+
+def format_tensor(values: np.ndarray, dtype: str, requires_grad: bool = False) -> str:
+    """Values the way torch prints them: tensor([...]) with dtype shown when not the default."""
+    shown = values.astype(np.float32) if dtype in ("bfloat16", "float16") else values
+    with np.printoptions(precision=4, threshold=1000, edgeitems=3, linewidth=80, suppress=False):
+        body = np.array2string(shown, separator=", ", prefix="tensor(")
+    extra = ""
+    if dtype not in ("float32", "int64", "bool"):
+        extra += f", dtype=dx.{dtype}"
+    if requires_grad:
+        extra += ", requires_grad=True"
+    return f"tensor({body}{extra})"
+
+
+# ---------------------------------------------------------------- creation
+
+
+def _shape_args(shape: Sequence[Any]) -> Shape:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    out = tuple(int(d) for d in shape)
+    if any(d < 0 for d in out):
+        raise DeepxError(f"negative dimension in shape {list(out)}")
+    return out
+
+
+def _create(shape: Shape, dtype: str, requires_grad: bool = False) -> Tensor:
+    s = session()
+    t = Tensor(s.new_name(), shape, dtype, s, requires_grad)
+    s.record(Instr("newtensor", (_vec(shape),), (Param("tensor", (dtype,), t.name),)))
+    return t
+
+
+def empty(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return _create(_shape_args(shape), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, requires_grad)
+
+
+def zeros(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return empty(*shape, dtype=dtype, requires_grad=requires_grad)  # newtensor zero-fills
+
+
+def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    if dtype is None:
+        dtype = "bool" if isinstance(fill_value, bool) else DEFAULT_INT if isinstance(fill_value, int) else DEFAULT_FLOAT
+    t = empty(*(shape if isinstance(shape, (tuple, list)) else (shape,)), dtype=dtype, requires_grad=requires_grad)
+    if fill_value != 0:
+        t._s.record(Instr("constant", (_vp(fill_value),), (_tp(t),)))
+    return t
+
+
+def ones(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    return full(_shape_args(shape), 1, dtype=dtype or DEFAULT_FLOAT, requires_grad=requires_grad)
+
+
+def arange(start: Any, end: Any = None, step: Any = 1, dtype: Any = None) -> Tensor:
+    if end is None:
+        start, end = 0, start
+    n = builtins.max(0, math.ceil((end - start) / step))
+    if dtype is None:
+        dtype = DEFAULT_FLOAT if any(isinstance(v, float) for v in (start, end, step)) else DEFAULT_INT
+    t = empty(n, dtype=dtype)
+    t._s.record(Instr("arange", (_vp(start), _vp(step)), (_tp(t),)))
+    return t
+
+
+def linspace(start: float, end: float, steps: int, dtype: Any = None) -> Tensor:
+    step = (end - start) / (steps - 1) if steps > 1 else 0.0
+    t = empty(steps, dtype=dtype or DEFAULT_FLOAT)
+    t._s.record(Instr("arange", (_vp(float(start)), _vp(float(step))), (_tp(t),)))
+    return t
+
+
+def rand(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
+    return t.uniform_(0.0, 1.0)
+
+
+def randn(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
+    return t.normal_(0.0, 1.0)
+
+
+def randint(low: int, high: int | None = None, size: Any = (), dtype: Any = None) -> Tensor:
+    if high is None:
+        low, high = 0, low
+    u = rand(*_shape_args((size,) if isinstance(size, int) else tuple(size)), dtype="float64")
+    # floor(low + u * (high - low)) for u in [0, 1): truncation toward zero equals floor only for non-negatives
+    shifted = u * (high - low)
+    return shifted.type_as_dtype(dtype_name(dtype) if dtype else DEFAULT_INT) + low
+
+
+def zeros_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return zeros(t.shape, dtype=dtype or t.dtype)
+
+
+def ones_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return ones(t.shape, dtype=dtype or t.dtype)
+
+
+def full_like(t: Tensor, fill_value: Any, dtype: Any = None) -> Tensor:
+    return full(t.shape, fill_value, dtype=dtype or t.dtype)
+
+
+def empty_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return empty(t.shape, dtype=dtype or t.dtype)
+
+
+def rand_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return rand(t.shape, dtype=dtype or t.dtype)
+
+
+def randn_like(t: Tensor, dtype: Any = None) -> Tensor:
+    return randn(t.shape, dtype=dtype or t.dtype)
+
+
+def tensor(data: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+    """A tensor from a numpy array, a Python list or a scalar: its bytes are sent to the daemon."""
+    if isinstance(data, Tensor):
+        return data.detach()
+    if dtype is not None:
+        arr = np.asarray(data, dtype=to_numpy(dtype_name(dtype)))
+    else:
+        arr = np.asarray(data)
+        if arr.dtype == np.float64 and not isinstance(data, np.ndarray):
+            arr = arr.astype(np.float32)  # Python floats become float32, as in torch
+        elif arr.dtype.kind in "iu" and not isinstance(data, np.ndarray):
+            arr = arr.astype(np.int64)
+    dt = precision_of(arr.dtype)
+    s = session()
+    t = Tensor(s.new_name(), arr.shape, dt, s, requires_grad)
+    s.put(t.name, arr)
+    return t
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    return tensor(array)
+
+
+def as_tensor(data: Any, dtype: Any = None) -> Tensor:
+    return data if isinstance(data, Tensor) and dtype is None else tensor(data, dtype=dtype)
+
+
+# ---------------------------------------------------------------- functions with several tensors
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    dt = promote(a.dtype, b.dtype)
+    a, b = a.type_as_dtype(dt), b.type_as_dtype(dt)
+    squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1
+    if squeeze_a:
+        a = a.reshape(1, -1)
+    if squeeze_b:
+        b = b.reshape(-1, 1)
+    meta = a._infer("matmul", [TensorMeta(a.shape, a.dtype), TensorMeta(b.shape, b.dtype)], [a.name, b.name])
+    if a._s.transport.explicit_broadcast and a.shape[:-2] != b.shape[:-2]:
+        a = a.expand(*meta.shape[:-2], *a.shape[-2:])
+        b = b.expand(*meta.shape[:-2], *b.shape[-2:])
+    out = a._op("matmul", (_tp(a), _tp(b)), meta.shape, dt, [a, b])
+    if squeeze_a:
+        out = out.squeeze(-2)
+    if squeeze_b:
+        out = out.squeeze(-1)
+    return out
+
+
+def where(cond: Tensor, x: Any, y: Any) -> Tensor:
+    """where(c, x, y) arrives as switch([y x], c), as deepxIR writes it."""
+    if not isinstance(x, Tensor) and not isinstance(y, Tensor):
+        raise DeepxError("where: x or y must be a tensor")
+    ref = x if isinstance(x, Tensor) else y
+    dt = promote(x.dtype, y.dtype) if isinstance(x, Tensor) and isinstance(y, Tensor) else ref.dtype
+    if not isinstance(x, Tensor):
+        x = full((), x, dtype=dt)
+    if not isinstance(y, Tensor):
+        y = full((), y, dtype=dt)
+    x, y = x.type_as_dtype(dt), y.type_as_dtype(dt)
+    if cond.dtype not in ("bool", "int32"):
+        cond = cond.bool()
+    shape = broadcast("where", cond.shape, x.shape, y.shape, names=[cond.name, x.name, y.name])
+    if ref._s.transport.explicit_broadcast:
+        cond, x, y = cond.expand(shape), x.expand(shape), y.expand(shape)
+    return ref._op("switch", (Param("listtensor", (dt,), (y.name, x.name)), _tp(cond)), shape, dt, [x, y])
+
+
+def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    if not tensors:
+        raise DeepxError("cat: the list of tensors is empty")
+    dt = tensors[0].dtype
+    for t in tensors[1:]:
+        dt = promote(dt, t.dtype)
+    ts = [t.type_as_dtype(dt) for t in tensors]
+    first = ts[0]
+    meta = first._infer("concat", [[TensorMeta(t.shape, t.dtype) for t in ts], int(dim)], [[t.name for t in ts], None])
+    return first._op("concat", (Param("listtensor", (dt,), tuple(t.name for t in ts)), _vp(int(dim))), meta.shape,
+                     dt, ts)
+
+
+concat = cat
+
+
+def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    if not tensors:
+        raise DeepxError("stack: the list of tensors is empty")
+    d = norm_dim("stack", dim, tensors[0].ndim + 1)
+    return cat([t.unsqueeze(d) for t in tensors], d)
+
+
+def maximum(a: Tensor, b: Tensor) -> Tensor:
+    return a.maximum(b)
+
+
+def minimum(a: Tensor, b: Tensor) -> Tensor:
+    return a.minimum(b)
