@@ -77,8 +77,11 @@ def cuda_available() -> bool:
 
 
 def default_roles() -> list[str]:
+    """Every role this machine can run: op-cuda only where its worker is built and a GPU answers."""
+    import importlib.util
+
     roles = ["registry", "heapmem", "scheduler", "op-cpu"]
-    if cuda_available():
+    if importlib.util.find_spec("deepxd.actors.opcuda") is not None and cuda_available():
         roles.append("op-cuda")
     return roles
 
