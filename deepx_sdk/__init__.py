@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from deepx_sdk.errors import DeepxError, DeepxParseError
+from deepx_sdk.io import load, save
 from deepx_sdk.session import Session, connect, disconnect, session
 from deepx_sdk.tensor import (
     Tensor,
@@ -112,5 +113,5 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
 
 __all__ = ["DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange", "as_tensor", "cat",
            "concat", "connect", "disconnect", "empty", "empty_like", "from_numpy", "full", "full_like", "linspace",
-           "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like",
-           "randint", "randn", "randn_like", "session", "stack", "sync", "tensor", "where", "zeros", "zeros_like"]
+           "load", "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like",
+           "randint", "randn", "randn_like", "save", "session", "stack", "sync", "tensor", "where", "zeros", "zeros_like"]

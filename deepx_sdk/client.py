@@ -40,9 +40,14 @@ class RunReply:
     error: str | None
     error_index: int
     t0: float
-    times_us: np.ndarray  # (start, end) per instruction that ran, microseconds after t0
+    times: bytes  # float64 (start, end) per instruction that ran, microseconds after t0
     output: list[str] = field(default_factory=list)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def times_us(self) -> np.ndarray:
+        """(start, end) of each instruction that ran, microseconds after t0."""
+        return np.frombuffer(self.times, dtype=np.float64).reshape(-1, 2)
 
     def raise_for_error(self) -> RunReply:
         if not self.ok:
@@ -82,7 +87,11 @@ class NativeClient:
     # -- frames
     def send_frame(self, obj: dict[str, Any]) -> None:
         body = msgpack.packb(obj, use_bin_type=True)
-        self.sock.sendall(_HEADER.pack(len(body)) + body)
+        if len(body) < 65536:
+            self.sock.sendall(_HEADER.pack(len(body)) + body)
+        else:  # large frames (tensor data): no concatenated copy
+            self.sock.sendall(_HEADER.pack(len(body)))
+            self.sock.sendall(body)
 
     def _recv_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -97,8 +106,19 @@ class NativeClient:
 
     def recv_frame(self) -> dict[str, Any]:
         try:
-            (n,) = _HEADER.unpack(self._recv_exact(4))
-            return msgpack.unpackb(self._recv_exact(n), raw=False, strict_map_key=False)
+            # most replies arrive whole in one read: take what is there, then read exactly the rest
+            first = self.sock.recv(65536)
+            if not first:
+                raise DeepxError(f"deepxd at unix://{self.path} closed the connection")
+            if len(first) < 4:
+                first += bytes(self._recv_exact(4 - len(first)))
+            (n,) = _HEADER.unpack_from(first)
+            body = first[4:]
+            if len(body) < n:
+                body += bytes(self._recv_exact(n - len(body)))
+            elif len(body) > n:
+                raise DeepxError("deepxd sent more than one reply for one request")
+            return msgpack.unpackb(body, raw=False, strict_map_key=False)
         except OSError as e:
             raise DeepxError(f"lost the connection to deepxd at unix://{self.path}: {e}") from None
 
@@ -124,10 +144,11 @@ class NativeClient:
     def run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunReply:
         r = self.request("run", program=[pack_instr_cached(i) for i in program], fetch=list(fetch))
         if "done" not in r:  # refused before reaching the scheduler (a malformed program)
-            return RunReply(False, 0, r.get("error"), -1, 0.0, np.zeros((0, 2)))
+            return RunReply(False, 0, r.get("error"), -1, 0.0, b"")
+        tensors = r.get("tensors")
         return RunReply(bool(r["ok"]), r["done"], r.get("error"), r.get("error_index", -1), r.get("t0", 0.0),
-                        np.frombuffer(r.get("times", b""), dtype=np.float64).reshape(-1, 2), r.get("output", []),
-                        {k: decode_tensor(v) for k, v in (r.get("tensors") or {}).items()})
+                        r.get("times", b""), r.get("output", []),
+                        {k: decode_tensor(v) for k, v in tensors.items()} if tensors else {})
 
     def fetch(self, *names: str) -> dict[str, np.ndarray]:
         r = self.request("fetch", names=list(names))

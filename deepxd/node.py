@@ -8,6 +8,7 @@ file is removed. The first SIGINT/SIGTERM starts that; a second forces the exit.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -43,6 +44,7 @@ class Node:
         except BaseException:
             await self.shutdown()
             raise
+        gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         log.info("deepxd node %s up: roles %s, listening on %s%s, storage %s", c.node_id, ",".join(c.roles),
                  c.listen, "" if c.udp == "off" else f" and udp://{c.udp}", c.kv)
         self.started.set()

@@ -922,8 +922,13 @@ def check_program(instrs: Iterable[Instr], env: Env, cache: BindCache | None = N
     """Check every instruction in order, as the program would run, before any runs.
 
     Raises ProgramError ("instruction 3: add: ...", with .index) for the first bad one."""
-    sym = SymbolicEnv(base=env)
     bind_one = cache.bind if cache is not None else bind
+    if len(instrs) == 1 if isinstance(instrs, (list, tuple)) else False:
+        try:  # one instruction: nothing runs before it, so the live state is the state it runs on
+            return [bind_one(instrs[0], env)]  # type: ignore[index]
+        except DeepxError as e:
+            raise ProgramError(f"instruction 1: {e}", 0) from None
+    sym = SymbolicEnv(base=env)
     bound = []
     for i, instr in enumerate(instrs):
         try:

@@ -59,6 +59,7 @@ class CpuWorker(Actor):
         self.ex = CpuExecutor(io_roots=io_roots, output=self._print)
         self.heapmem = heapmem
         self.heap: dict[str, np.ndarray] = {}  # heap tensor name -> its shared-memory view
+        self.heap_held: set[str] = set()  # heap tensors this worker holds a reference to (others only view)
         self.inline_elements = inline_elements
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
@@ -92,8 +93,9 @@ class CpuWorker(Actor):
             await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, bounds, result, heap_new)
         else:
             self._execute(bounds, result, heap_new)
-        for i, name in ((i, str(bounds[i].out_names[0])) for i in heap_new if i >= result.done):
-            self.heap.pop(name, None)  # never reached: give the segment back
+        for name in (str(bounds[i].out_names[0]) for i in heap_new if i >= result.done):
+            self.heap.pop(name, None)
+            self.heap_held.discard(name)  # never reached: give the segment back
             if self.heapmem is not None:
                 await self.heapmem.ask("delete", name=name, force=True)
         for b in bounds[: result.done]:
@@ -118,6 +120,7 @@ class CpuWorker(Actor):
                     continue
                 await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,
                                        owner=self.name, zero=True)
+                self.heap_held.add(name)
                 out[i] = await self.heapmem.ask("array", name=name)
         return out
 
@@ -192,7 +195,10 @@ class CpuWorker(Actor):
                                    "renamed", i)
 
     async def _forget_heap(self, name: str) -> None:
-        if self.heap.pop(name, None) is not None and self.heapmem is not None:
+        """deltensor of a heap tensor: drop the view, and this worker's reference if it holds one (an owner's
+        reference keeps the tensor alive until the owner releases it)."""
+        if self.heap.pop(name, None) is not None and name in self.heap_held and self.heapmem is not None:
+            self.heap_held.discard(name)
             try:
                 await self.heapmem.ask("release", name=name, holder=self.name)
             except DeepxError as e:
@@ -228,10 +234,13 @@ class CpuWorker(Actor):
                 try:
                     await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype,
                                            owner=owner or self.name, zero=False)
+                    if not owner or owner == self.name:
+                        self.heap_held.add(name)
                 except DeepxError as e:
                     if "exists" not in str(e):
                         raise
                     await self.heapmem.ask("attach", name=name, holder=self.name)
+                    self.heap_held.add(name)
                 view = await self.heapmem.ask("array", name=name)
                 self.heap[name] = view
             view = self.heap[name]
@@ -248,6 +257,7 @@ class CpuWorker(Actor):
         if self.heapmem is None:
             raise DeepxError("no heapmem role runs on this node")
         info = await self.heapmem.ask("attach", name=name, holder=self.name)
+        self.heap_held.add(name)
         view = await self.heapmem.ask("array", name=name)
         self.heap[name] = view
         self.ex.tensors[name] = view

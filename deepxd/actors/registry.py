@@ -175,7 +175,7 @@ class Registry(Actor):
 
     async def on_graphs(self) -> list[dict[str, Any]]:
         """The stored programs (`graph:<name>` strings) as they are: name and msgpack bytes."""
-        rows = []
+        rows: list[dict[str, Any]] = []
         for key in await self.kv.keys("graph:*"):
             try:
                 data = await self.kv.get(key)
@@ -188,38 +188,44 @@ class Registry(Actor):
 
     async def on_delete(self, name: str, force: bool = False) -> dict[str, Any]:
         """Free tensor `name` of this node: a stack tensor at once; a heap tensor only while at most one reference
-        is held (refcount <= 1), unless force. The workers drop their view first, then heapmem frees the memory."""
+        is held (refcount <= 1), unless force. A forced heap tensor is freed in heapmem first, so that memory others
+        still map is unlinked rather than pooled; then the workers drop their views."""
         heap: dict[str, Any] | None = None
         if self.heapmem is not None:
             try:
                 heap = await self.heapmem.ask("info", name=name)
             except DeepxError:
                 heap = None
-        holding = [(w, ref) for w, ref in self.workers.items()
-                   if any(row["name"] == name for row in await ref.ask("tensors"))]
+        holding: dict[str, int] = {}  # worker -> bytes of its view
+        for worker, ref in self.workers.items():
+            for row in await ref.ask("tensors"):
+                if row["name"] == name:
+                    holding[worker] = int(row["bytes"])
         if heap is None and not holding:
             other = await self.kv.hgetall(f"tensor:{name}")
             if other and other.get("node") != self.node_id:
                 raise DeepxError(f"delete: tensor {name!r} lives on node {other.get('node')}, not {self.node_id}; "
                                  "ask that node's deepxd")
             raise DeepxError(f"delete: no tensor named {name!r} on node {self.node_id}")
-        if heap is not None and int(heap["refcount"]) > 1 and not force:
+        shared = heap is not None and int(heap["refcount"]) > 1
+        if shared and not force:
+            assert heap is not None
             raise DeepxError(f"delete: heap tensor {name!r} is still referenced {heap['refcount']} times (held by "
                              f"{', '.join(heap['holders']) or 'unnamed holders'}); release it first, or force")
-        kind = "heap" if heap is not None else "stack"
-        nbytes = int(heap["bytes"]) if heap is not None else 0
-        for worker, ref in holding:
-            rows = [row for row in await ref.ask("tensors") if row["name"] == name]
-            nbytes = nbytes or int(rows[0]["bytes"]) if rows else nbytes
-            result = await ref.ask("run", program=[Instr("deltensor", (), (Param.tensor(name),))])
+        if shared and self.heapmem is not None:
+            await self.heapmem.ask("delete", name=name, force=True)
+        for worker in holding:
+            result = await self.workers[worker].ask("run", program=[Instr("deltensor", (), (Param.tensor(name),))])
             if result.error:
                 raise DeepxError(f"delete: {worker} could not free {name!r}: {result.error}")
-        if heap is not None and self.heapmem is not None:
+        if heap is not None and not shared and self.heapmem is not None:
             try:
                 await self.heapmem.ask("info", name=name)
             except DeepxError:
-                pass  # freed when the worker released the last reference
+                pass  # freed already: the worker released the last reference
             else:
-                await self.heapmem.ask("delete", name=name, force=True)
-        log.info("registry: deleted %s tensor %r (%d bytes)%s", kind, name, nbytes, " by force" if force else "")
-        return {"name": name, "kind": kind, "bytes": nbytes, "node": self.node_id, "forced": bool(force)}
+                await self.heapmem.ask("delete", name=name)
+        nbytes = int(heap["bytes"]) if heap is not None else max(holding.values())
+        kind = "heap" if heap is not None else "stack"
+        log.info("registry: deleted %s tensor %r (%d bytes)%s", kind, name, nbytes, " by force" if shared else "")
+        return {"name": name, "kind": kind, "bytes": nbytes, "node": self.node_id, "forced": shared}

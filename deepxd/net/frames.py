@@ -11,7 +11,9 @@ fields or `error`. Tensor bytes travel as msgpack bin. No pickle.
 |         | objects, or each msgpack-packed as bin)          |                                               |
 | fetch   | names                                            | tensors {name: {dtype, shape, data}}          |
 | put     | name, dtype, shape, data, heap (bool)            | -                                             |
-| admin   | what (tensors, ops, nodes, actors, memory, ...)  | result                                        |
+| delete  | name, force                                      | tensor                                        |
+| admin   | what (tensors, ops, nodes, actors, memory,       | result                                        |
+|         | graphs, config)                                  |                                               |
 """
 
 from __future__ import annotations

@@ -21,7 +21,12 @@ def _acc(a: np.ndarray):
 
 
 def _dims(a, dims):
-    return tuple(d % a.ndim for d in dims) if len(dims) else None
+    if not dims:
+        return None
+    for d in dims:
+        if d < 0:
+            return tuple(x % a.ndim for x in dims)
+    return dims
 
 
 def sum(a, dims, keepdims, out):
