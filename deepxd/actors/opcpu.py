@@ -88,7 +88,8 @@ class CpuWorker(Actor):
         except ProgramError as e:
             result.error, result.error_index = str(e), e.index
             return result
-        heap_new = await self._heap_tensors_to_create(bounds)
+        heap_new = (await self._heap_tensors_to_create(bounds)
+                    if any(b.instr.meta and b.op.name == "newtensor" for b in bounds) else {})
         if self._heavy(bounds):
             await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, bounds, result, heap_new)
         else:
@@ -98,9 +99,10 @@ class CpuWorker(Actor):
             self.heap_held.discard(name)  # never reached: give the segment back
             if self.heapmem is not None:
                 await self.heapmem.ask("delete", name=name, force=True)
-        for b in bounds[: result.done]:
-            if b.op.name == "deltensor":
-                await self._forget_heap(str(b.out_names[0]))
+        if self.heap:
+            for b in bounds[: result.done]:
+                if b.op.name == "deltensor":
+                    await self._forget_heap(str(b.out_names[0]))
         result.output = self._output
         if not result.error:
             result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
