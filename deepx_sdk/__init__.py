@@ -71,8 +71,10 @@ def sync() -> None:
 
 def manual_seed(seed: Any) -> None:
     """Make random ops (rand, randn, dropout, init) reproducible from here on."""
+    import builtins
+
     s = session()
-    s.base_seed = int(seed)
+    s.base_seed = builtins.int(seed)
     import itertools
 
     s.seed_counter = itertools.count(1)

@@ -76,8 +76,12 @@ def _plan(t: Tensor, items: list[Any]) -> tuple[list[int], list[int], list[int],
 
 
 def getitem(t: Tensor, index: Any) -> Tensor:
-    from deepx_sdk.tensor import Tensor, _tp, _vec, tensor
+    import numpy as np
 
+    from deepx_sdk.tensor import Tensor, _tp, _vec, tensor, where
+
+    if _is_mask(index):
+        index = tensor(index)
     if isinstance(index, Tensor) and index.dtype == "bool":
         return _mask(t, index)
     items = _expand(t, index)
@@ -87,9 +91,14 @@ def getitem(t: Tensor, index: Any) -> Tensor:
         sliced_shape = tuple(len(range(b, e, s)) for b, e, s in zip(starts, ends, steps))
         out = t._op("slice", (_tp(t), _vec(starts), _vec(ends), _vec(steps)), sliced_shape, t.dtype, [t])
     if tix is not None:
-        pos, dim, idx = tix
+        _, dim, idx = tix
         if not isinstance(idx, Tensor):
+            idx = np.asarray(idx)
+            if idx.dtype.kind in "iu":
+                idx = np.where(idx < 0, idx + t.shape[dim], idx)  # torch counts negative indices from the end
             idx = tensor(idx)
+        elif idx.dtype in ("int64", "int32"):
+            idx = where(idx < 0, idx + t.shape[dim], idx)
         if idx.dtype == "bool":
             raise DeepxError("a boolean mask must be the only index")
         if idx.dtype not in ("int64", "int32"):
@@ -107,6 +116,15 @@ def getitem(t: Tensor, index: Any) -> Tensor:
     return out.reshape(final_shape) if final_shape != out.shape else out
 
 
+def _is_mask(index: Any) -> bool:
+    """A numpy bool array, or a list of Python bools: a mask, as torch takes them."""
+    import numpy as np
+
+    if isinstance(index, np.ndarray):
+        return index.dtype == np.bool_
+    return isinstance(index, list) and bool(index) and all(isinstance(i, bool) for i in index)
+
+
 def _mask(t: Tensor, mask: Tensor) -> Tensor:
     import numpy as np
 
@@ -121,11 +139,16 @@ def _mask(t: Tensor, mask: Tensor) -> Tensor:
 
 
 def setitem(t: Tensor, index: Any, value: Any) -> None:
-    from deepx_sdk.tensor import Tensor, _tp, _vec, full, where
+    from deepx_sdk.tensor import Tensor, _tp, _vec, full, tensor, where
 
+    if _is_mask(index):
+        index = tensor(index)
     if isinstance(index, Tensor) and index.dtype == "bool":
-        if index.shape != t.shape:
-            raise DeepxError(f"a mask assignment needs a mask of shape {t.shape}, got {index.shape}")
+        if index.shape != t.shape[:index.ndim]:
+            raise DeepxError(f"a mask assignment needs a mask of shape {t.shape} or of its leading dims, got "
+                             f"{index.shape}")
+        if index.ndim < t.ndim:
+            index = index.reshape(index.shape + (1,) * (t.ndim - index.ndim))
         t._assign(where(index, value if isinstance(value, Tensor) else full((), value, dtype=t.dtype), t))
         return
     items = _expand(t, index)
@@ -136,10 +159,13 @@ def setitem(t: Tensor, index: Any, value: Any) -> None:
     if not isinstance(value, Tensor):
         value = full((), value, dtype=t.dtype)
     value = value.type_as_dtype(t.dtype)
-    if value.shape != target:
-        lead = [d for d in value.shape]
-        while lead and lead[0] == 1 and len(lead) > len(target):
+    view = tuple(1 if d == -1 else d for d in shape)  # the shape of t[index], which value broadcasts to
+    if value.shape != view:
+        lead = list(value.shape)
+        while lead and lead[0] == 1 and len(lead) > len(view):
             lead.pop(0)
         value = value.reshape(tuple(lead)) if tuple(lead) != value.shape else value
-        value = value.expand(target)
+        value = value.expand(view)
+    if value.shape != target:
+        value = value.reshape(target)
     t._s.record(Instr("sliceassign", (_tp(t), _vec(starts), _vec(ends), _vec(steps), _tp(value)), (_tp(t),)))

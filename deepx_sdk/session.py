@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.text import format_text
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class EmbeddedTransport(Transport):
         from deepx_sdk.ir.dtypes import from_numpy
 
         a = np.ascontiguousarray(array)
-        self._call(self.node.ref("op-cpu").ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(a.shape),
+        self._call(self.node.ref("op-cpu").ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(array.shape),
                                                data=a.reshape(-1).view(np.uint8).data, heap=heap))
 
     def close(self) -> None:
@@ -222,6 +223,13 @@ class Session:
         self.grad_enabled = True
         self.seed_counter = itertools.count(1)
         self.base_seed: int | None = None
+        # names numbered above _mark were made since the last flush; _lost: tensors whose creating instruction never
+        # ran (a program failed before it), which Python must not delete
+        self._mark = -1
+        self._lost: set[str] = set()
+        # (name, dtype) of handles Python collected: appended without a lock (garbage collection runs in any thread,
+        # the embedded daemon's too, while another holds the lock), sent as deltensor with the next program
+        self.collected: collections.deque[tuple[str, str]] = collections.deque()
 
     def new_name(self) -> str:
         return f"{self._prefix}{next(self._names)}"
@@ -238,15 +246,36 @@ class Session:
                 self._flush((), raise_now=False)
 
     def record_quiet(self, instr: Instr) -> None:
-        """Append without looking for the user's line (deltensor from garbage collection)."""
+        """Append without looking for the user's line."""
         with self._lock:
             self.pending.append(instr)
+            self.origins.append(None)
+
+    def _drain_collected(self) -> None:
+        """deltensor for each collected handle, except those whose tensor never came to exist."""
+        collected, lost = self.collected, self._lost
+        while collected:
+            try:
+                name, dtype = collected.popleft()
+            except IndexError:
+                break
+            if lost and name in lost:
+                lost.discard(name)
+                continue
+            self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
             self.origins.append(None)
 
     def sync(self, fetch: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """Send what is pending (with `fetch` read back); raise the first error since the last sync."""
         with self._lock:
-            out = self._flush(fetch, raise_now=True)
+            try:
+                out = self._flush(fetch, raise_now=True)
+            except DeepxError:
+                if self.error is None:
+                    raise
+                # an earlier flush (past max_pending) failed first: that is the cause; this one followed from it
+                err, self.error = self.error, None
+                raise err from None
             if self.error is not None:
                 err, self.error = self.error, None
                 raise err
@@ -255,13 +284,18 @@ class Session:
     def _flush(self, fetch: Sequence[str], raise_now: bool) -> dict[str, np.ndarray]:
         if self.closed:
             raise DeepxError("this deepx session is closed; call dx.connect() again")
+        if self.collected:
+            self._drain_collected()
         if not self.pending and not fetch:
             return {}
         program, origins = self.pending, self.origins
         self.pending, self.origins = [], []
+        mark, self._mark = self._mark, next(self._names)
         if fetch and not self.transport.can_read:
             self.transport.run(program, ())
-            raise DeepxError(f"cannot read tensor values over {getattr(self.transport, 'address', '?')}")
+            raise DeepxError(f"cannot read tensor values over {getattr(self.transport, 'address', '?')}: deepxIR over "
+                             "UDP has no way back for data; connect to a deepxd over unix:// (or embedded) to read "
+                             "values")
         try:
             outcome = self.transport.run(program, fetch)
         except DeepxError as e:
@@ -269,12 +303,36 @@ class Session:
         for line in outcome.output:
             sys.stdout.write(line + "\n")
         if not outcome.ok:
+            self._forget_unrun(program, outcome.done, mark)
             err = self._error(outcome, program, origins)
             if raise_now:
                 raise err
             if self.error is None:
                 self.error = err
         return outcome.tensors
+
+    def _forget_unrun(self, program: list[Instr], done: int, mark: int) -> None:
+        """Instructions from `done` on did not run: the tensors they would have made do not exist (Python must not
+        delete them when it collects their handles), and the deletions among them did not happen (sent again)."""
+        made = {p.value for instr in program[:done] for p in instr.returns if p.category == "tensor"}
+        prefix, n = self._prefix, len(self._prefix)
+        unrun_deletes = []
+        for instr in program[done:]:
+            if instr.name == "deltensor":
+                unrun_deletes.append(instr)
+                continue
+            for p in instr.returns:
+                name = p.value
+                if (p.category == "tensor" and isinstance(name, str) and name.startswith(prefix) and name not in made
+                        and name[n:].isdigit() and int(name[n:]) > mark):
+                    self._lost.add(name)
+        for instr in unrun_deletes:
+            name = instr.returns[0].value
+            if name in self._lost:
+                self._lost.discard(name)
+            else:
+                self.pending.append(instr)
+                self.origins.append(None)
 
     def _error(self, outcome: Outcome, program: list[Instr], origins: list[Any]) -> DeepxError:
         i = outcome.error_index

@@ -48,6 +48,21 @@ def promote(a: str, b: str) -> str:
     return a if _INT_RANK.get(a, 0) >= _INT_RANK.get(b, 0) else b
 
 
+_BOOL_AS_INT8 = frozenset({"add", "mul", "max", "min"})
+
+
+_CATEGORY = {**dict.fromkeys(_INT_RANK, 1), **dict.fromkeys(_FLOAT_RANK, 2), "bool": 0}
+
+
+def result_type(a: Tensor, b: Tensor) -> str:
+    """torch.result_type for two tensors: a 0-d tensor next to a dimensioned one counts only when its category (bool,
+    integer, floating) is higher, as torch has it."""
+    if (a.ndim == 0) == (b.ndim == 0):
+        return promote(a.dtype, b.dtype)
+    dim, zero = (a, b) if b.ndim == 0 else (b, a)
+    return zero.dtype if _CATEGORY.get(zero.dtype, 2) > _CATEGORY.get(dim.dtype, 2) else dim.dtype
+
+
 def scalar_dtype(t: str, s: Any) -> str:
     """The dtype of `tensor op python-scalar` (a scalar never widens a tensor of its own kind)."""
     if isinstance(s, bool):
@@ -86,10 +101,10 @@ class Tensor:
         self.grad_fn: Any = None
 
     def __del__(self) -> None:
-        s = self._s
+        s = getattr(self, "_s", None)  # a half-built tensor (copy, unpickling) has no session
         if s is not None and not s.closed:
             try:
-                s.record_quiet(Instr("deltensor", (), (Param("tensor", (self.dtype,), self.name),)))
+                s.collected.append((self.name, self.dtype))  # never blocks: collection runs in any thread
             except Exception:  # interpreter shutdown
                 pass
 
@@ -183,7 +198,7 @@ class Tensor:
 
     # -- dtype
     def to(self, dtype: Any = None, *args: Any, **kwargs: Any) -> Tensor:
-        if isinstance(dtype, str) and dtype in ("cpu", "cuda", "deepx") or dtype is None:
+        if (isinstance(dtype, str) and dtype in ("cpu", "cuda", "deepx")) or dtype is None:
             dtype = kwargs.get("dtype")
             if dtype is None:
                 return self
@@ -228,9 +243,13 @@ class Tensor:
 
     def _binary(self, op: str, other: Any, scalar_op: str, rscalar_op: str | None = None,
                 reverse: bool = False, floating: bool = False) -> Tensor:
+        if self.dtype == "bool" and op in _BOOL_AS_INT8 and (
+                other.dtype == "bool" if isinstance(other, Tensor) else isinstance(other, (bool, np.bool_))):
+            # torch: bool + bool is logical or, bool * bool logical and; the kernels have no bool arithmetic
+            return self.type_as_dtype("int8")._binary(op, other, scalar_op, rscalar_op, reverse).bool()
         if isinstance(other, Tensor):
             a, b = (other, self) if reverse else (self, other)
-            dt = promote(a.dtype, b.dtype)
+            dt = result_type(a, b)
             if floating and dt not in _FLOAT_RANK:
                 dt = DEFAULT_FLOAT
             a, b = a.type_as_dtype(dt), b.type_as_dtype(dt)
@@ -243,6 +262,7 @@ class Tensor:
         dt = scalar_dtype(self.dtype, other)
         if floating and dt not in _FLOAT_RANK:
             dt = DEFAULT_FLOAT
+        other = _number(other)
         a = self.type_as_dtype(dt)
         if reverse:
             if rscalar_op is None:
@@ -309,7 +329,9 @@ class Tensor:
     # -- comparisons
     def _compare(self, op: str, other: Any, scalar_op: str) -> Tensor:
         if isinstance(other, Tensor):
-            dt = promote(self.dtype, other.dtype)
+            dt = result_type(self, other)
+            if dt == "bool" and op not in ("equal", "notequal"):
+                dt = "int8"  # less and greater have no bool kernels
             a, b = self.type_as_dtype(dt), other.type_as_dtype(dt)
             shape = broadcast(op, a.shape, b.shape, names=[a.name, b.name])
             args: tuple[Param, ...] = (_tp(a), _tp(b))
@@ -320,7 +342,7 @@ class Tensor:
             other = other.item()
         scalar_dtype(self.dtype, other)
         a = self.type_as_dtype(DEFAULT_FLOAT) if self.dtype == "bool" and op not in ("equal", "notequal") else self
-        args = (_tp(a), _vp(other))
+        args = (_tp(a), _vp(_number(other)))
         if scalar_op in ("equalscalar", "notequalscalar"):
             args += (_vp(0),)
         return self._op(scalar_op, args, self.shape, "bool", [])
@@ -412,7 +434,7 @@ class Tensor:
     def pow(self, e: Any) -> Tensor:
         return self ** e
 
-    def clamp(self, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002 (torch's names)
+    def clamp(self, min: Any = None, max: Any = None) -> Tensor:  # torch's names, shadowing builtins
         out = self
         if min is not None:
             out = out._binary("max", min, "maxscalar")
@@ -451,8 +473,8 @@ class Tensor:
 
     def _reduce(self, op: str, dim: Any, keepdim: bool, dtype: str | None = None) -> Tensor:
         a = self.type_as_dtype(dtype) if dtype else self
-        if op == "sum" and a.dtype in ("bool", "int8", "int16", "int32"):
-            a = a.type_as_dtype("int64")  # torch sums small integers in int64
+        if op in ("sum", "prod") and a.dtype in ("bool", "int8", "int16", "int32"):
+            a = a.type_as_dtype("int64")  # torch sums and multiplies small integers in int64
         dims = self._dims(dim)
         meta = self._infer(op, [TensorMeta(a.shape, a.dtype), dims, keepdim], [a.name, None, None])
         return a._op(op, (_tp(a), _vec(dims), _vp(bool(keepdim))), meta.shape, meta.dtype, [a])
@@ -469,7 +491,8 @@ class Tensor:
         count = numel(a.shape) if not dims else math.prod(a.shape[norm_dim("mean", d, a.ndim)] for d in dims)
         return a._reduce("sum", dim, keepdim) / count
 
-    def var(self, dim: Any = None, keepdim: bool = False, unbiased: bool = True, correction: int | None = None) -> Tensor:
+    def var(self, dim: Any = None, keepdim: bool = False, unbiased: bool = True,
+            correction: int | None = None) -> Tensor:
         a = self._unary_cast()
         dims = self._dims(dim)
         n = numel(a.shape) if not dims else math.prod(a.shape[norm_dim("var", d, a.ndim)] for d in dims)
@@ -563,11 +586,11 @@ class Tensor:
         return self.transpose(0, 1) if self.ndim == 2 else self
 
     @property
-    def T(self) -> Tensor:  # noqa: N802 (torch's name)
+    def T(self) -> Tensor:  # torch's name
         return self.permute(list(range(self.ndim))[::-1])
 
     @property
-    def mT(self) -> Tensor:  # noqa: N802 (torch's name)
+    def mT(self) -> Tensor:  # torch's name
         return self.transpose(-2, -1)
 
     def squeeze(self, dim: int | None = None) -> Tensor:
@@ -580,7 +603,7 @@ class Tensor:
 
     def unsqueeze(self, dim: int) -> Tensor:
         d = norm_dim("unsqueeze", dim, self.ndim + 1)
-        return self.reshape(self.shape[:d] + (1,) + self.shape[d:])
+        return self.reshape((*self.shape[:d], 1, *self.shape[d:]))
 
     def expand(self, *shape: Any) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -657,7 +680,7 @@ class Tensor:
         return self
 
     def fill_(self, value: Any) -> Tensor:
-        self._s.record(Instr("constant", (_vp(value),), (_tp(self),)))
+        self._s.record(Instr("constant", (_vp(_number(value)),), (_tp(self),)))
         return self
 
     def copy_(self, src: Tensor) -> Tensor:
@@ -715,16 +738,108 @@ def dtype_name(dtype: Any) -> str:
 
 
 def format_tensor(values: np.ndarray, dtype: str, requires_grad: bool = False) -> str:
-    """Values the way torch prints them: tensor([...]) with dtype shown when not the default."""
-    shown = values.astype(np.float32) if dtype in ("bfloat16", "float16") else values
-    with np.printoptions(precision=4, threshold=1000, edgeitems=3, linewidth=80, suppress=False):
-        body = np.array2string(shown, separator=", ", prefix="tensor(")
-    extra = ""
-    if dtype not in ("float32", "int64", "bool"):
-        extra += f", dtype=dx.{dtype}"
+    """Values the way torch prints them (torch/_tensor_str.py, default print options): tensor([...]) with the
+    dtype shown when it is not float32, int64 or bool."""
+    threshold, edgeitems, linewidth, precision = 1000, 3, 80, 4
+    a = np.asarray(values)
+    floating = dtype in FLOATS or dtype.startswith("float")
+    if floating and a.dtype != np.float64:
+        a = a.astype(np.float64)
+    indent = len("tensor(")
+    suffixes = []
+    if a.size == 0:
+        body = "[]"
+        if a.ndim != 1:
+            suffixes.append(f"size={tuple(a.shape)}")
+        if dtype != "float32":
+            suffixes.append(f"dtype=dx.{dtype}")
+    else:
+        summarize = a.size > threshold
+
+        def summarized(x: np.ndarray) -> np.ndarray:
+            if x.ndim == 0 or x.shape[0] <= 2 * edgeitems:
+                return x if x.ndim <= 1 else np.stack([summarized(y) for y in x]) if len(x) else x
+            if x.ndim == 1:
+                return np.concatenate((x[:edgeitems], x[-edgeitems:]))
+            return np.stack([summarized(y) for y in (*x[:edgeitems], *x[-edgeitems:])])
+
+        shown = (summarized(a) if summarize else a).reshape(-1)
+        fmt = _Formatter(shown, floating, precision)
+
+        def vector(x: np.ndarray, ind: int) -> str:
+            per_line = builtins.max(1, math.floor((linewidth - ind) / (fmt.width + 2)))
+            if summarize and x.shape[0] > 2 * edgeitems:
+                data = [*map(fmt.format, x[:edgeitems].tolist()), " ...", *map(fmt.format, x[-edgeitems:].tolist())]
+            else:
+                data = [fmt.format(v) for v in x.tolist()]
+            lines = [", ".join(data[i:i + per_line]) for i in range(0, len(data), per_line)]
+            return "[" + (",\n" + " " * (ind + 1)).join(lines) + "]"
+
+        def nd(x: np.ndarray, ind: int) -> str:
+            if x.ndim == 0:
+                return fmt.format(x.item())
+            if x.ndim == 1:
+                return vector(x, ind)
+            if summarize and x.shape[0] > 2 * edgeitems:
+                parts = [*(nd(x[i], ind + 1) for i in range(edgeitems)), "...",
+                         *(nd(x[i], ind + 1) for i in range(len(x) - edgeitems, len(x)))]
+            else:
+                parts = [nd(y, ind + 1) for y in x]
+            return "[" + ("," + "\n" * (x.ndim - 1) + " " * (ind + 1)).join(parts) + "]"
+
+        body = nd(a, indent)
+        if dtype not in ("float32", "int64", "bool"):
+            suffixes.append(f"dtype=dx.{dtype}")
     if requires_grad:
-        extra += ", requires_grad=True"
-    return f"tensor({body}{extra})"
+        suffixes.append("requires_grad=True")
+    out = ["tensor(" + body]
+    last = len(out[0]) - out[0].rfind("\n") + 1
+    for sfx in suffixes:
+        if last + len(sfx) + 2 > linewidth:
+            out.append(",\n" + " " * indent + sfx)
+            last = indent + len(sfx)
+        else:
+            out.append(", " + sfx)
+            last += len(sfx) + 2
+    return "".join(out) + ")"
+
+
+class _Formatter:
+    """torch's _Formatter: one width for every element; floats in int, fixed or scientific mode."""
+
+    def __init__(self, flat: np.ndarray, floating: bool, precision: int) -> None:
+        self.floating, self.precision = floating, precision
+        self.int_mode, self.sci_mode, self.width = True, False, 1
+        if not floating:
+            self.width = builtins.max([1, *(len(str(v)) for v in flat.tolist())])
+            return
+        vals = flat[np.isfinite(flat) & (flat != 0)]
+        if vals.size == 0:
+            return
+        absv = np.abs(vals)
+        lo, hi = absv.min(), absv.max()
+        self.int_mode = bool(np.all(vals == np.ceil(vals)))
+        self.sci_mode = bool(hi / lo > 1000.0 or hi > 1.0e8 or lo < 1.0e-4)
+        for v in vals.tolist():
+            if self.sci_mode:
+                n = len(f"{v:.{precision}e}")
+            elif self.int_mode:
+                n = len(f"{v:.0f}") + 1
+            else:
+                n = len(f"{v:.{precision}f}")
+            self.width = builtins.max(self.width, n)
+
+    def format(self, v: Any) -> str:
+        if self.floating:
+            if self.sci_mode:
+                r = f"{v:{self.width}.{self.precision}e}"
+            elif self.int_mode:
+                r = f"{v:.0f}" + ("" if math.isinf(v) or math.isnan(v) else ".")
+            else:
+                r = f"{v:.{self.precision}f}"
+        else:
+            r = str(v)
+        return (self.width - len(r)) * " " + r
 
 
 # ---------------------------------------------------------------- creation
@@ -756,11 +871,19 @@ def zeros(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor
 
 def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
     if dtype is None:
-        dtype = "bool" if isinstance(fill_value, bool) else DEFAULT_INT if isinstance(fill_value, int) else DEFAULT_FLOAT
+        dtype = ("bool" if isinstance(fill_value, bool) else DEFAULT_INT if isinstance(fill_value, int)
+                 else DEFAULT_FLOAT)
     t = empty(*(shape if isinstance(shape, (tuple, list)) else (shape,)), dtype=dtype, requires_grad=requires_grad)
     if fill_value != 0:
-        t._s.record(Instr("constant", (_vp(fill_value),), (_tp(t),)))
+        t._s.record(Instr("constant", (_vp(_number(fill_value)),), (_tp(t),)))
     return t
+
+
+def _number(value: Any) -> Any:
+    """A fill value as `constant` takes it: a number (True is 1)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return int(value) if isinstance(value, bool) else value
 
 
 def ones(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
@@ -798,6 +921,8 @@ def randn(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor
 def randint(low: int, high: int | None = None, size: Any = (), dtype: Any = None) -> Tensor:
     if high is None:
         low, high = 0, low
+    elif isinstance(high, (tuple, list)) and size == ():
+        low, high, size = 0, low, high  # torch's randint(high, size)
     u = rand(*_shape_args((size,) if isinstance(size, int) else tuple(size)), dtype="float64")
     # floor(low + u * (high - low)) for u in [0, 1): truncation toward zero equals floor only for non-negatives
     shifted = u * (high - low)
@@ -836,9 +961,9 @@ def tensor(data: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
         arr = np.asarray(data, dtype=to_numpy(dtype_name(dtype)))
     else:
         arr = np.asarray(data)
-        if arr.dtype == np.float64 and not isinstance(data, np.ndarray):
+        if arr.dtype == np.float64 and not isinstance(data, (np.ndarray, np.generic)):
             arr = arr.astype(np.float32)  # Python floats become float32, as in torch
-        elif arr.dtype.kind in "iu" and not isinstance(data, np.ndarray):
+        elif arr.dtype.kind in "iu" and not isinstance(data, (np.ndarray, np.generic)):
             arr = arr.astype(np.int64)
     dt = precision_of(arr.dtype)
     s = session()
@@ -880,14 +1005,20 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 def where(cond: Tensor, x: Any, y: Any) -> Tensor:
     """where(c, x, y) arrives as switch([y x], c), as deepxIR writes it."""
-    if not isinstance(x, Tensor) and not isinstance(y, Tensor):
-        raise DeepxError("where: x or y must be a tensor")
-    ref = x if isinstance(x, Tensor) else y
-    dt = promote(x.dtype, y.dtype) if isinstance(x, Tensor) and isinstance(y, Tensor) else ref.dtype
+    if isinstance(x, Tensor) and isinstance(y, Tensor):
+        dt = result_type(x, y)
+    elif isinstance(x, Tensor) or isinstance(y, Tensor):
+        dt = scalar_dtype(x.dtype, y) if isinstance(x, Tensor) else scalar_dtype(y.dtype, x)
+    else:
+        if isinstance(x, float) or isinstance(y, float):
+            dt = DEFAULT_FLOAT
+        else:
+            dt = "bool" if isinstance(x, bool) and isinstance(y, bool) else DEFAULT_INT
     if not isinstance(x, Tensor):
         x = full((), x, dtype=dt)
     if not isinstance(y, Tensor):
         y = full((), y, dtype=dt)
+    ref = x
     x, y = x.type_as_dtype(dt), y.type_as_dtype(dt)
     if cond.dtype not in ("bool", "int32"):
         cond = cond.bool()

@@ -95,8 +95,24 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
 
 
 def nll_loss(logp: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
-    """-logp[i, target[i]]: cross_entropy of log-probabilities equals it, since log_softmax(logp) == logp."""
-    return cross_entropy(logp, target, ignore_index=ignore_index, reduction=reduction)
+    """-input[i, target[i]], averaged over the targets that are not ignore_index (for any input: log-probabilities
+    or not)."""
+    from deepx_sdk.tensor import arange
+
+    if logp.ndim != 2:
+        raise DeepxError(f"nll_loss: input must be (batch, classes), got {logp.shape}")
+    if target.dtype not in ("int64", "int32"):
+        raise DeepxError(f"nll_loss: targets must be class indices (int64), got {target.dtype}")
+    if target.shape != logp.shape[:1]:
+        raise DeepxError(f"nll_loss: target of shape {target.shape} does not match input {logp.shape}")
+    logp = _float(logp)
+    red = _reduction(reduction)
+    picked = where(target.unsqueeze(-1) == arange(logp.shape[1]), logp, 0.0).sum(1)
+    valid = target != ignore_index
+    loss = where(valid, -picked, 0.0)
+    if red == "none":
+        return loss
+    return loss.sum() if red == "sum" else loss.sum() / valid.sum()
 
 
 def mse_loss(x: Tensor, y: Tensor, reduction: str = "mean") -> Tensor:
