@@ -52,14 +52,14 @@ __version__ = "0.1.0"
 
 # dtypes: the deepxIR precision names, so that `x.dtype == dx.float32` and `dtype=dx.int64` read as in torch
 float64 = double = "float64"
-float32 = float = "float32"  # noqa: A001
+float32 = float = "float32"
 float16 = half = "float16"
 bfloat16 = "bfloat16"
 int64 = long = "int64"
-int32 = int = "int32"  # noqa: A001
+int32 = int = "int32"
 int16 = short = "int16"
 int8 = "int8"
-bool = "bool"  # noqa: A001
+bool = "bool"
 float8_e5m2 = "float8e5m2"
 float8_e4m3fn = "float8e4m3"
 
@@ -116,4 +116,5 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
 __all__ = ["DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange", "as_tensor", "cat",
            "concat", "connect", "disconnect", "empty", "empty_like", "from_numpy", "full", "full_like", "linspace",
            "load", "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like",
-           "randint", "randn", "randn_like", "save", "session", "stack", "sync", "tensor", "where", "zeros", "zeros_like"]
+           "randint", "randn", "randn_like", "save", "session", "stack", "sync", "tensor", "where", "zeros",
+           "zeros_like"]
