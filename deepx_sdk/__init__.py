@@ -69,6 +69,12 @@ def sync() -> None:
     session().sync()
 
 
+def empty_cache() -> None:
+    """Free the temporaries the session keeps for reuse (a loop's results reuse the names, and the daemon's
+    buffers, of those Python collected; at most 16 per shape and dtype are kept)."""
+    session().empty_cache()
+
+
 def manual_seed(seed: Any) -> None:
     """Make random ops (rand, randn, dropout, init) reproducible from here on."""
     import builtins
@@ -114,7 +120,7 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
 __all__ = ["DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange", "as_tensor", "cat",
-           "concat", "connect", "disconnect", "empty", "empty_like", "from_numpy", "full", "full_like", "linspace",
+           "concat", "connect", "disconnect", "empty", "empty_cache", "empty_like", "from_numpy", "full", "full_like", "linspace",
            "load", "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like",
            "randint", "randn", "randn_like", "save", "session", "stack", "sync", "tensor", "where", "zeros",
            "zeros_like"]

@@ -229,7 +229,12 @@ class Session:
         self._lost: set[str] = set()
         # (name, dtype) of handles Python collected: appended without a lock (garbage collection runs in any thread,
         # the embedded daemon's too, while another holds the lock), sent as deltensor with the next program
-        self.collected: collections.deque[tuple[str, str]] = collections.deque()
+        self.collected: collections.deque[tuple[str, str, Any]] = collections.deque()
+        # names of collected temporaries kept for reuse, by (shape, dtype): the next result of that shape and dtype
+        # takes one, so a loop sends the same instructions every step (the daemon's checks are then cached, and
+        # it writes into the buffer it already has) and needs no deltensor at all
+        self.pool: dict[tuple[Any, str], list[str]] = {}
+        self.pool_per_shape = 16
 
     def new_name(self) -> str:
         return f"{self._prefix}{next(self._names)}"
@@ -253,17 +258,44 @@ class Session:
 
     def _drain_collected(self) -> None:
         """deltensor for each collected handle, except those whose tensor never came to exist."""
-        collected, lost = self.collected, self._lost
+        collected, lost, pool = self.collected, self._lost, self.pool
         while collected:
             try:
-                name, dtype = collected.popleft()
+                name, dtype, shape = collected.popleft()
             except IndexError:
                 break
             if lost and name in lost:
                 lost.discard(name)
                 continue
+            if shape is not None:
+                names = pool.get((shape, dtype))
+                if names is None:
+                    names = pool[(shape, dtype)] = []
+                if len(names) < self.pool_per_shape:
+                    names.append(name)
+                    continue
             self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
             self.origins.append(None)
+
+    def empty_cache(self) -> None:
+        """Delete the pooled temporaries (they are kept for reuse, at most pool_per_shape per shape and dtype)."""
+        with self._lock:
+            self._drain_collected()
+            for (_, dtype), names in self.pool.items():
+                for name in names:
+                    self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
+                    self.origins.append(None)
+            self.pool.clear()
+
+    def reuse_name(self, shape: Any, dtype: str) -> str:
+        """A name for a new result: a collected temporary's of the same shape and dtype when there is one."""
+        if self.collected:
+            with self._lock:
+                self._drain_collected()
+        names = self.pool.get((shape, dtype))
+        if names:
+            return names.pop()
+        return f"{self._prefix}{next(self._names)}"
 
     def sync(self, fetch: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """Send what is pending (with `fetch` read back); raise the first error since the last sync."""

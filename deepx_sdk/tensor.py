@@ -104,7 +104,9 @@ class Tensor:
         s = getattr(self, "_s", None)  # a half-built tensor (copy, unpickling) has no session
         if s is not None and not s.closed:
             try:
-                s.collected.append((self.name, self.dtype))  # never blocks: collection runs in any thread
+                # never blocks: collection runs in any thread. Plain results may have their name reused (pooled);
+                # parameters and other kinds are always deleted
+                s.collected.append((self.name, self.dtype, self.shape if type(self) is Tensor else None))
             except Exception:  # interpreter shutdown
                 pass
 
@@ -180,7 +182,7 @@ class Tensor:
 
     # -- recording helpers
     def _new(self, shape: Shape, dtype: str) -> Tensor:
-        return Tensor(self._s.new_name(), shape, dtype, self._s)
+        return Tensor(self._s.reuse_name(shape, dtype), shape, dtype, self._s)
 
     def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor]) -> Tensor:
         out = self._new(shape, dtype)

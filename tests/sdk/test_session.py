@@ -303,11 +303,13 @@ def test_loop_of_10000_iterations_keeps_the_tensor_count_flat():
             peak = max(peak, embedded_tensor_count())
     dx.sync()
     after = embedded_tensor_count()
-    assert after <= before + 4, f"{before} tensors before the loop, {after} after"
+    # collected temporaries are pooled for reuse (at most 16 per shape and dtype): flat, not growing
+    assert after <= before + 16, f"{before} tensors before the loop, {after} after"
     assert peak <= before + 20, f"{peak} tensors at the peak"
     assert z.shape == (16,)
     del y, z
     gc.collect()
+    dx.empty_cache()
     dx.sync()
     assert embedded_tensor_count() == before
 
@@ -325,9 +327,10 @@ def test_loop_against_deepxd_keeps_the_tensor_count_flat(deepxd):
             y = x * i + 1
             x2 = y.softmax(-1)
         dx.sync()
-        assert count() <= before + 3
+        assert count() <= before + 16  # at most 16 pooled temporaries per shape and dtype
         del y, x2
         gc.collect()
+        dx.empty_cache()
         dx.sync()
         assert count() == before
     dx.disconnect()
@@ -353,6 +356,7 @@ def test_collecting_a_tensor_in_another_thread_never_blocks():
         t.start()
         t.join(10)
         assert collected.is_set(), "gc.collect() in another thread blocked on the session"
+    dx.empty_cache()  # the collected name may have been pooled for reuse rather than deleted
     dx.sync()
     names = [r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))]
     assert name not in names
