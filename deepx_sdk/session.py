@@ -244,10 +244,12 @@ class Session:
         f = sys._getframe(1)
         while f is not None and f.f_code.co_filename.startswith(_SDK_DIR):
             f = f.f_back  # type: ignore[assignment]
-        with self._lock:
-            self.pending.append(instr)
-            self.origins.append((f.f_code, f.f_lineno) if f is not None else None)
-            if len(self.pending) >= self.max_pending:
+        # no lock: a session records from one thread (collection never records: it only queues names)
+        pending = self.pending
+        pending.append(instr)
+        self.origins.append((f.f_code, f.f_lineno) if f is not None else None)
+        if len(pending) >= self.max_pending:
+            with self._lock:
                 self._flush((), raise_now=False)
 
     def record_quiet(self, instr: Instr) -> None:
@@ -289,9 +291,23 @@ class Session:
 
     def reuse_name(self, shape: Any, dtype: str) -> str:
         """A name for a new result: a collected temporary's of the same shape and dtype when there is one."""
-        if self.collected:
-            with self._lock:
-                self._drain_collected()
+        collected = self.collected
+        if collected:
+            # the common case, lock-free: one collected temporary that goes to the pool
+            if len(collected) == 1 and not self._lost:
+                try:
+                    name, dt, shp = collected.popleft()
+                except IndexError:
+                    pass
+                else:
+                    names = self.pool.get((shp, dt)) if shp is not None else None
+                    if names is not None and len(names) < self.pool_per_shape:
+                        names.append(name)
+                    else:
+                        collected.appendleft((name, dt, shp))
+            if collected:
+                with self._lock:
+                    self._drain_collected()
         names = self.pool.get((shape, dtype))
         if names:
             return names.pop()

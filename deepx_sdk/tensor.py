@@ -187,9 +187,12 @@ class Tensor:
     def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor]) -> Tensor:
         out = self._new(shape, dtype)
         self._s.record(Instr(name, args, (Param("tensor", (dtype,), out.name),)))
-        if self._s.grad_enabled and any(t.requires_grad for t in inputs):
-            out.requires_grad = True
-            out.grad_fn = name
+        for t in inputs:
+            if t.requires_grad:
+                if self._s.grad_enabled:
+                    out.requires_grad = True
+                    out.grad_fn = name
+                break
         return out
 
     def _infer(self, name: str, args: list[Any], names: list[Any]) -> TensorMeta:
