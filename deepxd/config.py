@@ -36,6 +36,9 @@ class Config:
     restart_window_s: float = 60.0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    # compiler passes run on every program, in this order (deepxd/compiler); "off" alone: none
+    passes: list[str] = field(default_factory=lambda: ["simplify", "cse", "dce", "fuse"])
+    fuse_min_elements: int = 0  # fuse only ops whose result has at least this many elements
 
     def resolved(self) -> Config:
         """A copy with every default filled in and every value checked."""
@@ -57,6 +60,11 @@ class Config:
             raise DeepxError(f"max_frame_bytes: {c.max_frame_bytes} is too small (at least 1024)")
         if c.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise DeepxError(f"log_level: {c.log_level!r} must be debug, info, warning or error")
+        from deepxd.compiler.pipeline import check_passes
+
+        c.passes = check_passes(c.passes)
+        if c.fuse_min_elements < 0:
+            raise DeepxError(f"fuse_min_elements: {c.fuse_min_elements} must be >= 0")
         return c
 
     @property

@@ -68,7 +68,7 @@ class Node:
         if "op-cuda" in roles:
             raise DeepxError("op-cuda: the CUDA worker is not part of this build yet; start without it")
         if "scheduler" in roles:
-            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers))
+            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c))
         if "registry" in roles:
             addresses = {"unix": c.listen, **({"udp": c.udp} if c.udp != "off" else {})}
             self.refs["registry"] = self.supervisor.start(Registry(

@@ -26,6 +26,7 @@ _FAMILY_TITLES = {
     "reduce": "Reduce",
     "nn": "Neural-network ops",
     "optim": "Optimizer updates",
+    "fused": "Fused elementwise (made by the compiler)",
 }
 
 

@@ -11,6 +11,7 @@ program before anything runs, so that a bad program changes nothing.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -655,6 +656,76 @@ for _n, _d in [("adam", "torch.optim.Adam's update (L2 weight decay), in place; 
                      v("beta2", default=0.999), v("eps", default=1e-8),
                      v("weight_decay", default=0.0 if _n == "adam" else 0.01), v("step", "int", 1)],
        [t("param"), t("exp_avg"), t("exp_avg_sq")], _F, _update(2), _d, deepxir=False)
+
+
+# -- fused: what the compiler's fuse pass makes of a chain or tree of elementwise ops (deepxd/compiler/fuse.py)
+
+#: the functions a fused expression may call, and how many arguments each takes
+FUSED_FUNCTIONS: dict[str, int] = {"sqrt": 1, "exp": 1, "log": 1, "sin": 1, "cos": 1, "tan": 1, "tanh": 1, "abs": 1,
+                                   "maximum": 2, "minimum": 2}
+_FUSED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Call, ast.Name, ast.Constant, ast.Load, ast.Add, ast.Sub,
+                ast.Mult, ast.Div, ast.Pow, ast.USub, ast.UAdd)
+_FUSED_INPUT = re.compile(r"in(0|[1-9][0-9]*)\Z")
+_FUSED_MAX_CHARS = 20000
+_fused_parsed: dict[tuple[str, int], ast.Expression] = {}
+
+
+def parse_fused(expr: str, n_inputs: int) -> ast.Expression:
+    """The syntax tree of a fused expression, checked: numbers, the inputs in0..in<n-1>, + - * / ** and unary -,
+    and the calls of FUSED_FUNCTIONS. It is also a numexpr expression with the same meaning."""
+    key = (expr, n_inputs)
+    tree = _fused_parsed.get(key)
+    if tree is not None:
+        return tree
+    if not isinstance(expr, str) or not expr.strip():
+        raise DeepxError(f"fused: the expression must be a non-empty string, got {expr!r}")
+    if len(expr) > _FUSED_MAX_CHARS:
+        raise DeepxError(f"fused: the expression has {len(expr)} characters (at most {_FUSED_MAX_CHARS})")
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise DeepxError(f"fused: cannot parse the expression {expr!r}: {e}") from None
+    called: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, _FUSED_NODES):
+            raise DeepxError(f"fused: {type(node).__name__} ({ast.unparse(node) if isinstance(node, ast.expr) else ''}"
+                             f") is not allowed in {expr!r}; use numbers, in0..in{n_inputs - 1}, + - * / ** and "
+                             f"{', '.join(FUSED_FUNCTIONS)}")
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else ""
+            if name not in FUSED_FUNCTIONS or node.keywords or len(node.args) != FUSED_FUNCTIONS[name]:
+                raise DeepxError(f"fused: call {ast.unparse(node)!r} in {expr!r}: use "
+                                 + ", ".join(f"{f}/{n}" for f, n in FUSED_FUNCTIONS.items()))
+            called.add(id(node.func))
+        elif isinstance(node, ast.Name) and id(node) not in called:
+            m = _FUSED_INPUT.match(node.id)
+            if m is None or int(m.group(1)) >= n_inputs:
+                raise DeepxError(f"fused: unknown name {node.id!r} in {expr!r}; the {n_inputs} inputs are "
+                                 f"in0..in{n_inputs - 1}")
+        elif isinstance(node, ast.Constant) and type(node.value) not in (int, float):
+            raise DeepxError(f"fused: constant {node.value!r} in {expr!r} is not a number")
+    if len(_fused_parsed) >= 4096:
+        _fused_parsed.clear()
+    _fused_parsed[key] = tree
+    return tree
+
+
+def _fused(c: Call) -> list[TensorMeta | None]:
+    metas, names = c.args[0], c.names[0]
+    if not metas:
+        raise DeepxError("fused: the input list is empty")
+    dt = metas[0].dtype
+    for m, n in zip(metas, names):
+        if m.dtype != dt:
+            raise DeepxError(f"fused: inputs differ in dtype ({dt} of '{names[0]}' and {m.dtype} of '{n}')")
+    parse_fused(c.args[1], len(metas))
+    return [TensorMeta(broadcast("fused", *(m.shape for m in metas), names=names), dt)]
+
+
+op("fused", "fused", [lst("inputs"), v("expr", "str")], [_C], _F, _fused,
+   "C = expr over the inputs in0, in1, ... (broadcast; one float dtype, float16 and bfloat16 computed in float32); "
+   "expr is a numexpr expression of numbers, + - * / **, unary -, sqrt exp log sin cos tan tanh abs maximum "
+   "minimum; made by the fuse pass from a chain or tree of elementwise ops", deepxir=False)
 
 
 # ---------------------------------------------------------------- checking an instruction

@@ -1,18 +1,37 @@
-"""The scheduler: the middle end at run time. It receives programs, places them on an op worker and answers with
-what happened. Programs run one at a time, in arrival order, so that each is checked against the state the one
-before it left. (Compiler passes and placement across several workers and nodes build on this.)"""
+"""The scheduler: the middle end at run time. It receives programs, runs the compiler passes over them, places them
+on an op worker and answers with what happened. Programs run one at a time, in arrival order, so that each is
+checked against the state the one before it left. (Placement across several workers and nodes builds on this.)
+
+The passes see the tensors that exist on the worker (asked once per program, and only for a program in which a
+value can end, by a deltensor or a second write to a name: without one every pass is a no-op) and the names the
+client fetches. The reply always speaks of the client's program: `done`, `error_index` and the times count its
+instructions, whatever the passes made of them.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import OPS
+from deepx_sdk.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.actors.opcpu import RunResult
+from deepxd.compiler.analysis import BindMemo, has_ends
+from deepxd.compiler.pipeline import (
+    DEFAULT_PASSES,
+    PlanCache,
+    check_passes,
+    explain,
+    new_context,
+    original_error,
+    original_times,
+    repair,
+)
+from deepxd.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +39,19 @@ log = logging.getLogger(__name__)
 class Scheduler(Actor):
     role = "scheduler"
 
-    def __init__(self, workers: dict[str, ActorRef], name: str = "scheduler") -> None:
+    def __init__(self, workers: dict[str, ActorRef], name: str = "scheduler", *, config: Config | None = None) -> None:
         super().__init__(name)
         self.workers = workers
+        self.passes: list[str] = check_passes(config.passes) if config is not None else list(DEFAULT_PASSES)
+        self.fuse_min_elements = config.fuse_min_elements if config is not None else 0
+        self.plans = BindMemo()  # the passes check programs too: the same instructions every training step
+        self.compiled = PlanCache(self.passes)
         self.programs = 0
         self.instructions = 0
         self.failed = 0
         self.busy_s = 0.0
+        self.rewritten = 0  # programs the passes changed
+        self.eliminated = 0  # instructions they removed
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
         for i, instr in enumerate(program):
@@ -36,11 +61,58 @@ class Scheduler(Actor):
                                  t0=time.time())
         worker = self._place(program)
         t0 = time.perf_counter()
-        result: RunResult = await worker.ask("run", program=program, fetch=fetch)
+        if self.passes and len(program) > 1 and has_ends(program):
+            result = await self._run_compiled(worker, program, fetch)
+        else:
+            result = await worker.ask("run", program=program, fetch=fetch)
         self.busy_s += time.perf_counter() - t0
         self.programs += 1
         self.instructions += result.done
         self.failed += bool(result.error)
+        return result
+
+    async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
+        rows = await worker.ask("tensors")
+        metas = {r["name"]: TensorMeta(tuple(r["shape"]), r["dtype"]) for r in rows}
+        keep = [r["name"] for r in rows if r.get("kind") == "heap"]
+        variables: dict[str, Any] = {}
+        vectors: dict[str, Any] = {}
+        if any(instr.name in ("argset", "vecset") or any(type(p.value) is str and p.category in ("var", "vector", "")
+                                                          for p in instr.args) for instr in program):
+            held = await worker.ask("variables")
+            variables = held.get("vars", {})
+            vectors = {k: tuple(v) for k, v in held.get("vectors", {}).items()}
+        return new_context(metas, fetch=fetch, keep=keep, variables=variables, vectors=vectors,
+                           fuse_min_elements=self.fuse_min_elements, cache=self.plans)
+
+    async def _run_compiled(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult:
+        ctx = await self._context(worker, program, fetch)
+        try:
+            rewritten = self.compiled.run(program, ctx)
+        except Exception:  # a pass must never cost the client its program
+            log.exception("compiler passes failed; running the program as sent")
+            rewritten = list(program)
+        if len(rewritten) == len(program) and all(a is b for a, b in zip(rewritten, program)):
+            return await worker.ask("run", program=program, fetch=fetch)
+        origins = ctx.origins
+        result: RunResult = await worker.ask("run", program=rewritten, fetch=fetch)
+        if not result.error:
+            self.rewritten += 1
+            self.eliminated += len(program) - len(rewritten)
+            result.times_us = original_times(result.times_us, origins, len(program))
+            result.done = len(program)
+            return result
+        if result.done == 0:  # refused before anything ran: the program as sent gives the exact refusal
+            return await worker.ask("run", program=program, fetch=fetch)
+        done, fix = repair(program, rewritten, origins, result.done, ctx)
+        if fix:
+            fixed: RunResult = await worker.ask("run", program=fix, fetch=())
+            if fixed.error:
+                log.warning("after a failed rewritten program, setting the tensors straight failed: %s", fixed.error)
+        result.error = original_error(result.error, origins)
+        result.error_index = done
+        result.times_us = original_times(result.times_us, origins, done)
+        result.done = done
         return result
 
     def _place(self, program: Sequence[Instr]) -> ActorRef:
@@ -49,6 +121,14 @@ class Scheduler(Actor):
             raise DeepxError("no op worker runs on this node: start deepxd with --role including op-cpu")
         return worker
 
+    async def on_explain(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> dict[str, Any]:
+        """The program's text before and after the passes, against the worker's tensors as they are now."""
+        ctx = await self._context(self._place(program), program, fetch)
+        before, after = explain(program, ctx.metas, fetch, self.passes, keep=ctx.keep, variables=ctx.variables,
+                                vectors=ctx.vectors, fuse_min_elements=self.fuse_min_elements)
+        return {"before": before, "after": after, "passes": list(self.passes)}
+
     def on_stats(self) -> dict[str, float]:
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
-                "busy_s": self.busy_s}
+                "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
+                "plan_hits": self.compiled.hits, "plan_misses": self.compiled.misses}

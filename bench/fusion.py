@@ -1,0 +1,232 @@
+"""Elementwise fusion against unfused numpy, in one run.
+
+1. The chain y = |exp(x * a + b) * 0.5 - d| (six ops) on 16M float32 elements:
+     numpy       each op a separate numpy call, with its temporaries (what eager numpy or torch code does)
+     deepx       the program as a client sends it (six instructions and the deltensors of five temporaries),
+                 run by CpuExecutor on deepx's own kernels, without passes
+     fused       the same program after the pipeline: one `fused` instruction, with the kernel's numpy backend
+                 (the default) and with its numexpr backend
+     numexpr     numexpr.evaluate of the same expression, called directly (numexpr's own floor)
+   The aim: fused at least 2x faster than numpy.
+2. The chain at small sizes (1K .. 256K), fused against unfused, both through CpuExecutor: where fusion starts to
+   pay for itself once dispatch is counted.
+3. What the passes cost the scheduler: a 2,000-instruction program as a client sends it (fresh temporaries, each
+   deleted when done) through an in-process Scheduler and CpuWorker, with the passes off, on for the first time
+   (the pipeline runs), and on again (the plan cache hits).
+
+Prints the times and ratios; writes bench/results/fusion.json.
+
+    python bench/fusion.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numexpr
+import numpy as np
+
+from deepx_sdk.ir import Instr, Param
+from deepx_sdk.ir.ops import TensorMeta
+from deepxd.compiler import PassContext, run_passes
+from deepxd.kernels.cpu import CpuExecutor
+from deepxd.kernels.cpu import fused as fused_kernel
+
+T = Param.tensor
+
+
+def chain(out: str = "y", prefix: str = "t", x: str = "x") -> list[Instr]:
+    """y = |exp(x * a + b) * 0.5 - d| as a client records it: each temporary deleted once the next op has read it."""
+    f = "float32"
+    t1, t2, t3, t4, t5 = (f"{prefix}{k}" for k in range(1, 6))
+    ops = [
+        Instr("mul", (T(x, f), T("a", f)), (T(t1, f),)),
+        Instr("add", (T(t1, f), T("b", f)), (T(t2, f),)),
+        Instr("exp", (T(t2, f),), (T(t3, f),)),
+        Instr("mulscalar", (T(t3, f), Param.var(0.5)), (T(t4, f),)),
+        Instr("sub", (T(t4, f), T("d", f)), (T(t5, f),)),
+        Instr("abs", (T(t5, f),), (T(out, f),)),
+    ]
+    prog = [ops[0]]
+    for k, instr in enumerate(ops[1:]):
+        prog += [instr, Instr("deltensor", (), (T((t1, t2, t3, t4, t5)[k], f),))]
+    return prog
+
+
+def numpy_chain(x: np.ndarray, a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
+    t = x * a
+    t = t + b
+    t = np.exp(t)
+    t = t * np.float32(0.5)
+    t = t - d
+    return np.abs(t)
+
+
+def best(fn: Callable[[], object], repeat: int) -> float:
+    out = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
+def inputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.uniform(-1, 1, n).astype(np.float32) for k in ("x", "a", "b", "d")}
+
+
+def executor(arrays: dict[str, np.ndarray]) -> CpuExecutor:
+    ex = CpuExecutor()
+    for k, v in arrays.items():
+        ex.tensors[k] = v
+    return ex
+
+
+def fused_program(arrays: dict[str, np.ndarray]) -> list[Instr]:
+    metas = {k: TensorMeta(v.shape, "float32") for k, v in arrays.items()}
+    out = run_passes(chain(), PassContext(metas=metas))
+    assert [i.name for i in out] == ["fused"], out
+    return out
+
+
+def big_chain(n: int, repeat: int) -> dict[str, float]:
+    arrays = inputs(n)
+    x, a, b, d = arrays["x"], arrays["a"], arrays["b"], arrays["d"]
+    want = numpy_chain(x, a, b, d)
+    r: dict[str, float] = {"numpy_s": best(lambda: numpy_chain(x, a, b, d), repeat)}
+    ex = executor(arrays)
+    plain, fused = chain(), fused_program(arrays)
+    r["deepx_unfused_s"] = best(lambda: ex.run_all(plain), repeat)
+    for backend in fused_kernel.BACKENDS:
+        previous = fused_kernel.set_backend(backend)
+        try:
+            ex.run_all(fused)
+            np.testing.assert_allclose(ex.tensors["y"], want, rtol=2e-6 if backend == "numpy" else 1e-4, atol=1e-6)
+            r[f"fused_{backend}_s"] = best(lambda: ex.run_all(fused), repeat)
+        finally:
+            fused_kernel.set_backend(previous)
+    out = np.empty_like(x)
+    env = {"x": x, "a": a, "b": b, "d": d, "c": np.float32(0.5)}
+    r["numexpr_direct_s"] = best(lambda: numexpr.evaluate("abs(exp(x * a + b) * c - d)", local_dict=env, out=out),
+                                 repeat)
+    return r
+
+
+def small_chains(sizes: list[int], repeat: int) -> dict[str, dict[str, float]]:
+    rows: dict[str, dict[str, float]] = {}
+    for n in sizes:
+        arrays = inputs(n)
+        ex = executor(arrays)
+        plain, fused = chain(), fused_program(arrays)
+        number = max(1, 20_000 // max(1, n // 256))
+        t_plain = best(lambda: [ex.run_all(plain) for _ in range(number)], repeat) / number
+        t_fused = best(lambda: [ex.run_all(fused) for _ in range(number)], repeat) / number
+        rows[str(n)] = {"unfused_us": t_plain * 1e6, "fused_us": t_fused * 1e6}
+    return rows
+
+
+def client_program(n_instr: int, step: int) -> list[Instr]:
+    """Chains of the shape above, each on `acc` and into it (through tanh), with fresh names each step, until
+    n_instr instructions."""
+    prog: list[Instr] = []
+    k = 0
+    while len(prog) < n_instr:
+        y = f"s{step}y{k}"
+        prog += chain(out=y, prefix=f"s{step}c{k}t", x="acc")
+        prog += [Instr("tanh", (T(y, "float32"),), (T("acc", "float32"),)),
+                 Instr("deltensor", (), (T(y, "float32"),))]
+        k += 1
+    return prog
+
+
+async def scheduler_cost(n_instr: int, elements: int, repeat: int) -> dict[str, float]:
+    from deepxd.actors.opcpu import CpuWorker
+    from deepxd.actors.scheduler import Scheduler
+    from deepxd.config import Config
+
+    out: dict[str, float] = {}
+    for label, passes in (("off", ["off"]), ("on", ["simplify", "cse", "dce", "fuse"])):
+        worker = CpuWorker(output_log=False, inline_elements=1 << 30)
+        worker.start()
+        sched = Scheduler({"op-cpu": worker.ref}, config=Config(passes=passes))
+        sched.start()
+        for name, a in {**inputs(elements), "acc": np.zeros(elements, np.float32)}.items():
+            await worker.ref.ask("put", name=name, dtype="float32", shape=list(a.shape), data=a.tobytes())
+        times = []
+        for step in range(repeat + 1):
+            prog = client_program(n_instr, step)
+            t0 = time.perf_counter()
+            result = await sched.ref.ask("run", program=prog, fetch=[])
+            times.append(time.perf_counter() - t0)
+            assert not result.error and result.done == len(prog), result.error
+        if label == "on":
+            out["on_first_us_per_instr"] = times[0] / len(prog) * 1e6
+            out["on_cached_us_per_instr"] = min(times[1:]) / len(prog) * 1e6
+            stats = await sched.ref.ask("stats")
+            assert stats["plan_hits"] == repeat, stats
+        else:
+            out["off_us_per_instr"] = min(times) / len(prog) * 1e6
+        await sched.stop()
+        await worker.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    opts = ap.parse_args()
+    n = 1 << 22 if opts.quick else 1 << 24
+    repeat = 3 if opts.quick else 5
+    n_instr = 1_000 if opts.quick else 2_000
+    cost = asyncio.run(scheduler_cost(n_instr, 1024, repeat))
+
+    big = big_chain(n, repeat)
+    t_np = big["numpy_s"]
+    label = f"{n >> 20}M"
+    print(f"y = |exp(x * a + b) * 0.5 - d| (6 ops) on {label} float32 elements, best of {repeat}")
+    print(f"  numpy, op by op (temporaries)  : {t_np * 1e3:8.1f} ms")
+    print(f"  deepx unfused (CpuExecutor)    : {big['deepx_unfused_s'] * 1e3:8.1f} ms   "
+          f"numpy/this {t_np / big['deepx_unfused_s']:5.2f}x")
+    for backend in fused_kernel.BACKENDS:
+        t = big[f"fused_{backend}_s"]
+        print(f"  fused, {backend:8s} backend        : {t * 1e3:8.1f} ms   numpy/this {t_np / t:5.2f}x")
+    print(f"  numexpr.evaluate directly      : {big['numexpr_direct_s'] * 1e3:8.1f} ms   "
+          f"numpy/this {t_np / big['numexpr_direct_s']:5.2f}x")
+    speedup = t_np / big[f"fused_{fused_kernel.backend()}_s"]
+    print(f"aim: fused (default backend: {fused_kernel.backend()}) >= 2x faster than numpy -> "
+          f"{'met' if speedup >= 2 else 'NOT met'} ({speedup:.2f}x)")
+
+    sizes = [1 << 10, 1 << 14, 1 << 16, 1 << 18]
+    small = small_chains(sizes, repeat)
+    print("the same chain through CpuExecutor, per run: unfused (11 instructions) vs fused (1)")
+    for k, row in small.items():
+        print(f"  {int(k):>8,} elements : {row['unfused_us']:9.1f} us  vs {row['fused_us']:9.1f} us   "
+              f"{row['unfused_us'] / row['fused_us']:5.2f}x")
+
+    print(f"scheduler + worker, a {n_instr:,}-instruction client program on 1K-element tensors, per instruction sent:")
+    print(f"  passes off                    : {cost['off_us_per_instr']:6.1f} us")
+    print(f"  passes on, first time         : {cost['on_first_us_per_instr']:6.1f} us")
+    print(f"  passes on, plan cache hit     : {cost['on_cached_us_per_instr']:6.1f} us")
+
+    result = {
+        "machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "numpy": np.__version__, "numexpr": numexpr.__version__, "numexpr_vml": bool(numexpr.use_vml),
+        "numexpr_threads": numexpr.get_num_threads(), "fused_threads": fused_kernel.MAX_THREADS,
+        "elements": n, "repeat": repeat, "default_backend": fused_kernel.backend(), "speedup_vs_numpy": speedup,
+        **big, "small": small, "scheduler": {"program_instructions": n_instr, **cost},
+    }
+    path = Path(__file__).parent / "results" / "fusion.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
