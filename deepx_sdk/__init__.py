@@ -12,6 +12,7 @@ With no address (and no DEEPX_ADDRESS) the first use starts an embedded daemon i
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -98,7 +99,7 @@ def no_grad() -> Iterator[None]:
         s.grad_enabled = before
 
 
-def is_tensor(x: Any) -> bool:
+def is_tensor(x: Any) -> builtins.bool:
     return isinstance(x, Tensor)
 
 

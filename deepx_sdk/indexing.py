@@ -105,7 +105,7 @@ def getitem(t: Tensor, index: Any) -> Tensor:
             raise DeepxError(f"index tensors must be int64 or int32, got {idx.dtype}")
         new_shape = (*out.shape[:dim], *idx.shape, *out.shape[dim + 1:])
         out = out._op("indexselect", (_tp(out), _tp(idx), Param.var(dim)), new_shape, out.dtype, [out])
-        final = []
+        final: list[int] = []
         for d in shape:
             if d == -2:
                 final.extend(idx.shape)

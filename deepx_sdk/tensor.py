@@ -10,7 +10,7 @@ from __future__ import annotations
 import builtins
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -85,13 +85,18 @@ def _vp(v: Any) -> Param:
 def _vec(v: Iterable[int]) -> Param:
     return Param("vector", ("int32",), tuple(int(x) for x in v))
 
+# Tensor has methods named bool, int and float: annotations inside it use these
+_bool: TypeAlias = bool
+_int: TypeAlias = int
+_float: TypeAlias = float
+
 
 class Tensor:
     """A deepx tensor. Model code uses it like a torch.Tensor; values live in the daemon."""
 
     __slots__ = ("__weakref__", "_s", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
 
-    def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: bool = False) -> None:
+    def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
         self.name = name
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -112,19 +117,19 @@ class Tensor:
 
     # -- basics
     @property
-    def ndim(self) -> int:
+    def ndim(self) -> _int:
         return len(self.shape)
 
-    def dim(self) -> int:
+    def dim(self) -> _int:
         return len(self.shape)
 
-    def size(self, dim: int | None = None) -> Any:
+    def size(self, dim: _int | None = None) -> Any:
         return self.shape if dim is None else self.shape[norm_dim("size", dim, self.ndim)]
 
-    def numel(self) -> int:
+    def numel(self) -> _int:
         return numel(self.shape)
 
-    def __len__(self) -> int:
+    def __len__(self) -> _int:
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
@@ -134,7 +139,7 @@ class Tensor:
         return "deepx"
 
     @property
-    def is_leaf(self) -> bool:
+    def is_leaf(self) -> _bool:
         return self.grad_fn is None
 
     # -- reading values (these send the pending program)
@@ -149,16 +154,16 @@ class Tensor:
     def tolist(self) -> Any:
         return self.numpy().tolist()
 
-    def __float__(self) -> float:
+    def __float__(self) -> _float:
         return float(self.item())
 
-    def __int__(self) -> int:
+    def __int__(self) -> _int:
         return int(self.item())
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> _bool:
         return bool(self.item())
 
-    def __index__(self) -> int:
+    def __index__(self) -> _int:
         if self.dtype not in INTS:
             raise TypeError("only integer tensors can be used as an index")
         return int(self.item())
@@ -239,7 +244,7 @@ class Tensor:
     def type_as(self, other: Tensor) -> Tensor:
         return self.type_as_dtype(other.dtype)
 
-    def is_floating_point(self) -> bool:
+    def is_floating_point(self) -> _bool:
         return self.dtype in FLOATS
 
     # -- elementwise arithmetic
@@ -247,10 +252,10 @@ class Tensor:
         return other if isinstance(other, Tensor) else None
 
     def _binary(self, op: str, other: Any, scalar_op: str, rscalar_op: str | None = None,
-                reverse: bool = False, floating: bool = False) -> Tensor:
+                reverse: _bool = False, floating: _bool = False) -> Tensor:
         if self.dtype == "bool" and op in _BOOL_AS_INT8 and (
                 other.dtype == "bool" if isinstance(other, Tensor) else isinstance(other, (bool, np.bool_))):
-            # torch: bool + bool is logical or, bool * bool logical and; the kernels have no bool arithmetic
+            # torch: _bool + bool is logical or, _bool * bool logical and; the kernels have no bool arithmetic
             return self.type_as_dtype("int8")._binary(op, other, scalar_op, rscalar_op, reverse).bool()
         if isinstance(other, Tensor):
             a, b = (other, self) if reverse else (self, other)
@@ -391,7 +396,7 @@ class Tensor:
         return self >= o
 
     # -- unary math (method forms of dx.*)
-    def _unary(self, op: str, floating: bool = True) -> Tensor:
+    def _unary(self, op: str, floating: _bool = True) -> Tensor:
         a = self.type_as_dtype(DEFAULT_FLOAT) if floating and self.dtype not in _FLOAT_RANK else self
         return self._op(op, (_tp(a),), a.shape, a.dtype, [a])
 
@@ -455,12 +460,12 @@ class Tensor:
     def minimum(self, o: Tensor) -> Tensor:
         return self._binary("min", o, "minscalar")
 
-    def softmax(self, dim: int = -1) -> Tensor:
+    def softmax(self, dim: _int = -1) -> Tensor:
         a = self._unary_cast()
         norm_dim("softmax", dim, a.ndim, scalar_ok=True)
         return a._op("softmax", (_tp(a), _vp(int(dim))), a.shape, a.dtype, [a])
 
-    def log_softmax(self, dim: int = -1) -> Tensor:
+    def log_softmax(self, dim: _int = -1) -> Tensor:
         a = self._unary_cast()
         norm_dim("log_softmax", dim, a.ndim, scalar_ok=True)
         return a._op("logsoftmax", (_tp(a), _vp(int(dim))), a.shape, a.dtype, [a])
@@ -469,14 +474,14 @@ class Tensor:
         return self.type_as_dtype(DEFAULT_FLOAT) if self.dtype not in _FLOAT_RANK else self
 
     # -- reductions
-    def _dims(self, dim: Any) -> tuple[int, ...]:
+    def _dims(self, dim: Any) -> tuple[_int, ...]:
         if dim is None:
             return ()
-        if isinstance(dim, int):
+        if isinstance(dim, _int):
             return (dim,)
         return tuple(dim)
 
-    def _reduce(self, op: str, dim: Any, keepdim: bool, dtype: str | None = None) -> Tensor:
+    def _reduce(self, op: str, dim: Any, keepdim: _bool, dtype: str | None = None) -> Tensor:
         a = self.type_as_dtype(dtype) if dtype else self
         if op in ("sum", "prod") and a.dtype in ("bool", "int8", "int16", "int32"):
             a = a.type_as_dtype("int64")  # torch sums and multiplies small integers in int64
@@ -484,20 +489,20 @@ class Tensor:
         meta = self._infer(op, [TensorMeta(a.shape, a.dtype), dims, keepdim], [a.name, None, None])
         return a._op(op, (_tp(a), _vec(dims), _vp(bool(keepdim))), meta.shape, meta.dtype, [a])
 
-    def sum(self, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Tensor:
+    def sum(self, dim: Any = None, keepdim: _bool = False, dtype: Any = None) -> Tensor:
         return self._reduce("sum", dim, keepdim, dtype_name(dtype) if dtype is not None else None)
 
-    def prod(self, dim: Any = None, keepdim: bool = False) -> Tensor:
+    def prod(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
         return self._reduce("prod", dim, keepdim)
 
-    def mean(self, dim: Any = None, keepdim: bool = False) -> Tensor:
+    def mean(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
         a = self._unary_cast()
         dims = self._dims(dim)
         count = numel(a.shape) if not dims else math.prod(a.shape[norm_dim("mean", d, a.ndim)] for d in dims)
         return a._reduce("sum", dim, keepdim) / count
 
-    def var(self, dim: Any = None, keepdim: bool = False, unbiased: bool = True,
-            correction: int | None = None) -> Tensor:
+    def var(self, dim: Any = None, keepdim: _bool = False, unbiased: _bool = True,
+            correction: _int | None = None) -> Tensor:
         a = self._unary_cast()
         dims = self._dims(dim)
         n = numel(a.shape) if not dims else math.prod(a.shape[norm_dim("var", d, a.ndim)] for d in dims)
@@ -505,39 +510,39 @@ class Tensor:
         centered = a - a.mean(dim, keepdim=True)
         return (centered * centered).sum(dim, keepdim=keepdim) / builtins.max(n - c, 0)
 
-    def std(self, dim: Any = None, keepdim: bool = False, unbiased: bool = True) -> Tensor:
+    def std(self, dim: Any = None, keepdim: _bool = False, unbiased: _bool = True) -> Tensor:
         return self.var(dim, keepdim=keepdim, unbiased=unbiased).sqrt()
 
-    def max(self, dim: Any = None, keepdim: bool = False) -> Any:
+    def max(self, dim: Any = None, keepdim: _bool = False) -> Any:
         if isinstance(dim, Tensor):
             return self.maximum(dim)
         if dim is None:
             return self._reduce("reducemax", None, False)
         return _ValuesIndices(self._reduce("reducemax", dim, keepdim), self.argmax(dim, keepdim))
 
-    def min(self, dim: Any = None, keepdim: bool = False) -> Any:
+    def min(self, dim: Any = None, keepdim: _bool = False) -> Any:
         if isinstance(dim, Tensor):
             return self.minimum(dim)
         if dim is None:
             return self._reduce("reducemin", None, False)
         return _ValuesIndices(self._reduce("reducemin", dim, keepdim), self.argmin(dim, keepdim))
 
-    def amax(self, dim: Any = None, keepdim: bool = False) -> Tensor:
+    def amax(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
         return self._reduce("reducemax", dim, keepdim)
 
-    def amin(self, dim: Any = None, keepdim: bool = False) -> Tensor:
+    def amin(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
         return self._reduce("reducemin", dim, keepdim)
 
-    def _arg(self, op: str, dim: int | None, keepdim: bool) -> Tensor:
+    def _arg(self, op: str, dim: _int | None, keepdim: _bool) -> Tensor:
         a = self if dim is not None else self.reshape(-1)
         d = 0 if dim is None else dim
         meta = self._infer(op, [TensorMeta(a.shape, a.dtype), d, keepdim], [a.name, None, None])
         return a._op(op, (_tp(a), _vp(int(d)), _vp(bool(keepdim))), meta.shape, "int64", [])
 
-    def argmax(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    def argmax(self, dim: _int | None = None, keepdim: _bool = False) -> Tensor:
         return self._arg("argmax", dim, keepdim)
 
-    def argmin(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    def argmin(self, dim: _int | None = None, keepdim: _bool = False) -> Tensor:
         return self._arg("argmin", dim, keepdim)
 
     def all(self) -> Tensor:
@@ -564,7 +569,7 @@ class Tensor:
     def reshape_as(self, other: Tensor) -> Tensor:
         return self.reshape(other.shape)
 
-    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    def flatten(self, start_dim: _int = 0, end_dim: _int = -1) -> Tensor:
         if self.ndim == 0:
             return self.reshape(1)
         s = norm_dim("flatten", start_dim, self.ndim)
@@ -579,7 +584,7 @@ class Tensor:
             return self
         return self._op("transpose", (_tp(self), _vec(d % self.ndim for d in dims)), meta.shape, self.dtype, [self])
 
-    def transpose(self, dim0: int, dim1: int) -> Tensor:
+    def transpose(self, dim0: _int, dim1: _int) -> Tensor:
         order = list(range(self.ndim))
         a, b = norm_dim("transpose", dim0, self.ndim), norm_dim("transpose", dim1, self.ndim)
         order[a], order[b] = order[b], order[a]
@@ -598,7 +603,7 @@ class Tensor:
     def mT(self) -> Tensor:  # torch's name
         return self.transpose(-2, -1)
 
-    def squeeze(self, dim: int | None = None) -> Tensor:
+    def squeeze(self, dim: _int | None = None) -> Tensor:
         if dim is None:
             return self.reshape([d for d in self.shape if d != 1])
         d = norm_dim("squeeze", dim, self.ndim)
@@ -606,7 +611,7 @@ class Tensor:
             return self
         return self.reshape(self.shape[:d] + self.shape[d + 1:])
 
-    def unsqueeze(self, dim: int) -> Tensor:
+    def unsqueeze(self, dim: _int) -> Tensor:
         d = norm_dim("unsqueeze", dim, self.ndim + 1)
         return self.reshape((*self.shape[:d], 1, *self.shape[d:]))
 
@@ -644,7 +649,7 @@ class Tensor:
         self._s.record(Instr("copytensor", (_tp(self),), (Param("tensor", (self.dtype,), out.name),)))
         return out
 
-    def requires_grad_(self, flag: bool = True) -> Tensor:
+    def requires_grad_(self, flag: _bool = True) -> Tensor:
         self.requires_grad = flag
         return self
 
@@ -691,11 +696,11 @@ class Tensor:
     def copy_(self, src: Tensor) -> Tensor:
         return self._assign(src)
 
-    def uniform_(self, a: float = 0.0, b: float = 1.0) -> Tensor:
+    def uniform_(self, a: _float = 0.0, b: _float = 1.0) -> Tensor:
         self._s.record(Instr("uniform", (_vp(float(a)), _vp(float(b)), _vp(_seed(self._s))), (_tp(self),)))
         return self
 
-    def normal_(self, mean: float = 0.0, std: float = 1.0) -> Tensor:
+    def normal_(self, mean: _float = 0.0, std: _float = 1.0) -> Tensor:
         self._s.record(Instr("normal", (_vp(float(mean)), _vp(float(std)), _vp(_seed(self._s))), (_tp(self),)))
         return self
 
@@ -715,7 +720,7 @@ class _ValuesIndices(tuple):
         return self[1]
 
 
-def _seed(s: Session) -> int:
+def _seed(s: Session) -> _int:
     """A seed for a random op: from dx.manual_seed when set (reproducible), else 0 (fresh entropy)."""
     if s.base_seed is None:
         return 0
@@ -742,7 +747,7 @@ def dtype_name(dtype: Any) -> str:
         raise DeepxError(f"unknown dtype {dtype!r}") from None
 
 
-def format_tensor(values: np.ndarray, dtype: str, requires_grad: bool = False) -> str:
+def format_tensor(values: np.ndarray, dtype: str, requires_grad: _bool = False) -> str:
     """Values the way torch prints them (torch/_tensor_str.py, default print options): tensor([...]) with the
     dtype shown when it is not float32, int64 or bool."""
     threshold, edgeitems, linewidth, precision = 1000, 3, 80, 4
@@ -771,7 +776,7 @@ def format_tensor(values: np.ndarray, dtype: str, requires_grad: bool = False) -
         shown = (summarized(a) if summarize else a).reshape(-1)
         fmt = _Formatter(shown, floating, precision)
 
-        def vector(x: np.ndarray, ind: int) -> str:
+        def vector(x: np.ndarray, ind: _int) -> str:
             per_line = builtins.max(1, math.floor((linewidth - ind) / (fmt.width + 2)))
             if summarize and x.shape[0] > 2 * edgeitems:
                 data = [*map(fmt.format, x[:edgeitems].tolist()), " ...", *map(fmt.format, x[-edgeitems:].tolist())]
@@ -780,7 +785,7 @@ def format_tensor(values: np.ndarray, dtype: str, requires_grad: bool = False) -
             lines = [", ".join(data[i:i + per_line]) for i in range(0, len(data), per_line)]
             return "[" + (",\n" + " " * (ind + 1)).join(lines) + "]"
 
-        def nd(x: np.ndarray, ind: int) -> str:
+        def nd(x: np.ndarray, ind: _int) -> str:
             if x.ndim == 0:
                 return fmt.format(x.item())
             if x.ndim == 1:
@@ -812,7 +817,7 @@ def format_tensor(values: np.ndarray, dtype: str, requires_grad: bool = False) -
 class _Formatter:
     """torch's _Formatter: one width for every element; floats in int, fixed or scientific mode."""
 
-    def __init__(self, flat: np.ndarray, floating: bool, precision: int) -> None:
+    def __init__(self, flat: np.ndarray, floating: _bool, precision: _int) -> None:
         self.floating, self.precision = floating, precision
         self.int_mode, self.sci_mode, self.width = True, False, 1
         if not floating:
@@ -859,24 +864,24 @@ def _shape_args(shape: Sequence[Any]) -> Shape:
     return out
 
 
-def _create(shape: Shape, dtype: str, requires_grad: bool = False) -> Tensor:
+def _create(shape: Shape, dtype: str, requires_grad: _bool = False) -> Tensor:
     s = session()
     t = Tensor(s.new_name(), shape, dtype, s, requires_grad)
     s.record(Instr("newtensor", (_vec(shape),), (Param("tensor", (dtype,), t.name),)))
     return t
 
 
-def empty(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def empty(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
     return _create(_shape_args(shape), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, requires_grad)
 
 
-def zeros(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def zeros(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
     return empty(*shape, dtype=dtype, requires_grad=requires_grad)  # newtensor zero-fills
 
 
-def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
     if dtype is None:
-        dtype = ("bool" if isinstance(fill_value, bool) else DEFAULT_INT if isinstance(fill_value, int)
+        dtype = ("bool" if isinstance(fill_value, _bool) else DEFAULT_INT if isinstance(fill_value, _int)
                  else DEFAULT_FLOAT)
     t = empty(*(shape if isinstance(shape, (tuple, list)) else (shape,)), dtype=dtype, requires_grad=requires_grad)
     if fill_value != 0:
@@ -888,10 +893,10 @@ def _number(value: Any) -> Any:
     """A fill value as `constant` takes it: a number (True is 1)."""
     if isinstance(value, np.generic):
         value = value.item()
-    return int(value) if isinstance(value, bool) else value
+    return int(value) if isinstance(value, _bool) else value
 
 
-def ones(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def ones(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
     return full(_shape_args(shape), 1, dtype=dtype or DEFAULT_FLOAT, requires_grad=requires_grad)
 
 
@@ -900,35 +905,35 @@ def arange(start: Any, end: Any = None, step: Any = 1, dtype: Any = None) -> Ten
         start, end = 0, start
     n = builtins.max(0, math.ceil((end - start) / step))
     if dtype is None:
-        dtype = DEFAULT_FLOAT if any(isinstance(v, float) for v in (start, end, step)) else DEFAULT_INT
+        dtype = DEFAULT_FLOAT if any(isinstance(v, _float) for v in (start, end, step)) else DEFAULT_INT
     t = empty(n, dtype=dtype)
     t._s.record(Instr("arange", (_vp(start), _vp(step)), (_tp(t),)))
     return t
 
 
-def linspace(start: float, end: float, steps: int, dtype: Any = None) -> Tensor:
+def linspace(start: _float, end: _float, steps: _int, dtype: Any = None) -> Tensor:
     step = (end - start) / (steps - 1) if steps > 1 else 0.0
     t = empty(steps, dtype=dtype or DEFAULT_FLOAT)
     t._s.record(Instr("arange", (_vp(float(start)), _vp(float(step))), (_tp(t),)))
     return t
 
 
-def rand(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def rand(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
     t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
     return t.uniform_(0.0, 1.0)
 
 
-def randn(*shape: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def randn(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
     t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
     return t.normal_(0.0, 1.0)
 
 
-def randint(low: int, high: int | None = None, size: Any = (), dtype: Any = None) -> Tensor:
+def randint(low: _int, high: _int | None = None, size: Any = (), dtype: Any = None) -> Tensor:
     if high is None:
         low, high = 0, low
     elif isinstance(high, (tuple, list)) and size == ():
         low, high, size = 0, low, high  # torch's randint(high, size)
-    u = rand(*_shape_args((size,) if isinstance(size, int) else tuple(size)), dtype="float64")
+    u = rand(*_shape_args((size,) if isinstance(size, _int) else tuple(size)), dtype="float64")
     # floor(low + u * (high - low)) for u in [0, 1): truncation toward zero equals floor only for non-negatives
     shifted = u * (high - low)
     return shifted.type_as_dtype(dtype_name(dtype) if dtype else DEFAULT_INT) + low
@@ -958,7 +963,7 @@ def randn_like(t: Tensor, dtype: Any = None) -> Tensor:
     return randn(t.shape, dtype=dtype or t.dtype)
 
 
-def tensor(data: Any, dtype: Any = None, requires_grad: bool = False) -> Tensor:
+def tensor(data: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
     """A tensor from a numpy array, a Python list or a scalar: its bytes are sent to the daemon."""
     if isinstance(data, Tensor):
         return data.detach()
@@ -1015,10 +1020,10 @@ def where(cond: Tensor, x: Any, y: Any) -> Tensor:
     elif isinstance(x, Tensor) or isinstance(y, Tensor):
         dt = scalar_dtype(x.dtype, y) if isinstance(x, Tensor) else scalar_dtype(y.dtype, x)
     else:
-        if isinstance(x, float) or isinstance(y, float):
+        if isinstance(x, _float) or isinstance(y, _float):
             dt = DEFAULT_FLOAT
         else:
-            dt = "bool" if isinstance(x, bool) and isinstance(y, bool) else DEFAULT_INT
+            dt = "bool" if isinstance(x, _bool) and isinstance(y, _bool) else DEFAULT_INT
     if not isinstance(x, Tensor):
         x = full((), x, dtype=dt)
     if not isinstance(y, Tensor):
@@ -1033,7 +1038,7 @@ def where(cond: Tensor, x: Any, y: Any) -> Tensor:
     return ref._op("switch", (Param("listtensor", (dt,), (y.name, x.name)), _tp(cond)), shape, dt, [x, y])
 
 
-def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+def cat(tensors: Sequence[Tensor], dim: _int = 0) -> Tensor:
     if not tensors:
         raise DeepxError("cat: the list of tensors is empty")
     dt = tensors[0].dtype
@@ -1049,7 +1054,7 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
 concat = cat
 
 
-def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+def stack(tensors: Sequence[Tensor], dim: _int = 0) -> Tensor:
     if not tensors:
         raise DeepxError("stack: the list of tensors is empty")
     d = norm_dim("stack", dim, tensors[0].ndim + 1)
