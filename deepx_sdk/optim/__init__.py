@@ -1,0 +1,215 @@
+"""deepx_sdk.optim: torch.optim's SGD, Adam and AdamW, each step one fused update instruction per parameter
+(the catalogue's `sgd`, `adam`, `adamw`), and the StepLR and CosineAnnealingLR schedulers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import Instr, Param
+from deepx_sdk.tensor import Tensor, zeros
+
+__all__ = ["SGD", "Adam", "AdamW", "CosineAnnealingLR", "Optimizer", "StepLR", "lr_scheduler"]
+
+
+def _tp(t: Tensor) -> Param:
+    return Param("tensor", (t.dtype,), t.name)
+
+
+class Optimizer:
+    """Parameter groups, per-parameter state, zero_grad, state_dict; subclasses give `defaults` and `_update`."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        groups = list(params)
+        if not groups:
+            raise DeepxError(f"{type(self).__name__}: got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.defaults = defaults
+        self.param_groups: list[dict[str, Any]] = []
+        for g in groups:
+            group = {**defaults, **g, "params": list(g["params"])}
+            for p in group["params"]:
+                if not isinstance(p, Tensor):
+                    raise DeepxError(f"{type(self).__name__}: parameters must be tensors, got {type(p).__name__}")
+            self.param_groups.append(group)
+        self.state: dict[int, dict[str, Any]] = {}  # by id(param): a Tensor's == records a comparison
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def step(self) -> None:
+        """One update of every parameter that has a gradient: one instruction each."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.shape != p.shape:
+                    raise DeepxError(f"{type(self).__name__}: gradient of '{p.name}' has shape {p.grad.shape}, "
+                                     f"the parameter {p.shape}")
+                state = self.state.setdefault(id(p), {"step": 0})
+                state["step"] += 1
+                self._update(p, p.grad.type_as_dtype(p.dtype), state, group)
+
+    def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        raise DeepxError(f"{type(self).__name__} defines no update")
+
+    def _buffer(self, p: Tensor, state: dict[str, Any], key: str) -> Tensor:
+        buf = state.get(key)
+        if buf is None:
+            buf = state[key] = zeros(p.shape, dtype=p.dtype)
+        return buf
+
+    # -- state
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: parameters by position; tensors in the state are dx Tensors."""
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        groups = []
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [index[id(p)] for p in g["params"]]})
+        return {"state": {index[k]: dict(s) for k, s in self.state.items() if k in index}, "param_groups": groups}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        groups = sd.get("param_groups", [])
+        if len(groups) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
+                                                         for a, b in zip(groups, self.param_groups)):
+            raise DeepxError("load_state_dict: the saved parameter groups do not match this optimizer's")
+        for saved, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.state = {}
+        for i, s in sd.get("state", {}).items():
+            p = params[int(i)]
+            state: dict[str, Any] = {}
+            for k, v in s.items():
+                if isinstance(v, (np.ndarray, Tensor)) or hasattr(v, "numpy"):
+                    from deepx_sdk.tensor import tensor
+
+                    arr = np.asarray(v.numpy() if hasattr(v, "numpy") else v)
+                    if arr.ndim == 0 and k == "step":
+                        state[k] = int(arr)
+                        continue
+                    t = tensor(arr, dtype=p.dtype)
+                    if t.shape != p.shape:
+                        raise DeepxError(f"load_state_dict: state '{k}' of parameter {i} has shape {t.shape}, "
+                                         f"the parameter {p.shape}")
+                    state[k] = t
+                else:
+                    state[k] = int(v) if k == "step" else v
+            self.state[id(p)] = state
+
+
+class SGD(Optimizer):
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise DeepxError(f"SGD: lr={lr}, momentum={momentum} and weight_decay={weight_decay} must be >= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise DeepxError("SGD: nesterov needs momentum > 0 and dampening 0")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
+                                  "weight_decay": weight_decay, "nesterov": nesterov})
+
+    def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        # without momentum the kernel never touches the buffer: the gradient stands in for it
+        buf = self._buffer(p, state, "momentum_buffer") if group["momentum"] else g
+        args = (_tp(p), _tp(g), _tp(buf), Param.var(float(group["lr"])), Param.var(float(group["momentum"])),
+                Param.var(float(group["dampening"])), Param.var(float(group["weight_decay"])),
+                Param.var(bool(group["nesterov"])), Param.var(int(state["step"])))
+        p._s.record(Instr("sgd", args, (_tp(p), _tp(buf))))
+
+
+class Adam(Optimizer):
+    op = "adam"
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise DeepxError(f"{type(self).__name__}: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
+                             " out of range")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        m = self._buffer(p, state, "exp_avg")
+        v = self._buffer(p, state, "exp_avg_sq")
+        b1, b2 = group["betas"]
+        args = (_tp(p), _tp(g), _tp(m), _tp(v), Param.var(float(group["lr"])), Param.var(float(b1)),
+                Param.var(float(b2)), Param.var(float(group["eps"])), Param.var(float(group["weight_decay"])),
+                Param.var(int(state["step"])))
+        p._s.record(Instr(self.op, args, (_tp(p), _tp(m), _tp(v))))
+
+
+class AdamW(Adam):
+    op = "adamw"
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+class _Scheduler:
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        for g, lr in zip(optimizer.param_groups, self.base_lrs):
+            g.setdefault("initial_lr", lr)
+        self.last_epoch = 0
+        self._last_lr = list(self.base_lrs)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        for g, lr in zip(self.optimizer.param_groups, self._lrs()):
+            g["lr"] = lr
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def _lrs(self) -> list[float]:
+        raise DeepxError(f"{type(self).__name__} defines no schedule")
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.__dict__.update(sd)
+
+
+class StepLR(_Scheduler):
+    """lr = base_lr * gamma ** (epoch // step_size)."""
+
+    def __init__(self, optimizer: Optimizer, step_size: int, gamma: float = 0.1) -> None:
+        self.step_size, self.gamma = step_size, gamma
+        super().__init__(optimizer)
+
+    def _lrs(self) -> list[float]:
+        return [b * self.gamma ** (self.last_epoch // self.step_size) for b in self.base_lrs]
+
+
+class CosineAnnealingLR(_Scheduler):
+    """lr = eta_min + (base_lr - eta_min) * (1 + cos(pi * epoch / T_max)) / 2 (torch's closed form)."""
+
+    def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0) -> None:
+        self.T_max, self.eta_min = T_max, eta_min
+        super().__init__(optimizer)
+
+    def _lrs(self) -> list[float]:
+        return [self.eta_min + (b - self.eta_min) * (1 + math.cos(math.pi * self.last_epoch / self.T_max)) / 2
+                for b in self.base_lrs]
+
+
+class _LRSchedulerModule:
+    StepLR = StepLR
+    CosineAnnealingLR = CosineAnnealingLR
+
+
+lr_scheduler = _LRSchedulerModule()

@@ -1,0 +1,107 @@
+"""Optimizers and schedulers against torch.optim: 20-step trajectories on the same gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.optim import SGD, Adam, AdamW, CosineAnnealingLR, StepLR
+
+
+def _run(make_dx, make_torch, steps=20, dtype=np.float64, scheduler=None):
+    rng = np.random.default_rng(0)
+    shapes = [(4, 3), (3,)]
+    init = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(steps)]
+    params = [nn.Parameter(a.copy()) for a in init]
+    tparams = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in init]
+    opt, topt = make_dx(params), make_torch(tparams)
+    sch = tsch = None
+    if scheduler is not None:
+        sch, tsch = scheduler[0](opt), scheduler[1](topt)
+    for step in range(steps):
+        for p, tp, g in zip(params, tparams, grads[step]):
+            p.grad = dx.tensor(g)
+            tp.grad = torch.from_numpy(g.copy())
+        opt.step()
+        topt.step()
+        if sch is not None:
+            sch.step()
+            tsch.step()
+            assert sch.get_last_lr() == pytest.approx(tsch.get_last_lr(), rel=1e-12)
+    for p, tp in zip(params, tparams):
+        np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-9 if dtype == np.float64 else 2e-5,
+                                   atol=1e-12 if dtype == np.float64 else 1e-6)
+    return opt, topt
+
+
+@pytest.mark.parametrize("kw", [
+    {"lr": 0.1},
+    {"lr": 0.05, "momentum": 0.9},
+    {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.001},
+])
+def test_sgd_follows_torch(kw):
+    _run(lambda ps: SGD(ps, **kw), lambda ps: torch.optim.SGD(ps, foreach=False, **kw))
+
+
+@pytest.mark.parametrize("cls, tcls, kw", [
+    (Adam, torch.optim.Adam, {"lr": 0.01}),
+    (Adam, torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.99), "weight_decay": 0.01}),
+    (AdamW, torch.optim.AdamW, {"lr": 0.01}),
+    (AdamW, torch.optim.AdamW, {"lr": 0.003, "weight_decay": 0.1, "eps": 1e-6}),
+])
+def test_adam_and_adamw_follow_torch(cls, tcls, kw):
+    _run(lambda ps: cls(ps, **kw), lambda ps: tcls(ps, foreach=False, **kw))
+
+
+def test_float32_trajectories():
+    _run(lambda ps: Adam(ps, lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False), dtype=np.float32)
+
+
+def test_schedulers_follow_torch():
+    _run(lambda ps: SGD(ps, lr=0.1, momentum=0.5), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
+         scheduler=(lambda o: StepLR(o, step_size=5, gamma=0.5), lambda o: torch.optim.lr_scheduler.StepLR(o, 5, 0.5)))
+    _run(lambda ps: Adam(ps, lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01),
+         scheduler=(lambda o: CosineAnnealingLR(o, T_max=10, eta_min=0.001),
+                    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10, eta_min=0.001)))
+
+
+def test_state_dict_round_trip_continues_the_trajectory():
+    opt, topt = _run(lambda ps: Adam(ps, lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False), steps=5)
+    sd = opt.state_dict()
+    assert sd["state"][0]["step"] == 5 and set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    np.testing.assert_allclose(sd["state"][0]["exp_avg"].numpy(),
+                               topt.state_dict()["state"][0]["exp_avg"].numpy(), rtol=1e-9)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    fresh = Adam(params, lr=0.5)
+    fresh.load_state_dict(sd)
+    assert fresh.param_groups[0]["lr"] == 0.01 and fresh.state_dict()["state"][1]["step"] == 5
+
+
+def test_zero_grad_and_a_step_without_gradients():
+    p = nn.Parameter(np.ones(3))
+    opt = SGD([p], lr=0.1)
+    opt.step()  # no gradient: nothing changes
+    np.testing.assert_array_equal(p.numpy(), 1.0)
+    p.grad = dx.ones(3, dtype=dx.float64)
+    opt.zero_grad()
+    assert p.grad is None
+
+
+def test_bad_settings_are_refused():
+    p = nn.Parameter(np.ones(3))
+    with pytest.raises(DeepxError, match="nesterov needs momentum"):
+        SGD([p], lr=0.1, nesterov=True)
+    with pytest.raises(DeepxError, match="out of range"):
+        Adam([p], betas=(1.0, 0.9))
+    with pytest.raises(DeepxError, match="empty parameter list"):
+        SGD([], lr=0.1)
+    opt = SGD([p], lr=0.1)
+    p.grad = dx.ones(4, dtype=dx.float64)
+    with pytest.raises(DeepxError, match=r"gradient of .* has shape"):
+        opt.step()
