@@ -306,11 +306,13 @@ def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, g
     result_names: dict[str, str] = {}
     used: set[str] = set()
     for w in wrt:
-        g = grads.get((w, 0))
-        if g is None:
+        found = grads.get((w, 0))
+        if found is None:
             g = bld.filled(env.meta(w), 0.0)  # type: ignore[arg-type]
-        elif g in used or g not in bld.created:
-            g = bld.emit("copytensor", [g])
+        elif found in used or found not in bld.created:
+            g = bld.emit("copytensor", [found])
+        else:
+            g = found
         used.add(g)
         result_names[w] = g
     return _free(bld.out, bld.created - used), result_names
