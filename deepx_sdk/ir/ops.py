@@ -994,9 +994,9 @@ def check_program(instrs: Iterable[Instr], env: Env, cache: BindCache | None = N
 
     Raises ProgramError ("instruction 3: add: ...", with .index) for the first bad one."""
     bind_one = cache.bind if cache is not None else bind
-    if len(instrs) == 1 if isinstance(instrs, (list, tuple)) else False:
+    if isinstance(instrs, (list, tuple)) and len(instrs) == 1:
         try:  # one instruction: nothing runs before it, so the live state is the state it runs on
-            return [bind_one(instrs[0], env)]  # type: ignore[index]
+            return [bind_one(instrs[0], env)]
         except DeepxError as e:
             raise ProgramError(f"instruction 1: {e}", 0) from None
     sym = SymbolicEnv(base=env)
