@@ -75,7 +75,12 @@ def scalar_dtype(t: str, s: Any) -> str:
 
 
 def _tp(t: Tensor) -> Param:
-    return Param("tensor", (t.dtype,), t.name)
+    """The tensor as a param; built once per (name, dtype) of the handle and kept on it."""
+    p = t._p
+    if p is not None and p.value is t.name and p.precisions[0] is t.dtype:
+        return p
+    p = t._p = Param("tensor", (t.dtype,), t.name)
+    return p
 
 
 def _vp(v: Any) -> Param:
@@ -94,9 +99,10 @@ _float: TypeAlias = float
 class Tensor:
     """A deepx tensor. Model code uses it like a torch.Tensor; values live in the daemon."""
 
-    __slots__ = ("__weakref__", "_s", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
+    __slots__ = ("__weakref__", "_p", "_s", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
 
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
+        self._p: Param | None = None
         self.name = name
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -191,7 +197,7 @@ class Tensor:
 
     def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor]) -> Tensor:
         out = self._new(shape, dtype)
-        self._s.record(Instr(name, args, (Param("tensor", (dtype,), out.name),)))
+        self._s.record(Instr(name, args, (_tp(out),)))
         for t in inputs:
             if t.requires_grad:
                 if self._s.grad_enabled:
