@@ -75,7 +75,7 @@ def start(config_path, **flags) -> None:
     from deepxd.node import Node
 
     async def run() -> None:
-        await Node(config).serve()
+        await Node(config, freeze_gc=True).serve()
 
     try:
         try:

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class Node:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, freeze_gc: bool = False) -> None:
+        self.freeze_gc = freeze_gc
         self.config = config.resolved()
         self.kv: KV | None = None
         self.supervisor = Supervisor(RestartPolicy(self.config.restart_max, self.config.restart_window_s))
@@ -44,7 +45,8 @@ class Node:
         except BaseException:
             await self.shutdown()
             raise
-        gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
+        if self.freeze_gc:  # the daemon's own process only: an embedded node must not freeze its host's objects
+            gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         log.info("deepxd node %s up: roles %s, listening on %s%s, storage %s", c.node_id, ",".join(c.roles),
                  c.listen, "" if c.udp == "off" else f" and udp://{c.udp}", c.kv)
         self.started.set()
