@@ -54,6 +54,11 @@ class Transport:
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         raise DeepxError(f"{type(self).__name__} cannot send tensor data")
 
+    def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
+                 prefix: str) -> dict[str, str]:
+        raise DeepxError(f"{type(self).__name__} cannot run backward: gradients need a deepxd (unix:// or "
+                         "embedded)")
+
     def close(self) -> None:
         pass
 
@@ -74,6 +79,14 @@ class NativeTransport(Transport):
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         self.client.put(name, array, heap=heap)
+
+    def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
+                 prefix: str) -> dict[str, str]:
+        from deepx_sdk.ir.wire import pack_instr_cached
+
+        r = self.client.request("backward", forward=[pack_instr_cached(i) for i in forward], loss=loss,
+                                wrt=list(wrt), grad_loss=grad_loss, prefix=prefix)
+        return dict(r["grads"])
 
     def close(self) -> None:
         self.client.close()
@@ -136,6 +149,12 @@ class EmbeddedTransport(Transport):
         a = np.ascontiguousarray(array)
         self._call(self.node.ref("op-cpu").ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(array.shape),
                                                data=a.reshape(-1).view(np.uint8).data, heap=heap))
+
+    def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
+                 prefix: str) -> dict[str, str]:
+        r = self._call(self.node.ref("scheduler").ask("backward", forward=list(forward), loss=loss, wrt=list(wrt),
+                                                      grad_loss=grad_loss, prefix=prefix))
+        return dict(r["grads"])
 
     def close(self) -> None:
         if self.thread.is_alive():
@@ -223,6 +242,10 @@ class Session:
         self.grad_enabled = True
         self.seed_counter = itertools.count(1)
         self.base_seed: int | None = None
+        # the recorded forward graph: (instruction, result, inputs) of each op whose result requires grad; holding
+        # the tensors keeps their values (no name reuse) until backward frees the graph
+        self.tape: list[tuple[Instr, Any, tuple[Any, ...]]] = []
+        self._backwards = itertools.count()
         # names numbered above _mark were made since the last flush; _lost: tensors whose creating instruction never
         # ran (a program failed before it), which Python must not delete
         self._mark = -1

@@ -197,14 +197,59 @@ class Tensor:
 
     def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor]) -> Tensor:
         out = self._new(shape, dtype)
-        self._s.record(Instr(name, args, (_tp(out),)))
+        instr = Instr(name, args, (_tp(out),))
+        self._s.record(instr)
         for t in inputs:
             if t.requires_grad:
                 if self._s.grad_enabled:
                     out.requires_grad = True
                     out.grad_fn = name
+                    self._s.tape.append((instr, out, tuple(inputs)))
                 break
         return out
+
+    def backward(self, gradient: Any = None, retain_graph: _bool = False) -> None:
+        """Gradients of this tensor with respect to every leaf that requires grad, accumulated into `.grad`.
+
+        The daemon's autograd pass rewrites the recorded forward graph into the backward program and runs it. The
+        graph is freed afterwards unless retain_graph=True."""
+        s = self._s
+        if not self.requires_grad:
+            raise DeepxError("backward: this tensor does not require grad and has no grad_fn (did a leaf "
+                             "have requires_grad=True, and was it computed outside dx.no_grad()?)")
+        if self.grad_fn == "freed":
+            raise DeepxError("backward: the graph of this tensor was freed by an earlier backward; pass "
+                             "retain_graph=True to the first one")
+        grad_loss: Tensor | None = None
+        loss = self
+        if gradient is None:
+            if self.numel() != 1:
+                raise DeepxError(f"backward: grad can be implicitly created only for scalar outputs; "
+                                 f"'{self.name}' has shape {self.shape}")
+            if self.shape != ():
+                loss = self.reshape(())
+        else:
+            grad_loss = gradient if isinstance(gradient, Tensor) else tensor(gradient, dtype=self.dtype)
+            grad_loss = grad_loss.type_as_dtype(self.dtype)
+            if grad_loss.shape != self.shape:
+                raise DeepxError(f"backward: gradient of shape {grad_loss.shape} does not match {self.shape}")
+        forward = [instr for instr, _, _ in s.tape]
+        leaves: dict[str, Tensor] = {}
+        for _, _, inputs in s.tape:
+            for t in inputs:
+                if t.requires_grad and t.grad_fn is None and t.name not in leaves:
+                    leaves[t.name] = t
+        s.sync()
+        upstream = grad_loss.name if grad_loss is not None else None
+        grads = s.transport.backward(forward, loss.name, list(leaves), upstream, f"{s._prefix}g{next(s._backwards)}_")
+        with _no_tape(s):
+            for name, leaf in leaves.items():
+                g = Tensor(grads[name], leaf.shape, leaf.dtype, s)
+                leaf.grad = g if leaf.grad is None else leaf.grad + g
+        if not retain_graph:
+            for _, out, _ in s.tape:
+                out.grad_fn = "freed"
+            s.tape.clear()
 
     def _infer(self, name: str, args: list[Any], names: list[Any]) -> TensorMeta:
         op = OPS[name]
@@ -709,6 +754,20 @@ class Tensor:
     def normal_(self, mean: _float = 0.0, std: _float = 1.0) -> Tensor:
         self._s.record(Instr("normal", (_vp(float(mean)), _vp(float(std)), _vp(_seed(self._s))), (_tp(self),)))
         return self
+
+
+class _no_tape:
+    """Record without gradient tracking (as dx.no_grad, for the SDK's own bookkeeping)."""
+
+    def __init__(self, s: Session) -> None:
+        self.s = s
+
+    def __enter__(self) -> None:
+        self.before = self.s.grad_enabled
+        self.s.grad_enabled = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self.s.grad_enabled = self.before
 
 
 class _ValuesIndices(tuple):

@@ -67,7 +67,10 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     from deepx_sdk.ir.instr import Instr
 
     out = x.clone()
-    x._s.record(Instr("dropout", (_vp(float(p)), _vp(_seed(x._s))), (_tp(out),)))
+    instr = Instr("dropout", (_vp(float(p)), _vp(_seed(x._s))), (_tp(out),))
+    x._s.record(instr)
+    if out.requires_grad:
+        x._s.tape.append((instr, out, (out,)))
     return out
 
 

@@ -276,6 +276,11 @@ class CpuWorker(Actor):
     def on_op_stats(self) -> dict[str, dict[str, float]]:
         return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
 
+    def on_metas(self, names: Sequence[str]) -> dict[str, Any]:
+        """Shape and dtype of each named tensor that exists here."""
+        metas = self.ex.tensors.metas
+        return {n: metas[n] for n in names if n in metas}
+
     def on_variables(self) -> dict[str, Any]:
         return {"vars": dict(self.ex.variables), "vectors": {k: list(v) for k, v in self.ex.vectors.items()}}
 

@@ -128,6 +128,32 @@ class Scheduler(Actor):
                                 vectors=ctx.vectors, fuse_min_elements=self.fuse_min_elements)
         return {"before": before, "after": after, "passes": list(self.passes)}
 
+    async def on_backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None = None,
+                          prefix: str = "g_") -> dict[str, Any]:
+        """Autograd in the middle end: rewrite the recorded forward graph into its backward program (gradient rules
+        from the catalogue's table in deepxd/compiler/autograd.py), run it, and say which tensor holds each
+        gradient. The forward has already run; its tensors are still there."""
+        from deepx_sdk.ir.ops import SymbolicEnv
+        from deepxd.compiler.autograd import grad_program
+
+        worker = self._place(forward)
+        names = {loss, *wrt, *([grad_loss] if grad_loss else [])}
+        for instr in forward:
+            for p in (*instr.args, *instr.returns):
+                if p.category == "tensor":
+                    names.add(str(p.value))
+                elif p.category == "listtensor" and isinstance(p.value, tuple):
+                    names.update(str(v) for v in p.value)
+        metas = await worker.ask("metas", names=sorted(names))
+        program, grads = grad_program(list(forward), loss, list(wrt), SymbolicEnv(metas), grad_loss=grad_loss,
+                                      prefix=prefix)
+        result: RunResult = await worker.ask("run", program=program, fetch=[])
+        if result.error:
+            raise DeepxError(f"backward: {result.error}")
+        self.programs += 1
+        self.instructions += result.done
+        return {"grads": grads, "instructions": len(program)}
+
     def on_stats(self) -> dict[str, float]:
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,

@@ -189,6 +189,19 @@ class NativeServer:
             return {**out, "ok": False}
         return out
 
+    async def _op_backward(self, req: dict[str, Any]) -> dict[str, Any]:
+        fwd = req.get("forward")
+        if not isinstance(fwd, list):
+            raise DeepxError("backward: 'forward' must be a list of instructions")
+        forward = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in fwd]
+        loss, wrt = req.get("loss"), req.get("wrt")
+        if not isinstance(loss, str) or not isinstance(wrt, list) or not all(isinstance(w, str) for w in wrt):
+            raise DeepxError("backward: 'loss' must be a tensor name and 'wrt' a list of tensor names")
+        grad_loss = req.get("grad_loss")
+        return await self.node.ref("scheduler").ask("backward", forward=forward, loss=loss, wrt=wrt,
+                                                    grad_loss=grad_loss if isinstance(grad_loss, str) else None,
+                                                    prefix=str(req.get("prefix") or "g_"))
+
     async def _op_fetch(self, req: dict[str, Any]) -> dict[str, Any]:
         names = req.get("names")
         if not isinstance(names, list) or not all(isinstance(x, str) for x in names):

@@ -81,5 +81,6 @@ def test_admin_graphs(live: Live) -> None:
 
 
 def test_unknown_request_op_lists_delete(live: Live) -> None:
-    with live.daemon.client() as c, pytest.raises(DeepxError, match="known: admin, delete, fetch, hello, ping, put"):
+    known = "known: admin, backward, delete, fetch, hello, ping, put"
+    with live.daemon.client() as c, pytest.raises(DeepxError, match=known):
         c.request("frobnicate")
