@@ -104,7 +104,7 @@ def getitem(t: Tensor, index: Any) -> Tensor:
         if idx.dtype not in ("int64", "int32"):
             raise DeepxError(f"index tensors must be int64 or int32, got {idx.dtype}")
         new_shape = (*out.shape[:dim], *idx.shape, *out.shape[dim + 1:])
-        out = out._op("indexselect", (_tp(out), _tp(idx), Param.var(dim)), new_shape, out.dtype, [out])
+        out = out._op("indexselect", (_tp(out), _tp(idx), Param.var(dim)), new_shape, out.dtype, [out, idx])
         final: list[int] = []
         for d in shape:
             if d == -2:

@@ -1100,7 +1100,7 @@ def where(cond: Tensor, x: Any, y: Any) -> Tensor:
     shape = broadcast("where", cond.shape, x.shape, y.shape, names=[cond.name, x.name, y.name])
     if ref._s.transport.explicit_broadcast:
         cond, x, y = cond.expand(shape), x.expand(shape), y.expand(shape)
-    return ref._op("switch", (Param("listtensor", (dt,), (y.name, x.name)), _tp(cond)), shape, dt, [x, y])
+    return ref._op("switch", (Param("listtensor", (dt,), (y.name, x.name)), _tp(cond)), shape, dt, [x, y, cond])
 
 
 def cat(tensors: Sequence[Tensor], dim: _int = 0) -> Tensor:

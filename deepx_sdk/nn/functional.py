@@ -56,7 +56,7 @@ def embedding(index: Tensor, weight: Tensor) -> Tensor:
     if index.dtype not in ("int64", "int32"):
         raise DeepxError(f"embedding: indices must be int64 or int32, got {index.dtype}")
     shape = (*index.shape, *weight.shape[1:])
-    return weight._op("indexselect", (_tp(weight), _tp(index), Param.var(0)), shape, weight.dtype, [weight])
+    return weight._op("indexselect", (_tp(weight), _tp(index), Param.var(0)), shape, weight.dtype, [weight, index])
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
@@ -94,7 +94,7 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     if target.shape != logits.shape[:1]:
         raise DeepxError(f"cross_entropy: target of shape {target.shape} does not match logits {logits.shape}")
     return logits._op("crossentropy", (_tp(logits), _tp(target), _vp(int(ignore_index)), _vp(red)), shape,
-                      logits.dtype, [logits])
+                      logits.dtype, [logits, target])
 
 
 def nll_loss(logp: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
