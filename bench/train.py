@@ -1,0 +1,76 @@
+"""One training step of an MLP 784-512-512-10, batch 256, float32: deepx (embedded daemon) against torch eager on
+the CPU, in one run. Prints ms per step and the ratio; writes bench/results/train.json.
+
+    python bench/train.py [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    opts = ap.parse_args()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 784)).astype(np.float32)
+    y = rng.integers(0, 10, 256)
+
+    import deepx_sdk as dx
+    import deepx_sdk.nn as nn
+    import deepx_sdk.nn.functional as F
+    from deepx_sdk.optim import SGD
+
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+    dxx, dxy = dx.tensor(x), dx.tensor(y)
+
+    def dx_step() -> float:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(dxx), dxy)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    import torch
+
+    tmodel = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                 torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    topt = torch.optim.SGD(tmodel.parameters(), lr=0.01, momentum=0.9)
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+
+    def torch_step() -> float:
+        topt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(tmodel(tx), ty)
+        loss.backward()
+        topt.step()
+        return loss.item()
+
+    results = {}
+    for name, step in (("deepx", dx_step), ("torch", torch_step)):
+        for _ in range(3):
+            step()
+        best = float("inf")
+        for _ in range(opts.steps):
+            t0 = time.perf_counter()
+            step()
+            best = min(best, time.perf_counter() - t0)
+        results[name] = best
+    print(f"MLP 784-512-512-10, batch 256, one SGD step (best of {opts.steps})")
+    print(f"  deepx (embedded) : {results['deepx'] * 1e3:8.2f} ms")
+    ratio = results["deepx"] / results["torch"]
+    print(f"  torch eager (CPU): {results['torch'] * 1e3:8.2f} ms   deepx/torch time {ratio:.2f}x")
+    print(f"aim: no slower than torch -> {'met' if results['deepx'] <= results['torch'] else 'NOT met'}")
+    out = Path(__file__).parent / "results" / "train.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
