@@ -36,6 +36,13 @@ def ordered(dtypes: Iterable[str]) -> list[str]:
     return [d for d in ORDER if d in ds]
 
 
+def dtypes_of(op: str) -> list[str]:
+    """The dtypes the catalogue claims for `op`, in a stable order."""
+    from deepx_sdk.ir.ops import OPS
+
+    return ordered(OPS[op].dtypes)
+
+
 # (rtol, atol) per float dtype: ~1-2 ulp of the dtype for the low-precision ones
 TOL: dict[str, tuple[float, float]] = {
     "float64": (1e-12, 1e-12),

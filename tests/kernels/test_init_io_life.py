@@ -14,6 +14,7 @@ from kernel_ref import (
     assert_close,
     assert_exact,
     covers,
+    dtypes_of,
     executor,
     f64,
     is_float,
@@ -25,12 +26,7 @@ from kernel_ref import (
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import STORABLE, to_numpy
-from deepx_sdk.ir.ops import OPS
 from deepxd.kernels.cpu import CpuExecutor
-
-
-def dtypes_of(op: str) -> list[str]:
-    return ordered(OPS[op].dtypes)
 
 
 def fresh(dtype: str, shape, **tensors: np.ndarray) -> CpuExecutor:

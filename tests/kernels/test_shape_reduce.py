@@ -12,6 +12,7 @@ from kernel_ref import (
     assert_close,
     assert_exact,
     covers,
+    dtypes_of,
     executor,
     f64,
     is_float,
@@ -25,11 +26,6 @@ from kernel_ref import (
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import INDEX, to_numpy
-from deepx_sdk.ir.ops import OPS
-
-
-def dtypes_of(op: str) -> list[str]:
-    return ordered(OPS[op].dtypes)
 
 
 def values(rng, dtype: str, shape, lo: float = -50, hi: float = 50) -> np.ndarray:
