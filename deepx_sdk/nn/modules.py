@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -218,16 +219,24 @@ class Dropout(Module):
         return f"p={self.p}, inplace={self.inplace}"
 
 
-class ReLU(Module):
+class _InplaceActivation(Module):
+    """An activation with torch's `inplace` flag: the result is written back into the input when set."""
+
     def __init__(self, inplace: bool = False) -> None:
         super().__init__()
         self.inplace = inplace
 
+    fn: Callable[..., Tensor] = staticmethod(F.relu)  # each subclass names its function
+
     def forward(self, x: Tensor) -> Tensor:
-        return _inplace(x, F.relu(x), self.inplace)
+        return _inplace(x, self.fn(x), self.inplace)
 
     def extra_repr(self) -> str:
         return "inplace=True" if self.inplace else ""
+
+
+class ReLU(_InplaceActivation):
+    fn = staticmethod(F.relu)
 
 
 class GELU(Module):
@@ -244,16 +253,8 @@ class GELU(Module):
         return f"approximate={self.approximate!r}"
 
 
-class SiLU(Module):
-    def __init__(self, inplace: bool = False) -> None:
-        super().__init__()
-        self.inplace = inplace
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _inplace(x, F.silu(x), self.inplace)
-
-    def extra_repr(self) -> str:
-        return "inplace=True" if self.inplace else ""
+class SiLU(_InplaceActivation):
+    fn = staticmethod(F.silu)
 
 
 class Sigmoid(Module):
