@@ -4,7 +4,7 @@
     x = dx.randn(4, 3)
     w = dx.ones(3, 2, requires_grad=True)
     y = (x @ w).relu().sum()
-    print(y.item())
+    value = y.item()      # the recorded program runs here
 
 With no address (and no DEEPX_ADDRESS) the first use starts an embedded daemon in this process; `dx.connect(
 "unix:///path")` uses a running deepxd, `dx.connect("udp://host:port")` any deepx executor (eager, write-only).
