@@ -117,7 +117,8 @@ def __getattr__(name: str) -> Any:
 
 for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "abs", "softmax", "log_softmax",
            "sum", "mean", "prod", "max", "min", "argmax", "argmin", "reshape", "flatten", "permute", "transpose",
-           "squeeze", "unsqueeze", "clamp", "var", "std", "amax", "amin", "t"):
+           "squeeze", "unsqueeze", "clamp", "var", "std", "amax", "amin", "t", "tril", "triu", "masked_fill",
+           "multinomial"):
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
 __all__ = ["DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange", "as_tensor", "cat",

@@ -704,6 +704,68 @@ class Tensor:
         self.requires_grad = flag
         return self
 
+    # -- masks and sampling
+    def _triangle(self, op: str, diagonal: _int, lower: _bool) -> Tensor:
+        if self.ndim < 2:
+            raise DeepxError(f"{op}: '{self.name}' has {self.ndim} dims; {op} needs a matrix or a batch of them")
+        rows, cols = self.shape[-2:]
+        offset = arange(cols) - arange(rows).unsqueeze(-1)  # column minus row, (rows, cols)
+        keep = offset <= int(diagonal) if lower else offset >= int(diagonal)
+        return where(keep, self, full((), 0, dtype=self.dtype))
+
+    def tril(self, diagonal: _int = 0) -> Tensor:
+        """The lower triangle of the last two dims (j - i <= diagonal); the rest zeros, as torch.tril."""
+        return self._triangle("tril", diagonal, lower=True)
+
+    def triu(self, diagonal: _int = 0) -> Tensor:
+        """The upper triangle of the last two dims (j - i >= diagonal); the rest zeros, as torch.triu."""
+        return self._triangle("triu", diagonal, lower=False)
+
+    def masked_fill(self, mask: Tensor, value: Any) -> Tensor:
+        """`value` where the bool `mask` (broadcast to this tensor's shape) is True; this tensor's dtype is kept."""
+        if not isinstance(mask, Tensor) or mask.dtype != "bool":
+            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise DeepxError(f"masked_fill: the mask must be a bool tensor, got {got} (compare first: x == 0)")
+        shape = broadcast("masked_fill", self.shape, mask.shape, names=[self.name, mask.name])
+        if shape != self.shape:
+            raise DeepxError(f"masked_fill: mask '{mask.name}' of shape {mask.shape} does not broadcast to "
+                             f"'{self.name}' of shape {self.shape}")
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise DeepxError(f"masked_fill: value must be a number or a 1-element tensor, got shape "
+                                 f"{value.shape}")
+            fill = value.reshape(()).type_as_dtype(self.dtype)
+        else:
+            fill = full((), value, dtype=self.dtype)
+        return where(mask, fill, self)
+
+    def masked_fill_(self, mask: Tensor, value: Any) -> Tensor:
+        return self._assign(self.masked_fill(mask, value))
+
+    def multinomial(self, num_samples: _int, replacement: _bool = False) -> Tensor:
+        """Indices drawn from the categories of the last dim, with probabilities proportional to the (non-negative)
+        weights, as torch.multinomial; by the Gumbel-max trick, so everything stays on the daemon."""
+        if self.ndim not in (1, 2):
+            raise DeepxError(f"multinomial: '{self.name}' must be 1-D or 2-D (weights per category), got {self.shape}")
+        n, k = self.shape[-1], int(num_samples)
+        if k < 1:
+            raise DeepxError(f"multinomial: num_samples must be at least 1, got {k}")
+        if not replacement and k > n:
+            raise DeepxError(f"multinomial: cannot draw {k} samples without replacement from {n} categories")
+        logw = self._unary_cast().detach().log()
+        if replacement:
+            noise_shape = (*self.shape[:-1], k, n)
+            scores = logw.unsqueeze(-2) - (-rand(noise_shape, dtype=logw.dtype).log()).log()
+            return scores.argmax(-1)
+        scores = logw - (-rand(self.shape, dtype=logw.dtype).log()).log()
+        picks = []
+        for i in range(k):  # Gumbel top-k: the k best perturbed scores are a sample without replacement
+            j = scores.argmax(-1, keepdim=True)
+            picks.append(j)
+            if i + 1 < k:
+                scores = scores.masked_fill(arange(n) == j, -math.inf)
+        return picks[0] if k == 1 else cat(picks, -1)
+
     # -- indexing
     def __getitem__(self, index: Any) -> Tensor:
         from deepx_sdk.indexing import getitem

@@ -3,12 +3,13 @@ stable ops of the catalogue where one exists)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Param
 from deepx_sdk.ir.shapes import norm_dim
-from deepx_sdk.tensor import DEFAULT_FLOAT, Tensor, _seed, _tp, _vec, _vp, full, matmul, where
+from deepx_sdk.tensor import DEFAULT_FLOAT, Tensor, _seed, _tp, _vec, _vp, arange, full, matmul, where
 
 
 def _float(x: Tensor) -> Tensor:
@@ -72,6 +73,37 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     if out.requires_grad:
         x._s.tape.append((instr, out, (out,)))
     return out
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """softmax(query @ key^T * scale + mask) @ value over the last two dims, as torch's: a bool attn_mask keeps the
+    True positions, a float one is added; is_causal masks the upper triangle (aligned top-left)."""
+    if enable_gqa:
+        raise DeepxError("scaled_dot_product_attention: enable_gqa is not supported; repeat the key and value "
+                         "heads to the query's count")
+    if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
+        raise DeepxError(f"scaled_dot_product_attention: query, key and value need (..., L, E) shapes, got "
+                         f"{query.shape}, {key.shape}, {value.shape}")
+    if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
+        raise DeepxError(f"scaled_dot_product_attention: query {query.shape}, key {key.shape} and value "
+                         f"{value.shape} do not match (query and key share E, key and value share S)")
+    if is_causal and attn_mask is not None:
+        raise DeepxError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+    q = _float(query)
+    scores = matmul(q, key.transpose(-2, -1)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    length, source = q.shape[-2], key.shape[-2]
+    if is_causal:
+        attn_mask = arange(source) <= arange(length).unsqueeze(-1)
+    if attn_mask is not None:
+        if attn_mask.dtype == "bool":
+            attn_mask = where(attn_mask, full((), 0.0, dtype=scores.dtype), full((), -math.inf, dtype=scores.dtype))
+        scores = scores + attn_mask
+    attn = scores.softmax(-1)
+    if dropout_p > 0.0:
+        attn = dropout(attn, dropout_p)
+    return matmul(attn, value)
 
 
 def _reduction(reduction: str) -> str:
@@ -179,5 +211,5 @@ def one_hot(index: Tensor, num_classes: int) -> Tensor:
 
 
 __all__ = ["cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax", "mse_loss",
-           "nll_loss", "normalize", "one_hot", "pad", "relu", "rms_norm", "sigmoid", "silu", "softmax", "tanh",
-           "where"]
+           "nll_loss", "normalize", "one_hot", "pad", "relu", "rms_norm", "scaled_dot_product_attention", "sigmoid",
+           "silu", "softmax", "tanh", "where"]

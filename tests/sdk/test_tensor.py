@@ -1028,3 +1028,120 @@ def test_functional_misc(rng):
     idx = rng.integers(0, 5, size=(2, 3))
     assert_same(F.one_hot(dx.tensor(idx), 5), TF.one_hot(torch.from_numpy(idx), 5))
     assert_same(F.relu(-x), TF.relu(-t))
+
+
+# ---------------------------------------------------------------- masks, attention and sampling
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bool"])
+@pytest.mark.parametrize("shape", [(4, 4), (3, 5), (2, 5, 3)], ids=str)
+@pytest.mark.parametrize("diagonal", [0, 1, -2])
+def test_tril_triu(rng, dtype, shape, diagonal):
+    x, t = pair(rng, shape, dtype)
+    assert_same(x.tril(diagonal), t.tril(diagonal))
+    assert_same(dx.triu(x, diagonal), torch.triu(t, diagonal))
+
+
+def test_tril_of_a_vector_is_an_error():
+    with pytest.raises(dx.DeepxError, match=r"tril: .* has 1 dims"):
+        dx.ones(3).tril()
+
+
+@pytest.mark.parametrize("value", [-math.inf, 2.5, 7])
+@pytest.mark.parametrize("mask_shape", [(3, 4), (4,), (3, 1)], ids=str)
+def test_masked_fill(rng, value, mask_shape):
+    x, t = pair(rng, (3, 4))
+    m = rng.random(mask_shape) > 0.5
+    assert_same(x.masked_fill(dx.tensor(m), value), t.masked_fill(torch.from_numpy(m), value))
+    i, ti = pair(rng, (3, 4), "int64")
+    if value != -math.inf:
+        assert_same(i.masked_fill(dx.tensor(m), value), ti.masked_fill(torch.from_numpy(m), value))
+
+
+def test_masked_fill_checks_its_mask():
+    x = dx.zeros(3, 4)
+    with pytest.raises(dx.DeepxError, match="masked_fill: the mask must be a bool tensor, got float32"):
+        x.masked_fill(dx.zeros(3, 4), 1.0)
+    with pytest.raises(dx.DeepxError, match="masked_fill"):
+        x.masked_fill(dx.ones(2, 3, 4).bool(), 1.0)
+    y = x.clone()
+    y.masked_fill_(dx.tensor([True, False, False, True]), 5.0)
+    np.testing.assert_array_equal(y.numpy(), np.where([True, False, False, True], 5.0, 0.0) * np.ones((3, 1)))
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float"])
+@pytest.mark.parametrize("shapes", [((2, 3, 5, 8), (2, 3, 5, 8)), ((4, 6), (7, 6)), ((2, 5, 4), (2, 6, 4))],
+                         ids=str)
+def test_scaled_dot_product_attention(rng, mask, shapes):
+    (qs, ks) = shapes
+    q, tq = pair(rng, qs)
+    k, tk = pair(rng, ks)
+    v, tv = pair(rng, (*ks[:-1], 3))
+    kw: dict = {}
+    tkw: dict = {}
+    if mask == "causal":
+        kw = tkw = {"is_causal": True}
+    elif mask == "bool":
+        m = rng.random((qs[-2], ks[-2])) > 0.3
+        m[:, 0] = True  # every query sees at least one key
+        kw, tkw = {"attn_mask": dx.tensor(m)}, {"attn_mask": torch.from_numpy(m)}
+    elif mask == "float":
+        m, tm = pair(rng, (qs[-2], ks[-2]))
+        kw, tkw = {"attn_mask": m}, {"attn_mask": tm}
+    assert_same(F.scaled_dot_product_attention(q, k, v, **kw), TF.scaled_dot_product_attention(tq, tk, tv, **tkw),
+                rtol=1e-5, atol=1e-5)
+    assert_same(F.scaled_dot_product_attention(q, k, v, scale=0.3, **kw),
+                TF.scaled_dot_product_attention(tq, tk, tv, scale=0.3, **tkw), rtol=1e-5, atol=1e-5)
+
+
+def test_scaled_dot_product_attention_gradients(rng):
+    arrays = [rng.standard_normal((2, 2, 5, 4)).astype(np.float32) for _ in range(3)]
+    mine = [dx.tensor(a, requires_grad=True) for a in arrays]
+    ref = [torch.tensor(a, requires_grad=True) for a in arrays]
+    out = F.scaled_dot_product_attention(*mine, is_causal=True)
+    tout = TF.scaled_dot_product_attention(*ref, is_causal=True)
+    w = rng.standard_normal(tout.shape).astype(np.float32)
+    (out * dx.tensor(w)).sum().backward()
+    (tout * torch.from_numpy(w)).sum().backward()
+    for a, t in zip(mine, ref, strict=True):
+        np.testing.assert_allclose(a.grad.numpy(), t.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_scaled_dot_product_attention_errors():
+    q = dx.zeros(2, 5, 4)
+    with pytest.raises(dx.DeepxError, match="do not match"):
+        F.scaled_dot_product_attention(q, dx.zeros(2, 5, 3), dx.zeros(2, 5, 4))
+    with pytest.raises(dx.DeepxError, match="either attn_mask or is_causal"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=dx.ones(5, 5).bool(), is_causal=True)
+
+
+def test_multinomial_frequencies_and_shapes():
+    dx.manual_seed(3)
+    p = np.array([[0.1, 0.2, 0.7, 0.0], [2.0, 2.0, 0.0, 0.0]], np.float32)  # weights need not sum to one
+    draws = dx.tensor(p).multinomial(4000, replacement=True)
+    assert draws.shape == (2, 4000) and draws.dtype == "int64"
+    counts = np.stack([np.bincount(r, minlength=4) for r in draws.numpy()]) / 4000
+    np.testing.assert_allclose(counts, p / p.sum(1, keepdims=True), atol=0.03)
+    assert counts[0, 3] == 0 and counts[1, 2:].sum() == 0  # zero weight: never drawn
+    one = dx.multinomial(dx.tensor(p[0]), 1)
+    assert one.shape == (1,) and one.item() in (0, 1, 2)
+
+
+def test_multinomial_without_replacement_draws_distinct_indices():
+    dx.manual_seed(4)
+    p = dx.tensor(np.full((50, 6), 1.0, np.float32))
+    d = p.multinomial(6).numpy()
+    assert d.shape == (50, 6)
+    for row in d:
+        assert sorted(row.tolist()) == list(range(6))
+    firsts = np.bincount(d[:, 0], minlength=6)
+    assert (firsts > 0).sum() >= 4  # uniform weights: the first draw varies
+
+
+def test_multinomial_errors():
+    with pytest.raises(dx.DeepxError, match="cannot draw 5 samples without replacement from 3"):
+        dx.ones(3).multinomial(5)
+    with pytest.raises(dx.DeepxError, match="must be 1-D or 2-D"):
+        dx.ones(2, 2, 2).multinomial(1)
+    with pytest.raises(dx.DeepxError, match="at least 1"):
+        dx.ones(3).multinomial(0)
