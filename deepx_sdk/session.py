@@ -258,6 +258,8 @@ class Session:
         # it writes into the buffer it already has) and needs no deltensor at all
         self.pool: dict[tuple[Any, str], list[str]] = {}
         self.pool_per_shape = 16
+        # set by dx.compile while it captures a call (deepx_sdk/compile.py): reading a value then is refused
+        self.capture: Any = None
 
     def new_name(self) -> str:
         return f"{self._prefix}{next(self._names)}"
@@ -338,6 +340,8 @@ class Session:
 
     def sync(self, fetch: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """Send what is pending (with `fetch` read back); raise the first error since the last sync."""
+        if fetch and self.capture is not None:
+            raise self.capture.refuse_read(fetch)
         with self._lock:
             try:
                 out = self._flush(fetch, raise_now=True)
