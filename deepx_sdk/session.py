@@ -94,14 +94,20 @@ class NativeTransport(Transport):
 
 class EmbeddedTransport(Transport):
     """A deepxd node in this process: the same actors, on an event loop in a background thread. Programs go to its
-    scheduler directly (no socket, no serialization); it also listens on a private socket for deepxctl."""
+    scheduler directly (no socket, no serialization); it also listens on a private socket for deepxctl.
 
-    def __init__(self) -> None:
+    Its roles: `roles`, else DEEPX_ROLES, else registry, heapmem, scheduler and op-cpu; naming op-cuda (e.g.
+    DEEPX_ROLES=op-cuda) runs the session on the GPU."""
+
+    def __init__(self, roles: Sequence[str] | None = None) -> None:
         from deepx_sdk.paths import runtime_dir
-        from deepxd.config import Config
+        from deepxd.config import Config, with_needed_roles
 
         sock = runtime_dir() / f"embedded-{os.getpid()}-{id(self)}.sock"
-        roles = ["registry", "heapmem", "scheduler", "op-cpu"]
+        if roles is None:
+            env = os.environ.get("DEEPX_ROLES", "")
+            roles = [r.strip() for r in env.split(",") if r.strip()] or ["registry", "heapmem", "scheduler", "op-cpu"]
+        roles = with_needed_roles(list(roles))
         self.config = Config(listen=f"unix://{sock}", udp="off", roles=roles, node_id=f"embedded-{os.getpid()}",
                              log_level="warning")
         self.loop = _new_loop()
@@ -147,7 +153,7 @@ class EmbeddedTransport(Transport):
         from deepx_sdk.ir.dtypes import from_numpy
 
         a = np.ascontiguousarray(array)
-        self._call(self.node.ref("op-cpu").ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(array.shape),
+        self._call(self.node.worker().ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(array.shape),
                                                data=a.reshape(-1).view(np.uint8).data, heap=heap))
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
@@ -214,10 +220,13 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def open_transport(address: str | None) -> Transport:
+def open_transport(address: str | None, roles: Sequence[str] | None = None) -> Transport:
     address = address or os.environ.get("DEEPX_ADDRESS") or ""
     if not address or address == "embedded":
-        return EmbeddedTransport()
+        return EmbeddedTransport(roles)
+    if roles is not None:
+        raise DeepxError(f"roles={list(roles)!r} picks the roles of an embedded daemon; {address} runs its own "
+                         "(start it with deepxd start --role=...)")
     if address.startswith("unix://"):
         return NativeTransport(address)
     if address.startswith("udp://"):
@@ -440,14 +449,15 @@ _current: Session | None = None
 _current_lock = threading.Lock()
 
 
-def connect(address: str | None = None, *, max_pending: int = 4096) -> Session:
-    """Connect to deepx: `address` None (and no DEEPX_ADDRESS) starts an embedded daemon in this process;
-    `unix:///path` reaches a running deepxd; `udp://host:port` speaks deepxIR text to any deepx executor."""
+def connect(address: str | None = None, *, max_pending: int = 4096, roles: Sequence[str] | None = None) -> Session:
+    """Connect to deepx: `address` None (and no DEEPX_ADDRESS) starts an embedded daemon in this process (with
+    `roles`, else DEEPX_ROLES, else the CPU roles: `roles=["op-cuda"]` runs it on the GPU); `unix:///path` reaches a
+    running deepxd; `udp://host:port` speaks deepxIR text to any deepx executor."""
     global _current
     with _current_lock:
         if _current is not None:
             _current.close()
-        _current = Session(open_transport(address), max_pending=max_pending)
+        _current = Session(open_transport(address, roles), max_pending=max_pending)
         return _current
 
 

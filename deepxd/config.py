@@ -39,6 +39,7 @@ class Config:
     # compiler passes run on every program, in this order (deepxd/compiler); "off" alone: none
     passes: list[str] = field(default_factory=lambda: ["simplify", "cse", "dce", "fuse"])
     fuse_min_elements: int = 0  # fuse only ops whose result has at least this many elements
+    cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
 
     def resolved(self) -> Config:
         """A copy with every default filled in and every value checked."""
@@ -52,6 +53,9 @@ class Config:
         bad = [r for r in c.roles if r not in ALL_ROLES]
         if bad:
             raise DeepxError(f"unknown role {', '.join(bad)}; roles are {', '.join(ALL_ROLES)}")
+        c.roles = with_needed_roles(c.roles)
+        if c.cuda_device < 0:
+            raise DeepxError(f"cuda_device: {c.cuda_device} must be >= 0")
         if c.kv_fsync not in ("always", "everysec", "no"):
             raise DeepxError(f"kv_fsync: {c.kv_fsync!r} must be always, everysec or no")
         if c.udp != "off":
@@ -92,6 +96,14 @@ def default_roles() -> list[str]:
     if importlib.util.find_spec("deepxd.actors.opcuda") is not None and cuda_available():
         roles.append("op-cuda")
     return roles
+
+
+def with_needed_roles(roles: list[str]) -> list[str]:
+    """`roles` plus what an op worker needs to be reached: programs come through the scheduler, and operators' queries
+    (deepxctl) through the registry. So `--role=heapmem,op-cuda` runs registry, heapmem, scheduler and op-cuda."""
+    if not any(r in roles for r in ("op-cpu", "op-cuda")):
+        return list(roles)
+    return [*roles, *(r for r in ("registry", "scheduler") if r not in roles)]
 
 
 def udp_address(text: str) -> tuple[str, int]:

@@ -59,16 +59,22 @@ class Node:
         c = self.config
         assert self.kv is not None
         roles = set(c.roles)
+        workers: dict[str, ActorRef] = {}
+        cuda = await self._start_cuda() if "op-cuda" in roles else None  # before heapmem, so it stops after it
+        if cuda is not None:
+            workers["op-cuda"] = self.refs["op-cuda"]
         if "heapmem" in roles:
             from deepxd.actors.heapmem import HeapMemory
 
-            self.refs["heapmem"] = self.supervisor.start(HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes))
-        workers: dict[str, ActorRef] = {}
+            self.refs["heapmem"] = self.supervisor.start(HeapMemory(
+                self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
+                device=cuda.device_heap if cuda is not None else None))  # with op-cuda, heap tensors are on the GPU
+            if cuda is not None:
+                cuda.heapmem = self.refs["heapmem"]
         if "op-cpu" in roles:
             workers["op-cpu"] = self.refs["op-cpu"] = self.supervisor.start(
-                CpuWorker(heapmem=self.refs.get("heapmem"), io_roots=c.io_roots, inline_elements=c.inline_elements))
-        if "op-cuda" in roles:
-            raise DeepxError("op-cuda: the CUDA worker is not part of this build yet; start without it")
+                CpuWorker(heapmem=self.refs.get("heapmem") if cuda is None else None, io_roots=c.io_roots,
+                          inline_elements=c.inline_elements))
         if "scheduler" in roles:
             self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c))
         if "registry" in roles:
@@ -77,6 +83,36 @@ class Node:
                 self.kv, c.node_id, roles=c.roles, addresses=addresses, workers=workers,
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s))
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
+
+    async def _start_cuda(self) -> Any:
+        """The op-cuda worker, its executor made (and the GPU asked) now, so that a GPU that does not answer stops
+        start-up with one line."""
+        from deepxd.config import cuda_available
+
+        c = self.config
+        if not cuda_available():
+            raise DeepxError("op-cuda: no usable CUDA GPU here (PyCUDA is not installed, or no device answers); "
+                             "start without op-cuda")
+        from deepxd.actors.opcuda import CudaWorker
+
+        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device)
+        self.refs["op-cuda"] = self.supervisor.start(worker)
+        try:
+            await self.refs["op-cuda"].ask("sync")
+        except DeepxError as e:
+            raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{c.cuda_device}: {e}") from None
+        except Exception as e:
+            raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{c.cuda_device}: "
+                             f"{type(e).__name__}: {e}") from None
+        return worker
+
+    def worker(self) -> ActorRef:
+        """The op worker that holds this node's tensors: op-cuda when it runs, else op-cpu (as the scheduler
+        places programs)."""
+        r = self.refs.get("op-cuda") or self.refs.get("op-cpu")
+        if r is None:
+            raise DeepxError(f"no op worker runs on node {self.config.node_id} (roles: {','.join(self.config.roles)})")
+        return r
 
     async def _start_transports(self) -> None:
         from deepxd.net.native import NativeServer

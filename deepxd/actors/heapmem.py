@@ -11,6 +11,10 @@
 - On stop every segment is unlinked and the live tensors' hashes say "stopped"; on start a tensor of this node whose
   segment is gone is marked "lost" (its metadata is kept for the operator), one whose segment survived a daemon
   that died without stopping is adopted, and segments that dead daemons of this node left behind are unlinked.
+- With a device heap (the op-cuda worker's `DeviceHeap`, when that role runs) heap tensors live in GPU memory
+  instead: the record carries `device` and `ipc_handle` (hex of the CUDA IPC handle another process opens with
+  `deepxd.ipc.open_tensor`), refcount zero frees the memory, and GPU memory never outlives its daemon (a restart
+  finds such tensors `lost`).
 """
 
 from __future__ import annotations
@@ -68,20 +72,28 @@ class _Heap:
     ctime: float
     state: str = "live"  # live | lost | stopped
     segment: Segment | None = None
-    view: np.ndarray | None = field(default=None, repr=False)
+    view: Any = field(default=None, repr=False)  # an ndarray; a device array for a GPU tensor
+    device: str = "cpu"
+    ipc_handle: str = ""  # hex of the CUDA IPC handle of a GPU tensor
+    block: Any = field(default=None, repr=False)  # a GPU tensor's memory (deepxd.actors.opcuda.DeviceBlock)
+
+    @property
+    def present(self) -> bool:
+        """Its memory exists (a segment, or a block of GPU memory); a lost or stopped tensor has none."""
+        return self.segment is not None or self.block is not None
 
     def fields(self) -> dict[str, str]:
-        return {"dtype": self.dtype, "shape": str(list(self.shape)), "node": self.node, "device": "cpu",
+        return {"dtype": self.dtype, "shape": str(list(self.shape)), "node": self.node, "device": self.device,
                 "bytes": str(self.nbytes), "kind": "heap", "owner": self.owner, "state": self.state,
                 "refcount": str(self.refcount), "holders": ",".join(self.holders), "handle": self.handle,
-                "ctime": repr(self.ctime)}
+                "ctime": repr(self.ctime), **({"ipc_handle": self.ipc_handle} if self.ipc_handle else {})}
 
     def refs(self) -> dict[str, str]:
         return {"refcount": str(self.refcount), "holders": ",".join(self.holders)}
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "node": self.node,
-                "device": "cpu", "bytes": self.nbytes, "kind": "heap", "owner": self.owner, "state": self.state,
+                "device": self.device, "bytes": self.nbytes, "kind": "heap", "owner": self.owner, "state": self.state,
                 "refcount": self.refcount, "holders": list(self.holders), "handle": self.handle,
                 "ctime": self.ctime}
 
@@ -100,7 +112,8 @@ class _Heap:
             return cls(name=name, dtype=f["dtype"], shape=tuple(shape), nbytes=int(f["bytes"]), node=f["node"],
                        owner=f.get("owner", ""), holders=[h for h in f.get("holders", "").split(",") if h],
                        refcount=int(f.get("refcount", "0")), handle=f.get("handle", ""),
-                       ctime=float(f.get("ctime", "0")), state=f.get("state", "live"))
+                       ctime=float(f.get("ctime", "0")), state=f.get("state", "live"),
+                       device=f.get("device", "cpu"), ipc_handle=f.get("ipc_handle", ""))
         except KeyError as e:
             raise ValueError(f"field {e.args[0]!r} is missing") from None
         except json.JSONDecodeError as e:
@@ -173,9 +186,10 @@ class HeapMemory(Actor):
     role = "heapmem"
 
     def __init__(self, kv: KV, node_id: str, *, pool_bytes: int = 256 << 20, poll_s: float = 0.05,
-                 name: str | None = None) -> None:
+                 name: str | None = None, device: Any = None) -> None:
         super().__init__(name)
         self.kv = kv
+        self.device = device  # a DeviceHeap (deepxd.actors.opcuda): heap tensors then live in its GPU memory
         self.node = node_id
         self.pool_bytes = pool_bytes
         self.poll_s = poll_s
@@ -196,7 +210,7 @@ class HeapMemory(Actor):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tick
             self._tick = None
-        live = [t for t in self._tensors.values() if t.segment is not None]
+        live = [t for t in self._tensors.values() if t.present]
         try:
             if live:
                 async with self.kv.batch() as b:
@@ -206,8 +220,12 @@ class HeapMemory(Actor):
             log.warning("%s: could not mark %d heap tensors stopped in the storage plane: %s", self.name, len(live), e)
         finally:
             for t in live:
-                assert t.segment is not None
                 t.state, t.view = "stopped", None
+                if t.block is not None:
+                    self.device.free(t.block)
+                    t.block = None
+                    continue
+                assert t.segment is not None
                 t.segment.close()
                 t.segment.unlink()
                 t.segment = None
@@ -326,9 +344,12 @@ class HeapMemory(Actor):
         self._delete(w, name, force)
         await w.execute()
 
-    def on_array(self, name: str) -> np.ndarray:
-        """The tensor's memory as an array, in place (zero-copy): writes are seen by every process."""
+    async def on_array(self, name: str) -> Any:
+        """The tensor's memory as an array, in place (zero-copy): writes are seen by every process. A GPU tensor's
+        is a device array."""
         t = self._live(name, "view")
+        if t.view is None and t.block is not None:
+            t.view = await self.device.view(t.block, t.shape, t.dtype)
         if t.view is None:
             assert t.segment is not None
             t.view = t.segment.array(t.shape, t.dtype)
@@ -341,9 +362,11 @@ class HeapMemory(Actor):
         return [self._tensors[n].info() for n in sorted(self._tensors)]
 
     def on_stats(self) -> dict[str, Any]:
-        live = [t for t in self._tensors.values() if t.segment is not None]
-        return {"node": self.node, "tensors": len(live), "bytes": sum(t.nbytes for t in live),
-                "segments": len(live), "segment_bytes": sum(t.segment.size for t in live if t.segment),
+        live = [t for t in self._tensors.values() if t.present]
+        return {"node": self.node, "device": self.device.device if self.device is not None else "cpu",
+                "tensors": len(live), "bytes": sum(t.nbytes for t in live),
+                "segments": sum(t.segment is not None for t in live),
+                "segment_bytes": sum(t.segment.size for t in live if t.segment),
                 "lost": sum(t.state == "lost" for t in self._tensors.values()),
                 "pooled_segments": sum(len(s) for s in self._pool.values()), "pooled_bytes": self._pooled_bytes,
                 "pool_limit": self.pool_bytes}
@@ -391,6 +414,14 @@ class HeapMemory(Actor):
                                  f"{other.get('kind', '?')} tensor on node {other.get('node', '?')}); "
                                  "delete it there or pick another name")
         nbytes = math.prod(dims) * itemsize
+        if self.device is not None:
+            block = await self.device.alloc(name, nbytes, zero)
+            t = _Heap(name=name, dtype=dtype, shape=dims, nbytes=nbytes, node=self.node, owner=owner,
+                      holders=[owner] if owner else [], refcount=1, handle="", ctime=time.time(),
+                      device=block.device, ipc_handle=block.ipc_handle.hex(), block=block)
+            self._tensors[name] = t
+            w.hset(name, t.fields())
+            return t
         seg, reused = self._take_segment(nbytes)
         if reused and zero:
             if nbytes >= ZERO_IN_THREAD:
@@ -470,7 +501,7 @@ class HeapMemory(Actor):
 
     def _live(self, name: Any, verb: str) -> _Heap:
         t = self._find(name, verb)
-        if t.segment is None:
+        if not t.present:
             raise DeepxError(f"heap tensor {name!r} was lost when its daemon stopped; put or load it again")
         return t
 
@@ -496,6 +527,10 @@ class HeapMemory(Actor):
 
     def _drop(self, t: _Heap, pool: bool) -> None:
         self._tensors.pop(t.name, None)
+        if t.block is not None:
+            self.device.free(t.block)  # queued on the CUDA thread, after every use queued before it
+            t.block, t.view = None, None
+            return
         seg, t.segment, t.view = t.segment, None, None
         if seg is None:
             return

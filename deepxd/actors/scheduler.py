@@ -1,6 +1,7 @@
 """The scheduler: the middle end at run time. It receives programs, runs the compiler passes over them, places them
 on an op worker and answers with what happened. Programs run one at a time, in arrival order, so that each is
-checked against the state the one before it left. (Placement across several workers and nodes builds on this.)
+checked against the state the one before it left. Placement: with op-cuda running every program goes to op-cuda,
+else to op-cpu (placement across several workers and nodes builds on this).
 
 The passes see the tensors that exist on the worker (asked once per program, and only for a program in which a
 value can end, by a deltensor or a second write to a name: without one every pass is a no-op) and the names the
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.actors.opcpu import RunResult
@@ -52,6 +53,8 @@ class Scheduler(Actor):
         self.busy_s = 0.0
         self.rewritten = 0  # programs the passes changed
         self.eliminated = 0  # instructions they removed
+        self.graphs: dict[str, Any] = {}  # stored graph name -> its plan (deepxd/compiler/graphs.py)
+        self.replays = 0
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
         for i, instr in enumerate(program):
@@ -116,9 +119,11 @@ class Scheduler(Actor):
         return result
 
     def _place(self, program: Sequence[Instr]) -> ActorRef:
-        worker = self.workers.get("op-cpu")
+        """All tensors of a session live on one worker: op-cuda when that role runs (its executor runs an op
+        without a CUDA kernel on the CPU kernel itself), else op-cpu."""
+        worker = self.workers.get("op-cuda") or self.workers.get("op-cpu")
         if worker is None:
-            raise DeepxError("no op worker runs on this node: start deepxd with --role including op-cpu")
+            raise DeepxError("no op worker runs on this node: start deepxd with --role including op-cpu or op-cuda")
         return worker
 
     async def on_explain(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> dict[str, Any]:
@@ -129,10 +134,11 @@ class Scheduler(Actor):
         return {"before": before, "after": after, "passes": list(self.passes)}
 
     async def on_backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None = None,
-                          prefix: str = "g_") -> dict[str, Any]:
+                          prefix: str = "g_", capture: bool = False) -> dict[str, Any]:
         """Autograd in the middle end: rewrite the recorded forward graph into its backward program (gradient rules
         from the catalogue's table in deepxd/compiler/autograd.py), run it, and say which tensor holds each
-        gradient. The forward has already run; its tensors are still there."""
+        gradient. The forward has already run; its tensors are still there. `capture` (dx.compile): the answer
+        carries the backward program too."""
         from deepx_sdk.ir.ops import SymbolicEnv
         from deepxd.compiler.autograd import grad_program
 
@@ -152,9 +158,84 @@ class Scheduler(Actor):
             raise DeepxError(f"backward: {result.error}")
         self.programs += 1
         self.instructions += result.done
-        return {"grads": grads, "instructions": len(program)}
+        return {"grads": grads, "instructions": len(program), **({"program": program} if capture else {})}
+
+    # -- stored graphs (dx.compile): the plan of each is made once, then every replay binds into it
+    async def _plan_graph(self, name: str, data: bytes) -> Any:
+        from deepxd.compiler.graphs import plan_graph
+
+        rows = await self._place(()).ask("tensors")
+        metas = {r["name"]: TensorMeta(tuple(r["shape"]), r["dtype"]) for r in rows}
+        plan = plan_graph(name, data, metas, [r["name"] for r in rows if r.get("kind") == "heap"], self.passes,
+                          self.fuse_min_elements)
+        self.graphs[name] = plan
+        return plan
+
+    async def on_store_graph(self, name: str, data: bytes) -> dict[str, Any]:
+        """Plan a graph just stored in the plane (the caller wrote `graph:<name>`)."""
+        plan = await self._plan_graph(name, data)
+        return {"name": name, "instructions": len(plan.record.instrs), "planned": len(plan.plan)}
+
+    async def on_explain_graph(self, name: str, data: bytes | None = None) -> dict[str, Any] | None:
+        """A stored graph's program and its plan as text; None when it is not planned here and no data came."""
+        from deepx_sdk.ir.text import format_text
+
+        plan = self.graphs.get(name)
+        if plan is None or (data is not None and plan.data != data):
+            if data is None:
+                return None
+            plan = await self._plan_graph(name, data)
+        return {"before": "\n".join(map(format_text, plan.record.instrs)), "after": "\n".join(map(format_text, plan.plan)),
+                "passes": list(plan.passes)}
+
+    async def on_replay(self, name: str, inputs: dict[str, Any], outputs: dict[str, Any],
+                        scalars: dict[str, Any] | None = None, fetch: Sequence[str] = (),
+                        data: bytes | None = None) -> RunResult | None:
+        """Run stored graph `name` with inputs bound to tensors (or data), outputs to names, and scalars set. None
+        when the graph is not planned here and no data came (the caller reads it from the plane and asks again)."""
+        from deepxd.compiler.graphs import bind_replay
+        from deepxd.compiler.pipeline import original_error
+
+        plan = self.graphs.get(name)
+        if plan is None:
+            if data is None:
+                return None
+            plan = await self._plan_graph(name, data)
+        worker = self._place(plan.plan)
+        t0 = time.perf_counter()
+        bound = bind_replay(plan, inputs, outputs, scalars or {})
+        if bound.bound_inputs:
+            have = await worker.ask("metas", names=sorted(bound.bound_inputs))
+            for n, (dtype, shape) in bound.bound_inputs.items():
+                m = have.get(n)
+                if m is None:
+                    raise DeepxError(f"replay of graph {name!r}: input tensor {n!r} not found")
+                if (m.dtype, tuple(m.shape)) != (dtype, shape):
+                    raise DeepxError(f"replay of graph {name!r}: input tensor {n!r} is {m.dtype}{list(m.shape)}; "
+                                     f"the graph needs {dtype}{list(shape)}")
+        for n, dtype, shape, buf in bound.puts:
+            await worker.ask("put", name=n, dtype=dtype, shape=shape, data=buf)
+        result: RunResult = await worker.ask("run", program=bound.program, fetch=list(fetch))
+        self.busy_s += time.perf_counter() - t0
+        self.programs += 1
+        self.replays += 1
+        if result.error:
+            self.failed += 1
+            rows = await worker.ask("tensors")
+            outs = set(bound.outputs)
+            junk = [r["name"] for r in rows if r["name"].startswith(f"{name}.") or r["name"] in outs]
+            if junk:
+                await worker.ask("run", program=[Instr("deltensor", (), (Param.tensor(n),)) for n in junk])
+            k = result.error_index
+            result.error = f"replay of graph {name!r}: {original_error(result.error, plan.origins)}"
+            result.error_index = plan.origins[k] if 0 <= k < len(plan.origins) else k
+            return result
+        self.instructions += len(plan.record.instrs)
+        result.done = len(plan.record.instrs)
+        return result
 
     def on_stats(self) -> dict[str, float]:
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
-                "plan_hits": self.compiled.hits, "plan_misses": self.compiled.misses}
+                "plan_hits": self.compiled.hits, "plan_misses": self.compiled.misses, "graphs": len(self.graphs),
+                "replays": self.replays}

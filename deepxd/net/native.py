@@ -206,7 +206,7 @@ class NativeServer:
         names = req.get("names")
         if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
             raise DeepxError("fetch: 'names' must be a list of tensor names")
-        arrays = await self.node.ref("op-cpu").ask("fetch", names=names)
+        arrays = await self.node.worker().ask("fetch", names=names)
         return {"tensors": {k: encode_tensor(v) for k, v in arrays.items()}}
 
     async def _op_put(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -217,8 +217,8 @@ class NativeServer:
         if not isinstance(name, str) or not name or not isinstance(dtype, str) or not isinstance(shape, list) \
                 or not isinstance(data, (bytes, bytearray, memoryview)):
             raise DeepxError("put: name and dtype must be strings, shape a list, data bytes")
-        info = await self.node.ref("op-cpu").ask("put", name=name, dtype=dtype, shape=shape, data=data,
-                                                 heap=bool(req.get("heap", False)), owner=str(req.get("owner", "")))
+        info = await self.node.worker().ask("put", name=name, dtype=dtype, shape=shape, data=data,
+                                            heap=bool(req.get("heap", False)), owner=str(req.get("owner", "")))
         return {"tensor": info}
 
     async def _op_admin(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,444 @@
+"""The CUDA op worker: owns the stack tensors on one GPU and runs checked programs on the CUDA kernels.
+
+- Every CUDA call runs on this worker's one thread: a PyCUDA context belongs to the thread that made it, so the
+  executor (`deepxd.kernels.cuda.CudaExecutor`) is created there and used nowhere else. The event loop only checks
+  programs (plain dict lookups on the tensors' metas) and hands each whole program to that thread in one hop.
+- A program is checked whole before any of it runs, as on op-cpu: a bad program changes nothing.
+- An op without a CUDA kernel runs on the CPU kernel (the executor copies its inputs to the host and its outputs
+  back); the op stats say so, under the name `<op> (cpu fallback)`, which `deepxctl ops ls` and `deepxctl top` show.
+- Out of GPU memory is an error naming the tensors and the bytes asked for; the worker keeps serving.
+- Heap tensors live in GPU memory that heapmem allocates through this worker's `DeviceHeap` (on the same thread), with
+  a CUDA IPC handle in their `tensor:<name>` record, so another process opens them (`deepxd.ipc`).
+
+Op stats count host time per instruction (kernel launches are asynchronous): the sum over a program is its real
+time because each program ends with its results fetched or the stream synchronised before the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.ops import OPS, Bound, ProgramError, check_program
+from deepx_sdk.ir.shapes import numel
+from deepxd.actors.base import Actor, ActorRef
+from deepxd.actors.opcpu import OpStat, RunResult
+from deepxd.kernels.cpu import dtype_name
+
+log = logging.getLogger(__name__)
+
+FALLBACK = " (cpu fallback)"  # op stats of an op that ran on the CPU kernel: "<op> (cpu fallback)"
+
+
+def _is_oom(e: BaseException) -> bool:
+    try:
+        import pycuda.driver as drv
+    except ImportError:
+        return False
+    return isinstance(e, drv.MemoryError) or "out of memory" in str(e).lower()
+
+
+def _host(a: Any) -> np.ndarray:
+    """A device array's contents as a host array (a host array as it is)."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+@dataclass(eq=False)
+class DeviceBlock:
+    """One heap tensor's GPU memory: the allocation, its size, and the CUDA IPC handle other processes open."""
+
+    allocation: Any  # pycuda.driver.DeviceAllocation
+    nbytes: int
+    ipc_handle: bytes
+    device: str
+
+
+class DeviceHeap:
+    """GPU memory for heapmem's heap tensors, allocated and freed on the CUDA worker's thread.
+
+    heapmem calls `alloc` (awaited: it needs the IPC handle), `view` (awaited: building a device array reads the
+    context) and `free` (queued on the thread; the thread's order keeps it after every use queued before it)."""
+
+    def __init__(self, worker: CudaWorker) -> None:
+        self.worker = worker
+
+    @property
+    def device(self) -> str:
+        return self.worker.device
+
+    async def alloc(self, name: str, nbytes: int, zero: bool) -> DeviceBlock:
+        return await self.worker.call(self.worker.alloc_block, name, nbytes, zero)
+
+    async def view(self, block: DeviceBlock, shape: Sequence[int], dtype: str) -> Any:
+        return await self.worker.call(self.worker.block_view, block, tuple(shape), dtype)
+
+    def free(self, block: DeviceBlock) -> None:
+        self.worker.submit(self.worker.free_block, block)
+
+
+class CudaWorker(Actor):
+    """The op-cuda role. Its asks mirror op-cpu's (run, fetch, put, tensors, metas, variables, op_stats, attach_heap)
+    plus `sync` (wait for the GPU) and `kernels` (the ops with a CUDA kernel)."""
+
+    role = "op-cuda"
+
+    def __init__(self, name: str = "op-cuda", *, heapmem: ActorRef | None = None,
+                 io_roots: Sequence[str] | None = None, device: int = 0, output_log: bool = True) -> None:
+        super().__init__(name)
+        self._output: list[str] = []
+        self.ex: Any = None  # the CudaExecutor, made on the thread by the first call
+        self.device_index = device
+        self.device = f"cuda:{device}"
+        self.io_roots = io_roots
+        self.heapmem = heapmem
+        self.heap: dict[str, Any] = {}  # heap tensor name -> its device array (memory heapmem allocated)
+        self.heap_held: set[str] = set()
+        self.output_log = output_log
+        self.op_stats: dict[str, OpStat] = {}
+        self.device_heap = DeviceHeap(self)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cuda")
+
+    def _print(self, text: str) -> None:
+        self._output.append(text)
+        if self.output_log:
+            log.info("print: %s", text)
+
+    # -- the CUDA thread
+    def _open(self) -> None:
+        from deepxd.kernels.cuda import CudaExecutor
+
+        self.ex = CudaExecutor(io_roots=self.io_roots, output=self._print, device=self.device_index)
+        log.info("%s: CUDA executor up on %s", self.name, self.device)
+
+    def _job(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if self.ex is None:
+            self._open()
+        return fn(*args)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the CUDA thread and wait for it."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._job, fn, args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue `fn(*args)` on the CUDA thread without waiting; failures are logged."""
+        def job() -> None:
+            try:
+                self._job(fn, args)
+            except Exception as e:
+                log.warning("%s: %s failed: %s", self.name, getattr(fn, "__name__", fn), e)
+        try:
+            self._thread.submit(job)
+        except RuntimeError:  # the thread is shut down: the context, and the memory with it, is gone already
+            pass
+
+    async def on_stop(self) -> None:
+        def close() -> None:
+            self.heap.clear()
+            if self.ex is not None:
+                self.ex.tensors.clear()
+                closer = getattr(self.ex, "close", None)
+                if closer is not None:
+                    closer()
+        try:
+            await self.call(close)
+        finally:
+            self._thread.shutdown(wait=True)
+
+    # -- heap memory for heapmem (on the thread)
+    def alloc_block(self, name: str, nbytes: int, zero: bool) -> DeviceBlock:
+        import pycuda.driver as drv
+
+        try:
+            allocation = drv.mem_alloc(max(nbytes, 1))
+        except drv.Error as e:
+            if not _is_oom(e):
+                raise DeepxError(f"heapmem: cannot allocate heap tensor {name!r} ({nbytes} bytes) on "
+                                 f"{self.device}: {e}") from None
+            free, total = drv.mem_get_info()
+            raise DeepxError(f"heapmem: out of GPU memory: heap tensor {name!r} needs {nbytes} bytes; {self.device} "
+                             f"has {free} of {total} bytes free") from None
+        if zero and nbytes:
+            drv.memset_d8(allocation, 0, nbytes)
+        handle = bytes(drv.mem_get_ipc_handle(allocation))
+        return DeviceBlock(allocation, nbytes, handle, self.device)
+
+    def block_view(self, block: DeviceBlock, shape: tuple[int, ...], dtype: str) -> Any:
+        wrap = getattr(self.ex, "wrap", None)
+        if wrap is not None:
+            return wrap(block.allocation, shape, dtype)
+        from pycuda import gpuarray
+
+        return gpuarray.GPUArray(shape, to_numpy(dtype), gpudata=block.allocation)
+
+    def free_block(self, block: DeviceBlock) -> None:
+        block.allocation.free()
+
+    # -- programs
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
+        result = RunResult(t0=time.time())
+        self._output = []
+        if self.ex is None:
+            await self.call(lambda: None)
+        try:
+            bounds = check_program(program, self.ex, self.ex.plans)
+            self._check_heap(bounds)
+            for name in fetch:
+                if not self._will_exist(name, bounds):
+                    raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        except ProgramError as e:
+            result.error, result.error_index = str(e), e.index
+            return result
+        heap_new: dict[int, Any] = {}
+        if self.heapmem is not None and any(b.instr.meta and b.op.name == "newtensor" for b in bounds):
+            failed = await self._create_heap(bounds, heap_new)
+            if failed is not None:
+                result.error, result.error_index = failed
+                await self._give_back(bounds, heap_new, 0)
+                return result
+        await self.call(self._run_on_device, bounds, result, heap_new, list(fetch))
+        await self._give_back(bounds, heap_new, result.done)
+        if self.heap:
+            for b in bounds[: result.done]:
+                if b.op.name == "deltensor":
+                    await self._forget_heap(str(b.out_names[0]))
+        result.output = self._output
+        return result
+
+    async def _create_heap(self, bounds: list[Bound], out: dict[int, Any]) -> tuple[str, int] | None:
+        """`newtensor ... // kind=heap`: heapmem allocates it on the GPU before the program runs; it is put in
+        place when its instruction is reached. A refusal (out of memory) is the error of that instruction."""
+        assert self.heapmem is not None
+        for i, b in enumerate(bounds):
+            if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
+                name = str(b.out_names[0])
+                meta = b.outs[0]
+                if name in self.ex.tensors or meta is None:
+                    continue
+                try:
+                    await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,
+                                           owner=self.name, zero=True)
+                except DeepxError as e:
+                    return f"instruction {i + 1}: newtensor: {e}", i
+                self.heap_held.add(name)
+                out[i] = await self.heapmem.ask("array", name=name)
+        return None
+
+    async def _give_back(self, bounds: list[Bound], heap_new: dict[int, Any], done: int) -> None:
+        for name in (str(bounds[i].out_names[0]) for i in heap_new if i >= done):
+            self.heap.pop(name, None)
+            self.heap_held.discard(name)  # never reached: give the memory back
+            assert self.heapmem is not None
+            await self.heapmem.ask("delete", name=name, force=True)
+
+    def _run_on_device(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any],
+                       fetch: list[str]) -> None:
+        self._execute(bounds, result, heap_new)
+        if not result.error:
+            result.tensors = {name: _host(self.ex.tensors[name]) for name in fetch}
+
+    def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any] | None = None) -> None:
+        ex = self.ex
+        times = result.times_us
+        stats = self.op_stats
+        fallbacks = ex.fallbacks
+        start = time.perf_counter()
+        for i, b in enumerate(bounds):
+            op = b.op.name
+            before = fallbacks.get(op, 0)
+            t0 = time.perf_counter()
+            try:
+                if heap_new and i in heap_new:
+                    view = heap_new[i]
+                    name = str(b.out_names[0])
+                    self.heap[name] = view
+                    ex.tensors[name] = view
+                else:
+                    ex.execute(b)
+            except DeepxError as e:
+                result.error, result.error_index = f"instruction {i + 1}: {e}", i
+                return
+            except Exception as e:
+                result.error, result.error_index = f"instruction {i + 1}: {self._describe(b, e)}", i
+                return
+            t1 = time.perf_counter()
+            times.append((t0 - start) * 1e6)
+            times.append((t1 - start) * 1e6)
+            result.done = i + 1
+            key = op if fallbacks.get(op, 0) == before else op + FALLBACK
+            s = stats.get(key)
+            if s is None:
+                s = stats[key] = OpStat()
+            s.calls += 1
+            s.seconds += t1 - t0
+            s.bytes += b.nbytes
+
+    def _describe(self, b: Bound, e: Exception) -> str:
+        """A CUDA failure of one instruction as a sentence naming the op and its outputs."""
+        outs = [(n, m) for n, m in zip(b.out_names, b.outs) if m is not None]
+        sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in outs)
+        if _is_oom(e):
+            import pycuda.driver as drv
+
+            want = sum(numel(m.shape) * to_numpy(m.dtype).itemsize for _, m in outs)
+            free, total = drv.mem_get_info()
+            return (f"{b.op.name}: out of GPU memory: outputs {sizes} need {want} bytes; {self.device} has {free} of "
+                    f"{total} bytes free")
+        log.warning("%s: %s failed on %s: %s: %s", self.name, b.op.name, self.device, type(e).__name__, e)
+        return f"{b.op.name}: CUDA error on {self.device}: {type(e).__name__}: {e} (outputs {sizes or 'none'})"
+
+    def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
+        exists = name in self.ex.tensors
+        for b in bounds:
+            if b.op.name == "deltensor" and b.out_names[0] == name:
+                exists = False
+            elif b.op.name == "renametensor":
+                if b.out_names[0] == name:
+                    exists = False
+                elif b.args[0] == name:
+                    exists = True
+            elif name in b.out_names or (b.op.name == "load" and name in (str(b.args[0]).rsplit("/", 1)[-1],)):
+                exists = True
+        return exists
+
+    def _check_heap(self, bounds: list[Bound]) -> None:
+        if not self.heap:
+            return
+        for i, b in enumerate(bounds):
+            for n, m in zip(b.out_names, b.outs):
+                view = self.heap.get(n) if isinstance(n, str) else None
+                if view is not None and m is not None and (tuple(m.shape) != tuple(view.shape)
+                                                           or m.dtype != dtype_name(view.dtype)):
+                    raise ProgramError(
+                        f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
+                        f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
+            if b.op.name == "renametensor" and b.out_names[0] in self.heap:
+                raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
+                                   "renamed", i)
+
+    async def _forget_heap(self, name: str) -> None:
+        """deltensor of a heap tensor: drop the view, and this worker's reference if it holds one."""
+        if self.heap.pop(name, None) is not None and name in self.heap_held and self.heapmem is not None:
+            self.heap_held.discard(name)
+            try:
+                await self.heapmem.ask("release", name=name, holder=self.name)
+            except DeepxError as e:
+                log.warning("releasing heap tensor '%s': %s", name, e)
+
+    # -- data in and out
+    async def on_fetch(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        def read() -> dict[str, np.ndarray]:
+            return {name: _host(self.ex.get(name)) for name in names}
+        out: dict[str, np.ndarray] = await self.call(read)
+        return out
+
+    async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
+                     heap: bool = False, owner: str = "") -> dict[str, Any]:
+        npdt = to_numpy(dtype)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise DeepxError(f"put: shape {list(shape)} of '{name}' has a negative dimension")
+        want = numel(shape) * npdt.itemsize
+        if len(data) != want:
+            raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
+        array = np.frombuffer(data, dtype=npdt).reshape(shape)
+        if not heap:
+            if name in self.heap:
+                raise DeepxError(f"put: '{name}' is a heap tensor; put it with heap=true")
+            await self.call(self._put_stack, name, array)
+            return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "stack", "device": self.device}
+        if self.heapmem is None:
+            raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
+        if name in self.heap:
+            view = self.heap[name]
+            if tuple(view.shape) != shape or view.dtype != npdt:
+                raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}")
+        else:
+            if self.ex is not None and name in self.ex.tensors:
+                raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
+            try:
+                await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype,
+                                       owner=owner or self.name, zero=False)
+                if not owner or owner == self.name:
+                    self.heap_held.add(name)
+            except DeepxError as e:
+                if "exists" not in str(e):
+                    raise
+                await self.heapmem.ask("attach", name=name, holder=self.name)
+                self.heap_held.add(name)
+            self.heap[name] = await self.heapmem.ask("array", name=name)
+        view = self.heap[name]
+        await self.call(view.set, np.ascontiguousarray(array))
+        self.ex.tensors[name] = view
+        return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "heap", "device": self.device}
+
+    def _put_stack(self, name: str, array: np.ndarray) -> None:
+        try:
+            self.ex.put(name, array)
+        except DeepxError:
+            raise
+        except Exception as e:
+            if _is_oom(e):
+                import pycuda.driver as drv
+
+                free, total = drv.mem_get_info()
+                what = f"'{name}' {dtype_name(array.dtype)}{list(array.shape)}"
+                raise DeepxError(f"put: out of GPU memory: {what} needs {array.nbytes} bytes; {self.device} has "
+                                 f"{free} of {total} bytes free") from None
+            raise DeepxError(f"put: '{name}' could not be copied to {self.device}: {type(e).__name__}: {e}") from None
+
+    async def on_attach_heap(self, name: str) -> dict[str, Any]:
+        """Make an existing heap tensor visible to programs here."""
+        if self.heapmem is None:
+            raise DeepxError("no heapmem role runs on this node")
+        info = await self.heapmem.ask("attach", name=name, holder=self.name)
+        self.heap_held.add(name)
+        view = await self.heapmem.ask("array", name=name)
+        self.heap[name] = view
+        if self.ex is None:
+            await self.call(lambda: None)
+        self.ex.tensors[name] = view
+        return dict(info)
+
+    # -- what an operator sees
+    def on_tensors(self) -> list[dict[str, Any]]:
+        if self.ex is None:
+            return []
+        return [{"name": name, "dtype": dtype_name(a.dtype), "shape": list(a.shape), "bytes": int(a.nbytes),
+                 "kind": "heap" if name in self.heap else "stack", "owner": self.name, "device": self.device}
+                for name, a in list(self.ex.tensors.items())]
+
+    def on_op_stats(self) -> dict[str, dict[str, float]]:
+        return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
+
+    def on_metas(self, names: Sequence[str]) -> dict[str, Any]:
+        """Shape and dtype of each named tensor that exists here."""
+        metas = self.ex.tensors.metas if self.ex is not None else {}
+        return {n: metas[n] for n in names if n in metas}
+
+    def on_variables(self) -> dict[str, Any]:
+        if self.ex is None:
+            return {"vars": {}, "vectors": {}}
+        return {"vars": dict(self.ex.variables), "vectors": {k: list(v) for k, v in self.ex.vectors.items()}}
+
+    async def on_sync(self) -> None:
+        """Wait until the GPU has finished everything queued so far (benchmarks time whole programs with it)."""
+        def sync() -> None:
+            import pycuda.driver as drv
+
+            drv.Context.synchronize()
+        await self.call(sync)
+
+    async def on_kernels(self) -> list[str]:
+        """The ops that run on a CUDA kernel here (every other op falls back to its CPU kernel)."""
+        names: list[str] = await self.call(lambda: sorted(op for op in OPS if self.ex.has_kernel(op)))
+        return names
