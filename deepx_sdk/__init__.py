@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from deepx_sdk.compile import CompiledFunction, compile, explain, graphs
 from deepx_sdk.errors import DeepxError, DeepxParseError
 from deepx_sdk.io import load, save
 from deepx_sdk.session import Session, connect, disconnect, session
@@ -121,8 +122,8 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
            "multinomial"):
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
-__all__ = ["DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange", "as_tensor", "cat",
-           "concat", "connect", "disconnect", "empty", "empty_cache", "empty_like", "from_numpy", "full", "full_like",
+__all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange",
+           "as_tensor", "cat", "compile", "concat", "connect", "explain", "graphs", "disconnect", "empty", "empty_cache", "empty_like", "from_numpy", "full", "full_like",
            "linspace",
            "load", "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like",
            "randint", "randn", "randn_like", "save", "session", "stack", "sync", "tensor", "where", "zeros",

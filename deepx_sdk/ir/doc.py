@@ -38,24 +38,38 @@ def _dtypes(op: OpDef) -> str:
     return _SETS.get(op.dtypes) or _fmt(op.dtypes)
 
 
+def _gradients() -> dict[str, str]:
+    """op name -> its gradient rule's formula (the rule's docstring), from deepxd/compiler/autograd.py; imported here
+    and not by the catalogue, which the SDK loads without the daemon."""
+    from deepxd.compiler.autograd import GRAD_RULES
+
+    return {name: " ".join((fn.__doc__ or "yes").split()) for name, fn in GRAD_RULES.items()}
+
+
 def render() -> str:
+    grads = _gradients()
     lines = []
     for family, title in _FAMILY_TITLES.items():
         ops = [op for op in OPS.values() if op.family == family]
         if not ops:
             continue
         lines += [f"### {title} (`deepxd/kernels/cpu/{family}.py`)", "",
-                  "| op | signature | dtypes | grad | what it does |", "| --- | --- | --- | --- | --- |"]
+                  "| op | signature | dtypes | what it does | gradient |", "| --- | --- | --- | --- | --- |"]
         for op in ops:
             name = f"`{op.name}`" + ("" if op.deepxir else " *")
             sig = op.signature().split("(", 1)[1].replace("|", "\\|")
-            lines.append(f"| {name} | `({sig}` | {_dtypes(op)} | {'yes' if op.differentiable else ''} | "
-                         f"{op.doc.replace('|', chr(92) + '|')} |")
+            grad = grads.get(op.name, "(no rule)") if op.differentiable else ""
+            lines.append(f"| {name} | `({sig}` | {_dtypes(op)} | {op.doc.replace('|', chr(92) + '|')} | "
+                         f"{grad.replace('|', chr(92) + '|')} |")
         lines.append("")
     n_ir = sum(op.deepxir for op in OPS.values())
     lines.append(f"{len(OPS)} ops: the {n_ir} of deepxIR and {len(OPS) - n_ir} more, marked *. Dtypes: float = "
                  "float64 float32 float16 bfloat16; int = int64 int32 int16 int8; all = those, bool, float8e5m2 and "
                  "float8e4m3.")
+    lines.append("")
+    lines.append("gradient: the formula of the op's rule in `deepxd/compiler/autograd.py` (`GRAD_RULES[op]`), with g "
+                 "the gradient of the result y; dX is the gradient of input X, summed over the dims it was broadcast "
+                 "along. Gradients flow through float tensors only (float64 float32 float16 bfloat16).")
     return "\n".join(lines)
 
 

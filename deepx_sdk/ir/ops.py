@@ -524,7 +524,8 @@ def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtyp
 op("newtensor", "life", [Arg("shape", "shape")], [t("t", _ANY)], _ANY, _newtensor,
    "create t with the given shape; its dtype is the return's precision (float32 when absent); an existing name is "
    "kept with a warning", effects=True)
-op("copytensor", "life", [t("src")], [t("dst")], _ANY, _copytensor, "copy src into dst (same shape and dtype)")
+op("copytensor", "life", [t("src")], [t("dst")], _ANY, _copytensor, "copy src into dst (same shape and dtype)",
+   grad=True)
 op("deltensor", "life", [], [t("t")], _ANY, _deltensor, "free t", effects=True)
 op("renametensor", "life", [v("new_name", "str")], [t("t")], _ANY, _renametensor, "give t a new name", effects=True)
 # -- variables: named scalars and vectors that later var/vector params may name
@@ -539,7 +540,7 @@ op("uniform", "init", [v("low"), v("high"), v("seed", "int")], [t("t")], FLOATS,
 op("normal", "init", [v("mean"), v("std"), v("seed", "int")], [t("t")], FLOATS, existing,
    "t ~ N(mean, std^2); seed 0 means random")
 op("dropout", "init", [v("p"), v("seed", "int")], [t("A")], FLOATS, _dropout,
-   "in place: zero each element with probability p, scale the kept ones by 1/(1-p)")
+   "in place: zero each element with probability p, scale the kept ones by 1/(1-p)", grad=True)
 
 # -- io: print to the executor's output, tensor files (deepxir.md section 5)
 op("print", "io", [t("t", _ANY), v("format", "str", "")], [], _ANY, nothing,
@@ -566,7 +567,8 @@ for _n, _d in [("rsubscalar", "s - A"), ("rdivscalar", "s / A"), ("rpowscalar", 
 for _n in ("sqrt", "exp", "log", "sin", "cos", "tan"):
     op(_n, "elementwise", [_A], [_C], FLOATS, same(0), f"{_n}(A)", grad=True)
 op("invert", "elementwise", [_A], [_C], INTS | {"bool"}, same(0), "bitwise not (integers), logical not (bool)")
-op("todtype", "elementwise", [t("A", _ANY)], [t("C", _ANY)], _ANY, _todtype, "cast A into C's dtype")
+op("todtype", "elementwise", [t("A", _ANY)], [t("C", _ANY)], _ANY, _todtype,
+   "cast A into C's dtype (a gradient flows between float dtypes only)", grad=True)
 
 # -- comparisons, to a bool tensor; eps 0 means exact
 op("less", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A < B")
@@ -614,6 +616,8 @@ op("sigmoid", "nn", [_A], [_C], _F, same(0), "1 / (1 + exp(-A))", grad=True, dee
 op("tanh", "nn", [_A], [_C], _F, same(0), "tanh(A)", grad=True, deepxir=False)
 op("gelu", "nn", [_A, v("approximate", "str", "none")], [_C], _F, same(0),
    "A * Phi(A) (approximate='none', exact erf) or its tanh form (approximate='tanh')", grad=True, deepxir=False)
+op("erf", "nn", [_A], [_C], _F, same(0), "the Gauss error function erf(A) (gelu's gradient needs it)", grad=True,
+   deepxir=False)
 op("silu", "nn", [_A], [_C], _F, same(0), "A * sigmoid(A)", grad=True, deepxir=False)
 op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "exp(A) / sum(exp(A)) along dim, stable",
    grad=True, deepxir=False)
@@ -725,7 +729,7 @@ def _fused(c: Call) -> list[TensorMeta | None]:
 op("fused", "fused", [lst("inputs"), v("expr", "str")], [_C], _F, _fused,
    "C = expr over the inputs in0, in1, ... (broadcast; one float dtype, float16 and bfloat16 computed in float32); "
    "expr is a numexpr expression of numbers, + - * / **, unary -, sqrt exp log sin cos tan tanh abs maximum "
-   "minimum; made by the fuse pass from a chain or tree of elementwise ops", deepxir=False)
+   "minimum; made by the fuse pass from a chain or tree of elementwise ops", grad=True, deepxir=False)
 
 
 # ---------------------------------------------------------------- checking an instruction

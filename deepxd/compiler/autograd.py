@@ -15,24 +15,33 @@ that needs one raises DeepxError.
 
 from __future__ import annotations
 
+import ast
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import FLOATS
 from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import OPS, UNKNOWN, Bound, Env, SymbolicEnv, TensorMeta, bind
+from deepx_sdk.ir.ops import OPS, UNKNOWN, Bound, Env, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
 
 Key = tuple[str, int]  # a value: (tensor name, version); version 0 is the tensor as it is before the program
 
 
 class _Node:
-    """One forward instruction, bound: the value keys of its tensor args and of its outputs."""
+    """One forward instruction, bound: the value keys of its inputs and of its outputs.
 
-    def __init__(self, b: Bound, ins: list[Key | None], outs: list[Key | None]) -> None:
+    `ins[i]` is the value read by tensor arg i (None for other args); after one entry per arg come the extra reads:
+    the tensor an in-place op reads before writing it (dropout), then the items of each tensor list
+    (`lists[i]` is where list arg i's items start). `in_metas` gives each input's shape and dtype."""
+
+    def __init__(self, b: Bound, ins: list[Key | None], in_metas: list[TensorMeta | None], outs: list[Key | None],
+                 lists: dict[int, int]) -> None:
         self.b = b
         self.ins = ins
+        self.in_metas = in_metas
         self.outs = outs
+        self.lists = lists
 
 
 class Grad:
@@ -50,16 +59,27 @@ class Grad:
         return self.b.args[i]
 
     def meta(self, i: int) -> TensorMeta:
-        return self.b.args[i]
+        """The shape and dtype of input i (a tensor arg, or an extra read: see `item`)."""
+        m = self.node.in_metas[i]
+        assert m is not None
+        return m
 
     def out_meta(self, i: int = 0) -> TensorMeta:
         return self.b.outs[i]  # type: ignore[return-value]
 
     def x(self, i: int) -> str:
-        """The name of forward tensor arg i; it must still hold the value the instruction read."""
+        """The name of forward input i; it must still hold the value the instruction read."""
         key = self.node.ins[i]
         assert key is not None
         return self._builder.available(key, self.op)
+
+    def item(self, i: int, j: int) -> int:
+        """The input index of item j of tensor-list arg i (for x, meta, needs and the rule's result)."""
+        return self.node.lists[i] + j
+
+    def items(self, i: int) -> list[int]:
+        """The input indices of every item of tensor-list arg i."""
+        return [self.node.lists[i] + j for j in range(len(self.b.args[i]))]
 
     def y(self, i: int = 0) -> str:
         """The name of forward output i; it must still hold the value the instruction wrote."""
@@ -83,6 +103,13 @@ class Grad:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._builder.meta(name).shape
+
+    def shape_dtype(self, name: str) -> str:
+        return self._builder.meta(name).dtype
+
+    def filled(self, meta: TensorMeta, value: float) -> str:
+        """A fresh tensor of meta's shape and dtype, every element `value`."""
+        return self._builder.filled(meta, value)
 
 
 Rule = Callable[[Grad, str], dict[int, str]]
@@ -126,13 +153,23 @@ class _Builder:
             except DeepxError as e:
                 raise DeepxError(f"autograd: forward instruction {i + 1}: {e}") from None
             ins: list[Key | None] = []
-            for a, n in zip(b.op.args, b.names):
+            in_metas: list[TensorMeta | None] = []
+            for a, n, m in zip(b.op.args, b.names, b.args):
                 if a.kind == "tensor":
                     ins.append((n, self.version.get(n, 0)))
+                    in_metas.append(m)
                 else:
                     ins.append(None)
+                    in_metas.append(None)
             if b.op.name == "dropout":  # reads the tensor it writes
                 ins.append((b.out_names[0], self.version.get(b.out_names[0], 0)))
+                in_metas.append(self.sym.meta(b.out_names[0]))
+            lists: dict[int, int] = {}
+            for i, (a, n, m) in enumerate(zip(b.op.args, b.names, b.args)):
+                if a.kind == "listtensor":
+                    lists[i] = len(ins)
+                    ins.extend((x, self.version.get(x, 0)) for x in n)
+                    in_metas.extend(m)
             self.sym.apply(b)
             outs: list[Key | None] = []
             for a, n in zip(b.op.returns, b.out_names):
@@ -146,7 +183,7 @@ class _Builder:
                 else:
                     self.deleted.discard(n)
                     outs.append((n, self.version[n]))
-            self.nodes.append(_Node(b, ins, outs))
+            self.nodes.append(_Node(b, ins, in_metas, outs, lists))
 
     # -- forward values
     def current(self, name: str) -> Key:
@@ -155,7 +192,7 @@ class _Builder:
     def available(self, key: Key, op: str) -> str:
         name, ver = key
         if name in self.deleted or self.version.get(name, 0) != ver:
-            what = "deleted" if name in self.deleted else "overwritten"
+            what = "deletes" if name in self.deleted else "overwrites"
             raise DeepxError(
                 f"autograd: the gradient of {op} needs the value of '{name}', which the forward program {what} later; "
                 "keep it (or write the later value under another name)"
@@ -296,7 +333,8 @@ def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, g
         for i, gi in result.items():
             key = node.ins[i]
             assert key is not None
-            want = node.b.args[i] if i < len(node.b.args) else bld.meta(key[0])
+            want = node.in_metas[i]
+            assert want is not None
             got = bld.meta(gi)
             if (got.shape, got.dtype) != (want.shape, want.dtype):
                 raise DeepxError(f"autograd: the rule of {name} gave a gradient {got.dtype}{list(got.shape)} for "
@@ -340,14 +378,42 @@ def _free(prog: list[Instr], temps: set[str]) -> list[Instr]:
 
 
 # ---------------------------------------------------------------- the rules
+# Each rule's docstring is its formula, in terms of the upstream gradient g, the inputs and the output y: docs/ir.md
+# shows it in the op's row of the catalogue (python -m deepx_sdk.ir.doc --write).
+
+_LOW = ("float16", "bfloat16")
 
 
 def _float_mask(gr: Grad, mask: str, like: TensorMeta) -> str:
     return gr.emit("todtype", mask, dtype=like.dtype)
 
 
+def _up(gr: Grad, name: str) -> str:
+    """float16 and bfloat16 values as float32, so that a long gradient formula rounds once, as the kernels do."""
+    return gr.emit("todtype", name, dtype="float32") if gr.shape_dtype(name) in _LOW else name
+
+
+def _down(gr: Grad, name: str, dtype: str) -> str:
+    return gr.emit("todtype", name, dtype=dtype) if dtype in _LOW else name
+
+
+def _mean(gr: Grad, x: str, dims: tuple[int, ...], n: int) -> str:
+    return gr.emit("mulscalar", gr.emit("sum", x, dims, True), 1.0 / max(n, 1))
+
+
+def _keepdims(gr: Grad, g: str, shape: tuple[int, ...], dims: set[int], keepdims: bool) -> str:
+    """g of a reduction's result, reshaped to the input's rank (size 1 on the reduced dims)."""
+    return g if keepdims else gr.emit("reshape", g, tuple(1 if i in dims else d for i, d in enumerate(shape)))
+
+
+def _reduced_dims(gr: Grad) -> set[int]:
+    shape = gr.meta(0).shape
+    return {d % len(shape) for d in gr.arg(1)} if gr.arg(1) else set(range(len(shape)))
+
+
 @rule("add")
 def _add(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g, dB = g (each summed over its broadcast dims)"""
     out = {}
     if gr.needs(0):
         out[0] = gr.unbroadcast(g, gr.meta(0))
@@ -358,6 +424,7 @@ def _add(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("sub")
 def _sub(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g, dB = -g (each summed over its broadcast dims)"""
     out = {}
     if gr.needs(0):
         out[0] = gr.unbroadcast(g, gr.meta(0))
@@ -368,6 +435,7 @@ def _sub(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("mul")
 def _mul(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g B, dB = g A (each summed over its broadcast dims)"""
     out = {}
     if gr.needs(0):
         out[0] = gr.unbroadcast(gr.emit("mul", g, gr.x(1)), gr.meta(0))
@@ -378,6 +446,7 @@ def _mul(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("div")
 def _div(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g / B, dB = -g A / B^2"""
     out = {}
     t = gr.emit("div", g, gr.x(1))  # g / B
     if gr.needs(0):
@@ -390,6 +459,7 @@ def _div(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("pow")
 def _pow(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g B A^(B-1), dB = g y log A"""
     out = {}
     a, b = gr.x(0), gr.x(1)
     if gr.needs(0):  # g B A^(B-1)
@@ -402,6 +472,7 @@ def _pow(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("max", "min")
 def _maxmin(gr: Grad, g: str) -> dict[int, str]:
+    """g goes to the input picked (A where A > B for max, A < B for min; ties to B)"""
     a, b = gr.x(0), gr.x(1)
     pick_a = gr.emit("greater" if gr.op == "max" else "less", a, b)  # ties go to B
     m = gr.emit("todtype", pick_a, dtype=gr.out_meta().dtype)
@@ -416,64 +487,73 @@ def _maxmin(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("addscalar", "subscalar", "copytensor")
 def _identity(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g"""
     return {0: g}
 
 
 @rule("mulscalar")
 def _mulscalar(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g s"""
     return {0: gr.emit("mulscalar", g, float(gr.arg(1)))}
 
 
 @rule("divscalar")
 def _divscalar(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g / s"""
     return {0: gr.emit("divscalar", g, float(gr.arg(1)))}
 
 
 @rule("rsubscalar")
 def _rsubscalar(gr: Grad, g: str) -> dict[int, str]:
+    """dA = -g"""
     return {1: gr.emit("neg", g)}
 
 
 @rule("rdivscalar")
-def _rdivscalar(gr: Grad, g: str) -> dict[int, str]:  # d(s/A) = -s / A^2
+def _rdivscalar(gr: Grad, g: str) -> dict[int, str]:
+    """dA = -g s / A^2"""
     a = gr.x(1)
     r = gr.emit("rdivscalar", -float(gr.arg(0)), gr.emit("mul", a, a))
     return {1: gr.emit("mul", g, r)}
 
 
 @rule("powscalar")
-def _powscalar(gr: Grad, g: str) -> dict[int, str]:  # s A^(s-1)
+def _powscalar(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g s A^(s-1)"""
     s = float(gr.arg(1))
     p = gr.emit("mulscalar", gr.emit("powscalar", gr.x(0), s - 1.0), s)
     return {0: gr.emit("mul", g, p)}
 
 
 @rule("rpowscalar")
-def _rpowscalar(gr: Grad, g: str) -> dict[int, str]:  # s^A log s
-    import math
-
+def _rpowscalar(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g y log s"""
     return {1: gr.emit("mulscalar", gr.emit("mul", g, gr.y()), math.log(float(gr.arg(0))))}
 
 
 @rule("maxscalar", "minscalar")
 def _maxminscalar(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g where A > s (max) or A < s (min), else 0"""
     mask = gr.emit("greaterscalar" if gr.op == "maxscalar" else "lessscalar", gr.x(0), float(gr.arg(1)))
     return {0: gr.emit("mul", g, _float_mask(gr, mask, gr.meta(0)))}
 
 
 @rule("relu")
 def _relu(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g where A > 0, else 0"""
     mask = gr.emit("greaterscalar", gr.x(0), 0.0)
     return {0: gr.emit("mul", g, _float_mask(gr, mask, gr.meta(0)))}
 
 
 @rule("neg")
 def _neg(gr: Grad, g: str) -> dict[int, str]:
+    """dA = -g"""
     return {0: gr.emit("neg", g)}
 
 
 @rule("abs")
 def _abs(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g sign(A) (0 at 0)"""
     a, m = gr.x(0), gr.meta(0)
     pos = _float_mask(gr, gr.emit("greaterscalar", a, 0.0), m)
     neg = _float_mask(gr, gr.emit("lessscalar", a, 0.0), m)
@@ -482,53 +562,99 @@ def _abs(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("exp")
 def _exp(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g y"""
     return {0: gr.emit("mul", g, gr.y())}
 
 
 @rule("log")
 def _log(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g / A"""
     return {0: gr.emit("div", g, gr.x(0))}
 
 
 @rule("sqrt")
 def _sqrt(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g / (2 y)"""
     return {0: gr.emit("mulscalar", gr.emit("div", g, gr.y()), 0.5)}
 
 
 @rule("sin")
 def _sin(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g cos A"""
     return {0: gr.emit("mul", g, gr.emit("cos", gr.x(0)))}
 
 
 @rule("cos")
 def _cos(gr: Grad, g: str) -> dict[int, str]:
+    """dA = -g sin A"""
     return {0: gr.emit("neg", gr.emit("mul", g, gr.emit("sin", gr.x(0))))}
 
 
 @rule("tan")
-def _tan(gr: Grad, g: str) -> dict[int, str]:  # 1 + tan^2
+def _tan(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g (1 + y^2)"""
     y = gr.y()
     return {0: gr.emit("mul", g, gr.emit("addscalar", gr.emit("mul", y, y), 1.0))}
 
 
 @rule("sigmoid")
 def _sigmoid(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g y (1 - y)"""
     y = gr.y()
     return {0: gr.emit("mul", g, gr.emit("mul", y, gr.emit("rsubscalar", 1.0, y)))}
 
 
 @rule("tanh")
 def _tanh(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g (1 - y^2)"""
     y = gr.y()
     return {0: gr.emit("mul", g, gr.emit("rsubscalar", 1.0, gr.emit("mul", y, y)))}
 
 
 @rule("silu")
-def _silu(gr: Grad, g: str) -> dict[int, str]:  # s (1 + A (1 - s))
+def _silu(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g s (1 + A (1 - s)), s = sigmoid(A)"""
     a = gr.x(0)
     s = gr.emit("sigmoid", a)
     inner = gr.emit("addscalar", gr.emit("mul", a, gr.emit("rsubscalar", 1.0, s)), 1.0)
     return {0: gr.emit("mul", g, gr.emit("mul", s, inner))}
+
+
+_SQRT1_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_TANH_K = math.sqrt(2.0 / math.pi)
+_TANH_C = 0.044715
+
+
+@rule("erf")
+def _erf(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g 2/sqrt(pi) exp(-A^2)"""
+    a = gr.x(0)
+    e = gr.emit("exp", gr.emit("neg", gr.emit("mul", a, a)))
+    return {0: gr.emit("mul", g, gr.emit("mulscalar", e, 2.0 / math.sqrt(math.pi)))}
+
+
+@rule("gelu")
+def _gelu(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g (Phi(A) + A phi(A)), Phi(A) = (1 + erf(A/sqrt 2))/2; approximate='tanh': the derivative of its tanh
+    form, with t = tanh(sqrt(2/pi) (A + 0.044715 A^3)): g ((1 + t)/2 + A/2 (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 A^2))"""
+    dt = gr.meta(0).dtype
+    a, gw = _up(gr, gr.x(0)), _up(gr, g)
+    a2 = gr.emit("mul", a, a)
+    if gr.arg(1) == "tanh":
+        u = gr.emit("mulscalar", gr.emit("mul", a, gr.emit("addscalar", gr.emit("mulscalar", a2, _TANH_C), 1.0)),
+                    _TANH_K)
+        t = gr.emit("tanh", u)
+        first = gr.emit("mulscalar", gr.emit("addscalar", t, 1.0), 0.5)
+        sech2 = gr.emit("rsubscalar", 1.0, gr.emit("mul", t, t))
+        du = gr.emit("addscalar", gr.emit("mulscalar", a2, 3.0 * _TANH_C), 1.0)
+        second = gr.emit("mul", gr.emit("mulscalar", a, 0.5 * _TANH_K), gr.emit("mul", sech2, du))
+        d = gr.emit("add", first, second)
+    else:
+        cdf = gr.emit("mulscalar", gr.emit("addscalar", gr.emit("erf", gr.emit("mulscalar", a, _SQRT1_2)), 1.0), 0.5)
+        pdf = gr.emit("mulscalar", gr.emit("exp", gr.emit("mulscalar", a2, -0.5)), _INV_SQRT_2PI)
+        d = gr.emit("add", cdf, gr.emit("mul", a, pdf))
+    return {0: _down(gr, gr.emit("mul", gw, d), dt)}
 
 
 def _swap_last(rank: int) -> tuple[int, ...]:
@@ -537,6 +663,7 @@ def _swap_last(rank: int) -> tuple[int, ...]:
 
 @rule("matmul")
 def _matmul(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g @ B^T, dB = A^T @ g (each summed over its broadcast batch dims)"""
     out = {}
     if gr.needs(0):  # g @ B^T
         b = gr.x(1)
@@ -551,20 +678,53 @@ def _matmul(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("sum")
 def _sum(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g broadcast back over the summed dims"""
     shape = gr.meta(0).shape
-    dims = {d % len(shape) for d in gr.arg(1)} if gr.arg(1) else set(range(len(shape)))
-    if not gr.arg(2):
-        g = gr.emit("reshape", g, tuple(1 if i in dims else d for i, d in enumerate(shape)))
+    g = _keepdims(gr, g, shape, _reduced_dims(gr), bool(gr.arg(2)))
     return {0: gr.emit("broadcastTo", g, tuple(shape))}
+
+
+@rule("prod")
+def _prod(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g times the product of the other elements: g y / A without zeros; with one zero, only it gets g times
+    the product of the rest; with two or more, 0"""
+    x, m = gr.x(0), gr.meta(0)
+    dims = _reduced_dims(gr)
+    gk = _keepdims(gr, g, m.shape, dims, bool(gr.arg(2)))
+    d = tuple(sorted(dims))
+    zero = _float_mask(gr, gr.emit("equalscalar", x, 0.0), m)  # 1 where A == 0
+    nzero = gr.emit("sum", zero, d, True)
+    x1 = gr.emit("add", x, zero)  # zeros become ones
+    rest = gr.emit("prod", x1, d, True)  # the product of the non-zero elements
+    no_zero = _float_mask(gr, gr.emit("equalscalar", nzero, 0.0), m)
+    one_zero = _float_mask(gr, gr.emit("equalscalar", nzero, 1.0), m)
+    where_nonzero = gr.emit("mul", gr.emit("div", rest, x1), no_zero)
+    where_zero = gr.emit("mul", zero, gr.emit("mul", rest, one_zero))
+    return {0: gr.emit("mul", gk, gr.emit("add", where_nonzero, where_zero))}
+
+
+@rule("reducemax", "reducemin")
+def _reducemaxmin(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g shared evenly between the elements equal to the result (as torch.amax and amin do)"""
+    x, m = gr.x(0), gr.meta(0)
+    dims = _reduced_dims(gr)
+    keep = bool(gr.arg(2))
+    gk = _keepdims(gr, g, m.shape, dims, keep)
+    yk = _keepdims(gr, gr.y(), m.shape, dims, keep)
+    hit = _float_mask(gr, gr.emit("equal", x, yk), m)
+    count = gr.emit("sum", hit, tuple(sorted(dims)), True)
+    return {0: gr.emit("mul", hit, gr.emit("div", gk, count))}
 
 
 @rule("reshape")
 def _reshape(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g reshaped to A's shape"""
     return {0: gr.emit("reshape", g, tuple(gr.meta(0).shape))}
 
 
 @rule("transpose")
 def _transpose(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g transposed by the inverse permutation"""
     perm = [p % len(gr.meta(0).shape) for p in gr.arg(1)]
     inv = [0] * len(perm)
     for i, p in enumerate(perm):
@@ -574,31 +734,141 @@ def _transpose(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("broadcastTo")
 def _broadcast_to(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g summed over the broadcast dims"""
     return {0: gr.unbroadcast(g, gr.meta(0))}
+
+
+@rule("concat")
+def _concat(gr: Grad, g: str) -> dict[int, str]:
+    """d tensors[k] = the slice of g along dim that tensors[k] filled"""
+    metas = gr.b.args[0]
+    rank = len(metas[0].shape)
+    dim = gr.arg(1) % rank
+    out, offset = {}, 0
+    for k, i in enumerate(gr.items(0)):
+        size = metas[k].shape[dim]
+        if gr.needs(i):
+            starts = tuple(offset if d == dim else 0 for d in range(rank))
+            ends = tuple(offset + size if d == dim else n for d, n in enumerate(metas[k].shape))
+            out[i] = gr.emit("slice", g, starts, ends, (1,) * rank)
+        offset += size
+    return out
+
+
+@rule("slice")
+def _slice(gr: Grad, g: str) -> dict[int, str]:
+    """dA = zeros with g written into the slice (sliceassign)"""
+    zeros = gr.filled(gr.meta(0), 0.0)
+    return {0: gr.emit("sliceassign", zeros, gr.arg(1), gr.arg(2), gr.arg(3), g)}
+
+
+@rule("sliceassign")
+def _sliceassign(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g with the slice zeroed; dV = the slice of g (summed over V's broadcast dims)"""
+    out = {}
+    if gr.needs(0):
+        zero = gr.filled(TensorMeta((), gr.meta(0).dtype), 0.0)
+        out[0] = gr.emit("sliceassign", g, gr.arg(1), gr.arg(2), gr.arg(3), zero)
+    if gr.needs(4):
+        out[4] = gr.unbroadcast(gr.emit("slice", g, gr.arg(1), gr.arg(2), gr.arg(3)), gr.meta(4))
+    return out
+
+
+@rule("pad")
+def _pad(gr: Grad, g: str) -> dict[int, str]:
+    """dA = the slice of g that A filled (without the padding)"""
+    shape, pads = gr.meta(0).shape, gr.arg(1)
+    starts = tuple(pads[0::2])
+    ends = tuple(b + d for b, d in zip(starts, shape))
+    return {0: gr.emit("slice", g, starts, ends, (1,) * len(shape))}
+
+
+@rule("repeat")
+def _repeat(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g viewed as (r0, n0, r1, n1, ...) and summed over the repeats r"""
+    shape, reps = gr.meta(0).shape, tuple(gr.arg(1))
+    full = (1,) * (len(reps) - len(shape)) + tuple(shape)
+    split = tuple(x for r, n in zip(reps, full) for x in (r, n))
+    s = gr.emit("sum", gr.emit("reshape", g, split), tuple(range(0, 2 * len(reps), 2)), False)
+    if tuple(full) != tuple(shape):
+        s = gr.emit("reshape", s, tuple(shape))
+    return {0: s}
+
+
+@rule("indexselect")
+def _indexselect(gr: Grad, g: str) -> dict[int, str]:
+    """dA = zeros, then g added at the selected indices (indexadd; repeats accumulate)"""
+    zeros = gr.filled(gr.meta(0), 0.0)
+    return {0: gr.emit("indexadd", zeros, gr.x(1), g, int(gr.arg(2)))}
+
+
+@rule("indexadd")
+def _indexadd(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g; dsrc = g at the indices (indexselect)"""
+    out = {}
+    if gr.needs(0):
+        out[0] = g
+    if gr.needs(2):
+        out[2] = gr.emit("indexselect", g, gr.x(1), int(gr.arg(3)))
+    return out
+
+
+@rule("switch")
+def _switch(gr: Grad, g: str) -> dict[int, str]:
+    """d tensors[k] = g where cases == k, else 0 (summed over broadcast dims)"""
+    dt = gr.out_meta().dtype
+    cases = gr.emit("todtype", gr.x(1), dtype=dt)
+    out = {}
+    for k, i in enumerate(gr.items(0)):
+        if gr.needs(i):
+            mask = gr.emit("todtype", gr.emit("equalscalar", cases, float(k)), dtype=dt)
+            out[i] = gr.unbroadcast(gr.emit("mul", g, mask), gr.meta(i))
+    return out
 
 
 @rule("todtype")
 def _todtype(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g cast back to A's dtype"""
     return {0: gr.emit("todtype", g, dtype=gr.meta(0).dtype)}
 
 
+@rule("dropout")
+def _dropout(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g mask / (1 - p): the mask drawn again from the same seed (seed 0: taken from y != 0)"""
+    p, seed = float(gr.arg(0)), int(gr.arg(1))
+    m = gr.meta(2)
+    if seed != 0:  # the kernel draws the mask from the seed alone: dropout of ones is mask / (1 - p), exactly
+        ones = gr.filled(m, 1.0)
+        b = gr._builder
+        b.append(Instr("dropout", (Param.var(p, "float64"), Param.var(seed)), (Param.tensor(ones, m.dtype),)))
+        return {2: gr.emit("mul", g, ones)}
+    kept = _float_mask(gr, gr.emit("notequalscalar", gr.y(), 0.0), m)
+    return {2: gr.emit("mul", g, gr.emit("mulscalar", kept, 1.0 / (1.0 - p)))}
+
+
 @rule("softmax")
-def _softmax(gr: Grad, g: str) -> dict[int, str]:  # y (g - sum(g y))
+def _softmax(gr: Grad, g: str) -> dict[int, str]:
+    """dA = y (g - sum(g y)), the sum along dim"""
     y, dim = gr.y(), gr.arg(1)
+    if not gr.meta(0).shape:
+        return {0: gr.emit("mulscalar", g, 0.0)}
     s = gr.emit("sum", gr.emit("mul", g, y), (dim,), True)
     return {0: gr.emit("mul", y, gr.emit("sub", g, s))}
 
 
 @rule("logsoftmax")
-def _logsoftmax(gr: Grad, g: str) -> dict[int, str]:  # g - exp(y) sum(g)
+def _logsoftmax(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g - exp(y) sum(g), the sum along dim"""
     y, dim = gr.y(), gr.arg(1)
+    if not gr.meta(0).shape:
+        return {0: gr.emit("mulscalar", g, 0.0)}
     s = gr.emit("sum", g, (dim,), True)
     return {0: gr.emit("sub", g, gr.emit("mul", gr.emit("exp", y), s))}
 
 
 @rule("crossentropy")
 def _crossentropy(gr: Grad, g: str) -> dict[int, str]:
-    """(softmax(logits) - onehot(labels)) * keep, scaled by g (and 1 / count of kept labels for mean)."""
+    """dlogits = g (softmax(logits) - onehot(labels)) on rows whose label is kept (/ their count for mean)"""
     if gr.needs(1):
         raise DeepxError("autograd: crossentropy labels cannot take a gradient")
     logits, labels = gr.x(0), gr.x(1)
@@ -625,6 +895,7 @@ def _crossentropy(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("mse")
 def _mse(gr: Grad, g: str) -> dict[int, str]:
+    """dA = 2 g (A - B) (/ numel for mean), dB = -dA"""
     a, b = gr.x(0), gr.x(1)
     n = 1
     for d in gr.meta(0).shape:
@@ -639,10 +910,157 @@ def _mse(gr: Grad, g: str) -> dict[int, str]:
     return out
 
 
-@rule("indexselect")
-def _indexselect(gr: Grad, g: str) -> dict[int, str]:
-    zeros = gr._builder.filled(gr.meta(0), 0.0)
-    return {0: gr.emit("indexadd", zeros, gr.x(1), g, int(gr.arg(2)))}
+def _norm_dims(gr: Grad) -> tuple[tuple[int, ...], int]:
+    rank, wshape = len(gr.meta(0).shape), gr.meta(1).shape
+    n = 1
+    for d in wshape:
+        n *= d
+    return tuple(range(rank - len(wshape), rank)), n
 
 
-__all__ = ["GRAD_RULES", "Grad", "grad_program"]
+@rule("layernorm")
+def _layernorm(gr: Grad, g: str) -> dict[int, str]:
+    """with xh = (A - mean) / sqrt(var + eps) over weight's dims and d = g weight: dA = (d - mean(d) - xh mean(d xh))
+    / sqrt(var + eps); dweight = sum(g xh); dbias = sum(g) (over the leading dims)"""
+    dt = gr.meta(0).dtype
+    out = {}
+    if gr.needs(2):
+        out[2] = gr.unbroadcast(g, gr.meta(2))
+    if not (gr.needs(0) or gr.needs(1)):
+        return out
+    dims, n = _norm_dims(gr)
+    x, gw = _up(gr, gr.x(0)), _up(gr, g)
+    xc = gr.emit("sub", x, _mean(gr, x, dims, n))
+    var = _mean(gr, gr.emit("mul", xc, xc), dims, n)
+    rstd = gr.emit("powscalar", gr.emit("addscalar", var, float(gr.arg(3))), -0.5)
+    xh = gr.emit("mul", xc, rstd)
+    if gr.needs(1):
+        out[1] = _down(gr, gr.unbroadcast(gr.emit("mul", gw, xh), gr.meta(1)), dt)
+    if gr.needs(0):
+        d = gr.emit("mul", gw, _up(gr, gr.x(1)))
+        centred = gr.emit("sub", d, _mean(gr, d, dims, n))
+        along = gr.emit("mul", xh, _mean(gr, gr.emit("mul", d, xh), dims, n))
+        out[0] = _down(gr, gr.emit("mul", gr.emit("sub", centred, along), rstd), dt)
+    return out
+
+
+@rule("rmsnorm")
+def _rmsnorm(gr: Grad, g: str) -> dict[int, str]:
+    """with r = 1 / sqrt(mean(A^2) + eps) over weight's dims and d = g weight: dA = r (d - A r mean(d A r));
+    dweight = sum(g A r) (over the leading dims)"""
+    dt = gr.meta(0).dtype
+    dims, n = _norm_dims(gr)
+    x, gw = _up(gr, gr.x(0)), _up(gr, g)
+    r = gr.emit("powscalar", gr.emit("addscalar", _mean(gr, gr.emit("mul", x, x), dims, n), float(gr.arg(2))), -0.5)
+    xr = gr.emit("mul", x, r)
+    out = {}
+    if gr.needs(1):
+        out[1] = _down(gr, gr.unbroadcast(gr.emit("mul", gw, xr), gr.meta(1)), dt)
+    if gr.needs(0):
+        d = gr.emit("mul", gw, _up(gr, gr.x(1)))
+        m = _mean(gr, gr.emit("mul", d, xr), dims, n)
+        out[0] = _down(gr, gr.emit("mul", gr.emit("sub", d, gr.emit("mul", xr, m)), r), dt)
+    return out
+
+
+# -- fused: its expression tree becomes the elementwise ops it stands for, whose rules then apply
+
+_FUSED_BINARY = {ast.Add: ("add", "addscalar", "addscalar"), ast.Sub: ("sub", "subscalar", "rsubscalar"),
+                 ast.Mult: ("mul", "mulscalar", "mulscalar"), ast.Div: ("div", "divscalar", "rdivscalar"),
+                 ast.Pow: ("pow", "powscalar", "rpowscalar")}
+_FUSED_CALLS = {"maximum": ("max", "maxscalar", max), "minimum": ("min", "minscalar", min)}
+_CONST_OPS: dict[type, Callable[[float, float], float]] = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b}
+
+
+def _constant(fn: Callable[..., float], *args: float) -> float:
+    """A part of a fused expression made of numbers alone, folded (as numexpr would compute it: nan, not an error)."""
+    try:
+        return float(fn(*args))
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return math.nan
+
+
+def unfuse(expr: str, inputs: Sequence[str], dtype: str, fresh: Callable[[], str]) -> tuple[list[Instr], str | float]:
+    """The elementwise instructions that a fused expression over `inputs` stands for, and the name of the tensor
+    holding its value (or the number, for an expression of numbers alone). Intermediates are named by `fresh`."""
+    tree = parse_fused(expr, len(inputs))
+    prog: list[Instr] = []
+
+    def emit(op: str, *args: str | float) -> str:
+        name = fresh()
+        params = tuple(Param.tensor(a, dtype) if isinstance(a, str) else Param.var(float(a), "float64") for a in args)
+        prog.append(Instr(op, params, (Param.tensor(name, dtype),)))
+        return name
+
+    def walk(node: ast.AST) -> str | float:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant):
+            return float(node.value)  # type: ignore[arg-type]  # parse_fused allows int and float only
+        if isinstance(node, ast.Name):
+            return inputs[int(node.id[2:])]
+        if isinstance(node, ast.UnaryOp):
+            v = walk(node.operand)
+            if isinstance(node.op, ast.UAdd):
+                return v
+            return -v if isinstance(v, float) else emit("neg", v)
+        if isinstance(node, ast.BinOp):
+            a, b = walk(node.left), walk(node.right)
+            if isinstance(a, float) and isinstance(b, float):
+                return _constant(_CONST_OPS[type(node.op)], a, b)
+            both, right, left = _FUSED_BINARY[type(node.op)]
+            if isinstance(b, float):
+                return emit(right, a, b)
+            if isinstance(a, float):  # s + A, s * A commute; s - A, s / A, s ** A have their own ops
+                return emit(left, b, a) if left in ("addscalar", "mulscalar") else emit(left, a, b)
+            return emit(both, a, b)
+        assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        name, args = node.func.id, [walk(x) for x in node.args]
+        if name in _FUSED_CALLS:
+            both, scalar, const = _FUSED_CALLS[name]
+            a, b = args
+            if isinstance(a, float) and isinstance(b, float):
+                return _constant(const, a, b)
+            if isinstance(a, float) or isinstance(b, float):
+                t, s = (b, a) if isinstance(a, float) else (a, b)
+                return emit(scalar, t, s)
+            return emit(both, a, b)
+        (a,) = args
+        if isinstance(a, float):
+            return _constant(getattr(math, "fabs" if name == "abs" else name), a)
+        return emit(name, a)
+
+    return prog, walk(tree)
+
+
+@rule("fused")
+def _fused(gr: Grad, g: str) -> dict[int, str]:
+    """the rules of the elementwise ops that expr stands for, applied to expr's tree"""
+    b = gr._builder
+    idx = gr.items(0)
+    names = [gr.x(i) for i in idx]
+    shape, dt = gr.out_meta().shape, gr.out_meta().dtype
+    fwd, root = unfuse(str(gr.arg(1)), names, dt, b.fresh)
+    if isinstance(root, float):
+        return {}
+    if not fwd or check_program(fwd, b.sym)[-1].outs[0].shape != shape:  # type: ignore[union-attr]  # a bare input, or one the unused inputs broadcast
+        name = b.fresh()
+        fwd.append(Instr("broadcastTo", (Param.tensor(root, dt), Param.vector(shape)), (Param.tensor(name, dt),)))
+        root = name
+    wrt = sorted({n for i, n in zip(idx, names) if gr.needs(i)})
+    back, grads = grad_program(fwd, root, wrt, b.sym, grad_loss=g, prefix=f"{b.fresh()}_")
+    for instr in (*fwd, *back):
+        b.append(instr)
+    b.created.update(str(i.returns[0].value) for i in fwd)
+    b.created.update(grads.values())
+    out, seen = {}, set()
+    for i, n in zip(idx, names):
+        if gr.needs(i) and n not in seen:  # a name given twice: its gradient is already the sum
+            seen.add(n)
+            out[i] = grads[n]
+    return out
+
+
+__all__ = ["GRAD_RULES", "Grad", "grad_program", "unfuse"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.wire import instr_from_obj, unpack_instr_cached
+from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj, unpack_instr_cached
 from deepxd.actors.opcpu import RunResult
 from deepxd.kernels.cpu import dtype_name
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
@@ -61,6 +61,49 @@ def check_socket_free(path: str) -> None:
     finally:
         probe.close()
     raise DeepxError(f"socket {path} is in use by another deepxd; stop it or choose --listen unix:///other/path")
+
+
+async def graph_store(node: Node, name: Any, data: Any) -> dict[str, Any]:
+    """Store a graph (dx.compile's record) as `graph:<name>` in the plane, and have the scheduler plan it."""
+    from deepx_sdk.compile import GraphRecord, check_graph_name
+
+    check_graph_name(name)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DeepxError("graph_store: 'data' must be the graph's msgpack bytes")
+    data = bytes(data)
+    GraphRecord.unpack(data, name)  # refuse what would not replay before it is stored
+    assert node.kv is not None
+    await node.kv.set(f"graph:{name}", data)
+    return dict(await node.ref("scheduler").ask("store_graph", name=name, data=data))
+
+
+async def graph_get(node: Node, name: Any) -> bytes | None:
+    """A stored graph's bytes, None when there is none."""
+    from deepx_sdk.compile import check_graph_name
+
+    check_graph_name(name)
+    assert node.kv is not None
+    return await node.kv.get(f"graph:{name}")
+
+
+async def replay_graph(node: Node, name: Any, **req: Any) -> RunResult:
+    """Replay a stored graph; the scheduler plans it from the plane the first time (after a restart, say)."""
+    sched = node.ref("scheduler")
+    result = await sched.ask("replay", name=name, **req)
+    if result is None:
+        data = await graph_get(node, name)
+        if data is None:
+            raise DeepxError(f"replay: no graph named {name!r} in the storage plane (`deepxctl graphs ls` lists them)")
+        result = await sched.ask("replay", name=name, data=data, **req)
+    return result  # type: ignore[no-any-return]
+
+
+async def explain_graph(node: Node, graph: Any) -> dict[str, Any]:
+    """A stored graph before and after the passes (the plan its replays run)."""
+    data = await graph_get(node, graph)
+    if data is None:
+        raise DeepxError(f"explain: no graph named {graph!r} in the storage plane (`deepxctl graphs ls` lists them)")
+    return dict(await node.ref("scheduler").ask("explain_graph", name=graph, data=data))
 
 
 class NativeServer:
@@ -198,9 +241,39 @@ class NativeServer:
         if not isinstance(loss, str) or not isinstance(wrt, list) or not all(isinstance(w, str) for w in wrt):
             raise DeepxError("backward: 'loss' must be a tensor name and 'wrt' a list of tensor names")
         grad_loss = req.get("grad_loss")
-        return await self.node.ref("scheduler").ask("backward", forward=forward, loss=loss, wrt=wrt,
-                                                    grad_loss=grad_loss if isinstance(grad_loss, str) else None,
-                                                    prefix=str(req.get("prefix") or "g_"))
+        out = await self.node.ref("scheduler").ask("backward", forward=forward, loss=loss, wrt=wrt,
+                                                   grad_loss=grad_loss if isinstance(grad_loss, str) else None,
+                                                   prefix=str(req.get("prefix") or "g_"),
+                                                   capture=bool(req.get("capture", False)))
+        if "program" in out:
+            out["program"] = [instr_to_obj(i) for i in out["program"]]
+        return dict(out)
+
+    # -- stored graphs (dx.compile; docs/graphs.md)
+    async def _op_graph_store(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await graph_store(self.node, name=req.get("name"), data=req.get("data"))
+
+    async def _op_graph_get(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"data": await graph_get(self.node, name=req.get("name"))}
+
+    async def _op_replay(self, req: dict[str, Any]) -> dict[str, Any]:
+        result = await replay_graph(self.node, name=req.get("name"), inputs=req.get("inputs") or {},
+                                    outputs=req.get("outputs") or {}, scalars=req.get("scalars") or {},
+                                    fetch=req.get("fetch") or [])
+        out = encode_result(result)
+        if not out.pop("ok"):
+            raise DeepxError(out["error"] or "replay failed")
+        return out
+
+    async def _op_explain(self, req: dict[str, Any]) -> dict[str, Any]:
+        if "graph" in req:
+            return await explain_graph(self.node, graph=req.get("graph"))
+        prog = req.get("program")
+        if not isinstance(prog, list):
+            raise DeepxError("explain: give 'graph' (a stored graph's name) or 'program' (a list of instructions)")
+        program = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
+        fetch = req.get("fetch") or []
+        return dict(await self.node.ref("scheduler").ask("explain", program=program, fetch=list(fetch)))
 
     async def _op_fetch(self, req: dict[str, Any]) -> dict[str, Any]:
         names = req.get("names")

@@ -31,6 +31,7 @@ ACTIVATIONS = {
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
     "silu": F.silu,
+    "erf": torch.erf,
 }
 covers(*ACTIVATIONS, "gelu")
 SHAPES = [(), (0,), (1,), (3, 4), (2, 1, 5), (0, 3)]

@@ -43,7 +43,7 @@ _ERF_PIECES = [
 ]
 
 
-def erf(x: np.ndarray) -> np.ndarray:
+def _erf(x: np.ndarray) -> np.ndarray:
     ax = np.abs(x)
     y = np.ones_like(ax)
     piece = np.minimum((ax * (1 / 1.5)).astype(np.int8), 4)
@@ -59,9 +59,13 @@ def gelu(a, approximate, out):
     if approximate == "tanh":
         out[...] = 0.5 * x * (1.0 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
     elif approximate == "none":
-        out[...] = 0.5 * x * (1.0 + erf(x * (1 / math.sqrt(2))))
+        out[...] = 0.5 * x * (1.0 + _erf(x * (1 / math.sqrt(2))))
     else:
         raise DeepxError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def erf(a, out):
+    out[...] = _erf(_work(a))
 
 
 def silu(a, out):
