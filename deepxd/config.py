@@ -40,6 +40,7 @@ class Config:
     passes: list[str] = field(default_factory=lambda: ["simplify", "cse", "dce", "fuse"])
     fuse_min_elements: int = 0  # fuse only ops whose result has at least this many elements
     cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
+    cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)
 
     def resolved(self) -> Config:
         """A copy with every default filled in and every value checked."""

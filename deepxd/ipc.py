@@ -35,7 +35,7 @@ def read_record(kv_url: str, name: str, prefix: str = "deepx:") -> dict[str, str
     """The `tensor:<name>` hash of the storage plane at `kv_url` (`memory:///path/file` or `redis://...`), read
     without disturbing the daemon that owns it."""
     key = f"{prefix}tensor:{name}"
-    if kv_url.startswith("memory:"):
+    if kv_url == "memory" or kv_url.startswith("memory:"):
         path = _memory_path(kv_url)
         return _read_memory_file(path, key)
     if kv_url.startswith(("redis://", "rediss://", "unix://")):

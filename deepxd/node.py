@@ -95,7 +95,7 @@ class Node:
                              "start without op-cuda")
         from deepxd.actors.opcuda import CudaWorker
 
-        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device)
+        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32))
         self.refs["op-cuda"] = self.supervisor.start(worker)
         try:
             await self.refs["op-cuda"].ask("sync")

@@ -48,11 +48,6 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, drv.MemoryError) or "out of memory" in str(e).lower()
 
 
-def _host(a: Any) -> np.ndarray:
-    """A device array's contents as a host array (a host array as it is)."""
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
 @dataclass(eq=False)
 class DeviceBlock:
     """One heap tensor's GPU memory: the allocation, its size, and the CUDA IPC handle other processes open."""
@@ -93,12 +88,14 @@ class CudaWorker(Actor):
     role = "op-cuda"
 
     def __init__(self, name: str = "op-cuda", *, heapmem: ActorRef | None = None,
-                 io_roots: Sequence[str] | None = None, device: int = 0, output_log: bool = True) -> None:
+                 io_roots: Sequence[str] | None = None, device: int = 0, tf32: bool = False,
+                 output_log: bool = True) -> None:
         super().__init__(name)
         self._output: list[str] = []
         self.ex: Any = None  # the CudaExecutor, made on the thread by the first call
         self.device_index = device
         self.device = f"cuda:{device}"
+        self.tf32 = tf32
         self.io_roots = io_roots
         self.heapmem = heapmem
         self.heap: dict[str, Any] = {}  # heap tensor name -> its device array (memory heapmem allocated)
@@ -117,8 +114,8 @@ class CudaWorker(Actor):
     def _open(self) -> None:
         from deepxd.kernels.cuda import CudaExecutor
 
-        self.ex = CudaExecutor(io_roots=self.io_roots, output=self._print, device=self.device_index)
-        log.info("%s: CUDA executor up on %s", self.name, self.device)
+        self.ex = CudaExecutor(io_roots=self.io_roots, output=self._print, device=self.device_index, tf32=self.tf32)
+        log.info("%s: CUDA executor up on %s (%s)", self.name, self.device, self.ex.device.name())
 
     def _job(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         if self.ex is None:
@@ -128,6 +125,10 @@ class CudaWorker(Actor):
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the CUDA thread and wait for it."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._job, fn, args)
+
+    async def _ready(self) -> None:
+        if self.ex is None:
+            await self.call(lambda: None)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue `fn(*args)` on the CUDA thread without waiting; failures are logged."""
@@ -173,22 +174,19 @@ class CudaWorker(Actor):
         return DeviceBlock(allocation, nbytes, handle, self.device)
 
     def block_view(self, block: DeviceBlock, shape: tuple[int, ...], dtype: str) -> Any:
-        wrap = getattr(self.ex, "wrap", None)
-        if wrap is not None:
-            return wrap(block.allocation, shape, dtype)
-        from pycuda import gpuarray
+        from deepxd.kernels.cuda import DeviceTensor
 
-        return gpuarray.GPUArray(shape, to_numpy(dtype), gpudata=block.allocation)
+        return DeviceTensor(block.allocation, int(block.allocation), shape, dtype)
 
     def free_block(self, block: DeviceBlock) -> None:
+        self.ex.synchronize()  # kernels queued before the free may still read it
         block.allocation.free()
 
     # -- programs
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
         result = RunResult(t0=time.time())
         self._output = []
-        if self.ex is None:
-            await self.call(lambda: None)
+        await self._ready()
         try:
             bounds = check_program(program, self.ex, self.ex.plans)
             self._check_heap(bounds)
@@ -244,7 +242,7 @@ class CudaWorker(Actor):
                        fetch: list[str]) -> None:
         self._execute(bounds, result, heap_new)
         if not result.error:
-            result.tensors = {name: _host(self.ex.tensors[name]) for name in fetch}
+            result.tensors = {name: self.ex.get(name) for name in fetch}
 
     def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any] | None = None) -> None:
         ex = self.ex
@@ -337,7 +335,7 @@ class CudaWorker(Actor):
     # -- data in and out
     async def on_fetch(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         def read() -> dict[str, np.ndarray]:
-            return {name: _host(self.ex.get(name)) for name in names}
+            return {name: self.ex.get(name) for name in names}
         out: dict[str, np.ndarray] = await self.call(read)
         return out
 
@@ -351,6 +349,7 @@ class CudaWorker(Actor):
         if len(data) != want:
             raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
         array = np.frombuffer(data, dtype=npdt).reshape(shape)
+        await self._ready()
         if not heap:
             if name in self.heap:
                 raise DeepxError(f"put: '{name}' is a heap tensor; put it with heap=true")
@@ -363,7 +362,7 @@ class CudaWorker(Actor):
             if tuple(view.shape) != shape or view.dtype != npdt:
                 raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}")
         else:
-            if self.ex is not None and name in self.ex.tensors:
+            if name in self.ex.tensors:
                 raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
             try:
                 await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype,
@@ -377,7 +376,7 @@ class CudaWorker(Actor):
                 self.heap_held.add(name)
             self.heap[name] = await self.heapmem.ask("array", name=name)
         view = self.heap[name]
-        await self.call(view.set, np.ascontiguousarray(array))
+        await self.call(self.ex.write, view, array)
         self.ex.tensors[name] = view
         return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "heap", "device": self.device}
 
@@ -404,8 +403,7 @@ class CudaWorker(Actor):
         self.heap_held.add(name)
         view = await self.heapmem.ask("array", name=name)
         self.heap[name] = view
-        if self.ex is None:
-            await self.call(lambda: None)
+        await self._ready()
         self.ex.tensors[name] = view
         return dict(info)
 
@@ -432,11 +430,16 @@ class CudaWorker(Actor):
 
     async def on_sync(self) -> None:
         """Wait until the GPU has finished everything queued so far (benchmarks time whole programs with it)."""
-        def sync() -> None:
-            import pycuda.driver as drv
+        await self.call(lambda: self.ex.synchronize())
 
-            drv.Context.synchronize()
-        await self.call(sync)
+    async def on_tf32(self, on: bool) -> bool:
+        """Run float32 matmul on TF32 tensor cores (on) or in IEEE float32 (off); returns the setting before."""
+        def flip() -> bool:
+            before = bool(self.ex.tf32)
+            self.ex.tf32 = bool(on)
+            return before
+        before: bool = await self.call(flip)
+        return before
 
     async def on_kernels(self) -> list[str]:
         """The ops that run on a CUDA kernel here (every other op falls back to its CPU kernel)."""
