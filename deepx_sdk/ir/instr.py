@@ -7,7 +7,7 @@ category and precision annotations; values are Python scalars, strings, or tuple
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
 Scalar = Union[bool, int, float, str]
 Value = Union[Scalar, tuple[Scalar, ...]]
@@ -146,3 +146,44 @@ class Program(Sequence[Instr]):
         from deepx_sdk.ir.wire import pack_program
 
         return pack_program(self._instrs)
+
+
+# ---------------------------------------------------------------- programs that repeat exactly
+
+
+def _kind(v: Any) -> Any:
+    """What == does not see in a value: its type (1 == 1.0 == True) and the sign of a zero (0.0 == -0.0)."""
+    t = type(v)
+    if t is float and v == 0.0:
+        return "-0" if str(v)[0] == "-" else "+0"
+    if t is tuple:
+        return tuple(map(_kind, v))
+    return t
+
+
+def scalar_kinds(program: Sequence[Instr]) -> tuple[tuple[int, int, Any], ...]:
+    """(instruction, arg, kind) of every number or vector among the program's args: with ==, two programs that
+    this also matches are the same program (see `same_program`)."""
+    out = []
+    for i, instr in enumerate(program):
+        for j, p in enumerate(instr.args):
+            t = type(p.value)
+            if t is not str:
+                out.append((i, j, _kind(p.value)))
+    return tuple(out)
+
+
+def same_program(program: Sequence[Instr], known: Sequence[Instr], kinds: tuple[tuple[int, int, Any], ...]) -> bool:
+    """Whether `program` is exactly `known` (whose scalar_kinds are `kinds`): the same instructions, with numbers of
+    the same types. Instructions that a client built once and sends again compare by identity, at C speed."""
+    if program is known:
+        return True
+    if type(program) is not type(known):
+        program = list(program) if type(known) is list else tuple(program)
+    if len(program) != len(known) or program != known:
+        return False
+    for i, j, k in kinds:
+        v = program[i].args[j].value
+        if type(v) is not k and _kind(v) != k:
+            return False
+    return True

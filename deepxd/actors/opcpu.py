@@ -14,14 +14,14 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import Bound, ProgramError, check_program
+from deepx_sdk.ir.instr import Instr, same_program, scalar_kinds
+from deepx_sdk.ir.ops import Bound, ProgramError, TensorMeta, check_program
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.kernels.cpu import CpuExecutor, dtype_name
@@ -49,6 +49,50 @@ class OpStat:
     bytes: int = 0
 
 
+class KnownProgram(NamedTuple):
+    """A program checked before, with the state its check read (per tensor name it touches: meta before, and whether
+    it is a heap tensor): while that state holds, the same program checks the same way, so it runs without the
+    check, on instructions prepared for the executor."""
+
+    program: list[Instr]
+    kinds: tuple[tuple[int, int, Any], ...]
+    fetch: tuple[str, ...]
+    names: tuple[str, ...]
+    state: tuple[tuple[TensorMeta | None, bool], ...]
+    bounds: list[Bound]
+    steps: list[Any]
+    heavy: bool
+    deletes: bool
+
+
+def _state_free(bounds: list[Bound]) -> bool:
+    """Whether checking the program reads nothing but the metas of its tensors: no files, no named variables, no heap
+    tensors made (those ask heapmem)."""
+    for b in bounds:
+        op = b.op
+        if op.family == "io" or (op.name == "newtensor" and b.instr.meta):
+            return False
+        for a, p in zip(op.args, b.instr.args):
+            if type(p.value) is str and a.kind in ("var", "vector", "shape") and a.vtype not in ("str", "any"):
+                return False
+    return True
+
+
+def _touched(bounds: list[Bound]) -> tuple[str, ...]:
+    names: dict[str, None] = {}
+    for b in bounds:
+        for n in b.names:
+            if type(n) is str:
+                names[n] = None
+            elif type(n) is list:
+                names.update(dict.fromkeys(n))
+        for n in b.out_names:
+            names[str(n)] = None
+        if b.op.name == "renametensor":
+            names[str(b.args[0])] = None
+    return tuple(names)
+
+
 class CpuWorker(Actor):
     role = "op-cpu"
 
@@ -63,6 +107,10 @@ class CpuWorker(Actor):
         self.inline_elements = inline_elements
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
+        # programs checked before, by (length, first, last): a training loop sends the same one every step
+        self.known: dict[Any, list[KnownProgram]] = {}
+        self.known_size = 256
+        self.known_hits = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
 
     def _print(self, text: str) -> None:
@@ -79,6 +127,21 @@ class CpuWorker(Actor):
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
         result = RunResult(t0=time.time())
         self._output = []
+        known = self._known(program, fetch)
+        if known is not None:
+            self.known_hits += 1
+            if known.heavy:
+                await asyncio.get_running_loop().run_in_executor(self._thread, self._execute_known, known, result)
+            else:
+                self._execute_known(known, result)
+            if known.deletes and self.heap:
+                for b in known.bounds[: result.done]:
+                    if b.op.name == "deltensor":
+                        await self._forget_heap(str(b.out_names[0]))
+            result.output = self._output
+            if not result.error:
+                result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
+            return result
         try:
             bounds = check_program(program, self.ex, self.ex.plans)
             self._check_heap(bounds)
@@ -90,7 +153,10 @@ class CpuWorker(Actor):
             return result
         heap_new = (await self._heap_tensors_to_create(bounds)
                     if any(b.instr.meta and b.op.name == "newtensor" for b in bounds) else {})
-        if self._heavy(bounds):
+        heavy = self._heavy(bounds)
+        if not heap_new:
+            self._remember(program, fetch, bounds, heavy)
+        if heavy:
             await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, bounds, result, heap_new)
         else:
             self._execute(bounds, result, heap_new)
@@ -153,6 +219,81 @@ class CpuWorker(Actor):
             s.calls += 1
             s.seconds += t1 - t0
             s.bytes += b.nbytes
+
+    def _known(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
+        if not program:
+            return None
+        try:
+            bucket = self.known.get((len(program), program[0], program[-1]))
+        except TypeError:  # a list inside a param: not hashable, never remembered
+            return None
+        if bucket is None:
+            return None
+        metas, heap = self.ex.tensors.metas, self.heap
+        fetch = tuple(fetch)
+        for k in bucket:
+            if (k.fetch == fetch and same_program(program, k.program, k.kinds)
+                    and all(metas.get(n) == m and (n in heap) == h for n, (m, h) in zip(k.names, k.state))):
+                return k
+        return None
+
+    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool) -> None:
+        if not bounds or not _state_free(bounds):
+            return
+        try:
+            probe = (len(program), program[0], program[-1])
+            hash(probe)
+        except TypeError:
+            return
+        names = _touched(bounds)
+        metas, heap = self.ex.tensors.metas, self.heap
+        if sum(map(len, self.known.values())) >= self.known_size:
+            self.known.clear()
+        bucket = self.known.setdefault(probe, [])
+        if len(bucket) >= 8:
+            del bucket[0]
+        program = program if type(program) is list else list(program)
+        bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
+                                   tuple((metas.get(n), n in heap) for n in names), bounds,
+                                   [self.ex.prepare(b) for b in bounds], heavy,
+                                   any(b.op.name == "deltensor" for b in bounds)))
+
+    def _execute_known(self, known: KnownProgram, result: RunResult) -> None:
+        """_execute for a known program: its instructions prepared, one clock read each, statistics after."""
+        now = time.perf_counter
+        ends: list[float] = []
+        add = ends.append
+        start = now()
+        i = 0
+        try:
+            for step in known.steps:
+                step()
+                add(now())
+                i += 1
+        except DeepxError as e:
+            result.error, result.error_index = f"instruction {i + 1}: {e}", i
+        except Exception as e:  # what execute() makes of a kernel's error, with its message
+            try:
+                self.ex.explain_failure(known.bounds[i], e)
+            except DeepxError as d:
+                result.error, result.error_index = f"instruction {i + 1}: {d}", i
+            else:
+                raise
+        result.done = i
+        times = result.times_us
+        stats = self.op_stats
+        prev = start
+        for b, t in zip(known.bounds, ends):
+            times.append((prev - start) * 1e6)
+            times.append((t - start) * 1e6)
+            name = b.op.name
+            s = stats.get(name)
+            if s is None:
+                s = stats[name] = OpStat()
+            s.calls += 1
+            s.seconds += t - prev
+            s.bytes += b.nbytes
+            prev = t
 
     def _heavy(self, bounds: list[Bound]) -> bool:
         total = 0

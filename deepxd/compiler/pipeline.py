@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param
+from deepx_sdk.ir.instr import Instr, Param, same_program, scalar_kinds
 from deepx_sdk.ir.ops import OPS, UNKNOWN, TensorMeta
 from deepx_sdk.ir.text import format_text
 from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
@@ -82,6 +82,19 @@ _RETURN_TENSOR: dict[str, tuple[bool, ...]] = {name: tuple(a.kind == "tensor" fo
                                                for name, op in OPS.items()}
 
 
+class _Exact(NamedTuple):
+    """A program seen before, the state its rewrite depended on (per tensor name: meta before, fetched, heap), and
+    the rewrite."""
+
+    program: list[Instr]
+    kinds: tuple[tuple[int, int, Any], ...]
+    names: tuple[str, ...]
+    flags: tuple[tuple[TensorMeta | None, bool, bool], ...]
+    fuse_min_elements: int
+    out: list[Instr] | None  # None: the passes changed nothing
+    origins: tuple[int, ...]
+
+
 class PlanCache:
     """Rewritten programs remembered by structure, so that a loop that sends the same program every step (with
     fresh names for its temporaries) pays for the passes once.
@@ -97,12 +110,32 @@ class PlanCache:
         self.hits = 0
         self.misses = 0
         self._plans: dict[Any, tuple[tuple[Any, ...], tuple[int, ...]]] = {}
+        # programs seen before exactly (names and all: a client that reuses the names of its dropped temporaries
+        # sends the same instructions every step), by (length, first, last): their rewrite without even the key
+        self._exact: dict[Any, list[_Exact]] = {}
+        self.exact_hits = 0
 
     def run(self, program: Sequence[Instr], ctx: PassContext) -> list[Instr]:
         """run_passes(program, ctx, self.passes), from the cache when the structure was seen before."""
         if not self.passes or len(program) < 2 or not has_ends(program):
             ctx.origins = list(range(len(program)))
             return list(program)
+        program = program if type(program) is list else list(program)
+        probe: Any = (len(program), program[0], program[-1])
+        try:
+            bucket = self._exact.get(probe)
+        except TypeError:  # a list inside a param: not hashable, and not cached
+            bucket, probe = None, None
+        if bucket is not None:
+            metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
+            for e in bucket:
+                if (same_program(program, e.program, e.kinds) and e.fuse_min_elements == ctx.fuse_min_elements
+                        and all(metas.get(n) == m and (n in fetch) == f and (n in keep) == k
+                                for n, (m, f, k) in zip(e.names, e.flags))):
+                    self.hits += 1
+                    self.exact_hits += 1
+                    ctx.origins = list(e.origins)
+                    return program if e.out is None else e.out
         found = self._key(program, ctx)
         if found is None:
             return run_passes(program, ctx, self.passes)
@@ -112,8 +145,10 @@ class PlanCache:
             self.hits += 1
             entries, origins = plan
             ctx.origins = list(origins)
-            return [program[e] if type(e) is int else _instantiate(e, names, program[o].meta)
-                    for e, o in zip(entries, origins)]
+            out = [program[e] if type(e) is int else _instantiate(e, names, program[o].meta)
+                   for e, o in zip(entries, origins)]
+            self._remember(probe, program, names, key[1], out, ctx)
+            return out
         self.misses += 1
         out = run_passes(program, ctx, self.passes)
         tokens = {n: _Token(k) for k, n in enumerate(names)}
@@ -123,7 +158,21 @@ class PlanCache:
         if len(self._plans) >= self.size:
             self._plans.clear()
         self._plans[key] = (tuple(entries_list), tuple(ctx.origins))
+        self._remember(probe, program, names, key[1], out, ctx)
         return out
+
+    def _remember(self, probe: Any, program: list[Instr], names: list[str], flags: tuple[Any, ...],
+                  out: list[Instr], ctx: PassContext) -> None:
+        if probe is None:
+            return
+        if sum(map(len, self._exact.values())) >= self.size:
+            self._exact.clear()
+        bucket = self._exact.setdefault(probe, [])
+        if len(bucket) >= 8:
+            del bucket[0]
+        same = len(out) == len(program) and all(a is b for a, b in zip(out, program))
+        bucket.append(_Exact(program, scalar_kinds(program), tuple(names), flags, ctx.fuse_min_elements,
+                             None if same else out, tuple(ctx.origins)))
 
     def _key(self, program: Sequence[Instr], ctx: PassContext) -> tuple[Any, list[str]] | None:
         ids: dict[str, int] = {}
