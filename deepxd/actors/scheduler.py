@@ -213,8 +213,8 @@ class Scheduler(Actor):
                 if (m.dtype, tuple(m.shape)) != (dtype, shape):
                     raise DeepxError(f"replay of graph {name!r}: input tensor {n!r} is {m.dtype}{list(m.shape)}; "
                                      f"the graph needs {dtype}{list(shape)}")
-        for n, dtype, shape, buf in bound.puts:
-            await worker.ask("put", name=n, dtype=dtype, shape=shape, data=buf)
+        for n, dt, dims, buf in bound.puts:
+            await worker.ask("put", name=n, dtype=dt, shape=dims, data=buf)
         result: RunResult = await worker.ask("run", program=bound.program, fetch=list(fetch))
         self.busy_s += time.perf_counter() - t0
         self.programs += 1

@@ -1,0 +1,186 @@
+"""Stored graphs at run time: the plan the passes make of a stored program (made once per graph and kept by the
+scheduler), and a replay's inputs, outputs and scalars bound into that plan.
+
+A stored program names its own tensors `<graph>.in<k>`, `<graph>.out<k>` and `<graph>.t<k>`, and tensors from
+outside (parameters, optimizer buffers) by their names (deepx_sdk/compile.py writes it). A replay binds each input
+either to an existing tensor (its name replaces the input's in the plan) or to data (put under the input's own
+name and freed after the run), each output to the name the client wants, and may set the scalars the record lists
+(an optimizer's step and learning rate, a random op's seed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepx_sdk.compile import GraphRecord
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import Instr, Param
+from deepx_sdk.ir.ops import TensorMeta
+from deepxd.compiler.pipeline import new_context, run_passes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GraphPlan:
+    record: GraphRecord
+    data: bytes
+    plan: list[Instr]  # the program after the passes; what every replay runs
+    origins: list[int]  # for each plan instruction, the stored instruction it stands for
+    passes: list[str]
+    touches: dict[str, list[int]] = field(default_factory=dict)  # input/output name -> plan indices naming it
+    slots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # scalar key -> (plan index, arg)
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+
+def plan_graph(name: str, data: bytes, metas: Mapping[str, TensorMeta], keep: Collection[str],
+               passes: Sequence[str], fuse_min_elements: int = 0) -> GraphPlan:
+    """Decode a stored graph and run the passes over it once, against the tensors that exist now (`metas`, with
+    `keep` the heap ones) and its inputs' shapes."""
+    rec = GraphRecord.unpack(data, name)
+    all_metas = dict(metas)
+    for n, dtype, shape in rec.inputs:
+        all_metas[n] = TensorMeta(tuple(shape), dtype)
+    ctx = new_context(all_metas, fetch=[n for n, _, _ in rec.outputs], keep=keep,
+                      fuse_min_elements=fuse_min_elements)
+    try:
+        plan = run_passes(rec.instrs, ctx, passes)
+        origins = list(ctx.origins)
+    except Exception:  # a pass must never cost a graph its replay
+        log.exception("graph %s: the passes failed; replaying the program as stored", name)
+        plan, origins = list(rec.instrs), list(range(len(rec.instrs)))
+    slots = _slots(rec, plan, origins)
+    if slots is None:  # a scalar's instruction was merged away: replay the program as stored
+        plan, origins = list(rec.instrs), list(range(len(rec.instrs)))
+        slots = _slots(rec, plan, origins) or {}
+    g = GraphPlan(rec, data, plan, origins, list(passes), slots=slots)
+    names = {n for n, _, _ in rec.inputs} | {n for n, _, _ in rec.outputs}
+    for k, instr in enumerate(plan):
+        for n in _tensor_names(instr):
+            if n in names:
+                g.touches.setdefault(n, []).append(k)
+    return g
+
+
+def _tensor_names(instr: Instr) -> list[str]:
+    out: list[str] = []
+    for p in (*instr.args, *instr.returns):
+        if p.category == "tensor":
+            out.append(str(p.value))
+        elif p.category == "listtensor" and isinstance(p.value, tuple):
+            out.extend(str(v) for v in p.value)
+    return out
+
+
+def _slots(rec: GraphRecord, plan: Sequence[Instr], origins: Sequence[int]) -> dict[str, list[tuple[int, int]]] | None:
+    at: dict[int, list[int]] = {}
+    for k, o in enumerate(origins):
+        at.setdefault(o, []).append(k)
+    slots: dict[str, list[tuple[int, int]]] = {}
+    for i, j, key in rec.scalars:
+        hits = [k for k in at.get(i, []) if plan[k].name == rec.instrs[i].name and j < len(plan[k].args)]
+        if len(hits) != 1:
+            return None
+        slots.setdefault(key, []).append((hits[0], j))
+    return slots
+
+
+def _show(meta: tuple[str, Sequence[int]]) -> str:
+    return f"{meta[0]}{list(meta[1])}"
+
+
+@dataclass
+class Bound:
+    program: list[Instr]
+    puts: list[tuple[str, str, list[int], Any]]  # (name, dtype, shape, data) to put before the program
+    bound_inputs: dict[str, tuple[str, tuple[int, ...]]]  # existing tensor -> the (dtype, shape) the graph needs
+    outputs: list[str]
+
+
+def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, Any],
+                scalars: Mapping[str, Any]) -> Bound:
+    """The program one replay runs. Raises DeepxError naming the graph and the problem for an input, output or
+    scalar that does not fit."""
+    rec, name = g.record, g.name
+    want_in = {n: (d, tuple(s)) for n, d, s in rec.inputs}
+    want_out = {n: (d, tuple(s)) for n, d, s in rec.outputs}
+
+    def listing(w: Mapping[str, tuple[str, tuple[int, ...]]]) -> str:
+        return ", ".join(f"{n} ({_show(m)})" for n, m in w.items()) or "none"
+
+    if not isinstance(inputs, Mapping) or not isinstance(outputs, Mapping) or not isinstance(scalars, Mapping):
+        raise DeepxError(f"replay of graph {name!r}: inputs, outputs and scalars must be maps")
+    unknown = [k for k in inputs if k not in want_in]
+    if unknown:
+        raise DeepxError(f"replay of graph {name!r}: it has no input {', '.join(map(repr, unknown))}; its inputs are "
+                         f"{listing(want_in)}")
+    missing = [k for k in want_in if k not in inputs]
+    if missing:
+        raise DeepxError(f"replay of graph {name!r}: input {', '.join(map(repr, missing))} is not given; its inputs "
+                         f"are {listing(want_in)}")
+    unknown = [k for k in outputs if k not in want_out]
+    missing = [k for k in want_out if k not in outputs]
+    if unknown or missing:
+        raise DeepxError(f"replay of graph {name!r}: outputs must name a tensor for each of {listing(want_out)}; "
+                         + (f"unknown: {', '.join(map(repr, unknown))}" if unknown else
+                            f"missing: {', '.join(map(repr, missing))}"))
+    rename: dict[str, str] = {}
+    puts: list[tuple[str, str, list[int], Any]] = []
+    bound: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for n, v in inputs.items():
+        dtype, shape = want_in[n]
+        if isinstance(v, str) and v:
+            rename[n] = v
+            bound[v] = (dtype, shape)
+        elif isinstance(v, Mapping) and {"dtype", "shape", "data"} <= set(v):
+            got = (str(v["dtype"]), tuple(int(x) for x in v["shape"]))
+            if got != (dtype, shape):
+                raise DeepxError(f"replay of graph {name!r}: input {n!r} is {_show(want_in[n])}; got {_show(got)} "
+                                 "(a new shape or dtype needs a new graph: call the compiled function, which "
+                                 "captures one)")
+            puts.append((n, dtype, list(shape), v["data"]))
+        else:
+            raise DeepxError(f"replay of graph {name!r}: input {n!r} must be a tensor name or "
+                             "{dtype, shape, data}")
+    for n, v in outputs.items():
+        if not isinstance(v, str) or not v:
+            raise DeepxError(f"replay of graph {name!r}: output {n!r} must be bound to a tensor name")
+        if v in bound or v.startswith(f"{name}."):
+            raise DeepxError(f"replay of graph {name!r}: output {n!r} cannot be written to {v!r} (an input, or a "
+                             "name of the graph's own)")
+        rename[n] = v
+    values: dict[int, dict[int, Any]] = {}
+    for key, v in scalars.items():
+        where = g.slots.get(key)
+        if where is None:
+            raise DeepxError(f"replay of graph {name!r}: it has no scalar {key!r}; its scalars are "
+                             f"{', '.join(sorted(g.slots)) or 'none'}")
+        if type(v) not in (int, float, bool):
+            raise DeepxError(f"replay of graph {name!r}: scalar {key!r} must be a number, got {type(v).__name__}")
+        for k, j in where:
+            values.setdefault(k, {})[j] = v
+    program = list(g.plan)
+    touched = {k for n in rename for k in g.touches.get(n, ())} | set(values)
+    for k in sorted(touched):
+        program[k] = _substitute(program[k], rename, values.get(k, {}))
+    program.extend(Instr("deltensor", (), (Param.tensor(n, d),)) for n, d, _, _ in puts)
+    return Bound(program, puts, bound, list(outputs.values()))
+
+
+def _substitute(instr: Instr, rename: Mapping[str, str], values: Mapping[int, Any]) -> Instr:
+    def sub(p: Param) -> Param:
+        if p.category == "tensor":
+            v = rename.get(str(p.value))
+            return p if v is None else p._replace(value=v)
+        if p.category == "listtensor" and isinstance(p.value, tuple):
+            return p._replace(value=tuple(rename.get(str(x), str(x)) for x in p.value))
+        return p
+
+    args = tuple(p._replace(value=values[j]) if j in values else sub(p) for j, p in enumerate(instr.args))
+    return Instr(instr.name, args, tuple(map(sub, instr.returns)), instr.meta)
