@@ -85,13 +85,6 @@ def test_no_grad_and_detach_stop_gradients(data):
     np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-9)
 
 
-def test_an_op_without_a_gradient_rule_is_named(data):
-    w = nn.Parameter(np.ones(5))
-    ln = F.layer_norm(dx.tensor(data["X"][:, :5]) * w, (5,))
-    with pytest.raises(DeepxError, match="layernorm"):
-        ln.sum().backward()
-
-
 def test_training_an_mlp_reduces_the_loss_like_torch(data):
     torch.manual_seed(0)
     tmodel = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
@@ -114,3 +107,180 @@ def test_training_an_mlp_reduces_the_loss_like_torch(data):
         losses.append(loss.item())
         assert losses[-1] == pytest.approx(tloss.item(), rel=1e-8)
     assert losses[-1] < 0.5 * losses[0]
+
+
+# ---------------------------------------------------------------- the user-facing forms of each differentiable op
+
+
+def _grads_equal_torch(fn, arrays: dict[str, np.ndarray], wrt: str, rtol: float = 1e-9, seed: int = 1) -> None:
+    """fn(lib, tensors) in deepx and in torch (float64): the same result, and the same gradients of
+    sum(result * u) for a random u, for the names in `wrt`."""
+    names = wrt.split()
+    p = {k: nn.Parameter(v) if k in names else dx.tensor(v) for k, v in arrays.items()}
+    tp = {k: torch.tensor(v, requires_grad=k in names) for k, v in arrays.items()}
+    out, tout = fn(dx, p), fn(torch, tp)
+    np.testing.assert_allclose(out.numpy(), tout.detach().numpy(), rtol=rtol, atol=1e-12)
+    u = np.random.default_rng(seed).standard_normal(tout.shape)
+    (out * dx.tensor(u)).sum().backward()
+    (tout * torch.tensor(u)).sum().backward()
+    for k in names:
+        np.testing.assert_allclose(p[k].grad.numpy(), tp[k].grad.numpy(), rtol=rtol, atol=1e-12, err_msg=k)
+
+
+def _F(lib):
+    return F if lib is dx else torch.nn.functional
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def test_layer_norm_with_and_without_affine(rng):
+    arrays = {"x": rng.standard_normal((4, 3, 6)), "w": rng.standard_normal(6), "b": rng.standard_normal(6)}
+    _grads_equal_torch(lambda lib, t: _F(lib).layer_norm(t["x"], (6,), t["w"], t["b"], 1e-5), arrays, "x w b")
+    _grads_equal_torch(lambda lib, t: _F(lib).layer_norm(t["x"] * t["w"], (3, 6)), arrays, "x w")
+    ln, tln = nn.LayerNorm(6).double(), torch.nn.LayerNorm(6).double()
+    x = rng.standard_normal((5, 6))
+    ln(dx.tensor(x)).pow(2).sum().backward()
+    tln(torch.tensor(x)).pow(2).sum().backward()
+    np.testing.assert_allclose(ln.weight.grad.numpy(), tln.weight.grad.numpy(), rtol=1e-9)
+    np.testing.assert_allclose(ln.bias.grad.numpy(), tln.bias.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_rms_norm(rng):
+    arrays = {"x": rng.standard_normal((4, 6)), "w": rng.standard_normal(6)}
+    _grads_equal_torch(lambda lib, t: _F(lib).rms_norm(t["x"], (6,), t["w"], 1e-6), arrays, "x w")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu(rng, approximate):
+    arrays = {"x": rng.uniform(-4, 4, (5, 7))}
+    _grads_equal_torch(lambda lib, t: _F(lib).gelu(t["x"], approximate=approximate), arrays, "x")
+
+
+def test_activations_and_softmax(rng):
+    arrays = {"x": rng.standard_normal((3, 5))}
+    _grads_equal_torch(lambda lib, t: _F(lib).silu(t["x"]) + t["x"].sigmoid() * t["x"].tanh()
+                       + _F(lib).softmax(t["x"], -1) * _F(lib).log_softmax(t["x"], 0), arrays, "x")
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_dropout_in_train_mode_scales_the_kept_gradient(rng, seeded):
+    if seeded:
+        dx.manual_seed(3)
+    x = rng.uniform(0.5, 1.5, (40, 50))
+    p = nn.Parameter(x)
+    y = F.dropout(p, 0.3)
+    y.sum().backward()
+    kept = y.numpy() != 0  # the inputs are non-zero: zeros in y are the dropped elements
+    assert 0.6 < kept.mean() < 0.8
+    np.testing.assert_allclose(p.grad.numpy(), kept / 0.7, rtol=1e-12)
+    np.testing.assert_allclose(y.numpy(), x * kept / 0.7, rtol=1e-12)
+    q = nn.Parameter(x)
+    F.dropout(q, 0.3, training=False).sum().backward()
+    np.testing.assert_array_equal(q.grad.numpy(), np.ones_like(x))
+
+
+def test_cat_and_stack(rng):
+    arrays = {"a": rng.standard_normal((2, 3)), "b": rng.standard_normal((4, 3)), "c": rng.standard_normal((2, 3))}
+    _grads_equal_torch(lambda lib, t: lib.cat([t["a"], t["b"], t["a"]], 0), arrays, "a b")
+    _grads_equal_torch(lambda lib, t: lib.stack([t["a"], t["c"]], -1), arrays, "a c")
+
+
+def test_slicing_and_indexing(rng):
+    arrays = {"x": rng.standard_normal((5, 6, 4)), "i": np.array([4, 0, 4, 2])}
+    _grads_equal_torch(lambda lib, t: t["x"][1:4, ::2, -1] * 2 + t["x"][0, :3, 1:3].sum(), arrays, "x")
+    _grads_equal_torch(lambda lib, t: t["x"][t["i"]] * t["x"][..., 0:1] [t["i"]], arrays, "x")
+    _grads_equal_torch(lambda lib, t: t["x"][:, None, 2] + t["x"][-2:, 1:2].transpose(0, 1), arrays, "x")
+
+
+def test_max_min_prod_with_dim(rng):
+    arrays = {"x": rng.standard_normal((4, 5, 3))}
+    _grads_equal_torch(lambda lib, t: t["x"].max(1).values.unsqueeze(1) + t["x"].min(-1, keepdim=True).values, arrays, "x")
+    _grads_equal_torch(lambda lib, t: t["x"].amax((0, 2)) * t["x"].max() + t["x"].amin(0).sum(), arrays, "x")
+    _grads_equal_torch(lambda lib, t: t["x"].prod(1) + t["x"].prod(), arrays, "x")
+    zeros = {"x": np.array([[1.5, 0.0, 2.0], [0.0, 0.0, 3.0], [0.5, -1.0, 2.0]])}
+    _grads_equal_torch(lambda lib, t: t["x"].prod(1, keepdim=True) * t["x"].prod(0), zeros, "x")
+
+
+def test_mean_var_and_reductions(rng):
+    arrays = {"x": rng.standard_normal((4, 5))}
+    _grads_equal_torch(lambda lib, t: t["x"].mean(0) * t["x"].var(0) + t["x"].std(1).sum() + t["x"].sum(),
+                       arrays, "x")
+
+
+def test_where_and_masked_fill(rng):
+    arrays = {"x": rng.standard_normal((4, 5)), "y": rng.standard_normal(5), "c": rng.standard_normal((4, 5)) > 0}
+    _grads_equal_torch(lambda lib, t: lib.where(t["c"], t["x"], t["y"]), arrays, "x y")
+    _grads_equal_torch(lambda lib, t: lib.where(t["x"] > 0, t["x"] * 2.0, 0.5) + t["x"].masked_fill(t["c"], -1.0),
+                       arrays, "x")
+    _grads_equal_torch(lambda lib, t: (t["x"] @ t["x"].T).tril() + t["x"].clamp(-0.5, 0.5).sum(), arrays, "x")
+
+
+def test_pad_repeat_expand_and_shape_ops(rng):
+    arrays = {"x": rng.standard_normal((2, 3)), "y": rng.standard_normal((3, 1))}
+    _grads_equal_torch(lambda lib, t: _F(lib).pad(t["x"], (1, 2, 0, 1), value=0.5), arrays, "x")
+    _grads_equal_torch(lambda lib, t: t["x"].repeat(2, 1, 3) + t["y"].expand(2, 3, 3).flatten(0, 1).unsqueeze(0)
+                       [:, :2, :].repeat(2, 1, 3), arrays, "x y")
+    _grads_equal_torch(lambda lib, t: t["x"].permute(1, 0).unsqueeze(-1) * t["y"].squeeze(-1).reshape(3, 1, 1),
+                       arrays, "x y")
+
+
+def test_embedding_gradient_accumulates_repeated_indices(rng):
+    weight = rng.standard_normal((6, 4))
+    idx = np.array([[1, 3, 1], [5, 1, 0]])
+    emb = nn.Embedding(6, 4).double()
+    temb = torch.nn.Embedding(6, 4).double()
+    emb.load_state_dict({"weight": weight})
+    with torch.no_grad():
+        temb.weight.copy_(torch.tensor(weight))
+    u = rng.standard_normal((2, 3, 4))
+    (emb(dx.tensor(idx)) * dx.tensor(u)).sum().backward()
+    (temb(torch.tensor(idx)) * torch.tensor(u)).sum().backward()
+    np.testing.assert_allclose(emb.weight.grad.numpy(), temb.weight.grad.numpy(), rtol=1e-12)
+
+
+def _block(lib, p, idx, n_head: int = 2):
+    """A character-level transformer block: embedding, causal self-attention with softmax, layer norm, MLP with gelu,
+    then logits and a cross-entropy loss on the next character."""
+    F_ = _F(lib)
+    B, T = idx.shape
+    C = p["wte"].shape[1]
+    x = F_.embedding(idx, p["wte"]) + p["wpe"][:T]
+    h = F_.layer_norm(x, (C,), p["ln1_w"], p["ln1_b"])
+    qkv = h @ p["w_qkv"] + p["b_qkv"]
+    q, k, v = qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
+    q = q.reshape(B, T, n_head, C // n_head).transpose(1, 2)
+    k = k.reshape(B, T, n_head, C // n_head).transpose(1, 2)
+    v = v.reshape(B, T, n_head, C // n_head).transpose(1, 2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / np.sqrt(C // n_head))
+    causal = lib.tensor(np.tril(np.ones((T, T), dtype=bool)))
+    att = att.masked_fill(~causal, float("-inf")).softmax(-1)
+    y = (att @ v).transpose(1, 2).reshape(B, T, C)
+    x = x + y @ p["w_o"]
+    h = F_.layer_norm(x, (C,), p["ln2_w"], p["ln2_b"])
+    x = x + F_.gelu(h @ p["w_fc"] + p["b_fc"]) @ p["w_proj"]
+    logits = F_.layer_norm(x, (C,), p["lnf_w"], p["lnf_b"]) @ p["wte"].T  # tied weights
+    return logits
+
+
+def test_transformer_block_gradients_equal_torch(rng):
+    V, C, T, B = 11, 8, 6, 3
+    shapes = {"wte": (V, C), "wpe": (T, C), "ln1_w": (C,), "ln1_b": (C,), "w_qkv": (C, 3 * C), "b_qkv": (3 * C,),
+              "w_o": (C, C), "ln2_w": (C,), "ln2_b": (C,), "w_fc": (C, 4 * C), "b_fc": (4 * C,),
+              "w_proj": (4 * C, C), "lnf_w": (C,), "lnf_b": (C,)}
+    arrays = {k: rng.standard_normal(s) * (0.3 if len(s) == 2 else 1.0) for k, s in shapes.items()}
+    text = rng.integers(0, V, (B, T + 1))
+    idx, target = text[:, :-1], text[:, 1:]
+    p = {k: nn.Parameter(v) for k, v in arrays.items()}
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in arrays.items()}
+    logits = _block(dx, p, dx.tensor(idx))
+    tlogits = _block(torch, tp, torch.tensor(idx))
+    loss = F.cross_entropy(logits.reshape(B * T, V), dx.tensor(target.reshape(-1)))
+    tloss = torch.nn.functional.cross_entropy(tlogits.reshape(B * T, V), torch.tensor(target.reshape(-1)))
+    assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
+    loss.backward()
+    tloss.backward()
+    for k in arrays:
+        np.testing.assert_allclose(p[k].grad.numpy(), tp[k].grad.numpy(), rtol=1e-8, atol=1e-12, err_msg=k)
