@@ -191,13 +191,14 @@ def test_cat_and_stack(rng):
 def test_slicing_and_indexing(rng):
     arrays = {"x": rng.standard_normal((5, 6, 4)), "i": np.array([4, 0, 4, 2])}
     _grads_equal_torch(lambda lib, t: t["x"][1:4, ::2, -1] * 2 + t["x"][0, :3, 1:3].sum(), arrays, "x")
-    _grads_equal_torch(lambda lib, t: t["x"][t["i"]] * t["x"][..., 0:1] [t["i"]], arrays, "x")
+    _grads_equal_torch(lambda lib, t: t["x"][t["i"]] * t["x"][..., 0:1][t["i"]], arrays, "x")
     _grads_equal_torch(lambda lib, t: t["x"][:, None, 2] + t["x"][-2:, 1:2].transpose(0, 1), arrays, "x")
 
 
 def test_max_min_prod_with_dim(rng):
     arrays = {"x": rng.standard_normal((4, 5, 3))}
-    _grads_equal_torch(lambda lib, t: t["x"].max(1).values.unsqueeze(1) + t["x"].min(-1, keepdim=True).values, arrays, "x")
+    _grads_equal_torch(lambda lib, t: t["x"].max(1).values.unsqueeze(1) + t["x"].min(-1, keepdim=True).values,
+                       arrays, "x")
     _grads_equal_torch(lambda lib, t: t["x"].amax((0, 2)) * t["x"].max() + t["x"].amin(0).sum(), arrays, "x")
     _grads_equal_torch(lambda lib, t: t["x"].prod(1) + t["x"].prod(), arrays, "x")
     zeros = {"x": np.array([[1.5, 0.0, 2.0], [0.0, 0.0, 3.0], [0.5, -1.0, 2.0]])}
