@@ -197,13 +197,15 @@ class CudaWorker(Actor):
             result.error, result.error_index = str(e), e.index
             return result
         heap_new: dict[int, Any] = {}
+        failed = None
         if self.heapmem is not None and any(b.instr.meta and b.op.name == "newtensor" for b in bounds):
             failed = await self._create_heap(bounds, heap_new)
-            if failed is not None:
+        if failed is None:
+            await self.call(self._run_on_device, bounds, result, heap_new, list(fetch))
+        else:  # a heap tensor heapmem could not make: the instructions before it run, as if it failed when reached
+            await self.call(self._run_on_device, bounds[: failed[1]], result, heap_new, [])
+            if not result.error:
                 result.error, result.error_index = failed
-                await self._give_back(bounds, heap_new, 0)
-                return result
-        await self.call(self._run_on_device, bounds, result, heap_new, list(fetch))
         await self._give_back(bounds, heap_new, result.done)
         if self.heap:
             for b in bounds[: result.done]:
@@ -214,7 +216,8 @@ class CudaWorker(Actor):
 
     async def _create_heap(self, bounds: list[Bound], out: dict[int, Any]) -> tuple[str, int] | None:
         """`newtensor ... // kind=heap`: heapmem allocates it on the GPU before the program runs; it is put in
-        place when its instruction is reached. A refusal (out of memory) is the error of that instruction."""
+        place when its instruction is reached. A refusal (out of memory) is the error of that instruction: creating
+        stops there, and (message, index) is returned."""
         assert self.heapmem is not None
         for i, b in enumerate(bounds):
             if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
