@@ -118,8 +118,9 @@ class _Recorder(Transport):
     """Stands in for the session's transport while a call is captured: every program and every backward
     expansion is run as usual and also appended to `instrs`."""
 
-    def __init__(self, inner: Transport) -> None:
+    def __init__(self, inner: Transport, s: Session) -> None:
         self.inner = inner
+        self.session = s
         self.instrs: list[Instr] = []
         self.can_read = inner.can_read
         self.explicit_broadcast = inner.explicit_broadcast
@@ -129,6 +130,7 @@ class _Recorder(Transport):
         return self.inner.run(program, fetch)
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
+        self.session._lost.add(name)  # its handle exists, its tensor never will: Python must not delete it
         raise DeepxError(f"dx.compile: the function sends data from Python (a {array.dtype}{list(array.shape)} "
                          "array, by dx.tensor or similar) while it is captured; such a constant would be frozen into "
                          "the graph. Pass it as an argument instead (or create it once, outside the function)")
@@ -601,7 +603,7 @@ class CompiledFunction:
         s.sync()
         before = repr(_state_signature(mods, opts))
         outside = _live_names()
-        rec = _Recorder(s.transport)
+        rec = _Recorder(s.transport, s)
         s.transport = rec
         s.capture = rec  # type: ignore[attr-defined]
         try:
@@ -669,7 +671,7 @@ class CompiledFunction:
             instr = rec.instrs[i]
             if instr.name in _OPTIMIZER_OPS:
                 if _is_step(instr, j):  # one per update, counted as Optimizer.step counts
-                    o, p, group = next(upd)
+                    o, p, _ = next(upd)
                     st = o.state.setdefault(id(p), {"step": 0})
                     st["step"] += 1
                     steps[i] = st["step"]

@@ -1,9 +1,9 @@
-"""deepxctl graphs: the programs stored in the storage plane (`graph:<name>`: msgpack {"v": 1, "instrs": [...]}),
-listed, and shown as deepxIR text before and after the compiler passes."""
+"""deepxctl graphs: the programs stored in the storage plane (`graph:<name>`: msgpack {"v": 1, "instrs": [...]}, as
+dx.compile writes them; docs/graphs.md), listed, and shown as deepxIR text, with `--passes` also as the daemon's
+passes make it (the plan every replay of the graph runs)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -14,10 +14,6 @@ from deepxctl.term import CtlError, display_data, display_note, display_table, f
 
 if TYPE_CHECKING:
     from deepx_sdk.ir.instr import Instr
-
-# the passes `graphs show` applies, in order, as (name, program -> program); none exist yet, so a program shows
-# unchanged after them
-PASSES: Sequence[tuple[str, Callable[[list[Instr]], list[Instr]]]] = ()
 
 
 def decode(raw: dict[str, Any]) -> tuple[Graph, list[Instr]]:
@@ -64,14 +60,18 @@ def ls(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: bool) -
 
 @graphs.command("show")
 @click.argument("name")
+@click.option("--passes", "passes", is_flag=True,
+              help="Also show the program after the compiler passes: the daemon's plan for it (what every replay "
+                   "runs); with --kv, the passes run here, knowing only the graph's inputs.")
 @format_option
 @click.pass_obj
-def show(ctl: Ctl, name: str, fmt: str) -> None:
-    """A stored graph as deepxIR text, before and after the passes.
+def show(ctl: Ctl, name: str, passes: bool, fmt: str) -> None:
+    """A stored graph as deepxIR text (--passes: before and after the compiler passes).
 
     \b
-      deepxctl graphs show mlp
-      deepxctl graphs show mlp --format json
+      deepxctl graphs show train_step-3fa2c1d07be4
+      deepxctl graphs show train_step-3fa2c1d07be4 --passes
+      deepxctl graphs show mlp --passes --format json
     """
     from deepx_sdk.ir.text import format_text
 
@@ -81,22 +81,50 @@ def show(ctl: Ctl, name: str, fmt: str) -> None:
     g, instrs = found[0]
     if g.error:
         raise CtlError(f"graph {name!r} does not decode: {g.error}")
-    after = list(instrs)
-    for _, run in PASSES:
-        after = run(after)
     before_text = [format_text(i) for i in instrs]
-    after_text = [format_text(i) for i in after]
+    after: dict[str, Any] | None = after_passes(ctl, name, instrs) if passes else None
+    if after is not None and after.get("note"):
+        display_note(after["note"])  # stderr, in every format
     if fmt != "table":
-        display_data({**g.to_dict(detail=True), "passes": [p for p, _ in PASSES], "before": before_text,
-                      "after": after_text}, fmt)
+        extra = {"passes": after["passes"], "after": after["after"]} if after is not None else {}
+        display_data({**g.to_dict(detail=True), "before": before_text, **extra}, fmt)
         return
     click.echo(f"graph {g.name}: {g.instructions} instructions, {g.bytes} bytes")
-    click.echo("-- before the passes --")
+    if after is not None:
+        click.echo("-- before the passes --")
     for line in before_text:
         click.echo(line)
-    if not PASSES:
-        display_note("-- after the passes: unchanged (no compiler passes exist yet) --")
+    if after is None:
         return
-    click.echo(f"-- after the passes ({', '.join(p for p, _ in PASSES)}) --")
-    for line in after_text:
+    names = ", ".join(after["passes"]) or "none: the daemon runs with passes off"
+    click.echo(f"-- after the passes ({names}): {len(after['after'])} instructions --")
+    for line in after["after"]:
         click.echo(line)
+
+
+def after_passes(ctl: Ctl, name: str, instrs: list[Instr]) -> dict[str, Any]:
+    """{"passes", "after": [lines]} from the daemon's plan of the graph; under --kv, from the passes run here."""
+    from deepx_sdk.errors import DeepxError
+
+    if not ctl.kv:
+        try:
+            r = ctl.daemon("graphs show --passes").client.request("explain", graph=name)
+        except DeepxError as e:
+            raise CtlError(f"graphs show --passes: {e}") from None
+        return {"passes": list(r["passes"]), "after": str(r["after"]).splitlines() if r["after"] else []}
+    from deepx_sdk.compile import GraphRecord
+    from deepx_sdk.ir.ops import TensorMeta
+    from deepx_sdk.ir.text import format_text
+    from deepxd.compiler.pipeline import DEFAULT_PASSES, new_context, run_passes
+
+    metas: dict[str, TensorMeta] = {}
+    for raw in ctl.source().query("graphs"):
+        if raw["name"] == name and raw.get("data") is not None:
+            try:
+                metas = {n: TensorMeta(tuple(s), d) for n, d, s in GraphRecord.unpack(bytes(raw["data"]), name).inputs}
+            except DeepxError:
+                pass
+    after = run_passes(instrs, new_context(metas), DEFAULT_PASSES)
+    return {"passes": list(DEFAULT_PASSES), "after": [format_text(i) for i in after],
+            "note": "the passes ran here, knowing the graph's inputs but not the daemon's tensors (a program that "
+                    "reads parameters stays as it is): drop --kv to see the daemon's plan"}

@@ -1,0 +1,233 @@
+"""dx.compile: a training step captured once, stored as graph:<name>, and replayed by name trains exactly as the
+eager step does; signatures, refusals, listing, explain; against the embedded daemon and a deepxd subprocess."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
+from deepx_sdk.compile import GraphRecord
+from tests.daemon.conftest import Daemon
+
+
+def mlp_run(compiled: bool, optimizer: str, steps: int = 10, arrays: bool = False, sched: bool = False):
+    """Train a float64 MLP for `steps` steps; the losses, the final parameters, and the step function."""
+    dx.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    if optimizer == "sgd":
+        opt = dx.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    elif optimizer == "sgd-plain":
+        opt = dx.optim.SGD(model.parameters(), lr=0.05)
+    else:
+        opt = dx.optim.Adam(model.parameters(), lr=1e-2)
+    lr_sched = dx.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if sched else None
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = dx.compile(train_step) if compiled else train_step
+    rng = np.random.default_rng(7)
+    losses = []
+    for _ in range(steps):
+        xa, ya = rng.standard_normal((6, 8)), rng.integers(0, 3, 6)
+        x, y = (xa, ya) if arrays and compiled else (dx.tensor(xa), dx.tensor(ya))
+        losses.append(step(x, y).item())
+        if lr_sched is not None:
+            lr_sched.step()
+    return np.array(losses), [p.numpy() for p in model.parameters()], step
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd-plain", "adam"])
+def test_replay_trains_exactly_as_eager(optimizer: str) -> None:
+    eager_losses, eager_params, _ = mlp_run(False, optimizer)
+    losses, params, step = mlp_run(True, optimizer)
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-12, atol=1e-14)
+    for a, b in zip(params, eager_params):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert losses[-1] < losses[0]
+    # an optimizer whose first step makes its buffers is captured on the second call; every later call replays
+    warmup = 0 if optimizer == "sgd-plain" else 1
+    assert step.captures == 1 + warmup and step.replays == 10 - 1 - warmup
+    assert len(step.graph_names) == 1
+
+
+def test_arrays_as_inputs_and_a_learning_rate_schedule() -> None:
+    eager_losses, eager_params, _ = mlp_run(False, "adam", sched=True)
+    losses, params, step = mlp_run(True, "adam", arrays=True, sched=True)
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-12, atol=1e-14)
+    for a, b in zip(params, eager_params):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert step.replays == 8
+
+
+def test_changed_shape_captures_a_new_graph() -> None:
+    w = dx.randn(8, 4, dtype=dx.float64)
+
+    @dx.compile
+    def f(x):
+        return (x @ w).relu().sum(dim=1)
+
+    a, b = np.random.rand(5, 8), np.random.rand(3, 8)
+    for _ in range(2):
+        ra, rb = f(dx.tensor(a)), f(dx.tensor(b))
+    assert f.captures == 2 and f.replays == 2 and len(f.graph_names) == 2
+    wn = w.numpy()
+    np.testing.assert_allclose(ra.numpy(), np.maximum(a @ wn, 0).sum(1), rtol=1e-12)
+    np.testing.assert_allclose(rb.numpy(), np.maximum(b @ wn, 0).sum(1), rtol=1e-12)
+    assert ra.shape == (5,) and rb.shape == (3,) and ra.dtype == "float64"
+    # another dtype, or a non-tensor argument's value, is another signature too
+    f(dx.tensor(a.astype(np.float32)))
+    assert f.captures == 3
+
+
+def test_graphs_are_listed_and_stored_in_the_plane() -> None:
+    @dx.compile(name="listed_step")
+    def f(x, scale):
+        return (x * scale + 1).exp()
+
+    x = dx.tensor(np.arange(6.0).reshape(2, 3))
+    out = f(x, 0.5)
+    again = f(x, 0.5)
+    np.testing.assert_allclose(again.numpy(), np.exp(np.arange(6.0).reshape(2, 3) * 0.5 + 1))
+    np.testing.assert_array_equal(out.numpy(), again.numpy())
+    (name,) = f.graph_names
+    assert name.startswith("listed_step-")
+    listed = {g.name: g for g in dx.graphs()}
+    assert listed[name].instructions > 0 and listed[name].inputs == [(f"{name}.in0", "float64", (2, 3))]
+    node = dx.session().transport.node
+    data = node_kv_get(node, f"graph:{name}")
+    rec = GraphRecord.unpack(data, name)
+    assert len(rec.instrs) == listed[name].instructions and rec.outputs[0][2] == (2, 3)
+    assert f"{name}.out0" in {str(p.value) for i in rec.instrs for p in i.returns}
+
+
+def node_kv_get(node, key: str) -> bytes:
+    import asyncio
+
+    s = dx.session()
+    return asyncio.run_coroutine_threadsafe(node.kv.get(key), s.transport.loop).result()
+
+
+def test_python_runs_at_capture_only() -> None:
+    calls = []
+
+    @dx.compile
+    def f(x):
+        calls.append(1)  # a side effect: traced once per signature, as torch.compile and jax.jit do
+        return x * 2
+
+    x = dx.tensor(np.ones(3))
+    for _ in range(4):
+        y = f(x)
+    assert calls == [1] and y.numpy().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_reading_a_value_inside_is_refused() -> None:
+    @dx.compile
+    def f(x):
+        y = x.sum()
+        if y.item() > 0:  # data-dependent control flow
+            return y
+        return -y
+
+    with pytest.raises(dx.DeepxError, match=r"reads a tensor value .* Return the tensor"):
+        f(dx.tensor(np.ones(3)))
+    assert dx.tensor(np.ones(2)).sum().item() == 2.0  # the session works on, uncaptured
+
+
+def test_sending_data_inside_is_refused() -> None:
+    @dx.compile
+    def f(x):
+        return x + dx.tensor(np.ones(3))
+
+    with pytest.raises(dx.DeepxError, match="sends data from Python"):
+        f(dx.tensor(np.ones(3)))
+
+
+def test_returning_an_input_is_refused() -> None:
+    f = dx.compile(lambda x: x)
+    with pytest.raises(dx.DeepxError, match="did not compute"):
+        f(dx.tensor(np.ones(3)))
+
+
+def test_no_grad_inside() -> None:
+    w = dx.tensor(np.full((3, 2), 0.5), requires_grad=True)
+
+    @dx.compile
+    def predict(x):
+        with dx.no_grad():
+            return (x @ w).softmax(-1)
+
+    x = np.random.rand(4, 3)
+    for _ in range(3):
+        p = predict(dx.tensor(x))
+    assert not p.requires_grad and predict.replays == 2
+    np.testing.assert_allclose(p.numpy(), np.full((4, 2), 0.5))
+
+
+def test_explain_shows_before_and_after_the_passes() -> None:
+    _, _, step = mlp_run(True, "sgd-plain", steps=2)
+    e = step.explain()
+    assert e.name == step.graph_names[0] and e.passes
+    before, after = e.before.splitlines(), e.after.splitlines()
+    assert any(line.startswith("sgd ") for line in before) and any(line.startswith("fused ") for line in after)
+    assert len(after) < len(before)
+    assert dx.explain(e.name).after == e.after
+    assert "-- after the passes" in str(e)
+    with pytest.raises(dx.DeepxError, match="no graph named"):
+        dx.explain("no_such_graph")
+
+
+def test_against_a_deepxd_subprocess(tmp_path) -> None:
+    d = Daemon(tmp_path).start()
+    try:
+        dx.connect(d.address)
+        eager_losses, eager_params, _ = mlp_run(False, "adam", steps=5)
+        losses, params, step = mlp_run(True, "adam", steps=5, arrays=True)
+        np.testing.assert_allclose(losses, eager_losses, rtol=1e-12, atol=1e-14)
+        for a, b in zip(params, eager_params):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+        assert step.replays == 3
+        assert step.graph_names[0] in {g.name for g in dx.graphs()}
+    finally:
+        dx.disconnect()
+        assert d.stop() == 0, d.output()
+
+
+def scaled_relu_sum(x, w):
+    return (x @ w).relu().sum()
+
+
+def test_a_stored_graph_replays_after_a_daemon_restart(tmp_path) -> None:
+    kv = f"memory://{tmp_path}/plane.aof"
+    x, w = np.random.rand(4, 3), np.random.rand(3, 2) - 0.5
+    want = np.maximum(x @ w, 0).sum()
+    d = Daemon(tmp_path, kv=kv).start()
+    try:
+        dx.connect(d.address)
+        f = dx.compile(scaled_relu_sum)
+        assert f(x, w).item() == pytest.approx(want, rel=1e-12)
+        assert f.captures == 1
+        (name,) = f.graph_names
+    finally:
+        dx.disconnect()
+        assert d.stop() == 0, d.output()
+    d = Daemon(tmp_path, kv=kv).start()
+    try:
+        dx.connect(d.address)
+        assert name in {g.name for g in dx.graphs()}
+        g = dx.compile(scaled_relu_sum)  # a fresh compiled function, as a new process would make
+        assert g(x, w).item() == pytest.approx(want, rel=1e-12)
+        assert g.captures == 0 and g.replays == 1
+        x2 = np.random.rand(4, 3)
+        assert g(dx.tensor(x2), dx.tensor(w)).item() == pytest.approx(np.maximum(x2 @ w, 0).sum(), rel=1e-12)
+    finally:
+        dx.disconnect()
+        assert d.stop() == 0, d.output()
