@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 HOST_FAMILIES = frozenset({"life", "io"})
 
 #: CUDA kernel modules, in the order their SUPPORT tables are merged
-MODULES = ("elementwise", "matmul", "shape", "init")
+MODULES = ("elementwise", "matmul", "shape", "reduce", "nn", "init", "optim", "fused")
 
 #: ops whose kernels read and write each element at the same index, so that an output may be an input's buffer
 _ALIAS_SAFE_FAMILIES = frozenset({"elementwise", "compare", "optim", "fused"})
