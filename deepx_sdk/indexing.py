@@ -168,4 +168,6 @@ def setitem(t: Tensor, index: Any, value: Any) -> None:
         value = value.expand(view)
     if value.shape != target:
         value = value.reshape(target)
-    t._s.record(Instr("sliceassign", (_tp(t), _vec(starts), _vec(ends), _vec(steps), _tp(value)), (_tp(t),)))
+    instr = Instr("sliceassign", (_tp(t), _vec(starts), _vec(ends), _vec(steps), _tp(value)), (_tp(t),))
+    t._s.record(instr)
+    t._tape_in_place(instr, (t, value))

@@ -783,8 +783,20 @@ class Tensor:
         if other.shape != self.shape:
             other = other.expand(self.shape)
         other = other.type_as_dtype(self.dtype)
-        self._s.record(Instr("copytensor", (_tp(other),), (_tp(self),)))
+        instr = Instr("copytensor", (_tp(other),), (_tp(self),))
+        self._s.record(instr)
+        self._tape_in_place(instr, (other,))
         return self
+
+    def _tape_in_place(self, instr: Instr, inputs: tuple[Tensor, ...]) -> None:
+        """Put an in-place write of this tensor on the autograd tape, so that backward sees the new value (and the
+        values it read); a leaf that requires grad is left off, as torch refuses to write one in place."""
+        s = self._s
+        if s.grad_enabled and (self.requires_grad or any(t.requires_grad for t in inputs)) and not (
+                self.requires_grad and self.grad_fn is None):
+            self.requires_grad = True
+            self.grad_fn = instr.name
+            s.tape.append((instr, self, inputs))
 
     def add_(self, o: Any, alpha: Any = 1) -> Tensor:
         return self._assign(self + (o * alpha if alpha != 1 else o))

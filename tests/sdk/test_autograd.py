@@ -285,3 +285,28 @@ def test_transformer_block_gradients_equal_torch(rng):
     tloss.backward()
     for k in arrays:
         np.testing.assert_allclose(p[k].grad.numpy(), tp[k].grad.numpy(), rtol=1e-8, atol=1e-12, err_msg=k)
+
+
+def test_in_place_writes_are_on_the_tape(rng):
+    """x[...] = v, x.add_(), x.masked_fill_() on a tensor in the graph: backward sees the new values."""
+    arrays = {"w": rng.standard_normal((4, 3)), "v": rng.standard_normal(3), "m": rng.standard_normal((4, 3)) > 0}
+
+    def fn(lib, t):
+        h = t["w"] * 2
+        h[1:3] = t["v"]
+        h.add_(t["w"], alpha=0.5)
+        h.mul_(3.0)
+        h.masked_fill_(t["m"], 0.25)
+        z = lib.zeros((2, 3), dtype=lib.float64)
+        z[0] = t["v"].exp()
+        return h.sum(0) + z.sum(0)
+
+    _grads_equal_torch(fn, arrays, "w v")
+
+
+def test_an_in_place_write_over_a_value_the_backward_needs_is_an_error(rng):
+    w = nn.Parameter(rng.standard_normal(3))
+    h = w.exp()  # exp's gradient reads its result
+    h.add_(1.0)
+    with pytest.raises(DeepxError, match="overwrites"):
+        h.sum().backward()
