@@ -182,10 +182,11 @@ CASES: dict[str, list[Case]] = {
     + unary("gelu", lambda a: TF.gelu(a, approximate="tanh"), lo=-4, hi=4, extra=", var<string>:tanh")
     + unary("gelu", TF.gelu, lo=-4, hi=4, extra=", var<string>:none"),
     "softmax": [c(f"softmax (tensor<T>:a, var<int32>:{d}) -> (tensor<T>:y)", {"a": r(*s, lo=-2, hi=2)}, "a",
-                  lambda t, d=d: torch.softmax(t["a"], d)) for s, d in [((3, 4), -1), ((3, 4), 0), ((2, 3, 4), 1)]],
+                  lambda t, d=d: torch.softmax(t["a"], d))
+                for s, d in [((3, 4), -1), ((3, 4), 0), ((2, 3, 4), 1), ((), -1)]],
     "logsoftmax": [c(f"logsoftmax (tensor<T>:a, var<int32>:{d}) -> (tensor<T>:y)", {"a": r(*s, lo=-2, hi=2)},
                      "a", lambda t, d=d: torch.log_softmax(t["a"], d))
-                   for s, d in [((3, 4), -1), ((3, 4), 0), ((2, 3, 4), 1)]],
+                   for s, d in [((3, 4), -1), ((3, 4), 0), ((2, 3, 4), 1), ((), 0)]],
     "matmul": [c("matmul (tensor<T>:a, tensor<T>:b) -> (tensor<T>:y)", {"a": r(*sa), "b": r(*sb)}, "a b",
                  lambda t: t["a"] @ t["b"])
                for sa, sb in [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 1, 3, 4), (3, 4, 2)),
