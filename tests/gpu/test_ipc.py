@@ -106,7 +106,7 @@ def test_a_heap_tensor_made_by_a_program_is_on_the_gpu_and_refcount_zero_frees_i
             assert free0 - free1 >= GIB - SLACK, (free0, free1)
             seen = _open_in_another_process(gpu, "big_heap", None)
             assert seen["ok"] and seen["shape"] == [268435456] and seen["sum"] == 0.0  # zero-filled
-            c.run(parse_text("deltensor (tensor:big_heap)")).raise_for_error()  # the last reference
+            c.run(parse_text("deltensor () -> (tensor:big_heap)")).raise_for_error()  # the last reference
             assert read_record(gpu.kv, "big_heap") == {}
             deadline = time.monotonic() + 10
             free2, _ = drv.mem_get_info()
