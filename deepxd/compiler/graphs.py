@@ -5,7 +5,8 @@ A stored program names its own tensors `<graph>.in<k>`, `<graph>.out<k>` and `<g
 outside (parameters, optimizer buffers) by their names (deepx_sdk/compile.py writes it). A replay binds each input
 either to an existing tensor (its name replaces the input's in the plan) or to data (put under the input's own
 name and freed after the run), each output to the name the client wants, and may set the scalars the record lists
-(an optimizer's step and learning rate, a random op's seed).
+(an optimizer's step and learning rate, a random op's seed). The graph's temporaries that live to its end are kept
+between replays (`<graph>.t<k>` in `deepxctl tensors ls`), so that every replay writes into the same buffers.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ def plan_graph(name: str, data: bytes, metas: Mapping[str, TensorMeta], keep: Co
     if slots is None:  # a scalar's instruction was merged away: replay the program as stored
         plan, origins = list(rec.instrs), list(range(len(rec.instrs)))
         slots = _slots(rec, plan, origins) or {}
+    # the temporaries still alive at the end stay allocated between replays (as a CUDA graph's memory does): the
+    # next replay writes into the buffers it has instead of faulting in fresh memory (about 5x faster for an MLP
+    # step). Their deletions were there for the passes, which have seen them.
+    made_by_newtensor = {str(i.returns[0].value) for i in plan if i.name == "newtensor"}
+    tail = len(plan)
+    while tail and plan[tail - 1].name == "deltensor":
+        tail -= 1
+    keep = [k for k in range(tail, len(plan)) if not str(plan[k].returns[0].value).startswith(f"{name}.t")
+            or str(plan[k].returns[0].value) in made_by_newtensor]
+    plan, origins = plan[:tail] + [plan[k] for k in keep], origins[:tail] + [origins[k] for k in keep]
     g = GraphPlan(rec, data, plan, origins, list(passes), slots=slots)
     names = {n for n, _, _ in rec.inputs} | {n for n, _, _ in rec.outputs}
     for k, instr in enumerate(plan):
