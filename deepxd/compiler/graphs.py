@@ -67,9 +67,9 @@ def plan_graph(name: str, data: bytes, metas: Mapping[str, TensorMeta], keep: Co
     tail = len(plan)
     while tail and plan[tail - 1].name == "deltensor":
         tail -= 1
-    keep = [k for k in range(tail, len(plan)) if not str(plan[k].returns[0].value).startswith(f"{name}.t")
+    kept = [k for k in range(tail, len(plan)) if not str(plan[k].returns[0].value).startswith(f"{name}.t")
             or str(plan[k].returns[0].value) in made_by_newtensor]
-    plan, origins = plan[:tail] + [plan[k] for k in keep], origins[:tail] + [origins[k] for k in keep]
+    plan, origins = plan[:tail] + [plan[k] for k in kept], origins[:tail] + [origins[k] for k in kept]
     g = GraphPlan(rec, data, plan, origins, list(passes), slots=slots)
     names = {n for n, _, _ in rec.inputs} | {n for n, _, _ in rec.outputs}
     for k, instr in enumerate(plan):
