@@ -215,7 +215,9 @@ class CudaExecutor:
             self.cuda.memcpy_dtod_async(dst.ptr, src.ptr, src.nbytes, self.stream)
 
     def to_device(self, array: np.ndarray, op: str = "put", name: str = "") -> DeviceTensor:
-        a = np.ascontiguousarray(array)
+        a = np.asarray(array)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into shape (1,)
         t = self.empty(a.shape, a.dtype, op, name)
         if t.nbytes:
             self.cuda.memcpy_htod_async(t.ptr, a.reshape(-1).view(np.uint8), self.stream)
@@ -233,7 +235,9 @@ class CudaExecutor:
 
     def write(self, t: DeviceTensor, array: np.ndarray) -> None:
         """Copy host `array` (same number of elements and dtype) into device tensor `t`."""
-        a = np.ascontiguousarray(array, dtype=t.dtype)
+        a = np.asarray(array, dtype=t.dtype)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")
         if a.size != t.size:
             raise DeepxError(f"cuda: writing {a.size} elements into {t!r}")
         if t.nbytes:

@@ -89,7 +89,7 @@ def _adam(op: str, decoupled: bool, ex: CudaExecutor, param: DeviceTensor, grad:
     if n:
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
-        f = ex.function(f"optim:{param.dname}", source(param.dname), "adam", "PPPPqddddddidd", op)
+        f = ex.function(f"optim:{param.dname}", source(param.dname), "adam", "PPPPqdddddddidd", op)
         ex.launch(op, f, ex.grid(n), (256, 1, 1), p_out.ptr, grad.ptr, m_out.ptr, v_out.ptr, n, float(beta1),
                   float(beta2), float(1 - beta1), float(1 - beta2), float(eps), float(weight_decay),
                   float(1 - lr * weight_decay), int(decoupled), float(lr / bc1), math.sqrt(bc2))
