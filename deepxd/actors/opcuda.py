@@ -246,6 +246,9 @@ class CudaWorker(Actor):
         self._execute(bounds, result, heap_new)
         if not result.error:
             result.tensors = {name: self.ex.get(name) for name in fetch}
+        heap = self.heap
+        if heap and not fetch and any(n in heap for b in bounds[: result.done] for n in b.out_names):
+            self.ex.synchronize()  # a heap tensor changed: other processes see it once the reply arrives
 
     def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any] | None = None) -> None:
         ex = self.ex
