@@ -231,3 +231,21 @@ def test_a_stored_graph_replays_after_a_daemon_restart(tmp_path) -> None:
     finally:
         dx.disconnect()
         assert d.stop() == 0, d.output()
+
+
+def test_random_ops_draw_fresh_seeds_at_every_replay() -> None:
+    def run(compiled: bool) -> list[np.ndarray]:
+        dx.manual_seed(3)
+        drop = nn.Dropout(0.5)
+
+        def f(x):
+            return drop(x) + dx.rand(4, 5, dtype=dx.float64)
+
+        step = dx.compile(f) if compiled else f
+        x = dx.tensor(np.ones((4, 5)))
+        return [step(x).numpy() for _ in range(4)]
+
+    got = run(True)
+    assert not np.array_equal(got[2], got[3])  # not the captured mask and values again
+    for a, b in zip(got, run(False)):  # the same draws as the eager calls, in the same order
+        np.testing.assert_array_equal(a, b)
