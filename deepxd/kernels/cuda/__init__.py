@@ -136,7 +136,8 @@ class CudaExecutor:
         self.sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         self.max_blocks = self.sm_count * 32
         self.modules = ModuleCache(Compiler(self.arch, cache_dir))
-        self.tensors = TensorTable()
+        # name -> DeviceTensor; the CPU's table keeps `metas` beside it (it reads only .shape and .dtype)
+        self.tensors: Any = TensorTable()
         self.meta: Callable[[str], TensorMeta | None] = self.tensors.metas.get
         self.plans = BindCache()
         self.variables: dict[str, Any] = {}

@@ -56,7 +56,7 @@ def lower(expr: str, n_inputs: int) -> Structure:
         if isinstance(node, ast.Constant):
             k = index.setdefault((type(node.value), node.value), len(constants))
             if k == len(constants):
-                constants.append(float(node.value))
+                constants.append(float(node.value))  # type: ignore[arg-type]
             return f"(A)c.v[{k}]"
         if isinstance(node, ast.Name):
             i = int(node.id[2:])

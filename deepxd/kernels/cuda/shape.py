@@ -7,6 +7,7 @@ anything is written; a bad one raises DeepxError.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import math
 from typing import TYPE_CHECKING, Any
@@ -202,7 +203,7 @@ def _slice_view(shape: tuple[int, ...], starts: Any, ends: Any, steps: Any) -> t
     strides = []
     out = []
     for d, (b, e, s) in enumerate(zip(starts, ends, steps)):
-        r = range(*slice(int(b), int(e), int(s)).indices(shape[d]))
+        r = range(*builtins.slice(int(b), int(e), int(s)).indices(shape[d]))
         out.append(len(r))
         if len(r):
             base += r.start * st[d]
