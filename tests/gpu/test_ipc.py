@@ -125,3 +125,24 @@ def test_opening_a_freed_or_unknown_tensor_is_a_clear_error(gpu):
                           "open_tensor(sys.argv[1], 'never_made')", gpu.kv], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode != 0 and "no tensor:never_made in the storage plane" in out.stderr
+
+
+def test_gpu_heap_tensors_do_not_outlive_their_daemon(tmp_path):
+    d = Daemon(tmp_path, kv=f"memory://{tmp_path}/plane.aof", extra=["--role", "heapmem,op-cuda"], udp=False)
+    d.start(wait=False)
+    d.wait_ready(120)
+    with d.client() as c:
+        c.put("kept_w", np.ones((4, 4), np.float32), heap=True)
+    assert d.stop() == 0, d.output()
+    assert read_record(d.kv, "kept_w")["state"] == "stopped"
+    again = Daemon(tmp_path, kv=d.kv, node_id=d.node_id, extra=["--role", "heapmem,op-cuda"], udp=False)
+    again.start(wait=False)
+    again.wait_ready(120)
+    try:
+        f = read_record(d.kv, "kept_w")
+        assert f["state"] == "lost" and f["device"] == "cuda:0"
+        with again.client() as c:
+            r = c.run(parse_text("addscalar (tensor:kept_w, var:1.0) -> (tensor:kept_w)"))
+            assert not r.ok and "kept_w" in r.error
+    finally:
+        assert again.stop() == 0, again.output()
