@@ -176,9 +176,9 @@ def open_tensor(kv_url: str, name: str, *, prefix: str = "deepx:") -> SharedTens
     except drv.Error as e:
         drv.Context.pop()
         ctx.detach()
-        raise DeepxError(f"open_tensor: the CUDA IPC handle of {name!r} on {device} did not open ({e}); it only opens "
-                         f"in another process than the daemon's (pid {os.getpid()} asked), while the tensor lives"
-                         ) from None
+        raise DeepxError(f"open_tensor: the CUDA IPC handle of {name!r} on {device} did not open in process "
+                         f"{os.getpid()} ({e}); a handle opens only in a process other than the daemon's, on the same "
+                         "machine, while the tensor is live") from None
     array = gpuarray.GPUArray(tuple(shape), dtype, gpudata=handle)
     return SharedTensor(name, dtype, shape, int(f.get("bytes", array.nbytes)), device, handle, array, ctx)
 
