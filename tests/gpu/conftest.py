@@ -42,9 +42,11 @@ def cuda_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     cache = os.environ.get("DEEPX_CUDA_CACHE") or str(tmp_path_factory.mktemp("cuda-cache"))
     ex = CudaExecutor(cache_dir=cache)
-    ex.precompile()
-    yield ex
-    ex.close()
+    try:
+        ex.precompile()
+        yield ex
+    finally:
+        ex.close()
 
 
 @pytest.fixture

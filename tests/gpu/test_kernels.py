@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.dtypes import FLOAT8, FLOATS, to_numpy
+from deepx_sdk.ir.dtypes import FLOAT8, FLOATS, from_numpy, to_numpy
 from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS
 from deepxd.kernels.cpu import CpuExecutor
@@ -551,7 +551,7 @@ def compare(got: np.ndarray, want: np.ndarray, dtype: str, scale: str, what: str
         assert not bad.any(), (f"{what}: {int(bad.sum())} of {got.size} differ; got {got[bad][:6]}, CPU "
                                f"{want[bad][:6]}")
         return
-    rt, at = TOL[dtype]
+    rt, at = TOL[from_numpy(want.dtype)]  # the output's dtype (todtype changes it)
     g, w = got.astype(np.float64), want.astype(np.float64)
     mag = np.abs(w)
     if scale == "max" and w.size:

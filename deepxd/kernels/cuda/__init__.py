@@ -129,8 +129,13 @@ class CudaExecutor:
         except cuda.Error as e:
             raise DeepxError(f"cuda: cannot open device {device}: {e}") from None
         self._thread = threading.get_ident()
-        self.stream = cuda.Stream()
-        self.pool = DeviceMemoryPool()
+        try:
+            self.stream = cuda.Stream()
+            self.pool = DeviceMemoryPool()
+        except cuda.Error as e:
+            self.context.pop()
+            self.context.detach()
+            raise DeepxError(f"cuda: cannot set up device {device}: {e}") from None
         major, minor = self.device.compute_capability()
         self.arch = f"sm_{major}{minor}"
         self.sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
@@ -197,7 +202,7 @@ class CudaExecutor:
         except self.cuda.MemoryError:
             free, total = self.cuda.mem_get_info()
             raise DeepxError(f"{op}: out of device memory allocating {nbytes} bytes for '{name}' ({free} of "
-                             f"{total} bytes free, {self.pool.held_bytes} held by the pool)") from None
+                             f"{total} bytes free, {self.pool.active_bytes} in use by tensors)") from None
 
     def empty(self, shape: Sequence[int], dtype: str | np.dtype, op: str = "alloc", name: str = "") -> DeviceTensor:
         dt = to_numpy(dtype) if isinstance(dtype, str) else np.dtype(dtype)

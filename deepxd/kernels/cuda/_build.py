@@ -82,7 +82,8 @@ class Compiler:
             return data
         except OSError:
             pass
-        from pycuda.compiler import CompileError, compile
+        from pycuda.compiler import compile
+        from pycuda.driver import CompileError
 
         try:
             data = compile(source, options=list(OPTIONS), no_extern_c=True, arch=self.arch, cache_dir=False)
