@@ -509,6 +509,12 @@ class CompiledFunction:
         self.last: _Graph | None = None
         functools.update_wrapper(self, fn)
 
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """As a method decorator: the instance is the first argument (its modules and optimizers are found on it)."""
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
     @property
     def graph_names(self) -> list[str]:
         """The stored graphs this function has used, one per signature."""

@@ -249,3 +249,27 @@ def test_random_ops_draw_fresh_seeds_at_every_replay() -> None:
     assert not np.array_equal(got[2], got[3])  # not the captured mask and values again
     for a, b in zip(got, run(False)):  # the same draws as the eager calls, in the same order
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_compiled_method_finds_the_model_and_optimizer_on_its_instance() -> None:
+    class Trainer:
+        def __init__(self) -> None:
+            dx.manual_seed(1)
+            self.model = nn.Linear(3, 1).double()
+            self.opt = dx.optim.Adam(self.model.parameters(), lr=0.1)
+
+        def step(self, x, y):
+            self.opt.zero_grad()
+            loss = ((self.model(x) - y) ** 2).mean()
+            loss.backward()
+            self.opt.step()
+            return loss
+
+        compiled_step = dx.compile(step)
+
+    x, y = dx.tensor(np.random.rand(8, 3)), dx.tensor(np.random.rand(8, 1))
+    eager, compiled = Trainer(), Trainer()
+    want = [eager.step(x, y).item() for _ in range(6)]
+    got = [compiled.compiled_step(x, y).item() for _ in range(6)]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert Trainer.compiled_step.replays == 4
