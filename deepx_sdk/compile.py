@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, existing
 from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj
@@ -525,11 +526,12 @@ class CompiledFunction:
         target = getattr(self.fn, "__func__", self.fn)
         code = getattr(target, "__code__", None)
         parts: list[Any] = [self.base, _code_digest(code) if code is not None else repr(self.fn), s.grad_enabled]
-        for path, v in leaves:
+        first: dict[Any, int] = {}  # the same tensor twice is one input: which leaves alias is part of the signature
+        for k, (path, v) in enumerate(leaves):
             if _is_tensor(v):
-                parts.append((path, "T", v.shape, v.dtype, v.requires_grad))
+                parts.append((path, "T", v.shape, v.dtype, v.requires_grad, first.setdefault(v.name, k)))
             elif isinstance(v, np.ndarray):
-                parts.append((path, "A", v.shape, str(v.dtype)))
+                parts.append((path, "A", v.shape, str(v.dtype), first.setdefault(id(v), k)))
             elif isinstance(v, (bool, int, float, str, bytes, type(None))):
                 parts.append((path, "V", type(v).__name__, repr(v)))
             else:  # modules, optimizers and other objects: by identity (their tensors are in the state part)
@@ -653,25 +655,25 @@ class CompiledFunction:
         s.sync()  # what was recorded before the call runs first
         inputs: dict[str, Any] = {}
         tensors = [v for _, v in leaves if _is_tensor(v) or isinstance(v, np.ndarray)]
-        seen: dict[int, int] = {}
+        seen: set[Any] = set()
         k = 0
         for v in tensors:
-            if _is_tensor(v) and v.name in seen:
+            ident = v.name if _is_tensor(v) else id(v)
+            if ident in seen:
                 continue
+            seen.add(ident)
             if k >= len(rec.inputs):
                 raise DeepxError(f"replay of graph {g.name!r}: more tensor arguments than its {len(rec.inputs)} "
                                  "inputs")
             gname = rec.inputs[k][0]
             if _is_tensor(v):
-                seen[v.name] = k
                 inputs[gname] = v.name
             else:
-                a = np.ascontiguousarray(v)
+                a = np.ascontiguousarray(v, dtype=to_numpy(rec.inputs[k][1]))
                 inputs[gname] = {"dtype": str(rec.inputs[k][1]), "shape": list(a.shape),
                                  "data": a.reshape(-1).view(np.uint8).data}
             k += 1
         scalars: dict[str, Any] = {}
-        steps: dict[int, int] = {}
         upd = iter(g.updates)
         for i, j, key in rec.scalars:
             instr = rec.instrs[i]
@@ -680,7 +682,6 @@ class CompiledFunction:
                     o, p, _ = next(upd)
                     st = o.state.setdefault(id(p), {"step": 0})
                     st["step"] += 1
-                    steps[i] = st["step"]
                     scalars[key] = int(st["step"])
             elif key.startswith("seed."):
                 from deepx_sdk.tensor import _seed

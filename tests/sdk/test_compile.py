@@ -273,3 +273,16 @@ def test_a_compiled_method_finds_the_model_and_optimizer_on_its_instance() -> No
     got = [compiled.compiled_step(x, y).item() for _ in range(6)]
     np.testing.assert_allclose(got, want, rtol=1e-12)
     assert Trainer.compiled_step.replays == 4
+
+
+def test_the_same_input_twice_is_one_input() -> None:
+    f = dx.compile(lambda a, b: a * b + 1)
+    x, y = np.random.rand(3), np.random.rand(3)
+    tx, ty = dx.tensor(x), dx.tensor(y)
+    for _ in range(2):
+        same, other = f(tx, tx), f(tx, ty)
+        arrays = f(x, x)
+    np.testing.assert_allclose(same.numpy(), x * x + 1)
+    np.testing.assert_allclose(other.numpy(), x * y + 1)
+    np.testing.assert_allclose(arrays.numpy(), x * x + 1)
+    assert f.captures == 3 and f.replays == 3
