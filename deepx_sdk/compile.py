@@ -125,6 +125,7 @@ class _Recorder(Transport):
         self.instrs: list[Instr] = []
         self.can_read = inner.can_read
         self.explicit_broadcast = inner.explicit_broadcast
+        self.address = getattr(inner, "address", "?")
 
     def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
         self.instrs.extend(program)
@@ -549,14 +550,14 @@ class CompiledFunction:
         key = hashlib.sha1(repr(sig).encode()).hexdigest()[:12]
         g = self._graphs.get(key)
         if g is None:
-            g = self._find_stored(s, key, leaves, opts)
+            g = self._find_stored(s, key, opts)
         if g is not None:
             self.last = g
-            return self._replay(s, g, leaves, opts)
-        return self._capture(s, key, sig, args, kwargs, leaves, mods, opts)
+            return self._replay(s, g, leaves)
+        return self._capture(s, key, args, kwargs, leaves, mods, opts)
 
     # -- a stored graph of this signature (another process, or before a daemon restart, stored it)
-    def _find_stored(self, s: Session, key: str, leaves: list[tuple[str, Any]], opts: Sequence[Any]) -> _Graph | None:
+    def _find_stored(self, s: Session, key: str, opts: Sequence[Any]) -> _Graph | None:
         name = f"{self.base}-{key}"
         s.sync()
         data = _link(s.transport).get(name)
@@ -594,7 +595,7 @@ class CompiledFunction:
         return {t.name for t in g.held} >= want
 
     # -- capture
-    def _capture(self, s: Session, key: str, sig: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _capture(self, s: Session, key: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                  leaves: list[tuple[str, Any]], mods: Sequence[Any], opts: Sequence[Any]) -> Any:
         from deepx_sdk.tensor import tensor
 
@@ -613,13 +614,13 @@ class CompiledFunction:
         outside = _live_names()
         rec = _Recorder(s.transport, s)
         s.transport = rec
-        s.capture = rec  # type: ignore[attr-defined]
+        s.capture = rec
         try:
             result = self.fn(*args, **kwargs)
             s.sync()
         finally:
             s.transport = rec.inner
-            s.capture = None  # type: ignore[attr-defined]
+            s.capture = None
         self.captures += 1
         if repr(_state_signature(mods, opts)) != before:
             # the call made new state (an optimizer's first step creates its buffers): what it recorded makes them,
@@ -648,7 +649,7 @@ class CompiledFunction:
         return result
 
     # -- replay
-    def _replay(self, s: Session, g: _Graph, leaves: list[tuple[str, Any]], opts: Sequence[Any]) -> Any:
+    def _replay(self, s: Session, g: _Graph, leaves: list[tuple[str, Any]]) -> Any:
         from deepx_sdk.tensor import Tensor
 
         rec = g.record
