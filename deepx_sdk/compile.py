@@ -449,18 +449,22 @@ def _discover(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[list[Any], l
     return mods, opts
 
 
-def _state_signature(mods: Sequence[Any], opts: Sequence[Any]) -> list[Any]:
+def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = True) -> list[Any]:
+    """The parameters of the modules and the state tensors of the optimizers; with `grads`, also which parameters
+    hold a gradient (a backward adds to it: a call that starts with gradients is another program)."""
     from deepx_sdk.tensor import Tensor
 
     parts: list[Any] = []
     for m in mods:
-        parts.append([(k, p.name, p.shape, p.dtype, p.requires_grad) for k, p in m.named_parameters()])
+        parts.append([(k, p.name, p.shape, p.dtype, p.requires_grad) + ((p.grad is None,) if grads else ())
+                      for k, p in m.named_parameters()])
     for o in opts:
         for group in o.param_groups:
             row = []
             for p in group["params"]:
                 st = o.state.get(id(p), {})
-                row.append((p.name, sorted((k, v.name) for k, v in st.items() if isinstance(v, Tensor))))
+                row.append((p.name, sorted((k, v.name) for k, v in st.items() if isinstance(v, Tensor)))
+                           + ((p.grad is None,) if grads else ()))
             parts.append(row)
     return parts
 
@@ -610,7 +614,7 @@ class CompiledFunction:
             if _is_tensor(v) and v.name not in inputs:
                 inputs[v.name] = (v.name, v.dtype, v.shape)
         s.sync()
-        before = repr(_state_signature(mods, opts))
+        before = repr(_state_signature(mods, opts, grads=False))
         outside = _live_names()
         rec = _Recorder(s.transport, s)
         s.transport = rec
@@ -622,7 +626,7 @@ class CompiledFunction:
             s.transport = rec.inner
             s.capture = None
         self.captures += 1
-        if repr(_state_signature(mods, opts)) != before:
+        if repr(_state_signature(mods, opts, grads=False)) != before:
             # the call made new state (an optimizer's first step creates its buffers): what it recorded makes them,
             # which a replay must not do again. It ran; the next call with this signature is captured.
             log.debug("dx.compile: %s created state; capturing on the next call", self.base)
