@@ -390,7 +390,8 @@ def _make_softmax(op):
     def build(rng, dt):
         return [one(op, {"A": r(rng, dt, (3, 4, 5))}, [T("A"), V(1)]),
                 one(op, {"A": r(rng, dt, (3, 4, 5))}, [T("A")]),
-                one(op, {"A": r(rng, dt, (2, 5000), -10, 10)}, [T("A"), V(-1)])]
+                one(op, {"A": r(rng, dt, (2, 5000), -10, 10)}, [T("A"), V(-1)]),
+                one(op, {"A": r(rng, dt, (2, 12000), -10, 10)}, [T("A"), V(-1)])]  # rows past shared memory
 
     return build
 
@@ -428,6 +429,8 @@ def _layernorm(rng, dt):
             one("layernorm", {"A": a, "w": r(rng, dt, (4, 8)), "b": r(rng, dt, (4, 8))},
                 [T("A"), T("w"), T("b"), V(1e-3)]),
             one("layernorm", {"A": r(rng, dt, (2, 5000)), "w": r(rng, dt, (5000,)), "b": r(rng, dt, (5000,))},
+                [T("A"), T("w"), T("b")]),
+            one("layernorm", {"A": r(rng, dt, (2, 12000)), "w": r(rng, dt, (12000,)), "b": r(rng, dt, (12000,))},
                 [T("A"), T("w"), T("b")])]
 
 
@@ -435,7 +438,8 @@ def _layernorm(rng, dt):
 def _rmsnorm(rng, dt):
     a = r(rng, dt, (3, 4, 8))
     return [one("rmsnorm", {"A": a, "w": r(rng, dt, (8,))}, [T("A"), T("w")]),
-            one("rmsnorm", {"A": a, "w": r(rng, dt, (4, 8))}, [T("A"), T("w"), V(1e-3)])]
+            one("rmsnorm", {"A": a, "w": r(rng, dt, (4, 8))}, [T("A"), T("w"), V(1e-3)]),
+            one("rmsnorm", {"A": r(rng, dt, (2, 12000)), "w": r(rng, dt, (12000,))}, [T("A"), T("w")])]
 
 
 @case("slice")

@@ -81,9 +81,9 @@ def test_matmul_large_against_numpy(gx):
         b = rng.uniform(-1, 1, (512, 384)).astype(to_numpy(dtype))
         gx.put("a", a)
         gx.put("b", b)
-        gx.run(instr("matmul", [T("a"), T("b")], [T("c")]))
+        gx.run(instr("matmul", [T("a"), T("b")], [T(f"c_{dtype}")]))
         want = a.astype(np.float64) @ b.astype(np.float64)
-        got = gx.get("c").astype(np.float64)
+        got = gx.get(f"c_{dtype}").astype(np.float64)
         assert np.abs(got - want).max() <= tol * np.abs(want).max() * 4, dtype
 
 

@@ -20,55 +20,75 @@ _SRC = r"""
 typedef typename Acc<T>::type A;
 __device__ __forceinline__ A finite_or_zero(A m) { return isfinite(m) ? m : (A)0; }
 
-// one block per row of `size` elements at stride `inner` (rows: outer x inner)
-template <bool LOG> __device__ void softmax_rows(T* out, const T* a, ll rows, ll size, ll inner) {
+// one block per row of `size` elements at stride `inner` (rows: outer x inner); with `cache`, a contiguous row is
+// read once into shared memory (dynamic, size elements of A) and the later passes read it there
+extern __shared__ __align__(16) unsigned char smem_raw[];
+template <bool LOG> __device__ void softmax_rows(T* out, const T* a, ll rows, ll size, ll inner, int cache) {
+    A* buf = (A*)smem_raw;
     for (ll row = blockIdx.x; row < rows; row += gridDim.x) {
         ll base = (row / inner) * size * inner + (row % inner);
         A m = -INFINITY;
-        for (ll r = threadIdx.x; r < size; r += blockDim.x) m = mx(m, ld(a[base + r * inner]));
+        if (cache) {
+            for (ll r = threadIdx.x; r < size; r += blockDim.x) { A v = ld(a[base + r]); buf[r] = v; m = mx(m, v); }
+        } else {
+            for (ll r = threadIdx.x; r < size; r += blockDim.x) m = mx(m, ld(a[base + r * inner]));
+        }
         m = finite_or_zero(block_max(m));
         A s = 0;
-        for (ll r = threadIdx.x; r < size; r += blockDim.x) s += exp(ld(a[base + r * inner]) - m);
-        s = block_sum(s);
-        if (LOG) {
-            A ls = log(s);
-            for (ll r = threadIdx.x; r < size; r += blockDim.x)
-                out[base + r * inner] = st<T>((ld(a[base + r * inner]) - m) - ls);
+        if (cache) {
+            for (ll r = threadIdx.x; r < size; r += blockDim.x) s += exp(buf[r] - m);
         } else {
-            for (ll r = threadIdx.x; r < size; r += blockDim.x)
-                out[base + r * inner] = st<T>(exp(ld(a[base + r * inner]) - m) / s);
+            for (ll r = threadIdx.x; r < size; r += blockDim.x) s += exp(ld(a[base + r * inner]) - m);
+        }
+        s = block_sum(s);
+        A ls = log(s);
+        for (ll r = threadIdx.x; r < size; r += blockDim.x) {
+            A x = cache ? buf[r] : ld(a[base + r * inner]);
+            out[base + r * inner] = LOG ? st<T>((x - m) - ls) : st<T>(exp(x - m) / s);
         }
     }
 }
-extern "C" __global__ void softmax(T* out, const T* a, ll rows, ll size, ll inner) {
-    softmax_rows<false>(out, a, rows, size, inner);
+extern "C" __global__ void softmax(T* out, const T* a, ll rows, ll size, ll inner, int cache) {
+    softmax_rows<false>(out, a, rows, size, inner, cache);
 }
-extern "C" __global__ void logsoftmax(T* out, const T* a, ll rows, ll size, ll inner) {
-    softmax_rows<true>(out, a, rows, size, inner);
+extern "C" __global__ void logsoftmax(T* out, const T* a, ll rows, ll size, ll inner, int cache) {
+    softmax_rows<true>(out, a, rows, size, inner, cache);
 }
 
-extern "C" __global__ void layernorm(T* out, const T* a, const T* w, const T* b, ll rows, ll n, double eps) {
+extern "C" __global__ void layernorm(T* out, const T* a, const T* w, const T* b, ll rows, ll n, double eps,
+                                     int cache) {
+    A* buf = (A*)smem_raw;
     for (ll row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* x = a + row * n;
         A s = 0;
-        for (ll i = threadIdx.x; i < n; i += blockDim.x) s += ld(x[i]);
+        if (cache) {
+            for (ll i = threadIdx.x; i < n; i += blockDim.x) { A v = ld(x[i]); buf[i] = v; s += v; }
+        } else {
+            for (ll i = threadIdx.x; i < n; i += blockDim.x) s += ld(x[i]);
+        }
         A mean = block_sum(s) / (A)n;
         A v = 0;
-        for (ll i = threadIdx.x; i < n; i += blockDim.x) { A d = ld(x[i]) - mean; v += d * d; }
+        for (ll i = threadIdx.x; i < n; i += blockDim.x) { A d = (cache ? buf[i] : ld(x[i])) - mean; v += d * d; }
         A var = block_sum(v) / (A)n;
         A rstd = (A)1 / sqrt(var + (A)eps);
         for (ll i = threadIdx.x; i < n; i += blockDim.x)
-            out[row * n + i] = st<T>((ld(x[i]) - mean) * rstd * ld(w[i]) + ld(b[i]));
+            out[row * n + i] = st<T>(((cache ? buf[i] : ld(x[i])) - mean) * rstd * ld(w[i]) + ld(b[i]));
     }
 }
-extern "C" __global__ void rmsnorm(T* out, const T* a, const T* w, ll rows, ll n, double eps) {
+extern "C" __global__ void rmsnorm(T* out, const T* a, const T* w, ll rows, ll n, double eps, int cache) {
+    A* buf = (A*)smem_raw;
     for (ll row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* x = a + row * n;
         A s = 0;
-        for (ll i = threadIdx.x; i < n; i += blockDim.x) { A v = ld(x[i]); s += v * v; }
+        for (ll i = threadIdx.x; i < n; i += blockDim.x) {
+            A v = ld(x[i]);
+            if (cache) buf[i] = v;
+            s += v * v;
+        }
         A ms = block_sum(s) / (A)n;
         A r = (A)1 / sqrt(ms + (A)eps);
-        for (ll i = threadIdx.x; i < n; i += blockDim.x) out[row * n + i] = st<T>(ld(x[i]) * r * ld(w[i]));
+        for (ll i = threadIdx.x; i < n; i += blockDim.x)
+            out[row * n + i] = st<T>((cache ? buf[i] : ld(x[i])) * r * ld(w[i]));
     }
 }
 
@@ -149,6 +169,16 @@ def _acc_size(dtype: str) -> int:
     return 8 if dtype == "float64" else 4
 
 
+#: a row is kept in shared memory (read from device memory once) when it fits the default 48 KB per block, less the
+#: block reductions' own shared words
+SMEM_LIMIT = 44 * 1024
+
+
+def _cache_bytes(dtype: str, n: int) -> int:
+    size = n * _acc_size(dtype)
+    return size if 0 < size <= SMEM_LIMIT else 0
+
+
 def _block(n: int) -> int:
     return 1024 if n >= 4096 else 256 if n > 128 else 64
 
@@ -167,8 +197,10 @@ def _softmax(op: str, ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTe
     rows = a.size // size if size else 0
     if rows == 0 or size == 0:
         return True
-    f = _fn(ex, a.dname, op, "PPqqq", op)
-    ex.launch(op, f, (min(rows, 1 << 20), 1, 1), (_block(size), 1, 1), out.ptr, a.ptr, rows, size, inner)
+    smem = _cache_bytes(a.dname, size) if inner == 1 else 0
+    f = _fn(ex, a.dname, op, "PPqqqi", op)
+    ex.launch(op, f, (min(rows, 1 << 20), 1, 1), (_block(size), 1, 1), out.ptr, a.ptr, rows, size, inner,
+              1 if smem else 0, shared=smem)
     return True
 
 
@@ -187,9 +219,10 @@ def layernorm(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, b: DeviceTenso
         return False
     rows = a.size // n
     if rows:
-        f = _fn(ex, a.dname, "layernorm", "PPPPqqd", "layernorm")
+        smem = _cache_bytes(a.dname, n)
+        f = _fn(ex, a.dname, "layernorm", "PPPPqqdi", "layernorm")
         ex.launch("layernorm", f, (min(rows, 1 << 20), 1, 1), (_block(n), 1, 1), out.ptr, a.ptr, w.ptr, b.ptr, rows,
-                  n, float(eps))
+                  n, float(eps), 1 if smem else 0, shared=smem)
     return True
 
 
@@ -199,9 +232,10 @@ def rmsnorm(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, eps: Any, out: D
         return False
     rows = a.size // n
     if rows:
-        f = _fn(ex, a.dname, "rmsnorm", "PPPqqd", "rmsnorm")
+        smem = _cache_bytes(a.dname, n)
+        f = _fn(ex, a.dname, "rmsnorm", "PPPqqdi", "rmsnorm")
         ex.launch("rmsnorm", f, (min(rows, 1 << 20), 1, 1), (_block(n), 1, 1), out.ptr, a.ptr, w.ptr, rows, n,
-                  float(eps))
+                  float(eps), 1 if smem else 0, shared=smem)
     return True
 
 

@@ -43,9 +43,15 @@ extern "C" __global__ void NAME(A* partial, T* out, const T* a, ll n_out, ll R, 
         ll base = offset_of(o, nk, ks, kst);                                                                 \
         ll r0 = (ll)blockIdx.y * chunk, r1 = r0 + chunk < R ? r0 + chunk : R;                                \
         A acc = INIT;                                                                                        \
-        for (ll r = r0 + threadIdx.x; r < r1; r += blockDim.x) {                                             \
-            A v = ld(a[base + offset_of(r, nr, rs, rst)]);                                                   \
-            acc = COMBINE(acc, v);                                                                           \
+        if (nr == 1 && rst.v[0] == 1) {  /* the reduced elements are contiguous: no index arithmetic */      \
+            const T* p = a + base;                                                                           \
+            _Pragma("unroll 4")                                                                              \
+            for (ll r = r0 + threadIdx.x; r < r1; r += blockDim.x) acc = COMBINE(acc, ld(p[r]));             \
+        } else {                                                                                             \
+            for (ll r = r0 + threadIdx.x; r < r1; r += blockDim.x) {                                         \
+                A v = ld(a[base + offset_of(r, nr, rs, rst)]);                                               \
+                acc = COMBINE(acc, v);                                                                       \
+            }                                                                                                \
         }                                                                                                    \
         acc = BLOCK(acc);                                                                                    \
         if (threadIdx.x == 0) {                                                                              \
