@@ -162,9 +162,9 @@ def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, A
     for n, v in outputs.items():
         if not isinstance(v, str) or not v:
             raise DeepxError(f"replay of graph {name!r}: output {n!r} must be bound to a tensor name")
-        if v in bound or v.startswith(f"{name}."):
-            raise DeepxError(f"replay of graph {name!r}: output {n!r} cannot be written to {v!r} (an input, or a "
-                             "name of the graph's own)")
+        if v in bound or v.startswith(f"{name}.") or v in rec.state or v in rename.values():
+            raise DeepxError(f"replay of graph {name!r}: output {n!r} cannot be written to {v!r} (an input, a tensor "
+                             "the graph reads or updates, another output, or a name of the graph's own)")
         rename[n] = v
     values: dict[int, dict[int, Any]] = {}
     for key, v in scalars.items():

@@ -82,6 +82,8 @@ def test_the_passes_plan_is_what_replays_run(stored) -> None:
     ({"name": G, "inputs": {f"{G}.in0": "a", f"{G}.in1": "a"}, "outputs": {}}, "missing: 'axpb.out0'"),
     ({"name": G, "inputs": {f"{G}.in0": "a", f"{G}.in1": "a"}, "outputs": {f"{G}.out0": "y"}, "scalars": {"lr": 1}},
      "it has no scalar 'lr'"),
+    ({"name": G, "inputs": {f"{G}.in0": "a", f"{G}.in1": "a"}, "outputs": {f"{G}.out0": "a"}},
+     "output 'axpb.out0' cannot be written to 'a'"),
     ({"name": "../x", "inputs": {}, "outputs": {}}, "graph name '../x' is not valid"),
 ])
 def test_bad_replays_are_refused_and_the_daemon_serves_on(stored, req, message) -> None:
