@@ -519,16 +519,21 @@ def _rdivscalar(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("powscalar")
 def _powscalar(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g s A^(s-1)"""
+    """dA = g s A^(s-1) (0 for s = 0, as torch)"""
     s = float(gr.arg(1))
+    if s == 0.0:
+        return {0: gr.emit("mulscalar", g, 0.0)}
     p = gr.emit("mulscalar", gr.emit("powscalar", gr.x(0), s - 1.0), s)
     return {0: gr.emit("mul", g, p)}
 
 
 @rule("rpowscalar")
 def _rpowscalar(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g y log s"""
-    return {1: gr.emit("mulscalar", gr.emit("mul", g, gr.y()), math.log(float(gr.arg(0))))}
+    """dA = g y log s (0 for s = 0 and nan for s < 0, as torch)"""
+    s = float(gr.arg(0))
+    if s == 0.0:
+        return {1: gr.emit("mulscalar", g, 0.0)}
+    return {1: gr.emit("mulscalar", gr.emit("mul", g, gr.y()), math.log(s) if s > 0 else math.nan)}
 
 
 @rule("maxscalar", "minscalar")
