@@ -3,10 +3,12 @@
 `grad_program(forward, loss, wrt, env)` walks the forward program once (checking it with `bind` over a
 `SymbolicEnv`, with a version per write of a name, so that in-place writes and reused names are told apart), finds
 the instructions that lie on a path from a tensor in `wrt` to `loss`, and walks them backwards, asking the rule of
-each op (`GRAD_RULES`, one small function per op) for instructions that turn the gradient of its output into
-gradients of its inputs. Rules emit only ops of the catalogue. Gradients of a value read several times are summed;
-broadcasting is undone by `sum` over the broadcast dims and a `reshape`. Every intermediate gets a fresh name that
-starts with `prefix`, and is deleted (`deltensor`) right after its last use.
+each op (`GRAD_RULES`, one small function per op, whose docstring is its formula: docs/ir.md shows it in the op's
+row) for instructions that turn the gradient of its output into gradients of its inputs. Rules emit only ops of the
+catalogue; every op the catalogue flags differentiable has one (tests/compiler/test_grad_rules.py holds it).
+Gradients of a value read several times are summed; broadcasting is undone by `sum` over the broadcast dims and a
+`reshape`. Every intermediate gets a fresh name that starts with `prefix`, and is deleted (`deltensor`) right after
+its last use. docs/compiler.md tells the whole story.
 
 The backward reads forward values (inputs, and for some rules outputs) by name: they must still hold the values the
 forward program computed, i.e. neither be overwritten nor deleted later in the forward program; otherwise the rule
