@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.ops import OPS
-from deepxd.kernels.cuda._src import CTYPES, FLOAT_TYPES, HEADER, INT_TYPES, MAXD, acctype, ctype, dims, dims_format
+from deepxd.kernels.cuda._src import CTYPES, FLOAT_TYPES, HEADER, INT_TYPES, MAXD, ctype, dims, dims_format
 
 if TYPE_CHECKING:
     from deepxd.kernels.cuda import CudaExecutor, DeviceTensor
@@ -355,13 +355,6 @@ def gelu(ex: CudaExecutor, a: DeviceTensor, approximate: str, out: DeviceTensor)
     return launch(ex, "gelu", "gelu" if approximate == "none" else "gelu_tanh", a.dname, out, a)
 
 
-def _eps(op: str, eps: Any) -> float:
-    e = float(eps)
-    if e < 0:
-        raise DeepxError(f"{op}: eps={eps} must be >= 0")
-    return e
-
-
 def equal(ex: CudaExecutor, a: DeviceTensor, b: DeviceTensor, eps: Any, out: DeviceTensor) -> bool:
     return launch(ex, "equal", "equal", a.dname, out, a, b, s1=float(eps))
 
@@ -401,4 +394,4 @@ def todtype(ex: CudaExecutor, a: DeviceTensor, out: DeviceTensor) -> bool:
     return True
 
 
-__all__ = ["SUPPORT", "acctype", "collapse", "launch", "source", "sources"]
+__all__ = ["SUPPORT", "collapse", "launch", "source", "sources"]

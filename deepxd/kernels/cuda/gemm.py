@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import logging
 import os
-from typing import Any
 
 from deepx_sdk.errors import DeepxError
 
@@ -134,6 +133,3 @@ class Blas:
                                                      CUBLAS_GEMM_DEFAULT)
         _check(st, "cublasGemmEx")
 
-
-def gemm(blas: Blas, dtype: str, m: int, n: int, k: int, a: int, b: int, c: int, **kw: Any) -> None:
-    blas.gemm(dtype, m, n, k, a, b, c, **kw)
