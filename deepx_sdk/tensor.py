@@ -810,24 +810,26 @@ class Tensor:
     def div_(self, o: Any) -> Tensor:
         return self._assign(self / o)
 
-    def zero_(self) -> Tensor:
-        self._s.record(Instr("constant", (_vp(0),), (_tp(self),)))
+    def _fill(self, instr: Instr) -> Tensor:
+        """An in-place fill: on the tape when this tensor is in the graph, so that backward sees the value end."""
+        self._s.record(instr)
+        self._tape_in_place(instr, ())
         return self
 
+    def zero_(self) -> Tensor:
+        return self._fill(Instr("constant", (_vp(0),), (_tp(self),)))
+
     def fill_(self, value: Any) -> Tensor:
-        self._s.record(Instr("constant", (_vp(_number(value)),), (_tp(self),)))
-        return self
+        return self._fill(Instr("constant", (_vp(_number(value)),), (_tp(self),)))
 
     def copy_(self, src: Tensor) -> Tensor:
         return self._assign(src)
 
     def uniform_(self, a: _float = 0.0, b: _float = 1.0) -> Tensor:
-        self._s.record(Instr("uniform", (_vp(float(a)), _vp(float(b)), _vp(_seed(self._s))), (_tp(self),)))
-        return self
+        return self._fill(Instr("uniform", (_vp(float(a)), _vp(float(b)), _vp(_seed(self._s))), (_tp(self),)))
 
     def normal_(self, mean: _float = 0.0, std: _float = 1.0) -> Tensor:
-        self._s.record(Instr("normal", (_vp(float(mean)), _vp(float(std)), _vp(_seed(self._s))), (_tp(self),)))
-        return self
+        return self._fill(Instr("normal", (_vp(float(mean)), _vp(float(std)), _vp(_seed(self._s))), (_tp(self),)))
 
 
 class _no_tape:

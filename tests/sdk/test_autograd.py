@@ -310,3 +310,15 @@ def test_an_in_place_write_over_a_value_the_backward_needs_is_an_error(rng):
     h.add_(1.0)
     with pytest.raises(DeepxError, match="overwrites"):
         h.sum().backward()
+
+
+def test_a_value_filled_in_place_takes_no_gradient(rng):
+    arrays = {"w": rng.standard_normal((3, 4))}
+
+    def fn(lib, t):
+        h = t["w"] * 3
+        k = h * 1.0
+        h.fill_(2.0)  # the old value of h ends here: only k carries w's gradient
+        return h * t["w"] + k
+
+    _grads_equal_torch(fn, arrays, "w")
