@@ -157,7 +157,7 @@ def _graph_name(base: str) -> str:
 class _Build:
     """Turns the captured instructions into a graph with private names."""
 
-    def __init__(self, gname: str, inputs: dict[str, int], outside: set[str]) -> None:
+    def __init__(self, gname: str, inputs: dict[str, int], outside: Callable[[str], bool]) -> None:
         self.gname = gname
         self.outside = outside
         self.current: dict[str, str] = {n: f"{gname}.in{k}" for n, k in inputs.items()}  # capture name -> graph
@@ -178,7 +178,7 @@ class _Build:
             # a write into a tensor from outside: an op that fills an existing tensor, or an assignment in place
             # (x.add_(1) is copytensor into x) into one Python held when the call began. Other results only ever
             # get a fresh name or one Python dropped (the session's pool), which belongs to the graph from here on
-            if op in _FILLS_EXISTING or (op == "copytensor" and name in self.outside):
+            if op in _FILLS_EXISTING or (op == "copytensor" and self.outside(name)):
                 return self.read(name)
             g = self.current[name] = f"{self.gname}.t{self.temps}"
             self.temps += 1
@@ -206,14 +206,15 @@ Slot = tuple[int, int, str]
 
 
 def build_graph(gname: str, captured: Sequence[Instr], inputs: Sequence[Meta], outputs: Sequence[Meta],
-                outside: set[str] | None = None) -> tuple[list[Instr], list[str], list[str], list[Slot]]:
+                outside: Callable[[str], bool] | None = None) -> tuple[list[Instr], list[str], list[str], list[Slot]]:
     """The stored program of a capture: (instructions, output graph names, state names, scalar slots).
 
     Tensors the call made get private names (so a replay never touches a name the session hands out again); tensors
     from outside keep theirs (parameters and optimizer buffers, updated in place by every replay); deletions of
     tensors from before the call are not part of the graph; what the graph makes and does not return is deleted
-    at its end. `outside`: tensors Python held when the call began (a write into one is an update in place)."""
-    b = _Build(gname, {n: k for k, (n, _, _) in enumerate(inputs)}, outside or set())
+    at its end. `outside(name)`: whether a tensor existed for Python when the call began (a copy into one is an
+    update in place)."""
+    b = _Build(gname, {n: k for k, (n, _, _) in enumerate(inputs)}, outside or (lambda name: False))
     out: list[Instr] = []
     slots: list[tuple[int, int, str]] = []
     for instr in captured:
@@ -595,7 +596,7 @@ class CompiledFunction:
                     return False
                 g.updates.append(by_name[pname])
         want = set(g.record.state)
-        g.held = _alive(want)
+        g.held = _alive(want, opts)
         return {t.name for t in g.held} >= want
 
     # -- capture
@@ -615,7 +616,7 @@ class CompiledFunction:
                 inputs[v.name] = (v.name, v.dtype, v.shape)
         s.sync()
         before = repr(_state_signature(mods, opts, grads=False))
-        outside = _live_names()
+        outside = _outside(s)
         rec = _Recorder(s.transport, s)
         s.transport = rec
         s.capture = rec
@@ -719,16 +720,23 @@ class CompiledFunction:
         return explain(self.last.name)
 
 
-def _alive(names: set[str]) -> list[Any]:
-    """The live tensors of these names (their handles, so that a graph keeps what it reads alive)."""
+def _alive(names: set[str], opts: Sequence[Any]) -> list[Any]:
+    """The live tensors of these names (their handles, so that a graph keeps what it reads alive): the optimizers'
+    parameters and state first; a scan of all objects only for what is not found there."""
     from deepx_sdk.tensor import Tensor
 
-    if not names:
-        return []
     found: dict[str, Any] = {}
-    for o in gc.get_objects():
-        if issubclass(type(o), Tensor) and o.name in names and o.name not in found:
-            found[o.name] = o
+    for o in opts:
+        for group in o.param_groups:
+            for p in group["params"]:
+                for t in (p, *o.state.get(id(p), {}).values()):
+                    if isinstance(t, Tensor) and t.name in names:
+                        found.setdefault(t.name, t)
+    if len(found) < len(names):
+        # issubclass(type(o)), not isinstance: isinstance consults __class__, which some lazy modules compute
+        for o in gc.get_objects():
+            if issubclass(type(o), Tensor) and o.name in names and o.name not in found:
+                found[o.name] = o
     return list(found.values())
 
 
@@ -736,11 +744,20 @@ def _is_step(instr: Instr, j: int) -> bool:
     return instr.name in _OPTIMIZER_OPS and OPS[instr.name].args[j].name == "step"
 
 
-def _live_names() -> set[str]:
-    from deepx_sdk.tensor import Tensor
+def _outside(s: Session) -> Callable[[str], bool]:
+    """Whether a name stood for a tensor Python held when the capture began: not one the session makes from here on
+    (numbered after the mark) and not one it had dropped (pooled or collected, free for reuse)."""
+    prefix = s._prefix
+    mark = int(s.new_name()[len(prefix):])
+    dropped = {n for names in s.pool.values() for n in names} | {c[0] for c in list(s.collected)}
 
-    # issubclass(type(o)), not isinstance: isinstance consults __class__, which some lazy modules compute
-    return {o.name for o in gc.get_objects() if issubclass(type(o), Tensor)}
+    def outside(name: str) -> bool:
+        if name in dropped:
+            return False
+        rest = name[len(prefix):]
+        return not (name.startswith(prefix) and rest.isdigit() and int(rest) > mark)
+
+    return outside
 
 
 def _hyper(arg: str, group: dict[str, Any]) -> Any:

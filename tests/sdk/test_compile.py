@@ -329,3 +329,18 @@ def test_the_same_input_twice_is_one_input() -> None:
     np.testing.assert_allclose(other.numpy(), x * y + 1)
     np.testing.assert_allclose(arrays.numpy(), x * x + 1)
     assert f.captures == 3 and f.replays == 3
+
+
+def test_an_in_place_update_of_an_outside_tensor_is_replayed_in_place() -> None:
+    total = dx.zeros(3, dtype=dx.float64)
+
+    @dx.compile
+    def accumulate(x):
+        total.add_(x)  # copytensor into a tensor the caller holds: state, updated by every replay
+        return total * 1.0
+
+    for k in range(4):
+        out = accumulate(dx.tensor(np.full(3, k + 1.0)))
+    np.testing.assert_array_equal(total.numpy(), [10.0, 10.0, 10.0])
+    np.testing.assert_array_equal(out.numpy(), [10.0, 10.0, 10.0])
+    assert accumulate.replays == 3
