@@ -1,6 +1,6 @@
 """Train a small character-level transformer on a Shakespeare excerpt with deepx, then sample text from a prompt.
 
-    python examples/train_transformer.py [--steps 250] [--prompt "MENENIUS:"] [--address unix:///path/deepxd.sock]
+    python examples/train_transformer.py [--steps 600] [--prompt "MENENIUS:"] [--address unix:///path/deepxd.sock]
 
 With no address the SDK starts an embedded deepxd inside this process. The model is a GPT-style decoder: token and
 position embeddings, pre-norm blocks of causal multi-head self-attention and a GELU MLP with residuals, a final
@@ -91,8 +91,6 @@ class CharTransformer(nn.Module):
         self.blocks = nn.ModuleList([Block(d_model, n_heads) for _ in range(n_layers)])
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
-        for emb in (self.tok_emb, self.pos_emb):
-            nn.init.normal_(emb.weight, std=0.02)  # GPT-2's embedding scale
 
     def forward(self, idx: dx.Tensor) -> dx.Tensor:
         T = idx.shape[1]
@@ -121,13 +119,13 @@ def generate(model: CharTransformer, prompt: dx.Tensor, new_tokens: int, tempera
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--chars", type=int, default=None, help="train on only the first CHARS characters of the text")
     ap.add_argument("--prompt", default="MENENIUS:\n")
     ap.add_argument("--sample", type=int, default=200, help="characters to generate after training")
@@ -149,7 +147,7 @@ def main() -> None:
     model = CharTransformer(len(tok), opts.context, opts.d_model, opts.heads, opts.layers)
     params = sum(p.numel() for p in model.parameters())
     print(f"{params} parameters, vocabulary {len(tok)}, {len(data)} characters of text")
-    opt = AdamW(model.parameters(), lr=opts.lr, weight_decay=0.01)
+    opt = AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.99), weight_decay=0.01)
     schedule = CosineAnnealingLR(opt, T_max=opts.steps, eta_min=opts.lr / 10)
     rng = np.random.default_rng(0)
     losses: list[float] = []
