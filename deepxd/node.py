@@ -81,7 +81,9 @@ class Node:
             addresses = {"unix": c.listen, **({"udp": c.udp} if c.udp != "off" else {})}
             self.refs["registry"] = self.supervisor.start(Registry(
                 self.kv, c.node_id, roles=c.roles, addresses=addresses, workers=workers,
-                heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s))
+                heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
+                devices=[*(["cpu"] if "op-cpu" in workers else []),
+                         *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])]))
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
 
     async def _start_cuda(self) -> Any:

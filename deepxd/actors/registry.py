@@ -31,7 +31,7 @@ class Registry(Actor):
     def __init__(self, kv: KV, node_id: str, *, roles: list[str], addresses: dict[str, str],
                  workers: dict[str, ActorRef] | None = None, heapmem: ActorRef | None = None,
                  actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
-                 name: str = "registry") -> None:
+                 devices: list[str] | None = None, name: str = "registry") -> None:
         super().__init__(name)
         self.kv = kv
         self.node_id = node_id
@@ -41,6 +41,7 @@ class Registry(Actor):
         self.heapmem = heapmem
         self.actors_view = actors
         self.heartbeat_s = heartbeat_s
+        self.devices = ["cpu"] if devices is None else devices  # where this node's op workers compute
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
         self._tick: asyncio.Task[None] | None = None
@@ -48,7 +49,7 @@ class Registry(Actor):
     async def on_start(self) -> None:
         await self.kv.hset(f"node:{self.node_id}", {
             "addresses": json.dumps(self.addresses), "roles": ",".join(self.roles), "pid": os.getpid(),
-            "devices": "cpu", "started": self.started, "heartbeat": time.time(), "state": "running",
+            "devices": ",".join(self.devices), "started": self.started, "heartbeat": time.time(), "state": "running",
         })
         async with self.kv.batch() as b:
             for worker in self.workers:

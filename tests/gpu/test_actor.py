@@ -51,6 +51,7 @@ def test_heapmem_op_cuda_runs_with_the_roles_that_reach_it(client):
     assert set(client.server["roles"]) == {"heapmem", "op-cuda", "registry", "scheduler"}
     (node,) = [n for n in client.admin("nodes") if n["state"] == "running"]
     assert "op-cuda" in node["roles"]
+    assert node["devices"] == "cuda:0"  # where its op worker computes (no op-cpu here)
 
 
 def _sdk_program() -> dict[str, np.ndarray]:
