@@ -1058,6 +1058,16 @@ def test_masked_fill(rng, value, mask_shape):
         assert_same(i.masked_fill(dx.tensor(m), value), ti.masked_fill(torch.from_numpy(m), value))
 
 
+def test_masked_fill_and_tril_gradients(rng):
+    # nanoGPT's causal mask: masked_fill(tril(ones) == 0, -inf) before a softmax; masked places take no gradient
+    a, w = rng.standard_normal((2, 5, 5)).astype(np.float32), rng.standard_normal((2, 5, 5)).astype(np.float32)
+    x, t = dx.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)
+    mask, tmask = dx.ones(5, 5).tril() == 0, torch.ones(5, 5).tril() == 0
+    (x.masked_fill(mask, -math.inf).softmax(-1) * dx.tensor(w) + x.tril(1)).sum().backward()
+    (t.masked_fill(tmask, -math.inf).softmax(-1) * torch.from_numpy(w) + t.tril(1)).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_masked_fill_checks_its_mask():
     x = dx.zeros(3, 4)
     with pytest.raises(dx.DeepxError, match="masked_fill: the mask must be a bool tensor, got float32"):
