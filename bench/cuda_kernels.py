@@ -4,6 +4,7 @@
 2. GEMM 8192^3 float32 (IEEE) and TF32 through cuBLAS, against torch.mm(out=) with the same TF32 setting.
 3. A 6-op elementwise chain on 64M float32 elements as one `fused` instruction, against torch eager (6 kernels).
 4. softmax over rows of 4096 (64K rows) and a sum over the last dim, against torch.
+5. The same tensor summed over its first dim (columns), argmax over rows, layernorm; softmax over 1M rows of 256.
 
 Runs the executor directly (no daemon): `python bench/cuda_kernels.py [--quick]`.
 """
@@ -124,6 +125,45 @@ def main() -> None:
             ts.sum(-1)
 
     rows.append(("sum rows 64Kx4096: ms", t_dx * 1e3, timed(tsum, tsync, reps) * 1e3))
+
+    # 5. the other row-wise layouts: columns, argmax, layernorm, short rows (a warp per row)
+    t_dx = timed(lambda: ex.run(ins("sum", [T("s"), Param.vector([0])], [T("o3")], reps)), ex.synchronize, reps)
+
+    def tcol():
+        for _ in range(reps):
+            ts.sum(0)
+
+    rows.append(("sum columns 64Kx4096 (dim 0): ms", t_dx * 1e3, timed(tcol, tsync, reps) * 1e3))
+    t_dx = timed(lambda: ex.run(ins("argmax", [T("s"), Param.var(1)], [T("o4")], reps)), ex.synchronize, reps)
+
+    def targ():
+        for _ in range(reps):
+            ts.argmax(-1)
+
+    rows.append(("argmax rows 64Kx4096: ms", t_dx * 1e3, timed(targ, tsync, reps) * 1e3))
+    w = np.random.default_rng(4).standard_normal(4096).astype(np.float32)
+    ex.put("w", w)
+    ex.put("bias", w)
+    tw = torch.from_numpy(w).cuda()
+    t_dx = timed(lambda: ex.run(ins("layernorm", [T("s"), T("w"), T("bias")], [T("o5")], reps)), ex.synchronize,
+                 reps)
+
+    def tln():
+        for _ in range(reps):
+            torch.nn.functional.layer_norm(ts, (4096,), tw, tw)
+
+    rows.append(("layernorm 64Kx4096: ms", t_dx * 1e3, timed(tln, tsync, reps) * 1e3))
+    ex.tensors.clear()
+    short = np.random.default_rng(5).standard_normal((1 << 20, 256)).astype(np.float32)
+    ex.put("h", short)
+    th = torch.from_numpy(short).cuda()
+    t_dx = timed(lambda: ex.run(ins("softmax", [T("h")], [T("o")], reps)), ex.synchronize, reps)
+
+    def tshort():
+        for _ in range(reps):
+            torch.softmax(th, -1)
+
+    rows.append(("softmax 1M rows of 256: ms", t_dx * 1e3, timed(tshort, tsync, reps) * 1e3))
     ex.close()
 
     print("| figure | deepx cuda | torch | ratio (deepx/torch; ms rows: torch/deepx) |")

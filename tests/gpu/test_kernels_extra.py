@@ -294,3 +294,133 @@ def test_benchmark_repeat_meta_runs_the_kernel_again(gx):
     i = instr("addscalar", [T("a"), V(1.0)], [T("a")])
     gx.run(i._replace(meta=(("benchmark.repeat", "5"),)))
     np.testing.assert_array_equal(gx.get("a"), np.full(4, 5, np.float32))
+
+
+# ---------------------------------------------------------------- row and column kernels across their size regimes
+# The reductions and row-wise nn kernels pick a layout by size: a warp per row (rows up to 1024 elements, in
+# registers), a block per row (up to 16384), rows streamed twice (longer), a thread per column (non-last dims), 16-byte
+# packs where the row length and the pointers allow. Each regime against the CPU executor.
+
+ROW_LENGTHS = [(1, 3000), (31, 2000), (32, 2000), (33, 1500), (1023, 64), (4096, 40), (4096, 1), (65537, 2)]
+
+
+def _against_cpu(gx, inputs, program, outputs, dtype, what, by_max=()):
+    """Run `program` on the GPU and the CPU executor; compare `outputs` (those in `by_max` relative to the largest
+    value, like sums)."""
+    from tests.gpu.test_kernels import compare
+
+    cpu = CpuExecutor()
+    for n, a in inputs.items():
+        cpu.put(n, a)
+        if n not in gx.tensors:
+            gx.put(n, a)
+    cpu.run_all(program)
+    gx.run_all(program)
+    for n in outputs:
+        compare(gx.get(n), cpu.get(n), dtype, "max" if n in by_max else "elem", f"{what} '{n}'")
+    assert not gx.fallbacks, f"{what}: ran on the CPU fallback: {dict(gx.fallbacks)}"
+
+
+def _row_program(n):
+    return [instr("softmax", [T("x"), V(-1)], [T("sm")]),
+            instr("logsoftmax", [T("x"), V(-1)], [T("lsm")]),
+            instr("layernorm", [T("x"), T("w"), T("b")], [T("ln")]),
+            instr("rmsnorm", [T("x"), T("w")], [T("rms")]),
+            instr("crossentropy", [T("x"), T("lab"), V(-100), V("none")], [T("ce")])]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(("n", "rows"), ROW_LENGTHS)
+def test_row_kernels_every_size_regime(gx, dtype, n, rows):
+    from tests.kernels.kernel_ref import rand
+
+    rng = np.random.default_rng(n * 7 + rows)
+    x = rand(rng, dtype, (rows, n), -6, 6)
+    lab = rng.integers(0, n, (rows,)).astype(np.int64)
+    lab[0] = -100
+    inputs = {"x": x, "w": rand(rng, dtype, (n,), -2, 2), "b": rand(rng, dtype, (n,), -2, 2), "lab": lab}
+    what = f"rows of {n} x {rows} [{dtype}]"
+    _against_cpu(gx, inputs, _row_program(n), ["sm", "lsm", "ln", "rms", "ce"], dtype, what,
+                 by_max=("ln", "rms", "ce"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("shift", [1, 3])
+def test_row_kernels_on_unaligned_tensors(gx, dtype, shift):
+    """Tensors that start off a 16-byte boundary (views into other memory) take the scalar loads, and the reductions
+    their scalar head before the packs."""
+    from deepxd.kernels.cuda import DeviceTensor
+    from tests.kernels.kernel_ref import rand
+
+    rng = np.random.default_rng(shift)
+    for n, rows in [(4096, 8), (1024, 33), (20000, 2)]:
+        gx.tensors.clear()
+        inputs = {"x": rand(rng, dtype, (rows, n), -6, 6), "w": rand(rng, dtype, (n,), -2, 2),
+                  "b": rand(rng, dtype, (n,), -2, 2), "lab": rng.integers(0, n, (rows,)).astype(np.int32)}
+        for name, a in inputs.items():
+            buf = gx.alloc(a.nbytes + 64, "test", name)
+            t = DeviceTensor(buf, int(buf) + shift * a.dtype.itemsize, a.shape, a.dtype)
+            assert t.ptr % 16
+            gx.write(t, a)
+            gx.tensors[name] = t
+        program = [*_row_program(n), instr("sum", [T("x"), VEC((1,))], [T("s")]),
+                   instr("reducemax", [T("x"), VEC((1,))], [T("mx")]), instr("argmax", [T("x"), V(1)], [T("am")])]
+        what = f"unaligned by {shift} elements, rows of {n} [{dtype}]"
+        _against_cpu(gx, inputs, program, ["sm", "lsm", "ln", "rms", "ce", "s", "mx", "am"], dtype, what,
+                     by_max=("ln", "rms", "ce", "s"))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "int64", "int32", "int8"])
+def test_reductions_every_layout(gx, dtype):
+    from tests.kernels.kernel_ref import rand
+
+    rng = np.random.default_rng(11)
+    lo, hi = (-50, 50) if dtype.startswith("int") else (-4, 4)
+    cases = [((3000, 1), (1,)), ((2000, 31), (1,)), ((2000, 33), (1,)), ((64, 1023), (1,)), ((3000, 4096), (1,)),
+             ((2, 65537), (1,)), ((1, 65537), (1,)), ((70001,), (0,)),    # rows: warp, block, split over blocks
+             ((5000, 37), (0,)), ((3, 70000), (0,)), ((40000, 2), (0,)),  # columns
+             ((17, 300, 9), (1,)), ((6, 40, 50), (0, 1)), ((4, 5, 6, 7), (0, 2))]  # columns, the general indexer
+    for shape, dims_ in cases:
+        gx.tensors.clear()
+        a = rand(rng, dtype, shape, lo, hi)
+        ops = ["sum", "reducemax", "reducemin"] + (["argmax", "argmin"] if len(dims_) == 1 else [])
+        program = [instr(op, [T("a"), VEC(dims_) if op[0] != "a" else V(dims_[0])], [T(op)]) for op in ops]
+        _against_cpu(gx, {"a": a}, program, ops, dtype, f"{shape} over {dims_} [{dtype}]", by_max=("sum",))
+
+
+def test_softmax_along_a_non_last_dim_and_special_values(gx):
+    rng = np.random.default_rng(5)
+    for shape, dim in [((50, 5000), 0), ((3000, 7), 0), ((2, 64, 300), 1), ((7, 3, 5), 0)]:
+        gx.tensors.clear()
+        a = rng.uniform(-8, 8, shape).astype(np.float32)
+        program = [instr(op, [T("a"), V(dim)], [T(op)]) for op in ("softmax", "logsoftmax")]
+        _against_cpu(gx, {"a": a}, program, ["softmax", "logsoftmax"], "float32", f"{shape} dim {dim}")
+    for n in (33, 4096, 65537):  # warp, block, streamed: rows of -inf, a nan, a +inf, and -inf beside finite values
+        gx.tensors.clear()
+        a = rng.uniform(-8, 8, (5, n)).astype(np.float32)
+        a[0] = -np.inf
+        a[1, n // 2] = np.nan
+        a[2, n - 1] = np.inf
+        a[3, ::2] = -np.inf
+        a[4, 0] = -np.inf
+        program = [instr(op, [T("a"), V(-1)], [T(op)]) for op in ("softmax", "logsoftmax")]
+        program += [instr(op, [T("a"), V(1)], [T(op)]) for op in ("argmax", "argmin")]
+        _against_cpu(gx, {"a": a}, program, ["softmax", "logsoftmax", "argmax", "argmin"], "float32",
+                     f"special values, rows of {n}")
+
+
+def test_argmax_ties_go_to_the_first_index(gx):
+    a = np.zeros((300, 5000), np.float32)
+    a[:, 7] = 1
+    a[:, 4000] = 1
+    a[5, 100] = np.nan
+    a[5, 200] = np.nan
+    for dim, shape in ((1, a.shape), (0, a.T.shape)):
+        gx.tensors.clear()
+        arr = a if dim == 1 else np.ascontiguousarray(a.T)
+        gx.put("a", arr)
+        gx.run(instr("argmax", [T("a"), V(dim)], [T("i")]))
+        got = gx.get("i")
+        want = np.full(300, 7)
+        want[5] = 100
+        np.testing.assert_array_equal(got, want, err_msg=f"argmax over dim {dim} of {shape}")

@@ -9,7 +9,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import FLOATS
+from deepx_sdk.ir.dtypes import FLOATS, to_numpy
 from deepxd.kernels.cuda import elementwise as ew
 from deepxd.kernels.cuda._src import HEADER, ctype
 
@@ -20,102 +20,319 @@ _SRC = r"""
 typedef typename Acc<T>::type A;
 __device__ __forceinline__ A finite_or_zero(A m) { return isfinite(m) ? m : (A)0; }
 
-// one block per row of `size` elements at stride `inner` (rows: outer x inner); with `cache`, a contiguous row is
-// read once into shared memory (dynamic, size elements of A) and the later passes read it there
-extern __shared__ __align__(16) unsigned char smem_raw[];
-template <bool LOG> __device__ void softmax_rows(T* out, const T* a, ll rows, ll size, ll inner, int cache) {
-    A* buf = (A*)smem_raw;
+// elements per 16-byte load
+constexpr int VW = 16 / sizeof(T);
+typedef Pack<T, VW> VecT;
+
+// ---- rows held in registers: E elements per thread, one warp (W) or one block (B) per row.
+// Thread t of a group of G holds elements t + j*G (scalar), or the 16-byte packs t + j*G (VEC: the row length is a
+// multiple of VW and the pointers are 16-byte aligned), so that every load and store is coalesced.
+template <int E, bool VEC> __device__ __forceinline__ ll slot(int j, int t, int G) {
+    return VEC ? ((ll)t + (ll)(j / VW) * G) * VW + (j % VW) : (ll)t + (ll)j * G;
+}
+template <int E, bool VEC> __device__ __forceinline__ void load_row(A (&x)[E], const T* p, ll n, int t, int G,
+                                                                    A fill) {
+    if (VEC) {
+        #pragma unroll
+        for (int j = 0; j < E / VW; ++j) {
+            ll k = (ll)t + (ll)j * G;
+            if (k * VW < n) {
+                VecT v = ((const VecT*)p)[k];
+                #pragma unroll
+                for (int e = 0; e < VW; ++e) x[j * VW + e] = ld(v.v[e]);
+            } else {
+                #pragma unroll
+                for (int e = 0; e < VW; ++e) x[j * VW + e] = fill;
+            }
+        }
+    } else {
+        #pragma unroll
+        for (int j = 0; j < E; ++j) {
+            ll i = (ll)t + (ll)j * G;
+            x[j] = i < n ? ld(p[i]) : fill;
+        }
+    }
+}
+template <int E, bool VEC> __device__ __forceinline__ void store_row(const A (&y)[E], T* p, ll n, int t, int G) {
+    if (VEC) {
+        #pragma unroll
+        for (int j = 0; j < E / VW; ++j) {
+            ll k = (ll)t + (ll)j * G;
+            if (k * VW < n) {
+                VecT v;
+                #pragma unroll
+                for (int e = 0; e < VW; ++e) v.v[e] = st<T>(y[j * VW + e]);
+                ((VecT*)p)[k] = v;
+            }
+        }
+    } else {
+        #pragma unroll
+        for (int j = 0; j < E; ++j) {
+            ll i = (ll)t + (ll)j * G;
+            if (i < n) p[i] = st<T>(y[j]);
+        }
+    }
+}
+template <bool WARP> __device__ __forceinline__ A group_sum(A v) { return WARP ? warp_sum(v) : block_sum(v); }
+template <bool WARP> __device__ __forceinline__ A group_max(A v) { return WARP ? warp_max(v) : block_max(v); }
+
+// the rows of a group: a warp per row (several rows per block), or a block per row
+#define FOR_ROWS(WARP, row, rows, t, G)                                                                      \
+    const int t = WARP ? (threadIdx.x & 31) : threadIdx.x, G = WARP ? 32 : blockDim.x;                        \
+    const ll row0 = WARP ? (ll)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (ll)blockIdx.x;          \
+    const ll rstep = WARP ? (ll)gridDim.x * (blockDim.x >> 5) : (ll)gridDim.x;                                \
+    for (ll row = row0; row < rows; row += rstep)
+
+template <int E, bool VEC, bool WARP> __device__ __forceinline__ void softmax_reg(T* out, const T* a, ll rows, ll n,
+                                                                                   int lg) {
+    FOR_ROWS(WARP, row, rows, t, G) {
+        A x[E];
+        load_row<E, VEC>(x, a + row * n, n, t, G, (A)-INFINITY);  // padding: -inf adds nothing to max or sum
+        A m = -INFINITY;
+        #pragma unroll
+        for (int j = 0; j < E; ++j) m = mx(m, x[j]);
+        m = finite_or_zero(group_max<WARP>(m));
+        A s = 0;
+        if (lg) {
+            #pragma unroll
+            for (int j = 0; j < E; ++j) s += exp(x[j] - m);
+            A ls = log(group_sum<WARP>(s));
+            #pragma unroll
+            for (int j = 0; j < E; ++j) x[j] = (x[j] - m) - ls;
+        } else {
+            #pragma unroll
+            for (int j = 0; j < E; ++j) { x[j] = exp(x[j] - m); s += x[j]; }
+            s = group_sum<WARP>(s);
+            #pragma unroll
+            for (int j = 0; j < E; ++j) x[j] = x[j] / s;
+        }
+        store_row<E, VEC>(x, out + row * n, n, t, G);
+    }
+}
+template <int E, bool VEC, bool WARP> __device__ __forceinline__ void layernorm_reg(
+        T* out, const T* a, const T* w, const T* b, ll rows, ll n, double eps) {
+    FOR_ROWS(WARP, row, rows, t, G) {
+        A x[E], y[E];
+        load_row<E, VEC>(x, a + row * n, n, t, G, (A)0);
+        A s = 0;
+        #pragma unroll
+        for (int j = 0; j < E; ++j) s += x[j];
+        A mean = group_sum<WARP>(s) / (A)n;
+        A v = 0;
+        #pragma unroll
+        for (int j = 0; j < E; ++j) {
+            A d = x[j] - mean;
+            if (slot<E, VEC>(j, t, G) < n) v += d * d;
+        }
+        A var = group_sum<WARP>(v) / (A)n;
+        A rstd = (A)1 / sqrt(var + (A)eps);
+        load_row<E, VEC>(y, w, n, t, G, (A)0);
+        #pragma unroll
+        for (int j = 0; j < E; ++j) x[j] = (x[j] - mean) * rstd * y[j];
+        load_row<E, VEC>(y, b, n, t, G, (A)0);
+        #pragma unroll
+        for (int j = 0; j < E; ++j) x[j] = x[j] + y[j];
+        store_row<E, VEC>(x, out + row * n, n, t, G);
+    }
+}
+template <int E, bool VEC, bool WARP> __device__ __forceinline__ void rmsnorm_reg(
+        T* out, const T* a, const T* w, ll rows, ll n, double eps) {
+    FOR_ROWS(WARP, row, rows, t, G) {
+        A x[E], y[E];
+        load_row<E, VEC>(x, a + row * n, n, t, G, (A)0);
+        A s = 0;
+        #pragma unroll
+        for (int j = 0; j < E; ++j) s += x[j] * x[j];
+        A ms = group_sum<WARP>(s) / (A)n;
+        A r = (A)1 / sqrt(ms + (A)eps);
+        load_row<E, VEC>(y, w, n, t, G, (A)0);
+        #pragma unroll
+        for (int j = 0; j < E; ++j) x[j] = x[j] * r * y[j];
+        store_row<E, VEC>(x, out + row * n, n, t, G);
+    }
+}
+// extern "C" instances: softmax_w8v = 8 elements per thread, a warp per row, 16-byte packs; _b: a block per row
+#define ROW_KERNELS(SUF, E, VEC, WARP, BOUND)                                                                \
+extern "C" __global__ void __launch_bounds__(BOUND) softmax_##SUF(T* out, const T* a, ll rows, ll n, int lg) { \
+    softmax_reg<E, VEC, WARP>(out, a, rows, n, lg);                                                          \
+}                                                                                                            \
+extern "C" __global__ void __launch_bounds__(BOUND) layernorm_##SUF(T* out, const T* a, const T* w, const T* b, \
+                                                                    ll rows, ll n, double eps) {             \
+    layernorm_reg<E, VEC, WARP>(out, a, w, b, rows, n, eps);                                                 \
+}                                                                                                            \
+extern "C" __global__ void __launch_bounds__(BOUND) rmsnorm_##SUF(T* out, const T* a, const T* w, ll rows, ll n, \
+                                                                  double eps) {                              \
+    rmsnorm_reg<E, VEC, WARP>(out, a, w, rows, n, eps);                                                      \
+}
+@@INSTANCES@@
+
+// ---- rows too long for registers, and rows along a non-last dim: one pass keeps a running (max, sum of exp)
+// pair (the online softmax), a second pass writes. A row whose max is not finite (inf, nan, or all -inf) is summed
+// again against 0, as the two-pass form does.
+__device__ __forceinline__ void online(A& m, A& s, A v) {
+    if (v != v || v > m) {
+        if (v == v) s = s * exp(m - v) + (A)1;
+        m = v;
+    } else if (m != -INFINITY) {
+        s += exp(v - m);
+    }
+}
+__device__ __forceinline__ void online_merge(A& m, A& s, A m2, A s2) {
+    A M = mx(m, m2);
+    if (isfinite(M)) s = (m == -INFINITY ? (A)0 : s * exp(m - M)) + (m2 == -INFINITY ? (A)0 : s2 * exp(m2 - M));
+    m = M;
+}
+__device__ __forceinline__ void warp_online(A& m, A& s) {
+    for (int o = 16; o > 0; o >>= 1) {
+        A m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        online_merge(m, s, m2, s2);
+    }
+}
+__device__ void block_online(A& m, A& s) {
+    __shared__ A pm[32], ps[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    warp_online(m, s);
+    __syncthreads();
+    if (lane == 0) { pm[w] = m; ps[w] = s; }
+    __syncthreads();
+    m = lane < nw ? pm[lane] : (A)-INFINITY;
+    s = lane < nw ? ps[lane] : (A)0;
+    warp_online(m, s);
+}
+
+// f(i, value) for every element i of p[0, n) that thread t of a group of G threads owns: scalar loads up to the
+// first 16-byte boundary, then 16-byte packs, then a scalar tail
+template <class F> __device__ __forceinline__ void scan(const T* p, ll n, int t, int G, F f) {
+    ll head = (ll)(((16 - ((ull)p & 15)) & 15) / sizeof(T));
+    if (head > n) head = n;
+    for (ll i = t; i < head; i += G) f(i, p[i]);
+    const VecT* q = (const VecT*)(p + head);
+    ll nb = (n - head) / VW;
+    #pragma unroll 4
+    for (ll k = t; k < nb; k += G) {
+        VecT v = q[k];
+        #pragma unroll
+        for (int e = 0; e < VW; ++e) f(head + k * VW + e, v.v[e]);
+    }
+    for (ll i = head + nb * VW + t; i < n; i += G) f(i, p[i]);
+}
+
+// one block per row of `size` elements at stride `inner` (rows: outer x inner)
+extern "C" __global__ void __launch_bounds__(1024) softmax_long(T* out, const T* a, ll rows, ll size, ll inner,
+                                                                 int lg) {
     for (ll row = blockIdx.x; row < rows; row += gridDim.x) {
         ll base = (row / inner) * size * inner + (row % inner);
-        A m = -INFINITY;
-        if (cache) {
-            for (ll r = threadIdx.x; r < size; r += blockDim.x) { A v = ld(a[base + r]); buf[r] = v; m = mx(m, v); }
+        A m = -INFINITY, s = 0;
+        if (inner == 1) {
+            scan(a + base, size, threadIdx.x, blockDim.x, [&](ll, T v) { online(m, s, ld(v)); });
         } else {
-            for (ll r = threadIdx.x; r < size; r += blockDim.x) m = mx(m, ld(a[base + r * inner]));
+            for (ll r = threadIdx.x; r < size; r += blockDim.x) online(m, s, ld(a[base + r * inner]));
         }
-        m = finite_or_zero(block_max(m));
-        A s = 0;
-        if (cache) {
-            for (ll r = threadIdx.x; r < size; r += blockDim.x) s += exp(buf[r] - m);
-        } else {
-            for (ll r = threadIdx.x; r < size; r += blockDim.x) s += exp(ld(a[base + r * inner]) - m);
+        block_online(m, s);
+        if (!isfinite(m)) {
+            m = 0;
+            s = 0;
+            for (ll r = threadIdx.x; r < size; r += blockDim.x) s += exp(ld(a[base + r * inner]));
+            s = block_sum(s);
         }
-        s = block_sum(s);
         A ls = log(s);
-        for (ll r = threadIdx.x; r < size; r += blockDim.x) {
-            A x = cache ? buf[r] : ld(a[base + r * inner]);
-            out[base + r * inner] = LOG ? st<T>((x - m) - ls) : st<T>(exp(x - m) / s);
+        if (inner == 1) {
+            T* o = out + base;
+            scan(a + base, size, threadIdx.x, blockDim.x, [&](ll i, T v) {
+                A x = ld(v);
+                o[i] = lg ? st<T>((x - m) - ls) : st<T>(exp(x - m) / s);
+            });
+        } else {
+            for (ll r = threadIdx.x; r < size; r += blockDim.x) {
+                A x = ld(a[base + r * inner]);
+                out[base + r * inner] = lg ? st<T>((x - m) - ls) : st<T>(exp(x - m) / s);
+            }
         }
     }
 }
-extern "C" __global__ void softmax(T* out, const T* a, ll rows, ll size, ll inner, int cache) {
-    softmax_rows<false>(out, a, rows, size, inner, cache);
-}
-extern "C" __global__ void logsoftmax(T* out, const T* a, ll rows, ll size, ll inner, int cache) {
-    softmax_rows<true>(out, a, rows, size, inner, cache);
+// one thread per row along a non-last dim: neighbouring threads read neighbouring elements
+extern "C" __global__ void softmax_cols(T* out, const T* a, ll rows, ll size, ll inner, int lg) {
+    GRID_STRIDE(row, rows) {
+        const T* p = a + (row / inner) * size * inner + (row % inner);
+        T* o = out + (p - a);
+        A m = -INFINITY, s = 0;
+        for (ll r = 0; r < size; ++r) online(m, s, ld(p[r * inner]));
+        if (!isfinite(m)) {
+            m = 0;
+            s = 0;
+            for (ll r = 0; r < size; ++r) s += exp(ld(p[r * inner]));
+        }
+        A ls = log(s);
+        for (ll r = 0; r < size; ++r) {
+            A x = ld(p[r * inner]);
+            o[r * inner] = lg ? st<T>((x - m) - ls) : st<T>(exp(x - m) / s);
+        }
+    }
 }
 
-extern "C" __global__ void layernorm(T* out, const T* a, const T* w, const T* b, ll rows, ll n, double eps,
-                                     int cache) {
-    A* buf = (A*)smem_raw;
+// layernorm and rmsnorm over rows too long for registers: one block per row
+extern "C" __global__ void __launch_bounds__(1024) layernorm_long(T* out, const T* a, const T* w, const T* b,
+                                                                   ll rows, ll n, double eps) {
     for (ll row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* x = a + row * n;
         A s = 0;
-        if (cache) {
-            for (ll i = threadIdx.x; i < n; i += blockDim.x) { A v = ld(x[i]); buf[i] = v; s += v; }
-        } else {
-            for (ll i = threadIdx.x; i < n; i += blockDim.x) s += ld(x[i]);
-        }
+        scan(x, n, threadIdx.x, blockDim.x, [&](ll, T v) { s += ld(v); });
         A mean = block_sum(s) / (A)n;
         A v = 0;
-        for (ll i = threadIdx.x; i < n; i += blockDim.x) { A d = (cache ? buf[i] : ld(x[i])) - mean; v += d * d; }
+        scan(x, n, threadIdx.x, blockDim.x, [&](ll, T e) { A d = ld(e) - mean; v += d * d; });
         A var = block_sum(v) / (A)n;
         A rstd = (A)1 / sqrt(var + (A)eps);
-        for (ll i = threadIdx.x; i < n; i += blockDim.x)
-            out[row * n + i] = st<T>(((cache ? buf[i] : ld(x[i])) - mean) * rstd * ld(w[i]) + ld(b[i]));
+        T* o = out + row * n;
+        scan(x, n, threadIdx.x, blockDim.x,
+             [&](ll i, T e) { o[i] = st<T>((ld(e) - mean) * rstd * ld(w[i]) + ld(b[i])); });
     }
 }
-extern "C" __global__ void rmsnorm(T* out, const T* a, const T* w, ll rows, ll n, double eps, int cache) {
-    A* buf = (A*)smem_raw;
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_long(T* out, const T* a, const T* w, ll rows, ll n,
+                                                                 double eps) {
     for (ll row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* x = a + row * n;
         A s = 0;
-        for (ll i = threadIdx.x; i < n; i += blockDim.x) {
-            A v = ld(x[i]);
-            if (cache) buf[i] = v;
-            s += v * v;
-        }
+        scan(x, n, threadIdx.x, blockDim.x, [&](ll, T v) { A e = ld(v); s += e * e; });
         A ms = block_sum(s) / (A)n;
         A r = (A)1 / sqrt(ms + (A)eps);
-        for (ll i = threadIdx.x; i < n; i += blockDim.x)
-            out[row * n + i] = st<T>((cache ? buf[i] : ld(x[i])) * r * ld(w[i]));
+        T* o = out + row * n;
+        scan(x, n, threadIdx.x, blockDim.x, [&](ll i, T e) { o[i] = st<T>(ld(e) * r * ld(w[i])); });
     }
 }
 
-// crossentropy, per row: -log_softmax(logits)[label] (0 where ignored) into loss[row]; keep[row] = 1 if counted
-template <class TL> __device__ void ce_rows(A* loss, A* keep, const T* logits, const TL* labels, ll n, ll c,
-                                            ll ignore, int* err) {
-    for (ll row = blockIdx.x; row < n; row += gridDim.x) {
+// crossentropy, per row: -log_softmax(logits)[label] (0 where ignored) into loss[row]; keep[row] = 1 if counted.
+// One pass of the online softmax per row, by a warp (short rows) or a block.
+template <bool WARP, class TL> __device__ void ce_rows(A* loss, A* keep, const T* logits, const TL* labels, ll n,
+                                                       ll c, ll ignore, int* err) {
+    FOR_ROWS(WARP, row, n, t, G) {
         const T* x = logits + row * c;
         ll label = (ll)labels[row];
         bool kept = label != ignore;
-        if (kept && (label < 0 || label >= c)) { if (threadIdx.x == 0) atomicExch(err, 1); kept = false; }
-        A m = -INFINITY;
-        for (ll i = threadIdx.x; i < c; i += blockDim.x) m = mx(m, ld(x[i]));
-        m = finite_or_zero(block_max(m));
-        A s = 0;
-        for (ll i = threadIdx.x; i < c; i += blockDim.x) s += exp(ld(x[i]) - m);
-        s = block_sum(s);
-        if (threadIdx.x == 0) {
+        if (kept && (label < 0 || label >= c)) { if (t == 0) atomicExch(err, 1); kept = false; }
+        A m = -INFINITY, s = 0;
+        scan(x, c, t, G, [&](ll, T v) { online(m, s, ld(v)); });
+        if (WARP) warp_online(m, s); else block_online(m, s);
+        if (!isfinite(m)) {
+            m = 0;
+            s = 0;
+            for (ll i = t; i < c; i += G) s += exp(ld(x[i]));
+            s = group_sum<WARP>(s);
+        }
+        if (t == 0) {
             loss[row] = kept ? -((ld(x[label]) - m) - log(s)) : (A)0;
             keep[row] = kept ? (A)1 : (A)0;
         }
     }
 }
-extern "C" __global__ void ce_rows_int32(A* loss, A* keep, const T* logits, const int* labels, ll n, ll c, ll ignore,
-                                         int* err) { ce_rows(loss, keep, logits, labels, n, c, ignore, err); }
-extern "C" __global__ void ce_rows_int64(A* loss, A* keep, const T* logits, const ll* labels, ll n, ll c, ll ignore,
-                                         int* err) { ce_rows(loss, keep, logits, labels, n, c, ignore, err); }
+#define CE(SUF, WARP, TL)                                                                                     \
+extern "C" __global__ void __launch_bounds__(1024) ce_rows_##SUF(A* loss, A* keep, const T* logits,           \
+                                                           const TL* labels, ll n, ll c, ll ignore, int* err) { \
+    ce_rows<WARP>(loss, keep, logits, labels, n, c, ignore, err);                                             \
+}
+CE(int32, false, int)
+CE(int64, false, ll)
+CE(w_int32, true, int)
+CE(w_int64, true, ll)
 
 // one block: out = sum(loss) / sum(keep) (mean) or sum(loss) (sum)
 extern "C" __global__ void ce_total(T* out, const A* loss, const A* keep, ll n, int mean) {
@@ -152,9 +369,39 @@ SUPPORT.update({op: ew.SUPPORT[op] for op in ("relu", "sigmoid", "tanh", "gelu",
 relu, sigmoid, tanh, gelu, silu, erf = ew.relu, ew.sigmoid, ew.tanh, ew.gelu, ew.silu, ew.erf
 
 
+#: elements per thread of the register-row kernels: a warp per row up to 32 x 32 elements, a block of up to
+#: `_MAX_BLOCK` threads beyond that
+_WARP_E = (1, 2, 4, 8, 16, 32)
+_BLOCK_E = (4, 8, 16, 32)
+_MAX_BLOCK = 512
+#: rows per block of the warp-per-row kernels
+_WARPS = 8
+
+
+def _vec_width(dtype: str) -> int:
+    return 16 // to_numpy(dtype).itemsize
+
+
+def _block_es(dtype: str) -> tuple[int, ...]:
+    # 32 doubles a thread spill out of the 128 registers a 512-thread block leaves each thread
+    return _BLOCK_E[:-1] if dtype == "float64" else _BLOCK_E
+
+
+def _instances(dtype: str) -> str:
+    vw = _vec_width(dtype)
+    lines = []
+    for mode, es, bound in (("w", _WARP_E, 32 * _WARPS), ("b", _block_es(dtype), _MAX_BLOCK)):
+        warp = "true" if mode == "w" else "false"
+        for e in es:
+            lines.append(f"ROW_KERNELS({mode}{e}, {e}, false, {warp}, {bound})")
+            if e >= vw:
+                lines.append(f"ROW_KERNELS({mode}{e}v, {e}, true, {warp}, {bound})")
+    return "\n".join(lines)
+
+
 @functools.cache
 def source(dtype: str) -> str:
-    return HEADER + f"typedef {ctype(dtype)} T;\n" + _SRC
+    return HEADER + f"typedef {ctype(dtype)} T;\n" + _SRC.replace("@@INSTANCES@@", _instances(dtype))
 
 
 def sources() -> list[tuple[str, str]]:
@@ -169,18 +416,26 @@ def _acc_size(dtype: str) -> int:
     return 8 if dtype == "float64" else 4
 
 
-#: a row is kept in shared memory (read from device memory once) when it fits the default 48 KB per block, less the
-#: block reductions' own shared words
-SMEM_LIMIT = 44 * 1024
+def row_plan(n: int, dtype: str, ptrs: tuple[int, ...]) -> tuple[str, int, int] | None:
+    """How a row of `n` contiguous elements is held in registers: (kernel suffix, threads per block, rows per block),
+    or None when it is too long (the `_long` kernels stream it twice instead)."""
+    vw = _vec_width(dtype)
+    aligned = n % vw == 0 and all(p % 16 == 0 for p in ptrs)
+    for e in _WARP_E:
+        if 32 * e >= n:
+            return f"w{e}{'v' if aligned and e >= vw else ''}", 32 * _WARPS, _WARPS
+    for e in _block_es(dtype):
+        if aligned and e < vw:
+            continue
+        threads = -(-n // (32 * e)) * 32
+        if threads <= _MAX_BLOCK:
+            return f"b{e}{'v' if aligned and e >= vw else ''}", threads, 1
+    return None
 
 
-def _cache_bytes(dtype: str, n: int) -> int:
-    size = n * _acc_size(dtype)
-    return size if 0 < size <= SMEM_LIMIT else 0
-
-
-def _block(n: int) -> int:
-    return 1024 if n >= 4096 else 256 if n > 128 else 64
+def _launch_rows(ex: CudaExecutor, op: str, f: Any, rows: int, plan: tuple[str, int, int], *args: Any) -> None:
+    _, threads, per_block = plan
+    ex.launch(op, f, (min(-(-rows // per_block), 1 << 20), 1, 1), (threads, 1, 1), *args)
 
 
 def _softmax(op: str, ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTensor) -> bool:
@@ -197,10 +452,18 @@ def _softmax(op: str, ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTe
     rows = a.size // size if size else 0
     if rows == 0 or size == 0:
         return True
-    smem = _cache_bytes(a.dname, size) if inner == 1 else 0
-    f = _fn(ex, a.dname, op, "PPqqqi", op)
-    ex.launch(op, f, (min(rows, 1 << 20), 1, 1), (_block(size), 1, 1), out.ptr, a.ptr, rows, size, inner,
-              1 if smem else 0, shared=smem)
+    lg = 1 if op == "logsoftmax" else 0
+    plan = row_plan(size, a.dname, (a.ptr, out.ptr)) if inner == 1 else None
+    if plan is not None:
+        f = _fn(ex, a.dname, f"softmax_{plan[0]}", "PPqqi", op)
+        _launch_rows(ex, op, f, rows, plan, out.ptr, a.ptr, rows, size, lg)
+    elif inner > 1 and (rows >= 32 * ex.sm_count or size <= 64):
+        f = _fn(ex, a.dname, "softmax_cols", "PPqqqi", op)
+        ex.launch(op, f, ex.grid(rows), (256, 1, 1), out.ptr, a.ptr, rows, size, inner, lg)
+    else:
+        f = _fn(ex, a.dname, "softmax_long", "PPqqqi", op)
+        ex.launch(op, f, (min(rows, 1 << 20), 1, 1), (1024 if size >= 16384 else 256, 1, 1), out.ptr, a.ptr, rows,
+                  size, inner, lg)
     return True
 
 
@@ -219,10 +482,14 @@ def layernorm(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, b: DeviceTenso
         return False
     rows = a.size // n
     if rows:
-        smem = _cache_bytes(a.dname, n)
-        f = _fn(ex, a.dname, "layernorm", "PPPPqqdi", "layernorm")
-        ex.launch("layernorm", f, (min(rows, 1 << 20), 1, 1), (_block(n), 1, 1), out.ptr, a.ptr, w.ptr, b.ptr, rows,
-                  n, float(eps), 1 if smem else 0, shared=smem)
+        plan = row_plan(n, a.dname, (a.ptr, w.ptr, b.ptr, out.ptr))
+        if plan is not None:
+            f = _fn(ex, a.dname, f"layernorm_{plan[0]}", "PPPPqqd", "layernorm")
+            _launch_rows(ex, "layernorm", f, rows, plan, out.ptr, a.ptr, w.ptr, b.ptr, rows, n, float(eps))
+        else:
+            f = _fn(ex, a.dname, "layernorm_long", "PPPPqqd", "layernorm")
+            ex.launch("layernorm", f, (min(rows, 1 << 20), 1, 1), (1024, 1, 1), out.ptr, a.ptr, w.ptr, b.ptr, rows,
+                      n, float(eps))
     return True
 
 
@@ -232,10 +499,14 @@ def rmsnorm(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, eps: Any, out: D
         return False
     rows = a.size // n
     if rows:
-        smem = _cache_bytes(a.dname, n)
-        f = _fn(ex, a.dname, "rmsnorm", "PPPqqdi", "rmsnorm")
-        ex.launch("rmsnorm", f, (min(rows, 1 << 20), 1, 1), (_block(n), 1, 1), out.ptr, a.ptr, w.ptr, rows, n,
-                  float(eps), 1 if smem else 0, shared=smem)
+        plan = row_plan(n, a.dname, (a.ptr, w.ptr, out.ptr))
+        if plan is not None:
+            f = _fn(ex, a.dname, f"rmsnorm_{plan[0]}", "PPPqqd", "rmsnorm")
+            _launch_rows(ex, "rmsnorm", f, rows, plan, out.ptr, a.ptr, w.ptr, rows, n, float(eps))
+        else:
+            f = _fn(ex, a.dname, "rmsnorm_long", "PPPqqd", "rmsnorm")
+            ex.launch("rmsnorm", f, (min(rows, 1 << 20), 1, 1), (1024, 1, 1), out.ptr, a.ptr, w.ptr, rows, n,
+                      float(eps))
     return True
 
 
@@ -251,10 +522,15 @@ def crossentropy(ex: CudaExecutor, logits: DeviceTensor, labels: DeviceTensor, i
     loss = ex.alloc(max(n, 1) * size, "crossentropy", "(row losses)")
     keep = ex.alloc(max(n, 1) * size, "crossentropy", "(row counts)")
     if n:
-        f = _fn(ex, dt, f"ce_rows_{labels.dname}", "PPPPqqqP", "crossentropy")
         ex.clear_flag()
-        ex.launch("crossentropy", f, (min(n, 1 << 20), 1, 1), (_block(c), 1, 1), int(loss), int(keep), logits.ptr,
-                  labels.ptr, n, c, ignore_index, ex.flag_ptr)
+        if c <= 2048:
+            f = _fn(ex, dt, f"ce_rows_w_{labels.dname}", "PPPPqqqP", "crossentropy")
+            grid, block = (min(-(-n // _WARPS), 1 << 20), 1, 1), (32 * _WARPS, 1, 1)
+        else:
+            f = _fn(ex, dt, f"ce_rows_{labels.dname}", "PPPPqqqP", "crossentropy")
+            grid, block = (min(n, 1 << 20), 1, 1), (1024 if c >= 16384 else 256, 1, 1)
+        ex.launch("crossentropy", f, grid, block, int(loss), int(keep), logits.ptr, labels.ptr, n, c, ignore_index,
+                  ex.flag_ptr)
         ex.raise_flag("crossentropy", f"a label is out of range for {c} classes")
     if reduction == "none":
         if n:
