@@ -33,6 +33,29 @@ from deepx_sdk.ir.text import format_text
 log = logging.getLogger(__name__)
 
 _SDK_DIR = os.path.dirname(os.path.abspath(__file__))
+# id(code object) -> (the code object, whether it is the SDK's own): recording walks past the SDK's frames to the
+# user's line. By id, because hashing a code object hashes its contents; the entry holds the code object, so its
+# id is never reused while the entry stands
+_IN_SDK: dict[int, tuple[CodeType, bool]] = {}
+
+
+def in_sdk(code: CodeType) -> tuple[CodeType, bool]:
+    """(code, whether it is the SDK's own), remembered in _IN_SDK."""
+    if len(_IN_SDK) > 65536:  # notebook cells make new code objects: keep the memo bounded
+        _IN_SDK.clear()
+    known = _IN_SDK[id(code)] = (code, code.co_filename.startswith(_SDK_DIR))
+    return known
+
+
+def source_line(code: CodeType, offset: int) -> int | None:
+    """The line of `code` whose bytecode holds byte `offset` (a frame's f_lasti)."""
+    line = None
+    for start, end, n in code.co_lines():
+        if start <= offset < end:
+            return n
+        if start <= offset and n is not None:
+            line = n
+    return line if line is not None else code.co_firstlineno
 
 
 @dataclass
@@ -274,17 +297,28 @@ class Session:
         return f"{self._prefix}{next(self._names)}"
 
     def record(self, instr: Instr) -> None:
-        """Append an instruction; remember which line of user code made it."""
-        f = sys._getframe(1)
-        while f is not None and f.f_code.co_filename.startswith(_SDK_DIR):
-            f = f.f_back  # type: ignore[assignment]
+        """Append an instruction; remember which line of user code made it (its code object and the offset of the
+        call in it: the line number is worked out only when an error names it)."""
+        f: Any = sys._getframe(1)
+        while f is not None:
+            code = f.f_code
+            known = _IN_SDK.get(id(code))
+            if known is None:
+                known = in_sdk(code)
+            if not known[1]:
+                break
+            f = f.f_back
         # no lock: a session records from one thread (collection never records: it only queues names)
         pending = self.pending
         pending.append(instr)
-        self.origins.append((f.f_code, f.f_lineno) if f is not None else None)
+        self.origins.append((f.f_code, f.f_lasti) if f is not None else None)
         if len(pending) >= self.max_pending:
-            with self._lock:
-                self._flush((), raise_now=False)
+            self.flush_full()
+
+    def flush_full(self) -> None:
+        """Send the pending program because it reached max_pending; an error is kept for the next sync."""
+        with self._lock:
+            self._flush((), raise_now=False)
 
     def record_quiet(self, instr: Instr) -> None:
         """Append without looking for the user's line."""
@@ -334,6 +368,8 @@ class Session:
                 except IndexError:
                     pass
                 else:
+                    if dt == dtype and shp == shape:  # what the pool would hand straight back
+                        return name
                     names = self.pool.get((shp, dt)) if shp is not None else None
                     if names is not None and len(names) < self.pool_per_shape:
                         names.append(name)
@@ -422,8 +458,8 @@ class Session:
         i = outcome.error_index
         where = ""
         if 0 <= i < len(origins) and origins[i] is not None:
-            code, line = origins[i]
-            where = f" (from {code.co_filename}:{line}, in {code.co_name})"
+            code, offset = origins[i]
+            where = f" (from {code.co_filename}:{source_line(code, offset)}, in {code.co_name})"
         msg = outcome.error or "the program failed"
         return DeepxError(f"{msg}{where}")
 

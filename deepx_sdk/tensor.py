@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
@@ -20,7 +21,7 @@ from deepx_sdk.ir.dtypes import from_numpy as precision_of
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, Call, TensorMeta
 from deepx_sdk.ir.shapes import broadcast, norm_dim, numel
-from deepx_sdk.session import Session, session
+from deepx_sdk.session import _IN_SDK, Session, in_sdk, session
 
 Shape = tuple[int, ...]
 
@@ -74,26 +75,154 @@ def scalar_dtype(t: str, s: Any) -> str:
     raise DeepxError(f"unsupported operand {s!r} of type {type(s).__name__}; use a Tensor, an int or a float")
 
 
+_getframe = sys._getframe
+# Instr and Param are named tuples: tuple.__new__ builds one without the named tuple's Python-level __new__
+_tuple_new = tuple.__new__
+# one precision tuple per dtype, shared by every param of that dtype (programs that repeat then compare by identity)
+_PRECISIONS: dict[str, tuple[str]] = {}
+
+
+def _precision(dtype: str) -> tuple[str]:
+    p = _PRECISIONS.get(dtype)
+    if p is None:
+        p = _PRECISIONS[dtype] = (dtype,)
+    return p
+
+
 def _tp(t: Tensor) -> Param:
     """The tensor as a param; built once per (name, dtype) of the handle and kept on it."""
     p = t._p
     if p is not None and p.value is t.name and p.precisions[0] is t.dtype:
         return p
-    p = t._p = Param("tensor", (t.dtype,), t.name)
+    p = t._p = _tuple_new(Param, ("tensor", _precision(t.dtype), t.name))
     return p
 
 
+_VAR_PRECISION = {bool: ("bool",), int: ("int32",), float: ("float32",)}
+
+
 def _vp(v: Any) -> Param:
-    return Param.var(v)
+    prec = _VAR_PRECISION.get(type(v))
+    if prec is None:
+        return Param.var(v)
+    return _tuple_new(Param, ("var", prec, v))
 
 
 def _vec(v: Iterable[int]) -> Param:
+    if type(v) is tuple:
+        p = _VECTORS.get(v)
+        if p is None:
+            if len(_VECTORS) >= 4096:
+                _VECTORS.clear()
+            p = _VECTORS[v] = Param("vector", ("int32",), tuple(int(x) for x in v))
+        return p
     return Param("vector", ("int32",), tuple(int(x) for x in v))
+
+
+# vector params by the tuple they were made from (equal tuples of numbers make equal int vectors)
+_VECTORS: dict[tuple[Any, ...], Param] = {}
+
+def infer_meta(name: str, args: list[Any], names: list[Any]) -> TensorMeta:
+    """The result meta of op `name` on `args` by the catalogue's shape and dtype rule (raises DeepxError)."""
+    op = OPS[name]
+    out = op.infer(Call(op, args, names, [None], ["any"], ["?"]))[0]
+    assert out is not None
+    return out
+
+
+# (op, *args) -> the result meta that infer_meta gave
+_INFERRED: dict[Any, TensorMeta] = {}
 
 # Tensor has methods named bool, int and float: annotations inside it use these
 _bool: TypeAlias = bool
 _int: TypeAlias = int
 _float: TypeAlias = float
+
+
+_new_object = object.__new__
+
+
+def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, depth: int) -> tuple[Tensor, Instr]:
+    """Append `name(args) -> (a new tensor)` to the session's pending program: the recording hot path, one Python
+    call for all of it. `depth`: how many frames up from here the user's code can first be (every frame on the
+    way is the SDK's); only that frame is looked at, and its line is worked out only if an error names it."""
+    rname = None
+    collected = s.collected
+    if collected and len(collected) == 1 and not s._lost:
+        # the handle this result replaces in a loop: its name, shape and dtype fit, so the result takes the name
+        try:
+            item = collected.popleft()
+        except IndexError:
+            pass
+        else:
+            if item[1] == dtype and item[2] == shape:
+                rname = item[0]
+            else:
+                collected.appendleft(item)
+    if rname is None:
+        rname = s.reuse_name(shape, dtype)
+    out = _new_object(Tensor)
+    out.name = rname
+    out.shape = shape
+    out.dtype = dtype
+    out._s = s
+    out.requires_grad = False
+    out.grad = None
+    out.grad_fn = None
+    p = out._p = _tuple_new(Param, ("tensor", _PRECISIONS.get(dtype) or _precision(dtype), rname))
+    instr: Instr = _tuple_new(Instr, (name, args, (p,), ()))
+    try:
+        f: Any = _getframe(depth)
+    except ValueError:  # fewer frames than that: the SDK was called from the top of a thread
+        f = None
+    while f is not None:
+        code = f.f_code
+        known = _IN_SDK.get(id(code))
+        if known is None:
+            known = in_sdk(code)
+        if not known[1]:
+            break
+        f = f.f_back
+    pending = s.pending
+    pending.append(instr)
+    s.origins.append((f.f_code, f.f_lasti) if f is not None else None)
+    if len(pending) >= s.max_pending:
+        s.flush_full()
+    return out, instr
+
+
+def _arith(op: str, scalar_op: str, rscalar_op: str | None = None, reverse: bool = False,
+           floating: bool = False) -> Any:
+    """An operator method (a + b, a * 2.0, ...): the common cases recorded straight away (tensors of one shape and
+    float dtype, or a Python number next to a float tensor, nothing requiring grad); the rest by Tensor._binary."""
+
+    def method(self: Tensor, other: Any) -> Tensor:
+        dt = self.dtype
+        kind = type(other)
+        if kind is Tensor:
+            if (other.dtype == dt and other.shape == self.shape and dt in _FLOAT_RANK
+                    and not (self.requires_grad or other.requires_grad)
+                    and not self._s.transport.explicit_broadcast):
+                a, b = (other, self) if reverse else (self, other)
+                pa, pb = a._p, b._p
+                if pa is None or pa.value is not a.name or pa.precisions[0] is not a.dtype:
+                    pa = _tp(a)
+                if pb is None or pb.value is not b.name or pb.precisions[0] is not b.dtype:
+                    pb = _tp(b)
+                return _emit(self._s, op, (pa, pb), self.shape, dt, 2)[0]
+        elif (kind is float or kind is int) and dt in _FLOAT_RANK and not self.requires_grad:
+            pa = self._p
+            if pa is None or pa.value is not self.name or pa.precisions[0] is not dt:
+                pa = _tp(self)
+            pv = _tuple_new(Param, ("var", _VAR_PRECISION[kind], other))
+            if not reverse:
+                return _emit(self._s, scalar_op, (pa, pv), self.shape, dt, 2)[0]
+            if rscalar_op is not None:
+                return _emit(self._s, rscalar_op, (pv, pa), self.shape, dt, 2)[0]
+        return self._binary(op, other, scalar_op, rscalar_op, reverse, floating)
+
+    method.__name__ = method.__qualname__ = f"_{op}{'_reversed' if reverse else ''}"
+    return method
 
 
 class Tensor:
@@ -104,7 +233,7 @@ class Tensor:
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
         self._p: Param | None = None
         self.name = name
-        self.shape = tuple(shape)
+        self.shape = shape if type(shape) is tuple else tuple(shape)
         self.dtype = dtype
         self._s = sess
         self.requires_grad = requires_grad
@@ -195,16 +324,19 @@ class Tensor:
     def _new(self, shape: Shape, dtype: str) -> Tensor:
         return Tensor(self._s.reuse_name(shape, dtype), shape, dtype, self._s)
 
-    def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor]) -> Tensor:
-        out = self._new(shape, dtype)
-        instr = Instr(name, args, (_tp(out),))
-        self._s.record(instr)
+    def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor],
+            depth: _int = 2) -> Tensor:
+        """Record `name(args) -> new tensor`. `depth`: how many frames up the user's code can first be (each frame
+        on the way is the SDK's): 2, the caller's caller, as only the SDK calls this; looking there directly skips
+        materializing the frames in between."""
+        s = self._s
+        out, instr = _emit(s, name, args, shape, dtype, depth + 1)
         for t in inputs:
             if t.requires_grad:
-                if self._s.grad_enabled:
+                if s.grad_enabled:
                     out.requires_grad = True
                     out.grad_fn = name
-                    self._s.tape.append((instr, out, tuple(inputs)))
+                    s.tape.append((instr, out, tuple(inputs)))
                 break
         return out
 
@@ -252,9 +384,20 @@ class Tensor:
             s.tape.clear()
 
     def _infer(self, name: str, args: list[Any], names: list[Any]) -> TensorMeta:
-        op = OPS[name]
-        out = op.infer(Call(op, args, names, [None], ["any"], ["?"]))[0]
-        assert out is not None
+        """The op's result meta by the catalogue's rule, remembered by (op, args): a loop asks the same again and
+        again. The rule reads names only for its error messages, and an error is never remembered."""
+        try:
+            key: Any = (name, *args)
+            out = _INFERRED.get(key)
+        except TypeError:  # a list among the args
+            key, out = None, None
+        if out is not None:
+            return out
+        out = infer_meta(name, args, names)
+        if key is not None:
+            if len(_INFERRED) >= 65536:
+                _INFERRED.clear()
+            _INFERRED[key] = out
         return out
 
     # -- dtype
@@ -304,6 +447,25 @@ class Tensor:
 
     def _binary(self, op: str, other: Any, scalar_op: str, rscalar_op: str | None = None,
                 reverse: _bool = False, floating: _bool = False) -> Tensor:
+        dt = self.dtype
+        kind = type(other)
+        # the common cases first: a tensor of the same shape and dtype, or a Python number next to a float tensor
+        if kind is Tensor:
+            if (other.dtype == dt and other.shape == self.shape and dt in _FLOAT_RANK
+                    and not self._s.transport.explicit_broadcast):
+                # depth 3: _op <- _binary <- the operator method <- its caller
+                if reverse:
+                    return self._op(op, (_tp(other), _tp(self)), self.shape, dt, (other, self), 3)
+                return self._op(op, (_tp(self), _tp(other)), self.shape, dt, (self, other), 3)
+        elif (kind is float or kind is int) and dt in _FLOAT_RANK:
+            if not reverse:
+                return self._op(scalar_op, (_tp(self), _vp(other)), self.shape, dt, (self,), 3)
+            if rscalar_op is not None:
+                return self._op(rscalar_op, (_vp(other), _tp(self)), self.shape, dt, (self,), 3)
+        return self._binary_general(op, other, scalar_op, rscalar_op, reverse, floating)
+
+    def _binary_general(self, op: str, other: Any, scalar_op: str, rscalar_op: str | None,
+                        reverse: _bool, floating: _bool) -> Tensor:
         if self.dtype == "bool" and op in _BOOL_AS_INT8 and (
                 other.dtype == "bool" if isinstance(other, Tensor) else isinstance(other, (bool, np.bool_))):
             # torch: _bool + bool is logical or, _bool * bool logical and; the kernels have no bool arithmetic
@@ -334,35 +496,14 @@ class Tensor:
     def _full_like_scalar(self, value: Any) -> Tensor:
         return full(self.shape, value, dtype=self.dtype)
 
-    def __add__(self, o: Any) -> Tensor:
-        return self._binary("add", o, "addscalar")
-
-    def __radd__(self, o: Any) -> Tensor:
-        return self._binary("add", o, "addscalar")
-
-    def __sub__(self, o: Any) -> Tensor:
-        return self._binary("sub", o, "subscalar")
-
-    def __rsub__(self, o: Any) -> Tensor:
-        return self._binary("sub", o, "subscalar", "rsubscalar", reverse=True)
-
-    def __mul__(self, o: Any) -> Tensor:
-        return self._binary("mul", o, "mulscalar")
-
-    def __rmul__(self, o: Any) -> Tensor:
-        return self._binary("mul", o, "mulscalar")
-
-    def __truediv__(self, o: Any) -> Tensor:
-        return self._binary("div", o, "divscalar", floating=True)
-
-    def __rtruediv__(self, o: Any) -> Tensor:
-        return self._binary("div", o, "divscalar", "rdivscalar", reverse=True, floating=True)
-
-    def __pow__(self, o: Any) -> Tensor:
-        return self._binary("pow", o, "powscalar")
-
-    def __rpow__(self, o: Any) -> Tensor:
-        return self._binary("pow", o, "powscalar", "rpowscalar", reverse=True)
+    __add__ = __radd__ = _arith("add", "addscalar")
+    __sub__ = _arith("sub", "subscalar")
+    __rsub__ = _arith("sub", "subscalar", "rsubscalar", reverse=True)
+    __mul__ = __rmul__ = _arith("mul", "mulscalar")
+    __truediv__ = _arith("div", "divscalar", floating=True)
+    __rtruediv__ = _arith("div", "divscalar", "rdivscalar", reverse=True, floating=True)
+    __pow__ = _arith("pow", "powscalar")
+    __rpow__ = _arith("pow", "powscalar", "rpowscalar", reverse=True)
 
     def __neg__(self) -> Tensor:
         return self._op("neg", (_tp(self),), self.shape, self.dtype, [self])
@@ -448,7 +589,9 @@ class Tensor:
 
     # -- unary math (method forms of dx.*)
     def _unary(self, op: str, floating: _bool = True) -> Tensor:
-        a = self.type_as_dtype(DEFAULT_FLOAT) if floating and self.dtype not in _FLOAT_RANK else self
+        if self.dtype in _FLOAT_RANK:  # depth 3: _op <- _unary <- the method <- its caller
+            return self._op(op, (_tp(self),), self.shape, self.dtype, (self,), 3)
+        a = self.type_as_dtype(DEFAULT_FLOAT) if floating else self
         return self._op(op, (_tp(a),), a.shape, a.dtype, [a])
 
     def exp(self) -> Tensor:
