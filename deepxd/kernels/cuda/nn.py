@@ -1,6 +1,11 @@
-"""softmax, logsoftmax, layernorm, rmsnorm, crossentropy and mse on the device, with block-level reductions: one
-thread block per row, computed in float32 (float64 for float64 tensors) like the CPU kernels. The activations
-(relu, sigmoid, tanh, gelu, silu, erf) are elementwise kernels (elementwise.py).
+"""softmax, logsoftmax, layernorm, rmsnorm, crossentropy and mse on the device, computed in float32 (float64 for
+float64 tensors) like the CPU kernels.
+
+Rows of up to 16384 elements (8192 for float64) are held in registers, a warp per row up to 1024 elements and a block
+per row beyond (`row_plan`), so each is read and written once, in 16-byte packs where the row length and pointers
+allow. Longer rows, rows along a non-last dim and crossentropy use the online softmax (one pass keeps the running max
+and sum of exponentials). The activations (relu, sigmoid, tanh, gelu, silu, erf) are elementwise kernels
+(elementwise.py).
 """
 
 from __future__ import annotations

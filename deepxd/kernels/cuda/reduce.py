@@ -1,9 +1,13 @@
 """Reductions on the device: sum, prod, reducemax, reducemin over any dims, argmax and argmin along one dim.
 
-One thread block reduces one output (warp shuffles, then one word per warp in shared memory); when there are few
-outputs and many elements each, the elements are split over several blocks whose partial results a second kernel
-combines. The 16-bit floats accumulate in float32, integers in int64 (then wrap into the output), as on the CPU;
-max/min propagate nan; argmax/argmin return the first index on ties (and of the first nan).
+The layout follows the shape. Reduced elements that are each output's contiguous tail (the last dims): a warp per
+row for short rows or many rows, else a block per row, split over several blocks plus a combining kernel when there
+are few rows; 16-byte loads from the first 16-byte boundary, scalar head and tail. One reduced dim at a stride
+(columns): 32 neighbouring outputs per block, so loads are coalesced, with 8 rows of threads and more blocks
+splitting the column. Anything else goes through the strided indexer, a block per output. Combining is warp shuffles,
+then one word per warp in shared memory. The 16-bit floats accumulate in float32, integers in int64 (then wrap into
+the output), as on the CPU; max/min propagate nan; argmax/argmin return the first index on ties (and of the first
+nan).
 """
 
 from __future__ import annotations
