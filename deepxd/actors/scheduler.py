@@ -185,8 +185,8 @@ class Scheduler(Actor):
             if data is None:
                 return None
             plan = await self._plan_graph(name, data)
-        return {"before": "\n".join(map(format_text, plan.record.instrs)), "after": "\n".join(map(format_text, plan.plan)),
-                "passes": list(plan.passes)}
+        return {"before": "\n".join(map(format_text, plan.record.instrs)),
+                "after": "\n".join(map(format_text, plan.plan)), "passes": list(plan.passes)}
 
     async def on_replay(self, name: str, inputs: dict[str, Any], outputs: dict[str, Any],
                         scalars: dict[str, Any] | None = None, fetch: Sequence[str] = (),
@@ -213,8 +213,14 @@ class Scheduler(Actor):
                 if (m.dtype, tuple(m.shape)) != (dtype, shape):
                     raise DeepxError(f"replay of graph {name!r}: input tensor {n!r} is {m.dtype}{list(m.shape)}; "
                                      f"the graph needs {dtype}{list(shape)}")
-        for n, dt, dims, buf in bound.puts:
-            await worker.ask("put", name=n, dtype=dt, shape=dims, data=buf)
+        for k, (n, dt, dims, buf) in enumerate(bound.puts):
+            try:
+                await worker.ask("put", name=n, dtype=dt, shape=dims, data=buf)
+            except DeepxError as e:  # the inputs put before this one are freed: a refused replay leaves nothing
+                if k:
+                    await worker.ask("run", program=[Instr("deltensor", (), (Param.tensor(p[0]),))
+                                                     for p in bound.puts[:k]])
+                raise DeepxError(f"replay of graph {name!r}: {e}") from None
         result: RunResult = await worker.ask("run", program=bound.program, fetch=list(fetch))
         self.busy_s += time.perf_counter() - t0
         self.programs += 1

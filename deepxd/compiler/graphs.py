@@ -150,7 +150,12 @@ def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, A
             rename[n] = v
             bound[v] = (dtype, shape)
         elif isinstance(v, Mapping) and {"dtype", "shape", "data"} <= set(v):
-            got = (str(v["dtype"]), tuple(int(x) for x in v["shape"]))
+            dims, buf = v["shape"], v["data"]
+            if not isinstance(dims, (list, tuple)) or not all(type(x) is int for x in dims) \
+                    or not isinstance(buf, (bytes, bytearray, memoryview)):
+                raise DeepxError(f"replay of graph {name!r}: input {n!r} must be {{dtype, shape, data}} with shape a "
+                                 "list of integers and data bytes")
+            got = (str(v["dtype"]), tuple(dims))
             if got != (dtype, shape):
                 raise DeepxError(f"replay of graph {name!r}: input {n!r} is {_show(want_in[n])}; got {_show(got)} "
                                  "(a new shape or dtype needs a new graph: call the compiled function, which "

@@ -257,9 +257,14 @@ class NativeServer:
         return {"data": await graph_get(self.node, name=req.get("name"))}
 
     async def _op_replay(self, req: dict[str, Any]) -> dict[str, Any]:
-        result = await replay_graph(self.node, name=req.get("name"), inputs=req.get("inputs") or {},
-                                    outputs=req.get("outputs") or {}, scalars=req.get("scalars") or {},
-                                    fetch=req.get("fetch") or [])
+        from deepx_sdk.compile import check_graph_name
+
+        name = check_graph_name(req.get("name"))
+        fetch = req.get("fetch") or []
+        if not isinstance(fetch, list) or not all(isinstance(x, str) for x in fetch):
+            raise DeepxError(f"replay of graph {name!r}: 'fetch' must be a list of tensor names")
+        result = await replay_graph(self.node, name=name, inputs=req.get("inputs") or {},
+                                    outputs=req.get("outputs") or {}, scalars=req.get("scalars") or {}, fetch=fetch)
         out = encode_result(result)
         if not out.pop("ok"):
             raise DeepxError(out["error"] or "replay failed")

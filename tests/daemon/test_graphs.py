@@ -85,6 +85,17 @@ def test_the_passes_plan_is_what_replays_run(stored) -> None:
     ({"name": G, "inputs": {f"{G}.in0": "a", f"{G}.in1": "a"}, "outputs": {f"{G}.out0": "a"}},
      "output 'axpb.out0' cannot be written to 'a'"),
     ({"name": "../x", "inputs": {}, "outputs": {}}, "graph name '../x' is not valid"),
+    ({"name": [1], "inputs": {}, "outputs": {}}, "graph name [1] is not valid"),
+    ({"name": G, "inputs": {f"{G}.in0": "a", f"{G}.in1": "a"}, "outputs": {f"{G}.out0": "y"}, "fetch": [["y"]]},
+     "'fetch' must be a list of tensor names"),
+    ({"name": G, "inputs": {f"{G}.in0": "a", f"{G}.in1": {"dtype": "float32", "shape": "ab", "data": b""}},
+      "outputs": {f"{G}.out0": "y"}}, "input 'axpb.in1' must be {dtype, shape, data} with shape a list of integers"),
+    ({"name": G, "inputs": {f"{G}.in0": "a", f"{G}.in1": {"dtype": "float32", "shape": [2, 3], "data": "x" * 24}},
+      "outputs": {f"{G}.out0": "y"}}, "and data bytes"),
+    # the first input is put, the second is refused: the first is freed again (the test checks nothing is left)
+    ({"name": G, "inputs": {f"{G}.in0": data(np.ones((2, 3), np.float32)),
+                            f"{G}.in1": {"dtype": "float32", "shape": [2, 3], "data": b"abc"}},
+      "outputs": {f"{G}.out0": "y"}}, "replay of graph 'axpb': put: 'axpb.in1' is float32[2, 3], which needs 24 bytes"),
 ])
 def test_bad_replays_are_refused_and_the_daemon_serves_on(stored, req, message) -> None:
     c = stored
