@@ -63,12 +63,12 @@ def plan_graph(name: str, data: bytes, metas: Mapping[str, TensorMeta], keep: Co
     # the temporaries still alive at the end stay allocated between replays (as a CUDA graph's memory does): the
     # next replay writes into the buffers it has instead of faulting in fresh memory (about 5x faster for an MLP
     # step). Their deletions were there for the passes, which have seen them.
-    made_by_newtensor = {str(i.returns[0].value) for i in plan if i.name == "newtensor"}
+    made_by_newtensor = {_first_return(i) for i in plan if i.name == "newtensor"}
     tail = len(plan)
     while tail and plan[tail - 1].name == "deltensor":
         tail -= 1
-    kept = [k for k in range(tail, len(plan)) if not str(plan[k].returns[0].value).startswith(f"{name}.t")
-            or str(plan[k].returns[0].value) in made_by_newtensor]
+    kept = [k for k in range(tail, len(plan)) if not _first_return(plan[k]).startswith(f"{name}.t")
+            or _first_return(plan[k]) in made_by_newtensor]
     plan, origins = plan[:tail] + [plan[k] for k in kept], origins[:tail] + [origins[k] for k in kept]
     g = GraphPlan(rec, data, plan, origins, list(passes), slots=slots)
     names = {n for n, _, _ in rec.inputs} | {n for n, _, _ in rec.outputs}
@@ -77,6 +77,12 @@ def plan_graph(name: str, data: bytes, metas: Mapping[str, TensorMeta], keep: Co
             if n in names:
                 g.touches.setdefault(n, []).append(k)
     return g
+
+
+def _first_return(instr: Instr) -> str:
+    """The name an instruction writes first; "" for one with no returns (a malformed record: the worker's check of
+    the replayed program refuses it with a message)."""
+    return str(instr.returns[0].value) if instr.returns else ""
 
 
 def _tensor_names(instr: Instr) -> list[str]:

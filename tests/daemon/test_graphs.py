@@ -140,3 +140,18 @@ def test_bad_stores_are_refused(daemon, fields, message) -> None:
             c.request("graph_store", **fields)
         assert c.admin("graphs") == []
         c.ping()
+
+
+def test_a_record_with_an_instruction_missing_its_result_is_refused_by_name(daemon) -> None:
+    from deepx_sdk.ir.instr import Instr
+
+    prog = [*parse_text("mulscalar (tensor<float32>:g.in0, var<float32>:2.0) -> (tensor<float32>:g.out0)"),
+            Instr("deltensor", (), ())]
+    rec = GraphRecord("g", prog, [("g.in0", "float32", (2,))], [("g.out0", "float32", (2,))])
+    with daemon.client() as c:
+        c.request("graph_store", name="g", data=rec.pack())
+        with pytest.raises(DeepxError, match=r"replay of graph .g.: instruction 2: deltensor: expects 1 returns") as e:
+            c.request("replay", name="g", inputs={"g.in0": data(np.ones(2, np.float32))}, outputs={"g.out0": "y"})
+        assert "internal error" not in str(e.value), e.value
+        c.ping()
+        assert c.admin("tensors") == []
