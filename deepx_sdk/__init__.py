@@ -123,8 +123,7 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
 __all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange",
-           "as_tensor", "cat", "compile", "concat", "connect", "explain", "graphs", "disconnect", "empty", "empty_cache", "empty_like", "from_numpy", "full", "full_like",
-           "linspace",
-           "load", "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like",
-           "randint", "randn", "randn_like", "save", "session", "stack", "sync", "tensor", "where", "zeros",
-           "zeros_like"]
+           "as_tensor", "cat", "compile", "concat", "connect", "disconnect", "empty", "empty_cache", "empty_like",
+           "explain", "from_numpy", "full", "full_like", "graphs", "linspace", "load", "manual_seed", "matmul",
+           "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like", "randint", "randn", "randn_like",
+           "save", "session", "stack", "sync", "tensor", "where", "zeros", "zeros_like"]
