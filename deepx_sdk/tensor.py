@@ -132,6 +132,10 @@ def infer_meta(name: str, args: list[Any], names: list[Any]) -> TensorMeta:
 
 # (op, *args) -> the result meta that infer_meta gave
 _INFERRED: dict[Any, TensorMeta] = {}
+# what a reduction or a reshape records, by what decides it: (op, shape, dtype, dim, keepdim) -> (shape, dtype, dims
+# param, keepdim param); (shape, new shape) -> (shape, shape param)
+_REDUCTIONS: dict[Any, tuple[Any, str, Param, Param]] = {}
+_RESHAPES: dict[Any, tuple[Any, Param]] = {}
 
 # Tensor has methods named bool, int and float: annotations inside it use these
 _bool: TypeAlias = bool
@@ -679,9 +683,21 @@ class Tensor:
         a = self.type_as_dtype(dtype) if dtype else self
         if op in ("sum", "prod") and a.dtype in ("bool", "int8", "int16", "int32"):
             a = a.type_as_dtype("int64")  # torch sums and multiplies small integers in int64
-        dims = self._dims(dim)
-        meta = self._infer(op, [TensorMeta(a.shape, a.dtype), dims, keepdim], [a.name, None, None])
-        return a._op(op, (_tp(a), _vec(dims), _vp(bool(keepdim))), meta.shape, meta.dtype, [a])
+        # remembered only for plain ints (a key holding a Tensor would compare by recording an op)
+        simple = (dim is None or type(dim) is int or (type(dim) in (tuple, list) and all(type(d) is int for d in dim))
+                  ) and type(keepdim) is bool
+        key = (op, a.shape, a.dtype, dim if type(dim) is not list else tuple(dim), keepdim) if simple else None
+        known = _REDUCTIONS.get(key) if simple else None
+        if known is None:
+            dims = self._dims(dim)
+            meta = self._infer(op, [TensorMeta(a.shape, a.dtype), dims, keepdim], [a.name, None, None])
+            known = (meta.shape, meta.dtype, _vec(dims), _vp(bool(keepdim)))
+            if key is not None:
+                if len(_REDUCTIONS) >= 4096:
+                    _REDUCTIONS.clear()
+                _REDUCTIONS[key] = known
+        shape, dt, pdims, pkeep = known
+        return a._op(op, (_tp(a), pdims, pkeep), shape, dt, (a,))
 
     def sum(self, dim: Any = None, keepdim: _bool = False, dtype: Any = None) -> Tensor:
         return self._reduce("sum", dim, keepdim, dtype_name(dtype) if dtype is not None else None)
@@ -749,11 +765,20 @@ class Tensor:
     def reshape(self, *shape: Any) -> Tensor:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        meta = self._infer("reshape", [TensorMeta(self.shape, self.dtype), tuple(int(d) for d in shape)],
-                           [self.name, None])
-        if meta.shape == self.shape:
+        # remembered only for plain ints (a key holding a Tensor would compare by recording an op)
+        key = (self.shape, shape) if all(type(d) is int for d in shape) else None
+        known = _RESHAPES.get(key) if key is not None else None
+        if known is None:
+            meta = self._infer("reshape", [TensorMeta(self.shape, self.dtype), tuple(int(d) for d in shape)],
+                               [self.name, None])
+            known = (meta.shape, _vec(shape))
+            if key is not None:
+                if len(_RESHAPES) >= 4096:
+                    _RESHAPES.clear()
+                _RESHAPES[key] = known
+        if known[0] == self.shape:
             return self
-        return self._op("reshape", (_tp(self), _vec(shape)), meta.shape, self.dtype, [self])
+        return self._op("reshape", (_tp(self), known[1]), known[0], self.dtype, (self,))
 
     view = reshape
 

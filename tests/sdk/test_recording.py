@@ -88,6 +88,7 @@ def _reference(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def test_the_fast_path_keeps_the_graph_for_backward():
+    dx.connect()  # a session of its own: backward walks the whole session's recorded graph
     w = dx.tensor([1.0, 2.0, 3.0], requires_grad=True)
     x = dx.tensor([4.0, 5.0, 6.0])
     loss = ((w * x + w) * 0.5).sum()
