@@ -144,6 +144,10 @@ class CpuExecutor:
         name = b.op.name
         kernel = KERNELS[name]
         kinds = _ARG_KINDS[name]
+        if name == "fused":
+            run_fused = self._prepare_fused(b)
+            if run_fused is not None:
+                return run_fused
         if (b.op.family in STORE_FAMILIES or name == "reshape" or b.instr.meta or 2 in kinds or len(b.outs) != 1
                 or b.outs[0] is None):
             return lambda: self.execute(b)
@@ -204,6 +208,54 @@ class CpuExecutor:
         def run() -> None:
             o, fresh = target()
             kernel(*[tensors[x] if t else x for t, x in spec], o)
+            if fresh:
+                tensors[out] = o
+
+        return run
+
+    def _prepare_fused(self, b: Bound) -> Callable[[], None] | None:
+        """A fused instruction on one block of float32 or float64, its operands of the output's shape and dtype:
+        the expression's tape called directly, on register buffers made once (the kernel's checks and allocations
+        cost more than a short tape on a small tensor). None where the general kernel is needed."""
+        from deepxd.kernels.cpu import fused as fused_kernels
+
+        meta = b.outs[0]
+        ins = b.names[0]
+        if (fused_kernels.backend() != "numpy" or meta is None or b.instr.meta
+                or meta.dtype not in ("float32", "float64") or not isinstance(ins, list)
+                or any(m is None or m.shape != meta.shape or m.dtype != meta.dtype for m in b.args[0])):
+            return None
+        n = 1
+        for d in meta.shape:
+            n *= d
+        if n > fused_kernels.BLOCK or n == 0:
+            return None
+        cdt = to_numpy(meta.dtype)
+        plan = fused_kernels.compile_expr(str(b.args[1]), len(ins))
+        consts = tuple(cdt.type(c) for c in plan.constants)
+        regs = [np.empty(n, cdt) for _ in range(plan.registers)]
+        tape = plan.run
+        tensors = self.tensors
+        metas = tensors.metas
+        get = tensors.get
+        out = str(b.out_names[0])
+        shape = meta.shape
+        flat = len(shape) == 1
+        general = KERNELS["fused"]
+        expr = b.args[1]
+
+        def run() -> None:
+            have = get(out)
+            fresh = have is None or metas[out] != meta
+            o = np.empty(shape, cdt) if fresh or have is None else have
+            arrays = [tensors[x] for x in ins]
+            if all(a.flags.c_contiguous for a in arrays):
+                if flat:
+                    tape(arrays, consts, regs, o)
+                else:  # one block: every input is read before the last step writes the output
+                    tape([a.reshape(-1) for a in arrays], consts, regs, o.reshape(-1))
+            else:
+                general(arrays, expr, o)
             if fresh:
                 tensors[out] = o
 
