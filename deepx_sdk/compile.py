@@ -217,6 +217,7 @@ def build_graph(gname: str, captured: Sequence[Instr], inputs: Sequence[Meta], o
     b = _Build(gname, {n: k for k, (n, _, _) in enumerate(inputs)}, outside or (lambda name: False))
     out: list[Instr] = []
     slots: list[tuple[int, int, str]] = []
+    seeds: dict[int, str] = {}  # a seed the call drew -> its key: a backward's dropout redraws the forward's mask
     for instr in captured:
         if instr.name == "deltensor":
             g = b.delete(str(instr.returns[0].value))
@@ -243,7 +244,11 @@ def build_graph(gname: str, captured: Sequence[Instr], inputs: Sequence[Meta], o
                 if instr.name in _OPTIMIZER_OPS:
                     slots.append((len(out), j, f"{args[0].value}.{a.name}"))
                 elif a.name == "seed":
-                    slots.append((len(out), j, f"seed.{len(out)}"))
+                    drawn = p.value if type(p.value) is int else None
+                    key = f"seed.{len(out)}"
+                    if drawn:  # 0 is fresh entropy per op; a drawn seed is shared by every op that uses it
+                        key = seeds.setdefault(drawn, key)
+                    slots.append((len(out), j, key))
         out.append(_rename(instr, tuple(args), tuple(rets)))
     if b.deleted_state:
         freed = ", ".join(sorted(b.deleted_state))
@@ -689,7 +694,7 @@ class CompiledFunction:
                     st = o.state.setdefault(id(p), {"step": 0})
                     st["step"] += 1
                     scalars[key] = int(st["step"])
-            elif key.startswith("seed."):
+            elif key.startswith("seed.") and key not in scalars:  # one draw per seed the eager call drew
                 from deepx_sdk.tensor import _seed
 
                 scalars[key] = _seed(s)

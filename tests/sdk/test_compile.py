@@ -294,6 +294,36 @@ def test_random_ops_draw_fresh_seeds_at_every_replay() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_compiled_step_with_dropout_takes_the_gradient_through_the_forward_mask() -> None:
+    # the backward redraws dropout's mask from the forward's seed: a replay gives both the same fresh seed
+    def run(compiled: bool) -> list[np.ndarray]:
+        dx.manual_seed(3)
+        lin = nn.Linear(5, 5).double()
+        drop = nn.Dropout(0.5)
+        opt = dx.optim.SGD(lin.parameters(), lr=0.1)
+
+        def f(x):
+            opt.zero_grad()
+            loss = (drop(lin(x)) ** 2).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = dx.compile(f) if compiled else f
+        x = dx.tensor(np.ones((4, 5)))
+        out = []
+        for _ in range(5):
+            out.append(step(x).item())
+            out.append(lin.weight.numpy())
+        if compiled:
+            assert step.replays == 3
+            assert len({k for _, _, k in step.last.record.scalars if k.startswith("seed.")}) == 1
+        return out
+
+    for a, b in zip(run(True), run(False)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_compiled_method_finds_the_model_and_optimizer_on_its_instance() -> None:
     class Trainer:
         def __init__(self) -> None:
