@@ -7,9 +7,9 @@ updates) as a program, store it in the storage plane as `graph:<name>`, and run 
     loss.item()
 
 A graph is traced once per signature (the inputs' shapes, dtypes and requires_grad, the values of non-tensor
-arguments, the function's code, the parameters of the modules and the state of the optimizers it uses), as
-torch.compile and jax.jit do: Python side effects and data-dependent control flow happen at capture only. See
-docs/graphs.md.
+arguments, the function's code, the parameters and train/eval mode of the modules and the state of the optimizers it
+uses), as torch.compile and jax.jit do: Python side effects and data-dependent control flow happen at capture only.
+See docs/graphs.md.
 
 The stored record (msgpack, the program map of docs/storage.md plus what a replay needs):
 
@@ -548,6 +548,7 @@ class CompiledFunction:
             else:  # modules, optimizers and other objects: by identity (their tensors are in the state part)
                 parts.append((path, "O", type(v).__qualname__, id(v)))
         parts.append(_state_signature(mods, opts))
+        parts.append([mm.training for m in mods for mm in m.modules()])  # train() and eval() trace differently
         return parts
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -324,6 +324,21 @@ def test_a_compiled_step_with_dropout_takes_the_gradient_through_the_forward_mas
         np.testing.assert_array_equal(a, b)
 
 
+def test_eval_mode_is_part_of_the_signature() -> None:
+    dx.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).double()
+    f = dx.compile(lambda x: model(x) * 1.0)
+    x = dx.tensor(np.ones((2, 4)))
+    f(x)
+    f(x)
+    model.eval()
+    np.testing.assert_array_equal(f(x).numpy(), (model(x) * 1.0).numpy())  # no dropout: a graph of its own
+    assert (f.captures, f.replays) == (2, 1)
+    model.train()
+    f(x)
+    assert (f.captures, f.replays) == (2, 2)
+
+
 def test_a_compiled_method_finds_the_model_and_optimizer_on_its_instance() -> None:
     class Trainer:
         def __init__(self) -> None:
