@@ -687,14 +687,15 @@ class CompiledFunction:
             k += 1
         scalars: dict[str, Any] = {}
         upd = iter(g.updates)
+        steps: list[tuple[dict[str, Any], int]] = []  # counted once the replay has run: a refused one updates nothing
         for i, j, key in rec.scalars:
             instr = rec.instrs[i]
             if instr.name in _OPTIMIZER_OPS:
                 if _is_step(instr, j):  # one per update, counted as Optimizer.step counts
                     o, p, _ = next(upd)
                     st = o.state.setdefault(id(p), {"step": 0})
-                    st["step"] += 1
-                    scalars[key] = int(st["step"])
+                    steps.append((st, int(st["step"]) + 1))
+                    scalars[key] = steps[-1][1]
             elif key.startswith("seed.") and key not in scalars:  # one draw per seed the eager call drew
                 from deepx_sdk.tensor import _seed
 
@@ -707,6 +708,8 @@ class CompiledFunction:
                     scalars[key] = _hyper(OPS[instr.name].args[j].name, found)
         out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs]
         _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)}, scalars)
+        for st, step in steps:
+            st["step"] = step
         self.replays += 1
         outs = [Tensor(n, tuple(sh), d, s) for n, (_, d, sh) in zip(out_names, rec.outputs)]
         return _unspec(rec.returns, outs)

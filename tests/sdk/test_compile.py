@@ -339,6 +339,35 @@ def test_eval_mode_is_part_of_the_signature() -> None:
     assert (f.captures, f.replays) == (2, 2)
 
 
+def test_a_refused_replay_does_not_count_an_optimizer_step() -> None:
+    from deepx_sdk.ir import parse_text
+
+    dx.manual_seed(0)
+    lin = nn.Linear(3, 1).double()
+    opt = dx.optim.Adam(lin.parameters(), lr=0.1)
+
+    def step(x):
+        opt.zero_grad()
+        loss = (lin(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    f = dx.compile(step)
+    x = dx.tensor(np.ones((4, 3)))
+    for _ in range(3):
+        f(x)
+    assert f.replays == 1
+    counts = [opt.state[id(p)]["step"] for p in lin.parameters()]
+    assert counts == [3, 3]
+    held = sorted(v.name for st in opt.state.values() for v in st.values() if hasattr(v, "name"))
+    s = dx.session()
+    s.transport.run(parse_text(f"deltensor () -> (tensor<float64>:{held[0]})"), ())  # behind the SDK's back
+    with pytest.raises(dx.DeepxError, match=held[0]):
+        f(x)
+    assert [opt.state[id(p)]["step"] for p in lin.parameters()] == counts
+
+
 def test_a_compiled_method_finds_the_model_and_optimizer_on_its_instance() -> None:
     class Trainer:
         def __init__(self) -> None:
