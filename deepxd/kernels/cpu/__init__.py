@@ -115,6 +115,14 @@ class CpuExecutor:
     def __init__(self, *, io_roots: Iterable[str | os.PathLike[str]] | None = None,
                  output: Callable[[str], None] | None = None) -> None:
         self.tensors = TensorTable()
+        # transposes are views of their operand's buffer (a matmul then reads it transposed, as BLAS likes, with no
+        # copy): view name -> the name whose buffer it shares, and that name -> its views. `shared` holds both
+        # kinds of name: before anything writes a shared buffer in place, unshare() gives the views copies
+        self.view_of: dict[str, str] = {}
+        self.views: dict[str, list[str]] = {}
+        self.shared: dict[str, None] = {}
+        # names whose array must stay the same object (heap tensors: shared memory); never made views
+        self.pinned: Any = ()
         # the Env lookup that checking reads, bound to the metas dict's get: C speed
         self.meta: Callable[[str], TensorMeta | None] = self.tensors.metas.get
         self.plans = BindCache()
@@ -148,15 +156,20 @@ class CpuExecutor:
             run_fused = self._prepare_fused(b)
             if run_fused is not None:
                 return run_fused
-        if (b.op.family in STORE_FAMILIES or name == "reshape" or b.instr.meta or 2 in kinds or len(b.outs) != 1
-                or b.outs[0] is None):
+        if (b.op.family in STORE_FAMILIES or name in ("reshape", "transpose") or b.instr.meta or 2 in kinds
+                or len(b.outs) != 1 or b.outs[0] is None):
             return lambda: self.execute(b)
         tensors = self.tensors
         metas = tensors.metas
         out, meta = str(b.out_names[0]), b.outs[0]
         npdt = to_numpy(meta.dtype)
         shape = meta.shape
-        get = tensors.get
+        shared, unshare = self.shared, self.unshare
+
+        def get(n: str) -> np.ndarray | None:
+            if shared and n in shared:
+                unshare(n)
+            return tensors.get(n)
 
         def target() -> tuple[np.ndarray, bool]:
             o = get(out)
@@ -245,6 +258,8 @@ class CpuExecutor:
         expr = b.args[1]
 
         def run() -> None:
+            if self.shared and out in self.shared:
+                self.unshare(out)
             have = get(out)
             fresh = have is None or metas[out] != meta
             o = np.empty(shape, cdt) if fresh or have is None else have
@@ -272,11 +287,88 @@ class CpuExecutor:
         if isinstance(e, (ValueError, TypeError, IndexError, OverflowError, KeyError, FloatingPointError)):
             raise DeepxError(f"{name}: {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None
 
+    def unshare(self, name: str) -> None:
+        """Before `name`'s buffer is written in place (or freed, or renamed): a view named `name` gets a buffer of its
+        own, and the views of `name`'s buffer get copies."""
+        shared = self.shared
+        tensors = self.tensors
+        base = self.view_of.pop(name, None)
+        if base is not None:
+            shared.pop(name, None)
+            others = self.views.get(base)
+            if others is not None:
+                others.remove(name)
+                if not others:
+                    del self.views[base]
+                    shared.pop(base, None)
+            a = tensors.get(name)
+            if a is not None:
+                tensors[name] = a.copy()
+        mine = self.views.pop(name, None)
+        if mine is not None:
+            shared.pop(name, None)
+            for v in mine:
+                self.view_of.pop(v, None)
+                shared.pop(v, None)
+                a = tensors.get(v)
+                if a is not None:
+                    tensors[v] = a.copy()
+
+    def _forget_view(self, name: str) -> None:
+        """`name` is deleted: a view needs nothing more; a stack tensor's views keep its buffer to themselves (a
+        heap tensor's get copies: its shared memory is given back)."""
+        if name in self.pinned:
+            self.unshare(name)
+            return
+        base = self.view_of.pop(name, None)
+        if base is not None:
+            self.shared.pop(name, None)
+            others = self.views.get(base)
+            if others is not None:
+                others.remove(name)
+                if not others:
+                    del self.views[base]
+                    self.shared.pop(base, None)
+        mine = self.views.pop(name, None)
+        if mine is not None:
+            self.shared.pop(name, None)
+            for v in mine:
+                self.view_of.pop(v, None)
+                self.shared.pop(v, None)
+
+    def _transpose_view(self, b: Bound) -> bool:
+        """transpose as a view of its operand, where that is safe; False: run the kernel."""
+        src, out = b.names[0], str(b.out_names[0])
+        if out == src or out in self.pinned or src not in self.tensors:
+            return False
+        if out in self.shared:
+            self._forget_view(out)  # its old buffer is left to its other holders; the name gets the view
+        base = self.view_of.get(src, src)
+        if base in self.pinned:  # heap tensors are written in place every step (optimizers): copying then costs more
+            return False
+        self.tensors[out] = self.tensors[src].transpose(b.args[1])
+        self.view_of[out] = base
+        self.views.setdefault(base, []).append(out)
+        self.shared[out] = None
+        self.shared[base] = None
+        return True
+
     def execute(self, b: Bound) -> None:
         """Run an instruction already checked by `bind` against this executor's current state."""
         name = b.op.name
         kernel = KERNELS[name]
         try:
+            if self.shared:
+                if name == "deltensor":
+                    self._forget_view(str(b.out_names[0]))
+                else:
+                    for n in b.out_names:
+                        if n in self.shared:
+                            self.unshare(n)
+                    if name == "renametensor" and b.args[0] in self.shared:
+                        self.unshare(str(b.args[0]))
+            if name == "transpose" and self._transpose_view(b):
+                return
             if b.op.family in STORE_FAMILIES:
                 kernel(self, b)
                 return
@@ -327,6 +419,8 @@ class CpuExecutor:
     def put(self, name: str, array: np.ndarray) -> None:
         """Store `array` (any dtype deepx knows) as tensor `name`."""
         dtype_name(array.dtype)
+        if name in self.shared:
+            self._forget_view(name)  # the name gets a new buffer; views of the old one keep it
         self.tensors[name] = np.array(array, order="C", copy=True)  # ours: a caller's later reshape cannot desync
 
     def get(self, name: str) -> np.ndarray:

@@ -21,10 +21,12 @@ def _store(dst: np.ndarray, value: np.ndarray) -> None:
 def sgd(param, grad, buf, lr, momentum, dampening, weight_decay, nesterov, step, param_out, buf_out):
     if (momentum and step > 1 and not weight_decay and not nesterov and param_out is param and buf_out is buf
             and param.dtype not in LOW and grad.dtype == param.dtype and buf.dtype == param.dtype):
-        # the usual step, in place (the same values as below: buf*m + (1-d)*g, then p - lr*buf), with one temporary
-        buf *= momentum
-        buf += grad if dampening == 0 else (1 - dampening) * grad
-        param -= lr * buf
+        # the usual step, in place (the same values as below: buf*m + (1-d)*g, then p - lr*buf), with one temporary;
+        # the numbers converted first, so that one too large fails before anything is written
+        lr_, momentum_, keep = float(lr), float(momentum), 1 - float(dampening)
+        buf *= momentum_
+        buf += grad if dampening == 0 else keep * grad
+        param -= lr_ * buf
         return
     p, g = _work(param), _work(grad)
     if weight_decay:

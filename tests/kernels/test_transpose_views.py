@@ -1,0 +1,108 @@
+"""transpose makes a view of its operand's buffer (CpuExecutor.view_of): every tensor must still behave as a value of
+its own. Whatever writes a shared buffer in place, deletes, renames or replaces one of its names, the other names
+keep the values they had."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deepx_sdk.ir.text import parse_text
+from deepxd.kernels.cpu import CpuExecutor
+
+
+def run(ex: CpuExecutor, text: str) -> None:
+    for instr in parse_text(text.strip()):
+        ex.run(instr)
+
+
+@pytest.fixture
+def ex() -> CpuExecutor:
+    ex = CpuExecutor()
+    ex.put("x", np.arange(6, dtype=np.float32).reshape(2, 3))
+    ex.put("y", np.ones((2, 3), np.float32))
+    run(ex, "transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:t)")
+    return ex
+
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+
+def test_transpose_is_a_view(ex):
+    assert ex.view_of["t"] == "x" and np.shares_memory(ex.get("t"), ex.get("x"))
+    np.testing.assert_array_equal(ex.get("t"), X.T)
+
+
+def test_writing_the_source_in_place_leaves_the_view_its_value(ex):
+    run(ex, "add (tensor<float32>:x, tensor<float32>:y) -> (tensor<float32>:x)")
+    np.testing.assert_array_equal(ex.get("t"), X.T)
+    np.testing.assert_array_equal(ex.get("x"), X + 1)
+    assert not ex.shared
+
+
+def test_writing_the_view_in_place_leaves_the_source_its_value(ex):
+    run(ex, "addscalar (tensor<float32>:t, var<float32>:10.0) -> (tensor<float32>:t)")
+    np.testing.assert_array_equal(ex.get("t"), X.T + 10)
+    np.testing.assert_array_equal(ex.get("x"), X)
+
+
+def test_a_view_of_a_view_and_a_matmul_on_views(ex):
+    run(ex, """
+        transpose (tensor<float32>:t, vector<int32>:[1 0]) -> (tensor<float32>:u)
+        matmul (tensor<float32>:x, tensor<float32>:t) -> (tensor<float32>:m)
+        mulscalar (tensor<float32>:x, var<float32>:0.0) -> (tensor<float32>:x)
+    """)
+    np.testing.assert_array_equal(ex.get("u"), X)
+    np.testing.assert_array_equal(ex.get("t"), X.T)
+    np.testing.assert_allclose(ex.get("m"), X @ X.T)
+
+
+@pytest.mark.parametrize("text", [
+    "deltensor () -> (tensor<float32>:x)",
+    "renametensor (var<string>:x2) -> (tensor<float32>:x)",
+    "copytensor (tensor<float32>:y) -> (tensor<float32>:x)",
+    "deltensor () -> (tensor<float32>:t)",
+    "renametensor (var<string>:t2) -> (tensor<float32>:t)",
+    "copytensor (tensor<float32>:y) -> (tensor<float32>:x)\n"
+    "mulscalar (tensor<float32>:x, var<float32>:2.0) -> (tensor<float32>:x)",
+])
+def test_life_instructions_keep_every_value(ex, text):
+    run(ex, text)
+    names = dict(ex.tensors)
+    if "t" in names:
+        np.testing.assert_array_equal(names["t"], X.T)
+    if "t2" in names:
+        np.testing.assert_array_equal(names["t2"], X.T)
+    if "x2" in names:
+        np.testing.assert_array_equal(names["x2"], X)
+    run(ex, "addscalar (tensor<float32>:y, var<float32>:1.0) -> (tensor<float32>:y)")  # nothing else changes
+    for name, a in names.items():
+        if name != "y":
+            np.testing.assert_array_equal(ex.get(name), a)
+
+
+def test_put_over_the_source_leaves_the_view(ex):
+    ex.put("x", np.zeros((2, 3), np.float32))
+    np.testing.assert_array_equal(ex.get("t"), X.T)
+
+
+def test_pinned_tensors_are_copied_not_viewed(ex):
+    ex.pinned = {"x": None}
+    run(ex, "transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:p)")
+    assert "p" not in ex.view_of and not np.shares_memory(ex.get("p"), ex.get("x"))
+    np.testing.assert_array_equal(ex.get("p"), X.T)
+
+
+def test_prepared_calls_see_views(ex):
+    ex.put("w", np.full((3, 2), 2.0, np.float32))
+    run(ex, "transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)")
+    into_base = ex.plans.bind(parse_text("mulscalar (tensor<float32>:w, var<float32>:3.0) -> (tensor<float32>:w)")[0],
+                              ex)
+    ex.prepare(into_base)()  # in place into w, which wt views
+    np.testing.assert_array_equal(ex.get("wt"), np.full((2, 3), 2.0))
+    np.testing.assert_array_equal(ex.get("w"), np.full((3, 2), 6.0))
+    into_view = ex.plans.bind(parse_text("addscalar (tensor<float32>:t, var<float32>:1.0) -> (tensor<float32>:t)")[0],
+                              ex)
+    ex.prepare(into_view)()  # in place into t, a view of x
+    np.testing.assert_array_equal(ex.get("t"), X.T + 1)
+    np.testing.assert_array_equal(ex.get("x"), X)
