@@ -66,15 +66,17 @@ class Node:
         if "heapmem" in roles:
             from deepxd.actors.heapmem import HeapMemory
 
-            self.refs["heapmem"] = self.supervisor.start(HeapMemory(
-                self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
-                device=cuda.device_heap if cuda is not None else None))  # with op-cuda, heap tensors are on the GPU
+            heapmem = HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
+                                 device=cuda.device_heap if cuda is not None else None)  # with op-cuda: on the GPU
+            self.refs["heapmem"] = self.supervisor.start(heapmem)
             if cuda is not None:
                 cuda.heapmem = self.refs["heapmem"]
         if "op-cpu" in roles:
             workers["op-cpu"] = self.refs["op-cpu"] = self.supervisor.start(
                 CpuWorker(heapmem=self.refs.get("heapmem") if cuda is None else None, io_roots=c.io_roots,
                           inline_elements=c.inline_elements))
+        if "heapmem" in roles:
+            heapmem.viewers = list(workers.values())  # told when a heap tensor they may view is freed
         if "scheduler" in roles:
             self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c))
         if "registry" in roles:

@@ -36,7 +36,7 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
-from deepxd.actors.base import Actor, ActorStopped
+from deepxd.actors.base import Actor, ActorRef, ActorStopped
 from deepxd.kv.base import KV, Batch
 from deepxd.shm import Segment, SegmentExists, list_segments, segment_exists, segment_name, segment_pid, unlink_segment
 
@@ -197,6 +197,9 @@ class HeapMemory(Actor):
         self._pool: dict[int, list[Segment]] = {}  # size class -> free segments
         self._pooled_bytes = 0
         self._tick: asyncio.Task[None] | None = None
+        # op workers that view heap tensors (their arrays are this memory): told `heap_gone` when one is freed, so
+        # that no later program of theirs touches memory that is gone or given to another tensor
+        self.viewers: list[ActorRef] = []
 
     # -- lifecycle
     async def on_start(self) -> None:
@@ -527,14 +530,23 @@ class HeapMemory(Actor):
 
     def _drop(self, t: _Heap, pool: bool) -> None:
         self._tensors.pop(t.name, None)
+        viewed = False
+        for viewer in self.viewers:
+            with contextlib.suppress(ActorStopped):
+                viewer.tell("heap_gone", name=t.name)
+                viewed = True
         if t.block is not None:
-            self.device.free(t.block)  # queued on the CUDA thread, after every use queued before it
+            # told after heap_gone, into the CUDA worker's mailbox: freed after every program queued before it
+            self.device.free(t.block)
             t.block, t.view = None, None
             return
         seg, t.segment, t.view = t.segment, None, None
         if seg is None:
             return
-        if pool and seg.size == size_class(seg.size) and self._pooled_bytes + seg.size <= self.pool_bytes:
+        # a worker's view goes only when it reads its mailbox: until then the segment must not hold another tensor,
+        # so it is unlinked (the mapping lives on under the view until that is collected), never pooled
+        if (pool and not viewed and seg.size == size_class(seg.size)
+                and self._pooled_bytes + seg.size <= self.pool_bytes):
             self._pool.setdefault(seg.size, []).append(seg)
             self._pooled_bytes += seg.size
         else:

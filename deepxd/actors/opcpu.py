@@ -104,7 +104,6 @@ class CpuWorker(Actor):
         self.heapmem = heapmem
         self.heap: dict[str, np.ndarray] = {}  # heap tensor name -> its shared-memory view
         self.heap_held: set[str] = set()  # heap tensors this worker holds a reference to (others only view)
-        self.ex.pinned = self.heap  # never replaced by a view of another buffer (their arrays are shared memory)
         self.inline_elements = inline_elements
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
@@ -365,8 +364,6 @@ class CpuWorker(Actor):
         if len(data) != want:
             raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
         array = np.frombuffer(data, dtype=npdt).reshape(shape)
-        if name in self.ex.shared:
-            self.ex.unshare(name)  # written in place below: views of its buffer keep their values
         if heap:
             if self.heapmem is None:
                 raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
@@ -385,6 +382,10 @@ class CpuWorker(Actor):
                 except DeepxError as e:
                     if "exists" not in str(e):
                         raise
+                    have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor
+                    if tuple(have["shape"]) != shape or have["dtype"] != dtype:
+                        raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
+                                         f"{dtype}{list(shape)}") from None
                     await self.heapmem.ask("attach", name=name, holder=self.name)
                     self.heap_held.add(name)
                 view = await self.heapmem.ask("array", name=name)
@@ -398,6 +399,14 @@ class CpuWorker(Actor):
             self.ex.put(name, array.copy())
         return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "heap" if heap else "stack"}
 
+    def on_heap_gone(self, name: str) -> None:
+        """heapmem freed heap tensor `name`: forget its view, so no later program touches that memory."""
+        view = self.heap.pop(name, None)
+        self.heap_held.discard(name)
+        if view is not None and self.ex.tensors.get(name) is view:
+            del self.ex.tensors[name]
+            self.known.clear()  # checked programs may name it
+
     async def on_attach_heap(self, name: str) -> dict[str, Any]:
         """Make an existing heap tensor visible to programs here."""
         if self.heapmem is None:
@@ -405,8 +414,6 @@ class CpuWorker(Actor):
         info = await self.heapmem.ask("attach", name=name, holder=self.name)
         self.heap_held.add(name)
         view = await self.heapmem.ask("array", name=name)
-        if name in self.ex.shared:
-            self.ex.unshare(name)
         self.heap[name] = view
         self.ex.tensors[name] = view
         return dict(info)

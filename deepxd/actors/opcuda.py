@@ -31,7 +31,7 @@ from deepx_sdk.ir.dtypes import to_numpy
 from deepx_sdk.ir.instr import Instr, same_program, scalar_kinds
 from deepx_sdk.ir.ops import OPS, Bound, ProgramError, check_program
 from deepx_sdk.ir.shapes import numel
-from deepxd.actors.base import Actor, ActorRef
+from deepxd.actors.base import Actor, ActorRef, ActorStopped
 from deepxd.actors.opcpu import KnownProgram, OpStat, RunResult, _state_free, _touched
 from deepxd.kernels.cpu import dtype_name
 
@@ -78,7 +78,12 @@ class DeviceHeap:
         return await self.worker.call(self.worker.block_view, block, tuple(shape), dtype)
 
     def free(self, block: DeviceBlock) -> None:
-        self.worker.submit(self.worker.free_block, block)
+        # through the worker's mailbox, after heapmem's `heap_gone` and every program queued before it; with the
+        # worker stopped, straight to its thread (which frees nothing once the context is gone)
+        try:
+            self.worker.ref.tell("heap_free", block=block)
+        except ActorStopped:
+            self.worker.submit(self.worker.free_block, block)
 
 
 class CudaWorker(Actor):
@@ -182,6 +187,17 @@ class CudaWorker(Actor):
         from deepxd.kernels.cuda import DeviceTensor
 
         return DeviceTensor(block.allocation, int(block.allocation), shape, dtype)
+
+    def on_heap_gone(self, name: str) -> None:
+        """heapmem freed heap tensor `name`: forget its device array, so no later program touches that memory."""
+        view = self.heap.pop(name, None)
+        self.heap_held.discard(name)
+        if view is not None and self.ex is not None and self.ex.tensors.get(name) is view:
+            self.ex.tensors.pop(name)
+            self.known.clear()  # checked programs may name it
+
+    def on_heap_free(self, block: DeviceBlock) -> None:
+        self.submit(self.free_block, block)
 
     def free_block(self, block: DeviceBlock) -> None:
         self.ex.synchronize()  # kernels queued before the free may still read it
@@ -432,6 +448,10 @@ class CudaWorker(Actor):
             except DeepxError as e:
                 if "exists" not in str(e):
                     raise
+                have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor
+                if tuple(have["shape"]) != shape or have["dtype"] != dtype:
+                    raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
+                                     f"{dtype}{list(shape)}") from None
                 await self.heapmem.ask("attach", name=name, holder=self.name)
                 self.heap_held.add(name)
             self.heap[name] = await self.heapmem.ask("array", name=name)

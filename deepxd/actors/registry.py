@@ -189,8 +189,8 @@ class Registry(Actor):
 
     async def on_delete(self, name: str, force: bool = False) -> dict[str, Any]:
         """Free tensor `name` of this node: a stack tensor at once; a heap tensor only while at most one reference
-        is held (refcount <= 1), unless force. A forced heap tensor is freed in heapmem first, so that memory others
-        still map is unlinked rather than pooled; then the workers drop their views."""
+        is held (refcount <= 1), unless force. A forced heap tensor is freed in heapmem, which unlinks memory others
+        still map rather than pooling it and tells the workers (`heap_gone`) to drop their views."""
         heap: dict[str, Any] | None = None
         if self.heapmem is not None:
             try:
@@ -214,7 +214,8 @@ class Registry(Actor):
             raise DeepxError(f"delete: heap tensor {name!r} is still referenced {heap['refcount']} times (held by "
                              f"{', '.join(heap['holders']) or 'unnamed holders'}); release it first, or force")
         if shared and self.heapmem is not None:
-            await self.heapmem.ask("delete", name=name, force=True)
+            await self.heapmem.ask("delete", name=name, force=True)  # it tells the workers to drop their views
+            holding = {}
         for worker in holding:
             result = await self.workers[worker].ask("run", program=[Instr("deltensor", (), (Param.tensor(name),))])
             if result.error:

@@ -84,3 +84,32 @@ def test_unknown_request_op_lists_delete(live: Live) -> None:
     known = "known: admin, backward, delete, explain, fetch, graph_get, graph_store, hello, ping, put, replay"
     with live.daemon.client() as c, pytest.raises(DeepxError, match=known):
         c.request("frobnicate")
+
+
+def test_a_heap_tensor_freed_through_the_lifecycle_list_is_gone_from_the_worker_too(live: Live) -> None:
+    """A lifecycle `delete` frees the memory; op-cpu, which viewed it, forgets the view, so a later program cannot
+    read or write memory that is gone or that a new heap tensor now holds."""
+    plane = redis.Redis.from_url(live.redis_url)
+    with live.daemon.client() as c:
+        c.put("d_life", np.full((256,), 5, np.float32), heap=True)
+        plane.rpush(f"{live.prefix}tensor_lifecycle", msgpack.packb({"cmd": "delete", "name": "d_life"}))
+        wait_for(lambda: "d_life" not in {t["name"] for t in c.admin("tensors")}, what="the delete")
+        c.put("d_next", np.full((256,), 9, np.float32), heap=True)  # same size: it could take the freed memory
+        with pytest.raises(DeepxError, match="'d_life' not found"):
+            c.fetch("d_life")
+        r = c.run(parse_text("addscalar (tensor:d_life, var:1) -> (tensor:d_life)"))
+        assert not r.ok and r.done == 0 and "'d_life' not found" in r.error
+        assert (c.fetch("d_next")["d_next"] == 9).all()  # untouched
+        c.request("delete", name="d_next")
+
+
+def test_put_onto_a_heap_tensor_of_another_shape_is_refused(live: Live) -> None:
+    with live.daemon.client() as c:
+        c.put("d_other", np.ones((4,), np.float32), heap=True, owner="loader")  # op-cpu views, loader holds
+        assert c.run(parse_text("deltensor () -> (tensor:d_other)")).ok  # op-cpu drops its view; loader keeps it
+        with pytest.raises(DeepxError, match=r"put: heap tensor 'd_other' is float32\[4\]; it cannot take "
+                                             r"float32\[8\]"):
+            c.put("d_other", np.zeros((8,), np.float32), heap=True)
+        c.put("d_other", np.full((4,), 2, np.float32), heap=True)  # the right shape attaches and writes
+        assert c.fetch("d_other")["d_other"].tolist() == [2.0] * 4
+        c.request("delete", name="d_other", force=True)
