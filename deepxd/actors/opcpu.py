@@ -104,6 +104,7 @@ class CpuWorker(Actor):
         self.heapmem = heapmem
         self.heap: dict[str, np.ndarray] = {}  # heap tensor name -> its shared-memory view
         self.heap_held: set[str] = set()  # heap tensors this worker holds a reference to (others only view)
+        self.ex.pinned = self.heap  # never replaced by a view of another buffer (their arrays are shared memory)
         self.inline_elements = inline_elements
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
@@ -364,6 +365,8 @@ class CpuWorker(Actor):
         if len(data) != want:
             raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
         array = np.frombuffer(data, dtype=npdt).reshape(shape)
+        if name in self.ex.shared:
+            self.ex.unshare(name)  # written in place below: views of its buffer keep their values
         if heap:
             if self.heapmem is None:
                 raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
@@ -414,6 +417,8 @@ class CpuWorker(Actor):
         info = await self.heapmem.ask("attach", name=name, holder=self.name)
         self.heap_held.add(name)
         view = await self.heapmem.ask("array", name=name)
+        if name in self.ex.shared:
+            self.ex.unshare(name)
         self.heap[name] = view
         self.ex.tensors[name] = view
         return dict(info)
