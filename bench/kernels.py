@@ -5,6 +5,8 @@ For float32 add, mul, exp, sum at 1K and 16M elements and matmul at 1024 and 204
   kernel   the deepx CPU kernel (deepxd.kernels.cpu.<family>.<op>) on the same arrays
   run      CpuExecutor.run(instr): check the instruction against the catalogue, resolve names, then the kernel
 Prints ratios (time / numpy time) and, at 1K, the microseconds above numpy; writes bench/results/kernels.json.
+Then erf and exact gelu (float32, 262K and 16M elements) against torch.special.erf and torch.nn.functional.gelu,
+when torch is installed: kernel time / torch time.
 
     python bench/kernels.py [--quick]
 """
@@ -44,6 +46,36 @@ def cases(quick: bool):
         yield f"sum {label}", "sum", [(n,)], lambda a, c: np.sum(a, axis=(0,), out=c), ((0,), False)
     for n in (512, 1024) if quick else (1024, 2048):
         yield f"matmul {n}", "matmul", [(n, n), (n, n)], lambda a, b, c: np.matmul(a, b, out=c), ()
+
+
+def erf_gelu_vs_torch(quick: bool) -> list[dict]:
+    """The erf and exact-gelu kernels against torch's (its own threads) on the same float32 arrays."""
+    try:
+        import torch
+    except ImportError:
+        print("erf/gelu against torch: torch is not installed")
+        return []
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, label in ((1 << 18, "262K"), (1 << 22 if quick else 1 << 24, "4M" if quick else "16M")):
+        a = rng.standard_normal(n, dtype=np.float32)
+        out = np.empty_like(a)
+        ta = torch.from_numpy(a)
+        number, repeat = (1, 2) if quick else ((20, 5) if n < 1 << 20 else (2, 3))
+        for name, kernel, ref in (
+            ("erf", lambda: KERNELS["erf"](a, out), lambda: torch.special.erf(ta)),
+            ("gelu", lambda: KERNELS["gelu"](a, "none", out), lambda: torch.nn.functional.gelu(ta)),
+        ):
+            t_k = best_time(kernel, number, repeat)
+            t_t = best_time(ref, number, repeat)
+            # torch computes 1 + erf(x/sqrt 2) in float32: near x = -4.5 its gelu is 1e-3 off, the kernel is not
+            np.testing.assert_allclose(out, ref().numpy(), rtol=1e-5, atol=1e-5)
+            rows.append({"case": f"{name} {label}", "kernel_us": t_k * 1e6, "torch_us": t_t * 1e6, "ratio": t_k / t_t})
+    print(f"{'case':<12}{'kernel us':>12}{'torch us':>12}{'kernel/torch':>14}"
+          f"   (torch threads: {torch.get_num_threads()})")
+    for r in rows:
+        print(f"{r['case']:<12}{r['kernel_us']:>12.1f}{r['torch_us']:>12.1f}{r['ratio']:>14.2f}")
+    return rows
 
 
 def main() -> None:
@@ -86,11 +118,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:<12}{r['numpy_us']:>12.2f}{r['kernel_us']:>12.2f}{r['run_us']:>12.2f}"
               f"{r['kernel_ratio']:>11.3f}{r['run_ratio']:>9.3f}{r['kernel_over_us']:>12.2f}{r['run_over_us']:>10.2f}")
+    vs_torch = erf_gelu_vs_torch(opts.quick)
     out = Path(__file__).parent / "results" / "kernels.json"
     out.parent.mkdir(exist_ok=True)
     meta = {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
             "quick": opts.quick}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "erf_gelu_vs_torch": vs_torch}, indent=2))
     print(f"written {out}")
 
 
