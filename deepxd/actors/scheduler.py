@@ -37,6 +37,21 @@ from deepxd.config import Config
 log = logging.getLogger(__name__)
 
 
+_VALUE_CATEGORIES = frozenset(("var", "vector", ""))
+
+
+def _names_variables(program: Sequence[Instr]) -> bool:
+    """Whether the program sets variables or may read one by name (a string where a value goes): then the passes
+    need the worker's variables. A plain loop: this runs over every instruction of every program."""
+    for instr in program:
+        if instr.name in ("argset", "vecset"):
+            return True
+        for p in instr.args:
+            if type(p.value) is str and p.category in _VALUE_CATEGORIES:
+                return True
+    return False
+
+
 class Scheduler(Actor):
     role = "scheduler"
 
@@ -80,8 +95,7 @@ class Scheduler(Actor):
         keep = [r["name"] for r in rows if r.get("kind") == "heap"]
         variables: dict[str, Any] = {}
         vectors: dict[str, Any] = {}
-        if any(instr.name in ("argset", "vecset") or any(type(p.value) is str and p.category in ("var", "vector", "")
-                                                          for p in instr.args) for instr in program):
+        if _names_variables(program):
             held = await worker.ask("variables")
             variables = held.get("vars", {})
             vectors = {k: tuple(v) for k, v in held.get("vectors", {}).items()}
