@@ -153,3 +153,33 @@ async def test_a_kernel_error_in_a_known_program_reads_as_in_a_fresh_one(nodes):
     again = await node.run(fresh(prog), [])
     assert node.worker.known_hits == hits + 1
     assert again.error == first.error and again.error_index == first.error_index == 0 and again.done == 0
+
+
+def _times_by_loop(times_us, origins, done):
+    """original_times as a plain walk (the reference for the numpy form that long programs take)."""
+    out, j, last, ran = [], 0, times_us[0], len(times_us) // 2
+    for i in range(done):
+        start = end = last
+        first = True
+        while j < len(origins) and origins[j] <= i:
+            if j < ran and origins[j] == i:
+                if first:
+                    start, first = times_us[2 * j], False
+                end = last = times_us[2 * j + 1]
+            j += 1
+        out += (start, end)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_times_of_a_long_rewritten_program_map_back_as_the_walk_does(seed):
+    from deepxd.compiler.pipeline import original_times
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(256, 1200))
+    origins = sorted(rng.choice(n, int(rng.integers(1, n)), replace=False).tolist())
+    origins = sorted(origins + origins[: int(rng.integers(0, 4))])  # a few that two instructions stand for
+    ran = int(rng.integers(1, len(origins) + 1))
+    times = np.sort(rng.uniform(0, 1000, 2 * ran)).tolist()
+    done = int(rng.integers(256, n + 1))
+    assert original_times(times, origins, done) == _times_by_loop(times, origins, done)
