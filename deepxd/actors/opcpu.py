@@ -24,7 +24,7 @@ from deepx_sdk.ir.instr import Instr, same_program, scalar_kinds
 from deepx_sdk.ir.ops import Bound, ProgramError, TensorMeta, check_program
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef
-from deepxd.kernels.cpu import CpuExecutor, dtype_name
+from deepxd.kernels.cpu import CpuExecutor, dtype_name, transient_transposes
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class KnownProgram(NamedTuple):
     steps: list[Any]
     heavy: bool
     deletes: bool
+    transient: set[int]
 
 
 def _state_free(bounds: list[Bound]) -> bool:
@@ -131,6 +132,7 @@ class CpuWorker(Actor):
         known = self._known(program, fetch)
         if known is not None:
             self.known_hits += 1
+            self.ex.transient = known.transient
             if known.heavy:
                 await asyncio.get_running_loop().run_in_executor(self._thread, self._execute_known, known, result)
             else:
@@ -155,8 +157,9 @@ class CpuWorker(Actor):
         heap_new = (await self._heap_tensors_to_create(bounds)
                     if any(b.instr.meta and b.op.name == "newtensor" for b in bounds) else {})
         heavy = self._heavy(bounds)
+        self.ex.transient = transient = transient_transposes(bounds)
         if not heap_new:
-            self._remember(program, fetch, bounds, heavy)
+            self._remember(program, fetch, bounds, heavy, transient)
         if heavy:
             await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, bounds, result, heap_new)
         else:
@@ -238,7 +241,8 @@ class CpuWorker(Actor):
                 return k
         return None
 
-    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool) -> None:
+    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool,
+                  transient: set[int]) -> None:
         if not bounds or not _state_free(bounds):
             return
         try:
@@ -257,7 +261,7 @@ class CpuWorker(Actor):
         bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
                                    tuple((metas.get(n), n in heap) for n in names), bounds,
                                    [self.ex.prepare(b) for b in bounds], heavy,
-                                   any(b.op.name == "deltensor" for b in bounds)))
+                                   any(b.op.name == "deltensor" for b in bounds), transient))
 
     def _execute_known(self, known: KnownProgram, result: RunResult) -> None:
         """_execute for a known program: its instructions prepared, one clock read each, statistics after."""

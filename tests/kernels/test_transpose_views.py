@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from deepx_sdk.ir.ops import check_program
 from deepx_sdk.ir.text import parse_text
-from deepxd.kernels.cpu import CpuExecutor
+from deepxd.kernels.cpu import CpuExecutor, transient_transposes
 
 
 def run(ex: CpuExecutor, text: str) -> None:
@@ -16,9 +17,17 @@ def run(ex: CpuExecutor, text: str) -> None:
         ex.run(instr)
 
 
+class Every:
+    """A transient set holding every transpose: the view mechanics, apart from the worker's choice of which."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
 @pytest.fixture
 def ex() -> CpuExecutor:
     ex = CpuExecutor()
+    ex.transient = Every()
     ex.put("x", np.arange(6, dtype=np.float32).reshape(2, 3))
     ex.put("y", np.ones((2, 3), np.float32))
     run(ex, "transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:t)")
@@ -91,6 +100,15 @@ def test_pinned_tensors_are_copied_not_viewed(ex):
     run(ex, "transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:p)")
     assert "p" not in ex.view_of and not np.shares_memory(ex.get("p"), ex.get("x"))
     np.testing.assert_array_equal(ex.get("p"), X.T)
+    assert ex.get("p").flags.f_contiguous and "p" in ex.strided  # laid out as x is: a straight copy
+    run(ex, """
+        transpose (tensor<float32>:p, vector<int32>:[1 0]) -> (tensor<float32>:q)
+        addscalar (tensor<float32>:p, var<float32>:1.0) -> (tensor<float32>:p)
+    """)
+    assert ex.get("p").flags.c_contiguous and "p" not in ex.strided  # row-major before it is written in place
+    np.testing.assert_array_equal(ex.get("p"), X.T + 1)
+    np.testing.assert_array_equal(ex.get("q"), X)
+    np.testing.assert_array_equal(ex.get("x"), X)
 
 
 def test_prepared_calls_see_views(ex):
@@ -106,3 +124,24 @@ def test_prepared_calls_see_views(ex):
     ex.prepare(into_view)()  # in place into t, a view of x
     np.testing.assert_array_equal(ex.get("t"), X.T + 1)
     np.testing.assert_array_equal(ex.get("x"), X)
+
+
+def test_only_transposes_that_die_in_their_program_become_views():
+    ex = CpuExecutor()
+    ex.put("x", X)
+    bounds = check_program(parse_text("""
+        transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:dies)
+        transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:lives)
+        transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:again)
+        matmul (tensor<float32>:x, tensor<float32>:dies) -> (tensor<float32>:m)
+        addscalar (tensor<float32>:lives, var<float32>:1.0) -> (tensor<float32>:again)
+        deltensor () -> (tensor<float32>:dies)
+        deltensor () -> (tensor<float32>:again)
+    """.strip()), ex, ex.plans)
+    ex.transient = transient_transposes(bounds)
+    assert ex.transient == {id(bounds[0])}  # "again" is written again before its deletion
+    for b in bounds:
+        ex.execute(b)
+    assert ex.get("lives").flags.c_contiguous and not np.shares_memory(ex.get("lives"), ex.get("x"))
+    np.testing.assert_allclose(ex.get("m"), X @ X.T)
+    assert not ex.shared and not ex.views

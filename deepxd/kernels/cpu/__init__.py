@@ -121,8 +121,15 @@ class CpuExecutor:
         self.view_of: dict[str, str] = {}
         self.views: dict[str, list[str]] = {}
         self.shared: dict[str, None] = {}
+        # transposes of heap tensors: copies laid out as their operand is (a straight copy, and BLAS reads them
+        # transposed); before anything writes one in place, unshare() makes it row-major, as kernels expect outputs
+        self.strided: dict[str, None] = {}
         # names whose array must stay the same object (heap tensors: shared memory); never made views
         self.pinned: Any = ()
+        # id() of the transposes, in the program running, whose result is deleted later in it (set by the op
+        # worker): only those become views. A result that outlives its program is mostly a gradient that an
+        # optimizer reads elementwise, which a view would make strided
+        self.transient: Any = ()
         # the Env lookup that checking reads, bound to the metas dict's get: C speed
         self.meta: Callable[[str], TensorMeta | None] = self.tensors.metas.get
         self.plans = BindCache()
@@ -289,64 +296,67 @@ class CpuExecutor:
 
     def unshare(self, name: str) -> None:
         """Before `name`'s buffer is written in place (or freed, or renamed): a view named `name` gets a buffer of its
-        own, and the views of `name`'s buffer get copies."""
-        shared = self.shared
-        tensors = self.tensors
+        own, and the views of `name`'s buffer get copies (a strided copy is made row-major instead: its views keep
+        the old buffer to themselves)."""
+        self._release(name, copy_views=True)
+
+    def _forget_view(self, name: str) -> None:
+        """`name` is deleted or gets a new buffer: its old buffer is left to its views (a heap tensor's views get
+        copies instead: its shared memory is given back)."""
+        self._release(name, copy_views=name in self.pinned)
+
+    def _release(self, name: str, copy_views: bool) -> None:
+        tensors, shared = self.tensors, self.shared
+        shared.pop(name, None)
+        if self.strided and self.strided.pop(name, 0) is None:
+            a = tensors.get(name)
+            if a is not None and copy_views:
+                tensors[name] = np.ascontiguousarray(a)
+            copy_views = False  # the views keep the old buffer, which nothing writes any more
         base = self.view_of.pop(name, None)
         if base is not None:
-            shared.pop(name, None)
             others = self.views.get(base)
             if others is not None:
                 others.remove(name)
                 if not others:
                     del self.views[base]
-                    shared.pop(base, None)
+                    if base not in self.strided:
+                        shared.pop(base, None)
             a = tensors.get(name)
-            if a is not None:
+            if a is not None and copy_views:
                 tensors[name] = a.copy()
         mine = self.views.pop(name, None)
         if mine is not None:
-            shared.pop(name, None)
             for v in mine:
                 self.view_of.pop(v, None)
                 shared.pop(v, None)
                 a = tensors.get(v)
-                if a is not None:
+                if a is not None and copy_views:
                     tensors[v] = a.copy()
 
-    def _forget_view(self, name: str) -> None:
-        """`name` is deleted: a view needs nothing more; a stack tensor's views keep its buffer to themselves (a
-        heap tensor's get copies: its shared memory is given back)."""
-        if name in self.pinned:
-            self.unshare(name)
-            return
-        base = self.view_of.pop(name, None)
-        if base is not None:
-            self.shared.pop(name, None)
-            others = self.views.get(base)
-            if others is not None:
-                others.remove(name)
-                if not others:
-                    del self.views[base]
-                    self.shared.pop(base, None)
-        mine = self.views.pop(name, None)
-        if mine is not None:
-            self.shared.pop(name, None)
-            for v in mine:
-                self.view_of.pop(v, None)
-                self.shared.pop(v, None)
-
     def _transpose_view(self, b: Bound) -> bool:
-        """transpose as a view of its operand, where that is safe; False: run the kernel."""
+        """transpose as a view of its operand where its result dies in the program, as a straight copy laid out as
+        a heap operand is; False: run the kernel (a row-major copy)."""
         src, out = b.names[0], str(b.out_names[0])
         if out == src or out in self.pinned or src not in self.tensors:
             return False
         if out in self.shared:
             self._forget_view(out)  # its old buffer is left to its other holders; the name gets the view
         base = self.view_of.get(src, src)
-        if base in self.pinned:  # heap tensors are written in place every step (optimizers): copying then costs more
+        a = self.tensors[src]
+        if base not in self.pinned and id(b) not in self.transient:
             return False
-        self.tensors[out] = self.tensors[src].transpose(b.args[1])
+        if base in self.pinned:
+            # heap tensors are written in place every step (optimizers): views would then be copied anyway. A copy
+            # laid out as the operand is: a straight copy, not a strided one
+            o = np.empty_like(a).transpose(b.args[1])
+            np.copyto(o, a.transpose(b.args[1]))
+            self.tensors[out] = o
+            if not o.flags.c_contiguous:
+                self.strided[out] = None
+                self.shared[out] = None
+            return True
+        self.tensors[out] = a.transpose(b.args[1])
         self.view_of[out] = base
         self.views.setdefault(base, []).append(out)
         self.shared[out] = None
@@ -430,4 +440,19 @@ class CpuExecutor:
             raise DeepxError(f"tensor '{name}' not found") from None
 
 
-__all__ = ["KERNELS", "STORE_FAMILIES", "CpuExecutor", "dtype_name", "to_numpy"]
+__all__ = ["KERNELS", "STORE_FAMILIES", "CpuExecutor", "dtype_name", "to_numpy", "transient_transposes"]
+
+
+def transient_transposes(bounds: Sequence[Bound]) -> set[int]:
+    """id() of each transpose in `bounds` whose result the program deletes (and does not write again before)."""
+    dying: set[Any] = set()
+    out: set[int] = set()
+    for b in reversed(bounds):
+        if b.op.name == "deltensor":
+            dying.add(b.out_names[0])
+            continue
+        if b.op.name == "transpose" and b.out_names and b.out_names[0] in dying:
+            out.add(id(b))
+        for n in b.out_names:
+            dying.discard(n)
+    return out
