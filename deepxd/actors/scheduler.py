@@ -95,7 +95,7 @@ class Scheduler(Actor):
         keep = [r["name"] for r in rows if r.get("kind") == "heap"]
         variables: dict[str, Any] = {}
         vectors: dict[str, Any] = {}
-        if _names_variables(program):
+        if not self.compiled.seen(program) and _names_variables(program):  # a remembered program names none
             held = await worker.ask("variables")
             variables = held.get("vars", {})
             vectors = {k: tuple(v) for k, v in held.get("vectors", {}).items()}

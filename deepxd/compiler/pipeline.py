@@ -114,22 +114,41 @@ class PlanCache:
         # sends the same instructions every step), by (length, first, last): their rewrite without even the key
         self._exact: dict[Any, list[_Exact]] = {}
         self.exact_hits = 0
+        self._last: tuple[Sequence[Instr], list[_Exact]] | None = None
+
+    def seen(self, program: Sequence[Instr]) -> bool:
+        """Whether `program` is exactly one remembered (whatever the state): it then names no variables, as programs
+        that do are never remembered. The comparison is kept for the run() of the same program that follows."""
+        if not self.passes or len(program) < 2:
+            return False
+        try:
+            same = [e for e in self._exact.get((len(program), program[0], program[-1]), ())
+                    if same_program(program, e.program, e.kinds)]
+        except TypeError:
+            return False
+        self._last = (program, same)
+        return bool(same)
 
     def run(self, program: Sequence[Instr], ctx: PassContext) -> list[Instr]:
         """run_passes(program, ctx, self.passes), from the cache when the structure was seen before."""
         if not self.passes or len(program) < 2 or not has_ends(program):
             ctx.origins = list(range(len(program)))
             return list(program)
+        sent = program
         program = program if type(program) is list else list(program)
         probe: Any = (len(program), program[0], program[-1])
-        try:
-            bucket = self._exact.get(probe)
-        except TypeError:  # a list inside a param: not hashable, and not cached
-            bucket, probe = None, None
-        if bucket is not None:
+        last, self._last = self._last, None
+        if last is not None and last[0] is sent:
+            same = last[1]  # seen() compared them a moment ago
+        else:
+            try:
+                same = [e for e in self._exact.get(probe, ()) if same_program(program, e.program, e.kinds)]
+            except TypeError:  # a list inside a param: not hashable, and not cached
+                same, probe = [], None
+        if same:
             metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
-            for e in bucket:
-                if (same_program(program, e.program, e.kinds) and e.fuse_min_elements == ctx.fuse_min_elements
+            for e in same:
+                if (e.fuse_min_elements == ctx.fuse_min_elements
                         and all(metas.get(n) == m and (n in fetch) == f and (n in keep) == k
                                 for n, (m, f, k) in zip(e.names, e.flags))):
                     self.hits += 1
