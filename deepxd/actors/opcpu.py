@@ -60,7 +60,7 @@ class KnownProgram(NamedTuple):
     names: tuple[str, ...]
     state: tuple[tuple[TensorMeta | None, bool], ...]
     bounds: list[Bound]
-    steps: list[Any]
+    steps: list[Any]  # prepared at the first repeat: most programs that never repeat are never prepared
     heavy: bool
     deletes: bool
     transient: set[int]
@@ -132,6 +132,8 @@ class CpuWorker(Actor):
         known = self._known(program, fetch)
         if known is not None:
             self.known_hits += 1
+            if not known.steps:
+                known.steps.extend(self.ex.prepare(b) for b in known.bounds)
             self.ex.transient = known.transient
             if known.heavy:
                 await asyncio.get_running_loop().run_in_executor(self._thread, self._execute_known, known, result)
@@ -260,7 +262,7 @@ class CpuWorker(Actor):
         program = program if type(program) is list else list(program)
         bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
                                    tuple((metas.get(n), n in heap) for n in names), bounds,
-                                   [self.ex.prepare(b) for b in bounds], heavy,
+                                   [], heavy,
                                    any(b.op.name == "deltensor" for b in bounds), transient))
 
     def _execute_known(self, known: KnownProgram, result: RunResult) -> None:
