@@ -47,6 +47,15 @@ def in_sdk(code: CodeType) -> tuple[CodeType, bool]:
     return known
 
 
+def origin_of(entry: Any) -> tuple[CodeType, int] | None:
+    """(code, offset) of an entry of Session.origins: a tuple, or id(code) << 24 | offset (the code object then
+    found in _IN_SDK, which holds it); None where unknown."""
+    if type(entry) is int:
+        known = _IN_SDK.get(entry >> 24)
+        return (known[0], entry & 0xFFFFFF) if known is not None else None
+    return entry
+
+
 def source_line(code: CodeType, offset: int) -> int | None:
     """The line of `code` whose bytecode holds byte `offset` (a frame's f_lasti)."""
     line = None
@@ -263,7 +272,7 @@ class Session:
     def __init__(self, transport: Transport, *, max_pending: int = 4096) -> None:
         self.transport = transport
         self.pending: list[Instr] = []
-        self.origins: list[tuple[CodeType, int] | None] = []
+        self.origins: list[tuple[CodeType, int] | int | None] = []  # see origin_of
         self.max_pending = max_pending
         self.error: DeepxError | None = None
         self._names = itertools.count()
@@ -457,8 +466,9 @@ class Session:
     def _error(self, outcome: Outcome, program: list[Instr], origins: list[Any]) -> DeepxError:
         i = outcome.error_index
         where = ""
-        if 0 <= i < len(origins) and origins[i] is not None:
-            code, offset = origins[i]
+        origin = origin_of(origins[i]) if 0 <= i < len(origins) else None
+        if origin is not None:
+            code, offset = origin
             where = f" (from {code.co_filename}:{source_line(code, offset)}, in {code.co_name})"
         msg = outcome.error or "the program failed"
         return DeepxError(f"{msg}{where}")

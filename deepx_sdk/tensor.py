@@ -144,6 +144,9 @@ _float: TypeAlias = float
 
 
 _new_object = object.__new__
+# name -> the returns of an instruction that makes it: a loop's pooled names come back every step, and then so do
+# these objects (fewer allocations, and programs that compare by identity)
+_RETURNS: dict[str, tuple[Param]] = {}
 
 
 def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, depth: int) -> tuple[Tensor, Instr]:
@@ -173,8 +176,14 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
     out.requires_grad = False
     out.grad = None
     out.grad_fn = None
-    p = out._p = _tuple_new(Param, ("tensor", _PRECISIONS.get(dtype) or _precision(dtype), rname))
-    instr: Instr = _tuple_new(Instr, (name, args, (p,), ()))
+    prec = _PRECISIONS.get(dtype) or _precision(dtype)
+    rets = _RETURNS.get(rname)
+    if rets is None or rets[0][1] is not prec:
+        if len(_RETURNS) >= 16384:
+            _RETURNS.clear()
+        rets = _RETURNS[rname] = (_tuple_new(Param, ("tensor", prec, rname)),)
+    out._p = rets[0]
+    instr: Instr = _tuple_new(Instr, (name, args, rets, ()))
     try:
         f: Any = _getframe(depth)
     except ValueError:  # fewer frames than that: the SDK was called from the top of a thread
@@ -189,7 +198,12 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
         f = f.f_back
     pending = s.pending
     pending.append(instr)
-    s.origins.append((f.f_code, f.f_lasti) if f is not None else None)
+    if f is None:
+        s.origins.append(None)
+    else:
+        lasti = f.f_lasti
+        # an int, not a tuple: nothing for the garbage collector to track (session.origin_of reads both forms)
+        s.origins.append(id(code) << 24 | lasti if lasti < 1 << 24 else (code, lasti))
     if len(pending) >= s.max_pending:
         s.flush_full()
     return out, instr

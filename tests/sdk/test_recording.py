@@ -12,14 +12,14 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_sdk.ir.ops import TensorMeta
-from deepx_sdk.session import source_line
+from deepx_sdk.session import origin_of, source_line
 from deepx_sdk.tensor import _INFERRED, infer_meta
 
 HERE = __file__
 
 
 def last_origin() -> tuple[str, int, str]:
-    code, offset = dx.session().origins[-1]
+    code, offset = origin_of(dx.session().origins[-1])
     return code.co_filename, source_line(code, offset), code.co_name
 
 
