@@ -145,3 +145,35 @@ def test_only_transposes_that_die_in_their_program_become_views():
     assert ex.get("lives").flags.c_contiguous and not np.shares_memory(ex.get("lives"), ex.get("x"))
     np.testing.assert_allclose(ex.get("m"), X @ X.T)
     assert not ex.shared and not ex.views
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "max", "min", "addscalar", "subscalar", "mulscalar",
+                                "divscalar", "maxscalar", "minscalar", "relu"])
+def test_prepared_direct_ufuncs_equal_the_kernels(op, dtype):
+    """CpuExecutor.prepare calls DIRECT_UFUNCS straight into the output: bitwise what the op's kernel gives."""
+    from deepxd.kernels.cpu import DIRECT_UFUNCS
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 5)).astype(dtype)
+    y = rng.standard_normal((4, 5)).astype(dtype)
+    y[0, 0] = 0.0  # a zero divisor too
+    arg = {"scalar": f"var<float32>:{-0.75}", "tensor": f"tensor<{dtype}>:y"}
+    args = f"tensor<{dtype}>:x" if op == "relu" else \
+        f"tensor<{dtype}>:x, {arg['scalar' if op.endswith('scalar') else 'tensor']}"
+    text = f"{op} ({args}) -> (tensor<{dtype}>:z)"
+    results = []
+    for prepared in (False, True):
+        ex = CpuExecutor()
+        ex.put("x", x)
+        ex.put("y", y)
+        b = ex.plans.bind(parse_text(text)[0], ex)
+        if prepared:
+            assert op in DIRECT_UFUNCS
+            step = ex.prepare(b)
+            step()
+            step()  # into the output it made
+        else:
+            ex.execute(b)
+        results.append(ex.get("z"))
+    np.testing.assert_array_equal(results[0], results[1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import operator
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -184,6 +185,34 @@ class CpuExecutor:
                 return o, False
             return np.empty(shape, npdt), True
 
+        direct = _direct_ufunc(b)
+        if direct is not None and kinds == (1, 1):
+            uf, (x, y) = direct, b.names
+
+            def run_ufunc2() -> None:
+                o = get(out)
+                if o is not None and metas[out] == meta:
+                    uf(tensors[x], tensors[y], out=o)
+                else:
+                    o = np.empty(shape, npdt)
+                    uf(tensors[x], tensors[y], out=o)
+                    tensors[out] = o
+
+            return run_ufunc2
+        if direct is not None and kinds in ((1, 0), (1,)):
+            uf, x = direct, b.names[0]
+            v = b.args[1] if kinds == (1, 0) else 0  # relu is maximum(x, 0)
+
+            def run_ufunc_scalar() -> None:
+                o = get(out)
+                if o is not None and metas[out] == meta:
+                    uf(tensors[x], v, out=o)
+                else:
+                    o = np.empty(shape, npdt)
+                    uf(tensors[x], v, out=o)
+                    tensors[out] = o
+
+            return run_ufunc_scalar
         if kinds == (1, 1):
             x, y = b.names
 
@@ -271,7 +300,7 @@ class CpuExecutor:
             fresh = have is None or metas[out] != meta
             o = np.empty(shape, cdt) if fresh or have is None else have
             arrays = [tensors[x] for x in ins]
-            if all(a.flags.c_contiguous for a in arrays):
+            if all(map(_C_CONTIGUOUS, arrays)):
                 if flat:
                     tape(arrays, consts, regs, o)
                 else:  # one block: every input is read before the last step writes the output
@@ -440,7 +469,32 @@ class CpuExecutor:
             raise DeepxError(f"tensor '{name}' not found") from None
 
 
-__all__ = ["KERNELS", "STORE_FAMILIES", "CpuExecutor", "dtype_name", "to_numpy", "transient_transposes"]
+__all__ = ["DIRECT_UFUNCS", "KERNELS", "STORE_FAMILIES", "CpuExecutor", "dtype_name", "to_numpy",
+           "transient_transposes"]
+
+
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+
+#: ops whose kernel, for a float32 or float64 output and operands of that dtype (and a Python int or float scalar),
+#: is exactly one ufunc call into the output (see elementwise.py and nn.py): prepared calls make it directly
+DIRECT_UFUNCS: dict[str, np.ufunc] = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum, "min": np.minimum,
+    "addscalar": np.add, "subscalar": np.subtract, "mulscalar": np.multiply, "divscalar": np.divide,
+    "maxscalar": np.maximum, "minscalar": np.minimum, "relu": np.maximum,
+}
+
+
+def _direct_ufunc(b: Bound) -> np.ufunc | None:
+    uf = DIRECT_UFUNCS.get(b.op.name)
+    meta = b.outs[0] if b.outs else None
+    if uf is None or meta is None or meta.dtype not in ("float32", "float64"):
+        return None
+    for k, v in zip(_ARG_KINDS[b.op.name], b.args):
+        if k == 1 and (not isinstance(v, TensorMeta) or v.dtype != meta.dtype or v.shape != meta.shape):
+            return None  # broadcasting or another dtype: the kernel's way
+        if k == 0 and type(v) not in (int, float):
+            return None
+    return uf
 
 
 def transient_transposes(bounds: Sequence[Bound]) -> set[int]:
