@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -126,6 +126,16 @@ class CpuWorker(Actor):
         self.heap.clear()
 
     # -- programs
+    async def _offload(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on this worker's thread, off the event loop. While the interpreter exits (an embedded
+        session's last program, sent by its atexit handler) the thread takes no new work: it then runs here."""
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            fn(*args)
+            return
+        await fut
+
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
         result = RunResult(t0=time.time())
         self._output = []
@@ -136,7 +146,7 @@ class CpuWorker(Actor):
                 known.steps.extend(self.ex.prepare(b) for b in known.bounds)
             self.ex.transient = known.transient
             if known.heavy:
-                await asyncio.get_running_loop().run_in_executor(self._thread, self._execute_known, known, result)
+                await self._offload(self._execute_known, known, result)
             else:
                 self._execute_known(known, result)
             if known.deletes and self.heap:
@@ -163,7 +173,7 @@ class CpuWorker(Actor):
         if not heap_new:
             self._remember(program, fetch, bounds, heavy, transient)
         if heavy:
-            await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, bounds, result, heap_new)
+            await self._offload(self._execute, bounds, result, heap_new)
         else:
             self._execute(bounds, result, heap_new)
         for name in (str(bounds[i].out_names[0]) for i in heap_new if i >= result.done):

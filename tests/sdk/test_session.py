@@ -454,3 +454,20 @@ def test_pending_program_is_sent_when_it_grows_past_the_limit():
     assert len(sent) >= 3 and max(sent) <= 2 * 64  # 64 recorded, and the deltensor of collected temporaries
     np.testing.assert_array_equal(x.numpy(), [201.0] * 3)
     dx.disconnect()
+
+
+def test_a_program_still_pending_at_exit_runs_on_the_embedded_daemon(tmp_path):
+    """The atexit handler flushes the last program; by then concurrent.futures refuses new work, so the op worker
+    runs a heavy program on its event loop instead of failing with 'cannot schedule new futures'."""
+    import subprocess
+
+    script = tmp_path / "pending.py"
+    script.write_text(
+        "import deepx_sdk as dx, deepx_sdk.nn as nn\n"
+        "from deepx_sdk.optim import AdamW\n"
+        "m = nn.Linear(512, 512); opt = AdamW(m.parameters())\n"
+        "m(dx.randn(256, 512)).sum().backward(); opt.step()\n"  # big enough to run on the worker's thread
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
