@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import concurrent.futures.thread  # noqa: F401  (registers its exit hook first, so that ours, below, runs before it)
 import itertools
 import logging
 import os
@@ -523,4 +524,10 @@ def session() -> Session:
     return s
 
 
+# The last program must run before concurrent.futures stops taking work at exit (the op workers' threads, the CUDA
+# thread above all): threading's exit hooks run before atexit's, latest first, and concurrent.futures registered its
+# own when this module imported it. atexit stays as the fallback (disconnect twice is harmless).
+_register_threading_atexit = getattr(threading, "_register_atexit", None)
+if _register_threading_atexit is not None:
+    _register_threading_atexit(disconnect)
 atexit.register(disconnect)
