@@ -2,10 +2,12 @@
 
 An instruction joins the group of the instruction that reads its output when that value is read by nothing else and
 then ends (deleted, or overwritten: a client that reuses the names of dropped results writes them again), has the
-reader's result shape (a computed value is never expanded by broadcasting,
-which would repeat its work) and dtype, and when the group's inputs do not change between where they were read and
-the group's last instruction, where the fused instruction takes its place. The expression is numexpr's syntax over
-the inputs in0, in1, ... (see `parse_fused` in deepx_sdk/ir/ops.py and deepxd/kernels/cpu/fused.py).
+reader's result shape (a computed value is never expanded by broadcasting, which would repeat its work) and dtype,
+and when the group's inputs do not change between where they were read and the group's last instruction, where the
+fused instruction takes its place. A write that the fusion itself removes does not count as a change: a pooled name
+read as an input and then written by the group's root (`t2 = t1 * d; t1 = t2 + c; t2 = t1 * e`) keeps its old value
+in the fused program, so such chains fuse whole (MAX_OPS ops at a time). The expression is numexpr's syntax over the
+inputs in0, in1, ... (see `parse_fused` in deepx_sdk/ir/ops.py and deepxd/kernels/cpu/fused.py).
 """
 
 from __future__ import annotations
@@ -188,11 +190,16 @@ def _absorbable(g: _Group, name: str, i: int, rw: Rewrite, ctx: PassContext,
     # the inputs were checked up to the group's root; from there to i they must stay unchanged
     moves = dict(g.moves)
     pinned = ctx.pinned
+    root = g.root
     for n in g.leaves:
-        for q, kind in uses.after(n, g.root - 1):
+        for q, kind in uses.after(n, root - 1):
             if q >= i:
                 break
             if kind == READ and n not in moves:
+                continue
+            # the root writing its result into an input's name (a pooled name: t2 = t1 * d; t1 = t2 + c): that write
+            # is the one this fusion removes, and the result is read by i alone, so the input keeps its value
+            if q == root and n == name and n not in moves:
                 continue
             # a temporary input deleted before i (its handle dropped): it lives until the fused instruction instead
             if kind == DELETE and n not in moves and not pinned(n) and uses.untouched(n, q, i, allowed=0):

@@ -8,7 +8,7 @@ import pytest
 
 from deepx_sdk.ir.ops import parse_fused
 from deepxd.compiler import fuse_elementwise as fuse
-from deepxd.compiler.fuse import TEMPLATES
+from deepxd.compiler.fuse import MAX_OPS, TEMPLATES
 from deepxd.kernels.cpu import fused as fused_kernel
 from tests.compiler.helpers import assert_same_results, lines, random_inputs, rewrite
 
@@ -256,3 +256,83 @@ def test_a_client_that_reuses_names_gets_its_chain_fused(rng, backend):
     before, after, _ = rewrite(fuse, POOLED, fresh, fetch={"p3"})
     assert len(after) == 2
     assert_same_results(before, after, fresh, tol("float32", backend))
+
+
+def test_a_pooled_chain_longer_than_a_group_is_cut_only_at_the_op_limit(rng):
+    """A ping-pong chain of 70 ops through two pooled names: groups of MAX_OPS ops, never 2-op groups (the root of
+    a group writing into its own input's name does not stop the next op from joining it)."""
+    lines_ = ["mul (tensor<float32>:x, tensor<float32>:a) -> (tensor<float32>:p0)"]
+    for k in range(1, 70):
+        src, dst = f"p{(k + 1) % 2}", f"p{k % 2}"
+        lines_.append(f"addscalar (tensor<float32>:{src}, var<float32>:0.5) -> (tensor<float32>:{dst})" if k % 2
+                      else f"mul (tensor<float32>:{src}, tensor<float32>:a) -> (tensor<float32>:{dst})")
+    inputs = random_inputs(rng, {"x": (64,), "a": (64,), "p0": (64,), "p1": (64,)}, lo=0.2, hi=0.9)
+    before, after, _ = rewrite(fuse, "\n".join(lines_), inputs)
+    sizes = [i.args[1].value.count("*") + i.args[1].value.count("+") for i in after if i.name == "fused"]
+    # the last op's operand (p0) survives the program: the last op stays apart
+    assert sizes == [MAX_OPS, MAX_OPS, 5] and [i.name for i in after] == ["fused"] * 3 + ["addscalar"]
+    assert_same_results(before, after, inputs)
+
+
+_POOL_UNARY = ["neg", "abs", "tanh", "relu", "exp", "sigmoid"]
+_POOL_BINARY = ["add", "sub", "mul", "max"]
+
+
+def _pooled_program(rng: np.random.Generator, dtype: str, exists: set[str]) -> tuple[str, set[str]]:
+    """A random program as a client with a name pool records it: results go into a few names (p0..p3) again and
+    again, in place too; some are deleted, some read by an op the pass never fuses (matmul, sum), whose results
+    survive; x, a and b are overwritten now and then. Returns its text and the names it may fetch."""
+    pool = [f"p{k}" for k in range(4)]
+    live = [n for n in ("x", "a", "b", *pool) if n in exists]
+    out: list[str] = []
+    kept = 0
+    for _ in range(int(rng.integers(8, 40))):
+        roll = rng.random()
+        src = str(rng.choice(live))
+        dst = str(rng.choice(pool if rng.random() < 0.9 else ["x", "a", "b"]))
+        if roll < 0.08 and len(live) > 2 and src in pool:
+            out.append(f"deltensor () -> (tensor<{dtype}>:{src})")
+            live.remove(src)
+            continue
+        if roll < 0.16:
+            op = ("matmul (tensor<{d}>:{a}, tensor<{d}>:{b}) -> (tensor<{d}>:k{k})" if rng.random() < 0.5 else
+                  "sum (tensor<{d}>:{a}, vector<int32>:[0], var<bool>:false) -> (tensor<{d}>:k{k})")
+            out.append(op.format(d=dtype, a=src, b=str(rng.choice(live)), k=kept))
+            kept += 1
+            continue
+        if roll < 0.45:
+            text = f"{rng.choice(_POOL_UNARY)} (tensor<{dtype}>:{src}) -> (tensor<{dtype}>:{dst})"
+        elif roll < 0.75:
+            other = str(rng.choice(live))
+            text = (f"{rng.choice(_POOL_BINARY)} (tensor<{dtype}>:{src}, tensor<{dtype}>:{other}) -> "
+                    f"(tensor<{dtype}>:{dst})")
+        else:
+            s = float(np.round(rng.uniform(0.25, 0.75), 3))
+            op = str(rng.choice(["mulscalar", "addscalar", "rsubscalar"]))
+            args = f"var<float64>:{s}, tensor<{dtype}>:{src}" if op == "rsubscalar" else \
+                f"tensor<{dtype}>:{src}, var<float64>:{s}"
+            text = f"{op} ({args}) -> (tensor<{dtype}>:{dst})"
+        out.append(text)
+        if dst not in live:
+            live.append(dst)
+    fetchable = {n for n in live if rng.random() < 0.3}
+    return "\n".join(out), fetchable
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_random_programs_with_reused_names_agree_with_the_unfused_ops(rng, dtype):
+    """Fusing across names a program writes again is safe: random pooled programs (in place writes, deletes, reads
+    by unfusable ops, inputs overwritten) give the same tensors, every one that exists afterwards with its value,
+    fused or not, with the pool's names existing before the program or new in it."""
+    fused_ops = 0
+    for trial in range(120):
+        shapes = {n: (6, 6) for n in ("x", "a", "b", "p0", "p1", "p2", "p3")}
+        if trial % 3 == 0:  # the first program of a session: the pool's names are new
+            shapes = {n: s for n, s in shapes.items() if not n.startswith("p")}
+        inputs = random_inputs(rng, shapes, dtype, -1, 1)
+        text, fetch = _pooled_program(rng, dtype, set(shapes))
+        before, after, _ = rewrite(fuse, text, inputs, fetch=fetch)
+        fused_ops += sum(i.name == "fused" for i in after)
+        rtol = {"float32": 2e-5, "float64": 1e-12}[dtype]
+        assert_same_results(before, after, inputs, (rtol, 1e-6 if dtype == "float32" else 1e-12))
+    assert fused_ops >= 100
