@@ -171,8 +171,8 @@ def _params_from_obj(op: str, side: str, obj: Any) -> tuple[Param, ...]:
             tv = type(v)
             if tv is str or tv is int or tv is bool or (tv is float and v != 0.0):
                 key = (p[0], p[1], tv, v)
-            elif tv is list:
-                key = (p[0], p[1], tv, *v)
+            elif tv is list and all(type(x) is int or type(x) is str for x in v):  # shapes, tensor lists
+                key = (p[0], p[1], tv, *v)  # (floats and bools left out: == would mix 0, 0.0, -0.0 and False)
         if key is not None:
             try:
                 hit = _PARAMS.get(key)

@@ -265,3 +265,12 @@ def test_arbitrary_objects_decode_or_raise_deepx_error(obj: object) -> None:
 def test_text_survives_msgpack() -> None:
     line = "print (tensor<float32>:t, var<string>:a, b -> c // x) -> () // id=3"
     assert format_text(unpack_instr(pack_instr(parse_line(line)))) == format_text(parse_line(line))
+
+
+def test_decoded_vectors_keep_the_types_of_their_numbers() -> None:
+    """The decoder remembers parameters; a vector (0,) decoded first must not stand in for (0.0,) or
+    (-0.0,), which compare equal to it."""
+    for v in [(0,), (0.0,), (-0.0,), (1,), (1.0,), (2, 2.0)]:
+        instr = Instr("constant", (Param("vector", (), v),), ())
+        back = unpack_instr(pack_instr(instr)).args[0].value
+        assert [(type(x), str(x)) for x in back] == [(type(x), str(x)) for x in v]
