@@ -16,7 +16,13 @@
 
 Prints the times and ratios; writes bench/results/fusion.json.
 
-    python bench/fusion.py [--quick]
+`--crossover` measures instead where fusion starts to pay: a chain of k cheap elementwise ops (k = 2..8) on 1 .. 16M
+elements, float32 and float64, run as the op worker runs a repeated program (each instruction prepared once,
+`CpuExecutor.prepare`): k unfused instructions writing into pooled names that exist (as the SDK records them) against
+the one fused instruction the pass makes of them. Prints unfused/fused per cell (> 1: fusion pays); writes
+bench/results/fusion_crossover.json. docs/compiler.md's defaults come from this table.
+
+    python bench/fusion.py [--quick] [--crossover]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numexpr
 import numpy as np
@@ -179,10 +186,91 @@ async def scheduler_cost(n_instr: int, elements: int, repeat: int) -> dict[str, 
     return out
 
 
+#: the crossover chain's ops, in order (cheap ones, as a training step's elementwise work mostly is): (op, operand)
+CROSS_OPS: list[tuple[str, str | float | None]] = [
+    ("mul", "a"), ("addscalar", 0.5), ("sub", "x"), ("relu", None), ("mulscalar", 0.5), ("add", "a"), ("max", "x"),
+    ("neg", None)]
+
+
+def _cross_instr(k: int, src: str, dst: str, dtype: str) -> Instr:
+    op, operand = CROSS_OPS[k]
+    if operand is None:
+        args: tuple[Param, ...] = (T(src, dtype),)
+    elif isinstance(operand, str):
+        args = (T(src, dtype), T(operand, dtype))
+    else:
+        args = (T(src, dtype), Param.var(operand))
+    return Instr(op, args, (T(dst, dtype),))
+
+
+def crossover_programs(k: int, dtype: str) -> tuple[list[Instr], list[Instr]]:
+    """The chain of k ops from x: pooled (into p0/p1, the last into y, every name existing: what the worker runs
+    unfused) and with fresh temporaries deleted after use (what the pass fuses into one instruction)."""
+    pooled = [_cross_instr(j, "x" if j == 0 else f"p{(j - 1) % 2}", "y" if j == k - 1 else f"p{j % 2}", dtype)
+              for j in range(k)]
+    temps: list[Instr] = []
+    for j in range(k):
+        temps.append(_cross_instr(j, "x" if j == 0 else f"t{j - 1}", "y" if j == k - 1 else f"t{j}", dtype))
+        if j:
+            temps.append(Instr("deltensor", (), (T(f"t{j - 1}", dtype),)))
+    return pooled, temps
+
+
+def crossover(sizes: list[int], groups: list[int], dtypes: list[str], budget_s: float) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for dtype in dtypes:
+        for n in sizes:
+            rng = np.random.default_rng(0)
+            arrays = {k: rng.uniform(-1, 1, n).astype(dtype) for k in ("x", "a", "p0", "p1", "y")}
+            metas = {k: TensorMeta(v.shape, dtype) for k, v in arrays.items()}
+            row: dict[str, Any] = {}
+            for k in groups:
+                pooled, temps = crossover_programs(k, dtype)
+                fused = run_passes(temps, PassContext(metas=metas), ["fuse"])
+                assert [i.name for i in fused] == ["fused"], fused
+                times = []
+                for prog in (pooled, fused):
+                    ex = executor(arrays)
+                    ex.run_all(prog)  # outputs made, plans compiled
+                    steps = [ex.prepare(ex.plans.bind(i, ex)) for i in prog]
+
+                    def run(steps: list[Callable[[], None]] = steps) -> None:
+                        for step in steps:
+                            step()
+
+                    t0 = time.perf_counter()
+                    run()
+                    once = time.perf_counter() - t0
+                    number = max(1, min(20_000, int(budget_s / 5 / max(once, 1e-7))))
+                    times.append(best(lambda: [run() for _ in range(number)], 5 if n < 1 << 20 else 3) / number)
+                    if prog is fused:
+                        want = executor(arrays)
+                        want.run_all(pooled)
+                        np.testing.assert_allclose(ex.tensors["y"], want.tensors["y"], rtol=1e-5, atol=1e-6)
+                row[str(k)] = {"unfused_us": times[0] * 1e6, "fused_us": times[1] * 1e6,
+                               "ratio": times[0] / times[1]}
+            rows[f"{dtype}/{n}"] = row
+            print(f"  {dtype:7s} {n:>10,} : " + "  ".join(f"{row[str(k)]['ratio']:5.2f}" for k in groups)
+                  + f"   ({row[str(groups[0])]['unfused_us']:.1f} us unfused, {groups[0]} ops)", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--crossover", action="store_true", help="fused against unfused by group size and element count")
     opts = ap.parse_args()
+    if opts.crossover:
+        sizes = [1, 64, 1 << 10, 1 << 14, 1 << 18, 1 << 24]
+        groups = list(range(2, 9))
+        print(f"unfused/fused, prepared calls (as the op worker runs a repeated program); > 1: fusion pays; "
+              f"columns: ops in the group {groups[0]}..{groups[-1]}")
+        table = crossover(sizes if not opts.quick else sizes[:-1], groups, ["float32", "float64"],
+                          0.05 if opts.quick else 0.2)
+        path = Path(__file__).parent / "results" / "fusion_crossover.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"cpus": os.cpu_count(), "numpy": np.__version__, "cells": table}, indent=2))
+        return
     n = 1 << 22 if opts.quick else 1 << 24
     repeat = 3 if opts.quick else 5
     n_instr = 1_000 if opts.quick else 2_000

@@ -336,3 +336,23 @@ def test_random_programs_with_reused_names_agree_with_the_unfused_ops(rng, dtype
         rtol = {"float32": 2e-5, "float64": 1e-12}[dtype]
         assert_same_results(before, after, inputs, (rtol, 1e-6 if dtype == "float32" else 1e-12))
     assert fused_ops >= 100
+
+
+def test_one_element_blocks_run_a_tape_that_never_writes_its_operand(rng):
+    """numpy is slow writing a one-element ufunc result into its own operand: those blocks run a second tape with no
+    in-place step, which computes what the in-place tape does."""
+    expr = "-maximum(maximum(in0 * in1 + 0.5 - in0, 0) * 0.5 + in1, in0) + exp(in1) * (in0 - 1.5)"
+    plan = fused_kernel.compile_expr(expr, 2)
+    assert any((2, s.dest) in s.operands for s in plan.steps)  # the big blocks' tape works in place
+    assert not any((2, s.dest) in s.operands for s in plan.small) and len(plan.small) == len(plan.steps)
+    x = rng.uniform(-1, 1, (2, 9))
+    consts = tuple(np.float64(c) for c in plan.constants)
+    regs = [np.empty(9) for _ in range(plan.registers)]
+    want = np.empty(9)
+    plan.run([x[0], x[1]], consts, regs, want)
+    np.testing.assert_allclose(want, -np.maximum(np.maximum(x[0] * x[1] + 0.5 - x[0], 0) * 0.5 + x[1], x[0])
+                               + np.exp(x[1]) * (x[0] - 1.5), rtol=1e-15)
+    for k in range(9):
+        one = np.empty(1)
+        plan.run([x[0, k:k + 1], x[1, k:k + 1]], consts, [r[:1] for r in regs], one)
+        assert one[0] == want[k]

@@ -61,6 +61,7 @@ class Plan(NamedTuple):
     registers: int
     typed: dict[np.dtype, tuple[Any, ...]]  # the constants as scalars of each compute dtype, made on first use
     run: Callable[..., None]  # run(inputs, constants, registers, out) on one block
+    small: tuple[Step, ...]  # the steps `run` takes on a one-element block: none writes its own operand
 
 
 _plans: dict[tuple[str, int], Plan] = {}
@@ -120,12 +121,23 @@ def _compile(tree: ast.Expression) -> Plan:
 
     assert isinstance(lifted, ast.Expression)
     root = visit(lifted.body)
+    steps, result, n_regs = _allocate(nodes, root, in_place=True)
+    # numpy (2.x) takes a slow path for a ufunc writing into its own operand when the arrays have one element
+    # (+0.5 us a step): one-element blocks run a tape that never does
+    small, _, n_small = _allocate(nodes, root, in_place=False)
+    return Plan(text, tuple(constants), tuple(steps), result, max(n_regs, n_small), {},
+                _generate(steps, result, small), tuple(small))
+
+
+def _allocate(nodes: Sequence[tuple[np.ufunc | None, tuple[int, ...], Ref | None]], root: int,
+              in_place: bool) -> tuple[list[Step], Ref, int]:
+    """The tape's steps, where the value ends up, and how many block registers it uses. A node's register is freed
+    after its last use and reused: by the step that reads it (in place, fewest buffers) when `in_place`, else only by
+    a later step."""
     uses = [0] * len(nodes)
     for _, operands, _ in nodes:
         for o in operands:
             uses[o] += 1
-
-    # registers: a node's buffer is freed after its last use and reused, in place where it can be
     where: dict[int, Ref] = {}
     free: list[int] = []
     n_regs = 0
@@ -136,39 +148,54 @@ def _compile(tree: ast.Expression) -> Plan:
             where[i] = leaf
             continue
         refs = tuple(where[o] for o in operands)
+        released = []
         for o in operands:
             uses[o] -= 1
-            if uses[o] == 0 and where[o][0] == 2 and where[o][1] not in free:
-                free.append(where[o][1])
+            if uses[o] == 0 and where[o][0] == 2 and where[o][1] not in free and where[o][1] not in released:
+                released.append(where[o][1])
+        if in_place:
+            free.extend(released)
         if i == root:
             steps.append(Step(ufunc, refs, -1))
             where[i] = (2, -1)
             continue
-        reg = next((r for k, r in refs[::-1] if k == 2 and r in free), None)
+        reg = next((r for k, r in refs[::-1] if k == 2 and r in free), None) if in_place else None
         if reg is None:
             reg = free.pop() if free else n_regs
             n_regs = max(n_regs, reg + 1)
         else:
             free.remove(reg)
+        if not in_place:
+            free.extend(released)
         steps.append(Step(ufunc, refs, reg))
         where[i] = (2, reg)
-    return Plan(text, tuple(constants), tuple(steps), where[root], n_regs, {}, _generate(steps, where[root]))
+    return steps, where[root], n_regs
 
 
 # ---------------------------------------------------------------- the numpy backend
 
 
-def _generate(steps: Sequence[Step], result: Ref) -> Callable[..., None]:
+def _generate(steps: Sequence[Step], result: Ref, small: Sequence[Step]) -> Callable[..., None]:
     """The tape as straight-line Python calling the ufuncs (no interpretation per step): generated from the plan's
-    integers and the ufuncs above only, never from the expression's text."""
+    integers and the ufuncs above only, never from the expression's text. `small` runs on one-element blocks."""
     space = ("i", "c", "r")
+    ufuncs: dict[np.ufunc, str] = {}
+
+    def body(tape: Sequence[Step], indent: str) -> list[str]:
+        lines = []
+        for _, (ufunc, operands, dest) in enumerate(tape):
+            name = ufuncs.setdefault(ufunc, f"u{len(ufuncs)}")
+            args = ", ".join(f"{space[kind]}[{index}]" for kind, index in operands)
+            lines.append(f"{indent}{name}({args}, out={'out' if dest < 0 else f'r[{dest}]'})")
+        if not tape:
+            lines.append(f"{indent}out[...] = {space[result[0]]}[{result[1]}]")
+        return lines
+
     lines = ["def tape(i, c, r, out):"]
-    for k, (_, operands, dest) in enumerate(steps):
-        args = ", ".join(f"{space[kind]}[{index}]" for kind, index in operands)
-        lines.append(f"    u{k}({args}, out={'out' if dest < 0 else f'r[{dest}]'})")
-    if not steps:
-        lines.append(f"    out[...] = {space[result[0]]}[{result[1]}]")
-    namespace: dict[str, Any] = {f"u{k}": step.ufunc for k, step in enumerate(steps)}
+    if steps:
+        lines += ["    if len(out) == 1:", *body(small, "        "), "        return"]
+    lines += body(steps, "    ")
+    namespace: dict[str, Any] = {name: ufunc for ufunc, name in ufuncs.items()}
     namespace["__name__"] = __name__  # numpy's RuntimeWarnings are filtered by module (see __init__.py)
     exec(compile("\n".join(lines), "<fused tape>", "exec"), namespace)
     return namespace["tape"]
