@@ -267,6 +267,93 @@ def open_transport(address: str | None, roles: Sequence[str] | None = None) -> T
     raise DeepxError(f"unknown address {address!r}: use unix:///path, udp://host:port, or nothing for embedded")
 
 
+class Node:
+    """One recorded op of the autograd graph (a tensor's `grad_fn`): the instruction, the tensors it read (held, so
+    that their values and names stay until the graph is freed) and the node each of them had then. `prev`: the
+    node of the same tensor before an in-place write replaced it. A graph lives as long as its tensors do."""
+
+    __slots__ = ("freed", "inputs", "instr", "parents", "prev", "seq")
+
+    def __init__(self, seq: int, instr: Instr, inputs: tuple[Any, ...], parents: tuple[Any, ...],
+                 prev: Node | None) -> None:
+        self.seq = seq
+        self.instr = instr
+        self.inputs = inputs
+        self.parents = parents
+        self.prev = prev
+        self.freed = False
+
+    def name(self) -> str:
+        return self.instr.name
+
+    def free(self) -> None:
+        """What backward does without retain_graph: the tensors are let go; the instruction stays for messages."""
+        self.freed = True
+        self.inputs = self.parents = ()
+        self.prev = None
+
+    def __repr__(self) -> str:
+        return f"<grad_fn {self.instr.name}{' (freed)' if self.freed else ''}>"
+
+
+class Tape:
+    """Where ops whose result requires grad are recorded: each becomes the result's `grad_fn` node. Nothing is kept
+    here: a graph that Python no longer references is dropped with its tensors."""
+
+    def __init__(self) -> None:
+        self._seq = itertools.count()
+
+    def append(self, entry: tuple[Instr, Any, tuple[Any, ...]]) -> None:
+        """Record (instruction, result, inputs): the result's grad_fn becomes the new node."""
+        instr, out, inputs = entry
+        prev = out.grad_fn
+        out.grad_fn = Node(next(self._seq), instr, inputs, tuple(t.grad_fn for t in inputs),
+                           prev if type(prev) is Node else None)
+
+
+def graph_of(root: Node, what: str) -> tuple[list[Node], list[Instr], dict[str, Any]]:
+    """The recorded graph that reaches `root` (walking back through each node's inputs), for backward: its nodes
+    (what backward frees), the forward program to differentiate (those nodes in recording order, plus any later
+    in-place write of a value they read, so that the autograd pass refuses a value overwritten since) and the
+    leaves that require grad, by name, in recording order. Raises DeepxError on a node freed by an earlier
+    backward."""
+    seen: set[int] = set()
+    path: list[Node] = []
+    later: dict[int, Node] = {}
+    stack: list[Any] = [root]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.freed:
+            raise DeepxError(f"backward: the graph of '{what}' was freed by an earlier backward (at its "
+                             f"'{n.instr.name}' op); pass retain_graph=True to the first backward to go through "
+                             "it again")
+        path.append(n)
+        stack.extend(n.parents)
+        stack.append(n.prev)
+        for t in n.inputs:
+            g = t.grad_fn
+            while type(g) is Node and g.seq > n.seq:
+                later[id(g)] = g
+                g = g.prev
+    path.sort(key=_seq_of)
+    nodes = path + [g for k, g in later.items() if k not in seen]
+    if len(nodes) > len(path):
+        nodes.sort(key=_seq_of)
+    leaves: dict[str, Any] = {}
+    for n in path:
+        for t in n.inputs:
+            if t.requires_grad and t.grad_fn is None and t.name not in leaves:
+                leaves[t.name] = t
+    return path, [n.instr for n in nodes], leaves
+
+
+def _seq_of(n: Node) -> int:
+    return n.seq
+
+
 class Session:
     """Records instructions and runs them through a transport when a value is needed."""
 
@@ -284,10 +371,13 @@ class Session:
         self.grad_enabled = True
         self.seed_counter = itertools.count(1)
         self.base_seed: int | None = None
-        # the recorded forward graph: (instruction, result, inputs) of each op whose result requires grad; holding
-        # the tensors keeps their values (no name reuse) until backward frees the graph
-        self.tape: list[tuple[Instr, Any, tuple[Any, ...]]] = []
-        self._backwards = itertools.count()
+        # records the autograd graph on the tensors themselves (each result's grad_fn; see Tape)
+        self.tape = Tape()
+        # gradient names: f"{_grad_root}{k}_{i}" for backward k; k is taken again once every gradient handle of the
+        # backward that had it is gone (deleted in the daemon), so a training step sends the same backward request
+        # every time and the daemon's caches see a repeat. Those names are never pooled (see _drain_collected)
+        self._grad_root = f"{self._prefix}g"
+        self._grad_live: dict[int, int] = {}
         # names numbered above _mark were made since the last flush; _lost: tensors whose creating instruction never
         # ran (a program failed before it), which Python must not delete
         self._mark = -1
@@ -347,7 +437,9 @@ class Session:
             if lost and name in lost:
                 lost.discard(name)
                 continue
-            if shape is not None:
+            if shape is None and name.startswith(self._grad_root):
+                self._grad_gone(name)
+            elif shape is not None:
                 names = pool.get((shape, dtype))
                 if names is None:
                     names = pool[(shape, dtype)] = []
@@ -356,6 +448,33 @@ class Session:
                     continue
             self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
             self.origins.append(None)
+
+    def grad_prefix(self) -> tuple[str, int]:
+        """The name prefix of the next backward's gradients and temporaries: the first whose gradients are all gone."""
+        k = 0
+        live = self._grad_live
+        while k in live:
+            k += 1
+        return f"{self._grad_root}{k}_", k
+
+    def grad_prefix_taken(self, k: int, handles: int) -> None:
+        if handles:
+            self._grad_live[k] = handles
+
+    def grad_prefix_failed(self, k: int) -> None:
+        """A backward that failed may have left tensors of prefix k in the daemon: never hand k out again."""
+        self._grad_live[k] = -1
+
+    def _grad_gone(self, name: str) -> None:
+        head = name[len(self._grad_root):].partition("_")[0]
+        if head.isdigit():
+            k = int(head)
+            n = self._grad_live.get(k)
+            if n is not None and n > 0:
+                if n == 1:
+                    del self._grad_live[k]
+                else:
+                    self._grad_live[k] = n - 1
 
     def empty_cache(self) -> None:
         """Delete the pooled temporaries (they are kept for reuse, at most pool_per_shape per shape and dtype)."""

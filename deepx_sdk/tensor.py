@@ -21,7 +21,7 @@ from deepx_sdk.ir.dtypes import from_numpy as precision_of
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, Call, TensorMeta
 from deepx_sdk.ir.shapes import broadcast, norm_dim, numel
-from deepx_sdk.session import _IN_SDK, Session, in_sdk, session
+from deepx_sdk.session import _IN_SDK, Node, Session, graph_of, in_sdk, session
 
 Shape = tuple[int, ...]
 
@@ -264,7 +264,9 @@ class Tensor:
             try:
                 # never blocks: collection runs in any thread. Plain results may have their name reused (pooled);
                 # parameters and other kinds are always deleted
-                s.collected.append((self.name, self.dtype, self.shape if type(self) is Tensor else None))
+                # a backward's gradient names are not pooled: its prefix is handed out again (Session.grad_prefix)
+                s.collected.append((self.name, self.dtype, self.shape if type(self) is Tensor
+                                    and not self.name.startswith(s._grad_root) else None))
             except Exception:  # interpreter shutdown
                 pass
 
@@ -353,7 +355,6 @@ class Tensor:
             if t.requires_grad:
                 if s.grad_enabled:
                     out.requires_grad = True
-                    out.grad_fn = name
                     s.tape.append((instr, out, tuple(inputs)))
                 break
         return out
@@ -361,45 +362,52 @@ class Tensor:
     def backward(self, gradient: Any = None, retain_graph: _bool = False) -> None:
         """Gradients of this tensor with respect to every leaf that requires grad, accumulated into `.grad`.
 
-        The daemon's autograd pass rewrites the recorded forward graph into the backward program and runs it. The
-        graph is freed afterwards unless retain_graph=True."""
+        The daemon's autograd pass rewrites the recorded forward graph that reaches this tensor (and nothing else of
+        the session's) into the backward program and runs it. That graph is freed afterwards unless
+        retain_graph=True; other graphs are left as they are."""
         s = self._s
         if not self.requires_grad:
             raise DeepxError("backward: this tensor does not require grad and has no grad_fn (did a leaf "
                              "have requires_grad=True, and was it computed outside dx.no_grad()?)")
-        if self.grad_fn == "freed":
-            raise DeepxError("backward: the graph of this tensor was freed by an earlier backward; pass "
-                             "retain_graph=True to the first one")
+        root = self.grad_fn
+        if type(root) is not Node:
+            raise DeepxError(f"backward: '{self.name}' is a leaf; call backward on a result computed from it")
         grad_loss: Tensor | None = None
-        loss = self
         if gradient is None:
             if self.numel() != 1:
                 raise DeepxError(f"backward: grad can be implicitly created only for scalar outputs; "
                                  f"'{self.name}' has shape {self.shape}")
-            if self.shape != ():
-                loss = self.reshape(())
         else:
             grad_loss = gradient if isinstance(gradient, Tensor) else tensor(gradient, dtype=self.dtype)
             grad_loss = grad_loss.type_as_dtype(self.dtype)
             if grad_loss.shape != self.shape:
                 raise DeepxError(f"backward: gradient of shape {grad_loss.shape} does not match {self.shape}")
-        forward = [instr for instr, _, _ in s.tape]
-        leaves: dict[str, Tensor] = {}
-        for _, _, inputs in s.tape:
-            for t in inputs:
-                if t.requires_grad and t.grad_fn is None and t.name not in leaves:
-                    leaves[t.name] = t
+        loss = self
+        if gradient is None and self.shape != ():
+            graph_of(root, self.name)  # refuses a freed graph before anything is recorded
+            before, s.grad_enabled = s.grad_enabled, True
+            try:
+                loss = self.reshape(())
+            finally:
+                s.grad_enabled = before
+            root = loss.grad_fn
+        path, forward, leaves = graph_of(root, self.name)
         s.sync()
         upstream = grad_loss.name if grad_loss is not None else None
-        grads = s.transport.backward(forward, loss.name, list(leaves), upstream, f"{s._prefix}g{next(s._backwards)}_")
+        prefix, k = s.grad_prefix()
+        try:
+            grads = s.transport.backward(forward, loss.name, list(leaves), upstream, prefix)
+        except BaseException:
+            s.grad_prefix_failed(k)
+            raise
+        s.grad_prefix_taken(k, len(grads))
         with _no_tape(s):
             for name, leaf in leaves.items():
                 g = Tensor(grads[name], leaf.shape, leaf.dtype, s)
                 leaf.grad = g if leaf.grad is None else leaf.grad + g
         if not retain_graph:
-            for _, out, _ in s.tape:
-                out.grad_fn = "freed"
-            s.tape.clear()
+            for node in path:
+                node.free()
 
     def _infer(self, name: str, args: list[Any], names: list[Any]) -> TensorMeta:
         """The op's result meta by the catalogue's rule, remembered by (op, args): a loop asks the same again and
@@ -977,7 +985,6 @@ class Tensor:
         if s.grad_enabled and (self.requires_grad or any(t.requires_grad for t in inputs)) and not (
                 self.requires_grad and self.grad_fn is None):
             self.requires_grad = True
-            self.grad_fn = instr.name
             s.tape.append((instr, self, inputs))
 
     def add_(self, o: Any, alpha: Any = 1) -> Tensor:

@@ -70,6 +70,10 @@ class Scheduler(Actor):
         self.eliminated = 0  # instructions they removed
         self.graphs: dict[str, Any] = {}  # stored graph name -> its plan (deepxd/compiler/graphs.py)
         self.replays = 0
+        # backward programs derived before (_derive): probe -> [(forward, its scalar kinds, metas, program, grads)]
+        self.backwards: dict[Any, list[tuple[list[Instr], Any, dict[str, Any], list[Instr], dict[str, str]]]] = {}
+        self.backward_hits = 0
+        self.backward_misses = 0
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
         for i, instr in enumerate(program):
@@ -153,9 +157,6 @@ class Scheduler(Actor):
         from the catalogue's table in deepxd/compiler/autograd.py), run it, and say which tensor holds each
         gradient. The forward has already run; its tensors are still there. `capture` (dx.compile): the answer
         carries the backward program too."""
-        from deepx_sdk.ir.ops import SymbolicEnv
-        from deepxd.compiler.autograd import grad_program
-
         worker = self._place(forward)
         names = {loss, *wrt, *([grad_loss] if grad_loss else [])}
         for instr in forward:
@@ -165,14 +166,45 @@ class Scheduler(Actor):
                 elif p.category == "listtensor" and isinstance(p.value, tuple):
                     names.update(str(v) for v in p.value)
         metas = await worker.ask("metas", names=sorted(names))
-        program, grads = grad_program(list(forward), loss, list(wrt), SymbolicEnv(metas), grad_loss=grad_loss,
-                                      prefix=prefix)
+        program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas)
         result: RunResult = await worker.ask("run", program=program, fetch=[])
         if result.error:
             raise DeepxError(f"backward: {result.error}")
         self.programs += 1
         self.instructions += result.done
-        return {"grads": grads, "instructions": len(program), **({"program": program} if capture else {})}
+        return {"grads": grads, "instructions": len(program), **({"program": list(program)} if capture else {})}
+
+    def _derive(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None, prefix: str,
+                metas: dict[str, Any]) -> tuple[list[Instr], dict[str, str]]:
+        """grad_program, remembered: a training step sends the same forward (the SDK's pooled names), loss, wrt and
+        prefix every step, and the backward depends on nothing else but the metas of the tensors it names. A hit
+        returns the very program derived before, so the worker's repeated-program path applies to it too."""
+        from deepx_sdk.ir.instr import same_program, scalar_kinds
+        from deepx_sdk.ir.ops import SymbolicEnv
+        from deepxd.compiler.autograd import grad_program
+
+        forward = forward if type(forward) is list else list(forward)
+        try:
+            probe: Any = (len(forward), forward[0] if forward else None, forward[-1] if forward else None, loss,
+                          tuple(wrt), grad_loss, prefix)
+            bucket = self.backwards.get(probe)
+        except TypeError:  # a list inside a param: not hashable, never remembered
+            probe, bucket = None, None
+        for known, kinds, known_metas, program, grads in bucket or ():
+            if known_metas == metas and same_program(forward, known, kinds):
+                self.backward_hits += 1
+                return program, dict(grads)
+        self.backward_misses += 1
+        program, grads = grad_program(list(forward), loss, list(wrt), SymbolicEnv(metas), grad_loss=grad_loss,
+                                      prefix=prefix)
+        if probe is not None:
+            if sum(map(len, self.backwards.values())) >= 64:
+                self.backwards.clear()
+            entries = self.backwards.setdefault(probe, [])
+            if len(entries) >= 4:
+                del entries[0]
+            entries.append((forward, scalar_kinds(forward), dict(metas), program, grads))
+        return program, dict(grads)
 
     # -- stored graphs (dx.compile): the plan of each is made once, then every replay binds into it
     async def _plan_graph(self, name: str, data: bytes) -> Any:
@@ -258,4 +290,5 @@ class Scheduler(Actor):
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
                 "plan_hits": self.compiled.hits, "plan_misses": self.compiled.misses, "graphs": len(self.graphs),
-                "replays": self.replays}
+                "replays": self.replays, "backward_hits": self.backward_hits,
+                "backward_misses": self.backward_misses}

@@ -322,3 +322,165 @@ def test_a_value_filled_in_place_takes_no_gradient(rng):
         return h * t["w"] + k
 
     _grads_equal_torch(fn, arrays, "w")
+
+
+# -- the graph a backward takes: only what reaches its loss (issue #4)
+def test_backward_frees_only_its_own_graph():
+    """torch: two independent graphs on one session, the second's backward first; neither frees the other."""
+    a = dx.tensor(np.ones(3, np.float32), requires_grad=True)
+    y = (a * 2).sum()
+    w = dx.tensor(np.ones(3, np.float32), requires_grad=True)
+    z = (w * 3).sum()
+    z.backward()
+    y.backward()
+    np.testing.assert_array_equal(a.grad.numpy(), [2, 2, 2])
+    np.testing.assert_array_equal(w.grad.numpy(), [3, 3, 3])
+    with pytest.raises(DeepxError, match="freed by an earlier backward"):
+        z.backward()
+
+
+def test_a_backward_takes_no_leaf_of_another_graph():
+    """A leaf that requires grad but does not reach the loss keeps grad None, as in torch."""
+    a = nn.Parameter(np.ones(3))
+    b = nn.Parameter(np.ones(3))
+    left = (b * 5).sum()  # an unrelated graph left over (a notebook cell)
+    (a.exp()).sum().backward()
+    assert b.grad is None
+    np.testing.assert_allclose(a.grad.numpy(), np.exp(np.ones(3)))
+    left.backward()
+    np.testing.assert_array_equal(b.grad.numpy(), [5, 5, 5])
+
+
+def test_two_losses_sharing_a_prefix():
+    """torch refuses the second backward through a freed node that saved tensors (here `w * x` saved x); deepx
+    refuses any freed node on the path. With retain_graph on the first, both run and add up."""
+    x = dx.tensor(np.arange(3.0))
+    w = nn.Parameter(np.ones(3))
+    h = w * x
+    y1, y2 = h.sum(), (h * h).sum()
+    y1.backward()
+    with pytest.raises(DeepxError, match=r"freed by an earlier backward.*'mul'"):
+        y2.backward()
+    tw = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    th = tw * torch.arange(3.0, dtype=torch.float64)
+    th.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        (th * th).sum().backward()
+
+    w.grad = None
+    h = w * x
+    y1, y2 = h.sum(), (h * h).sum()
+    y1.backward(retain_graph=True)
+    y2.backward()
+    tw.grad = None
+    th = tw * torch.arange(3.0, dtype=torch.float64)
+    th.sum().backward(retain_graph=True)
+    (th * th).sum().backward()
+    np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-12)
+
+
+def test_a_later_in_place_write_outside_the_loss_graph_is_still_refused(rng):
+    """A value the backward needs, overwritten after the loss was computed: refused as torch does."""
+    w = nn.Parameter(rng.standard_normal(3))
+    h = w.exp()
+    loss = h.sum()
+    h.add_(1.0)
+    with pytest.raises(DeepxError, match="overwrites"):
+        loss.backward()
+
+
+def test_graphs_never_backwarded_do_not_pile_up():
+    """Evaluation without no_grad: every step builds a graph that is never differentiated. Python drops each with
+    its tensors, so the recorded nodes and the daemon's tensors stay bounded."""
+    import gc
+
+    from deepx_sdk.session import Node
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = dx.tensor(np.ones((4, 8), np.float32))
+
+    def live_nodes():
+        gc.collect()
+        return sum(type(o) is Node for o in gc.get_objects())
+
+    def daemon_tensors():
+        dx.sync()
+        return len(dx.session().transport.node.worker()._actor.ex.tensors.metas)
+
+    for _ in range(5):
+        model(x).sum().item()
+    nodes, tensors = live_nodes(), daemon_tensors()
+    for _ in range(200):
+        model(x).sum().item()
+    assert live_nodes() <= nodes
+    assert daemon_tensors() <= tensors
+    loss = model(x).sum()  # and a backward after all that takes only its own graph
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# -- a repeated training step's backward is derived once (issue #5)
+def _scheduler():
+    return dx.session().transport.node.ref("scheduler")._actor
+
+
+def test_a_repeated_step_reuses_the_derived_backward(rng):
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = dx.tensor(rng.standard_normal((5, 6)).astype(np.float32))
+    y = dx.tensor(rng.integers(0, 3, 5))
+    sched = _scheduler()
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        grads = [p.grad.numpy().copy() for p in model.parameters()]
+        opt.step()
+        return grads
+
+    step(x, y)
+    step(x, y)  # the pool hands the names out in two alternating orders (the last loss is alive at the next forward)
+    hits, misses = sched.backward_hits, sched.backward_misses
+    got = step(x, y)
+    assert (sched.backward_hits, sched.backward_misses) == (hits + 1, misses)
+    # the same step from the same weights, derived afresh (the cache cleared): the same gradients, bitwise
+    state = [p.detach().numpy().copy() for p in model.parameters()]
+    for _ in range(3):
+        step(x, y)
+    for p, v in zip(model.parameters(), state):
+        with dx.no_grad():
+            p.copy_(dx.tensor(v))
+    cached = step(x, y)
+    for p, v in zip(model.parameters(), state):
+        with dx.no_grad():
+            p.copy_(dx.tensor(v))
+    sched.backwards.clear()
+    fresh = step(x, y)
+    assert sched.backward_misses == misses + 1
+    for a, b in zip(cached, fresh):
+        np.testing.assert_array_equal(a, b)
+    assert len(got) == len(fresh)
+    # a changed shape (batch 4) and a changed graph (another loss) derive again
+    misses = sched.backward_misses
+    step(x[:4], y[:4])
+    assert sched.backward_misses == misses + 1
+    opt.zero_grad()
+    (model(x) ** 2).mean().backward()
+    assert sched.backward_misses == misses + 2
+
+
+def test_gradient_names_repeat_only_once_the_old_gradients_are_gone():
+    w = nn.Parameter(np.ones(3))
+    (w * 2).sum().backward()
+    first = w.grad.name
+    kept = w.grad
+    w.grad = None
+    (w * 2).sum().backward()
+    assert w.grad.name != first  # the first gradient is still held: its names are not handed out again
+    del kept
+    w.grad = None
+    dx.sync()
+    (w * 2).sum().backward()
+    assert w.grad.name == first
+    np.testing.assert_array_equal(w.grad.numpy(), [2, 2, 2])
