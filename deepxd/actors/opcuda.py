@@ -280,9 +280,10 @@ class CudaWorker(Actor):
         if len(bucket) >= 8:
             del bucket[0]
         program = program if type(program) is list else list(program)
-        bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
-                                   tuple((metas.get(n), n in heap) for n in names), bounds, [], False,
-                                   any(b.op.name == "deltensor" for b in bounds)))
+        bucket.append(KnownProgram(program=program, kinds=scalar_kinds(program), fetch=tuple(fetch), names=names,
+                                   state=tuple((metas.get(n), n in heap) for n in names), bounds=bounds, steps=[],
+                                   heavy=False, deletes=any(b.op.name == "deltensor" for b in bounds),
+                                   transient=set()))  # transposes stay copies on the GPU
 
     async def _create_heap(self, bounds: list[Bound], out: dict[int, Any]) -> tuple[str, int] | None:
         """`newtensor ... // kind=heap`: heapmem allocates it on the GPU before the program runs; it is put in
