@@ -255,3 +255,50 @@ def test_rules_cover_the_brief():
             "powscalar maxscalar relu sigmoid tanh matmul sum reshape transpose broadcastTo todtype softmax "
             "logsoftmax crossentropy mse copytensor").split()
     assert set(want) <= set(GRAD_RULES)
+
+
+def _made_by(back: list, op: str) -> dict[str, object]:
+    return {str(i.returns[0].value): i for i in back if i.name == op}
+
+
+def test_linear_weight_gradient_is_one_product_without_transposing_it(rng):
+    """y = x @ W^T (torch's Linear): the rules give dW = transpose(transpose(x) @ g), rewritten to transpose(g) @ x
+    (the transpose of g is a temporary: a view on the CPU executor), and dx = g @ W reads W itself."""
+    inputs = {"x": rnd(rng, 4, 6), "W": rnd(rng, 3, 6), "b": rnd(rng, 3)}
+    back = check("""
+        transpose (tensor<float64>:W, vector<int32>:[1 0]) -> (tensor<float64>:Wt)
+        matmul (tensor<float64>:x, tensor<float64>:Wt) -> (tensor<float64>:y)
+        add (tensor<float64>:y, tensor<float64>:b) -> (tensor<float64>:z)
+        tanh (tensor<float64>:z) -> (tensor<float64>:t)
+        sum (tensor<float64>:t, vector<int32>:[], var<bool>:false) -> (tensor<float64>:loss)
+    """, inputs, "loss", ["x", "W", "b"], lambda t: torch.tanh(t["x"] @ t["W"].T + t["b"]).sum())
+    products = _made_by(back, "matmul")
+    transposes = _made_by(back, "transpose")
+    assert len(products) == 2 and len(transposes) == 1
+    assert not any(str(i.args[0].value) in products for i in transposes.values())  # no product is transposed
+    (t,) = transposes.values()
+    assert str(t.args[0].value) not in ("x", "W", "Wt")  # the one transpose is of the upstream gradient
+    reads = {tuple(str(p.value) for p in i.args) for i in products.values()}
+    assert (next(iter(transposes)), "x") in reads  # dW = g^T @ x
+    assert any(r[1] == "W" for r in reads)  # dx = g @ W, not g @ transpose(Wt)
+
+
+@pytest.mark.parametrize("shapes", [((2, 5, 4), (2, 3, 4)), ((5, 4), (3, 4))])
+def test_transposed_products_in_batches_and_chains_keep_their_values(rng, shapes):
+    """transpose(A @ B) -> B^T @ A^T over the last two dims, with a batch dim too, and through two layers."""
+    xs, ws = shapes
+    inputs = {"x": rnd(rng, *xs), "W": rnd(rng, *ws), "V": rnd(rng, *ws[:-2], 3, 3)}
+    r = len(xs)
+    perm = " ".join(map(str, [*range(r - 2), r - 1, r - 2]))
+    back = check(f"""
+        transpose (tensor<float64>:W, vector<int32>:[{perm}]) -> (tensor<float64>:Wt)
+        matmul (tensor<float64>:x, tensor<float64>:Wt) -> (tensor<float64>:h)
+        transpose (tensor<float64>:V, vector<int32>:[{perm}]) -> (tensor<float64>:Vt)
+        matmul (tensor<float64>:h, tensor<float64>:Vt) -> (tensor<float64>:y)
+        mul (tensor<float64>:y, tensor<float64>:y) -> (tensor<float64>:y2)
+        sum (tensor<float64>:y2, vector<int32>:[], var<bool>:false) -> (tensor<float64>:loss)
+    """, inputs, "loss", ["x", "W", "V"],
+        lambda t: ((t["x"] @ t["W"].transpose(-1, -2)) @ t["V"].transpose(-1, -2)).pow(2).sum())
+    transposes = _made_by(back, "transpose").values()
+    assert len(transposes) == 2  # one per weight gradient: of its upstream gradient, never of x, W, V or a result
+    assert not {str(i.args[0].value) for i in transposes} & {"x", "W", "V", "Wt", "Vt"}
