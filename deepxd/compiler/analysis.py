@@ -218,13 +218,19 @@ class BindMemo:
         return Bound(op, instr, b.args, names + [None] * (len(b.names) - len(names)), b.outs, out_names, b.nbytes)
 
 
+#: smaller groups of elementwise ops stay unfused: a fused pair cost more than the two ops it replaces at every size
+#: up to 256K elements, three or more ops fused pay from one element up (bench/fusion.py --crossover, docs/compiler.md)
+FUSE_MIN_OPS = 3
+
+
 @dataclass
 class PassContext:
     """What the passes know about the world around a program.
 
     metas: the tensors that exist before the program (name -> shape and dtype); variables and vectors: named values
     set by earlier argset/vecset; fetch: tensors the client reads after the program; keep: heap tensors, no write to
-    which is ever removed or moved. `origins[k]` is the index, in the program the pipeline started from, of the
+    which is ever removed or moved; fuse_min_elements and fuse_min_ops: the least result size and group length the
+    fuse pass fuses. `origins[k]` is the index, in the program the pipeline started from, of the
     instruction that the k-th instruction of the current program stands for.
     """
 
@@ -234,6 +240,7 @@ class PassContext:
     variables: Mapping[str, Any] = field(default_factory=dict)
     vectors: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     fuse_min_elements: int = 0
+    fuse_min_ops: int = FUSE_MIN_OPS
     cache: BindMemo | None = None
     origins: list[int] = field(default_factory=list)
     stats: Counter[str] = field(default_factory=Counter)

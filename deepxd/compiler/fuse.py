@@ -149,7 +149,7 @@ def fuse_elementwise(program: list[Instr], ctx: PassContext) -> list[Instr]:
         groups[i] = group
         pending[str(b.out_names[0])] = group
     last_root: dict[int, int] = {}  # a moved deltensor's position -> the latest fused instruction that needs it
-    emitted = [g for g in groups.values() if len(g.members) >= 2]
+    emitted = [g for g in groups.values() if g.ops >= max(2, ctx.fuse_min_ops)]
     for g in emitted:
         for q in g.moves.values():
             last_root[q] = max(last_root.get(q, -1), g.root)

@@ -133,7 +133,7 @@ def test_a_root_in_place(rng, backend):
         mul (tensor<float32>:x, tensor<float32>:y) -> (tensor<float32>:t)
         add (tensor<float32>:t, tensor<float32>:x) -> (tensor<float32>:x)
         deltensor () -> (tensor<float32>:t)
-    """, inputs)
+    """, inputs, fuse_min_ops=2)
     assert lines(after) == ["fused (listtensor<float32>:[x y], var<string>:in0 * in1 + in0) -> (tensor<float32>:x)"]
     assert_same_results(before, after, inputs)
 
@@ -145,18 +145,18 @@ def test_only_float_tensors_finite_scalars_and_big_enough_results(rng):
         addscalar (tensor<int32>:t, var<int32>:1) -> (tensor<int32>:u)
         deltensor () -> (tensor<int32>:t)
     """
-    assert rewrite(fuse, text, ints)[1] == rewrite(fuse, text, ints)[0]
+    assert rewrite(fuse, text, ints, fuse_min_ops=2)[1] == rewrite(fuse, text, ints)[0]
     floats = random_inputs(rng, {"x": (6,)})
     text = """
         exp (tensor<float32>:x) -> (tensor<float32>:t)
         maxscalar (tensor<float32>:t, var<float32>:-inf) -> (tensor<float32>:u)
         deltensor () -> (tensor<float32>:t)
     """
-    before, after, _ = rewrite(fuse, text, floats)
+    before, after, _ = rewrite(fuse, text, floats, fuse_min_ops=2)
     assert after == before
     text = text.replace("-inf", "2.0")
-    assert len(rewrite(fuse, text, floats)[1]) == 1
-    assert rewrite(fuse, text, floats, fuse_min_elements=7)[1] == rewrite(fuse, text, floats)[0]
+    assert len(rewrite(fuse, text, floats, fuse_min_ops=2)[1]) == 1
+    assert rewrite(fuse, text, floats, fuse_min_elements=7, fuse_min_ops=2)[1] == rewrite(fuse, text, floats)[0]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -331,7 +331,7 @@ def test_random_programs_with_reused_names_agree_with_the_unfused_ops(rng, dtype
             shapes = {n: s for n, s in shapes.items() if not n.startswith("p")}
         inputs = random_inputs(rng, shapes, dtype, -1, 1)
         text, fetch = _pooled_program(rng, dtype, set(shapes))
-        before, after, _ = rewrite(fuse, text, inputs, fetch=fetch)
+        before, after, _ = rewrite(fuse, text, inputs, fetch=fetch, fuse_min_ops=2)  # pairs too: more cases
         fused_ops += sum(i.name == "fused" for i in after)
         rtol = {"float32": 2e-5, "float64": 1e-12}[dtype]
         assert_same_results(before, after, inputs, (rtol, 1e-6 if dtype == "float32" else 1e-12))
@@ -356,3 +356,23 @@ def test_one_element_blocks_run_a_tape_that_never_writes_its_operand(rng):
         one = np.empty(1)
         plan.run([x[0, k:k + 1], x[1, k:k + 1]], consts, [r[:1] for r in regs], one)
         assert one[0] == want[k]
+
+
+def test_pairs_stay_unfused_by_default(rng):
+    """A fused pair costs more than its two ops (bench/fusion.py --crossover): groups of fuse_min_ops (3) or more."""
+    inputs = random_inputs(rng, {"x": (64,), "a": (64,)})
+    pair = """
+        mul (tensor<float32>:x, tensor<float32>:a) -> (tensor<float32>:t)
+        addscalar (tensor<float32>:t, var<float32>:0.5) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:t)
+    """
+    before, after, ctx = rewrite(fuse, pair, inputs)
+    assert after == before and ctx.fuse_min_ops == 3
+    assert [i.name for i in rewrite(fuse, pair, inputs, fuse_min_ops=2)[1]] == ["fused"]
+    three = pair.replace(":y)", ":u)") + """
+        neg (tensor<float32>:u) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:u)
+    """
+    before, after, _ = rewrite(fuse, three, inputs)
+    assert lines(after) == ["fused (listtensor<float32>:[x a], var<string>:-(in0 * in1 + 0.5)) -> (tensor<float32>:y)"]
+    assert_same_results(before, after, inputs)
