@@ -22,7 +22,12 @@ elements, float32 and float64, run as the op worker runs a repeated program (eac
 the one fused instruction the pass makes of them. Prints unfused/fused per cell (> 1: fusion pays); writes
 bench/results/fusion_crossover.json. docs/compiler.md's defaults come from this table.
 
-    python bench/fusion.py [--quick] [--crossover]
+`--sdk` measures what fusion does to bench/sdk.py's end-to-end loop of tiny ops: the programs the SDK records for it
+(1K-element float32 tensors, results in pooled names, flushed every 4,096 instructions) run again and again through
+an in-process Scheduler and CpuWorker with the default passes and with the same passes but `fuse`, per op sent; the
+SDK's recording, the same either way, is timed too (the embedded daemon has no switch for the passes).
+
+    python bench/fusion.py [--quick] [--crossover | --sdk]
 """
 
 from __future__ import annotations
@@ -255,11 +260,97 @@ def crossover(sizes: list[int], groups: list[int], dtypes: list[str], budget_s: 
     return rows
 
 
+def sdk_chain(n: int, a: Any, b: Any) -> Any:
+    """bench/sdk.py's loop of tiny ops (the same code runs on deepx and torch tensors)."""
+    c = a
+    for i in range(n // 4):
+        c = c + b
+        c = c * 0.5
+        c = c - a
+        c = c.relu() if i % 2 else c * b
+    return c
+
+
+def sdk_programs(n: int) -> tuple[list[list[Instr]], dict[str, np.ndarray], float]:
+    """The programs the SDK sends for sdk_chain(n) after a warm-up (as max_pending cuts them), the tensors they need,
+    and the seconds per op the recording took (best of 3)."""
+    import deepx_sdk as dx
+
+    s = dx.connect(max_pending=1 << 30)
+    rng = np.random.default_rng(0)
+    a, b = (dx.tensor(rng.standard_normal(1024, dtype=np.float32)) for _ in range(2))
+    c = sdk_chain(400, a, b)
+    dx.sync()
+    record = float("inf")
+    for _ in range(3):
+        s.pending.clear()
+        t0 = time.perf_counter()
+        c = sdk_chain(n, a, b)
+        record = min(record, (time.perf_counter() - t0) / n)
+        prog = list(s.pending)
+    s.pending.clear()
+    del c
+    names = {str(p.value) for i in prog for p in (*i.args, *i.returns) if p.category == "tensor"}
+    arrays = {k: rng.standard_normal(1024, dtype=np.float32) for k in sorted(names)}
+    dx.disconnect()
+    return [prog[k:k + 4096] for k in range(0, len(prog), 4096)], arrays, record
+
+
+async def sdk_loop(programs: list[list[Instr]], arrays: dict[str, np.ndarray], repeat: int) -> dict[str, float]:
+    from deepxd.actors.opcpu import CpuWorker
+    from deepxd.actors.scheduler import Scheduler
+    from deepxd.config import Config
+
+    out: dict[str, float] = {}
+    n_ops = sum(len(p) for p in programs)
+    setups = {"fuse": ["simplify", "cse", "dce", "fuse"], "no_fuse": ["simplify", "cse", "dce"]}
+    pairs = []
+    for label, passes in setups.items():
+        worker = CpuWorker(output_log=False, inline_elements=1 << 30)
+        worker.start()
+        sched = Scheduler({"op-cpu": worker.ref}, config=Config(passes=passes))
+        sched.start()
+        for name, a in arrays.items():
+            await worker.ref.ask("put", name=name, dtype="float32", shape=list(a.shape), data=a.tobytes())
+        pairs.append((label, worker, sched))
+        out[label] = float("inf")
+    for _ in range(repeat + 1):  # interleaved, so that the load on this box falls on both alike
+        for label, _, sched in pairs:
+            t0 = time.perf_counter()
+            for prog in programs:
+                result = await sched.ref.ask("run", program=prog, fetch=[])
+                assert not result.error and result.done == len(prog), result.error
+            out[label] = min(out[label], (time.perf_counter() - t0) / n_ops)
+    last = str(programs[-1][-1].returns[0].value)  # the loop's result: the same with and without fusion
+    values = []
+    for _, worker, sched in pairs:
+        for k, prog in enumerate(programs):
+            result = await sched.ref.ask("run", program=prog, fetch=[last] if k == len(programs) - 1 else [])
+        values.append(result.tensors[last])
+        await sched.stop()
+        await worker.stop()
+    np.testing.assert_allclose(values[0], values[1], rtol=1e-5, atol=1e-6)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--crossover", action="store_true", help="fused against unfused by group size and element count")
+    ap.add_argument("--sdk", action="store_true", help="bench/sdk.py's loop of tiny ops with and without fuse")
     opts = ap.parse_args()
+    if opts.sdk:
+        n_ops = 2_000 if opts.quick else 10_000
+        programs, arrays, record = sdk_programs(n_ops)
+        loop = asyncio.run(sdk_loop(programs, arrays, 3 if opts.quick else 7))
+        print(f"bench/sdk.py's loop of {n_ops:,} tiny ops, 1K-element float32, per op sent (best of runs):")
+        print(f"  recording (SDK)                         : {record * 1e6:6.2f} us")
+        for label in ("no_fuse", "fuse"):
+            print(f"  scheduler + worker, passes {'with' if label == 'fuse' else 'but':4s} fuse    : "
+                  f"{loop[label] * 1e6:6.2f} us   end to end {(record + loop[label]) * 1e6:6.2f} us")
+        print(f"  no fuse / fuse: daemon side {loop['no_fuse'] / loop['fuse']:5.2f}x, end to end "
+              f"{(record + loop['no_fuse']) / (record + loop['fuse']):5.2f}x")
+        return
     if opts.crossover:
         sizes = [1, 64, 1 << 10, 1 << 14, 1 << 18, 1 << 24]
         groups = list(range(2, 9))
