@@ -231,7 +231,7 @@ def crossover(sizes: list[int], groups: list[int], dtypes: list[str], budget_s: 
             row: dict[str, Any] = {}
             for k in groups:
                 pooled, temps = crossover_programs(k, dtype)
-                fused = run_passes(temps, PassContext(metas=metas), ["fuse"])
+                fused = run_passes(temps, PassContext(metas=metas, fuse_min_ops=2), ["fuse"])  # pairs too
                 assert [i.name for i in fused] == ["fused"], fused
                 times = []
                 for prog in (pooled, fused):
