@@ -442,8 +442,11 @@ def test_a_repeated_step_reuses_the_derived_backward(rng):
     step(x, y)
     step(x, y)  # the pool hands the names out in two alternating orders (the last loss is alive at the next forward)
     hits, misses = sched.backward_hits, sched.backward_misses
+    worker = dx.session().transport.node.worker()._actor
+    known = worker.known_hits
     got = step(x, y)
     assert (sched.backward_hits, sched.backward_misses) == (hits + 1, misses)
+    assert worker.known_hits >= known + 2  # the forward and the backward program: the worker knows both
     # the same step from the same weights, derived afresh (the cache cleared): the same gradients, bitwise
     state = [p.detach().numpy().copy() for p in model.parameters()]
     for _ in range(3):
