@@ -6,8 +6,9 @@ reader's result shape (a computed value is never expanded by broadcasting, which
 and when the group's inputs do not change between where they were read and the group's last instruction, where the
 fused instruction takes its place. A write that the fusion itself removes does not count as a change: a pooled name
 read as an input and then written by the group's root (`t2 = t1 * d; t1 = t2 + c; t2 = t1 * e`) keeps its old value
-in the fused program, so such chains fuse whole (MAX_OPS ops at a time). The expression is numexpr's syntax over the
-inputs in0, in1, ... (see `parse_fused` in deepx_sdk/ir/ops.py and deepxd/kernels/cpu/fused.py).
+in the fused program, so such chains fuse whole (MAX_OPS ops at a time). Groups of fewer than ctx.fuse_min_ops ops
+(3: a fused pair costs more than its two ops, docs/compiler.md) stay unfused. The expression is numexpr's syntax over
+the inputs in0, in1, ... (see `parse_fused` in deepx_sdk/ir/ops.py and deepxd/kernels/cpu/fused.py).
 """
 
 from __future__ import annotations
