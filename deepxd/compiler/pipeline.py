@@ -90,7 +90,7 @@ class _Exact(NamedTuple):
     kinds: tuple[tuple[int, int, Any], ...]
     names: tuple[str, ...]
     flags: tuple[tuple[TensorMeta | None, bool, bool], ...]
-    fuse_min_elements: int
+    fuse_limits: tuple[int, int]  # fuse_min_elements, fuse_min_ops
     out: list[Instr] | None  # None: the passes changed nothing
     origins: tuple[int, ...]
 
@@ -148,7 +148,7 @@ class PlanCache:
         if same:
             metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
             for e in same:
-                if (e.fuse_min_elements == ctx.fuse_min_elements
+                if (e.fuse_limits == (ctx.fuse_min_elements, ctx.fuse_min_ops)
                         and all(metas.get(n) == m and (n in fetch) == f and (n in keep) == k
                                 for n, (m, f, k) in zip(e.names, e.flags))):
                     self.hits += 1
@@ -190,7 +190,8 @@ class PlanCache:
         if len(bucket) >= 8:
             del bucket[0]
         same = len(out) == len(program) and all(a is b for a, b in zip(out, program))
-        bucket.append(_Exact(program, scalar_kinds(program), tuple(names), flags, ctx.fuse_min_elements,
+        bucket.append(_Exact(program, scalar_kinds(program), tuple(names), flags,
+                             (ctx.fuse_min_elements, ctx.fuse_min_ops),
                              None if same else out, tuple(ctx.origins)))
 
     def _key(self, program: Sequence[Instr], ctx: PassContext) -> tuple[Any, list[str]] | None:
@@ -229,7 +230,7 @@ class PlanCache:
         # what the rewrite depends on besides the structure: which tensors exist before (and their metas), and
         # which are fetched or heap; never the names themselves (a client's pool hands out names in any order)
         flags = tuple((metas.get(n), n in fetch, n in keep) for n in names)
-        return (tuple(parts), flags, ctx.fuse_min_elements), names
+        return (tuple(parts), flags, ctx.fuse_min_elements, ctx.fuse_min_ops), names
 
 
 def _template(instr: Instr, tokens: Mapping[str, _Token]) -> Instr:

@@ -138,11 +138,15 @@ def test_the_plan_cache_tells_apart_what_changes_the_rewrite():
     cache.run(program(TEXT), PassContext(metas={**METAS, "w": TensorMeta((16, 8), "float32")}))  # other metas
     cache.run(program(TEXT), PassContext(metas={**METAS, "t2": TensorMeta((16, 8), "float32")}))  # t2 exists
     assert (cache.hits, cache.misses) == (0, 4)
+    for limit in (2, 3, 2):  # the least fused group: the same program, another rewrite; then the first again
+        out = cache.run(program(TEXT), PassContext(metas=METAS, fuse_min_ops=limit))
+        assert out == run_passes(program(TEXT), PassContext(metas=METAS, fuse_min_ops=limit))
+    assert (cache.hits, cache.misses) == (2, 5)  # 2 missed once, then each limit found its own
     named = program("argset (var<float32>:1.0) -> (var<float32>:k)\n" + TEXT.replace(
         "var<float32>:1.0) -> (tensor<float32>:t0)", "var<float32>:k) -> (tensor<float32>:t0)"))
     for _ in range(2):
         out = cache.run(named, PassContext(metas=METAS))
-    assert (cache.hits, cache.misses) == (0, 4) and out != named  # rewritten, never cached
+    assert (cache.hits, cache.misses) == (2, 5) and out != named  # rewritten, never cached
 
 
 def test_one_instruction_object_used_twice_is_checked_where_it_stands(rng):
