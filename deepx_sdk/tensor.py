@@ -21,7 +21,7 @@ from deepx_sdk.ir.dtypes import from_numpy as precision_of
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, Call, TensorMeta
 from deepx_sdk.ir.shapes import broadcast, norm_dim, numel
-from deepx_sdk.session import _IN_SDK, Node, Session, graph_of, in_sdk, session
+from deepx_sdk.session import _IN_SDK, Session, graph_of, in_sdk, session
 
 Shape = tuple[int, ...]
 
@@ -370,8 +370,6 @@ class Tensor:
             raise DeepxError("backward: this tensor does not require grad and has no grad_fn (did a leaf "
                              "have requires_grad=True, and was it computed outside dx.no_grad()?)")
         root = self.grad_fn
-        if type(root) is not Node:
-            raise DeepxError(f"backward: '{self.name}' is a leaf; call backward on a result computed from it")
         grad_loss: Tensor | None = None
         if gradient is None:
             if self.numel() != 1:
@@ -384,14 +382,21 @@ class Tensor:
                 raise DeepxError(f"backward: gradient of shape {grad_loss.shape} does not match {self.shape}")
         loss = self
         if gradient is None and self.shape != ():
-            graph_of(root, self.name)  # refuses a freed graph before anything is recorded
+            if root is not None:
+                graph_of(root, self.name)  # refuses a freed graph before anything is recorded
             before, s.grad_enabled = s.grad_enabled, True
             try:
                 loss = self.reshape(())
             finally:
                 s.grad_enabled = before
             root = loss.grad_fn
-        path, forward, leaves = graph_of(root, self.name)
+        path: list[Any]
+        forward: list[Instr]
+        leaves: dict[str, Any]
+        if root is None:  # a leaf: d leaf / d leaf, as torch gives it
+            path, forward, leaves = [], [], {self.name: self}
+        else:
+            path, forward, leaves = graph_of(root, self.name)
         s.sync()
         upstream = grad_loss.name if grad_loss is not None else None
         prefix, k = s.grad_prefix()

@@ -496,3 +496,15 @@ def test_gradient_names_repeat_only_once_the_old_gradients_are_gone():
     (w * 2).sum().backward()
     assert w.grad.name == first
     np.testing.assert_array_equal(w.grad.numpy(), [2, 2, 2])
+
+
+def test_backward_of_a_leaf_gives_ones_as_torch():
+    w = nn.Parameter(np.array(3.0))
+    w.backward()
+    assert w.grad.item() == 1.0
+    v = nn.Parameter(np.array([2.0]))
+    v.backward()
+    np.testing.assert_array_equal(v.grad.numpy(), [1.0])
+    tv = torch.tensor([2.0], requires_grad=True)
+    tv.backward()
+    assert tv.grad.tolist() == [1.0]
