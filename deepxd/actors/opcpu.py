@@ -94,7 +94,94 @@ def _touched(bounds: list[Bound]) -> tuple[str, ...]:
     return tuple(names)
 
 
-class CpuWorker(Actor):
+class OpWorker(Actor):
+    """What the op workers (op-cpu here, op-cuda in opcuda.py) share: the programs they have checked before, the
+    heap tensors they view, and their op statistics. A subclass sets these attributes and an executor `ex` (None
+    until it exists) whose `tensors` table has `metas`."""
+
+    ex: Any
+    heap: dict[str, Any]  # heap tensor name -> its array (memory heapmem allocated)
+    heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
+    heapmem: ActorRef | None
+    known: dict[Any, list[KnownProgram]]
+    op_stats: dict[str, OpStat]
+    output_log: bool
+    _output: list[str]
+
+    def _print(self, text: str) -> None:
+        self._output.append(text)
+        if self.output_log:
+            log.info("print: %s", text)
+
+    def _known(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
+        if not program:
+            return None
+        try:
+            bucket = self.known.get((len(program), program[0], program[-1]))
+        except TypeError:  # a list inside a param: not hashable, never remembered
+            return None
+        if bucket is None:
+            return None
+        metas, heap = self.ex.tensors.metas, self.heap
+        fetch = tuple(fetch)
+        for k in bucket:
+            if (k.fetch == fetch and same_program(program, k.program, k.kinds)
+                    and all(metas.get(n) == m and (n in heap) == h for n, (m, h) in zip(k.names, k.state))):
+                return k
+        return None
+
+    def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
+        exists = name in self.ex.tensors
+        for b in bounds:
+            if b.op.name == "deltensor" and b.out_names[0] == name:
+                exists = False
+            elif b.op.name == "renametensor":
+                if b.out_names[0] == name:
+                    exists = False
+                elif b.args[0] == name:
+                    exists = True
+            elif name in b.out_names or (b.op.name == "load" and name in (str(b.args[0]).rsplit("/", 1)[-1],)):
+                exists = True
+        return exists
+
+    def _check_heap(self, bounds: list[Bound]) -> None:
+        if not self.heap:
+            return
+        for i, b in enumerate(bounds):
+            for n, m in zip(b.out_names, b.outs):
+                view = self.heap.get(n) if isinstance(n, str) else None
+                if view is not None and m is not None and (tuple(m.shape) != tuple(view.shape)
+                                                           or m.dtype != dtype_name(view.dtype)):
+                    raise ProgramError(
+                        f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
+                        f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
+            if b.op.name == "renametensor" and b.out_names[0] in self.heap:
+                raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
+                                   "renamed", i)
+
+    async def _forget_heap(self, name: str) -> None:
+        """deltensor of a heap tensor: drop the view, and this worker's reference if it holds one (an owner's
+        reference keeps the tensor alive until the owner releases it)."""
+        if self.heap.pop(name, None) is not None and name in self.heap_held and self.heapmem is not None:
+            self.heap_held.discard(name)
+            try:
+                await self.heapmem.ask("release", name=name, holder=self.name)
+            except DeepxError as e:
+                log.warning("releasing heap tensor '%s': %s", name, e)
+
+    def on_heap_gone(self, name: str) -> None:
+        """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""
+        view = self.heap.pop(name, None)
+        self.heap_held.discard(name)
+        if view is not None and self.ex is not None and self.ex.tensors.get(name) is view:
+            self.ex.tensors.pop(name)
+            self.known.clear()  # checked programs may name it
+
+    def on_op_stats(self) -> dict[str, dict[str, float]]:
+        return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
+
+
+class CpuWorker(OpWorker):
     role = "op-cpu"
 
     def __init__(self, name: str = "op-cpu", *, heapmem: ActorRef | None = None, io_roots: Sequence[str] | None = None,
@@ -114,11 +201,6 @@ class CpuWorker(Actor):
         self.known_size = 256
         self.known_hits = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
-
-    def _print(self, text: str) -> None:
-        self._output.append(text)
-        if self.output_log:
-            log.info("print: %s", text)
 
     async def on_stop(self) -> None:
         self._thread.shutdown(wait=True)
@@ -236,23 +318,6 @@ class CpuWorker(Actor):
             s.seconds += t1 - t0
             s.bytes += b.nbytes
 
-    def _known(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
-        if not program:
-            return None
-        try:
-            bucket = self.known.get((len(program), program[0], program[-1]))
-        except TypeError:  # a list inside a param: not hashable, never remembered
-            return None
-        if bucket is None:
-            return None
-        metas, heap = self.ex.tensors.metas, self.heap
-        fetch = tuple(fetch)
-        for k in bucket:
-            if (k.fetch == fetch and same_program(program, k.program, k.kinds)
-                    and all(metas.get(n) == m and (n in heap) == h for n, (m, h) in zip(k.names, k.state))):
-                return k
-        return None
-
     def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool,
                   transient: set[int]) -> None:
         if not bounds or not _state_free(bounds):
@@ -326,44 +391,6 @@ class CpuWorker(Actor):
                 return True
         return False
 
-    def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
-        exists = name in self.ex.tensors
-        for b in bounds:
-            if b.op.name == "deltensor" and b.out_names[0] == name:
-                exists = False
-            elif b.op.name == "renametensor":
-                if b.out_names[0] == name:
-                    exists = False
-                elif b.args[0] == name:
-                    exists = True
-            elif name in b.out_names or (b.op.name == "load" and name in (str(b.args[0]).rsplit("/", 1)[-1],)):
-                exists = True
-        return exists
-
-    def _check_heap(self, bounds: list[Bound]) -> None:
-        if not self.heap:
-            return
-        for i, b in enumerate(bounds):
-            for n, m in zip(b.out_names, b.outs):
-                view = self.heap.get(n) if isinstance(n, str) else None
-                if view is not None and m is not None and (m.shape != view.shape or m.dtype != dtype_name(view.dtype)):
-                    raise ProgramError(
-                        f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
-                        f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
-            if b.op.name == "renametensor" and b.out_names[0] in self.heap:
-                raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
-                                   "renamed", i)
-
-    async def _forget_heap(self, name: str) -> None:
-        """deltensor of a heap tensor: drop the view, and this worker's reference if it holds one (an owner's
-        reference keeps the tensor alive until the owner releases it)."""
-        if self.heap.pop(name, None) is not None and name in self.heap_held and self.heapmem is not None:
-            self.heap_held.discard(name)
-            try:
-                await self.heapmem.ask("release", name=name, holder=self.name)
-            except DeepxError as e:
-                log.warning("releasing heap tensor '%s': %s", name, e)
-
     # -- data in and out
     def on_fetch(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         out = {}
@@ -418,14 +445,6 @@ class CpuWorker(Actor):
             self.ex.put(name, array.copy())
         return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "heap" if heap else "stack"}
 
-    def on_heap_gone(self, name: str) -> None:
-        """heapmem freed heap tensor `name`: forget its view, so no later program touches that memory."""
-        view = self.heap.pop(name, None)
-        self.heap_held.discard(name)
-        if view is not None and self.ex.tensors.get(name) is view:
-            del self.ex.tensors[name]
-            self.known.clear()  # checked programs may name it
-
     async def on_attach_heap(self, name: str) -> dict[str, Any]:
         """Make an existing heap tensor visible to programs here."""
         if self.heapmem is None:
@@ -446,9 +465,6 @@ class CpuWorker(Actor):
             rows.append({"name": name, "dtype": dtype_name(a.dtype), "shape": list(a.shape), "bytes": int(a.nbytes),
                          "kind": "heap" if name in self.heap else "stack", "owner": self.name, "device": "cpu"})
         return rows
-
-    def on_op_stats(self) -> dict[str, dict[str, float]]:
-        return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
 
     def on_metas(self, names: Sequence[str]) -> dict[str, Any]:
         """Shape and dtype of each named tensor that exists here."""

@@ -28,11 +28,11 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.instr import Instr, same_program, scalar_kinds
+from deepx_sdk.ir.instr import Instr, scalar_kinds
 from deepx_sdk.ir.ops import OPS, Bound, ProgramError, check_program
 from deepx_sdk.ir.shapes import numel
-from deepxd.actors.base import Actor, ActorRef, ActorStopped
-from deepxd.actors.opcpu import KnownProgram, OpStat, RunResult, _state_free, _touched
+from deepxd.actors.base import ActorRef, ActorStopped
+from deepxd.actors.opcpu import KnownProgram, OpStat, OpWorker, RunResult, _state_free, _touched
 from deepxd.kernels.cpu import dtype_name
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class DeviceHeap:
             self.worker.submit(self.worker.free_block, block)
 
 
-class CudaWorker(Actor):
+class CudaWorker(OpWorker):
     """The op-cuda role. Its asks mirror op-cpu's (run, fetch, put, tensors, metas, variables, op_stats, attach_heap)
     plus `sync` (wait for the GPU) and `kernels` (the ops with a CUDA kernel)."""
 
@@ -114,11 +114,6 @@ class CudaWorker(Actor):
         self.known_hits = 0
         self.device_heap = DeviceHeap(self)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cuda")
-
-    def _print(self, text: str) -> None:
-        self._output.append(text)
-        if self.output_log:
-            log.info("print: %s", text)
 
     # -- the CUDA thread
     def _open(self) -> None:
@@ -188,14 +183,6 @@ class CudaWorker(Actor):
 
         return DeviceTensor(block.allocation, int(block.allocation), shape, dtype)
 
-    def on_heap_gone(self, name: str) -> None:
-        """heapmem freed heap tensor `name`: forget its device array, so no later program touches that memory."""
-        view = self.heap.pop(name, None)
-        self.heap_held.discard(name)
-        if view is not None and self.ex is not None and self.ex.tensors.get(name) is view:
-            self.ex.tensors.pop(name)
-            self.known.clear()  # checked programs may name it
-
     def on_heap_free(self, block: DeviceBlock) -> None:
         self.submit(self.free_block, block)
 
@@ -246,23 +233,6 @@ class CudaWorker(Actor):
                     await self._forget_heap(str(b.out_names[0]))
         result.output = self._output
         return result
-
-    def _known(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
-        if not program:
-            return None
-        try:
-            bucket = self.known.get((len(program), program[0], program[-1]))
-        except TypeError:  # a list inside a param: not hashable, never remembered
-            return None
-        if bucket is None:
-            return None
-        metas, heap = self.ex.tensors.metas, self.heap
-        fetch = tuple(fetch)
-        for k in bucket:
-            if (k.fetch == fetch and same_program(program, k.program, k.kinds)
-                    and all(metas.get(n) == m and (n in heap) == h for n, (m, h) in zip(k.names, k.state))):
-                return k
-        return None
 
     def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound]) -> None:
         if not bounds or not _state_free(bounds):
@@ -371,44 +341,6 @@ class CudaWorker(Actor):
         log.warning("%s: %s failed on %s: %s: %s", self.name, b.op.name, self.device, type(e).__name__, e)
         return f"{b.op.name}: CUDA error on {self.device}: {type(e).__name__}: {e} (outputs {sizes or 'none'})"
 
-    def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
-        exists = name in self.ex.tensors
-        for b in bounds:
-            if b.op.name == "deltensor" and b.out_names[0] == name:
-                exists = False
-            elif b.op.name == "renametensor":
-                if b.out_names[0] == name:
-                    exists = False
-                elif b.args[0] == name:
-                    exists = True
-            elif name in b.out_names or (b.op.name == "load" and name in (str(b.args[0]).rsplit("/", 1)[-1],)):
-                exists = True
-        return exists
-
-    def _check_heap(self, bounds: list[Bound]) -> None:
-        if not self.heap:
-            return
-        for i, b in enumerate(bounds):
-            for n, m in zip(b.out_names, b.outs):
-                view = self.heap.get(n) if isinstance(n, str) else None
-                if view is not None and m is not None and (tuple(m.shape) != tuple(view.shape)
-                                                           or m.dtype != dtype_name(view.dtype)):
-                    raise ProgramError(
-                        f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
-                        f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
-            if b.op.name == "renametensor" and b.out_names[0] in self.heap:
-                raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
-                                   "renamed", i)
-
-    async def _forget_heap(self, name: str) -> None:
-        """deltensor of a heap tensor: drop the view, and this worker's reference if it holds one."""
-        if self.heap.pop(name, None) is not None and name in self.heap_held and self.heapmem is not None:
-            self.heap_held.discard(name)
-            try:
-                await self.heapmem.ask("release", name=name, holder=self.name)
-            except DeepxError as e:
-                log.warning("releasing heap tensor '%s': %s", name, e)
-
     # -- data in and out
     async def on_fetch(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         def read() -> dict[str, np.ndarray]:
@@ -495,9 +427,6 @@ class CudaWorker(Actor):
         return [{"name": name, "dtype": dtype_name(a.dtype), "shape": list(a.shape), "bytes": int(a.nbytes),
                  "kind": "heap" if name in self.heap else "stack", "owner": self.name, "device": self.device}
                 for name, a in list(self.ex.tensors.items())]
-
-    def on_op_stats(self) -> dict[str, dict[str, float]]:
-        return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
 
     def on_metas(self, names: Sequence[str]) -> dict[str, Any]:
         """Shape and dtype of each named tensor that exists here."""
