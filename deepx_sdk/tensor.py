@@ -164,11 +164,15 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
         else:
             if item[1] == dtype and item[2] == shape:
                 rname = item[0]
+                out = _new_object(Tensor)
+                out._k = item
             else:
                 collected.appendleft(item)
     if rname is None:
         rname = s.reuse_name(shape, dtype)
-    out = _new_object(Tensor)
+        out = _new_object(Tensor)
+        # never a gradient's name: those are neither pooled nor numbered
+        out._k = (rname, dtype, shape)
     out.name = rname
     out.shape = shape
     out.dtype = dtype
@@ -246,7 +250,9 @@ def _arith(op: str, scalar_op: str, rscalar_op: str | None = None, reverse: bool
 class Tensor:
     """A deepx tensor. Model code uses it like a torch.Tensor; values live in the daemon."""
 
-    __slots__ = ("__weakref__", "_p", "_s", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
+    # _k: what __del__ hands the session's collected queue, (name, dtype, shape or None: never pooled), worked out
+    # when the tensor is made (a loop's result takes the very tuple of the handle it replaces)
+    __slots__ = ("__weakref__", "_k", "_p", "_s", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
 
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
         self._p: Param | None = None
@@ -257,16 +263,25 @@ class Tensor:
         self.requires_grad = requires_grad
         self.grad: Tensor | None = None
         self.grad_fn: Any = None
+        self._k: tuple[str, str, Any] | None = (
+            (name, dtype, self.shape) if type(self) is Tensor and sess is not None
+            and not name.startswith(sess._grad_root) else None)
 
     def __del__(self) -> None:
-        s = getattr(self, "_s", None)  # a half-built tensor (copy, unpickling) has no session
+        try:
+            s: Session | None = self._s
+            k = self._k
+        except AttributeError:  # a half-built tensor (copy, unpickling) has no session; a Parameter has no _k
+            s = getattr(self, "_s", None)
+            k = None
         if s is not None and not s.closed:
             try:
                 # never blocks: collection runs in any thread. Plain results may have their name reused (pooled);
-                # parameters and other kinds are always deleted
-                # a backward's gradient names are not pooled: its prefix is handed out again (Session.grad_prefix)
-                s.collected.append((self.name, self.dtype, self.shape if type(self) is Tensor
-                                    and not self.name.startswith(s._grad_root) else None))
+                # parameters and other kinds are always deleted (_k None), and so are a backward's gradient names:
+                # their prefix is handed out again (Session.grad_prefix); a name or dtype changed since: deleted
+                if k is None or k[0] != self.name or k[1] != self.dtype:
+                    k = (self.name, self.dtype, None)
+                s.collected.append(k)
             except Exception:  # interpreter shutdown
                 pass
 
