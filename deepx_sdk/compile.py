@@ -37,6 +37,7 @@ from deepx_sdk.ir.dtypes import to_numpy
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, existing
 from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj
+from deepx_sdk.optim import sgd_step
 from deepx_sdk.session import NativeTransport, Session, Transport, session
 
 log = logging.getLogger(__name__)
@@ -695,7 +696,7 @@ class CompiledFunction:
                     o, p, _ = next(upd)
                     st = o.state.setdefault(id(p), {"step": 0})
                     steps.append((st, int(st["step"]) + 1))
-                    scalars[key] = steps[-1][1]
+                    scalars[key] = sgd_step(steps[-1][1]) if instr.name == "sgd" else steps[-1][1]
             elif key.startswith("seed.") and key not in scalars:  # one draw per seed the eager call drew
                 from deepx_sdk.tensor import _seed
 

@@ -109,6 +109,13 @@ class Optimizer:
             self.state[id(p)] = state
 
 
+def sgd_step(step: int) -> int:
+    """The step an `sgd` instruction carries: its kernel only tells the first step (the buffer starts as the
+    gradient) from the rest, so every later step sends 2 and a training loop sends the very same program each
+    step, which the daemon then runs without checking it again."""
+    return min(step, 2)
+
+
 class SGD(Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False) -> None:
@@ -124,7 +131,7 @@ class SGD(Optimizer):
         buf = self._buffer(p, state, "momentum_buffer") if group["momentum"] else g
         args = (_tp(p), _tp(g), _tp(buf), Param.var(float(group["lr"])), Param.var(float(group["momentum"])),
                 Param.var(float(group["dampening"])), Param.var(float(group["weight_decay"])),
-                Param.var(bool(group["nesterov"])), Param.var(int(state["step"])))
+                Param.var(bool(group["nesterov"])), Param.var(sgd_step(int(state["step"]))))
         p._s.record(Instr("sgd", args, (_tp(p), _tp(buf))))
 
 

@@ -10,6 +10,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.optim import SGD, Adam, AdamW, CosineAnnealingLR, StepLR
+from deepx_sdk.session import session as current_session_object
 
 
 def _run(make_dx, make_torch, steps=20, dtype=np.float64, scheduler=None):
@@ -105,3 +106,34 @@ def test_bad_settings_are_refused():
     p.grad = dx.ones(4, dtype=dx.float64)
     with pytest.raises(DeepxError, match=r"gradient of .* has shape"):
         opt.step()
+
+
+def test_sgd_sends_the_same_update_every_step_after_the_first():
+    """The sgd kernel only tells the first step from the rest, so from step 2 on the update instruction (and a
+    training loop's program) is the same every step, which the daemon runs without checking it again; the values
+    still follow torch (test_sgd_follows_torch)."""
+    w = nn.Parameter(dx.tensor(np.ones(4, np.float32)))
+    opt = SGD([w], lr=0.1, momentum=0.9)
+    sent = []
+    for _ in range(4):
+        opt.zero_grad()
+        (w * w).sum().backward()
+        s = current_session_object()
+        opt.step()
+        sent.append([i for i in s.pending if i.name == "sgd"])
+        dx.sync()
+    steps = [[p.value for p in instrs[0].args if p.category == "var"][-1] for instrs in sent]
+    assert steps == [1, 2, 2, 2]
+    assert sent[1] == sent[2] == sent[3]
+    assert w.numpy().tolist() == pytest.approx(
+        [float(v) for v in _torch_sgd_four_steps()], rel=1e-6)
+
+
+def _torch_sgd_four_steps() -> list[float]:
+    tw = torch.ones(4, requires_grad=True)
+    topt = torch.optim.SGD([tw], lr=0.1, momentum=0.9)
+    for _ in range(4):
+        topt.zero_grad()
+        (tw * tw).sum().backward()
+        topt.step()
+    return tw.detach().tolist()
