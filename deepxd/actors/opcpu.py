@@ -169,6 +169,47 @@ class OpWorker(Actor):
             except DeepxError as e:
                 log.warning("releasing heap tensor '%s': %s", name, e)
 
+    @staticmethod
+    def _put_array(name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview) -> np.ndarray:
+        """The bytes of a put as an array of `dtype` and `shape` (no copy), refused when they do not fit."""
+        npdt = to_numpy(dtype)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise DeepxError(f"put: shape {list(shape)} of '{name}' has a negative dimension")
+        want = numel(shape) * npdt.itemsize
+        if len(data) != want:
+            raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
+        return np.frombuffer(data, dtype=npdt).reshape(shape)
+
+    async def _heap_for_put(self, name: str, dtype: str, shape: tuple[int, ...], owner: str) -> Any:
+        """The heap tensor a put writes into: the one this worker views, else a new one, else another worker's or
+        process's of that name, attached once it is known to fit."""
+        if self.heapmem is None:
+            raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
+        view = self.heap.get(name)
+        if view is not None:
+            if tuple(view.shape) != shape or view.dtype != to_numpy(dtype):
+                raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}")
+            return view
+        if name in self.ex.tensors:
+            raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
+        try:
+            await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype, owner=owner or self.name,
+                                   zero=False)
+            if not owner or owner == self.name:
+                self.heap_held.add(name)
+        except DeepxError as e:
+            if "exists" not in str(e):
+                raise
+            have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor
+            if tuple(have["shape"]) != shape or have["dtype"] != dtype:
+                raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
+                                 f"{dtype}{list(shape)}") from None
+            await self.heapmem.ask("attach", name=name, holder=self.name)
+            self.heap_held.add(name)
+        view = self.heap[name] = await self.heapmem.ask("array", name=name)
+        return view
+
     def on_heap_gone(self, name: str) -> None:
         """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""
         view = self.heap.pop(name, None)
@@ -400,50 +441,18 @@ class CpuWorker(OpWorker):
 
     async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
                      heap: bool = False, owner: str = "") -> dict[str, Any]:
-        npdt = to_numpy(dtype)
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise DeepxError(f"put: shape {list(shape)} of '{name}' has a negative dimension")
-        want = numel(shape) * npdt.itemsize
-        if len(data) != want:
-            raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
-        array = np.frombuffer(data, dtype=npdt).reshape(shape)
+        array = self._put_array(name, dtype, shape, data)
         if name in self.ex.shared:
             self.ex.unshare(name)  # written in place below: views of its buffer keep their values
         if heap:
-            if self.heapmem is None:
-                raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
-            if name in self.heap:
-                view = self.heap[name]
-                if view.shape != shape or view.dtype != npdt:
-                    raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}")
-            else:
-                if name in self.ex.tensors:
-                    raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
-                try:
-                    await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype,
-                                           owner=owner or self.name, zero=False)
-                    if not owner or owner == self.name:
-                        self.heap_held.add(name)
-                except DeepxError as e:
-                    if "exists" not in str(e):
-                        raise
-                    have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor
-                    if tuple(have["shape"]) != shape or have["dtype"] != dtype:
-                        raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
-                                         f"{dtype}{list(shape)}") from None
-                    await self.heapmem.ask("attach", name=name, holder=self.name)
-                    self.heap_held.add(name)
-                view = await self.heapmem.ask("array", name=name)
-                self.heap[name] = view
-            view = self.heap[name]
+            view = await self._heap_for_put(name, dtype, array.shape, owner)
             view[...] = array
             self.ex.tensors[name] = view
         else:
             if name in self.heap:
                 raise DeepxError(f"put: '{name}' is a heap tensor; put it with heap=true")
             self.ex.put(name, array.copy())
-        return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "heap" if heap else "stack"}
+        return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "heap" if heap else "stack"}
 
     async def on_attach_heap(self, name: str) -> dict[str, Any]:
         """Make an existing heap tensor visible to programs here."""

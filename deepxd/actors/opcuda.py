@@ -350,48 +350,17 @@ class CudaWorker(OpWorker):
 
     async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
                      heap: bool = False, owner: str = "") -> dict[str, Any]:
-        npdt = to_numpy(dtype)
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise DeepxError(f"put: shape {list(shape)} of '{name}' has a negative dimension")
-        want = numel(shape) * npdt.itemsize
-        if len(data) != want:
-            raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
-        array = np.frombuffer(data, dtype=npdt).reshape(shape)
+        array = self._put_array(name, dtype, shape, data)
         await self._ready()
         if not heap:
             if name in self.heap:
                 raise DeepxError(f"put: '{name}' is a heap tensor; put it with heap=true")
             await self.call(self._put_stack, name, array)
-            return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "stack", "device": self.device}
-        if self.heapmem is None:
-            raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
-        if name in self.heap:
-            view = self.heap[name]
-            if tuple(view.shape) != shape or view.dtype != npdt:
-                raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}")
-        else:
-            if name in self.ex.tensors:
-                raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
-            try:
-                await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype,
-                                       owner=owner or self.name, zero=False)
-                if not owner or owner == self.name:
-                    self.heap_held.add(name)
-            except DeepxError as e:
-                if "exists" not in str(e):
-                    raise
-                have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor
-                if tuple(have["shape"]) != shape or have["dtype"] != dtype:
-                    raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
-                                     f"{dtype}{list(shape)}") from None
-                await self.heapmem.ask("attach", name=name, holder=self.name)
-                self.heap_held.add(name)
-            self.heap[name] = await self.heapmem.ask("array", name=name)
-        view = self.heap[name]
+            return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "stack", "device": self.device}
+        view = await self._heap_for_put(name, dtype, array.shape, owner)
         await self.call(self.ex.write, view, array)
         self.ex.tensors[name] = view
-        return {"name": name, "dtype": dtype, "shape": list(shape), "kind": "heap", "device": self.device}
+        return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "heap", "device": self.device}
 
     def _put_stack(self, name: str, array: np.ndarray) -> None:
         try:
