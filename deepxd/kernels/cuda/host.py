@@ -1,7 +1,8 @@
 """The host side of the CUDA executor: tensor life, variables, print and tensor files.
 
 These ops change the set of tensors or touch files; they get the executor and the checked instruction, like their
-CPU counterparts in deepxd/kernels/cpu/life.py and io.py, and move data with the executor's stream.
+CPU counterparts in deepxd/kernels/cpu/life.py and io.py, and move data with the executor's stream. deltensor,
+renametensor, argset and vecset only touch the executor's name tables: they are the CPU ones.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.ops import load_name
 from deepx_sdk.tensorfile import read_data, read_tensor, write_tensor
 from deepxd.kernels.cpu.io import format_tensor
+from deepxd.kernels.cpu.life import argset, deltensor, renametensor, vecset  # noqa: F401
 
 if TYPE_CHECKING:
     from deepx_sdk.ir.ops import Bound
@@ -41,27 +43,6 @@ def copytensor(ex: CudaExecutor, b: Bound) -> None:
         ex.tensors[name] = dst
     elif dst is not src:
         ex.copy(dst, src)
-
-
-def deltensor(ex: CudaExecutor, b: Bound) -> None:
-    del ex.tensors[str(b.out_names[0])]
-
-
-def renametensor(ex: CudaExecutor, b: Bound) -> None:
-    old, new = str(b.out_names[0]), str(b.args[0])
-    if new == old:
-        return
-    if new in ex.tensors:
-        raise DeepxError(f"renametensor: cannot rename '{old}' to '{new}': a tensor named '{new}' exists")
-    ex.tensors[new] = ex.tensors.pop(old)
-
-
-def argset(ex: CudaExecutor, b: Bound) -> None:
-    ex.variables[str(b.out_names[0])] = b.args[0]
-
-
-def vecset(ex: CudaExecutor, b: Bound) -> None:
-    ex.vectors[str(b.out_names[0])] = b.args[0]
 
 
 def print(ex: CudaExecutor, b: Bound) -> None:
