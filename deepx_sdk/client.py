@@ -141,8 +141,14 @@ class NativeClient:
         return reply
 
     # -- requests
-    def run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunReply:
-        r = self.request("run", program=[pack_instr_cached(i) for i in program], fetch=list(fetch))
+    def run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
+            backwards: Sequence[dict[str, Any]] = ()) -> RunReply:
+        """Run `program`, read back `fetch`. `backwards`: backward instructions of the program to expand in place
+        (each {index, forward, loss, wrt, grad_loss, prefix, names}; see deepxd's scheduler on_run)."""
+        extra: dict[str, Any] = {}
+        if backwards:
+            extra["backwards"] = [{**b, "forward": [pack_instr_cached(i) for i in b["forward"]]} for b in backwards]
+        r = self.request("run", program=[pack_instr_cached(i) for i in program], fetch=list(fetch), **extra)
         if "done" not in r:  # refused before reaching the scheduler (a malformed program)
             return RunReply(False, 0, r.get("error"), -1, 0.0, b"")
         tensors = r.get("tensors")

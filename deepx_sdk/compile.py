@@ -129,6 +129,7 @@ class _Recorder(Transport):
         self.address = getattr(inner, "address", "?")
 
     def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
+        # never backward instructions: Tensor.backward sends each on its own while a call is captured
         self.instrs.extend(program)
         return self.inner.run(program, fetch)
 
@@ -139,8 +140,8 @@ class _Recorder(Transport):
                          "the graph. Pass it as an argument instead (or create it once, outside the function)")
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
-                 prefix: str) -> dict[str, str]:
-        grads, program = _link(self.inner).backward_program(forward, loss, wrt, grad_loss, prefix)
+                 prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
+        grads, program = _link(self.inner).backward_program(forward, loss, wrt, grad_loss, prefix, names)
         self.instrs.extend(program)
         return grads
 
@@ -301,19 +302,20 @@ class _Link:
         return self.t._call(fn(node, **req))
 
     def backward_program(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
-                         prefix: str) -> tuple[dict[str, str], list[Instr]]:
+                         prefix: str, names: dict[str, str] | None = None) -> tuple[dict[str, str], list[Instr]]:
         c = self._native()
         if c is not None:
             from deepx_sdk.ir.wire import pack_instr_cached
 
             r = c.request("backward", forward=[pack_instr_cached(i) for i in forward], loss=loss, wrt=list(wrt),
-                          grad_loss=grad_loss, prefix=prefix, capture=True)
+                          grad_loss=grad_loss, prefix=prefix, capture=True, names=names)
             return dict(r["grads"]), [instr_from_obj(o) for o in r["program"]]
         node = getattr(self.t, "node", None)
         if node is None:
             raise DeepxError("dx.compile: gradients need a deepxd (unix:// or embedded)")
         r = self.t._call(node.ref("scheduler").ask("backward", forward=list(forward), loss=loss, wrt=list(wrt),  # type: ignore[attr-defined]
-                                                   grad_loss=grad_loss, prefix=prefix, capture=True))
+                                                   grad_loss=grad_loss, prefix=prefix, capture=True,
+                                                   names=names))
         return dict(r["grads"]), list(r["program"])
 
     def store(self, name: str, data: bytes) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param
+from deepx_sdk.ir.instr import Instr, Param, same_program, scalar_kinds
 from deepx_sdk.ir.text import format_text
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,9 @@ class Outcome:
 
 
 class Transport:
+    #: whether run() takes `backwards`: `loss.backward()` recorded into the program (see Session.record_backward)
+    lazy_backward = False
+
     def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:
         raise DeepxError(f"{type(self).__name__} cannot run programs")
 
@@ -88,7 +91,7 @@ class Transport:
         raise DeepxError(f"{type(self).__name__} cannot send tensor data")
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
-                 prefix: str) -> dict[str, str]:
+                 prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
         raise DeepxError(f"{type(self).__name__} cannot run backward: gradients need a deepxd (unix:// or "
                          "embedded)")
 
@@ -106,19 +109,22 @@ class NativeTransport(Transport):
         self.client = NativeClient(address, client="deepx_sdk")
         self.address = address
 
-    def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:
-        r = self.client.run(program, fetch)
+    lazy_backward = True
+
+    def run(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] = ()
+            ) -> Outcome:
+        r = self.client.run(program, fetch, backwards)
         return Outcome(r.ok, r.done, r.error, r.error_index, r.tensors, r.output)
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         self.client.put(name, array, heap=heap)
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
-                 prefix: str) -> dict[str, str]:
+                 prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
         from deepx_sdk.ir.wire import pack_instr_cached
 
         r = self.client.request("backward", forward=[pack_instr_cached(i) for i in forward], loss=loss,
-                                wrt=list(wrt), grad_loss=grad_loss, prefix=prefix)
+                                wrt=list(wrt), grad_loss=grad_loss, prefix=prefix, names=names)
         return dict(r["grads"])
 
     def close(self) -> None:
@@ -178,8 +184,12 @@ class EmbeddedTransport(Transport):
             raise DeepxError("the embedded deepxd has stopped; call dx.connect() again")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:
-        r = self._call(self.node.ref("scheduler").ask("run", program=list(program), fetch=list(fetch)))
+    lazy_backward = True
+
+    def run(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] = ()
+            ) -> Outcome:
+        r = self._call(self.node.ref("scheduler").ask("run", program=list(program), fetch=list(fetch),
+                                                      backwards=list(backwards) or None))
         return Outcome(not r.error, r.done, r.error or None, r.error_index, r.tensors, r.output)
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
@@ -190,9 +200,9 @@ class EmbeddedTransport(Transport):
                                                data=a.reshape(-1).view(np.uint8).data, heap=heap))
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
-                 prefix: str) -> dict[str, str]:
+                 prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
         r = self._call(self.node.ref("scheduler").ask("backward", forward=list(forward), loss=loss, wrt=list(wrt),
-                                                      grad_loss=grad_loss, prefix=prefix))
+                                                      grad_loss=grad_loss, prefix=prefix, names=names))
         return dict(r["grads"])
 
     def close(self) -> None:
@@ -384,7 +394,7 @@ class Session:
         self._lost: set[str] = set()
         # (name, dtype) of handles Python collected: appended without a lock (garbage collection runs in any thread,
         # the embedded daemon's too, while another holds the lock), sent as deltensor with the next program
-        self.collected: collections.deque[tuple[str, str, Any]] = collections.deque()
+        self.collected: collections.deque[tuple[Any, ...]] = collections.deque()
         # names of collected temporaries kept for reuse, by (shape, dtype): the next result of that shape and dtype
         # takes one, so a loop sends the same instructions every step (the daemon's checks are then cached, and
         # it writes into the buffer it already has) and needs no deltensor at all
@@ -392,6 +402,11 @@ class Session:
         self.pool_per_shape = 16
         # set by dx.compile while it captures a call (deepx_sdk/compile.py): reading a value then is refused
         self.capture: Any = None
+        # backward instructions in `pending` (record_backward): what the daemon expands each into, with its index
+        self.backwards: list[dict[str, Any]] = []
+        # backward requests that the daemon derived before (by probe: forward length, ends, loss, wrt, grad_loss,
+        # prefix): a repeat is recorded into the program instead of sent on its own (see Tensor.backward)
+        self._backwards_seen: dict[Any, list[tuple[list[Instr], Any]]] = {}
 
     def new_name(self) -> str:
         return f"{self._prefix}{next(self._names)}"
@@ -408,12 +423,49 @@ class Session:
             if not known[1]:
                 break
             f = f.f_back
+        if self.collected:  # their deletions first: an in-place write (an optimizer's) then finds no views to copy
+            with self._lock:
+                self._drain_collected()
         # no lock: a session records from one thread (collection never records: it only queues names)
         pending = self.pending
         pending.append(instr)
         self.origins.append((f.f_code, f.f_lasti) if f is not None else None)
         if len(pending) >= self.max_pending:
             self.flush_full()
+
+    def backward_seen(self, spec: dict[str, Any], remember: bool = False) -> bool:
+        """Whether the daemon derived this backward request before (the same forward graph, loss, wrt, upstream
+        gradient and names); `remember`: it just did."""
+        forward = spec["forward"]
+        try:
+            probe: Any = (len(forward), forward[0] if forward else None, forward[-1] if forward else None,
+                          spec["loss"], tuple(spec["wrt"]), spec["grad_loss"], spec["prefix"],
+                          tuple(spec["names"].items()))
+            bucket = self._backwards_seen.get(probe)
+        except TypeError:  # a list inside a param: never remembered
+            return False
+        for known, kinds in bucket or ():
+            if same_program(forward, known, kinds):
+                return True
+        if remember:
+            if sum(map(len, self._backwards_seen.values())) >= 64:
+                self._backwards_seen.clear()
+            entries = self._backwards_seen.setdefault(probe, [])
+            if len(entries) >= 4:
+                del entries[0]
+            entries.append((list(forward), scalar_kinds(forward)))
+        return False
+
+    def record_backward(self, instr: Instr, spec: dict[str, Any]) -> None:
+        """Append `loss.backward()` as instruction `instr` (`backward (loss) -> (the gradients)`), which the
+        daemon's scheduler expands in place into the backward program of `spec` (see Scheduler.on_run)."""
+        if len(self.pending) + 1 >= self.max_pending:
+            self.flush_full()
+        self.record(instr)
+        if self.pending and self.pending[-1] is instr:
+            self.backwards.append({**spec, "index": len(self.pending) - 1})
+        else:  # cannot happen: record flushes only past max_pending
+            raise DeepxError("backward: its instruction was sent before it was recorded")
 
     def flush_full(self) -> None:
         """Send the pending program because it reached max_pending; an error is kept for the next sync."""
@@ -431,9 +483,10 @@ class Session:
         collected, lost, pool = self.collected, self._lost, self.pool
         while collected:
             try:
-                name, dtype, shape = collected.popleft()
+                item = collected.popleft()
             except IndexError:
                 break
+            name, dtype, shape = item[0], item[1], item[2]
             if lost and name in lost:
                 lost.discard(name)
                 continue
@@ -445,7 +498,8 @@ class Session:
                     names = pool[(shape, dtype)] = []
                 if len(names) < self.pool_per_shape:
                     names.append(name)
-                    continue
+                    if len(item) == 3:
+                        continue  # kept, buffer and all, for the next result of its shape
             self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
             self.origins.append(None)
 
@@ -493,17 +547,21 @@ class Session:
             # the common case, lock-free: one collected temporary that goes to the pool
             if len(collected) == 1 and not self._lost:
                 try:
-                    name, dt, shp = collected.popleft()
+                    item = collected.popleft()
                 except IndexError:
                     pass
                 else:
-                    if dt == dtype and shp == shape:  # what the pool would hand straight back
+                    name, dt, shp = item[0], item[1], item[2]
+                    if len(item) != 3:  # its name is to be deleted as well: _drain_collected
+                        collected.appendleft(item)
+                    elif dt == dtype and shp == shape:  # what the pool would hand straight back
                         return name
-                    names = self.pool.get((shp, dt)) if shp is not None else None
-                    if names is not None and len(names) < self.pool_per_shape:
-                        names.append(name)
                     else:
-                        collected.appendleft((name, dt, shp))
+                        names = self.pool.get((shp, dt)) if shp is not None else None
+                        if names is not None and len(names) < self.pool_per_shape:
+                            names.append(name)
+                        else:
+                            collected.appendleft(item)
             if collected:
                 with self._lock:
                     self._drain_collected()
@@ -537,8 +595,8 @@ class Session:
             self._drain_collected()
         if not self.pending and not fetch:
             return {}
-        program, origins = self.pending, self.origins
-        self.pending, self.origins = [], []
+        program, origins, backwards = self.pending, self.origins, self.backwards
+        self.pending, self.origins, self.backwards = [], [], []
         mark, self._mark = self._mark, next(self._names)
         if fetch and not self.transport.can_read:
             self.transport.run(program, ())
@@ -546,7 +604,8 @@ class Session:
                              "UDP has no way back for data; connect to a deepxd over unix:// (or embedded) to read "
                              "values")
         try:
-            outcome = self.transport.run(program, fetch)
+            outcome = (self.transport.run(program, fetch, backwards) if backwards  # type: ignore[call-arg]
+                       else self.transport.run(program, fetch))
         except DeepxError as e:
             raise DeepxError(f"lost the connection to deepxd: {e}") from None
         for line in outcome.output:
@@ -569,6 +628,9 @@ class Session:
         for instr in program[done:]:
             if instr.name == "deltensor":
                 unrun_deletes.append(instr)
+                continue
+            if instr.name == "backward":  # its gradients never came to exist
+                self._lost.update(str(p.value) for p in instr.returns)
                 continue
             for p in instr.returns:
                 name = p.value

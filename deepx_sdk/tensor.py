@@ -162,7 +162,7 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
         except IndexError:
             pass
         else:
-            if item[1] == dtype and item[2] == shape:
+            if item[1] == dtype and item[2] == shape and len(item) == 3:
                 rname = item[0]
                 out = _new_object(Tensor)
                 out._k = item
@@ -251,7 +251,8 @@ class Tensor:
     """A deepx tensor. Model code uses it like a torch.Tensor; values live in the daemon."""
 
     # _k: what __del__ hands the session's collected queue, (name, dtype, shape or None: never pooled), worked out
-    # when the tensor is made (a loop's result takes the very tuple of the handle it replaces)
+    # when the tensor is made (a loop's result takes the very tuple of the handle it replaces); a fourth item True:
+    # deleted when collected, and its name pooled all the same (a transpose's: see permute)
     __slots__ = ("__weakref__", "_k", "_p", "_s", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
 
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
@@ -263,7 +264,7 @@ class Tensor:
         self.requires_grad = requires_grad
         self.grad: Tensor | None = None
         self.grad_fn: Any = None
-        self._k: tuple[str, str, Any] | None = (
+        self._k: tuple[Any, ...] | None = (
             (name, dtype, self.shape) if type(self) is Tensor and sess is not None
             and not name.startswith(sess._grad_root) else None)
 
@@ -412,14 +413,26 @@ class Tensor:
             path, forward, leaves = [], [], {self.name: self}
         else:
             path, forward, leaves = graph_of(root, self.name)
-        s.sync()
         upstream = grad_loss.name if grad_loss is not None else None
         prefix, k = s.grad_prefix()
-        try:
-            grads = s.transport.backward(forward, loss.name, list(leaves), upstream, prefix)
-        except BaseException:
-            s.grad_prefix_failed(k)
-            raise
+        # the gradients' names: the same every step of a loop (prefix k comes back once its gradients are gone)
+        grads = {w: f"{prefix}r{i}" for i, w in enumerate(leaves)}
+        spec = {"forward": forward, "loss": loss.name, "wrt": list(leaves), "grad_loss": upstream,
+                "prefix": prefix, "names": grads}
+        if s.transport.lazy_backward and s.capture is None and s.backward_seen(spec):
+            # derived before (a training loop): recorded, and expanded by the daemon where it stands in the
+            # program, so that the whole step goes as one program
+            s.record_backward(Instr("backward", (_tp(loss),), tuple(Param.tensor(n, leaves[w].dtype)
+                                                                     for w, n in grads.items())), spec)
+        else:
+            # the first time: derived and run now, so that a graph without a gradient raises here
+            s.sync()
+            try:
+                grads = s.transport.backward(forward, loss.name, list(leaves), upstream, prefix, grads)
+            except BaseException:
+                s.grad_prefix_failed(k)
+                raise
+            s.backward_seen(spec, remember=True)
         s.grad_prefix_taken(k, len(grads))
         with _no_tape(s):
             for name, leaf in leaves.items():
@@ -843,7 +856,11 @@ class Tensor:
         meta = self._infer("transpose", [TensorMeta(self.shape, self.dtype), tuple(dims)], [self.name, None])
         if tuple(d % builtins.max(self.ndim, 1) for d in dims) == tuple(range(self.ndim)):
             return self
-        return self._op("transpose", (_tp(self), _vec(d % self.ndim for d in dims)), meta.shape, self.dtype, [self])
+        out = self._op("transpose", (_tp(self), _vec(d % self.ndim for d in dims)), meta.shape, self.dtype, [self])
+        # a transpose is a view in the daemon (deepxd/kernels/cpu): once collected its name is deleted as well as
+        # pooled, so that it does not outlive, as a copy, the next in-place write of its operand (an optimizer's)
+        out._k = (out.name, out.dtype, out.shape, True)
+        return out
 
     def transpose(self, dim0: _int, dim1: _int) -> Tensor:
         order = list(range(self.ndim))

@@ -36,10 +36,28 @@ class RunResult:
     done: int = 0
     error: str = ""
     error_index: int = -1
-    times_us: list[float] = field(default_factory=list)  # start, end of each instruction that ran, from t0
     t0: float = 0.0  # wall-clock start, seconds since the epoch
     output: list[str] = field(default_factory=list)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    # start, end of each instruction that ran, from t0, as the worker measured the program it ran; `times_us`
+    # speaks of the client's program: the mappings (origins, done) of the passes in between (map_times) are applied
+    # when it is read, which an embedded client never does
+    raw_times: list[float] = field(default_factory=list)
+    time_maps: list[tuple[Sequence[int], int]] = field(default_factory=list)
+
+    @property
+    def times_us(self) -> list[float]:
+        if self.time_maps:
+            from deepxd.compiler.pipeline import original_times
+
+            for origins, done in self.time_maps:
+                self.raw_times = original_times(self.raw_times, origins, done)
+            self.time_maps = []
+        return self.raw_times
+
+    def map_times(self, origins: Sequence[int], done: int) -> None:
+        """The times now speak of a program of which instruction i of the one that ran came from origins[i]."""
+        self.time_maps.append((origins, done))
 
 
 @dataclass
@@ -220,6 +238,13 @@ class OpWorker(Actor):
 
     def on_op_stats(self) -> dict[str, dict[str, float]]:
         return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
+
+    def on_state(self) -> tuple[dict[str, Any], list[str]]:
+        """The shape and dtype of every tensor here, and the names of the heap tensors: what the scheduler's passes
+        check a program against (a copy: cheaper than the rows of `tensors`, asked once per program)."""
+        if self.ex is None:
+            return {}, []
+        return dict(self.ex.tensors.metas), list(self.heap)
 
 
 class CpuWorker(OpWorker):

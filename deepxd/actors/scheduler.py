@@ -29,7 +29,6 @@ from deepxd.compiler.pipeline import (
     explain,
     new_context,
     original_error,
-    original_times,
     repair,
 )
 from deepxd.config import Config
@@ -38,6 +37,54 @@ log = logging.getLogger(__name__)
 
 
 _VALUE_CATEGORIES = frozenset(("var", "vector", ""))
+
+
+def _names_of(forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None) -> set[str]:
+    """The tensors a backward's derivation needs the metas of."""
+    names = {loss, *wrt, *([grad_loss] if grad_loss else [])}
+    for instr in forward:
+        for p in (*instr.args, *instr.returns):
+            if p.category == "tensor":
+                names.add(str(p.value))
+            elif p.category == "listtensor" and isinstance(p.value, tuple):
+                names.update(str(v) for v in p.value)
+    return names
+
+
+def _backward_spec(spec: dict[str, Any]) -> tuple[list[Instr], str, list[str], str | None, str, dict[str, str] | None]:
+    """(forward, loss, wrt, grad_loss, prefix, names) of a `backwards` entry of a run request, checked."""
+    forward, loss, wrt = spec.get("forward"), spec.get("loss"), spec.get("wrt")
+    grad_loss, prefix, names = spec.get("grad_loss"), spec.get("prefix", "g_"), spec.get("names")
+    if (not isinstance(forward, list) or not all(isinstance(i, Instr) for i in forward) or not isinstance(loss, str)
+            or not isinstance(wrt, list) or not all(isinstance(w, str) for w in wrt)
+            or not (grad_loss is None or isinstance(grad_loss, str)) or not isinstance(prefix, str)
+            or not (names is None or (isinstance(names, dict) and all(isinstance(v, str) for v in names.values())))):
+        raise DeepxError("malformed request: it needs forward (instructions), loss (a name), wrt (names), prefix, "
+                         "and optionally grad_loss and names")
+    return forward, loss, wrt, grad_loss, prefix, names
+
+
+def _renamed(program: list[Instr], grads: dict[str, str], names: dict[str, str],
+             metas: dict[str, Any]) -> tuple[list[Instr], dict[str, str]]:
+    """The backward program with each gradient under the name the client chose for it (names: wrt -> name)."""
+    if set(names) != set(grads):
+        raise DeepxError(f"names must give one name for each of wrt ({sorted(grads)}), not {sorted(names)}")
+    mapping = {grads[w]: names[w] for w in grads}
+    if len(set(mapping.values())) != len(mapping):
+        raise DeepxError("names: two gradients cannot take the same name")
+    taken = [n for n in mapping.values() if n in metas or n in grads]
+    if taken:
+        raise DeepxError(f"names: {taken[0]!r} is a tensor of the forward graph")
+
+    def param(p: Param) -> Param:
+        if p.category == "tensor" and p.value in mapping:
+            return p._replace(value=mapping[p.value])  # type: ignore[arg-type]
+        if p.category == "listtensor" and isinstance(p.value, tuple) and any(v in mapping for v in p.value):
+            return p._replace(value=tuple(mapping.get(v, v) for v in p.value))  # type: ignore[arg-type]
+        return p
+
+    out = [i._replace(args=tuple(map(param, i.args)), returns=tuple(map(param, i.returns))) for i in program]
+    return out, dict(names)
 
 
 def _names_variables(program: Sequence[Instr]) -> bool:
@@ -74,29 +121,172 @@ class Scheduler(Actor):
         self.backwards: dict[Any, list[tuple[list[Instr], Any, dict[str, Any], list[Instr], dict[str, str]]]] = {}
         self.backward_hits = 0
         self.backward_misses = 0
+        # backward instructions expanded before (_expansion): probe -> [(program, kinds, forwards, state, expanded,
+        # where)]
+        self.expansions: dict[Any, list[tuple[Any, ...]]] = {}
+        self.expansion_hits = 0
 
-    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
+                     backwards: Sequence[dict[str, Any]] | None = None) -> RunResult:
+        """Run `program`. `backwards`: the SDK's recorded `loss.backward()` calls, each a `backward` instruction of
+        the program (at its `index`) with what on_backward takes: it is expanded there, in place, into the backward
+        program derived from its forward graph, so that a training step (forward, backward, optimizer, the loss
+        read back) is one program, through the passes as a whole."""
+        marks = {}
+        for spec in backwards or ():
+            k = spec.get("index")
+            if type(k) is not int or not 0 <= k < len(program) or program[k].name != "backward":
+                self.failed += 1
+                return RunResult(error=f"backward: index {k!r} is not a backward instruction of the program",
+                                 error_index=0, t0=time.time())
+            marks[k] = spec
         for i, instr in enumerate(program):
-            if instr.name not in OPS:
+            if instr.name not in OPS and i not in marks:
                 self.failed += 1
                 return RunResult(error=f"instruction {i + 1}: op '{instr.name}' not found", error_index=i,
                                  t0=time.time())
         worker = self._place(program)
         t0 = time.perf_counter()
-        if self.passes and len(program) > 1 and has_ends(program):
-            result = await self._run_compiled(worker, program, fetch)
+        if marks:
+            result = await self._run_expanded(worker, program, fetch, marks)
         else:
-            result = await worker.ask("run", program=program, fetch=fetch)
+            result = await self._run_program(worker, program, fetch)
         self.busy_s += time.perf_counter() - t0
         self.programs += 1
         self.instructions += result.done
         self.failed += bool(result.error)
         return result
 
+    async def _run_program(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+                           ctx: Any = None) -> RunResult:
+        if self.passes and len(program) > 1 and has_ends(program):
+            return await self._run_compiled(worker, program, fetch, ctx)
+        result: RunResult = await worker.ask("run", program=program, fetch=fetch)
+        return result
+
+    async def _run_expanded(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+                            marks: dict[int, dict[str, Any]]) -> RunResult:
+        """on_run with each marked backward instruction replaced by its backward program. The metas its derivation
+        needs are those the instructions before it leave (worked out without running them). A backward that cannot
+        be derived fails at its own instruction, after the ones before it ran."""
+        from deepxd.compiler.analysis import PassContext
+
+        ctx = await self._context(worker, program, fetch)
+        before = ctx.metas
+        hit = self._expansion(program, marks, before)
+        if hit is not None:
+            result = await self._run_program(worker, hit[0], fetch, ctx)
+            return self._map_expanded(result, program, hit[1], len(program), None)
+        expanded: list[Instr] = []
+        where: list[int] = []  # expanded position -> the program's
+        start = 0
+        failure: str | None = None
+        at = len(program)
+        for i in sorted(marks):
+            expanded += program[start:i]
+            where += range(start, i)
+            start = i + 1
+            spec = marks[i]
+            try:
+                metas = dict(before)
+                for b in PassContext(metas=before, variables=ctx.variables, vectors=ctx.vectors,
+                                     cache=self.plans).bind(expanded):
+                    if b.op.name == "deltensor":
+                        metas.pop(str(b.out_names[0]), None)
+                    elif b.op.name == "renametensor":
+                        metas[str(b.out_names[0])] = metas.pop(str(b.args[0]), b.outs[0])
+                    else:
+                        for n, m in zip(b.out_names, b.outs):
+                            if m is not None:
+                                metas[str(n)] = m
+            except DeepxError:
+                at = i  # the instructions before it are refused: running them says how
+                break
+            try:
+                forward, loss, wrt, grad_loss, prefix, names = _backward_spec(spec)
+                needed = _names_of(forward, loss, wrt, grad_loss)
+                derived, _ = self._derive(forward, loss, wrt, grad_loss, prefix,
+                                          {n: metas[n] for n in sorted(needed) if n in metas}, names)
+            except DeepxError as e:
+                failure, at = f"instruction {i + 1}: backward: {e}", i
+                break
+            expanded += derived
+            where += [i] * len(derived)
+        else:
+            expanded += program[start:]
+            where += range(start, len(program))
+        if at == len(program):
+            self._remember_expansion(program, marks, before, expanded, where)
+        result = await self._run_program(worker, expanded, fetch if at == len(program) else (), ctx)
+        return self._map_expanded(result, program, where, at, failure)
+
+    @staticmethod
+    def _map_expanded(result: RunResult, program: Sequence[Instr], where: list[int], at: int,
+                      failure: str | None) -> RunResult:
+        """The result of an expanded program, told of `program`; `at` < len(program): the backward there failed
+        (`failure` says how), and only the instructions before it were sent."""
+        if result.error:
+            k = result.error_index
+            result.error = original_error(result.error, where)
+            result.error_index = where[k] if 0 <= k < len(where) else at
+        elif at < len(program):
+            result.error = failure or f"instruction {at + 1}: backward: the program before it was refused"
+            result.error_index = at
+        result.done = result.error_index if result.error else len(program)
+        result.map_times(where, result.done)
+        return result
+
+    # expansions remembered: a training loop sends the same step, backward instruction and all, every time
+    def _expansion_key(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]]) -> Any:
+        try:
+            key: Any = (len(program), program[0], program[-1],
+                        tuple((i, m.get("loss"), tuple(m.get("wrt") or ()), m.get("grad_loss"), m.get("prefix"),
+                               tuple((m.get("names") or {}).items()), len(m.get("forward") or ()))
+                              for i, m in sorted(marks.items())))
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def _expansion(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]],
+                   before: dict[str, Any]) -> tuple[list[Instr], list[int]] | None:
+        from deepx_sdk.ir.instr import same_program
+
+        key = self._expansion_key(program, marks)
+        for e in self.expansions.get(key, ()) if key is not None else ():
+            known, kinds, forwards, state, expanded, where = e
+            if (same_program(program, known, kinds)
+                    and all(same_program(marks[i]["forward"], f, k) for i, (f, k) in forwards.items())
+                    and all(before.get(n) == m for n, m in state)):
+                self.expansion_hits += 1
+                return expanded, where
+        return None
+
+    def _remember_expansion(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]],
+                            before: dict[str, Any], expanded: list[Instr], where: list[int]) -> None:
+        """Keep an expansion with what it depended on: the program, the forward graphs, and the shape and dtype
+        (or absence) of each tensor they name as it was before the program."""
+        from deepx_sdk.ir.instr import scalar_kinds
+
+        key = self._expansion_key(program, marks)
+        if key is None:
+            return
+        names: set[str] = set()
+        for m in marks.values():
+            names |= _names_of(m["forward"], m["loss"], m["wrt"], m.get("grad_loss"))
+        names |= _names_of(program, "", (), None)
+        names.discard("")
+        if sum(map(len, self.expansions.values())) >= 64:
+            self.expansions.clear()
+        bucket = self.expansions.setdefault(key, [])
+        if len(bucket) >= 4:
+            del bucket[0]
+        bucket.append((list(program), scalar_kinds(program),
+                       {i: (list(m["forward"]), scalar_kinds(m["forward"])) for i, m in marks.items()},
+                       tuple((n, before.get(n)) for n in sorted(names)), expanded, where))
+
     async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
-        rows = await worker.ask("tensors")
-        metas = {r["name"]: TensorMeta(tuple(r["shape"]), r["dtype"]) for r in rows}
-        keep = [r["name"] for r in rows if r.get("kind") == "heap"]
+        metas, keep = await worker.ask("state")
         variables: dict[str, Any] = {}
         vectors: dict[str, Any] = {}
         if not self.compiled.seen(program) and _names_variables(program):  # a remembered program names none
@@ -106,8 +296,10 @@ class Scheduler(Actor):
         return new_context(metas, fetch=fetch, keep=keep, variables=variables, vectors=vectors,
                            fuse_min_elements=self.fuse_min_elements, cache=self.plans)
 
-    async def _run_compiled(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult:
-        ctx = await self._context(worker, program, fetch)
+    async def _run_compiled(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+                            ctx: Any = None) -> RunResult:
+        if ctx is None:
+            ctx = await self._context(worker, program, fetch)
         try:
             rewritten = self.compiled.run(program, ctx)
         except Exception:  # a pass must never cost the client its program
@@ -120,7 +312,7 @@ class Scheduler(Actor):
         if not result.error:
             self.rewritten += 1
             self.eliminated += len(program) - len(rewritten)
-            result.times_us = original_times(result.times_us, origins, len(program))
+            result.map_times(origins, len(program))
             result.done = len(program)
             return result
         if result.done == 0:  # refused before anything ran: the program as sent gives the exact refusal
@@ -132,7 +324,7 @@ class Scheduler(Actor):
                 log.warning("after a failed rewritten program, setting the tensors straight failed: %s", fixed.error)
         result.error = original_error(result.error, origins)
         result.error_index = done
-        result.times_us = original_times(result.times_us, origins, done)
+        result.map_times(origins, done)
         result.done = done
         return result
 
@@ -152,21 +344,15 @@ class Scheduler(Actor):
         return {"before": before, "after": after, "passes": list(self.passes)}
 
     async def on_backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None = None,
-                          prefix: str = "g_", capture: bool = False) -> dict[str, Any]:
+                          prefix: str = "g_", capture: bool = False, names: dict[str, str] | None = None
+                          ) -> dict[str, Any]:
         """Autograd in the middle end: rewrite the recorded forward graph into its backward program (gradient rules
         from the catalogue's table in deepxd/compiler/autograd.py), run it, and say which tensor holds each
-        gradient. The forward has already run; its tensors are still there. `capture` (dx.compile): the answer
-        carries the backward program too."""
+        gradient (`names`, where given: wrt -> the name its gradient takes). The forward has already run; its
+        tensors are still there. `capture` (dx.compile): the answer carries the backward program too."""
         worker = self._place(forward)
-        names = {loss, *wrt, *([grad_loss] if grad_loss else [])}
-        for instr in forward:
-            for p in (*instr.args, *instr.returns):
-                if p.category == "tensor":
-                    names.add(str(p.value))
-                elif p.category == "listtensor" and isinstance(p.value, tuple):
-                    names.update(str(v) for v in p.value)
-        metas = await worker.ask("metas", names=sorted(names))
-        program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas)
+        metas = await worker.ask("metas", names=sorted(_names_of(forward, loss, wrt, grad_loss)))
+        program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names)
         result: RunResult = await worker.ask("run", program=program, fetch=[])
         if result.error:
             raise DeepxError(f"backward: {result.error}")
@@ -175,7 +361,7 @@ class Scheduler(Actor):
         return {"grads": grads, "instructions": len(program), **({"program": list(program)} if capture else {})}
 
     def _derive(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None, prefix: str,
-                metas: dict[str, Any]) -> tuple[list[Instr], dict[str, str]]:
+                metas: dict[str, Any], names: dict[str, str] | None = None) -> tuple[list[Instr], dict[str, str]]:
         """grad_program, remembered: a training step sends the same forward (the SDK's pooled names), loss, wrt and
         prefix every step, and the backward depends on nothing else but the metas of the tensors it names. A hit
         returns the very program derived before, so the worker's repeated-program path applies to it too."""
@@ -186,7 +372,7 @@ class Scheduler(Actor):
         forward = forward if type(forward) is list else list(forward)
         try:
             probe: Any = (len(forward), forward[0] if forward else None, forward[-1] if forward else None, loss,
-                          tuple(wrt), grad_loss, prefix)
+                          tuple(wrt), grad_loss, prefix, tuple(names.items()) if names else None)
             bucket = self.backwards.get(probe)
         except TypeError:  # a list inside a param: not hashable, never remembered
             probe, bucket = None, None
@@ -197,6 +383,8 @@ class Scheduler(Actor):
         self.backward_misses += 1
         program, grads = grad_program(list(forward), loss, list(wrt), SymbolicEnv(metas), grad_loss=grad_loss,
                                       prefix=prefix)
+        if names:
+            program, grads = _renamed(program, grads, names, metas)
         if probe is not None:
             if sum(map(len, self.backwards.values())) >= 64:
                 self.backwards.clear()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj, unpack_instr_cached
 from deepxd.actors.opcpu import RunResult
 from deepxd.kernels.cpu import dtype_name
@@ -105,6 +106,20 @@ async def explain_graph(node: Node, graph: Any) -> dict[str, Any]:
         raise DeepxError(f"explain: no graph named {graph!r} in the storage plane (`deepxctl graphs ls` lists them)")
     return dict(await node.ref("scheduler").ask("explain_graph", name=graph, data=data))
 
+
+
+def _instrs(objs: Any, what: str) -> list[Instr]:
+    if not isinstance(objs, list):
+        raise DeepxError(f"{what}: 'forward' must be a list of instructions")
+    return [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in objs]
+
+
+def _names(names: Any) -> dict[str, str] | None:
+    if names is None:
+        return None
+    if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+        raise DeepxError("backward: 'names' must map tensor names to tensor names")
+    return dict(names)
 
 class NativeServer:
     def __init__(self, node: Node, path: str, *, max_frame: int) -> None:
@@ -225,7 +240,13 @@ class NativeServer:
         fetch = req.get("fetch") or []
         if not isinstance(fetch, list) or not all(isinstance(x, str) for x in fetch):
             raise DeepxError("run: 'fetch' must be a list of tensor names")
-        result: RunResult = await self.node.ref("scheduler").ask("run", program=program, fetch=fetch)
+        backwards = req.get("backwards")
+        if backwards is not None:
+            if not isinstance(backwards, list) or not all(isinstance(b, dict) for b in backwards):
+                raise DeepxError("run: 'backwards' must be a list of backward requests")
+            backwards = [{**b, "forward": _instrs(b.get("forward"), "backwards")} for b in backwards]
+        result: RunResult = await self.node.ref("scheduler").ask("run", program=program, fetch=fetch,
+                                                                 backwards=backwards)
         out = encode_result(result)
         ok = out.pop("ok")
         if not ok:
@@ -233,10 +254,7 @@ class NativeServer:
         return out
 
     async def _op_backward(self, req: dict[str, Any]) -> dict[str, Any]:
-        fwd = req.get("forward")
-        if not isinstance(fwd, list):
-            raise DeepxError("backward: 'forward' must be a list of instructions")
-        forward = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in fwd]
+        forward = _instrs(req.get("forward"), "backward")
         loss, wrt = req.get("loss"), req.get("wrt")
         if not isinstance(loss, str) or not isinstance(wrt, list) or not all(isinstance(w, str) for w in wrt):
             raise DeepxError("backward: 'loss' must be a tensor name and 'wrt' a list of tensor names")
@@ -244,7 +262,8 @@ class NativeServer:
         out = await self.node.ref("scheduler").ask("backward", forward=forward, loss=loss, wrt=wrt,
                                                    grad_loss=grad_loss if isinstance(grad_loss, str) else None,
                                                    prefix=str(req.get("prefix") or "g_"),
-                                                   capture=bool(req.get("capture", False)))
+                                                   capture=bool(req.get("capture", False)),
+                                                   names=_names(req.get("names")))
         if "program" in out:
             out["program"] = [instr_to_obj(i) for i in out["program"]]
         return dict(out)

@@ -95,9 +95,13 @@ def test_put_over_the_source_leaves_the_view(ex):
     np.testing.assert_array_equal(ex.get("t"), X.T)
 
 
-def test_pinned_tensors_are_copied_not_viewed(ex):
-    ex.pinned = {"x": None}
+def test_a_pinned_tensors_transpose_is_a_view_until_the_tensor_is_written_in_place(ex):
+    ex.pinned = {"x": None}  # a heap tensor: a weight, whose transpose x @ W.T reads
     run(ex, "transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:p)")
+    assert ex.view_of["p"] == "x" and np.shares_memory(ex.get("p"), ex.get("x"))
+    x_buffer = ex.get("x")
+    run(ex, "addscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:x)")  # an optimizer's update
+    assert ex.get("x") is x_buffer  # a heap tensor keeps its memory
     assert "p" not in ex.view_of and not np.shares_memory(ex.get("p"), ex.get("x"))
     np.testing.assert_array_equal(ex.get("p"), X.T)
     assert ex.get("p").flags.f_contiguous and "p" in ex.strided  # laid out as x is: a straight copy
@@ -108,7 +112,21 @@ def test_pinned_tensors_are_copied_not_viewed(ex):
     assert ex.get("p").flags.c_contiguous and "p" not in ex.strided  # row-major before it is written in place
     np.testing.assert_array_equal(ex.get("p"), X.T + 1)
     np.testing.assert_array_equal(ex.get("q"), X)
-    np.testing.assert_array_equal(ex.get("x"), X)
+    np.testing.assert_array_equal(ex.get("x"), X + 1)
+
+
+def test_a_pinned_tensors_transpose_deleted_before_the_write_costs_no_copy():
+    ex = CpuExecutor()  # what the op worker runs: views of transposes that die in the program, and of heap tensors
+    ex.put("x", X.copy())
+    ex.pinned = {"x": None}
+    run(ex, """
+        transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:p)
+        matmul (tensor<float32>:x, tensor<float32>:p) -> (tensor<float32>:m)
+        deltensor () -> (tensor<float32>:p)
+        addscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:x)
+    """)
+    np.testing.assert_allclose(ex.get("m"), X @ X.T, rtol=1e-6)
+    assert not ex.shared and not ex.views and not ex.strided
 
 
 def test_prepared_calls_see_views(ex):

@@ -452,10 +452,22 @@ def test_a_repeated_step_reuses_the_derived_backward(rng, monkeypatch):
         return found
 
     monkeypatch.setattr(worker, "_known", spy)
+    # a backward the daemon derived before is recorded into the step's program, and expanded there from the
+    # derived program it keeps
+    transport = dx.session().transport
+    sent = []
+    run = transport.run
+    monkeypatch.setattr(transport, "run", lambda program, fetch, backwards=(): sent.append(backwards) or run(
+        program, fetch, backwards))
     got = step(x, y)
     assert (sched.backward_hits, sched.backward_misses) == (hits + 1, misses)
-    derived = {id(e[3]) for entries in sched.backwards.values() for e in entries}
-    assert any(hit and id(p) in derived for p, hit in looked_up)  # the worker knows the backward program too
+    assert [len(b) for b in sent][:2] == [1, 0]  # the backward went with the forward, the first gradient read back
+    step(x, y)
+    expanded, looked_up[:] = sched.expansion_hits, []
+    step(x, y)  # the same program as two steps ago: its expansion is remembered, and the worker knows it whole
+    assert sched.expansion_hits == expanded + 1
+    assert any(hit and any(i.name == "matmul" for i in p) and any(i.name == "softmax" for i in p)
+               for p, hit in looked_up)
     # the same step from the same weights, derived afresh (the cache cleared): the same gradients, bitwise
     state = [p.detach().numpy().copy() for p in model.parameters()]
     for _ in range(3):
@@ -468,6 +480,7 @@ def test_a_repeated_step_reuses_the_derived_backward(rng, monkeypatch):
         with dx.no_grad():
             p.copy_(dx.tensor(v))
     sched.backwards.clear()
+    sched.expansions.clear()
     fresh = step(x, y)
     assert sched.backward_misses == misses + 1
     for a, b in zip(cached, fresh):

@@ -128,7 +128,7 @@ def test_accumulating_gradients_across_calls_is_refused() -> None:
     x = dx.tensor(np.ones((2, 3)))
     step(x)  # no gradients yet: nothing to add to
     # the last call's gradients are read and replaced (a backward's gradient names are deleted, never pooled)
-    with pytest.raises(dx.DeepxError, match=r"frees tensors it did not make .*_g\d+_\d+"):
+    with pytest.raises(dx.DeepxError, match=r"frees tensors it did not make .*_g\d+_r?\d+"):
         step(x)
     opt.zero_grad()
     step(x)  # the first signature again: replayed

@@ -361,7 +361,16 @@ class CpuExecutor:
                 shared.pop(v, None)
                 a = tensors.get(v)
                 if a is not None and copy_views:
-                    tensors[v] = a.copy()
+                    if name not in self.pinned:
+                        tensors[v] = a.copy()
+                        continue
+                    # a heap tensor's (a weight's transpose still alive when an optimizer writes the weight): laid
+                    # out as the view is, a straight copy, not a strided one; BLAS reads it transposed as it read
+                    # the view, and it is made row-major before anything writes it in place
+                    c = tensors[v] = a.copy(order="K")
+                    if not c.flags.c_contiguous:
+                        self.strided[v] = None
+                        shared[v] = None
 
     def _transpose_view(self, b: Bound) -> bool:
         """transpose as a view of its operand where its result dies in the program, as a straight copy laid out as
@@ -373,18 +382,10 @@ class CpuExecutor:
             self._forget_view(out)  # its old buffer is left to its other holders; the name gets the view
         base = self.view_of.get(src, src)
         a = self.tensors[src]
+        # a heap tensor's transpose is always a view (a weight's, in x @ W.T): the SDK deletes it before an
+        # optimizer writes the weight in place, and one still alive then gets a straight copy (see _release)
         if base not in self.pinned and id(b) not in self.transient:
             return False
-        if base in self.pinned:
-            # heap tensors are written in place every step (optimizers): views would then be copied anyway. A copy
-            # laid out as the operand is: a straight copy, not a strided one
-            o = np.empty_like(a).transpose(b.args[1])
-            np.copyto(o, a.transpose(b.args[1]))
-            self.tensors[out] = o
-            if not o.flags.c_contiguous:
-                self.strided[out] = None
-                self.shared[out] = None
-            return True
         self.tensors[out] = a.transpose(b.args[1])
         self.view_of[out] = base
         self.views.setdefault(base, []).append(out)

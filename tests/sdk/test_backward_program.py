@@ -1,0 +1,121 @@
+"""A training loop's repeated `loss.backward()` is recorded into the step's program as a `backward` instruction, which
+the daemon expands in place: one program per step, embedded and over the native socket, with the numbers torch
+gives. The first backward of a graph is sent on its own, so that a graph without a gradient raises at that line; a
+recorded one that fails raises at the next read, naming the line of its backward()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.optim import SGD
+from deepx_sdk.session import Session
+from tests.daemon.conftest import Daemon
+
+
+def _train(rng: np.random.Generator, steps: int, sent: list[tuple[int, int]]) -> tuple[list[float], list[np.ndarray]]:
+    """`steps` SGD steps of a small MLP in float64 against torch's; `sent`: per program, (instructions, backwards)."""
+    transport = dx.session().transport
+    run = transport.run
+
+    def spy(program, fetch, backwards=()):  # type: ignore[no-untyped-def]
+        sent.append((len(program), len(backwards)))
+        return run(program, fetch, backwards)
+
+    transport.run = spy
+    x, y = rng.standard_normal((16, 6)), rng.integers(0, 3, 16)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    tmodel = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    with torch.no_grad():
+        for p, tp in zip(model.parameters(), tmodel.parameters()):
+            tp.copy_(torch.tensor(p.detach().numpy()))
+    opt, topt = SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(tmodel.parameters(), lr=0.1,
+                                                                              momentum=0.9)
+    dxx, dxy, tx, ty = dx.tensor(x), dx.tensor(y), torch.from_numpy(x), torch.from_numpy(y)
+    losses = []
+    try:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(dxx), dxy)
+            loss.backward()
+            opt.step()
+            topt.zero_grad()
+            tloss = torch.nn.functional.cross_entropy(tmodel(tx), ty)
+            tloss.backward()
+            topt.step()
+            losses.append(loss.item())
+            assert losses[-1] == pytest.approx(tloss.item(), rel=1e-12)
+    finally:
+        transport.run = run
+    for p, tp in zip(model.parameters(), tmodel.parameters()):
+        np.testing.assert_allclose(p.detach().numpy(), tp.detach().numpy(), rtol=1e-10, atol=1e-12)
+    return losses, [p.detach().numpy() for p in model.parameters()]
+
+
+def test_a_training_step_goes_as_one_program_with_its_backward_inside(rng):
+    sent: list[tuple[int, int]] = []
+    losses, _ = _train(rng, 8, sent)
+    assert losses[-1] < losses[0]
+    # the first steps send the forward, then the backward on its own (derived and checked the first time); once the
+    # daemon has derived a step's backward, each step is a single program, the backward instruction in it
+    assert sent[-3:] == [sent[-1]] * 3 and sent[-1][1] == 1
+    assert len(sent) < 8 * 2
+
+
+def test_over_the_native_socket_a_step_is_one_program_too(rng, tmp_path):
+    d = Daemon(tmp_path, udp=False).start()
+    try:
+        s = dx.connect(d.address)
+        assert type(s.transport).__name__ == "NativeTransport"
+        sent: list[tuple[int, int]] = []
+        _train(rng, 6, sent)  # the numbers torch gives, step by step
+        assert sent[-2:] == [sent[-1]] * 2 and sent[-1][1] == 1
+    finally:
+        dx.disconnect()
+        d.stop()
+
+
+def test_a_recorded_backward_that_fails_raises_at_the_next_read_naming_its_line(rng, monkeypatch):
+    w = nn.Parameter(rng.standard_normal(3))
+    h = w.exp()  # exp's gradient reads its result, which the next line overwrites: no backward exists
+    loss = h.sum()
+    h.add_(1.0)
+    # as if this graph's backward had been derived before: recorded, and derived by the daemon only when it runs
+    monkeypatch.setattr(Session, "backward_seen", lambda self, spec, remember=False: True)
+    loss.backward(); line = _line()  # noqa: E702
+    grad = w.grad
+    with pytest.raises(DeepxError, match=rf"backward: .*overwrites.*test_backward_program.py:{line}"):
+        grad.numpy()
+    assert grad.name in dx.session()._lost  # its tensor never came to exist: Python does not delete it
+    del grad
+    w.grad = None
+    np.testing.assert_allclose((w * 2).numpy(), w.detach().numpy() * 2)  # the session goes on
+
+
+def _line() -> int:
+    import inspect
+
+    frame = inspect.currentframe()
+    assert frame is not None and frame.f_back is not None
+    return frame.f_back.f_lineno
+
+
+def test_a_weights_transpose_is_gone_before_the_optimizer_writes_the_weight(rng):
+    """x @ W.T reads a view of W; the SDK deletes the transpose before opt.step(), so the update copies nothing."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = SGD(model.parameters(), lr=0.1)
+    x, y = dx.tensor(rng.standard_normal((8, 64)).astype(np.float32)), dx.tensor(rng.integers(0, 4, 8))
+    worker = dx.session().transport.node.worker()._actor
+    for _ in range(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        dx.sync()
+        ex = worker.ex
+        heap = set(worker.heap)
+        assert not ex.strided and not any(base in heap for base in ex.views)
