@@ -48,6 +48,21 @@ def in_sdk(code: CodeType) -> tuple[CodeType, bool]:
     return known
 
 
+def origin(f: Any) -> Any:
+    """The entry of Session.origins for frame `f`: the first frame from it outwards that is not the SDK's, as
+    id(code) << 24 | offset (an int: nothing for the garbage collector to track), or (code, offset)."""
+    while f is not None:
+        code = f.f_code
+        known = _IN_SDK.get(id(code))
+        if known is None:
+            known = in_sdk(code)
+        if not known[1]:
+            lasti = f.f_lasti
+            return id(code) << 24 | lasti if lasti < 16777216 else (code, lasti)
+        f = f.f_back
+    return None
+
+
 def origin_of(entry: Any) -> tuple[CodeType, int] | None:
     """(code, offset) of an entry of Session.origins: a tuple, or id(code) << 24 | offset (the code object then
     found in _IN_SDK, which holds it); None where unknown."""
@@ -369,6 +384,8 @@ class Session:
 
     def __init__(self, transport: Transport, *, max_pending: int = 4096) -> None:
         self.transport = transport
+        # the transport's: whether broadcasting is sent as broadcastTo instructions (read on the recording hot path)
+        self.explicit_broadcast = transport.explicit_broadcast
         self.pending: list[Instr] = []
         self.origins: list[tuple[CodeType, int] | int | None] = []  # see origin_of
         self.max_pending = max_pending
@@ -414,22 +431,13 @@ class Session:
     def record(self, instr: Instr) -> None:
         """Append an instruction; remember which line of user code made it (its code object and the offset of the
         call in it: the line number is worked out only when an error names it)."""
-        f: Any = sys._getframe(1)
-        while f is not None:
-            code = f.f_code
-            known = _IN_SDK.get(id(code))
-            if known is None:
-                known = in_sdk(code)
-            if not known[1]:
-                break
-            f = f.f_back
         if self.collected:  # their deletions first: an in-place write (an optimizer's) then finds no views to copy
             with self._lock:
                 self._drain_collected()
         # no lock: a session records from one thread (collection never records: it only queues names)
         pending = self.pending
         pending.append(instr)
-        self.origins.append((f.f_code, f.f_lasti) if f is not None else None)
+        self.origins.append(origin(sys._getframe(1)))
         if len(pending) >= self.max_pending:
             self.flush_full()
 
@@ -648,9 +656,9 @@ class Session:
     def _error(self, outcome: Outcome, program: list[Instr], origins: list[Any]) -> DeepxError:
         i = outcome.error_index
         where = ""
-        origin = origin_of(origins[i]) if 0 <= i < len(origins) else None
-        if origin is not None:
-            code, offset = origin
+        made_at = origin_of(origins[i]) if 0 <= i < len(origins) else None
+        if made_at is not None:
+            code, offset = made_at
             where = f" (from {code.co_filename}:{source_line(code, offset)}, in {code.co_name})"
         msg = outcome.error or "the program failed"
         return DeepxError(f"{msg}{where}")

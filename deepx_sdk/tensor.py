@@ -21,7 +21,7 @@ from deepx_sdk.ir.dtypes import from_numpy as precision_of
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, Call, TensorMeta
 from deepx_sdk.ir.shapes import broadcast, norm_dim, numel
-from deepx_sdk.session import _IN_SDK, Session, graph_of, in_sdk, session
+from deepx_sdk.session import _IN_SDK, Session, graph_of, origin, session
 
 Shape = tuple[int, ...]
 
@@ -149,7 +149,7 @@ _new_object = object.__new__
 _RETURNS: dict[str, tuple[Param]] = {}
 
 
-def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, depth: int) -> tuple[Tensor, Instr]:
+def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, depth: int) -> Tensor:
     """Append `name(args) -> (a new tensor)` to the session's pending program: the recording hot path, one Python
     call for all of it. `depth`: how many frames up from here the user's code can first be (every frame on the
     way is the SDK's); only that frame is looked at, and its line is worked out only if an error names it."""
@@ -187,30 +187,27 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
             _RETURNS.clear()
         rets = _RETURNS[rname] = (_tuple_new(Param, ("tensor", prec, rname)),)
     out._p = rets[0]
-    instr: Instr = _tuple_new(Instr, (name, args, rets, ()))
+    pending = s.pending
+    pending.append(_tuple_new(Instr, (name, args, rets, ())))
     try:
         f: Any = _getframe(depth)
     except ValueError:  # fewer frames than that: the SDK was called from the top of a thread
         f = None
-    while f is not None:
+    if f is not None:
         code = f.f_code
-        known = _IN_SDK.get(id(code))
-        if known is None:
-            known = in_sdk(code)
-        if not known[1]:
-            break
-        f = f.f_back
-    pending = s.pending
-    pending.append(instr)
-    if f is None:
-        s.origins.append(None)
+        k = id(code)
+        known = _IN_SDK.get(k)
+        if known is not None and not known[1]:  # the common case: the user's code, seen before
+            lasti = f.f_lasti
+            # an int, not a tuple: nothing for the garbage collector to track (session.origin_of reads both forms)
+            s.origins.append(k << 24 | lasti if lasti < 16777216 else (code, lasti))
+        else:
+            s.origins.append(origin(f))
     else:
-        lasti = f.f_lasti
-        # an int, not a tuple: nothing for the garbage collector to track (session.origin_of reads both forms)
-        s.origins.append(id(code) << 24 | lasti if lasti < 1 << 24 else (code, lasti))
+        s.origins.append(None)
     if len(pending) >= s.max_pending:
         s.flush_full()
-    return out, instr
+    return out
 
 
 def _arith(op: str, scalar_op: str, rscalar_op: str | None = None, reverse: bool = False,
@@ -224,23 +221,19 @@ def _arith(op: str, scalar_op: str, rscalar_op: str | None = None, reverse: bool
         if kind is Tensor:
             if (other.dtype == dt and other.shape == self.shape and dt in _FLOAT_RANK
                     and not (self.requires_grad or other.requires_grad)
-                    and not self._s.transport.explicit_broadcast):
+                    and not self._s.explicit_broadcast):
                 a, b = (other, self) if reverse else (self, other)
-                pa, pb = a._p, b._p
-                if pa is None or pa.value is not a.name or pa.precisions[0] is not a.dtype:
-                    pa = _tp(a)
-                if pb is None or pb.value is not b.name or pb.precisions[0] is not b.dtype:
-                    pb = _tp(b)
-                return _emit(self._s, op, (pa, pb), self.shape, dt, 2)[0]
+                # a handle's _p is its param, made by _tp for the name and dtype it has for life (the one place
+                # that gives a handle another name, nn.module._retype_heap, clears it)
+                pa, pb = a._p or _tp(a), b._p or _tp(b)
+                return _emit(self._s, op, (pa, pb), self.shape, dt, 2)
         elif (kind is float or kind is int) and dt in _FLOAT_RANK and not self.requires_grad:
-            pa = self._p
-            if pa is None or pa.value is not self.name or pa.precisions[0] is not dt:
-                pa = _tp(self)
+            pa = self._p or _tp(self)
             pv = _tuple_new(Param, ("var", _VAR_PRECISION[kind], other))
             if not reverse:
-                return _emit(self._s, scalar_op, (pa, pv), self.shape, dt, 2)[0]
+                return _emit(self._s, scalar_op, (pa, pv), self.shape, dt, 2)
             if rscalar_op is not None:
-                return _emit(self._s, rscalar_op, (pv, pa), self.shape, dt, 2)[0]
+                return _emit(self._s, rscalar_op, (pv, pa), self.shape, dt, 2)
         return self._binary(op, other, scalar_op, rscalar_op, reverse, floating)
 
     method.__name__ = method.__qualname__ = f"_{op}{'_reversed' if reverse else ''}"
@@ -366,12 +359,12 @@ class Tensor:
         on the way is the SDK's): 2, the caller's caller, as only the SDK calls this; looking there directly skips
         materializing the frames in between."""
         s = self._s
-        out, instr = _emit(s, name, args, shape, dtype, depth + 1)
+        out = _emit(s, name, args, shape, dtype, depth + 1)
         for t in inputs:
             if t.requires_grad:
                 if s.grad_enabled:
                     out.requires_grad = True
-                    s.tape.append((instr, out, tuple(inputs)))
+                    s.tape.append((_tuple_new(Instr, (name, args, (out._p,), ())), out, tuple(inputs)))
                 break
         return out
 
@@ -511,7 +504,7 @@ class Tensor:
         # the common cases first: a tensor of the same shape and dtype, or a Python number next to a float tensor
         if kind is Tensor:
             if (other.dtype == dt and other.shape == self.shape and dt in _FLOAT_RANK
-                    and not self._s.transport.explicit_broadcast):
+                    and not self._s.explicit_broadcast):
                 # depth 3: _op <- _binary <- the operator method <- its caller
                 if reverse:
                     return self._op(op, (_tp(other), _tp(self)), self.shape, dt, (other, self), 3)
@@ -536,7 +529,7 @@ class Tensor:
                 dt = DEFAULT_FLOAT
             a, b = a.type_as_dtype(dt), b.type_as_dtype(dt)
             shape = a.shape if a.shape == b.shape else broadcast(op, a.shape, b.shape, names=[a.name, b.name])
-            if self._s.transport.explicit_broadcast:
+            if self._s.explicit_broadcast:
                 a, b = a.expand(shape), b.expand(shape)
             return self._op(op, (_tp(a), _tp(b)), shape, dt, [a, b])
         if isinstance(other, (np.generic,)):
@@ -1369,7 +1362,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if squeeze_b:
         b = b.reshape(-1, 1)
     meta = a._infer("matmul", [TensorMeta(a.shape, a.dtype), TensorMeta(b.shape, b.dtype)], [a.name, b.name])
-    if a._s.transport.explicit_broadcast and a.shape[:-2] != b.shape[:-2]:
+    if a._s.explicit_broadcast and a.shape[:-2] != b.shape[:-2]:
         a = a.expand(*meta.shape[:-2], *a.shape[-2:])
         b = b.expand(*meta.shape[:-2], *b.shape[-2:])
     out = a._op("matmul", (_tp(a), _tp(b)), meta.shape, dt, [a, b])
@@ -1400,7 +1393,7 @@ def where(cond: Tensor, x: Any, y: Any) -> Tensor:
     if cond.dtype not in ("bool", "int32"):
         cond = cond.bool()
     shape = broadcast("where", cond.shape, x.shape, y.shape, names=[cond.name, x.name, y.name])
-    if ref._s.transport.explicit_broadcast:
+    if ref._s.explicit_broadcast:
         cond, x, y = cond.expand(shape), x.expand(shape), y.expand(shape)
     return ref._op("switch", (Param("listtensor", (dt,), (y.name, x.name)), _tp(cond)), shape, dt, [x, y, cond])
 
