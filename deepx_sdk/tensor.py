@@ -263,21 +263,17 @@ class Tensor:
 
     def __del__(self) -> None:
         try:
-            s: Session | None = self._s
             k = self._k
-        except AttributeError:  # a half-built tensor (copy, unpickling) has no session; a Parameter has no _k
-            s = getattr(self, "_s", None)
+        except AttributeError:  # a Parameter, or a half-built tensor (copy, unpickling)
             k = None
-        if s is not None and not s.closed:
-            try:
-                # never blocks: collection runs in any thread. Plain results may have their name reused (pooled);
-                # parameters and other kinds are always deleted (_k None), and so are a backward's gradient names:
-                # their prefix is handed out again (Session.grad_prefix); a name or dtype changed since: deleted
-                if k is None or k[0] != self.name or k[1] != self.dtype:
-                    k = (self.name, self.dtype, None)
-                s.collected.append(k)
-            except Exception:  # interpreter shutdown
-                pass
+        try:
+            # never blocks: collection runs in any thread. Plain results may have their name reused (pooled);
+            # parameters and other kinds are always deleted (_k None), and so are a backward's gradient names: their
+            # prefix is handed out again (Session.grad_prefix). A handle that nn.module._retype_heap gave another
+            # name has _k None. A closed session's queue is never read; a half-built tensor has no session
+            self._s.collected.append(k or (self.name, self.dtype, None))
+        except Exception:  # no session, or interpreter shutdown
+            pass
 
     # -- basics
     @property

@@ -405,7 +405,7 @@ def _retype_heap(p: Parameter, dtype: str) -> None:
     s.record(Instr("todtype", (Param.tensor(p.name, p.dtype),), (Param.tensor(new, dtype),)))
     s.record(Instr("deltensor", (), (Param.tensor(p.name, p.dtype),)))
     p.name, p.dtype = new, dtype
-    p._p = None  # its param named the old tensor (see deepx_sdk.tensor._tp)
+    p._p = p._k = None  # its param named the old tensor (deepx_sdk.tensor._tp); it is deleted when collected
     if p.grad is not None:
         p.grad = p.grad.type_as_dtype(dtype)
 
