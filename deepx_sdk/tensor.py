@@ -240,6 +240,19 @@ def _arith(op: str, scalar_op: str, rscalar_op: str | None = None, reverse: bool
     return method
 
 
+def _float_unary(op: str) -> Any:
+    """A float elementwise method (x.exp(), x.relu(), ...): a float tensor that requires no grad recorded straight
+    away, the rest by Tensor._unary (an integer tensor is cast to float first, as torch does)."""
+
+    def method(self: Tensor) -> Tensor:
+        if self.dtype in _FLOAT_RANK and not self.requires_grad:
+            return _emit(self._s, op, (self._p or _tp(self),), self.shape, self.dtype, 2)
+        return self._unary(op)
+
+    method.__name__ = method.__qualname__ = op
+    return method
+
+
 class Tensor:
     """A deepx tensor. Model code uses it like a torch.Tensor; values live in the daemon."""
 
@@ -642,34 +655,28 @@ class Tensor:
         a = self.type_as_dtype(DEFAULT_FLOAT) if floating else self
         return self._op(op, (_tp(a),), a.shape, a.dtype, [a])
 
-    def exp(self) -> Tensor:
-        return self._unary("exp")
+    exp = _float_unary("exp")
 
-    def log(self) -> Tensor:
-        return self._unary("log")
+    log = _float_unary("log")
 
-    def sqrt(self) -> Tensor:
-        return self._unary("sqrt")
+    sqrt = _float_unary("sqrt")
 
     def rsqrt(self) -> Tensor:
         return 1.0 / self.sqrt()
 
-    def sin(self) -> Tensor:
-        return self._unary("sin")
+    sin = _float_unary("sin")
 
-    def cos(self) -> Tensor:
-        return self._unary("cos")
+    cos = _float_unary("cos")
 
-    def tan(self) -> Tensor:
-        return self._unary("tan")
+    tan = _float_unary("tan")
 
-    def tanh(self) -> Tensor:
-        return self._unary("tanh")
+    tanh = _float_unary("tanh")
 
-    def sigmoid(self) -> Tensor:
-        return self._unary("sigmoid")
+    sigmoid = _float_unary("sigmoid")
 
     def relu(self) -> Tensor:
+        if self.dtype in _FLOAT_RANK and not self.requires_grad:  # recorded straight away, as _float_unary does
+            return _emit(self._s, "relu", (self._p or _tp(self),), self.shape, self.dtype, 2)
         if self.dtype not in _FLOAT_RANK:
             return self.clamp(min=0)
         return self._unary("relu")
