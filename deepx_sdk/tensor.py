@@ -751,6 +751,10 @@ class Tensor:
         return a._op(op, (_tp(a), pdims, pkeep), shape, dt, (a,))
 
     def sum(self, dim: Any = None, keepdim: _bool = False, dtype: Any = None) -> Tensor:
+        if dtype is None and (dim is None or type(dim) is int) and not self.requires_grad:
+            known = _REDUCTIONS.get(("sum", self.shape, self.dtype, dim, keepdim))  # as _reduce remembered it
+            if known is not None:
+                return _emit(self._s, "sum", (self._p or _tp(self), known[2], known[3]), known[0], known[1], 2)
         return self._reduce("sum", dim, keepdim, dtype_name(dtype) if dtype is not None else None)
 
     def prod(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
@@ -817,7 +821,11 @@ class Tensor:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         # remembered only for plain ints (a key holding a Tensor would compare by recording an op)
-        key = (self.shape, shape) if all(type(d) is int for d in shape) else None
+        key: Any = (self.shape, shape)
+        for d in shape:  # a loop, not all(...): this runs for every reshape
+            if type(d) is not int:
+                key = None
+                break
         known = _RESHAPES.get(key) if key is not None else None
         if known is None:
             meta = self._infer("reshape", [TensorMeta(self.shape, self.dtype), tuple(int(d) for d in shape)],
@@ -829,6 +837,8 @@ class Tensor:
                 _RESHAPES[key] = known
         if known[0] == self.shape:
             return self
+        if not self.requires_grad:
+            return _emit(self._s, "reshape", (self._p or _tp(self), known[1]), known[0], self.dtype, 2)
         return self._op("reshape", (_tp(self), known[1]), known[0], self.dtype, (self,))
 
     view = reshape
