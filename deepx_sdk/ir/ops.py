@@ -668,7 +668,8 @@ for _n, _d in [("adam", "torch.optim.Adam's update (L2 weight decay), in place; 
 FUSED_FUNCTIONS: dict[str, int] = {"sqrt": 1, "exp": 1, "log": 1, "sin": 1, "cos": 1, "tan": 1, "tanh": 1, "abs": 1,
                                    "maximum": 2, "minimum": 2}
 _FUSED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Call, ast.Name, ast.Constant, ast.Load, ast.Add, ast.Sub,
-                ast.Mult, ast.Div, ast.Pow, ast.USub, ast.UAdd)
+                ast.Mult, ast.Div, ast.Pow, ast.USub, ast.UAdd, ast.Compare, ast.Gt, ast.Lt, ast.GtE, ast.LtE,
+                ast.Eq, ast.NotEq)
 _FUSED_INPUT = re.compile(r"in(0|[1-9][0-9]*)\Z")
 _FUSED_MAX_CHARS = 20000
 _fused_parsed: dict[tuple[str, int], ast.Expression] = {}
@@ -676,7 +677,8 @@ _fused_parsed: dict[tuple[str, int], ast.Expression] = {}
 
 def parse_fused(expr: str, n_inputs: int) -> ast.Expression:
     """The syntax tree of a fused expression, checked: numbers, the inputs in0..in<n-1>, + - * / ** and unary -,
-    and the calls of FUSED_FUNCTIONS. It is also a numexpr expression with the same meaning."""
+    the calls of FUSED_FUNCTIONS, and one comparison (> < >= <= == !=) at a time, which is 1 where it holds and 0
+    where not (gradient masks: `in0 * (in1 > 0)`). It is also a numexpr expression with the same meaning."""
     key = (expr, n_inputs)
     tree = _fused_parsed.get(key)
     if tree is not None:
@@ -693,8 +695,8 @@ def parse_fused(expr: str, n_inputs: int) -> ast.Expression:
     for node in ast.walk(tree):
         if not isinstance(node, _FUSED_NODES):
             raise DeepxError(f"fused: {type(node).__name__} ({ast.unparse(node) if isinstance(node, ast.expr) else ''}"
-                             f") is not allowed in {expr!r}; use numbers, in0..in{n_inputs - 1}, + - * / ** and "
-                             f"{', '.join(FUSED_FUNCTIONS)}")
+                             f") is not allowed in {expr!r}; use numbers, in0..in{n_inputs - 1}, + - * / **, "
+                             f"comparisons and {', '.join(FUSED_FUNCTIONS)}")
         if isinstance(node, ast.Call):
             name = node.func.id if isinstance(node.func, ast.Name) else ""
             if name not in FUSED_FUNCTIONS or node.keywords or len(node.args) != FUSED_FUNCTIONS[name]:
@@ -708,6 +710,8 @@ def parse_fused(expr: str, n_inputs: int) -> ast.Expression:
                                  f"in0..in{n_inputs - 1}")
         elif isinstance(node, ast.Constant) and type(node.value) not in (int, float):
             raise DeepxError(f"fused: constant {node.value!r} in {expr!r} is not a number")
+        elif isinstance(node, ast.Compare) and len(node.ops) != 1:
+            raise DeepxError(f"fused: {ast.unparse(node)!r} in {expr!r} chains comparisons; compare two values")
     if len(_fused_parsed) >= 4096:
         _fused_parsed.clear()
     _fused_parsed[key] = tree

@@ -28,6 +28,9 @@ EXPRESSIONS = [
     ("sin(in0) * cos(in1) + tan(in2 * 0.25) - tanh(-in0)", (-1.0, 1.0)),
     ("minimum(in0, in1) + maximum(in1, 2.5) - (-in2)", (-4.0, 4.0)),
     ("in0 / (1 + exp(-in1)) + 2 ** in2 + 1e-05", (-2.0, 2.0)),
+    # comparisons are 1 where they hold, 0 where not (gradient masks: relu's is in0 * (in1 > 0.0))
+    ("in0 * (in1 > 0.25) + (in2 <= in0) * in1 - (in1 != in2) * 0.5 + (in0 == in0) - (in1 < -0.5) + (in2 >= 0)",
+     (-1.0, 1.0)),
 ]
 
 
@@ -114,7 +117,7 @@ def test_scalars_and_bare_operands(backend):
     ("floor(in0)", "call 'floor(in0)'"),
     ("maximum(in0)", "call 'maximum(in0)'"),
     ("in0 % 2", "Mod"),
-    ("in0 < 1", "Compare"),
+    ("in0 < in1 < 1", "chains comparisons"),
     ("in0 +", "cannot parse"),
     ("'a'", "is not a number"),
     ("True + in0", "is not a number"),

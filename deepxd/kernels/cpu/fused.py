@@ -37,6 +37,8 @@ MAX_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 _BINARY: dict[type, np.ufunc] = {ast.Add: np.add, ast.Sub: np.subtract, ast.Mult: np.multiply, ast.Div: np.divide,
                                  ast.Pow: np.power}
+_COMPARE: dict[type, np.ufunc] = {ast.Gt: np.greater, ast.Lt: np.less, ast.GtE: np.greater_equal,
+                                  ast.LtE: np.less_equal, ast.Eq: np.equal, ast.NotEq: np.not_equal}
 _CALLS: dict[str, np.ufunc] = {"sqrt": np.sqrt, "exp": np.exp, "log": np.log, "sin": np.sin, "cos": np.cos,
                                "tan": np.tan, "tanh": np.tanh, "abs": np.absolute, "maximum": np.maximum,
                                "minimum": np.minimum}
@@ -110,6 +112,8 @@ def _compile(tree: ast.Expression) -> Plan:
             entry = (_BINARY[type(node.op)], (visit(node.left), visit(node.right)), None)
         elif isinstance(node, ast.UnaryOp):
             entry = (np.negative, (visit(node.operand),), None)
+        elif isinstance(node, ast.Compare):  # true/false written as 1/0 into a block of the compute dtype
+            entry = (_COMPARE[type(node.ops[0])], (visit(node.left), visit(node.comparators[0])), None)
         elif isinstance(node, ast.Call):
             assert isinstance(node.func, ast.Name)
             entry = (_CALLS[node.func.id], tuple(visit(a) for a in node.args), None)

@@ -27,6 +27,7 @@ MAX_INPUTS = 16
 MAX_CONSTANTS = 32
 
 _BIN = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+_CMP = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
 _CALLS = {"sqrt": "sqrt", "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "tan": "tan", "tanh": "tanh",
           "abs": "fabs", "maximum": "mx", "minimum": "mn"}
 
@@ -68,6 +69,8 @@ def lower(expr: str, n_inputs: int) -> Structure:
             return f"({c(node.left)} {_BIN[type(node.op)]} {c(node.right)})"
         if isinstance(node, ast.UnaryOp):
             return f"(-{c(node.operand)})" if isinstance(node.op, ast.USub) else c(node.operand)
+        if isinstance(node, ast.Compare):  # 1 where it holds, 0 where not, in the compute type A
+            return f"((A)({c(node.left)} {_CMP[type(node.ops[0])]} {c(node.comparators[0])}))"
         if isinstance(node, ast.Call):
             assert isinstance(node.func, ast.Name)
             return f"{_CALLS[node.func.id]}({', '.join(c(a) for a in node.args)})"
