@@ -732,8 +732,9 @@ def _fused(c: Call) -> list[TensorMeta | None]:
 
 op("fused", "fused", [lst("inputs"), v("expr", "str")], [_C], _F, _fused,
    "C = expr over the inputs in0, in1, ... (broadcast; one float dtype, float16 and bfloat16 computed in float32); "
-   "expr is a numexpr expression of numbers, + - * / **, unary -, sqrt exp log sin cos tan tanh abs maximum "
-   "minimum; made by the fuse pass from a chain or tree of elementwise ops", grad=True, deepxir=False)
+   "expr is a numexpr expression of numbers, + - * / **, unary -, one comparison at a time (1 where it holds, 0 "
+   "where not), sqrt exp log sin cos tan tanh abs maximum minimum; made by the fuse pass from a chain or tree of "
+   "elementwise ops", grad=True, deepxir=False)
 
 
 # ---------------------------------------------------------------- checking an instruction
