@@ -41,13 +41,11 @@ _VALUE_CATEGORIES = frozenset(("var", "vector", ""))
 
 def _names_of(forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None) -> set[str]:
     """The tensors a backward's derivation needs the metas of."""
+    from deepxd.compiler.graphs import tensor_names
+
     names = {loss, *wrt, *([grad_loss] if grad_loss else [])}
     for instr in forward:
-        for p in (*instr.args, *instr.returns):
-            if p.category == "tensor":
-                names.add(str(p.value))
-            elif p.category == "listtensor" and isinstance(p.value, tuple):
-                names.update(str(v) for v in p.value)
+        names.update(tensor_names(instr))
     return names
 
 

@@ -73,7 +73,7 @@ def plan_graph(name: str, data: bytes, metas: Mapping[str, TensorMeta], keep: Co
     g = GraphPlan(rec, data, plan, origins, list(passes), slots=slots)
     names = {n for n, _, _ in rec.inputs} | {n for n, _, _ in rec.outputs}
     for k, instr in enumerate(plan):
-        for n in _tensor_names(instr):
+        for n in tensor_names(instr):
             if n in names:
                 g.touches.setdefault(n, []).append(k)
     return g
@@ -85,7 +85,8 @@ def _first_return(instr: Instr) -> str:
     return str(instr.returns[0].value) if instr.returns else ""
 
 
-def _tensor_names(instr: Instr) -> list[str]:
+def tensor_names(instr: Instr) -> list[str]:
+    """The tensors an instruction names, its args' and its returns', tensor lists included."""
     out: list[str] = []
     for p in (*instr.args, *instr.returns):
         if p.category == "tensor":
