@@ -162,8 +162,10 @@ class EmbeddedTransport(Transport):
             env = os.environ.get("DEEPX_ROLES", "")
             roles = [r.strip() for r in env.split(",") if r.strip()] or ["registry", "heapmem", "scheduler", "op-cpu"]
         roles = with_needed_roles(list(roles))
+        # every program runs on the event loop (inline_elements -1): this process's own thread waits for each
+        # anyway, and the hop to the worker's thread and back costs about 0.1 ms a program
         self.config = Config(listen=f"unix://{sock}", udp="off", roles=roles, node_id=f"embedded-{os.getpid()}",
-                             log_level="warning")
+                             log_level="warning", inline_elements=-1)
         self.loop = _new_loop()
         self.node: Any = None
         ready = threading.Event()

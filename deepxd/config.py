@@ -30,7 +30,7 @@ class Config:
     io_roots: list[str] = field(default_factory=list)  # default: the working directory and the temp directory
     max_frame_bytes: int = 1 << 30
     heartbeat_s: float = 2.0
-    inline_elements: int = 1 << 16  # programs writing more elements than this run off the event loop
+    inline_elements: int = 1 << 16  # programs writing more elements than this run off the event loop; -1: none
     heap_pool_bytes: int = 256 << 20
     restart_max: int = 3
     restart_window_s: float = 60.0

@@ -444,6 +444,8 @@ class CpuWorker(OpWorker):
             prev = t
 
     def _heavy(self, bounds: list[Bound]) -> bool:
+        if self.inline_elements < 0:  # every program inline (an embedded daemon)
+            return False
         total = 0
         for b in bounds:
             if b.op.family == "io":

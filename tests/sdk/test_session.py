@@ -457,8 +457,9 @@ def test_pending_program_is_sent_when_it_grows_past_the_limit():
 
 
 def test_a_program_still_pending_at_exit_runs_on_the_embedded_daemon(tmp_path):
-    """The atexit handler flushes the last program; by then concurrent.futures refuses new work, so the op worker
-    runs a heavy program on its event loop instead of failing with 'cannot schedule new futures'."""
+    """The atexit handler flushes the last program, which runs (the embedded daemon runs every program on its event
+    loop; a worker that offloads heavy programs runs them inline once concurrent.futures refuses new work at exit,
+    instead of failing with 'cannot schedule new futures')."""
     import subprocess
 
     script = tmp_path / "pending.py"
@@ -466,7 +467,7 @@ def test_a_program_still_pending_at_exit_runs_on_the_embedded_daemon(tmp_path):
         "import deepx_sdk as dx, deepx_sdk.nn as nn\n"
         "from deepx_sdk.optim import AdamW\n"
         "m = nn.Linear(512, 512); opt = AdamW(m.parameters())\n"
-        "m(dx.randn(256, 512)).sum().backward(); opt.step()\n"  # big enough to run on the worker's thread
+        "m(dx.randn(256, 512)).sum().backward(); opt.step()\n"  # heavy for a worker that offloads
     )
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
