@@ -142,3 +142,4 @@ async def test_a_backward_instruction_without_its_request_is_an_unknown_op(node:
     program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"})]
     r = await node.scheduler.ref.ask("run", program=program, fetch=[])
     assert r.error == "instruction 4: op 'backward' not found" and r.error_index == 3
+
