@@ -9,6 +9,7 @@ import pytest
 from deepx_sdk.ir.text import parse_text
 from deepxd.actors.opcpu import CpuWorker
 
+
 @pytest.mark.parametrize("inline", [65536, -1])
 async def test_a_heavy_program_runs_off_the_event_loop_unless_every_program_runs_inline(inline: int) -> None:
     """A worker hands heavy programs (a large matmul) to its thread; inline_elements -1 (the embedded daemon) runs
