@@ -20,7 +20,7 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -419,6 +419,11 @@ class Session:
         # it writes into the buffer it already has) and needs no deltensor at all
         self.pool: dict[tuple[Any, str], list[str]] = {}
         self.pool_per_shape = 16
+        # names of collected transposes (Tensor._k with a fourth item): deleted in the daemon, and kept for reuse
+        # by (shape, dtype) all the same, so that a loop names its transposes the same way every step. A name
+        # handed out from here is in _revived until the program that makes its tensor has run (see _forget_unrun)
+        self.freed: dict[tuple[Any, str], list[str]] = {}
+        self._revived: set[str] = set()
         # set by dx.compile while it captures a call (deepx_sdk/compile.py): reading a value then is refused
         self.capture: Any = None
         # backward instructions in `pending` (record_backward): what the daemon expands each into, with its index
@@ -468,14 +473,19 @@ class Session:
 
     def record_backward(self, instr: Instr, spec: dict[str, Any]) -> None:
         """Append `loss.backward()` as instruction `instr` (`backward (loss) -> (the gradients)`), which the
-        daemon's scheduler expands in place into the backward program of `spec` (see Scheduler.on_run)."""
+        daemon's scheduler expands in place into the backward program of `spec` (see Scheduler.on_run). The
+        instruction and its entry in `backwards` go into the program together: the collected handles' deletions
+        first, then room for it."""
+        if self.collected:
+            with self._lock:
+                self._drain_collected()
         if len(self.pending) + 1 >= self.max_pending:
             self.flush_full()
-        self.record(instr)
-        if self.pending and self.pending[-1] is instr:
-            self.backwards.append({**spec, "index": len(self.pending) - 1})
-        else:  # cannot happen: record flushes only past max_pending
-            raise DeepxError("backward: its instruction was sent before it was recorded")
+        self.pending.append(instr)
+        self.origins.append(origin(sys._getframe(1)))
+        self.backwards.append({**spec, "index": len(self.pending) - 1})
+        if len(self.pending) >= self.max_pending:
+            self.flush_full()
 
     def flush_full(self) -> None:
         """Send the pending program because it reached max_pending; an error is kept for the next sync."""
@@ -503,9 +513,10 @@ class Session:
             if shape is None and name.startswith(self._grad_root):
                 self._grad_gone(name)
             elif shape is not None:
-                names = pool.get((shape, dtype))
+                kept = pool if len(item) == 3 else self.freed
+                names = kept.get((shape, dtype))
                 if names is None:
-                    names = pool[(shape, dtype)] = []
+                    names = kept[(shape, dtype)] = []
                 if len(names) < self.pool_per_shape:
                     names.append(name)
                     if len(item) == 3:
@@ -549,6 +560,7 @@ class Session:
                     self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
                     self.origins.append(None)
             self.pool.clear()
+            self.freed.clear()  # deleted already
 
     def reuse_name(self, shape: Any, dtype: str) -> str:
         """A name for a new result: a collected temporary's of the same shape and dtype when there is one."""
@@ -578,6 +590,11 @@ class Session:
         names = self.pool.get((shape, dtype))
         if names:
             return names.pop()
+        names = self.freed.get((shape, dtype))
+        if names:
+            name = names.pop()
+            self._revived.add(name)  # its tensor exists again once this program has run
+            return name
         return f"{self._prefix}{next(self._names)}"
 
     def sync(self, fetch: Sequence[str] = ()) -> dict[str, np.ndarray]:
@@ -605,8 +622,8 @@ class Session:
             self._drain_collected()
         if not self.pending and not fetch:
             return {}
-        program, origins, backwards = self.pending, self.origins, self.backwards
-        self.pending, self.origins, self.backwards = [], [], []
+        program, origins, backwards, revived = self.pending, self.origins, self.backwards, self._revived
+        self.pending, self.origins, self.backwards, self._revived = [], [], [], set()
         mark, self._mark = self._mark, next(self._names)
         if fetch and not self.transport.can_read:
             self.transport.run(program, ())
@@ -621,7 +638,7 @@ class Session:
         for line in outcome.output:
             sys.stdout.write(line + "\n")
         if not outcome.ok:
-            self._forget_unrun(program, outcome.done, mark)
+            self._forget_unrun(program, outcome.done, mark, revived)
             err = self._error(outcome, program, origins)
             if raise_now:
                 raise err
@@ -629,23 +646,32 @@ class Session:
                 self.error = err
         return outcome.tensors
 
-    def _forget_unrun(self, program: list[Instr], done: int, mark: int) -> None:
+    def _forget_unrun(self, program: list[Instr], done: int, mark: int,
+                      revived: Collection[str] = frozenset()) -> None:
         """Instructions from `done` on did not run: the tensors they would have made do not exist (Python must not
-        delete them when it collects their handles), and the deletions among them did not happen (sent again)."""
-        made = {p.value for instr in program[:done] for p in instr.returns if p.category == "tensor"}
+        delete them when it collects their handles), and the deletions among them did not happen (sent again). A
+        tensor does not exist either if its name is new since `mark`, or was `revived` (a deleted transpose's, handed
+        out again), and nothing that ran wrote it."""
+        made = {p.value for instr in program[:done] if instr.name != "deltensor"
+                for p in instr.returns if p.category == "tensor"}
         prefix, n = self._prefix, len(self._prefix)
         unrun_deletes = []
         for instr in program[done:]:
             if instr.name == "deltensor":
                 unrun_deletes.append(instr)
                 continue
-            if instr.name == "backward":  # its gradients never came to exist
-                self._lost.update(str(p.value) for p in instr.returns)
+            if instr.name == "backward":  # its gradients never came to exist, and its prefix is not handed out again
+                names = [str(p.value) for p in instr.returns]
+                self._lost.update(names)
+                head = names[0][len(self._grad_root):].partition("_")[0] if names else ""
+                if head.isdigit():
+                    self.grad_prefix_failed(int(head))
                 continue
             for p in instr.returns:
                 name = p.value
-                if (p.category == "tensor" and isinstance(name, str) and name.startswith(prefix) and name not in made
-                        and name[n:].isdigit() and int(name[n:]) > mark):
+                if (p.category == "tensor" and isinstance(name, str) and name not in made
+                        and (name in revived or (name.startswith(prefix) and name[n:].isdigit()
+                                                 and int(name[n:]) > mark))):
                     self._lost.add(name)
         for instr in unrun_deletes:
             name = instr.returns[0].value

@@ -1095,6 +1095,16 @@ def _constant(fn: Callable[..., float], *args: float) -> float:
         return math.nan
 
 
+_COMPARE_OPS: dict[type, tuple[str, ...]] = {ast.Gt: ("greater",), ast.Lt: ("less",), ast.Eq: ("equal",),
+                                             ast.NotEq: ("notequal",), ast.GtE: ("greater", "equal"),
+                                             ast.LtE: ("less", "equal")}
+_COMPARE_FLIP: dict[type, type] = {ast.Gt: ast.Lt, ast.Lt: ast.Gt, ast.GtE: ast.LtE, ast.LtE: ast.GtE, ast.Eq: ast.Eq,
+                                   ast.NotEq: ast.NotEq}
+_COMPARE_CONST: dict[type, Callable[[float, float], bool]] = {
+    ast.Gt: lambda a, b: a > b, ast.Lt: lambda a, b: a < b, ast.GtE: lambda a, b: a >= b,
+    ast.LtE: lambda a, b: a <= b, ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
+
+
 def unfuse(expr: str, inputs: Sequence[str], dtype: str, fresh: Callable[[], str]) -> tuple[list[Instr], str | float]:
     """The elementwise instructions that a fused expression over `inputs` stands for, and the name of the tensor
     holding its value (or the number, for an expression of numbers alone). Intermediates are named by `fresh`."""
@@ -1106,6 +1116,23 @@ def unfuse(expr: str, inputs: Sequence[str], dtype: str, fresh: Callable[[], str
         params = tuple(Param.tensor(a, dtype) if isinstance(a, str) else Param.var(float(a), "float64") for a in args)
         prog.append(Instr(op, params, (Param.tensor(name, dtype),)))
         return name
+
+    def compare(op: type, a: str | float, b: str | float) -> str | float:
+        if isinstance(a, float) and isinstance(b, float):
+            return float(_COMPARE_CONST[op](a, b))
+        if isinstance(a, float):  # s < A is A > s
+            a, b, op = b, a, _COMPARE_FLIP[op]
+        assert isinstance(a, str)
+        floats = []
+        for kind in _COMPARE_OPS[op]:  # >= is > or ==, as a max of the two masks (false for nan, as >= is)
+            mask = fresh()
+            op_name = kind + ("scalar" if isinstance(b, float) else "")
+            other = Param.var(b, "float64") if isinstance(b, float) else Param.tensor(b, dtype)
+            params = (Param.tensor(a, dtype), other)
+            prog.append(Instr(op_name, params, (Param.tensor(mask, "bool"),)))
+            floats.append(fresh())
+            prog.append(Instr("todtype", (Param.tensor(mask, "bool"),), (Param.tensor(floats[-1], dtype),)))
+        return floats[0] if len(floats) == 1 else emit("max", floats[0], floats[1])
 
     def walk(node: ast.AST) -> str | float:
         if isinstance(node, ast.Expression):
@@ -1129,6 +1156,8 @@ def unfuse(expr: str, inputs: Sequence[str], dtype: str, fresh: Callable[[], str
             if isinstance(a, float):  # s + A, s * A commute; s - A, s / A, s ** A have their own ops
                 return emit(left, b, a) if left in ("addscalar", "mulscalar") else emit(left, a, b)
             return emit(both, a, b)
+        if isinstance(node, ast.Compare):  # a mask: 1 where it holds, 0 where not; no gradient flows through it
+            return compare(type(node.ops[0]), walk(node.left), walk(node.comparators[0]))
         assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
         name, args = node.func.id, [walk(x) for x in node.args]
         if name in _FUSED_CALLS:

@@ -266,6 +266,10 @@ CASES: dict[str, list[Case]] = {
                " + in0 ** in2 - (1 - in1) / (2 + 3) + +in2",
                {"a": r(5, lo=0.5, hi=1.5), "b": r(5), "c": r(5, lo=0.5, hi=2)}, "a b c"),
         _fused("in0 * in0 - in0", {"a": r(3), "b": r(2, 1)}, "a b"),
+        # comparisons are masks (what the relu and clamp rules emit): they pass no gradient themselves
+        _fused("in0 * (in1 > 0.25) + (in2 <= in0) * in1 - (in0 != 0.1) * in2 + (in2 == in2) * in0 * (0.5 < in1)"
+               " + in1 * (in0 >= in2) - in2 * (-0.5 > in0) + (in1 < in0)", {"a": r(3, 4), "b": r(4), "c": r(3, 1)},
+               "a b c"),
         _fused("in1", {"a": r(2, 3), "b": r(3)}, "a b"),
     ],
     "dropout": [],  # checked apart: test_dropout_gradient_is_the_mask_scaled

@@ -92,6 +92,8 @@ def test_a_recorded_backward_that_fails_raises_at_the_next_read_naming_its_line(
     with pytest.raises(DeepxError, match=rf"backward: .*overwrites.*test_backward_program.py:{line}"):
         grad.numpy()
     assert grad.name in dx.session()._lost  # its tensor never came to exist: Python does not delete it
+    k = int(grad.name[len(dx.session()._grad_root):].partition("_")[0])
+    assert dx.session()._grad_live[k] == -1  # what ran of it may be left: its prefix is not handed out again
     del grad
     w.grad = None
     np.testing.assert_allclose((w * 2).numpy(), w.detach().numpy() * 2)  # the session goes on
@@ -119,3 +121,53 @@ def test_a_weights_transpose_is_gone_before_the_optimizer_writes_the_weight(rng)
         ex = worker.ex
         heap = set(worker.heap)
         assert not ex.strided and not any(base in heap for base in ex.views)
+
+
+def test_a_recorded_backward_keeps_its_place_when_deletions_fill_the_program(rng):
+    """The collected handles' deletions go in before the backward instruction, and a program filled to max_pending
+    is sent with the instruction and its expansion together, never one without the other."""
+    s = dx.connect(max_pending=200)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = SGD(model.parameters(), lr=0.1)
+    x, y = dx.tensor(rng.standard_normal((16, 6)).astype(np.float32)), dx.tensor(rng.integers(0, 3, 16))
+    z = dx.tensor(np.ones(5, np.float32))
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        dx.sync()
+        junk = [z * 2 for _ in range(40)]  # 40 handles collected just before backward()
+        loss = F.cross_entropy(model(x), y)
+        pad = []
+        while len(s.pending) < s.max_pending - 3:
+            pad.append(z + 1.0)
+        del junk
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        del pad
+    assert losses[-1] < losses[0]
+    assert (z * 3).numpy().tolist() == [3.0] * 5  # the session goes on
+
+
+def test_deleted_transposes_are_not_deleted_again(rng):
+    """A transpose's name is deleted when collected and pooled: dx.empty_cache() and a failed program that handed
+    the name out again must not delete it a second time."""
+    s = dx.session()
+    a = dx.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    t = a.permute(1, 0)
+    dx.sync()
+    del t
+    dx.sync()
+    dx.empty_cache()
+    dx.sync()  # no "deltensor: tensor not found"
+    t = a.permute(1, 0)
+    dx.sync()
+    del t
+    bad = F.cross_entropy(dx.zeros(4, 3), dx.tensor(np.array([0, 1, 2, 7])))  # label 7: fails when it runs
+    u = a.permute(1, 0)  # takes the deleted transpose's name, and never runs
+    with pytest.raises(DeepxError, match="label 7 out of range"):
+        dx.sync()
+    assert u.name in s._lost
+    del u, bad
+    np.testing.assert_array_equal((a + 1).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3) + 1)
+    np.testing.assert_array_equal(a.permute(1, 0).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3).T)
