@@ -58,6 +58,7 @@ def _train(rng: np.random.Generator, steps: int, sent: list[tuple[int, int]]) ->
 
 
 def test_a_training_step_goes_as_one_program_with_its_backward_inside(rng):
+    dx.connect()  # a fresh session: its name pool empty, as a script's is
     sent: list[tuple[int, int]] = []
     losses, _ = _train(rng, 8, sent)
     assert losses[-1] < losses[0]
