@@ -20,6 +20,7 @@ import os
 import secrets
 import sys
 import threading
+from bisect import insort
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from types import CodeType
@@ -46,6 +47,11 @@ def in_sdk(code: CodeType) -> tuple[CodeType, bool]:
         _IN_SDK.clear()
     known = _IN_SDK[id(code)] = (code, code.co_filename.startswith(_SDK_DIR))
     return known
+
+
+def _name_order(name: str) -> tuple[int, str]:
+    """A session's names are its prefix and a number: by length, then text, is by number."""
+    return len(name), name
 
 
 def origin(f: Any) -> Any:
@@ -518,7 +524,7 @@ class Session:
                 if names is None:
                     names = kept[(shape, dtype)] = []
                 if len(names) < self.pool_per_shape:
-                    names.append(name)
+                    insort(names, name, key=_name_order)
                     if len(item) == 3:
                         continue  # kept, buffer and all, for the next result of its shape
             self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
@@ -581,18 +587,20 @@ class Session:
                     else:
                         names = self.pool.get((shp, dt)) if shp is not None else None
                         if names is not None and len(names) < self.pool_per_shape:
-                            names.append(name)
+                            insort(names, name, key=_name_order)
                         else:
                             collected.appendleft(item)
             if collected:
                 with self._lock:
                     self._drain_collected()
+        # the lowest-numbered free name: which one a result takes depends on which names are free, not on the order
+        # Python collected them, so that a loop's steps name their temporaries alike (and send the same programs)
         names = self.pool.get((shape, dtype))
         if names:
-            return names.pop()
+            return names.pop(0)
         names = self.freed.get((shape, dtype))
         if names:
-            name = names.pop()
+            name = names.pop(0)
             self._revived.add(name)  # its tensor exists again once this program has run
             return name
         return f"{self._prefix}{next(self._names)}"

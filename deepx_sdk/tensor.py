@@ -1350,8 +1350,14 @@ def tensor(data: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor
             arr = arr.astype(np.int64)
     dt = precision_of(arr.dtype)
     s = session()
-    t = Tensor(s.new_name(), arr.shape, dt, s, requires_grad)
-    s.put(t.name, arr)
+    # a collected tensor's name of this shape and dtype where there is one: a loop's batches then take the same
+    # names every step, and so do the programs that read them (the daemon's caches see repeats)
+    t = Tensor(s.reuse_name(arr.shape, dt), arr.shape, dt, s, requires_grad)
+    try:
+        s.put(t.name, arr)
+    except BaseException:
+        s._lost.add(t.name)  # the put may have left no tensor of that name: Python must not delete it
+        raise
     return t
 
 

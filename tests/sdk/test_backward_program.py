@@ -172,3 +172,75 @@ def test_deleted_transposes_are_not_deleted_again(rng):
     del u, bad
     np.testing.assert_array_equal((a + 1).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3) + 1)
     np.testing.assert_array_equal(a.permute(1, 0).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3).T)
+
+
+def test_two_backwards_in_one_step_expand_in_order(rng):
+    """Two losses differentiated in one step (the second after the first accumulated into .grad): once both graphs
+    were derived, both backward instructions go in the one program, expanded where each stands."""
+    dx.connect()
+    w0, v0, x = rng.standard_normal((4, 3)), rng.standard_normal(3), rng.standard_normal((5, 4))
+    w, v = nn.Parameter(w0), nn.Parameter(v0)
+    tw, tv = torch.tensor(w0, requires_grad=True), torch.tensor(v0, requires_grad=True)
+    dxx, tx = dx.tensor(x), torch.tensor(x)
+    sent: list[int] = []
+    transport = dx.session().transport
+    run = transport.run
+    transport.run = lambda program, fetch, backwards=(): sent.append(len(backwards)) or run(program, fetch, backwards)
+    try:
+        for _ in range(5):
+            for p in (w, v):
+                p.grad = None
+            (dxx @ w).tanh().sum().backward()
+            ((dxx @ w) * v).square().mean().backward()
+            gw, gv = w.grad.numpy(), v.grad.numpy()
+            tw.grad = tv.grad = None
+            (tx @ tw).tanh().sum().backward()
+            ((tx @ tw) * tv).square().mean().backward()
+            np.testing.assert_allclose(gw, tw.grad.numpy(), rtol=1e-10)
+            np.testing.assert_allclose(gv, tv.grad.numpy(), rtol=1e-10)
+    finally:
+        transport.run = run
+    assert 2 in sent  # the last steps: one program carrying both backward instructions
+
+
+def test_a_loop_over_new_batches_names_them_alike_and_records_its_backward(rng):
+    """dx.tensor takes a collected tensor's name of its shape and dtype, and a free name goes to the lowest-numbered
+    first whatever order Python collected them in: a loop over fresh batches sends the same programs every step."""
+    dx.connect()
+    s = dx.session()
+    a, b, c = (dx.zeros(3) + k for k in range(3))
+    names = sorted((a.name, b.name, c.name), key=lambda n: (len(n), n))
+    del c, a, b
+    d = dx.ones(3) * 5.0
+    assert d.name == names[0]  # the lowest of the three, though it was collected second
+    np.testing.assert_array_equal(d.numpy(), [5.0] * 3)
+    x = dx.tensor(np.arange(4.0))
+    first = x.name
+    del x
+    x = dx.tensor(np.arange(4.0) + 10)
+    assert x.name == first
+    np.testing.assert_array_equal(x.numpy(), np.arange(4.0) + 10)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    opt = SGD(model.parameters(), lr=0.1)
+    recorded = []
+    seen = Session.backward_seen
+
+    def spy(self, spec, remember=False):  # type: ignore[no-untyped-def]
+        r = seen(self, spec, remember)
+        if not remember:
+            recorded.append(r)
+        return r
+
+    Session.backward_seen = spy  # type: ignore[method-assign]
+    try:
+        for _ in range(8):
+            xb, yb = dx.tensor(rng.standard_normal((16, 6))), dx.tensor(rng.integers(0, 3, 16))
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            loss.item()
+    finally:
+        Session.backward_seen = seen  # type: ignore[method-assign]
+    assert recorded[-4:] == [True] * 4, recorded
+    assert s is dx.session()
