@@ -54,6 +54,19 @@ def _name_order(name: str) -> tuple[int, str]:
     return len(name), name
 
 
+def _backward_probe(spec: dict[str, Any]) -> Any:
+    """What a backward request is looked up by (its forward's length and ends, loss, wrt, upstream gradient, prefix
+    and names); None where it cannot be hashed (a list inside a param)."""
+    forward = spec["forward"]
+    try:
+        probe = (len(forward), forward[0] if forward else None, forward[-1] if forward else None, spec["loss"],
+                 tuple(spec["wrt"]), spec["grad_loss"], spec["prefix"], tuple(spec["names"].items()))
+        hash(probe)
+    except TypeError:
+        return None
+    return probe
+
+
 def origin(f: Any) -> Any:
     """The entry of Session.origins for frame `f`: the first frame from it outwards that is not the SDK's, as
     id(code) << 24 | offset (an int: nothing for the garbage collector to track), or (code, offset)."""
@@ -437,6 +450,15 @@ class Session:
         # backward requests that the daemon derived before (by probe: forward length, ends, loss, wrt, grad_loss,
         # prefix): a repeat is recorded into the program instead of sent on its own (see Tensor.backward)
         self._backwards_seen: dict[Any, list[tuple[list[Instr], Any]]] = {}
+        # recording backward into the step pays when the steps' programs repeat exactly (the daemon's caches then
+        # hold the whole step); a step whose numbers change (Adam's step count, a learning-rate schedule) would put
+        # the whole step through the passes and checks afresh each time, which costs more than the round trip it
+        # saves. So the programs that carry a backward are compared: after two in a row that repeat none of the last
+        # few, that graph's backward() goes on its own again (_lazy_off)
+        self.lazy_backward = True  # False: never (a session may turn it off)
+        self._lazy_programs: list[tuple[list[Instr], Any]] = []
+        self._lazy_misses: dict[Any, int] = {}  # backward probe -> programs in a row that repeated none
+        self._lazy_off: set[Any] = set()  # probes whose backward goes on its own
 
     def new_name(self) -> str:
         return f"{self._prefix}{next(self._names)}"
@@ -458,16 +480,15 @@ class Session:
         """Whether the daemon derived this backward request before (the same forward graph, loss, wrt, upstream
         gradient and names); `remember`: it just did."""
         forward = spec["forward"]
-        try:
-            probe: Any = (len(forward), forward[0] if forward else None, forward[-1] if forward else None,
-                          spec["loss"], tuple(spec["wrt"]), spec["grad_loss"], spec["prefix"],
-                          tuple(spec["names"].items()))
-            bucket = self._backwards_seen.get(probe)
-        except TypeError:  # a list inside a param: never remembered
+        probe = _backward_probe(spec)
+        if probe is None or probe in self._lazy_off:
             return False
+        bucket = self._backwards_seen.get(probe)
         for known, kinds in bucket or ():
             if same_program(forward, known, kinds):
                 return True
+        # only an exact repeat: a graph that differs from step to step (dropout's seed, names from a pool that
+        # overflows) would send the whole step through the passes afresh, which costs more than the round trip saved
         if remember:
             if sum(map(len, self._backwards_seen.values())) >= 64:
                 self._backwards_seen.clear()
@@ -638,6 +659,8 @@ class Session:
             raise DeepxError(f"cannot read tensor values over {getattr(self.transport, 'address', '?')}: deepxIR over "
                              "UDP has no way back for data; connect to a deepxd over unix:// (or embedded) to read "
                              "values")
+        if backwards:
+            self._judge_lazy(program, backwards)
         try:
             outcome = (self.transport.run(program, fetch, backwards) if backwards  # type: ignore[call-arg]
                        else self.transport.run(program, fetch))
@@ -653,6 +676,24 @@ class Session:
             if self.error is None:
                 self.error = err
         return outcome.tensors
+
+    def _judge_lazy(self, program: list[Instr], backwards: list[dict[str, Any]]) -> None:
+        """A program carrying backward instructions: does it repeat one of the last few exactly? (see _lazy_off)"""
+        probes = [p for p in map(_backward_probe, backwards) if p is not None]
+        for known, kinds in self._lazy_programs:
+            if same_program(program, known, kinds):
+                for p in probes:
+                    self._lazy_misses.pop(p, None)
+                return
+        if self._lazy_programs:
+            for p in probes:
+                misses = self._lazy_misses[p] = self._lazy_misses.get(p, 0) + 1
+                if misses >= 2:
+                    self._lazy_off.add(p)
+                    log.debug("this graph's backward() goes on its own from here: its steps do not repeat")
+        self._lazy_programs.append((program, scalar_kinds(program)))
+        if len(self._lazy_programs) > 4:
+            del self._lazy_programs[0]
 
     def _forget_unrun(self, program: list[Instr], done: int, mark: int,
                       revived: Collection[str] = frozenset()) -> None:

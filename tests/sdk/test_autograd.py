@@ -425,6 +425,7 @@ def _scheduler():
 
 
 def test_a_repeated_step_reuses_the_derived_backward(rng, monkeypatch):
+    dx.connect()  # a fresh session: the name pool as a script's is, so that the steps repeat as a script's do
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
     x = dx.tensor(rng.standard_normal((5, 6)).astype(np.float32))

@@ -244,3 +244,38 @@ def test_a_loop_over_new_batches_names_them_alike_and_records_its_backward(rng):
         Session.backward_seen = seen  # type: ignore[method-assign]
     assert recorded[-4:] == [True] * 4, recorded
     assert s is dx.session()
+
+
+def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
+    """Adam's step count changes every step, so the step's program never repeats: after two such programs the
+    graph's backward goes as its own request again (the whole step would otherwise go through the passes afresh
+    every time). The numbers are torch's throughout."""
+    dx.connect()
+    s = dx.session()
+    from deepx_sdk.optim import Adam
+
+    w0 = rng.standard_normal((4, 3))
+    w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
+    x = rng.standard_normal((5, 4))
+    dxx, tx = dx.tensor(x), torch.tensor(x)
+    opt, topt = Adam([w], lr=0.1), torch.optim.Adam([tw], lr=0.1)
+    sent: list[int] = []
+    run = s.transport.run
+    s.transport.run = lambda program, fetch, backwards=(): sent.append(len(backwards)) or run(
+        program, fetch, backwards)
+    try:
+        for _ in range(8):
+            opt.zero_grad()
+            loss = (dxx @ w).tanh().sum()
+            loss.backward()
+            opt.step()
+            topt.zero_grad()
+            tloss = (tx @ tw).tanh().sum()
+            tloss.backward()
+            topt.step()
+            assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
+    finally:
+        s.transport.run = run
+    np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
+    assert 1 in sent and s._lazy_off  # recorded for a while, then judged not to pay
+    assert sent[-3:] == [0, 0, 0]
