@@ -589,6 +589,18 @@ class Session:
             self.pool.clear()
             self.freed.clear()  # deleted already
 
+    def pooled_name(self, shape: Any, dtype: str) -> tuple[str, bool]:
+        """A name for data sent from Python (dx.tensor): a pooled one of this shape and dtype (its tensor exists;
+        the put replaces it), else a new one; and which. Never a deleted transpose's name: its deltensor may still
+        be pending behind a failed program, and would delete the data."""
+        with self._lock:
+            if self.collected:
+                self._drain_collected()
+            names = self.pool.get((shape, dtype))
+            if names:
+                return names.pop(0), True
+        return self.new_name(), False
+
     def reuse_name(self, shape: Any, dtype: str) -> str:
         """A name for a new result: a collected temporary's of the same shape and dtype when there is one."""
         collected = self.collected
@@ -744,6 +756,9 @@ class Session:
         with self._lock:
             self._flush((), raise_now=False)
             self.transport.put(name, array, heap)
+            # the tensor exists now: every name numbered so far was made or is known lost, as after a flush (so a
+            # later failed program that writes it in place does not count it among the tensors never made)
+            self._mark = next(self._names)
 
     def close(self) -> None:
         if self.closed:

@@ -1351,12 +1351,20 @@ def tensor(data: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor
     dt = precision_of(arr.dtype)
     s = session()
     # a collected tensor's name of this shape and dtype where there is one: a loop's batches then take the same
-    # names every step, and so do the programs that read them (the daemon's caches see repeats)
-    t = Tensor(s.reuse_name(arr.shape, dt), arr.shape, dt, s, requires_grad)
+    # names every step, and so do the programs that read them (the daemon's caches see repeats). Not while a call
+    # is captured (dx.compile refuses the put)
+    if s.capture is None:
+        name, pooled = s.pooled_name(arr.shape, dt)
+    else:
+        name, pooled = s.new_name(), False
+    t = Tensor(name, arr.shape, dt, s, requires_grad)
     try:
         s.put(t.name, arr)
     except BaseException:
-        s._lost.add(t.name)  # the put may have left no tensor of that name: Python must not delete it
+        if pooled:
+            t._k = None  # the pooled tensor is still there: deleted when this handle goes
+        else:
+            s._lost.add(t.name)  # no tensor of that name came to exist: Python must not delete it
         raise
     return t
 

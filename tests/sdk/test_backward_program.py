@@ -279,3 +279,52 @@ def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
     assert 1 in sent and s._lazy_off  # recorded for a while, then judged not to pay
     assert sent[-6:] == [0] * 6  # the last steps: each backward on its own
+
+
+def test_data_sent_from_python_takes_only_names_whose_tensors_exist():
+    """dx.tensor takes a pooled name (its tensor is replaced), never a deleted transpose's (whose deletion may still
+    be queued behind a failed program), and a tensor it made is not taken for one never made when a later program
+    fails; a refused put (inside dx.compile) leaves nothing behind."""
+    import gc
+
+    dx.connect()
+    s = dx.session()
+    ex = s.transport.node.worker()._actor.ex
+    w = dx.tensor(np.arange(6.0).reshape(2, 3))
+    a, idx = dx.tensor(np.arange(3.0)), dx.tensor(np.array([5]))
+    t = w.t()
+    dx.sync()
+    bad = a[idx]  # fails in the daemon at the next flush
+    del t  # its deletion is queued after the failing instruction
+    c = dx.tensor(np.ones((3, 2)))
+    with pytest.raises(DeepxError, match="out of range"):
+        dx.sync()
+    np.testing.assert_array_equal(c.numpy(), np.ones((3, 2)))
+    del bad
+    bad = a[idx]
+    c.add_(1.0)  # after the failure: never runs
+    with pytest.raises(DeepxError, match="out of range"):
+        dx.sync()
+    assert c.name not in s._lost  # it exists: deleted (or pooled) when collected, not leaked
+    name = c.name
+    del c, bad
+    gc.collect()
+    dx.sync()
+    assert name not in ex.tensors or any(name in v for v in s.pool.values())
+
+    @dx.compile
+    def f(x):  # type: ignore[no-untyped-def]
+        return x * dx.tensor(np.ones(3, np.float32))
+
+    x = dx.tensor(np.ones(3, np.float32))
+    counts = []
+    for _ in range(3):
+        tmp = x + 1.0
+        dx.sync()
+        del tmp  # a pooled name of shape (3,)
+        with pytest.raises(DeepxError, match="sends data from Python"):
+            f(x)
+        gc.collect()
+        dx.sync()
+        counts.append(len(ex.tensors))
+    assert counts[0] == counts[-1]
