@@ -758,10 +758,12 @@ def _is_step(instr: Instr, j: int) -> bool:
 
 def _outside(s: Session) -> Callable[[str], bool]:
     """Whether a name stood for a tensor Python held when the capture began: not one the session makes from here on
-    (numbered after the mark) and not one it had dropped (pooled or collected, free for reuse)."""
+    (numbered after the mark) and not one it had dropped (pooled, a deleted transpose's, or collected: free for
+    reuse)."""
     prefix = s._prefix
     mark = int(s.new_name()[len(prefix):])
-    dropped = {n for names in s.pool.values() for n in names} | {c[0] for c in list(s.collected)}
+    dropped = ({n for names in s.pool.values() for n in names} | {n for names in s.freed.values() for n in names}
+               | {c[0] for c in list(s.collected)})
 
     def outside(name: str) -> bool:
         if name in dropped:
