@@ -54,6 +54,10 @@ def _name_order(name: str) -> tuple[int, str]:
     return len(name), name
 
 
+#: how many backwards of a graph whose steps did not repeat go on their own before recording is tried again
+LAZY_RETRY = 64
+
+
 def _backward_probe(spec: dict[str, Any]) -> Any:
     """What a backward request is looked up by (its forward's length and ends, loss, wrt, upstream gradient, prefix
     and names); None where it cannot be hashed (a list inside a param)."""
@@ -454,11 +458,12 @@ class Session:
         # hold the whole step); a step whose numbers change (Adam's step count, a learning-rate schedule) would put
         # the whole step through the passes and checks afresh each time, which costs more than the round trip it
         # saves. So the programs that carry a backward are compared: after two in a row that repeat none of the last
-        # few, that graph's backward() goes on its own again (_lazy_off)
+        # few, that graph's backward() goes on its own again (_lazy_off) for the next LAZY_RETRY backwards of it,
+        # then is tried again (a learning-rate warm-up ends; the steps repeat from there)
         self.lazy_backward = True  # False: never (a session may turn it off)
         self._lazy_programs: list[tuple[list[Instr], Any]] = []
         self._lazy_misses: dict[Any, int] = {}  # backward probe -> programs in a row that repeated none
-        self._lazy_off: set[Any] = set()  # probes whose backward goes on its own
+        self._lazy_off: dict[Any, int] = {}  # probe -> how many more of its backwards go on their own
 
     def new_name(self) -> str:
         return f"{self._prefix}{next(self._names)}"
@@ -481,7 +486,15 @@ class Session:
         gradient and names); `remember`: it just did."""
         forward = spec["forward"]
         probe = _backward_probe(spec)
-        if probe is None or probe in self._lazy_off:
+        if probe is None:
+            return False
+        off = self._lazy_off.get(probe)
+        if off is not None:
+            if off > 1:
+                self._lazy_off[probe] = off - 1
+            else:
+                del self._lazy_off[probe]
+                self._lazy_misses.pop(probe, None)
             return False
         bucket = self._backwards_seen.get(probe)
         for known, kinds in bucket or ():
@@ -701,7 +714,7 @@ class Session:
             for p in probes:
                 misses = self._lazy_misses[p] = self._lazy_misses.get(p, 0) + 1
                 if misses >= 2:
-                    self._lazy_off.add(p)
+                    self._lazy_off[p] = LAZY_RETRY
                     log.debug("this graph's backward() goes on its own from here: its steps do not repeat")
         self._lazy_programs.append((program, scalar_kinds(program)))
         if len(self._lazy_programs) > 4:

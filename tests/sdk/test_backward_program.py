@@ -328,3 +328,40 @@ def test_data_sent_from_python_takes_only_names_whose_tensors_exist():
         dx.sync()
         counts.append(len(ex.tensors))
     assert counts[0] == counts[-1]
+
+
+def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
+    """A learning-rate warm-up changes the step's numbers for a while: the graph's backward goes on its own, and is
+    recorded into the step again after LAZY_RETRY backwards, once the steps repeat."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("deepx_sdk.session"), "LAZY_RETRY", 4)
+    dx.connect()
+    s = dx.session()
+    w0, x = rng.standard_normal((4, 3)), rng.standard_normal((5, 4))
+    w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
+    dxx, tx = dx.tensor(x), torch.tensor(x)
+    opt, topt = SGD([w], lr=0.1, momentum=0.9), torch.optim.SGD([tw], lr=0.1, momentum=0.9)
+    sent: list[int] = []
+    run = s.transport.run
+    s.transport.run = lambda program, fetch, backwards=(): sent.append(len(backwards)) or run(
+        program, fetch, backwards)
+    try:
+        for step in range(24):
+            lr = 0.01 * (step + 1) if step < 8 else 0.1  # warm-up, then constant
+            for o in (opt, topt):
+                o.param_groups[0]["lr"] = lr
+            opt.zero_grad()
+            loss = (dxx @ w).tanh().sum()
+            loss.backward()
+            opt.step()
+            topt.zero_grad()
+            (tx @ tw).tanh().sum().backward()
+            topt.step()
+            loss.item()
+    finally:
+        s.transport.run = run
+    np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
+    first = sent.index(1)
+    assert 0 in sent[first:-3]  # recorded, then on its own during the warm-up
+    assert sent[-3:] == [1, 1, 1]  # and recorded again once the steps repeat
