@@ -5,6 +5,9 @@ recorded one that fails raises at the next read, naming the line of its backward
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +19,19 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.optim import SGD
 from deepx_sdk.session import Session
 from tests.daemon.conftest import Daemon
+
+
+@contextlib.contextmanager
+def _backwards_sent() -> Iterator[list[int]]:
+    """Per program the session sends, how many backward instructions it carries."""
+    transport = dx.session().transport
+    run = transport.run
+    sent: list[int] = []
+    transport.run = lambda program, fetch, backwards=(): sent.append(len(backwards)) or run(program, fetch, backwards)
+    try:
+        yield sent
+    finally:
+        transport.run = run
 
 
 def _train(rng: np.random.Generator, steps: int, sent: list[tuple[int, int]]) -> tuple[list[float], list[np.ndarray]]:
@@ -182,11 +198,7 @@ def test_two_backwards_in_one_step_expand_in_order(rng):
     w, v = nn.Parameter(w0), nn.Parameter(v0)
     tw, tv = torch.tensor(w0, requires_grad=True), torch.tensor(v0, requires_grad=True)
     dxx, tx = dx.tensor(x), torch.tensor(x)
-    sent: list[int] = []
-    transport = dx.session().transport
-    run = transport.run
-    transport.run = lambda program, fetch, backwards=(): sent.append(len(backwards)) or run(program, fetch, backwards)
-    try:
+    with _backwards_sent() as sent:
         for _ in range(5):
             for p in (w, v):
                 p.grad = None
@@ -198,8 +210,6 @@ def test_two_backwards_in_one_step_expand_in_order(rng):
             ((tx @ tw) * tv).square().mean().backward()
             np.testing.assert_allclose(gw, tw.grad.numpy(), rtol=1e-10)
             np.testing.assert_allclose(gv, tv.grad.numpy(), rtol=1e-10)
-    finally:
-        transport.run = run
     assert 2 in sent  # the last steps: one program carrying both backward instructions
 
 
@@ -259,11 +269,7 @@ def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
     x = rng.standard_normal((5, 4))
     dxx, tx = dx.tensor(x), torch.tensor(x)
     opt, topt = Adam([w], lr=0.1), torch.optim.Adam([tw], lr=0.1)
-    sent: list[int] = []
-    run = s.transport.run
-    s.transport.run = lambda program, fetch, backwards=(): sent.append(len(backwards)) or run(
-        program, fetch, backwards)
-    try:
+    with _backwards_sent() as sent:
         for _ in range(12):
             opt.zero_grad()
             loss = (dxx @ w).tanh().sum()
@@ -274,8 +280,6 @@ def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
             tloss.backward()
             topt.step()
             assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
-    finally:
-        s.transport.run = run
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
     assert 1 in sent and s._lazy_off  # recorded for a while, then judged not to pay
     assert sent[-6:] == [0] * 6  # the last steps: each backward on its own
@@ -337,16 +341,11 @@ def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("deepx_sdk.session"), "LAZY_RETRY", 4)
     dx.connect()
-    s = dx.session()
     w0, x = rng.standard_normal((4, 3)), rng.standard_normal((5, 4))
     w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
     dxx, tx = dx.tensor(x), torch.tensor(x)
     opt, topt = SGD([w], lr=0.1, momentum=0.9), torch.optim.SGD([tw], lr=0.1, momentum=0.9)
-    sent: list[int] = []
-    run = s.transport.run
-    s.transport.run = lambda program, fetch, backwards=(): sent.append(len(backwards)) or run(
-        program, fetch, backwards)
-    try:
+    with _backwards_sent() as sent:
         for step in range(24):
             lr = 0.01 * (step + 1) if step < 8 else 0.1  # warm-up, then constant
             for o in (opt, topt):
@@ -359,8 +358,6 @@ def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
             (tx @ tw).tanh().sum().backward()
             topt.step()
             loss.item()
-    finally:
-        s.transport.run = run
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
     first = sent.index(1)
     assert 0 in sent[first:-3]  # recorded, then on its own during the warm-up
