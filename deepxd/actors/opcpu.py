@@ -122,6 +122,7 @@ class OpWorker(Actor):
     heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
     heapmem: ActorRef | None
     known: dict[Any, list[KnownProgram]]
+    known_size: int
     op_stats: dict[str, OpStat]
     output_log: bool
     _output: list[str]
@@ -227,6 +228,30 @@ class OpWorker(Actor):
             self.heap_held.add(name)
         view = self.heap[name] = await self.heapmem.ask("array", name=name)
         return view
+
+    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool = False,
+                  transient: set[int] | None = None) -> None:
+        """Keep a checked program with the state its check read (see KnownProgram). `heavy`: it runs on the
+        worker's thread; `transient`: the transposes that become views (none on the GPU, where they stay copies)."""
+        if not bounds or not _state_free(bounds):
+            return
+        try:
+            probe = (len(program), program[0], program[-1])
+            hash(probe)
+        except TypeError:
+            return
+        names = _touched(bounds)
+        metas, heap = self.ex.tensors.metas, self.heap
+        if sum(map(len, self.known.values())) >= self.known_size:
+            self.known.clear()
+        bucket = self.known.setdefault(probe, [])
+        if len(bucket) >= 8:
+            del bucket[0]
+        program = program if type(program) is list else list(program)
+        bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
+                                   tuple((metas.get(n), n in heap) for n in names), bounds, [], heavy,
+                                   any(b.op.name == "deltensor" for b in bounds),
+                                   transient if transient is not None else set()))
 
     def on_heap_gone(self, name: str) -> None:
         """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""
@@ -383,28 +408,6 @@ class CpuWorker(OpWorker):
             s.calls += 1
             s.seconds += t1 - t0
             s.bytes += b.nbytes
-
-    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool,
-                  transient: set[int]) -> None:
-        if not bounds or not _state_free(bounds):
-            return
-        try:
-            probe = (len(program), program[0], program[-1])
-            hash(probe)
-        except TypeError:
-            return
-        names = _touched(bounds)
-        metas, heap = self.ex.tensors.metas, self.heap
-        if sum(map(len, self.known.values())) >= self.known_size:
-            self.known.clear()
-        bucket = self.known.setdefault(probe, [])
-        if len(bucket) >= 8:
-            del bucket[0]
-        program = program if type(program) is list else list(program)
-        bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
-                                   tuple((metas.get(n), n in heap) for n in names), bounds,
-                                   [], heavy,
-                                   any(b.op.name == "deltensor" for b in bounds), transient))
 
     def _execute_known(self, known: KnownProgram, result: RunResult) -> None:
         """_execute for a known program: its instructions prepared, one clock read each, statistics after."""

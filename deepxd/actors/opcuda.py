@@ -28,11 +28,11 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.instr import Instr, scalar_kinds
+from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, Bound, ProgramError, check_program
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
-from deepxd.actors.opcpu import KnownProgram, OpStat, OpWorker, RunResult, _state_free, _touched
+from deepxd.actors.opcpu import KnownProgram, OpStat, OpWorker, RunResult
 from deepxd.kernels.cpu import dtype_name
 
 log = logging.getLogger(__name__)
@@ -233,27 +233,6 @@ class CudaWorker(OpWorker):
                     await self._forget_heap(str(b.out_names[0]))
         result.output = self._output
         return result
-
-    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound]) -> None:
-        if not bounds or not _state_free(bounds):
-            return
-        try:
-            probe = (len(program), program[0], program[-1])
-            hash(probe)
-        except TypeError:
-            return
-        names = _touched(bounds)
-        metas, heap = self.ex.tensors.metas, self.heap
-        if sum(map(len, self.known.values())) >= self.known_size:
-            self.known.clear()
-        bucket = self.known.setdefault(probe, [])
-        if len(bucket) >= 8:
-            del bucket[0]
-        program = program if type(program) is list else list(program)
-        bucket.append(KnownProgram(program=program, kinds=scalar_kinds(program), fetch=tuple(fetch), names=names,
-                                   state=tuple((metas.get(n), n in heap) for n in names), bounds=bounds, steps=[],
-                                   heavy=False, deletes=any(b.op.name == "deltensor" for b in bounds),
-                                   transient=set()))  # transposes stay copies on the GPU
 
     async def _create_heap(self, bounds: list[Bound], out: dict[int, Any]) -> tuple[str, int] | None:
         """`newtensor ... // kind=heap`: heapmem allocates it on the GPU before the program runs; it is put in
