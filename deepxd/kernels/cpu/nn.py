@@ -56,19 +56,26 @@ _ERF_MID = 4.0  # |x| above: erfc = exp(-x^2) / |x| (1/sqrt(pi) + S(1/x^2) / x^2
 _ERF_BLOCK = 1 << 15
 
 
-def _erf_small(y: np.ndarray) -> np.ndarray:
-    """erf(y) for |y| < 0.46875 (sign kept)."""
-    t = y * y
-    n = t * _ERF_A[4]
+def _rational(t: np.ndarray, num: tuple[float, ...], den: tuple[float, ...]) -> np.ndarray:
+    """Cody's ratio in t: num[k] t^k + num[0] t^(k-1) + ... + num[k-1] over t^k + den[0] t^(k-1) + ... + den[k-1]
+    (k = len(den)), by Horner in place."""
+    k = len(den)
+    n = t * num[k]
     d = t.copy()
-    for a, b in zip(_ERF_A[:3], _ERF_B[:3]):
+    for a, b in zip(num[:k - 1], den[:k - 1]):
         n += a
         n *= t
         d += b
         d *= t
-    n += _ERF_A[3]
-    d += _ERF_B[3]
+    n += num[k - 1]
+    d += den[k - 1]
     n /= d
+    return n
+
+
+def _erf_small(y: np.ndarray) -> np.ndarray:
+    """erf(y) for |y| < 0.46875 (sign kept)."""
+    n = _rational(y * y, _ERF_A, _ERF_B)
     n *= y
     return n
 
@@ -95,16 +102,7 @@ def _exp_neg_sq(v: np.ndarray, c: float | None) -> np.ndarray:
 
 def _erfc_mid(y: np.ndarray, v: np.ndarray, c: float | None) -> np.ndarray:
     """erfc(y) for 0.46875 <= y <= 4, given v with c v^2 = y^2 (v = y, c = None: erf; or for gelu v = |x|, c = 1/2)."""
-    n = y * _ERF_C[8]
-    d = y.copy()
-    for p, q in zip(_ERF_C[:7], _ERF_D[:7]):
-        n += p
-        n *= y
-        d += q
-        d *= y
-    n += _ERF_C[7]
-    d += _ERF_D[7]
-    n /= d
+    n = _rational(y, _ERF_C, _ERF_D)
     n *= _exp_neg_sq(v, c)
     return n
 
@@ -112,16 +110,7 @@ def _erfc_mid(y: np.ndarray, v: np.ndarray, c: float | None) -> np.ndarray:
 def _erfc_tail(y: np.ndarray, v: np.ndarray, c: float | None) -> np.ndarray:
     """erfc(y) for y > 4, inf (0) and nan; v and c as for _erfc_mid."""
     t = 1.0 / (y * y)
-    n = t * _ERF_P[5]
-    d = t.copy()
-    for p, q in zip(_ERF_P[:4], _ERF_Q[:4]):
-        n += p
-        n *= t
-        d += q
-        d *= t
-    n += _ERF_P[4]
-    d += _ERF_Q[4]
-    n /= d
+    n = _rational(t, _ERF_P, _ERF_Q)
     n *= t
     np.subtract(1 / math.sqrt(math.pi), n, out=n)
     n /= y
