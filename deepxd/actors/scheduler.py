@@ -269,11 +269,13 @@ class Scheduler(Actor):
         key = self._expansion_key(program, marks)
         if key is None:
             return
+        from deepxd.compiler.graphs import tensor_names
+
         names: set[str] = set()
         for m in marks.values():
             names |= _names_of(m["forward"], m["loss"], m["wrt"], m.get("grad_loss"))
-        names |= _names_of(program, "", (), None)
-        names.discard("")
+        for instr in program:
+            names.update(tensor_names(instr))
         if sum(map(len, self.expansions.values())) >= 64:
             self.expansions.clear()
         bucket = self.expansions.setdefault(key, [])
