@@ -41,6 +41,7 @@ class Config:
     fuse_min_elements: int = 0  # fuse only ops whose result has this many elements (0: measured best, docs/compiler.md)
     cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
     cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)
+    native_kernels: int = 1  # 1: op-cpu compiles some kernels with the machine's C compiler, where there is one
 
     def resolved(self) -> Config:
         """A copy with every default filled in and every value checked."""

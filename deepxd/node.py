@@ -72,6 +72,9 @@ class Node:
             if cuda is not None:
                 cuda.heapmem = self.refs["heapmem"]
         if "op-cpu" in roles:
+            from deepxd.kernels.cpu import native
+
+            native.set_enabled(bool(c.native_kernels))
             workers["op-cpu"] = self.refs["op-cpu"] = self.supervisor.start(
                 CpuWorker(heapmem=self.refs.get("heapmem") if cuda is None else None, io_roots=c.io_roots,
                           inline_elements=c.inline_elements))

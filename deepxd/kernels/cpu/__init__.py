@@ -199,9 +199,8 @@ class CpuExecutor:
                     tensors[out] = o
 
             return run_ufunc2
-        if direct is not None and kinds in ((1, 0), (1,)):
-            uf, x = direct, b.names[0]
-            v = b.args[1] if kinds == (1, 0) else 0  # relu is maximum(x, 0)
+        if direct is not None and kinds == (1, 0):
+            uf, x, v = direct, b.names[0], b.args[1]
 
             def run_ufunc_scalar() -> None:
                 o = get(out)
@@ -267,10 +266,11 @@ class CpuExecutor:
         the expression's tape called directly, on register buffers made once (the kernel's checks and allocations
         cost more than a short tape on a small tensor). None where the general kernel is needed."""
         from deepxd.kernels.cpu import fused as fused_kernels
+        from deepxd.kernels.cpu import native
 
         meta = b.outs[0]
         ins = b.names[0]
-        if (fused_kernels.backend() != "numpy" or meta is None or b.instr.meta
+        if (fused_kernels.backend() not in ("native", "numpy") or meta is None or b.instr.meta
                 or meta.dtype not in ("float32", "float64") or not isinstance(ins, list)
                 or any(m is None or m.shape != meta.shape or m.dtype != meta.dtype for m in b.args[0])):
             return None
@@ -292,6 +292,7 @@ class CpuExecutor:
         flat = len(shape) == 1
         general = KERNELS["fused"]
         expr = b.args[1]
+        compiled = native.fused if fused_kernels.backend() == "native" else None
 
         def run() -> None:
             if self.shared and out in self.shared:
@@ -300,7 +301,9 @@ class CpuExecutor:
             fresh = have is None or metas[out] != meta
             o = np.empty(shape, cdt) if fresh or have is None else have
             arrays = [tensors[x] for x in ins]
-            if all(map(_C_CONTIGUOUS, arrays)):
+            if compiled is not None and compiled(expr, arrays, o):
+                pass
+            elif all(map(_C_CONTIGUOUS, arrays)):
                 if flat:
                     tape(arrays, consts, regs, o)
                 else:  # one block: every input is read before the last step writes the output
@@ -481,7 +484,7 @@ _C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 DIRECT_UFUNCS: dict[str, np.ufunc] = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum, "min": np.minimum,
     "addscalar": np.add, "subscalar": np.subtract, "mulscalar": np.multiply, "divscalar": np.divide,
-    "maxscalar": np.maximum, "minscalar": np.minimum, "relu": np.maximum,
+    "maxscalar": np.maximum, "minscalar": np.minimum,
 }
 
 

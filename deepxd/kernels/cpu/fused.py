@@ -27,6 +27,7 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.ops import parse_fused
+from deepxd.kernels.cpu import native
 from deepxd.kernels.cpu._util import F32, F64
 
 #: elements per block of the numpy backend: a handful of float32 block buffers stay in a core's L2 cache
@@ -313,14 +314,16 @@ def evaluate_numexpr(plan: Plan, inputs: Sequence[np.ndarray], out: np.ndarray, 
 
 
 BACKENDS: dict[str, Callable[[Plan, Sequence[np.ndarray], np.ndarray, np.dtype], None]] = {
+    "native": evaluate_numpy,  # where native.fused declines
     "numpy": evaluate_numpy,
     "numexpr": evaluate_numexpr,
 }
-_backend = "numpy"
+_backend = "native"
 
 
 def set_backend(name: str) -> str:
-    """Choose the backend ("numpy" or "numexpr") for the fused kernels of this process; returns the previous one."""
+    """Choose the backend ("native", "numpy" or "numexpr") for the fused kernels of this process; returns the
+    previous one."""
     global _backend
     if name not in BACKENDS:
         raise DeepxError(f"fused: backend {name!r} is not one of {', '.join(BACKENDS)}")
@@ -333,6 +336,8 @@ def backend() -> str:
 
 
 def fused(inputs, expr, out):
+    if _backend == "native" and native.fused(expr, inputs, out):
+        return
     plan = compile_expr(expr, len(inputs))
     cdt = F64 if out.dtype == F64 else F32
     BACKENDS[_backend](plan, inputs, out, cdt)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
-from deepxd.kernels.cpu import fused
+from deepxd.kernels.cpu import fused, native
 from deepxd.kernels.cpu._util import F32, F64, LOW
 
 
@@ -17,7 +17,10 @@ def _work(a: np.ndarray) -> np.ndarray:
 
 
 def relu(a, out):
-    np.maximum(a, 0, out=out) if out.dtype not in LOW else out.__setitem__(..., np.maximum(_work(a), 0))
+    if out.dtype in LOW:
+        out[...] = np.maximum(_work(a), 0)
+    elif out.size < native.RELU_MIN or not native.relu(a, out):  # numpy's float maximum checks for NaN, slowly
+        np.maximum(a, 0, out=out)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from deepxd.kernels.cpu import native
 from deepxd.kernels.cpu._util import F32, LOW
 
 
@@ -19,6 +20,9 @@ def _store(dst: np.ndarray, value: np.ndarray) -> None:
 
 
 def sgd(param, grad, buf, lr, momentum, dampening, weight_decay, nesterov, step, param_out, buf_out):
+    if param.size >= native.UPDATE_MIN and native.sgd(param, grad, buf, lr, momentum, dampening, weight_decay,
+                                                      nesterov, step <= 1, param_out, buf_out):
+        return  # one pass, the same values as below
     if (momentum and step > 1 and not weight_decay and not nesterov and param_out is param and buf_out is buf
             and param.dtype not in LOW and grad.dtype == param.dtype and buf.dtype == param.dtype):
         # the usual step, in place (the same values as below: buf*m + (1-d)*g, then p - lr*buf), with one temporary;
@@ -46,6 +50,9 @@ def sgd(param, grad, buf, lr, momentum, dampening, weight_decay, nesterov, step,
 
 
 def _adam(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled, p_out, m_out, v_out):
+    if param.size >= native.UPDATE_MIN and native.adam(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step,
+                                                       decoupled, p_out, m_out, v_out):
+        return  # one pass, the same values as below
     p, g = _work(param), _work(grad)
     if weight_decay:
         if decoupled:

@@ -1,0 +1,611 @@
+"""Native CPU kernels: small C loops, compiled at run time by the machine's C compiler and called through ctypes.
+
+numpy runs one whole-array pass per ufunc. An update such as momentum SGD (`buf = buf*m + g; p -= lr*buf`) then
+reads and writes its tensors several times over, and `maximum(x, 0)` on float32 takes a NaN-checking loop at a
+fraction of memory speed. The loops here do each in one pass, with the same operations in the same order as the
+numpy code they replace (no fast-math, no fused multiply-add), so their results are the same bits.
+
+What is here:
+
+- a fixed library (`CORE`): relu, and the sgd, adam and adamw updates, for float32 and float64;
+- fused expressions (the `fused` op) without transcendental calls, generated per structure (the expression, the
+  compute dtype, and how each input is laid out: the output's shape, one element, or the output's trailing
+  dimensions, as a bias is). exp, log, tanh, sin, cos, tan and `**` stay on numpy's SIMD loops, which beat a scalar
+  libm call per element (docs/compiler.md has the measurement).
+
+Each source is compiled once per machine into a cache directory (`DEEPX_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/deepx/kernels`, else `~/.cache/deepx/kernels`), keyed by the source, the flags, the compiler and
+the CPU's features, and loaded from there afterwards. An expression is compiled only once it has run HOT times, so
+that one-off expressions never wait for the compiler. Where no compiler is found, or one fails, or
+`DEEPX_NATIVE_KERNELS=0` is set (the config's `native_kernels = 0`), every kernel runs on numpy as before; a
+failure is logged once.
+
+The callers check dtype, layout, sizes and overlap before calling: a C loop is handed only C-contiguous arrays of
+its dtype, of the sizes it is told, whose outputs are either one of its inputs or overlap none of them. ctypes
+releases the GIL during a call, so large arrays are split across threads.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+CTYPE = {F32: "float", F64: "double"}
+SUFFIX = {F32: "f32", F64: "f64"}
+
+#: an expression is compiled after it has run this many times on numpy
+HOT = 3
+MAX_THREADS = max(1, min(8, os.cpu_count() or 1))  # as the fused kernels' pool (deepxd/kernels/cpu/fused.py)
+#: relu runs on numpy below this many elements, where a call through ctypes costs more than the loop saves
+RELU_MIN = 1 << 15
+#: fused expressions run on numpy's tape below this many elements, where the tape costs less than the call
+FUSED_MIN = 1 << 15
+#: optimizer updates run on numpy below this many elements
+UPDATE_MIN = 1 << 15
+#: elements per thread below which a kernel runs on the calling thread alone
+THREAD_MIN = 1 << 18
+# no -ffast-math and no contraction into fused multiply-adds: IEEE results, as numpy's. -fno-math-errno and
+# -fno-trapping-math change no value (errno and floating-point exception flags only); they let selects vectorize.
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+         "-fno-strict-aliasing")
+
+_lock = threading.Lock()
+_enabled = os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+_compiler: str | bool | None = False  # False: not looked for yet; None: none found
+_march: bool | None = None  # whether -march=native works here
+_failed: set[str] = set()
+_libs: dict[str, Any] = {}
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the native kernels on or off for this process (the config's `native_kernels`); returns the old state."""
+    global _enabled
+    previous, _enabled = _enabled, bool(on)
+    return previous
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def compiler() -> str | None:
+    """The C compiler: $CC, else cc, gcc or clang on the PATH; None where there is none."""
+    global _compiler
+    if _compiler is False:
+        cc = os.environ.get("CC", "").strip()
+        found = shutil.which(cc) if cc else None
+        for name in ("cc", "gcc", "clang"):
+            if found:
+                break
+            found = shutil.which(name)
+        _compiler = found
+        if found is None:
+            log.info("native kernels: no C compiler (cc, gcc, clang) found; the CPU kernels run on numpy")
+    return _compiler if isinstance(_compiler, str) else None
+
+
+def available() -> bool:
+    """Whether native kernels may be used: enabled, and a compiler exists."""
+    return _enabled and compiler() is not None
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept, made on first use; a temporary directory when the usual one cannot be
+    written."""
+    env = os.environ.get("DEEPX_KERNEL_CACHE")
+    if env:
+        base = Path(env)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = (Path(xdg) if xdg else Path.home() / ".cache") / "deepx" / "kernels"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"deepx-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _flags(cc: str) -> tuple[str, ...]:
+    """FLAGS, with -march=native where the compiler takes it (the cache key carries the CPU's features)."""
+    global _march
+    if _march is None:
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d) / "probe.c"
+            src.write_text("int deepx_probe(void) { return 1; }\n")
+            try:
+                r = subprocess.run([cc, *FLAGS, "-march=native", str(src), "-o", str(Path(d) / "probe.so")],
+                                   capture_output=True, timeout=60)
+                _march = r.returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                _march = False
+    return (*FLAGS, "-march=native") if _march else FLAGS
+
+
+def load(source: str) -> Any:
+    """The library compiled from `source` (a ctypes.CDLL), compiled on first use and cached; None when it cannot be
+    had (no compiler, or the compiler failed: logged once per source)."""
+    if not available():
+        return None
+    lib = _libs.get(source)
+    if lib is not None:
+        return lib
+    with _lock:
+        lib = _libs.get(source)
+        if lib is not None or source in _failed:
+            return lib
+        cc = compiler()
+        assert cc is not None
+        flags = _flags(cc)
+        key = hashlib.sha256("\0".join([source, " ".join(flags), _version(cc), _cpu_features(),
+                                        platform.machine()]).encode()).hexdigest()[:32]
+        target = cache_dir() / f"deepx_{key}.so"
+        try:
+            if not target.exists():
+                with tempfile.TemporaryDirectory(dir=target.parent) as d:
+                    src = Path(d) / "kernel.c"
+                    src.write_text(source)
+                    built = Path(d) / target.name
+                    r = subprocess.run([cc, *flags, str(src), "-o", str(built), "-lm"], capture_output=True,
+                                       text=True, timeout=120)
+                    if r.returncode != 0:
+                        raise OSError(f"{cc} exited with {r.returncode}: {r.stderr.strip()[-2000:]}")
+                    os.replace(built, target)  # atomic: another process sees the whole library or none
+            lib = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as e:
+            _failed.add(source)
+            log.warning("native kernels: compiling a kernel failed (%s); it runs on numpy", e)
+            return None
+        _libs[source] = lib
+        return lib
+
+
+# ------------------------------------------------------------------ the fixed library
+
+CORE = r"""
+#include <math.h>
+#include <string.h>
+/* Loops that write an output which may be one of their inputs compute a block into locals first, then copy it out:
+   the compiler then knows that no store changes a later load, and vectorizes. */
+#define BLK 512
+#define RELU(T, S) \
+void relu_##S(long n, const T *x, T *o) { \
+    for (long i = 0; i < n; i++) { T v = x[i]; o[i] = v != v ? v : (v > 0 ? v : (T)0); } \
+}
+/* p - lr*g after optional weight decay (g + wd*p) and momentum (buf*m + keep*g, or g on the first step; nesterov:
+   g + m*buf), the order of deepxd/kernels/cpu/optim.py's numpy code */
+#define SGD(T, S) \
+void sgd_##S(long n, const T *p, const T *g, const T *b, T *po, T *bo, T lr, T m, T keep, T wd, int decay, \
+             int momentum, int first, int nesterov, int damp) { \
+    T tp[BLK], tb[BLK]; \
+    int plain = momentum && !first && !decay && !nesterov && !damp; \
+    for (long s = 0; s < n; s += BLK) { \
+        long k = n - s < BLK ? n - s : BLK; \
+        const T *ps = p + s, *gs = g + s, *bs = b + s; \
+        if (plain) { \
+            for (long i = 0; i < k; i++) { T bi = bs[i] * m + gs[i]; tb[i] = bi; tp[i] = ps[i] - lr * bi; } \
+        } else { \
+            for (long i = 0; i < k; i++) { \
+                T gi = gs[i]; \
+                if (decay) gi = gi + wd * ps[i]; \
+                if (momentum) { \
+                    T bi = first ? gi : (damp ? bs[i] * m + keep * gi : bs[i] * m + gi); \
+                    tb[i] = bi; \
+                    gi = nesterov ? gi + m * bi : bi; \
+                } \
+                tp[i] = ps[i] - lr * gi; \
+            } \
+        } \
+        if (momentum) memcpy(bo + s, tb, k * sizeof(T)); \
+        memcpy(po + s, tp, k * sizeof(T)); \
+    } \
+}
+/* adam (decoupled 0) and adamw (1), as optim.py's _adam: m*b1 + (1-b1)*g, v*b2 + (1-b2)*(g*g),
+   p - step * m / (sqrt(v) / bc2s + eps) */
+#define ADAM(T, S, SQRT) \
+void adam_##S(long n, const T *p, const T *g, const T *m, const T *v, T *po, T *mo, T *vo, T b1, T c1, T b2, \
+              T c2, T eps, T wd, T shrink, T step, T bc2s, int decay, int decoupled) { \
+    T tp[BLK], tm[BLK], tv[BLK]; \
+    for (long s = 0; s < n; s += BLK) { \
+        long k = n - s < BLK ? n - s : BLK; \
+        const T *ps = p + s, *gs = g + s, *ms = m + s, *vs = v + s; \
+        for (long i = 0; i < k; i++) { \
+            T pi = ps[i], gi = gs[i]; \
+            if (decay) { if (decoupled) pi = pi * shrink; else gi = gi + wd * pi; } \
+            T mi = ms[i] * b1 + c1 * gi; \
+            T vi = vs[i] * b2 + c2 * (gi * gi); \
+            T d = SQRT(vi) / bc2s + eps; \
+            tm[i] = mi; tv[i] = vi; \
+            tp[i] = pi - step * mi / d; \
+        } \
+        memcpy(mo + s, tm, k * sizeof(T)); \
+        memcpy(vo + s, tv, k * sizeof(T)); \
+        memcpy(po + s, tp, k * sizeof(T)); \
+    } \
+}
+RELU(float, f32) RELU(double, f64)
+SGD(float, f32) SGD(double, f64)
+ADAM(float, f32, sqrtf) ADAM(double, f64, sqrt)
+"""
+
+_PTR = ctypes.c_void_p
+_LONG = ctypes.c_long
+_INT = ctypes.c_int
+_core_fns: dict[str, Any] | None = None
+
+
+def _core() -> dict[str, Any] | None:
+    global _core_fns
+    if _core_fns is not None:
+        return _core_fns
+    lib = load(CORE)
+    if lib is None:
+        return None
+    fns = {}
+    for dt, s in SUFFIX.items():
+        real = ctypes.c_float if dt == F32 else ctypes.c_double
+        f = getattr(lib, f"relu_{s}")
+        f.argtypes, f.restype = [_LONG, _PTR, _PTR], None
+        fns[f"relu_{s}"] = f
+        f = getattr(lib, f"sgd_{s}")
+        f.argtypes, f.restype = [_LONG, *[_PTR] * 5, *[real] * 4, *[_INT] * 5], None
+        fns[f"sgd_{s}"] = f
+        f = getattr(lib, f"adam_{s}")
+        f.argtypes, f.restype = [_LONG, *[_PTR] * 7, *[real] * 9, _INT, _INT], None
+        fns[f"adam_{s}"] = f
+    _core_fns = fns
+    return fns
+
+
+_CHAR = ctypes.c_char
+_addressof = ctypes.addressof
+
+
+def _address(a: np.ndarray) -> int:
+    """Where a's data starts (a writable buffer's through ctypes: a fourth of __array_interface__'s cost)."""
+    try:
+        return _addressof(_CHAR.from_buffer(a))  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # read-only, or empty
+        return a.__array_interface__["data"][0]
+
+
+def fits(arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray], dt: np.dtype, n: int) -> list[int] | None:
+    """The addresses of the arrays then the outputs, where a C loop over n elements may take them: all
+    C-contiguous of dtype `dt` and n elements, and each output either one of the inputs (the same buffer: an update
+    in place) or apart from every input and every other output. None where it may not."""
+    for a in (*arrays, *outs):
+        if a.dtype != dt or a.size != n or not a.flags.c_contiguous:
+            return None
+    size = n * dt.itemsize
+    where = [_address(a) for a in arrays]
+    for o in outs:
+        lo = _address(o)
+        if lo in where[len(arrays):]:
+            return None  # two outputs in one buffer
+        if lo not in where[: len(arrays)]:
+            for other in where:
+                if other < lo + size and lo < other + size:
+                    return None
+        where.append(lo)
+    return where
+
+
+def _parts(n: int) -> int:
+    """How many threads share a loop over n elements."""
+    return max(1, min(MAX_THREADS, n // THREAD_MIN))
+
+
+def _pieces(n: int) -> list[tuple[int, int]]:
+    parts = _parts(n)
+    edges = [n * k // parts for k in range(parts + 1)]
+    return [(edges[k], edges[k + 1]) for k in range(parts) if edges[k + 1] > edges[k]]
+
+
+def _split_call(fn: Callable[..., None], n: int, base: Sequence[int], rest: Sequence[Any], itemsize: int) -> None:
+    """fn(count, *pointers, *rest) over n elements, in pieces on the fused kernels' threads when n is large."""
+    pieces = _pieces(n)
+    if len(pieces) == 1:
+        fn(n, *base, *rest)
+        return
+    from deepxd.kernels.cpu.fused import _threads
+
+    futures = [_threads().submit(fn, hi - lo, *[b + lo * itemsize for b in base], *rest) for lo, hi in pieces[1:]]
+    lo, hi = pieces[0]
+    fn(hi - lo, *base, *rest)
+    for f in futures:
+        f.result()
+
+
+def relu(a: np.ndarray, out: np.ndarray) -> bool:
+    """out = maximum(a, 0) (NaN kept) in one pass; False where the caller must use numpy."""
+    dt = out.dtype
+    if dt not in SUFFIX or not _enabled:
+        return False
+    fns = _core()
+    where = fits((a,), (out,), dt, out.size) if fns is not None else None
+    if fns is None or where is None:
+        return False
+    _split_call(fns[f"relu_{SUFFIX[dt]}"], out.size, where, (), dt.itemsize)
+    return True
+
+
+def sgd(param: np.ndarray, grad: np.ndarray, buf: np.ndarray, lr: float, momentum: float, dampening: float,
+        weight_decay: float, nesterov: bool, first: bool, param_out: np.ndarray, buf_out: np.ndarray) -> bool:
+    """One SGD update in one pass (optim.sgd's formula); False where the caller must use numpy."""
+    dt = param.dtype
+    if dt not in SUFFIX or not _enabled:
+        return False
+    fns = _core()
+    n = param.size
+    if fns is None:
+        return False
+    if momentum:
+        where = fits((param, grad, buf), (param_out, buf_out), dt, n)
+    else:
+        where = fits((param, grad), (param_out,), dt, n)
+        if where is not None:  # buf is neither read nor written: the param's address stands in for it
+            where = [where[0], where[1], where[0], where[2], where[2]]
+    if where is None:
+        return False
+    real = dt.type
+    args = (real(lr), real(momentum), real(1 - dampening), real(weight_decay), int(bool(weight_decay)),
+            int(bool(momentum)), int(first), int(bool(nesterov)), int(dampening != 0))
+    _split_call(fns[f"sgd_{SUFFIX[dt]}"], n, where, args, dt.itemsize)
+    return True
+
+
+def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: float, beta1: float, beta2: float,
+         eps: float, weight_decay: float, step: int, decoupled: bool, p_out: np.ndarray, m_out: np.ndarray,
+         v_out: np.ndarray) -> bool:
+    """One Adam or AdamW update in one pass (optim._adam's formula); False where the caller must use numpy."""
+    import math
+
+    dt = param.dtype
+    if dt not in SUFFIX or not _enabled:
+        return False
+    fns = _core()
+    where = fits((param, grad, m, v), (p_out, m_out, v_out), dt, param.size) if fns is not None else None
+    if fns is None or where is None:
+        return False
+    real = dt.type
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    args = (real(beta1), real(1 - beta1), real(beta2), real(1 - beta2), real(eps), real(weight_decay),
+            real(1 - lr * weight_decay), real(lr / bc1), real(math.sqrt(bc2)), int(bool(weight_decay)),
+            int(bool(decoupled)))
+    _split_call(fns[f"adam_{SUFFIX[dt]}"], param.size, where, args, dt.itemsize)
+    return True
+
+
+# ------------------------------------------------------------------ fused expressions
+
+#: the calls a generated kernel makes itself; the others (exp, log, ...) keep the expression on numpy
+_C_CALLS = {"sqrt": "sqrt", "abs": "fabs", "maximum": "deepx_max", "minimum": "deepx_min"}
+_C_BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+_C_COMPARE = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
+
+#: input layouts: the output's shape, one element, or the output's trailing dimensions (a row repeated)
+FULL, SCALAR, ROW = 0, 1, 2
+
+_seen: dict[tuple[str, int, str, tuple[int, ...]], int] = {}
+_fused_fns: dict[tuple[str, int, str, tuple[int, ...]], Any] = {}
+
+
+def _literal(value: float, ctype: str) -> str:
+    if value != value:
+        return f"(({ctype})NAN)"
+    if value in (float("inf"), float("-inf")):
+        return f"(({ctype})({'-' if value < 0 else ''}INFINITY))"
+    return f"(({ctype}){float(value).hex()})"
+
+
+def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> str | None:
+    """C source of `void fused(long rows, long cols, const T **in, T *out)` for a checked expression, or None when
+    it calls what numpy does better. Inputs of layout FULL are read at [r*cols + j], ROW at [j], SCALAR at [0]."""
+    lines: list[str] = []
+    ids: dict[str, str] = {}
+    math_suffix = "f" if ctype == "float" else ""
+
+    def visit(node: ast.expr) -> str | None:
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd):
+            return visit(node.operand)
+        key = ast.dump(node)
+        if key in ids:
+            return ids[key]
+        if isinstance(node, ast.Name):
+            k = int(node.id[2:])
+            text = f"s{k}" if layouts[k] == SCALAR else f"in{k}[{'j' if layouts[k] == ROW else 'i'}]"
+        elif isinstance(node, ast.Constant):
+            try:
+                text = _literal(float(node.value), ctype)  # type: ignore[arg-type]
+            except OverflowError:
+                return None
+        elif isinstance(node, ast.BinOp):
+            op = _C_BINARY.get(type(node.op))
+            left, right = visit(node.left), visit(node.right)
+            if op is None or left is None or right is None:
+                return None
+            text = f"{left} {op} {right}"
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            inner = visit(node.operand)
+            if inner is None:
+                return None
+            text = f"-{inner}"
+        elif isinstance(node, ast.Compare):
+            left, right = visit(node.left), visit(node.comparators[0])
+            if left is None or right is None:
+                return None
+            text = f"({ctype})({left} {_C_COMPARE[type(node.ops[0])]} {right})"
+        elif isinstance(node, ast.Call):
+            assert isinstance(node.func, ast.Name)
+            fn = _C_CALLS.get(node.func.id)
+            args = [visit(a) for a in node.args]
+            if fn is None or any(a is None for a in args):
+                return None
+            if fn in ("sqrt", "fabs"):
+                fn += math_suffix
+            text = f"{fn}({', '.join(args)})"  # type: ignore[arg-type]
+        else:
+            return None
+        name = f"t{len(ids)}"
+        lines.append(f"                {ctype} {name} = {text};")
+        ids[key] = name
+        return name
+
+    root = visit(tree.body)
+    if root is None:
+        return None
+    T = ctype
+    scalars = "".join(f"    const {T} s{k} = in[{k}][0];\n" for k, lay in enumerate(layouts) if lay == SCALAR)
+    pointers = "".join(f"    const {T} *in{k} = in[{k}];\n" for k, lay in enumerate(layouts) if lay != SCALAR)
+    body = "\n".join(lines)
+    return f"""#include <math.h>
+#include <string.h>
+static inline {T} deepx_max({T} a, {T} b) {{ return a != a ? a : (b != b ? b : (a > b ? a : b)); }}
+static inline {T} deepx_min({T} a, {T} b) {{ return a != a ? a : (b != b ? b : (a < b ? a : b)); }}
+void fused(long rows, long cols, const {T} **in, {T} *out) {{
+{scalars}{pointers}    {T} block[512];
+    for (long r = 0; r < rows; r++) {{
+        for (long j0 = 0; j0 < cols; j0 += 512) {{
+            long k = cols - j0 < 512 ? cols - j0 : 512;
+            for (long j = j0; j < j0 + k; j++) {{
+                long i = r * cols + j;
+{body}
+                block[j - j0] = {root};
+            }}
+            memcpy(out + r * cols + j0, block, k * sizeof({T}));
+        }}
+    }}
+}}
+"""
+
+
+def _layout(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(layout, row length) of input `a` against output shape, or None when a C loop cannot read it."""
+    if not a.flags.c_contiguous:
+        return None
+    if a.size == 1:
+        return SCALAR, 0
+    if a.shape == shape:
+        return FULL, 0
+    ashape = a.shape
+    while ashape and ashape[0] == 1:  # (1, k) against (..., k)
+        ashape = ashape[1:]
+    if ashape and len(ashape) <= len(shape) and ashape == shape[len(shape) - len(ashape):]:
+        return ROW, a.size
+    return None
+
+
+def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
+    """out = expr over inputs by a generated C loop; False where the caller must use numpy (not float32/float64 of
+    one dtype, a layout it cannot read, an overlap, an expression numpy does better, or not yet HOT)."""
+    dt = out.dtype
+    n = out.size
+    if n < FUSED_MIN or dt not in CTYPE or not _enabled or not out.flags.c_contiguous:
+        return False
+    shape = out.shape
+    layouts: list[int] = []
+    cols = 0
+    for a in inputs:
+        if a.dtype != dt:
+            return False
+        found = _layout(a, shape)
+        if found is None:
+            return False
+        layouts.append(found[0])
+        if found[0] == ROW:
+            if cols and found[1] != cols:
+                return False
+            cols = found[1]
+    key = (expr, len(inputs), CTYPE[dt], tuple(layouts))
+    fn = _fused_fns.get(key)
+    if fn is None:
+        seen = _seen.get(key, 0) + 1
+        if seen < HOT:
+            if len(_seen) >= 4096:
+                _seen.clear()
+            _seen[key] = seen
+            return False
+        fn = _build_fused(key)
+    if fn is False:
+        return False
+    # an output that shares memory with an input must be that input, read at the same index (FULL)
+    lo = _address(out)
+    hi = lo + out.nbytes
+    where = [_address(a) for a in inputs]
+    for a, at, layout in zip(inputs, where, layouts):
+        if at < hi and lo < at + a.nbytes and not (layout == FULL and at == lo):
+            return False
+    cols = cols or n
+    rows = n // cols
+    parts = min(_parts(n), rows)
+    if parts < 2:
+        fn(rows, cols, (ctypes.c_void_p * len(where))(*where), lo)
+        return True
+    from deepxd.kernels.cpu.fused import _threads
+
+    edges = [rows * k // parts for k in range(parts + 1)]
+    step = cols * dt.itemsize
+
+    def piece(r0: int, r1: int) -> None:
+        moved = [at + r0 * step if lay == FULL else at for at, lay in zip(where, layouts)]
+        fn(r1 - r0, cols, (ctypes.c_void_p * len(moved))(*moved), lo + r0 * step)
+
+    futures = [_threads().submit(piece, edges[k], edges[k + 1]) for k in range(1, parts)]
+    piece(edges[0], edges[1])
+    for f in futures:
+        f.result()
+    return True
+
+
+def _build_fused(key: tuple[str, int, str, tuple[int, ...]]) -> Any:
+    """The compiled kernel of key, or False (kept, so that it is not tried again) when it has none."""
+    from deepx_sdk.ir.ops import parse_fused
+
+    expr, n_inputs, ctype, layouts = key
+    source = fused_source(parse_fused(expr, n_inputs), ctype, layouts)
+    lib = load(source) if source is not None else None
+    if lib is None:
+        if len(_fused_fns) >= 4096:
+            _fused_fns.clear()
+        _fused_fns[key] = False
+        return False
+    fn = lib.fused
+    fn.argtypes, fn.restype = [_LONG, _LONG, ctypes.POINTER(ctypes.c_void_p), _PTR], None
+    _fused_fns[key] = fn
+    return fn

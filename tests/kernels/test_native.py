@@ -1,0 +1,262 @@
+"""Native CPU kernels (deepxd/kernels/cpu/native.py): C loops compiled at run time give numpy's values bit for bit
+(signed zeros, inf and NaN included), decline what they cannot take, and are never needed: without a compiler, or
+with one that fails, every kernel runs on numpy."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from deepx_sdk.ir.ops import parse_fused
+from deepxd.kernels.cpu import fused, native, nn, optim
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler (cc, gcc, clang) on this machine: "
+                                "the native kernels are off and numpy runs every kernel (the fallback test in "
+                                "test_without_a_compiler_everything_runs_on_numpy covers that)")
+
+SPECIAL = [-0.0, 0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3.0, -3.0]
+SIZES = [native.RELU_MIN, native.RELU_MIN + 37, 2 * native.THREAD_MIN + 5]  # the last splits across threads
+
+
+def same(a: np.ndarray, b: np.ndarray) -> None:
+    """Equal values, NaN where NaN, and the same sign bits (so -0.0 differs from 0.0)."""
+    np.testing.assert_array_equal(a, b)
+    assert np.array_equal(np.signbit(a), np.signbit(b))
+
+
+def _data(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
+    a = rng.standard_normal(n).astype(dtype)
+    a[: len(SPECIAL)] = SPECIAL
+    return a
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", SIZES)
+def test_relu_matches_numpy(dtype, n):
+    rng = np.random.default_rng(n)
+    x = _data(rng, n, dtype)
+    out = np.empty_like(x)
+    assert native.relu(x, out)
+    same(out, np.maximum(x, 0))
+    nn.relu(x, x)  # in place: the kernel's way through nn.relu
+    same(x, out)
+
+
+def test_relu_declines_what_it_cannot_take():
+    x = np.ones((native.RELU_MIN, 2), np.float32)
+    assert not native.relu(x[:, 0], np.empty(native.RELU_MIN, np.float32))  # strided
+    assert not native.relu(x.reshape(-1), np.empty(2 * native.RELU_MIN, np.float64))  # another dtype
+    assert not native.relu(x.reshape(-1).astype(np.float16), np.empty(2 * native.RELU_MIN, np.float16))
+    buf = np.zeros(native.RELU_MIN + 1, np.float32)
+    assert not native.relu(buf[1:], buf[:-1])  # overlapping at another offset: each element would read a written one
+
+
+def _sgd(native_on: bool, p, g, b, *args):
+    p, b = p.copy(), b.copy()
+    previous = native.set_enabled(native_on)
+    try:
+        optim.sgd(p, g, b, *args, p, b)
+    finally:
+        native.set_enabled(previous)
+    return p, b
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("momentum,dampening,weight_decay,nesterov",
+                         [(0.9, 0.0, 0.0, False), (0.9, 0.1, 0.0, False), (0.9, 0.0, 0.01, True),
+                          (0.0, 0.0, 0.1, False), (0.5, 0.5, 0.02, False), (0.0, 0.0, 0.0, False)])
+@pytest.mark.parametrize("step", [1, 4])
+def test_sgd_matches_numpy(dtype, momentum, dampening, weight_decay, nesterov, step):
+    rng = np.random.default_rng(7)
+    n = native.UPDATE_MIN + 11
+    p, g, b = (_data(rng, n, dtype) for _ in range(3))
+    args = (0.01, momentum, dampening, weight_decay, nesterov, step)
+    want = _sgd(False, p, g, b, *args)
+    got = _sgd(True, p, g, b, *args)
+    same(got[0], want[0])
+    same(got[1], want[1])
+    # the call went native: the numpy path is not what ran
+    q, c = p.copy(), b.copy()
+    assert native.sgd(q, g, c, 0.01, momentum, dampening, weight_decay, nesterov, step <= 1, q, c)
+    same(q, want[0])
+
+
+def test_sgd_into_other_outputs_and_across_threads():
+    """Outputs apart from the inputs (not in place), and an update large enough to run on several threads."""
+    rng = np.random.default_rng(8)
+    n = 2 * native.THREAD_MIN + 3
+    p, g, b = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    po, bo = np.empty_like(p), np.empty_like(b)
+    assert native.sgd(p, g, b, 0.1, 0.9, 0.0, 0.0, False, False, po, bo)
+    want_b = b * np.float32(0.9) + g
+    same(bo, want_b)
+    same(po, p - np.float32(0.1) * want_b)
+    # one output buffer given twice is refused
+    assert not native.sgd(p, g, b, 0.1, 0.9, 0.0, 0.0, False, False, po, po)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("weight_decay,decoupled", [(0.0, False), (0.01, False), (0.01, True)])
+def test_adam_matches_numpy(dtype, weight_decay, decoupled):
+    rng = np.random.default_rng(9)
+    n = native.UPDATE_MIN + 5
+    p, g, m = (_data(rng, n, dtype) for _ in range(3))
+    v = np.abs(_data(rng, n, dtype))
+    results = []
+    for on in (False, True):
+        state = [p.copy(), m.copy(), v.copy()]
+        previous = native.set_enabled(on)
+        try:
+            optim._adam(state[0], g, state[1], state[2], 1e-3, 0.9, 0.999, 1e-8, weight_decay, 7, decoupled, *state)
+        finally:
+            native.set_enabled(previous)
+        results.append(state)
+    for a, b in zip(*results):
+        same(b, a)
+
+
+EXPRESSIONS = ["in0 * (in1 > 0)", "maximum(in0 + in1, 0)", "minimum(in0, in1) - -in0",
+               "in0 * 2.5 - abs(in1) / sqrt(in0 * in0 + 1)", "(in0 != in1) + in0 / 3", "maximum(in1, in0) * 1e300"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("expr", EXPRESSIONS)
+@pytest.mark.parametrize("layout", ["full", "row", "scalar", "leading-one"])
+def test_fused_matches_the_numpy_tape(dtype, expr, layout):
+    rng = np.random.default_rng(10)
+    a = rng.standard_normal((96, 512)).astype(dtype)
+    b = rng.standard_normal((96, 512)).astype(dtype)
+    a[0, : len(SPECIAL)] = SPECIAL
+    b[0, : len(SPECIAL)] = SPECIAL[::-1]
+    b = {"full": b, "row": b[0].copy(), "scalar": b[0, :1].copy(), "leading-one": b[:1].copy()}[layout]
+    previous = fused.set_backend("numpy")
+    try:
+        want = np.empty_like(a)
+        fused.fused([a, b], expr, want)
+    finally:
+        fused.set_backend(previous)
+    for _ in range(native.HOT + 1):
+        got = np.empty_like(a)
+        fused.fused([a, b], expr, got)
+    lay = {"full": native.FULL, "row": native.ROW, "scalar": native.SCALAR, "leading-one": native.ROW}[layout]
+    assert native._fused_fns.get((expr, 2, native.CTYPE[np.dtype(dtype)], (native.FULL, lay))), \
+        "the expression was not compiled"
+    same(got, want)
+
+
+def test_fused_in_place_and_threads():
+    """The output is one of the inputs (read at the same index), and a large tensor splits its rows across threads."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((2048, 300)).astype(np.float32)
+    bias = rng.standard_normal(300).astype(np.float32)
+    want = np.maximum(a + bias, np.float32(0))
+    for _ in range(native.HOT):
+        x = a.copy()
+        fused.fused([x, bias], "maximum(in0 + in1, 0)", x)
+    same(x, want)
+
+
+def test_fused_declines_what_numpy_does_better_or_cannot_be_read():
+    assert native.fused_source(parse_fused("exp(in0) + 1", 1), "float", (native.FULL,)) is None
+    assert native.fused_source(parse_fused("in0 ** 2", 1), "float", (native.FULL,)) is None
+    a = np.ones((128, 512), np.float32)
+    for _ in range(native.HOT + 1):
+        assert not native.fused("in0 + in1", [a, a[:, :1].copy()], np.empty_like(a))  # a column: not a row layout
+        assert not native.fused("in0 + in1", [a, a.astype(np.float64)], np.empty_like(a))  # two dtypes
+        assert not native.fused("in0 + in1", [a.T, a.T], np.empty((512, 128), np.float32))  # strided
+    buf = np.zeros(a.size + 1, np.float32)
+    for _ in range(native.HOT + 1):
+        assert not native.fused("in0 + 1", [buf[1:]], buf[:-1])  # overlaps at another offset
+
+
+def test_literals_are_exact():
+    """Constants go into the C source as hex floats (and inf/nan by name), so the compiler rounds nothing."""
+    for value in (0.1, -2.5e-300, 1e308, float("inf"), float("-inf"), float("nan")):
+        text = native._literal(value, "double")
+        if np.isfinite(value):
+            assert float.fromhex(text.split(")", 1)[1][:-1]) == value
+        else:
+            assert ("NAN" if np.isnan(value) else "INFINITY") in text
+
+
+def _script(body: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+CHECK = """
+    import logging
+    import numpy as np
+    from deepxd.kernels.cpu import fused, native, nn, optim
+    logging.basicConfig(level=logging.INFO)
+    n = native.RELU_MIN * 2
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    out = np.empty_like(x)
+    nn.relu(x, out)
+    assert np.array_equal(out, np.maximum(x, 0))
+    p, g, b = x.copy(), x * 2, x * 3
+    optim.sgd(p, g, b, 0.1, 0.9, 0.0, 0.0, False, 3, p, b)
+    assert np.array_equal(b, x * 3 * np.float32(0.9) + x * 2)
+    for _ in range(native.HOT + 1):
+        fused.fused([x, x], "maximum(in0 * in1, 1)", out)
+    assert np.array_equal(out, np.maximum(x * x, 1))
+    print("available", native.available(), "compiled", sum(1 for f in native._fused_fns.values() if f))
+"""
+
+
+def test_without_a_compiler_everything_runs_on_numpy(tmp_path):
+    r = _script(CHECK, {"CC": "", "PATH": str(tmp_path), "DEEPX_KERNEL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    assert "available False compiled 0" in r.stdout
+    assert "no C compiler" in r.stderr
+    assert not list((tmp_path / "cache").glob("*.so")) if (tmp_path / "cache").exists() else True
+
+
+def test_a_failing_compiler_is_logged_once_and_numpy_runs(tmp_path):
+    broken = tmp_path / "brokencc"
+    broken.write_text("#!/bin/sh\necho 'this compiler is broken' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    r = _script(CHECK, {"CC": str(broken), "DEEPX_KERNEL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    assert "compiled 0" in r.stdout
+    assert "this compiler is broken" in r.stderr
+    assert r.stderr.count("compiling a kernel failed") == 2  # the core library and the one expression, once each
+
+
+def test_compiled_once_then_loaded_from_the_cache(tmp_path):
+    env = {"DEEPX_KERNEL_CACHE": str(tmp_path)}
+    first = _script(CHECK, env)
+    assert first.returncode == 0, first.stderr
+    assert "available True compiled 1" in first.stdout
+    made = sorted(p.name for p in tmp_path.glob("*.so"))
+    assert len(made) == 2  # the core library and the expression
+    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.so")}
+    second = _script(CHECK, env)
+    assert second.returncode == 0, second.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.so")} == stamps  # nothing rebuilt
+
+
+def test_switched_off_by_the_environment(tmp_path):
+    r = _script(CHECK, {"DEEPX_NATIVE_KERNELS": "0", "DEEPX_KERNEL_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "available False compiled 0" in r.stdout
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_fits_checks_every_array():
+    a = np.zeros(64, np.float32)
+    b = np.zeros(64, np.float32)
+    assert native.fits((a,), (a,), a.dtype, 64) is not None  # in place
+    assert native.fits((a,), (b,), a.dtype, 64) is not None  # apart
+    assert native.fits((a, b), (a, a), a.dtype, 64) is None  # one buffer written twice
+    assert native.fits((a,), (b,), a.dtype, 65) is None  # a size it was not told
+    assert native.fits((a,), (b.astype(np.float64),), a.dtype, 64) is None
+    assert native.fits((a[::2],), (b[:32],), a.dtype, 32) is None
+    for x, y in itertools.permutations([a[:32], a[16:48]]):
+        assert native.fits((x,), (y,), a.dtype, 32) is None
