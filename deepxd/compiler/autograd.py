@@ -658,8 +658,8 @@ def _maxminscalar(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("relu")
 def _relu(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g where A > 0, else 0"""
-    return {0: _masked(gr, g, gr.x(0), ">", 0.0)}
+    """dA = g where y > 0, else 0 (the same mask as A > 0; reading the output, as torch does, lets A go)"""
+    return {0: _masked(gr, g, gr.y(), ">", 0.0)}
 
 
 @rule("neg")
