@@ -571,23 +571,34 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
     for a, at, layout in zip(inputs, where, layouts):
         if at < hi and lo < at + a.nbytes and not (layout == FULL and at == lo):
             return False
-    cols = cols or n
-    rows = n // cols
-    parts = min(_parts(n), rows)
-    if parts < 2:
-        fn(rows, cols, (ctypes.c_void_p * len(where))(*where), lo)
-        return True
+    item = dt.itemsize
+    if not cols:  # every input the output's shape or one element: one flat row, split into ranges across threads
+        pieces = _pieces(n)
+        if len(pieces) == 1:
+            fn(1, n, (ctypes.c_void_p * len(where))(*where), lo)
+            return True
+        starts = [(p0, p1 - p0) for p0, p1 in pieces]
+        row = 1
+    else:  # split the rows
+        rows = n // cols
+        parts = min(_parts(n), rows)
+        if parts < 2:
+            fn(rows, cols, (ctypes.c_void_p * len(where))(*where), lo)
+            return True
+        edges = [rows * k // parts for k in range(parts + 1)]
+        starts = [(edges[k] * cols, (edges[k + 1] - edges[k])) for k in range(parts)]
+        row = cols
     from deepxd.kernels.cpu.fused import _threads
 
-    edges = [rows * k // parts for k in range(parts + 1)]
-    step = cols * dt.itemsize
+    def piece(start: int, count: int) -> None:  # count rows of `row` elements from element `start`
+        moved = [at + start * item if layout == FULL else at for at, layout in zip(where, layouts)]
+        if row == 1:
+            fn(1, count, (ctypes.c_void_p * len(moved))(*moved), lo + start * item)
+        else:
+            fn(count, row, (ctypes.c_void_p * len(moved))(*moved), lo + start * item)
 
-    def piece(r0: int, r1: int) -> None:
-        moved = [at + r0 * step if lay == FULL else at for at, lay in zip(where, layouts)]
-        fn(r1 - r0, cols, (ctypes.c_void_p * len(moved))(*moved), lo + r0 * step)
-
-    futures = [_threads().submit(piece, edges[k], edges[k + 1]) for k in range(1, parts)]
-    piece(edges[0], edges[1])
+    futures = [_threads().submit(piece, start, count) for start, count in starts[1:]]
+    piece(*starts[0])
     for f in futures:
         f.result()
     return True
