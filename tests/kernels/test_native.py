@@ -127,14 +127,15 @@ EXPRESSIONS = ["in0 * (in1 > 0)", "maximum(in0 + in1, 0)", "minimum(in0, in1) - 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("expr", EXPRESSIONS)
-@pytest.mark.parametrize("layout", ["full", "row", "scalar", "leading-one"])
+@pytest.mark.parametrize("layout", ["full", "row", "scalar", "leading-one", "column"])
 def test_fused_matches_the_numpy_tape(dtype, expr, layout):
     rng = np.random.default_rng(10)
     a = rng.standard_normal((96, 512)).astype(dtype)
     b = rng.standard_normal((96, 512)).astype(dtype)
     a[0, : len(SPECIAL)] = SPECIAL
     b[0, : len(SPECIAL)] = SPECIAL[::-1]
-    b = {"full": b, "row": b[0].copy(), "scalar": b[0, :1].copy(), "leading-one": b[:1].copy()}[layout]
+    b = {"full": b, "row": b[0].copy(), "scalar": b[0, :1].copy(), "leading-one": b[:1].copy(),
+         "column": b[:, :1].copy()}[layout]
     previous = fused.set_backend("numpy")
     try:
         want = np.empty_like(a)
@@ -144,10 +145,47 @@ def test_fused_matches_the_numpy_tape(dtype, expr, layout):
     for _ in range(native.HOT + 1):
         got = np.empty_like(a)
         fused.fused([a, b], expr, got)
-    lay = {"full": native.FULL, "row": native.ROW, "scalar": native.SCALAR, "leading-one": native.ROW}[layout]
+    lay = {"full": native.FULL, "row": native.ROW, "scalar": native.SCALAR, "leading-one": native.ROW,
+           "column": native.COLUMN}[layout]
     assert native._fused_fns.get((expr, 2, native.CTYPE[np.dtype(dtype)], (native.FULL, lay))), \
         "the expression was not compiled"
     same(got, want)
+
+
+@pytest.mark.parametrize("shape,shapes", [
+    ((256, 10), [(256, 10), (256, 10), (256, 1), ()]),  # cross-entropy's gradient: a column and a scalar
+    ((4, 8, 16), [(4, 8, 16), (16,), (4, 8, 1)]),  # a row and a column in three dimensions
+    ((4, 8, 16), [(4, 8, 16), (1, 1, 16), (1, 4, 8, 1)]),  # leading ones on either side
+    ((2, 1, 300), [(2, 1, 300), (2, 1, 1)]),  # a column where a middle dimension is one
+    ((3000, 200), [(3000, 1), (200,), (3000, 200)]),  # large enough to split its rows across threads
+])
+def test_fused_broadcast_layouts(shape, shapes):
+    """Small tensors with a row or column input go native too (numpy's broadcasting iterator is slow on them)."""
+    rng = np.random.default_rng(12)
+    ins = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    expr = " * ".join(f"(in{k} - {k}.5)" for k in range(len(ins))) + " + maximum(in0, 0)"
+    previous = fused.set_backend("numpy")
+    try:
+        want = np.empty(shape, np.float32)
+        fused.fused(ins, expr, want)
+    finally:
+        fused.set_backend(previous)
+    for _ in range(native.HOT):
+        got = np.empty(shape, np.float32)
+        fused.fused(ins, expr, got)
+    assert native.fused(expr, ins, got), "the native kernel declined"
+    same(got, want)
+
+
+def test_column_and_row_must_agree_on_the_row_length():
+    """A row spanning two dimensions and a column (one value per last-dimension row) cannot share one loop."""
+    out = np.empty((4, 8, 16), np.float32)
+    ins = [np.ones((8, 16), np.float32), np.ones((4, 8, 1), np.float32)]
+    assert native._layout(ins[0], out.shape) == (native.ROW, 128)
+    assert native._layout(ins[1], out.shape) == (native.COLUMN, 16)
+    for _ in range(native.HOT + 1):
+        assert not native.fused("in0 + in1", ins, out)
+    assert native._layout(np.ones((4, 1, 16), np.float32), out.shape) is None  # a middle dimension broadcast
 
 
 def test_fused_in_place_and_threads():
@@ -167,7 +205,8 @@ def test_fused_declines_what_numpy_does_better_or_cannot_be_read():
     assert native.fused_source(parse_fused("in0 ** 2", 1), "float", (native.FULL,)) is None
     a = np.ones((128, 512), np.float32)
     for _ in range(native.HOT + 1):
-        assert not native.fused("in0 + in1", [a, a[:, :1].copy()], np.empty_like(a))  # a column: not a row layout
+        cube = np.ones((4, 32, 512), np.float32)
+        assert not native.fused("in0 + in1", [cube, cube[:, :1].copy()], np.empty_like(cube))  # a middle dimension
         assert not native.fused("in0 + in1", [a, a.astype(np.float64)], np.empty_like(a))  # two dtypes
         assert not native.fused("in0 + in1", [a.T, a.T], np.empty((512, 128), np.float32))  # strided
     buf = np.zeros(a.size + 1, np.float32)

@@ -56,6 +56,8 @@ MAX_THREADS = max(1, min(8, os.cpu_count() or 1))  # as the fused kernels' pool 
 RELU_MIN = 1 << 15
 #: fused expressions run on numpy's tape below this many elements, where the tape costs less than the call
 FUSED_MIN = 1 << 15
+#: with a row or column input (numpy's broadcasting iterator, slow on small tensors), from this many elements up
+BROADCAST_MIN = 256
 #: optimizer updates run on numpy below this many elements
 UPDATE_MIN = 1 << 15
 #: elements per thread below which a kernel runs on the calling thread alone
@@ -419,8 +421,10 @@ _C_CALLS = {"sqrt": "sqrt", "abs": "fabs", "maximum": "deepx_max", "minimum": "d
 _C_BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _C_COMPARE = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
 
-#: input layouts: the output's shape, one element, or the output's trailing dimensions (a row repeated)
-FULL, SCALAR, ROW = 0, 1, 2
+#: input layouts: the output's shape, one element, the output's trailing dimensions (a row repeated), or its leading
+#: dimensions (a column: one value per row)
+FULL, SCALAR, ROW, COLUMN = 0, 1, 2, 3
+_INDEX = {FULL: "i", ROW: "j", COLUMN: "r"}  # the element an input of that layout gives at row r, column j
 
 _seen: dict[tuple[str, int, str, tuple[int, ...]], int] = {}
 _fused_fns: dict[tuple[str, int, str, tuple[int, ...]], Any] = {}
@@ -436,7 +440,8 @@ def _literal(value: float, ctype: str) -> str:
 
 def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> str | None:
     """C source of `void fused(long rows, long cols, const T **in, T *out)` for a checked expression, or None when
-    it calls what numpy does better. Inputs of layout FULL are read at [r*cols + j], ROW at [j], SCALAR at [0]."""
+    it calls what numpy does better. Inputs of layout FULL are read at [r*cols + j], ROW at [j], COLUMN at [r],
+    SCALAR at [0]."""
     lines: list[str] = []
     ids: dict[str, str] = {}
     math_suffix = "f" if ctype == "float" else ""
@@ -449,7 +454,7 @@ def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> st
             return ids[key]
         if isinstance(node, ast.Name):
             k = int(node.id[2:])
-            text = f"s{k}" if layouts[k] == SCALAR else f"in{k}[{'j' if layouts[k] == ROW else 'i'}]"
+            text = f"s{k}" if layouts[k] == SCALAR else f"in{k}[{_INDEX[layouts[k]]}]"
         elif isinstance(node, ast.Constant):
             try:
                 text = _literal(float(node.value), ctype)  # type: ignore[arg-type]
@@ -516,18 +521,27 @@ void fused(long rows, long cols, const {T} **in, {T} *out) {{
 
 
 def _layout(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """(layout, row length) of input `a` against output shape, or None when a C loop cannot read it."""
+    """(layout, row length) of input `a` against the output's shape (numpy's broadcasting, dimensions aligned on the
+    right), or None when a C loop cannot read it."""
     if not a.flags.c_contiguous:
         return None
     if a.size == 1:
         return SCALAR, 0
-    if a.shape == shape:
+    dims = a.shape
+    while len(dims) > len(shape) and dims[0] == 1:
+        dims = dims[1:]
+    if len(dims) > len(shape):
+        return None
+    dims = (1,) * (len(shape) - len(dims)) + dims
+    if dims == shape:
         return FULL, 0
-    ashape = a.shape
-    while ashape and ashape[0] == 1:  # (1, k) against (..., k)
-        ashape = ashape[1:]
-    if ashape and len(ashape) <= len(shape) and ashape == shape[len(shape) - len(ashape):]:
+    k = 0
+    while dims[k] == 1:
+        k += 1
+    if dims[k:] == shape[k:]:  # ones, then the output's trailing dimensions: a row repeated
         return ROW, a.size
+    if dims[-1] == 1 and dims[:-1] == shape[:-1]:  # the output's leading dimensions, one column
+        return COLUMN, shape[-1]
     return None
 
 
@@ -536,7 +550,7 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
     one dtype, a layout it cannot read, an overlap, an expression numpy does better, or not yet HOT)."""
     dt = out.dtype
     n = out.size
-    if n < FUSED_MIN or dt not in CTYPE or not _enabled or not out.flags.c_contiguous:
+    if n < BROADCAST_MIN or dt not in CTYPE or not _enabled or not out.flags.c_contiguous:
         return False
     shape = out.shape
     layouts: list[int] = []
@@ -548,10 +562,12 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         if found is None:
             return False
         layouts.append(found[0])
-        if found[0] == ROW:
+        if found[0] in (ROW, COLUMN):
             if cols and found[1] != cols:
                 return False
             cols = found[1]
+    if not cols and n < FUSED_MIN:  # numpy's tape runs flat operands faster than a call here
+        return False
     key = (expr, len(inputs), CTYPE[dt], tuple(layouts))
     fn = _fused_fns.get(key)
     if fn is None:
@@ -591,7 +607,8 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
     from deepxd.kernels.cpu.fused import _threads
 
     def piece(start: int, count: int) -> None:  # count rows of `row` elements from element `start`
-        moved = [at + start * item if layout == FULL else at for at, layout in zip(where, layouts)]
+        moved = [at + start * item if layout == FULL else at + start // row * item if layout == COLUMN else at
+                 for at, layout in zip(where, layouts)]
         if row == 1:
             fn(1, count, (ctypes.c_void_p * len(moved))(*moved), lo + start * item)
         else:
