@@ -30,6 +30,10 @@ def same(a: np.ndarray, b: np.ndarray) -> None:
     assert np.array_equal(np.signbit(a), np.signbit(b))
 
 
+def run_native(expr: str, ins: list[np.ndarray], out: np.ndarray) -> bool:
+    return native.fused(fused.compile_expr(expr, len(ins)), ins, out)
+
+
 def _data(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
     a = rng.standard_normal(n).astype(dtype)
     a[: len(SPECIAL)] = SPECIAL
@@ -147,7 +151,8 @@ def test_fused_matches_the_numpy_tape(dtype, expr, layout):
         fused.fused([a, b], expr, got)
     lay = {"full": native.FULL, "row": native.ROW, "scalar": native.SCALAR, "leading-one": native.ROW,
            "column": native.COLUMN}[layout]
-    assert native._fused_fns.get((expr, 2, native.CTYPE[np.dtype(dtype)], (native.FULL, lay))), \
+    text = fused.compile_expr(expr, 2).text
+    assert native._fused_fns.get((text, 2, native.CTYPE[np.dtype(dtype)], (native.FULL, lay))), \
         "the expression was not compiled"
     same(got, want)
 
@@ -173,7 +178,7 @@ def test_fused_broadcast_layouts(shape, shapes):
     for _ in range(native.HOT):
         got = np.empty(shape, np.float32)
         fused.fused(ins, expr, got)
-    assert native.fused(expr, ins, got), "the native kernel declined"
+    assert run_native(expr, ins, got), "the native kernel declined"
     same(got, want)
 
 
@@ -184,7 +189,7 @@ def test_column_and_row_must_agree_on_the_row_length():
     assert native._layout(ins[0], out.shape) == (native.ROW, 128)
     assert native._layout(ins[1], out.shape) == (native.COLUMN, 16)
     for _ in range(native.HOT + 1):
-        assert not native.fused("in0 + in1", ins, out)
+        assert not run_native("in0 + in1", ins, out)
     assert native._layout(np.ones((4, 1, 16), np.float32), out.shape) is None  # a middle dimension broadcast
 
 
@@ -206,22 +211,12 @@ def test_fused_declines_what_numpy_does_better_or_cannot_be_read():
     a = np.ones((128, 512), np.float32)
     for _ in range(native.HOT + 1):
         cube = np.ones((4, 32, 512), np.float32)
-        assert not native.fused("in0 + in1", [cube, cube[:, :1].copy()], np.empty_like(cube))  # a middle dimension
-        assert not native.fused("in0 + in1", [a, a.astype(np.float64)], np.empty_like(a))  # two dtypes
-        assert not native.fused("in0 + in1", [a.T, a.T], np.empty((512, 128), np.float32))  # strided
+        assert not run_native("in0 + in1", [cube, cube[:, :1].copy()], np.empty_like(cube))  # a middle dimension
+        assert not run_native("in0 + in1", [a, a.astype(np.float64)], np.empty_like(a))  # two dtypes
+        assert not run_native("in0 + in1", [a.T, a.T], np.empty((512, 128), np.float32))  # strided
     buf = np.zeros(a.size + 1, np.float32)
     for _ in range(native.HOT + 1):
-        assert not native.fused("in0 + 1", [buf[1:]], buf[:-1])  # overlaps at another offset
-
-
-def test_literals_are_exact():
-    """Constants go into the C source as hex floats (and inf/nan by name), so the compiler rounds nothing."""
-    for value in (0.1, -2.5e-300, 1e308, float("inf"), float("-inf"), float("nan")):
-        text = native._literal(value, "double")
-        if np.isfinite(value):
-            assert float.fromhex(text.split(")", 1)[1][:-1]) == value
-        else:
-            assert ("NAN" if np.isnan(value) else "INFINITY") in text
+        assert not run_native("in0 + 1", [buf[1:]], buf[:-1])  # overlaps at another offset
 
 
 def _script(body: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -258,8 +253,8 @@ def test_without_a_compiler_everything_runs_on_numpy(tmp_path):
 
 
 def test_a_failing_compiler_is_logged_once_and_numpy_runs(tmp_path):
-    broken = tmp_path / "brokencc"
-    broken.write_text("#!/bin/sh\necho 'this compiler is broken' >&2\nexit 1\n")
+    broken = tmp_path / "brokencc"  # its message is not UTF-8 either
+    broken.write_text("#!/bin/sh\necho 'this compiler is broken' >&2\nprintf 'caf\\351\\n' >&2\nexit 1\n")
     broken.chmod(0o755)
     r = _script(CHECK, {"CC": str(broken), "DEEPX_KERNEL_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
@@ -281,11 +276,103 @@ def test_compiled_once_then_loaded_from_the_cache(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.so")} == stamps  # nothing rebuilt
 
 
+def test_a_damaged_library_in_the_cache_is_built_again(tmp_path):
+    env = {"DEEPX_KERNEL_CACHE": str(tmp_path)}
+    assert _script(CHECK, env).returncode == 0
+    for lib in tmp_path.glob("*.so"):
+        lib.write_bytes(b"not a library")
+    r = _script(CHECK, env)
+    assert r.returncode == 0, r.stderr
+    assert "available True compiled 1" in r.stdout
+    assert r.stderr.count("does not load") == 2
+    assert all(lib.read_bytes()[:4] == b"\x7fELF" for lib in tmp_path.glob("*.so"))
+
+
+def test_a_cache_others_may_write_is_not_used(tmp_path):
+    """A library found in the cache is loaded and run: a directory that others may write is passed over."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (tmp_path / "tmp").mkdir()
+    r = _script(CHECK, {"DEEPX_KERNEL_CACHE": str(shared), "TMPDIR": str(tmp_path / "tmp")})
+    assert r.returncode == 0, r.stderr
+    assert "not using" in r.stderr and "available True compiled 1" in r.stdout
+    assert not list(shared.glob("*.so"))
+    assert len(list((tmp_path / "tmp").glob("deepx-kernels-*/*.so"))) == 2  # the user's own directory instead
+
+
 def test_switched_off_by_the_environment(tmp_path):
     r = _script(CHECK, {"DEEPX_NATIVE_KERNELS": "0", "DEEPX_KERNEL_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "available False compiled 0" in r.stdout
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_nan_signs_and_quieting_follow_numpy():
+    """The compiler folds nothing numpy computes: -(x*c) stays a product then a sign flip, a - -b a subtraction,
+    0/0 a division at run time (x86's default NaN is negative), x*1 a multiplication (which quiets a signalling NaN)."""
+    n = native.FUSED_MIN
+    nan = np.full(n, np.nan, np.float32)
+    snan = np.full(n, 0x7F800001, np.uint32).view(np.float32)
+    one = np.ones(n, np.float32)
+    cases = [("-(in0 * 0.5)", [nan]), ("in0 - -in1", [one, -nan]), ("in0 + 0/0", [one]), ("in0 * 1", [snan]),
+             ("in0 - 0", [snan]), ("in0 / 1", [snan]), ("sqrt(in0 - 2)", [one]), ("-in0", [nan])]
+    for expr, ins in cases:
+        previous = fused.set_backend("numpy")
+        try:
+            want = np.empty(n, np.float32)
+            fused.fused(ins, expr, want)
+        finally:
+            fused.set_backend(previous)
+        for _ in range(native.HOT):
+            got = np.empty(n, np.float32)
+            fused.fused(ins, expr, got)
+        assert run_native(expr, ins, got)
+        assert got.view(np.uint32)[0] == want.view(np.uint32)[0], (expr, hex(got.view(np.uint32)[0]),
+                                                                    hex(want.view(np.uint32)[0]))
+
+
+def test_one_loop_serves_every_constant():
+    """The numbers are passed in: `in0 * 2.5` and `in0 * 3.0` share one compiled loop, each with its own value."""
+    x = np.arange(native.FUSED_MIN, dtype=np.float64)
+    before = len(native._fused_fns)
+    for c in (2.5, 3.0, 0.1):
+        out = np.empty_like(x)
+        for _ in range(native.HOT):
+            fused.fused([x], f"in0 * {c} + 1", out)
+        assert run_native(f"in0 * {c} + 1", [x], out)
+        same(out, x * c + 1)
+    assert len(native._fused_fns) <= before + 1
+
+
+def test_read_only_outputs_are_refused():
+    n = native.RELU_MIN
+    frozen = np.frombuffer(np.ones(n, np.float32).tobytes(), np.float32)
+    assert not frozen.flags.writeable
+    assert not native.relu(-np.ones(n, np.float32), frozen)
+    assert native.fits((np.ones(n, np.float32),), (frozen,), frozen.dtype, n) is None
+    for _ in range(native.HOT + 1):
+        assert not run_native("in0 + 1", [np.ones(n, np.float32)], frozen)
+    assert (frozen == 1).all()
+
+
+def test_an_update_in_place_whose_other_input_overlaps_is_refused():
+    """param written in place while grad is the same memory one element on: each block would read what the one
+    before wrote. The check refuses it and numpy runs."""
+    n = native.UPDATE_MIN
+    base = np.random.default_rng(0).standard_normal(n + 1).astype(np.float32)
+    results = []
+    for on in (False, True):
+        previous = native.set_enabled(on)
+        try:
+            buf = base.copy()
+            p, g, mom = buf[1:], buf[:-1], np.zeros(n, np.float32)
+            assert native.fits((p, g), (p,), p.dtype, n) is None
+            optim.sgd(p, g, mom, 0.1, 0.0, 0.0, 0.0, False, 1, p, mom)
+            results.append(buf)
+        finally:
+            native.set_enabled(previous)
+    same(results[1], results[0])
 
 
 def test_fits_checks_every_array():

@@ -301,7 +301,7 @@ class CpuExecutor:
             fresh = have is None or metas[out] != meta
             o = np.empty(shape, cdt) if fresh or have is None else have
             arrays = [tensors[x] for x in ins]
-            if compiled is not None and compiled(expr, arrays, o):
+            if compiled is not None and compiled(plan, arrays, o):
                 pass
             elif all(map(_C_CONTIGUOUS, arrays)):
                 if flat:

@@ -336,8 +336,8 @@ def backend() -> str:
 
 
 def fused(inputs, expr, out):
-    if _backend == "native" and native.fused(expr, inputs, out):
-        return
     plan = compile_expr(expr, len(inputs))
+    if _backend == "native" and native.fused(plan, inputs, out):
+        return
     cdt = F64 if out.dtype == F64 else F32
     BACKENDS[_backend](plan, inputs, out, cdt)

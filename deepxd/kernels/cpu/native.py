@@ -3,25 +3,29 @@
 numpy runs one whole-array pass per ufunc. An update such as momentum SGD (`buf = buf*m + g; p -= lr*buf`) then
 reads and writes its tensors several times over, and `maximum(x, 0)` on float32 takes a NaN-checking loop at a
 fraction of memory speed. The loops here do each in one pass, with the same operations in the same order as the
-numpy code they replace (no fast-math, no fused multiply-add), so their results are the same bits.
+numpy code they replace (no fast-math, no fused multiply-add, no constants for the compiler to fold), so their
+results are the same bits.
 
 What is here:
 
 - a fixed library (`CORE`): relu, and the sgd, adam and adamw updates, for float32 and float64;
-- fused expressions (the `fused` op) without transcendental calls, generated per structure (the expression, the
-  compute dtype, and how each input is laid out: the output's shape, one element, or the output's trailing
-  dimensions, as a bias is). exp, log, tanh, sin, cos, tan and `**` stay on numpy's SIMD loops, which beat a scalar
-  libm call per element (docs/compiler.md has the measurement).
+- fused expressions (the `fused` op) without transcendental calls, generated per structure (the expression with
+  its numbers lifted out and passed in at run time, the compute dtype, and how each input is laid out: the output's
+  shape, one element, the output's trailing dimensions as a bias is, or its leading ones as a column). exp, log,
+  tanh, sin, cos, tan and `**` stay on numpy's SIMD loops: libm's scalar calls are no faster (tanh is 7x slower)
+  and do not give numpy's bits (docs/compiler.md has the measurement).
 
 Each source is compiled once per machine into a cache directory (`DEEPX_KERNEL_CACHE`, else
 `$XDG_CACHE_HOME/deepx/kernels`, else `~/.cache/deepx/kernels`), keyed by the source, the flags, the compiler and
-the CPU's features, and loaded from there afterwards. An expression is compiled only once it has run HOT times, so
-that one-off expressions never wait for the compiler. Where no compiler is found, or one fails, or
+the CPU's features, and loaded from there afterwards (a directory of this user's that nobody else may write). An
+expression is compiled only once its structure has run HOT times, so that one-off expressions never wait for the
+compiler. Where no compiler is found, or one fails, or
 `DEEPX_NATIVE_KERNELS=0` is set (the config's `native_kernels = 0`), every kernel runs on numpy as before; a
 failure is logged once.
 
 The callers check dtype, layout, sizes and overlap before calling: a C loop is handed only C-contiguous arrays of
-its dtype, of the sizes it is told, whose outputs are either one of its inputs or overlap none of them. ctypes
+its dtype, of the sizes it is told, whose outputs are writable and either one of its inputs or overlap none of
+them. ctypes
 releases the GIL during a call, so large arrays are split across threads.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -68,7 +73,7 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-math-
          "-fno-strict-aliasing")
 
 _lock = threading.Lock()
-_enabled = os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+_enabled = os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip() != "0"  # as the config reads it: 1 or 0
 _compiler: str | bool | None = False  # False: not looked for yet; None: none found
 _march: bool | None = None  # whether -march=native works here
 _failed: set[str] = set()
@@ -108,25 +113,42 @@ def available() -> bool:
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept, made on first use; a temporary directory when the usual one cannot be
-    written."""
+    """Where compiled kernels are kept, made on first use (mode 0700). A directory this process did not make must
+    belong to its user and be writable by nobody else: a library found there is loaded and run. Failing that, a
+    private temporary directory for this process."""
     env = os.environ.get("DEEPX_KERNEL_CACHE")
     if env:
         base = Path(env)
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")
         base = (Path(xdg) if xdg else Path.home() / ".cache") / "deepx" / "kernels"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    fallback = Path(tempfile.gettempdir()) / f"deepx-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
+    for d in (base, Path(tempfile.gettempdir()) / f"deepx-kernels-{_uid()}"):
+        try:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if _private(d):
+                return d
+            log.warning("native kernels: not using %s (another user owns it, or others may write it)", d)
+        except OSError:
+            pass
+    global _scratch
+    if _scratch is None:
+        _scratch = Path(tempfile.mkdtemp(prefix="deepx-kernels-"))
+    return _scratch
 
 
+_scratch: Path | None = None
+
+
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def _private(d: Path) -> bool:
+    st = d.stat()
+    return st.st_uid == _uid() and not st.st_mode & 0o022 and os.access(d, os.W_OK)
+
+
+@functools.cache
 def _cpu_features() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -137,9 +159,10 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+@functools.cache
 def _version(cc: str) -> str:
     try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, errors="replace", timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -179,23 +202,33 @@ def load(source: str) -> Any:
                                         platform.machine()]).encode()).hexdigest()[:32]
         target = cache_dir() / f"deepx_{key}.so"
         try:
-            if not target.exists():
-                with tempfile.TemporaryDirectory(dir=target.parent) as d:
-                    src = Path(d) / "kernel.c"
-                    src.write_text(source)
-                    built = Path(d) / target.name
-                    r = subprocess.run([cc, *flags, str(src), "-o", str(built), "-lm"], capture_output=True,
-                                       text=True, timeout=120)
-                    if r.returncode != 0:
-                        raise OSError(f"{cc} exited with {r.returncode}: {r.stderr.strip()[-2000:]}")
-                    os.replace(built, target)  # atomic: another process sees the whole library or none
-            lib = ctypes.CDLL(str(target))
+            if target.exists():
+                try:
+                    lib = ctypes.CDLL(str(target))
+                except OSError as e:  # a damaged file (a full disk, say): built again below
+                    log.warning("native kernels: %s does not load (%s); compiling it again", target, e)
+                    target.unlink(missing_ok=True)
+            if lib is None:
+                _compile(cc, flags, source, target)
+                lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as e:
             _failed.add(source)
             log.warning("native kernels: compiling a kernel failed (%s); it runs on numpy", e)
             return None
         _libs[source] = lib
         return lib
+
+
+def _compile(cc: str, flags: Sequence[str], source: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as d:
+        src = Path(d) / "kernel.c"
+        src.write_text(source)
+        built = Path(d) / target.name
+        r = subprocess.run([cc, *flags, str(src), "-o", str(built), "-lm"], capture_output=True, text=True,
+                           errors="replace", timeout=120)
+        if r.returncode != 0:
+            raise OSError(f"{cc} exited with {r.returncode}: {r.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: another process sees the whole library or none
 
 
 # ------------------------------------------------------------------ the fixed library
@@ -314,16 +347,18 @@ def fits(arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray], dt: np.dtype,
     for a in (*arrays, *outs):
         if a.dtype != dt or a.size != n or not a.flags.c_contiguous:
             return None
+    for o in outs:
+        if not o.flags.writeable:
+            return None
     size = n * dt.itemsize
     where = [_address(a) for a in arrays]
     for o in outs:
         lo = _address(o)
         if lo in where[len(arrays):]:
             return None  # two outputs in one buffer
-        if lo not in where[: len(arrays)]:
-            for other in where:
-                if other < lo + size and lo < other + size:
-                    return None
+        for other in where:  # an input it is (the same buffer) is read at the same index; any other overlap is not
+            if other != lo and other < lo + size and lo < other + size:
+                return None
         where.append(lo)
     return where
 
@@ -427,21 +462,16 @@ FULL, SCALAR, ROW, COLUMN = 0, 1, 2, 3
 _INDEX = {FULL: "i", ROW: "j", COLUMN: "r"}  # the element an input of that layout gives at row r, column j
 
 _seen: dict[tuple[str, int, str, tuple[int, ...]], int] = {}
+_consts: dict[tuple[str, tuple[float, ...], np.dtype], np.ndarray] = {}
 _fused_fns: dict[tuple[str, int, str, tuple[int, ...]], Any] = {}
 
 
-def _literal(value: float, ctype: str) -> str:
-    if value != value:
-        return f"(({ctype})NAN)"
-    if value in (float("inf"), float("-inf")):
-        return f"(({ctype})({'-' if value < 0 else ''}INFINITY))"
-    return f"(({ctype}){float(value).hex()})"
-
-
 def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> str | None:
-    """C source of `void fused(long rows, long cols, const T **in, T *out)` for a checked expression, or None when
-    it calls what numpy does better. Inputs of layout FULL are read at [r*cols + j], ROW at [j], COLUMN at [r],
-    SCALAR at [0]."""
+    """C source of `void fused(long rows, long cols, const T **in, const T *c, T *out)` for a checked expression
+    whose numbers are lifted into c0, c1, ... (fused.compile_expr's text), or None when it calls what numpy does
+    better. Inputs of layout FULL are read at [r*cols + j], ROW at [j], COLUMN at [r], SCALAR at [0]; constant k at
+    c[k], a value the compiler does not know, so it folds nothing that numpy computes (0/0, x*1, -(x*c) as x*-c
+    would each change a NaN's sign or quietness). Negation flips the sign bit, as numpy's does."""
     lines: list[str] = []
     ids: dict[str, str] = {}
     math_suffix = "f" if ctype == "float" else ""
@@ -452,14 +482,11 @@ def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> st
         key = ast.dump(node)
         if key in ids:
             return ids[key]
-        if isinstance(node, ast.Name):
+        if isinstance(node, ast.Name) and node.id.startswith("c"):
+            text = node.id  # a constant, read once before the loop
+        elif isinstance(node, ast.Name):
             k = int(node.id[2:])
             text = f"s{k}" if layouts[k] == SCALAR else f"in{k}[{_INDEX[layouts[k]]}]"
-        elif isinstance(node, ast.Constant):
-            try:
-                text = _literal(float(node.value), ctype)  # type: ignore[arg-type]
-            except OverflowError:
-                return None
         elif isinstance(node, ast.BinOp):
             op = _C_BINARY.get(type(node.op))
             left, right = visit(node.left), visit(node.right)
@@ -470,7 +497,7 @@ def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> st
             inner = visit(node.operand)
             if inner is None:
                 return None
-            text = f"-{inner}"
+            text = f"deepx_neg({inner})"
         elif isinstance(node, ast.Compare):
             left, right = visit(node.left), visit(node.comparators[0])
             if left is None or right is None:
@@ -496,14 +523,23 @@ def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> st
     if root is None:
         return None
     T = ctype
-    scalars = "".join(f"    const {T} s{k} = in[{k}][0];\n" for k, lay in enumerate(layouts) if lay == SCALAR)
+    n_consts = len({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id.startswith("c")})
+    consts = "".join(f"    const {T} c{k} = c[{k}];\n" for k in range(n_consts))
+    scalars = consts + "".join(f"    const {T} s{k} = in[{k}][0];\n" for k, lay in enumerate(layouts) if lay == SCALAR)
     pointers = "".join(f"    const {T} *in{k} = in[{k}];\n" for k, lay in enumerate(layouts) if lay != SCALAR)
     body = "\n".join(lines)
+    bits = "unsigned int" if T == "float" else "unsigned long long"
     return f"""#include <math.h>
 #include <string.h>
 static inline {T} deepx_max({T} a, {T} b) {{ return a != a ? a : (b != b ? b : (a > b ? a : b)); }}
 static inline {T} deepx_min({T} a, {T} b) {{ return a != a ? a : (b != b ? b : (a < b ? a : b)); }}
-void fused(long rows, long cols, const {T} **in, {T} *out) {{
+static inline {T} deepx_neg({T} v) {{
+    union {{ {T} f; {bits} i; }} u;
+    u.f = v;
+    u.i ^= ({bits})1 << (sizeof({T}) * 8 - 1);
+    return u.f;
+}}
+void fused(long rows, long cols, const {T} **in, const {T} *c, {T} *out) {{
 {scalars}{pointers}    {T} block[512];
     for (long r = 0; r < rows; r++) {{
         for (long j0 = 0; j0 < cols; j0 += 512) {{
@@ -545,12 +581,15 @@ def _layout(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int] | None:
     return None
 
 
-def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
-    """out = expr over inputs by a generated C loop; False where the caller must use numpy (not float32/float64 of
-    one dtype, a layout it cannot read, an overlap, an expression numpy does better, or not yet HOT)."""
+def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
+    """out = the expression of `plan` (fused.compile_expr's) over inputs, by a generated C loop; False where the
+    caller must use numpy (not float32/float64 of one dtype, a layout it cannot read, an overlap, an expression numpy
+    does better, or not yet HOT). One loop serves every expression of the plan's structure: the numbers are passed
+    in."""
     dt = out.dtype
     n = out.size
-    if n < BROADCAST_MIN or dt not in CTYPE or not _enabled or not out.flags.c_contiguous:
+    if (n < BROADCAST_MIN or dt not in CTYPE or not _enabled or not out.flags.c_contiguous
+            or not out.flags.writeable):
         return False
     shape = out.shape
     layouts: list[int] = []
@@ -568,7 +607,7 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
             cols = found[1]
     if not cols and n < FUSED_MIN:  # numpy's tape runs flat operands faster than a call here
         return False
-    key = (expr, len(inputs), CTYPE[dt], tuple(layouts))
+    key = (plan.text, len(inputs), CTYPE[dt], tuple(layouts))
     fn = _fused_fns.get(key)
     if fn is None:
         seen = _seen.get(key, 0) + 1
@@ -587,11 +626,18 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
     for a, at, layout in zip(inputs, where, layouts):
         if at < hi and lo < at + a.nbytes and not (layout == FULL and at == lo):
             return False
+    ck = (plan.text, plan.constants, dt)
+    consts = _consts.get(ck)
+    if consts is None:
+        if len(_consts) >= 4096:
+            _consts.clear()
+        consts = _consts[ck] = np.array(plan.constants or (0.0,), dt)  # rounded as numpy rounds them
+    cs = _address(consts)
     item = dt.itemsize
     if not cols:  # every input the output's shape or one element: one flat row, split into ranges across threads
         pieces = _pieces(n)
         if len(pieces) == 1:
-            fn(1, n, (ctypes.c_void_p * len(where))(*where), lo)
+            fn(1, n, (ctypes.c_void_p * len(where))(*where), cs, lo)
             return True
         starts = [(p0, p1 - p0) for p0, p1 in pieces]
         row = 1
@@ -599,7 +645,7 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         rows = n // cols
         parts = min(_parts(n), rows)
         if parts < 2:
-            fn(rows, cols, (ctypes.c_void_p * len(where))(*where), lo)
+            fn(rows, cols, (ctypes.c_void_p * len(where))(*where), cs, lo)
             return True
         edges = [rows * k // parts for k in range(parts + 1)]
         starts = [(edges[k] * cols, (edges[k + 1] - edges[k])) for k in range(parts)]
@@ -610,9 +656,9 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
         moved = [at + start * item if layout == FULL else at + start // row * item if layout == COLUMN else at
                  for at, layout in zip(where, layouts)]
         if row == 1:
-            fn(1, count, (ctypes.c_void_p * len(moved))(*moved), lo + start * item)
+            fn(1, count, (ctypes.c_void_p * len(moved))(*moved), cs, lo + start * item)
         else:
-            fn(count, row, (ctypes.c_void_p * len(moved))(*moved), lo + start * item)
+            fn(count, row, (ctypes.c_void_p * len(moved))(*moved), cs, lo + start * item)
 
     futures = [_threads().submit(piece, start, count) for start, count in starts[1:]]
     piece(*starts[0])
@@ -623,10 +669,8 @@ def fused(expr: str, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
 
 def _build_fused(key: tuple[str, int, str, tuple[int, ...]]) -> Any:
     """The compiled kernel of key, or False (kept, so that it is not tried again) when it has none."""
-    from deepx_sdk.ir.ops import parse_fused
-
-    expr, n_inputs, ctype, layouts = key
-    source = fused_source(parse_fused(expr, n_inputs), ctype, layouts)
+    text, _, ctype, layouts = key
+    source = fused_source(ast.parse(text, mode="eval"), ctype, layouts)  # made by ast.unparse of a checked tree
     lib = load(source) if source is not None else None
     if lib is None:
         if len(_fused_fns) >= 4096:
@@ -634,6 +678,6 @@ def _build_fused(key: tuple[str, int, str, tuple[int, ...]]) -> Any:
         _fused_fns[key] = False
         return False
     fn = lib.fused
-    fn.argtypes, fn.restype = [_LONG, _LONG, ctypes.POINTER(ctypes.c_void_p), _PTR], None
+    fn.argtypes, fn.restype = [_LONG, _LONG, ctypes.POINTER(ctypes.c_void_p), _PTR, _PTR], None
     _fused_fns[key] = fn
     return fn
