@@ -24,6 +24,7 @@ import functools
 import gc
 import hashlib
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from deepx_sdk.session import NativeTransport, Session, Transport, session
 log = logging.getLogger(__name__)
 
 GRAPH_VERSION = 1
+#: outputs of at most this many elements come back with each replay (Tensor._v): a loss read next costs nothing
+SMALL_OUTPUT = 64
 _BAD_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 VALID_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}\Z")
 #: ops whose output must exist before they run (they fill it): a first write by one of them is a use of a tensor
@@ -710,11 +713,19 @@ class CompiledFunction:
                 if found is not None:
                     scalars[key] = _hyper(OPS[instr.name].args[j].name, found)
         out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs]
-        _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)}, scalars)
+        # small outputs (a loss) come back with the replay: reading one next (loss.item()) then costs no round trip
+        small = [t for t, (_, _, sh) in zip(out_names, rec.outputs) if math.prod(sh) <= SMALL_OUTPUT]
+        s.runs += 1
+        values = _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)},
+                                           scalars, small)
         for st, step in steps:
             st["step"] = step
         self.replays += 1
         outs = [Tensor(n, tuple(sh), d, s) for n, (_, d, sh) in zip(out_names, rec.outputs)]
+        for t in outs:
+            v = values.get(t.name)
+            if v is not None:
+                t._v = (s.runs, v)
         return _unspec(rec.returns, outs)
 
     @staticmethod

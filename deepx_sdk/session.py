@@ -449,6 +449,9 @@ class Session:
         self._revived: set[str] = set()
         # set by dx.compile while it captures a call (deepx_sdk/compile.py): reading a value then is refused
         self.capture: Any = None
+        # programs, backward requests and graph replays sent so far: a value read back along with one of them
+        # (Tensor._v, a replay's small outputs) is the tensor's value for as long as no other has been sent
+        self.runs = 0
         # backward instructions in `pending` (record_backward): what the daemon expands each into, with its index
         self.backwards: list[dict[str, Any]] = []
         # backward requests that the daemon derived before (by probe: forward length, ends, loss, wrt, grad_loss,
@@ -678,6 +681,7 @@ class Session:
             return {}
         program, origins, backwards, revived = self.pending, self.origins, self.backwards, self._revived
         self.pending, self.origins, self.backwards, self._revived = [], [], [], set()
+        self.runs += 1
         mark, self._mark = self._mark, next(self._names)
         if fetch and not self.transport.can_read:
             self.transport.run(program, ())

@@ -259,7 +259,8 @@ class Tensor:
     # _k: what __del__ hands the session's collected queue, (name, dtype, shape or None: never pooled), worked out
     # when the tensor is made (a loop's result takes the very tuple of the handle it replaces); a fourth item True:
     # deleted when collected, and its name pooled all the same (a transpose's: see permute)
-    __slots__ = ("__weakref__", "_k", "_p", "_s", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
+    __slots__ = ("__weakref__", "_k", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
+    _v: tuple[_int, np.ndarray] | None  # set only where a value came back with the tensor's making (see numpy())
 
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
         self._p: Param | None = None
@@ -317,6 +318,12 @@ class Tensor:
 
     # -- reading values (these send the pending program)
     def numpy(self) -> np.ndarray:
+        v = getattr(self, "_v", None)  # a value read back with the replay that made this tensor (deepx_sdk/compile)
+        if v is not None:
+            s = self._s
+            if v[0] == s.runs and not s.pending and s.capture is None:  # nothing sent or recorded since
+                return v[1].copy()  # type: ignore[no-any-return]
+            self._v = None
         return self._s.sync(fetch=(self.name,))[self.name]
 
     def item(self) -> Any:
@@ -430,6 +437,7 @@ class Tensor:
             # the first time: derived and run now, so that a graph without a gradient raises here
             s.sync()
             try:
+                s.runs += 1
                 grads = s.transport.backward(forward, loss.name, list(leaves), upstream, prefix, grads)
             except BaseException:
                 s.grad_prefix_failed(k)

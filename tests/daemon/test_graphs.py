@@ -155,3 +155,26 @@ def test_a_record_with_an_instruction_missing_its_result_is_refused_by_name(daem
         assert "internal error" not in str(e.value), e.value
         c.ping()
         assert c.admin("tensors") == []
+
+
+def test_replays_with_the_same_bindings_share_one_program() -> None:
+    """bind_replay keeps the program of the last bindings: a loop replaying with the same tensors and scalars runs
+    one program object (which the worker knows at once); other bindings, or data inputs, get their own."""
+    from deepx_sdk.ir.ops import TensorMeta
+    from deepxd.compiler.graphs import bind_replay, plan_graph
+
+    metas = {n: TensorMeta((2, 3), "float32") for n in ("a", "b", "c")}
+    plan = plan_graph(G, record(), metas, [], ["simplify", "cse", "dce", "fuse"])
+    inputs, outputs = {f"{G}.in0": "a", f"{G}.in1": "b"}, {f"{G}.out0": "y"}
+    first = bind_replay(plan, inputs, outputs, {})
+    assert bind_replay(plan, dict(inputs), dict(outputs), {}).program is first.program
+    other = bind_replay(plan, {**inputs, f"{G}.in1": "c"}, outputs, {})
+    assert other.program is not first.program
+
+    def reads(program) -> set:
+        return {v for i in program for p in i.args for v in (p.value if isinstance(p.value, tuple) else (p.value,))}
+
+    assert "c" in reads(other.program) and "c" not in reads(first.program)
+    a = np.ones((2, 3), np.float32)
+    with_data = bind_replay(plan, {**inputs, f"{G}.in0": data(a)}, outputs, {})
+    assert with_data.puts and with_data.program is not other.program

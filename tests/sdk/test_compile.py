@@ -419,3 +419,35 @@ def test_an_in_place_update_of_an_outside_tensor_is_replayed_in_place() -> None:
     np.testing.assert_array_equal(total.numpy(), [10.0, 10.0, 10.0])
     np.testing.assert_array_equal(out.numpy(), [10.0, 10.0, 10.0])
     assert accumulate.replays == 3
+
+
+def test_a_small_output_comes_back_with_its_replay(monkeypatch) -> None:
+    """A replay's small outputs (a loss) are read back with it: item() next costs no round trip. The value is used
+    only while nothing else has been sent or recorded since."""
+    s = dx.session()
+    sent = []
+    run = s.transport.run
+    monkeypatch.setattr(s.transport, "run", lambda *a, **k: sent.append(a[0]) or run(*a, **k))
+    w = dx.tensor(np.array([2.0]))
+
+    @dx.compile
+    def scaled(x):
+        return (x * w).sum()
+
+    x = dx.tensor(np.array([1.0, 2.0, 3.0]))
+    for _ in range(2):
+        scaled(x)  # captured, then replayed
+    out = scaled(x)
+    sent.clear()
+    assert out.item() == 12.0
+    assert sent == []  # no round trip
+    out.add_(1)  # recorded: the value read back is no longer the tensor's
+    assert out.item() == 13.0
+    other = scaled(x)
+    x.mul_(2)  # sent with the next read: `other` was made before it, and its value is still 12
+    assert dx.tensor(np.zeros(1)).sum().item() == 0.0
+    assert other.item() == 12.0
+    again = scaled(x)
+    w.add_(1)
+    assert again.item() == 24.0  # the replay before the update
+    assert scaled(x).item() == 36.0
