@@ -34,6 +34,22 @@ def run_native(expr: str, ins: list[np.ndarray], out: np.ndarray) -> bool:
     return native.fused(fused.compile_expr(expr, len(ins)), ins, out)
 
 
+def both_backends(expr: str, ins: list[np.ndarray], shape: tuple[int, ...], dtype=np.float32):
+    """The numpy tape's result and the native loop's (run HOT times, so that it compiles; the last run is checked
+    to have gone native)."""
+    previous = fused.set_backend("numpy")
+    try:
+        want = np.empty(shape, dtype)
+        fused.fused(ins, expr, want)
+    finally:
+        fused.set_backend(previous)
+    for _ in range(native.HOT):
+        got = np.empty(shape, dtype)
+        fused.fused(ins, expr, got)
+    assert run_native(expr, ins, got), f"the native kernel declined {expr!r}"
+    return want, got
+
+
 def _data(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
     a = rng.standard_normal(n).astype(dtype)
     a[: len(SPECIAL)] = SPECIAL
@@ -140,15 +156,7 @@ def test_fused_matches_the_numpy_tape(dtype, expr, layout):
     b[0, : len(SPECIAL)] = SPECIAL[::-1]
     b = {"full": b, "row": b[0].copy(), "scalar": b[0, :1].copy(), "leading-one": b[:1].copy(),
          "column": b[:, :1].copy()}[layout]
-    previous = fused.set_backend("numpy")
-    try:
-        want = np.empty_like(a)
-        fused.fused([a, b], expr, want)
-    finally:
-        fused.set_backend(previous)
-    for _ in range(native.HOT + 1):
-        got = np.empty_like(a)
-        fused.fused([a, b], expr, got)
+    want, got = both_backends(expr, [a, b], a.shape, dtype)
     lay = {"full": native.FULL, "row": native.ROW, "scalar": native.SCALAR, "leading-one": native.ROW,
            "column": native.COLUMN}[layout]
     text = fused.compile_expr(expr, 2).text
@@ -169,16 +177,7 @@ def test_fused_broadcast_layouts(shape, shapes):
     rng = np.random.default_rng(12)
     ins = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     expr = " * ".join(f"(in{k} - {k}.5)" for k in range(len(ins))) + " + maximum(in0, 0)"
-    previous = fused.set_backend("numpy")
-    try:
-        want = np.empty(shape, np.float32)
-        fused.fused(ins, expr, want)
-    finally:
-        fused.set_backend(previous)
-    for _ in range(native.HOT):
-        got = np.empty(shape, np.float32)
-        fused.fused(ins, expr, got)
-    assert run_native(expr, ins, got), "the native kernel declined"
+    want, got = both_backends(expr, ins, shape)
     same(got, want)
 
 
@@ -318,16 +317,7 @@ def test_nan_signs_and_quieting_follow_numpy():
     cases = [("-(in0 * 0.5)", [nan]), ("in0 - -in1", [one, -nan]), ("in0 + 0/0", [one]), ("in0 * 1", [snan]),
              ("in0 - 0", [snan]), ("in0 / 1", [snan]), ("sqrt(in0 - 2)", [one]), ("-in0", [nan])]
     for expr, ins in cases:
-        previous = fused.set_backend("numpy")
-        try:
-            want = np.empty(n, np.float32)
-            fused.fused(ins, expr, want)
-        finally:
-            fused.set_backend(previous)
-        for _ in range(native.HOT):
-            got = np.empty(n, np.float32)
-            fused.fused(ins, expr, got)
-        assert run_native(expr, ins, got)
+        want, got = both_backends(expr, ins, (n,))
         assert got.view(np.uint32)[0] == want.view(np.uint32)[0], (expr, hex(got.view(np.uint32)[0]),
                                                                     hex(want.view(np.uint32)[0]))
 
