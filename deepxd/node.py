@@ -75,6 +75,9 @@ class Node:
             from deepxd.kernels.cpu import native
 
             native.set_enabled(bool(c.native_kernels))
+            cc = native.compiler() if c.native_kernels else None
+            log.info("op-cpu: native kernels %s", f"on (compiled by {cc}, kept in {native.cache_dir()})" if cc
+                     else "off (native_kernels = 0)" if not c.native_kernels else "off (no C compiler found)")
             workers["op-cpu"] = self.refs["op-cpu"] = self.supervisor.start(
                 CpuWorker(heapmem=self.refs.get("heapmem") if cuda is None else None, io_roots=c.io_roots,
                           inline_elements=c.inline_elements))
