@@ -164,6 +164,10 @@ class CpuExecutor:
             run_fused = self._prepare_fused(b)
             if run_fused is not None:
                 return run_fused
+        if name in ("deltensor", "reshape") and not b.instr.meta:
+            quick = self._prepare_bookkeeping(b)
+            if quick is not None:
+                return quick
         if (b.op.family in STORE_FAMILIES or name in ("reshape", "transpose") or b.instr.meta or 2 in kinds
                 or len(b.outs) != 1 or b.outs[0] is None):
             return lambda: self.execute(b)
@@ -260,6 +264,40 @@ class CpuExecutor:
                 tensors[out] = o
 
         return run
+
+    def _prepare_bookkeeping(self, b: Bound) -> Callable[[], None] | None:
+        """deltensor and reshape, which a training step has dozens of, without execute's dispatch: straight to the
+        table for tensors that are neither views nor viewed (not in `shared`, which names both sides of every view);
+        execute's way otherwise."""
+        tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
+        out = str(b.out_names[0])
+        if b.op.name == "deltensor":
+
+            def run_delete() -> None:
+                if out in shared:
+                    self.execute(b)
+                else:
+                    del tensors[out]
+
+            return run_delete
+        x, meta = b.names[0], b.outs[0]
+        if not isinstance(x, str) or meta is None:
+            return None
+        shape = meta.shape
+
+        def run_reshape() -> None:
+            if x in shared or out in shared:
+                self.execute(b)
+            elif x == out:  # in place: a view of its own buffer
+                tensors[out] = tensors[x].reshape(shape)
+            else:
+                o = tensors.get(out)
+                if o is not None and metas[out] == meta:
+                    o[...] = tensors[x].reshape(shape)
+                else:
+                    tensors[out] = np.array(tensors[x].reshape(shape), copy=True)
+
+        return run_reshape
 
     def _prepare_fused(self, b: Bound) -> Callable[[], None] | None:
         """A fused instruction on one block of float32 or float64, its operands of the output's shape and dtype:
