@@ -98,9 +98,33 @@ def main() -> None:
     print(f"  median of the rounds' bests: deepx/torch {medians['deepx'] / medians['torch']:.2f}x, "
           f"compiled/torch {medians['deepx compiled'] / medians['torch']:.2f}x")
     print(f"aim: no slower than torch -> {'met' if results['deepx'] <= results['torch'] else 'NOT met'}")
+    split = kernel_split(dx_step, opts.steps * 2)
+    print(f"  where deepx's eager step goes (mean of {opts.steps * 2} steps): {split['step'] * 1e3:.2f} ms, of which "
+          f"the op worker's kernels {split['kernels'] * 1e3:.2f} ms and the rest (recording, the hand-off to the "
+          f"daemon's thread and back, the scheduler) {(split['step'] - split['kernels']) * 1e3:.2f} ms")
+    results["split"] = split
     out = Path(__file__).parent / "results" / "train.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({**results, "rounds": rounds}, indent=2))
+
+
+def kernel_split(step, n: int) -> dict[str, float]:
+    """Mean step time over n steps, and the mean time the embedded op worker spent in its kernels (its op
+    statistics, what `deepxctl ops` shows) in those steps."""
+    import deepx_sdk as dx
+
+    transport = dx.session().transport
+    worker = transport.node.worker()
+
+    def busy() -> float:
+        return sum(s["seconds"] for s in transport._call(worker.ask("op_stats")).values())
+
+    before = busy()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    elapsed = time.perf_counter() - t0
+    return {"step": elapsed / n, "kernels": (busy() - before) / n}
 
 
 if __name__ == "__main__":
