@@ -107,3 +107,18 @@ def assert_same(x: dx.Tensor, ref: torch.Tensor, rtol: float | None = None, atol
                                    rtol=r if rtol is None else rtol, atol=a if atol is None else atol, equal_nan=True)
     else:
         np.testing.assert_array_equal(got, want)
+
+
+def cross_entropy_step(model, opt, x, y, tmodel, topt, tx, ty) -> tuple[float, float]:
+    """One SGD step of a deepx classifier and of its torch twin on the same batch: both losses, deepx's first."""
+    import deepx_sdk.nn.functional as F
+
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    topt.zero_grad()
+    tloss = torch.nn.functional.cross_entropy(tmodel(tx), ty)
+    tloss.backward()
+    topt.step()
+    return loss.item(), tloss.item()

@@ -12,6 +12,7 @@ import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.optim import SGD
+from tests.sdk.conftest import cross_entropy_step
 
 
 @pytest.fixture
@@ -96,16 +97,9 @@ def test_training_an_mlp_reduces_the_loss_like_torch(data):
     tX, ty = torch.tensor(data["X"]), torch.tensor(data["y"])
     losses = []
     for _ in range(15):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(X), y)
-        loss.backward()
-        opt.step()
-        topt.zero_grad()
-        tloss = torch.nn.functional.cross_entropy(tmodel(tX), ty)
-        tloss.backward()
-        topt.step()
-        losses.append(loss.item())
-        assert losses[-1] == pytest.approx(tloss.item(), rel=1e-8)
+        loss, tloss = cross_entropy_step(model, opt, X, y, tmodel, topt, tX, ty)
+        losses.append(loss)
+        assert loss == pytest.approx(tloss, rel=1e-8)
     assert losses[-1] < 0.5 * losses[0]
 
 

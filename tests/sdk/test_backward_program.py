@@ -19,6 +19,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.optim import SGD
 from deepx_sdk.session import Session
 from tests.daemon.conftest import Daemon
+from tests.sdk.conftest import cross_entropy_step
 
 
 @contextlib.contextmanager
@@ -56,16 +57,9 @@ def _train(rng: np.random.Generator, steps: int, sent: list[tuple[int, int]]) ->
     losses = []
     try:
         for _ in range(steps):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(dxx), dxy)
-            loss.backward()
-            opt.step()
-            topt.zero_grad()
-            tloss = torch.nn.functional.cross_entropy(tmodel(tx), ty)
-            tloss.backward()
-            topt.step()
-            losses.append(loss.item())
-            assert losses[-1] == pytest.approx(tloss.item(), rel=1e-12)
+            loss, tloss = cross_entropy_step(model, opt, dxx, dxy, tmodel, topt, tx, ty)
+            losses.append(loss)
+            assert loss == pytest.approx(tloss, rel=1e-12)
     finally:
         transport.run = run
     for p, tp in zip(model.parameters(), tmodel.parameters()):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import itertools
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,7 @@ from deepxd.kernels.cpu._util import F32, F64
 BLOCK = 1 << 16
 #: the numpy backend uses threads only above this many elements per thread
 THREAD_MIN = 1 << 19
-MAX_THREADS = max(1, min(8, os.cpu_count() or 1))
+MAX_THREADS = native.MAX_THREADS  # one pool size for both backends
 
 _BINARY: dict[type, np.ufunc] = {ast.Add: np.add, ast.Sub: np.subtract, ast.Mult: np.multiply, ast.Div: np.divide,
                                  ast.Pow: np.power}

@@ -36,6 +36,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -56,7 +57,7 @@ SUFFIX = {F32: "f32", F64: "f64"}
 
 #: an expression is compiled after it has run this many times on numpy
 HOT = 3
-MAX_THREADS = max(1, min(8, os.cpu_count() or 1))  # as the fused kernels' pool (deepxd/kernels/cpu/fused.py)
+MAX_THREADS = max(1, min(8, os.cpu_count() or 1))  # the kernels' thread pool (fused._threads) and its pieces
 #: relu runs on numpy below this many elements, where a call through ctypes costs more than the loop saves
 RELU_MIN = 1 << 15
 #: fused expressions run on numpy's tape below this many elements, where the tape costs less than the call
@@ -431,8 +432,6 @@ def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: 
          eps: float, weight_decay: float, step: int, decoupled: bool, p_out: np.ndarray, m_out: np.ndarray,
          v_out: np.ndarray) -> bool:
     """One Adam or AdamW update in one pass (optim._adam's formula); False where the caller must use numpy."""
-    import math
-
     dt = param.dtype
     if dt not in SUFFIX or not _enabled:
         return False
