@@ -10,7 +10,6 @@ read, at `dx.sync()`, or when it grows past `max_pending`. Transports:
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
 import concurrent.futures.thread  # noqa: F401  (registers its exit hook first, so that ours, below, runs before it)
@@ -31,6 +30,7 @@ import numpy as np
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param, same_program, scalar_kinds
 from deepx_sdk.ir.text import format_text
+from deepx_sdk.loopthread import LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -185,31 +185,18 @@ class EmbeddedTransport(Transport):
             env = os.environ.get("DEEPX_ROLES", "")
             roles = [r.strip() for r in env.split(",") if r.strip()] or ["registry", "heapmem", "scheduler", "op-cpu"]
         roles = with_needed_roles(list(roles))
-        # every program runs on the event loop (inline_elements -1): this process's own thread waits for each
-        # anyway, and the hop to the worker's thread and back costs about 0.1 ms a program
+        # every program runs on the event loop (inline_elements -1), which this thread borrows while the loop's own
+        # thread sleeps (deepx_sdk/loopthread.py): no thread hand-off for a program the actors answer at once
         self.config = Config(listen=f"unix://{sock}", udp="off", roles=roles, node_id=f"embedded-{os.getpid()}",
                              log_level="warning", inline_elements=-1)
-        self.loop = _new_loop()
         self.node: Any = None
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        def main() -> None:
-            asyncio.set_event_loop(self.loop)
-            try:
-                self.loop.run_until_complete(self._start())
-            except BaseException as e:
-                failure.append(e)
-                ready.set()
-                return
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=main, name="deepx-embedded", daemon=True)
-        self.thread.start()
-        ready.wait()
-        if failure:
-            raise DeepxError(f"the embedded deepxd did not start: {failure[0]}") from failure[0]
+        self.runner = LoopThread("deepx-embedded")
+        self.loop = self.runner.loop
+        try:
+            self.runner.start(self._start)
+        except BaseException as e:
+            raise DeepxError(f"the embedded deepxd did not start: {e}") from e
+        self.thread = self.runner.thread
         self.address = self.config.listen
 
     async def _start(self) -> None:
@@ -219,10 +206,10 @@ class EmbeddedTransport(Transport):
         await self.node.start()
 
     def _call(self, coro: Any) -> Any:
-        if not self.thread.is_alive():
+        if not self.runner.alive():
             coro.close()
             raise DeepxError("the embedded deepxd has stopped; call dx.connect() again")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self.runner.call(coro)
 
     lazy_backward = True
 
@@ -246,13 +233,12 @@ class EmbeddedTransport(Transport):
         return dict(r["grads"])
 
     def close(self) -> None:
-        if self.thread.is_alive():
+        if self.runner.alive():
             try:
-                asyncio.run_coroutine_threadsafe(self.node.shutdown(), self.loop).result(30)
+                self.runner.send(self.node.shutdown(), 30)
             except Exception as e:
                 log.warning("embedded deepxd: shutdown failed: %s", e)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
+        self.runner.stop(10)
 
 
 class UdpTransport(Transport):
@@ -292,15 +278,6 @@ class UdpTransport(Transport):
 
     def close(self) -> None:
         self.sock.close()
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:
-        return asyncio.new_event_loop()
 
 
 def open_transport(address: str | None, roles: Sequence[str] | None = None) -> Transport:

@@ -287,7 +287,8 @@ class HeapMemory(Actor):
                 log.info("%s: unlinked segment %s left by dead process %d", self.name, seg_name, pid)
 
     async def _poll(self) -> None:
-        """The lifecycle tick: pop up to TICK_BATCH commands every poll_s and apply them through the mailbox."""
+        """The lifecycle tick: pop up to TICK_BATCH commands and apply them through the mailbox; then wait for more
+        (every poll_s on Redis, until one is pushed on the embedded store)."""
         while True:
             popped = 0
             try:
@@ -302,7 +303,10 @@ class HeapMemory(Actor):
                 return
             except Exception as e:
                 log.warning("%s: polling %s failed: %s", self.name, LIFECYCLE, e)
-            await asyncio.sleep(0 if popped == TICK_BATCH else self.poll_s)
+            if popped == TICK_BATCH:
+                await asyncio.sleep(0)
+            else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled
+                await self.kv.wait_push(LIFECYCLE, self.poll_s)
 
     def unlink_all(self) -> None:
         """Unlink every segment now, without the storage plane: the forced-exit path (a second signal)."""

@@ -21,6 +21,7 @@ Keys used by deepx (design.md section 4):
 from __future__ import annotations
 
 import abc
+import asyncio
 import functools
 import math
 import numbers
@@ -158,6 +159,11 @@ class KV(abc.ABC):
         """Items start..stop inclusive, negative indices from the end (Redis LRANGE)."""
     @abc.abstractmethod
     async def llen(self, key: str) -> int: ...
+
+    async def wait_push(self, key: str, timeout: float) -> None:
+        """Return when list `key` may have items to pop: here after `timeout` seconds (a poll). A store that sees
+        every push itself (the embedded one) returns as soon as there are items, and does not wake before."""
+        await asyncio.sleep(timeout)
 
     # batches
     @abc.abstractmethod

@@ -81,6 +81,7 @@ class MemoryKV(KV):
         self._data: dict[str, Value] = {}
         self._file: AppendOnlyFile | None = None
         self._open = False
+        self._pushed: dict[str, asyncio.Event] = {}  # full key -> set by a push to it (wait_push's waiters)
 
     async def connect(self) -> None:
         if self._open:
@@ -136,6 +137,26 @@ class MemoryKV(KV):
     async def llen(self, key: str) -> int:
         items = self._read("llen", key, deque)
         return 0 if items is None else len(items)
+
+    async def wait_push(self, key: str, timeout: float) -> None:
+        """Every push to this store is made here, on this loop: wait for one (however long) unless items wait."""
+        self._check_open()
+        full = self.prefix + check_key(key)
+        event = self._pushed.get(full)
+        if event is None:
+            event = self._pushed[full] = asyncio.Event()
+        if not self._data.get(full):
+            event.clear()
+            await event.wait()
+
+    def _apply(self, effects: list[Effect]) -> None:
+        data, pushed = self._data, self._pushed
+        for effect in effects:
+            apply_effect(data, effect)
+            if pushed and effect[0] == "rpush":
+                event = pushed.get(effect[1])
+                if event is not None:
+                    event.set()
 
     # writes: each builds the same op tuple a batch queues
 
@@ -200,8 +221,7 @@ class MemoryKV(KV):
         if effects:
             if self._file is not None:
                 self._file.append(effects)
-            for effect in effects:
-                apply_effect(self._data, effect)
+            self._apply(effects)
             if self._file is not None and self.fsync == "always":
                 await self._file.sync()
         return result
@@ -218,8 +238,7 @@ class MemoryKV(KV):
             except DeepxError as error:
                 failed = failed or (i, op, error)
                 continue
-            for effect in effects:
-                apply_effect(self._data, effect)
+            self._apply(effects)
             done += effects
         if done and self._file is not None:
             self._file.append(done)

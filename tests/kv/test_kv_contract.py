@@ -215,6 +215,20 @@ async def test_rpush_llen_lrange(kv: KV) -> None:
         assert await kv.lrange("tensor_lifecycle", start, stop) == items[lo : hi + 1], (start, stop)
 
 
+async def test_wait_push_returns_once_items_can_be_popped(kv: KV) -> None:
+    """A waiter for a list is back within its timeout once something is pushed (the embedded store at once, without
+    waking before; Redis at its next poll), and at once when items already wait."""
+    await kv.rpush("q", b"early")
+    await asyncio.wait_for(kv.wait_push("q", 0.01), 5)
+    assert await kv.lpop("q") == [b"early"]
+    waiter = asyncio.ensure_future(kv.wait_push("q", 0.05))
+    await asyncio.sleep(0)
+    async with kv.batch() as b:
+        b.rpush("q", b"late")
+    await asyncio.wait_for(waiter, 5)
+    assert await kv.lpop("q") == [b"late"]
+
+
 async def test_lpop_counts(kv: KV) -> None:
     assert await kv.lpop("q") == []
     assert await kv.lpop("q", 5) == []

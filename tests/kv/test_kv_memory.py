@@ -415,3 +415,26 @@ async def test_the_prefix_is_part_of_the_stored_key(tmp_path: Path) -> None:
     async with MemoryKV(url(path), prefix="a:") as kv:
         assert await kv.get("k") == b"A"
     assert [r[0][1] for r in records(path)] == ["a:k", "b:k"]
+
+
+async def test_wait_push_sleeps_until_a_push_to_its_list() -> None:
+    """The embedded store sees every push: heapmem's lifecycle poll waits on it instead of ticking, so an idle
+    embedded daemon's loop sleeps. A push to another list, or another write, does not wake it."""
+    async with MemoryKV() as kv:
+        waiter = asyncio.ensure_future(kv.wait_push("tensor_lifecycle", 0.001))
+        await asyncio.sleep(0.05)  # far past the timeout a poll would have used
+        assert not waiter.done()
+        await kv.rpush("other", b"x")
+        await kv.set("tensor_lifecycle:not-the-list", b"y")
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        await kv.rpush("tensor_lifecycle", b"cmd")
+        await asyncio.wait_for(waiter, 1)
+        # two waiters on one list both wake; one that comes while items wait does not sleep at all
+        waiters = [asyncio.ensure_future(kv.wait_push("l2", 1)) for _ in range(2)]
+        await asyncio.sleep(0)
+        async with kv.batch() as b:
+            b.rpush("l2", b"a")
+        await asyncio.wait_for(asyncio.gather(*waiters), 1)
+        await asyncio.wait_for(kv.wait_push("l2", 1), 0.5)
+        assert await kv.lpop("l2") == [b"a"]
