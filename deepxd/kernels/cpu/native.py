@@ -343,19 +343,30 @@ def _address(a: np.ndarray) -> int:
 
 def fits(arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray], dt: np.dtype, n: int) -> list[int] | None:
     """The addresses of the arrays then the outputs, where a C loop over n elements may take them: all
-    C-contiguous of dtype `dt` and n elements, and each output either one of the inputs (the same buffer: an update
-    in place) or apart from every input and every other output. None where it may not."""
-    for a in (*arrays, *outs):
-        if a.dtype != dt or a.size != n or not a.flags.c_contiguous:
+    C-contiguous of dtype `dt` and n elements, each output writable and either one of the inputs (the same buffer:
+    an update in place) or apart from every input and every other output. None where it may not."""
+    where = []
+    for a in arrays:
+        if (a.dtype is not dt and a.dtype != dt) or a.size != n:
             return None
-    for o in outs:
-        if not o.flags.writeable:
-            return None
+        try:
+            where.append(_addressof(_CHAR.from_buffer(a)))  # type: ignore[arg-type]  # C-contiguous and writable
+        except (TypeError, ValueError):  # read-only, empty, or strided
+            if not a.flags.c_contiguous:
+                return None
+            where.append(a.__array_interface__["data"][0])
     size = n * dt.itemsize
-    where = [_address(a) for a in arrays]
+    k = len(where)
     for o in outs:
-        lo = _address(o)
-        if lo in where[len(arrays):]:
+        if (o.dtype is not dt and o.dtype != dt) or o.size != n:
+            return None
+        try:
+            lo = _addressof(_CHAR.from_buffer(o))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            if n or not o.flags.writeable or not o.flags.c_contiguous:
+                return None
+            lo = o.__array_interface__["data"][0]
+        if lo in where[k:]:
             return None  # two outputs in one buffer
         for other in where:  # an input it is (the same buffer) is read at the same index; any other overlap is not
             if other != lo and other < lo + size and lo < other + size:
@@ -377,10 +388,10 @@ def _pieces(n: int) -> list[tuple[int, int]]:
 
 def _split_call(fn: Callable[..., None], n: int, base: Sequence[int], rest: Sequence[Any], itemsize: int) -> None:
     """fn(count, *pointers, *rest) over n elements, in pieces on the fused kernels' threads when n is large."""
-    pieces = _pieces(n)
-    if len(pieces) == 1:
+    if n < 2 * THREAD_MIN or MAX_THREADS == 1:
         fn(n, *base, *rest)
         return
+    pieces = _pieces(n)
     from deepxd.kernels.cpu.fused import _threads
 
     futures = [_threads().submit(fn, hi - lo, *[b + lo * itemsize for b in base], *rest) for lo, hi in pieces[1:]]
