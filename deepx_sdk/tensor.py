@@ -883,9 +883,14 @@ class Tensor:
         return self.permute(order)
 
     def t(self) -> Tensor:
+        shape = self.shape
+        if len(shape) == 2:  # every Linear's weight, every step: straight to the instruction
+            out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self])
+            out._k = (out.name, out.dtype, out.shape, True)  # a view in the daemon: see permute
+            return out
         if self.ndim > 2:
             raise DeepxError(f"t(): '{self.name}' has {self.ndim} dims; use transpose or mT")
-        return self.transpose(0, 1) if self.ndim == 2 else self
+        return self
 
     @property
     def T(self) -> Tensor:  # torch's name
@@ -1388,7 +1393,15 @@ def as_tensor(data: Any, dtype: Any = None) -> Tensor:
 # ---------------------------------------------------------------- functions with several tensors
 
 
+#: dtypes whose 2-D matmul takes matmul's fast path (the op takes every NUMERIC dtype; these are the usual)
+_MATMUL_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16"})
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
+    sa, sb = a.shape, b.shape
+    if len(sa) == 2 and len(sb) == 2 and sa[1] == sb[0] and a.dtype is b.dtype and a.dtype in _MATMUL_DTYPES:
+        # two matrices of one dtype (a Linear layer's): what the general path below works out, without its steps
+        return a._op("matmul", (_tp(a), _tp(b)), (sa[0], sb[1]), a.dtype, [a, b])
     dt = promote(a.dtype, b.dtype)
     a, b = a.type_as_dtype(dt), b.type_as_dtype(dt)
     squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1
