@@ -44,9 +44,19 @@ class RunResult:
     # when it is read, which an embedded client never does
     raw_times: list[float] = field(default_factory=list)
     time_maps: list[tuple[Sequence[int], int]] = field(default_factory=list)
+    # a known program's clock: its start and each instruction's end (perf_counter), made into raw_times when read
+    clock: tuple[float, list[float]] | None = None
 
     @property
     def times_us(self) -> list[float]:
+        if self.clock is not None:
+            start, ends = self.clock
+            self.clock = None
+            prev = start
+            for t in ends:
+                self.raw_times.append((prev - start) * 1e6)
+                self.raw_times.append((t - start) * 1e6)
+                prev = t
         if self.time_maps:
             from deepxd.compiler.pipeline import original_times
 
@@ -79,6 +89,7 @@ class KnownProgram(NamedTuple):
     state: tuple[tuple[TensorMeta | None, bool], ...]
     bounds: list[Bound]
     steps: list[Any]  # prepared at the first repeat: most programs that never repeat are never prepared
+    slots: list[tuple[OpStat, int]]  # per instruction, its op's statistics and its bytes (filled at the first run)
     heavy: bool
     deletes: bool
     transient: set[int]
@@ -249,7 +260,7 @@ class OpWorker(Actor):
             del bucket[0]
         program = program if type(program) is list else list(program)
         bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
-                                   tuple((metas.get(n), n in heap) for n in names), bounds, [], heavy,
+                                   tuple((metas.get(n), n in heap) for n in names), bounds, [], [], heavy,
                                    any(b.op.name == "deltensor" for b in bounds),
                                    transient if transient is not None else set()))
 
@@ -410,7 +421,8 @@ class CpuWorker(OpWorker):
             s.bytes += b.nbytes
 
     def _execute_known(self, known: KnownProgram, result: RunResult) -> None:
-        """_execute for a known program: its instructions prepared, one clock read each, statistics after."""
+        """_execute for a known program: its instructions prepared, one clock read each; the statistics after, into
+        the OpStat of each instruction's op (found once per program), and the times worked out only if read."""
         now = time.perf_counter
         ends: list[float] = []
         add = ends.append
@@ -431,19 +443,20 @@ class CpuWorker(OpWorker):
             else:
                 raise
         result.done = i
-        times = result.times_us
-        stats = self.op_stats
+        result.clock = (start, ends)
+        slots = known.slots
+        if not slots:
+            stats = self.op_stats
+            for b in known.bounds:
+                s = stats.get(b.op.name)
+                if s is None:
+                    s = stats[b.op.name] = OpStat()
+                slots.append((s, b.nbytes))
         prev = start
-        for b, t in zip(known.bounds, ends):
-            times.append((prev - start) * 1e6)
-            times.append((t - start) * 1e6)
-            name = b.op.name
-            s = stats.get(name)
-            if s is None:
-                s = stats[name] = OpStat()
+        for (s, nbytes), t in zip(slots, ends):
             s.calls += 1
             s.seconds += t - prev
-            s.bytes += b.nbytes
+            s.bytes += nbytes
             prev = t
 
     def _heavy(self, bounds: list[Bound]) -> bool:
