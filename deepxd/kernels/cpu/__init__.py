@@ -169,8 +169,10 @@ class CpuExecutor:
             if quick is not None:
                 return quick
         if (b.op.family in STORE_FAMILIES or name in ("reshape", "transpose") or b.instr.meta or 2 in kinds
-                or len(b.outs) != 1 or b.outs[0] is None):
+                or not b.outs or any(m is None for m in b.outs)):
             return lambda: self.execute(b)
+        if len(b.outs) > 1:
+            return self._prepare_outputs_held(b, kernel, kinds)
         tensors = self.tensors
         metas = tensors.metas
         out, meta = str(b.out_names[0]), b.outs[0]
@@ -264,6 +266,30 @@ class CpuExecutor:
                 tensors[out] = o
 
         return run
+
+    def _prepare_outputs_held(self, b: Bound, kernel: Callable[..., None], kinds: tuple[int, ...]
+                              ) -> Callable[[], None]:
+        """An op with several outputs (the optimizer updates, written in place every step): the kernel called on
+        the held outputs directly while each exists with its shape and dtype and none is a view or viewed; execute's
+        way otherwise."""
+        tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
+        outs = [str(n) for n in b.out_names]
+        wanted = list(zip(outs, b.outs))
+        spec = tuple((k == 1, n if k == 1 else v) for k, v, n in zip(kinds, b.args, b.names))
+
+        def run_held() -> None:
+            if shared and any(n in shared for n in outs):
+                self.execute(b)
+                return
+            held = []
+            for n, m in wanted:
+                if metas.get(n) != m:
+                    self.execute(b)
+                    return
+                held.append(tensors[n])
+            kernel(*[tensors[x] if t else x for t, x in spec], *held)
+
+        return run_held
 
     def _prepare_bookkeeping(self, b: Bound) -> Callable[[], None] | None:
         """deltensor and reshape, which a training step has dozens of, without execute's dispatch: straight to the
