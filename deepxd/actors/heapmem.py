@@ -303,6 +303,8 @@ class HeapMemory(Actor):
                 return
             except Exception as e:
                 log.warning("%s: polling %s failed: %s", self.name, LIFECYCLE, e)
+                await asyncio.sleep(self.poll_s)  # the store refuses: try again at a poll's pace
+                continue
             if popped == TICK_BATCH:
                 await asyncio.sleep(0)
             else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled

@@ -145,9 +145,12 @@ class MemoryKV(KV):
         event = self._pushed.get(full)
         if event is None:
             event = self._pushed[full] = asyncio.Event()
-        if not self._data.get(full):
+        held = self._data.get(full)
+        if held is None or (type(held) is deque and not held):
             event.clear()
             await event.wait()
+        elif type(held) is not deque:  # not a list: lpop refuses it; a poll's pace, not a spin
+            await asyncio.sleep(timeout)
 
     def _apply(self, effects: list[Effect]) -> None:
         data, pushed = self._data, self._pushed

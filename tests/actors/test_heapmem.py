@@ -367,6 +367,42 @@ async def test_lifecycle_commands_are_applied_within_a_second_and_bad_ones_skipp
     assert (await ask(heap, "stats"))["pooled_segments"] == 2
 
 
+async def test_a_store_that_refuses_the_lifecycle_list_is_polled_not_spun(tmp_path, node, caplog, monkeypatch):
+    """Commands wait in the lifecycle list but the persisted store refuses every write (its disk is full: a failed
+    append refuses the rest until a restart), so each pop fails: heapmem retries at the poll's pace, with a warning
+    a poll, and the loop's other work goes on (a spin would hang every actor)."""
+    import errno
+
+    from deepxd.kv import memory
+
+    caplog.set_level(logging.WARNING, logger="deepxd.actors.heapmem")
+    store = open_kv(file_url(tmp_path))
+    await store.connect()
+    pack: Callable[[dict[str, Any]], bytes] = msgpack.packb  # type: ignore[assignment]
+    await store.rpush(LIFECYCLE, pack({"cmd": "create", "name": "u", "shape": [2], "dtype": "float32"}))
+
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(memory.os, "write", full)
+    actor = HeapMemory(store, node, poll_s=0.02)
+    actor.start()
+    try:
+        ticks = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.3:
+            await asyncio.sleep(0.01)
+            ticks += 1
+        failed = [r for r in caplog.records if "polling" in r.getMessage()]
+        assert ticks >= 10  # this loop's timers kept firing
+        assert 2 <= len(failed) <= 0.3 / actor.poll_s + 5, len(failed)
+        assert await store.llen(LIFECYCLE) == 1  # nothing lost: the command waits for a store that takes writes
+    finally:
+        monkeypatch.undo()
+        await actor.stop()
+        await store.close()
+
+
 # -- stop and restart
 
 

@@ -438,3 +438,11 @@ async def test_wait_push_sleeps_until_a_push_to_its_list() -> None:
         await asyncio.wait_for(asyncio.gather(*waiters), 1)
         await asyncio.wait_for(kv.wait_push("l2", 1), 0.5)
         assert await kv.lpop("l2") == [b"a"]
+
+
+async def test_wait_push_on_a_key_that_is_not_a_list_paces_like_a_poll() -> None:
+    async with MemoryKV() as kv:
+        await kv.set("tensor_lifecycle", b"a string")
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(kv.wait_push("tensor_lifecycle", 0.05), 1)
+        assert asyncio.get_running_loop().time() - t0 >= 0.04

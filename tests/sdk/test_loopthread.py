@@ -140,7 +140,7 @@ def test_calls_from_many_threads_at_once(runner: LoopThread) -> None:
         t.join(30)
     assert sorted(results) == sorted(k for i in range(4) for k in range(i * 100, i * 100 + 30))
     assert state["runs"] == 120 and state["most"] == 1
-    assert runner.borrowed > 0
+    assert runner.borrowed + runner.resumed > 0 and runner.sent > 0
 
 
 def test_ctrl_c_waits_for_the_end_of_a_borrowed_run(runner: LoopThread) -> None:
@@ -167,16 +167,20 @@ def test_ctrl_c_waits_for_the_end_of_a_borrowed_run(runner: LoopThread) -> None:
     assert not lt._held and not lt._caught
 
 
-def test_stop_puts_back_the_sigint_handler() -> None:
+def test_sigint_is_left_to_its_handler_between_calls(runner: LoopThread) -> None:
+    """The deferring handler is there only during a borrowed run: asyncio.run's own Ctrl-C handling (which it
+    installs only over the default handler), and anything else, sees the default handler between calls."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach Python's main thread only")
+    seen = []
+
+    async def look() -> None:
+        seen.append(signal.getsignal(signal.SIGINT))
+
     before = signal.getsignal(signal.SIGINT)
-    r = LoopThread("test-loop")
-    r.start(_nothing)
-    r.call(where())
-    assert signal.getsignal(signal.SIGINT) is (lt._on_sigint if before is signal.default_int_handler else before)
-    r.stop()
-    assert signal.getsignal(signal.SIGINT) is before
+    runner.call(look())
+    assert seen == [lt._on_sigint] and runner.borrowed == 1
+    assert signal.getsignal(signal.SIGINT) is before is signal.default_int_handler
 
 
 def test_someone_elses_sigint_handler_keeps_calls_on_the_loops_thread() -> None:
@@ -213,3 +217,112 @@ def test_a_failing_first_coroutine_is_raised_by_start() -> None:
     with pytest.raises(OSError, match="no socket"):
         r.start(broken)
     assert not r.alive()
+
+
+def test_work_left_for_the_loops_thread_goes_first(runner: LoopThread) -> None:
+    """A borrowed run that left the loop's thread a callback wakes it; calls go to that thread (behind the callback)
+    until it has done its work and slept again, then they borrow again."""
+    order: list[str] = []
+    gate = threading.Event()
+
+    def slow() -> None:
+        gate.wait(2)
+        order.append("callback")
+
+    async def leave() -> None:
+        asyncio.get_running_loop().call_soon(slow)
+
+    async def mark() -> str:
+        order.append("call")
+        return threading.current_thread().name
+
+    runner.call(leave())
+    assert runner.woken == 1
+    threading.Timer(0.05, gate.set).start()
+    assert runner.call(mark()) == "test-loop"  # sent: it runs after the callback, on the loop's thread
+    assert order == ["callback", "call"]
+    time.sleep(0.05)  # the loop's thread has slept since
+    assert runner.call(mark()) == threading.current_thread().name
+
+
+def test_a_call_from_inside_a_borrowed_run_is_refused(runner: LoopThread) -> None:
+    """A re-entrant call (a log handler or a callback that calls the SDK during a program) would wait for the turn
+    it holds itself: refused with an error instead of a hang."""
+    async def inner() -> None:
+        pass
+
+    async def outer() -> str:
+        try:
+            runner.call(inner())
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    assert "inside one of its own runs" in runner.call(outer())
+    assert runner.call(where()) == threading.current_thread().name
+
+
+def test_tasks_timeouts_and_context_variables_inside_a_borrowed_run(runner: LoopThread) -> None:
+    """The coroutine is a task of the loop from its first step: current_task, asyncio.timeout and wait_for work, a
+    context variable it sets stays in its own context, and a token set before a wait resets after it."""
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    async def task_things(wait: bool) -> str:
+        assert asyncio.current_task() is not None
+        token = var.set("inside")
+        try:
+            fut = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(fut.set_result, "ok")
+            if wait:
+                async with asyncio.timeout(5):
+                    await asyncio.sleep(0)
+                return str(await asyncio.wait_for(fut, 5))
+            return "ok"
+        finally:
+            var.reset(token)
+
+    assert runner.call(task_things(False)) == "ok"
+    assert runner.call(task_things(True)) == "ok"
+    assert var.get() == "unset"
+
+
+def test_a_cancelled_coroutine_raises_what_it_raised_before(runner: LoopThread) -> None:
+    """concurrent.futures.CancelledError (an Exception), as run_coroutine_threadsafe's result() raised it."""
+    import concurrent.futures
+
+    async def cancelled(wait: bool) -> None:
+        if wait:
+            await asyncio.sleep(0)
+        fut = asyncio.get_running_loop().create_future()
+        fut.cancel()
+        await fut
+
+    for wait in (False, True):
+        with pytest.raises(concurrent.futures.CancelledError):
+            runner.call(cancelled(wait))
+
+
+def test_a_second_ctrl_c_interrupts_at_once(runner: LoopThread) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach Python's main thread only")
+    reached = []
+
+    async def twice() -> None:
+        _thread.interrupt_main()
+        for _ in range(100):
+            time.sleep(0)
+        reached.append("after the first")
+        _thread.interrupt_main()
+        for _ in range(100):
+            time.sleep(0)
+        reached.append("after the second")
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.call(twice())
+    assert reached == ["after the first"]
+    assert not lt._held and not lt._caught
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    time.sleep(0.05)
+    assert runner.call(where()) == threading.current_thread().name  # the turn was given back
