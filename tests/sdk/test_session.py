@@ -45,8 +45,9 @@ def embedded_tensor_count() -> int:
 
 @pytest.fixture(scope="module")
 def deepxd(tmp_path_factory):
-    """One deepxd subprocess (native socket and UDP) shared by this module's tests that only talk to it."""
-    d = Daemon(tmp_path_factory.mktemp("deepxd")).start()
+    """One deepxd subprocess (native socket and UDP) shared by this module's tests that only talk to it. Its roles
+    are the embedded session's (the CPU's), so that the two give the same numbers bit for bit on a GPU machine too."""
+    d = Daemon(tmp_path_factory.mktemp("deepxd"), extra=["--role", "registry,heapmem,scheduler,op-cpu"]).start()
     yield d
     dx.disconnect()
     d.stop()
