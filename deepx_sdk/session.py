@@ -735,6 +735,13 @@ class Session:
             else:
                 self.pending.append(instr)
                 self.origins.append(None)
+        if self._lost:
+            # a temporary collected while its program was pending was pooled as the flush began (a pooled name has no
+            # handle left): it never came to exist, so it is neither pooled nor waited for
+            for names in self.pool.values():
+                for name in [m for m in names if m in self._lost]:
+                    names.remove(name)
+                    self._lost.discard(name)
 
     def _error(self, outcome: Outcome, program: list[Instr], origins: list[Any]) -> DeepxError:
         i = outcome.error_index

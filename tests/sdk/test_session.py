@@ -258,6 +258,28 @@ def test_runtime_error_names_the_innermost_user_line():
     del r
 
 
+def test_a_temporary_of_a_failed_program_is_not_pooled():
+    """`x[bad] + 1`: the index result is a temporary, collected (and pooled for reuse) before its program was sent;
+    that program then failed at the index, so the temporary never came to exist. The pool must not hand out its
+    name, nor empty_cache delete it (a deltensor of a tensor that is not there fails the next program)."""
+    s = dx.session()
+    s.sync()
+    r = _helper_that_fails(dx.ones(3))
+    with pytest.raises(dx.DeepxError, match="out of range"):
+        dx.sync()
+    del r
+    gc.collect()
+    dx.sync()
+    pooled = {n for names in s.pool.values() for n in names}
+    assert not pooled & s._lost
+    reused = [dx.ones(1) * k for k in range(4)]  # names of the failed program's shape come from the pool, if any
+    np.testing.assert_array_equal(np.concatenate([t.numpy() for t in reused]), [0.0, 1.0, 2.0, 3.0])
+    del reused
+    dx.empty_cache()
+    dx.sync()
+    assert (dx.ones(2) + 1).numpy().tolist() == [2.0, 2.0]
+
+
 def test_runtime_error_at_sync_and_at_item():
     a = dx.tensor([[1.0, 2.0], [3.0, 4.0]])
     line = lineno() + 1
