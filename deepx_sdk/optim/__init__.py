@@ -11,13 +11,25 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.tensor import Tensor, zeros
+from deepx_sdk.tensor import Tensor, _tp, zeros
 
 __all__ = ["SGD", "Adam", "AdamW", "CosineAnnealingLR", "Optimizer", "StepLR", "lr_scheduler"]
 
 
-def _tp(t: Tensor) -> Param:
-    return Param("tensor", (t.dtype,), t.name)
+#: the scalar params of the updates, by value: the same objects every step (cheaper to record, and a repeated
+#: program then compares param by param by identity); a float's key tells -0.0 from 0.0
+_VARS: dict[tuple[Any, ...], Param] = {}
+
+
+def _var(value: bool | int | float) -> Param:
+    t = type(value)
+    key = (t, value, math.copysign(1.0, value)) if t is float else (t, value)
+    p = _VARS.get(key)
+    if p is None:
+        if len(_VARS) >= 4096:
+            _VARS.clear()
+        p = _VARS[key] = Param.var(value)
+    return p
 
 
 class Optimizer:
@@ -129,9 +141,9 @@ class SGD(Optimizer):
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         # without momentum the kernel never touches the buffer: the gradient stands in for it
         buf = self._buffer(p, state, "momentum_buffer") if group["momentum"] else g
-        args = (_tp(p), _tp(g), _tp(buf), Param.var(float(group["lr"])), Param.var(float(group["momentum"])),
-                Param.var(float(group["dampening"])), Param.var(float(group["weight_decay"])),
-                Param.var(bool(group["nesterov"])), Param.var(sgd_step(int(state["step"]))))
+        args = (_tp(p), _tp(g), _tp(buf), _var(float(group["lr"])), _var(float(group["momentum"])),
+                _var(float(group["dampening"])), _var(float(group["weight_decay"])),
+                _var(bool(group["nesterov"])), _var(sgd_step(int(state["step"]))))
         p._s.record(Instr("sgd", args, (_tp(p), _tp(buf))))
 
 
@@ -149,9 +161,9 @@ class Adam(Optimizer):
         m = self._buffer(p, state, "exp_avg")
         v = self._buffer(p, state, "exp_avg_sq")
         b1, b2 = group["betas"]
-        args = (_tp(p), _tp(g), _tp(m), _tp(v), Param.var(float(group["lr"])), Param.var(float(b1)),
-                Param.var(float(b2)), Param.var(float(group["eps"])), Param.var(float(group["weight_decay"])),
-                Param.var(int(state["step"])))
+        args = (_tp(p), _tp(g), _tp(m), _tp(v), _var(float(group["lr"])), _var(float(b1)),
+                _var(float(b2)), _var(float(group["eps"])), _var(float(group["weight_decay"])),
+                _var(int(state["step"])))
         p._s.record(Instr(self.op, args, (_tp(p), _tp(m), _tp(v))))
 
 
