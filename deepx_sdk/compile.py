@@ -490,6 +490,7 @@ class _Graph:
     record: GraphRecord
     held: list[Any]  # tensors from outside that the graph reads: kept alive while the graph is in use
     updates: list[tuple[Any, Any, dict[str, Any]]] = field(default_factory=list)  # (optimizer, param, group)
+    plan: list[tuple[int, str, Any, Any]] | None = None  # where each replay scalar comes from (_scalar_plan)
 
     @property
     def instructions(self) -> int:
@@ -601,6 +602,7 @@ class CompiledFunction:
                 for p in group["params"]:
                     by_name[p.name] = (o, p, group)
         g.updates = []
+        g.plan = None
         for i, j, _ in g.record.scalars:
             if _is_step(g.record.instrs[i], j):
                 pname = str(g.record.instrs[i].args[0].value)
@@ -692,26 +694,20 @@ class CompiledFunction:
                                  "data": a.reshape(-1).view(np.uint8).data}
             k += 1
         scalars: dict[str, Any] = {}
-        upd = iter(g.updates)
         steps: list[tuple[dict[str, Any], int]] = []  # counted once the replay has run: a refused one updates nothing
-        for i, j, key in rec.scalars:
-            instr = rec.instrs[i]
-            if instr.name in _OPTIMIZER_OPS:
-                if _is_step(instr, j):  # one per update, counted as Optimizer.step counts
-                    o, p, _ = next(upd)
-                    st = o.state.setdefault(id(p), {"step": 0})
-                    steps.append((st, int(st["step"]) + 1))
-                    scalars[key] = sgd_step(steps[-1][1]) if instr.name == "sgd" else steps[-1][1]
-            elif key.startswith("seed.") and key not in scalars:  # one draw per seed the eager call drew
-                from deepx_sdk.tensor import _seed
+        for kind, key, a, b in self._scalar_plan(g):
+            if kind == _STEP:  # one per update, counted as Optimizer.step counts
+                o, p, _ = g.updates[a]
+                st = o.state.setdefault(id(p), {"step": 0})
+                steps.append((st, int(st["step"]) + 1))
+                scalars[key] = sgd_step(steps[-1][1]) if b else steps[-1][1]
+            elif kind == _SEED:  # one draw per seed the eager call drew
+                if key not in scalars:
+                    from deepx_sdk.tensor import _seed
 
-                scalars[key] = _seed(s)
-        for i, j, key in rec.scalars:  # hyperparameters, read from the groups now (a scheduler may change lr)
-            instr = rec.instrs[i]
-            if instr.name in _OPTIMIZER_OPS and not _is_step(instr, j):
-                found = self._group_of(g, str(instr.args[0].value))
-                if found is not None:
-                    scalars[key] = _hyper(OPS[instr.name].args[j].name, found)
+                    scalars[key] = _seed(s)
+            else:  # a hyperparameter, read from its group now (a scheduler may change lr)
+                scalars[key] = _hyper(b, a)
         out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs]
         # small outputs (a loss) come back with the replay: reading one next (loss.item()) then costs no round trip
         small = [t for t, (_, _, sh) in zip(out_names, rec.outputs) if math.prod(sh) <= SMALL_OUTPUT]
@@ -727,6 +723,30 @@ class CompiledFunction:
             if v is not None:
                 t._v = (s.runs, v)
         return _unspec(rec.returns, outs)
+
+    def _scalar_plan(self, g: _Graph) -> list[tuple[int, str, Any, Any]]:
+        """Per scalar of the graph, in order, where a replay takes it from: (_STEP, key, index of the update, whether
+        sgd), (_SEED, key, None, None) or (_HYPER, key, the param group, the arg's name). Worked out once per binding
+        of the graph's updates."""
+        if g.plan is None:
+            rec = g.record
+            plan: list[tuple[int, str, Any, Any]] = []
+            hypers: list[tuple[int, str, Any, Any]] = []
+            k = 0
+            for i, j, key in rec.scalars:
+                instr = rec.instrs[i]
+                if instr.name in _OPTIMIZER_OPS:
+                    if _is_step(instr, j):
+                        plan.append((_STEP, key, k, instr.name == "sgd"))
+                        k += 1
+                    else:
+                        found = self._group_of(g, str(instr.args[0].value))
+                        if found is not None:
+                            hypers.append((_HYPER, key, found, OPS[instr.name].args[j].name))
+                elif key.startswith("seed."):
+                    plan.append((_SEED, key, None, None))
+            g.plan = plan + hypers
+        return g.plan
 
     @staticmethod
     def _group_of(g: _Graph, pname: str) -> dict[str, Any] | None:
@@ -761,6 +781,9 @@ def _alive(names: set[str], opts: Sequence[Any]) -> list[Any]:
             if issubclass(type(o), Tensor) and o.name in names and o.name not in found:
                 found[o.name] = o
     return list(found.values())
+
+
+_STEP, _SEED, _HYPER = 0, 1, 2  # the kinds of _scalar_plan's entries
 
 
 def _is_step(instr: Instr, j: int) -> bool:

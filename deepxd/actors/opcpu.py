@@ -86,7 +86,8 @@ class KnownProgram(NamedTuple):
     kinds: tuple[tuple[int, int, Any], ...]
     fetch: tuple[str, ...]
     names: tuple[str, ...]
-    state: tuple[tuple[TensorMeta | None, bool], ...]
+    metas: list[TensorMeta | None]  # per name, its meta before the program (None: absent)
+    heaped: list[bool]  # per name, whether it was a heap tensor
     bounds: list[Bound]
     steps: list[Any]  # prepared at the first repeat: most programs that never repeat are never prepared
     slots: list[tuple[OpStat, int]]  # per instruction, its op's statistics and its bytes (filled at the first run)
@@ -156,7 +157,8 @@ class OpWorker(Actor):
         fetch = tuple(fetch)
         for k in bucket:
             if (k.fetch == fetch and same_program(program, k.program, k.kinds)
-                    and all(metas.get(n) == m and (n in heap) == h for n, (m, h) in zip(k.names, k.state))):
+                    and list(map(metas.get, k.names)) == k.metas  # C loops, and a list compare
+                    and (not (heap or any(k.heaped)) or list(map(heap.__contains__, k.names)) == k.heaped)):
                 return k
         return None
 
@@ -260,7 +262,7 @@ class OpWorker(Actor):
             del bucket[0]
         program = program if type(program) is list else list(program)
         bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
-                                   tuple((metas.get(n), n in heap) for n in names), bounds, [], [], heavy,
+                                   [metas.get(n) for n in names], [n in heap for n in names], bounds, [], [], heavy,
                                    any(b.op.name == "deltensor" for b in bounds),
                                    transient if transient is not None else set()))
 
