@@ -119,8 +119,8 @@ class Scheduler(Actor):
         self.backwards: dict[Any, list[tuple[list[Instr], Any, dict[str, Any], list[Instr], dict[str, str]]]] = {}
         self.backward_hits = 0
         self.backward_misses = 0
-        # backward instructions expanded before (_expansion): probe -> [(program, kinds, forwards, state, expanded,
-        # where)]
+        # backward instructions expanded before (_expansion): probe -> [(program, kinds, forwards, (names, their
+        # metas before), expanded, where)]
         self.expansions: dict[Any, list[tuple[Any, ...]]] = {}
         self.expansion_hits = 0
 
@@ -252,10 +252,10 @@ class Scheduler(Actor):
 
         key = self._expansion_key(program, marks)
         for e in self.expansions.get(key, ()) if key is not None else ():
-            known, kinds, forwards, state, expanded, where = e
+            known, kinds, forwards, (names, metas), expanded, where = e
             if (same_program(program, known, kinds)
                     and all(same_program(marks[i]["forward"], f, k) for i, (f, k) in forwards.items())
-                    and all(before.get(n) == m for n, m in state)):
+                    and list(map(before.get, names)) == metas):
                 self.expansion_hits += 1
                 return expanded, where
         return None
@@ -283,7 +283,7 @@ class Scheduler(Actor):
             del bucket[0]
         bucket.append((list(program), scalar_kinds(program),
                        {i: (list(m["forward"]), scalar_kinds(m["forward"])) for i, m in marks.items()},
-                       tuple((n, before.get(n)) for n in sorted(names)), expanded, where))
+                       (tuple(sorted(names)), [before.get(n) for n in sorted(names)]), expanded, where))
 
     async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
         metas, keep = await worker.ask("state")

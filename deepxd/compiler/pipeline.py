@@ -93,6 +93,9 @@ class _Exact(NamedTuple):
     fuse_limits: tuple[int, int]  # fuse_min_elements, fuse_min_ops
     out: list[Instr] | None  # None: the passes changed nothing
     origins: tuple[int, ...]
+    metas: list[TensorMeta | None]  # flags by column, as the hit check compares them (lists built by C loops)
+    fetched: list[bool]
+    kept: list[bool]
 
 
 class PlanCache:
@@ -149,8 +152,9 @@ class PlanCache:
             metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
             for e in same:
                 if (e.fuse_limits == (ctx.fuse_min_elements, ctx.fuse_min_ops)
-                        and all(metas.get(n) == m and (n in fetch) == f and (n in keep) == k
-                                for n, (m, f, k) in zip(e.names, e.flags))):
+                        and list(map(metas.get, e.names)) == e.metas
+                        and list(map(fetch.__contains__, e.names)) == e.fetched
+                        and list(map(keep.__contains__, e.names)) == e.kept):
                     self.hits += 1
                     self.exact_hits += 1
                     ctx.origins = list(e.origins)
@@ -192,7 +196,8 @@ class PlanCache:
         same = len(out) == len(program) and all(a is b for a, b in zip(out, program))
         bucket.append(_Exact(program, scalar_kinds(program), tuple(names), flags,
                              (ctx.fuse_min_elements, ctx.fuse_min_ops),
-                             None if same else out, tuple(ctx.origins)))
+                             None if same else out, tuple(ctx.origins), [f[0] for f in flags], [f[1] for f in flags],
+                             [f[2] for f in flags]))
 
     def _key(self, program: Sequence[Instr], ctx: PassContext) -> tuple[Any, list[str]] | None:
         ids: dict[str, int] = {}
