@@ -329,7 +329,7 @@ class CpuWorker(OpWorker):
         if known is not None:
             self.known_hits += 1
             if not known.steps:
-                known.steps.extend(self.ex.prepare(b) for b in known.bounds)
+                known.steps.extend(self.ex.prepare_program(known.bounds, known.fetch))
             self.ex.transient = known.transient
             if known.heavy:
                 await self._offload(self._execute_known, known, result)

@@ -230,3 +230,133 @@ def test_prepared_deletes_and_reshapes_equal_execute(views):
     for n in results[0]:
         np.testing.assert_array_equal(results[1][n], results[0][n])
     np.testing.assert_array_equal(results[1]["x"], X * 4)
+
+
+def _run_program_twice(text: str, prepared: bool, tensors: dict[str, np.ndarray],
+                       fetch: tuple[str, ...] = ()) -> tuple[CpuExecutor, list[dict[str, np.ndarray]]]:
+    """Run a program twice (the way a training step repeats), with execute, or with prepare_program's steps made
+    from the first run's checked program; the tensors after each run."""
+    ex = CpuExecutor()
+    for name, a in tensors.items():
+        ex.put(name, a.copy())
+    program = parse_text(text.strip())
+    after = []
+    steps = None
+    for _ in range(2):
+        bounds = check_program(program, ex, ex.plans)
+        ex.transient = transient_transposes(bounds)
+        if prepared:
+            steps = steps or ex.prepare_program(bounds, fetch)
+            for step in steps:
+                step()
+        else:
+            for b in bounds:
+                ex.execute(b)
+        after.append({n: ex.tensors[n].copy() for n in ex.tensors})
+    return ex, after
+
+
+FOLDS = {
+    # x @ w.t(), the forward of a Linear layer: folded
+    "forward": ("""
+        transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)
+        matmul (tensor<float32>:x, tensor<float32>:wt) -> (tensor<float32>:y)
+        addscalar (tensor<float32>:y, var<float32>:1.0) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:wt)
+        mulscalar (tensor<float32>:w, var<float32>:0.5) -> (tensor<float32>:w)
+    """, [(0, 1, 3)]),
+    # the backward's g.T @ x, the operand deleted between the transpose and the matmul: folded (the array is held)
+    "operand deleted": ("""
+        mulscalar (tensor<float32>:x, var<float32>:2.0) -> (tensor<float32>:g)
+        transpose (tensor<float32>:g, vector<int32>:[1 0]) -> (tensor<float32>:gt)
+        deltensor () -> (tensor<float32>:g)
+        matmul (tensor<float32>:gt, tensor<float32>:x) -> (tensor<float32>:dw)
+        deltensor () -> (tensor<float32>:gt)
+    """, [(1, 3, 4)]),
+    # the operand written in place before the matmul: the view keeps the old values; not folded
+    "operand written": ("""
+        transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)
+        mulscalar (tensor<float32>:w, var<float32>:3.0) -> (tensor<float32>:w)
+        matmul (tensor<float32>:x, tensor<float32>:wt) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:wt)
+    """, []),
+    # read twice, or kept: not folded
+    "read twice": ("""
+        transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)
+        matmul (tensor<float32>:x, tensor<float32>:wt) -> (tensor<float32>:y)
+        addscalar (tensor<float32>:wt, var<float32>:1.0) -> (tensor<float32>:z)
+        deltensor () -> (tensor<float32>:wt)
+    """, []),
+    "kept": ("""
+        transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)
+        matmul (tensor<float32>:x, tensor<float32>:wt) -> (tensor<float32>:y)
+    """, []),
+    # the matmul writes its own operand: not folded
+    "into the operand": ("""
+        copytensor (tensor<float32>:x) -> (tensor<float32>:sq)
+        mulscalar (tensor<float32>:x, var<float32>:0.0) -> (tensor<float32>:sq)
+        newtensor (vector<int32>:[3 3]) -> (tensor<float32>:q)
+        transpose (tensor<float32>:q, vector<int32>:[1 0]) -> (tensor<float32>:qt)
+        matmul (tensor<float32>:qt, tensor<float32>:q) -> (tensor<float32>:q)
+        deltensor () -> (tensor<float32>:qt)
+    """, []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOLDS))
+def test_a_transpose_that_only_feeds_one_matmul_is_folded_into_it(case):
+    """prepare_program folds exactly the transposes whose result one matmul reads and the program then deletes; the
+    tensors after every run are execute's, value for value, folded or not."""
+    from deepxd.kernels.cpu import _foldable_transposes
+
+    text, folds = FOLDS[case]
+    rng = np.random.default_rng(3)
+    tensors = {"x": rng.standard_normal((3, 4)).astype(np.float32),
+               "w": rng.standard_normal((5, 4)).astype(np.float32) if case != "operand deleted"
+               else rng.standard_normal((3, 4)).astype(np.float32)}
+    ex = CpuExecutor()
+    for name, a in tensors.items():
+        ex.put(name, a.copy())
+    try:
+        bounds = check_program(parse_text(text.strip()), ex, ex.plans)
+    except Exception:
+        pytest.skip(f"{case}: not a valid program here")
+    assert _foldable_transposes(bounds, (), ex.pinned) == folds
+    _, plain = _run_program_twice(text, False, tensors)
+    _, folded = _run_program_twice(text, True, tensors)
+    for a, b in zip(plain, folded):
+        assert a.keys() == b.keys()
+        for n in a:
+            np.testing.assert_array_equal(b[n], a[n], err_msg=f"{case}: {n}")
+
+
+def test_a_fetched_or_heap_transpose_is_not_folded():
+    from deepxd.kernels.cpu import _foldable_transposes
+
+    text = """
+        transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)
+        matmul (tensor<float32>:x, tensor<float32>:wt) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:wt)
+    """
+    ex = CpuExecutor()
+    ex.put("x", np.ones((3, 4), np.float32))
+    ex.put("w", np.ones((5, 4), np.float32))
+    bounds = check_program(parse_text(text.strip()), ex, ex.plans)
+    assert _foldable_transposes(bounds, (), ()) == [(0, 1, 2)]
+    assert _foldable_transposes(bounds, ("wt",), ()) == []
+    assert _foldable_transposes(bounds, (), {"wt"}) == []
+
+
+def test_a_folded_transposes_name_held_from_before_is_still_deleted():
+    """The name a folded transpose would make may hold a tensor from before the program (a name used again): the
+    transpose would have replaced it and the delete removed it; folded, the delete removes the old one."""
+    text = """
+        transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)
+        matmul (tensor<float32>:x, tensor<float32>:wt) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:wt)
+    """
+    tensors = {"x": np.ones((3, 4), np.float32), "w": np.full((5, 4), 2.0, np.float32),
+               "wt": np.zeros((4, 5), np.float32)}
+    _, after = _run_program_twice(text, True, tensors)
+    assert "wt" not in after[0] and "wt" not in after[1]
+    np.testing.assert_array_equal(after[1]["y"], np.full((3, 5), 8.0))

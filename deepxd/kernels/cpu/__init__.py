@@ -12,7 +12,7 @@ import logging
 import operator
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,50 @@ class CpuExecutor:
     def run_all(self, instrs: Sequence[Instr]) -> None:
         for instr in instrs:
             self.run(instr)
+
+    def prepare_program(self, bounds: Sequence[Bound], fetch: Collection[str] = ()) -> list[Callable[[], None]]:
+        """prepare() for each instruction of a program that runs again and again, with one rewrite across
+        instructions: a transpose whose result only feeds one matmul and is then deleted (`x @ W.t()`, and the
+        backward's `g.T @ x`) is not made at all; the matmul reads the operand transposed (BLAS's way, as it read the
+        view), and the delete deletes nothing. The operand's array is held from the transpose to the matmul, as the
+        view held it, so that deleting the operand's name in between changes nothing."""
+        steps = [self.prepare(b) for b in bounds]
+        for i, j, k in _foldable_transposes(bounds, fetch, self.pinned):
+            steps[i], steps[j], steps[k] = self._fold_transpose(bounds[i], bounds[j], bounds[k])
+        return steps
+
+    def _fold_transpose(self, t: Bound, mm: Bound, delete: Bound) -> tuple[Callable[[], None], ...]:
+        tensors, metas = self.tensors, self.tensors.metas
+        src, name = t.names[0], str(t.out_names[0])
+        held: list[Any] = [None]
+        x, y = mm.names
+        out, meta = str(mm.out_names[0]), mm.outs[0]
+        assert meta is not None
+        npdt, shape = to_numpy(meta.dtype), meta.shape
+        kernel = KERNELS["matmul"]
+
+        def hold() -> None:
+            held[0] = tensors[src]
+
+        def run_matmul() -> None:
+            a = held[0].T if x == name else tensors[x]
+            c = held[0].T if y == name else tensors[y]
+            held[0] = None
+            if self.shared and out in self.shared:
+                self.unshare(out)
+            o = tensors.get(out)
+            if o is not None and metas[out] == meta:
+                kernel(a, c, o)
+            else:
+                o = np.empty(shape, npdt)
+                kernel(a, c, o)
+                tensors[out] = o
+
+        def run_delete() -> None:  # the name was never made; one held from before the program goes as usual
+            if name in tensors:
+                self.execute(delete)
+
+        return hold, run_matmul, run_delete
 
     def prepare(self, b: Bound) -> Callable[[], None]:
         """A call that does what execute(b) does, with what can be decided once decided: for a program that runs
@@ -563,6 +607,44 @@ def _direct_ufunc(b: Bound) -> np.ufunc | None:
         if k == 0 and type(v) not in (int, float):
             return None
     return uf
+
+
+def _foldable_transposes(bounds: Sequence[Bound], fetch: Collection[str], pinned: Any
+                         ) -> list[tuple[int, int, int]]:
+    """(transpose, matmul, deltensor) positions for prepare_program: a 2-D transpose (not of a heap tensor's name,
+    not fetched) whose result the next instruction naming it reads as one operand of a matmul (writing neither
+    name), and the one after deletes; its operand not written in place, nor renamed, in between."""
+    found = []
+    n = len(bounds)
+    for i, b in enumerate(bounds):
+        if b.op.name != "transpose" or b.instr.meta or b.outs[0] is None or len(b.outs[0].shape) != 2:
+            continue
+        src, name = b.names[0], b.out_names[0]
+        if not isinstance(src, str) or name == src or name in fetch or name in pinned:
+            continue
+        j = i + 1
+        ok = True
+        while j < n:
+            c = bounds[j]
+            if name in c.names or name in c.out_names:
+                break
+            if c.op.name == "renametensor" and src in c.args:
+                ok = False
+            if c.op.name != "deltensor" and src in c.out_names:
+                ok = False
+            j += 1
+        if not ok or j >= n:
+            continue
+        mm = bounds[j]
+        if (mm.op.name != "matmul" or mm.instr.meta or mm.names.count(name) != 1 or mm.out_names[0] in (name, src)
+                or mm.outs[0] is None):
+            continue
+        k = j + 1
+        while k < n and name not in bounds[k].names and name not in bounds[k].out_names:
+            k += 1
+        if k < n and bounds[k].op.name == "deltensor" and not bounds[k].instr.meta:
+            found.append((i, j, k))
+    return found
 
 
 def transient_transposes(bounds: Sequence[Bound]) -> set[int]:
