@@ -223,7 +223,9 @@ def silu(a, out):
 
 def _shifted(x: np.ndarray, dim: int) -> np.ndarray:
     m = np.max(x, axis=dim, keepdims=True) if x.size else np.zeros_like(x)
-    m[~np.isfinite(m)] = 0
+    finite = np.isfinite(m)
+    if not finite.all():  # a row of infs (or NaN) is not shifted by them
+        m[~finite] = 0
     return x - m
 
 
@@ -231,7 +233,12 @@ def softmax(a, dim, out):
     if a.ndim == 0:
         out[...] = 1
         return
-    e = np.exp(_shifted(_work(a), dim))
+    x = _work(a)
+    if x is a and out.dtype == a.dtype and out.flags.c_contiguous:  # straight into the output: the same values
+        np.exp(_shifted(x, dim), out=out)
+        out /= np.sum(out, axis=dim, keepdims=True)
+        return
+    e = np.exp(_shifted(x, dim))
     e /= np.sum(e, axis=dim, keepdims=True)
     out[...] = e
 
