@@ -393,6 +393,18 @@ def _crossentropy(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(_reduction_shape(c, logits.shape[0]), logits.dtype)]
 
 
+def _crossentropygrad(c: Call) -> list[TensorMeta | None]:
+    logits, labels, g = c.args[0], c.args[1], c.args[2]
+    if len(logits.shape) != 2 or labels.shape != logits.shape[:1]:
+        raise DeepxError(f"crossentropygrad: logits '{c.names[0]}' {logits.shape} and labels '{c.names[1]}' "
+                         f"{labels.shape} are not (batch, classes) and (batch,)")
+    want = _reduction_shape(c, logits.shape[0])
+    if g.shape != want or g.dtype != logits.dtype:
+        raise DeepxError(f"crossentropygrad: the upstream gradient '{c.names[2]}' is {g.dtype}{list(g.shape)}; "
+                         f"expected {logits.dtype}{list(want)}")
+    return [TensorMeta(logits.shape, logits.dtype)]
+
+
 def _mse(c: Call) -> list[TensorMeta | None]:
     a, b = c.args[0], c.args[1]
     dt = _dtype_match(c, 0, 1)
@@ -627,6 +639,11 @@ op("crossentropy", "nn", [t("logits"), t("labels", INDEX), v("ignore_index", "in
                           v("reduction", "str", "mean")], [t("loss")], _F, _crossentropy,
    "-log_softmax(logits)[i, labels[i]], averaged over labels != ignore_index (or summed, or per row)",
    grad=True, deepxir=False)
+op("crossentropygrad", "nn", [t("logits"), t("labels", INDEX), t("g"), v("ignore_index", "int", -100),
+                              v("reduction", "str", "mean")], [t("dlogits")], _F, _crossentropygrad,
+   "crossentropy's gradient for upstream gradient g: (softmax(logits) - onehot(labels)) on rows whose label is kept, "
+   "times g (divided by their count for mean; g[i] per row for none); what autograd emits for the CPU",
+   deepxir=False)
 op("mse", "nn", [_A, _B, v("reduction", "str", "mean")], [t("loss")], _F, _mse, "mean((A - B)^2)", grad=True,
    deepxir=False)
 op("layernorm", "nn", [_A, t("weight"), t("bias"), v("eps", default=1e-5)], [_C], _F, _norm,

@@ -146,8 +146,9 @@ def rule(*names: str) -> Callable[[Rule], Rule]:
 
 
 class _Builder:
-    def __init__(self, forward: Sequence[Instr], env: Env, prefix: str) -> None:
+    def __init__(self, forward: Sequence[Instr], env: Env, prefix: str, target: str = "cpu") -> None:
         self.prefix = prefix
+        self.target = target  # the worker the program is for: "cpu" (op-cpu) or "cuda" (op-cuda)
         self.env = env
         self.sym = SymbolicEnv(base=env)
         self.version: dict[str, int] = {}
@@ -298,14 +299,15 @@ def _is_float(meta: TensorMeta | None) -> bool:
 
 
 def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, grad_loss: str | None = None,
-                 prefix: str = "g_") -> tuple[list[Instr], dict[str, str]]:
+                 prefix: str = "g_", target: str = "cpu") -> tuple[list[Instr], dict[str, str]]:
     """The backward instructions of `forward` (run, or about to run, on tensors whose metas `env` gives) computing
     d loss / d w for each w in `wrt`, and the map w -> its gradient's tensor name.
 
     `loss` is scalar unless `grad_loss` names the upstream gradient (loss's shape and dtype). A tensor of `wrt` that
     does not reach the loss gets a gradient of zeros. An op without a gradient rule on a path from `wrt` to `loss`
-    raises DeepxError naming it."""
-    bld = _Builder(forward, env, prefix)
+    raises DeepxError naming it. `target`: the worker the program is for ("cpu" or "cuda"): a rule may use an op
+    that only that worker has a kernel for (crossentropy's gradient is one op on the CPU, its chain on the GPU)."""
+    bld = _Builder(forward, env, prefix, target)
     for w in wrt:
         m = env.meta(w)
         if m is None:
@@ -989,6 +991,8 @@ def _crossentropy(gr: Grad, g: str) -> dict[int, str]:
     dt = gr.meta(0).dtype
     ignore, reduction = int(gr.arg(2)), gr.arg(3)
     b = gr._builder
+    if b.target == "cpu":  # the same values in one instruction (op-cuda runs the chain below on the device)
+        return {0: gr.emit("crossentropygrad", logits, labels, g, ignore, Param.var(reduction))}
     classes = b.fresh()
     b.append(Instr("newtensor", (Param.vector((1, c)),), (Param.tensor(classes, lm.dtype),)))
     b.append(Instr("arange", (Param.var(0), Param.var(1)), (Param.tensor(classes, lm.dtype),)))
@@ -1192,7 +1196,7 @@ def _fused(gr: Grad, g: str) -> dict[int, str]:
         fwd.append(Instr("broadcastTo", (Param.tensor(root, dt), Param.vector(shape)), (Param.tensor(name, dt),)))
         root = name
     wrt = sorted({n for i, n in zip(idx, names) if gr.needs(i)})
-    back, grads = grad_program(fwd, root, wrt, b.sym, grad_loss=g, prefix=f"{b.fresh()}_")
+    back, grads = grad_program(fwd, root, wrt, b.sym, grad_loss=g, prefix=f"{b.fresh()}_", target=b.target)
     for instr in (*fwd, *back):
         b.append(instr)
     b.created.update(str(i.returns[0].value) for i in fwd)

@@ -124,11 +124,75 @@ def test_crossentropy(dtype, label_dtype, reduction, rng):
         assert_close(got, tn(want), dtype, what=f"crossentropy n={n} c={c} ignore={ignore} {reduction}")
 
 
+covers("crossentropygrad")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_dtype", ["int64", "int32"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_crossentropygrad(dtype, label_dtype, reduction, rng):
+    """crossentropy's gradient (what autograd emits for the CPU) against torch autograd, for an upstream gradient g;
+    ignored rows (ignore_index out of range, or a class) get zeros."""
+    for n, c, ignore in [(5, 4, -100), (8, 10, 2), (1, 3, -100), (4, 3, 1), (0, 3, -100)]:
+        logits = rand(rng, dtype, (n, c), -4, 4)
+        labels = rng.integers(0, c, n)
+        if n >= 4:
+            labels[1] = ignore
+        labels = labels.astype(to_numpy(label_dtype))
+        g = rand(rng, dtype, (n,) if reduction == "none" else (), 0.5, 2)
+        args = [T("x", dtype), T("y", label_dtype), T("g", dtype), V(ignore), V(reduction)]
+        got = run_op("crossentropygrad", {"x": logits, "y": labels, "g": g}, args, out="d")
+        x = tt(logits).requires_grad_(True)
+        loss = F.cross_entropy(x, torch.from_numpy(labels.astype(np.int64)), ignore_index=ignore, reduction=reduction)
+        (want,) = torch.autograd.grad(loss, x, tt(g)) if n else (torch.zeros(n, c, dtype=torch.float64),)
+        assert got.shape == (n, c) and got.dtype == to_numpy(dtype)
+        assert_close(got, tn(want), dtype, what=f"crossentropygrad n={n} c={c} ignore={ignore} {reduction}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_crossentropygrad_gives_the_bits_of_the_chain_it_replaces(dtype, reduction, rng):
+    """autograd's crossentropy rule is one crossentropygrad for op-cpu and a chain of softmax, equal, todtype, sum,
+    div and fused for op-cuda: on the CPU both give the same gradient, bit for bit (NaN, inf and all)."""
+    from deepx_sdk.ir.instr import Instr, Param
+    from deepx_sdk.ir.ops import SymbolicEnv
+    from deepxd.compiler.autograd import grad_program
+
+    n, c = 9, 6
+    logits = rand(rng, dtype, (n, c), -6, 6)
+    logits[2, 3] = np.inf
+    logits[4] = -np.inf
+    labels = rng.integers(0, c, n).astype(np.int64)
+    labels[1] = 2  # ignored: ignore_index is a class here
+    labels[5] = 2
+    forward = [Instr("crossentropy", (Param.tensor("x", dtype), Param.tensor("y", "int64"), Param.var(2),
+                                      Param.var(reduction)), (Param.tensor("loss", dtype),))]
+    grads = {}
+    for target in ("cpu", "cuda"):
+        ex = executor(x=logits, y=labels)
+        ex.run_all(forward)
+        upstream = None
+        if reduction == "none":
+            ex.put("up", rand(rng, dtype, (n,), 0.5, 2) if target == "cpu" else grads["up"])
+            grads["up"] = ex.get("up")
+            upstream = "up"
+        back, names = grad_program(forward, "loss", ["x"], SymbolicEnv(ex.tensors.metas), grad_loss=upstream,
+                                   target=target)
+        assert ("crossentropygrad" in {i.name for i in back}) == (target == "cpu")
+        ex.run_all(back)
+        grads[target] = ex.get(names["x"])
+    assert grads["cpu"].tobytes() == grads["cuda"].tobytes()
+
+
 def test_crossentropy_all_ignored_mean_is_nan():
     logits = np.zeros((2, 3), np.float32)
     labels = np.array([-100, -100], np.int64)
     got = run_op("crossentropy", {"x": logits, "y": labels}, [T("x"), T("y")], out="loss")
     assert got.shape == () and np.isnan(got)
+    # its gradient is zeros, as torch's (a batch whose labels are all ignored moves nothing)
+    grad = run_op("crossentropygrad", {"x": logits, "y": labels, "g": np.ones((), np.float32)},
+                  [T("x"), T("y"), T("g")], out="d")
+    assert grad.shape == (2, 3) and not grad.any() and not np.isnan(grad).any()
 
 
 def test_crossentropy_defaults_and_bad_label(rng):

@@ -290,6 +290,33 @@ def crossentropy(logits, labels, ignore_index, reduction, out):
     out[...] = _reduce("crossentropy", picked, keep.sum() if reduction == "mean" else 1, reduction)
 
 
+def crossentropygrad(logits, labels, g, ignore_index, reduction, out):
+    """The values autograd's chain for crossentropy gives (softmax, a one-hot from labels == arange, the kept rows'
+    mask, their count), in a few steps: ((softmax - onehot) * keep) * scale, each in the output's dtype."""
+    n, c = logits.shape
+    x = _work(logits)
+    p = np.exp(_shifted(x, 1)) if n else x.copy()
+    if n:
+        p /= np.sum(p, axis=1, keepdims=True)
+    hit = (labels >= 0) & (labels < c)  # equal() against arange(c): a label outside it matches no column
+    rows = np.flatnonzero(hit)
+    p[rows, labels[rows]] -= 1
+    keep = (labels != ignore_index).astype(p.dtype)
+    p *= keep[:, None]
+    gw = _work(g)
+    if reduction == "mean":
+        count = np.sum(keep)
+        if not count:  # every label ignored: the loss is nan, its gradient zeros (as torch's)
+            out[...] = 0
+            return
+        p *= np.divide(gw, count, dtype=p.dtype)
+    elif reduction == "sum":
+        p *= gw
+    else:
+        p *= gw[:, None]
+    out[...] = p
+
+
 def mse(a, b, reduction, out):
     d = _work(a) - _work(b)
     sq = d * d
