@@ -295,9 +295,62 @@ void adam_##S(long n, const T *p, const T *g, const T *m, const T *v, T *po, T *
         memcpy(po + s, tp, k * sizeof(T)); \
     } \
 }
+/* numpy's pairwise summation of n contiguous values (what np.sum does along a contiguous axis), in its order */
+#define PWSUM(T, S) \
+static T pwsum_##S(const T *a, long n) { \
+    if (n < 8) { T res = 0; for (long i = 0; i < n; i++) res += a[i]; return res; } \
+    if (n <= 128) { \
+        T r[8]; long i; \
+        for (int k = 0; k < 8; k++) r[k] = a[k]; \
+        for (i = 8; i < n - (n % 8); i += 8) for (int k = 0; k < 8; k++) r[k] += a[i + k]; \
+        T res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7])); \
+        for (; i < n; i++) res += a[i]; \
+        return res; \
+    } \
+    long n2 = n / 2; n2 -= n2 % 8; \
+    return pwsum_##S(a, n2) + pwsum_##S(a + n2, n - n2); \
+}
+/* rows of x (n rows of c) minus their max (a row whose max is not finite: minus 0), as nn._shifted */
+#define ROWSHIFT(T, S) \
+void rowshift_##S(long n, long c, const T *x, T *o) { \
+    for (long r = 0; r < n; r++) { \
+        const T *xr = x + r * c; T *orow = o + r * c; \
+        T m = xr[0]; \
+        for (long j = 1; j < c; j++) { T v = xr[j]; if (v > m || v != v) m = v; if (m != m) break; } \
+        if (!isfinite(m)) m = 0; \
+        for (long j = 0; j < c; j++) orow[j] = xr[j] - m; \
+    } \
+}
+/* crossentropy's gradient from e = exp(shifted logits), in place: ((e / rowsum - onehot) * keep) * scale, with
+   scale = g / (kept rows) (mode 0, mean), g (1, sum) or g[r] (2, none), as nn.crossentropygrad's numpy steps */
+#define CEGRAD(T, S) \
+void cegrad_##S(long n, long c, T *e, const long long *labels, const T *g, long long ignore, int mode) { \
+    T scale = g[0]; \
+    if (mode == 0) { \
+        long kept = 0; \
+        for (long r = 0; r < n; r++) kept += labels[r] != ignore; \
+        if (!kept) { memset(e, 0, n * c * sizeof(T)); return; } /* every label ignored: zeros, as torch's */ \
+        scale = g[0] / (T)kept; \
+    } \
+    for (long r = 0; r < n; r++) { \
+        T *er = e + r * c; \
+        T s = pwsum_##S(er, c); \
+        long long lab = labels[r]; \
+        T keep = lab != ignore ? (T)1 : (T)0; \
+        T sc = mode == 2 ? g[r] : scale; \
+        for (long j = 0; j < c; j++) { \
+            T v = er[j] / s; \
+            v = v - (lab == j ? (T)1 : (T)0); \
+            er[j] = (v * keep) * sc; \
+        } \
+    } \
+}
 RELU(float, f32) RELU(double, f64)
 SGD(float, f32) SGD(double, f64)
 ADAM(float, f32, sqrtf) ADAM(double, f64, sqrt)
+PWSUM(float, f32) PWSUM(double, f64)
+ROWSHIFT(float, f32) ROWSHIFT(double, f64)
+CEGRAD(float, f32) CEGRAD(double, f64)
 """
 
 _PTR = ctypes.c_void_p
@@ -325,6 +378,12 @@ def _core() -> dict[str, Any] | None:
         f = getattr(lib, f"adam_{s}")
         f.argtypes, f.restype = [_LONG, *[_PTR] * 7, *[real] * 9, _INT, _INT], None
         fns[f"adam_{s}"] = f
+        f = getattr(lib, f"rowshift_{s}")
+        f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR], None
+        fns[f"rowshift_{s}"] = f
+        f = getattr(lib, f"cegrad_{s}")
+        f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR, _PTR, ctypes.c_longlong, _INT], None
+        fns[f"cegrad_{s}"] = f
     _core_fns = fns
     return fns
 
@@ -456,6 +515,30 @@ def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: 
             real(1 - lr * weight_decay), real(lr / bc1), real(math.sqrt(bc2)), int(bool(weight_decay)),
             int(bool(decoupled)))
     _split_call(fns[f"adam_{SUFFIX[dt]}"], param.size, where, args, dt.itemsize)
+    return True
+
+
+def crossentropygrad(logits: np.ndarray, labels: np.ndarray, g: np.ndarray, ignore_index: int, mode: int,
+                     out: np.ndarray) -> bool:
+    """crossentropy's gradient (nn.crossentropygrad) in two C loops around numpy's exp, which gives exp's bits:
+    the rows shifted by their max into `out`, exp in place, then the softmax and the rest in one pass. mode: 0 mean,
+    1 sum, 2 none. False where the caller must use numpy."""
+    dt = out.dtype
+    if dt not in SUFFIX or not _enabled or out.ndim != 2 or logits.dtype != dt or g.dtype != dt:
+        return False
+    fns = _core()
+    n, c = out.shape
+    if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32) or labels.size != n:
+        return False
+    lab = labels if labels.dtype == np.int64 and labels.flags.c_contiguous else np.ascontiguousarray(labels, np.int64)
+    gg = np.ascontiguousarray(g)
+    where = fits((logits,), (out,), dt, n * c)
+    if where is None or (mode == 2 and gg.size != n) or (mode != 2 and gg.size != 1):
+        return False
+    sfx = SUFFIX[dt]
+    fns[f"rowshift_{sfx}"](n, c, where[0], where[1])
+    np.exp(out, out=out)
+    fns[f"cegrad_{sfx}"](n, c, where[1], _address(lab), _address(gg), int(ignore_index), mode)
     return True
 
 
