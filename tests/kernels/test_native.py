@@ -422,3 +422,33 @@ def test_crossentropygrad_matches_numpy(dtype):
     assert not native.crossentropygrad(x, labels, np.ones((), dtype), -100, 0, np.empty((4, 3), dtype).T)
     assert not native.crossentropygrad(x, labels, np.ones(2, dtype), -100, 2, np.empty_like(x))
     assert not native.crossentropygrad(x, labels.astype(np.float32), np.ones((), dtype), -100, 0, np.empty_like(x))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_crossentropy_rows_match_numpy(dtype):
+    """crossentropy's usual batch (every label in range) sums and picks its rows in C between numpy's exp and log:
+    the loss has the numpy steps' bits, for every reduction, rows past 128 and infinite or NaN logits."""
+    rng = np.random.default_rng(12)
+    for trial in range(90):
+        n = int(rng.integers(1, 40))
+        c = int(rng.choice([1, 2, 7, 8, 10, 17, 128, 129, 300]))
+        x = (rng.standard_normal((n, c)) * rng.uniform(0.1, 30)).astype(dtype)
+        if trial % 5 == 0:
+            x[0, 0] = np.inf
+        if trial % 7 == 0:
+            x[-1] = -np.inf
+        if trial % 11 == 0:
+            x[0, -1] = np.nan
+        labels = rng.integers(0, c, n).astype(np.int32 if trial % 2 else np.int64)
+        reduction = ["mean", "sum", "none"][trial % 3]
+        want = np.empty((n,) if reduction == "none" else (), dtype)
+        got = want.copy()
+        native.set_enabled(False)
+        try:
+            nn.crossentropy(x, labels, -100, reduction, want)
+        finally:
+            native.set_enabled(True)
+        nn.crossentropy(x, labels, -100, reduction, got)
+        assert got.tobytes() == want.tobytes(), (trial, n, c, reduction)
+    assert native.crossentropy_rows(np.ones((2, 3), np.float16), np.zeros(2, np.int64)) is None
+    assert native.crossentropy_rows(np.ones((3, 2), np.float32).T, np.zeros(2, np.int64)) is None

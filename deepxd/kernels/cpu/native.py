@@ -345,12 +345,18 @@ void cegrad_##S(long n, long c, T *e, const long long *labels, const T *g, long 
         } \
     } \
 }
+/* crossentropy's rows: rs[r] = the sum of e's row (numpy's pairwise order), ps[r] = s[r, labels[r]] */
+#define CEROWS(T, S) \
+void cerows_##S(long n, long c, const T *e, const T *s, const long long *labels, T *rs, T *ps) { \
+    for (long r = 0; r < n; r++) { rs[r] = pwsum_##S(e + r * c, c); ps[r] = s[r * c + labels[r]]; } \
+}
 RELU(float, f32) RELU(double, f64)
 SGD(float, f32) SGD(double, f64)
 ADAM(float, f32, sqrtf) ADAM(double, f64, sqrt)
 PWSUM(float, f32) PWSUM(double, f64)
 ROWSHIFT(float, f32) ROWSHIFT(double, f64)
 CEGRAD(float, f32) CEGRAD(double, f64)
+CEROWS(float, f32) CEROWS(double, f64)
 """
 
 _PTR = ctypes.c_void_p
@@ -381,6 +387,9 @@ def _core() -> dict[str, Any] | None:
         f = getattr(lib, f"rowshift_{s}")
         f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR], None
         fns[f"rowshift_{s}"] = f
+        f = getattr(lib, f"cerows_{s}")
+        f.argtypes, f.restype = [_LONG, _LONG, *[_PTR] * 5], None
+        fns[f"cerows_{s}"] = f
         f = getattr(lib, f"cegrad_{s}")
         f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR, _PTR, ctypes.c_longlong, _INT], None
         fns[f"cegrad_{s}"] = f
@@ -516,6 +525,28 @@ def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: 
             int(bool(decoupled)))
     _split_call(fns[f"adam_{SUFFIX[dt]}"], param.size, where, args, dt.itemsize)
     return True
+
+
+def crossentropy_rows(logits: np.ndarray, labels: np.ndarray) -> np.ndarray | None:
+    """log(sum(exp(shifted row))) - shifted[row, label] per row (crossentropy's usual batch: every label in range),
+    as nn.crossentropy's numpy steps give it: the rows shifted, and the sums and picks made in C, numpy's exp and log
+    in between (their bits). None where the caller must use numpy."""
+    dt = logits.dtype
+    if dt not in SUFFIX or not _enabled or logits.ndim != 2 or not logits.flags.c_contiguous:
+        return None
+    fns = _core()
+    n, c = logits.shape
+    if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32):
+        return None
+    lab = labels if labels.dtype == np.int64 and labels.flags.c_contiguous else np.ascontiguousarray(labels, np.int64)
+    s = np.empty_like(logits)
+    sfx = SUFFIX[dt]
+    fns[f"rowshift_{sfx}"](n, c, _address(logits), _address(s))
+    e = np.exp(s)
+    rs, ps = np.empty(n, dt), np.empty(n, dt)
+    fns[f"cerows_{sfx}"](n, c, _address(e), _address(s), _address(lab), _address(rs), _address(ps))
+    np.log(rs, out=rs)
+    return rs - ps
 
 
 def crossentropygrad(logits: np.ndarray, labels: np.ndarray, g: np.ndarray, ignore_index: int, mode: int,

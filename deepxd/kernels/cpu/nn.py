@@ -271,13 +271,15 @@ def crossentropy(logits, labels, ignore_index, reduction, out):
         lo, hi = labels.min(), labels.max()
         if lo >= 0 and hi < c and not lo <= ignore_index <= hi:
             # the usual batch, every label in range and none ignored: the same values as below, in fewer steps
-            s = _shifted(_work(logits), 1)
-            rows = _ROWS.get(n)
-            if rows is None:
-                rows = _ROWS[n] = np.arange(n)
-                if len(_ROWS) > 64:
-                    _ROWS.clear()
-            picked = np.log(np.sum(np.exp(s), axis=1)) - s[rows, labels]
+            picked = native.crossentropy_rows(logits, labels)
+            if picked is None:
+                s = _shifted(_work(logits), 1)
+                rows = _ROWS.get(n)
+                if rows is None:
+                    rows = _ROWS[n] = np.arange(n)
+                    if len(_ROWS) > 64:
+                        _ROWS.clear()
+                picked = np.log(np.sum(np.exp(s), axis=1)) - s[rows, labels]
             out[...] = _reduce("crossentropy", picked, np.intp(n) if reduction == "mean" else 1, reduction)
             return
     keep = labels != ignore_index
