@@ -382,7 +382,7 @@ class Scheduler(Actor):
                 return program, dict(grads)
         self.backward_misses += 1
         program, grads = grad_program(list(forward), loss, list(wrt), SymbolicEnv(metas), grad_loss=grad_loss,
-                                      prefix=prefix, target="cuda" if "op-cuda" in self.workers else "cpu")
+                                      prefix=prefix)
         if names:
             program, grads = _renamed(program, grads, names, metas)
         if probe is not None:

@@ -146,9 +146,8 @@ def rule(*names: str) -> Callable[[Rule], Rule]:
 
 
 class _Builder:
-    def __init__(self, forward: Sequence[Instr], env: Env, prefix: str, target: str = "cpu") -> None:
+    def __init__(self, forward: Sequence[Instr], env: Env, prefix: str) -> None:
         self.prefix = prefix
-        self.target = target  # the worker the program is for: "cpu" (op-cpu) or "cuda" (op-cuda)
         self.env = env
         self.sym = SymbolicEnv(base=env)
         self.version: dict[str, int] = {}
@@ -299,15 +298,14 @@ def _is_float(meta: TensorMeta | None) -> bool:
 
 
 def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, grad_loss: str | None = None,
-                 prefix: str = "g_", target: str = "cpu") -> tuple[list[Instr], dict[str, str]]:
+                 prefix: str = "g_") -> tuple[list[Instr], dict[str, str]]:
     """The backward instructions of `forward` (run, or about to run, on tensors whose metas `env` gives) computing
     d loss / d w for each w in `wrt`, and the map w -> its gradient's tensor name.
 
     `loss` is scalar unless `grad_loss` names the upstream gradient (loss's shape and dtype). A tensor of `wrt` that
     does not reach the loss gets a gradient of zeros. An op without a gradient rule on a path from `wrt` to `loss`
-    raises DeepxError naming it. `target`: the worker the program is for ("cpu" or "cuda"): a rule may use an op
-    that only that worker has a kernel for (crossentropy's gradient is one op on the CPU, its chain on the GPU)."""
-    bld = _Builder(forward, env, prefix, target)
+    raises DeepxError naming it."""
+    bld = _Builder(forward, env, prefix)
     for w in wrt:
         m = env.meta(w)
         if m is None:
@@ -983,31 +981,11 @@ def _logsoftmax(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("crossentropy")
 def _crossentropy(gr: Grad, g: str) -> dict[int, str]:
-    """dlogits = g (softmax(logits) - onehot(labels)) on rows whose label is kept (/ their count for mean)"""
+    """dlogits = g (softmax(logits) - onehot(labels)) on rows whose label is kept (/ their count for mean): one
+    crossentropygrad"""
     if gr.needs(1):
         raise DeepxError("autograd: crossentropy labels cannot take a gradient")
-    logits, labels = gr.x(0), gr.x(1)
-    (n, c), lm = gr.meta(0).shape, gr.meta(1)
-    dt = gr.meta(0).dtype
-    ignore, reduction = int(gr.arg(2)), gr.arg(3)
-    b = gr._builder
-    if b.target == "cpu":  # the same values in one instruction (op-cuda runs the chain below on the device)
-        return {0: gr.emit("crossentropygrad", logits, labels, g, ignore, Param.var(reduction))}
-    classes = b.fresh()
-    b.append(Instr("newtensor", (Param.vector((1, c)),), (Param.tensor(classes, lm.dtype),)))
-    b.append(Instr("arange", (Param.var(0), Param.var(1)), (Param.tensor(classes, lm.dtype),)))
-    b.created.add(classes)
-    col = gr.emit("reshape", labels, (n, 1))
-    onehot = gr.emit("todtype", gr.emit("equal", col, classes), dtype=dt)
-    keep = gr.emit("reshape", gr.emit("todtype", gr.emit("notequalscalar", labels, ignore), dtype=dt), (n, 1))
-    diff = gr.emit("mul", gr.emit("sub", gr.emit("softmax", logits, 1), onehot), keep)
-    if reduction == "none":
-        scale = gr.emit("reshape", g, (n, 1))
-    elif reduction == "mean":
-        scale = gr.emit("div", g, gr.emit("sum", keep, (), False))
-    else:
-        scale = g
-    return {0: gr.emit("mul", diff, scale)}
+    return {0: gr.emit("crossentropygrad", gr.x(0), gr.x(1), g, int(gr.arg(2)), Param.var(gr.arg(3)))}
 
 
 @rule("mse")
@@ -1196,7 +1174,7 @@ def _fused(gr: Grad, g: str) -> dict[int, str]:
         fwd.append(Instr("broadcastTo", (Param.tensor(root, dt), Param.vector(shape)), (Param.tensor(name, dt),)))
         root = name
     wrt = sorted({n for i, n in zip(idx, names) if gr.needs(i)})
-    back, grads = grad_program(fwd, root, wrt, b.sym, grad_loss=g, prefix=f"{b.fresh()}_", target=b.target)
+    back, grads = grad_program(fwd, root, wrt, b.sym, grad_loss=g, prefix=f"{b.fresh()}_")
     for instr in (*fwd, *back):
         b.append(instr)
     b.created.update(str(i.returns[0].value) for i in fwd)

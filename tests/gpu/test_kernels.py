@@ -413,6 +413,24 @@ def _crossentropy(rng, dt):
     return out
 
 
+@case("crossentropygrad")
+def _crossentropygrad(rng, dt):
+    out = []
+    for n, c in ((6, 10), (3, 3000)):  # a warp per row, and a block per row (more than 2048 classes)
+        logits = r(rng, dt, (n, c))
+        for idt in ("int32", "int64"):
+            labels = rng.integers(0, c, (n,)).astype(idt)
+            labels[2] = -100
+            for red in ("mean", "sum", "none"):
+                g = r(rng, dt, (n,) if red == "none" else (), 0.5, 2)
+                out.append(one("crossentropygrad", {"x": logits, "l": labels, "g": g},
+                               [T("x"), T("l"), T("g"), V(-100), V(red)], out="d", scale="max"))
+    ignored = np.full((4,), -100, np.int64)  # every label ignored: zeros, as on the CPU
+    out.append(one("crossentropygrad", {"x": r(rng, dt, (4, 5)), "l": ignored, "g": r(rng, dt, (), 0.5, 2)},
+                   [T("x"), T("l"), T("g")], out="d", scale="max"))
+    return out
+
+
 @case("mse")
 def _mse(rng, dt):
     a, b = r(rng, dt, (4, 5)), r(rng, dt, (4, 5))

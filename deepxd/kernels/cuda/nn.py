@@ -339,6 +339,57 @@ CE(int64, false, ll)
 CE(w_int32, true, int)
 CE(w_int64, true, ll)
 
+// crossentropy's gradient, per row: (softmax(logits) - onehot(label)) * keep * scale, where scale is g / kept (mode 0,
+// mean: zeros when no row is kept, as the CPU kernel and torch), g (1, sum) or g[row] (2, none); a label outside
+// [0, c) matches no column. One pass of the online softmax per row, a second writes.
+template <bool WARP, class TL> __device__ void ce_grad_rows(T* out, const T* logits, const TL* labels, const T* g,
+                                                           const A* kept, ll n, ll c, ll ignore, int mode) {
+    FOR_ROWS(WARP, row, n, t, G) {
+        const T* x = logits + row * c;
+        T* o = out + row * c;
+        if (mode == 0 && kept[0] == (A)0) {
+            for (ll i = t; i < c; i += G) o[i] = st<T>((A)0);
+            continue;
+        }
+        ll label = (ll)labels[row];
+        A keep = label != ignore ? (A)1 : (A)0;
+        A scale = mode == 2 ? ld(g[row]) : (mode == 0 ? ld(g[0]) / kept[0] : ld(g[0]));
+        A m = -INFINITY, s = 0;
+        scan(x, c, t, G, [&](ll, T v) { online(m, s, ld(v)); });
+        if (WARP) warp_online(m, s); else block_online(m, s);
+        if (!isfinite(m)) {
+            m = 0;
+            s = 0;
+            for (ll i = t; i < c; i += G) s += exp(ld(x[i]));
+            s = group_sum<WARP>(s);
+        }
+        for (ll i = t; i < c; i += G) o[i] = st<T>((exp(ld(x[i]) - m) / s - (i == label ? (A)1 : (A)0)) * keep * scale);
+    }
+}
+// one block: the rows whose label is kept
+template <class TL> __device__ void ce_kept(A* kept, const TL* labels, ll n, ll ignore) {
+    A k = 0;
+    for (ll i = threadIdx.x; i < n; i += blockDim.x) k += (ll)labels[i] != ignore ? (A)1 : (A)0;
+    k = block_sum(k);
+    if (threadIdx.x == 0) kept[0] = k;
+}
+#define CEG(SUF, WARP, TL)                                                                                    \
+extern "C" __global__ void __launch_bounds__(1024) ce_grad_##SUF(T* out, const T* logits, const TL* labels,     \
+                                                           const T* g, const A* kept, ll n, ll c, ll ignore,     \
+                                                           int mode) {                                          \
+    ce_grad_rows<WARP>(out, logits, labels, g, kept, n, c, ignore, mode);                                       \
+}
+CEG(int32, false, int)
+CEG(int64, false, ll)
+CEG(w_int32, true, int)
+CEG(w_int64, true, ll)
+extern "C" __global__ void ce_kept_int32(A* kept, const int* labels, ll n, ll ignore) {
+    ce_kept(kept, labels, n, ignore);
+}
+extern "C" __global__ void ce_kept_int64(A* kept, const ll* labels, ll n, ll ignore) {
+    ce_kept(kept, labels, n, ignore);
+}
+
 // one block: out = sum(loss) / sum(keep) (mean) or sum(loss) (sum)
 extern "C" __global__ void ce_total(T* out, const A* loss, const A* keep, ll n, int mean) {
     A s = 0, k = 0;
@@ -367,7 +418,7 @@ extern "C" __global__ void partial_total(T* out, const A* partial, int parts, ll
 }
 """
 
-_NN = ("softmax", "logsoftmax", "layernorm", "rmsnorm", "crossentropy", "mse")
+_NN = ("softmax", "logsoftmax", "layernorm", "rmsnorm", "crossentropy", "crossentropygrad", "mse")
 SUPPORT = {op: frozenset(FLOATS) for op in _NN}
 # the activations live in elementwise.py; the executor finds their kernels there
 SUPPORT.update({op: ew.SUPPORT[op] for op in ("relu", "sigmoid", "tanh", "gelu", "silu", "erf") if op in ew.SUPPORT})
@@ -545,6 +596,33 @@ def crossentropy(ex: CudaExecutor, logits: DeviceTensor, labels: DeviceTensor, i
     f = _fn(ex, dt, "ce_total", "PPPqi", "crossentropy")
     ex.launch("crossentropy", f, (1, 1, 1), (1024, 1, 1), out.ptr, int(loss), int(keep), n,
               1 if reduction == "mean" else 0)
+    return True
+
+
+def crossentropygrad(ex: CudaExecutor, logits: DeviceTensor, labels: DeviceTensor, g: DeviceTensor, ignore_index: int,
+                     reduction: str, out: DeviceTensor) -> bool:
+    modes = {"mean": 0, "sum": 1, "none": 2}
+    if reduction not in modes:
+        raise DeepxError(f"crossentropygrad: reduction must be mean, sum or none, got {reduction!r}")
+    n, c = logits.shape
+    dt = logits.dname
+    if not -(2**63) <= ignore_index < 2**63:
+        return False
+    if not n or not c:
+        return True
+    kept = ex.alloc(_acc_size(dt), "crossentropygrad", "(kept rows)")
+    mode = modes[reduction]
+    if mode == 0:
+        f = _fn(ex, dt, f"ce_kept_{labels.dname}", "PPqq", "crossentropygrad")
+        ex.launch("crossentropygrad", f, (1, 1, 1), (1024, 1, 1), int(kept), labels.ptr, n, ignore_index)
+    if c <= 2048:
+        f = _fn(ex, dt, f"ce_grad_w_{labels.dname}", "PPPPPqqqi", "crossentropygrad")
+        grid, block = (min(-(-n // _WARPS), 1 << 20), 1, 1), (32 * _WARPS, 1, 1)
+    else:
+        f = _fn(ex, dt, f"ce_grad_{labels.dname}", "PPPPPqqqi", "crossentropygrad")
+        grid, block = (min(n, 1 << 20), 1, 1), (1024 if c >= 16384 else 256, 1, 1)
+    ex.launch("crossentropygrad", f, grid, block, out.ptr, logits.ptr, labels.ptr, g.ptr, int(kept), n, c,
+              ignore_index, mode)
     return True
 
 
