@@ -279,7 +279,10 @@ class _Builder:
         if gshape == target:
             return g
         lead = len(gshape) - len(target)
-        dims = list(range(lead)) + [i + lead for i, d in enumerate(target) if d == 1 and gshape[i + lead] != 1]
+        inner = [i + lead for i, d in enumerate(target) if d == 1 and gshape[i + lead] != 1]
+        if lead and not inner and gshape[lead:] == target:  # a bias's: the leading dims summed away, no reshape
+            return self.emit("sum", [g, tuple(range(lead)), False])
+        dims = list(range(lead)) + inner
         if dims:
             g = self.emit("sum", [g, tuple(dims), True])
         if self.meta(g).shape != target:

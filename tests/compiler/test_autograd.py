@@ -281,6 +281,11 @@ def test_linear_weight_gradient_is_one_product_without_transposing_it(rng):
     reads = {tuple(str(p.value) for p in i.args) for i in products.values()}
     assert (next(iter(transposes)), "x") in reads  # dW = g^T @ x
     assert any(r[1] == "W" for r in reads)  # dx = g @ W, not g @ transpose(Wt)
+    # db: one sum over the batch dim straight to b's shape (no keepdims and reshape)
+    sums = [i for i in back if i.name == "sum"]
+    assert len(sums) == 1 and sums[0].args[1].value == (0,) and sums[0].args[2].value is False
+    db = str(sums[0].returns[0].value)
+    assert not any(i.name == "reshape" and str(i.args[0].value) == db for i in back)
 
 
 @pytest.mark.parametrize("shapes", [((2, 5, 4), (2, 3, 4)), ((5, 4), (3, 4))])
