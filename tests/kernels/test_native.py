@@ -378,6 +378,20 @@ def test_fits_checks_every_array():
         assert native.fits((x,), (y,), a.dtype, 32) is None
 
 
+def _logits(rng: np.random.Generator, trial: int, dtype: str) -> np.ndarray:
+    """A batch of logits: rows of lengths around numpy's pairwise-sum block (128), some inf, -inf or NaN."""
+    n = int(rng.integers(1, 40))
+    c = int(rng.choice([1, 2, 7, 8, 9, 10, 17, 64, 128, 129, 300]))
+    x = (rng.standard_normal((n, c)) * rng.uniform(0.1, 30)).astype(dtype)
+    if trial % 5 == 0:
+        x[0, 0] = np.inf
+    if trial % 7 == 0:
+        x[-1] = -np.inf
+    if trial % 11 == 0:
+        x[0, -1] = np.nan
+    return x
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_crossentropygrad_matches_numpy(dtype):
     """crossentropygrad's two C loops (numpy's exp between them) give the numpy steps' bits: rows of any length
@@ -386,15 +400,8 @@ def test_crossentropygrad_matches_numpy(dtype):
     rng = np.random.default_rng(11)
     modes = {"mean": 0, "sum": 1, "none": 2}
     for trial in range(120):
-        n = int(rng.integers(1, 40))
-        c = int(rng.choice([1, 2, 7, 8, 9, 10, 17, 64, 128, 129, 300]))
-        x = (rng.standard_normal((n, c)) * rng.uniform(0.1, 30)).astype(dtype)
-        if trial % 5 == 0:
-            x[0, 0] = np.inf
-        if trial % 7 == 0:
-            x[-1] = -np.inf
-        if trial % 11 == 0:
-            x[0, -1] = np.nan
+        x = _logits(rng, trial, dtype)
+        n, c = x.shape
         ignore = int(rng.choice([-100, 0, c - 1]))
         labels = rng.integers(0, c, n)
         labels[: n // 3] = ignore if trial % 17 else labels[: n // 3]
@@ -430,15 +437,8 @@ def test_crossentropy_rows_match_numpy(dtype):
     the loss has the numpy steps' bits, for every reduction, rows past 128 and infinite or NaN logits."""
     rng = np.random.default_rng(12)
     for trial in range(90):
-        n = int(rng.integers(1, 40))
-        c = int(rng.choice([1, 2, 7, 8, 10, 17, 128, 129, 300]))
-        x = (rng.standard_normal((n, c)) * rng.uniform(0.1, 30)).astype(dtype)
-        if trial % 5 == 0:
-            x[0, 0] = np.inf
-        if trial % 7 == 0:
-            x[-1] = -np.inf
-        if trial % 11 == 0:
-            x[0, -1] = np.nan
+        x = _logits(rng, trial, dtype)
+        n, c = x.shape
         labels = rng.integers(0, c, n).astype(np.int32 if trial % 2 else np.int64)
         reduction = ["mean", "sum", "none"][trial % 3]
         want = np.empty((n,) if reduction == "none" else (), dtype)

@@ -107,16 +107,21 @@ def test_softmax(op, dtype, rng):
 covers("crossentropy", "mse")
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("label_dtype", ["int64", "int32"])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_crossentropy(dtype, label_dtype, reduction, rng):
+def _ce_batches(rng, dtype, label_dtype):
+    """(n, c, ignore_index, logits, labels): batches with an ignored label (out of range, or a class), one row, none."""
     for n, c, ignore in [(5, 4, -100), (8, 10, 2), (1, 3, -100), (4, 3, 1), (0, 3, -100)]:
         logits = rand(rng, dtype, (n, c), -4, 4)
         labels = rng.integers(0, c, n)
         if n >= 4:
             labels[1] = ignore
-        labels = labels.astype(to_numpy(label_dtype))
+        yield n, c, ignore, logits, labels.astype(to_numpy(label_dtype))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_dtype", ["int64", "int32"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_crossentropy(dtype, label_dtype, reduction, rng):
+    for n, c, ignore, logits, labels in _ce_batches(rng, dtype, label_dtype):
         args = [T("x", dtype), T("y", label_dtype), V(ignore), V(reduction)]
         got = run_op("crossentropy", {"x": logits, "y": labels}, args, out="loss")
         want = F.cross_entropy(tt(logits), torch.from_numpy(labels.astype(np.int64)), ignore_index=ignore,
@@ -133,12 +138,7 @@ covers("crossentropygrad")
 def test_crossentropygrad(dtype, label_dtype, reduction, rng):
     """crossentropy's gradient (what autograd emits for the CPU) against torch autograd, for an upstream gradient g;
     ignored rows (ignore_index out of range, or a class) get zeros."""
-    for n, c, ignore in [(5, 4, -100), (8, 10, 2), (1, 3, -100), (4, 3, 1), (0, 3, -100)]:
-        logits = rand(rng, dtype, (n, c), -4, 4)
-        labels = rng.integers(0, c, n)
-        if n >= 4:
-            labels[1] = ignore
-        labels = labels.astype(to_numpy(label_dtype))
+    for n, c, ignore, logits, labels in _ce_batches(rng, dtype, label_dtype):
         g = rand(rng, dtype, (n,) if reduction == "none" else (), 0.5, 2)
         args = [T("x", dtype), T("y", label_dtype), T("g", dtype), V(ignore), V(reduction)]
         got = run_op("crossentropygrad", {"x": logits, "y": labels, "g": g}, args, out="d")

@@ -220,6 +220,7 @@ class CpuExecutor:
         tensors = self.tensors
         metas = tensors.metas
         out, meta = str(b.out_names[0]), b.outs[0]
+        assert meta is not None  # checked above
         npdt = to_numpy(meta.dtype)
         shape = meta.shape
         shared, unshare = self.shared, self.unshare

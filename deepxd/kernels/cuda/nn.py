@@ -305,6 +305,21 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_long(T* out, const T*
     }
 }
 
+// a row's max m and sum s of exp(x - m), by its group (every thread of it calls this): one pass of the online
+// softmax; a row whose max is not finite is summed again against 0
+template <bool WARP> __device__ __forceinline__ void row_max_sum(const T* x, ll c, int t, int G, A& m, A& s) {
+    m = -INFINITY;
+    s = 0;
+    scan(x, c, t, G, [&](ll, T v) { online(m, s, ld(v)); });
+    if (WARP) warp_online(m, s); else block_online(m, s);
+    if (!isfinite(m)) {
+        m = 0;
+        s = 0;
+        for (ll i = t; i < c; i += G) s += exp(ld(x[i]));
+        s = group_sum<WARP>(s);
+    }
+}
+
 // crossentropy, per row: -log_softmax(logits)[label] (0 where ignored) into loss[row]; keep[row] = 1 if counted.
 // One pass of the online softmax per row, by a warp (short rows) or a block.
 template <bool WARP, class TL> __device__ void ce_rows(A* loss, A* keep, const T* logits, const TL* labels, ll n,
@@ -314,15 +329,8 @@ template <bool WARP, class TL> __device__ void ce_rows(A* loss, A* keep, const T
         ll label = (ll)labels[row];
         bool kept = label != ignore;
         if (kept && (label < 0 || label >= c)) { if (t == 0) atomicExch(err, 1); kept = false; }
-        A m = -INFINITY, s = 0;
-        scan(x, c, t, G, [&](ll, T v) { online(m, s, ld(v)); });
-        if (WARP) warp_online(m, s); else block_online(m, s);
-        if (!isfinite(m)) {
-            m = 0;
-            s = 0;
-            for (ll i = t; i < c; i += G) s += exp(ld(x[i]));
-            s = group_sum<WARP>(s);
-        }
+        A m, s;
+        row_max_sum<WARP>(x, c, t, G, m, s);
         if (t == 0) {
             loss[row] = kept ? -((ld(x[label]) - m) - log(s)) : (A)0;
             keep[row] = kept ? (A)1 : (A)0;
@@ -354,15 +362,8 @@ template <bool WARP, class TL> __device__ void ce_grad_rows(T* out, const T* log
         ll label = (ll)labels[row];
         A keep = label != ignore ? (A)1 : (A)0;
         A scale = mode == 2 ? ld(g[row]) : (mode == 0 ? ld(g[0]) / kept[0] : ld(g[0]));
-        A m = -INFINITY, s = 0;
-        scan(x, c, t, G, [&](ll, T v) { online(m, s, ld(v)); });
-        if (WARP) warp_online(m, s); else block_online(m, s);
-        if (!isfinite(m)) {
-            m = 0;
-            s = 0;
-            for (ll i = t; i < c; i += G) s += exp(ld(x[i]));
-            s = group_sum<WARP>(s);
-        }
+        A m, s;
+        row_max_sum<WARP>(x, c, t, G, m, s);
         for (ll i = t; i < c; i += G) o[i] = st<T>((exp(ld(x[i]) - m) / s - (i == label ? (A)1 : (A)0)) * keep * scale);
     }
 }
@@ -566,6 +567,16 @@ def rmsnorm(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, eps: Any, out: D
     return True
 
 
+def _ce_rows_launch(ex: CudaExecutor, dt: str, kernel: str, ldt: str, fmt: str, op: str, n: int, c: int
+                    ) -> tuple[Any, tuple[int, int, int], tuple[int, int, int]]:
+    """The per-row crossentropy kernel (`kernel`, of labels `ldt`) and its launch shape: a warp per row up to 2048
+    classes, a block per row beyond."""
+    if c <= 2048:
+        return (_fn(ex, dt, f"{kernel}_w_{ldt}", fmt, op), (min(-(-n // _WARPS), 1 << 20), 1, 1),
+                (32 * _WARPS, 1, 1))
+    return _fn(ex, dt, f"{kernel}_{ldt}", fmt, op), (min(n, 1 << 20), 1, 1), (1024 if c >= 16384 else 256, 1, 1)
+
+
 def crossentropy(ex: CudaExecutor, logits: DeviceTensor, labels: DeviceTensor, ignore_index: int, reduction: str,
                  out: DeviceTensor) -> bool:
     if reduction not in ("mean", "sum", "none"):
@@ -579,12 +590,7 @@ def crossentropy(ex: CudaExecutor, logits: DeviceTensor, labels: DeviceTensor, i
     keep = ex.alloc(max(n, 1) * size, "crossentropy", "(row counts)")
     if n:
         ex.clear_flag()
-        if c <= 2048:
-            f = _fn(ex, dt, f"ce_rows_w_{labels.dname}", "PPPPqqqP", "crossentropy")
-            grid, block = (min(-(-n // _WARPS), 1 << 20), 1, 1), (32 * _WARPS, 1, 1)
-        else:
-            f = _fn(ex, dt, f"ce_rows_{labels.dname}", "PPPPqqqP", "crossentropy")
-            grid, block = (min(n, 1 << 20), 1, 1), (1024 if c >= 16384 else 256, 1, 1)
+        f, grid, block = _ce_rows_launch(ex, dt, "ce_rows", labels.dname, "PPPPqqqP", "crossentropy", n, c)
         ex.launch("crossentropy", f, grid, block, int(loss), int(keep), logits.ptr, labels.ptr, n, c, ignore_index,
                   ex.flag_ptr)
         ex.raise_flag("crossentropy", f"a label is out of range for {c} classes")
@@ -615,12 +621,7 @@ def crossentropygrad(ex: CudaExecutor, logits: DeviceTensor, labels: DeviceTenso
     if mode == 0:
         f = _fn(ex, dt, f"ce_kept_{labels.dname}", "PPqq", "crossentropygrad")
         ex.launch("crossentropygrad", f, (1, 1, 1), (1024, 1, 1), int(kept), labels.ptr, n, ignore_index)
-    if c <= 2048:
-        f = _fn(ex, dt, f"ce_grad_w_{labels.dname}", "PPPPPqqqi", "crossentropygrad")
-        grid, block = (min(-(-n // _WARPS), 1 << 20), 1, 1), (32 * _WARPS, 1, 1)
-    else:
-        f = _fn(ex, dt, f"ce_grad_{labels.dname}", "PPPPPqqqi", "crossentropygrad")
-        grid, block = (min(n, 1 << 20), 1, 1), (1024 if c >= 16384 else 256, 1, 1)
+    f, grid, block = _ce_rows_launch(ex, dt, "ce_grad", labels.dname, "PPPPPqqqi", "crossentropygrad", n, c)
     ex.launch("crossentropygrad", f, grid, block, out.ptr, logits.ptr, labels.ptr, g.ptr, int(kept), n, c,
               ignore_index, mode)
     return True
