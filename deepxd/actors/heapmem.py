@@ -290,7 +290,6 @@ class HeapMemory(Actor):
         """The lifecycle tick: pop up to TICK_BATCH commands and apply them through the mailbox; then wait for more
         (every poll_s on Redis, until one is pushed on the embedded store)."""
         while True:
-            popped = 0
             try:
                 items = await self.kv.lpop(LIFECYCLE, TICK_BATCH)
                 popped = len(items)
@@ -299,16 +298,15 @@ class HeapMemory(Actor):
                         await self.kv.rpush(LIFECYCLE, *items)
                         return
                     await self.ref.ask("lifecycle", commands=items)
+                if popped == TICK_BATCH:
+                    await asyncio.sleep(0)
+                else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled
+                    await self.kv.wait_push(LIFECYCLE, self.poll_s)
             except ActorStopped:
                 return
             except Exception as e:
                 log.warning("%s: polling %s failed: %s", self.name, LIFECYCLE, e)
                 await asyncio.sleep(self.poll_s)  # the store refuses: try again at a poll's pace
-                continue
-            if popped == TICK_BATCH:
-                await asyncio.sleep(0)
-            else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled
-                await self.kv.wait_push(LIFECYCLE, self.poll_s)
 
     def unlink_all(self) -> None:
         """Unlink every segment now, without the storage plane: the forced-exit path (a second signal)."""

@@ -90,6 +90,7 @@ class KnownProgram(NamedTuple):
     heaped: list[bool]  # per name, whether it was a heap tensor
     bounds: list[Bound]
     steps: list[Any]  # prepared at the first repeat: most programs that never repeat are never prepared
+    recover: list[Any]  # with the steps: [recover(done)], which sets the tensors straight after step `done` failed
     slots: list[tuple[OpStat, int]]  # per instruction, its op's statistics and its bytes (filled at the first run)
     heavy: bool
     deletes: bool
@@ -262,7 +263,8 @@ class OpWorker(Actor):
             del bucket[0]
         program = program if type(program) is list else list(program)
         bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
-                                   [metas.get(n) for n in names], [n in heap for n in names], bounds, [], [], heavy,
+                                   [metas.get(n) for n in names], [n in heap for n in names], bounds, [], [], [],
+                                   heavy,
                                    any(b.op.name == "deltensor" for b in bounds),
                                    transient if transient is not None else set()))
 
@@ -329,7 +331,9 @@ class CpuWorker(OpWorker):
         if known is not None:
             self.known_hits += 1
             if not known.steps:
-                known.steps.extend(self.ex.prepare_program(known.bounds, known.fetch))
+                steps, recover = self.ex.prepare_program(known.bounds, known.fetch)
+                known.steps.extend(steps)
+                known.recover.append(recover)
             self.ex.transient = known.transient
             if known.heavy:
                 await self._offload(self._execute_known, known, result)
@@ -444,6 +448,9 @@ class CpuWorker(OpWorker):
                 result.error, result.error_index = f"instruction {i + 1}: {d}", i
             else:
                 raise
+        finally:
+            if i < len(known.steps) and known.recover:  # stopped part-way: leave the tensors as execute would
+                known.recover[0](i)
         result.done = i
         result.clock = (start, ends)
         slots = known.slots

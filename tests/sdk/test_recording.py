@@ -175,3 +175,23 @@ def test_remembered_shape_rules_equal_the_catalogue(seed):
         first = t._infer(name, args, names)
         assert (name, *args) in _INFERRED
         assert t._infer(name, args, names) == first == want
+
+
+def test_a_repeated_step_reading_a_transpose_twice_keeps_its_values():
+    """A step whose W.t() feeds a matmul and an elementwise chain (recorded as one fused instruction, which reads it
+    through a tensor list): once the step repeats, the op worker runs it as a known program, where only a transpose
+    that one matmul alone reads is left unmade. W changes between steps; every step's values are numpy's."""
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((32, 16)).astype(np.float32)
+    x0 = rng.standard_normal((8, 16)).astype(np.float32)
+    w, x = dx.tensor(w0), dx.tensor(x0)
+    for _ in range(6):
+        wt = w.t()
+        y = x @ wt
+        z = (wt * 2.0 + 1.0) * 3.0 - 0.5
+        del wt
+        np.testing.assert_allclose(z.numpy(), (w0.T * 2 + 1) * 3 - 0.5, rtol=1e-6)
+        np.testing.assert_allclose(y.numpy(), x0 @ w0.T, rtol=1e-5, atol=1e-5)
+        del y, z
+        w.mul_(1.5)
+        w0 = w0 * np.float32(1.5)

@@ -154,16 +154,29 @@ class CpuExecutor:
         for instr in instrs:
             self.run(instr)
 
-    def prepare_program(self, bounds: Sequence[Bound], fetch: Collection[str] = ()) -> list[Callable[[], None]]:
+    def prepare_program(self, bounds: Sequence[Bound], fetch: Collection[str] = ()
+                        ) -> tuple[list[Callable[[], None]], Callable[[int], None]]:
         """prepare() for each instruction of a program that runs again and again, with one rewrite across
         instructions: a transpose whose result only feeds one matmul and is then deleted (`x @ W.t()`, and the
         backward's `g.T @ x`) is not made at all; the matmul reads the operand transposed (BLAS's way, as it read the
-        view), and the delete deletes nothing. The operand's array is held from the transpose to the matmul, as the
-        view held it, so that deleting the operand's name in between changes nothing."""
+        view), and the delete deletes nothing. The operand's array is held from the transpose to the delete, as the
+        view held it (a copy where its buffer is shared: another name may write it in place meanwhile), so that
+        deleting or rewriting the operand's name in between changes nothing.
+
+        Returns the steps and `recover(done)`, to call when step `done` failed: a folded transpose that ran and whose
+        delete did not is made then (a row-major copy of the held array), so the tensors are execute's."""
         steps = [self.prepare(b) for b in bounds]
+        folds = []
         for i, j, k in _foldable_transposes(bounds, fetch, self.pinned):
-            steps[i], steps[j], steps[k] = self._fold_transpose(bounds[i], bounds[j], bounds[k])
-        return steps
+            steps[i], steps[j], steps[k], made = self._fold_transpose(bounds[i], bounds[j], bounds[k])
+            folds.append((i, k, made))
+
+        def recover(done: int) -> None:
+            for i, k, made in folds:
+                if i < done <= k:
+                    made()
+
+        return steps, recover
 
     def _fold_transpose(self, t: Bound, mm: Bound, delete: Bound) -> tuple[Callable[[], None], ...]:
         tensors, metas = self.tensors, self.tensors.metas
@@ -176,12 +189,12 @@ class CpuExecutor:
         kernel = KERNELS["matmul"]
 
         def hold() -> None:
-            held[0] = tensors[src]
+            a = tensors[src]
+            held[0] = a.copy() if self.shared and src in self.shared else a
 
         def run_matmul() -> None:
             a = held[0].T if x == name else tensors[x]
             c = held[0].T if y == name else tensors[y]
-            held[0] = None
             if self.shared and out in self.shared:
                 self.unshare(out)
             o = tensors.get(out)
@@ -193,10 +206,18 @@ class CpuExecutor:
                 tensors[out] = o
 
         def run_delete() -> None:  # the name was never made; one held from before the program goes as usual
+            held[0] = None
             if name in tensors:
                 self.execute(delete)
 
-        return hold, run_matmul, run_delete
+        def made() -> None:  # the program stopped between the transpose and the delete: the name exists, as execute
+            a, held[0] = held[0], None  # leaves it
+            if a is not None:
+                if name in self.shared:
+                    self._forget_view(name)
+                tensors[name] = np.ascontiguousarray(a.T)
+
+        return hold, run_matmul, run_delete, made
 
     def prepare(self, b: Bound) -> Callable[[], None]:
         """A call that does what execute(b) does, with what can be decided once decided: for a program that runs
@@ -610,15 +631,27 @@ def _direct_ufunc(b: Bound) -> np.ufunc | None:
     return uf
 
 
+def _mentions(b: Bound, name: str) -> bool:
+    """Whether instruction b reads or writes tensor `name` (a tensor-list arg, fused's or concat's, included)."""
+    if name in b.out_names:
+        return True
+    for n in b.names:
+        if n == name or (type(n) is list and name in n):
+            return True
+    return False
+
+
 def _foldable_transposes(bounds: Sequence[Bound], fetch: Collection[str], pinned: Any
                          ) -> list[tuple[int, int, int]]:
-    """(transpose, matmul, deltensor) positions for prepare_program: a 2-D transpose (not of a heap tensor's name,
-    not fetched) whose result the next instruction naming it reads as one operand of a matmul (writing neither
-    name), and the one after deletes; its operand not written in place, nor renamed, in between."""
+    """(transpose, matmul, deltensor) positions for prepare_program: a transpose that swaps the two dims of a matrix
+    (not of a heap tensor's name, not fetched) whose result the next instruction naming it reads as one operand of a
+    matmul (writing neither name), and the one after deletes; its operand not written in place, nor renamed, in
+    between."""
     found = []
     n = len(bounds)
     for i, b in enumerate(bounds):
-        if b.op.name != "transpose" or b.instr.meta or b.outs[0] is None or len(b.outs[0].shape) != 2:
+        if (b.op.name != "transpose" or b.instr.meta or b.outs[0] is None or len(b.outs[0].shape) != 2
+                or tuple(int(d) % 2 for d in b.args[1]) != (1, 0)):
             continue
         src, name = b.names[0], b.out_names[0]
         if not isinstance(src, str) or name == src or name in fetch or name in pinned:
@@ -627,7 +660,7 @@ def _foldable_transposes(bounds: Sequence[Bound], fetch: Collection[str], pinned
         ok = True
         while j < n:
             c = bounds[j]
-            if name in c.names or name in c.out_names:
+            if _mentions(c, name):
                 break
             if c.op.name == "renametensor" and src in c.args:
                 ok = False
@@ -641,7 +674,7 @@ def _foldable_transposes(bounds: Sequence[Bound], fetch: Collection[str], pinned
                 or mm.outs[0] is None):
             continue
         k = j + 1
-        while k < n and name not in bounds[k].names and name not in bounds[k].out_names:
+        while k < n and not _mentions(bounds[k], name):
             k += 1
         if k < n and bounds[k].op.name == "deltensor" and not bounds[k].instr.meta:
             found.append((i, j, k))
