@@ -129,12 +129,12 @@ class Node:
         from deepxd.net.udp import start_udp
 
         c = self.config
+        if c.udp != "off":  # first: a client that can connect to the native socket finds UDP serving too
+            host, port = udp_address(c.udp)
+            self.servers.append(await start_udp(self, host, port))
         native = NativeServer(self, c.socket_path, max_frame=c.max_frame_bytes)
         await native.start()
         self.servers.append(native)
-        if c.udp != "off":
-            host, port = udp_address(c.udp)
-            self.servers.append(await start_udp(self, host, port))
 
     # -- what transports call
     def ref(self, role: str) -> ActorRef:
