@@ -281,9 +281,10 @@ class Scheduler(Actor):
         bucket = self.expansions.setdefault(key, [])
         if len(bucket) >= 4:
             del bucket[0]
+        order = tuple(sorted(names))
         bucket.append((list(program), scalar_kinds(program),
                        {i: (list(m["forward"]), scalar_kinds(m["forward"])) for i, m in marks.items()},
-                       (tuple(sorted(names)), [before.get(n) for n in sorted(names)]), expanded, where))
+                       (order, [before.get(n) for n in order]), expanded, where))
 
     async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
         metas, keep = await worker.ask("state")

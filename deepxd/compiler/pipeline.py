@@ -89,11 +89,12 @@ class _Exact(NamedTuple):
     program: list[Instr]
     kinds: tuple[tuple[int, int, Any], ...]
     names: tuple[str, ...]
-    flags: tuple[tuple[TensorMeta | None, bool, bool], ...]
     fuse_limits: tuple[int, int]  # fuse_min_elements, fuse_min_ops
     out: list[Instr] | None  # None: the passes changed nothing
     origins: tuple[int, ...]
-    metas: list[TensorMeta | None]  # flags by column, as the hit check compares them (lists built by C loops)
+    # per name: its meta before, whether fetched, whether heap (the key's flags by column, as the hit check compares
+    # them: lists built by C loops)
+    metas: list[TensorMeta | None]
     fetched: list[bool]
     kept: list[bool]
 
@@ -194,10 +195,9 @@ class PlanCache:
         if len(bucket) >= 8:
             del bucket[0]
         same = len(out) == len(program) and all(a is b for a, b in zip(out, program))
-        bucket.append(_Exact(program, scalar_kinds(program), tuple(names), flags,
-                             (ctx.fuse_min_elements, ctx.fuse_min_ops),
-                             None if same else out, tuple(ctx.origins), [f[0] for f in flags], [f[1] for f in flags],
-                             [f[2] for f in flags]))
+        metas, fetched, kept = (list(column) for column in zip(*flags)) if flags else ([], [], [])
+        bucket.append(_Exact(program, scalar_kinds(program), tuple(names), (ctx.fuse_min_elements, ctx.fuse_min_ops),
+                             None if same else out, tuple(ctx.origins), metas, fetched, kept))
 
     def _key(self, program: Sequence[Instr], ctx: PassContext) -> tuple[Any, list[str]] | None:
         ids: dict[str, int] = {}

@@ -34,6 +34,12 @@ async def where() -> str:
     return threading.current_thread().name
 
 
+def _on_the_main_thread() -> None:
+    """The SIGINT tests need pytest's main thread (signals reach Python's main thread only): where they do not get
+    it, they fail saying so rather than pass unchecked."""
+    assert threading.current_thread() is threading.main_thread(), "signals reach Python's main thread only"
+
+
 def test_a_coroutine_that_never_waits_runs_on_the_callers_thread(runner: LoopThread) -> None:
     assert runner.call(where()) == threading.current_thread().name
     assert (runner.borrowed, runner.resumed, runner.sent) == (1, 0, 0)
@@ -146,8 +152,7 @@ def test_calls_from_many_threads_at_once(runner: LoopThread) -> None:
 def test_ctrl_c_waits_for_the_end_of_a_borrowed_run(runner: LoopThread) -> None:
     """SIGINT in the middle of a borrowed run on the main thread: the run finishes (the actors' state is never
     left half changed), then KeyboardInterrupt is raised. Outside a run, SIGINT interrupts as usual."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach Python's main thread only")
+    _on_the_main_thread()
     finished = []
 
     async def interrupted() -> None:
@@ -170,8 +175,7 @@ def test_ctrl_c_waits_for_the_end_of_a_borrowed_run(runner: LoopThread) -> None:
 def test_sigint_is_left_to_its_handler_between_calls(runner: LoopThread) -> None:
     """The deferring handler is there only during a borrowed run: asyncio.run's own Ctrl-C handling (which it
     installs only over the default handler), and anything else, sees the default handler between calls."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach Python's main thread only")
+    _on_the_main_thread()
     seen = []
 
     async def look() -> None:
@@ -185,8 +189,7 @@ def test_sigint_is_left_to_its_handler_between_calls(runner: LoopThread) -> None
 
 def test_someone_elses_sigint_handler_keeps_calls_on_the_loops_thread() -> None:
     """A handler the program installed itself may raise anywhere: calls from the main thread are then sent."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach Python's main thread only")
+    _on_the_main_thread()
     seen: list[int] = []
     before = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
     r = LoopThread("test-loop")
@@ -305,8 +308,7 @@ def test_a_cancelled_coroutine_raises_what_it_raised_before(runner: LoopThread) 
 
 
 def test_a_second_ctrl_c_interrupts_at_once(runner: LoopThread) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach Python's main thread only")
+    _on_the_main_thread()
     reached = []
 
     async def twice() -> None:

@@ -538,7 +538,7 @@ def crossentropy_rows(logits: np.ndarray, labels: np.ndarray) -> np.ndarray | No
     n, c = logits.shape
     if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32):
         return None
-    lab = labels if labels.dtype == np.int64 and labels.flags.c_contiguous else np.ascontiguousarray(labels, np.int64)
+    lab = np.ascontiguousarray(labels, np.int64)  # the same array where it already is
     s = np.empty_like(logits)
     sfx = SUFFIX[dt]
     fns[f"rowshift_{sfx}"](n, c, _address(logits), _address(s))
@@ -561,7 +561,7 @@ def crossentropygrad(logits: np.ndarray, labels: np.ndarray, g: np.ndarray, igno
     n, c = out.shape
     if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32) or labels.size != n:
         return False
-    lab = labels if labels.dtype == np.int64 and labels.flags.c_contiguous else np.ascontiguousarray(labels, np.int64)
+    lab = np.ascontiguousarray(labels, np.int64)  # the same array where it already is
     gg = np.ascontiguousarray(g)
     where = fits((logits,), (out,), dt, n * c)
     if where is None or (mode == 2 and gg.size != n) or (mode != 2 and gg.size != 1):
