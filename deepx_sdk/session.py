@@ -423,6 +423,10 @@ class Session:
         # by (shape, dtype) all the same, so that a loop names its transposes the same way every step. A name
         # handed out from here is in _revived until the program that makes its tensor has run (see _forget_unrun)
         self.freed: dict[tuple[Any, str], list[str]] = {}
+        # names deleted by the pending program: handed out again only once it has gone, so that a name is never
+        # written again by the program that deleted it (a later value in a dead one's name would keep the daemon's
+        # fuse pass from joining the op that wrote the dead value to the op that read it)
+        self._freed_now: dict[tuple[Any, str], list[str]] = {}
         self._revived: set[str] = set()
         # set by dx.compile while it captures a call (deepx_sdk/compile.py): reading a value then is refused
         self.capture: Any = None
@@ -533,7 +537,7 @@ class Session:
             if shape is None and name.startswith(self._grad_root):
                 self._grad_gone(name)
             elif shape is not None:
-                kept = pool if len(item) == 3 else self.freed
+                kept = pool if len(item) == 3 else self._freed_now
                 names = kept.get((shape, dtype))
                 if names is None:
                     names = kept[(shape, dtype)] = []
@@ -543,6 +547,18 @@ class Session:
                         continue  # kept, buffer and all, for the next result of its shape
             self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
             self.origins.append(None)
+
+    def _release_freed(self) -> None:
+        """The names the program being sent deletes may be handed out from now on."""
+        freed, cap = self.freed, self.pool_per_shape
+        for key, names in self._freed_now.items():
+            kept = freed.get(key)
+            if kept is None:
+                kept = freed[key] = []
+            for name in names:
+                if len(kept) < cap:
+                    insort(kept, name, key=_name_order)
+        self._freed_now = {}
 
     def grad_prefix(self) -> tuple[str, int]:
         """The name prefix of the next backward's gradients and temporaries: the first whose gradients are all gone."""
@@ -581,6 +597,7 @@ class Session:
                     self.origins.append(None)
             self.pool.clear()
             self.freed.clear()  # deleted already
+            self._freed_now.clear()
 
     def pooled_name(self, shape: Any, dtype: str) -> tuple[str, bool]:
         """A name for data sent from Python (dx.tensor): a pooled one of this shape and dtype (its tensor exists;
@@ -658,6 +675,8 @@ class Session:
             return {}
         program, origins, backwards, revived = self.pending, self.origins, self.backwards, self._revived
         self.pending, self.origins, self.backwards, self._revived = [], [], [], set()
+        if self._freed_now:
+            self._release_freed()
         self.runs += 1
         mark, self._mark = self._mark, next(self._names)
         if fetch and not self.transport.can_read:

@@ -149,6 +149,19 @@ _new_object = object.__new__
 _RETURNS: dict[str, tuple[Param]] = {}
 
 
+#: results of at least this many elements are deleted when collected instead of pooled with their buffers (their
+#: names are reused either way, so that a loop sends the same program every step): a value the daemon knows is dead
+#: can be fused away, which saves a pass over memory; below this, the deltensor costs more than a pass
+DELETE_MIN = 1 << 15
+
+
+def _large(shape: Shape) -> bool:
+    n = 1
+    for d in shape:
+        n *= d
+    return n >= DELETE_MIN
+
+
 def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, depth: int) -> Tensor:
     """Append `name(args) -> (a new tensor)` to the session's pending program: the recording hot path, one Python
     call for all of it. `depth`: how many frames up from here the user's code can first be (every frame on the
@@ -171,8 +184,10 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
     if rname is None:
         rname = s.reuse_name(shape, dtype)
         out = _new_object(Tensor)
-        # never a gradient's name: those are neither pooled nor numbered
-        out._k = (rname, dtype, shape)
+        # never a gradient's name: those are neither pooled nor numbered. A large result is deleted once collected
+        # (its name is reused all the same, like a transpose's): the daemon then knows the value is dead where the
+        # program ends, and its passes may fuse it away (a Linear's bias add into the ReLU after it)
+        out._k = (rname, dtype, shape, True) if _large(shape) else (rname, dtype, shape)
     out.name = rname
     out.shape = shape
     out.dtype = dtype

@@ -221,6 +221,18 @@ class BindMemo:
 #: smaller groups of elementwise ops stay unfused: a fused pair cost more than the two ops it replaces at every size
 #: up to 256K elements, three or more ops fused pay from one element up (bench/fusion.py --crossover, docs/compiler.md)
 FUSE_MIN_OPS = 3
+#: ...except a pair whose result has at least this many elements, where the CPU's native kernels run a fused
+#: expression as one C loop (deepxd/kernels/cpu/native.py, FUSED_MIN): one pass over memory instead of two, such as
+#: a Linear's bias add and the ReLU after it (docs/compiler.md, "When fusion pays")
+FUSE_PAIR_MIN_ELEMENTS = 1 << 15
+
+
+def default_pair_min() -> int:
+    """FUSE_PAIR_MIN_ELEMENTS where this process has native kernels, else 0 (pairs stay apart: numpy's tape runs a
+    fused pair slower than its two ops)."""
+    from deepxd.kernels.cpu import native
+
+    return FUSE_PAIR_MIN_ELEMENTS if native.available() else 0
 
 
 @dataclass
@@ -230,8 +242,9 @@ class PassContext:
     metas: the tensors that exist before the program (name -> shape and dtype); variables and vectors: named values
     set by earlier argset/vecset; fetch: tensors the client reads after the program; keep: heap tensors, no write to
     which is ever removed or moved; fuse_min_elements and fuse_min_ops: the least result size and group length the
-    fuse pass fuses. `origins[k]` is the index, in the program the pipeline started from, of the
-    instruction that the k-th instruction of the current program stands for.
+    fuse pass fuses, and fuse_pair_min_elements the least result size of a fused pair (0: none). `origins[k]` is
+    the index, in the program the pipeline started from, of the instruction that the k-th instruction of the
+    current program stands for.
     """
 
     metas: Mapping[str, TensorMeta] = field(default_factory=dict)
@@ -241,6 +254,7 @@ class PassContext:
     vectors: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     fuse_min_elements: int = 0
     fuse_min_ops: int = FUSE_MIN_OPS
+    fuse_pair_min_elements: int = field(default_factory=default_pair_min)
     cache: BindMemo | None = None
     origins: list[int] = field(default_factory=list)
     stats: Counter[str] = field(default_factory=Counter)

@@ -7,8 +7,10 @@ and when the group's inputs do not change between where they were read and the g
 fused instruction takes its place. A write that the fusion itself removes does not count as a change: a pooled name
 read as an input and then written by the group's root (`t2 = t1 * d; t1 = t2 + c; t2 = t1 * e`) keeps its old value
 in the fused program, so such chains fuse whole (MAX_OPS ops at a time). Groups of fewer than ctx.fuse_min_ops ops
-(3: a fused pair costs more than its two ops, docs/compiler.md) stay unfused. The expression is numexpr's syntax over
-the inputs in0, in1, ... (see `parse_fused` in deepx_sdk/ir/ops.py and deepxd/kernels/cpu/fused.py).
+(3: on numpy's tape a fused pair costs more than its two ops, docs/compiler.md) stay unfused, except a pair whose
+result has ctx.fuse_pair_min_elements elements or more (32K where this process has native kernels, which run it as
+one C loop: one pass over memory instead of two). The expression is numexpr's syntax over the inputs in0, in1, ...
+(see `parse_fused` in deepx_sdk/ir/ops.py and deepxd/kernels/cpu/fused.py).
 """
 
 from __future__ import annotations
@@ -150,7 +152,9 @@ def fuse_elementwise(program: list[Instr], ctx: PassContext) -> list[Instr]:
         groups[i] = group
         pending[str(b.out_names[0])] = group
     last_root: dict[int, int] = {}  # a moved deltensor's position -> the latest fused instruction that needs it
-    emitted = [g for g in groups.values() if g.ops >= max(2, ctx.fuse_min_ops)]
+    pairs = ctx.fuse_pair_min_elements
+    emitted = [g for g in groups.values() if g.ops >= max(2, ctx.fuse_min_ops) or (
+        g.ops == 2 and pairs and _elements(rw, g) >= pairs)]
     for g in emitted:
         for q in g.moves.values():
             last_root[q] = max(last_root.get(q, -1), g.root)
@@ -160,6 +164,11 @@ def fuse_elementwise(program: list[Instr], ctx: PassContext) -> list[Instr]:
             rw.remove(q)
         ctx.stats["fuse"] += len(g.members)
     return rw.result()
+
+
+def _elements(rw: Rewrite, g: _Group) -> int:
+    out = rw.bounds[g.root].outs[0]
+    return numel(out.shape) if out is not None and out is not UNKNOWN else 0
 
 
 def _absorbable(g: _Group, name: str, i: int, rw: Rewrite, ctx: PassContext,

@@ -89,7 +89,7 @@ class _Exact(NamedTuple):
     program: list[Instr]
     kinds: tuple[tuple[int, int, Any], ...]
     names: tuple[str, ...]
-    fuse_limits: tuple[int, int]  # fuse_min_elements, fuse_min_ops
+    fuse_limits: tuple[int, int, int]  # fuse_min_elements, fuse_min_ops, fuse_pair_min_elements
     out: list[Instr] | None  # None: the passes changed nothing
     origins: tuple[int, ...]
     # per name: its meta before, whether fetched, whether heap (the key's flags by column, as the hit check compares
@@ -152,7 +152,7 @@ class PlanCache:
         if same:
             metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
             for e in same:
-                if (e.fuse_limits == (ctx.fuse_min_elements, ctx.fuse_min_ops)
+                if (e.fuse_limits == (ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements)
                         and list(map(metas.get, e.names)) == e.metas
                         and list(map(fetch.__contains__, e.names)) == e.fetched
                         and list(map(keep.__contains__, e.names)) == e.kept):
@@ -196,7 +196,8 @@ class PlanCache:
             del bucket[0]
         same = len(out) == len(program) and all(a is b for a, b in zip(out, program))
         metas, fetched, kept = (list(column) for column in zip(*flags)) if flags else ([], [], [])
-        bucket.append(_Exact(program, scalar_kinds(program), tuple(names), (ctx.fuse_min_elements, ctx.fuse_min_ops),
+        bucket.append(_Exact(program, scalar_kinds(program), tuple(names),
+                             (ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements),
                              None if same else out, tuple(ctx.origins), metas, fetched, kept))
 
     def _key(self, program: Sequence[Instr], ctx: PassContext) -> tuple[Any, list[str]] | None:
@@ -235,7 +236,7 @@ class PlanCache:
         # what the rewrite depends on besides the structure: which tensors exist before (and their metas), and
         # which are fetched or heap; never the names themselves (a client's pool hands out names in any order)
         flags = tuple((metas.get(n), n in fetch, n in keep) for n in names)
-        return (tuple(parts), flags, ctx.fuse_min_elements, ctx.fuse_min_ops), names
+        return (tuple(parts), flags, ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements), names
 
 
 def _template(instr: Instr, tokens: Mapping[str, _Token]) -> Instr:

@@ -10,7 +10,7 @@ from deepx_sdk.ir.ops import parse_fused
 from deepxd.compiler import fuse_elementwise as fuse
 from deepxd.compiler.fuse import MAX_OPS, TEMPLATES
 from deepxd.kernels.cpu import fused as fused_kernel
-from tests.compiler.helpers import assert_same_results, lines, random_inputs, rewrite
+from tests.compiler.helpers import assert_same_results, lines, program, random_inputs, rewrite
 
 CHAIN = """
     mul (tensor<{d}>:x, tensor<{d}>:a) -> (tensor<{d}>:t1)
@@ -359,7 +359,8 @@ def test_one_element_blocks_run_a_tape_that_never_writes_its_operand(rng):
 
 
 def test_pairs_stay_unfused_by_default(rng):
-    """A fused pair costs more than its two ops (bench/fusion.py --crossover): groups of fuse_min_ops (3) or more."""
+    """A fused pair costs more than its two ops (bench/fusion.py --crossover): groups of fuse_min_ops (3) or more,
+    below fuse_pair_min_elements."""
     inputs = random_inputs(rng, {"x": (64,), "a": (64,)})
     pair = """
         mul (tensor<float32>:x, tensor<float32>:a) -> (tensor<float32>:t)
@@ -376,3 +377,30 @@ def test_pairs_stay_unfused_by_default(rng):
     before, after, _ = rewrite(fuse, three, inputs)
     assert lines(after) == ["fused (listtensor<float32>:[x a], var<string>:-(in0 * in1 + 0.5)) -> (tensor<float32>:y)"]
     assert_same_results(before, after, inputs)
+
+
+def test_a_large_pair_fuses_where_native_kernels_run_it(rng):
+    """From fuse_pair_min_elements (32K, where this process has native kernels) a pair fuses: a Linear's bias add
+    and the ReLU after it become one pass over memory. Smaller pairs, and every pair with the threshold at 0 (no
+    native kernels), stay apart."""
+    from deepxd.compiler.analysis import FUSE_PAIR_MIN_ELEMENTS, default_pair_min
+    from deepxd.kernels.cpu import native
+
+    assert default_pair_min() == (FUSE_PAIR_MIN_ELEMENTS if native.available() else 0)
+    rows = FUSE_PAIR_MIN_ELEMENTS // 64
+    pair = """
+        add (tensor<float32>:z, tensor<float32>:b) -> (tensor<float32>:t)
+        relu (tensor<float32>:t) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:t)
+    """
+    inputs = random_inputs(rng, {"z": (rows, 64), "b": (64,)})
+    before, after, _ = rewrite(fuse, pair, inputs, fuse_pair_min_elements=FUSE_PAIR_MIN_ELEMENTS)
+    assert lines(after) == ["fused (listtensor<float32>:[z b], var<string>:maximum(in0 + in1, 0)) -> "
+                            "(tensor<float32>:y)"]
+    assert_same_results(before, after, inputs)
+    assert rewrite(fuse, pair, inputs, fuse_pair_min_elements=0)[1] == before
+    small = random_inputs(rng, {"z": (rows - 1, 64), "b": (64,)})
+    assert rewrite(fuse, pair, small, fuse_pair_min_elements=FUSE_PAIR_MIN_ELEMENTS)[1] == program(pair)
+    # a pair whose intermediate lives on (not deleted) stays apart at any size
+    kept = pair.replace("deltensor () -> (tensor<float32>:t)", "")
+    assert rewrite(fuse, kept, inputs, fuse_pair_min_elements=FUSE_PAIR_MIN_ELEMENTS)[1] == program(kept)

@@ -452,3 +452,30 @@ def test_crossentropy_rows_match_numpy(dtype):
         assert got.tobytes() == want.tobytes(), (trial, n, c, reduction)
     assert native.crossentropy_rows(np.ones((2, 3), np.float16), np.zeros(2, np.int64)) is None
     assert native.crossentropy_rows(np.ones((3, 2), np.float32).T, np.zeros(2, np.int64)) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_updates_written_over_other_inputs(dtype):
+    """Each loop reads element i of every input before it writes element i of an output, so an output may be any
+    one of the inputs: here the new parameter goes into the gradient's memory and the new buffer into the
+    parameter's (sgd), and adam's three outputs rotate through its inputs."""
+    rng = np.random.default_rng(12)
+    n = native.UPDATE_MIN + 7
+    p, g, b = (_data(rng, n, dtype) for _ in range(3))
+    dt = np.dtype(dtype).type
+    with np.errstate(all="ignore"):  # _data holds infinities and NaNs
+        want_b = b * dt(0.9) + g
+        want_p = p - dt(0.01) * want_b
+    p2, g2, b2 = p.copy(), g.copy(), b.copy()
+    assert native.sgd(p2, g2, b2, 0.01, 0.9, 0.0, 0.0, False, False, g2, p2)
+    same(g2, want_p)
+    same(p2, want_b)
+    m, v = _data(rng, n, dtype), np.abs(_data(rng, n, dtype))
+    outs = []
+    for rotate in (False, True):
+        q, h, mm, vv = p.copy(), g.copy(), m.copy(), v.copy()
+        targets = (h, q, mm) if rotate else (q, mm, vv)  # p -> g's memory, m -> p's, v -> m's
+        assert native.adam(q, h, mm, vv, 1e-3, 0.9, 0.999, 1e-8, 0.0, 3, False, *targets)
+        outs.append([t.copy() for t in targets])
+    for a, b_ in zip(*outs):
+        same(a, b_)

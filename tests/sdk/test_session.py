@@ -497,3 +497,55 @@ def test_a_program_still_pending_at_exit_runs_on_the_embedded_daemon(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "Error" not in r.stderr, r.stderr
+
+
+def test_large_temporaries_are_deleted_where_their_program_ends_and_keep_their_names():
+    """A result of DELETE_MIN elements or more is deleted once Python lets it go (its name is reused by the next
+    result of its shape, so a loop still sends the same program every step): the daemon then knows the value is dead
+    when the program ends, and fuses a Linear's bias add into the ReLU after it. Smaller results stay pooled with
+    their buffers and need no deltensor."""
+    from deepx_sdk.tensor import DELETE_MIN
+
+    s = dx.connect()  # a fresh session: the name pool empty
+    rows = DELETE_MIN // 128
+    rng = np.random.default_rng(3)
+    x, w = dx.tensor(rng.standard_normal((rows, 64)).astype(np.float32)), dx.tensor(
+        rng.standard_normal((64, 128)).astype(np.float32))
+    b = dx.tensor(rng.standard_normal(128).astype(np.float32))
+    small = dx.tensor(rng.standard_normal((4, 4)).astype(np.float32))
+    sent: list[list[str]] = []
+    run = s.transport.run
+
+    def recording_run(program, fetch):
+        sent.append([str(i) for i in program])
+        return run(program, fetch)
+
+    s.transport.run = recording_run
+    want = np.maximum(x.numpy() @ w.numpy() + b.numpy(), 0).sum(dtype=np.float64)
+    try:
+        for _ in range(6):
+            y = (x @ w + b).relu()  # x @ w and its sum with b: large temporaries, gone by the next line
+            got = y.sum().item()
+            assert got == pytest.approx(want, rel=1e-4)
+            z = (small * 2 + 1).sum().item()
+            assert z == pytest.approx(float((small.numpy() * 2 + 1).sum()), rel=1e-5)
+            del y
+    finally:
+        del s.transport.run
+    steps = [p for p in sent if any(line.startswith("matmul") for line in p)]
+    # the programs repeat (the daemon's caches see a repeat): y, deleted at the start of the next step's program, is
+    # named again only after that program has gone, so two programs take turns
+    assert len({tuple(p) for p in steps[-4:]}) <= 2
+    last = steps[-1]
+    deleted = " ".join(line for line in last if line.startswith("deltensor"))
+
+    def made(*ops: str) -> set[str]:
+        return {line.rsplit(":", 1)[1].rstrip(")") for line in last if line.startswith(ops)}
+
+    assert made("matmul", "add ") and all(name in deleted for name in made("matmul", "add "))
+    small_steps = [p for p in sent if any(line.startswith("mulscalar") for line in p)]
+    assert small_steps and not any(line.startswith("deltensor") for line in small_steps[-1])
+    # the daemon fused the bias add into the relu: the worker's known program for the step has no separate add
+    worker = next(a for a in s.transport.node.supervisor.actors.values() if hasattr(a, "known"))
+    programs = [[bd.op.name for bd in k.bounds] for bucket in worker.known.values() for k in bucket]
+    assert any("matmul" in ops and "fused" in ops and "add" not in ops for ops in programs), programs

@@ -234,12 +234,22 @@ def _compile(cc: str, flags: Sequence[str], source: str, target: Path) -> None:
 
 # ------------------------------------------------------------------ the fixed library
 
+_IVDEP = """#if defined(__clang__)
+#define IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define IVDEP _Pragma("GCC ivdep")
+#else
+#define IVDEP
+#endif"""
+
 CORE = r"""
 #include <math.h>
 #include <string.h>
-/* Loops that write an output which may be one of their inputs compute a block into locals first, then copy it out:
-   the compiler then knows that no store changes a later load, and vectorizes. */
-#define BLK 512
+/* An output is one of the inputs or overlaps none (the callers check): each loop reads element i of every input
+   before it writes element i of any output, so no store changes a later load, which IVDEP tells the compiler (it
+   then vectorizes without checking overlaps at run time). Writing straight to the outputs is 10-25% faster than
+   computing blocks into locals and copying them out (docs/design-notes.md). */
+""" + _IVDEP + r"""
 #define RELU(T, S) \
 void relu_##S(long n, const T *x, T *o) { \
     for (long i = 0; i < n; i++) { T v = x[i]; o[i] = v != v ? v : (v > 0 ? v : (T)0); } \
@@ -249,27 +259,22 @@ void relu_##S(long n, const T *x, T *o) { \
 #define SGD(T, S) \
 void sgd_##S(long n, const T *p, const T *g, const T *b, T *po, T *bo, T lr, T m, T keep, T wd, int decay, \
              int momentum, int first, int nesterov, int damp) { \
-    T tp[BLK], tb[BLK]; \
-    int plain = momentum && !first && !decay && !nesterov && !damp; \
-    for (long s = 0; s < n; s += BLK) { \
-        long k = n - s < BLK ? n - s : BLK; \
-        const T *ps = p + s, *gs = g + s, *bs = b + s; \
-        if (plain) { \
-            for (long i = 0; i < k; i++) { T bi = bs[i] * m + gs[i]; tb[i] = bi; tp[i] = ps[i] - lr * bi; } \
-        } else { \
-            for (long i = 0; i < k; i++) { \
-                T gi = gs[i]; \
-                if (decay) gi = gi + wd * ps[i]; \
-                if (momentum) { \
-                    T bi = first ? gi : (damp ? bs[i] * m + keep * gi : bs[i] * m + gi); \
-                    tb[i] = bi; \
-                    gi = nesterov ? gi + m * bi : bi; \
-                } \
-                tp[i] = ps[i] - lr * gi; \
-            } \
+    if (momentum && !first && !decay && !nesterov && !damp) { \
+        IVDEP for (long i = 0; i < n; i++) { \
+            T pi = p[i], gi = g[i], bi = b[i] * m + gi; \
+            bo[i] = bi; po[i] = pi - lr * bi; \
         } \
-        if (momentum) memcpy(bo + s, tb, k * sizeof(T)); \
-        memcpy(po + s, tp, k * sizeof(T)); \
+        return; \
+    } \
+    IVDEP for (long i = 0; i < n; i++) { \
+        T pi = p[i], gi = g[i], bi = momentum && !first ? b[i] : (T)0; \
+        if (decay) gi = gi + wd * pi; \
+        if (momentum) { \
+            bi = first ? gi : (damp ? bi * m + keep * gi : bi * m + gi); \
+            bo[i] = bi; \
+            gi = nesterov ? gi + m * bi : bi; \
+        } \
+        po[i] = pi - lr * gi; \
     } \
 }
 /* adam (decoupled 0) and adamw (1), as optim.py's _adam: m*b1 + (1-b1)*g, v*b2 + (1-b2)*(g*g),
@@ -277,22 +282,14 @@ void sgd_##S(long n, const T *p, const T *g, const T *b, T *po, T *bo, T lr, T m
 #define ADAM(T, S, SQRT) \
 void adam_##S(long n, const T *p, const T *g, const T *m, const T *v, T *po, T *mo, T *vo, T b1, T c1, T b2, \
               T c2, T eps, T wd, T shrink, T step, T bc2s, int decay, int decoupled) { \
-    T tp[BLK], tm[BLK], tv[BLK]; \
-    for (long s = 0; s < n; s += BLK) { \
-        long k = n - s < BLK ? n - s : BLK; \
-        const T *ps = p + s, *gs = g + s, *ms = m + s, *vs = v + s; \
-        for (long i = 0; i < k; i++) { \
-            T pi = ps[i], gi = gs[i]; \
-            if (decay) { if (decoupled) pi = pi * shrink; else gi = gi + wd * pi; } \
-            T mi = ms[i] * b1 + c1 * gi; \
-            T vi = vs[i] * b2 + c2 * (gi * gi); \
-            T d = SQRT(vi) / bc2s + eps; \
-            tm[i] = mi; tv[i] = vi; \
-            tp[i] = pi - step * mi / d; \
-        } \
-        memcpy(mo + s, tm, k * sizeof(T)); \
-        memcpy(vo + s, tv, k * sizeof(T)); \
-        memcpy(po + s, tp, k * sizeof(T)); \
+    IVDEP for (long i = 0; i < n; i++) { \
+        T pi = p[i], gi = g[i], mi = m[i], vi = v[i]; \
+        if (decay) { if (decoupled) pi = pi * shrink; else gi = gi + wd * pi; } \
+        mi = mi * b1 + c1 * gi; \
+        vi = vi * b2 + c2 * (gi * gi); \
+        T d = SQRT(vi) / bc2s + eps; \
+        mo[i] = mi; vo[i] = vi; \
+        po[i] = pi - step * mi / d; \
     } \
 }
 /* numpy's pairwise summation of n contiguous values (what np.sum does along a contiguous axis), in its order */
@@ -655,6 +652,7 @@ def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> st
     bits = "unsigned int" if T == "float" else "unsigned long long"
     return f"""#include <math.h>
 #include <string.h>
+{_IVDEP}
 static inline {T} deepx_max({T} a, {T} b) {{ return a != a ? a : (b != b ? b : (a > b ? a : b)); }}
 static inline {T} deepx_min({T} a, {T} b) {{ return a != a ? a : (b != b ? b : (a < b ? a : b)); }}
 static inline {T} deepx_neg({T} v) {{
@@ -664,16 +662,12 @@ static inline {T} deepx_neg({T} v) {{
     return u.f;
 }}
 void fused(long rows, long cols, const {T} **in, const {T} *c, {T} *out) {{
-{scalars}{pointers}    {T} block[512];
-    for (long r = 0; r < rows; r++) {{
-        for (long j0 = 0; j0 < cols; j0 += 512) {{
-            long k = cols - j0 < 512 ? cols - j0 : 512;
-            for (long j = j0; j < j0 + k; j++) {{
-                long i = r * cols + j;
+{scalars}{pointers}    for (long r = 0; r < rows; r++) {{
+        {T} *orow = out + r * cols;
+        IVDEP for (long j = 0; j < cols; j++) {{
+            long i = r * cols + j;
 {body}
-                block[j - j0] = {root};
-            }}
-            memcpy(out + r * cols + j0, block, k * sizeof({T}));
+            orow[j] = {root};
         }}
     }}
 }}
