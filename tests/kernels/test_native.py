@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from deepx_sdk.ir.ops import parse_fused
-from deepxd.kernels.cpu import fused, native, nn, optim
+from deepxd.kernels.cpu import fused, native, nn, optim, reduce
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler (cc, gcc, clang) on this machine: "
                                 "the native kernels are off and numpy runs every kernel (the fallback test in "
@@ -450,8 +450,45 @@ def test_crossentropy_rows_match_numpy(dtype):
             native.set_enabled(True)
         nn.crossentropy(x, labels, -100, reduction, got)
         assert got.tobytes() == want.tobytes(), (trial, n, c, reduction)
+        if reduction != "none":  # the mean and the sum went through crossentropy_reduced's C loops
+            again = np.empty((), dtype)
+            assert native.crossentropy_reduced(x, labels, -100, 0 if reduction == "mean" else 1, again)
+            assert again.tobytes() == want.tobytes()
     assert native.crossentropy_rows(np.ones((2, 3), np.float16), np.zeros(2, np.int64)) is None
     assert native.crossentropy_rows(np.ones((3, 2), np.float32).T, np.zeros(2, np.int64)) is None
+    # an unusual batch is left to numpy, its output untouched: a label out of range, an ignored class among them
+    x = rng.standard_normal((4, 3)).astype(dtype)
+    out = np.full((), 7, dtype)
+    assert not native.crossentropy_reduced(x, np.array([0, 1, 3, 2]), -100, 0, out)
+    assert not native.crossentropy_reduced(x, np.array([0, -1, 2, 2]), -100, 0, out)
+    assert not native.crossentropy_reduced(x, np.array([0, 1, 2, 2]), 1, 0, out)
+    assert out == 7
+    assert native.crossentropy_reduced(x, np.array([0, 1, 2, 2]), 3, 1, out)  # 3 is no label here
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_column_sums_match_numpy(dtype):
+    """sum over leading axes (a bias's gradient) by colsum: numpy's bits, from row after row; declined where numpy
+    sums pairwise (one value per row), for other dtypes, strided input and an output over the input."""
+    rng = np.random.default_rng(13)
+    for shape, axes in [((256, 512), (0,)), ((256, 10), (0,)), ((3, 5, 7), (0, 1)), ((2, 3, 4, 5), (0,)),
+                        ((1, 9), (0,)), ((1000, 3), (0,))]:
+        a = _data(rng, int(np.prod(shape)), dtype).reshape(shape)
+        k = len(axes)
+        got = np.empty(shape[k:], dtype)
+        assert native.colsum(a, k, got)
+        with np.errstate(all="ignore"):
+            same(got, np.sum(a, axis=axes))
+        kept = np.empty((1,) * k + shape[k:], dtype)
+        reduce.sum(a, axes, True, kept)
+        with np.errstate(all="ignore"):
+            same(kept, np.sum(a, axis=axes, keepdims=True))
+    a = rng.standard_normal((9, 1)).astype(dtype)
+    assert not native.colsum(a, 1, np.empty(1, dtype))
+    assert not native.colsum(a.astype(np.float16), 1, np.empty(1, np.float16))
+    b = rng.standard_normal((6, 4)).astype(dtype)
+    assert not native.colsum(b.T, 1, np.empty(6, dtype))
+    assert not native.colsum(b, 1, b[0])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -347,6 +347,38 @@ void cegrad_##S(long n, long c, T *e, const long long *labels, const T *g, long 
 void cerows_##S(long n, long c, const T *e, const T *s, const long long *labels, T *rs, T *ps) { \
     for (long r = 0; r < n; r++) { rs[r] = pwsum_##S(e + r * c, c); ps[r] = s[r * c + labels[r]]; } \
 }
+/* crossentropy's usual batch: 0 where every label is in [0, c) and `ignore` is outside their range, with s = x's
+   rows shifted (as rowshift) and ps[r] = s[r, labels[r]]; else 1, nothing written */
+#define CEPREP(T, S) \
+int ceprep_##S(long n, long c, const T *x, const long long *labels, long long ignore, T *s, T *ps) { \
+    long long lo = labels[0], hi = labels[0]; \
+    for (long r = 1; r < n; r++) { long long v = labels[r]; if (v < lo) lo = v; if (v > hi) hi = v; } \
+    if (lo < 0 || hi >= c || (lo <= ignore && ignore <= hi)) return 1; \
+    rowshift_##S(n, c, x, s); \
+    for (long r = 0; r < n; r++) ps[r] = s[r * c + labels[r]]; \
+    return 0; \
+}
+/* rs[r] = the sum of e's row r (numpy's pairwise order) */
+#define CESUMS(T, S) \
+void cesums_##S(long n, long c, const T *e, T *rs) { for (long r = 0; r < n; r++) rs[r] = pwsum_##S(e + r * c, c); }
+/* out = the mean (mode 0) or the sum (1) of rs - ps (written into rs), as nn._reduce: numpy's pairwise sum in T, the
+   mean a division in double (numpy's T / intp) rounded to T */
+#define CEREDUCE(T, S) \
+void cereduce_##S(long n, T *rs, const T *ps, int mode, T *out) { \
+    for (long r = 0; r < n; r++) rs[r] = rs[r] - ps[r]; \
+    T total = (T)0 + pwsum_##S(rs, n); /* numpy's reduction starts from +0 (so -0 values sum to +0) */ \
+    out[0] = mode == 0 ? (T)((double)total / (double)n) : total; \
+}
+/* out[j] = the sum of a[r, j] over the rows, one row after another from +0: numpy's order for a C-contiguous array
+   summed over its leading axes when the rest has two elements or more (with one, numpy sums pairwise) */
+#define COLSUM(T, S) \
+void colsum_##S(long rows, long cols, const T *a, T *out) { \
+    for (long j = 0; j < cols; j++) out[j] = (T)0 + a[j]; /* from +0, as numpy's: -0 values sum to +0 */ \
+    for (long r = 1; r < rows; r++) { \
+        const T *ar = a + r * cols; \
+        IVDEP for (long j = 0; j < cols; j++) out[j] = out[j] + ar[j]; \
+    } \
+}
 RELU(float, f32) RELU(double, f64)
 SGD(float, f32) SGD(double, f64)
 ADAM(float, f32, sqrtf) ADAM(double, f64, sqrt)
@@ -354,6 +386,10 @@ PWSUM(float, f32) PWSUM(double, f64)
 ROWSHIFT(float, f32) ROWSHIFT(double, f64)
 CEGRAD(float, f32) CEGRAD(double, f64)
 CEROWS(float, f32) CEROWS(double, f64)
+CEPREP(float, f32) CEPREP(double, f64)
+CESUMS(float, f32) CESUMS(double, f64)
+CEREDUCE(float, f32) CEREDUCE(double, f64)
+COLSUM(float, f32) COLSUM(double, f64)
 """
 
 _PTR = ctypes.c_void_p
@@ -390,6 +426,18 @@ def _core() -> dict[str, Any] | None:
         f = getattr(lib, f"cegrad_{s}")
         f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR, _PTR, ctypes.c_longlong, _INT], None
         fns[f"cegrad_{s}"] = f
+        f = getattr(lib, f"ceprep_{s}")
+        f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR, ctypes.c_longlong, _PTR, _PTR], _INT
+        fns[f"ceprep_{s}"] = f
+        f = getattr(lib, f"cesums_{s}")
+        f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR], None
+        fns[f"cesums_{s}"] = f
+        f = getattr(lib, f"cereduce_{s}")
+        f.argtypes, f.restype = [_LONG, _PTR, _PTR, _INT, _PTR], None
+        fns[f"cereduce_{s}"] = f
+        f = getattr(lib, f"colsum_{s}")
+        f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR], None
+        fns[f"colsum_{s}"] = f
     _core_fns = fns
     return fns
 
@@ -544,6 +592,55 @@ def crossentropy_rows(logits: np.ndarray, labels: np.ndarray) -> np.ndarray | No
     fns[f"cerows_{sfx}"](n, c, _address(e), _address(s), _address(lab), _address(rs), _address(ps))
     np.log(rs, out=rs)
     return rs - ps
+
+
+def crossentropy_reduced(logits: np.ndarray, labels: np.ndarray, ignore_index: int, mode: int,
+                         out: np.ndarray) -> bool:
+    """crossentropy's mean (mode 0) or sum (1) over the usual batch (every label in range, none ignored) as
+    nn.crossentropy's numpy steps give it, in three C loops around numpy's exp and log (their bits): the labels
+    checked and the rows shifted in one, the row sums in the next, the reduction in the last. False where the caller
+    must use numpy (an unusual batch among them)."""
+    dt = logits.dtype
+    if (dt not in SUFFIX or not _enabled or logits.ndim != 2 or not logits.flags.c_contiguous or out.dtype != dt
+            or out.size != 1 or not out.flags.c_contiguous or not out.flags.writeable):
+        return False
+    fns = _core()
+    n, c = logits.shape
+    if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32) or labels.size != n:
+        return False
+    lab = np.ascontiguousarray(labels, np.int64)  # the same array where it already is
+    buf = np.empty(n * c + 2 * n, dt)  # the shifted rows, then their sums, then the picked values
+    s, rs = buf[:n * c], buf[n * c:n * c + n]
+    sfx = SUFFIX[dt]
+    at, item = _address(buf), dt.itemsize
+    sums, picked = at + n * c * item, at + (n * c + n) * item
+    if fns[f"ceprep_{sfx}"](n, c, _address(logits), _address(lab), int(ignore_index), at, picked):
+        return False
+    np.exp(s, out=s)
+    fns[f"cesums_{sfx}"](n, c, at, sums)
+    np.log(rs, out=rs)
+    fns[f"cereduce_{sfx}"](n, sums, picked, mode, _address(out))
+    return True
+
+
+def colsum(a: np.ndarray, k: int, out: np.ndarray) -> bool:
+    """out = a summed over its first k axes, in numpy's order (row after row); False where the caller must use
+    numpy: not float32/float64, not C-contiguous, or fewer than two values per row (numpy then sums pairwise)."""
+    dt = a.dtype
+    if dt not in SUFFIX or not _enabled or out.dtype != dt or not a.flags.c_contiguous or not a.size:
+        return False
+    rows = 1
+    for d in a.shape[:k]:
+        rows *= d
+    cols = a.size // rows
+    fns = _core()
+    if fns is None or cols < 2 or out.size != cols or not out.flags.c_contiguous or not out.flags.writeable:
+        return False
+    lo, hi = _address(out), _address(a)
+    if lo < hi + a.nbytes and hi < lo + out.nbytes:
+        return False
+    fns[f"colsum_{SUFFIX[dt]}"](rows, cols, hi, lo)
+    return True
 
 
 def crossentropygrad(logits: np.ndarray, labels: np.ndarray, g: np.ndarray, ignore_index: int, mode: int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from deepxd.kernels.cpu import native
 from deepxd.kernels.cpu._util import F32, LOW
 
 _F64, _F32 = np.dtype(np.float64), np.dtype(np.float32)
@@ -29,9 +30,21 @@ def _dims(a, dims):
     return dims
 
 
+def _leading(a: np.ndarray, dims) -> int:
+    """k when dims are a's first k axes (not all of them), else 0."""
+    if not dims or len(dims) >= a.ndim:
+        return 0
+    k = len(dims)
+    return k if sorted(d % a.ndim for d in dims) == list(range(k)) else 0
+
+
 def sum(a, dims, keepdims, out):
     acc = _acc(a)
     if acc is None:
+        # a bias's gradient, every training step: summed over the leading axes by a C loop, in numpy's order
+        k = _leading(a, dims)
+        if k and a.size >= native.RELU_MIN // 16 and native.colsum(a, k, out):
+            return
         np.sum(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
     else:
         np.copyto(out, np.sum(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc), casting="unsafe")
