@@ -160,7 +160,7 @@ def test_fused_matches_the_numpy_tape(dtype, expr, layout):
     lay = {"full": native.FULL, "row": native.ROW, "scalar": native.SCALAR, "leading-one": native.ROW,
            "column": native.COLUMN}[layout]
     text = fused.compile_expr(expr, 2).text
-    assert native._fused_fns.get((text, 2, native.CTYPE[np.dtype(dtype)], (native.FULL, lay))), \
+    assert native._fused_fns.get((text, 2, native.CTYPE[np.dtype(dtype)], (native.FULL, lay), False)), \
         "the expression was not compiled"
     same(got, want)
 

@@ -417,3 +417,88 @@ def test_a_program_that_stops_between_a_folded_transpose_and_its_delete_leaves_e
     np.testing.assert_array_equal(ex.get("wt"), w.T)
     ex.run(parse_text("deltensor () -> (tensor<float32>:wt)")[0])
     assert "wt" not in ex.tensors
+
+
+COLSUMS = {
+    # a ReLU's gradient, then its bias's: folded (keepdims either way, axis 0 given as -2 too)
+    "relu grad then bias grad": ("""
+        fused (listtensor<float32>:[g y], var<string>:in0 * (in1 > 0.0)) -> (tensor<float32>:t)
+        sum (tensor<float32>:t, vector<int32>:[0], var<bool>:False) -> (tensor<float32>:s)
+        matmul (tensor<float32>:t, tensor<float32>:w) -> (tensor<float32>:u)
+        deltensor () -> (tensor<float32>:t)
+    """, [(0, 1)]),
+    "keepdims, axis -2, a read of another name between": ("""
+        fused (listtensor<float32>:[g y], var<string>:in0 * (in1 > 0.0) + 0.5) -> (tensor<float32>:t)
+        relu (tensor<float32>:g) -> (tensor<float32>:v)
+        sum (tensor<float32>:t, vector<int32>:[-2], var<bool>:True) -> (tensor<float32>:s)
+    """, [(0, 2)]),
+    # not folded: another axis, a write of the output first, a single column
+    "axis 1": ("""
+        fused (listtensor<float32>:[g y], var<string>:in0 * in1 + in0) -> (tensor<float32>:t)
+        sum (tensor<float32>:t, vector<int32>:[1], var<bool>:False) -> (tensor<float32>:s)
+    """, []),
+    "written before the sum": ("""
+        fused (listtensor<float32>:[g y], var<string>:in0 * in1 + in0) -> (tensor<float32>:t)
+        relu (tensor<float32>:g) -> (tensor<float32>:t)
+        sum (tensor<float32>:t, vector<int32>:[0], var<bool>:False) -> (tensor<float32>:s)
+    """, []),
+    "one column": ("""
+        fused (listtensor<float32>:[c c], var<string>:in0 * in1 + in0) -> (tensor<float32>:t)
+        sum (tensor<float32>:t, vector<int32>:[0], var<bool>:False) -> (tensor<float32>:s)
+    """, []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COLSUMS))
+def test_a_sum_over_axis_0_of_a_fused_result_is_made_in_its_loop(case, monkeypatch):
+    """prepare_program folds a sum over axis 0 of a fused instruction's result (the next instruction naming it) into
+    the fused C loop; every run's tensors are execute's, bit for bit, before the loop is compiled (HOT runs) and
+    after."""
+    from deepxd.kernels.cpu import _foldable_colsums, native
+
+    text, folds = COLSUMS[case]
+    rng = np.random.default_rng(5)
+    rows = 300  # 300 x 256: above BROADCAST_MIN and FUSED_MIN, on one thread
+    tensors = {"g": rng.standard_normal((rows, 256)).astype(np.float32),
+               "y": rng.standard_normal((rows, 256)).astype(np.float32),
+               "w": rng.standard_normal((256, 8)).astype(np.float32),
+               "c": rng.standard_normal((40000, 1)).astype(np.float32)}
+    tensors["g"][0, :3] = [-0.0, np.nan, np.inf]
+    ex = CpuExecutor()
+    for name, a in tensors.items():
+        ex.put(name, a.copy())
+    bounds = check_program(parse_text(text.strip()), ex, ex.plans)
+    assert _foldable_colsums(bounds) == folds
+    done = []
+    real = native.fused
+
+    def counting(plan, inputs, out, sums=None):
+        ok = real(plan, inputs, out, sums)
+        done.append(sums is not None and ok)
+        return ok
+
+    monkeypatch.setattr(native, "fused", counting)
+    results: dict[bool, list[dict[str, np.ndarray]]] = {}
+    for prepared in (False, True):
+        ex = CpuExecutor()
+        for name, a in tensors.items():
+            ex.put(name, a.copy())
+        program = parse_text(text.strip())
+        steps = None
+        runs = []
+        for _ in range(native.HOT + 2):
+            bounds = check_program(program, ex, ex.plans)
+            if prepared:
+                steps = steps or ex.prepare_program(bounds)[0]
+                for step in steps:
+                    step()
+            else:
+                for b in bounds:
+                    ex.execute(b)
+            runs.append({n: ex.tensors[n].copy() for n in ex.tensors})
+        results[prepared] = runs
+    for a, b in zip(results[False], results[True]):
+        assert a.keys() == b.keys()
+        for n in a:
+            assert a[n].tobytes() == b[n].tobytes() and a[n].shape == b[n].shape, f"{case}: {n}"
+    assert any(done) == bool(folds)  # once compiled, the fold's loop made the sums

@@ -163,6 +163,9 @@ class CpuExecutor:
         view held it (a copy where its buffer is shared: another name may write it in place meanwhile), so that
         deleting or rewriting the operand's name in between changes nothing.
 
+        A second: a `fused` whose output the next instruction naming it sums over axis 0 (a bias's gradient, after
+        the ReLU's) computes the sums in the same C loop (native.fused's `sums`), and the sum only stores them.
+
         Returns the steps and `recover(done)`, to call when step `done` failed: a folded transpose that ran and whose
         delete did not is made then (a row-major copy of the held array), so the tensors are execute's."""
         steps = [self.prepare(b) for b in bounds]
@@ -170,6 +173,8 @@ class CpuExecutor:
         for i, j, k in _foldable_transposes(bounds, fetch, self.pinned):
             steps[i], steps[j], steps[k], made = self._fold_transpose(bounds[i], bounds[j], bounds[k])
             folds.append((i, k, made))
+        for i, j in _foldable_colsums(bounds):
+            steps[i], steps[j] = self._fold_colsum(bounds[i], bounds[j], steps[i], steps[j])
 
         def recover(done: int) -> None:
             for i, k, made in folds:
@@ -177,6 +182,57 @@ class CpuExecutor:
                     made()
 
         return steps, recover
+
+    def _fold_colsum(self, f: Bound, sm: Bound, fused_step: Callable[[], None], sum_step: Callable[[], None]
+                     ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The fused step with its output's column sums made in the same loop, kept until the sum's step stores
+        them; where the native loop declines (not yet compiled, an input it cannot read), both steps as they were."""
+        from deepxd.kernels.cpu import fused as fused_kernels
+        from deepxd.kernels.cpu import native
+
+        tensors, metas = self.tensors, self.tensors.metas
+        ins, expr = f.names[0], f.args[1]
+        assert isinstance(ins, list)
+        plan = fused_kernels.compile_expr(str(expr), len(ins))
+        out, meta = str(f.out_names[0]), f.outs[0]
+        total, total_meta = str(sm.out_names[0]), sm.outs[0]
+        assert meta is not None and total_meta is not None
+        npdt, shape = to_numpy(meta.dtype), meta.shape
+        kept: list[Any] = [None]
+
+        def run_fused() -> None:
+            kept[0] = None
+            if fused_kernels.backend() != "native":
+                fused_step()
+                return
+            arrays = [tensors[x] for x in ins]
+            if self.shared and out in self.shared:
+                self.unshare(out)
+            have = tensors.get(out)
+            fresh = have is None or metas[out] != meta
+            o = np.empty(shape, npdt) if fresh or have is None else have
+            sums = np.empty(shape[1], npdt)
+            if not native.fused(plan, arrays, o, sums):  # nothing written: the step as it was
+                fused_step()
+                return
+            if fresh:
+                tensors[out] = o
+            kept[0] = sums
+
+        def run_sum() -> None:
+            sums, kept[0] = kept[0], None
+            if sums is None:
+                sum_step()
+                return
+            if self.shared and total in self.shared:
+                self.unshare(total)
+            o = tensors.get(total)
+            if o is not None and metas[total] == total_meta:
+                o[...] = sums.reshape(o.shape)
+            else:
+                tensors[total] = sums.reshape(total_meta.shape)
+
+        return run_fused, run_sum
 
     def _fold_transpose(self, t: Bound, mm: Bound, delete: Bound) -> tuple[Callable[[], None], ...]:
         tensors, metas = self.tensors, self.tensors.metas
@@ -639,6 +695,31 @@ def _mentions(b: Bound, name: str) -> bool:
         if n == name or (type(n) is list and name in n):
             return True
     return False
+
+
+def _foldable_colsums(bounds: Sequence[Bound]) -> list[tuple[int, int]]:
+    """(fused, sum) positions for prepare_program: a fused instruction with a float32 or float64 matrix result whose
+    next instruction naming it is a sum of it over axis 0 (keepdims either way) into another name, of its dtype."""
+    found = []
+    n = len(bounds)
+    for i, b in enumerate(bounds):
+        meta = b.outs[0] if b.op.name == "fused" and len(b.outs) == 1 else None
+        if (meta is None or b.instr.meta or meta.dtype not in ("float32", "float64") or len(meta.shape) != 2
+                or meta.shape[1] < 2 or not isinstance(b.names[0], list)):
+            continue
+        out = b.out_names[0]
+        j = i + 1
+        while j < n and not _mentions(bounds[j], out):
+            j += 1
+        if j == n:
+            continue
+        sm = bounds[j]
+        total = sm.outs[0] if sm.op.name == "sum" and sm.outs else None
+        if (total is None or sm.instr.meta or sm.names[0] != out or out in sm.out_names or total.dtype != meta.dtype
+                or tuple(int(d) % 2 for d in sm.args[1]) != (0,)):
+            continue
+        found.append((i, j))
+    return found
 
 
 def _foldable_transposes(bounds: Sequence[Bound], fetch: Collection[str], pinned: Any

@@ -679,17 +679,19 @@ _C_COMPARE = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "=
 FULL, SCALAR, ROW, COLUMN = 0, 1, 2, 3
 _INDEX = {FULL: "i", ROW: "j", COLUMN: "r"}  # the element an input of that layout gives at row r, column j
 
-_seen: dict[tuple[str, int, str, tuple[int, ...]], int] = {}
+_seen: dict[tuple[str, int, str, tuple[int, ...], bool], int] = {}
 _consts: dict[tuple[str, tuple[float, ...], np.dtype], np.ndarray] = {}
-_fused_fns: dict[tuple[str, int, str, tuple[int, ...]], Any] = {}
+_fused_fns: dict[tuple[str, int, str, tuple[int, ...], bool], Any] = {}
 
 
-def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> str | None:
+def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int], colsum: bool = False) -> str | None:
     """C source of `void fused(long rows, long cols, const T **in, const T *c, T *out)` for a checked expression
     whose numbers are lifted into c0, c1, ... (fused.compile_expr's text), or None when it calls what numpy does
     better. Inputs of layout FULL are read at [r*cols + j], ROW at [j], COLUMN at [r], SCALAR at [0]; constant k at
     c[k], a value the compiler does not know, so it folds nothing that numpy computes (0/0, x*1, -(x*c) as x*-c
-    would each change a NaN's sign or quietness). Negation flips the sign bit, as numpy's does."""
+    would each change a NaN's sign or quietness). Negation flips the sign bit, as numpy's does. colsum: the function
+    takes a last argument `T *sums` and also writes the output's column sums there, row after row from +0 (a sum over
+    axis 0 of the output, in numpy's order)."""
     lines: list[str] = []
     ids: dict[str, str] = {}
     math_suffix = "f" if ctype == "float" else ""
@@ -747,6 +749,9 @@ def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int]) -> st
     pointers = "".join(f"    const {T} *in{k} = in[{k}];\n" for k, lay in enumerate(layouts) if lay != SCALAR)
     body = "\n".join(lines)
     bits = "unsigned int" if T == "float" else "unsigned long long"
+    extra = f", {T} *sums" if colsum else ""
+    start = f"    for (long j = 0; j < cols; j++) sums[j] = ({T})0;\n" if colsum else ""
+    accumulate = f"\n            sums[j] = sums[j] + {root};" if colsum else ""
     return f"""#include <math.h>
 #include <string.h>
 {_IVDEP}
@@ -758,13 +763,13 @@ static inline {T} deepx_neg({T} v) {{
     u.i ^= ({bits})1 << (sizeof({T}) * 8 - 1);
     return u.f;
 }}
-void fused(long rows, long cols, const {T} **in, const {T} *c, {T} *out) {{
-{scalars}{pointers}    for (long r = 0; r < rows; r++) {{
+void fused(long rows, long cols, const {T} **in, const {T} *c, {T} *out{extra}) {{
+{scalars}{pointers}{start}    for (long r = 0; r < rows; r++) {{
         {T} *orow = out + r * cols;
         IVDEP for (long j = 0; j < cols; j++) {{
             long i = r * cols + j;
 {body}
-            orow[j] = {root};
+            orow[j] = {root};{accumulate}
         }}
     }}
 }}
@@ -796,15 +801,19 @@ def _layout(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int] | None:
     return None
 
 
-def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
+def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.ndarray | None = None) -> bool:
     """out = the expression of `plan` (fused.compile_expr's) over inputs, by a generated C loop; False where the
     caller must use numpy (not float32/float64 of one dtype, a layout it cannot read, an overlap, an expression numpy
     does better, or not yet HOT). One loop serves every expression of the plan's structure: the numbers are passed
-    in."""
+    in. sums: also out's sum over axis 0 (a 2-D out; sums C-contiguous, of its columns and dtype, apart from every
+    other array), in numpy's order, on one thread; False where that cannot be done, nothing written then."""
     dt = out.dtype
     n = out.size
     if (n < BROADCAST_MIN or dt not in CTYPE or not _enabled or not out.flags.c_contiguous
             or not out.flags.writeable):
+        return False
+    if sums is not None and (out.ndim != 2 or out.shape[1] < 2 or sums.dtype != dt or sums.size != out.shape[1]
+                             or not sums.flags.c_contiguous or not sums.flags.writeable or _parts(n) > 1):
         return False
     shape = out.shape
     layouts: list[int] = []
@@ -822,7 +831,7 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
             cols = found[1]
     if not cols and n < FUSED_MIN:  # numpy's tape runs flat operands faster than a call here
         return False
-    key = (plan.text, len(inputs), CTYPE[dt], tuple(layouts))
+    key = (plan.text, len(inputs), CTYPE[dt], tuple(layouts), sums is not None)
     fn = _fused_fns.get(key)
     if fn is None:
         seen = _seen.get(key, 0) + 1
@@ -841,13 +850,15 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
     for a, at, layout in zip(inputs, where, layouts):
         if at < hi and lo < at + a.nbytes and not (layout == FULL and at == lo):
             return False
-    ck = (plan.text, plan.constants, dt)
-    consts = _consts.get(ck)
-    if consts is None:
-        if len(_consts) >= 4096:
-            _consts.clear()
-        consts = _consts[ck] = np.array(plan.constants or (0.0,), dt)  # rounded as numpy rounds them
-    cs = _address(consts)
+    if sums is not None:
+        s_lo = _address(sums)
+        s_hi = s_lo + sums.nbytes
+        if (s_lo < hi and lo < s_hi) or any(at < s_hi and s_lo < at + a.nbytes for a, at in zip(inputs, where)):
+            return False
+        rows, cols = out.shape
+        fn(rows, cols, (ctypes.c_void_p * len(where))(*where), _consts_of(plan, dt), lo, s_lo)
+        return True
+    cs = _consts_of(plan, dt)
     item = dt.itemsize
     if not cols:  # every input the output's shape or one element: one flat row, split into ranges across threads
         pieces = _pieces(n)
@@ -882,10 +893,21 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray) -> bool:
     return True
 
 
-def _build_fused(key: tuple[str, int, str, tuple[int, ...]]) -> Any:
+def _consts_of(plan: Any, dt: np.dtype) -> int:
+    """The address of plan's constants as an array of dtype dt (made once: rounded as numpy rounds them)."""
+    ck = (plan.text, plan.constants, dt)
+    consts = _consts.get(ck)
+    if consts is None:
+        if len(_consts) >= 4096:
+            _consts.clear()
+        consts = _consts[ck] = np.array(plan.constants or (0.0,), dt)
+    return _address(consts)
+
+
+def _build_fused(key: tuple[str, int, str, tuple[int, ...], bool]) -> Any:
     """The compiled kernel of key, or False (kept, so that it is not tried again) when it has none."""
-    text, _, ctype, layouts = key
-    source = fused_source(ast.parse(text, mode="eval"), ctype, layouts)  # made by ast.unparse of a checked tree
+    text, _, ctype, layouts, colsum = key
+    source = fused_source(ast.parse(text, mode="eval"), ctype, layouts, colsum)  # ast.unparse of a checked tree
     lib = load(source) if source is not None else None
     if lib is None:
         if len(_fused_fns) >= 4096:
@@ -893,6 +915,6 @@ def _build_fused(key: tuple[str, int, str, tuple[int, ...]]) -> Any:
         _fused_fns[key] = False
         return False
     fn = lib.fused
-    fn.argtypes, fn.restype = [_LONG, _LONG, ctypes.POINTER(ctypes.c_void_p), _PTR, _PTR], None
+    fn.argtypes, fn.restype = [_LONG, _LONG, ctypes.POINTER(ctypes.c_void_p), _PTR, _PTR, *[_PTR] * colsum], None
     _fused_fns[key] = fn
     return fn
