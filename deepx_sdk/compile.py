@@ -714,6 +714,10 @@ class CompiledFunction:
         s.runs += 1
         values = _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)},
                                            scalars, small)
+        # the replay made them: a name reused from a deleted tensor (Session.reuse_name) is not waiting on a program
+        # any more, and a later program that fails must not count it as never made (its tensor would then never be
+        # deleted)
+        s._revived.difference_update(out_names)
         for st, step in steps:
             st["step"] = step
         self.replays += 1

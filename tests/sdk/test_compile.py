@@ -10,6 +10,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_sdk.compile import GraphRecord
+from deepx_sdk.errors import DeepxError
 from tests.daemon.conftest import Daemon
 
 
@@ -451,3 +452,44 @@ def test_a_small_output_comes_back_with_its_replay(monkeypatch) -> None:
     w.add_(1)
     assert again.item() == 24.0  # the replay before the update
     assert scaled(x).item() == 36.0
+
+
+def test_a_replays_large_output_is_deleted_after_a_later_program_fails():
+    """A replay's output may take the name of a large temporary deleted before (Session.reuse_name): the replay made
+    it, so a later program that fails before writing that name must not count it as never made, or the tensor is
+    never deleted when Python drops it (found in review: the daemon's tensor count grew by one per loop)."""
+    import gc
+
+    s = dx.connect()
+    rng = np.random.default_rng(0)
+    x = dx.tensor(rng.standard_normal((256, 128)).astype(np.float32))
+
+    @dx.compile
+    def f(a):
+        return (a * 2.0 + 1.0) * 3.0
+
+    def count() -> int:
+        return len(s.transport._call(s.transport.node.ref("op-cpu").ask("tensors")))
+
+    for _ in range(3):
+        y = f(x)
+        y.numpy()
+        del y
+    counts = []
+    for _ in range(4):
+        t = x * 5.0  # a large temporary, dropped: its name is handed out again once its delete has gone
+        del t
+        s.sync()
+        y = f(x)  # the replay's output takes that name
+        logits = dx.tensor(rng.standard_normal((3, 4)).astype(np.float32))
+        bad = dx.tensor(np.array([0, 9, 1], np.int64))
+        loss = F.cross_entropy(logits, bad)  # fails when it runs, before the write into y below
+        y.add_(1.0)
+        with pytest.raises(DeepxError, match="label 9"):
+            loss.item()
+        np.testing.assert_allclose(y.numpy(), (x.numpy() * 2 + 1) * 3, rtol=1e-6)  # y kept its value
+        del y, logits, bad, loss
+        gc.collect()
+        s.sync()
+        counts.append(count())  # x, f's graph inputs and the pooled small tensors: the same every time
+    assert counts == [counts[0]] * 4, counts

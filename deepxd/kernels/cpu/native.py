@@ -4,7 +4,10 @@ numpy runs one whole-array pass per ufunc. An update such as momentum SGD (`buf 
 reads and writes its tensors several times over, and `maximum(x, 0)` on float32 takes a NaN-checking loop at a
 fraction of memory speed. The loops here do each in one pass, with the same operations in the same order as the
 numpy code they replace (no fast-math, no fused multiply-add, no constants for the compiler to fold), so their
-results are the same bits.
+results are the same bits. One exception: where two NaNs meet in an addition or a product, the result is one of
+them, and which (its sign and payload) may differ from numpy's, as the compiler may put the operands of a
+commutative operation either way round (found in review; every result that is not NaN, and whether it is NaN, is
+numpy's).
 
 What is here:
 
