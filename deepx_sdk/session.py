@@ -465,6 +465,18 @@ class Session:
         if len(pending) >= self.max_pending:
             self.flush_full()
 
+    def record_at(self, instr: Instr, where: Any) -> None:
+        """record(), with the user's line already found (`where`: an origin() entry, None where unknown): an
+        optimizer's step looks it up once for all its updates."""
+        if self.collected:
+            with self._lock:
+                self._drain_collected()
+        pending = self.pending
+        pending.append(instr)
+        self.origins.append(where)
+        if len(pending) >= self.max_pending:
+            self.flush_full()
+
     def backward_seen(self, spec: dict[str, Any], remember: bool = False) -> bool:
         """Whether the daemon derived this backward request before (the same forward graph, loss, wrt, upstream
         gradient and names); `remember`: it just did."""

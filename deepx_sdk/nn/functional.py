@@ -50,7 +50,13 @@ def log_softmax(x: Tensor, dim: int = -1, dtype: Any = None) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     y = matmul(x, weight.t() if weight.ndim == 2 else weight)
-    return y + bias if bias is not None else y
+    if bias is None:
+        return y
+    if bias.dtype is y.dtype and bias.shape == y.shape[-1:] and not y._s.explicit_broadcast:
+        # a bias of the result's last dim and dtype: the `y + bias` below, without working out a broadcast and a
+        # promotion that cannot change anything (every Linear, every step)
+        return y._op("add", (_tp(y), _tp(bias)), y.shape, y.dtype, [y, bias])
+    return y + bias
 
 
 def embedding(index: Tensor, weight: Tensor) -> Tensor:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
+from deepx_sdk.session import origin
 from deepx_sdk.tensor import Tensor, _tp, zeros
 
 __all__ = ["SGD", "Adam", "AdamW", "CosineAnnealingLR", "Optimizer", "StepLR", "lr_scheduler"]
@@ -32,6 +34,10 @@ def _var(value: bool | int | float) -> Param:
     return p
 
 
+_SGD_HYPER, _SGD_KINDS = ("lr", "momentum", "dampening", "weight_decay", "nesterov"), (float,) * 4 + (bool,)
+_ADAM_HYPER, _ADAM_KINDS = ("lr", "eps", "weight_decay"), (float,) * 3
+
+
 class Optimizer:
     """Parameter groups, per-parameter state, zero_grad, state_dict; subclasses give `defaults` and `_update`."""
 
@@ -50,6 +56,9 @@ class Optimizer:
                     raise DeepxError(f"{type(self).__name__}: parameters must be tensors, got {type(p).__name__}")
             self.param_groups.append(group)
         self.state: dict[int, dict[str, Any]] = {}  # by id(param): a Tensor's == records a comparison
+        # by id(group): its hyperparameters' values and their var params (_hyper); the line that called step (_at)
+        self._hypers: dict[int, tuple[tuple[Any, ...], tuple[Param, ...]]] = {}
+        self._at: Any = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -61,6 +70,8 @@ class Optimizer:
 
     def step(self) -> None:
         """One update of every parameter that has a gradient: one instruction each."""
+        # the user's line that called step, looked up once for all the updates (an error in one names it)
+        self._at = origin(sys._getframe(1))
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -74,6 +85,21 @@ class Optimizer:
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise DeepxError(f"{type(self).__name__} defines no update")
+
+    def _record(self, p: Tensor, instr: Instr) -> None:
+        p._s.record_at(instr, self._at)
+
+    def _hyper(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...]) -> tuple[Param, ...]:
+        """The var params of a group's hyperparameters, remade only when one changed (a scheduler's lr): every step
+        records the same objects. Floats are told apart by sign too (-0.0 is not 0.0)."""
+        values = tuple(kind(group[n]) for n, kind in zip(names, kinds))
+        key = tuple((v, math.copysign(1.0, v)) if type(v) is float else v for v in values)
+        made = self._hypers.get(id(group))
+        if made is not None and made[0] == key:
+            return made[1]
+        params = tuple(_var(v) for v in values)
+        self._hypers[id(group)] = (key, params)
+        return params
 
     def _buffer(self, p: Tensor, state: dict[str, Any], key: str) -> Tensor:
         buf = state.get(key)
@@ -141,10 +167,9 @@ class SGD(Optimizer):
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         # without momentum the kernel never touches the buffer: the gradient stands in for it
         buf = self._buffer(p, state, "momentum_buffer") if group["momentum"] else g
-        args = (_tp(p), _tp(g), _tp(buf), _var(float(group["lr"])), _var(float(group["momentum"])),
-                _var(float(group["dampening"])), _var(float(group["weight_decay"])),
-                _var(bool(group["nesterov"])), _var(sgd_step(int(state["step"]))))
-        p._s.record(Instr("sgd", args, (_tp(p), _tp(buf))))
+        hyper = self._hyper(group, _SGD_HYPER, _SGD_KINDS)
+        args = (_tp(p), _tp(g), _tp(buf), *hyper, _var(sgd_step(int(state["step"]))))
+        self._record(p, Instr("sgd", args, (_tp(p), _tp(buf))))
 
 
 class Adam(Optimizer):
@@ -161,10 +186,10 @@ class Adam(Optimizer):
         m = self._buffer(p, state, "exp_avg")
         v = self._buffer(p, state, "exp_avg_sq")
         b1, b2 = group["betas"]
-        args = (_tp(p), _tp(g), _tp(m), _tp(v), _var(float(group["lr"])), _var(float(b1)),
-                _var(float(b2)), _var(float(group["eps"])), _var(float(group["weight_decay"])),
+        lr, eps, wd = self._hyper(group, _ADAM_HYPER, _ADAM_KINDS)
+        args = (_tp(p), _tp(g), _tp(m), _tp(v), lr, _var(float(b1)), _var(float(b2)), eps, wd,
                 _var(int(state["step"])))
-        p._s.record(Instr(self.op, args, (_tp(p), _tp(m), _tp(v))))
+        self._record(p, Instr(self.op, args, (_tp(p), _tp(m), _tp(v))))
 
 
 class AdamW(Adam):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.optim import SGD, Adam, AdamW, CosineAnnealingLR, StepLR
+from deepx_sdk.session import origin_of
 from deepx_sdk.session import session as current_session_object
 
 
@@ -137,3 +140,32 @@ def _torch_sgd_four_steps() -> list[float]:
         (tw * tw).sum().backward()
         topt.step()
     return tw.detach().tolist()
+
+
+def test_an_update_records_the_same_hyperparameter_params_until_one_changes():
+    """A group's hyperparameters become var params once, and again only when one changes (a scheduler's lr), so
+    every step records the same objects; -0.0 is not taken for 0.0. An update's instruction names the line that
+    called step()."""
+    p = nn.Parameter(np.ones(4, np.float32))
+    opt = SGD([p], lr=0.1, momentum=0.9)
+    s = current_session_object()
+    s.sync()
+
+    def recorded() -> tuple[Any, ...]:
+        p.grad = dx.ones(4)
+        opt.step()  # the line the update's origin names: in this function
+        instr = s.pending[-1]
+        where = origin_of(s.origins[-1])
+        assert instr.name == "sgd" and where is not None and where[0].co_name == "recorded"
+        return instr.args[3:8]
+
+    first, second = recorded(), recorded()
+    assert all(a is b for a, b in zip(first, second))
+    opt.param_groups[0]["lr"] = 0.05
+    third = recorded()
+    assert third[0] is not first[0] and third[0].value == 0.05 and all(a is b for a, b in zip(first[1:], third[1:]))
+    opt.param_groups[0]["weight_decay"] = -0.0
+    fourth = recorded()
+    assert str(fourth[3].value) == "-0.0" and str(third[3].value) == "0.0"
+    s.sync()
+    np.testing.assert_array_less(p.numpy(), 1.0)  # the updates ran
