@@ -714,10 +714,14 @@ class CompiledFunction:
         s.runs += 1
         values = _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)},
                                            scalars, small)
-        # the replay made them: a name reused from a deleted tensor (Session.reuse_name) is not waiting on a program
-        # any more, and a later program that fails must not count it as never made (its tensor would then never be
-        # deleted)
+        # the replay made them: a later program that fails must not count one as never made (its tensor would then
+        # never be deleted). A name reused from a deleted tensor (Session.reuse_name) is not waiting on a program any
+        # more; a new one is numbered above the mark, which moves past it, as a put moves it, where nothing pending
+        # makes a tensor (only deletes of collected handles can be pending here: the call synced first)
         s._revived.difference_update(out_names)
+        with s._lock:
+            if all(i.name == "deltensor" for i in s.pending):
+                s._mark = next(s._names)
         for st, step in steps:
             st["step"] = step
         self.replays += 1

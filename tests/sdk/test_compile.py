@@ -493,3 +493,37 @@ def test_a_replays_large_output_is_deleted_after_a_later_program_fails():
         s.sync()
         counts.append(count())  # x, f's graph inputs and the pooled small tensors: the same every time
     assert counts == [counts[0]] * 4, counts
+
+
+def test_a_replays_new_output_name_is_deleted_after_a_later_program_fails():
+    """The same with a replay output under a new name (no free name of its shape): the replay moves the session's
+    mark past it, so a later failing program does not count it as never made (found in review)."""
+    import gc
+
+    s = dx.connect()
+    rng = np.random.default_rng(0)
+    x = dx.tensor(rng.standard_normal((256, 128)).astype(np.float32))
+
+    @dx.compile
+    def f(a):
+        return (a * 2.0 + 1.0) * 3.0
+
+    keep = [f(x) for _ in range(3)]  # recorded, then replayed; kept, so no name of this shape is free
+    for k in keep:
+        k.numpy()
+    logits = dx.tensor(rng.standard_normal((3, 4)).astype(np.float32))
+    labels = dx.tensor(np.array([0, 9, 1], np.int64))
+    s.sync()
+    y = f(x)  # a replay: its output takes a new name
+    loss = F.cross_entropy(logits, labels)  # fails when it runs (label 9), before the write into y
+    y.add_(1.0)
+    with pytest.raises(DeepxError, match="label 9"):
+        loss.item()
+    name = y.name
+    assert name not in s._lost
+    del y, loss
+    gc.collect()
+    s.sync()
+    held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
+    assert name not in held or any(name in v for v in s.pool.values())  # deleted, or pooled for reuse
+    del keep
