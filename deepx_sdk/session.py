@@ -71,6 +71,21 @@ def _backward_probe(spec: dict[str, Any]) -> Any:
     return probe
 
 
+#: deltensor instructions by (name, dtype): a loop deletes the same names every step, and the same objects then
+#: cost nothing to make and compare at identity speed (same_program)
+_DELETIONS: dict[tuple[str, Any], Instr] = {}
+
+
+def _deletion(name: str, dtype: Any) -> Instr:
+    key = (name, dtype)
+    instr = _DELETIONS.get(key)
+    if instr is None:
+        if len(_DELETIONS) >= 16384:
+            _DELETIONS.clear()
+        instr = _DELETIONS[key] = Instr("deltensor", (), (Param("tensor", (dtype,), name),))
+    return instr
+
+
 def origin(f: Any) -> Any:
     """The entry of Session.origins for frame `f`: the first frame from it outwards that is not the SDK's, as
     id(code) << 24 | offset (an int: nothing for the garbage collector to track), or (code, offset)."""
@@ -557,7 +572,7 @@ class Session:
                     insort(names, name, key=_name_order)
                     if len(item) == 3:
                         continue  # kept, buffer and all, for the next result of its shape
-            self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
+            self.pending.append(_deletion(name, dtype))
             self.origins.append(None)
 
     def _release_freed(self) -> None:
