@@ -85,15 +85,33 @@ def _renamed(program: list[Instr], grads: dict[str, str], names: dict[str, str],
     return out, dict(names)
 
 
+#: per op, whether each arg may name a variable: a string there is a variable's name unless the arg takes a string
+#: (a reduction's "mean", a fused expression) or any value (as ops.py's binder reads them; None: the op is unknown)
+_LITERAL_STRINGS: dict[str, tuple[bool, ...] | None] = {}
+
+
+def _reads_by_name(op_name: str) -> tuple[bool, ...] | None:
+    known = _LITERAL_STRINGS.get(op_name, False)
+    if known is False:
+        op = OPS.get(op_name)
+        known = _LITERAL_STRINGS[op_name] = None if op is None else tuple(
+            a.vtype not in ("str", "any") for a in op.args)
+    return known  # type: ignore[return-value]
+
+
 def _names_variables(program: Sequence[Instr]) -> bool:
     """Whether the program sets variables or may read one by name (a string where a value goes): then the passes
     need the worker's variables. A plain loop: this runs over every instruction of every program."""
     for instr in program:
         if instr.name in ("argset", "vecset"):
             return True
-        for p in instr.args:
+        by_name = None
+        for k, p in enumerate(instr.args):
             if type(p.value) is str and p.category in _VALUE_CATEGORIES:
-                return True
+                if by_name is None:
+                    by_name = _reads_by_name(instr.name) or ()
+                if k >= len(by_name) or by_name[k]:
+                    return True
     return False
 
 

@@ -147,3 +147,20 @@ async def test_a_client_that_reuses_names(nodes, index):
         for name in ("p3", "p4", "s"):
             np.testing.assert_allclose(have[name], expect[name], rtol=1e-6)
         assert (await fast.ref.ask("stats"))["eliminated"] == 2  # mul and exp join sqrt; p3, p4 keep last values
+
+
+def test_only_a_string_where_a_value_goes_makes_the_scheduler_read_the_variables():
+    """A program may read a variable by name (a string where a number goes): then the passes need the worker's
+    variables. A string an op takes as such (a reduction's "mean", a fused expression) names none, so a training
+    step's program does not ask the worker for them."""
+    from deepx_sdk.ir.text import parse_text
+    from deepxd.actors.scheduler import _names_variables
+
+    literal = parse_text("""
+        crossentropy (tensor<float32>:z, tensor<int64>:y, var<int32>:-100, var<string>:mean) -> (tensor<float32>:l)
+        fused (listtensor<float32>:[a b], var<string>:in0 * in1) -> (tensor<float32>:c)
+    """.strip())
+    assert not _names_variables(literal)
+    by_name = parse_text("mulscalar (tensor<float32>:a, var<float32>:alpha) -> (tensor<float32>:b)")
+    assert _names_variables(by_name)
+    assert _names_variables(parse_text("argset (var<float32>:1.5) -> (var<float32>:alpha)"))
