@@ -3,6 +3,8 @@ eager step does; signatures, refusals, listing, explain; against the embedded da
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -454,12 +456,8 @@ def test_a_small_output_comes_back_with_its_replay(monkeypatch) -> None:
     assert scaled(x).item() == 36.0
 
 
-def test_a_replays_large_output_is_deleted_after_a_later_program_fails():
-    """A replay's output may take the name of a large temporary deleted before (Session.reuse_name): the replay made
-    it, so a later program that fails before writing that name must not count it as never made, or the tensor is
-    never deleted when Python drops it (found in review: the daemon's tensor count grew by one per loop)."""
-    import gc
-
+def _a_replayed_function() -> tuple[Any, np.random.Generator, dx.Tensor, Any]:
+    """A fresh session, a large input, and a compiled function of it whose output is large too."""
     s = dx.connect()
     rng = np.random.default_rng(0)
     x = dx.tensor(rng.standard_normal((256, 128)).astype(np.float32))
@@ -467,6 +465,17 @@ def test_a_replays_large_output_is_deleted_after_a_later_program_fails():
     @dx.compile
     def f(a):
         return (a * 2.0 + 1.0) * 3.0
+
+    return s, rng, x, f
+
+
+def test_a_replays_large_output_is_deleted_after_a_later_program_fails():
+    """A replay's output may take the name of a large temporary deleted before (Session.reuse_name): the replay made
+    it, so a later program that fails before writing that name must not count it as never made, or the tensor is
+    never deleted when Python drops it (found in review: the daemon's tensor count grew by one per loop)."""
+    import gc
+
+    s, rng, x, f = _a_replayed_function()
 
     def count() -> int:
         return len(s.transport._call(s.transport.node.ref("op-cpu").ask("tensors")))
@@ -500,14 +509,7 @@ def test_a_replays_new_output_name_is_deleted_after_a_later_program_fails():
     mark past it, so a later failing program does not count it as never made (found in review)."""
     import gc
 
-    s = dx.connect()
-    rng = np.random.default_rng(0)
-    x = dx.tensor(rng.standard_normal((256, 128)).astype(np.float32))
-
-    @dx.compile
-    def f(a):
-        return (a * 2.0 + 1.0) * 3.0
-
+    s, rng, x, f = _a_replayed_function()
     keep = [f(x) for _ in range(3)]  # recorded, then replayed; kept, so no name of this shape is free
     for k in keep:
         k.numpy()

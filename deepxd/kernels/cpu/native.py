@@ -582,11 +582,10 @@ def crossentropy_rows(logits: np.ndarray, labels: np.ndarray) -> np.ndarray | No
     dt = logits.dtype
     if dt not in SUFFIX or not _enabled or logits.ndim != 2 or not logits.flags.c_contiguous:
         return None
-    fns = _core()
     n, c = logits.shape
-    if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32):
+    fns, lab = _ce_setup(n, c, labels)
+    if fns is None:
         return None
-    lab = np.ascontiguousarray(labels, np.int64)  # the same array where it already is
     s = np.empty_like(logits)
     sfx = SUFFIX[dt]
     fns[f"rowshift_{sfx}"](n, c, _address(logits), _address(s))
@@ -595,6 +594,15 @@ def crossentropy_rows(logits: np.ndarray, labels: np.ndarray) -> np.ndarray | No
     fns[f"cerows_{sfx}"](n, c, _address(e), _address(s), _address(lab), _address(rs), _address(ps))
     np.log(rs, out=rs)
     return rs - ps
+
+
+def _ce_setup(n: int, c: int, labels: np.ndarray) -> tuple[dict[str, Any] | None, np.ndarray]:
+    """The kernels and the labels as int64 (the same array where they already are) for crossentropy's C loops over
+    n rows of c classes; no kernels where they cannot run (no rows or classes, labels of another dtype or count)."""
+    fns = _core()
+    if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32) or labels.size != n:
+        return None, labels
+    return fns, np.ascontiguousarray(labels, np.int64)
 
 
 def crossentropy_reduced(logits: np.ndarray, labels: np.ndarray, ignore_index: int, mode: int,
@@ -607,11 +615,10 @@ def crossentropy_reduced(logits: np.ndarray, labels: np.ndarray, ignore_index: i
     if (dt not in SUFFIX or not _enabled or logits.ndim != 2 or not logits.flags.c_contiguous or out.dtype != dt
             or out.size != 1 or not out.flags.c_contiguous or not out.flags.writeable):
         return False
-    fns = _core()
     n, c = logits.shape
-    if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32) or labels.size != n:
+    fns, lab = _ce_setup(n, c, labels)
+    if fns is None:
         return False
-    lab = np.ascontiguousarray(labels, np.int64)  # the same array where it already is
     buf = np.empty(n * c + 2 * n, dt)  # the shifted rows, then their sums, then the picked values
     s, rs = buf[:n * c], buf[n * c:n * c + n]
     sfx = SUFFIX[dt]
@@ -654,11 +661,10 @@ def crossentropygrad(logits: np.ndarray, labels: np.ndarray, g: np.ndarray, igno
     dt = out.dtype
     if dt not in SUFFIX or not _enabled or out.ndim != 2 or logits.dtype != dt or g.dtype != dt:
         return False
-    fns = _core()
     n, c = out.shape
-    if fns is None or not n or not c or labels.dtype not in (np.int64, np.int32) or labels.size != n:
+    fns, lab = _ce_setup(n, c, labels)
+    if fns is None:
         return False
-    lab = np.ascontiguousarray(labels, np.int64)  # the same array where it already is
     gg = np.ascontiguousarray(g)
     where = fits((logits,), (out,), dt, n * c)
     if where is None or (mode == 2 and gg.size != n) or (mode != 2 and gg.size != 1):
