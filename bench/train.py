@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
+
+# a benchmark times the steady state: a native kernel is compiled before the run that made it HOT returns
+os.environ["DEEPX_NATIVE_BACKGROUND"] = "0"
 
 
 def main() -> None:

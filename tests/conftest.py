@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -10,6 +11,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+# native kernels compile on the spot in the tests, here and in every deepxd they start: a test that runs an
+# expression HOT times then finds it compiled (tests/kernels/test_native.py tests the background compile itself)
+os.environ["DEEPX_NATIVE_BACKGROUND"] = "0"
 
 
 def free_port() -> int:

@@ -516,3 +516,28 @@ def test_updates_written_over_other_inputs(dtype):
         outs.append([t.copy() for t in targets])
     for a, b_ in zip(*outs):
         same(a, b_)
+
+
+def test_a_hot_expression_compiles_in_the_background_while_numpy_runs_it(tmp_path, monkeypatch):
+    """By default (outside the tests) the call that makes an expression HOT starts its compile on a thread of its
+    own and returns False: numpy runs it, with the same values, until the kernel is loaded; no call waits for the
+    compiler."""
+    monkeypatch.setenv("DEEPX_KERNEL_CACHE", str(tmp_path / "kernels"))  # a cold cache: a real compile
+    previous = native.set_background(True)
+    try:
+        plan = fused.compile_expr("in0 * 1.25 - in1 * in1 + in0", 2)
+        rng = np.random.default_rng(14)
+        a, b = (rng.standard_normal(native.FUSED_MIN + 3).astype(np.float32) for _ in range(2))
+        want = np.empty_like(a)
+        fused.evaluate_numpy(plan, [a, b], want, np.dtype(np.float32))
+        answers = []
+        for _ in range(native.HOT):
+            out = np.empty_like(a)
+            answers.append(native.fused(plan, [a, b], out))
+        assert answers == [False] * native.HOT  # the HOT-th call started the compile and did not wait for it
+        assert native.wait_builds(timeout=120)
+        out = np.empty_like(a)
+        assert native.fused(plan, [a, b], out)
+        same(out, want)
+    finally:
+        native.set_background(previous)

@@ -22,7 +22,8 @@ Each source is compiled once per machine into a cache directory (`DEEPX_KERNEL_C
 `$XDG_CACHE_HOME/deepx/kernels`, else `~/.cache/deepx/kernels`), keyed by the source, the flags, the compiler and
 the CPU's features, and loaded from there afterwards (a directory of this user's that nobody else may write). An
 expression is compiled only once its structure has run HOT times, so that one-off expressions never wait for the
-compiler. Where no compiler is found, or one fails, or
+compiler, and then on a thread of its own while numpy goes on running it (`set_background`,
+`DEEPX_NATIVE_BACKGROUND=0` to compile on the spot). Where no compiler is found, or one fails, or
 `DEEPX_NATIVE_KERNELS=0` is set (the config's `native_kernels = 0`), every kernel runs on numpy as before; a
 failure is logged once.
 
@@ -82,6 +83,12 @@ _compiler: str | bool | None = False  # False: not looked for yet; None: none fo
 _march: bool | None = None  # whether -march=native works here
 _failed: set[str] = set()
 _libs: dict[str, Any] = {}
+# a fused expression that has become HOT is compiled on a thread of its own while the op worker goes on running it
+# on numpy, so that no program waits for the compiler (DEEPX_NATIVE_BACKGROUND=0, set_background(False): compiled on
+# the spot, before the call that made it HOT returns, which the tests rely on)
+_background = os.environ.get("DEEPX_NATIVE_BACKGROUND", "1").strip() != "0"
+_building: dict[Any, threading.Thread] = {}
+_building_lock = threading.Lock()
 
 
 def set_enabled(on: bool) -> bool:
@@ -89,6 +96,24 @@ def set_enabled(on: bool) -> bool:
     global _enabled
     previous, _enabled = _enabled, bool(on)
     return previous
+
+
+def set_background(on: bool) -> bool:
+    """Compile fused expressions on a background thread (True, the default) or on the spot; returns the old
+    setting."""
+    global _background
+    previous, _background = _background, bool(on)
+    return previous
+
+
+def wait_builds(timeout: float | None = None) -> bool:
+    """Wait for the fused expressions being compiled in the background; whether none is left."""
+    with _building_lock:
+        threads = list(_building.values())
+    for t in threads:
+        t.join(timeout)
+    with _building_lock:
+        return not _building
 
 
 def enabled() -> bool:
@@ -849,6 +874,9 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.nda
                 _seen.clear()
             _seen[key] = seen
             return False
+        if _background:  # numpy this time, and until the compiler is done
+            _build_in_background(key)
+            return False
         fn = _build_fused(key)
     if fn is False:
         return False
@@ -911,6 +939,27 @@ def _consts_of(plan: Any, dt: np.dtype) -> int:
             _consts.clear()
         consts = _consts[ck] = np.array(plan.constants or (0.0,), dt)
     return _address(consts)
+
+
+def _build_in_background(key: tuple[str, int, str, tuple[int, ...], bool]) -> None:
+    """Start compiling key's kernel on a daemon thread, unless that has started already (an exit does not wait for
+    it: a hung compiler is killed by its timeout or with the process)."""
+    with _building_lock:
+        if key in _building or key in _fused_fns:
+            return
+
+        def build() -> None:
+            try:
+                _build_fused(key)
+            except Exception:  # never seen: _build_fused keeps False for a kernel that cannot be had
+                log.exception("native kernels: building a fused kernel failed; it runs on numpy")
+                _fused_fns[key] = False
+            finally:
+                with _building_lock:
+                    _building.pop(key, None)
+
+        t = _building[key] = threading.Thread(target=build, name="deepx-native-build", daemon=True)
+        t.start()
 
 
 def _build_fused(key: tuple[str, int, str, tuple[int, ...], bool]) -> Any:
