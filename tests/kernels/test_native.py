@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -541,3 +542,34 @@ def test_a_hot_expression_compiles_in_the_background_while_numpy_runs_it(tmp_pat
         same(out, want)
     finally:
         native.set_background(previous)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_compiles_though_a_build_ran_in_the_parent(tmp_path, monkeypatch):
+    """A build thread may hold the compile lock when the process forks; the child has no such thread, so it starts
+    with fresh locks and compiles what it needs itself."""
+    monkeypatch.setenv("DEEPX_KERNEL_CACHE", str(tmp_path / "kernels"))
+    with native._lock:  # as a parent's build thread would hold it at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: compile and run a new expression on the spot, then report through the exit code
+            ok = False
+            try:
+                native.set_background(False)
+                plan = fused.compile_expr("in0 * 0.75 + in1 - in0 * in1", 2)
+                a = np.arange(native.FUSED_MIN + 1, dtype=np.float32)
+                for _ in range(native.HOT):
+                    native.fused(plan, [a, a], np.empty_like(a))
+                ok = native.fused(plan, [a, a], np.empty_like(a))
+            finally:
+                os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120
+    while True:  # a child stuck on the parent's lock would never exit: fail instead of hanging
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child waited for the compile lock its parent held")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -91,6 +91,17 @@ _building: dict[Any, threading.Thread] = {}
 _building_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's other threads: locks they held, and builds they ran, start afresh."""
+    global _lock, _building_lock
+    _lock, _building_lock = threading.Lock(), threading.Lock()
+    _building.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def set_enabled(on: bool) -> bool:
     """Turn the native kernels on or off for this process (the config's `native_kernels`); returns the old state."""
     global _enabled
