@@ -70,24 +70,31 @@ class Optimizer:
 
     def step(self) -> None:
         """One update of every parameter that has a gradient: one instruction each."""
-        # the user's line that called step, looked up once for all the updates (an error in one names it)
+        # the user's line that called step, looked up once for all the updates (an error in one names it); None
+        # again after, so that an update recorded by another step (a subclass's) finds its own line
         self._at = origin(sys._getframe(1))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.shape != p.shape:
-                    raise DeepxError(f"{type(self).__name__}: gradient of '{p.name}' has shape {p.grad.shape}, "
-                                     f"the parameter {p.shape}")
-                state = self.state.setdefault(id(p), {"step": 0})
-                state["step"] += 1
-                self._update(p, p.grad.type_as_dtype(p.dtype), state, group)
+        try:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.shape != p.shape:
+                        raise DeepxError(f"{type(self).__name__}: gradient of '{p.name}' has shape {p.grad.shape}, "
+                                         f"the parameter {p.shape}")
+                    state = self.state.setdefault(id(p), {"step": 0})
+                    state["step"] += 1
+                    self._update(p, p.grad.type_as_dtype(p.dtype), state, group)
+        finally:
+            self._at = None
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise DeepxError(f"{type(self).__name__} defines no update")
 
     def _record(self, p: Tensor, instr: Instr) -> None:
-        p._s.record_at(instr, self._at)
+        if self._at is None:  # not inside Optimizer.step: the line is found from the stack
+            p._s.record(instr)
+        else:
+            p._s.record_at(instr, self._at)
 
     def _hyper(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...]) -> tuple[Param, ...]:
         """The var params of a group's hyperparameters, remade only when one changed (a scheduler's lr): every step

@@ -573,3 +573,81 @@ def test_a_forked_child_compiles_though_a_build_ran_in_the_parent(tmp_path, monk
             pytest.fail("the forked child waited for the compile lock its parent held")
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_a_build_thread_that_cannot_start_leaves_the_expression_on_numpy(monkeypatch, tmp_path):
+    """Where no thread can be had (a limit on threads; an interpreter shutting down refuses new ones), the HOT call
+    still returns False and numpy runs the expression; nothing is left waiting, and a later HOT call builds it
+    (found in review: the RuntimeError came out of the kernel)."""
+    import threading
+
+    monkeypatch.setenv("DEEPX_KERNEL_CACHE", str(tmp_path / "kernels"))
+    previous = native.set_background(True)
+    real_start = threading.Thread.start
+
+    def refuse(self):
+        if self.name == "deepx-native-build":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    try:
+        plan = fused.compile_expr("in0 * 0.5 + in1 * 0.25 - in0", 2)
+        a = np.arange(native.FUSED_MIN + 5, dtype=np.float32)
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        for _ in range(native.HOT + 1):
+            assert not native.fused(plan, [a, a], np.empty_like(a))
+        assert not native._building and native.wait_builds(timeout=1)
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        native.fused(plan, [a, a], np.empty_like(a))  # the next call starts the build
+        assert native.wait_builds(timeout=120)
+        out = np.empty_like(a)
+        assert native.fused(plan, [a, a], out)
+        same(out, a * np.float32(0.5) + a * np.float32(0.25) - a)
+    finally:
+        native.set_background(previous)
+
+
+def test_a_kernel_built_while_native_kernels_are_off_is_tried_again(tmp_path, monkeypatch):
+    """A build that finds native kernels turned off does not mark its expression as having no kernel: once they are
+    on again, it is compiled (found in review)."""
+    monkeypatch.setenv("DEEPX_KERNEL_CACHE", str(tmp_path / "kernels"))
+    plan = fused.compile_expr("in0 * 0.125 + in1 - in1 * in0", 2)
+    key = (plan.text, 2, "float", (native.FULL, native.FULL), False)
+    previous = native.set_enabled(False)
+    try:
+        assert native._build_fused(key) is False
+        assert key not in native._fused_fns
+    finally:
+        native.set_enabled(previous)
+    assert native._build_fused(key)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_runs_a_kernel_on_several_threads(tmp_path, monkeypatch):
+    """The kernels' thread pool does not survive a fork: the child makes its own, so a kernel split across threads
+    runs there too instead of waiting for threads that are not there (found in review)."""
+    monkeypatch.setenv("DEEPX_KERNEL_CACHE", str(tmp_path / "kernels"))
+    plan = fused.compile_expr("in0 * 0.375 - in1", 2)
+    a = np.arange(2 * native.THREAD_MIN * native.MAX_THREADS, dtype=np.float32)
+    for _ in range(native.HOT + 1):  # compiled, and the pool made, in the parent
+        native.fused(plan, [a, a], np.empty_like(a))
+    fused._threads()
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            out = np.empty_like(a)
+            ok = native.fused(plan, [a, a], out) and bool(np.array_equal(out, a * np.float32(0.375) - a))
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child waited for its parent's pool threads")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

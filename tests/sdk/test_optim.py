@@ -169,3 +169,28 @@ def test_an_update_records_the_same_hyperparameter_params_until_one_changes():
     assert str(fourth[3].value) == "-0.0" and str(third[3].value) == "0.0"
     s.sync()
     np.testing.assert_array_less(p.numpy(), 1.0)  # the updates ran
+
+
+def test_an_update_recorded_by_a_subclass_step_names_that_step():
+    """A subclass whose own step records updates (through _update) gets its own line in their origins, also after
+    an Optimizer.step ran before it (found in review: the line of the earlier step was kept)."""
+
+    class Halving(SGD):
+        def step(self) -> None:
+            for p in self.param_groups[0]["params"]:
+                state = self.state.setdefault(id(p), {"step": 0})
+                state["step"] += 1
+                self._update(p, p.grad, state, self.param_groups[0])  # the line an update names
+
+    p = nn.Parameter(np.ones(4, np.float32))
+    opt = Halving([p], lr=0.1)
+    s = current_session_object()
+    s.sync()
+    p.grad = dx.ones(4)
+    SGD.step(opt)
+    where = origin_of(s.origins[-1])
+    assert where is not None and where[0].co_name.startswith("test_an_update")
+    opt.step()
+    where = origin_of(s.origins[-1])
+    assert where is not None and where[0].co_name == "step" and s.pending[-1].name == "sgd"
+    s.sync()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -246,6 +247,16 @@ def _threads() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="deepx-fused")
         return _pool
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the pool's threads: it makes a pool of its own when it needs one."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _split(total: int) -> list[tuple[int, int]]:

@@ -970,7 +970,10 @@ def _build_in_background(key: tuple[str, int, str, tuple[int, ...], bool]) -> No
                     _building.pop(key, None)
 
         t = _building[key] = threading.Thread(target=build, name="deepx-native-build", daemon=True)
-        t.start()
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had (a limit on threads, an interpreter shutting down): numpy goes on
+            del _building[key]
 
 
 def _build_fused(key: tuple[str, int, str, tuple[int, ...], bool]) -> Any:
@@ -979,6 +982,8 @@ def _build_fused(key: tuple[str, int, str, tuple[int, ...], bool]) -> Any:
     source = fused_source(ast.parse(text, mode="eval"), ctype, layouts, colsum)  # ast.unparse of a checked tree
     lib = load(source) if source is not None else None
     if lib is None:
+        if source is not None and not available():  # turned off meanwhile: not this kernel's failure, not kept
+            return False
         if len(_fused_fns) >= 4096:
             _fused_fns.clear()
         _fused_fns[key] = False
