@@ -470,22 +470,15 @@ class Session:
     def record(self, instr: Instr) -> None:
         """Append an instruction; remember which line of user code made it (its code object and the offset of the
         call in it: the line number is worked out only when an error names it)."""
-        if self.collected:  # their deletions first: an in-place write (an optimizer's) then finds no views to copy
-            with self._lock:
-                self._drain_collected()
-        # no lock: a session records from one thread (collection never records: it only queues names)
-        pending = self.pending
-        pending.append(instr)
-        self.origins.append(origin(sys._getframe(1)))
-        if len(pending) >= self.max_pending:
-            self.flush_full()
+        self.record_at(instr, origin(sys._getframe(1)))
 
     def record_at(self, instr: Instr, where: Any) -> None:
         """record(), with the user's line already found (`where`: an origin() entry, None where unknown): an
         optimizer's step looks it up once for all its updates."""
-        if self.collected:
+        if self.collected:  # their deletions first: an in-place write (an optimizer's) then finds no views to copy
             with self._lock:
                 self._drain_collected()
+        # no lock: a session records from one thread (collection never records: it only queues names)
         pending = self.pending
         pending.append(instr)
         self.origins.append(where)
@@ -620,7 +613,7 @@ class Session:
             self._drain_collected()
             for (_, dtype), names in self.pool.items():
                 for name in names:
-                    self.pending.append(Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
+                    self.pending.append(_deletion(name, dtype))
                     self.origins.append(None)
             self.pool.clear()
             self.freed.clear()  # deleted already

@@ -544,6 +544,22 @@ def test_a_hot_expression_compiles_in_the_background_while_numpy_runs_it(tmp_pat
         native.set_background(previous)
 
 
+def _assert_child_exits_cleanly(pid: int, hung: str) -> None:
+    """Wait for a forked child (at most 120 s: one stuck on something its parent held would never exit, so the test
+    fails with `hung` instead of hanging) and assert that it exited with 0."""
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(hung)
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
 def test_a_forked_child_compiles_though_a_build_ran_in_the_parent(tmp_path, monkeypatch):
     """A build thread may hold the compile lock when the process forks; the child has no such thread, so it starts
@@ -562,17 +578,7 @@ def test_a_forked_child_compiles_though_a_build_ran_in_the_parent(tmp_path, monk
                 ok = native.fused(plan, [a, a], np.empty_like(a))
             finally:
                 os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 120
-    while True:  # a child stuck on the parent's lock would never exit: fail instead of hanging
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child waited for the compile lock its parent held")
-        time.sleep(0.05)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    _assert_child_exits_cleanly(pid, "the forked child waited for the compile lock its parent held")
 
 
 def test_a_build_thread_that_cannot_start_leaves_the_expression_on_numpy(monkeypatch, tmp_path):
@@ -640,14 +646,4 @@ def test_a_forked_child_runs_a_kernel_on_several_threads(tmp_path, monkeypatch):
             ok = native.fused(plan, [a, a], out) and bool(np.array_equal(out, a * np.float32(0.375) - a))
         finally:
             os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 120
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child waited for its parent's pool threads")
-        time.sleep(0.05)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    _assert_child_exits_cleanly(pid, "the forked child waited for its parent's pool threads")

@@ -43,7 +43,7 @@ def sum(a, dims, keepdims, out):
     if acc is None:
         # a bias's gradient, every training step: summed over the leading axes by a C loop, in numpy's order
         k = _leading(a, dims)
-        if k and a.size >= native.RELU_MIN // 16 and native.colsum(a, k, out):
+        if k and a.size >= native.COLSUM_MIN and native.colsum(a, k, out):
             return
         np.sum(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
     else:
