@@ -202,8 +202,12 @@ class EmbeddedTransport(Transport):
         roles = with_needed_roles(list(roles))
         # every program runs on the event loop (inline_elements -1), which this thread borrows while the loop's own
         # thread sleeps (deepx_sdk/loopthread.py): no thread hand-off for a program the actors answer at once
+        # the kernel choices a daemon reads from its config come from the environment here (DEEPX_BLAS,
+        # DEEPX_NATIVE_KERNELS), as a daemon's do
         self.config = Config(listen=f"unix://{sock}", udp="off", roles=roles, node_id=f"embedded-{os.getpid()}",
-                             log_level="warning", inline_elements=-1)
+                             log_level="warning", inline_elements=-1,
+                             blas=os.environ.get("DEEPX_BLAS", "auto").strip().lower() or "auto",
+                             native_kernels=int(os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip() != "0"))
         self.node: Any = None
         self.runner = LoopThread("deepx-embedded")
         self.loop = self.runner.loop

@@ -42,6 +42,7 @@ class Config:
     cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
     cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)
     native_kernels: int = 1  # 1: op-cpu compiles some kernels with the machine's C compiler, where there is one
+    blas: str = "auto"  # op-cpu's matmul: auto (MKL where installed, else numpy's BLAS), mkl or numpy (blas.py)
 
     def resolved(self) -> Config:
         """A copy with every default filled in and every value checked."""
@@ -64,6 +65,8 @@ class Config:
             udp_address(c.udp)
         if c.max_frame_bytes < 1024:
             raise DeepxError(f"max_frame_bytes: {c.max_frame_bytes} is too small (at least 1024)")
+        if c.blas not in ("auto", "mkl", "numpy"):
+            raise DeepxError(f"blas: {c.blas!r} must be auto, mkl or numpy")
         if c.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise DeepxError(f"log_level: {c.log_level!r} must be debug, info, warning or error")
         from deepxd.compiler.pipeline import check_passes

@@ -72,8 +72,10 @@ class Node:
             if cuda is not None:
                 cuda.heapmem = self.refs["heapmem"]
         if "op-cpu" in roles:
-            from deepxd.kernels.cpu import native
+            from deepxd.kernels.cpu import blas, native
 
+            blas.set_mode(c.blas)  # loads MKL now, before anything the process imports later brings an OpenMP
+            log.info("op-cpu: matmul on %s", blas.describe())
             native.set_enabled(bool(c.native_kernels))
             cc = native.compiler() if c.native_kernels else None
             log.info("op-cpu: native kernels %s", f"on (compiled by {cc}, kept in {native.cache_dir()})" if cc

@@ -47,7 +47,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,11 @@ UPDATE_MIN = 1 << 15
 #: sums over leading axes (colsum) run on numpy below this many elements; a bias gradient of 256x10 (2560 values)
 #: took 17 us in C against 28-30 us on numpy inside the MLP step
 COLSUM_MIN = 1 << 11
-#: elements per thread below which a kernel runs on the calling thread alone
+#: elements per thread below which a kernel runs on the calling thread alone (Python's thread pool, without MKL)
 THREAD_MIN = 1 << 18
+#: with MKL's OpenMP runtime (blas.py), elements from which a loop is split across its threads: the worker a GEMM
+#: leaves spinning takes its half at once (docs/design-notes.md, "MKL and one thread pool")
+OMP_MIN = 1 << 15
 # no -ffast-math and no contraction into fused multiply-adds: IEEE results, as numpy's. -fno-math-errno and
 # -fno-trapping-math change no value (errno and floating-point exception flags only); they let selects vectorize.
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
@@ -226,10 +229,22 @@ def _flags(cc: str) -> tuple[str, ...]:
     return (*FLAGS, "-march=native") if _march else FLAGS
 
 
-def load(source: str) -> Any:
+def _omp() -> Path | None:
+    """Where MKL's OpenMP runtime lies when native kernels split their loops on its threads (MKL in use), else
+    None: then no kernel is built with OpenMP (a second runtime's idle threads would spin against OpenBLAS's)."""
+    from deepxd.kernels.cpu import blas
+
+    return blas.omp_dir()
+
+
+def load(source: str, openmp: bool = False) -> Any:
     """The library compiled from `source` (a ctypes.CDLL), compiled on first use and cached; None when it cannot be
-    had (no compiler, or the compiler failed: logged once per source)."""
+    had (no compiler, or the compiler failed: logged once per source). openmp: the source has OpenMP pragmas, built
+    against MKL's OpenMP runtime (None where MKL is not in use)."""
     if not available():
+        return None
+    omp = _omp() if openmp else None
+    if openmp and omp is None:
         return None
     lib = _libs.get(source)
     if lib is not None:
@@ -241,7 +256,8 @@ def load(source: str) -> Any:
         cc = compiler()
         assert cc is not None
         flags = _flags(cc)
-        key = hashlib.sha256("\0".join([source, " ".join(flags), _version(cc), _cpu_features(),
+        link = ("-L", str(omp), "-liomp5", f"-Wl,-rpath,{omp}") if omp is not None else ()
+        key = hashlib.sha256("\0".join([source, " ".join(flags), " ".join(link), _version(cc), _cpu_features(),
                                         platform.machine()]).encode()).hexdigest()[:32]
         target = cache_dir() / f"deepx_{key}.so"
         try:
@@ -252,7 +268,7 @@ def load(source: str) -> Any:
                     log.warning("native kernels: %s does not load (%s); compiling it again", target, e)
                     target.unlink(missing_ok=True)
             if lib is None:
-                _compile(cc, flags, source, target)
+                _compile(cc, flags, source, target, link)
                 lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as e:
             _failed.add(source)
@@ -262,15 +278,24 @@ def load(source: str) -> Any:
         return lib
 
 
-def _compile(cc: str, flags: Sequence[str], source: str, target: Path) -> None:
+def _compile(cc: str, flags: Sequence[str], source: str, target: Path, link: Sequence[str] = ()) -> None:
+    """Compile `source` into the shared library `target`. link: the OpenMP runtime to link (MKL's libiomp5): the
+    source is then compiled with -fopenmp and linked apart, so that the compiler adds no runtime of its own (gcc's
+    libgomp; libiomp5 answers gcc's GOMP_ calls and clang's __kmpc_ ones)."""
     with tempfile.TemporaryDirectory(dir=target.parent) as d:
         src = Path(d) / "kernel.c"
         src.write_text(source)
         built = Path(d) / target.name
-        r = subprocess.run([cc, *flags, str(src), "-o", str(built), "-lm"], capture_output=True, text=True,
-                           errors="replace", timeout=120)
-        if r.returncode != 0:
-            raise OSError(f"{cc} exited with {r.returncode}: {r.stderr.strip()[-2000:]}")
+        if link:
+            obj = Path(d) / "kernel.o"
+            steps = [[cc, *flags, "-fopenmp", "-c", str(src), "-o", str(obj)],
+                     [cc, *flags, str(obj), "-o", str(built), *link, "-lm"]]
+        else:
+            steps = [[cc, *flags, str(src), "-o", str(built), "-lm"]]
+        for cmd in steps:
+            r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=120)
+            if r.returncode != 0:
+                raise OSError(f"{cc} exited with {r.returncode}: {r.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: another process sees the whole library or none
 
 
@@ -434,6 +459,43 @@ CEREDUCE(float, f32) CEREDUCE(double, f64)
 COLSUM(float, f32) COLSUM(double, f64)
 """
 
+#: with MKL's OpenMP runtime: the elementwise kernels again, each thread running the serial loop on its share
+_OMP_SHARE = r"""
+int omp_get_thread_num(void);
+int omp_get_num_threads(void);
+/* this thread's share [lo, lo + cnt) of n elements, cut at multiples of 16 (whole cache lines of float32) */
+static inline void deepx_share(long n, long *lo, long *cnt) {
+    long t = omp_get_thread_num(), k = omp_get_num_threads();
+    long a = n * t / k, b = n * (t + 1) / k;
+    a -= a % 16;
+    b = t + 1 < k ? b - b % 16 : n;
+    *lo = a; *cnt = b - a;
+}
+"""
+CORE_OMP = _OMP_SHARE + r"""
+#define PRELU(T, S) \
+void prelu_##S(long n, const T *x, T *o) { \
+    _Pragma("omp parallel") { long lo, c; deepx_share(n, &lo, &c); relu_##S(c, x + lo, o + lo); } \
+}
+#define PSGD(T, S) \
+void psgd_##S(long n, const T *p, const T *g, const T *b, T *po, T *bo, T lr, T m, T keep, T wd, int decay, \
+              int momentum, int first, int nesterov, int damp) { \
+    _Pragma("omp parallel") { long lo, c; deepx_share(n, &lo, &c); \
+        sgd_##S(c, p + lo, g + lo, b + lo, po + lo, bo + lo, lr, m, keep, wd, decay, momentum, first, nesterov, \
+                damp); } \
+}
+#define PADAM(T, S) \
+void padam_##S(long n, const T *p, const T *g, const T *m, const T *v, T *po, T *mo, T *vo, T b1, T c1, T b2, \
+               T c2, T eps, T wd, T shrink, T step, T bc2s, int decay, int decoupled) { \
+    _Pragma("omp parallel") { long lo, c; deepx_share(n, &lo, &c); \
+        adam_##S(c, p + lo, g + lo, m + lo, v + lo, po + lo, mo + lo, vo + lo, b1, c1, b2, c2, eps, wd, shrink, \
+                 step, bc2s, decay, decoupled); } \
+}
+PRELU(float, f32) PRELU(double, f64)
+PSGD(float, f32) PSGD(double, f64)
+PADAM(float, f32) PADAM(double, f64)
+"""
+
 _PTR = ctypes.c_void_p
 _LONG = ctypes.c_long
 _INT = ctypes.c_int
@@ -444,7 +506,11 @@ def _core() -> dict[str, Any] | None:
     global _core_fns
     if _core_fns is not None:
         return _core_fns
-    lib = load(CORE)
+    omp = _omp() is not None
+    lib = load(CORE + CORE_OMP, openmp=True) if omp else load(CORE)
+    if lib is None and omp:  # the OpenMP build failed (logged): the serial kernels
+        lib = load(CORE)
+        omp = False
     if lib is None:
         return None
     fns = {}
@@ -480,6 +546,11 @@ def _core() -> dict[str, Any] | None:
         f = getattr(lib, f"colsum_{s}")
         f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR], None
         fns[f"colsum_{s}"] = f
+        if omp:  # the split versions of the elementwise kernels, with their serial ones' arguments
+            for name in ("relu", "sgd", "adam"):
+                f = getattr(lib, f"p{name}_{s}")
+                f.argtypes, f.restype = fns[f"{name}_{s}"].argtypes, None
+                fns[f"p{name}_{s}"] = f
     _core_fns = fns
     return fns
 
@@ -541,8 +612,16 @@ def _pieces(n: int) -> list[tuple[int, int]]:
     return [(edges[k], edges[k + 1]) for k in range(parts) if edges[k + 1] > edges[k]]
 
 
-def _split_call(fn: Callable[..., None], n: int, base: Sequence[int], rest: Sequence[Any], itemsize: int) -> None:
-    """fn(count, *pointers, *rest) over n elements, in pieces on the fused kernels' threads when n is large."""
+def _split_call(fns: dict[str, Any], name: str, n: int, base: Sequence[int], rest: Sequence[Any],
+                itemsize: int) -> None:
+    """Kernel `name` (count, *pointers, *rest) over n elements: from OMP_MIN elements on MKL's OpenMP threads where
+    the library has them ("p" + name), else in pieces on the fused kernels' threads when n is large."""
+    if n >= OMP_MIN:
+        split = fns.get("p" + name)
+        if split is not None:
+            split(n, *base, *rest)
+            return
+    fn = fns[name]
     if n < 2 * THREAD_MIN or MAX_THREADS == 1:
         fn(n, *base, *rest)
         return
@@ -565,7 +644,7 @@ def relu(a: np.ndarray, out: np.ndarray) -> bool:
     where = fits((a,), (out,), dt, out.size) if fns is not None else None
     if fns is None or where is None:
         return False
-    _split_call(fns[f"relu_{SUFFIX[dt]}"], out.size, where, (), dt.itemsize)
+    _split_call(fns, f"relu_{SUFFIX[dt]}", out.size, where, (), dt.itemsize)
     return True
 
 
@@ -590,7 +669,7 @@ def sgd(param: np.ndarray, grad: np.ndarray, buf: np.ndarray, lr: float, momentu
     real = dt.type
     args = (real(lr), real(momentum), real(1 - dampening), real(weight_decay), int(bool(weight_decay)),
             int(bool(momentum)), int(first), int(bool(nesterov)), int(dampening != 0))
-    _split_call(fns[f"sgd_{SUFFIX[dt]}"], n, where, args, dt.itemsize)
+    _split_call(fns, f"sgd_{SUFFIX[dt]}", n, where, args, dt.itemsize)
     return True
 
 
@@ -610,7 +689,7 @@ def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: 
     args = (real(beta1), real(1 - beta1), real(beta2), real(1 - beta2), real(eps), real(weight_decay),
             real(1 - lr * weight_decay), real(lr / bc1), real(math.sqrt(bc2)), int(bool(weight_decay)),
             int(bool(decoupled)))
-    _split_call(fns[f"adam_{SUFFIX[dt]}"], param.size, where, args, dt.itemsize)
+    _split_call(fns, f"adam_{SUFFIX[dt]}", param.size, where, args, dt.itemsize)
     return True
 
 
@@ -730,16 +809,19 @@ _INDEX = {FULL: "i", ROW: "j", COLUMN: "r"}  # the element an input of that layo
 _seen: dict[tuple[str, int, str, tuple[int, ...], bool], int] = {}
 _consts: dict[tuple[str, tuple[float, ...], np.dtype], np.ndarray] = {}
 _fused_fns: dict[tuple[str, int, str, tuple[int, ...], bool], Any] = {}
+_fused_split: dict[tuple[str, int, str, tuple[int, ...], bool], Any] = {}  # pfused, where built with OpenMP
 
 
-def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int], colsum: bool = False) -> str | None:
+def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int], colsum: bool = False,
+                 openmp: bool = False) -> str | None:
     """C source of `void fused(long rows, long cols, const T **in, const T *c, T *out)` for a checked expression
     whose numbers are lifted into c0, c1, ... (fused.compile_expr's text), or None when it calls what numpy does
     better. Inputs of layout FULL are read at [r*cols + j], ROW at [j], COLUMN at [r], SCALAR at [0]; constant k at
     c[k], a value the compiler does not know, so it folds nothing that numpy computes (0/0, x*1, -(x*c) as x*-c
     would each change a NaN's sign or quietness). Negation flips the sign bit, as numpy's does. colsum: the function
     takes a last argument `T *sums` and also writes the output's column sums there, row after row from +0 (a sum over
-    axis 0 of the output, in numpy's order)."""
+    axis 0 of the output, in numpy's order). openmp: also `pfused`, of the same arguments, which splits the loop
+    across the threads of an OpenMP team (with colsum only where cols >= 32 per thread)."""
     lines: list[str] = []
     ids: dict[str, str] = {}
     math_suffix = "f" if ctype == "float" else ""
@@ -798,8 +880,33 @@ def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int], colsu
     body = "\n".join(lines)
     bits = "unsigned int" if T == "float" else "unsigned long long"
     extra = f", {T} *sums" if colsum else ""
-    start = f"    for (long j = 0; j < cols; j++) sums[j] = ({T})0;\n" if colsum else ""
-    accumulate = f"\n            sums[j] = sums[j] + {root};" if colsum else ""
+    start = f"    if (sums) for (long j = j0; j < j1; j++) sums[j] = ({T})0;\n" if colsum else ""
+    accumulate = f"\n            if (sums) sums[j] = sums[j] + {root};" if colsum else ""
+    args = "in, c, out, sums" if colsum else "in, c, out"
+    if colsum:  # the elementwise part split by rows, then the column sums split by columns, each in numpy's order
+        split_body = f"""        fused_range(rows * t / k, rows * (t + 1) / k, 0, cols, cols, in, c, out, 0);
+        _Pragma("omp barrier")
+        long off = (long)(((unsigned long)sums / sizeof({T})) % 16), lo, cnt;  /* cut at sums' cache lines */
+        deepx_share(cols + off, &lo, &cnt);
+        long hi = lo + cnt - off;
+        lo = lo > off ? lo - off : 0;
+        for (long j = lo; j < hi; j++) sums[j] = ({T})0 + out[j];
+        for (long r = 1; r < rows; r++) {{
+            const {T} *orow = out + r * cols;
+            IVDEP for (long j = lo; j < hi; j++) sums[j] = sums[j] + orow[j];
+        }}"""
+    else:
+        split_body = f"""        if (rows >= k) fused_range(rows * t / k, rows * (t + 1) / k, 0, cols, cols, {args});
+        else {{ long lo, cnt; deepx_share(cols, &lo, &cnt); fused_range(0, rows, lo, lo + cnt, cols, {args}); }}"""
+    split = f"""{_OMP_SHARE}
+/* fused on MKL's OpenMP threads: each takes a range of rows (a flat loop: of its one row's columns) */
+void pfused(long rows, long cols, const {T} **in, const {T} *c, {T} *out{extra}) {{
+    _Pragma("omp parallel") {{
+        long t = omp_get_thread_num(), k = omp_get_num_threads();
+{split_body}
+    }}
+}}
+""" if openmp else ""
     return f"""#include <math.h>
 #include <string.h>
 {_IVDEP}
@@ -811,17 +918,21 @@ static inline {T} deepx_neg({T} v) {{
     u.i ^= ({bits})1 << (sizeof({T}) * 8 - 1);
     return u.f;
 }}
-void fused(long rows, long cols, const {T} **in, const {T} *c, {T} *out{extra}) {{
-{scalars}{pointers}{start}    for (long r = 0; r < rows; r++) {{
+/* rows [r0, r1), columns [j0, j1) of the output (cols to a row) */
+static void fused_range(long r0, long r1, long j0, long j1, long cols, const {T} **in, const {T} *c, {T} *out{extra}) {{
+{scalars}{pointers}{start}    for (long r = r0; r < r1; r++) {{
         {T} *orow = out + r * cols;
-        IVDEP for (long j = 0; j < cols; j++) {{
+        IVDEP for (long j = j0; j < j1; j++) {{
             long i = r * cols + j;
 {body}
             orow[j] = {root};{accumulate}
         }}
     }}
 }}
-"""
+void fused(long rows, long cols, const {T} **in, const {T} *c, {T} *out{extra}) {{
+    fused_range(0, rows, 0, cols, cols, {args});
+}}
+{split}"""
 
 
 def _layout(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -861,7 +972,8 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.nda
             or not out.flags.writeable):
         return False
     if sums is not None and (out.ndim != 2 or out.shape[1] < 2 or sums.dtype != dt or sums.size != out.shape[1]
-                             or not sums.flags.c_contiguous or not sums.flags.writeable or _parts(n) > 1):
+                             or not sums.flags.c_contiguous or not sums.flags.writeable
+                             or (_parts(n) > 1 and _omp() is None)):
         return False
     shape = out.shape
     layouts: list[int] = []
@@ -907,9 +1019,15 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.nda
         if (s_lo < hi and lo < s_hi) or any(at < s_hi and s_lo < at + a.nbytes for a, at in zip(inputs, where)):
             return False
         rows, cols = out.shape
-        fn(rows, cols, (ctypes.c_void_p * len(where))(*where), _consts_of(plan, dt), lo, s_lo)
+        split = _fused_split.get(key) if n >= OMP_MIN else None
+        (split or fn)(rows, cols, (ctypes.c_void_p * len(where))(*where), _consts_of(plan, dt), lo, s_lo)
         return True
     cs = _consts_of(plan, dt)
+    if n >= OMP_MIN:
+        split = _fused_split.get(key)
+        if split is not None:  # on MKL's OpenMP threads
+            split(n // cols if cols else 1, cols or n, (ctypes.c_void_p * len(where))(*where), cs, lo)
+            return True
     item = dt.itemsize
     if not cols:  # every input the output's shape or one element: one flat row, split into ranges across threads
         pieces = _pieces(n)
@@ -982,16 +1100,29 @@ def _build_in_background(key: tuple[str, int, str, tuple[int, ...], bool]) -> No
 def _build_fused(key: tuple[str, int, str, tuple[int, ...], bool]) -> Any:
     """The compiled kernel of key, or False (kept, so that it is not tried again) when it has none."""
     text, _, ctype, layouts, colsum = key
-    source = fused_source(ast.parse(text, mode="eval"), ctype, layouts, colsum)  # ast.unparse of a checked tree
-    lib = load(source) if source is not None else None
+    tree = ast.parse(text, mode="eval")  # ast.unparse of a checked tree
+    omp = _omp() is not None
+    lib = None
+    if omp:
+        source = fused_source(tree, ctype, layouts, colsum, openmp=True)
+        lib = load(source, openmp=True) if source is not None else None
+    if lib is None:  # without MKL, or its OpenMP build failed (logged): the serial loop alone
+        omp = False
+        source = fused_source(tree, ctype, layouts, colsum)
+        lib = load(source) if source is not None else None
     if lib is None:
         if source is not None and not available():  # turned off meanwhile: not this kernel's failure, not kept
             return False
         if len(_fused_fns) >= 4096:
             _fused_fns.clear()
+            _fused_split.clear()
         _fused_fns[key] = False
         return False
     fn = lib.fused
     fn.argtypes, fn.restype = [_LONG, _LONG, ctypes.POINTER(ctypes.c_void_p), _PTR, _PTR, *[_PTR] * colsum], None
+    if omp:
+        split = lib.pfused
+        split.argtypes, split.restype = fn.argtypes, None
+        _fused_split[key] = split
     _fused_fns[key] = fn
     return fn
