@@ -252,3 +252,18 @@ def test_the_config_checks_blas():
         Config(blas="openblas").resolved()
     with pytest.raises(DeepxError, match="must be one of auto, numpy, mkl"):
         blas.set_mode("fast")
+
+
+@needs_mkl
+def test_idle_mkl_threads_sleep_after_a_millisecond_unless_told_otherwise():
+    body = """
+        import os
+        from deepxd.kernels.cpu import blas
+        assert blas.mkl() is not None
+        print("blocktime", os.environ["KMP_BLOCKTIME"])
+    """
+    env = {k: v for k, v in os.environ.items() if k != "KMP_BLOCKTIME"}
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert "blocktime 1" in r.stdout, r.stderr
+    assert "blocktime 50" in _script(body, KMP_BLOCKTIME="50").stdout

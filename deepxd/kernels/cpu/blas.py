@@ -108,6 +108,9 @@ def _load() -> None:
                 f"loaded it (torch, say), or set DEEPX_BLAS=numpy")
         log.warning("blas: MKL not used: %s", _why)
         return
+    # an idle worker spins this many ms before it sleeps (Intel's default, 200, keeps a core busy for 0.2 s after
+    # every product; back-to-back kernels are microseconds apart, and 1 ms was as fast in the MLP step)
+    os.environ.setdefault("KMP_BLOCKTIME", "1")
     try:
         ctypes.CDLL(str(omp), mode=ctypes.RTLD_GLOBAL)  # one OpenMP runtime for MKL and the native kernels
         lib = ctypes.CDLL(str(rt))
