@@ -648,3 +648,96 @@ def test_a_forked_child_runs_a_kernel_on_several_threads(tmp_path, monkeypatch):
         finally:
             os._exit(0 if ok else 1)
     _assert_child_exits_cleanly(pid, "the forked child waited for its parent's pool threads")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shapes", [[(256, 512), (256, 512)], [(256, 512), (512,)], [(256, 512), (256, 1)],
+                                    [(300, 129), (1,)], [(40000,), (40000,)]])
+def test_a_prepared_fused_call_gives_fused_bits(dtype, shapes):
+    """native.fused_call, the prepared form of native.fused that a program running again and again uses: the same
+    values (compiled after HOT runs of the general path), with and without the column sums."""
+    rng = np.random.default_rng(7)
+    out_shape = shapes[0]
+    ins = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    ins[0].reshape(-1)[::13] = np.nan
+    ins[0].reshape(-1)[::17] = -0.0
+    for expr in ("in0 * (in1 > 0)", "maximum(in0 + in1, 0)", "-in0 / (in1 + 3)"):
+        plan = fused.compile_expr(expr, 2)
+        want = np.empty(out_shape, dtype)
+        fused.evaluate_numpy(plan, ins, want, np.dtype(dtype))
+        call = native.fused_call(plan, shapes, np.dtype(dtype), out_shape)
+        for _ in range(native.HOT + 1):
+            out = np.empty(out_shape, dtype)
+            done = call(ins, out)
+        assert done
+        same(out, want)
+        if len(out_shape) == 2:
+            summed = native.fused_call(plan, shapes, np.dtype(dtype), out_shape, with_sums=True)
+            for _ in range(native.HOT + 1):
+                out, sums = np.empty(out_shape, dtype), np.empty(out_shape[1], dtype)
+                done = summed(ins, out, sums)
+            assert done
+            same(out, want)
+            same(sums, want.sum(axis=0))
+
+
+def test_a_prepared_fused_call_declines_arrays_unlike_its_shapes():
+    rng = np.random.default_rng(8)
+    a, b = rng.standard_normal((256, 512)).astype(np.float32), rng.standard_normal(512).astype(np.float32)
+    plan = fused.compile_expr("in0 + in1", 2)
+    call = native.fused_call(plan, [(256, 512), (512,)], np.dtype(np.float32), (256, 512))
+    out = np.empty((256, 512), np.float32)
+    for _ in range(native.HOT):  # the general path until the loop is compiled
+        call([a, b], out)
+    assert call([a, b], out)
+    same(out, a + b)
+    assert not call([a, b[:256]], out)  # another shape
+    assert not call([a.astype(np.float64), b], out)  # another dtype
+    assert not call([np.asfortranarray(a), b], out)  # not C-contiguous
+    assert not call([a, b], np.empty((256, 512), np.float64))
+    assert not call([a, b], out.T.copy().T)  # a strided output
+    assert not call([a, out[0]], out)  # the row is part of the output
+    assert call([out, b], out)  # the output in place of its own full input
+    same(out, a + b + b)
+    ro = a.copy()
+    ro.flags.writeable = False
+    assert call([ro, b], out)  # read-only inputs are read
+    never = native.fused_call(plan, [(3, 4), (4,)], np.dtype(np.float32), (3, 4))  # too small: numpy's
+    assert not never([np.ones((3, 4), np.float32), np.ones(4, np.float32)], np.empty((3, 4), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("momentum, dampening, weight_decay, nesterov, step", [
+    (0.9, 0.0, 0.0, False, 2), (0.9, 0.1, 0.01, True, 5), (0.9, 0.0, 0.0, False, 1), (0.0, 0.0, 0.1, False, 3)])
+def test_a_prepared_sgd_call_gives_sgd_bits(dtype, momentum, dampening, weight_decay, nesterov, step):
+    rng = np.random.default_rng(9)
+    n = 3 * native.UPDATE_MIN + 5
+    p, g, b = (rng.standard_normal(n).astype(dtype) for _ in range(3))
+    p[::11] = -0.0
+    call = native.sgd_call(np.dtype(dtype), n, 0.01, momentum, dampening, weight_decay, nesterov, step <= 1)
+    assert call is not None
+    p2, b2 = p.copy(), b.copy()
+    assert call(p, g, b, p, b)
+    native.set_enabled(False)
+    try:
+        optim.sgd(p2, g, b2, 0.01, momentum, dampening, weight_decay, nesterov, step, p2, b2)  # numpy's
+    finally:
+        native.set_enabled(True)
+    same(p, p2)
+    if momentum:
+        same(b, b2)
+
+
+def test_a_prepared_sgd_call_declines_what_sgd_must_decide():
+    n = native.UPDATE_MIN
+    p, g, b = (np.ones(n, np.float32) for _ in range(3))
+    call = native.sgd_call(np.dtype(np.float32), n, 0.1, 0.9, 0.0, 0.0, False, False)
+    assert call is not None
+    assert not call(p, g, b, p.copy(), b)  # not in place
+    assert not call(p, p, b, p, b)  # the gradient is the parameter
+    assert not call(p, g, p, p, p)  # the buffer is the parameter
+    assert not call(p, g.astype(np.float64), b, p, b)
+    assert not call(p, g[: n // 2], b, p, b)
+    assert np.all(p == 1) and np.all(b == 1)
+    assert native.sgd_call(np.dtype(np.float32), 100, 0.1, 0.9, 0.0, 0.0, False, False) is None  # numpy's size
+    assert native.sgd_call(np.dtype(np.float16), n, 0.1, 0.9, 0.0, 0.0, False, False) is None

@@ -199,6 +199,9 @@ class CpuExecutor:
         assert meta is not None and total_meta is not None
         npdt, shape = to_numpy(meta.dtype), meta.shape
         kept: list[Any] = [None]
+        if any(m is None or m.dtype != meta.dtype for m in f.args[0]):
+            return fused_step, sum_step
+        compiled = native.fused_call(plan, [m.shape for m in f.args[0]], npdt, shape, with_sums=True)
 
         def run_fused() -> None:
             kept[0] = None
@@ -212,7 +215,7 @@ class CpuExecutor:
             fresh = have is None or metas[out] != meta
             o = np.empty(shape, npdt) if fresh or have is None else have
             sums = np.empty(shape[1], npdt)
-            if not native.fused(plan, arrays, o, sums):  # nothing written: the step as it was
+            if not compiled(arrays, o, sums):  # nothing written: the step as it was
                 fused_step()
                 return
             if fresh:
@@ -389,6 +392,45 @@ class CpuExecutor:
 
         return run
 
+    def _prepare_sgd(self, b: Bound, spec: tuple[tuple[bool, Any], ...], wanted: list[tuple[str, Any]],
+                     kernel: Callable[..., None]) -> Callable[[], None] | None:
+        """An sgd update in place on the native loop, its numbers converted once (native.sgd_call); the kernel where
+        the loop declines. None where the loop would never run."""
+        from deepxd.kernels.cpu import native
+
+        meta = b.args[0]
+        if meta is None or any(m is None or m != meta for _, m in wanted):
+            return None
+        n = 1
+        for d in meta.shape:
+            n *= d
+        numbers = [v for _, v in spec[3:]]
+        lr, momentum, dampening, weight_decay, nesterov, step = numbers
+        try:
+            call = native.sgd_call(to_numpy(meta.dtype), n, lr, momentum, dampening, weight_decay, nesterov,
+                                   step <= 1)
+        except (TypeError, ValueError, OverflowError):  # the kernel words it
+            return None
+        if call is None:
+            return None
+        tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
+        (p_out, p_meta), (b_out, b_meta) = wanted
+        p, g, buf = (x for _, x in spec[:3])
+
+        def run_sgd() -> None:
+            if shared and (p_out in shared or b_out in shared):
+                self.execute(b)
+                return
+            if metas.get(p_out) != p_meta or metas.get(b_out) != b_meta:
+                self.execute(b)
+                return
+            po, bo = tensors[p_out], tensors[b_out]
+            pa, ga, ba = tensors[p], tensors[g], tensors[buf]
+            if not call(pa, ga, ba, po, bo):
+                kernel(pa, ga, ba, *numbers, po, bo)
+
+        return run_sgd
+
     def _prepare_outputs_held(self, b: Bound, kernel: Callable[..., None], kinds: tuple[int, ...]
                               ) -> Callable[[], None]:
         """An op with several outputs (the optimizer updates, written in place every step): the kernel called on
@@ -398,6 +440,10 @@ class CpuExecutor:
         outs = [str(n) for n in b.out_names]
         wanted = list(zip(outs, b.outs))
         spec = tuple((k == 1, n if k == 1 else v) for k, v, n in zip(kinds, b.args, b.names))
+        if b.op.name == "sgd" and kinds[:3] == (1, 1, 1) and 1 not in kinds[3:]:
+            quick = self._prepare_sgd(b, spec, wanted, kernel)
+            if quick is not None:
+                return quick
 
         def run_held() -> None:
             if shared and any(n in shared for n in outs):
@@ -456,19 +502,22 @@ class CpuExecutor:
 
         meta = b.outs[0]
         ins = b.names[0]
-        if (fused_kernels.backend() not in ("native", "numpy") or meta is None or b.instr.meta
+        backend = fused_kernels.backend()
+        if (backend not in ("native", "numpy") or meta is None or b.instr.meta
                 or meta.dtype not in ("float32", "float64") or not isinstance(ins, list)
-                or any(m is None or m.shape != meta.shape or m.dtype != meta.dtype for m in b.args[0])):
+                or any(m is None or m.dtype != meta.dtype for m in b.args[0])):
             return None
         n = 1
         for d in meta.shape:
             n *= d
-        if n > fused_kernels.BLOCK or n == 0:
+        # the tape on registers made once: operands of the output's shape, one block
+        small = n <= fused_kernels.BLOCK and all(m.shape == meta.shape for m in b.args[0])
+        if n == 0 or (not small and backend != "native"):
             return None
         cdt = to_numpy(meta.dtype)
         plan = fused_kernels.compile_expr(str(b.args[1]), len(ins))
         consts = tuple(cdt.type(c) for c in plan.constants)
-        regs = [np.empty(n, cdt) for _ in range(plan.registers)]
+        regs = [np.empty(n, cdt) for _ in range(plan.registers)] if small else []
         tape = plan.run
         tensors = self.tensors
         metas = tensors.metas
@@ -478,7 +527,9 @@ class CpuExecutor:
         flat = len(shape) == 1
         general = KERNELS["fused"]
         expr = b.args[1]
-        compiled = native.fused if fused_kernels.backend() == "native" else None
+        # the native loop with the checks that depend on shapes made now (native.fused_call)
+        compiled = (native.fused_call(plan, [m.shape for m in b.args[0]], cdt, shape) if backend == "native"
+                    else None)
 
         def run() -> None:
             if self.shared and out in self.shared:
@@ -487,9 +538,9 @@ class CpuExecutor:
             fresh = have is None or metas[out] != meta
             o = np.empty(shape, cdt) if fresh or have is None else have
             arrays = [tensors[x] for x in ins]
-            if compiled is not None and compiled(plan, arrays, o):
+            if compiled is not None and compiled(arrays, o):
                 pass
-            elif all(map(_C_CONTIGUOUS, arrays)):
+            elif small and all(map(_C_CONTIGUOUS, arrays)):
                 if flat:
                     tape(arrays, consts, regs, o)
                 else:  # one block: every input is read before the last step writes the output

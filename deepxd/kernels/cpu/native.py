@@ -47,7 +47,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -673,6 +673,54 @@ def sgd(param: np.ndarray, grad: np.ndarray, buf: np.ndarray, lr: float, momentu
     return True
 
 
+def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float, weight_decay: float,
+             nesterov: bool, first: bool) -> Callable[..., bool] | None:
+    """`sgd` for one instruction of a program that runs again and again (n elements of dtype dt, these numbers):
+    the loop and its converted numbers found once; each call(param, grad, buf, param_out, buf_out) checks the arrays
+    and runs it, or returns False where `sgd` must decide (an output that is not its input, arrays that overlap).
+    None where the native loop would not run at all."""
+    dt = np.dtype(dt)
+    if dt not in SUFFIX or n < UPDATE_MIN or not available():
+        return None
+    fns = _core()
+    if fns is None:
+        return None
+    name = f"sgd_{SUFFIX[dt]}"
+    fn = fns.get("p" + name) if n >= OMP_MIN else None
+    if fn is None:
+        if n >= 2 * THREAD_MIN and MAX_THREADS > 1:
+            return None  # split on Python's threads: sgd's way
+        fn = fns[name]
+    real = dt.type
+    args = (real(lr), real(momentum), real(1 - dampening), real(weight_decay), int(bool(weight_decay)),
+            int(bool(momentum)), int(first), int(bool(nesterov)), int(dampening != 0))
+    size = n * dt.itemsize
+    with_buf = bool(momentum)
+
+    def call(param: np.ndarray, grad: np.ndarray, buf: np.ndarray, param_out: np.ndarray,
+             buf_out: np.ndarray) -> bool:
+        if not _enabled or param_out is not param or (with_buf and buf_out is not buf):
+            return False
+        try:
+            p = _addressof(_CHAR.from_buffer(param))  # type: ignore[arg-type]  # C-contiguous and writable
+            b = _addressof(_CHAR.from_buffer(buf)) if with_buf else p  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
+        if not grad.flags.c_contiguous:
+            return False
+        g = grad.__array_interface__["data"][0]
+        for a in (param, grad, buf) if with_buf else (param, grad):
+            if a.size != n or (a.dtype is not dt and a.dtype != dt):
+                return False
+        if (g < p + size and p < g + size) or (with_buf and ((b < p + size and p < b + size)
+                                                              or (g < b + size and b < g + size))):
+            return False
+        fn(n, p, g, b, p, b, *args)
+        return True
+
+    return call
+
+
 def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: float, beta1: float, beta2: float,
          eps: float, weight_decay: float, step: int, decoupled: bool, p_out: np.ndarray, m_out: np.ndarray,
          v_out: np.ndarray) -> bool:
@@ -940,9 +988,13 @@ def _layout(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int] | None:
     right), or None when a C loop cannot read it."""
     if not a.flags.c_contiguous:
         return None
-    if a.size == 1:
+    return _shape_layout(a.shape, shape)
+
+
+def _shape_layout(dims: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """_layout of a C-contiguous input of shape `dims`."""
+    if math.prod(dims) == 1:
         return SCALAR, 0
-    dims = a.shape
     while len(dims) > len(shape) and dims[0] == 1:
         dims = dims[1:]
     if len(dims) > len(shape):
@@ -954,7 +1006,7 @@ def _layout(a: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int] | None:
     while dims[k] == 1:
         k += 1
     if dims[k:] == shape[k:]:  # ones, then the output's trailing dimensions: a row repeated
-        return ROW, a.size
+        return ROW, math.prod(dims)
     if dims[-1] == 1 and dims[:-1] == shape[:-1]:  # the output's leading dimensions, one column
         return COLUMN, shape[-1]
     return None
@@ -1060,6 +1112,97 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.nda
     for f in futures:
         f.result()
     return True
+
+
+def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape: tuple[int, ...],
+               with_sums: bool = False) -> Callable[..., bool]:
+    """`fused` for one instruction of a program that runs again and again: inputs of these shapes and dtype `dt`, an
+    output of `shape` (and its column sums, with_sums). What depends on the shapes alone (the layouts, the kernel,
+    its constants) is found once; each call checks that the arrays are those shapes, C-contiguous and apart, then
+    calls the loop. Until the kernel is compiled, and where the general path would split the loop on Python's
+    threads, it is `fused` itself. Inside a training step a call costs about a third of fused's."""
+    dt = np.dtype(dt)
+    n = math.prod(shape)
+
+    def never(inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.ndarray | None = None) -> bool:
+        return False
+
+    if (n < BROADCAST_MIN or dt not in CTYPE or (with_sums and (len(shape) != 2 or shape[1] < 2))):
+        return never
+    layouts: list[int] = []
+    sizes: list[int] = []
+    cols = 0
+    for s in shapes:
+        found = _shape_layout(tuple(s), shape)
+        if found is None:
+            return never
+        layouts.append(found[0])
+        sizes.append(math.prod(s) * dt.itemsize)
+        if found[0] in (ROW, COLUMN):
+            if cols and found[1] != cols:
+                return never
+            cols = found[1]
+    if not cols and n < FUSED_MIN:
+        return never
+    key = (plan.text, len(shapes), CTYPE[dt], tuple(layouts), with_sums)
+    shapes = [tuple(s) for s in shapes]
+    nbytes = n * dt.itemsize
+    rows, width = (shape[0], shape[1]) if with_sums else ((n // cols, cols) if cols else (1, n))
+    state: list[Any] = [None, None, 0]  # the loop, its split form, the constants' address
+    count = len(shapes)
+    pointers = ctypes.c_void_p * count
+    general = fused
+
+    def call(inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.ndarray | None = None) -> bool:
+        fn = state[0]
+        if fn is None:
+            fn = _fused_fns.get(key)
+            if fn is None or not _enabled:
+                return general(plan, inputs, out, sums)  # counts the runs towards HOT, and compiles
+            if fn is False:
+                return False
+            state[0], state[1], state[2] = fn, _fused_split.get(key), _consts_of(plan, dt)
+        split = state[1]
+        if not _enabled or (split is None and n >= 2 * THREAD_MIN and MAX_THREADS > 1):
+            return general(plan, inputs, out, sums)
+        try:
+            lo = _addressof(_CHAR.from_buffer(out))  # type: ignore[arg-type]  # C-contiguous and writable
+        except (TypeError, ValueError):
+            return False
+        if out.dtype != dt or out.shape != shape:
+            return False
+        hi = lo + nbytes
+        where = []
+        for a, want, size, layout in zip(inputs, shapes, sizes, layouts):
+            if a.shape != want or a.dtype != dt:
+                return False
+            try:
+                at = _addressof(_CHAR.from_buffer(a))  # type: ignore[arg-type]
+            except (TypeError, ValueError):  # read-only, or strided
+                if not a.flags.c_contiguous:
+                    return False
+                at = a.__array_interface__["data"][0]
+            if at < hi and lo < at + size and not (layout == FULL and at == lo):
+                return False  # an output that shares memory with an input must be that input, read at its index
+            where.append(at)
+        if len(where) != count:
+            return False
+        if with_sums:
+            if sums is None or sums.dtype != dt or sums.shape != (width,):
+                return False
+            try:
+                s_lo = _addressof(_CHAR.from_buffer(sums))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                return False
+            s_hi = s_lo + width * dt.itemsize
+            if (s_lo < hi and lo < s_hi) or any(at < s_hi and s_lo < at + size for at, size in zip(where, sizes)):
+                return False
+            (split if split is not None and n >= OMP_MIN else fn)(rows, width, pointers(*where), state[2], lo, s_lo)
+        else:
+            (split if split is not None and n >= OMP_MIN else fn)(rows, width, pointers(*where), state[2], lo)
+        return True
+
+    return call
 
 
 def _consts_of(plan: Any, dt: np.dtype) -> int:
