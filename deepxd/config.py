@@ -65,6 +65,7 @@ class Config:
             udp_address(c.udp)
         if c.max_frame_bytes < 1024:
             raise DeepxError(f"max_frame_bytes: {c.max_frame_bytes} is too small (at least 1024)")
+        c.blas = c.blas.strip().lower()
         if c.blas not in ("auto", "mkl", "numpy"):
             raise DeepxError(f"blas: {c.blas!r} must be auto, mkl or numpy")
         if c.log_level.lower() not in ("debug", "info", "warning", "error"):

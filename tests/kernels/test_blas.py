@@ -267,3 +267,99 @@ def test_idle_mkl_threads_sleep_after_a_millisecond_unless_told_otherwise():
                        env=env)
     assert "blocktime 1" in r.stdout, r.stderr
     assert "blocktime 50" in _script(body, KMP_BLOCKTIME="50").stdout
+
+
+@needs_mkl
+def test_strides_beyond_32_bits_are_left_to_numpy():
+    """Found in review: a leading dimension or a batch step past 2**31 elements wrapped in MKL's 32-bit interface
+    (the product left unwritten, or every matrix of the stack taken as the first). numpy's matmul takes them."""
+    r = _script("""
+        import numpy as np
+        from deepxd.kernels.cpu import blas
+        from deepxd.kernels.cpu.matmul import matmul
+        big = np.zeros((2, 46341, 46341), np.float32)  # pages never touched: no memory used
+        big[0, :2, :2] = 1
+        big[1, :2, :2] = 2
+        a = big[:, :2, :2]  # a batch step of 46341**2 > 2**31 elements
+        out = np.empty((2, 2, 2), np.float32)
+        assert not blas.gemm(a, np.ones((2, 2, 2), np.float32), out)
+        matmul(a, np.ones((2, 2, 2), np.float32), out)
+        assert np.array_equal(out, [[[2, 2], [2, 2]], [[4, 4], [4, 4]]])
+        x = np.zeros(2**31 + 8, np.float32)
+        x[:3] = [1, 2, 3]
+        row = x.reshape(1, -1)[:, :3]  # one row: its stride (2**31 + 8 elements) is never stepped over
+        out = np.full((1, 2), -7, np.float32)
+        matmul(row, np.ones((3, 2), np.float32), out)
+        assert np.array_equal(out, [[6, 6]])
+        # two rows 2**31 + 4 elements apart (a view made to be declined: nothing reads its second row)
+        wide = np.lib.stride_tricks.as_strided(x, shape=(2, 3), strides=((2**31 + 4) * 4, 4))
+        assert not blas.gemm(wide, np.ones((3, 2), np.float32), np.empty((2, 2), np.float32))
+        assert not blas.gemm(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), np.empty((1, 2, 2), np.float32))
+        print("ok")
+    """)
+    assert "ok" in r.stdout
+
+
+@needs_mkl
+def test_blas_numpy_set_later_runs_the_split_kernels_serially():
+    r = _script("""
+        import numpy as np
+        from deepxd.kernels.cpu import blas, native
+        from deepxd.kernels.cpu.fused import compile_expr
+        x = np.random.default_rng(3).standard_normal(1 << 17).astype(np.float32)
+        out = np.empty_like(x)
+        assert native.relu(x, out) and "prelu_f32" in native._core()
+        calls = []
+        split = native._core()["prelu_f32"]
+        native._core()["prelu_f32"] = lambda *a: calls.append(a) or split(*a)
+        native.relu(x, out)
+        assert len(calls) == 1
+        blas.set_mode("numpy")
+        assert blas.mkl() is None and blas.omp_dir() is None
+        native.relu(x, out)
+        assert len(calls) == 1 and np.array_equal(out, np.maximum(x, 0))
+        a = np.ones((4, 4), np.float32)
+        assert not blas.gemm(a, a, np.empty((4, 4), np.float32))
+        print("ok")
+    """)
+    assert "ok" in r.stdout
+
+
+@needs_mkl
+def test_a_compiler_without_openmp_builds_every_kernel_serially(tmp_path):
+    """A failed OpenMP build is logged once and not tried again; the kernels are built without it."""
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "no openmp here" >&2; exit 1; }; done\n'
+                  'exec gcc "$@"\n')
+    cc.chmod(0o755)
+    r = _script("""
+        import logging, numpy as np
+        logging.basicConfig(level=logging.INFO)
+        from deepxd.kernels.cpu import native
+        from deepxd.kernels.cpu.fused import compile_expr
+        x = np.random.default_rng(4).standard_normal(1 << 17).astype(np.float32)
+        out = np.empty_like(x)
+        assert native.relu(x, out) and np.array_equal(out, np.maximum(x, 0))
+        assert "prelu_f32" not in native._core()
+        for expr in ("in0 * 2 + 1", "in0 - 3"):
+            plan = compile_expr(expr, 1)
+            for _ in range(native.HOT + 1):
+                done = native.fused(plan, [x], out)
+            assert done
+        assert not native._fused_split
+        print("ok")
+    """, CC=str(cc), DEEPX_KERNEL_CACHE=str(tmp_path / "cache"))
+    assert "ok" in r.stdout
+    assert r.stderr.count("building with MKL's OpenMP runtime failed") == 1, r.stderr
+    assert "it runs on numpy" not in r.stderr
+
+
+def test_a_blas_setting_of_another_case_or_name():
+    from deepxd.config import Config
+
+    assert Config(blas=" NumPy ").resolved().blas == "numpy"
+    r = _script("""
+        from deepxd.kernels.cpu import blas
+        print("mode", blas._mode)
+    """, DEEPX_BLAS="openblas")
+    assert "mode auto" in r.stdout and "DEEPX_BLAS='openblas' is none of auto, numpy, mkl; auto" in r.stderr

@@ -39,10 +39,22 @@ _INT_MAX = (1 << 31) - 1  # MKL's LP64 interface: 32-bit sizes
 
 _lock = threading.Lock()
 _mode = os.environ.get("DEEPX_BLAS", "auto").strip().lower() or "auto"
+if _mode not in CHOICES:
+    log.warning("blas: DEEPX_BLAS=%r is none of %s; auto", _mode, ", ".join(CHOICES))
+    _mode = "auto"
 _mkl: Any = None  # the loaded libmkl_rt (a ctypes.CDLL), or None
 _tried = False
 _why = ""  # why MKL is not in use, for the start-up line
 _lib_dir: Path | None = None  # where libiomp5 lies, for native kernels that link it
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a parent's thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _find(dist: str, stem: str) -> Path | None:
@@ -72,6 +84,9 @@ def set_mode(mode: str) -> None:
                 _tried = False  # looked for again under the new mode
             elif mode == "numpy":
                 _mkl, _why = None, "blas = numpy"  # the loaded library stays loaded, unused
+    from deepxd.kernels.cpu import native
+
+    native.set_split(mode != "numpy")  # kernels built with OpenMP run their serial loops under numpy's BLAS
     if mode == "mkl" and mkl() is None:
         raise DeepxError(f"blas = mkl, but MKL cannot be loaded: {_why} (pip install 'deepx[mkl]')")
 
@@ -181,14 +196,17 @@ def describe() -> str:
 
 def _layout(a: np.ndarray) -> tuple[int, int] | None:
     """(cblas transpose flag, leading dimension) of the last two axes of `a`, or None where BLAS cannot read them:
-    rows contiguous (no transpose) or columns contiguous (a transposed view), in float elements."""
+    rows contiguous (no transpose) or columns contiguous (a transposed view), in elements, the leading dimension
+    within 32 bits. A dimension of one is never stepped over: its stride, whatever it is, is not read."""
     rs, cs = a.strides[-2:]
     item = a.itemsize
     r, c = a.shape[-2:]
-    if (cs == item or c == 1) and rs % item == 0 and rs >= max(c, 1) * item:
-        return _NO_TRANS, rs // item
-    if (rs == item or r == 1) and cs % item == 0 and cs >= max(r, 1) * item:
-        return _TRANS, cs // item
+    if (cs == item or c == 1) and (r == 1 or (rs % item == 0 and rs >= max(c, 1) * item)):
+        ld = max(c, 1) if r == 1 else rs // item
+        return (_NO_TRANS, ld) if ld <= _INT_MAX else None
+    if (rs == item or r == 1) and (c == 1 or (cs % item == 0 and cs >= max(r, 1) * item)):
+        ld = max(r, 1) if c == 1 else cs // item
+        return (_TRANS, ld) if ld <= _INT_MAX else None
     return None
 
 
@@ -210,6 +228,8 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     if la is None or lb is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False
     single = dt == np.float32
+    if out.ndim != max(a.ndim, b.ndim):
+        return False
     if a.ndim == 2 and b.ndim == 2:
         fn = lib.cblas_sgemm if single else lib.cblas_dgemm
         fn(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1], b.ctypes.data, lb[1], 0.0, out.ctypes.data,
@@ -247,4 +267,6 @@ def _stride(x: np.ndarray, batch: tuple[int, ...]) -> int | None:
             elif st // item != step * span:
                 return None
         span *= size
-    return step if step is not None and step <= _INT_MAX else 0
+    if step is None:  # every batch dim is one: a single matrix
+        return 0
+    return step if step <= _INT_MAX else None

@@ -94,6 +94,8 @@ _libs: dict[str, Any] = {}
 # the spot, before the call that made it HOT returns, which the tests rely on)
 _background = os.environ.get("DEEPX_NATIVE_BACKGROUND", "1").strip() != "0"
 _building: dict[Any, threading.Thread] = {}
+_split_on = True  # set_split
+_omp_failed = False  # an OpenMP build failed here: later libraries are built without it
 _building_lock = threading.Lock()
 
 
@@ -229,12 +231,19 @@ def _flags(cc: str) -> tuple[str, ...]:
     return (*FLAGS, "-march=native") if _march else FLAGS
 
 
+def set_split(on: bool) -> None:
+    """Whether kernels built with OpenMP split their loops (blas.set_mode: not under numpy's BLAS, whose idle
+    threads would spin against them); they run their serial loops otherwise."""
+    global _split_on
+    _split_on = bool(on)
+
+
 def _omp() -> Path | None:
     """Where MKL's OpenMP runtime lies when native kernels split their loops on its threads (MKL in use), else
     None: then no kernel is built with OpenMP (a second runtime's idle threads would spin against OpenBLAS's)."""
     from deepxd.kernels.cpu import blas
 
-    return blas.omp_dir()
+    return None if _omp_failed else blas.omp_dir()
 
 
 def load(source: str, openmp: bool = False) -> Any:
@@ -272,7 +281,13 @@ def load(source: str, openmp: bool = False) -> Any:
                 lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as e:
             _failed.add(source)
-            log.warning("native kernels: compiling a kernel failed (%s); it runs on numpy", e)
+            if link:  # the caller builds it again without OpenMP, as every library after it
+                global _omp_failed
+                _omp_failed = True
+                log.warning("native kernels: building with MKL's OpenMP runtime failed (%s); kernels run on one "
+                            "thread", e)
+            else:
+                log.warning("native kernels: compiling a kernel failed (%s); it runs on numpy", e)
             return None
         _libs[source] = lib
         return lib
@@ -616,7 +631,7 @@ def _split_call(fns: dict[str, Any], name: str, n: int, base: Sequence[int], res
                 itemsize: int) -> None:
     """Kernel `name` (count, *pointers, *rest) over n elements: from OMP_MIN elements on MKL's OpenMP threads where
     the library has them ("p" + name), else in pieces on the fused kernels' threads when n is large."""
-    if n >= OMP_MIN:
+    if n >= OMP_MIN and _split_on:
         split = fns.get("p" + name)
         if split is not None:
             split(n, *base, *rest)
@@ -686,11 +701,10 @@ def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float,
     if fns is None:
         return None
     name = f"sgd_{SUFFIX[dt]}"
-    fn = fns.get("p" + name) if n >= OMP_MIN else None
-    if fn is None:
-        if n >= 2 * THREAD_MIN and MAX_THREADS > 1:
-            return None  # split on Python's threads: sgd's way
-        fn = fns[name]
+    split = fns.get("p" + name) if n >= OMP_MIN else None
+    serial = fns[name] if n < 2 * THREAD_MIN or MAX_THREADS == 1 else None  # else split on Python's threads: sgd's
+    if split is None and serial is None:
+        return None
     real = dt.type
     args = (real(lr), real(momentum), real(1 - dampening), real(weight_decay), int(bool(weight_decay)),
             int(bool(momentum)), int(first), int(bool(nesterov)), int(dampening != 0))
@@ -714,6 +728,9 @@ def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float,
                 return False
         if (g < p + size and p < g + size) or (with_buf and ((b < p + size and p < b + size)
                                                               or (g < b + size and b < g + size))):
+            return False
+        fn = split if split is not None and _split_on else serial
+        if fn is None:
             return False
         fn(n, p, g, b, p, b, *args)
         return True
@@ -869,7 +886,7 @@ def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int], colsu
     would each change a NaN's sign or quietness). Negation flips the sign bit, as numpy's does. colsum: the function
     takes a last argument `T *sums` and also writes the output's column sums there, row after row from +0 (a sum over
     axis 0 of the output, in numpy's order). openmp: also `pfused`, of the same arguments, which splits the loop
-    across the threads of an OpenMP team (with colsum only where cols >= 32 per thread)."""
+    across the threads of an OpenMP team (the rows; with colsum, the column sums by columns after a barrier)."""
     lines: list[str] = []
     ids: dict[str, str] = {}
     math_suffix = "f" if ctype == "float" else ""
@@ -1071,11 +1088,11 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.nda
         if (s_lo < hi and lo < s_hi) or any(at < s_hi and s_lo < at + a.nbytes for a, at in zip(inputs, where)):
             return False
         rows, cols = out.shape
-        split = _fused_split.get(key) if n >= OMP_MIN else None
+        split = _fused_split.get(key) if n >= OMP_MIN and _split_on else None
         (split or fn)(rows, cols, (ctypes.c_void_p * len(where))(*where), _consts_of(plan, dt), lo, s_lo)
         return True
     cs = _consts_of(plan, dt)
-    if n >= OMP_MIN:
+    if n >= OMP_MIN and _split_on:
         split = _fused_split.get(key)
         if split is not None:  # on MKL's OpenMP threads
             split(n // cols if cols else 1, cols or n, (ctypes.c_void_p * len(where))(*where), cs, lo)
@@ -1162,7 +1179,7 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
             if fn is False:
                 return False
             state[0], state[1], state[2] = fn, _fused_split.get(key), _consts_of(plan, dt)
-        split = state[1]
+        split = state[1] if n >= OMP_MIN and _split_on else None
         if not _enabled or (split is None and n >= 2 * THREAD_MIN and MAX_THREADS > 1):
             return general(plan, inputs, out, sums)
         try:
@@ -1197,9 +1214,9 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
             s_hi = s_lo + width * dt.itemsize
             if (s_lo < hi and lo < s_hi) or any(at < s_hi and s_lo < at + size for at, size in zip(where, sizes)):
                 return False
-            (split if split is not None and n >= OMP_MIN else fn)(rows, width, pointers(*where), state[2], lo, s_lo)
+            (split or fn)(rows, width, pointers(*where), state[2], lo, s_lo)
         else:
-            (split if split is not None and n >= OMP_MIN else fn)(rows, width, pointers(*where), state[2], lo)
+            (split or fn)(rows, width, pointers(*where), state[2], lo)
         return True
 
     return call
