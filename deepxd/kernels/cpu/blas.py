@@ -259,6 +259,11 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     sa, sb = _stride(a, batch), _stride(b, batch)
     if sa is None or sb is None:
         return False
+    if sb == 0 and la[0] == _NO_TRANS and sa == m * la[1] and count * m <= _INT_MAX:
+        # a stack of row-major matrices, one after another, times one matrix: one product of all their rows
+        fn = lib.cblas_sgemm if single else lib.cblas_dgemm
+        fn(_ROW_MAJOR, _NO_TRANS, lb[0], count * m, n, k, 1.0, _address(a), la[1], _address(b), lb[1], 0.0, o, n)
+        return True
     fn = lib.cblas_sgemm_batch_strided if single else lib.cblas_dgemm_batch_strided
     fn(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1], sa, b.ctypes.data, lb[1], sb, 0.0, o, n, m * n,
        count)
