@@ -187,12 +187,17 @@ class Scheduler(Actor):
         be derived fails at its own instruction, after the ones before it ran."""
         from deepxd.compiler.analysis import PassContext
 
-        ctx = await self._context(worker, program, fetch)
+        ctx = await self._context(worker, program, fetch, scan=False)
         before = ctx.metas
         hit = self._expansion(program, marks, before)
         if hit is not None:
+            if not self.compiled.seen(hit[0]) and _names_variables(hit[0]):  # a remembered one names none
+                ctx = await self._context(worker, hit[0], fetch)
             result = await self._run_program(worker, hit[0], fetch, ctx)
             return self._map_expanded(result, program, hit[1], len(program), None)
+        if _names_variables(program):
+            ctx = await self._context(worker, program, fetch)
+            before = ctx.metas
         expanded: list[Instr] = []
         where: list[int] = []  # expanded position -> the program's
         start = 0
@@ -304,11 +309,14 @@ class Scheduler(Actor):
                        {i: (list(m["forward"]), scalar_kinds(m["forward"])) for i, m in marks.items()},
                        (order, [before.get(n) for n in order]), expanded, where))
 
-    async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
+    async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+                       scan: bool = True) -> Any:
+        """The passes' context: the worker's metas and heap names, and its variables where the program may name
+        one (scan=False: not looked for; the caller knows the program names none, or looks itself)."""
         metas, keep = await worker.ask("state")
         variables: dict[str, Any] = {}
         vectors: dict[str, Any] = {}
-        if not self.compiled.seen(program) and _names_variables(program):  # a remembered program names none
+        if scan and not self.compiled.seen(program) and _names_variables(program):  # a remembered one names none
             held = await worker.ask("variables")
             variables = held.get("vars", {})
             vectors = {k: tuple(v) for k, v in held.get("vectors", {}).items()}
