@@ -91,8 +91,10 @@ def main() -> None:
             rounds[name].append(best)
             time.sleep(0.2)
     results = {name: min(v) for name, v in rounds.items()}
+    from deepxd.kernels.cpu import blas
+
     print(f"MLP 784-512-512-10, batch 256, one SGD step (best of {opts.rounds} rounds x {opts.steps} steps, "
-          f"the sides taking turns)")
+          f"the sides taking turns); deepx's matmul on {blas.describe()}")
     ratio = results["deepx"] / results["torch"]
     cratio = results["deepx compiled"] / results["torch"]
     print(f"  deepx (embedded)         : {results['deepx'] * 1e3:8.2f} ms   deepx/torch time {ratio:.2f}x")
@@ -109,7 +111,7 @@ def main() -> None:
     results["split"] = split
     out = Path(__file__).parent / "results" / "train.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({**results, "rounds": rounds}, indent=2))
+    out.write_text(json.dumps({**results, "rounds": rounds, "blas": blas.describe()}, indent=2))
 
 
 def kernel_split(step, n: int) -> dict[str, float]:
