@@ -741,3 +741,26 @@ def test_a_prepared_sgd_call_declines_what_sgd_must_decide():
     assert np.all(p == 1) and np.all(b == 1)
     assert native.sgd_call(np.dtype(np.float32), 100, 0.1, 0.9, 0.0, 0.0, False, False) is None  # numpy's size
     assert native.sgd_call(np.dtype(np.float16), n, 0.1, 0.9, 0.0, 0.0, False, False) is None
+
+
+def test_the_fixed_library_compiles_in_the_background_while_numpy_runs(tmp_path):
+    """Its first build on a machine takes about a second: by default the first kernel call starts it on a thread
+    and numpy answers, with the same values, until it is loaded (a compiler made slow here, so that the build is
+    surely still running when the first calls come)."""
+    slow = tmp_path / "slowcc"
+    slow.write_text("#!/bin/sh\nsleep 2\nexec gcc \"$@\"\n")
+    slow.chmod(0o755)
+    r = _script("""
+        import numpy as np
+        from deepxd.kernels.cpu import native, nn, optim
+        x = np.random.default_rng(3).standard_normal(native.RELU_MIN * 2).astype(np.float32)
+        out = np.empty_like(x)
+        first = [native.relu(x, out) for _ in range(3)]
+        nn.relu(x, out)  # the kernel the op worker calls: numpy's answer meanwhile
+        assert np.array_equal(out, np.maximum(x, 0))
+        assert native.wait_builds(timeout=240)
+        print("first", first, "then", native.relu(x, out), np.array_equal(out, np.maximum(x, 0)))
+    """, {"CC": str(slow), "DEEPX_KERNEL_CACHE": str(tmp_path / "cache"), "DEEPX_NATIVE_BACKGROUND": "1",
+          "DEEPX_BLAS": "numpy"})
+    assert r.returncode == 0, r.stderr
+    assert "first [False, False, False] then True True" in r.stdout

@@ -94,6 +94,7 @@ _libs: dict[str, Any] = {}
 # the spot, before the call that made it HOT returns, which the tests rely on)
 _background = os.environ.get("DEEPX_NATIVE_BACKGROUND", "1").strip() != "0"
 _building: dict[Any, threading.Thread] = {}
+_core_thread: threading.Thread | None = None  # the fixed library's background build, while it runs
 _split_on = True  # set_split
 _omp_failed = False  # an OpenMP build failed here: later libraries are built without it
 _building_lock = threading.Lock()
@@ -101,9 +102,10 @@ _building_lock = threading.Lock()
 
 def _after_fork_in_child() -> None:
     """A forked child has none of the parent's other threads: locks they held, and builds they ran, start afresh."""
-    global _lock, _building_lock
+    global _lock, _building_lock, _core_thread
     _lock, _building_lock = threading.Lock(), threading.Lock()
     _building.clear()
+    _core_thread = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -126,13 +128,14 @@ def set_background(on: bool) -> bool:
 
 
 def wait_builds(timeout: float | None = None) -> bool:
-    """Wait for the fused expressions being compiled in the background; whether none is left."""
+    """Wait for the fixed library and the fused expressions being compiled in the background; whether none is
+    left."""
     with _building_lock:
-        threads = list(_building.values())
+        threads = list(_building.values()) + ([_core_thread] if _core_thread is not None else [])
     for t in threads:
         t.join(timeout)
     with _building_lock:
-        return not _building
+        return not _building and (_core_thread is None or not _core_thread.is_alive())
 
 
 def enabled() -> bool:
@@ -518,6 +521,39 @@ _core_fns: dict[str, Any] | None = None
 
 
 def _core() -> dict[str, Any] | None:
+    """The fixed library's kernels, or None (numpy runs). Its first build on a machine takes about a second: in the
+    background (as a HOT fused expression's, set_background), the kernels running on numpy meanwhile."""
+    global _core_thread
+    if _core_fns is not None:
+        return _core_fns
+    if not _background:
+        return _build_core()
+    with _building_lock:
+        if _core_thread is None and available():
+            _core_thread = threading.Thread(target=_build_core_in_background, name="deepx-native-core",
+                                            daemon=True)
+            try:
+                _core_thread.start()
+            except RuntimeError:  # no thread to be had: the build on the spot
+                _core_thread = None
+                return _build_core()
+    return _core_fns
+
+
+def _build_core_in_background() -> None:
+    global _core_thread
+    try:
+        _build_core()
+    except Exception:  # never seen: load() logs and returns None for what it cannot build
+        log.exception("native kernels: building the fixed library failed; its kernels run on numpy")
+    # failed for good (load() keeps the failure): not tried again, _core_thread stays set; built, or native kernels
+    # turned off meanwhile: asked again, it is tried again
+    if _core_fns is not None or not available():
+        with _building_lock:
+            _core_thread = None
+
+
+def _build_core() -> dict[str, Any] | None:
     global _core_fns
     if _core_fns is not None:
         return _core_fns
