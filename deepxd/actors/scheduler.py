@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
@@ -195,9 +195,13 @@ class Scheduler(Actor):
                 ctx = await self._context(worker, hit[0], fetch)
             result = await self._run_program(worker, hit[0], fetch, ctx)
             return self._map_expanded(result, program, hit[1], len(program), None)
-        if _names_variables(program):
-            ctx = await self._context(worker, program, fetch)
+        named = _names_variables(program)
+        forwards = any(isinstance(f, list) and all(isinstance(i, Instr) for i in f) and _names_variables(f)
+                       for f in (m.get("forward") for m in marks.values()))  # (a malformed one fails below)
+        if named or forwards:  # the passes (the program) or the derivation (a recorded forward) read variables
+            ctx = await self._context(worker, program, fetch, scan=False)
             before = ctx.metas
+            ctx.variables, ctx.vectors = await self._variables(worker)
         expanded: list[Instr] = []
         where: list[int] = []  # expanded position -> the program's
         start = 0
@@ -210,9 +214,14 @@ class Scheduler(Actor):
             spec = marks[i]
             try:
                 metas = dict(before)
+                variables, vectors = dict(ctx.variables), dict(ctx.vectors)  # as the instructions before leave them
                 for b in PassContext(metas=before, variables=ctx.variables, vectors=ctx.vectors,
                                      cache=self.plans).bind(expanded):
-                    if b.op.name == "deltensor":
+                    if b.op.name == "argset":
+                        variables[str(b.out_names[0])] = b.args[0]
+                    elif b.op.name == "vecset":
+                        vectors[str(b.out_names[0])] = tuple(b.args[0])
+                    elif b.op.name == "deltensor":
                         metas.pop(str(b.out_names[0]), None)
                     elif b.op.name == "renametensor":
                         metas[str(b.out_names[0])] = metas.pop(str(b.args[0]), b.outs[0])
@@ -227,7 +236,8 @@ class Scheduler(Actor):
                 forward, loss, wrt, grad_loss, prefix, names = _backward_spec(spec)
                 needed = _names_of(forward, loss, wrt, grad_loss)
                 derived, _ = self._derive(forward, loss, wrt, grad_loss, prefix,
-                                          {n: metas[n] for n in sorted(needed) if n in metas}, names)
+                                          {n: metas[n] for n in sorted(needed) if n in metas}, names,
+                                          *((variables, vectors) if forwards else ()))
             except DeepxError as e:
                 failure, at = f"instruction {i + 1}: backward: {e}", i
                 break
@@ -236,7 +246,7 @@ class Scheduler(Actor):
         else:
             expanded += program[start:]
             where += range(start, len(program))
-        if at == len(program):
+        if at == len(program) and not forwards:  # a derivation that read variables took their values: not kept
             self._remember_expansion(program, marks, before, expanded, where)
         result = await self._run_program(worker, expanded, fetch if at == len(program) else (), ctx)
         return self._map_expanded(result, program, where, at, failure)
@@ -309,6 +319,11 @@ class Scheduler(Actor):
                        {i: (list(m["forward"]), scalar_kinds(m["forward"])) for i, m in marks.items()},
                        (order, [before.get(n) for n in order]), expanded, where))
 
+    async def _variables(self, worker: ActorRef) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+        """The worker's named variables and vectors (argset's and vecset's)."""
+        held = await worker.ask("variables")
+        return held.get("vars", {}), {k: tuple(v) for k, v in held.get("vectors", {}).items()}
+
     async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
                        scan: bool = True) -> Any:
         """The passes' context: the worker's metas and heap names, and its variables where the program may name
@@ -317,9 +332,7 @@ class Scheduler(Actor):
         variables: dict[str, Any] = {}
         vectors: dict[str, Any] = {}
         if scan and not self.compiled.seen(program) and _names_variables(program):  # a remembered one names none
-            held = await worker.ask("variables")
-            variables = held.get("vars", {})
-            vectors = {k: tuple(v) for k, v in held.get("vectors", {}).items()}
+            variables, vectors = await self._variables(worker)
         return new_context(metas, fetch=fetch, keep=keep, variables=variables, vectors=vectors,
                            fuse_min_elements=self.fuse_min_elements, cache=self.plans)
 
@@ -379,7 +392,8 @@ class Scheduler(Actor):
         tensors are still there. `capture` (dx.compile): the answer carries the backward program too."""
         worker = self._place(forward)
         metas = await worker.ask("metas", names=sorted(_names_of(forward, loss, wrt, grad_loss)))
-        program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names)
+        variables, vectors = await self._variables(worker) if _names_variables(forward) else ({}, {})
+        program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names, variables, vectors)
         result: RunResult = await worker.ask("run", program=program, fetch=[])
         if result.error:
             raise DeepxError(f"backward: {result.error}")
@@ -388,15 +402,25 @@ class Scheduler(Actor):
         return {"grads": grads, "instructions": len(program), **({"program": list(program)} if capture else {})}
 
     def _derive(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None, prefix: str,
-                metas: dict[str, Any], names: dict[str, str] | None = None) -> tuple[list[Instr], dict[str, str]]:
+                metas: dict[str, Any], names: dict[str, str] | None = None,
+                variables: Mapping[str, Any] | None = None, vectors: Mapping[str, Any] | None = None
+                ) -> tuple[list[Instr], dict[str, str]]:
         """grad_program, remembered: a training step sends the same forward (the SDK's pooled names), loss, wrt and
         prefix every step, and the backward depends on nothing else but the metas of the tensors it names. A hit
-        returns the very program derived before, so the worker's repeated-program path applies to it too."""
+        returns the very program derived before, so the worker's repeated-program path applies to it too.
+        variables, vectors: the worker's, for a forward that reads one by name (argset's); its backward is derived
+        afresh each time (it may depend on their values) and never remembered."""
         from deepx_sdk.ir.instr import same_program, scalar_kinds
         from deepx_sdk.ir.ops import SymbolicEnv
         from deepxd.compiler.autograd import grad_program
 
         forward = forward if type(forward) is list else list(forward)
+        if variables or vectors:
+            program, grads = grad_program(forward, loss, list(wrt), SymbolicEnv(metas, dict(variables or {}),
+                                                                                {k: tuple(v) for k, v in
+                                                                                 (vectors or {}).items()}),
+                                          grad_loss=grad_loss, prefix=prefix)
+            return _renamed(program, grads, names, metas) if names else (program, grads)
         try:
             probe: Any = (len(forward), forward[0] if forward else None, forward[-1] if forward else None, loss,
                           tuple(wrt), grad_loss, prefix, tuple(names.items()) if names else None)

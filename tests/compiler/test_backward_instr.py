@@ -143,3 +143,29 @@ async def test_a_backward_instruction_without_its_request_is_an_unknown_op(node:
     r = await node.scheduler.ref.ask("run", program=program, fetch=[])
     assert r.error == "instruction 4: op 'backward' not found" and r.error_index == 3
 
+
+
+SCALED = """
+    argset (var<float64>:VALUE) -> (var<string>:alpha)
+    matmul (tensor<float64>:x, tensor<float64>:w) -> (tensor<float64>:h)
+    mulscalar (tensor<float64>:h, var<float64>:alpha) -> (tensor<float64>:s)
+    sum (tensor<float64>:s, vector<int32>:[], var<bool>:false) -> (tensor<float64>:loss)
+"""
+
+
+async def test_a_forward_that_reads_a_variable_by_name_has_its_backward(node: Node) -> None:
+    """A forward reading `alpha` (argset's) by name: its backward takes alpha's value, in the backward request and
+    in a backward instruction; a new value of alpha gives a new backward, not a remembered one (found open in an
+    earlier session: the derivation knew no variables)."""
+    forward = parse_text(SCALED.replace("VALUE", "1.5").strip())[1:]
+    await node.scheduler.ref.ask("run", program=parse_text(SCALED.replace("VALUE", "1.5").strip()), fetch=[])
+    out = await node.scheduler.ref.ask("backward", forward=forward, loss="loss", wrt=["w"], prefix="gb_")
+    grad = (await node.worker.ref.ask("fetch", names=[out["grads"]["w"]]))[out["grads"]["w"]]
+    np.testing.assert_allclose(grad, 1.5 * node.x.T @ np.ones((4, 2)), rtol=1e-12)
+    for value in (1.5, 1.5, -2.0):  # the same program twice, then alpha changed by the program itself
+        program = [*parse_text(SCALED.replace("VALUE", str(value)).strip()), _marker({"w": "gw"}),
+                   *parse_text("deltensor () -> (tensor<float64>:h)\ndeltensor () -> (tensor<float64>:s)")]
+        spec = _spec(len(program) - 3, forward=forward)
+        r = await node.scheduler.ref.ask("run", program=program, fetch=["gw"], backwards=[spec])
+        assert not r.error, r.error
+        np.testing.assert_allclose(r.tensors["gw"], value * node.x.T @ np.ones((4, 2)), rtol=1e-12)
