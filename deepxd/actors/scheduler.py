@@ -115,6 +115,34 @@ def _names_variables(program: Sequence[Instr]) -> bool:
     return False
 
 
+def _variables_read(instr: Instr) -> list[str]:
+    """The names of the variables (and vectors) that `instr` reads by name."""
+    by_name = _reads_by_name(instr.name) or ()
+    return [p.value for k, p in enumerate(instr.args)  # type: ignore[misc]
+            if type(p.value) is str and p.category in _VALUE_CATEGORIES and (k >= len(by_name) or by_name[k])]
+
+
+def _set_again(prefix: Sequence[Instr], forward: Sequence[Instr]) -> str | None:
+    """A variable that the forward reads by name and the instructions before the backward (`prefix`) set after a
+    forward instruction that reads it ran (or when it ran in an earlier program): its derivation would take the new
+    value, not the one the forward used. None where there is none."""
+    readers: dict[str, list[Instr]] = {}
+    for instr in forward:
+        for v in _variables_read(instr):
+            readers.setdefault(v, []).append(instr)
+    if not readers:
+        return None
+    last: dict[str, int] = {}
+    for k, instr in enumerate(prefix):
+        if instr.name in ("argset", "vecset"):
+            for p in instr.returns:
+                last[str(p.value)] = k
+    for v, users in readers.items():
+        if v in last and not all(u in prefix[last[v] + 1:] for u in users):
+            return v
+    return None
+
+
 class Scheduler(Actor):
     role = "scheduler"
 
@@ -234,6 +262,12 @@ class Scheduler(Actor):
                 break
             try:
                 forward, loss, wrt, grad_loss, prefix, names = _backward_spec(spec)
+                if forwards:
+                    again = _set_again(program[:i], forward)
+                    if again is not None:
+                        raise DeepxError(f"variable '{again}', which its forward reads by name, is set again between "
+                                         f"the forward and the backward: the gradient would take the new value; "
+                                         f"set it after the backward")
                 needed = _names_of(forward, loss, wrt, grad_loss)
                 derived, _ = self._derive(forward, loss, wrt, grad_loss, prefix,
                                           {n: metas[n] for n in sorted(needed) if n in metas}, names,
@@ -246,7 +280,7 @@ class Scheduler(Actor):
         else:
             expanded += program[start:]
             where += range(start, len(program))
-        if at == len(program) and not forwards:  # a derivation that read variables took their values: not kept
+        if at == len(program) and not forwards and not named:  # what read variables took their values: not kept
             self._remember_expansion(program, marks, before, expanded, where)
         result = await self._run_program(worker, expanded, fetch if at == len(program) else (), ctx)
         return self._map_expanded(result, program, where, at, failure)

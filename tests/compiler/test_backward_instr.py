@@ -169,3 +169,41 @@ async def test_a_forward_that_reads_a_variable_by_name_has_its_backward(node: No
         r = await node.scheduler.ref.ask("run", program=program, fetch=["gw"], backwards=[spec])
         assert not r.error, r.error
         np.testing.assert_allclose(r.tensors["gw"], value * node.x.T @ np.ones((4, 2)), rtol=1e-12)
+
+
+async def test_a_variable_its_forward_read_set_again_before_the_backward_is_refused(node: Node) -> None:
+    """The derivation would take the variable's new value, not the one the forward used (found in review): the
+    backward instruction fails, naming the variable, after the instructions before it ran."""
+    forward = parse_text(SCALED.replace("VALUE", "1.5").strip())[1:]
+    program = [*parse_text(SCALED.replace("VALUE", "1.5").strip()),
+               *parse_text("argset (var<float64>:-2.0) -> (var<string>:alpha)"), _marker({"w": "gw"})]
+    r = await node.scheduler.ref.ask("run", program=program, fetch=[], backwards=[_spec(5, forward=forward)])
+    assert r.error and "instruction 6: backward: variable 'alpha', which its forward reads by name, is set again" \
+        in r.error
+    assert r.done == 5
+    np.testing.assert_allclose(node.worker.ex.get("loss"), 1.5 * (node.x @ node.w).sum(), rtol=1e-12)
+
+
+async def test_a_program_that_reads_a_variable_by_name_is_expanded_afresh(node: Node) -> None:
+    """Its expansion was remembered by the metas before it alone (found in review): a later vecset of the shape it
+    reshapes by got the backward derived for the old shape."""
+    await node.worker.ref.ask("put", name="xr", dtype="float64", shape=[6], data=np.arange(6.0).tobytes())
+    await node.worker.ref.ask("put", name="w6", dtype="float64", shape=[6], data=np.ones(6).tobytes())
+    body = ("reshape (tensor<float64>:xr, vector<int32>:shp) -> (tensor<float64>:xs)\n"
+            "mul (tensor<float64>:xs, tensor<float64>:w6) -> (tensor<float64>:hs)\n"
+            "sum (tensor<float64>:hs, vector<int32>:[], var<bool>:false) -> (tensor<float64>:ls)")
+    forward = parse_text(body)[1:]
+    marker = Instr("backward", (Param.tensor("ls", "float64"),), (Param.tensor("gw6", "float64"),))
+    tail = parse_text("deltensor () -> (tensor<float64>:xs)\ndeltensor () -> (tensor<float64>:hs)\n"
+                      "deltensor () -> (tensor<float64>:ls)\ndeltensor () -> (tensor<float64>:gw6)")
+    for shp in ("[6]", "[1 6]", "[1 6]", "[6]"):
+        await node.scheduler.ref.ask("run", program=parse_text(f"vecset (vector<int32>:{shp}) -> (vector:shp)"))
+        program = [*parse_text(body), marker, *tail]
+        spec = {"index": 3, "forward": forward, "loss": "ls", "wrt": ["w6"], "grad_loss": None, "prefix": "g_",
+                "names": {"w6": "gw6"}}
+        r = await node.scheduler.ref.ask("run", program=program[:4], fetch=["gw6"], backwards=[spec])
+        assert not r.error, r.error
+        assert r.tensors["gw6"].shape == (6,)
+        np.testing.assert_allclose(r.tensors["gw6"], np.arange(6.0), rtol=1e-12)
+        await node.scheduler.ref.ask("run", program=tail)
+    assert node.scheduler.expansion_hits == 0

@@ -764,3 +764,48 @@ def test_the_fixed_library_compiles_in_the_background_while_numpy_runs(tmp_path)
           "DEEPX_BLAS": "numpy"})
     assert r.returncode == 0, r.stderr
     assert "first [False, False, False] then True True" in r.stdout
+
+
+def test_a_prepared_fused_call_keeps_its_constants_when_the_cache_of_them_is_cleared():
+    """Found in review: the prepared call kept only the address of its constants, whose array the module's cache
+    dropped once 4096 other constant sets had come (a schedule's changing numbers): the loop then read freed
+    memory."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((300, 200)).astype(np.float32)
+    plan = fused.compile_expr("in0 * 1.75 + 0.5", 1)
+    call = native.fused_call(plan, [a.shape], np.dtype(np.float32), a.shape)
+    out = np.empty_like(a)
+    for _ in range(native.HOT + 1):
+        call([a], out)
+    assert call([a], out)
+    for k in range(4200):  # other numbers fill the cache past its bound; it is cleared and refilled
+        native._consts_of(fused.compile_expr(f"in0 * {k + 0.25} + 1", 1), np.dtype(np.float32))
+    junk = [np.full(3, 1e30, np.float32) for _ in range(2000)]  # memory the freed arrays had, written over
+    out = np.empty_like(a)
+    assert call([a], out)
+    want = np.empty_like(a)
+    fused.evaluate_numpy(plan, [a], want, np.dtype(np.float32))
+    same(out, want)
+    del junk
+
+
+def test_a_prepared_sgd_call_made_while_the_fixed_library_builds_runs_it_once_built(tmp_path):
+    """Found in review: prepared while the fixed library was still compiling in the background, the update stayed
+    on numpy for the whole run (the program is prepared at its second run, before the build is done)."""
+    slow = tmp_path / "slowcc"
+    slow.write_text("#!/bin/sh\nsleep 2\nexec gcc \"$@\"\n")
+    slow.chmod(0o755)
+    r = _script("""
+        import numpy as np
+        from deepxd.kernels.cpu import native
+        n = native.UPDATE_MIN * 2
+        p, g, b = (np.ones(n, np.float32) for _ in range(3))
+        call = native.sgd_call(np.dtype(np.float32), n, 0.5, 0.9, 0.0, 0.0, False, False)
+        before = call(p, g, b, p, b)  # the build has started, and takes 2 s: numpy's part
+        assert native.wait_builds(timeout=240)
+        after = call(p, g, b, p, b)
+        print("before", before, "after", after, float(p[0]), float(b[0]))
+    """, {"CC": str(slow), "DEEPX_KERNEL_CACHE": str(tmp_path / "cache"), "DEEPX_NATIVE_BACKGROUND": "1",
+          "DEEPX_BLAS": "numpy"})
+    assert r.returncode == 0, r.stderr
+    assert "before False after True 0.0500" in r.stdout  # b = 0.9 + 1 = 1.9; p = 1 - 0.5 * 1.9

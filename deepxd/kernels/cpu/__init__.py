@@ -208,9 +208,9 @@ class CpuExecutor:
             if fused_kernels.backend() != "native":
                 fused_step()
                 return
-            arrays = [tensors[x] for x in ins]
             if self.shared and out in self.shared:
                 self.unshare(out)
+            arrays = [tensors[x] for x in ins]
             have = tensors.get(out)
             fresh = have is None or metas[out] != meta
             o = np.empty(shape, npdt) if fresh or have is None else have

@@ -733,14 +733,16 @@ def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float,
     dt = np.dtype(dt)
     if dt not in SUFFIX or n < UPDATE_MIN or not available():
         return None
-    fns = _core()
-    if fns is None:
-        return None
     name = f"sgd_{SUFFIX[dt]}"
-    split = fns.get("p" + name) if n >= OMP_MIN else None
-    serial = fns[name] if n < 2 * THREAD_MIN or MAX_THREADS == 1 else None  # else split on Python's threads: sgd's
-    if split is None and serial is None:
-        return None
+    loops: list[Any] = []  # [split, serial], found at the first call after the fixed library is built
+
+    def found() -> bool:
+        fns = _core()  # None while it builds in the background: sgd's numpy path meanwhile
+        if fns is None:
+            return False
+        loops[:] = [fns.get("p" + name) if n >= OMP_MIN else None,
+                    fns[name] if n < 2 * THREAD_MIN or MAX_THREADS == 1 else None]  # else Python's threads: sgd's
+        return True
     real = dt.type
     args = (real(lr), real(momentum), real(1 - dampening), real(weight_decay), int(bool(weight_decay)),
             int(bool(momentum)), int(first), int(bool(nesterov)), int(dampening != 0))
@@ -749,7 +751,7 @@ def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float,
 
     def call(param: np.ndarray, grad: np.ndarray, buf: np.ndarray, param_out: np.ndarray,
              buf_out: np.ndarray) -> bool:
-        if not _enabled or param_out is not param or (with_buf and buf_out is not buf):
+        if not _enabled or param_out is not param or (with_buf and buf_out is not buf) or (not loops and not found()):
             return False
         try:
             p = _addressof(_CHAR.from_buffer(param))  # type: ignore[arg-type]  # C-contiguous and writable
@@ -765,6 +767,7 @@ def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float,
         if (g < p + size and p < g + size) or (with_buf and ((b < p + size and p < b + size)
                                                               or (g < b + size and b < g + size))):
             return False
+        split, serial = loops
         fn = split if split is not None and _split_on else serial
         if fn is None:
             return False
@@ -1201,7 +1204,7 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
     shapes = [tuple(s) for s in shapes]
     nbytes = n * dt.itemsize
     rows, width = (shape[0], shape[1]) if with_sums else ((n // cols, cols) if cols else (1, n))
-    state: list[Any] = [None, None, 0]  # the loop, its split form, the constants' address
+    state: list[Any] = [None, None, 0, None]  # the loop, its split form, the constants' address, their array
     count = len(shapes)
     pointers = ctypes.c_void_p * count
     general = fused
@@ -1214,7 +1217,9 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
                 return general(plan, inputs, out, sums)  # counts the runs towards HOT, and compiles
             if fn is False:
                 return False
-            state[0], state[1], state[2] = fn, _fused_split.get(key), _consts_of(plan, dt)
+            # the constants' array held here: _consts may be cleared (4096 entries) while this call lives
+            state[0], state[1], state[3] = fn, _fused_split.get(key), _consts_array(plan, dt)
+            state[2] = _address(state[3])
         split = state[1] if n >= OMP_MIN and _split_on else None
         if not _enabled or (split is None and n >= 2 * THREAD_MIN and MAX_THREADS > 1):
             return general(plan, inputs, out, sums)
@@ -1223,6 +1228,8 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
         except (TypeError, ValueError):
             return False
         if out.dtype != dt or out.shape != shape:
+            return False
+        if len(inputs) != count:
             return False
         hi = lo + nbytes
         where = []
@@ -1238,8 +1245,6 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
             if at < hi and lo < at + size and not (layout == FULL and at == lo):
                 return False  # an output that shares memory with an input must be that input, read at its index
             where.append(at)
-        if len(where) != count:
-            return False
         if with_sums:
             if sums is None or sums.dtype != dt or sums.shape != (width,):
                 return False
@@ -1258,15 +1263,20 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
     return call
 
 
-def _consts_of(plan: Any, dt: np.dtype) -> int:
-    """The address of plan's constants as an array of dtype dt (made once: rounded as numpy rounds them)."""
+def _consts_array(plan: Any, dt: np.dtype) -> np.ndarray:
+    """plan's constants as an array of dtype dt (made once: rounded as numpy rounds them)."""
     ck = (plan.text, plan.constants, dt)
     consts = _consts.get(ck)
     if consts is None:
         if len(_consts) >= 4096:
             _consts.clear()
         consts = _consts[ck] = np.array(plan.constants or (0.0,), dt)
-    return _address(consts)
+    return consts
+
+
+def _consts_of(plan: Any, dt: np.dtype) -> int:
+    """The address of plan's constants (_consts_array), for a call made now."""
+    return _address(_consts_array(plan, dt))
 
 
 def _build_in_background(key: tuple[str, int, str, tuple[int, ...], bool]) -> None:
