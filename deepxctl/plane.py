@@ -151,7 +151,8 @@ async def plane_nodes(kv: Readable) -> list[dict[str, Any]]:
             addresses = {"?": h.get("addresses", "")}
         rows.append({"node": key.split(":", 1)[1], "roles": h.get("roles", ""), "pid": h.get("pid", ""),
                      "state": h.get("state", ""), "addresses": addresses, "devices": h.get("devices", ""),
-                     "heartbeat_age_s": round(now - hb, 3) if hb else None, "started": h.get("started", 0)})
+                     "heartbeat_age_s": round(now - hb, 3) if hb else None, "started": h.get("started", 0),
+                     "blas": h.get("blas", "")})
     return rows
 
 

@@ -195,6 +195,7 @@ class Node(Schema):
     devices: list[str] = field(default_factory=list, metadata=col(render=words))
     pid: int | None = field(default=None, metadata=col(detail=True, right=True))
     started: float = field(default=0.0, metadata=col(detail=True, render=timestamp))
+    blas: str = field(default="", metadata=col("BLAS", detail=True))  # op-cpu's matmul: "mkl 2026.2" or "numpy"
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any]) -> Node:

@@ -93,8 +93,15 @@ class Node:
                 self.kv, c.node_id, roles=c.roles, addresses=addresses, workers=workers,
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
-                         *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])]))
+                         *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
+                blas=self._blas() if "op-cpu" in workers else ""))
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
+
+    @staticmethod
+    def _blas() -> str:
+        from deepxd.kernels.cpu import blas
+
+        return blas.short()
 
     async def _start_cuda(self) -> Any:
         """The op-cuda worker, its executor made (and the GPU asked) now, so that a GPU that does not answer stops

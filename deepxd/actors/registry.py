@@ -31,7 +31,7 @@ class Registry(Actor):
     def __init__(self, kv: KV, node_id: str, *, roles: list[str], addresses: dict[str, str],
                  workers: dict[str, ActorRef] | None = None, heapmem: ActorRef | None = None,
                  actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
-                 devices: list[str] | None = None, name: str = "registry") -> None:
+                 devices: list[str] | None = None, name: str = "registry", blas: str = "") -> None:
         super().__init__(name)
         self.kv = kv
         self.node_id = node_id
@@ -42,6 +42,7 @@ class Registry(Actor):
         self.actors_view = actors
         self.heartbeat_s = heartbeat_s
         self.devices = ["cpu"] if devices is None else devices  # where this node's op workers compute
+        self.blas = blas  # the library op-cpu's matmul runs on ("" without op-cpu)
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
         self._tick: asyncio.Task[None] | None = None
@@ -50,6 +51,7 @@ class Registry(Actor):
         await self.kv.hset(f"node:{self.node_id}", {
             "addresses": json.dumps(self.addresses), "roles": ",".join(self.roles), "pid": os.getpid(),
             "devices": ",".join(self.devices), "started": self.started, "heartbeat": time.time(), "state": "running",
+            "blas": self.blas,
         })
         async with self.kv.batch() as b:
             for worker in self.workers:
@@ -151,7 +153,7 @@ class Registry(Actor):
             rows.append({"node": key.split(":", 1)[1], "roles": h.get("roles", ""), "pid": h.get("pid", ""),
                          "state": h.get("state", ""), "addresses": json.loads(h.get("addresses", "{}") or "{}"),
                          "devices": h.get("devices", ""), "heartbeat_age_s": round(now - hb, 3) if hb else None,
-                         "started": float(h.get("started", 0) or 0)})
+                         "started": float(h.get("started", 0) or 0), "blas": h.get("blas", "")})
         return sorted(rows, key=lambda r: r["node"])
 
     def on_actors(self) -> list[dict[str, Any]]:

@@ -184,6 +184,18 @@ def omp_dir() -> Path | None:
     return _lib_dir if mkl() is not None else None
 
 
+def short() -> str:
+    """`mkl <version>` or `numpy`: what the node record and `deepxctl nodes ls --detail` show."""
+    lib = mkl()
+    if lib is None:
+        return "numpy"
+    version = ctypes.create_string_buffer(256)
+    lib.MKL_Get_Version_String(version, len(version))
+    words = version.value.decode(errors="replace").split()
+    number = next((w for w in words if w[:1].isdigit()), "")
+    return f"mkl {number.split('-')[0]}".strip()
+
+
 def describe() -> str:
     """One line for the log and `deepxctl`: which library runs matmul."""
     lib = mkl()
