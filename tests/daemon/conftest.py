@@ -39,7 +39,10 @@ class Daemon:
         self.args = [*deepxd_command(), "start", "--listen", self.address, "--kv", kv, "--node-id", self.node_id,
                      "--udp", f"127.0.0.1:{self.udp_port}" if udp else "off", "--io-root", str(tmp),
                      "--log-level", "info", *(extra or [])]
-        self.env = {**os.environ, "DEEPX_HEARTBEAT_S": "0.2", **(env or {})}
+        # the CPU daemon's roles, also on a machine with a GPU (where op-cuda would join them and hold the tensors):
+        # these tests describe op-cpu; tests/gpu starts op-cuda itself
+        self.env = {**os.environ, "DEEPX_HEARTBEAT_S": "0.2", "DEEPX_ROLES": "registry,heapmem,scheduler,op-cpu",
+                    **(env or {})}
         self.log = tmp / f"deepxd-{self.node_id}.log"
         self.proc: subprocess.Popen | None = None
 
