@@ -60,6 +60,7 @@ class Node:
         assert self.kv is not None
         roles = set(c.roles)
         workers: dict[str, ActorRef] = {}
+        cpu_blas = ""  # the library op-cpu's matmul runs on, for the node record
         cuda = await self._start_cuda() if "op-cuda" in roles else None  # before heapmem, so it stops after it
         if cuda is not None:
             workers["op-cuda"] = self.refs["op-cuda"]
@@ -76,6 +77,7 @@ class Node:
 
             blas.set_mode(c.blas)  # loads MKL now, before anything the process imports later brings an OpenMP
             log.info("op-cpu: matmul on %s", blas.describe())
+            cpu_blas = blas.short()
             native.set_enabled(bool(c.native_kernels))
             cc = native.compiler() if c.native_kernels else None
             log.info("op-cpu: native kernels %s", f"on (compiled by {cc}, kept in {native.cache_dir()})" if cc
@@ -94,14 +96,8 @@ class Node:
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
-                blas=self._blas() if "op-cpu" in workers else ""))
+                blas=cpu_blas))
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
-
-    @staticmethod
-    def _blas() -> str:
-        from deepxd.kernels.cpu import blas
-
-        return blas.short()
 
     async def _start_cuda(self) -> Any:
         """The op-cuda worker, its executor made (and the GPU asked) now, so that a GPU that does not answer stops

@@ -105,13 +105,11 @@ def _names_variables(program: Sequence[Instr]) -> bool:
     for instr in program:
         if instr.name in ("argset", "vecset"):
             return True
-        by_name = None
-        for k, p in enumerate(instr.args):
-            if type(p.value) is str and p.category in _VALUE_CATEGORIES:
-                if by_name is None:
-                    by_name = _reads_by_name(instr.name) or ()
-                if k >= len(by_name) or by_name[k]:
+        for p in instr.args:
+            if type(p.value) is str and p.category in _VALUE_CATEGORIES:  # a string where a value goes: look closer
+                if _variables_read(instr):
                     return True
+                break
     return False
 
 
@@ -220,15 +218,13 @@ class Scheduler(Actor):
         hit = self._expansion(program, marks, before)
         if hit is not None:
             if not self.compiled.seen(hit[0]) and _names_variables(hit[0]):  # a remembered one names none
-                ctx = await self._context(worker, hit[0], fetch)
+                ctx.variables, ctx.vectors = await self._variables(worker)
             result = await self._run_program(worker, hit[0], fetch, ctx)
             return self._map_expanded(result, program, hit[1], len(program), None)
         named = _names_variables(program)
         forwards = any(isinstance(f, list) and all(isinstance(i, Instr) for i in f) and _names_variables(f)
                        for f in (m.get("forward") for m in marks.values()))  # (a malformed one fails below)
         if named or forwards:  # the passes (the program) or the derivation (a recorded forward) read variables
-            ctx = await self._context(worker, program, fetch, scan=False)
-            before = ctx.metas
             ctx.variables, ctx.vectors = await self._variables(worker)
         expanded: list[Instr] = []
         where: list[int] = []  # expanded position -> the program's
@@ -451,8 +447,7 @@ class Scheduler(Actor):
         forward = forward if type(forward) is list else list(forward)
         if variables or vectors:
             program, grads = grad_program(forward, loss, list(wrt), SymbolicEnv(metas, dict(variables or {}),
-                                                                                {k: tuple(v) for k, v in
-                                                                                 (vectors or {}).items()}),
+                                                                                dict(vectors or {})),
                                           grad_loss=grad_loss, prefix=prefix)
             return _renamed(program, grads, names, metas) if names else (program, grads)
         try:

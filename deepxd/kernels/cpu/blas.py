@@ -184,15 +184,19 @@ def omp_dir() -> Path | None:
     return _lib_dir if mkl() is not None else None
 
 
+def _version(lib: Any) -> str:
+    """MKL's own line about itself ("Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build ...")."""
+    buf = ctypes.create_string_buffer(256)
+    lib.MKL_Get_Version_String(buf, len(buf))
+    return buf.value.decode(errors="replace").strip()
+
+
 def short() -> str:
     """`mkl <version>` or `numpy`: what the node record and `deepxctl nodes ls --detail` show."""
     lib = mkl()
     if lib is None:
         return "numpy"
-    version = ctypes.create_string_buffer(256)
-    lib.MKL_Get_Version_String(version, len(version))
-    words = version.value.decode(errors="replace").split()
-    number = next((w for w in words if w[:1].isdigit()), "")
+    number = next((w for w in _version(lib).split() if w[:1].isdigit()), "")
     return f"mkl {number.split('-')[0]}".strip()
 
 
@@ -201,9 +205,7 @@ def describe() -> str:
     lib = mkl()
     if lib is None:
         return f"numpy ({_why})" if _why else "numpy"
-    buf = ctypes.create_string_buffer(256)
-    lib.MKL_Get_Version_String(buf, len(buf))
-    return f"mkl ({buf.value.decode(errors='replace').strip()}, {lib.MKL_Get_Max_Threads()} threads)"
+    return f"mkl ({_version(lib)}, {lib.MKL_Get_Max_Threads()} threads)"
 
 
 def _layout(a: np.ndarray) -> tuple[int, int] | None:
