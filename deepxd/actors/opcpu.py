@@ -46,6 +46,11 @@ class RunResult:
     time_maps: list[tuple[Sequence[int], int]] = field(default_factory=list)
     # a known program's clock: its start and each instruction's end (perf_counter), made into raw_times when read
     clock: tuple[float, list[float]] | None = None
+    # the worker's tensor table's version after the run, where running the program again finds the state it found
+    # this time (a known program that leaves the metas it names as it found them); -1: not so
+    version: int = -1
+    # asked to run only while the table's version was one given (the scheduler's last program again), and it was not
+    stale: bool = False
 
     @property
     def times_us(self) -> list[float]:
@@ -77,6 +82,31 @@ class OpStat:
     bytes: int = 0
 
 
+class HeapViews(dict[str, Any]):
+    """A worker's heap tensors (name -> its array), with `version` counting the changes (see OpWorker._state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 0
+
+    def __setitem__(self, name: str, view: Any) -> None:
+        dict.__setitem__(self, name, view)
+        self.version += 1
+
+    def __delitem__(self, name: str) -> None:
+        dict.__delitem__(self, name)
+        self.version += 1
+
+    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
+        if name in self:
+            self.version += 1
+        return dict.pop(self, name, *default)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.version += 1
+
+
 class KnownProgram(NamedTuple):
     """A program checked before, with the state its check read (per tensor name it touches: meta before, and whether
     it is a heap tensor): while that state holds, the same program checks the same way, so it runs without the
@@ -93,8 +123,9 @@ class KnownProgram(NamedTuple):
     recover: list[Any]  # with the steps: [recover(done)], which sets the tensors straight after step `done` failed
     slots: list[tuple[OpStat, int]]  # per instruction, its op's statistics and its bytes (filled at the first run)
     heavy: bool
-    deletes: bool
+    deletes: tuple[tuple[int, str], ...]  # (index, name) of each deltensor
     transient: set[int]
+    after: list[bool]  # [whether a run leaves the metas of `names` as `metas`], from its first run as known
 
 
 def _state_free(bounds: list[Bound]) -> bool:
@@ -131,7 +162,7 @@ class OpWorker(Actor):
     until it exists) whose `tensors` table has `metas`."""
 
     ex: Any
-    heap: dict[str, Any]  # heap tensor name -> its array (memory heapmem allocated)
+    heap: HeapViews  # heap tensor name -> its array (memory heapmem allocated)
     heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
     heapmem: ActorRef | None
     known: dict[Any, list[KnownProgram]]
@@ -139,15 +170,24 @@ class OpWorker(Actor):
     op_stats: dict[str, OpStat]
     output_log: bool
     _output: list[str]
+    _unfolded: list[Any]  # known programs' clocks not yet in op_stats (see _fold)
 
     def _print(self, text: str) -> None:
         self._output.append(text)
         if self.output_log:
             log.info("print: %s", text)
 
+    # the known program that ran last, and the tensor table's version it left, where running it again finds the
+    # state it found (see _ran_known)
+    _last: tuple[KnownProgram, int] | None = None
+
     def _known(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
         if not program:
             return None
+        last = self._last
+        if last is not None and program is last[0].program and last[1] == self._state() and last[0].fetch == tuple(
+                fetch):
+            return last[0]  # the very program again, nothing written since: the metas it names are as it left them
         try:
             bucket = self.known.get((len(program), program[0], program[-1]))
         except TypeError:  # a list inside a param: not hashable, never remembered
@@ -162,6 +202,37 @@ class OpWorker(Actor):
                     and (not (heap or any(k.heaped)) or list(map(heap.__contains__, k.names)) == k.heaped)):
                 return k
         return None
+
+    def _ran_known(self, known: KnownProgram, result: RunResult) -> None:
+        """After a known program ran: where it ran to the end and left the metas it names as it found them (a
+        training step deletes its temporaries and gradients and makes them again), it is the last program, and the
+        table's version then is noted (in `result.version` too, for the scheduler): while the version stands, the
+        same program finds the same state, and runs again without the comparing."""
+        if result.error:
+            self._last = None
+            return
+        after = known.after
+        if not after:  # the same program from the same state leaves the same state: worked out once
+            names = known.names
+            after.append(list(map(self.ex.tensors.metas.get, names)) == known.metas
+                         and list(map(self.heap.__contains__, names)) == known.heaped)
+        if after[0]:
+            result.version = self._state()
+            self._last = (known, result.version)
+        else:
+            self._last = None
+
+    def _state(self) -> int:
+        """The version of what a program's check reads here: the tensor table's and the heap tensors' (both only
+        grow, so their sum stands exactly while neither changes)."""
+        return int(self.ex.tensors.version) + self.heap.version
+
+    def _stale(self, version: int | None) -> RunResult | None:
+        """A run asked for only while the state's version is `version` (the scheduler's fast path), when it is not:
+        the answer, with nothing run."""
+        if version is None or (self.ex is not None and self._state() == version):
+            return None
+        return RunResult(stale=True)
 
     def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
         exists = name in self.ex.tensors
@@ -191,6 +262,15 @@ class OpWorker(Actor):
             if b.op.name == "renametensor" and b.out_names[0] in self.heap:
                 raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
                                    "renamed", i)
+
+    async def _forget_deleted(self, known: KnownProgram, done: int) -> None:
+        """The heap tensors that a known program's first `done` instructions deleted: forgotten (_forget_heap)."""
+        heap = self.heap
+        for i, name in known.deletes:
+            if i >= done:
+                break
+            if name in heap:
+                await self._forget_heap(name)
 
     async def _forget_heap(self, name: str) -> None:
         """deltensor of a heap tensor: drop the view, and this worker's reference if it holds one (an owner's
@@ -265,8 +345,9 @@ class OpWorker(Actor):
         bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
                                    [metas.get(n) for n in names], [n in heap for n in names], bounds, [], [], [],
                                    heavy,
-                                   any(b.op.name == "deltensor" for b in bounds),
-                                   transient if transient is not None else set()))
+                                   tuple((i, str(b.out_names[0])) for i, b in enumerate(bounds)
+                                         if b.op.name == "deltensor"),
+                                   transient if transient is not None else set(), []))
 
     def on_heap_gone(self, name: str) -> None:
         """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""
@@ -275,8 +356,22 @@ class OpWorker(Actor):
         if view is not None and self.ex is not None and self.ex.tensors.get(name) is view:
             self.ex.tensors.pop(name)
             self.known.clear()  # checked programs may name it
+            self._last = None
+
+    def _fold(self) -> None:
+        """Add the clocks of the known programs run since the last fold to their ops' statistics: kept as they came
+        until the statistics are read (or 64 are waiting), off the path of the program that just ran."""
+        unfolded, self._unfolded = self._unfolded, []
+        for slots, start, ends in unfolded:
+            prev = start
+            for (s, nbytes), t in zip(slots, ends):
+                s.calls += 1
+                s.seconds += t - prev
+                s.bytes += nbytes
+                prev = t
 
     def on_op_stats(self) -> dict[str, dict[str, float]]:
+        self._fold()
         return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
 
     def on_state(self) -> tuple[dict[str, Any], list[str]]:
@@ -296,7 +391,7 @@ class CpuWorker(OpWorker):
         self._output: list[str] = []
         self.ex = CpuExecutor(io_roots=io_roots, output=self._print)
         self.heapmem = heapmem
-        self.heap: dict[str, np.ndarray] = {}  # heap tensor name -> its shared-memory view
+        self.heap = HeapViews()  # heap tensor name -> its shared-memory view
         self.heap_held: set[str] = set()  # heap tensors this worker holds a reference to (others only view)
         self.ex.pinned = self.heap  # never replaced by a view of another buffer (their arrays are shared memory)
         self.inline_elements = inline_elements
@@ -306,6 +401,7 @@ class CpuWorker(OpWorker):
         self.known: dict[Any, list[KnownProgram]] = {}
         self.known_size = 256
         self.known_hits = 0
+        self._unfolded: list[tuple[list[tuple[OpStat, int]], float, list[float]]] = []  # see _fold
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
 
     async def on_stop(self) -> None:
@@ -324,7 +420,13 @@ class CpuWorker(OpWorker):
             return
         await fut
 
-    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None
+                     ) -> RunResult:
+        """Run `program` and send back the tensors named in `fetch`. `version`: only while the tensor table's version
+        is that (else the answer is `stale`, and nothing ran)."""
+        stale = self._stale(version) if version is not None else None
+        if stale is not None:
+            return stale
         result = RunResult(t0=time.time())
         self._output = []
         known = self._known(program, fetch)
@@ -340,12 +442,11 @@ class CpuWorker(OpWorker):
             else:
                 self._execute_known(known, result)
             if known.deletes and self.heap:
-                for b in known.bounds[: result.done]:
-                    if b.op.name == "deltensor":
-                        await self._forget_heap(str(b.out_names[0]))
+                await self._forget_deleted(known, result.done)
             result.output = self._output
             if not result.error:
                 result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
+            self._ran_known(known, result)
             return result
         try:
             bounds = check_program(program, self.ex, self.ex.plans)
@@ -461,12 +562,10 @@ class CpuWorker(OpWorker):
                 if s is None:
                     s = stats[b.op.name] = OpStat()
                 slots.append((s, b.nbytes))
-        prev = start
-        for (s, nbytes), t in zip(slots, ends):
-            s.calls += 1
-            s.seconds += t - prev
-            s.bytes += nbytes
-            prev = t
+        unfolded = self._unfolded
+        unfolded.append((slots, start, ends))
+        if len(unfolded) >= 64:
+            self._fold()
 
     def _heavy(self, bounds: list[Bound]) -> bool:
         if self.inline_elements < 0:  # every program inline (an embedded daemon)

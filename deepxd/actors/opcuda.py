@@ -32,7 +32,7 @@ from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, Bound, ProgramError, check_program
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
-from deepxd.actors.opcpu import KnownProgram, OpStat, OpWorker, RunResult
+from deepxd.actors.opcpu import HeapViews, KnownProgram, OpStat, OpWorker, RunResult
 from deepxd.kernels.cpu import dtype_name
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class CudaWorker(OpWorker):
         self.tf32 = tf32
         self.io_roots = io_roots
         self.heapmem = heapmem
-        self.heap: dict[str, Any] = {}  # heap tensor name -> its device array (memory heapmem allocated)
+        self.heap = HeapViews()  # heap tensor name -> its device array (memory heapmem allocated)
         self.heap_held: set[str] = set()
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
@@ -112,6 +112,7 @@ class CudaWorker(OpWorker):
         self.known: dict[Any, list[KnownProgram]] = {}
         self.known_size = 256
         self.known_hits = 0
+        self._unfolded: list[Any] = []  # (known programs here run through _execute, which counts as it goes)
         self.device_heap = DeviceHeap(self)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cuda")
 
@@ -191,19 +192,23 @@ class CudaWorker(OpWorker):
         block.allocation.free()
 
     # -- programs
-    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> RunResult:
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None
+                     ) -> RunResult:
+        """As op-cpu's: run `program`, send back `fetch`; `version`: only while the tensor table's is that."""
+        await self._ready()
+        stale = self._stale(version) if version is not None else None
+        if stale is not None:
+            return stale
         result = RunResult(t0=time.time())
         self._output = []
-        await self._ready()
         known = self._known(program, fetch)
         if known is not None:
             self.known_hits += 1
             await self.call(self._run_on_device, known.bounds, result, {}, list(fetch))
             if known.deletes and self.heap:
-                for b in known.bounds[: result.done]:
-                    if b.op.name == "deltensor":
-                        await self._forget_heap(str(b.out_names[0]))
+                await self._forget_deleted(known, result.done)
             result.output = self._output
+            self._ran_known(known, result)
             return result
         try:
             bounds = check_program(program, self.ex, self.ex.plans)

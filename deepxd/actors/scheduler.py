@@ -141,6 +141,47 @@ def _set_again(prefix: Sequence[Instr], forward: Sequence[Instr]) -> str | None:
     return None
 
 
+def _note(note: dict[str, Any], given: Sequence[Instr], sent: Sequence[Instr], origins: list[int] | None, ctx: Any,
+          planned: bool) -> None:
+    """What a program became on its way to the worker (see Scheduler._next_fast): `given` went through the passes
+    (`planned`) or not, `sent` went to the worker, `origins` maps it back to `given` (None: it is `given`), `ctx`
+    is the state the passes read."""
+    note.update(given=given, sent=sent, origins=origins, ctx=ctx, planned=planned, runs=note.get("runs", 0) + 1)
+
+
+class _Fast:
+    """A program run lately, as the passes left it (see Scheduler._run_fast): what went to the worker, how its
+    result maps back, and the version of the worker's state after it ran."""
+
+    __slots__ = ("backwards", "ctx", "expanded", "fetch", "kinds", "origins", "planned", "program", "sent",
+                 "version", "where", "worker")
+
+    def __init__(self, program: list[Instr], fetch: tuple[str, ...], backwards: list[tuple[Any, ...]],
+                 worker: ActorRef, expanded: list[Instr] | None, where: list[int] | None, sent: list[Instr],
+                 origins: list[int] | None, ctx: Any, planned: bool, version: int) -> None:
+        from deepx_sdk.ir.instr import scalar_kinds
+
+        self.program, self.kinds, self.fetch, self.backwards = program, scalar_kinds(program), fetch, backwards
+        self.worker, self.expanded, self.where = worker, expanded, where
+        self.sent, self.origins, self.ctx, self.planned, self.version = sent, origins, ctx, planned, version
+
+    def matches(self, program: Sequence[Instr], fetch: Sequence[str],
+                backwards: Sequence[dict[str, Any]] | None) -> bool:
+        from deepx_sdk.ir.instr import same_program
+
+        mine = self.backwards
+        if (len(backwards or ()) != len(mine) or tuple(fetch) != self.fetch
+                or not same_program(program, self.program, self.kinds)):
+            return False
+        for spec, (index, loss, wrt, grad_loss, prefix, names, forward, kinds) in zip(backwards or (), mine):
+            f = spec.get("forward")
+            if (spec.get("index") != index or spec.get("loss") != loss or spec.get("wrt") != wrt
+                    or spec.get("grad_loss") != grad_loss or spec.get("prefix", "g_") != prefix
+                    or spec.get("names") != names or type(f) is not list or not same_program(f, forward, kinds)):
+                return False
+        return True
+
+
 class Scheduler(Actor):
     role = "scheduler"
 
@@ -167,6 +208,8 @@ class Scheduler(Actor):
         # metas before), expanded, where)]
         self.expansions: dict[Any, list[tuple[Any, ...]]] = {}
         self.expansion_hits = 0
+        self._fast: list[_Fast] = []  # the last few programs, to run again as they went (see _run_fast)
+        self.fast_hits = 0
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                      backwards: Sequence[dict[str, Any]] | None = None) -> RunResult:
@@ -174,6 +217,17 @@ class Scheduler(Actor):
         the program (at its `index`) with what on_backward takes: it is expanded there, in place, into the backward
         program derived from its forward graph, so that a training step (forward, backward, optimizer, the loss
         read back) is one program, through the passes as a whole."""
+        for fast in self._fast:
+            if fast.matches(program, fetch, backwards):
+                t0 = time.perf_counter()
+                hit = await self._run_fast(fast, program, fetch)
+                if hit is not None:
+                    self.busy_s += time.perf_counter() - t0
+                    self.programs += 1
+                    self.instructions += hit.done
+                    self.failed += bool(hit.error)
+                    return hit
+                break
         marks = {}
         for spec in backwards or ():
             k = spec.get("index")
@@ -189,25 +243,79 @@ class Scheduler(Actor):
                                  t0=time.time())
         worker = self._place(program)
         t0 = time.perf_counter()
+        note: dict[str, Any] = {}  # what went to the worker, and how its result maps back (for _next_fast)
         if marks:
-            result = await self._run_expanded(worker, program, fetch, marks)
+            result = await self._run_expanded(worker, program, fetch, marks, note)
         else:
-            result = await self._run_program(worker, program, fetch)
+            result = await self._run_program(worker, program, fetch, note=note)
         self.busy_s += time.perf_counter() - t0
         self.programs += 1
         self.instructions += result.done
         self.failed += bool(result.error)
+        made = self._next_fast(program, fetch, marks, worker, note, result)
+        if made is not None:
+            self._fast = [made, *self._fast[:3]]  # a read between two steps (a fetch, a print) keeps the step's
+        return result
+
+    # -- the last program again
+    def _next_fast(self, program: Sequence[Instr], fetch: Sequence[str], marks: dict[int, dict[str, Any]],
+                   worker: ActorRef, note: dict[str, Any], result: RunResult) -> _Fast | None:
+        """The fast path for the program that just ran, where it may take one: it ran whole, as one program the
+        worker knew (result.version), and what the passes and the derivation made of it depended on the worker's
+        tensors only (no variable is named, the expansion was one to remember). Else None."""
+        from deepx_sdk.ir.instr import scalar_kinds
+
+        if (result.error or result.version < 0 or note.get("runs") != 1 or (marks and "where" not in note)
+                or _names_variables(program)):
+            return None
+        backwards = []
+        for i, spec in sorted(marks.items()):
+            forward = spec["forward"]
+            if _names_variables(forward):
+                return None
+            backwards.append((i, spec["loss"], spec["wrt"], spec.get("grad_loss"), spec.get("prefix", "g_"),
+                              spec.get("names"), list(forward), scalar_kinds(forward)))
+        return _Fast(list(program), tuple(fetch), backwards, worker, note["given"] if marks else None,
+                     note.get("where"), note["sent"], note["origins"], note["ctx"], note["planned"], result.version)
+
+    async def _run_fast(self, fast: _Fast, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult | None:
+        """A training loop sends the same step every time, and between two steps nothing else writes the worker's
+        tensors: the program the last one became (backward expanded, passes run, checked by the worker) goes to
+        the worker again as it is, on the condition that its tensor table's version is still the one that run left
+        (the state every check read is then as it was). None where it is not (the worker ran nothing): the program
+        takes the whole path."""
+        result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch, version=fast.version)
+        if result.stale:
+            self._fast.remove(fast)
+            return None
+        self.fast_hits += 1
+        planned = fast.expanded if fast.expanded is not None else program
+        if fast.planned:  # what the caches behind this path would have counted
+            self.compiled.hits += 1
+            self.compiled.exact_hits += 1
+        if fast.origins is not None:
+            result = await self._compiled_result(fast.worker, planned, fast.sent, fetch, fast.origins, fast.ctx,
+                                                 result)
+        if fast.where is not None:
+            self.expansion_hits += 1
+            result = self._map_expanded(result, program, fast.where, len(program), None)
+        if result.error or result.version < 0:
+            self._fast.remove(fast)
+        else:
+            fast.version = result.version
         return result
 
     async def _run_program(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
-                           ctx: Any = None) -> RunResult:
+                           ctx: Any = None, note: dict[str, Any] | None = None) -> RunResult:
         if self.passes and len(program) > 1 and has_ends(program):
-            return await self._run_compiled(worker, program, fetch, ctx)
+            return await self._run_compiled(worker, program, fetch, ctx, note)
+        if note is not None:
+            _note(note, program, program, None, ctx, False)
         result: RunResult = await worker.ask("run", program=program, fetch=fetch)
         return result
 
     async def _run_expanded(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
-                            marks: dict[int, dict[str, Any]]) -> RunResult:
+                            marks: dict[int, dict[str, Any]], note: dict[str, Any] | None = None) -> RunResult:
         """on_run with each marked backward instruction replaced by its backward program. The metas its derivation
         needs are those the instructions before it leave (worked out without running them). A backward that cannot
         be derived fails at its own instruction, after the ones before it ran."""
@@ -219,7 +327,9 @@ class Scheduler(Actor):
         if hit is not None:
             if not self.compiled.seen(hit[0]) and _names_variables(hit[0]):  # a remembered one names none
                 ctx.variables, ctx.vectors = await self._variables(worker)
-            result = await self._run_program(worker, hit[0], fetch, ctx)
+            result = await self._run_program(worker, hit[0], fetch, ctx, note)
+            if note is not None:
+                note["where"] = hit[1]
             return self._map_expanded(result, program, hit[1], len(program), None)
         named = _names_variables(program)
         forwards = any(isinstance(f, list) and all(isinstance(i, Instr) for i in f) and _names_variables(f)
@@ -278,7 +388,9 @@ class Scheduler(Actor):
             where += range(start, len(program))
         if at == len(program) and not forwards and not named:  # what read variables took their values: not kept
             self._remember_expansion(program, marks, before, expanded, where)
-        result = await self._run_program(worker, expanded, fetch if at == len(program) else (), ctx)
+            if note is not None:
+                note["where"] = where
+        result = await self._run_program(worker, expanded, fetch if at == len(program) else (), ctx, note)
         return self._map_expanded(result, program, where, at, failure)
 
     @staticmethod
@@ -367,7 +479,7 @@ class Scheduler(Actor):
                            fuse_min_elements=self.fuse_min_elements, cache=self.plans)
 
     async def _run_compiled(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
-                            ctx: Any = None) -> RunResult:
+                            ctx: Any = None, note: dict[str, Any] | None = None) -> RunResult:
         if ctx is None:
             ctx = await self._context(worker, program, fetch)
         try:
@@ -376,15 +488,28 @@ class Scheduler(Actor):
             log.exception("compiler passes failed; running the program as sent")
             rewritten = list(program)
         if len(rewritten) == len(program) and all(a is b for a, b in zip(rewritten, program)):
+            if note is not None:
+                _note(note, program, program, None, ctx, True)
             return await worker.ask("run", program=program, fetch=fetch)
         origins = ctx.origins
+        if note is not None:
+            _note(note, program, rewritten, origins, ctx, True)
         result: RunResult = await worker.ask("run", program=rewritten, fetch=fetch)
+        return await self._compiled_result(worker, program, rewritten, fetch, origins, ctx, result, note)
+
+    async def _compiled_result(self, worker: ActorRef, program: Sequence[Instr], rewritten: list[Instr],
+                               fetch: Sequence[str], origins: list[int], ctx: Any, result: RunResult,
+                               note: dict[str, Any] | None = None) -> RunResult:
+        """The result of `rewritten` (the passes' program for `program`), told of `program`. Where it failed part-way
+        the tensors are set straight as `program` would have left them (repair)."""
         if not result.error:
             self.rewritten += 1
             self.eliminated += len(program) - len(rewritten)
             result.map_times(origins, len(program))
             result.done = len(program)
             return result
+        if note is not None:
+            note["runs"] += 1
         if result.done == 0:  # refused before anything ran: the program as sent gives the exact refusal
             return await worker.ask("run", program=program, fetch=fetch)
         done, fix = repair(program, rewritten, origins, result.done, ctx)

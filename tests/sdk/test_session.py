@@ -46,8 +46,13 @@ def embedded_tensor_count() -> int:
 @pytest.fixture(scope="module")
 def deepxd(tmp_path_factory):
     """One deepxd subprocess (native socket and UDP) shared by this module's tests that only talk to it. Its roles
-    are the embedded session's (the CPU's), so that the two give the same numbers bit for bit on a GPU machine too."""
-    d = Daemon(tmp_path_factory.mktemp("deepxd"), extra=["--role", "registry,heapmem,scheduler,op-cpu"]).start()
+    are the embedded session's (the CPU's), and so is its matmul library (here torch's OpenMP runtime keeps MKL out
+    of this process; two libraries sum a product in different orders), so that the two give the same numbers bit
+    for bit."""
+    from deepxd.kernels.cpu import blas
+
+    d = Daemon(tmp_path_factory.mktemp("deepxd"), extra=["--role", "registry,heapmem,scheduler,op-cpu"],
+               env={"DEEPX_BLAS": "mkl" if blas.mkl() is not None else "numpy"}).start()
     yield d
     dx.disconnect()
     d.stop()

@@ -63,17 +63,22 @@ def dtype_name(dt: np.dtype) -> str:
 
 class TensorTable(dict[str, np.ndarray]):
     """name -> array, with `metas` (name -> TensorMeta) kept beside it so that checking an instruction reads shapes
-    and dtypes with plain dict lookups. Reads are dict reads; writes keep both in step."""
+    and dtypes with plain dict lookups. Reads are dict reads; writes keep both in step.
+
+    `version` counts the writes (a name set, replaced or removed): while it stands, every meta is as it was when it
+    was read (what lets an op worker run a program it has just run again without comparing the metas it names)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.metas: dict[str, TensorMeta] = {}
+        self.version = 0
 
     def __setitem__(self, name: str, array: np.ndarray) -> None:
         dt = _NAMES.get(array.dtype)
         meta = TensorMeta(array.shape, dt if dt is not None else dtype_name(array.dtype))  # refuses unknown dtypes
         dict.__setitem__(self, name, array)
         self.metas[name] = meta
+        self.version += 1
 
     def __ior__(self, other: Any) -> TensorTable:  # type: ignore[override,misc]
         self.update(other)
@@ -82,14 +87,17 @@ class TensorTable(dict[str, np.ndarray]):
     def __delitem__(self, name: str) -> None:
         dict.__delitem__(self, name)
         del self.metas[name]
+        self.version += 1
 
     def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
         self.metas.pop(name, None)
+        self.version += 1
         return dict.pop(self, name, *default)
 
     def clear(self) -> None:
         dict.clear(self)
         self.metas.clear()
+        self.version += 1
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for k, v in dict(*args, **kwargs).items():
@@ -103,6 +111,7 @@ class TensorTable(dict[str, np.ndarray]):
     def popitem(self) -> tuple[str, np.ndarray]:
         name, array = dict.popitem(self)
         self.metas.pop(name, None)
+        self.version += 1
         return name, array
 
 
