@@ -45,7 +45,12 @@ def test_gemm_agrees_with_a_float64_reference_on_every_layout():
         assert blas.describe().startswith("mkl ("), blas.describe()
         rng = np.random.default_rng(0)
         cases = [((5, 7), (7, 3)), ((1, 9), (9, 1)), ((64, 1), (1, 33)), ((4, 5, 7), (4, 7, 3)),
-                 ((2, 3, 5, 7), (7, 3)), ((5, 7), (2, 7, 3)), ((2, 1, 5, 7), (2, 1, 7, 3)), ((256, 784), (784, 512))]
+                 ((2, 3, 5, 7), (7, 3)), ((5, 7), (2, 7, 3)), ((2, 1, 5, 7), (2, 1, 7, 3)), ((256, 784), (784, 512)),
+                 # a few columns from enough rows and depth: made as the transpose (blas.NARROW), at each end of
+                 # its ranges, and just outside them
+                 ((256, 512), (512, 10)), ((64, 256), (256, 4)), ((300, 300), (300, 15)), ((63, 300), (300, 10)),
+                 ((64, 255), (255, 10)), ((64, 256), (256, 3))]
+        assert (blas.NARROW, blas.NARROW_ROWS, blas.NARROW_DEPTH) == ((4, 15), 64, 256)
         done = 0
         for dt, tol in ((np.float32, 1e-4), (np.float64, 1e-12)):
             for sa, sb in cases:
@@ -83,7 +88,7 @@ def test_gemm_agrees_with_a_float64_reference_on_every_layout():
         assert np.allclose(c, a.astype(np.float64) @ b, atol=1e-4)
         print("checked", done)
     """)
-    assert "checked 64" in r.stdout
+    assert "checked 112" in r.stdout
 
 
 @needs_mkl
