@@ -232,6 +232,25 @@ def test_prepared_deletes_and_reshapes_equal_execute(views):
     np.testing.assert_array_equal(results[1]["x"], X * 4)
 
 
+def test_a_prepared_newtensor_makes_zeros_and_keeps_a_tensor_already_there(caplog):
+    """newtensor in a known program (a backward's seed): zeros of its shape and dtype, straight into the table; a
+    tensor of that name already there is kept, with execute's warning."""
+    for dtype in ("float32", "float64", "int64"):
+        ex = CpuExecutor()
+        made = ex.plans.bind(parse_text(f"newtensor (vector<int32>:[2 3]) -> (tensor<{dtype}>:s)")[0], ex)
+        step = ex.prepare(made)
+        step()
+        assert ex.get("s").dtype == np.dtype(dtype) and ex.get("s").shape == (2, 3) and not ex.get("s").any()
+        ex.get("s")[...] = 7
+        caplog.clear()
+        step()
+        np.testing.assert_array_equal(ex.get("s"), np.full((2, 3), 7, dtype))
+        assert "tensor 's' already exists; keeping the old one" in caplog.text
+        ex.execute(ex.plans.bind(parse_text(f"deltensor () -> (tensor<{dtype}>:s)")[0], ex))
+        step()
+        np.testing.assert_array_equal(ex.get("s"), np.zeros((2, 3), dtype))
+
+
 def _run_program_twice(text: str, prepared: bool, tensors: dict[str, np.ndarray],
                        fetch: tuple[str, ...] = ()) -> tuple[CpuExecutor, list[dict[str, np.ndarray]]]:
     """Run a program twice (the way a training step repeats), with execute, or with prepare_program's steps made

@@ -297,7 +297,7 @@ class CpuExecutor:
             run_fused = self._prepare_fused(b)
             if run_fused is not None:
                 return run_fused
-        if name in ("deltensor", "reshape") and not b.instr.meta:
+        if name in ("deltensor", "reshape", "newtensor") and not b.instr.meta:
             quick = self._prepare_bookkeeping(b)
             if quick is not None:
                 return quick
@@ -469,9 +469,9 @@ class CpuExecutor:
         return run_held
 
     def _prepare_bookkeeping(self, b: Bound) -> Callable[[], None] | None:
-        """deltensor and reshape, which a training step has dozens of, without execute's dispatch: straight to the
-        table for tensors that are neither views nor viewed (not in `shared`, which names both sides of every view);
-        execute's way otherwise."""
+        """deltensor, reshape and newtensor, which a training step has dozens of, without execute's dispatch:
+        straight to the table for tensors that are neither views nor viewed (not in `shared`, which names both sides
+        of every view) and, for newtensor, not there yet; execute's way otherwise."""
         tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
         out = str(b.out_names[0])
         if b.op.name == "deltensor":
@@ -483,6 +483,19 @@ class CpuExecutor:
                     del tensors[out]
 
             return run_delete
+        if b.op.name == "newtensor":  # (a backward's seed, every step)
+            made = b.outs[0]
+            if made is None:
+                return None
+            dims, npdt = made.shape, to_numpy(made.dtype)
+
+            def run_new() -> None:
+                if out in tensors or out in shared:
+                    self.execute(b)  # kept as it is, with execute's warning
+                else:
+                    tensors[out] = np.zeros(dims, npdt)
+
+            return run_new
         x, meta = b.names[0], b.outs[0]
         if not isinstance(x, str) or meta is None:
             return None
