@@ -46,10 +46,13 @@ class RunResult:
     time_maps: list[tuple[Sequence[int], int]] = field(default_factory=list)
     # a known program's clock: its start and each instruction's end (perf_counter), made into raw_times when read
     clock: tuple[float, list[float]] | None = None
-    # the worker's tensor table's version after the run, where running the program again finds the state it found
-    # this time (a known program that leaves the metas it names as it found them); -1: not so
+    # the version of the worker's state (OpWorker._state) when the run began, and after it where running the program
+    # again finds the state it found this time (a known program that leaves the metas it names as it found them);
+    # -1: not so
+    begun: int = -1
     version: int = -1
-    # asked to run only while the table's version was one given (the scheduler's last program again), and it was not
+    known: bool = False  # it ran as a program the worker knew (checked before, its check now a comparison)
+    # asked to run only on a state it was not in (see OpWorker._stale): nothing ran
     stale: bool = False
 
     @property
@@ -227,11 +230,19 @@ class OpWorker(Actor):
         grow, so their sum stands exactly while neither changes)."""
         return int(self.ex.tensors.version) + self.heap.version
 
-    def _stale(self, version: int | None) -> RunResult | None:
-        """A run asked for only while the state's version is `version` (the scheduler's fast path), when it is not:
-        the answer, with nothing run."""
-        if version is None or (self.ex is not None and self._state() == version):
+    def _stale(self, version: int | None, expect: Any) -> RunResult | None:
+        """A run asked for only on a state (the scheduler's fast path): where the state's version is `version`, or
+        else the tensors named in `expect` (names, their metas, whether each is a heap tensor) are as it says. The
+        answer where neither holds, with nothing run; None where the run may go ahead."""
+        if self.ex is None:
+            return RunResult(stale=True)
+        if version is not None and self._state() == version:
             return None
+        if expect is not None:
+            names, metas, heaped = expect
+            if list(map(self.ex.tensors.metas.get, names)) == metas and (
+                    list(map(self.heap.__contains__, names)) == heaped):
+                return None
         return RunResult(stale=True)
 
     def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
@@ -335,6 +346,8 @@ class OpWorker(Actor):
         except TypeError:
             return
         names = _touched(bounds)
+        if fetch:  # a name it reads back only: that it still exists is part of the check
+            names += tuple(n for n in dict.fromkeys(fetch) if n not in names)
         metas, heap = self.ex.tensors.metas, self.heap
         if sum(map(len, self.known.values())) >= self.known_size:
             self.known.clear()
@@ -374,12 +387,13 @@ class OpWorker(Actor):
         self._fold()
         return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
 
-    def on_state(self) -> tuple[dict[str, Any], list[str]]:
-        """The shape and dtype of every tensor here, and the names of the heap tensors: what the scheduler's passes
-        check a program against (a copy: cheaper than the rows of `tensors`, asked once per program)."""
+    def on_state(self) -> tuple[dict[str, Any], list[str], int]:
+        """The shape and dtype of every tensor here, the names of the heap tensors, and the version of both
+        (_state): what the scheduler's passes check a program against (a copy: cheaper than the rows of `tensors`,
+        asked once per program)."""
         if self.ex is None:
-            return {}, []
-        return dict(self.ex.tensors.metas), list(self.heap)
+            return {}, [], -1
+        return dict(self.ex.tensors.metas), list(self.heap), self._state()
 
 
 class CpuWorker(OpWorker):
@@ -420,18 +434,20 @@ class CpuWorker(OpWorker):
             return
         await fut
 
-    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None
-                     ) -> RunResult:
-        """Run `program` and send back the tensors named in `fetch`. `version`: only while the tensor table's version
-        is that (else the answer is `stale`, and nothing ran)."""
-        stale = self._stale(version) if version is not None else None
-        if stale is not None:
-            return stale
-        result = RunResult(t0=time.time())
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                     expect: Any = None) -> RunResult:
+        """Run `program` and send back the tensors named in `fetch`. `version`, `expect`: only on that state (else
+        the answer is `stale`, and nothing ran: see _stale)."""
+        if version is not None or expect is not None:
+            stale = self._stale(version, expect)
+            if stale is not None:
+                return stale
+        result = RunResult(t0=time.time(), begun=self._state())
         self._output = []
         known = self._known(program, fetch)
         if known is not None:
             self.known_hits += 1
+            result.known = True
             if not known.steps:
                 steps, recover = self.ex.prepare_program(known.bounds, known.fetch)
                 known.steps.extend(steps)

@@ -192,18 +192,20 @@ class CudaWorker(OpWorker):
         block.allocation.free()
 
     # -- programs
-    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None
-                     ) -> RunResult:
-        """As op-cpu's: run `program`, send back `fetch`; `version`: only while the tensor table's is that."""
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                     expect: Any = None) -> RunResult:
+        """As op-cpu's: run `program`, send back `fetch`; `version`, `expect`: only on that state."""
         await self._ready()
-        stale = self._stale(version) if version is not None else None
-        if stale is not None:
-            return stale
-        result = RunResult(t0=time.time())
+        if version is not None or expect is not None:
+            stale = self._stale(version, expect)
+            if stale is not None:
+                return stale
+        result = RunResult(t0=time.time(), begun=self._state())
         self._output = []
         known = self._known(program, fetch)
         if known is not None:
             self.known_hits += 1
+            result.known = True
             await self.call(self._run_on_device, known.bounds, result, {}, list(fetch))
             if known.deletes and self.heap:
                 await self._forget_deleted(known, result.done)

@@ -21,7 +21,7 @@ from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.actors.opcpu import RunResult
-from deepxd.compiler.analysis import BindMemo, has_ends
+from deepxd.compiler.analysis import BindMemo, default_pair_min, has_ends
 from deepxd.compiler.pipeline import (
     DEFAULT_PASSES,
     PlanCache,
@@ -153,17 +153,18 @@ class _Fast:
     """A program run lately, as the passes left it (see Scheduler._run_fast): what went to the worker, how its
     result maps back, and the version of the worker's state after it ran."""
 
-    __slots__ = ("backwards", "ctx", "expanded", "fetch", "kinds", "origins", "planned", "program", "sent",
-                 "version", "where", "worker")
+    __slots__ = ("backwards", "ctx", "expanded", "expect", "fetch", "kinds", "origins", "planned", "program",
+                 "sent", "version", "where", "worker")
 
     def __init__(self, program: list[Instr], fetch: tuple[str, ...], backwards: list[tuple[Any, ...]],
                  worker: ActorRef, expanded: list[Instr] | None, where: list[int] | None, sent: list[Instr],
-                 origins: list[int] | None, ctx: Any, planned: bool, version: int) -> None:
+                 origins: list[int] | None, ctx: Any, planned: bool, version: int, expect: Any) -> None:
         from deepx_sdk.ir.instr import scalar_kinds
 
         self.program, self.kinds, self.fetch, self.backwards = program, scalar_kinds(program), fetch, backwards
         self.worker, self.expanded, self.where = worker, expanded, where
-        self.sent, self.origins, self.ctx, self.planned, self.version = sent, origins, ctx, planned, version
+        self.sent, self.origins, self.ctx, self.planned = sent, origins, ctx, planned
+        self.version, self.expect = version, expect
 
     def matches(self, program: Sequence[Instr], fetch: Sequence[str],
                 backwards: Sequence[dict[str, Any]] | None) -> bool:
@@ -174,10 +175,12 @@ class _Fast:
                 or not same_program(program, self.program, self.kinds)):
             return False
         for spec, (index, loss, wrt, grad_loss, prefix, names, forward, kinds) in zip(backwards or (), mine):
-            f = spec.get("forward")
-            if (spec.get("index") != index or spec.get("loss") != loss or spec.get("wrt") != wrt
+            f, k = spec.get("forward"), spec.get("index")
+            # what the whole path checks too: an index 3.0 or a tuple for an instruction are refused there
+            if (type(k) is not int or k != index or spec.get("loss") != loss or spec.get("wrt") != wrt
                     or spec.get("grad_loss") != grad_loss or spec.get("prefix", "g_") != prefix
-                    or spec.get("names") != names or type(f) is not list or not same_program(f, forward, kinds)):
+                    or spec.get("names") != names or type(f) is not list or not all(type(i) is Instr for i in f)
+                    or not same_program(f, forward, kinds)):
                 return False
         return True
 
@@ -261,12 +264,16 @@ class Scheduler(Actor):
     def _next_fast(self, program: Sequence[Instr], fetch: Sequence[str], marks: dict[int, dict[str, Any]],
                    worker: ActorRef, note: dict[str, Any], result: RunResult) -> _Fast | None:
         """The fast path for the program that just ran, where it may take one: it ran whole, as one program the
-        worker knew (result.version), and what the passes and the derivation made of it depended on the worker's
-        tensors only (no variable is named, the expansion was one to remember). Else None."""
+        worker knew (it repeats), and what the passes and the derivation made of it depended on the worker's
+        tensors only (no variable is named, the expansion was one to remember), as the run found them (a write
+        queued at the worker between the scheduler's look at its state and the run would leave a plan made for
+        another state). Its expectation: the metas and heap flags, as the passes saw them, of every tensor that
+        the program, its forward graphs and its expansion name. Else None."""
         from deepx_sdk.ir.instr import scalar_kinds
+        from deepxd.compiler.graphs import tensor_names
 
-        if (result.error or result.version < 0 or note.get("runs") != 1 or (marks and "where" not in note)
-                or _names_variables(program)):
+        if (result.error or not result.known or note.get("runs") != 1 or (marks and "where" not in note)
+                or note.get("seen", result.begun) != result.begun or _names_variables(program)):
             return None
         backwards = []
         for i, spec in sorted(marks.items()):
@@ -275,8 +282,18 @@ class Scheduler(Actor):
                 return None
             backwards.append((i, spec["loss"], spec["wrt"], spec.get("grad_loss"), spec.get("prefix", "g_"),
                               spec.get("names"), list(forward), scalar_kinds(forward)))
+        ctx = note["ctx"]
+        if ctx is None:  # the program went as it was: only the worker's own check stands for it
+            expect: Any = ((), [], [])
+        else:
+            names: dict[str, None] = {}
+            for part in (program, note["given"], *(b[6] for b in backwards)):
+                for instr in part:
+                    names.update(dict.fromkeys(tensor_names(instr)))
+            order = tuple(names)
+            expect = (order, [ctx.metas.get(n) for n in order], [n in ctx.keep for n in order])
         return _Fast(list(program), tuple(fetch), backwards, worker, note["given"] if marks else None,
-                     note.get("where"), note["sent"], note["origins"], note["ctx"], note["planned"], result.version)
+                     note.get("where"), note["sent"], note["origins"], ctx, note["planned"], result.version, expect)
 
     async def _run_fast(self, fast: _Fast, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult | None:
         """A training loop sends the same step every time, and between two steps nothing else writes the worker's
@@ -284,25 +301,26 @@ class Scheduler(Actor):
         the worker again as it is, on the condition that its tensor table's version is still the one that run left
         (the state every check read is then as it was). None where it is not (the worker ran nothing): the program
         takes the whole path."""
-        result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch, version=fast.version)
+        if fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min():  # native kernels came or went
+            self._fast.remove(fast)
+            return None
+        result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch,
+                                                  version=fast.version if fast.version >= 0 else None,
+                                                  expect=fast.expect)
         if result.stale:
             self._fast.remove(fast)
             return None
         self.fast_hits += 1
         planned = fast.expanded if fast.expanded is not None else program
-        if fast.planned:  # what the caches behind this path would have counted
-            self.compiled.hits += 1
-            self.compiled.exact_hits += 1
         if fast.origins is not None:
             result = await self._compiled_result(fast.worker, planned, fast.sent, fetch, fast.origins, fast.ctx,
                                                  result)
         if fast.where is not None:
-            self.expansion_hits += 1
             result = self._map_expanded(result, program, fast.where, len(program), None)
-        if result.error or result.version < 0:
+        if result.error:
             self._fast.remove(fast)
         else:
-            fast.version = result.version
+            fast.version = result.version  # -1 where the run changed what it found: the expectation is compared
         return result
 
     async def _run_program(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
@@ -321,7 +339,7 @@ class Scheduler(Actor):
         be derived fails at its own instruction, after the ones before it ran."""
         from deepxd.compiler.analysis import PassContext
 
-        ctx = await self._context(worker, program, fetch, scan=False)
+        ctx = await self._context(worker, program, fetch, scan=False, note=note)
         before = ctx.metas
         hit = self._expansion(program, marks, before)
         if hit is not None:
@@ -429,8 +447,9 @@ class Scheduler(Actor):
         for e in self.expansions.get(key, ()) if key is not None else ():
             known, kinds, forwards, (names, metas), expanded, where = e
             if (same_program(program, known, kinds)
-                    and all(same_program(marks[i]["forward"], f, k) for i, (f, k) in forwards.items())
-                    and list(map(before.get, names)) == metas):
+                    and all(type(marks[i]["forward"]) is list and all(type(x) is Instr for x in marks[i]["forward"])
+                            and same_program(marks[i]["forward"], f, k) for i, (f, k) in forwards.items())
+                    and list(map(before.get, names)) == metas):  # (a malformed forward: refused by _backward_spec)
                 self.expansion_hits += 1
                 return expanded, where
         return None
@@ -467,10 +486,13 @@ class Scheduler(Actor):
         return held.get("vars", {}), {k: tuple(v) for k, v in held.get("vectors", {}).items()}
 
     async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
-                       scan: bool = True) -> Any:
+                       scan: bool = True, note: dict[str, Any] | None = None) -> Any:
         """The passes' context: the worker's metas and heap names, and its variables where the program may name
-        one (scan=False: not looked for; the caller knows the program names none, or looks itself)."""
-        metas, keep = await worker.ask("state")
+        one (scan=False: not looked for; the caller knows the program names none, or looks itself). `note` takes
+        the version of the worker's state they were read at (`seen`: see _next_fast)."""
+        metas, keep, version = await worker.ask("state")
+        if note is not None:
+            note["seen"] = version
         variables: dict[str, Any] = {}
         vectors: dict[str, Any] = {}
         if scan and not self.compiled.seen(program) and _names_variables(program):  # a remembered one names none
@@ -481,7 +503,7 @@ class Scheduler(Actor):
     async def _run_compiled(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
                             ctx: Any = None, note: dict[str, Any] | None = None) -> RunResult:
         if ctx is None:
-            ctx = await self._context(worker, program, fetch)
+            ctx = await self._context(worker, program, fetch, note=note)
         try:
             rewritten = self.compiled.run(program, ctx)
         except Exception:  # a pass must never cost the client its program
@@ -683,5 +705,5 @@ class Scheduler(Actor):
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
                 "plan_hits": self.compiled.hits, "plan_misses": self.compiled.misses, "graphs": len(self.graphs),
-                "replays": self.replays, "backward_hits": self.backward_hits,
+                "replays": self.replays, "fast_hits": self.fast_hits, "backward_hits": self.backward_hits,
                 "backward_misses": self.backward_misses}

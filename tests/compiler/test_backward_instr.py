@@ -87,7 +87,8 @@ async def test_the_expansion_of_a_repeated_program_is_remembered(node: Node) -> 
     for k in range(4):  # the first run makes h, t and loss: the second sees other tensors, the third the same
         r = await node.scheduler.ref.ask("run", program=program, fetch=[], backwards=[_spec(3)])
         assert not r.error
-        assert node.scheduler.expansion_hits == max(0, k - 1)
+        # (from the fourth run on, the last program runs again as it went: see test_fast_path.py)
+        assert node.scheduler.expansion_hits + node.scheduler.fast_hits == max(0, k - 1)
     # the same program against tensors of another shape expands again, and still matches numpy
     x = np.ones((5, 3))
     await node.worker.ref.ask("put", name="x", dtype="float64", shape=[5, 3], data=x.tobytes())

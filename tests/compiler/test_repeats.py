@@ -83,8 +83,8 @@ async def test_a_repeated_program_gives_what_a_fresh_daemon_gives(nodes, passes)
         reference.worker.known.clear()  # the reference always checks afresh
         reference.scheduler.compiled = type(reference.scheduler.compiled)(reference.scheduler.passes)
     assert looped.worker.known_hits >= 3
-    if passes != ["off"]:
-        assert looped.scheduler.compiled.exact_hits >= 3
+    if passes != ["off"]:  # the plan remembered, or the last program run again as it went (test_fast_path.py)
+        assert looped.scheduler.compiled.exact_hits + looped.scheduler.fast_hits >= 3
 
 
 async def test_a_changed_shape_or_fetch_is_checked_again(nodes):
