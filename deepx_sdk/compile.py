@@ -401,11 +401,21 @@ def _leaves(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
         out.append((path, obj))
 
 
+_DIGESTS: dict[Any, str] = {}  # code object -> _code_digest (code objects never change)
+
+
 def _code_digest(code: Any) -> str:
+    known = _DIGESTS.get(code)
+    if known is not None:
+        return known
     parts = [code.co_code, repr(code.co_names)]
     for c in code.co_consts:
         parts.append(_code_digest(c) if hasattr(c, "co_code") else repr(c))
-    return hashlib.sha1("|".join(p if isinstance(p, str) else p.hex() for p in parts).encode()).hexdigest()
+    digest = hashlib.sha1("|".join(p if isinstance(p, str) else p.hex() for p in parts).encode()).hexdigest()
+    if len(_DIGESTS) >= 1024:
+        _DIGESTS.clear()
+    _DIGESTS[code] = digest
+    return digest
 
 
 def _discover(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -469,7 +479,7 @@ def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = Tru
     parts: list[Any] = []
     for m in mods:
         parts.append([(k, p.name, p.shape, p.dtype, p.requires_grad) + ((p.grad is None,) if grads else ())
-                      for k, p in m.named_parameters()])
+                      for k, p in m.structure()[0]])
     for o in opts:
         for group in o.param_groups:
             row = []
@@ -555,7 +565,7 @@ class CompiledFunction:
             else:  # modules, optimizers and other objects: by identity (their tensors are in the state part)
                 parts.append((path, "O", type(v).__qualname__, id(v)))
         parts.append(_state_signature(mods, opts))
-        parts.append([mm.training for m in mods for mm in m.modules()])  # train() and eval() trace differently
+        parts.append([mm.training for m in mods for mm in m.structure()[1]])  # train() and eval() trace apart
         return parts
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -672,7 +682,13 @@ class CompiledFunction:
         from deepx_sdk.tensor import Tensor
 
         rec = g.record
+        # where nothing is recorded, only collected handles wait: the outputs take their names first, so that a
+        # loop's last result (the loss of the step before) hands its name straight over, with no program of its
+        # delete sent ahead of the replay
+        out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs] if not s.pending else None
         s.sync()  # what was recorded before the call runs first
+        if out_names is None:
+            out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs]
         inputs: dict[str, Any] = {}
         tensors = [v for _, v in leaves if _is_tensor(v) or isinstance(v, np.ndarray)]
         seen: set[Any] = set()
@@ -708,7 +724,6 @@ class CompiledFunction:
                     scalars[key] = _seed(s)
             else:  # a hyperparameter, read from its group now (a scheduler may change lr)
                 scalars[key] = _hyper(b, a)
-        out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs]
         # small outputs (a loss) come back with the replay: reading one next (loss.item()) then costs no round trip
         small = [t for t, (_, _, sh) in zip(out_names, rec.outputs) if math.prod(sh) <= SMALL_OUTPUT]
         s.runs += 1

@@ -17,6 +17,47 @@ _FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 _DEVICES = ("cpu", "cuda", "deepx", "mps", "meta")
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
+# moved on by every change to any module's parameters, buffers or submodules (their registries are _Registry):
+# what Module.structure() keys its cached walk on
+_EPOCH = [0]
+
+
+class _Registry(OrderedDict):  # type: ignore[type-arg]
+    """A module's parameters, buffers or submodules: an OrderedDict that moves _EPOCH on every change, whoever makes
+    it (module code that writes `self._parameters[name]` directly too)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        _EPOCH[0] += 1
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        _EPOCH[0] += 1
+
+    def pop(self, *args: Any) -> Any:
+        _EPOCH[0] += 1
+        return super().pop(*args)
+
+    def popitem(self, last: bool = True) -> Any:
+        _EPOCH[0] += 1
+        return super().popitem(last)
+
+    def clear(self) -> None:
+        _EPOCH[0] += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        _EPOCH[0] += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        _EPOCH[0] += 1
+        return super().setdefault(key, default)
+
+    def move_to_end(self, key: Any, last: bool = True) -> None:
+        _EPOCH[0] += 1
+        super().move_to_end(key, last)
+
 
 class IncompatibleKeys(NamedTuple):
     """What load_state_dict(strict=False) could not match, as torch's _IncompatibleKeys."""
@@ -51,10 +92,10 @@ class Module:
         if args or kwargs:
             raise DeepxError(f"{type(self).__name__}.__init__() got unexpected arguments {args} {kwargs}")
         object.__setattr__(self, "training", True)
-        object.__setattr__(self, "_parameters", OrderedDict())
-        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_parameters", _Registry())
+        object.__setattr__(self, "_buffers", _Registry())
         object.__setattr__(self, "_non_persistent", set())
-        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_modules", _Registry())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f'Module [{type(self).__name__}] is missing the required "forward" function')
@@ -191,6 +232,17 @@ class Module:
     def modules(self) -> Iterator[Module]:
         for _, m in self.named_modules():
             yield m
+
+    def structure(self) -> tuple[list[tuple[str, Parameter]], list[Module]]:
+        """named_parameters() and modules() as lists, walked again only after a module's registry changed (any
+        module's: _EPOCH): what dx.compile reads on every call of a compiled step."""
+        cached = self.__dict__.get("_structure")
+        if cached is not None and cached[0] == _EPOCH[0]:
+            return cached[1], cached[2]
+        epoch = _EPOCH[0]
+        params, mods = list(self.named_parameters()), list(self.modules())
+        object.__setattr__(self, "_structure", (epoch, params, mods))
+        return params, mods
 
     def named_children(self) -> Iterator[tuple[str, Module]]:
         seen: set[int] = set()

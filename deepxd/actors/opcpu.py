@@ -232,8 +232,8 @@ class OpWorker(Actor):
 
     def _stale(self, version: int | None, expect: Any) -> RunResult | None:
         """A run asked for only on a state (the scheduler's fast path): where the state's version is `version`, or
-        else the tensors named in `expect` (names, their metas, whether each is a heap tensor) are as it says. The
-        answer where neither holds, with nothing run; None where the run may go ahead."""
+        else the tensors named in `expect` (names, their metas, whether each is a heap tensor or None: either) are
+        as it says. The answer where neither holds, with nothing run; None where the run may go ahead."""
         if self.ex is None:
             return RunResult(stale=True)
         if version is not None and self._state() == version:
@@ -241,7 +241,7 @@ class OpWorker(Actor):
         if expect is not None:
             names, metas, heaped = expect
             if list(map(self.ex.tensors.metas.get, names)) == metas and (
-                    list(map(self.heap.__contains__, names)) == heaped):
+                    heaped is None or list(map(self.heap.__contains__, names)) == heaped):
                 return None
         return RunResult(stale=True)
 

@@ -178,3 +178,46 @@ def test_replays_with_the_same_bindings_share_one_program() -> None:
     a = np.ones((2, 3), np.float32)
     with_data = bind_replay(plan, {**inputs, f"{G}.in0": data(a)}, outputs, {})
     assert with_data.puts and with_data.program is not other.program
+
+
+def test_replays_with_the_same_bindings_check_their_inputs_every_time(stored) -> None:
+    """After a replay of the same bindings ran, the next asks the worker to run only if the inputs still fit (no
+    metas asked first): an input given another shape, or deleted, in between is refused as on the first replay."""
+    c = stored
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.full((2, 3), 3, np.float32)
+    c.put("a", a)
+    c.put("b", b)
+    req = {"name": G, "inputs": {f"{G}.in0": "a", f"{G}.in1": "b"}, "outputs": {f"{G}.out0": "y"}, "fetch": ["y"]}
+    for _ in range(3):
+        r = c.request("replay", **req)
+        np.testing.assert_array_equal(decode_tensor(r["tensors"]["y"]), (2 * a + 1) * b)
+        a = a + 1
+        c.put("a", a)  # new values under the same name and shape: still the same bindings
+    c.put("a", np.ones((3, 2), np.float32))
+    with pytest.raises(DeepxError, match=rf"replay of graph '{G}': input tensor 'a' is float32\[3, 2\]; the graph "
+                                         r"needs float32\[2, 3\]"):
+        c.request("replay", **req)
+    c.put("a", a)
+    r = c.request("replay", **req)
+    np.testing.assert_array_equal(decode_tensor(r["tensors"]["y"]), (2 * a + 1) * b)
+    c.run(parse_text("deltensor () -> (tensor<float32>:b)"))
+    with pytest.raises(DeepxError, match=rf"replay of graph '{G}': input tensor 'b' not found"):
+        c.request("replay", **req)
+    c.ping()
+    assert sorted(t["name"] for t in c.admin("tensors")) == ["a", "y"]
+
+
+def test_bindings_that_differ_only_in_the_sign_of_a_zero_bind_apart() -> None:
+    from deepx_sdk.ir.ops import TensorMeta
+    from deepxd.compiler.graphs import bind_replay, plan_graph
+
+    rec = GraphRecord(G, parse_text(PROGRAM), [(f"{G}.in0", "float32", (2, 3)), (f"{G}.in1", "float32", (2, 3))],
+                      [(f"{G}.out0", "float32", (2, 3))], scalars=[(0, 1, "k")])
+    plan = plan_graph(G, rec.pack(), {n: TensorMeta((2, 3), "float32") for n in ("a", "b")}, [], ["off"])
+    inputs, outputs = {f"{G}.in0": "a", f"{G}.in1": "b"}, {f"{G}.out0": "y"}
+    zero = bind_replay(plan, inputs, outputs, {"k": 0.0})
+    negative = bind_replay(plan, inputs, outputs, {"k": -0.0})
+    assert negative.program is not zero.program
+    assert str(negative.program[0].args[1].value) == "-0.0" and str(zero.program[0].args[1].value) == "0.0"
+    assert bind_replay(plan, inputs, outputs, {"k": -0.0}) is negative

@@ -614,3 +614,49 @@ def test_functional_is_still_exported() -> None:
 
     assert deepx_sdk.nn.functional.linear is F.linear
     assert dx.nn is nn
+
+
+def test_structure_is_walked_again_after_any_registry_changes() -> None:
+    """Module.structure(): named_parameters() and modules() as lists, cached until any module's parameters, buffers
+    or submodules change, however they are changed (attribute, register_*, del, the registry dict itself)."""
+
+    def same(m: nn.Module) -> None:
+        params, mods = m.structure()
+        assert [(k, id(p)) for k, p in params] == [(k, id(p)) for k, p in m.named_parameters()]
+        assert [id(x) for x in mods] == [id(x) for x in m.modules()]
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    same(net)
+    assert net.structure()[0] is net.structure()[0]  # nothing changed: the same lists
+    inner = net[0]
+    inner.weight = nn.Parameter(dx.ones(4, 3))  # a submodule's attribute
+    same(net)
+    inner.register_parameter("extra", nn.Parameter(dx.ones(1)))
+    same(net)
+    del inner.extra
+    same(net)
+    inner._parameters["direct"] = nn.Parameter(dx.ones(2))  # the registry itself
+    same(net)
+    inner._parameters.pop("direct")
+    same(net)
+    net[2].add_module("sub", nn.Linear(2, 2))
+    same(net)
+    net[2]._modules.clear()
+    same(net)
+    inner.bias = None
+    same(net)
+    assert [k for k, _ in net.structure()[0]] == ["0.weight", "2.weight", "2.bias"]
+
+
+def test_a_compiled_step_captures_again_when_its_model_gains_a_parameter() -> None:
+    model = nn.Linear(3, 2).double()
+    f = dx.compile(lambda x: (model(x) * 1.0).sum())
+    x = dx.tensor(np.ones((2, 3)))
+    f(x)
+    f(x)
+    assert (f.captures, f.replays) == (1, 1)
+    model.scale = nn.Parameter(dx.tensor(np.ones(1)))
+    f(x)
+    assert (f.captures, f.replays) == (2, 1)
+    f(x)
+    assert (f.captures, f.replays) == (2, 2)
