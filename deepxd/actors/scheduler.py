@@ -21,7 +21,7 @@ from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.actors.opcpu import RunResult
-from deepxd.compiler.analysis import BindMemo, default_pair_min, has_ends
+from deepxd.compiler.analysis import BindMemo, default_pair_min, has_ends, named_tensors
 from deepxd.compiler.pipeline import (
     DEFAULT_PASSES,
     PlanCache,
@@ -270,7 +270,6 @@ class Scheduler(Actor):
         another state). Its expectation: the metas and heap flags, as the passes saw them, of every tensor that
         the program, its forward graphs and its expansion name. Else None."""
         from deepx_sdk.ir.instr import scalar_kinds
-        from deepxd.compiler.graphs import tensor_names
 
         if (result.error or not result.known or note.get("runs") != 1 or (marks and "where" not in note)
                 or note.get("seen", result.begun) != result.begun or _names_variables(program)):
@@ -280,17 +279,21 @@ class Scheduler(Actor):
             forward = spec["forward"]
             if _names_variables(forward):
                 return None
-            backwards.append((i, spec["loss"], spec["wrt"], spec.get("grad_loss"), spec.get("prefix", "g_"),
-                              spec.get("names"), list(forward), scalar_kinds(forward)))
+            names = spec.get("names")  # (copies: a client that edits its spec in place sends another one)
+            backwards.append((i, spec["loss"], list(spec["wrt"]), spec.get("grad_loss"), spec.get("prefix", "g_"),
+                              dict(names) if names is not None else None, list(forward), scalar_kinds(forward)))
         ctx = note["ctx"]
         if ctx is None:  # the program went as it was: only the worker's own check stands for it
             expect: Any = ((), [], [])
-        else:
-            names: dict[str, None] = {}
+        else:  # what the passes and the derivation read: the metas of what the programs name, by signature, and
+            # of each backward's loss, wrt and upstream gradient
+            seen: dict[str, None] = {}
             for part in (program, note["given"], *(b[6] for b in backwards)):
                 for instr in part:
-                    names.update(dict.fromkeys(tensor_names(instr)))
-            order = tuple(names)
+                    seen.update(dict.fromkeys(named_tensors(instr)))
+            for b in backwards:
+                seen.update(dict.fromkeys((b[1], *b[2], *((b[3],) if b[3] else ()))))
+            order = tuple(seen)
             expect = (order, [ctx.metas.get(n) for n in order], [n in ctx.keep for n in order])
         return _Fast(list(program), tuple(fetch), backwards, worker, note["given"] if marks else None,
                      note.get("where"), note["sent"], note["origins"], ctx, note["planned"], result.version, expect)
@@ -375,8 +378,8 @@ class Scheduler(Actor):
                         vectors[str(b.out_names[0])] = tuple(b.args[0])
                     elif b.op.name == "deltensor":
                         metas.pop(str(b.out_names[0]), None)
-                    elif b.op.name == "renametensor":
-                        metas[str(b.out_names[0])] = metas.pop(str(b.args[0]), b.outs[0])
+                    elif b.op.name == "renametensor":  # (old) -> new, as the worker does it
+                        metas[str(b.args[0])] = metas.pop(str(b.out_names[0]), b.outs[0])
                     else:
                         for n, m in zip(b.out_names, b.outs):
                             if m is not None:

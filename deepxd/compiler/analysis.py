@@ -34,6 +34,30 @@ _READS_OUTPUT = frozenset(name for name, op in OPS.items()
                           if op.family == "init" or name in ("newtensor", "todtype", "loadtensordata"))
 
 
+def named_tensors(instr: Instr) -> list[str]:
+    """The tensors an instruction names, by its op's signature (an untyped param where a tensor goes included, a
+    tensor list written as text too, and renametensor's new name): what a check of it reads the metas of."""
+    op = OPS.get(instr.name)
+    if op is None:
+        return []
+    out: list[str] = []
+    args, returns = instr.args, instr.returns
+    for i in _TENSOR_ARGS[instr.name]:
+        if i >= len(args):
+            continue
+        v = args[i].value
+        if op.args[i].kind == "listtensor":
+            out.extend(str(x) for x in (v if isinstance(v, tuple) else str(v).strip()[1:-1].replace(",", " ").split()))
+        else:
+            out.append(str(v))
+    if instr.name == "renametensor" and args:
+        out.append(str(args[0].value))
+    for i in _TENSOR_RETURNS[instr.name]:
+        if i < len(returns):
+            out.append(str(returns[i].value))
+    return out
+
+
 def has_ends(program: Iterable[Instr]) -> bool:
     """Whether a value can end inside the program: it deletes a tensor, or writes one name twice. Without either,
     every pass is a no-op (the fast path)."""

@@ -305,3 +305,111 @@ async def test_a_plan_made_from_a_state_the_run_did_not_find_is_never_run_again(
     finally:
         for n in nodes:
             await n.stop()
+
+
+def state(n: Node) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    return {k: (str(v.dtype), v.shape, v.tobytes()) for k, v in n.worker.ex.tensors.items()}
+
+
+async def run_spec(n: Node, program: list[Instr], fetch: list[str], spec: dict) -> RunResult:
+    return await n.scheduler.ref.ask("run", program=program, fetch=fetch, backwards=[spec])
+
+
+async def test_a_wrt_outside_the_forward_is_part_of_what_the_fast_path_expects(nodes):
+    """The gradient of a tensor the forward does not name is zeros of its shape: its meta is read by the
+    derivation, so a change to it (another shape, deleted) sends the step the whole way."""
+    from deepx_sdk.ir.instr import Param
+
+    nodes += [await Node(PASSES).start(), await Node(PASSES).start()]
+    looped, reference = nodes[-2], nodes[-1]
+    marker = Instr("backward", (Param.tensor("loss", "float64"),),
+                   (Param.tensor("gw", "float64"), Param.tensor("gz", "float64")))
+
+    def program() -> list[Instr]:
+        return [*fresh("deltensor () -> (tensor<float64>:gz)"), *fresh(FORWARD), marker,
+                *fresh("deltensor () -> (tensor<float64>:gw)")]
+
+    spec = {"index": 4, "forward": fresh(FORWARD), "loss": "loss", "wrt": ["w", "z"], "grad_loss": None,
+            "prefix": "g0_", "names": {"w": "gw", "z": "gz"}}
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((4, 3)), rng.standard_normal((3, 2))
+    for n in (looped, reference):
+        for name, a in (("x", x), ("w", w), ("z", np.ones(5)), ("gz", np.zeros(5))):
+            await n.put(name, a)
+    for _ in range(5):
+        whole_way(reference)
+        for n in (looped, reference):
+            assert not (await run_spec(n, program(), ["gz"], dict(spec))).error
+    assert looped.scheduler.fast_hits == 2
+    for n in (looped, reference):
+        await n.put("z", np.ones(7))
+    whole_way(reference)
+    got, want = await run_spec(looped, program(), ["gz"], spec), await run_spec(reference, program(), ["gz"], spec)
+    assert not got.error and got.tensors["gz"].shape == want.tensors["gz"].shape == (7,)
+    for n in (looped, reference):
+        assert not (await n.run(fresh("deltensor () -> (tensor<float64>:z)"), [])).error
+    whole_way(reference)
+    got, want = await run_spec(looped, program(), ["gz"], spec), await run_spec(reference, program(), ["gz"], spec)
+    assert "wrt tensor 'z' does not exist" in want.error
+    assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
+
+
+def _untyped_return() -> list[Instr]:
+    """An untyped return (`-> (t)`), written and then deleted: the passes drop the write, the check reads it."""
+    return fresh("add (tensor<float32>:x, tensor<float32>:w) -> (t)\n"
+                 "mulscalar (tensor<float32>:x, var<float32>:2.0) -> (tensor<float32>:s)\n"
+                 "deltensor () -> (t)")
+
+
+def _untyped_list() -> list[Instr]:
+    """An untyped tensor list (what the wire gives for `[x, w]` without a category), its result deleted unread."""
+    from deepx_sdk.ir.instr import Param
+
+    concat = Instr("concat", (Param("", (), ("x", "w")), Param.var(0, "int32")), (Param.tensor("c", "float32"),))
+    return [concat, *fresh("mulscalar (tensor<float32>:x, var<float32>:2.0) -> (tensor<float32>:s)\n"
+                           "deltensor () -> (tensor<float32>:c)")]
+
+
+@pytest.mark.parametrize("step, changed", [(_untyped_return, ("t", np.zeros(5, np.float32))),
+                                           (_untyped_list, ("w", np.zeros((3, 5), np.float32)))])
+async def test_untyped_tensor_params_are_part_of_what_the_fast_path_expects(nodes, step, changed):
+    nodes += [await Node(PASSES).start(), await Node(PASSES).start()]
+    looped, reference = nodes[-2], nodes[-1]
+    for _ in range(4):
+        whole_way(reference)
+        for n in (looped, reference):
+            assert not (await n.run(step(), ["s"])).error
+    assert looped.scheduler.fast_hits >= 1
+    for n in (looped, reference):
+        await n.put(*changed)
+    whole_way(reference)
+    got, want = await looped.run(step(), ["s"]), await reference.run(step(), ["s"])
+    assert want.error and (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
+    assert state(looped) == state(reference)
+
+
+async def test_a_spec_edited_in_place_and_sent_again_is_another_spec(grad_node: GradNode) -> None:
+    node = grad_node
+    spec = _spec(3)
+    program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"}), *parse_text("deltensor () -> (tensor<float64>:gw)")]
+    for _ in range(4):
+        assert not (await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[spec])).error
+    assert node.scheduler.fast_hits == 1
+    spec["wrt"].append("x")  # the same objects, now asking for x's gradient too
+    spec["names"]["x"] = "gx"
+    r = await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[spec])
+    assert not r.error and node.scheduler.fast_hits == 1
+    np.testing.assert_allclose(node.worker.ex.get("gx"), (1 - np.tanh(node.x @ node.w) ** 2) @ node.w.T, rtol=1e-12)
+
+
+async def test_a_rename_before_a_backward_instruction_is_seen_by_its_derivation(grad_node: GradNode) -> None:
+    from deepx_sdk.ir.instr import Param
+
+    node = grad_node
+    forward = FORWARD.replace("tensor<float64>:x,", "tensor<float64>:x2,")
+    program = [Instr("renametensor", (Param.var("x2", "string"),), (Param.tensor("x", "float64"),)),
+               *parse_text(forward.strip()), _marker({"w": "gw"})]
+    r = await node.scheduler.ref.ask("run", program=program, fetch=["gw"],
+                                     backwards=[_spec(4, forward=parse_text(forward.strip()))])
+    assert not r.error
+    np.testing.assert_allclose(r.tensors["gw"], node.x.T @ (1 - np.tanh(node.x @ node.w) ** 2), rtol=1e-12)
