@@ -685,7 +685,8 @@ class CompiledFunction:
         # where nothing is recorded, only collected handles wait: the outputs take their names first, so that a
         # loop's last result (the loss of the step before) hands its name straight over, with no program of its
         # delete sent ahead of the replay
-        out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs] if not s.pending else None
+        early = not s.pending and s.error is None  # (a sync that raises would take the names with it)
+        out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs] if early else None
         s.sync()  # what was recorded before the call runs first
         if out_names is None:
             out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs]

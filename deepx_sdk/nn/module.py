@@ -234,15 +234,33 @@ class Module:
             yield m
 
     def structure(self) -> tuple[list[tuple[str, Parameter]], list[Module]]:
-        """named_parameters() and modules() as lists, walked again only after a module's registry changed (any
-        module's: _EPOCH): what dx.compile reads on every call of a compiled step."""
+        """named_parameters() and modules() as lists, walked again only where a registry may have changed: what
+        dx.compile reads on every call of a compiled step. The walk is kept with the epoch it was made at (every
+        change to a _Registry moves it) and the registries it went through; it stands while the epoch does, every
+        module walked still has those very registries (a registry replaced by a plain dict, or a module's __dict__
+        swapped, shows), and this module is the one it was made for (a shallow copy shares the __dict__ entry)."""
         cached = self.__dict__.get("_structure")
         if cached is not None and cached[0] == _EPOCH[0]:
-            return cached[1], cached[2]
+            epoch, params, mods, regs = cached
+            if mods and mods[0] is self and all(
+                    m.__dict__.get("_parameters") is r[0] and m.__dict__.get("_buffers") is r[1]
+                    and m.__dict__.get("_modules") is r[2] for m, r in zip(mods, regs)):
+                return params, mods
         epoch = _EPOCH[0]
         params, mods = list(self.named_parameters()), list(self.modules())
-        object.__setattr__(self, "_structure", (epoch, params, mods))
+        regs = [(m.__dict__.get("_parameters"), m.__dict__.get("_buffers"), m.__dict__.get("_modules")) for m in mods]
+        if all(type(r) is _Registry for rs in regs for r in rs):  # a plain dict's changes would not show
+            object.__setattr__(self, "_structure", (epoch, params, mods, regs))
+        else:
+            self.__dict__.pop("_structure", None)
         return params, mods
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state for pickle and copy, without the cached walk (structure): it speaks of this process's
+        objects and epoch."""
+        state = dict(self.__dict__)
+        state.pop("_structure", None)
+        return state
 
     def named_children(self) -> Iterator[tuple[str, Module]]:
         seen: set[int] = set()

@@ -529,3 +529,71 @@ def test_a_replays_new_output_name_is_deleted_after_a_later_program_fails():
     held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
     assert name not in held or any(name in v for v in s.pool.values())  # deleted, or pooled for reuse
     del keep
+
+
+def test_a_module_registry_replaced_or_swapped_is_seen_by_the_signature() -> None:
+    """Module.structure() keeps its walk only while every registry it went through is the same _Registry: a
+    registry replaced by a plain dict, a __dict__ swapped, a shallow copy, or a pickle make it walk again."""
+    import copy
+    import pickle
+
+    a, b = nn.Linear(3, 2).double(), nn.Linear(3, 2).double()
+    with dx.no_grad():
+        b.weight.fill_(2.0)
+        b.bias.fill_(0.0)
+    holder = nn.Module()
+    holder.net = a
+    f = dx.compile(lambda x: holder.net(x).sum(), name="holder_step")
+    x = dx.tensor(np.ones((1, 3)))
+    f(x)
+    f(x)
+    holder._modules = {"net": b}  # a plain dict, as a subclass's `self._modules = {...}` makes it
+    assert float(f(x).item()) == float(holder.net(x).sum().item()) == 12.0
+    assert (f.captures, f.replays) == (2, 1)
+    c = nn.Linear(3, 2).double()
+    c.structure()
+    c.__dict__.update({k: v for k, v in b.__dict__.items() if k != "_structure"})  # a hand-written load in place
+    assert [id(p) for _, p in c.structure()[0]] == [id(b.weight), id(b.bias)]
+    drop = nn.Dropout(1.0)  # train: zeros; eval: the input
+    g = dx.compile(lambda x: drop(x) + 0.0, name="drop_step")
+    ones = dx.tensor(np.ones(3))
+    g(ones)
+    twin = copy.copy(drop)
+    h = dx.compile(lambda x: twin(x) + 0.0, name="twin_step")
+    assert h(ones).numpy().tolist() == h(ones).numpy().tolist() == [0.0, 0.0, 0.0]
+    twin.eval()
+    assert h(ones).numpy().tolist() == [1.0, 1.0, 1.0] and (h.captures, h.replays) == (2, 1)
+    seq = nn.Sequential(nn.Dropout(1.0))
+    seq.structure()
+    assert "_structure" not in pickle.loads(pickle.dumps(seq)).__dict__  # the walk is this process's
+    assert "_structure" not in copy.copy(seq).__dict__
+
+
+def test_a_replay_after_a_failed_early_program_leaks_no_tensor() -> None:
+    """A compiled call whose sync raises an earlier program's error: the output names it would take stay with the
+    session (pooled), so that empty_cache deletes their tensors."""
+    import gc
+
+    dx.disconnect()
+    s = dx.connect(max_pending=64)
+    f = dx.compile(lambda x: x * 2.0, name="leak_step")
+    x = dx.tensor(np.ones(3))
+    f(x)
+    f(x)
+    t = x + 1.0  # a temporary of the output's shape and dtype
+    dx.sync()
+    name = t.name
+    bad = x[dx.tensor([7])]  # out of range, in a program sent early (as record() sends one at max_pending)
+    s.flush_full()
+    assert not s.pending and s.error is not None
+    del t
+    gc.collect()
+    with pytest.raises(DeepxError, match="out of range"):
+        f(x)
+    del bad
+    gc.collect()
+    dx.empty_cache()
+    dx.sync()
+    held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
+    assert name not in held
+    dx.disconnect()
