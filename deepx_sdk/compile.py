@@ -565,7 +565,9 @@ class CompiledFunction:
             else:  # modules, optimizers and other objects: by identity (their tensors are in the state part)
                 parts.append((path, "O", type(v).__qualname__, id(v)))
         parts.append(_state_signature(mods, opts))
-        parts.append([mm.training for m in mods for mm in m.structure()[1]])  # train() and eval() trace apart
+        # train() and eval() trace apart, and so do settings a module holds outside its parameters (Dropout's p,
+        # a layer's eps): what its extra_repr shows (two lambdas of one code over two Dropouts are two graphs)
+        parts.append([(type(mm).__qualname__, mm.training, mm.extra_repr()) for m in mods for mm in m.structure()[1]])
         return parts
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

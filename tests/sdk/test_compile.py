@@ -597,3 +597,20 @@ def test_a_replay_after_a_failed_early_program_leaks_no_tensor() -> None:
     held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
     assert name not in held
     dx.disconnect()
+
+
+def test_module_settings_outside_parameters_are_part_of_the_signature() -> None:
+    """Two lambdas of one code over two Dropouts (no parameters: alike but for p) are two graphs, and a Dropout's
+    p changed between calls captures anew: a module's settings, as its extra_repr shows them, are in the signature."""
+    ones = dx.tensor(np.ones(3))
+
+    def make(drop: nn.Dropout) -> Any:
+        return dx.compile(lambda x: drop(x) + 0.0)  # the same code, closing over another module
+
+    graphs = [(drop, make(drop)) for drop in (nn.Dropout(1.0), nn.Dropout(0.0))]
+    for drop, f in graphs:
+        for _ in range(2):
+            assert f(ones).numpy().tolist() == ([0.0] * 3 if drop.p == 1.0 else [1.0] * 3)
+    drop, f = graphs[0]
+    drop.p = 0.0  # now the other one's signature: its stored graph, or a capture of its own
+    assert f(ones).numpy().tolist() == [1.0] * 3 and len(f.graph_names) == 2
