@@ -233,7 +233,10 @@ class OpWorker(Actor):
     def _stale(self, version: int | None, expect: Any) -> RunResult | None:
         """A run asked for only on a state (the scheduler's fast path): where the state's version is `version`, or
         else the tensors named in `expect` (names, their metas, whether each is a heap tensor or None: either) are
-        as it says. The answer where neither holds, with nothing run; None where the run may go ahead."""
+        as it says. The answer where neither holds, with nothing run; None where the run may go ahead (or neither
+        was asked for)."""
+        if version is None and expect is None:
+            return None
         if self.ex is None:
             return RunResult(stale=True)
         if version is not None and self._state() == version:
@@ -438,10 +441,9 @@ class CpuWorker(OpWorker):
                      expect: Any = None) -> RunResult:
         """Run `program` and send back the tensors named in `fetch`. `version`, `expect`: only on that state (else
         the answer is `stale`, and nothing ran: see _stale)."""
-        if version is not None or expect is not None:
-            stale = self._stale(version, expect)
-            if stale is not None:
-                return stale
+        stale = self._stale(version, expect)
+        if stale is not None:
+            return stale
         result = RunResult(t0=time.time(), begun=self._state())
         self._output = []
         known = self._known(program, fetch)

@@ -196,10 +196,9 @@ class CudaWorker(OpWorker):
                      expect: Any = None) -> RunResult:
         """As op-cpu's: run `program`, send back `fetch`; `version`, `expect`: only on that state."""
         await self._ready()
-        if version is not None or expect is not None:
-            stale = self._stale(version, expect)
-            if stale is not None:
-                return stale
+        stale = self._stale(version, expect)
+        if stale is not None:
+            return stale
         result = RunResult(t0=time.time(), begun=self._state())
         self._output = []
         known = self._known(program, fetch)

@@ -18,7 +18,7 @@ from deepx_sdk.ir.text import parse_text
 from deepxd.actors.opcpu import RunResult
 from tests.compiler.test_backward_instr import FORWARD, UPDATE, _marker, _spec
 from tests.compiler.test_backward_instr import Node as GradNode
-from tests.compiler.test_repeats import Node
+from tests.compiler.test_repeats import Node, fresh
 
 # a step that keeps no tensor of its own from one run to the next (it deletes them) and moves x on every run: the
 # same program finds the same metas each time, with other values
@@ -33,18 +33,6 @@ STEP = """
     deltensor () -> (tensor<float32>:t3)
 """
 PASSES = ["simplify", "cse", "dce", "fuse"]
-
-
-@pytest.fixture
-async def nodes() -> AsyncIterator[list[Node]]:
-    made: list[Node] = []
-    yield made
-    for n in made:
-        await n.stop()
-
-
-def fresh(text: str) -> list[Instr]:
-    return parse_text(text.strip())
 
 
 def whole_way(node: Node) -> None:

@@ -4,8 +4,6 @@ makes it a different program (a number's type, a zero's sign, a tensor's shape, 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import numpy as np
 import pytest
 
@@ -49,14 +47,6 @@ class Node:
     async def stop(self) -> None:
         await self.scheduler.stop()
         await self.worker.stop()
-
-
-@pytest.fixture
-async def nodes() -> AsyncIterator[list[Node]]:
-    made: list[Node] = []
-    yield made
-    for n in made:
-        await n.stop()
 
 
 def fresh(text: str) -> list[Instr]:

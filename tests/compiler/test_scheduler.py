@@ -3,8 +3,6 @@ part way through a rewritten program, the same tensors as the program sent would
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import numpy as np
 import pytest
 
@@ -50,14 +48,6 @@ class Node:
     async def stop(self) -> None:
         await self.scheduler.stop()
         await self.worker.stop()
-
-
-@pytest.fixture
-async def nodes() -> AsyncIterator[list[Node]]:
-    made: list[Node] = []
-    yield made
-    for n in made:
-        await n.stop()
 
 
 async def pair(nodes: list[Node], index: list[int]) -> tuple[Node, Node]:
