@@ -151,7 +151,8 @@ def _note(note: dict[str, Any], given: Sequence[Instr], sent: Sequence[Instr], o
 
 class _Fast:
     """A program run lately, as the passes left it (see Scheduler._run_fast): what went to the worker, how its
-    result maps back, and the version of the worker's state after it ran."""
+    result maps back, what it expects of the worker's tensors, and the version of the worker's state after it ran
+    (-1 where that run changed what it found)."""
 
     __slots__ = ("backwards", "ctx", "expanded", "expect", "fetch", "kinds", "origins", "planned", "program",
                  "sent", "version", "where", "worker")
@@ -299,11 +300,11 @@ class Scheduler(Actor):
                      note.get("where"), note["sent"], note["origins"], ctx, note["planned"], result.version, expect)
 
     async def _run_fast(self, fast: _Fast, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult | None:
-        """A training loop sends the same step every time, and between two steps nothing else writes the worker's
-        tensors: the program the last one became (backward expanded, passes run, checked by the worker) goes to
-        the worker again as it is, on the condition that its tensor table's version is still the one that run left
-        (the state every check read is then as it was). None where it is not (the worker ran nothing): the program
-        takes the whole path."""
+        """A training loop sends the same step every time: the program it became (backward expanded, passes run,
+        known to the worker) goes to the worker again as it is, on the condition that the worker's tensors still
+        meet its expectation (what the derivation and the passes read of them), which the worker takes as met
+        without comparing while its state's version is still the one the last run left. None where it is not
+        (the worker ran nothing): the program takes the whole path."""
         if fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min():  # native kernels came or went
             self._fast.remove(fast)
             return None
