@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import ml_dtypes
 import numpy as np
 
@@ -9,6 +11,20 @@ F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
 #: dtypes whose arithmetic runs in float32 (numpy has no fast loops for them)
 LOW = frozenset(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn))
+
+
+_CHAR = ctypes.c_char
+_addressof = ctypes.addressof
+
+
+def address(a: np.ndarray) -> int:
+    """Where a's data starts, for a C loop or BLAS: through ctypes for a writable array whose rows or columns are
+    contiguous (a fourth of __array_interface__'s cost, a fifth of `a.ctypes.data`'s), else from its array
+    interface (read-only, empty, or neither way contiguous)."""
+    try:
+        return _addressof(_CHAR.from_buffer(a if a.flags.c_contiguous else a.T))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return int(a.__array_interface__["data"][0])
 
 
 def is_int(a: np.ndarray) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
+from deepxd.kernels.cpu._util import address as _address
 
 log = logging.getLogger(__name__)
 
@@ -235,15 +236,6 @@ def _layout(a: np.ndarray) -> tuple[int, int] | None:
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _CHAR = ctypes.c_char
 _addressof = ctypes.addressof
-
-
-def _address(x: np.ndarray) -> int:
-    """Where x's data starts: through ctypes for a writable array whose rows or columns are contiguous (a fifth of
-    `x.ctypes.data`'s cost), else from its array interface."""
-    try:
-        return _addressof(_CHAR.from_buffer(x if x.flags.c_contiguous else x.T))  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # read-only, or neither way contiguous
-        return int(x.__array_interface__["data"][0])
 
 
 def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:

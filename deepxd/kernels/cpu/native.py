@@ -53,6 +53,8 @@ from typing import Any
 
 import numpy as np
 
+from deepxd.kernels.cpu._util import address as _address
+
 log = logging.getLogger(__name__)
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -608,14 +610,6 @@ def _build_core() -> dict[str, Any] | None:
 
 _CHAR = ctypes.c_char
 _addressof = ctypes.addressof
-
-
-def _address(a: np.ndarray) -> int:
-    """Where a's data starts (a writable buffer's through ctypes: a fourth of __array_interface__'s cost)."""
-    try:
-        return _addressof(_CHAR.from_buffer(a))  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # read-only, or empty
-        return a.__array_interface__["data"][0]
 
 
 def fits(arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray], dt: np.dtype, n: int) -> list[int] | None:
