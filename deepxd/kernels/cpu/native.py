@@ -711,11 +711,18 @@ def sgd(param: np.ndarray, grad: np.ndarray, buf: np.ndarray, lr: float, momentu
             where = [where[0], where[1], where[0], where[2], where[2]]
     if where is None:
         return False
-    real = dt.type
-    args = (real(lr), real(momentum), real(1 - dampening), real(weight_decay), int(bool(weight_decay)),
-            int(bool(momentum)), int(first), int(bool(nesterov)), int(dampening != 0))
-    _split_call(fns, f"sgd_{SUFFIX[dt]}", n, where, args, dt.itemsize)
+    _split_call(fns, f"sgd_{SUFFIX[dt]}", n, where, _sgd_numbers(dt, lr, momentum, dampening, weight_decay, nesterov,
+                                                                 first), dt.itemsize)
     return True
+
+
+def _sgd_numbers(dt: np.dtype, lr: float, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+                 first: bool) -> tuple[Any, ...]:
+    """The sgd loop's arguments after its pointers, in its dtype: lr, momentum, 1 - dampening, weight_decay and
+    the flags (decay, momentum, first step, nesterov, dampening)."""
+    real = dt.type
+    return (real(lr), real(momentum), real(1 - dampening), real(weight_decay), int(bool(weight_decay)),
+            int(bool(momentum)), int(first), int(bool(nesterov)), int(dampening != 0))
 
 
 def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float, weight_decay: float,
@@ -737,9 +744,7 @@ def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float,
         loops[:] = [fns.get("p" + name) if n >= OMP_MIN else None,
                     fns[name] if n < 2 * THREAD_MIN or MAX_THREADS == 1 else None]  # else Python's threads: sgd's
         return True
-    real = dt.type
-    args = (real(lr), real(momentum), real(1 - dampening), real(weight_decay), int(bool(weight_decay)),
-            int(bool(momentum)), int(first), int(bool(nesterov)), int(dampening != 0))
+    args = _sgd_numbers(dt, lr, momentum, dampening, weight_decay, nesterov, first)
     size = n * dt.itemsize
     with_buf = bool(momentum)
 
