@@ -40,12 +40,10 @@ _VALUE_CATEGORIES = frozenset(("var", "vector", ""))
 
 
 def _names_of(forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None) -> set[str]:
-    """The tensors a backward's derivation needs the metas of."""
-    from deepxd.compiler.graphs import tensor_names
-
+    """The tensors a backward's derivation needs the metas of (named by each op's signature)."""
     names = {loss, *wrt, *([grad_loss] if grad_loss else [])}
     for instr in forward:
-        names.update(tensor_names(instr))
+        names.update(named_tensors(instr))
     return names
 
 
@@ -286,14 +284,14 @@ class Scheduler(Actor):
         ctx = note["ctx"]
         if ctx is None:  # the program went as it was: only the worker's own check stands for it
             expect: Any = ((), [], [])
-        else:  # what the passes and the derivation read: the metas of what the programs name, by signature, and
-            # of each backward's loss, wrt and upstream gradient
+        else:  # what the passes and the derivation read: the metas of what the program and its expansion name, and
+            # of what each backward's derivation reads
             seen: dict[str, None] = {}
-            for part in (program, note["given"], *(b[6] for b in backwards)):
+            for part in (program, note["given"]):
                 for instr in part:
                     seen.update(dict.fromkeys(named_tensors(instr)))
-            for b in backwards:
-                seen.update(dict.fromkeys((b[1], *b[2], *((b[3],) if b[3] else ()))))
+            for _, loss, wrt, grad_loss, _, _, forward, _ in backwards:
+                seen.update(dict.fromkeys(_names_of(forward, loss, wrt, grad_loss)))
             order = tuple(seen)
             expect = (order, [ctx.metas.get(n) for n in order], [n in ctx.keep for n in order])
         return _Fast(list(program), tuple(fetch), backwards, worker, note["given"] if marks else None,
@@ -467,13 +465,11 @@ class Scheduler(Actor):
         key = self._expansion_key(program, marks)
         if key is None:
             return
-        from deepxd.compiler.graphs import tensor_names
-
         names: set[str] = set()
         for m in marks.values():
             names |= _names_of(m["forward"], m["loss"], m["wrt"], m.get("grad_loss"))
         for instr in program:
-            names.update(tensor_names(instr))
+            names.update(named_tensors(instr))
         if sum(map(len, self.expansions.values())) >= 64:
             self.expansions.clear()
         bucket = self.expansions.setdefault(key, [])

@@ -34,12 +34,25 @@ _READS_OUTPUT = frozenset(name for name, op in OPS.items()
                           if op.family == "init" or name in ("newtensor", "todtype", "loadtensordata"))
 
 
+def tensor_names(instr: Instr) -> list[str]:
+    """The tensors an instruction names by its params' categories, its args' and its returns', tensor lists
+    included (a stored graph's, whose params are all typed: what bind_replay renames)."""
+    out: list[str] = []
+    for p in (*instr.args, *instr.returns):
+        if p.category == "tensor":
+            out.append(str(p.value))
+        elif p.category == "listtensor" and isinstance(p.value, tuple):
+            out.extend(str(v) for v in p.value)
+    return out
+
+
 def named_tensors(instr: Instr) -> list[str]:
     """The tensors an instruction names, by its op's signature (an untyped param where a tensor goes included, a
-    tensor list written as text too, and renametensor's new name): what a check of it reads the metas of."""
+    tensor list written as text too, and renametensor's new name): what a check of it reads the metas of. An
+    instruction of no op in the catalogue (a backward marker): by its params' categories (tensor_names)."""
     op = OPS.get(instr.name)
     if op is None:
-        return []
+        return tensor_names(instr)
     out: list[str] = []
     args, returns = instr.args, instr.returns
     for i in _TENSOR_ARGS[instr.name]:

@@ -21,6 +21,7 @@ from deepx_sdk.compile import GraphRecord
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import TensorMeta
+from deepxd.compiler.analysis import tensor_names
 from deepxd.compiler.pipeline import new_context, run_passes
 
 log = logging.getLogger(__name__)
@@ -89,15 +90,6 @@ def _first_return(instr: Instr) -> str:
     return str(instr.returns[0].value) if instr.returns else ""
 
 
-def tensor_names(instr: Instr) -> list[str]:
-    """The tensors an instruction names, its args' and its returns', tensor lists included."""
-    out: list[str] = []
-    for p in (*instr.args, *instr.returns):
-        if p.category == "tensor":
-            out.append(str(p.value))
-        elif p.category == "listtensor" and isinstance(p.value, tuple):
-            out.extend(str(v) for v in p.value)
-    return out
 
 
 def _slots(rec: GraphRecord, plan: Sequence[Instr], origins: Sequence[int]) -> dict[str, list[tuple[int, int]]] | None:
