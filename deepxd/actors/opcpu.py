@@ -197,14 +197,19 @@ class OpWorker(Actor):
             return None
         if bucket is None:
             return None
-        metas, heap = self.ex.tensors.metas, self.heap
+        heap = self.heap
         fetch = tuple(fetch)
         for k in bucket:
             if (k.fetch == fetch and same_program(program, k.program, k.kinds)
-                    and list(map(metas.get, k.names)) == k.metas  # C loops, and a list compare
-                    and (not (heap or any(k.heaped)) or list(map(heap.__contains__, k.names)) == k.heaped)):
+                    and self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None)):
                 return k
         return None
+
+    def _meets(self, names: Sequence[str], metas: list[Any], heaped: list[bool] | None) -> bool:
+        """Whether the tensors `names` have these metas here now (None: absent), and these heap flags (None: not
+        asked). C loops, and list compares."""
+        return list(map(self.ex.tensors.metas.get, names)) == metas and (
+            heaped is None or list(map(self.heap.__contains__, names)) == heaped)
 
     def _ran_known(self, known: KnownProgram, result: RunResult) -> None:
         """After a known program ran: where it ran to the end and left the metas it names as it found them (a
@@ -216,9 +221,7 @@ class OpWorker(Actor):
             return
         after = known.after
         if not after:  # the same program from the same state leaves the same state: worked out once
-            names = known.names
-            after.append(list(map(self.ex.tensors.metas.get, names)) == known.metas
-                         and list(map(self.heap.__contains__, names)) == known.heaped)
+            after.append(self._meets(known.names, known.metas, known.heaped))
         if after[0]:
             result.version = self._state()
             self._last = (known, result.version)
@@ -241,11 +244,8 @@ class OpWorker(Actor):
             return RunResult(stale=True)
         if version is not None and self._state() == version:
             return None
-        if expect is not None:
-            names, metas, heaped = expect
-            if list(map(self.ex.tensors.metas.get, names)) == metas and (
-                    heaped is None or list(map(self.heap.__contains__, names)) == heaped):
-                return None
+        if expect is not None and self._meets(*expect):
+            return None
         return RunResult(stale=True)
 
     def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
