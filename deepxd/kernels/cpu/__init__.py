@@ -22,6 +22,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import from_numpy, to_numpy
 from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
+from deepx_sdk.ir.shapes import numel
 
 log = logging.getLogger(__name__)
 
@@ -410,9 +411,7 @@ class CpuExecutor:
         meta = b.args[0]
         if meta is None or any(m is None or m != meta for _, m in wanted):
             return None
-        n = 1
-        for d in meta.shape:
-            n *= d
+        n = numel(meta.shape)
         numbers = [v for _, v in spec[3:]]
         lr, momentum, dampening, weight_decay, nesterov, step = numbers
         try:
@@ -529,9 +528,7 @@ class CpuExecutor:
                 or meta.dtype not in ("float32", "float64") or not isinstance(ins, list)
                 or any(m is None or m.dtype != meta.dtype for m in b.args[0])):
             return None
-        n = 1
-        for d in meta.shape:
-            n *= d
+        n = numel(meta.shape)
         # the tape on registers made once: operands of the output's shape, one block
         small = n <= fused_kernels.BLOCK and all(m.shape == meta.shape for m in b.args[0])
         if n == 0 or (not small and backend != "native"):
