@@ -5,9 +5,9 @@ For float32 add, mul, exp, sum at 1K and 16M elements and matmul at 1024 and 204
   kernel   the deepx CPU kernel (deepxd.kernels.cpu.<family>.<op>) on the same arrays
   run      CpuExecutor.run(instr): check the instruction against the catalogue, resolve names, then the kernel
 Prints ratios (time / numpy time) and, at 1K, the microseconds above numpy; writes bench/results/kernels.json.
-Then, where MKL runs matmul, products with a few columns (blas.NARROW: made as their transpose) against MKL on the
-product as it is and torch; and erf and exact gelu (float32, 262K and 16M elements) against torch.special.erf and
-torch.nn.functional.gelu, when torch is installed: kernel time / torch time.
+Then, where MKL runs matmul, skinny products (one dimension of a few: native.SKINNY's loops, or blas.NARROW's
+transpose) against MKL on the product as it is and torch; and erf and exact gelu (float32, 262K and 16M elements)
+against torch.special.erf and torch.nn.functional.gelu, when torch is installed: kernel time / torch time.
 
     python bench/kernels.py [--quick]
 """
@@ -85,43 +85,52 @@ def erf_gelu_vs_torch(quick: bool) -> list[dict]:
     return rows
 
 
-def narrow_matmul(quick: bool) -> list[dict]:
-    """A product with a few columns (a classifier's logits, x @ W.T with W 10 x k): blas.gemm makes it as its
-    transpose where MKL runs matmul (blas.NARROW); against MKL called on it as it is, and torch's matmul."""
-    from deepxd.kernels.cpu import blas
+def skinny_matmul(quick: bool) -> list[dict]:
+    """Products with one dimension of a few (a classifier's logits, x @ W.T with W 10 x k, and their two gradients):
+    blas.gemm hands them to the native skinny loops (native.SKINNY) or makes them as their transpose
+    (blas.NARROW) where MKL runs matmul; against MKL called on the product as it is, and torch's matmul."""
+    from deepxd.kernels.cpu import blas, native
 
     if blas.mkl() is None:
-        print(f"narrow matmul: matmul runs on {blas.describe()}, which takes it as it is")
+        print(f"skinny matmul: matmul runs on {blas.describe()}, which takes it as it is")
         return []
+    native._core()  # built before the timing
     rng = np.random.default_rng(0)
     rows = []
     number, repeat = (20, 3) if quick else (200, 5)
-    for m, k, n in ((256, 512, 10), (1024, 512, 10), (256, 2048, 5), (4096, 256, 12)):
-        x = rng.standard_normal((m, k), dtype=np.float32)
-        w = rng.standard_normal((n, k), dtype=np.float32)
+    # (m, k, n, transposed a, transposed b): the MLP's 256 x 512 -> 10 layer forward, its input's gradient and its
+    # weight's gradient; then wider, deeper and narrower ones
+    for m, k, n, ta, tb in ((256, 512, 10, False, True), (256, 10, 512, False, False), (10, 256, 512, True, False),
+                            (1024, 512, 10, False, True), (256, 2048, 5, False, True), (4096, 256, 12, False, True),
+                            (4096, 4, 1024, False, False), (8, 1024, 2048, True, False)):
+        a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
+        b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
+        a, b = (a.T if ta else a), (b.T if tb else b)
         out = np.empty((m, n), np.float32)
         as_is = np.empty((m, n), np.float32)
-        t_t = best_time(lambda: blas.gemm(x, w.T, out), number, repeat)
-        narrow, blas.NARROW = blas.NARROW, (0, -1)  # off: the product as it is
+        t_t = best_time(lambda: blas.gemm(a, b, out), number, repeat)
+        narrow, blas.NARROW = blas.NARROW, (0, -1)  # off: the product as it is, on MKL
+        skinny, native.SKINNY = native.SKINNY, (0, -1)
         try:
-            t_d = best_time(lambda: blas.gemm(x, w.T, as_is), number, repeat)
+            t_d = best_time(lambda: blas.gemm(a, b, as_is), number, repeat)
         finally:
-            blas.NARROW = narrow
+            blas.NARROW, native.SKINNY = narrow, skinny
         np.testing.assert_allclose(out, as_is, rtol=1e-4, atol=1e-4)
-        row = {"case": f"{m}x{k} @ {k}x{n}", "transposed_us": t_t * 1e6, "as_is_us": t_d * 1e6, "ratio": t_t / t_d}
+        row = {"case": f"{m}x{k}{'.T' if ta else ''} @ {k}x{n}{'.T' if tb else ''}", "deepx_us": t_t * 1e6,
+               "as_is_us": t_d * 1e6, "ratio": t_t / t_d}
         try:
             import torch
 
-            tx, tw = torch.from_numpy(x), torch.from_numpy(w)
-            t_torch = best_time(lambda: torch.matmul(tx, tw.T), number, repeat)
+            tx, tw = torch.from_numpy(a), torch.from_numpy(b)
+            t_torch = best_time(lambda: torch.matmul(tx, tw), number, repeat)
             row.update(torch_us=t_torch * 1e6, torch_ratio=t_t / t_torch)
         except ImportError:
             pass
         rows.append(row)
-    print(f"{'narrow matmul':<22}{'deepx us':>10}{'MKL as is':>11}{'deepx/as is':>13}{'torch us':>10}"
+    print(f"{'skinny matmul':<24}{'deepx us':>10}{'MKL as is':>11}{'deepx/as is':>13}{'torch us':>10}"
           f"{'deepx/torch':>13}")
     for r in rows:
-        print(f"{r['case']:<22}{r['transposed_us']:>10.1f}{r['as_is_us']:>11.1f}{r['ratio']:>13.2f}"
+        print(f"{r['case']:<24}{r['deepx_us']:>10.1f}{r['as_is_us']:>11.1f}{r['ratio']:>13.2f}"
               f"{r.get('torch_us', float('nan')):>10.1f}{r.get('torch_ratio', float('nan')):>13.2f}")
     return rows
 
@@ -166,13 +175,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:<12}{r['numpy_us']:>12.2f}{r['kernel_us']:>12.2f}{r['run_us']:>12.2f}"
               f"{r['kernel_ratio']:>11.3f}{r['run_ratio']:>9.3f}{r['kernel_over_us']:>12.2f}{r['run_over_us']:>10.2f}")
-    narrow = narrow_matmul(opts.quick)
+    skinny = skinny_matmul(opts.quick)
     vs_torch = erf_gelu_vs_torch(opts.quick)
     path = Path(__file__).parent / "results" / "kernels.json"
     path.parent.mkdir(exist_ok=True)
     meta = {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
             "quick": opts.quick}
-    path.write_text(json.dumps({"meta": meta, "rows": rows, "narrow_matmul": narrow, "erf_gelu_vs_torch": vs_torch},
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "skinny_matmul": skinny, "erf_gelu_vs_torch": vs_torch},
                               indent=2))
     print(f"written {path}")
 

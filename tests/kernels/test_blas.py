@@ -92,6 +92,75 @@ def test_gemm_agrees_with_a_float64_reference_on_every_layout():
 
 
 @needs_mkl
+def test_skinny_products_on_the_native_loops_agree_with_a_float64_reference():
+    r = _script("""
+        import ctypes
+        import numpy as np
+        from deepxd.kernels.cpu import blas, native
+        assert blas.describe().startswith("mkl ("), blas.describe()
+        assert native._core() is not None and "smallk_f32" in native._core()
+        used = []
+        small_product = native.small_product
+        def spy(*args):
+            done = small_product(*args)
+            used.append(done)
+            return done
+        native.small_product = spy
+        omp = ctypes.CDLL(None)  # libiomp5, loaded globally by blas
+        rng = np.random.default_rng(3)
+        # (m, k, n): small k, small n, small m (the MLP's classifier layer and its gradients first), at the ends of
+        # native.SKINNY's ranges, with tails of k, n and m that are not whole vectors, and just outside the ranges
+        cases = [(256, 10, 512), (256, 512, 10), (10, 256, 512), (64, 2, 64), (100, 12, 77), (3, 7, 2000),
+                 (64, 64, 2), (1000, 300, 12), (333, 17, 5), (2, 1024, 33), (12, 100, 1000), (5, 33, 17),
+                 (64, 13, 64), (64, 1, 4096), (1, 64, 4096), (13, 64, 64), (64, 64, 13), (8, 1025, 64)]
+        assert native.SKINNY == (2, 12) and native.SKINNY_DEPTH == 1024
+        checked = skinny = 0
+        for dt, tol in ((np.float32, 1e-5), (np.float64, 1e-13)):
+            for m, k, n in cases:
+                for ta in (False, True):
+                    for tb in (False, True):
+                        for pad in (0, 3):  # rows (or columns) of a larger array: a leading dimension of its own
+                            a = rng.standard_normal((k, m + pad) if ta else (m, k + pad)).astype(dt)
+                            b = rng.standard_normal((n, k + pad) if tb else (k, n + pad)).astype(dt)
+                            a = a[:, :m].T if ta else a[:, :k]
+                            b = b[:, :k].T if tb else b[:, :n]
+                            ref = a.astype(np.float64) @ b.astype(np.float64)
+                            out = np.full((m, n), np.nan, dt)
+                            del used[:]
+                            assert blas.gemm(a, b, out), (m, k, n, ta, tb, dt)
+                            scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+                            assert np.all(np.abs(out - ref) <= tol * scale + tol), (m, k, n, ta, tb, pad, dt)
+                            checked += 1
+                            if used and used[0]:
+                                skinny += 1
+                                # one thread or two: the same bits
+                                omp.omp_set_num_threads(1)
+                                one = np.full((m, n), np.nan, dt)
+                                assert blas.gemm(a, b, one)
+                                omp.omp_set_num_threads(2)
+                                assert one.tobytes() == out.tobytes(), (m, k, n, ta, tb, pad, dt)
+        # the classifier layer's three products are skinny in every layout its forward and backward use
+        for m, k, n, ta, tb in ((256, 512, 10, False, True), (256, 10, 512, False, False), (10, 256, 512, True, False)):
+            a = np.ones((k, m) if ta else (m, k), np.float32)
+            b = np.ones((n, k) if tb else (k, n), np.float32)
+            del used[:]
+            out = np.empty((m, n), np.float32)
+            assert blas.gemm(a.T if ta else a, b.T if tb else b, out) and used == [True], (m, k, n)
+            assert np.all(out == k)
+        # outside the ranges MKL makes them: one row, one column, a deep small m, a wide small n
+        for (m, k, n), shape in (((1, 64, 4096), "row"), ((64, 4096, 1), "column"), ((8, 2048, 64), "deep"),
+                                 ((64, 4096, 8), "wide")):
+            del used[:]
+            assert blas.gemm(np.ones((m, k), np.float32), np.ones((k, n), np.float32), np.empty((m, n), np.float32))
+            assert not any(used), shape
+        print("checked", checked, "skinny", skinny)
+    """)
+    assert "checked 288" in r.stdout, r.stdout
+    skinny = int(r.stdout.split("skinny")[1])
+    assert skinny >= 100, r.stdout
+
+
+@needs_mkl
 def test_a_model_trains_through_the_daemon_on_mkl_as_on_numpy():
     """A Linear layer's forward and backward through the embedded daemon, against float64 numpy, and the step's
     first loss the same (within float32) with MKL and with numpy's BLAS."""

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
+from deepxd.kernels.cpu import native as _native
 from deepxd.kernels.cpu._util import address as _address
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,12 @@ _FLIP = {_NO_TRANS: _TRANS, _TRANS: _NO_TRANS}
 #: a 2-D product with this many columns (inclusive range), at least NARROW_ROWS rows and a depth (the summed dim)
 #: of at least NARROW_DEPTH is made as its transpose (few x rows), which MKL makes 1.2-2.5x faster (a classifier's
 #: logits: 256 x 512 @ 512 x 10 in 41 us instead of 75); with a shallow depth, or 16 columns and up, the product as
-#: it is does better (bench/kernels.py)
+#: it is does better (bench/kernels.py). The native skinny loops (native.SKINNY) take most of these first.
 NARROW = (4, 15)
 NARROW_ROWS = 64
 NARROW_DEPTH = 256
 _INT_MAX = (1 << 31) - 1  # MKL's LP64 interface: 32-bit sizes
+_SMALL = _native.SKINNY[1]  # a product with a dimension this small or smaller may be skinny (native.small_product)
 
 _lock = threading.Lock()
 _mode = os.environ.get("DEEPX_BLAS", "auto").strip().lower() or "auto"
@@ -93,9 +95,7 @@ def set_mode(mode: str) -> None:
                 _tried = False  # looked for again under the new mode
             elif mode == "numpy":
                 _mkl, _why = None, "blas = numpy"  # the loaded library stays loaded, unused
-    from deepxd.kernels.cpu import native
-
-    native.set_split(mode != "numpy")  # kernels built with OpenMP run their serial loops under numpy's BLAS
+    _native.set_split(mode != "numpy")  # kernels built with OpenMP run their serial loops under numpy's BLAS
     if mode == "mkl" and mkl() is None:
         raise DeepxError(f"blas = mkl, but MKL cannot be loaded: {_why} (pip install 'deepx[mkl]')")
 
@@ -265,6 +265,9 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
         return False
     single = dt is _F32
     if nd == 2:
+        if (m <= _SMALL or n <= _SMALL or k <= _SMALL) and _native.small_product(
+                a, b, out, la[0] == _TRANS, la[1], lb[0] == _TRANS, lb[1]):
+            return True  # one dimension of a few: the native loops (native.SKINNY)
         fn = lib.cblas_sgemm if single else lib.cblas_dgemm
         if NARROW[0] <= n <= NARROW[1] and m >= NARROW_ROWS and k >= NARROW_DEPTH:
             # a few columns, deep (a classifier's logits): the transposed product, then its transpose into out

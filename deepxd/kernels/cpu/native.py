@@ -514,6 +514,117 @@ void padam_##S(long n, const T *p, const T *g, const T *m, const T *v, T *po, T 
 PRELU(float, f32) PRELU(double, f64)
 PSGD(float, f32) PSGD(double, f64)
 PADAM(float, f32) PADAM(double, f64)
+""" + r"""
+/* Skinny products (blas.gemm's SKINNY): out = a @ b, row-major m x n, where one of m, n, k is at most 16, which MKL
+   makes at a fifth of its speed on square ones (a classifier's logits and their gradients). Each output element is
+   made by one thread in one fixed order (64-byte vectors of partial sums, then their lanes in a tree), so the bits
+   do not depend on the number of threads. Multiply-adds are fused here (the only kernels where they are: a product's
+   order differs from numpy's anyway, as MKL's does). The vector types are GCC's: on a machine without AVX-512 the
+   compiler splits them into narrower instructions. */
+typedef float dx_vf32 __attribute__((vector_size(64), aligned(4)));
+typedef double dx_vf64 __attribute__((vector_size(64), aligned(8)));
+#if defined(__GNUC__) && !defined(__clang__)
+#define DX_FMA __attribute__((optimize("fp-contract=fast")))
+#else
+#define DX_FMA
+#endif
+/* n <= 16 columns: out[i, j] = sum_p a[i*lda + p] * bt[j*ldb + p], the N rows of bt kept in the first-level cache */
+#define SMALLN_ROWS(T, S, V, W, N) \
+DX_FMA static void smalln_##S##_##N(long m0, long m1, long k, const T *a, long lda, const T *bt, long ldb, T *out) { \
+    for (long i = m0; i < m1; i++) { \
+        const T *ar = a + i * lda; \
+        V acc[N]; \
+        _Pragma("GCC unroll 16") for (int j = 0; j < N; j++) acc[j] = (V){0}; \
+        long p = 0; \
+        for (; p + W <= k; p += W) { \
+            V x = *(const V *)(ar + p); \
+            _Pragma("GCC unroll 16") for (int j = 0; j < N; j++) acc[j] += x * *(const V *)(bt + j * ldb + p); \
+        } \
+        for (int j = 0; j < N; j++) { \
+            T h[W]; \
+            memcpy(h, &acc[j], sizeof h); \
+            for (int w = W / 2; w >= 1; w /= 2) for (int l = 0; l < w; l++) h[l] += h[l + w]; \
+            T s = h[0]; \
+            for (long q = p; q < k; q++) s += ar[q] * bt[j * ldb + q]; \
+            out[i * N + j] = s; \
+        } \
+    } \
+}
+/* k <= 16: out[i, j] = a(i, 0) * b[j] + a(i, 1) * b[ldb + j] + ..., a(i, p) = a[i*sar + p*sac] */
+#define SMALLK(T, S, V, W) \
+DX_FMA static void smallk_rows_##S(long m0, long m1, long n, long k, const T *a, long sar, long sac, const T *b, \
+                                   long ldb, T *out) { \
+    for (long i = m0; i < m1; i++) { \
+        T av[16]; \
+        for (long p = 0; p < k; p++) av[p] = a[i * sar + p * sac]; \
+        T *o = out + i * n; \
+        long j = 0; \
+        for (; j + 4 * W <= n; j += 4 * W) { \
+            V acc[4]; \
+            for (int q = 0; q < 4; q++) acc[q] = av[0] * *(const V *)(b + j + q * W); \
+            for (long p = 1; p < k; p++) { \
+                const T *bp = b + p * ldb + j; T x = av[p]; \
+                for (int q = 0; q < 4; q++) acc[q] += x * *(const V *)(bp + q * W); \
+            } \
+            for (int q = 0; q < 4; q++) *(V *)(o + j + q * W) = acc[q]; \
+        } \
+        for (; j < n; j++) { T s = av[0] * b[j]; for (long p = 1; p < k; p++) s += av[p] * b[p * ldb + j]; o[j] = s; } \
+    } \
+} \
+void smallk_##S(long m, long n, long k, const T *a, long sar, long sac, const T *b, long ldb, T *out) { \
+    _Pragma("omp parallel") { \
+        long t = omp_get_thread_num(), c = omp_get_num_threads(); \
+        smallk_rows_##S(m * t / c, m * (t + 1) / c, n, k, a, sar, sac, b, ldb, out); \
+    } \
+}
+/* m <= 16 rows: out[r, j] = sum_p a(r, p) * b[p*ldb + j], blocks of 2W columns shared among the threads */
+#define SMALLM_COLS(T, S, V, W, M) \
+DX_FMA static void smallm_##S##_##M(long j0, long j1, long n, long k, const T *a, long sar, long sac, const T *b, \
+                                    long ldb, T *out) { \
+    long j = j0; \
+    for (; j + 2 * W <= j1; j += 2 * W) { \
+        V acc[M][2]; \
+        _Pragma("GCC unroll 16") for (int r = 0; r < M; r++) { acc[r][0] = (V){0}; acc[r][1] = (V){0}; } \
+        for (long p = 0; p < k; p++) { \
+            const T *bp = b + p * ldb + j; V b0 = *(const V *)bp, b1 = *(const V *)(bp + W); \
+            _Pragma("GCC unroll 16") for (int r = 0; r < M; r++) { \
+                T x = a[r * sar + p * sac]; acc[r][0] += x * b0; acc[r][1] += x * b1; \
+            } \
+        } \
+        for (int r = 0; r < M; r++) { *(V *)(out + r * n + j) = acc[r][0]; *(V *)(out + r * n + j + W) = acc[r][1]; } \
+    } \
+    for (; j < j1; j++) \
+        for (int r = 0; r < M; r++) { \
+            T s = 0; for (long p = 0; p < k; p++) s += a[r * sar + p * sac] * b[p * ldb + j]; out[r * n + j] = s; \
+        } \
+}
+#define DX_16(F, T, S, V, W) F(T,S,V,W,1) F(T,S,V,W,2) F(T,S,V,W,3) F(T,S,V,W,4) F(T,S,V,W,5) F(T,S,V,W,6) \
+    F(T,S,V,W,7) F(T,S,V,W,8) F(T,S,V,W,9) F(T,S,V,W,10) F(T,S,V,W,11) F(T,S,V,W,12) F(T,S,V,W,13) F(T,S,V,W,14) \
+    F(T,S,V,W,15) F(T,S,V,W,16)
+#define DX_CASES(C, S) C(S,1) C(S,2) C(S,3) C(S,4) C(S,5) C(S,6) C(S,7) C(S,8) C(S,9) C(S,10) C(S,11) C(S,12) \
+    C(S,13) C(S,14) C(S,15) default: C(S,16)
+#define CASE_N(S, N) case N: smalln_##S##_##N(m * t / c, m * (t + 1) / c, k, a, lda, bt, ldb, out); break;
+#define CASE_M(S, M) case M: smallm_##S##_##M(j0, j1, n, k, a, sar, sac, b, ldb, out); break;
+#define SKINNY(T, S, V, W) \
+DX_16(SMALLN_ROWS, T, S, V, W) \
+void smalln_##S(long m, long n, long k, const T *a, long lda, const T *bt, long ldb, T *out) { \
+    _Pragma("omp parallel") { \
+        long t = omp_get_thread_num(), c = omp_get_num_threads(); \
+        switch (n) { DX_CASES(CASE_N, S) } \
+    } \
+} \
+SMALLK(T, S, V, W) \
+DX_16(SMALLM_COLS, T, S, V, W) \
+void smallm_##S(long m, long n, long k, const T *a, long sar, long sac, const T *b, long ldb, T *out) { \
+    _Pragma("omp parallel") { \
+        long t = omp_get_thread_num(), c = omp_get_num_threads(), blocks = (n + 2 * W - 1) / (2 * W); \
+        long j0 = blocks * t / c * 2 * W, j1 = t + 1 < c ? blocks * (t + 1) / c * 2 * W : n; \
+        if (j0 > n) j0 = n; \
+        if (j1 > n) j1 = n; \
+        switch (m) { DX_CASES(CASE_M, S) } \
+    } \
+}
+SKINNY(float, f32, dx_vf32, 16) SKINNY(double, f64, dx_vf64, 8)
 """
 
 _PTR = ctypes.c_void_p
@@ -604,6 +715,13 @@ def _build_core() -> dict[str, Any] | None:
                 f = getattr(lib, f"p{name}_{s}")
                 f.argtypes, f.restype = fns[f"{name}_{s}"].argtypes, None
                 fns[f"p{name}_{s}"] = f
+            f = getattr(lib, f"smalln_{s}")  # the skinny products (small_product)
+            f.argtypes, f.restype = [_LONG, _LONG, _LONG, _PTR, _LONG, _PTR, _LONG, _PTR], None
+            fns[f"smalln_{s}"] = f
+            for name in ("smallk", "smallm"):
+                f = getattr(lib, f"{name}_{s}")
+                f.argtypes, f.restype = [_LONG, _LONG, _LONG, _PTR, _LONG, _LONG, _PTR, _LONG, _PTR], None
+                fns[f"{name}_{s}"] = f
     _core_fns = fns
     return fns
 
@@ -678,6 +796,52 @@ def _split_call(fns: dict[str, Any], name: str, n: int, base: Sequence[int], res
     fn(hi - lo, *base, *rest)
     for f in futures:
         f.result()
+
+
+#: skinny products (small_product): which shapes go to the native loops instead of MKL, as measured on the MLP's
+#: classifier layer and a grid of sizes (bench/kernels.py, `skinny`): k of 2-12 (m x n outputs of 4096 or more);
+#: n of 2-12 columns whose rows of b (n x k) fit in 20 KB, the first-level cache; m of 2-12 rows, depth up to 1024.
+#: Outside these MKL was as fast or faster (one column or row is a matrix-vector product, which it does well).
+SKINNY = (2, 12)
+SKINNY_OUT = 1 << 12
+SKINNY_B_BYTES = 20 << 10
+SKINNY_DEPTH = 1024
+
+
+def small_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, ta: bool, lda: int, tb: bool, ldb: int) -> bool:
+    """out = a @ b (2-D, float32 or float64, out C-contiguous and apart from both) on the skinny products' loops
+    when its shape is one they make faster than MKL (SKINNY); False where MKL must. ta, tb: a, b are read
+    column-major (transposed views) with leading dimensions lda, ldb (blas._layout's answer)."""
+    m, k = a.shape
+    n = b.shape[1]
+    lo, hi = SKINNY
+    if not _split_on:
+        return False
+    if lo <= k <= hi and m * n >= SKINNY_OUT:
+        kind = "smallk"
+    elif lo <= n <= hi and not ta and n * k * out.itemsize <= SKINNY_B_BYTES:
+        kind = "smalln"
+    elif lo <= m <= hi and not tb and k <= SKINNY_DEPTH:
+        kind = "smallm"
+    else:
+        return False
+    fns = _core()
+    if fns is None:
+        return False
+    fn = fns.get(f"{kind}_{SUFFIX[out.dtype]}")
+    if fn is None:  # built without OpenMP
+        return False
+    if kind == "smallk":
+        if tb:  # k rows of b, copied to be read along them
+            b = np.ascontiguousarray(b)
+            ldb = n
+        fn(m, n, k, _address(a), 1 if ta else lda, lda if ta else 1, _address(b), ldb, _address(out))
+    elif kind == "smalln":
+        bt = b if tb else np.ascontiguousarray(b.T)  # n rows of k: b's columns
+        fn(m, n, k, _address(a), lda, _address(bt), ldb if tb else k, _address(out))
+    else:
+        fn(m, n, k, _address(a), 1 if ta else lda, lda if ta else 1, _address(b), ldb, _address(out))
+    return True
 
 
 def relu(a: np.ndarray, out: np.ndarray) -> bool:
