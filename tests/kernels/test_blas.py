@@ -107,23 +107,28 @@ def test_skinny_products_on_the_native_loops_agree_with_a_float64_reference():
             return done
         native.small_product = spy
         omp = ctypes.CDLL(None)  # libiomp5, loaded globally by blas
+        threads = omp.omp_get_max_threads()
         rng = np.random.default_rng(3)
         # (m, k, n): small k, small n, small m (the MLP's classifier layer and its gradients first), at the ends of
         # native.SKINNY's ranges, with tails of k, n and m that are not whole vectors, and just outside the ranges
-        cases = [(256, 10, 512), (256, 512, 10), (10, 256, 512), (64, 2, 64), (100, 12, 77), (3, 7, 2000),
-                 (64, 64, 2), (1000, 300, 12), (333, 17, 5), (2, 1024, 33), (12, 100, 1000), (5, 33, 17),
-                 (64, 13, 64), (64, 1, 4096), (1, 64, 4096), (13, 64, 64), (64, 64, 13), (8, 1025, 64)]
-        assert native.SKINNY == (2, 12) and native.SKINNY_DEPTH == 1024
-        checked = skinny = 0
+        skinny_cases = [(256, 10, 512), (256, 512, 10), (10, 256, 512), (64, 2, 64), (100, 12, 77), (3, 7, 2000),
+                        (64, 64, 2), (1000, 300, 12), (333, 17, 5), (12, 100, 1024), (5, 33, 64), (33, 17, 5),
+                        (4, 1024, 32), (1, 40, 12)]
+        other_cases = [(2, 1024, 33), (64, 13, 64), (64, 1, 4096), (1, 64, 4096), (13, 64, 64), (64, 64, 13),
+                       (8, 1025, 64), (4096, 4, 1), (2048, 4, 20), (12, 1024, 40), (2, 1024, 4096)]
+        assert native.SKINNY == (2, 12) and native.SKINNY_DEPTH == 1024 and native.SKINNY_M == 4
+        checked = 0
         for dt, tol in ((np.float32, 1e-5), (np.float64, 1e-13)):
-            for m, k, n in cases:
+            for m, k, n in skinny_cases + other_cases:
                 for ta in (False, True):
                     for tb in (False, True):
-                        for pad in (0, 3):  # rows (or columns) of a larger array: a leading dimension of its own
-                            a = rng.standard_normal((k, m + pad) if ta else (m, k + pad)).astype(dt)
-                            b = rng.standard_normal((n, k + pad) if tb else (k, n + pad)).astype(dt)
+                        for pad in (0, 3):  # rows (or columns) of a larger array, NaN beyond them: read, it shows
+                            a = np.full((k, m + pad) if ta else (m, k + pad), np.nan, dt)
+                            b = np.full((n, k + pad) if tb else (k, n + pad), np.nan, dt)
                             a = a[:, :m].T if ta else a[:, :k]
                             b = b[:, :k].T if tb else b[:, :n]
+                            a[...] = rng.standard_normal(a.shape)
+                            b[...] = rng.standard_normal(b.shape)
                             ref = a.astype(np.float64) @ b.astype(np.float64)
                             out = np.full((m, n), np.nan, dt)
                             del used[:]
@@ -131,14 +136,17 @@ def test_skinny_products_on_the_native_loops_agree_with_a_float64_reference():
                             scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
                             assert np.all(np.abs(out - ref) <= tol * scale + tol), (m, k, n, ta, tb, pad, dt)
                             checked += 1
-                            if used and used[0]:
-                                skinny += 1
-                                # one thread or two: the same bits
-                                omp.omp_set_num_threads(1)
-                                one = np.full((m, n), np.nan, dt)
-                                assert blas.gemm(a, b, one)
-                                omp.omp_set_num_threads(2)
-                                assert one.tobytes() == out.tobytes(), (m, k, n, ta, tb, pad, dt)
+                            skinny = bool(used and used[0])
+                            if (m, k, n) in other_cases:
+                                assert not skinny, ("skinny", m, k, n, ta, tb, dt)
+                            if skinny:
+                                # one thread, or more threads than rows or blocks of columns: the same bits
+                                for t in (1, 7):
+                                    omp.omp_set_num_threads(t)
+                                    again = np.full((m, n), np.nan, dt)
+                                    assert blas.gemm(a, b, again)
+                                    assert again.tobytes() == out.tobytes(), (t, m, k, n, ta, tb, pad, dt)
+                                omp.omp_set_num_threads(threads)
         # the classifier layer's three products are skinny in every layout its forward and backward use
         for m, k, n, ta, tb in ((256, 512, 10, False, True), (256, 10, 512, False, False), (10, 256, 512, True, False)):
             a = np.ones((k, m) if ta else (m, k), np.float32)
@@ -147,17 +155,37 @@ def test_skinny_products_on_the_native_loops_agree_with_a_float64_reference():
             out = np.empty((m, n), np.float32)
             assert blas.gemm(a.T if ta else a, b.T if tb else b, out) and used == [True], (m, k, n)
             assert np.all(out == k)
-        # outside the ranges MKL makes them: one row, one column, a deep small m, a wide small n
-        for (m, k, n), shape in (((1, 64, 4096), "row"), ((64, 4096, 1), "column"), ((8, 2048, 64), "deep"),
-                                 ((64, 4096, 8), "wide")):
-            del used[:]
-            assert blas.gemm(np.ones((m, k), np.float32), np.ones((k, n), np.float32), np.empty((m, n), np.float32))
-            assert not any(used), shape
-        print("checked", checked, "skinny", skinny)
+        # native kernels switched off: MKL makes them
+        native.set_enabled(False)
+        del used[:]
+        ones = np.ones((256, 512), np.float32)
+        assert blas.gemm(ones, ones[:10].T, np.empty((256, 10), np.float32))
+        assert used == [False]
+        native.set_enabled(True)
+        print("checked", checked)
     """)
-    assert "checked 288" in r.stdout, r.stdout
-    skinny = int(r.stdout.split("skinny")[1])
-    assert skinny >= 100, r.stdout
+    assert "checked 400" in r.stdout, r.stdout
+
+
+@needs_mkl
+def test_a_skinny_product_has_its_bits_from_the_first_call():
+    """The native loops give other bits than MKL: the library is had on the spot, not after a background build."""
+    r = _script("""
+        import numpy as np
+        from deepxd.kernels.cpu import blas, native
+        assert native._background and native._core_fns is None
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((256, 512)).astype(np.float32)
+        w = rng.standard_normal((10, 512)).astype(np.float32)
+        first = np.empty((256, 10), np.float32)
+        assert blas.gemm(a, w.T, first)
+        assert native.wait_builds(60)
+        later = np.empty((256, 10), np.float32)
+        assert blas.gemm(a, w.T, later)
+        assert first.tobytes() == later.tobytes()
+        print("same")
+    """, DEEPX_NATIVE_BACKGROUND="1")
+    assert "same" in r.stdout
 
 
 @needs_mkl

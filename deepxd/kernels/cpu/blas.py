@@ -46,7 +46,7 @@ NARROW = (4, 15)
 NARROW_ROWS = 64
 NARROW_DEPTH = 256
 _INT_MAX = (1 << 31) - 1  # MKL's LP64 interface: 32-bit sizes
-_SMALL = _native.SKINNY[1]  # a product with a dimension this small or smaller may be skinny (native.small_product)
+_SMALL = _native.SKINNY_MAX  # a product with a dimension this small or smaller may be skinny (native.small_product)
 
 _lock = threading.Lock()
 _mode = os.environ.get("DEEPX_BLAS", "auto").strip().lower() or "auto"

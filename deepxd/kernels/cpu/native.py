@@ -515,7 +515,7 @@ PRELU(float, f32) PRELU(double, f64)
 PSGD(float, f32) PSGD(double, f64)
 PADAM(float, f32) PADAM(double, f64)
 """ + r"""
-/* Skinny products (blas.gemm's SKINNY): out = a @ b, row-major m x n, where one of m, n, k is at most 16, which MKL
+/* Skinny products (native.SKINNY): out = a @ b, row-major m x n, where one of m, n, k is at most 16, which MKL
    makes at a fifth of its speed on square ones (a classifier's logits and their gradients). Each output element is
    made by one thread in one fixed order (64-byte vectors of partial sums, then their lanes in a tree), so the bits
    do not depend on the number of threads. Multiply-adds are fused here (the only kernels where they are: a product's
@@ -799,33 +799,44 @@ def _split_call(fns: dict[str, Any], name: str, n: int, base: Sequence[int], res
 
 
 #: skinny products (small_product): which shapes go to the native loops instead of MKL, as measured on the MLP's
-#: classifier layer and a grid of sizes (bench/kernels.py, `skinny`): k of 2-12 (m x n outputs of 4096 or more);
-#: n of 2-12 columns whose rows of b (n x k) fit in 20 KB, the first-level cache; m of 2-12 rows, depth up to 1024.
-#: Outside these MKL was as fast or faster (one column or row is a matrix-vector product, which it does well).
+#: classifier layer and a grid of sizes (bench/kernels.py, `skinny`):
+#:   k of 2-12, with m x n outputs of 4096 or more and rows of at least 256 bytes (64 float32 columns);
+#:   n of 2-12 columns whose rows of b (n x k) fit in 20 KB, the first-level cache;
+#:   m of 4-12 rows, a depth up to 1024, and rows made of whole 128-byte blocks (32 float32 columns).
+#: Outside these MKL was as fast or faster (one column or row is a matrix-vector product, which it does well; the
+#: loops' scalar tails are slow). The C loops take at most 16 (SKINNY_MAX).
 SKINNY = (2, 12)
+SKINNY_MAX = 16
 SKINNY_OUT = 1 << 12
+SKINNY_ROW_BYTES = 256
 SKINNY_B_BYTES = 20 << 10
+SKINNY_M = 4
 SKINNY_DEPTH = 1024
+SKINNY_BLOCK_BYTES = 128
 
 
 def small_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, ta: bool, lda: int, tb: bool, ldb: int) -> bool:
     """out = a @ b (2-D, float32 or float64, out C-contiguous and apart from both) on the skinny products' loops
     when its shape is one they make faster than MKL (SKINNY); False where MKL must. ta, tb: a, b are read
-    column-major (transposed views) with leading dimensions lda, ldb (blas._layout's answer)."""
+    column-major (transposed views) with leading dimensions lda, ldb (blas._layout's answer).
+
+    The loops give other bits than MKL, so the library is built (or loaded from the cache) on the spot the first
+    time, not in the background: a product never changes its bits because a build has finished meanwhile."""
+    if not _split_on or not _enabled:
+        return False
     m, k = a.shape
     n = b.shape[1]
-    lo, hi = SKINNY
-    if not _split_on:
-        return False
-    if lo <= k <= hi and m * n >= SKINNY_OUT:
+    lo, hi = SKINNY[0], min(SKINNY[1], SKINNY_MAX)
+    item = out.itemsize
+    if lo <= k <= hi and m * n >= SKINNY_OUT and n * item >= SKINNY_ROW_BYTES:
         kind = "smallk"
-    elif lo <= n <= hi and not ta and n * k * out.itemsize <= SKINNY_B_BYTES:
+    elif lo <= n <= hi and not ta and n * k * item <= SKINNY_B_BYTES:
         kind = "smalln"
-    elif lo <= m <= hi and not tb and k <= SKINNY_DEPTH:
+    elif max(lo, SKINNY_M) <= m <= hi and not tb and k <= SKINNY_DEPTH and not (n * item) % SKINNY_BLOCK_BYTES:
         kind = "smallm"
     else:
         return False
-    fns = _core()
+    fns = _core_fns if _core_fns is not None else _build_core()
     if fns is None:
         return False
     fn = fns.get(f"{kind}_{SUFFIX[out.dtype]}")
