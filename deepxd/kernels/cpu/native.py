@@ -72,6 +72,9 @@ FUSED_MIN = 1 << 15
 BROADCAST_MIN = 256
 #: optimizer updates run on numpy below this many elements
 UPDATE_MIN = 1 << 15
+#: ...except an sgd step of a program run again and again (sgd_call), which runs natively from this many: its checks
+#: are made once, and inside the MLP step numpy's three passes over a cold bias of 512 took 11-26 us, the loop 2-3
+SGD_CALL_MIN = 1
 #: sums over leading axes (colsum) run on numpy below this many elements; a bias gradient of 256x10 (2560 values)
 #: took 17 us in C against 28-30 us on numpy inside the MLP step
 COLSUM_MIN = 1 << 11
@@ -907,7 +910,7 @@ def sgd_call(dt: np.dtype, n: int, lr: float, momentum: float, dampening: float,
     and runs it, or returns False where `sgd` must decide (an output that is not its input, arrays that overlap).
     None where the native loop would not run at all."""
     dt = np.dtype(dt)
-    if dt not in SUFFIX or n < UPDATE_MIN or not available():
+    if dt not in SUFFIX or n < SGD_CALL_MIN or not available():
         return None
     name = f"sgd_{SUFFIX[dt]}"
     loops: list[Any] = []  # [split, serial], found at the first call after the fixed library is built
