@@ -90,7 +90,9 @@ def test_embedding(rng: np.random.Generator, padding_idx: int | None) -> None:
 
 def test_embedding_init_is_standard_normal() -> None:
     w = nn.Embedding(1000, 20).weight.numpy()
-    assert abs(w.mean()) < 0.02 and abs(w.std() - 1.0) < 0.02
+    # five standard errors of a standard normal's mean and std over 20,000 draws (the init is not seeded here: two
+    # and a half, the old bound, failed about one run in a hundred)
+    assert abs(w.mean()) < 5 / np.sqrt(w.size) and abs(w.std() - 1.0) < 5 / np.sqrt(2 * w.size)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
