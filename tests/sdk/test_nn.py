@@ -90,8 +90,8 @@ def test_embedding(rng: np.random.Generator, padding_idx: int | None) -> None:
 
 def test_embedding_init_is_standard_normal() -> None:
     w = nn.Embedding(1000, 20).weight.numpy()
-    # five standard errors of a standard normal's mean and std over 20,000 draws (the init is not seeded here: two
-    # and a half, the old bound, failed about one run in a hundred)
+    # five standard errors of a standard normal's mean and std over 20,000 draws (the init is not seeded here: 0.02,
+    # the old bound, was 2.8 of them for the mean and failed about one run in two hundred)
     assert abs(w.mean()) < 5 / np.sqrt(w.size) and abs(w.std() - 1.0) < 5 / np.sqrt(2 * w.size)
 
 

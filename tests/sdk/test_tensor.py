@@ -129,7 +129,9 @@ def test_randn_statistics():
     x = dx.randn(200, 1000)
     assert (x.shape, x.dtype) == ((200, 1000), "float32")
     a = x.numpy().reshape(-1)
-    assert abs(a.mean()) < 0.01
+    # five standard errors of a standard normal's mean over 200,000 draws (randn is not seeded here: 0.01, the old
+    # bound, was four and a half)
+    assert abs(a.mean()) < 5 / np.sqrt(a.size)
     assert abs(a.std() - 1.0) < 0.01
     assert abs(np.mean(np.abs(a) < 1.0) - 0.6827) < 0.01
     assert abs(np.mean(a**3)) < 0.05  # symmetric
