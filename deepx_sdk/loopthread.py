@@ -38,12 +38,15 @@ from _signal import getsignal as _getsignal  # signal.getsignal and .signal with
 from _signal import signal as _setsignal
 from asyncio import events
 from collections.abc import Callable, Coroutine
+from types import CoroutineType
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 #: how long `call` waits for the loop's thread to go to sleep before it sends the coroutine there instead
 TURN_WAIT_S = 0.002
+#: what `LoopThread.now` answers where it ran nothing
+NOT_NOW = object()
 
 
 class _TurnSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
@@ -158,21 +161,56 @@ class LoopThread:
 
     def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """`coro`'s result: run on this thread while the loop's thread sleeps where it can, else sent to it."""
-        global _held, _caught
+        try:
+            self._check_thread()
+        except RuntimeError:
+            coro.close()
+            raise
+        return self._borrow(lambda: self._first_step(coro), lambda: self.send(coro))
+
+    def now(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), a plain function that works on the loop's actors, on this thread while the loop's thread
+        sleeps, with no task and no loop step: where it returns a coroutine, that goes on as `call` runs one (its
+        first step at once, under the same turn). NOT_NOW, with nothing run, where the loop cannot be borrowed now
+        (its thread is busy or has work left waiting, a SIGINT handler of the program's own is set): the caller
+        then goes the usual way (`call`)."""
+        self._check_thread()
+
+        def step() -> tuple[concurrent.futures.Future[Any] | None, Any]:
+            entered = self._enter()
+            try:
+                value = fn(*args)
+            finally:
+                self._leave(entered)
+            if isinstance(value, CoroutineType):
+                return self._first_step(value)
+            self.borrowed += 1
+            return None, value
+
+        return self._borrow(step, lambda: NOT_NOW)
+
+    def _check_thread(self) -> None:
         me = threading.get_ident()
         if me == self._owner or (self.thread is not None and me == self.thread.ident):
-            coro.close()
             raise RuntimeError("a call into the embedded deepxd from inside one of its own runs (a callback or a "
                                "log handler?) would wait for itself")
+
+    def _borrow(self, step: Callable[[], tuple[concurrent.futures.Future[Any] | None, Any]],
+                refuse: Callable[[], Any]) -> Any:
+        """step() with the turn held (this thread then stands in for the loop's), the first Ctrl-C held back until
+        it is done; what it left waiting is waited for after the turn is given back. refuse() where the turn is not
+        to be had."""
+        global _held, _caught
+        me = threading.get_ident()
         if self._ready is None or self.loop.get_debug() or (
                 self._woken_at is not None and self._woken_at == self.selector.sleeps):
-            return self.send(coro)  # the last borrowed run left the loop's thread work that it has not done yet
+            return refuse()  # the last borrowed run left the loop's thread work that it has not done yet
         self._woken_at = None
         handler: Any = None
         if me == _MAIN:
             handler = _getsignal(_SIGINT)
             if handler is not signal.default_int_handler and handler is not _on_sigint:
-                return self.send(coro)  # a handler of the program's own may raise anywhere: not inside the actors
+                return refuse()  # a handler of the program's own may raise anywhere: not inside the actors
             if handler is not _on_sigint:
                 _setsignal(_SIGINT, _on_sigint)
             _held += 1
@@ -183,7 +221,7 @@ class LoopThread:
             got = self.turn.acquire(timeout=TURN_WAIT_S)
             if got:
                 self._owner = me
-                wait, value = self._first_step(coro)
+                wait, value = step()
         finally:
             if got:
                 self._owner = None
@@ -197,19 +235,34 @@ class LoopThread:
                         _caught = False
                         raise KeyboardInterrupt
         if not got:
-            return self.send(coro)
+            return refuse()
         return wait.result() if wait is not None else value
+
+    def _enter(self) -> tuple[Any, Any]:
+        """This thread as the loop's, for a borrowed step: the loop set as the running one. What _leave needs."""
+        timers: Any = getattr(self.loop, "_scheduled", ())
+        previous = events._get_running_loop()
+        events._set_running_loop(self.loop)
+        return previous, (timers[0] if timers else None)
+
+    def _leave(self, entered: tuple[Any, Any]) -> None:
+        """After a borrowed step: the running loop as it was; the loop's thread woken where the step left it
+        callbacks or timers (and the next call sent to it until it has done them)."""
+        previous, first_timer = entered
+        events._set_running_loop(previous)
+        timers: Any = getattr(self.loop, "_scheduled", ())
+        if self._ready or (timers[0] if timers else None) is not first_timer:
+            self.woken += 1
+            self._woken_at = self.selector.sleeps
+            self.loop.call_soon_threadsafe(_noop)  # wakes the loop's thread, which sleeps for as long as it knew of
 
     def _first_step(self, coro: Coroutine[Any, Any, Any]) -> tuple[concurrent.futures.Future[Any] | None, Any]:
         """With the turn held: make `coro` a task of the loop and run its first step on this thread. (None, its
         result) when that finished it (or its error raised); else (the future its result will come to, None)."""
-        loop, ready = self.loop, self._ready
-        timers: Any = getattr(loop, "_scheduled", ())
-        first_timer = timers[0] if timers else None
-        previous = events._get_running_loop()
-        events._set_running_loop(loop)
+        ready = self._ready
+        entered = self._enter()
         try:
-            task = loop.create_task(coro)
+            task = self.loop.create_task(coro)
             if ready and getattr(ready[-1]._callback, "__self__", None) is task:  # its first step, queued just now
                 try:
                     ready.pop()._run()
@@ -218,11 +271,7 @@ class LoopThread:
                         task.exception()
                     raise
         finally:
-            events._set_running_loop(previous)
-            if ready or (timers[0] if timers else None) is not first_timer:
-                self.woken += 1
-                self._woken_at = self.selector.sleeps
-                loop.call_soon_threadsafe(_noop)  # wakes the loop's thread, which sleeps for as long as it knew of
+            self._leave(entered)
         if not task.done():
             self.resumed += 1
             wait: concurrent.futures.Future[Any] = concurrent.futures.Future()

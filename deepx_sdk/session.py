@@ -30,7 +30,7 @@ import numpy as np
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param, same_program, scalar_kinds
 from deepx_sdk.ir.text import format_text
-from deepx_sdk.loopthread import LoopThread
+from deepx_sdk.loopthread import NOT_NOW, LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +234,14 @@ class EmbeddedTransport(Transport):
 
     def run(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] = ()
             ) -> Outcome:
-        r = self._call(self.node.ref("scheduler").ask("run", program=list(program), fetch=list(fetch),
-                                                      backwards=list(backwards) or None))
+        program, fetch, marks = list(program), list(fetch), list(backwards) or None
+        if not self.runner.alive():
+            raise DeepxError("the embedded deepxd has stopped; call dx.connect() again")
+        # a step the scheduler has run before, straight to the worker with no event loop step where it can be
+        # (Scheduler.run_now); else the ask, as any other
+        r = self.runner.now(self.node.ref("scheduler")._actor.run_now, program, fetch, marks)
+        if r is None or r is NOT_NOW:
+            r = self._call(self.node.ref("scheduler").ask("run", program=program, fetch=fetch, backwards=marks))
         return Outcome(not r.error, r.done, r.error or None, r.error_index, r.tensors, r.output)
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:

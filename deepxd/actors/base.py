@@ -113,15 +113,19 @@ class Actor:
                 self._busy = False
                 self._idle.set()
 
-    async def _direct(self, name: str, kwargs: dict[str, Any]) -> Any:
+    def idle(self) -> bool:
+        """Nothing being handled and nothing waiting: an ask would be answered directly (_direct)."""
+        return not self._busy and self.state == "running" and self.mailbox.empty()
+
+    async def _direct(self, name: str, kwargs: dict[str, Any], handler: Any = None) -> Any:
         """Answer an ask in the asker's task: only while the mailbox is empty and nothing is being handled, so
-        messages are still handled one at a time and in order; it saves two trips through the event loop."""
-        self._busy = True
-        self._idle.clear()
-        handler = self._handlers.get(name)
+        messages are still handled one at a time and in order; it saves two trips through the event loop.
+        handler: what answers it, where not on_<name> (the rest of a run begun by `now`)."""
+        t0 = self._begin()
         if handler is None:
-            handler = self._handlers[name] = getattr(self, f"on_{name}", None)
-        t0 = time.perf_counter()
+            handler = self._handlers.get(name)
+            if handler is None:
+                handler = self._handlers[name] = getattr(self, f"on_{name}", None)
         try:
             if handler is None:
                 raise DeepxError(f"{self.name}: unknown message '{name}'")
@@ -129,19 +133,42 @@ class Actor:
             if type(result) is CoroutineType or inspect.isawaitable(result):
                 result = await result
             return result
-        except ActorCrash as e:
-            self._count_error(name, e)
-            self.mailbox.put_nowait(Envelope(_CRASH, {"exc": e}, None))  # the actor's own task crashes on it
-            raise
         except Exception as e:
-            self._count_error(name, e)
+            self._failed(name, e)
             raise
         finally:
-            self._busy = False
-            self._idle.set()
-            self.stats.handled += 1
-            self.stats.busy_s += time.perf_counter() - t0
-            self.stats.by_message[name] = self.stats.by_message.get(name, 0) + 1
+            self._end(name, t0)
+
+    def now(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Answer message `name` with fn(*args), a plain function, where the actor is idle(): as _direct answers an
+        ask, with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the embedded daemon's
+        fast path)."""
+        t0 = self._begin()
+        try:
+            return fn(*args)
+        except Exception as e:
+            self._failed(name, e)
+            raise
+        finally:
+            self._end(name, t0)
+
+    def _begin(self) -> float:
+        self._busy = True
+        self._idle.clear()
+        return time.perf_counter()
+
+    def _end(self, name: str, t0: float) -> None:
+        self._busy = False
+        self._idle.set()
+        stats = self.stats
+        stats.handled += 1
+        stats.busy_s += time.perf_counter() - t0
+        stats.by_message[name] = stats.by_message.get(name, 0) + 1
+
+    def _failed(self, name: str, e: Exception) -> None:
+        self._count_error(name, e)
+        if isinstance(e, ActorCrash):
+            self.mailbox.put_nowait(Envelope(_CRASH, {"exc": e}, None))  # the actor's own task crashes on it
 
     async def _handle(self, env: Envelope) -> None:
         handler = getattr(self, f"on_{env.name}", None)
@@ -248,7 +275,7 @@ class ActorRef:
 
     async def ask(self, message: str, timeout: float | None = None, **kwargs: Any) -> Any:
         a = self._actor
-        if timeout is None and not a._busy and a.state == "running" and a.mailbox.empty():
+        if timeout is None and a.idle():
             return await a._direct(message, kwargs)
         fut = self.ask_future(message, **kwargs)
         if timeout is None:

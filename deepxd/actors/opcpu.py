@@ -444,28 +444,18 @@ class CpuWorker(OpWorker):
         stale = self._stale(version, expect)
         if stale is not None:
             return stale
-        result = RunResult(t0=time.time(), begun=self._state())
-        self._output = []
         known = self._known(program, fetch)
         if known is not None:
-            self.known_hits += 1
-            result.known = True
-            if not known.steps:
-                steps, recover = self.ex.prepare_program(known.bounds, known.fetch)
-                known.steps.extend(steps)
-                known.recover.append(recover)
-            self.ex.transient = known.transient
+            result = self._begin_known(known)
             if known.heavy:
                 await self._offload(self._execute_known, known, result)
             else:
                 self._execute_known(known, result)
             if known.deletes and self.heap:
                 await self._forget_deleted(known, result.done)
-            result.output = self._output
-            if not result.error:
-                result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
-            self._ran_known(known, result)
-            return result
+            return self._end_known(known, result, fetch)
+        result = RunResult(t0=time.time(), begun=self._state())
+        self._output = []
         try:
             bounds = check_program(program, self.ex, self.ex.plans)
             self._check_heap(bounds)
@@ -497,6 +487,42 @@ class CpuWorker(OpWorker):
         result.output = self._output
         if not result.error:
             result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
+        return result
+
+    def run_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                expect: Any = None) -> RunResult | None:
+        """on_run for a known program that runs inline and deletes no heap tensor (which heapmem must be told of),
+        with no coroutine: the embedded daemon's fast path (Scheduler.run_now). None, with nothing run, where on_run
+        must answer."""
+        stale = self._stale(version, expect)
+        if stale is not None:
+            return stale
+        known = self._known(program, fetch)
+        heap = self.heap
+        if known is None or known.heavy or (heap and any(name in heap for _, name in known.deletes)):
+            return None
+        result = self._begin_known(known)
+        self._execute_known(known, result)
+        return self._end_known(known, result, fetch)
+
+    def _begin_known(self, known: KnownProgram) -> RunResult:
+        """A known program about to run: its steps prepared the first time, its result begun."""
+        result = RunResult(t0=time.time(), begun=self._state())
+        self._output = []
+        self.known_hits += 1
+        result.known = True
+        if not known.steps:
+            steps, recover = self.ex.prepare_program(known.bounds, known.fetch)
+            known.steps.extend(steps)
+            known.recover.append(recover)
+        self.ex.transient = known.transient
+        return result
+
+    def _end_known(self, known: KnownProgram, result: RunResult, fetch: Sequence[str]) -> RunResult:
+        result.output = self._output
+        if not result.error:
+            result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
+        self._ran_known(known, result)
         return result
 
     async def _heap_tensors_to_create(self, bounds: list[Bound]) -> dict[int, np.ndarray]:

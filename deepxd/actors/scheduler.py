@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from types import CoroutineType
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
@@ -212,6 +213,7 @@ class Scheduler(Actor):
         self.expansion_hits = 0
         self._fast: list[_Fast] = []  # the last few programs, to run again as they went (see _run_fast)
         self.fast_hits = 0
+        self.now_hits = 0  # of those, the ones run with no coroutine (run_now: the embedded daemon's steps)
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                      backwards: Sequence[dict[str, Any]] | None = None) -> RunResult:
@@ -224,11 +226,7 @@ class Scheduler(Actor):
                 t0 = time.perf_counter()
                 hit = await self._run_fast(fast, program, fetch)
                 if hit is not None:
-                    self.busy_s += time.perf_counter() - t0
-                    self.programs += 1
-                    self.instructions += hit.done
-                    self.failed += bool(hit.error)
-                    return hit
+                    return self._counted(hit, t0)
                 break
         marks = {}
         for spec in backwards or ():
@@ -250,10 +248,7 @@ class Scheduler(Actor):
             result = await self._run_expanded(worker, program, fetch, marks, note)
         else:
             result = await self._run_program(worker, program, fetch, note=note)
-        self.busy_s += time.perf_counter() - t0
-        self.programs += 1
-        self.instructions += result.done
-        self.failed += bool(result.error)
+        self._counted(result, t0)
         made = self._next_fast(program, fetch, marks, worker, note, result)
         if made is not None:
             self._fast = [made, *self._fast[:3]]  # a read between two steps (a fetch, a print) keeps the step's
@@ -309,20 +304,83 @@ class Scheduler(Actor):
         result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch,
                                                   version=fast.version if fast.version >= 0 else None,
                                                   expect=fast.expect)
+        done = self._fast_ran(fast, program, fetch, result)
+        return await done if isinstance(done, CoroutineType) else done
+
+    def run_now(self, program: Sequence[Instr], fetch: Sequence[str],
+                backwards: Sequence[dict[str, Any]] | None = None) -> Any:
+        """on_run's fast path with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the
+        embedded daemon's training steps, without the event loop's tasks and hand-offs). None, with nothing run,
+        where on_run must answer: this scheduler or the worker busy or with messages waiting, no entry that
+        matches, a run the worker cannot make inline (CpuWorker.run_now), a stale one. Else on_run's answer, or a
+        coroutine that finishes it (a rewritten program that failed part-way: its tensors are set straight)."""
+        if not self._fast or not self.idle():
+            return None
+        for fast in self._fast:
+            if fast.matches(program, fetch, backwards):
+                break
+        else:
+            return None
+        worker = fast.worker._actor
+        run = getattr(worker, "run_now", None)
+        if (run is None or not worker.idle()
+                or (fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min())):
+            return None
+        done = self.now("run", self._run_now, fast, worker, run, program, fetch)
+        if isinstance(done, CoroutineType):
+            return self._direct("run", {}, lambda: done)  # finished as an ask is answered: this actor busy meanwhile
+        return done
+
+    def _run_now(self, fast: _Fast, worker: Actor, run: Any, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
+        t0 = time.perf_counter()
+        result = worker.now("run", run, fast.sent, fetch, fast.version if fast.version >= 0 else None, fast.expect)
+        if result is None:
+            return None
+        done = self._fast_ran(fast, program, fetch, result)
+        if done is None:
+            return None
+        self.now_hits += 1
+        if isinstance(done, CoroutineType):
+            return self._finish_counted(done, t0)
+        return self._counted(done, t0)
+
+    async def _finish_counted(self, done: Any, t0: float) -> RunResult:
+        return self._counted(await done, t0)
+
+    def _fast_ran(self, fast: _Fast, program: Sequence[Instr], fetch: Sequence[str], result: RunResult) -> Any:
+        """The worker's answer to a fast run, told of the program as the SDK sent it: None where it was stale (it
+        ran nothing; the entry goes); a coroutine to await where a rewritten program failed part-way."""
         if result.stale:
             self._fast.remove(fast)
             return None
         self.fast_hits += 1
-        planned = fast.expanded if fast.expanded is not None else program
         if fast.origins is not None:
-            result = await self._compiled_result(fast.worker, planned, fast.sent, fetch, fast.origins, fast.ctx,
-                                                 result)
+            planned = fast.expanded if fast.expanded is not None else program
+            if result.error:
+                return self._fast_repaired(fast, planned, program, fetch, result)
+            result = self._compiled_ok(planned, fast.sent, fast.origins, result)
+        return self._fast_mapped(fast, program, result)
+
+    async def _fast_repaired(self, fast: _Fast, planned: Sequence[Instr], program: Sequence[Instr],
+                             fetch: Sequence[str], result: RunResult) -> RunResult:
+        assert fast.origins is not None
+        result = await self._compiled_result(fast.worker, planned, fast.sent, fetch, fast.origins, fast.ctx, result)
+        return self._fast_mapped(fast, program, result)
+
+    def _fast_mapped(self, fast: _Fast, program: Sequence[Instr], result: RunResult) -> RunResult:
         if fast.where is not None:
             result = self._map_expanded(result, program, fast.where, len(program), None)
         if result.error:
             self._fast.remove(fast)
         else:
             fast.version = result.version  # -1 where the run changed what it found: the expectation is compared
+        return result
+
+    def _counted(self, result: RunResult, t0: float) -> RunResult:
+        self.busy_s += time.perf_counter() - t0
+        self.programs += 1
+        self.instructions += result.done
+        self.failed += bool(result.error)
         return result
 
     async def _run_program(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
@@ -525,11 +583,7 @@ class Scheduler(Actor):
         """The result of `rewritten` (the passes' program for `program`), told of `program`. Where it failed part-way
         the tensors are set straight as `program` would have left them (repair)."""
         if not result.error:
-            self.rewritten += 1
-            self.eliminated += len(program) - len(rewritten)
-            result.map_times(origins, len(program))
-            result.done = len(program)
-            return result
+            return self._compiled_ok(program, rewritten, origins, result)
         if note is not None:
             note["runs"] += 1
         if result.done == 0:  # refused before anything ran: the program as sent gives the exact refusal
@@ -543,6 +597,14 @@ class Scheduler(Actor):
         result.error_index = done
         result.map_times(origins, done)
         result.done = done
+        return result
+
+    def _compiled_ok(self, program: Sequence[Instr], rewritten: list[Instr], origins: list[int],
+                     result: RunResult) -> RunResult:
+        self.rewritten += 1
+        self.eliminated += len(program) - len(rewritten)
+        result.map_times(origins, len(program))
+        result.done = len(program)
         return result
 
     def _place(self, program: Sequence[Instr]) -> ActorRef:
@@ -720,5 +782,5 @@ class Scheduler(Actor):
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
                 "plan_hits": self.compiled.hits, "plan_misses": self.compiled.misses, "graphs": len(self.graphs),
-                "replays": self.replays, "fast_hits": self.fast_hits, "backward_hits": self.backward_hits,
-                "backward_misses": self.backward_misses}
+                "replays": self.replays, "fast_hits": self.fast_hits, "now_hits": self.now_hits,
+                "backward_hits": self.backward_hits, "backward_misses": self.backward_misses}

@@ -401,3 +401,90 @@ async def test_a_rename_before_a_backward_instruction_is_seen_by_its_derivation(
                                      backwards=[_spec(4, forward=parse_text(forward.strip()))])
     assert not r.error
     np.testing.assert_allclose(r.tensors["gw"], node.x.T @ (1 - np.tanh(node.x @ node.w) ** 2), rtol=1e-12)
+
+
+# -- the same path with no coroutine (Scheduler.run_now, which the embedded daemon's LoopThread.now calls)
+async def now_or_ask(node: Node, program: list[Instr], fetch: list[str]) -> tuple[RunResult, str]:
+    """run_now where it takes the program (called on the loop's thread, as LoopThread.now would), else the ask; and
+    which answered: "now", "now, then awaited" (a coroutine that finishes it) or "ask"."""
+    done = node.scheduler.run_now(program, fetch)
+    if done is None:
+        return await node.run(program, fetch), "ask"
+    if isinstance(done, RunResult):
+        return done, "now"
+    return await done, "now, then awaited"
+
+
+@pytest.mark.parametrize("passes", [PASSES, ["off"]])
+async def test_run_now_gives_what_the_whole_path_gives(nodes, passes):
+    nodes += [await Node(passes).start(), await Node(passes).start()]
+    looped, reference = nodes[-2], nodes[-1]
+    ways = []
+    for _ in range(8):
+        whole_way(reference)
+        got, way = await now_or_ask(looped, fresh(STEP), ["s", "x"])
+        ways.append(way)
+        want = await reference.run(fresh(STEP), ["s", "x"])
+        assert not got.error and got.done == want.done == len(fresh(STEP))
+        for name in ("s", "x"):
+            np.testing.assert_array_equal(got.tensors[name], want.tensors[name])
+        assert len(got.times_us) == 2 * got.done
+    # as on the ask's fast path: from the fourth run on (checked, checked again, known and leaving its state)
+    assert ways == ["ask"] * 3 + ["now"] * 5
+    stats = await looped.scheduler.ref.ask("stats")
+    assert stats["fast_hits"] == stats["now_hits"] == 5 and stats["programs"] == 8
+    assert looped.worker.stats.by_message["run"] >= 8 and looped.worker.known_hits >= 6
+
+
+@pytest.mark.parametrize("passes", [PASSES, ["off"]])
+async def test_a_kernel_error_in_run_now_reads_as_on_the_whole_path(nodes, passes):
+    nodes += [await Node(passes).start(), await Node(passes).start()]
+    looped, reference = nodes[-2], nodes[-1]
+    results: dict[int, list[RunResult]] = {0: [], 1: []}
+    ways = []
+    for k, n in enumerate((looped, reference)):
+        await n.put("i", np.array([7, 8], np.int32))
+        await n.put("d", np.array([4, 4], np.int32))
+        for _ in range(5):
+            if n is reference:
+                whole_way(n)
+                results[k].append(await n.run(fresh(DIVIDE), ["q"]))
+            else:
+                r, way = await now_or_ask(n, fresh(DIVIDE), ["q"])
+                results[k].append(r)
+                ways.append(way)
+    # the failing fifth run: a rewritten program's failure is finished by a coroutine (the tensors set straight)
+    assert ways[3] == "now" and ways[4] in ("now", "now, then awaited")
+    for got, want in zip(*results.values()):
+        assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
+        if not want.error:
+            np.testing.assert_array_equal(got.tensors["q"], want.tensors["q"])
+    assert "integer division by zero" in results[0][-1].error
+    assert looped.scheduler._fast == [] and not looped.scheduler._busy
+    np.testing.assert_array_equal(looped.worker.ex.get("d"), reference.worker.ex.get("d"))
+    assert (await looped.run(fresh(DIVIDE), ["q"])).error  # d is 0: it fails again, the whole way
+
+
+async def test_run_now_leaves_a_busy_actor_and_a_heap_tensor_to_the_ask(nodes):
+    """A message waiting for the worker or the scheduler (a deepxctl ask, say), or a step whose tensor became a heap
+    tensor in between (its expectation fails; deleting it tells heapmem, which takes an await): run_now runs nothing
+    and answers None; the ask then runs it."""
+    nodes.append(await Node(PASSES).start())
+    node = nodes[-1]
+    for _ in range(4):
+        await now_or_ask(node, fresh(STEP), ["s"])
+    x = node.worker.ex.get("x").copy()
+    waiting = node.worker.ref.ask_future("tensors")
+    assert node.scheduler.run_now(fresh(STEP), ["s"]) is None
+    np.testing.assert_array_equal(node.worker.ex.get("x"), x)  # nothing ran
+    assert {r["name"] for r in await waiting} >= {"x", "w"}
+    waiting = node.scheduler.ref.ask_future("stats")
+    assert node.scheduler.run_now(fresh(STEP), ["s"]) is None
+    await waiting
+    r, way = await now_or_ask(node, fresh(STEP), ["s"])
+    assert way == "now" and not r.error
+    # t1 as a heap tensor of this worker (as an attached one is): the step deletes it
+    node.worker.heap["t1"] = np.zeros((3, 4), np.float32)
+    assert node.scheduler.run_now(fresh(STEP), ["s"]) is None
+    r, way = await now_or_ask(node, fresh(STEP), ["s"])
+    assert way == "ask" and not r.error and "t1" not in node.worker.heap

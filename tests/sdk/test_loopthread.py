@@ -328,3 +328,91 @@ def test_a_second_ctrl_c_interrupts_at_once(runner: LoopThread) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     time.sleep(0.05)
     assert runner.call(where()) == threading.current_thread().name  # the turn was given back
+
+
+def _where_now() -> str:
+    """now()'s plain-function counterpart of where()."""
+    asyncio.get_running_loop()
+    return threading.current_thread().name
+
+
+def test_now_runs_a_plain_function_on_the_callers_thread_as_the_loops(runner: LoopThread) -> None:
+    """LoopThread.now: a function (no coroutine, no task) with the loop as the running one, on this thread."""
+    assert runner.now(_where_now) == threading.current_thread().name
+    assert (runner.borrowed, runner.resumed, runner.sent) == (1, 0, 0)
+    with pytest.raises(RuntimeError):  # no loop runs on this thread outside it
+        asyncio.get_running_loop()
+    with pytest.raises(ValueError, match="raised"):
+        runner.now(lambda: (_ for _ in ()).throw(ValueError("raised")))
+    assert runner.now(_where_now) == threading.current_thread().name  # the turn was given back
+
+
+def test_now_goes_on_with_a_coroutine_that_its_function_returns(runner: LoopThread) -> None:
+    """What the function hands on (the rest of the work, which waits) runs as call() runs a coroutine: its first step
+    at once, under the same turn, and the loop's thread finishes it."""
+    async def rest(first: str) -> tuple[str, str, str]:
+        here = threading.current_thread().name
+        await asyncio.sleep(0.01)
+        return first, here, threading.current_thread().name
+
+    me = threading.current_thread().name
+    assert runner.now(lambda: rest(_where_now())) == (me, me, "test-loop")
+    assert runner.resumed == 1
+
+
+def test_now_answers_not_now_where_the_loop_is_not_to_be_borrowed(runner: LoopThread) -> None:
+    """Busy loop thread, work left for it, or someone else's SIGINT handler: nothing runs, NOT_NOW comes back."""
+    ran: list[bool] = []
+    started = threading.Event()
+
+    def busy() -> None:
+        started.set()
+        time.sleep(0.3)
+
+    runner.loop.call_soon_threadsafe(busy)
+    assert started.wait(2)
+    assert runner.now(ran.append, True) is lt.NOT_NOW
+    time.sleep(0.4)
+    gate = threading.Event()
+
+    async def leave() -> None:
+        asyncio.get_running_loop().call_soon(gate.wait, 2)
+
+    runner.call(leave())
+    assert runner.now(ran.append, True) is lt.NOT_NOW  # the callback it left is not done yet
+    gate.set()
+    time.sleep(0.05)
+    assert runner.now(ran.append, True) is None and ran == [True]
+    if threading.current_thread() is threading.main_thread():
+        before = signal.signal(signal.SIGINT, lambda signum, frame: None)
+        try:
+            assert runner.now(ran.append, True) is lt.NOT_NOW and ran == [True]
+        finally:
+            signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_waits_for_the_end_of_a_function_run_now(runner: LoopThread) -> None:
+    _on_the_main_thread()
+    finished = []
+
+    def interrupted() -> None:
+        _thread.interrupt_main()
+        for _ in range(1000):
+            time.sleep(0)
+        finished.append(True)
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.now(interrupted)
+    assert finished == [True]
+    assert not lt._held and not lt._caught
+
+
+def test_now_from_inside_a_borrowed_run_is_refused(runner: LoopThread) -> None:
+    async def outer() -> str:
+        try:
+            runner.now(_where_now)
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    assert "inside one of its own runs" in runner.call(outer())

@@ -141,6 +141,41 @@ def test_same_numbers_embedded_and_against_deepxd(deepxd):
         np.testing.assert_array_equal(embedded[k], again[k], err_msg=k)
 
 
+def training(steps: int = 12) -> list[np.ndarray]:
+    """An MLP's SGD steps (each the same program: the scheduler's fast path from the seventh), losses and weights."""
+    import deepx_sdk.nn as nn
+    from deepx_sdk.optim import SGD
+
+    rng = np.random.default_rng(3)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
+    for p in model.parameters():
+        p.data = dx.tensor(rng.standard_normal(p.shape).astype(np.float32) * 0.3)
+    opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = dx.tensor(rng.standard_normal((32, 12)).astype(np.float32)), dx.tensor(rng.integers(0, 5, 32))
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        out.append(np.array(loss.item()))
+    return out + [p.numpy() for p in model.parameters()]
+
+
+def test_training_steps_run_now_in_the_embedded_daemon_as_over_a_socket(deepxd):
+    """The embedded daemon runs a repeated step with no event loop step (Scheduler.run_now, LoopThread.now); the
+    same steps against a deepxd go through its actors' asks: the same bits."""
+    dx.disconnect()
+    embedded = training()
+    stats = dx.session().transport._call(dx.session().transport.node.ref("scheduler").ask("stats"))
+    assert stats["now_hits"] >= 4 and stats["now_hits"] == stats["fast_hits"]
+    dx.connect(deepxd.address)
+    remote = training()
+    for k, (a, b) in enumerate(zip(embedded, remote)):
+        np.testing.assert_array_equal(a, b, err_msg=str(k))
+    dx.disconnect()
+
+
 def test_deepx_address_in_the_environment(deepxd, monkeypatch):
     monkeypatch.setenv("DEEPX_ADDRESS", deepxd.address)
     dx.disconnect()
