@@ -240,7 +240,9 @@ class EmbeddedTransport(Transport):
         # a step the scheduler has run before, straight to the worker with no event loop step where it can be
         # (Scheduler.run_now); else the ask, as any other
         r = self.runner.now(self.node.ref("scheduler")._actor.run_now, program, fetch, marks)
-        if r is None or r is NOT_NOW:
+        if r is NOT_NOW:  # the loop is not to be borrowed now (call would find the same): to its thread at once
+            r = self.runner.send(self.node.ref("scheduler").ask("run", program=program, fetch=fetch, backwards=marks))
+        elif r is None:
             r = self._call(self.node.ref("scheduler").ask("run", program=program, fetch=fetch, backwards=marks))
         return Outcome(not r.error, r.done, r.error or None, r.error_index, r.tensors, r.output)
 

@@ -117,10 +117,11 @@ class Actor:
         """Nothing being handled and nothing waiting: an ask would be answered directly (_direct)."""
         return not self._busy and self.state == "running" and self.mailbox.empty()
 
-    async def _direct(self, name: str, kwargs: dict[str, Any], handler: Any = None) -> Any:
+    async def _direct(self, name: str, kwargs: dict[str, Any], handler: Any = None, count: bool = True) -> Any:
         """Answer an ask in the asker's task: only while the mailbox is empty and nothing is being handled, so
         messages are still handled one at a time and in order; it saves two trips through the event loop.
-        handler: what answers it, where not on_<name> (the rest of a run begun by `now`)."""
+        handler: what answers it, where not on_<name>; count=False: the rest of a message `now` began (counted
+        there), its time added to the busy time."""
         t0 = self._begin()
         if handler is None:
             handler = self._handlers.get(name)
@@ -137,7 +138,7 @@ class Actor:
             self._failed(name, e)
             raise
         finally:
-            self._end(name, t0)
+            self._end(name, t0, count)
 
     def now(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Answer message `name` with fn(*args), a plain function, where the actor is idle(): as _direct answers an
@@ -157,13 +158,14 @@ class Actor:
         self._idle.clear()
         return time.perf_counter()
 
-    def _end(self, name: str, t0: float) -> None:
+    def _end(self, name: str, t0: float, count: bool = True) -> None:
         self._busy = False
         self._idle.set()
         stats = self.stats
-        stats.handled += 1
         stats.busy_s += time.perf_counter() - t0
-        stats.by_message[name] = stats.by_message.get(name, 0) + 1
+        if count:
+            stats.handled += 1
+            stats.by_message[name] = stats.by_message.get(name, 0) + 1
 
     def _failed(self, name: str, e: Exception) -> None:
         self._count_error(name, e)

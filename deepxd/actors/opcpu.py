@@ -489,11 +489,12 @@ class CpuWorker(OpWorker):
             result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
         return result
 
-    def run_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
-                expect: Any = None) -> RunResult | None:
-        """on_run for a known program that runs inline and deletes no heap tensor (which heapmem must be told of),
-        with no coroutine: the embedded daemon's fast path (Scheduler.run_now). None, with nothing run, where on_run
-        must answer."""
+    def known_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                  expect: Any = None) -> KnownProgram | RunResult | None:
+        """What on_run would do with this ask, where it can be done with no coroutine (the embedded daemon's fast
+        path, Scheduler.run_now), found without changing anything: the known program to run (run_known), which runs
+        inline and deletes no heap tensor (heapmem would be told); on_run's `stale` answer; else None (on_run must
+        answer)."""
         stale = self._stale(version, expect)
         if stale is not None:
             return stale
@@ -501,6 +502,10 @@ class CpuWorker(OpWorker):
         heap = self.heap
         if known is None or known.heavy or (heap and any(name in heap for _, name in known.deletes)):
             return None
+        return known
+
+    def run_known(self, known: KnownProgram, fetch: Sequence[str]) -> RunResult:
+        """on_run for a program known_now found."""
         result = self._begin_known(known)
         self._execute_known(known, result)
         return self._end_known(known, result, fetch)

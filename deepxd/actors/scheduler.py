@@ -213,7 +213,7 @@ class Scheduler(Actor):
         self.expansion_hits = 0
         self._fast: list[_Fast] = []  # the last few programs, to run again as they went (see _run_fast)
         self.fast_hits = 0
-        self.now_hits = 0  # of those, the ones run with no coroutine (run_now: the embedded daemon's steps)
+        self.now_hits = 0  # of those, the ones run_now took (the embedded daemon's steps, with no event loop step)
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                      backwards: Sequence[dict[str, Any]] | None = None) -> RunResult:
@@ -310,10 +310,11 @@ class Scheduler(Actor):
     def run_now(self, program: Sequence[Instr], fetch: Sequence[str],
                 backwards: Sequence[dict[str, Any]] | None = None) -> Any:
         """on_run's fast path with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the
-        embedded daemon's training steps, without the event loop's tasks and hand-offs). None, with nothing run,
-        where on_run must answer: this scheduler or the worker busy or with messages waiting, no entry that
-        matches, a run the worker cannot make inline (CpuWorker.run_now), a stale one. Else on_run's answer, or a
-        coroutine that finishes it (a rewritten program that failed part-way: its tensors are set straight)."""
+        embedded daemon's training steps, without the event loop's tasks and hand-offs). None, with nothing run and
+        nothing counted, where on_run must answer: this scheduler or the worker busy or with messages waiting, no
+        entry that matches, a run the worker cannot make inline (CpuWorker.known_now), a stale entry (dropped).
+        Else on_run's answer, or a coroutine that finishes it (a rewritten program that failed part-way: its
+        tensors are set straight)."""
         if not self._fast or not self.idle():
             return None
         for fast in self._fast:
@@ -322,24 +323,25 @@ class Scheduler(Actor):
         else:
             return None
         worker = fast.worker._actor
-        run = getattr(worker, "run_now", None)
-        if (run is None or not worker.idle()
+        find = getattr(worker, "known_now", None)
+        if (find is None or not worker.idle()
                 or (fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min())):
             return None
-        done = self.now("run", self._run_now, fast, worker, run, program, fetch)
-        if isinstance(done, CoroutineType):
-            return self._direct("run", {}, lambda: done)  # finished as an ask is answered: this actor busy meanwhile
+        known = find(fast.sent, fetch, fast.version if fast.version >= 0 else None, fast.expect)
+        if known is None:
+            return None
+        if isinstance(known, RunResult):  # stale: the entry goes, and the ask takes the whole path
+            self._fast.remove(fast)
+            return None
+        done = self.now("run", self._run_now, fast, worker, known, program, fetch)
+        if isinstance(done, CoroutineType):  # finished as an ask is answered: this actor busy meanwhile
+            return self._direct("run", {}, lambda: done, count=False)
         return done
 
-    def _run_now(self, fast: _Fast, worker: Actor, run: Any, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
+    def _run_now(self, fast: _Fast, worker: Any, known: Any, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
         t0 = time.perf_counter()
-        result = worker.now("run", run, fast.sent, fetch, fast.version if fast.version >= 0 else None, fast.expect)
-        if result is None:
-            return None
-        done = self._fast_ran(fast, program, fetch, result)
-        if done is None:
-            return None
         self.now_hits += 1
+        done = self._fast_ran(fast, program, fetch, worker.now("run", worker.run_known, known, fetch))
         if isinstance(done, CoroutineType):
             return self._finish_counted(done, t0)
         return self._counted(done, t0)

@@ -176,6 +176,59 @@ def test_training_steps_run_now_in_the_embedded_daemon_as_over_a_socket(deepxd):
     dx.disconnect()
 
 
+def test_run_now_repairs_a_failed_step_and_leaves_heap_deletes_to_the_ask():
+    """Through the embedded session's own loop (LoopThread.now): a rewritten step that fails part-way on the fast
+    path is finished under the same turn, its tensors set straight as the whole path sets them; a step that deletes
+    a heap tensor (heapmem is told) goes by the ask. Each run is one message to each actor."""
+    from deepx_sdk.ir.text import parse_text
+
+    dx.disconnect()
+    t = dx.session().transport
+    sched, worker = t.node.ref("scheduler")._actor, t.node.worker()._actor
+    step = parse_text("""
+        add (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:a)
+        add (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:b)
+        mul (tensor<float32>:a, tensor<float32>:b) -> (tensor<float32>:p)
+        div (tensor<int32>:i, tensor<int32>:d) -> (tensor<int32>:q)
+        subscalar (tensor<int32>:d, var<int32>:1) -> (tensor<int32>:d)
+        addscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:x)
+        deltensor () -> (tensor<float32>:a)
+        deltensor () -> (tensor<float32>:b)""".strip())
+    for name, a in (("x", np.ones((3, 4), np.float32)), ("w", np.ones((3, 4), np.float32)),
+                    ("i", np.array([7, 8], np.int32)), ("d", np.array([4, 4], np.int32))):
+        t.put(name, a, False)
+    before = (sched.programs, sched.now_hits, sched.stats.by_message.get("run", 0), t.runner.resumed)
+    outcomes = [t.run(list(step), ["p", "x", "d"]) for _ in range(5)]
+    assert [o.ok for o in outcomes] == [True] * 4 + [False]
+    assert outcomes[-1].error == "instruction 4: div: integer division by zero" and outcomes[-1].done == 3
+    assert sched.now_hits - before[1] == 2  # the fourth and the failing fifth
+    assert sched.programs - before[0] == sched.stats.by_message["run"] - before[2] == 5
+    assert not sched._busy and not worker._busy and sched._fast == []
+    # the first three instructions ran (x + w twice, their product), the division did not: d and x as they were;
+    # a and b exist, as the step left them before its deletes (b, which the rewrite never made, made as zeros:
+    # pipeline.repair)
+    got = t._call(t.node.worker().ask("fetch", names=["d", "x", "p", "a", "b"]))
+    np.testing.assert_array_equal(got["d"], [0, 0])
+    np.testing.assert_array_equal(got["x"], np.full((3, 4), 5, np.float32))
+    np.testing.assert_array_equal(got["p"], np.full((3, 4), 36, np.float32))
+    np.testing.assert_array_equal(got["a"], np.full((3, 4), 6, np.float32))
+    assert got["b"].shape == (3, 4)
+    # a heap tensor put afresh for each step, which the step deletes
+    heap_step = parse_text("""
+        add (tensor<float32>:x, tensor<float32>:h) -> (tensor<float32>:t1)
+        sum (tensor<float32>:t1, vector<int32>:[1], var<bool>:false) -> (tensor<float32>:s)
+        deltensor () -> (tensor<float32>:t1)
+        deltensor () -> (tensor<float32>:h)""".strip())
+    hits, runs = sched.now_hits, sched.stats.by_message["run"]
+    for k in range(6):
+        t.put("h", np.full((3, 4), k, np.float32), True)
+        o = t.run(list(heap_step), ["s"])
+        assert o.ok and list(o.tensors["s"]) == [4 * (5 + k)] * 3
+    assert sched.now_hits == hits and sched.stats.by_message["run"] == runs + 6
+    assert "h" not in worker.heap and "h" not in worker.ex.tensors
+    dx.disconnect()
+
+
 def test_deepx_address_in_the_environment(deepxd, monkeypatch):
     monkeypatch.setenv("DEEPX_ADDRESS", deepxd.address)
     dx.disconnect()
