@@ -117,6 +117,7 @@ def test_skinny_products_on_the_native_loops_agree_with_a_float64_reference():
         other_cases = [(2, 1024, 33), (64, 13, 64), (64, 1, 4096), (1, 64, 4096), (13, 64, 64), (64, 64, 13),
                        (8, 1025, 64), (4096, 4, 1), (2048, 4, 20), (12, 1024, 40), (2, 1024, 4096)]
         assert native.SKINNY == (2, 12) and native.SKINNY_DEPTH == 1024 and native.SKINNY_M == 4
+        work, native.SKINNY_WORK = native.SKINNY_WORK, 0  # small cases too: the loops' tails and thread shares
         checked = 0
         for dt, tol in ((np.float32, 1e-5), (np.float64, 1e-13)):
             for m, k, n in skinny_cases + other_cases:
@@ -147,6 +148,11 @@ def test_skinny_products_on_the_native_loops_agree_with_a_float64_reference():
                                     assert blas.gemm(a, b, again)
                                     assert again.tobytes() == out.tobytes(), (t, m, k, n, ta, tb, pad, dt)
                                 omp.omp_set_num_threads(threads)
+        native.SKINNY_WORK = work
+        # a tiny product (a tiny MLP's) stays on MKL: opening the OpenMP team would cost more than it
+        del used[:]
+        assert blas.gemm(np.ones((16, 8), np.float32), np.ones((8, 8), np.float32), np.empty((16, 8), np.float32))
+        assert used == [False]
         # the classifier layer's three products are skinny in every layout its forward and backward use
         for m, k, n, ta, tb in ((256, 512, 10, False, True), (256, 10, 512, False, False), (10, 256, 512, True, False)):
             a = np.ones((k, m) if ta else (m, k), np.float32)

@@ -709,7 +709,7 @@ def test_a_prepared_fused_call_declines_arrays_unlike_its_shapes():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("momentum, dampening, weight_decay, nesterov, step", [
     (0.9, 0.0, 0.0, False, 2), (0.9, 0.1, 0.01, True, 5), (0.9, 0.0, 0.0, False, 1), (0.0, 0.0, 0.1, False, 3)])
-@pytest.mark.parametrize("n", [3 * native.UPDATE_MIN + 5, 10, 512])  # the small ones: a layer's bias (SGD_CALL_MIN)
+@pytest.mark.parametrize("n", [3 * native.UPDATE_MIN + 5, 256, 512])  # the small ones: a layer's bias (SGD_CALL_MIN)
 def test_a_prepared_sgd_call_gives_sgd_bits(dtype, momentum, dampening, weight_decay, nesterov, step, n):
     rng = np.random.default_rng(9)
     p, g, b = (rng.standard_normal(n).astype(dtype) for _ in range(3))
@@ -739,8 +739,8 @@ def test_a_prepared_sgd_call_declines_what_sgd_must_decide():
     assert not call(p, g.astype(np.float64), b, p, b)
     assert not call(p, g[: n // 2], b, p, b)
     assert np.all(p == 1) and np.all(b == 1)
-    assert native.SGD_CALL_MIN == 1  # a bias of any size, in a program run again and again: the loop
-    assert native.sgd_call(np.dtype(np.float32), 0, 0.1, 0.9, 0.0, 0.0, False, False) is None
+    assert native.SGD_CALL_MIN == 256  # a layer's bias of 256 or more, in a program run again and again: the loop
+    assert native.sgd_call(np.dtype(np.float32), 255, 0.1, 0.9, 0.0, 0.0, False, False) is None  # numpy's size
     assert native.sgd_call(np.dtype(np.float16), n, 0.1, 0.9, 0.0, 0.0, False, False) is None
 
 

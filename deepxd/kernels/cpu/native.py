@@ -73,8 +73,9 @@ BROADCAST_MIN = 256
 #: optimizer updates run on numpy below this many elements
 UPDATE_MIN = 1 << 15
 #: ...except an sgd step of a program run again and again (sgd_call), which runs natively from this many: its checks
-#: are made once, and inside the MLP step numpy's three passes over a cold bias of 512 took 11-26 us, the loop 2-3
-SGD_CALL_MIN = 1
+#: are made once, and inside the MLP step numpy's three passes over a cold bias of 512 took 11-26 us, the loop 2-3;
+#: on a few dozen elements (a tiny MLP's) numpy's passes cost less than the call
+SGD_CALL_MIN = 256
 #: sums over leading axes (colsum) run on numpy below this many elements; a bias gradient of 256x10 (2560 values)
 #: took 17 us in C against 28-30 us on numpy inside the MLP step
 COLSUM_MIN = 1 << 11
@@ -816,6 +817,9 @@ SKINNY_B_BYTES = 20 << 10
 SKINNY_M = 4
 SKINNY_DEPTH = 1024
 SKINNY_BLOCK_BYTES = 128
+#: ...and only products of this many multiply-adds or more: below, opening the OpenMP team costs more than MKL's
+#: small-matrix path takes (a tiny MLP's 16x8 @ 8x8 products: 10 us a step lost over eight of them)
+SKINNY_WORK = 1 << 15
 
 
 def small_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, ta: bool, lda: int, tb: bool, ldb: int) -> bool:
@@ -829,6 +833,8 @@ def small_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, ta: bool, lda: 
         return False
     m, k = a.shape
     n = b.shape[1]
+    if m * n * k < SKINNY_WORK:
+        return False
     lo, hi = SKINNY[0], min(SKINNY[1], SKINNY_MAX)
     item = out.itemsize
     if lo <= k <= hi and m * n >= SKINNY_OUT and n * item >= SKINNY_ROW_BYTES:
