@@ -39,7 +39,7 @@ from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, existing
 from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj
 from deepx_sdk.optim import sgd_step
-from deepx_sdk.session import NativeTransport, Session, Transport, session
+from deepx_sdk.session import EmbeddedTransport, NativeTransport, Session, Transport, session
 
 log = logging.getLogger(__name__)
 
@@ -351,8 +351,14 @@ class _Link:
             return {k: decode_tensor(v) for k, v in (r.get("tensors") or {}).items()}
         from deepxd.net.native import replay_graph
 
-        result = self._embedded(replay_graph, name=name, inputs=inputs, outputs=outputs, scalars=scalars,
-                                fetch=list(fetch))
+        t = self.t
+        if isinstance(t, EmbeddedTransport):  # with no event loop step where the scheduler can (replay_now)
+            node, req = t.node, {"inputs": inputs, "outputs": outputs, "scalars": scalars, "fetch": list(fetch)}
+            result = t.now_or_ask(node.ref("scheduler")._actor.replay_now, (name, *req.values()),
+                                  lambda: replay_graph(node, name=name, **req))
+        else:
+            result = self._embedded(replay_graph, name=name, inputs=inputs, outputs=outputs, scalars=scalars,
+                                    fetch=list(fetch))
         if result.error:
             raise DeepxError(result.error)
         return dict(result.tensors)

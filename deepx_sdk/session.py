@@ -235,16 +235,25 @@ class EmbeddedTransport(Transport):
     def run(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] = ()
             ) -> Outcome:
         program, fetch, marks = list(program), list(fetch), list(backwards) or None
-        if not self.runner.alive():
-            raise DeepxError("the embedded deepxd has stopped; call dx.connect() again")
         # a step the scheduler has run before, straight to the worker with no event loop step where it can be
         # (Scheduler.run_now); else the ask, as any other
-        r = self.runner.now(self.node.ref("scheduler")._actor.run_now, program, fetch, marks)
-        if r is NOT_NOW:  # the loop is not to be borrowed now (call would find the same): to its thread at once
-            r = self.runner.send(self.node.ref("scheduler").ask("run", program=program, fetch=fetch, backwards=marks))
-        elif r is None:
-            r = self._call(self.node.ref("scheduler").ask("run", program=program, fetch=fetch, backwards=marks))
+        sched = self.node.ref("scheduler")
+        r = self.now_or_ask(sched._actor.run_now, (program, fetch, marks),
+                            lambda: sched.ask("run", program=program, fetch=fetch, backwards=marks))
         return Outcome(not r.error, r.done, r.error or None, r.error_index, r.tensors, r.output)
+
+    def now_or_ask(self, now: Any, args: tuple[Any, ...], ask: Any) -> Any:
+        """now(*args) on this thread with the loop borrowed (LoopThread.now: an actor's way to answer with no event
+        loop step); where it answers None (not its case) the coroutine ask() makes, as _call runs it; where the loop
+        is not to be borrowed, that coroutine sent to the loop's thread at once (call would find the same)."""
+        if not self.runner.alive():
+            raise DeepxError("the embedded deepxd has stopped; call dx.connect() again")
+        r = self.runner.now(now, *args)
+        if r is NOT_NOW:
+            return self.runner.send(ask())
+        if r is None:
+            return self._call(ask())
+        return r
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         from deepx_sdk.ir.dtypes import from_numpy

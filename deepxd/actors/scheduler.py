@@ -719,7 +719,6 @@ class Scheduler(Actor):
         """Run stored graph `name` with inputs bound to tensors (or data), outputs to names, and scalars set. None
         when the graph is not planned here and no data came (the caller reads it from the plane and asks again)."""
         from deepxd.compiler.graphs import bind_replay
-        from deepxd.compiler.pipeline import original_error
 
         plan = self.graphs.get(name)
         if plan is None:
@@ -736,25 +735,73 @@ class Scheduler(Actor):
                 result = None
         if result is None:
             result = await self._replay_checked(name, worker, bound, fetch)
+        done = self._replayed(name, plan, worker, bound, result, t0)
+        return await done if isinstance(done, CoroutineType) else done
+
+    def replay_now(self, name: str, inputs: dict[str, Any], outputs: dict[str, Any],
+                   scalars: dict[str, Any] | None = None, fetch: Sequence[str] = ()) -> Any:
+        """on_replay with no coroutine (LoopThread.now: dx.compile's replays in the embedded daemon), where the graph
+        is planned here and bound as the last replay was (its inputs found to fit), both actors are idle with
+        nothing waiting, and the worker runs the program inline (CpuWorker.known_now). None, with nothing run and
+        nothing counted, where on_replay must answer; else its answer, or a coroutine that finishes it (a failed
+        replay's temporaries deleted)."""
+        from deepxd.compiler.graphs import bind_replay
+
+        plan = self.graphs.get(name)
+        if plan is None or not self.idle():
+            return None
+        worker = self._place(plan.plan)._actor
+        find = getattr(worker, "known_now", None)
+        if find is None or not worker.idle():
+            return None
+        try:
+            bound = bind_replay(plan, inputs, outputs, scalars or {})
+        except DeepxError:  # on_replay says so, and counts it
+            return None
+        if bound.expect is None:
+            return None
+        fetch = list(fetch)
+        known = find(bound.program, fetch, None, bound.expect)
+        if known is None or isinstance(known, RunResult):  # not inline, or stale: on_replay checks the inputs
+            return None
+        done = self.now("replay", self._replay_now, name, plan, worker, bound, known, fetch)
+        if isinstance(done, CoroutineType):
+            return self._direct("replay", {}, lambda: done, count=False)
+        return done
+
+    def _replay_now(self, name: str, plan: Any, worker: Any, bound: Any, known: Any, fetch: list[str]) -> Any:
+        t0 = time.perf_counter()
+        self.now_hits += 1
+        return self._replayed(name, plan, worker.ref, bound, worker.now("run", worker.run_known, known, fetch), t0)
+
+    def _replayed(self, name: str, plan: Any, worker: ActorRef, bound: Any, result: RunResult, t0: float) -> Any:
+        """on_replay's answer from the worker's: a coroutine to await where the replay failed (its temporaries are
+        deleted, the error told of the graph's instructions)."""
         self.busy_s += time.perf_counter() - t0
         self.programs += 1
         self.replays += 1
         if result.error:
             self.failed += 1
-            rows = await worker.ask("tensors")
-            outs = set(bound.outputs)
-            junk = [r["name"] for r in rows if r["name"].startswith(f"{name}.") or r["name"] in outs]
-            if junk:
-                await worker.ask("run", program=[Instr("deltensor", (), (Param.tensor(n),)) for n in junk])
-            k = result.error_index
-            result.error = f"replay of graph {name!r}: {original_error(result.error, plan.origins)}"
-            result.error_index = plan.origins[k] if 0 <= k < len(plan.origins) else k
-            return result
+            return self._replay_failed(name, plan, worker, bound, result)
         if not bound.puts and bound.bound_inputs:
             bound.expect = (tuple(bound.bound_inputs), [TensorMeta(shape, dtype) for dtype, shape in
                                                         bound.bound_inputs.values()], None)
         self.instructions += len(plan.record.instrs)
         result.done = len(plan.record.instrs)
+        return result
+
+    async def _replay_failed(self, name: str, plan: Any, worker: ActorRef, bound: Any,
+                             result: RunResult) -> RunResult:
+        from deepxd.compiler.pipeline import original_error
+
+        rows = await worker.ask("tensors")
+        outs = set(bound.outputs)
+        junk = [r["name"] for r in rows if r["name"].startswith(f"{name}.") or r["name"] in outs]
+        if junk:
+            await worker.ask("run", program=[Instr("deltensor", (), (Param.tensor(n),)) for n in junk])
+        k = result.error_index
+        result.error = f"replay of graph {name!r}: {original_error(result.error, plan.origins)}"
+        result.error_index = plan.origins[k] if 0 <= k < len(plan.origins) else k
         return result
 
     async def _replay_checked(self, name: str, worker: ActorRef, bound: Any, fetch: Sequence[str]) -> RunResult:

@@ -615,3 +615,44 @@ def test_module_settings_outside_parameters_are_part_of_the_signature() -> None:
     drop, f = graphs[0]
     drop.p = 0.0  # now the other one's signature: its stored graph, or a capture of its own
     assert f(ones).numpy().tolist() == [1.0] * 3 and len(f.graph_names) == 2
+
+
+@pytest.mark.parametrize("now", [True, False])
+def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_the_ask(now: bool) -> None:
+    """The embedded daemon replays a graph bound as the last replay was with no event loop step (replay_now); a
+    replay that fails in a kernel (a label out of range, put under the label's own name, so the bindings still fit)
+    is finished as on_replay finishes it: the same error, its temporaries deleted. now=False: the ask's way, the
+    reference."""
+    dx.disconnect()
+    sched = dx.session().transport.node.ref("scheduler")._actor
+    if not now:
+        sched.replay_now = lambda *args: None  # this session's scheduler answers every replay by the ask
+    dx.manual_seed(4)
+    model = nn.Linear(6, 5)
+    opt = dx.optim.SGD(model.parameters(), lr=0.1)
+    rng = np.random.default_rng(5)
+    x = dx.tensor(rng.standard_normal((8, 6)).astype(np.float32))
+    y = dx.tensor(rng.integers(0, 5, 8))
+
+    @dx.compile
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses = [step(x, y).item() for _ in range(8)]
+    # the first two replays go by the ask (the first checks its inputs; the worker then learns the program)
+    assert step.replays == 6 and losses[-1] < losses[0]
+    assert sched.now_hits == (4 if now else 0)
+    bad = np.array(y.numpy())
+    bad[3] = 7
+    dx.session().transport.put(y.name, bad, False)
+    with pytest.raises(DeepxError) as e:
+        step(x, y).item()
+    assert f"replay of graph '{step.graph_names[-1]}'" in str(e.value) and "label 7" in str(e.value)
+    left = {r["name"] for r in dx.session().transport._call(dx.session().transport.node.worker().ask("tensors"))}
+    assert not any(n.startswith(f"{step.graph_names[-1]}.") for n in left)
+    assert not sched._busy and sched.stats.by_message.get("replay", 0) == sched.replays
+    dx.disconnect()
