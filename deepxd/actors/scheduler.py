@@ -213,7 +213,7 @@ class Scheduler(Actor):
         self.expansion_hits = 0
         self._fast: list[_Fast] = []  # the last few programs, to run again as they went (see _run_fast)
         self.fast_hits = 0
-        self.now_hits = 0  # of those, the ones run_now took (the embedded daemon's steps, with no event loop step)
+        self.now_hits = 0  # runs and replays taken by run_now and replay_now (the embedded daemon's, no loop step)
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                      backwards: Sequence[dict[str, Any]] | None = None) -> RunResult:
@@ -317,15 +317,17 @@ class Scheduler(Actor):
         tensors are set straight)."""
         if not self._fast or not self.idle():
             return None
+        worker = self._place(program)._actor  # every entry's (a session's tensors live on one worker)
+        find = getattr(worker, "known_now", None)
+        if find is None or not worker.idle():  # (op-cuda runs its programs on its own thread: the ask's way)
+            return None
         for fast in self._fast:
             if fast.matches(program, fetch, backwards):
                 break
         else:
             return None
-        worker = fast.worker._actor
-        find = getattr(worker, "known_now", None)
-        if (find is None or not worker.idle()
-                or (fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min())):
+        if fast.worker._actor is not worker or (
+                fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min()):
             return None
         known = find(fast.sent, fetch, fast.version if fast.version >= 0 else None, fast.expect)
         if known is None:
@@ -748,7 +750,9 @@ class Scheduler(Actor):
         from deepxd.compiler.graphs import bind_replay
 
         plan = self.graphs.get(name)
-        if plan is None or not self.idle():
+        # only a binding of tensor names can be the last one again (with data to put, bind_replay binds afresh and
+        # on_replay would bind once more)
+        if plan is None or not plan.recent or not self.idle() or not all(type(v) is str for v in inputs.values()):
             return None
         worker = self._place(plan.plan)._actor
         find = getattr(worker, "known_now", None)

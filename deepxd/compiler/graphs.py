@@ -27,6 +27,10 @@ from deepxd.compiler.pipeline import new_context, run_passes
 log = logging.getLogger(__name__)
 
 
+#: how many replays' bindings a graph's plan remembers (GraphPlan.recent)
+RECENT_BINDINGS = 4
+
+
 @dataclass
 class GraphPlan:
     record: GraphRecord
@@ -36,9 +40,10 @@ class GraphPlan:
     passes: list[str]
     touches: dict[str, list[int]] = field(default_factory=dict)  # input/output name -> plan indices naming it
     slots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # scalar key -> (plan index, arg)
-    # the bindings of the last replay without data and what bind_replay made of them: a training loop replays with
-    # the same ones every step, and the same program object lets the worker know it at once
-    last: tuple[Any, Bound] | None = None
+    # the bindings of the last few replays without data and what bind_replay made of them, the latest first: a
+    # training loop replays with the same ones every step (two in turn where it keeps the last loss alive while it
+    # calls the next step: its output takes the other name), and the same program object lets the worker know it
+    recent: list[tuple[Any, Bound]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -142,9 +147,12 @@ def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, A
             hash(memo)
         except TypeError:
             memo = None
-        last = g.last
-        if memo is not None and last is not None and last[0] == memo:
-            return last[1]
+        if memo is not None:
+            for k, (seen, made) in enumerate(g.recent):
+                if seen == memo:
+                    if k:
+                        g.recent.insert(0, g.recent.pop(k))
+                    return made
     unknown = [k for k in inputs if k not in want_in]
     if unknown:
         raise DeepxError(f"replay of graph {name!r}: it has no input {', '.join(map(repr, unknown))}; its inputs are "
@@ -206,7 +214,8 @@ def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, A
     program.extend(Instr("deltensor", (), (Param.tensor(n, d),)) for n, d, _, _ in puts)
     made = Bound(program, puts, bound, list(outputs.values()))
     if memo is not None and not puts:
-        g.last = (memo, made)
+        g.recent.insert(0, (memo, made))
+        del g.recent[RECENT_BINDINGS:]
     return made
 
 

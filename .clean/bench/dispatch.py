@@ -1,0 +1,242 @@
+"""Dispatch cost through a real deepxd, against its peers, in one run.
+
+1. Batched: one program of 10,000 instructions on 1K-element float32 tensors, sent over the Unix socket and run by
+   deepxd; against the same ops called directly with numpy in this process, and with torch eager on the CPU.
+2. Round trip: a one-instruction program against a bare msgpack echo over a Unix socket (a uvloop server), both
+   driven by the same blocking client, frames of the same size.
+
+Prints the rates and ratios; writes bench/results/dispatch.json.
+
+    python bench/dispatch.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from deepx_sdk.client import NativeClient
+from deepx_sdk.ir import Instr, Param
+from deepx_sdk.ir.wire import instr_to_obj
+from deepxd.kernels.cpu import native as _native
+
+# a benchmark times the steady state: a native kernel is compiled before the run that made it HOT returns (here
+# and in any deepxd it starts)
+os.environ["DEEPX_NATIVE_BACKGROUND"] = "0"
+_native.set_background(False)
+
+N_ELEM = 1024
+
+
+def program(n: int) -> list[Instr]:
+    t = Param.tensor
+    cycle = [
+        Instr("add", (t("a", "float32"), t("b", "float32")), (t("c", "float32"),)),
+        Instr("mul", (t("c", "float32"), t("b", "float32")), (t("d", "float32"),)),
+        Instr("addscalar", (t("d", "float32"), Param.var(1.0)), (t("c", "float32"),)),
+        Instr("sub", (t("c", "float32"), t("a", "float32")), (t("d", "float32"),)),
+    ]
+    return [cycle[i % len(cycle)] for i in range(n)]
+
+
+def numpy_run(n: int, a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray) -> None:
+    for i in range(n):
+        k = i % 4
+        if k == 0:
+            np.add(a, b, out=c)
+        elif k == 1:
+            np.multiply(c, b, out=d)
+        elif k == 2:
+            np.add(d, 1.0, out=c)
+        else:
+            np.subtract(c, a, out=d)
+
+
+def torch_run(torch, n: int, a, b, c, d) -> None:
+    for i in range(n):
+        k = i % 4
+        if k == 0:
+            torch.add(a, b, out=c)
+        elif k == 1:
+            torch.mul(c, b, out=d)
+        elif k == 2:
+            torch.add(d, 1.0, out=c)
+        else:
+            torch.sub(c, a, out=d)
+
+
+def best(fn, repeat: int) -> float:
+    out = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
+# -- the echo floor: a uvloop Unix server that answers each frame with a frame
+def serve_echo(path: str, ready: threading.Event) -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readexactly(4)
+                (n,) = struct.unpack(">I", head)
+                body = msgpack.unpackb(await reader.readexactly(n), raw=False)
+                reply = msgpack.packb({"id": body.get("id"), "ok": True, "done": 1, "times": b"\0" * 16},
+                                      use_bin_type=True)
+                writer.write(struct.pack(">I", len(reply)) + reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_unix_server(handle, path=path)
+        ready.set()
+        async with server:
+            await server.serve_forever()
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+
+
+def echo_round_trip(path: str, n: int, frame: dict) -> float:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+
+    def once(i: int) -> None:
+        body = msgpack.packb({**frame, "id": i}, use_bin_type=True)
+        s.sendall(struct.pack(">I", len(body)) + body)
+        head = s.recv(4, socket.MSG_WAITALL)
+        (k,) = struct.unpack(">I", head)
+        msgpack.unpackb(s.recv(k, socket.MSG_WAITALL), raw=False)
+
+    for i in range(100):
+        once(i)
+    t = best(lambda: [once(i) for i in range(n)], 1) / n
+    s.close()
+    return t
+
+
+def start_deepxd(tmp: str) -> tuple[subprocess.Popen, str]:
+    sock = f"{tmp}/deepxd.sock"
+    exe = shutil.which("deepxd")
+    cmd = [exe] if exe else [sys.executable, "-m", "deepxd.cli"]
+    proc = subprocess.Popen([*cmd, "start", "--listen", f"unix://{sock}", "--udp", "off", "--kv", "memory",
+                             "--node-id", "bench", "--log-level", "warning"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    for _ in range(400):
+        try:
+            NativeClient(f"unix://{sock}").close()
+            return proc, sock
+        except Exception:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("deepxd did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--echo-server", metavar="PATH", help=argparse.SUPPRESS)
+    opts = ap.parse_args()
+    if opts.echo_server:
+        serve_echo(opts.echo_server, threading.Event())
+        return
+    n_batch = 2_000 if opts.quick else 10_000
+    n_rt = 500 if opts.quick else 3_000
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(N_ELEM, dtype=np.float32) for _ in range(2))
+    c, d = np.empty_like(a), np.empty_like(a)
+    prog = program(n_batch)
+    results: dict[str, float] = {}
+    tmp = tempfile.mkdtemp(prefix="deepx-bench-")
+    proc, sock = start_deepxd(tmp)
+    try:
+        with NativeClient(f"unix://{sock}") as cl:
+            cl.put("a", a)
+            cl.put("b", b)
+            cl.run(prog).raise_for_error()  # warm: outputs exist, plans cached
+            t_deepx = best(lambda: cl.run(prog).raise_for_error(), 5)
+            got = cl.fetch("c", "d")
+            numpy_run(n_batch, a, b, c, d)
+            np.testing.assert_allclose(got["d"], d, rtol=1e-5)
+            one = prog[:1]
+            for _ in range(200):
+                cl.run(one)
+            # the echo floor runs in its own process, like deepxd; blocks of both alternate, best of each counts
+            echo_path = f"{tmp}/echo.sock"
+            echo = subprocess.Popen([sys.executable, __file__, "--echo-server", echo_path])
+            for _ in range(200):
+                if os.path.exists(echo_path):
+                    break
+                time.sleep(0.05)
+            frame = {"op": "run", "program": [instr_to_obj(i) for i in one], "fetch": []}
+            t_one, t_echo = float("inf"), float("inf")
+            for _ in range(5):
+                t_one = min(t_one, best(lambda: [cl.run(one) for _ in range(n_rt)], 1) / n_rt)
+                t_echo = min(t_echo, echo_round_trip(echo_path, n_rt, frame))
+            echo.terminate()
+            echo.wait(10)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    t_numpy = best(lambda: numpy_run(n_batch, a, b, c, d), 5)
+    results.update(deepx_batch_s=t_deepx, numpy_batch_s=t_numpy)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        tc, td = torch.empty_like(ta), torch.empty_like(ta)
+        torch_run(torch, 200, ta, tb, tc, td)
+        results["torch_batch_s"] = best(lambda: torch_run(torch, n_batch, ta, tb, tc, td), 5)
+    except ImportError:
+        pass
+    results["echo_rt_s"] = t_echo
+    results["deepx_rt_s"] = t_one
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    rate = n_batch / t_deepx
+    print(f"batched program of {n_batch} instructions on {N_ELEM}-element float32 tensors")
+    print(f"  deepxd over the Unix socket : {t_deepx * 1e3:9.2f} ms  {rate:12,.0f} instr/s  "
+          f"{t_deepx / n_batch * 1e6:6.2f} us/instr")
+    print(f"  numpy direct                : {t_numpy * 1e3:9.2f} ms  {n_batch / t_numpy:12,.0f} ops/s    "
+          f"deepx/numpy time {t_deepx / t_numpy:5.2f}x")
+    if "torch_batch_s" in results:
+        t_torch = results["torch_batch_s"]
+        print(f"  torch eager (CPU)           : {t_torch * 1e3:9.2f} ms  {n_batch / t_torch:12,.0f} ops/s    "
+              f"deepx/torch time {t_deepx / t_torch:5.2f}x")
+    print("one-instruction round trip")
+    print(f"  deepxd run                  : {t_one * 1e6:8.1f} us")
+    print(f"  bare msgpack echo (uvloop)  : {results['echo_rt_s'] * 1e6:8.1f} us   "
+          f"deepx/echo {t_one / results['echo_rt_s']:5.2f}x")
+    print(f"aims: >= 100,000 instr/s batched -> {'met' if rate >= 100_000 else 'NOT met'}; "
+          f"round trip <= 2x echo -> {'met' if t_one <= 2 * results['echo_rt_s'] else 'NOT met'}")
+    out = Path(__file__).parent / "results" / "dispatch.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"meta": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                                        "n_batch": n_batch, "elements": N_ELEM}, **results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""deepx: write a model as plain maths; the daemon compiles and runs its IR graph.
+
+    import deepx_sdk as dx
+    x = dx.randn(4, 3)
+    w = dx.ones(3, 2, requires_grad=True)
+    y = (x @ w).relu().sum()
+    value = y.item()      # the recorded program runs here
+
+With no address (and no DEEPX_ADDRESS) the first use starts an embedded daemon in this process; `dx.connect(
+"unix:///path")` uses a running deepxd, `dx.connect("udp://host:port")` any deepx executor (eager, write-only).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from deepx_sdk.compile import CompiledFunction, compile, explain, graphs
+from deepx_sdk.errors import DeepxError, DeepxParseError
+from deepx_sdk.io import load, save
+from deepx_sdk.session import Session, connect, disconnect, session
+from deepx_sdk.tensor import (
+    Tensor,
+    arange,
+    as_tensor,
+    cat,
+    concat,
+    empty,
+    empty_like,
+    from_numpy,
+    full,
+    full_like,
+    linspace,
+    matmul,
+    maximum,
+    minimum,
+    ones,
+    ones_like,
+    rand,
+    rand_like,
+    randint,
+    randn,
+    randn_like,
+    stack,
+    tensor,
+    where,
+    zeros,
+    zeros_like,
+)
+
+__version__ = "0.1.0"
+
+# dtypes: the deepxIR precision names, so that `x.dtype == dx.float32` and `dtype=dx.int64` read as in torch
+float64 = double = "float64"
+float32 = float = "float32"
+float16 = half = "float16"
+bfloat16 = "bfloat16"
+int64 = long = "int64"
+int32 = int = "int32"
+int16 = short = "int16"
+int8 = "int8"
+bool = "bool"
+float8_e5m2 = "float8e5m2"
+float8_e4m3fn = "float8e4m3"
+
+
+def sync() -> None:
+    """Run everything recorded so far; raise the first error since the last sync."""
+    session().sync()
+
+
+def empty_cache() -> None:
+    """Free the temporaries the session keeps for reuse (a loop's results reuse the names, and the daemon's
+    buffers, of those Python collected; at most 16 per shape and dtype are kept)."""
+    session().empty_cache()
+
+
+def manual_seed(seed: Any) -> None:
+    """Make random ops (rand, randn, dropout, init) reproducible from here on."""
+    import builtins
+
+    s = session()
+    s.base_seed = builtins.int(seed)
+    import itertools
+
+    s.seed_counter = itertools.count(1)
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Operations inside record no gradient information, as torch.no_grad()."""
+    s = session()
+    before = s.grad_enabled
+    s.grad_enabled = False
+    try:
+        yield
+    finally:
+        s.grad_enabled = before
+
+
+def is_tensor(x: Any) -> builtins.bool:
+    return isinstance(x, Tensor)
+
+
+def _lazy(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"deepx_sdk.{name}")
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("nn", "optim", "io"):
+        return _lazy(name)
+    raise AttributeError(f"module 'deepx_sdk' has no attribute {name!r}")
+
+
+for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "abs", "softmax", "log_softmax",
+           "sum", "mean", "prod", "max", "min", "argmax", "argmin", "reshape", "flatten", "permute", "transpose",
+           "squeeze", "unsqueeze", "clamp", "var", "std", "amax", "amin", "t", "tril", "triu", "masked_fill",
+           "multinomial"):
+    globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
+
+__all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange",
+           "as_tensor", "cat", "compile", "concat", "connect", "disconnect", "empty", "empty_cache", "empty_like",
+           "explain", "from_numpy", "full", "full_like", "graphs", "linspace", "load", "manual_seed", "matmul",
+           "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like", "randint", "randn", "randn_like",
+           "save", "session", "stack", "sync", "tensor", "where", "zeros", "zeros_like"]

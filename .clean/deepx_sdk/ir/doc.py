@@ -1,0 +1,92 @@
+"""Render the op catalogue as the Markdown tables of docs/ir.md, so the docs never drift from the code.
+
+    python -m deepx_sdk.ir.doc            # print the tables
+    python -m deepx_sdk.ir.doc --write    # rewrite the generated part of docs/ir.md
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from deepx_sdk.ir.dtypes import ALL, FLOATS, INTS, NUMERIC, STORABLE
+from deepx_sdk.ir.ops import OPS, OpDef, _fmt
+
+BEGIN = "<!-- BEGIN GENERATED: python -m deepx_sdk.ir.doc --write -->"
+END = "<!-- END GENERATED -->"
+
+_FAMILY_TITLES = {
+    "life": "Tensor life and variables",
+    "init": "Init",
+    "io": "IO",
+    "elementwise": "Elementwise",
+    "compare": "Comparison and selection",
+    "matmul": "Matmul",
+    "shape": "Change shape",
+    "reduce": "Reduce",
+    "nn": "Neural-network ops",
+    "optim": "Optimizer updates",
+    "fused": "Fused elementwise (made by the compiler)",
+}
+
+
+_SETS = {STORABLE: "all", ALL: "float, int, bool", NUMERIC: "float, int", FLOATS: "float",
+         INTS | {"bool"}: "int, bool"}
+
+
+def _dtypes(op: OpDef) -> str:
+    return _SETS.get(op.dtypes) or _fmt(op.dtypes)
+
+
+def _gradients() -> dict[str, str]:
+    """op name -> its gradient rule's formula (the rule's docstring), from deepxd/compiler/autograd.py; imported here
+    and not by the catalogue, which the SDK loads without the daemon."""
+    from deepxd.compiler.autograd import GRAD_RULES
+
+    return {name: " ".join((fn.__doc__ or "yes").split()) for name, fn in GRAD_RULES.items()}
+
+
+def render() -> str:
+    grads = _gradients()
+    lines = []
+    for family, title in _FAMILY_TITLES.items():
+        ops = [op for op in OPS.values() if op.family == family]
+        if not ops:
+            continue
+        lines += [f"### {title} (`deepxd/kernels/cpu/{family}.py`)", "",
+                  "| op | signature | dtypes | what it does | gradient |", "| --- | --- | --- | --- | --- |"]
+        for op in ops:
+            name = f"`{op.name}`" + ("" if op.deepxir else " *")
+            sig = op.signature().split("(", 1)[1].replace("|", "\\|")
+            grad = grads.get(op.name, "(no rule)") if op.differentiable else ""
+            lines.append(f"| {name} | `({sig}` | {_dtypes(op)} | {op.doc.replace('|', chr(92) + '|')} | "
+                         f"{grad.replace('|', chr(92) + '|')} |")
+        lines.append("")
+    n_ir = sum(op.deepxir for op in OPS.values())
+    lines.append(f"{len(OPS)} ops: the {n_ir} of deepxIR and {len(OPS) - n_ir} more, marked *. Dtypes: float = "
+                 "float64 float32 float16 bfloat16; int = int64 int32 int16 int8; all = those, bool, float8e5m2 and "
+                 "float8e4m3.")
+    lines.append("")
+    lines.append("gradient: the formula of the op's rule in `deepxd/compiler/autograd.py` (`GRAD_RULES[op]`), with g "
+                 "the gradient of the result y; dX is the gradient of input X, summed over the dims it was broadcast "
+                 "along. Gradients flow through float tensors only (float64 float32 float16 bfloat16).")
+    return "\n".join(lines)
+
+
+def rewrite(path: Path) -> bool:
+    """Replace the generated section of `path`; True when it changed."""
+    text = path.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{render()}\n{END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    if "--write" in sys.argv:
+        target = Path(__file__).resolve().parents[2] / "docs" / "ir.md"
+        rewrite(target)
+    else:
+        sys.stdout.write(render() + "\n")

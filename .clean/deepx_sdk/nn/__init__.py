@@ -1,0 +1,33 @@
+"""deepx_sdk.nn: torch.nn's names for deepx. Parameters are heap tensors (held by the daemon's heapmem);
+activations are stack tensors.
+
+Where deepx differs from torch: `state_dict()` holds the module's own tensors rather than detached copies (deepx
+has one handle per daemon tensor); `load_state_dict` checks every key before copying anything, and refuses a lossy
+change of kind (float values into an int tensor); devices given to `.to()` are ignored.
+"""
+
+from deepx_sdk.nn import functional, init
+from deepx_sdk.nn.containers import ModuleDict, ModuleList, Sequential
+from deepx_sdk.nn.loss import CrossEntropyLoss, MSELoss, NLLLoss
+from deepx_sdk.nn.module import IncompatibleKeys, Module
+from deepx_sdk.nn.modules import (
+    GELU,
+    Dropout,
+    Embedding,
+    Flatten,
+    Identity,
+    LayerNorm,
+    Linear,
+    LogSoftmax,
+    ReLU,
+    RMSNorm,
+    Sigmoid,
+    SiLU,
+    Softmax,
+    Tanh,
+)
+from deepx_sdk.nn.parameter import Parameter
+
+__all__ = ["GELU", "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "Identity", "IncompatibleKeys",
+           "LayerNorm", "Linear", "LogSoftmax", "MSELoss", "Module", "ModuleDict", "ModuleList", "NLLLoss",
+           "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "functional", "init"]

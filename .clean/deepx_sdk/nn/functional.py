@@ -1,0 +1,221 @@
+"""deepx_sdk.nn.functional: torch.nn.functional's names, recorded as deepx instructions (the fused, numerically
+stable ops of the catalogue where one exists)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import Param
+from deepx_sdk.ir.shapes import norm_dim
+from deepx_sdk.tensor import DEFAULT_FLOAT, Tensor, _seed, _tp, _vec, _vp, arange, full, matmul, where
+
+
+def _float(x: Tensor) -> Tensor:
+    return x if x.dtype in ("float64", "float32", "float16", "bfloat16") else x.type_as_dtype(DEFAULT_FLOAT)
+
+
+def relu(x: Tensor, inplace: bool = False) -> Tensor:
+    return x.relu()
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    return x.sigmoid()
+
+
+def tanh(x: Tensor) -> Tensor:
+    return x.tanh()
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    if approximate not in ("none", "tanh"):
+        raise DeepxError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    x = _float(x)
+    return x._op("gelu", (_tp(x), _vp(approximate)), x.shape, x.dtype, [x])
+
+
+def silu(x: Tensor) -> Tensor:
+    x = _float(x)
+    return x._op("silu", (_tp(x),), x.shape, x.dtype, [x])
+
+
+def softmax(x: Tensor, dim: int = -1, dtype: Any = None) -> Tensor:
+    return (x.to(dtype) if dtype is not None else x).softmax(dim)
+
+
+def log_softmax(x: Tensor, dim: int = -1, dtype: Any = None) -> Tensor:
+    return (x.to(dtype) if dtype is not None else x).log_softmax(dim)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    y = matmul(x, weight.t() if weight.ndim == 2 else weight)
+    if bias is None:
+        return y
+    if bias.dtype is y.dtype and bias.shape == y.shape[-1:] and not y._s.explicit_broadcast:
+        # a bias of the result's last dim and dtype: the `y + bias` below, without working out a broadcast and a
+        # promotion that cannot change anything (every Linear, every step)
+        return y._op("add", (_tp(y), _tp(bias)), y.shape, y.dtype, [y, bias])
+    return y + bias
+
+
+def embedding(index: Tensor, weight: Tensor) -> Tensor:
+    if index.dtype not in ("int64", "int32"):
+        raise DeepxError(f"embedding: indices must be int64 or int32, got {index.dtype}")
+    shape = (*index.shape, *weight.shape[1:])
+    return weight._op("indexselect", (_tp(weight), _tp(index), Param.var(0)), shape, weight.dtype, [weight, index])
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    if not 0.0 <= p < 1.0:
+        raise DeepxError(f"dropout: p={p} must be in [0, 1)")
+    if not training or p == 0.0:
+        return x
+    from deepx_sdk.ir.instr import Instr
+
+    out = x.clone()
+    instr = Instr("dropout", (_vp(float(p)), _vp(_seed(x._s))), (_tp(out),))
+    x._s.record(instr)
+    if out.requires_grad:
+        x._s.tape.append((instr, out, (out,)))
+    return out
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """softmax(query @ key^T * scale + mask) @ value over the last two dims, as torch's: a bool attn_mask keeps the
+    True positions, a float one is added; is_causal masks the upper triangle (aligned top-left)."""
+    if enable_gqa:
+        raise DeepxError("scaled_dot_product_attention: enable_gqa is not supported; repeat the key and value "
+                         "heads to the query's count")
+    if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
+        raise DeepxError(f"scaled_dot_product_attention: query, key and value need (..., L, E) shapes, got "
+                         f"{query.shape}, {key.shape}, {value.shape}")
+    if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
+        raise DeepxError(f"scaled_dot_product_attention: query {query.shape}, key {key.shape} and value "
+                         f"{value.shape} do not match (query and key share E, key and value share S)")
+    if is_causal and attn_mask is not None:
+        raise DeepxError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+    q = _float(query)
+    scores = matmul(q, key.transpose(-2, -1)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    length, source = q.shape[-2], key.shape[-2]
+    if is_causal:
+        attn_mask = arange(source) <= arange(length).unsqueeze(-1)
+    if attn_mask is not None:
+        if attn_mask.dtype == "bool":
+            attn_mask = where(attn_mask, full((), 0.0, dtype=scores.dtype), full((), -math.inf, dtype=scores.dtype))
+        scores = scores + attn_mask
+    attn = scores.softmax(-1)
+    if dropout_p > 0.0:
+        attn = dropout(attn, dropout_p)
+    return matmul(attn, value)
+
+
+def _reduction(reduction: str) -> str:
+    if reduction not in ("mean", "sum", "none"):
+        raise DeepxError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return reduction
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> Tensor:
+    if label_smoothing:
+        raise DeepxError("cross_entropy: label_smoothing is not supported yet")
+    if logits.ndim != 2:
+        raise DeepxError(f"cross_entropy: logits must be (batch, classes), got {logits.shape}")
+    if target.dtype not in ("int64", "int32"):
+        raise DeepxError(f"cross_entropy: targets must be class indices (int64), got {target.dtype}")
+    logits = _float(logits)
+    red = _reduction(reduction)
+    shape = () if red != "none" else (logits.shape[0],)
+    if target.shape != logits.shape[:1]:
+        raise DeepxError(f"cross_entropy: target of shape {target.shape} does not match logits {logits.shape}")
+    return logits._op("crossentropy", (_tp(logits), _tp(target), _vp(int(ignore_index)), _vp(red)), shape,
+                      logits.dtype, [logits, target])
+
+
+def nll_loss(logp: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """-input[i, target[i]], averaged over the targets that are not ignore_index (for any input: log-probabilities
+    or not)."""
+    from deepx_sdk.tensor import arange
+
+    if logp.ndim != 2:
+        raise DeepxError(f"nll_loss: input must be (batch, classes), got {logp.shape}")
+    if target.dtype not in ("int64", "int32"):
+        raise DeepxError(f"nll_loss: targets must be class indices (int64), got {target.dtype}")
+    if target.shape != logp.shape[:1]:
+        raise DeepxError(f"nll_loss: target of shape {target.shape} does not match input {logp.shape}")
+    logp = _float(logp)
+    red = _reduction(reduction)
+    picked = where(target.unsqueeze(-1) == arange(logp.shape[1]), logp, 0.0).sum(1)
+    valid = target != ignore_index
+    loss = where(valid, -picked, 0.0)
+    if red == "none":
+        return loss
+    return loss.sum() if red == "sum" else loss.sum() / valid.sum()
+
+
+def mse_loss(x: Tensor, y: Tensor, reduction: str = "mean") -> Tensor:
+    red = _reduction(reduction)
+    x, y = _float(x), _float(y)
+    if x.shape != y.shape:
+        y = y.expand(x.shape) if len(y.shape) <= len(x.shape) else y
+        x = x.expand(y.shape)
+    shape = () if red != "none" else x.shape
+    return x._op("mse", (_tp(x), _tp(y), _vp(red)), shape, x.dtype, [x, y])
+
+
+def layer_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    x = _float(x)
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if x.shape[len(x.shape) - len(ns):] != ns:
+        raise DeepxError(f"layer_norm: normalized_shape {list(ns)} does not match the last dims of {x.shape}")
+    w = weight if weight is not None else full(ns, 1.0, dtype=x.dtype)
+    b = bias if bias is not None else full(ns, 0.0, dtype=x.dtype)
+    return x._op("layernorm", (_tp(x), _tp(w), _tp(b), _vp(float(eps))), x.shape, x.dtype, [x, w, b])
+
+
+def rms_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+    x = _float(x)
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if x.shape[len(x.shape) - len(ns):] != ns:
+        raise DeepxError(f"rms_norm: normalized_shape {list(ns)} does not match the last dims of {x.shape}")
+    w = weight if weight is not None else full(ns, 1.0, dtype=x.dtype)
+    e = eps if eps is not None else float(__import__("numpy").finfo(x.dtype if x.dtype != "bfloat16"
+                                                                     else "float32").eps)
+    return x._op("rmsnorm", (_tp(x), _tp(w), _vp(float(e))), x.shape, x.dtype, [x, w])
+
+
+def pad(x: Tensor, pad: Any, mode: str = "constant", value: float = 0.0) -> Tensor:
+    """torch's order: pad = (last_before, last_after, second_last_before, ...)."""
+    if mode != "constant":
+        raise DeepxError(f"pad: only mode='constant' is supported, got {mode!r}")
+    if len(pad) % 2 or len(pad) // 2 > x.ndim:
+        raise DeepxError(f"pad: {list(pad)} must hold (before, after) pairs for at most {x.ndim} dims")
+    pads = [0] * (2 * x.ndim)
+    for i in range(len(pad) // 2):
+        d = x.ndim - 1 - i
+        pads[2 * d], pads[2 * d + 1] = int(pad[2 * i]), int(pad[2 * i + 1])
+    shape = tuple(s + pads[2 * i] + pads[2 * i + 1] for i, s in enumerate(x.shape))
+    return x._op("pad", (_tp(x), _vec(pads), _vp(value)), shape, x.dtype, [x])
+
+
+def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Tensor:
+    if p != 2.0:
+        raise DeepxError("normalize: only p=2 is supported")
+    norm_dim("normalize", dim, x.ndim)
+    n = (x * x).sum(dim, keepdim=True).sqrt().clamp(min=eps)
+    return x / n
+
+
+def one_hot(index: Tensor, num_classes: int) -> Tensor:
+    from deepx_sdk.tensor import arange
+
+    return (index.unsqueeze(-1) == arange(num_classes)).long()
+
+
+__all__ = ["cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax", "mse_loss",
+           "nll_loss", "normalize", "one_hot", "pad", "relu", "rms_norm", "scaled_dot_product_attention", "sigmoid",
+           "silu", "softmax", "tanh", "where"]

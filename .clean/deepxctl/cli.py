@@ -1,0 +1,78 @@
+"""deepxctl: the operator's view of a deepx daemon: tensors, memory, ops, nodes, actors, graphs, a live top, and
+deepxIR by hand. One module per command group; every command prints through deepxctl.term.
+
+Importing this module imports click and nothing heavy (no numpy, msgpack, rich, nor deepx_sdk, whose package
+imports numpy), so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from deepxctl import actors, graphs, ir, memory, nodes, ops, tensors, top
+from deepxctl.context import Ctl
+from deepxctl.term import CtlError
+
+
+class CliGroup(click.Group):
+    """Turns every refusal (DeepxError, a lost connection) into one line on stderr and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException:
+            raise
+        except TimeoutError:
+            ctl: Ctl | None = ctx.find_object(Ctl)
+            raise CtlError(f"deepxd at {ctl.address if ctl else '?'} did not answer within "
+                           f"{ctl.timeout if ctl else '?'} s (--timeout)") from None
+        except ConnectionError as e:
+            raise CtlError(f"lost the connection to deepxd: {e}") from None
+        except Exception as e:
+            errors = sys.modules.get("deepx_sdk.errors")  # imported already by whatever raised a DeepxError
+            if errors is not None and isinstance(e, errors.DeepxError):
+                raise CtlError(str(e)) from None
+            raise
+
+
+@click.group(cls=CliGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--address", envvar="DEEPX_ADDRESS", default=None, show_default="$DEEPX_ADDRESS, else the default "
+              "socket", help="The daemon's native socket, unix:///path/deepxd.sock.")
+@click.option("--kv", metavar="URL", envvar="DEEPXCTL_KV", default=None,
+              help="Read the storage plane at URL (redis://host:port/db or memory:///abs/path/file) instead of a "
+                   "daemon: for a stopped cluster. Serves tensors ls/show, memory, nodes ls, ops ls, graphs.")
+@click.option("--kv-prefix", metavar="PREFIX", envvar="DEEPX_KV_PREFIX", default="deepx:", show_default=True,
+              help="The storage plane's key prefix (the daemon's kv_prefix).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), envvar="DEEPXCTL_TIMEOUT", default=30.0,
+              show_default=True, help="Seconds to wait for the daemon's answer.")
+@click.version_option(package_name="deepx", prog_name="deepxctl")
+@click.pass_context
+def cli(ctx: click.Context, address: str | None, kv: str | None, kv_prefix: str, timeout: float) -> None:
+    """The operator's view of deepx: what tensors exist and who holds them, which ops are slow, which nodes and
+    actors are alive, what a stored graph is.
+
+    \b
+      deepxctl tensors ls --filter kind=heap      deepxctl memory
+      deepxctl ops ls --limit 10                  deepxctl top
+      deepxctl ir "print (tensor:x) -> ()"        deepxctl --kv redis://10.0.0.5:6379/0 nodes ls
+    """
+    ctx.obj = Ctl(address, kv, kv_prefix, timeout)
+
+
+for group in (tensors.tensors, memory.memory, ops.ops, nodes.nodes, actors.actors, graphs.graphs, top.top, ir.ir):
+    cli.add_command(group)
+
+
+def main() -> None:
+    try:
+        cli(prog_name="deepxctl")
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except BrokenPipeError:  # `deepxctl tensors ls | head`: the reader left; not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None

@@ -1,0 +1,88 @@
+"""Where a command's answers come from: the daemon at --address (native socket), or the storage plane at --kv."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import click
+
+from deepxctl.term import CtlError
+
+if TYPE_CHECKING:
+    from deepx_sdk.client import NativeClient
+
+
+class Source(Protocol):
+    where: str
+
+    def query(self, what: str) -> Any: ...
+    def heapmem(self) -> dict[str, Any] | None: ...
+    def close(self) -> None: ...
+
+
+class DaemonSource:
+    """A deepxd, over its native socket; admin queries answer everything."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        from deepx_sdk.client import NativeClient
+
+        self.address = address
+        self.where = f"deepxd at {address}"
+        self.client: NativeClient = NativeClient(address, timeout=timeout, client="deepxctl")
+
+    @property
+    def node(self) -> str:
+        return str(self.client.server.get("node", "?"))
+
+    def query(self, what: str) -> Any:
+        return self.client.admin(what)
+
+    def heapmem(self) -> dict[str, Any] | None:
+        pool = self.query("memory").get("heapmem")
+        return pool or None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Ctl:
+    """The global options and the one connection a command opens (closed when the command ends)."""
+
+    def __init__(self, address: str | None, kv: str | None, kv_prefix: str, timeout: float) -> None:
+        self._address = address
+        self.kv = kv
+        self.kv_prefix = kv_prefix
+        self.timeout = timeout
+        self._daemon: DaemonSource | None = None
+
+    @property
+    def address(self) -> str:
+        """--address, else DEEPX_ADDRESS, else the default socket (resolved only when a command needs it)."""
+        if not self._address:
+            from deepx_sdk.paths import default_address
+
+            self._address = default_address()
+        return self._address
+
+    def source(self) -> Source:
+        """The storage plane when --kv is given, else the daemon."""
+        if self.kv:
+            from deepxctl.plane import PlaneSource
+
+            return PlaneSource(self.kv, self.kv_prefix)
+        return self.daemon()
+
+    def daemon(self, why: str = "") -> DaemonSource:
+        """The daemon; refused under --kv for what only a running daemon knows (`why` names it)."""
+        if self.kv:
+            raise CtlError(f"{why or 'this command'} need a running deepxd, which --kv does not reach; drop --kv "
+                           "and give --address")
+        if self._daemon is None:
+            self._daemon = DaemonSource(self.address, self.timeout)
+            click.get_current_context().call_on_close(self.close)
+        return self._daemon
+
+    def close(self) -> None:
+        if self._daemon is not None:
+            self._daemon.close()
+            self._daemon = None

@@ -1,0 +1,261 @@
+"""One schema per object that deepxctl shows. A table's columns and the JSON/YAML keys are the same dataclass fields,
+so they never drift apart; a field's metadata gives its column header, whether it shows only with --detail, and how
+a table cell renders it (JSON and YAML keep the raw value).
+
+Each schema's `from_raw` reads the rows the daemon's admin queries (deepxd/actors/registry.py) answer, or that
+deepxctl reads from the storage plane in the same shape (deepxctl/plane.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable, Mapping
+from dataclasses import field
+from typing import Any, ClassVar, TypeVar
+
+S = TypeVar("S", bound="Schema")
+
+
+def human_bytes(n: Any) -> str:
+    if n is None or n == "":
+        return ""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""  # unreachable
+
+
+def human_rate(n: Any) -> str:
+    return f"{human_bytes(n)}/s" if n else ""
+
+
+def seconds(v: Any) -> str:
+    if v is None:
+        return ""
+    v = float(v)
+    if v < 1e-3:
+        return f"{v * 1e6:.0f} us"
+    if v < 1:
+        return f"{v * 1e3:.1f} ms"
+    return f"{v:.2f} s"
+
+
+def micros(v: Any) -> str:
+    return "" if v is None else f"{float(v):.1f}"
+
+
+def shape(v: Any) -> str:
+    return "[" + ", ".join(map(str, v)) + "]" if isinstance(v, list | tuple) else str(v)
+
+
+def words(v: Any) -> str:
+    return ", ".join(map(str, v)) if isinstance(v, list | tuple) else str(v)
+
+
+def urls(v: Any) -> str:
+    """Addresses as URLs: {"unix": "unix:///p", "udp": "h:9090"} -> `unix:///p udp://h:9090`."""
+    if not isinstance(v, Mapping):
+        return str(v)
+    return " ".join(str(x) if "://" in str(x) else f"{k}://{x}" for k, x in v.items())
+
+
+def timestamp(v: Any) -> str:
+    if not v:
+        return ""
+    return datetime.datetime.fromtimestamp(float(v)).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def plain(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def col(header: str = "", *, detail: bool = False, render: Callable[[Any], str] = plain,
+        right: bool = False) -> dict[str, Any]:
+    """A schema field's metadata: `header` (the upper-cased name by default), `detail` (shown only with --detail),
+    `render` (its table cell), `right` (right-aligned, for numbers)."""
+    return {"header": header, "detail": detail, "render": render, "right": right}
+
+
+@dataclasses.dataclass
+class Schema:
+    """Base of every schema: columns, cells, dicts and a tolerant constructor from a raw row."""
+
+    object_name: ClassVar[str] = "rows"
+
+    @classmethod
+    def columns(cls, detail: bool = False) -> list[dataclasses.Field[Any]]:
+        return [f for f in dataclasses.fields(cls) if detail or not f.metadata.get("detail")]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def header(cls, f: dataclasses.Field[Any]) -> str:
+        return f.metadata.get("header") or f.name.upper()
+
+    def cell(self, f: dataclasses.Field[Any]) -> str:
+        return f.metadata.get("render", plain)(getattr(self, f.name))
+
+    def to_dict(self, detail: bool = False) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in self.columns(detail)}
+
+    @classmethod
+    def from_raw(cls: type[S], raw: Mapping[str, Any]) -> S:
+        names = set(cls.field_names())
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def _int(v: Any) -> int:
+    try:
+        return int(float(v))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _float(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _names(v: Any) -> list[str]:
+    """A comma list as the plane stores it ("a,b"), or a list, as a list."""
+    if isinstance(v, list | tuple):
+        return [str(x) for x in v]
+    return [x for x in str(v or "").split(",") if x]
+
+
+@dataclasses.dataclass
+class Tensor(Schema):
+    object_name: ClassVar[str] = "tensors"
+
+    name: str = field(metadata=col())
+    kind: str = field(default="", metadata=col())
+    dtype: str = field(default="", metadata=col())
+    shape: list[int] = field(default_factory=list, metadata=col(render=shape))
+    bytes: int = field(default=0, metadata=col(render=human_bytes, right=True))
+    owner: str = field(default="", metadata=col())
+    node: str = field(default="", metadata=col())
+    state: str = field(default="", metadata=col(detail=True))
+    device: str = field(default="", metadata=col(detail=True))
+    refcount: int | None = field(default=None, metadata=col(detail=True, right=True))
+    holders: list[str] = field(default_factory=list, metadata=col(detail=True, render=words))
+    handle: str = field(default="", metadata=col(detail=True))
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, Any]) -> Tensor:
+        t = super().from_raw(raw)
+        t.bytes = _int(t.bytes)
+        t.shape = list(t.shape) if isinstance(t.shape, list | tuple) else t.shape
+        t.holders = _names(raw.get("holders"))
+        t.refcount = _int(raw["refcount"]) if raw.get("refcount") not in (None, "") else None
+        return t
+
+
+@dataclasses.dataclass
+class Op(Schema):
+    object_name: ClassVar[str] = "ops"
+
+    node: str = field(metadata=col())
+    worker: str = field(metadata=col())
+    op: str = field(metadata=col())
+    calls: int = field(default=0, metadata=col(right=True))
+    mean_us: float = field(default=0.0, metadata=col("MEAN (us)", render=micros, right=True))
+    total_s: float = field(default=0.0, metadata=col("TOTAL", render=seconds, right=True))
+    bytes_per_s: float = field(default=0.0, metadata=col("THROUGHPUT", render=human_rate, right=True))
+    bytes: int = field(default=0, metadata=col("BYTES WRITTEN", detail=True, render=human_bytes, right=True))
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, Any]) -> Op:
+        o = super().from_raw(raw)
+        o.calls, o.bytes = _int(o.calls), _int(o.bytes)
+        o.total_s, o.mean_us = _float(o.total_s), _float(o.mean_us)
+        o.bytes_per_s = round(o.bytes / o.total_s, 3) if o.total_s > 0 else 0.0
+        return o
+
+
+@dataclasses.dataclass
+class Node(Schema):
+    object_name: ClassVar[str] = "nodes"
+
+    node: str = field(metadata=col())
+    state: str = field(default="", metadata=col())
+    roles: list[str] = field(default_factory=list, metadata=col(render=words))
+    addresses: dict[str, str] = field(default_factory=dict, metadata=col(render=urls))
+    heartbeat_age_s: float | None = field(default=None, metadata=col("HEARTBEAT AGE", render=seconds, right=True))
+    devices: list[str] = field(default_factory=list, metadata=col(render=words))
+    pid: int | None = field(default=None, metadata=col(detail=True, right=True))
+    started: float = field(default=0.0, metadata=col(detail=True, render=timestamp))
+    blas: str = field(default="", metadata=col("BLAS", detail=True))  # op-cpu's matmul: "mkl 2026.2" or "numpy"
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, Any]) -> Node:
+        n = super().from_raw(raw)
+        n.roles, n.devices = _names(n.roles), _names(n.devices)
+        n.pid = _int(raw["pid"]) if raw.get("pid") not in (None, "") else None
+        n.started = _float(n.started)
+        return n
+
+
+@dataclasses.dataclass
+class Actor(Schema):
+    object_name: ClassVar[str] = "actors"
+
+    name: str = field(metadata=col())
+    role: str = field(default="", metadata=col())
+    state: str = field(default="", metadata=col())
+    mailbox: int = field(default=0, metadata=col(right=True))
+    handled: int = field(default=0, metadata=col(right=True))
+    errors: int = field(default=0, metadata=col(right=True))
+    restarts: int = field(default=0, metadata=col(right=True))
+    busy_s: float = field(default=0.0, metadata=col("BUSY", detail=True, render=seconds, right=True))
+    last_error: str = field(default="", metadata=col(detail=True))
+
+
+@dataclasses.dataclass
+class Graph(Schema):
+    object_name: ClassVar[str] = "graphs"
+
+    name: str = field(metadata=col())
+    instructions: int = field(default=0, metadata=col(right=True))
+    bytes: int = field(default=0, metadata=col(render=human_bytes, right=True))
+    ops: list[str] = field(default_factory=list, metadata=col(render=words))
+    error: str = field(default="", metadata=col(detail=True))
+
+
+@dataclasses.dataclass
+class Usage(Schema):
+    """Bytes held by one node, owner or kind (the rows of `deepxctl memory`)."""
+
+    object_name: ClassVar[str] = "groups"
+
+    name: str = field(metadata=col())
+    tensors: int = field(default=0, metadata=col(right=True))
+    bytes: int = field(default=0, metadata=col(render=human_bytes, right=True))
+
+
+@dataclasses.dataclass
+class HeapRef(Schema):
+    """A heap tensor's references: who holds it, and so why it is not freed."""
+
+    object_name: ClassVar[str] = "heap tensors"
+
+    name: str = field(metadata=col())
+    refcount: int = field(default=0, metadata=col(right=True))
+    holders: list[str] = field(default_factory=list, metadata=col(render=words))
+    bytes: int = field(default=0, metadata=col(render=human_bytes, right=True))
+    state: str = field(default="", metadata=col())
+    node: str = field(default="", metadata=col())
+
+    @classmethod
+    def from_tensor(cls, t: Tensor) -> HeapRef:
+        return cls(t.name, t.refcount or 0, list(t.holders), t.bytes, t.state, t.node)

@@ -1,0 +1,146 @@
+"""deepxctl tensors: ls, show, rm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from deepxctl.context import Ctl
+from deepxctl.schema import Tensor, human_bytes
+from deepxctl.term import (
+    CtlError,
+    display,
+    display_data,
+    display_note,
+    display_table,
+    format_option,
+    list_options,
+    select,
+)
+
+PREVIEW_MAX_BYTES = 64 << 20  # `show` fetches values only up to this size unless --values
+
+
+def load_tensors(ctl: Ctl) -> list[Tensor]:
+    return [Tensor.from_raw(r) for r in ctl.source().query("tensors")]
+
+
+def find_tensor(ctl: Ctl, name: str) -> Tensor:
+    for t in load_tensors(ctl):
+        if t.name == name:
+            return t
+    where = f"the storage plane at {ctl.kv}" if ctl.kv else f"deepxd at {ctl.address}"
+    raise CtlError(f"no tensor named {name!r} in {where}; `deepxctl tensors ls` lists them")
+
+
+@click.group()
+def tensors() -> None:
+    """Heap and stack tensors: list, show (metadata and values), remove."""
+
+
+@tensors.command("ls")
+@list_options
+@click.pass_obj
+def ls(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: bool) -> None:
+    """List tensors: name, kind (heap or stack), dtype, shape, bytes, owner, node.
+
+    \b
+      deepxctl tensors ls --filter kind=heap --detail     # with refcount, holders, segment
+      deepxctl tensors ls --format json --filter owner=op-cpu
+    """
+    rows = select(load_tensors(ctl), Tensor, filters, limit)
+    display_table(rows, Tensor, fmt=fmt, detail=detail)
+
+
+@tensors.command("show")
+@click.argument("name")
+@format_option
+@click.option("--values/--no-values", "values", default=None,
+              help=f"Fetch the values for a preview (default: when the tensor is at most "
+                   f"{human_bytes(PREVIEW_MAX_BYTES)}).")
+@click.pass_obj
+def show(ctl: Ctl, name: str, fmt: str, values: bool | None) -> None:
+    """A tensor's metadata and a preview of its values.
+
+    \b
+      deepxctl tensors show w1
+      deepxctl tensors show w1 --format json     # metadata, preview text and min/max/mean
+    """
+    t = find_tensor(ctl, name)
+    preview: dict[str, Any] = {"preview": None, "stats": None, "note": ""}
+    if ctl.kv:
+        preview["note"] = "values need a running deepxd (the storage plane holds metadata only)"
+    elif t.state not in ("", "live"):
+        preview["note"] = f"no values: the tensor is {t.state}"
+    elif values is False or (values is None and t.bytes > PREVIEW_MAX_BYTES):
+        preview["note"] = f"values not fetched ({human_bytes(t.bytes)}); add --values to fetch them"
+    else:
+        preview.update(_preview(ctl, name))
+    if fmt != "table":
+        display_data({**t.to_dict(detail=True), **preview}, fmt)
+        return
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for f in Tensor.columns(detail=True):
+        if t.cell(f):  # a stack tensor has no refcount, holders or segment
+            grid.add_row(Tensor.header(f).lower(), t.cell(f))
+    stats = preview["stats"]
+    if stats:
+        grid.add_row("values", "  ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in stats.items()))
+    display(grid)
+    if preview["preview"] is not None:
+        click.echo(preview["preview"])
+    if preview["note"]:
+        display_note(preview["note"])
+
+
+def _preview(ctl: Ctl, name: str) -> dict[str, Any]:
+    import numpy as np
+
+    from deepx_sdk.errors import DeepxError
+
+    try:
+        a = ctl.daemon("tensor values").client.fetch(name)[name]
+    except DeepxError as e:
+        return {"note": f"values unavailable: {e}"}
+    text = np.array2string(a, threshold=64, edgeitems=3, max_line_width=100)
+    stats: dict[str, Any] = {"numel": int(a.size)}
+    if a.size:
+        try:
+            f = a.astype(np.float64)  # ml_dtypes' bfloat16 and float8 convert too
+        except (TypeError, ValueError):
+            f = None
+        if f is not None:
+            finite = f[np.isfinite(f)]
+            stats.update({"min": float(finite.min()) if finite.size else None,
+                          "max": float(finite.max()) if finite.size else None,
+                          "mean": float(finite.mean()) if finite.size else None,
+                          "nonfinite": int(f.size - finite.size)})
+    return {"preview": text, "stats": stats}
+
+
+@tensors.command("rm")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Free a heap tensor even while others still hold references to it.")
+@format_option
+@click.pass_obj
+def rm(ctl: Ctl, name: str, force: bool, fmt: str) -> None:
+    """Free a tensor. A heap tensor held by more than one reference is refused unless --force (its holders are
+    named, so you can ask them to release it first).
+
+    \b
+      deepxctl tensors rm activations
+      deepxctl tensors rm w1 --force
+    """
+    d = ctl.daemon("tensors rm")
+    info = d.client.request("delete", name=name, force=force)["tensor"]
+    if fmt != "table":
+        display_data(info, fmt)
+        return
+    click.echo(f"deleted {info['kind']} tensor {info['name']!r} ({human_bytes(info['bytes'])}) on node "
+               f"{info['node']}{' (forced)' if info.get('forced') else ''}")

@@ -1,0 +1,214 @@
+"""The terminal wrapper every command goes through, so that all of them look the same: tables (rich), JSON or YAML
+on stdout, notes and errors on stderr, and the list options (--format, --filter, --limit, --detail).
+
+rich, json and yaml are imported inside the functions: importing this module costs only click.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import click
+
+from deepxctl.schema import Schema
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+
+FORMATS = ("table", "json", "yaml")
+DEFAULT_LIMIT = 100
+WIDE = 240  # the width of tables written to a pipe or a file, where nothing wraps them
+
+F = TypeVar("F", bound=Callable[..., Any])
+S = TypeVar("S", bound=Schema)
+
+
+class CtlError(click.ClickException):
+    """A refusal shown as one line on stderr, with exit code 1 (2 for a bad option, such as a bad --filter)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(" ".join(str(message).split()))
+        self.exit_code = exit_code
+
+    def show(self, file: Any = None) -> None:
+        display_error(self.format_message())
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr); written to a pipe or a file it is wide, so that nothing wraps."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    c = Console(file=stream, highlight=False)
+    if not c.is_terminal:
+        c = Console(file=stream, highlight=False, width=WIDE, soft_wrap=True)
+    return c
+
+
+def display_error(message: str) -> None:
+    """One line on stderr: `Error: <message>` (red on a terminal)."""
+    if sys.stderr.isatty():
+        from rich.markup import escape
+
+        console(stderr=True).print(f"[bold red]Error:[/] {escape(message)}", soft_wrap=True)
+    else:
+        click.echo(f"Error: {message}", err=True)
+
+
+def display_note(message: str) -> None:
+    """A remark on stderr that does not belong in the output (stdout stays parseable)."""
+    if sys.stderr.isatty():
+        from rich.markup import escape
+
+        console(stderr=True).print(f"[dim]{escape(message)}[/]", soft_wrap=True)
+    else:
+        click.echo(message, err=True)
+
+
+def display_text(text: str) -> None:
+    click.echo(text)
+
+
+def display(renderable: RenderableType) -> None:
+    c = console()
+    if c.is_terminal:
+        c.print(renderable)
+        return
+    with c.capture() as captured:  # a pipe or a file: the same text without the cells' trailing padding
+        c.print(renderable)
+    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
+def sections(parts: Sequence[Any]) -> Any:
+    """Renderables one under the other, a blank line between them."""
+    from rich.console import Group
+
+    spaced: list[Any] = []
+    for part in parts:
+        spaced.extend(("", part) if spaced else (part,))
+    return Group(*spaced)
+
+
+def make_table(rows: Sequence[Schema], cls: type[Schema], *, detail: bool = False, title: str | None = None,
+               first_header: str | None = None) -> Any:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left",
+                  title_style="bold")
+    columns = cls.columns(detail)
+    for i, f in enumerate(columns):
+        table.add_column(first_header if i == 0 and first_header else cls.header(f),
+                         justify="right" if f.metadata.get("right") else "left", overflow="fold")
+    for r in rows:
+        table.add_row(*(r.cell(f) for f in columns))
+    return table
+
+
+def display_table(rows: Sequence[Schema], cls: type[Schema], *, fmt: str = "table", detail: bool = False,
+                  title: str | None = None) -> None:
+    """A list of objects of one schema: a table, or a JSON/YAML list of the same fields."""
+    if fmt != "table":
+        display_data([r.to_dict(detail) for r in rows], fmt)
+        return
+    if not rows:
+        display_note(f"no {cls.object_name}")
+    display(make_table(rows, cls, detail=detail, title=title))
+
+
+def display_data(data: Any, fmt: str) -> None:
+    """Plain data (dicts, lists, numbers, strings) as JSON or YAML."""
+    if fmt == "json":
+        import json
+
+        click.echo(json.dumps(data, indent=2, default=_jsonable))
+    else:
+        import yaml
+
+        click.echo(yaml.safe_dump(_plain(data), sort_keys=False, allow_unicode=True).rstrip("\n"))
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, bytes | bytearray | memoryview):
+        return bytes(v).hex()
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return str(v)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    return _jsonable(v)
+
+
+# -- the list options
+
+def list_options(f: F) -> F:
+    """--format, --filter, --limit and --detail, as every list command takes them."""
+    f = click.option("--detail", is_flag=True, help="Show every field, not only the main columns.")(f)
+    f = click.option("--limit", type=click.IntRange(min=1), default=DEFAULT_LIMIT, show_default=True,
+                     help="Show at most N rows.")(f)
+    f = click.option("--filter", "filters", multiple=True, metavar="KEY=VALUE",
+                     help="Keep rows whose field KEY equals VALUE (KEY!=VALUE: differs); repeatable, all must hold.")(f)
+    return format_option(f)
+
+
+def format_option(f: F) -> F:
+    return click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+                        help="Output format.")(f)
+
+
+def parse_filters(filters: Sequence[str], cls: type[Schema]) -> list[tuple[str, bool, str]]:
+    """`key=value` / `key!=value` as (key, equal, value); CtlError (exit 2) for anything else or an unknown key."""
+    known = cls.field_names()
+    out = []
+    for text in filters:
+        key, eq, value = text.partition("=")
+        equal = not key.endswith("!")
+        key = key.removesuffix("!").strip()
+        if not eq or not key:
+            raise CtlError(f"bad --filter {text!r}: expected KEY=VALUE or KEY!=VALUE, e.g. --filter kind=heap",
+                           exit_code=2)
+        if key not in known:
+            raise CtlError(f"bad --filter {text!r}: {cls.object_name} have no field {key!r}; known: "
+                           f"{', '.join(known)}", exit_code=2)
+        out.append((key, equal, value.strip()))
+    return out
+
+
+def filter_text(v: Any) -> str:
+    """A value as --filter compares it: lists as `a,b`, maps as `k=v,...`, booleans as true/false."""
+    if isinstance(v, list | tuple):
+        return ",".join(map(filter_text, v))
+    if isinstance(v, Mapping):
+        return ",".join(f"{k}={filter_text(x)}" for k, x in v.items())
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "" if v is None else str(v)
+
+
+def _matches(field: Any, value: str) -> bool:
+    if isinstance(field, list | tuple):  # shape=2,3 and shape=[2, 3] alike
+        value = value.strip().removeprefix("[").removesuffix("]").replace(" ", "")
+    return filter_text(field) == value
+
+
+def select(rows: Sequence[S], cls: type[S], filters: Sequence[str], limit: int | None) -> list[S]:
+    """Rows that pass every filter, at most `limit` of them (a note on stderr says when some were left out)."""
+    preds = parse_filters(filters, cls)
+    kept = [r for r in rows if all(_matches(getattr(r, k), v) == eq for k, eq, v in preds)]
+    if limit is not None and len(kept) > limit:
+        display_note(f"showing {limit} of {len(kept)} {cls.object_name}; use --limit to see more")
+        kept = kept[:limit]
+    return kept
+
+
+def fail(message: str, exit_code: int = 1) -> NoReturn:
+    raise CtlError(message, exit_code)

@@ -1,0 +1,370 @@
+"""Actors: an actor owns its state and a mailbox; others hold an ActorRef and `tell` or `await ask`.
+
+- A message is a name and keyword arguments; the actor's handler is its method `on_<name>` (sync or async).
+- Every ask is answered: with the handler's result, with the handler's exception (the actor keeps serving), or, when
+  the actor stops, with ActorStopped.
+- A handler that raises `ActorCrash` (or a failing `on_start`) crashes the actor: its mailbox is kept, and the
+  Supervisor restarts it (`on_failure`, then a fresh `on_start`) within its policy of `max_restarts` per `window`
+  seconds, logging each restart; past the policy the actor stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import CoroutineType
+from typing import Any
+
+from deepx_sdk.errors import DeepxError
+
+log = logging.getLogger(__name__)
+
+
+class ActorStopped(DeepxError):
+    """The actor stopped before it answered."""
+
+
+class ActorCrash(Exception):
+    """Raised by a handler whose actor can no longer be trusted to serve: the supervisor restarts it."""
+
+
+class _Stop:
+    """The poison pill: the mailbox is drained up to it, then the actor stops."""
+
+
+_STOP = _Stop()
+_CRASH = "\0crash"  # an envelope that makes the actor's task raise a crash that happened in a direct ask
+
+
+@dataclass(slots=True)
+class Envelope:
+    name: str
+    kwargs: dict[str, Any]
+    future: asyncio.Future[Any] | None
+
+
+@dataclass
+class ActorStats:
+    handled: int = 0
+    errors: int = 0
+    restarts: int = 0
+    started: float = 0.0
+    last_error: str = ""
+    busy_s: float = 0.0
+    by_message: dict[str, int] = field(default_factory=dict)
+
+
+class Actor:
+    """Subclass, set `role`, and write `on_<message>` handlers. Handlers run one at a time, in mailbox order."""
+
+    role = "actor"
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.role
+        self.mailbox: asyncio.Queue[Envelope | _Stop] = asyncio.Queue()
+        self.state = "new"  # new -> running -> (crashed -> running)* -> stopping -> stopped
+        self.stats = ActorStats()
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+        self._handlers: dict[str, Any] = {}
+        self._busy = False  # a message is being handled (by the actor's task, or directly for an asker)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.ref = ActorRef(self)
+
+    # -- lifecycle hooks
+    async def on_start(self) -> None:
+        """Called before the first message, and again after each restart."""
+
+    async def on_stop(self) -> None:
+        """Called once, after the last message."""
+
+    async def on_failure(self, exc: BaseException) -> None:
+        """Called after a crash, before the restart."""
+
+    # -- running
+    def start(self) -> ActorRef:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"actor:{self.name}")
+        return self.ref
+
+    async def _run(self) -> None:
+        self.stats.started = time.time()
+        await self.on_start()
+        self.state = "running"
+        while True:
+            env = await self.mailbox.get()
+            while self._busy:  # an ask is being answered directly (see ActorRef.ask)
+                await self._idle.wait()
+            if isinstance(env, _Stop):
+                break
+            if env.name == _CRASH:
+                raise env.kwargs["exc"]
+            self._busy = True
+            self._idle.clear()
+            try:
+                await self._handle(env)
+            finally:
+                self._busy = False
+                self._idle.set()
+
+    def idle(self) -> bool:
+        """Nothing being handled and nothing waiting: an ask would be answered directly (_direct)."""
+        return not self._busy and self.state == "running" and self.mailbox.empty()
+
+    async def _direct(self, name: str, kwargs: dict[str, Any], handler: Any = None, count: bool = True) -> Any:
+        """Answer an ask in the asker's task: only while the mailbox is empty and nothing is being handled, so
+        messages are still handled one at a time and in order; it saves two trips through the event loop.
+        handler: what answers it, where not on_<name>; count=False: the rest of a message `now` began (counted
+        there), its time added to the busy time."""
+        t0 = self._begin()
+        if handler is None:
+            handler = self._handlers.get(name)
+            if handler is None:
+                handler = self._handlers[name] = getattr(self, f"on_{name}", None)
+        try:
+            if handler is None:
+                raise DeepxError(f"{self.name}: unknown message '{name}'")
+            result = handler(**kwargs)
+            if type(result) is CoroutineType or inspect.isawaitable(result):
+                result = await result
+            return result
+        except Exception as e:
+            self._failed(name, e)
+            raise
+        finally:
+            self._end(name, t0, count)
+
+    def now(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Answer message `name` with fn(*args), a plain function, where the actor is idle(): as _direct answers an
+        ask, with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the embedded daemon's
+        fast path)."""
+        t0 = self._begin()
+        try:
+            return fn(*args)
+        except Exception as e:
+            self._failed(name, e)
+            raise
+        finally:
+            self._end(name, t0)
+
+    def _begin(self) -> float:
+        self._busy = True
+        self._idle.clear()
+        return time.perf_counter()
+
+    def _end(self, name: str, t0: float, count: bool = True) -> None:
+        self._busy = False
+        self._idle.set()
+        stats = self.stats
+        stats.busy_s += time.perf_counter() - t0
+        if count:
+            stats.handled += 1
+            stats.by_message[name] = stats.by_message.get(name, 0) + 1
+
+    def _failed(self, name: str, e: Exception) -> None:
+        self._count_error(name, e)
+        if isinstance(e, ActorCrash):
+            self.mailbox.put_nowait(Envelope(_CRASH, {"exc": e}, None))  # the actor's own task crashes on it
+
+    async def _handle(self, env: Envelope) -> None:
+        handler = getattr(self, f"on_{env.name}", None)
+        t0 = time.perf_counter()
+        try:
+            if handler is None:
+                raise DeepxError(f"{self.name}: unknown message '{env.name}'")
+            result = handler(**env.kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        except asyncio.CancelledError:
+            if env.future is not None and not env.future.done():
+                env.future.set_exception(ActorStopped(f"actor '{self.name}' stopped while handling '{env.name}'"))
+            raise
+        except ActorCrash as e:
+            self._answer_error(env, e)
+            self._count_error(env.name, e)
+            raise
+        except Exception as e:
+            self._answer_error(env, e)
+            self._count_error(env.name, e)
+            if env.future is None and not isinstance(e, DeepxError):
+                log.exception("%s: message '%s' failed", self.name, env.name)
+        else:
+            if env.future is not None and not env.future.done():
+                env.future.set_result(result)
+        finally:
+            self.stats.handled += 1
+            self.stats.busy_s += time.perf_counter() - t0
+            self.stats.by_message[env.name] = self.stats.by_message.get(env.name, 0) + 1
+
+    def _answer_error(self, env: Envelope, e: BaseException) -> None:
+        if env.future is not None and not env.future.done():
+            env.future.set_exception(e)
+
+    def _count_error(self, name: str, e: BaseException) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = f"{name}: {e}"
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop after the messages already queued (drain) or now; pending asks then fail with ActorStopped."""
+        if self.state in ("stopping", "stopped"):
+            await self._stopped.wait()
+            return
+        self.state = "stopping"
+        task = self._task
+        if task is not None and not task.done():
+            if drain:
+                self.mailbox.put_nowait(_STOP)
+                try:
+                    await task
+                except BaseException as e:  # a crash while draining: still stop
+                    log.debug("%s: stopped after %r", self.name, e)
+            else:
+                task.cancel()
+                try:
+                    await task
+                except BaseException as e:
+                    log.debug("%s: cancelled (%r)", self.name, e)
+        self._fail_pending()
+        try:
+            await self.on_stop()
+        finally:
+            self.state = "stopped"
+            self._stopped.set()
+
+    def _fail_pending(self) -> None:
+        while not self.mailbox.empty():
+            env = self.mailbox.get_nowait()
+            if isinstance(env, Envelope) and env.future is not None and not env.future.done():
+                env.future.set_exception(ActorStopped(f"actor '{self.name}' stopped before answering '{env.name}'"))
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("new", "running", "crashed")
+
+
+class ActorRef:
+    """How everyone else reaches an actor: `tell` (fire and forget) or `await ask` (a reply or an error)."""
+
+    __slots__ = ("_actor",)
+
+    def __init__(self, actor: Actor) -> None:
+        self._actor = actor
+
+    @property
+    def name(self) -> str:
+        return self._actor.name
+
+    def tell(self, message: str, **kwargs: Any) -> None:
+        a = self._actor
+        if not a.alive:
+            raise ActorStopped(f"actor '{a.name}' is {a.state}; cannot tell '{message}'")
+        a.mailbox.put_nowait(Envelope(message, kwargs, None))
+
+    def ask_future(self, message: str, **kwargs: Any) -> asyncio.Future[Any]:
+        a = self._actor
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if not a.alive:
+            fut.set_exception(ActorStopped(f"actor '{a.name}' is {a.state}; cannot ask '{message}'"))
+        else:
+            a.mailbox.put_nowait(Envelope(message, kwargs, fut))
+        return fut
+
+    async def ask(self, message: str, timeout: float | None = None, **kwargs: Any) -> Any:
+        a = self._actor
+        if timeout is None and a.idle():
+            return await a._direct(message, kwargs)
+        fut = self.ask_future(message, **kwargs)
+        if timeout is None:
+            return await fut
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise DeepxError(f"actor '{self.name}' did not answer '{message}' within {timeout} s") from None
+
+
+@dataclass
+class RestartPolicy:
+    max_restarts: int = 3
+    window: float = 60.0
+
+
+class Supervisor:
+    """Starts actors and restarts the ones that crash, within a policy; stops them in reverse start order."""
+
+    def __init__(self, policy: RestartPolicy | None = None,
+                 on_give_up: Callable[[Actor, BaseException], Awaitable[None] | None] | None = None) -> None:
+        self.policy = policy or RestartPolicy()
+        self.actors: dict[str, Actor] = {}
+        self._restarts: dict[str, deque[float]] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._on_give_up = on_give_up
+
+    def start(self, actor: Actor) -> ActorRef:
+        if actor.name in self.actors:
+            raise DeepxError(f"an actor named '{actor.name}' is already supervised")
+        self.actors[actor.name] = actor
+        self._restarts[actor.name] = deque()
+        actor.start()
+        self._watchers[actor.name] = asyncio.get_running_loop().create_task(self._watch(actor))
+        return actor.ref
+
+    async def _watch(self, actor: Actor) -> None:
+        while True:
+            assert actor._task is not None
+            try:
+                await asyncio.shield(actor._task)
+                return  # stopped normally
+            except asyncio.CancelledError:
+                if actor._task.cancelled():
+                    return
+                raise
+            except BaseException as exc:
+                if actor.state in ("stopping", "stopped"):
+                    return
+                if not await self._restart(actor, exc):
+                    return
+
+    async def _restart(self, actor: Actor, exc: BaseException) -> bool:
+        now = time.monotonic()
+        history = self._restarts[actor.name]
+        while history and now - history[0] > self.policy.window:
+            history.popleft()
+        if len(history) >= self.policy.max_restarts:
+            log.error("actor '%s' crashed (%s) %d times within %.0f s: giving up, stopping it",
+                      actor.name, exc, len(history) + 1, self.policy.window)
+            actor.state = "crashed"
+            await actor.stop(drain=False)
+            if self._on_give_up is not None:
+                res = self._on_give_up(actor, exc)
+                if inspect.isawaitable(res):
+                    await res
+            return False
+        history.append(now)
+        actor.stats.restarts += 1
+        actor.state = "crashed"
+        log.warning("actor '%s' crashed (%s: %s); restarting it (restart %d of at most %d per %.0f s)",
+                    actor.name, type(exc).__name__, exc, len(history), self.policy.max_restarts, self.policy.window)
+        try:
+            await actor.on_failure(exc)
+        except Exception:
+            log.exception("actor '%s': on_failure raised", actor.name)
+        actor._task = asyncio.get_running_loop().create_task(actor._run(), name=f"actor:{actor.name}")
+        return True
+
+    async def stop_all(self, drain: bool = True) -> None:
+        for name in reversed(list(self.actors)):
+            actor = self.actors[name]
+            await actor.stop(drain=drain)
+            w = self._watchers.pop(name, None)
+            if w is not None:
+                w.cancel()
+                try:
+                    await w
+                except BaseException as e:
+                    log.debug("watcher of %s ended with %r", name, e)

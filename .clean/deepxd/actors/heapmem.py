@@ -1,0 +1,559 @@
+"""heapmem: the lifetime of heap tensors (weights, loaded data) that outlive sessions and are shared by processes.
+
+- Each heap tensor lives in one shared-memory segment (`deepxd.shm`); any process attaches to it by the segment
+  name that the `tensor:<name>` hash in the storage plane holds as `handle`, and sees the same bytes.
+- A tensor is freed when its refcount reaches zero. Freed segments go to a pool, kept by size class (a power of two
+  of at least 4 KiB) up to `pool_bytes`, and `create` takes from it before it makes a fresh segment, because
+  faulting in fresh shared memory is ten times slower than reusing a mapped one (design.md section 4).
+- Metadata is written to the plane on change only, one batch per request (or per tick of the lifecycle list).
+- The `tensor_lifecycle` list carries create/get/delete commands (msgpack maps) from processes that have no actor
+  ref; a tick pops them and applies them through the mailbox, so they are serialized with every other message.
+- On stop every segment is unlinked and the live tensors' hashes say "stopped"; on start a tensor of this node whose
+  segment is gone is marked "lost" (its metadata is kept for the operator), one whose segment survived a daemon
+  that died without stopping is adopted, and segments that dead daemons of this node left behind are unlinked.
+- With a device heap (the op-cuda worker's `DeviceHeap`, when that role runs) heap tensors live in GPU memory
+  instead: the record carries `device` and `ipc_handle` (hex of the CUDA IPC handle another process opens with
+  `deepxd.ipc.open_tensor`), refcount zero frees the memory, and GPU memory never outlives its daemon (a restart
+  finds such tensors `lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import operator
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
+from deepxd.actors.base import Actor, ActorRef, ActorStopped
+from deepxd.kv.base import KV, Batch
+from deepxd.shm import Segment, SegmentExists, list_segments, segment_exists, segment_name, segment_pid, unlink_segment
+
+log = logging.getLogger(__name__)
+
+LIFECYCLE = "tensor_lifecycle"
+MIN_CLASS = 4096  # the smallest segment: one page
+REUSE_CLASSES = 3  # a pooled segment up to 4x the needed class is reused rather than a fresh one made
+TICK_BATCH = 100  # lifecycle commands popped per tick
+ZERO_IN_THREAD = 1 << 24  # reused segments this large are zeroed off the event loop
+
+
+def size_class(nbytes: int) -> int:
+    """The segment size for a tensor of `nbytes`: the next power of two, at least MIN_CLASS."""
+    return max(MIN_CLASS, 1 << max(nbytes - 1, 0).bit_length())
+
+
+def _key(name: str) -> str:
+    return f"tensor:{name}"
+
+
+@dataclass(eq=False)
+class _Heap:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    node: str
+    owner: str
+    holders: list[str]
+    refcount: int
+    handle: str
+    ctime: float
+    state: str = "live"  # live | lost | stopped
+    segment: Segment | None = None
+    view: Any = field(default=None, repr=False)  # an ndarray; a device array for a GPU tensor
+    device: str = "cpu"
+    ipc_handle: str = ""  # hex of the CUDA IPC handle of a GPU tensor
+    block: Any = field(default=None, repr=False)  # a GPU tensor's memory (deepxd.actors.opcuda.DeviceBlock)
+
+    @property
+    def present(self) -> bool:
+        """Its memory exists (a segment, or a block of GPU memory); a lost or stopped tensor has none."""
+        return self.segment is not None or self.block is not None
+
+    def fields(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "shape": str(list(self.shape)), "node": self.node, "device": self.device,
+                "bytes": str(self.nbytes), "kind": "heap", "owner": self.owner, "state": self.state,
+                "refcount": str(self.refcount), "holders": ",".join(self.holders), "handle": self.handle,
+                "ctime": repr(self.ctime), **({"ipc_handle": self.ipc_handle} if self.ipc_handle else {})}
+
+    def refs(self) -> dict[str, str]:
+        return {"refcount": str(self.refcount), "holders": ",".join(self.holders)}
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "node": self.node,
+                "device": self.device, "bytes": self.nbytes, "kind": "heap", "owner": self.owner, "state": self.state,
+                "refcount": self.refcount, "holders": list(self.holders), "handle": self.handle,
+                "ctime": self.ctime}
+
+    def who(self) -> str:
+        unnamed = self.refcount - len(self.holders)
+        parts = list(self.holders) + ([f"{unnamed} unnamed"] if unnamed > 0 else [])
+        return ", ".join(parts) or "nobody"
+
+    @classmethod
+    def from_fields(cls, name: str, f: Mapping[str, str]) -> _Heap:
+        """Parse a `tensor:<name>` hash; ValueError when a field is missing or malformed."""
+        try:
+            shape = json.loads(f["shape"])
+            if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+                raise ValueError(f"shape {f['shape']!r} is not a list of integers")
+            return cls(name=name, dtype=f["dtype"], shape=tuple(shape), nbytes=int(f["bytes"]), node=f["node"],
+                       owner=f.get("owner", ""), holders=[h for h in f.get("holders", "").split(",") if h],
+                       refcount=int(f.get("refcount", "0")), handle=f.get("handle", ""),
+                       ctime=float(f.get("ctime", "0")), state=f.get("state", "live"),
+                       device=f.get("device", "cpu"), ipc_handle=f.get("ipc_handle", ""))
+        except KeyError as e:
+            raise ValueError(f"field {e.args[0]!r} is missing") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"shape {f.get('shape')!r} does not parse: {e}") from None
+
+
+class _Writes:
+    """The plane writes of one request, or of one lifecycle tick: sent as one batch."""
+
+    def __init__(self, kv: KV) -> None:
+        self.batch: Batch = kv.batch()
+        self.count = 0
+        self.freed: set[str] = set()  # names deleted in this batch: free to create again before it is sent
+
+    def hset(self, name: str, mapping: Mapping[str, str]) -> None:
+        self.batch.hset(_key(name), mapping)
+        self.count += 1
+
+    def delete(self, name: str) -> None:
+        self.batch.delete(_key(name))
+        self.freed.add(name)
+        self.count += 1
+
+    async def execute(self) -> None:
+        if self.count:
+            await self.batch.execute()
+
+
+def _dims(shape: Any, what: str) -> tuple[int, ...]:
+    bad = DeepxError(f"{what}: shape {shape!r} is not a list of integers")
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, np.ndarray)):
+        raise bad
+    dims: list[int] = []
+    for d in shape:
+        if isinstance(d, (bool, np.bool_)):
+            raise bad
+        try:
+            dims.append(operator.index(d))
+        except TypeError:
+            raise bad from None
+    for d in dims:
+        if d < 0:
+            raise DeepxError(f"{what}: shape {dims} has the negative dimension {d}")
+    return tuple(dims)
+
+
+def _holder(holder: Any, what: str) -> str:
+    if not isinstance(holder, str) or "," in holder:
+        raise DeepxError(f"{what}: holder {holder!r} must be a string without commas")
+    return holder
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class HeapMemory(Actor):
+    """Heap tensors of one node in shared memory, their refcounts, and their metadata in the storage plane.
+
+    Messages (all answer through `ask`; refusals are DeepxError naming the tensor): create, attach, release,
+    delete, array, info, list, stats, and lifecycle (the commands that the tick popped from `tensor_lifecycle`).
+    """
+
+    role = "heapmem"
+
+    def __init__(self, kv: KV, node_id: str, *, pool_bytes: int = 256 << 20, poll_s: float = 0.05,
+                 name: str | None = None, device: Any = None) -> None:
+        super().__init__(name)
+        self.kv = kv
+        self.device = device  # a DeviceHeap (deepxd.actors.opcuda): heap tensors then live in its GPU memory
+        self.node = node_id
+        self.pool_bytes = pool_bytes
+        self.poll_s = poll_s
+        self._tensors: dict[str, _Heap] = {}  # this node's heap tensors, live and lost
+        self._pool: dict[int, list[Segment]] = {}  # size class -> free segments
+        self._pooled_bytes = 0
+        self._tick: asyncio.Task[None] | None = None
+        # op workers that view heap tensors (their arrays are this memory): told `heap_gone` when one is freed, so
+        # that no later program of theirs touches memory that is gone or given to another tensor
+        self.viewers: list[ActorRef] = []
+
+    # -- lifecycle
+    async def on_start(self) -> None:
+        await self._recover()
+        if self._tick is None or self._tick.done():
+            self._tick = asyncio.get_running_loop().create_task(self._poll(), name=f"{self.name}:lifecycle")
+
+    async def on_stop(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick
+            self._tick = None
+        live = [t for t in self._tensors.values() if t.present]
+        try:
+            if live:
+                async with self.kv.batch() as b:
+                    for t in live:
+                        b.hset(_key(t.name), {"state": "stopped"})
+        except Exception as e:
+            log.warning("%s: could not mark %d heap tensors stopped in the storage plane: %s", self.name, len(live), e)
+        finally:
+            for t in live:
+                t.state, t.view = "stopped", None
+                if t.block is not None:
+                    self.device.free(t.block)
+                    t.block = None
+                    continue
+                assert t.segment is not None
+                t.segment.close()
+                t.segment.unlink()
+                t.segment = None
+            for segs in self._pool.values():
+                for seg in segs:
+                    seg.close()
+                    seg.unlink()
+            self._pool.clear()
+            self._pooled_bytes = 0
+
+    async def _recover(self) -> None:
+        """Find this node's heap tensors in the plane: adopt those whose segment survived, mark the rest lost,
+        and unlink segments that dead daemons of this node left with no tensor naming them."""
+        w = _Writes(self.kv)
+        keep = {seg.name for seg in self._segments()}
+        for key in await self.kv.keys("tensor:*"):
+            name = key[len("tensor:"):]
+            if name in self._tensors:
+                continue  # known already (a restart after a crash)
+            f = await self.kv.hgetall(key)
+            if f.get("kind") != "heap" or f.get("node") != self.node:
+                continue
+            try:
+                t = _Heap.from_fields(name, f)
+            except ValueError as e:
+                log.warning("%s: %s has malformed metadata (%s); left as it is", self.name, key, e)
+                continue
+            if t.state == "live" and t.handle and segment_exists(t.handle):
+                pid = segment_pid(t.handle, self.node)
+                if pid is None or _pid_alive(pid):
+                    log.warning("%s: heap tensor %r is served by segment %r of live process %s; is another daemon "
+                                "running as node %r? left alone", self.name, name, t.handle, pid, self.node)
+                    keep.add(t.handle)
+                    continue
+                try:
+                    t.segment = Segment.attach(t.handle)
+                except DeepxError as e:  # gone between the two looks
+                    log.warning("%s: could not adopt heap tensor %r: %s", self.name, name, e)
+                    t.segment = None
+            if t.segment is not None:
+                keep.add(t.handle)
+                self._tensors[name] = t
+                log.info("%s: adopted heap tensor %r from a daemon that died (segment %s)", self.name, name, t.handle)
+                continue
+            if t.state != "lost":
+                log.warning("%s: heap tensor %r was lost when its daemon stopped (it was %s)", self.name, name, t.state)
+                t.state = "lost"
+                w.hset(name, {"state": "lost"})
+            self._tensors[name] = t
+        await w.execute()
+        for seg_name in list_segments("deepx-"):
+            pid = segment_pid(seg_name, self.node)
+            if pid is None or seg_name in keep or _pid_alive(pid):
+                continue
+            if unlink_segment(seg_name):
+                log.info("%s: unlinked segment %s left by dead process %d", self.name, seg_name, pid)
+
+    async def _poll(self) -> None:
+        """The lifecycle tick: pop up to TICK_BATCH commands and apply them through the mailbox; then wait for more
+        (every poll_s on Redis, until one is pushed on the embedded store)."""
+        while True:
+            try:
+                items = await self.kv.lpop(LIFECYCLE, TICK_BATCH)
+                popped = len(items)
+                if items:
+                    if not self.alive:  # stopping: give them back for the next heapmem of this plane
+                        await self.kv.rpush(LIFECYCLE, *items)
+                        return
+                    await self.ref.ask("lifecycle", commands=items)
+                if popped == TICK_BATCH:
+                    await asyncio.sleep(0)
+                else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled
+                    await self.kv.wait_push(LIFECYCLE, self.poll_s)
+            except ActorStopped:
+                return
+            except Exception as e:
+                log.warning("%s: polling %s failed: %s", self.name, LIFECYCLE, e)
+                await asyncio.sleep(self.poll_s)  # the store refuses: try again at a poll's pace
+
+    def unlink_all(self) -> None:
+        """Unlink every segment now, without the storage plane: the forced-exit path (a second signal)."""
+        for seg in self._segments():
+            with contextlib.suppress(Exception):
+                seg.unlink()
+
+    def _segments(self) -> list[Segment]:
+        live = [t.segment for t in self._tensors.values() if t.segment is not None]
+        return live + [seg for segs in self._pool.values() for seg in segs]
+
+    # -- handlers
+    async def on_create(self, name: str, shape: Sequence[int], dtype: str, owner: str = "",
+                        zero: bool = True) -> dict[str, Any]:
+        """A new heap tensor (refcount 1, held by `owner` if given); its memory is zeroed unless zero=False."""
+        w = _Writes(self.kv)
+        t = await self._create(w, name, shape, dtype, owner, zero)
+        try:
+            await w.execute()
+        except Exception as e:
+            self._drop(t, pool=True)
+            raise DeepxError(f"heapmem: could not record heap tensor {name!r} in the storage plane: {e}") from e
+        return t.info()
+
+    async def on_attach(self, name: str, holder: str) -> dict[str, Any]:
+        """One more reference to `name`, held by `holder`."""
+        w = _Writes(self.kv)
+        t = self._attach(w, name, holder)
+        await w.execute()
+        return t.info()
+
+    async def on_release(self, name: str, holder: str) -> int:
+        """Drop `holder`'s reference; at refcount 0 the tensor is freed. Returns the refcount left."""
+        w = _Writes(self.kv)
+        left = self._release(w, name, holder)
+        await w.execute()
+        return left
+
+    async def on_delete(self, name: str, force: bool = False) -> None:
+        """Free `name` now; refused while others hold it, unless force."""
+        w = _Writes(self.kv)
+        self._delete(w, name, force)
+        await w.execute()
+
+    async def on_array(self, name: str) -> Any:
+        """The tensor's memory as an array, in place (zero-copy): writes are seen by every process. A GPU tensor's
+        is a device array."""
+        t = self._live(name, "view")
+        if t.view is None and t.block is not None:
+            t.view = await self.device.view(t.block, t.shape, t.dtype)
+        if t.view is None:
+            assert t.segment is not None
+            t.view = t.segment.array(t.shape, t.dtype)
+        return t.view
+
+    def on_info(self, name: str) -> dict[str, Any]:
+        return self._find(name, "describe").info()
+
+    def on_list(self) -> list[dict[str, Any]]:
+        return [self._tensors[n].info() for n in sorted(self._tensors)]
+
+    def on_stats(self) -> dict[str, Any]:
+        live = [t for t in self._tensors.values() if t.present]
+        return {"node": self.node, "device": self.device.device if self.device is not None else "cpu",
+                "tensors": len(live), "bytes": sum(t.nbytes for t in live),
+                "segments": sum(t.segment is not None for t in live),
+                "segment_bytes": sum(t.segment.size for t in live if t.segment),
+                "lost": sum(t.state == "lost" for t in self._tensors.values()),
+                "pooled_segments": sum(len(s) for s in self._pool.values()), "pooled_bytes": self._pooled_bytes,
+                "pool_limit": self.pool_bytes}
+
+    async def on_lifecycle(self, commands: list[bytes]) -> int:
+        """Apply msgpack commands from `tensor_lifecycle`; a malformed or refused one is logged and skipped.
+        Returns how many were applied."""
+        w = _Writes(self.kv)
+        applied = 0
+        for raw in commands:
+            try:
+                await self._apply(w, raw)
+                applied += 1
+            except DeepxError as e:
+                log.warning("%s: skipped a %s command: %s", self.name, LIFECYCLE, e)
+        try:
+            await w.execute()
+        except Exception as e:
+            log.warning("%s: could not write the metadata of %d lifecycle commands: %s", self.name, applied, e)
+        return applied
+
+    # -- the work
+    async def _create(self, w: _Writes, name: Any, shape: Any, dtype: Any, owner: Any, zero: bool) -> _Heap:
+        if not isinstance(name, str) or not name:
+            raise DeepxError(f"heapmem: a heap tensor needs a non-empty string name, not {name!r}")
+        what = f"heapmem: cannot create heap tensor {name!r}"
+        known = self._tensors.get(name)
+        if known is not None:
+            if known.state == "lost":
+                raise DeepxError(f"{what}: a lost tensor of that name is still recorded; delete it first")
+            raise DeepxError(f"{what}: it already exists ({known.dtype} {list(known.shape)}, held by "
+                             f"{known.who()}); delete it or pick another name")
+        if not isinstance(dtype, str):
+            raise DeepxError(f"{what}: dtype {dtype!r} is not a precision name")
+        try:
+            itemsize = to_numpy(dtype).itemsize
+        except DeepxError as e:
+            raise DeepxError(f"{what}: {e}") from None
+        dims = _dims(shape, what)
+        owner = _holder(owner, what)
+        if name not in w.freed:
+            other = await self.kv.hgetall(_key(name))
+            if other:
+                raise DeepxError(f"{what}: tensor:{name} already exists in the storage plane (a "
+                                 f"{other.get('kind', '?')} tensor on node {other.get('node', '?')}); "
+                                 "delete it there or pick another name")
+        nbytes = math.prod(dims) * itemsize
+        if self.device is not None:
+            block = await self.device.alloc(name, nbytes, zero)
+            t = _Heap(name=name, dtype=dtype, shape=dims, nbytes=nbytes, node=self.node, owner=owner,
+                      holders=[owner] if owner else [], refcount=1, handle="", ctime=time.time(),
+                      device=block.device, ipc_handle=block.ipc_handle.hex(), block=block)
+            self._tensors[name] = t
+            w.hset(name, t.fields())
+            return t
+        seg, reused = self._take_segment(nbytes)
+        if reused and zero:
+            if nbytes >= ZERO_IN_THREAD:
+                await asyncio.to_thread(seg.zero, nbytes)
+            else:
+                seg.zero(nbytes)
+        t = _Heap(name=name, dtype=dtype, shape=dims, nbytes=nbytes, node=self.node, owner=owner,
+                  holders=[owner] if owner else [], refcount=1, handle=seg.name, ctime=time.time(), segment=seg)
+        self._tensors[name] = t
+        w.hset(name, t.fields())
+        return t
+
+    def _attach(self, w: _Writes, name: Any, holder: Any) -> _Heap:
+        t = self._live(name, "attach to")
+        holder = _holder(holder, f"heapmem: cannot attach to heap tensor {name!r}")
+        t.refcount += 1
+        if holder:
+            t.holders.append(holder)
+        w.hset(name, t.refs())
+        return t
+
+    def _release(self, w: _Writes, name: Any, holder: Any) -> int:
+        t = self._find(name, "release")
+        holder = _holder(holder, f"heapmem: cannot release heap tensor {name!r}")
+        if holder in t.holders:
+            t.holders.remove(holder)
+        elif holder or t.refcount <= len(t.holders):
+            raise DeepxError(f"heapmem: cannot release heap tensor {name!r}: {holder or 'an unnamed holder'} does "
+                             f"not hold it (held by {t.who()}); release with the holder that attached it")
+        t.refcount -= 1
+        if t.refcount <= 0:
+            self._free(w, t, pool=True)
+            return 0
+        w.hset(name, t.refs())
+        return t.refcount
+
+    def _delete(self, w: _Writes, name: Any, force: bool) -> None:
+        t = self._find(name, "delete")
+        if t.refcount > 1 and not force:
+            raise DeepxError(f"heapmem: cannot delete heap tensor {name!r}: it has {t.refcount} references (held by "
+                             f"{t.who()}); release them first, or delete with force=True")
+        # memory others may still be using is unlinked, never pooled, so a new tensor cannot overwrite it
+        self._free(w, t, pool=t.refcount <= 1)
+
+    async def _apply(self, w: _Writes, raw: Any) -> None:
+        try:
+            cmd = msgpack.unpackb(raw, raw=False)
+        except Exception as e:
+            raise DeepxError(f"{raw[:60]!r} is not msgpack ({e})") from None
+        if not isinstance(cmd, dict):
+            raise DeepxError(f"{cmd!r} is not a map")
+        op = cmd.get("cmd")
+        name = cmd.get("name")
+        if not isinstance(name, str) or not name:
+            raise DeepxError(f"{cmd!r} has no string 'name'")
+        if op == "create":
+            await self._create(w, name, cmd.get("shape"), cmd.get("dtype"), cmd.get("owner", ""),
+                               bool(cmd.get("zero", True)))
+        elif op == "get":
+            if "holder" not in cmd:
+                raise DeepxError(f"{cmd!r}: 'get' needs a 'holder'")
+            self._attach(w, name, cmd["holder"])
+        elif op == "delete":
+            if cmd.get("holder") is not None:
+                self._release(w, name, cmd["holder"])
+            else:
+                self._delete(w, name, bool(cmd.get("force", False)))
+        else:
+            raise DeepxError(f"{cmd!r}: unknown cmd {op!r}; use create, get or delete")
+
+    def _find(self, name: Any, verb: str) -> _Heap:
+        t = self._tensors.get(name) if isinstance(name, str) else None
+        if t is None:
+            raise DeepxError(f"heapmem: cannot {verb} heap tensor {name!r}: node {self.node} has no heap tensor "
+                             "by that name")
+        return t
+
+    def _live(self, name: Any, verb: str) -> _Heap:
+        t = self._find(name, verb)
+        if not t.present:
+            raise DeepxError(f"heap tensor {name!r} was lost when its daemon stopped; put or load it again")
+        return t
+
+    # -- segments and the pool
+    def _take_segment(self, nbytes: int) -> tuple[Segment, bool]:
+        need = size_class(nbytes)
+        for i in range(REUSE_CLASSES):
+            segs = self._pool.get(need << i)
+            if segs:
+                seg = segs.pop()
+                self._pooled_bytes -= seg.size
+                return seg, True
+        for _ in range(1000):
+            try:
+                return Segment.create(segment_name(self.node), need), False
+            except SegmentExists:
+                continue  # a name left by an earlier process with our pid
+        raise DeepxError(f"heapmem: could not find a free segment name for node {self.node}")
+
+    def _free(self, w: _Writes, t: _Heap, pool: bool) -> None:
+        w.delete(t.name)
+        self._drop(t, pool)
+
+    def _drop(self, t: _Heap, pool: bool) -> None:
+        self._tensors.pop(t.name, None)
+        viewed = False
+        for viewer in self.viewers:
+            with contextlib.suppress(ActorStopped):
+                viewer.tell("heap_gone", name=t.name)
+                viewed = True
+        if t.block is not None:
+            # told after heap_gone, into the CUDA worker's mailbox: freed after every program queued before it
+            self.device.free(t.block)
+            t.block, t.view = None, None
+            return
+        seg, t.segment, t.view = t.segment, None, None
+        if seg is None:
+            return
+        # a worker's view goes only when it reads its mailbox: until then the segment must not hold another tensor,
+        # so it is unlinked (the mapping lives on under the view until that is collected), never pooled
+        if (pool and not viewed and seg.size == size_class(seg.size)
+                and self._pooled_bytes + seg.size <= self.pool_bytes):
+            self._pool.setdefault(seg.size, []).append(seg)
+            self._pooled_bytes += seg.size
+        else:
+            seg.close()
+            seg.unlink()
+

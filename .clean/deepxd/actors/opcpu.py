@@ -1,0 +1,685 @@
+"""The CPU op worker: owns the stack tensors and runs checked programs on the numpy kernels.
+
+A program is checked whole against this worker's tensors before any of it runs (a bad program changes nothing).
+Small programs run inline on the event loop (a thread hop costs more than they do); a program with a heavy
+instruction runs on this worker's single thread, so control traffic keeps flowing and order is kept.
+Heap tensors (held by heapmem) appear here as zero-copy views of their shared-memory segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
+from deepx_sdk.ir.instr import Instr, same_program, scalar_kinds
+from deepx_sdk.ir.ops import Bound, ProgramError, TensorMeta, check_program
+from deepx_sdk.ir.shapes import numel
+from deepxd.actors.base import Actor, ActorRef
+from deepxd.kernels.cpu import CpuExecutor, dtype_name, transient_transposes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What happened to a program: `done` instructions ran; `error` (with `error_index`) stopped it."""
+
+    done: int = 0
+    error: str = ""
+    error_index: int = -1
+    t0: float = 0.0  # wall-clock start, seconds since the epoch
+    output: list[str] = field(default_factory=list)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    # start, end of each instruction that ran, from t0, as the worker measured the program it ran; `times_us`
+    # speaks of the client's program: the mappings (origins, done) of the passes in between (map_times) are applied
+    # when it is read, which an embedded client never does
+    raw_times: list[float] = field(default_factory=list)
+    time_maps: list[tuple[Sequence[int], int]] = field(default_factory=list)
+    # a known program's clock: its start and each instruction's end (perf_counter), made into raw_times when read
+    clock: tuple[float, list[float]] | None = None
+    # the version of the worker's state (OpWorker._state) when the run began, and after it where running the program
+    # again finds the state it found this time (a known program that leaves the metas it names as it found them);
+    # -1: not so
+    begun: int = -1
+    version: int = -1
+    known: bool = False  # it ran as a program the worker knew (checked before, its check now a comparison)
+    # asked to run only on a state it was not in (see OpWorker._stale): nothing ran
+    stale: bool = False
+
+    @property
+    def times_us(self) -> list[float]:
+        if self.clock is not None:
+            start, ends = self.clock
+            self.clock = None
+            prev = start
+            for t in ends:
+                self.raw_times.append((prev - start) * 1e6)
+                self.raw_times.append((t - start) * 1e6)
+                prev = t
+        if self.time_maps:
+            from deepxd.compiler.pipeline import original_times
+
+            for origins, done in self.time_maps:
+                self.raw_times = original_times(self.raw_times, origins, done)
+            self.time_maps = []
+        return self.raw_times
+
+    def map_times(self, origins: Sequence[int], done: int) -> None:
+        """The times now speak of a program of which instruction i of the one that ran came from origins[i]."""
+        self.time_maps.append((origins, done))
+
+
+@dataclass
+class OpStat:
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+class HeapViews(dict[str, Any]):
+    """A worker's heap tensors (name -> its array), with `version` counting the changes (see OpWorker._state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 0
+
+    def __setitem__(self, name: str, view: Any) -> None:
+        dict.__setitem__(self, name, view)
+        self.version += 1
+
+    def __delitem__(self, name: str) -> None:
+        dict.__delitem__(self, name)
+        self.version += 1
+
+    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
+        if name in self:
+            self.version += 1
+        return dict.pop(self, name, *default)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.version += 1
+
+
+class KnownProgram(NamedTuple):
+    """A program checked before, with the state its check read (per tensor name it touches: meta before, and whether
+    it is a heap tensor): while that state holds, the same program checks the same way, so it runs without the
+    check, on instructions prepared for the executor."""
+
+    program: list[Instr]
+    kinds: tuple[tuple[int, int, Any], ...]
+    fetch: tuple[str, ...]
+    names: tuple[str, ...]
+    metas: list[TensorMeta | None]  # per name, its meta before the program (None: absent)
+    heaped: list[bool]  # per name, whether it was a heap tensor
+    bounds: list[Bound]
+    steps: list[Any]  # prepared at the first repeat: most programs that never repeat are never prepared
+    recover: list[Any]  # with the steps: [recover(done)], which sets the tensors straight after step `done` failed
+    slots: list[tuple[OpStat, int]]  # per instruction, its op's statistics and its bytes (filled at the first run)
+    heavy: bool
+    deletes: tuple[tuple[int, str], ...]  # (index, name) of each deltensor
+    transient: set[int]
+    after: list[bool]  # [whether a run leaves the metas of `names` as `metas`], from its first run as known
+
+
+def _state_free(bounds: list[Bound]) -> bool:
+    """Whether checking the program reads nothing but the metas of its tensors: no files, no named variables, no heap
+    tensors made (those ask heapmem)."""
+    for b in bounds:
+        op = b.op
+        if op.family == "io" or (op.name == "newtensor" and b.instr.meta):
+            return False
+        for a, p in zip(op.args, b.instr.args):
+            if type(p.value) is str and a.kind in ("var", "vector", "shape") and a.vtype not in ("str", "any"):
+                return False
+    return True
+
+
+def _touched(bounds: list[Bound]) -> tuple[str, ...]:
+    names: dict[str, None] = {}
+    for b in bounds:
+        for n in b.names:
+            if type(n) is str:
+                names[n] = None
+            elif type(n) is list:
+                names.update(dict.fromkeys(n))
+        for n in b.out_names:
+            names[str(n)] = None
+        if b.op.name == "renametensor":
+            names[str(b.args[0])] = None
+    return tuple(names)
+
+
+class OpWorker(Actor):
+    """What the op workers (op-cpu here, op-cuda in opcuda.py) share: the programs they have checked before, the
+    heap tensors they view, and their op statistics. A subclass sets these attributes and an executor `ex` (None
+    until it exists) whose `tensors` table has `metas`."""
+
+    ex: Any
+    heap: HeapViews  # heap tensor name -> its array (memory heapmem allocated)
+    heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
+    heapmem: ActorRef | None
+    known: dict[Any, list[KnownProgram]]
+    known_size: int
+    op_stats: dict[str, OpStat]
+    output_log: bool
+    _output: list[str]
+    _unfolded: list[Any]  # known programs' clocks not yet in op_stats (see _fold)
+
+    def _print(self, text: str) -> None:
+        self._output.append(text)
+        if self.output_log:
+            log.info("print: %s", text)
+
+    # the known program that ran last, and the tensor table's version it left, where running it again finds the
+    # state it found (see _ran_known)
+    _last: tuple[KnownProgram, int] | None = None
+
+    def _known(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
+        if not program:
+            return None
+        last = self._last
+        if last is not None and program is last[0].program and last[1] == self._state() and last[0].fetch == tuple(
+                fetch):
+            return last[0]  # the very program again, nothing written since: the metas it names are as it left them
+        try:
+            bucket = self.known.get((len(program), program[0], program[-1]))
+        except TypeError:  # a list inside a param: not hashable, never remembered
+            return None
+        if bucket is None:
+            return None
+        heap = self.heap
+        fetch = tuple(fetch)
+        for k in bucket:
+            if (k.fetch == fetch and same_program(program, k.program, k.kinds)
+                    and self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None)):
+                return k
+        return None
+
+    def _meets(self, names: Sequence[str], metas: list[Any], heaped: list[bool] | None) -> bool:
+        """Whether the tensors `names` have these metas here now (None: absent), and these heap flags (None: not
+        asked). C loops, and list compares."""
+        return list(map(self.ex.tensors.metas.get, names)) == metas and (
+            heaped is None or list(map(self.heap.__contains__, names)) == heaped)
+
+    def _ran_known(self, known: KnownProgram, result: RunResult) -> None:
+        """After a known program ran: where it ran to the end and left the metas it names as it found them (a
+        training step deletes its temporaries and gradients and makes them again), it is the last program, and the
+        table's version then is noted (in `result.version` too, for the scheduler): while the version stands, the
+        same program finds the same state, and runs again without the comparing."""
+        if result.error:
+            self._last = None
+            return
+        after = known.after
+        if not after:  # the same program from the same state leaves the same state: worked out once
+            after.append(self._meets(known.names, known.metas, known.heaped))
+        if after[0]:
+            result.version = self._state()
+            self._last = (known, result.version)
+        else:
+            self._last = None
+
+    def _state(self) -> int:
+        """The version of what a program's check reads here: the tensor table's and the heap tensors' (both only
+        grow, so their sum stands exactly while neither changes)."""
+        return int(self.ex.tensors.version) + self.heap.version
+
+    def _stale(self, version: int | None, expect: Any) -> RunResult | None:
+        """A run asked for only on a state (the scheduler's fast path): where the state's version is `version`, or
+        else the tensors named in `expect` (names, their metas, whether each is a heap tensor or None: either) are
+        as it says. The answer where neither holds, with nothing run; None where the run may go ahead (or neither
+        was asked for)."""
+        if version is None and expect is None:
+            return None
+        if self.ex is None:
+            return RunResult(stale=True)
+        if version is not None and self._state() == version:
+            return None
+        if expect is not None and self._meets(*expect):
+            return None
+        return RunResult(stale=True)
+
+    def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
+        exists = name in self.ex.tensors
+        for b in bounds:
+            if b.op.name == "deltensor" and b.out_names[0] == name:
+                exists = False
+            elif b.op.name == "renametensor":
+                if b.out_names[0] == name:
+                    exists = False
+                elif b.args[0] == name:
+                    exists = True
+            elif name in b.out_names or (b.op.name == "load" and name in (str(b.args[0]).rsplit("/", 1)[-1],)):
+                exists = True
+        return exists
+
+    def _check_heap(self, bounds: list[Bound]) -> None:
+        if not self.heap:
+            return
+        for i, b in enumerate(bounds):
+            for n, m in zip(b.out_names, b.outs):
+                view = self.heap.get(n) if isinstance(n, str) else None
+                if view is not None and m is not None and (tuple(m.shape) != tuple(view.shape)
+                                                           or m.dtype != dtype_name(view.dtype)):
+                    raise ProgramError(
+                        f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
+                        f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
+            if b.op.name == "renametensor" and b.out_names[0] in self.heap:
+                raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
+                                   "renamed", i)
+
+    async def _forget_deleted(self, known: KnownProgram, done: int) -> None:
+        """The heap tensors that a known program's first `done` instructions deleted: forgotten (_forget_heap)."""
+        heap = self.heap
+        for i, name in known.deletes:
+            if i >= done:
+                break
+            if name in heap:
+                await self._forget_heap(name)
+
+    async def _forget_heap(self, name: str) -> None:
+        """deltensor of a heap tensor: drop the view, and this worker's reference if it holds one (an owner's
+        reference keeps the tensor alive until the owner releases it)."""
+        if self.heap.pop(name, None) is not None and name in self.heap_held and self.heapmem is not None:
+            self.heap_held.discard(name)
+            try:
+                await self.heapmem.ask("release", name=name, holder=self.name)
+            except DeepxError as e:
+                log.warning("releasing heap tensor '%s': %s", name, e)
+
+    @staticmethod
+    def _put_array(name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview) -> np.ndarray:
+        """The bytes of a put as an array of `dtype` and `shape` (no copy), refused when they do not fit."""
+        npdt = to_numpy(dtype)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise DeepxError(f"put: shape {list(shape)} of '{name}' has a negative dimension")
+        want = numel(shape) * npdt.itemsize
+        if len(data) != want:
+            raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
+        return np.frombuffer(data, dtype=npdt).reshape(shape)
+
+    async def _heap_for_put(self, name: str, dtype: str, shape: tuple[int, ...], owner: str) -> Any:
+        """The heap tensor a put writes into: the one this worker views, else a new one, else another worker's or
+        process's of that name, attached once it is known to fit."""
+        if self.heapmem is None:
+            raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
+        view = self.heap.get(name)
+        if view is not None:
+            if tuple(view.shape) != shape or view.dtype != to_numpy(dtype):
+                raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}")
+            return view
+        if name in self.ex.tensors:
+            raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
+        try:
+            await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype, owner=owner or self.name,
+                                   zero=False)
+            if not owner or owner == self.name:
+                self.heap_held.add(name)
+        except DeepxError as e:
+            if "exists" not in str(e):
+                raise
+            have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor
+            if tuple(have["shape"]) != shape or have["dtype"] != dtype:
+                raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
+                                 f"{dtype}{list(shape)}") from None
+            await self.heapmem.ask("attach", name=name, holder=self.name)
+            self.heap_held.add(name)
+        view = self.heap[name] = await self.heapmem.ask("array", name=name)
+        return view
+
+    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool = False,
+                  transient: set[int] | None = None) -> None:
+        """Keep a checked program with the state its check read (see KnownProgram). `heavy`: it runs on the
+        worker's thread; `transient`: the transposes that become views (none on the GPU, where they stay copies)."""
+        if not bounds or not _state_free(bounds):
+            return
+        try:
+            probe = (len(program), program[0], program[-1])
+            hash(probe)
+        except TypeError:
+            return
+        names = _touched(bounds)
+        if fetch:  # a name it reads back only: that it still exists is part of the check
+            names += tuple(n for n in dict.fromkeys(fetch) if n not in names)
+        metas, heap = self.ex.tensors.metas, self.heap
+        if sum(map(len, self.known.values())) >= self.known_size:
+            self.known.clear()
+        bucket = self.known.setdefault(probe, [])
+        if len(bucket) >= 8:
+            del bucket[0]
+        program = program if type(program) is list else list(program)
+        bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
+                                   [metas.get(n) for n in names], [n in heap for n in names], bounds, [], [], [],
+                                   heavy,
+                                   tuple((i, str(b.out_names[0])) for i, b in enumerate(bounds)
+                                         if b.op.name == "deltensor"),
+                                   transient if transient is not None else set(), []))
+
+    def on_heap_gone(self, name: str) -> None:
+        """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""
+        view = self.heap.pop(name, None)
+        self.heap_held.discard(name)
+        if view is not None and self.ex is not None and self.ex.tensors.get(name) is view:
+            self.ex.tensors.pop(name)
+            self.known.clear()  # checked programs may name it
+            self._last = None
+
+    def _fold(self) -> None:
+        """Add the clocks of the known programs run since the last fold to their ops' statistics: kept as they came
+        until the statistics are read (or 64 are waiting), off the path of the program that just ran."""
+        unfolded, self._unfolded = self._unfolded, []
+        for slots, start, ends in unfolded:
+            prev = start
+            for (s, nbytes), t in zip(slots, ends):
+                s.calls += 1
+                s.seconds += t - prev
+                s.bytes += nbytes
+                prev = t
+
+    def on_op_stats(self) -> dict[str, dict[str, float]]:
+        self._fold()
+        return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
+
+    def on_state(self) -> tuple[dict[str, Any], list[str], int]:
+        """The shape and dtype of every tensor here, the names of the heap tensors, and the version of both
+        (_state): what the scheduler's passes check a program against (a copy: cheaper than the rows of `tensors`,
+        asked once per program)."""
+        if self.ex is None:
+            return {}, [], -1
+        return dict(self.ex.tensors.metas), list(self.heap), self._state()
+
+
+class CpuWorker(OpWorker):
+    role = "op-cpu"
+
+    def __init__(self, name: str = "op-cpu", *, heapmem: ActorRef | None = None, io_roots: Sequence[str] | None = None,
+                 inline_elements: int = 1 << 16, output_log: bool = True) -> None:
+        super().__init__(name)
+        self._output: list[str] = []
+        self.ex = CpuExecutor(io_roots=io_roots, output=self._print)
+        self.heapmem = heapmem
+        self.heap = HeapViews()  # heap tensor name -> its shared-memory view
+        self.heap_held: set[str] = set()  # heap tensors this worker holds a reference to (others only view)
+        self.ex.pinned = self.heap  # never replaced by a view of another buffer (their arrays are shared memory)
+        self.inline_elements = inline_elements
+        self.output_log = output_log
+        self.op_stats: dict[str, OpStat] = {}
+        # programs checked before, by (length, first, last): a training loop sends the same one every step
+        self.known: dict[Any, list[KnownProgram]] = {}
+        self.known_size = 256
+        self.known_hits = 0
+        self._unfolded: list[tuple[list[tuple[OpStat, int]], float, list[float]]] = []  # see _fold
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
+
+    async def on_stop(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.ex.tensors.clear()
+        self.heap.clear()
+
+    # -- programs
+    async def _offload(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on this worker's thread, off the event loop. While the interpreter exits (an embedded
+        session's last program, sent by its atexit handler) the thread takes no new work: it then runs here."""
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            fn(*args)
+            return
+        await fut
+
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                     expect: Any = None) -> RunResult:
+        """Run `program` and send back the tensors named in `fetch`. `version`, `expect`: only on that state (else
+        the answer is `stale`, and nothing ran: see _stale)."""
+        stale = self._stale(version, expect)
+        if stale is not None:
+            return stale
+        known = self._known(program, fetch)
+        if known is not None:
+            result = self._begin_known(known)
+            if known.heavy:
+                await self._offload(self._execute_known, known, result)
+            else:
+                self._execute_known(known, result)
+            if known.deletes and self.heap:
+                await self._forget_deleted(known, result.done)
+            return self._end_known(known, result, fetch)
+        result = RunResult(t0=time.time(), begun=self._state())
+        self._output = []
+        try:
+            bounds = check_program(program, self.ex, self.ex.plans)
+            self._check_heap(bounds)
+            for name in fetch:
+                if not self._will_exist(name, bounds):
+                    raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        except ProgramError as e:
+            result.error, result.error_index = str(e), e.index
+            return result
+        heap_new = (await self._heap_tensors_to_create(bounds)
+                    if any(b.instr.meta and b.op.name == "newtensor" for b in bounds) else {})
+        heavy = self._heavy(bounds)
+        self.ex.transient = transient = transient_transposes(bounds)
+        if not heap_new:
+            self._remember(program, fetch, bounds, heavy, transient)
+        if heavy:
+            await self._offload(self._execute, bounds, result, heap_new)
+        else:
+            self._execute(bounds, result, heap_new)
+        for name in (str(bounds[i].out_names[0]) for i in heap_new if i >= result.done):
+            self.heap.pop(name, None)
+            self.heap_held.discard(name)  # never reached: give the segment back
+            if self.heapmem is not None:
+                await self.heapmem.ask("delete", name=name, force=True)
+        if self.heap:
+            for b in bounds[: result.done]:
+                if b.op.name == "deltensor":
+                    await self._forget_heap(str(b.out_names[0]))
+        result.output = self._output
+        if not result.error:
+            result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
+        return result
+
+    def known_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                  expect: Any = None) -> KnownProgram | RunResult | None:
+        """What on_run would do with this ask, where it can be done with no coroutine (the embedded daemon's fast
+        path, Scheduler.run_now), found without changing anything: the known program to run (run_known), which runs
+        inline and deletes no heap tensor (heapmem would be told); on_run's `stale` answer; else None (on_run must
+        answer)."""
+        stale = self._stale(version, expect)
+        if stale is not None:
+            return stale
+        known = self._known(program, fetch)
+        heap = self.heap
+        if known is None or known.heavy or (heap and any(name in heap for _, name in known.deletes)):
+            return None
+        return known
+
+    def run_known(self, known: KnownProgram, fetch: Sequence[str]) -> RunResult:
+        """on_run for a program known_now found."""
+        result = self._begin_known(known)
+        self._execute_known(known, result)
+        return self._end_known(known, result, fetch)
+
+    def _begin_known(self, known: KnownProgram) -> RunResult:
+        """A known program about to run: its steps prepared the first time, its result begun."""
+        result = RunResult(t0=time.time(), begun=self._state())
+        self._output = []
+        self.known_hits += 1
+        result.known = True
+        if not known.steps:
+            steps, recover = self.ex.prepare_program(known.bounds, known.fetch)
+            known.steps.extend(steps)
+            known.recover.append(recover)
+        self.ex.transient = known.transient
+        return result
+
+    def _end_known(self, known: KnownProgram, result: RunResult, fetch: Sequence[str]) -> RunResult:
+        result.output = self._output
+        if not result.error:
+            result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
+        self._ran_known(known, result)
+        return result
+
+    async def _heap_tensors_to_create(self, bounds: list[Bound]) -> dict[int, np.ndarray]:
+        """`newtensor ... // kind=heap` makes a heap tensor (in heapmem's shared memory): created before the program
+        runs, put in place when its instruction is reached."""
+        out: dict[int, np.ndarray] = {}
+        if self.heapmem is None:
+            return out
+        for i, b in enumerate(bounds):
+            if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
+                name = str(b.out_names[0])
+                meta = b.outs[0]
+                if name in self.ex.tensors or meta is None:
+                    continue
+                await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,
+                                       owner=self.name, zero=True)
+                self.heap_held.add(name)
+                out[i] = await self.heapmem.ask("array", name=name)
+        return out
+
+    def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, np.ndarray] | None = None) -> None:
+        times = result.times_us
+        stats = self.op_stats
+        start = time.perf_counter()
+        for i, b in enumerate(bounds):
+            t0 = time.perf_counter()
+            try:
+                if heap_new and i in heap_new:
+                    view = heap_new[i]
+                    name = str(b.out_names[0])
+                    self.heap[name] = view
+                    self.ex.tensors[name] = view
+                else:
+                    self.ex.execute(b)
+            except DeepxError as e:
+                result.error, result.error_index = f"instruction {i + 1}: {e}", i
+                return
+            t1 = time.perf_counter()
+            times.append((t0 - start) * 1e6)
+            times.append((t1 - start) * 1e6)
+            result.done = i + 1
+            s = stats.get(b.op.name)
+            if s is None:
+                s = stats[b.op.name] = OpStat()
+            s.calls += 1
+            s.seconds += t1 - t0
+            s.bytes += b.nbytes
+
+    def _execute_known(self, known: KnownProgram, result: RunResult) -> None:
+        """_execute for a known program: its instructions prepared, one clock read each; the statistics after, into
+        the OpStat of each instruction's op (found once per program), and the times worked out only if read."""
+        now = time.perf_counter
+        ends: list[float] = []
+        add = ends.append
+        start = now()
+        i = 0
+        try:
+            for step in known.steps:
+                step()
+                add(now())
+                i += 1
+        except DeepxError as e:
+            result.error, result.error_index = f"instruction {i + 1}: {e}", i
+        except Exception as e:  # what execute() makes of a kernel's error, with its message
+            try:
+                self.ex.explain_failure(known.bounds[i], e)
+            except DeepxError as d:
+                result.error, result.error_index = f"instruction {i + 1}: {d}", i
+            else:
+                raise
+        finally:
+            if i < len(known.steps) and known.recover:  # stopped part-way: leave the tensors as execute would
+                known.recover[0](i)
+        result.done = i
+        result.clock = (start, ends)
+        slots = known.slots
+        if not slots:
+            stats = self.op_stats
+            for b in known.bounds:
+                s = stats.get(b.op.name)
+                if s is None:
+                    s = stats[b.op.name] = OpStat()
+                slots.append((s, b.nbytes))
+        unfolded = self._unfolded
+        unfolded.append((slots, start, ends))
+        if len(unfolded) >= 64:
+            self._fold()
+
+    def _heavy(self, bounds: list[Bound]) -> bool:
+        if self.inline_elements < 0:  # every program inline (an embedded daemon)
+            return False
+        total = 0
+        for b in bounds:
+            if b.op.family == "io":
+                return True
+            if b.op.name == "matmul" and numel(b.args[0].shape) * b.args[1].shape[-1] >= 1 << 16:
+                return True
+            for m in b.outs:
+                if m is not None and m.shape[:1] != (-1,):
+                    total += numel(m.shape)
+            if total > self.inline_elements:
+                return True
+        return False
+
+    # -- data in and out
+    def on_fetch(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        out = {}
+        for name in names:
+            out[name] = self.ex.get(name).copy()
+        return out
+
+    async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
+                     heap: bool = False, owner: str = "") -> dict[str, Any]:
+        array = self._put_array(name, dtype, shape, data)
+        if name in self.ex.shared:
+            self.ex.unshare(name)  # written in place below: views of its buffer keep their values
+        if heap:
+            view = await self._heap_for_put(name, dtype, array.shape, owner)
+            view[...] = array
+            self.ex.tensors[name] = view
+        else:
+            if name in self.heap:
+                raise DeepxError(f"put: '{name}' is a heap tensor; put it with heap=true")
+            self.ex.put(name, array.copy())
+        return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "heap" if heap else "stack"}
+
+    async def on_attach_heap(self, name: str) -> dict[str, Any]:
+        """Make an existing heap tensor visible to programs here."""
+        if self.heapmem is None:
+            raise DeepxError("no heapmem role runs on this node")
+        info = await self.heapmem.ask("attach", name=name, holder=self.name)
+        self.heap_held.add(name)
+        view = await self.heapmem.ask("array", name=name)
+        if name in self.ex.shared:
+            self.ex.unshare(name)
+        self.heap[name] = view
+        self.ex.tensors[name] = view
+        return dict(info)
+
+    # -- what an operator sees
+    def on_tensors(self) -> list[dict[str, Any]]:
+        rows = []
+        for name, a in self.ex.tensors.items():
+            rows.append({"name": name, "dtype": dtype_name(a.dtype), "shape": list(a.shape), "bytes": int(a.nbytes),
+                         "kind": "heap" if name in self.heap else "stack", "owner": self.name, "device": "cpu"})
+        return rows
+
+    def on_metas(self, names: Sequence[str]) -> dict[str, Any]:
+        """Shape and dtype of each named tensor that exists here."""
+        metas = self.ex.tensors.metas
+        return {n: metas[n] for n in names if n in metas}
+
+    def on_variables(self) -> dict[str, Any]:
+        return {"vars": dict(self.ex.variables), "vectors": {k: list(v) for k, v in self.ex.vectors.items()}}
+

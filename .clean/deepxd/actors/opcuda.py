@@ -1,0 +1,411 @@
+"""The CUDA op worker: owns the stack tensors on one GPU and runs checked programs on the CUDA kernels.
+
+- Every CUDA call runs on this worker's one thread: a PyCUDA context belongs to the thread that made it, so the
+  executor (`deepxd.kernels.cuda.CudaExecutor`) is created there and used nowhere else. The event loop only checks
+  programs (plain dict lookups on the tensors' metas) and hands each whole program to that thread in one hop.
+- A program is checked whole before any of it runs, as on op-cpu: a bad program changes nothing.
+- An op without a CUDA kernel runs on the CPU kernel (the executor copies its inputs to the host and its outputs
+  back); the op stats say so, under the name `<op> (cpu fallback)`, which `deepxctl ops ls` and `deepxctl top` show.
+- Out of GPU memory is an error naming the tensors and the bytes asked for; the worker keeps serving.
+- Heap tensors live in GPU memory that heapmem allocates through this worker's `DeviceHeap` (on the same thread), with
+  a CUDA IPC handle in their `tensor:<name>` record, so another process opens them (`deepxd.ipc`).
+
+Op stats count host time per instruction (kernel launches are asynchronous): the sum over a program is its real
+time because each program ends with its results fetched or the stream synchronised before the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.ops import OPS, Bound, ProgramError, check_program
+from deepx_sdk.ir.shapes import numel
+from deepxd.actors.base import ActorRef, ActorStopped
+from deepxd.actors.opcpu import HeapViews, KnownProgram, OpStat, OpWorker, RunResult
+from deepxd.kernels.cpu import dtype_name
+
+log = logging.getLogger(__name__)
+
+FALLBACK = " (cpu fallback)"  # op stats of an op that ran on the CPU kernel: "<op> (cpu fallback)"
+
+
+def _is_oom(e: BaseException) -> bool:
+    try:
+        import pycuda.driver as drv
+    except ImportError:
+        return False
+    return isinstance(e, drv.MemoryError) or "out of memory" in str(e).lower()
+
+
+@dataclass(eq=False)
+class DeviceBlock:
+    """One heap tensor's GPU memory: the allocation, its size, and the CUDA IPC handle other processes open."""
+
+    allocation: Any  # pycuda.driver.DeviceAllocation
+    nbytes: int
+    ipc_handle: bytes
+    device: str
+
+
+class DeviceHeap:
+    """GPU memory for heapmem's heap tensors, allocated and freed on the CUDA worker's thread.
+
+    heapmem calls `alloc` (awaited: it needs the IPC handle), `view` (awaited: building a device array reads the
+    context) and `free` (queued on the thread; the thread's order keeps it after every use queued before it)."""
+
+    def __init__(self, worker: CudaWorker) -> None:
+        self.worker = worker
+
+    @property
+    def device(self) -> str:
+        return self.worker.device
+
+    async def alloc(self, name: str, nbytes: int, zero: bool) -> DeviceBlock:
+        return await self.worker.call(self.worker.alloc_block, name, nbytes, zero)
+
+    async def view(self, block: DeviceBlock, shape: Sequence[int], dtype: str) -> Any:
+        return await self.worker.call(self.worker.block_view, block, tuple(shape), dtype)
+
+    def free(self, block: DeviceBlock) -> None:
+        # through the worker's mailbox, after heapmem's `heap_gone` and every program queued before it; with the
+        # worker stopped, straight to its thread (which frees nothing once the context is gone)
+        try:
+            self.worker.ref.tell("heap_free", block=block)
+        except ActorStopped:
+            self.worker.submit(self.worker.free_block, block)
+
+
+class CudaWorker(OpWorker):
+    """The op-cuda role. Its asks mirror op-cpu's (run, fetch, put, tensors, metas, variables, op_stats, attach_heap)
+    plus `sync` (wait for the GPU) and `kernels` (the ops with a CUDA kernel)."""
+
+    role = "op-cuda"
+
+    def __init__(self, name: str = "op-cuda", *, heapmem: ActorRef | None = None,
+                 io_roots: Sequence[str] | None = None, device: int = 0, tf32: bool = False,
+                 output_log: bool = True) -> None:
+        super().__init__(name)
+        self._output: list[str] = []
+        self.ex: Any = None  # the CudaExecutor, made on the thread by the first call
+        self.device_index = device
+        self.device = f"cuda:{device}"
+        self.tf32 = tf32
+        self.io_roots = io_roots
+        self.heapmem = heapmem
+        self.heap = HeapViews()  # heap tensor name -> its device array (memory heapmem allocated)
+        self.heap_held: set[str] = set()
+        self.output_log = output_log
+        self.op_stats: dict[str, OpStat] = {}
+        # programs checked before, by (length, first, last): a training loop sends the same ones every step, and
+        # while the tensors they touch keep their metas they check the same way, so they run without the check
+        self.known: dict[Any, list[KnownProgram]] = {}
+        self.known_size = 256
+        self.known_hits = 0
+        self._unfolded: list[Any] = []  # (known programs here run through _execute, which counts as it goes)
+        self.device_heap = DeviceHeap(self)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cuda")
+
+    # -- the CUDA thread
+    def _open(self) -> None:
+        from deepxd.kernels.cuda import CudaExecutor
+
+        self.ex = CudaExecutor(io_roots=self.io_roots, output=self._print, device=self.device_index, tf32=self.tf32)
+        log.info("%s: CUDA executor up on %s (%s)", self.name, self.device, self.ex.device.name())
+
+    def _job(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if self.ex is None:
+            self._open()
+        return fn(*args)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the CUDA thread and wait for it."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._job, fn, args)
+
+    async def _ready(self) -> None:
+        if self.ex is None:
+            await self.call(lambda: None)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue `fn(*args)` on the CUDA thread without waiting; failures are logged."""
+        def job() -> None:
+            try:
+                self._job(fn, args)
+            except Exception as e:
+                log.warning("%s: %s failed: %s", self.name, getattr(fn, "__name__", fn), e)
+        try:
+            self._thread.submit(job)
+        except RuntimeError:  # the thread is shut down: the context, and the memory with it, is gone already
+            pass
+
+    async def on_stop(self) -> None:
+        def close() -> None:
+            self.heap.clear()
+            if self.ex is not None:
+                self.ex.tensors.clear()
+                closer = getattr(self.ex, "close", None)
+                if closer is not None:
+                    closer()
+        try:
+            await self.call(close)
+        finally:
+            self._thread.shutdown(wait=True)
+
+    # -- heap memory for heapmem (on the thread)
+    def alloc_block(self, name: str, nbytes: int, zero: bool) -> DeviceBlock:
+        import pycuda.driver as drv
+
+        try:
+            allocation = drv.mem_alloc(max(nbytes, 1))
+        except drv.Error as e:
+            if not _is_oom(e):
+                raise DeepxError(f"heapmem: cannot allocate heap tensor {name!r} ({nbytes} bytes) on "
+                                 f"{self.device}: {e}") from None
+            free, total = drv.mem_get_info()
+            raise DeepxError(f"heapmem: out of GPU memory: heap tensor {name!r} needs {nbytes} bytes; {self.device} "
+                             f"has {free} of {total} bytes free") from None
+        if zero and nbytes:
+            drv.memset_d8(allocation, 0, nbytes)
+        handle = bytes(drv.mem_get_ipc_handle(allocation))
+        return DeviceBlock(allocation, nbytes, handle, self.device)
+
+    def block_view(self, block: DeviceBlock, shape: tuple[int, ...], dtype: str) -> Any:
+        from deepxd.kernels.cuda import DeviceTensor
+
+        return DeviceTensor(block.allocation, int(block.allocation), shape, dtype)
+
+    def on_heap_free(self, block: DeviceBlock) -> None:
+        self.submit(self.free_block, block)
+
+    def free_block(self, block: DeviceBlock) -> None:
+        self.ex.synchronize()  # kernels queued before the free may still read it
+        block.allocation.free()
+
+    # -- programs
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                     expect: Any = None) -> RunResult:
+        """As op-cpu's: run `program`, send back `fetch`; `version`, `expect`: only on that state."""
+        await self._ready()
+        stale = self._stale(version, expect)
+        if stale is not None:
+            return stale
+        result = RunResult(t0=time.time(), begun=self._state())
+        self._output = []
+        known = self._known(program, fetch)
+        if known is not None:
+            self.known_hits += 1
+            result.known = True
+            await self.call(self._run_on_device, known.bounds, result, {}, list(fetch))
+            if known.deletes and self.heap:
+                await self._forget_deleted(known, result.done)
+            result.output = self._output
+            self._ran_known(known, result)
+            return result
+        try:
+            bounds = check_program(program, self.ex, self.ex.plans)
+            self._check_heap(bounds)
+            for name in fetch:
+                if not self._will_exist(name, bounds):
+                    raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        except ProgramError as e:
+            result.error, result.error_index = str(e), e.index
+            return result
+        heap_new: dict[int, Any] = {}
+        failed = None
+        if self.heapmem is not None and any(b.instr.meta and b.op.name == "newtensor" for b in bounds):
+            failed = await self._create_heap(bounds, heap_new)
+        if failed is None:
+            if not heap_new:
+                self._remember(program, fetch, bounds)
+            await self.call(self._run_on_device, bounds, result, heap_new, list(fetch))
+        else:  # a heap tensor heapmem could not make: the instructions before it run, as if it failed when reached
+            await self.call(self._run_on_device, bounds[: failed[1]], result, heap_new, [])
+            if not result.error:
+                result.error, result.error_index = failed
+        await self._give_back(bounds, heap_new, result.done)
+        if self.heap:
+            for b in bounds[: result.done]:
+                if b.op.name == "deltensor":
+                    await self._forget_heap(str(b.out_names[0]))
+        result.output = self._output
+        return result
+
+    async def _create_heap(self, bounds: list[Bound], out: dict[int, Any]) -> tuple[str, int] | None:
+        """`newtensor ... // kind=heap`: heapmem allocates it on the GPU before the program runs; it is put in
+        place when its instruction is reached. A refusal (out of memory) is the error of that instruction: creating
+        stops there, and (message, index) is returned."""
+        assert self.heapmem is not None
+        for i, b in enumerate(bounds):
+            if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
+                name = str(b.out_names[0])
+                meta = b.outs[0]
+                if name in self.ex.tensors or meta is None:
+                    continue
+                try:
+                    await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,
+                                           owner=self.name, zero=True)
+                except DeepxError as e:
+                    return f"instruction {i + 1}: newtensor: {e}", i
+                self.heap_held.add(name)
+                out[i] = await self.heapmem.ask("array", name=name)
+        return None
+
+    async def _give_back(self, bounds: list[Bound], heap_new: dict[int, Any], done: int) -> None:
+        for name in (str(bounds[i].out_names[0]) for i in heap_new if i >= done):
+            self.heap.pop(name, None)
+            self.heap_held.discard(name)  # never reached: give the memory back
+            assert self.heapmem is not None
+            await self.heapmem.ask("delete", name=name, force=True)
+
+    def _run_on_device(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any],
+                       fetch: list[str]) -> None:
+        self._execute(bounds, result, heap_new)
+        if not result.error:
+            result.tensors = {name: self.ex.get(name) for name in fetch}
+        heap = self.heap
+        if heap and not fetch and any(n in heap for b in bounds[: result.done] for n in b.out_names):
+            self.ex.synchronize()  # a heap tensor changed: other processes see it once the reply arrives
+
+    def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any] | None = None) -> None:
+        ex = self.ex
+        times = result.times_us
+        stats = self.op_stats
+        fallbacks = ex.fallbacks
+        start = time.perf_counter()
+        for i, b in enumerate(bounds):
+            op = b.op.name
+            before = fallbacks.get(op, 0)
+            t0 = time.perf_counter()
+            try:
+                if heap_new and i in heap_new:
+                    view = heap_new[i]
+                    name = str(b.out_names[0])
+                    self.heap[name] = view
+                    ex.tensors[name] = view
+                else:
+                    ex.execute(b)
+            except DeepxError as e:
+                result.error, result.error_index = f"instruction {i + 1}: {e}", i
+                return
+            except Exception as e:
+                result.error, result.error_index = f"instruction {i + 1}: {self._describe(b, e)}", i
+                return
+            t1 = time.perf_counter()
+            times.append((t0 - start) * 1e6)
+            times.append((t1 - start) * 1e6)
+            result.done = i + 1
+            key = op if fallbacks.get(op, 0) == before else op + FALLBACK
+            s = stats.get(key)
+            if s is None:
+                s = stats[key] = OpStat()
+            s.calls += 1
+            s.seconds += t1 - t0
+            s.bytes += b.nbytes
+
+    def _describe(self, b: Bound, e: Exception) -> str:
+        """A CUDA failure of one instruction as a sentence naming the op and its outputs."""
+        outs = [(n, m) for n, m in zip(b.out_names, b.outs) if m is not None]
+        sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in outs)
+        if _is_oom(e):
+            import pycuda.driver as drv
+
+            want = sum(numel(m.shape) * to_numpy(m.dtype).itemsize for _, m in outs)
+            free, total = drv.mem_get_info()
+            return (f"{b.op.name}: out of GPU memory: outputs {sizes} need {want} bytes; {self.device} has {free} of "
+                    f"{total} bytes free")
+        log.warning("%s: %s failed on %s: %s: %s", self.name, b.op.name, self.device, type(e).__name__, e)
+        return f"{b.op.name}: CUDA error on {self.device}: {type(e).__name__}: {e} (outputs {sizes or 'none'})"
+
+    # -- data in and out
+    async def on_fetch(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        def read() -> dict[str, np.ndarray]:
+            return {name: self.ex.get(name) for name in names}
+        out: dict[str, np.ndarray] = await self.call(read)
+        return out
+
+    async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
+                     heap: bool = False, owner: str = "") -> dict[str, Any]:
+        array = self._put_array(name, dtype, shape, data)
+        await self._ready()
+        if not heap:
+            if name in self.heap:
+                raise DeepxError(f"put: '{name}' is a heap tensor; put it with heap=true")
+            await self.call(self._put_stack, name, array)
+            return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "stack", "device": self.device}
+        view = await self._heap_for_put(name, dtype, array.shape, owner)
+        await self.call(self.ex.write, view, array)
+        self.ex.tensors[name] = view
+        return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "heap", "device": self.device}
+
+    def _put_stack(self, name: str, array: np.ndarray) -> None:
+        try:
+            self.ex.put(name, array)
+        except DeepxError:
+            raise
+        except Exception as e:
+            if _is_oom(e):
+                import pycuda.driver as drv
+
+                free, total = drv.mem_get_info()
+                what = f"'{name}' {dtype_name(array.dtype)}{list(array.shape)}"
+                raise DeepxError(f"put: out of GPU memory: {what} needs {array.nbytes} bytes; {self.device} has "
+                                 f"{free} of {total} bytes free") from None
+            raise DeepxError(f"put: '{name}' could not be copied to {self.device}: {type(e).__name__}: {e}") from None
+
+    async def on_attach_heap(self, name: str) -> dict[str, Any]:
+        """Make an existing heap tensor visible to programs here."""
+        if self.heapmem is None:
+            raise DeepxError("no heapmem role runs on this node")
+        info = await self.heapmem.ask("attach", name=name, holder=self.name)
+        self.heap_held.add(name)
+        view = await self.heapmem.ask("array", name=name)
+        self.heap[name] = view
+        await self._ready()
+        self.ex.tensors[name] = view
+        return dict(info)
+
+    # -- what an operator sees
+    def on_tensors(self) -> list[dict[str, Any]]:
+        if self.ex is None:
+            return []
+        return [{"name": name, "dtype": dtype_name(a.dtype), "shape": list(a.shape), "bytes": int(a.nbytes),
+                 "kind": "heap" if name in self.heap else "stack", "owner": self.name, "device": self.device}
+                for name, a in list(self.ex.tensors.items())]
+
+    def on_metas(self, names: Sequence[str]) -> dict[str, Any]:
+        """Shape and dtype of each named tensor that exists here."""
+        metas = self.ex.tensors.metas if self.ex is not None else {}
+        return {n: metas[n] for n in names if n in metas}
+
+    def on_variables(self) -> dict[str, Any]:
+        if self.ex is None:
+            return {"vars": {}, "vectors": {}}
+        return {"vars": dict(self.ex.variables), "vectors": {k: list(v) for k, v in self.ex.vectors.items()}}
+
+    async def on_sync(self) -> None:
+        """Wait until the GPU has finished everything queued so far (benchmarks time whole programs with it)."""
+        await self.call(lambda: self.ex.synchronize())
+
+    async def on_tf32(self, on: bool) -> bool:
+        """Run float32 matmul on TF32 tensor cores (on) or in IEEE float32 (off); returns the setting before."""
+        def flip() -> bool:
+            before = bool(self.ex.tf32)
+            self.ex.tf32 = bool(on)
+            return before
+        before: bool = await self.call(flip)
+        return before
+
+    async def on_kernels(self) -> list[str]:
+        """The ops that run on a CUDA kernel here (every other op falls back to its CPU kernel)."""
+        names: list[str] = await self.call(lambda: sorted(op for op in OPS if self.ex.has_kernel(op)))
+        return names

@@ -1,0 +1,235 @@
+"""The registry: this node's entry, its workers' op lists and counters, in the storage plane; and the answers to
+operators' questions (tensors, ops, nodes, actors, memory, graphs), gathered from the actors and the plane; and an
+operator's `delete` of a tensor.
+
+The plane is kept off the per-instruction path: op counters are pulled from the workers and written in one batch
+per tick, only when they changed; the node's heartbeat is one hash write per tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import Instr, Param
+from deepx_sdk.ir.ops import OPS
+from deepxd.actors.base import Actor, ActorRef
+from deepxd.kv.base import KV
+
+log = logging.getLogger(__name__)
+
+
+class Registry(Actor):
+    role = "registry"
+
+    def __init__(self, kv: KV, node_id: str, *, roles: list[str], addresses: dict[str, str],
+                 workers: dict[str, ActorRef] | None = None, heapmem: ActorRef | None = None,
+                 actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
+                 devices: list[str] | None = None, name: str = "registry", blas: str = "") -> None:
+        super().__init__(name)
+        self.kv = kv
+        self.node_id = node_id
+        self.roles = roles
+        self.addresses = addresses
+        self.workers = workers or {}
+        self.heapmem = heapmem
+        self.actors_view = actors
+        self.heartbeat_s = heartbeat_s
+        self.devices = ["cpu"] if devices is None else devices  # where this node's op workers compute
+        self.blas = blas  # the library op-cpu's matmul runs on ("" without op-cpu)
+        self.started = time.time()
+        self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
+        self._tick: asyncio.Task[None] | None = None
+
+    async def on_start(self) -> None:
+        await self.kv.hset(f"node:{self.node_id}", {
+            "addresses": json.dumps(self.addresses), "roles": ",".join(self.roles), "pid": os.getpid(),
+            "devices": ",".join(self.devices), "started": self.started, "heartbeat": time.time(), "state": "running",
+            "blas": self.blas,
+        })
+        async with self.kv.batch() as b:
+            for worker in self.workers:
+                b.hset(f"ops:{self.node_id}:{worker}", {
+                    f"{name}.signature": op.signature() for name, op in OPS.items()
+                })
+        if self._tick is None:
+            self._tick = asyncio.get_running_loop().create_task(self._ticker(), name="registry:tick")
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.flush()
+            except Exception as e:  # a lost plane must not kill the heartbeat loop
+                log.warning("registry: heartbeat failed: %s", e)
+
+    async def flush(self) -> None:
+        """Write the heartbeat and any op counters that changed since the last flush, in one batch."""
+        stats = {}
+        for worker, ref in self.workers.items():
+            try:
+                stats[worker] = await ref.ask("op_stats", timeout=self.heartbeat_s)
+            except DeepxError as e:
+                log.debug("registry: no op stats from %s: %s", worker, e)
+        async with self.kv.batch() as b:
+            b.hset(f"node:{self.node_id}", {"heartbeat": time.time()})
+            for worker, ops in stats.items():
+                before = self._written_stats.get(worker, {})
+                changed = {f"{op}.{k}": v for op, s in ops.items() if s != before.get(op) for k, v in s.items()}
+                if changed:
+                    b.hset(f"ops:{self.node_id}:{worker}", changed)
+                self._written_stats[worker] = ops
+
+    def on_flush(self) -> Any:
+        return self.flush()
+
+    async def on_stop(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            try:
+                await self._tick
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self.flush()
+            await self.kv.hset(f"node:{self.node_id}", {"state": "stopped", "heartbeat": time.time()})
+        except Exception as e:
+            log.warning("registry: could not mark node %s stopped: %s", self.node_id, e)
+
+    # -- operators' questions
+    async def on_tensors(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        heap_names: set[str] = set()
+        for key in await self.kv.keys("tensor:*"):
+            h = await self.kv.hgetall(key)
+            if not h:
+                continue
+            row: dict[str, Any] = {"name": key.split(":", 1)[1], **h}
+            for k in ("bytes", "refcount"):
+                if k in row:
+                    row[k] = int(float(row[k]))
+            if isinstance(row.get("shape"), str):
+                try:
+                    row["shape"] = json.loads(row["shape"])
+                except ValueError:
+                    pass
+            heap_names.add(row["name"])
+            rows.append(row)
+        for ref in self.workers.values():
+            for row in await ref.ask("tensors"):
+                if row["kind"] == "stack" or row["name"] not in heap_names:
+                    rows.append({**row, "node": self.node_id, "state": "live"})
+        return sorted(rows, key=lambda r: r["name"])
+
+    async def on_ops(self) -> list[dict[str, Any]]:
+        rows = []
+        for key in await self.kv.keys("ops:*"):
+            _, node, worker = key.split(":", 2)
+            h = await self.kv.hgetall(key)
+            ops: dict[str, dict[str, float]] = {}
+            for field, value in h.items():
+                op, _, stat = field.rpartition(".")
+                if stat in ("calls", "seconds", "bytes"):
+                    ops.setdefault(op, {})[stat] = float(value)
+            for op, s in ops.items():
+                calls = int(s.get("calls", 0))
+                secs = s.get("seconds", 0.0)
+                rows.append({"node": node, "worker": worker, "op": op, "calls": calls, "total_s": secs,
+                             "mean_us": secs / calls * 1e6 if calls else 0.0, "bytes": int(s.get("bytes", 0))})
+        return sorted(rows, key=lambda r: -r["total_s"])
+
+    async def on_nodes(self) -> list[dict[str, Any]]:
+        now = time.time()
+        rows = []
+        for key in await self.kv.keys("node:*"):
+            h = await self.kv.hgetall(key)
+            hb = float(h.get("heartbeat", 0) or 0)
+            rows.append({"node": key.split(":", 1)[1], "roles": h.get("roles", ""), "pid": h.get("pid", ""),
+                         "state": h.get("state", ""), "addresses": json.loads(h.get("addresses", "{}") or "{}"),
+                         "devices": h.get("devices", ""), "heartbeat_age_s": round(now - hb, 3) if hb else None,
+                         "started": float(h.get("started", 0) or 0), "blas": h.get("blas", "")})
+        return sorted(rows, key=lambda r: r["node"])
+
+    def on_actors(self) -> list[dict[str, Any]]:
+        return self.actors_view() if self.actors_view is not None else []
+
+    async def on_memory(self) -> dict[str, Any]:
+        tensors = await self.on_tensors()
+        by_kind: dict[str, int] = {}
+        by_owner: dict[str, int] = {}
+        by_node: dict[str, int] = {}
+        for t in tensors:
+            n = int(t.get("bytes", 0))
+            by_kind[t.get("kind", "?")] = by_kind.get(t.get("kind", "?"), 0) + n
+            by_owner[t.get("owner", "?")] = by_owner.get(t.get("owner", "?"), 0) + n
+            by_node[t.get("node", "?")] = by_node.get(t.get("node", "?"), 0) + n
+        largest = sorted(tensors, key=lambda t: -int(t.get("bytes", 0)))[:10]
+        heap = [{"name": t["name"], "refcount": t.get("refcount", 0), "holders": t.get("holders", ""),
+                 "bytes": t.get("bytes", 0), "state": t.get("state", "")} for t in tensors if t.get("kind") == "heap"]
+        pool = await self.heapmem.ask("stats") if self.heapmem is not None else {}
+        return {"by_node": by_node, "by_owner": by_owner, "by_kind": by_kind, "largest": largest, "heap": heap,
+                "heapmem": pool}
+
+    async def on_graphs(self) -> list[dict[str, Any]]:
+        """The stored programs (`graph:<name>` strings) as they are: name and msgpack bytes."""
+        rows: list[dict[str, Any]] = []
+        for key in await self.kv.keys("graph:*"):
+            try:
+                data = await self.kv.get(key)
+            except DeepxError as e:  # a key of another type
+                rows.append({"name": key.split(":", 1)[1], "data": None, "error": str(e)})
+                continue
+            if data is not None:
+                rows.append({"name": key.split(":", 1)[1], "data": data})
+        return rows
+
+    async def on_delete(self, name: str, force: bool = False) -> dict[str, Any]:
+        """Free tensor `name` of this node: a stack tensor at once; a heap tensor only while at most one reference
+        is held (refcount <= 1), unless force. A forced heap tensor is freed in heapmem, which unlinks memory others
+        still map rather than pooling it and tells the workers (`heap_gone`) to drop their views."""
+        heap: dict[str, Any] | None = None
+        if self.heapmem is not None:
+            try:
+                heap = await self.heapmem.ask("info", name=name)
+            except DeepxError:
+                heap = None
+        holding: dict[str, int] = {}  # worker -> bytes of its view
+        for worker, ref in self.workers.items():
+            for row in await ref.ask("tensors"):
+                if row["name"] == name:
+                    holding[worker] = int(row["bytes"])
+        if heap is None and not holding:
+            other = await self.kv.hgetall(f"tensor:{name}")
+            if other and other.get("node") != self.node_id:
+                raise DeepxError(f"delete: tensor {name!r} lives on node {other.get('node')}, not {self.node_id}; "
+                                 "ask that node's deepxd")
+            raise DeepxError(f"delete: no tensor named {name!r} on node {self.node_id}")
+        shared = heap is not None and int(heap["refcount"]) > 1
+        if shared and not force:
+            assert heap is not None
+            raise DeepxError(f"delete: heap tensor {name!r} is still referenced {heap['refcount']} times (held by "
+                             f"{', '.join(heap['holders']) or 'unnamed holders'}); release it first, or force")
+        if shared and self.heapmem is not None:
+            await self.heapmem.ask("delete", name=name, force=True)  # it tells the workers to drop their views
+            holding = {}
+        for worker in holding:
+            result = await self.workers[worker].ask("run", program=[Instr("deltensor", (), (Param.tensor(name),))])
+            if result.error:
+                raise DeepxError(f"delete: {worker} could not free {name!r}: {result.error}")
+        if heap is not None and not shared and self.heapmem is not None:
+            try:
+                await self.heapmem.ask("info", name=name)
+            except DeepxError:
+                pass  # freed already: the worker released the last reference
+            else:
+                await self.heapmem.ask("delete", name=name)
+        nbytes = int(heap["bytes"]) if heap is not None else max(holding.values())
+        kind = "heap" if heap is not None else "stack"
+        log.info("registry: deleted %s tensor %r (%d bytes)%s", kind, name, nbytes, " by force" if shared else "")
+        return {"name": name, "kind": kind, "bytes": nbytes, "node": self.node_id, "forced": shared}

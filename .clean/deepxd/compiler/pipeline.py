@@ -1,0 +1,385 @@
+"""The pass pipeline: the enabled passes, in order, over one program; and what a result of the rewritten program
+means for the program the client sent.
+
+A pass is a function `(program, ctx) -> program` (deepxd/compiler/analysis.py has the context). The pipeline keeps,
+for each instruction of the rewritten program, the index of the original instruction it stands for (a fused
+instruction stands for the last op of its group), so that a failure is reported against the client's program.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import Instr, Param, same_program, scalar_kinds
+from deepx_sdk.ir.ops import OPS, UNKNOWN, TensorMeta
+from deepx_sdk.ir.text import format_text
+from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
+from deepxd.compiler.cse import eliminate_common_subexpressions
+from deepxd.compiler.dce import eliminate_dead_code
+from deepxd.compiler.fuse import fuse_elementwise
+from deepxd.compiler.simplify import simplify
+
+log = logging.getLogger(__name__)
+
+Pass = Callable[[list[Instr], PassContext], list[Instr]]
+
+#: every pass by its name in the config (`passes`, DEEPX_PASSES)
+PASSES: dict[str, Pass] = {
+    "simplify": simplify,
+    "cse": eliminate_common_subexpressions,
+    "dce": eliminate_dead_code,
+    "fuse": fuse_elementwise,
+}
+#: identities first (they turn instructions into aliases), then repeats, then what became dead, then fusion
+DEFAULT_PASSES: tuple[str, ...] = ("simplify", "cse", "dce", "fuse")
+
+
+def check_passes(names: Sequence[str]) -> list[str]:
+    """`names` as a pass list; "off" or "none" alone means no passes. Raises DeepxError for an unknown name."""
+    names = [n.strip() for n in names if n.strip()]
+    if [n.lower() for n in names] in (["off"], ["none"]):
+        return []
+    bad = [n for n in names if n not in PASSES]
+    if bad:
+        raise DeepxError(f"passes: unknown pass {', '.join(map(repr, bad))}; passes are {', '.join(PASSES)} "
+                         "(or off)")
+    return names
+
+
+def run_passes(program: Sequence[Instr], ctx: PassContext, passes: Sequence[str] = DEFAULT_PASSES) -> list[Instr]:
+    """The program after the passes; ctx.origins maps each of its instructions to the original's index.
+
+    A program that would be refused (it does not check against ctx) comes back unchanged, so that the worker
+    reports the exact error."""
+    out = list(program)
+    ctx.origins = list(range(len(out)))
+    if not passes or len(out) < 2 or not has_ends(out):
+        return out
+    try:
+        ctx.bind(out)
+    except DeepxError:
+        return out
+    for name in passes:
+        out = PASSES[name](out, ctx)
+    return out
+
+
+class _Token(int):
+    """A tensor's place in a cached plan: the n-th tensor name of the program, in order of first appearance."""
+
+
+# per op: how each arg reaches the passes: 0 a value, 1 a tensor name, 2 a tensor list, 3 a value that must not name
+# a variable (a string there is the name of one, whose value the plan would not see)
+_ARG_ROLES: dict[str, tuple[int, ...]] = {
+    name: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else
+                0 if a.kind == "var" and a.vtype in ("str", "any") else 3 for a in op.args)
+    for name, op in OPS.items()}
+_RETURN_TENSOR: dict[str, tuple[bool, ...]] = {name: tuple(a.kind == "tensor" for a in op.returns)
+                                               for name, op in OPS.items()}
+
+
+class _Exact(NamedTuple):
+    """A program seen before, the state its rewrite depended on (per tensor name: meta before, fetched, heap), and
+    the rewrite."""
+
+    program: list[Instr]
+    kinds: tuple[tuple[int, int, Any], ...]
+    names: tuple[str, ...]
+    fuse_limits: tuple[int, int, int]  # fuse_min_elements, fuse_min_ops, fuse_pair_min_elements
+    out: list[Instr] | None  # None: the passes changed nothing
+    origins: tuple[int, ...]
+    # per name: its meta before, whether fetched, whether heap (the key's flags by column, as the hit check compares
+    # them: lists built by C loops)
+    metas: list[TensorMeta | None]
+    fetched: list[bool]
+    kept: list[bool]
+
+
+class PlanCache:
+    """Rewritten programs remembered by structure, so that a loop that sends the same program every step (with
+    fresh names for its temporaries) pays for the passes once.
+
+    The key is the program with its tensors numbered in order of first appearance, and for each whether it exists
+    before the program (and its shape and dtype), whether the client fetches it and whether it is a heap tensor. A
+    hit rebuilds the rewritten program from the current instructions (metadata and all) and names. Programs whose
+    params name variables (argset) are not cached: their meaning depends on values the key does not hold."""
+
+    def __init__(self, passes: Sequence[str] = DEFAULT_PASSES, size: int = 256) -> None:
+        self.passes = tuple(passes)
+        self.size = size
+        self.hits = 0
+        self.misses = 0
+        self._plans: dict[Any, tuple[tuple[Any, ...], tuple[int, ...]]] = {}
+        # programs seen before exactly (names and all: a client that reuses the names of its dropped temporaries
+        # sends the same instructions every step), by (length, first, last): their rewrite without even the key
+        self._exact: dict[Any, list[_Exact]] = {}
+        self.exact_hits = 0
+        self._last: tuple[Sequence[Instr], list[_Exact]] | None = None
+
+    def seen(self, program: Sequence[Instr]) -> bool:
+        """Whether `program` is exactly one remembered (whatever the state): it then names no variables, as programs
+        that do are never remembered. The comparison is kept for the run() of the same program that follows."""
+        if not self.passes or len(program) < 2:
+            return False
+        try:
+            same = [e for e in self._exact.get((len(program), program[0], program[-1]), ())
+                    if same_program(program, e.program, e.kinds)]
+        except TypeError:
+            return False
+        self._last = (program, same)
+        return bool(same)
+
+    def run(self, program: Sequence[Instr], ctx: PassContext) -> list[Instr]:
+        """run_passes(program, ctx, self.passes), from the cache when the structure was seen before."""
+        if not self.passes or len(program) < 2 or not has_ends(program):
+            ctx.origins = list(range(len(program)))
+            return list(program)
+        sent = program
+        program = program if type(program) is list else list(program)
+        probe: Any = (len(program), program[0], program[-1])
+        last, self._last = self._last, None
+        if last is not None and last[0] is sent:
+            same = last[1]  # seen() compared them a moment ago
+        else:
+            try:
+                same = [e for e in self._exact.get(probe, ()) if same_program(program, e.program, e.kinds)]
+            except TypeError:  # a list inside a param: not hashable, and not cached
+                same, probe = [], None
+        if same:
+            metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
+            for e in same:
+                if (e.fuse_limits == (ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements)
+                        and list(map(metas.get, e.names)) == e.metas
+                        and list(map(fetch.__contains__, e.names)) == e.fetched
+                        and list(map(keep.__contains__, e.names)) == e.kept):
+                    self.hits += 1
+                    self.exact_hits += 1
+                    ctx.origins = list(e.origins)
+                    return program if e.out is None else e.out
+        found = self._key(program, ctx)
+        if found is None:
+            return run_passes(program, ctx, self.passes)
+        key, names = found
+        plan = self._plans.get(key)
+        if plan is not None:
+            self.hits += 1
+            entries, origins = plan
+            ctx.origins = list(origins)
+            out = [program[e] if type(e) is int else _instantiate(e, names, program[o].meta)
+                   for e, o in zip(entries, origins)]
+            self._remember(probe, program, names, key[1], out, ctx)
+            return out
+        self.misses += 1
+        out = run_passes(program, ctx, self.passes)
+        tokens = {n: _Token(k) for k, n in enumerate(names)}
+        entries_list: list[Any] = []
+        for instr, o in zip(out, ctx.origins):
+            entries_list.append(o if instr is program[o] else _template(instr, tokens))
+        if len(self._plans) >= self.size:
+            self._plans.clear()
+        self._plans[key] = (tuple(entries_list), tuple(ctx.origins))
+        self._remember(probe, program, names, key[1], out, ctx)
+        return out
+
+    def _remember(self, probe: Any, program: list[Instr], names: list[str], flags: tuple[Any, ...],
+                  out: list[Instr], ctx: PassContext) -> None:
+        if probe is None:
+            return
+        if sum(map(len, self._exact.values())) >= self.size:
+            self._exact.clear()
+        bucket = self._exact.setdefault(probe, [])
+        if len(bucket) >= 8:
+            del bucket[0]
+        same = len(out) == len(program) and all(a is b for a, b in zip(out, program))
+        metas, fetched, kept = (list(column) for column in zip(*flags)) if flags else ([], [], [])
+        bucket.append(_Exact(program, scalar_kinds(program), tuple(names),
+                             (ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements),
+                             None if same else out, tuple(ctx.origins), metas, fetched, kept))
+
+    def _key(self, program: Sequence[Instr], ctx: PassContext) -> tuple[Any, list[str]] | None:
+        ids: dict[str, int] = {}
+        names: list[str] = []
+
+        def token(value: Any) -> int:
+            n = value if type(value) is str else str(value)
+            k = ids.get(n)
+            if k is None:
+                k = ids[n] = len(names)
+                names.append(n)
+            return k
+
+        parts: list[Any] = []
+        for instr in program:
+            roles = _ARG_ROLES[instr.name]
+            args: list[Any] = []
+            for role, p in zip(roles, instr.args):
+                v = p.value
+                if role == 1:
+                    args.append(token(v))
+                elif role == 2:
+                    if type(v) is not tuple:
+                        return None
+                    args.append(tuple(token(x) for x in v))
+                elif role == 3 and type(v) is str:
+                    return None
+                else:
+                    args.append((p.category, type(v), repr(v) if type(v) is float else v))
+            rets = tuple((p.category, p.precisions, token(p.value) if is_tensor else p.value)
+                         for p, is_tensor in zip(instr.returns, _RETURN_TENSOR[instr.name]))
+            parts.append((instr.name, tuple(p.category for p in instr.args), tuple(p.precisions for p in instr.args),
+                          tuple(args), rets, instr.meta if instr.name == "newtensor" else ()))
+        metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
+        # what the rewrite depends on besides the structure: which tensors exist before (and their metas), and
+        # which are fetched or heap; never the names themselves (a client's pool hands out names in any order)
+        flags = tuple((metas.get(n), n in fetch, n in keep) for n in names)
+        return (tuple(parts), flags, ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements), names
+
+
+def _template(instr: Instr, tokens: Mapping[str, _Token]) -> Instr:
+    def sub(p: Param, tensor: bool, listed: bool) -> Param:
+        if listed and type(p.value) is tuple:
+            return p._replace(value=tuple(tokens.get(str(x), str(x)) for x in p.value))
+        if tensor and str(p.value) in tokens:
+            return p._replace(value=tokens[str(p.value)])
+        return p
+
+    roles = _ARG_ROLES[instr.name]
+    args = tuple(sub(p, r == 1, r == 2) for p, r in zip(instr.args, roles))
+    rets = tuple(sub(p, t, False) for p, t in zip(instr.returns, _RETURN_TENSOR[instr.name]))
+    return Instr(instr.name, args, rets, ())
+
+
+def _instantiate(template: Instr, names: Sequence[str], meta: tuple[tuple[str, str], ...]) -> Instr:
+    def sub(p: Param) -> Param:
+        v = p.value
+        if type(v) is _Token:
+            return p._replace(value=names[v])
+        if type(v) is tuple and any(type(x) is _Token for x in v):
+            return p._replace(value=tuple(names[x] if type(x) is _Token else x for x in v))
+        return p
+
+    return Instr(template.name, tuple(map(sub, template.args)), tuple(map(sub, template.returns)),
+                 meta if template.name != "deltensor" else ())
+
+
+def explain(program: Sequence[Instr], metas: Mapping[str, TensorMeta] | None = None, fetch: Collection[str] = (),
+            passes: Sequence[str] = DEFAULT_PASSES, **context: Any) -> tuple[str, str]:
+    """The program's text before and after the passes, given the tensors that exist before it (`metas`) and the
+    ones the client fetches; `context` sets other PassContext fields (variables, vectors, fuse_min_elements)."""
+    ctx = PassContext(metas=dict(metas or {}), fetch=frozenset(fetch), **context)
+    after = run_passes(program, ctx, passes)
+    return "\n".join(map(format_text, program)), "\n".join(map(format_text, after))
+
+
+# ---------------------------------------------------------------- results of a rewritten program
+
+
+def original_times(times_us: Sequence[float], origins: Sequence[int], done: int) -> list[float]:
+    """Start and end per original instruction from those of the rewritten ones; an eliminated instruction takes
+    no time, at the end of the one before."""
+    if done >= 256 and times_us:
+        fast = _original_times_sorted(times_us, origins, done)
+        if fast is not None:
+            return fast
+    out: list[float] = []
+    j = 0
+    last = times_us[0] if times_us else 0.0
+    ran = len(times_us) // 2
+    for i in range(done):
+        start = end = last
+        first = True
+        while j < len(origins) and origins[j] <= i:
+            if j < ran and origins[j] == i:
+                if first:
+                    start, first = times_us[2 * j], False
+                end = last = times_us[2 * j + 1]
+            j += 1
+        out += (start, end)
+    return out
+
+
+def _original_times_sorted(times_us: Sequence[float], origins: Sequence[int], done: int) -> list[float] | None:
+    """original_times in numpy, for origins in order (the passes keep them so; None otherwise): long programs
+    repeat every step."""
+    import numpy as np
+
+    t = np.asarray(times_us, dtype=np.float64)
+    ran = len(t) // 2
+    if (np.diff(np.asarray(origins, dtype=np.int64)) < 0).any():
+        return None
+    o = np.asarray(origins[:ran], dtype=np.int64)
+    i = np.arange(done)
+    first = np.searchsorted(o, i, "left")
+    last = np.searchsorted(o, i, "right") - 1
+    has = first <= last
+    # an original with no rewritten instruction of its own takes none, at the last end before it
+    ends = np.where(has, t[2 * np.clip(last, 0, None) + 1], -np.inf)
+    ends = np.maximum.accumulate(np.where(has, ends, -np.inf))
+    before = np.concatenate(([t[0]], ends[:-1]))
+    before = np.where(np.isneginf(before), t[0], before)
+    starts = np.where(has, t[2 * np.clip(first, 0, ran - 1)], before)
+    ends = np.where(has, ends, before)
+    out = np.empty(2 * done)
+    out[0::2], out[1::2] = starts, ends
+    return list(out.tolist())
+
+
+_PREFIX = re.compile(r"instruction (\d+): ")
+
+
+def original_error(message: str, origins: Sequence[int]) -> str:
+    """A worker's "instruction N: ..." message, N counted in the original program."""
+    m = _PREFIX.match(message)
+    if m is None or not 0 < int(m.group(1)) <= len(origins):
+        return message
+    return f"instruction {origins[int(m.group(1)) - 1] + 1}: {message[m.end():]}"
+
+
+def repair(original: Sequence[Instr], rewritten: Sequence[Instr], origins: Sequence[int], ran: int,
+           ctx: PassContext) -> tuple[int, list[Instr]]:
+    """The rewritten program stopped after `ran` instructions. Returns how many of the original's count as done
+    (the index of the failing one), and a program that makes the set of tensors what those would have left: the
+    client then knows exactly which tensors exist. It deletes tensors the rewrite kept longer and creates (zeroed)
+    the temporaries the rewrite never made; the client only ever deletes those."""
+    done = origins[ran] if ran < len(origins) else len(original)
+    before = ctx.metas
+    want = existing_after(original[:done], before)
+    have = existing_after(rewritten[:ran], before)
+    fix: list[Instr] = []
+    for name in sorted(set(want) | set(have)):
+        w = want.get(name, name in before)
+        h = have.get(name, name in before)
+        if h and not w:
+            fix.append(deltensor(name))
+        elif w and not h:
+            meta = _meta_after(original[:done], name, ctx)
+            if meta is None or meta is UNKNOWN:
+                log.warning("cannot recreate '%s' after a failed rewritten program: its shape is unknown", name)
+                continue
+            fix.append(Instr("newtensor", (Param.vector(meta.shape),), (Param.tensor(name, meta.dtype),)))
+    return done, fix
+
+
+def _meta_after(program: Sequence[Instr], name: str, ctx: PassContext) -> TensorMeta | None:
+    probe = PassContext(metas=ctx.metas, variables=ctx.variables, vectors=ctx.vectors, cache=ctx.cache)
+    try:
+        bounds = probe.bind(list(program))
+    except DeepxError:
+        return None
+    meta = None
+    for b in bounds:
+        for n, m in zip(b.out_names, b.outs):
+            if n == name and m is not None:
+                meta = m
+    return meta
+
+
+def new_context(metas: Mapping[str, TensorMeta], *, fetch: Collection[str] = (), keep: Collection[str] = (),
+                variables: Mapping[str, Any] | None = None, vectors: Mapping[str, tuple[Any, ...]] | None = None,
+                fuse_min_elements: int = 0, cache: BindMemo | None = None) -> PassContext:
+    return PassContext(metas=metas, fetch=frozenset(fetch), keep=frozenset(keep), variables=variables or {},
+                       vectors=vectors or {}, fuse_min_elements=fuse_min_elements, cache=cache)

@@ -1,0 +1,183 @@
+"""One typed configuration: defaults < config file (TOML) < DEEPX_* environment variables < command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tempfile
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.paths import default_socket
+
+ALL_ROLES = ("registry", "heapmem", "scheduler", "op-cpu", "op-cuda")
+
+
+@dataclass
+class Config:
+    node_id: str = ""  # default: the host name
+    roles: list[str] = field(default_factory=list)  # default: every role this machine can run
+    kv: str = "memory"  # memory | memory:///path/file | redis://host:port/db
+    kv_prefix: str = "deepx:"
+    kv_fsync: str = "everysec"  # always | everysec | no (embedded store persisted to a file)
+    listen: str = ""  # unix:///path; default under the user's runtime directory
+    udp: str = "127.0.0.1:9090"  # HOST:PORT, or off
+    io_roots: list[str] = field(default_factory=list)  # default: the working directory and the temp directory
+    max_frame_bytes: int = 1 << 30
+    heartbeat_s: float = 2.0
+    inline_elements: int = 1 << 16  # programs writing more elements than this run off the event loop; -1: none
+    heap_pool_bytes: int = 256 << 20
+    restart_max: int = 3
+    restart_window_s: float = 60.0
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    # compiler passes run on every program, in this order (deepxd/compiler); "off" alone: none
+    passes: list[str] = field(default_factory=lambda: ["simplify", "cse", "dce", "fuse"])
+    fuse_min_elements: int = 0  # fuse only ops whose result has this many elements (0: measured best, docs/compiler.md)
+    cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
+    cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)
+    native_kernels: int = 1  # 1: op-cpu compiles some kernels with the machine's C compiler, where there is one
+    blas: str = "auto"  # op-cpu's matmul: auto (MKL where installed, else numpy's BLAS), mkl or numpy (blas.py)
+
+    def resolved(self) -> Config:
+        """A copy with every default filled in and every value checked."""
+        c = dataclasses.replace(self)
+        c.node_id = c.node_id or socket.gethostname()
+        c.listen = c.listen or f"unix://{default_socket()}"
+        if not c.listen.startswith("unix://"):
+            raise DeepxError(f"listen: {c.listen!r} must be unix:///path/to/socket")
+        c.io_roots = c.io_roots or [os.getcwd(), tempfile.gettempdir()]
+        c.roles = c.roles or default_roles()
+        bad = [r for r in c.roles if r not in ALL_ROLES]
+        if bad:
+            raise DeepxError(f"unknown role {', '.join(bad)}; roles are {', '.join(ALL_ROLES)}")
+        c.roles = with_needed_roles(c.roles)
+        if c.cuda_device < 0:
+            raise DeepxError(f"cuda_device: {c.cuda_device} must be >= 0")
+        if c.kv_fsync not in ("always", "everysec", "no"):
+            raise DeepxError(f"kv_fsync: {c.kv_fsync!r} must be always, everysec or no")
+        if c.udp != "off":
+            udp_address(c.udp)
+        if c.max_frame_bytes < 1024:
+            raise DeepxError(f"max_frame_bytes: {c.max_frame_bytes} is too small (at least 1024)")
+        c.blas = c.blas.strip().lower()
+        if c.blas not in ("auto", "mkl", "numpy"):
+            raise DeepxError(f"blas: {c.blas!r} must be auto, mkl or numpy")
+        if c.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise DeepxError(f"log_level: {c.log_level!r} must be debug, info, warning or error")
+        from deepxd.compiler.pipeline import check_passes
+
+        c.passes = check_passes(c.passes)
+        if c.fuse_min_elements < 0:
+            raise DeepxError(f"fuse_min_elements: {c.fuse_min_elements} must be >= 0")
+        return c
+
+    @property
+    def socket_path(self) -> str:
+        return self.listen.removeprefix("unix://")
+
+
+def cuda_available() -> bool:
+    try:
+        import pycuda.driver as drv
+    except Exception:
+        return False
+    try:
+        drv.init()
+        return drv.Device.count() > 0
+    except Exception:
+        return False
+
+
+def default_roles() -> list[str]:
+    """Every role this machine can run: op-cuda only where its worker is built and a GPU answers."""
+    import importlib.util
+
+    roles = ["registry", "heapmem", "scheduler", "op-cpu"]
+    if importlib.util.find_spec("deepxd.actors.opcuda") is not None and cuda_available():
+        roles.append("op-cuda")
+    return roles
+
+
+def with_needed_roles(roles: list[str]) -> list[str]:
+    """`roles` plus what an op worker needs to be reached: programs come through the scheduler, and operators' queries
+    (deepxctl) through the registry. So `--role=heapmem,op-cuda` runs registry, heapmem, scheduler and op-cuda."""
+    if not any(r in roles for r in ("op-cpu", "op-cuda")):
+        return list(roles)
+    return [*roles, *(r for r in ("registry", "scheduler") if r not in roles)]
+
+
+def udp_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    try:
+        p = int(port)
+        if not 0 <= p < 65536 or not host:
+            raise ValueError
+    except ValueError:
+        raise DeepxError(f"udp: {text!r} must be HOST:PORT or off") from None
+    return host.strip("[]"), p
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    f = _FIELDS[name]
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("list"):
+            if isinstance(value, str):
+                return [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list):
+                raise ValueError
+            return [str(v) for v in value]
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise DeepxError(f"{source}: {name} = {value!r} is not a valid {kind}") from None
+
+
+def load_config(path: str | None = None, env: dict[str, str] | None = None, **flags: Any) -> Config:
+    """Defaults, then the TOML file (its [deepxd] table, or top-level keys), then DEEPX_<NAME> variables, then
+    flags that are not None."""
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except FileNotFoundError:
+            raise DeepxError(f"config file {path} not found") from None
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise DeepxError(f"config file {path}: {e}") from None
+        table = doc.get("deepxd", doc)
+        for k, v in table.items():
+            key = k.replace("-", "_")
+            if key not in _FIELDS:
+                raise DeepxError(f"config file {path}: unknown setting {k!r}")
+            values[key] = _coerce(key, v, f"config file {path}")
+    environ: Mapping[str, str] = os.environ if env is None else env
+    for key in _FIELDS:
+        raw = environ.get(f"DEEPX_{key.upper()}")
+        if raw is not None and raw != "":
+            values[key] = _coerce(key, raw, f"DEEPX_{key.upper()}")
+    for key, v in flags.items():
+        if v is not None and v != () and v != []:
+            values[key] = _coerce(key, list(v) if isinstance(v, tuple) else v, f"--{key.replace('_', '-')}")
+    return Config(**values)
+
+
+def default_config_file() -> str | None:
+    """DEEPX_CONFIG, else ./config/deepxd.toml when it exists."""
+    p = os.environ.get("DEEPX_CONFIG")
+    if p:
+        return p
+    local = Path("config/deepxd.toml")
+    return str(local) if local.exists() else None

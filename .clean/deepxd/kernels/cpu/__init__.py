@@ -1,0 +1,847 @@
+"""CPU kernels (numpy), one module per op family, and the executor that runs checked instructions on them.
+
+The kernel of op `x` is `deepxd.kernels.cpu.<OPS[x].family>.x`. Array kernels take the resolved args (arrays for
+tensors, Python values otherwise) then the preallocated outputs; the `life` and `io` families change the set of
+tensors or touch files, so they take the executor and the checked instruction.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import operator
+import os
+import warnings
+from collections.abc import Callable, Collection, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import from_numpy, to_numpy
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
+from deepx_sdk.ir.shapes import numel
+
+log = logging.getLogger(__name__)
+
+# inf and nan follow IEEE rules as in torch; numpy's RuntimeWarnings from our kernels are noise. A module-scoped
+# filter costs nothing per call, where np.errstate costs microseconds.
+warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"deepxd\.kernels\.cpu")
+
+#: families whose kernels take (executor, bound instruction)
+STORE_FAMILIES = frozenset({"life", "io"})
+
+
+def _load_kernels() -> dict[str, Callable[..., None]]:
+    kernels = {}
+    for name, op in OPS.items():
+        module = importlib.import_module(f"deepxd.kernels.cpu.{op.family}")
+        kernels[name] = getattr(module, name)
+    return kernels
+
+
+#: op name -> CPU kernel, for every op in the catalogue
+KERNELS: dict[str, Callable[..., None]] = _load_kernels()
+
+_NAMES: dict[np.dtype, str] = {}
+
+#: per op, how each arg reaches an array kernel: 0 its value, 1 the named tensor's array, 2 a list of arrays
+_ARG_KINDS: dict[str, tuple[int, ...]] = {
+    name: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0 for a in op.args)
+    for name, op in OPS.items()
+}
+
+
+def dtype_name(dt: np.dtype) -> str:
+    try:
+        return _NAMES[dt]
+    except KeyError:
+        _NAMES[dt] = from_numpy(dt)
+        return _NAMES[dt]
+
+
+class TensorTable(dict[str, np.ndarray]):
+    """name -> array, with `metas` (name -> TensorMeta) kept beside it so that checking an instruction reads shapes
+    and dtypes with plain dict lookups. Reads are dict reads; writes keep both in step.
+
+    `version` counts the writes (a name set, replaced or removed): while it stands, every meta is as it was when it
+    was read (what lets an op worker run a program it has just run again without comparing the metas it names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metas: dict[str, TensorMeta] = {}
+        self.version = 0
+
+    def __setitem__(self, name: str, array: np.ndarray) -> None:
+        dt = _NAMES.get(array.dtype)
+        meta = TensorMeta(array.shape, dt if dt is not None else dtype_name(array.dtype))  # refuses unknown dtypes
+        dict.__setitem__(self, name, array)
+        self.metas[name] = meta
+        self.version += 1
+
+    def __ior__(self, other: Any) -> TensorTable:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def __delitem__(self, name: str) -> None:
+        dict.__delitem__(self, name)
+        del self.metas[name]
+        self.version += 1
+
+    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
+        self.metas.pop(name, None)
+        self.version += 1
+        return dict.pop(self, name, *default)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.metas.clear()
+        self.version += 1
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    def setdefault(self, name: str, array: np.ndarray) -> np.ndarray:  # type: ignore[override]
+        if name not in self:
+            self[name] = array
+        return self[name]
+
+    def popitem(self) -> tuple[str, np.ndarray]:
+        name, array = dict.popitem(self)
+        self.metas.pop(name, None)
+        self.version += 1
+        return name, array
+
+
+class CpuExecutor:
+    """Tensors, variables and vectors held in this process, and the numpy kernels that work on them.
+
+    `run(instr)` checks the instruction (nothing changes when it is refused) and executes it. Outputs that do not
+    exist yet are created; an output that is also an input and changes shape gets a new buffer.
+    """
+
+    def __init__(self, *, io_roots: Iterable[str | os.PathLike[str]] | None = None,
+                 output: Callable[[str], None] | None = None) -> None:
+        self.tensors = TensorTable()
+        # transposes are views of their operand's buffer (a matmul then reads it transposed, as BLAS likes, with no
+        # copy): view name -> the name whose buffer it shares, and that name -> its views. `shared` holds both
+        # kinds of name: before anything writes a shared buffer in place, unshare() gives the views copies
+        self.view_of: dict[str, str] = {}
+        self.views: dict[str, list[str]] = {}
+        self.shared: dict[str, None] = {}
+        # transposes of heap tensors: copies laid out as their operand is (a straight copy, and BLAS reads them
+        # transposed); before anything writes one in place, unshare() makes it row-major, as kernels expect outputs
+        self.strided: dict[str, None] = {}
+        # names whose array must stay the same object (heap tensors: shared memory); never made views
+        self.pinned: Any = ()
+        # id() of the transposes, in the program running, whose result is deleted later in it (set by the op
+        # worker): only those become views. A result that outlives its program is mostly a gradient that an
+        # optimizer reads elementwise, which a view would make strided
+        self.transient: Any = ()
+        # the Env lookup that checking reads, bound to the metas dict's get: C speed
+        self.meta: Callable[[str], TensorMeta | None] = self.tensors.metas.get
+        self.plans = BindCache()
+        self.variables: dict[str, Any] = {}
+        self.vectors: dict[str, tuple[Any, ...]] = {}
+        self.io_roots = None if io_roots is None else [Path(r).resolve() for r in io_roots]
+        self.output: Callable[[str], None] = output or (lambda text: log.info("%s", text))
+
+    # -- the Env that instructions are checked against
+    def var(self, name: str) -> Any:
+        return self.variables.get(name)
+
+    def vector(self, name: str) -> tuple[Any, ...] | None:
+        return self.vectors.get(name)
+
+    # -- running
+    def run(self, instr: Instr) -> None:
+        self.execute(self.plans.bind(instr, self))
+
+    def run_all(self, instrs: Sequence[Instr]) -> None:
+        for instr in instrs:
+            self.run(instr)
+
+    def prepare_program(self, bounds: Sequence[Bound], fetch: Collection[str] = ()
+                        ) -> tuple[list[Callable[[], None]], Callable[[int], None]]:
+        """prepare() for each instruction of a program that runs again and again, with one rewrite across
+        instructions: a transpose whose result only feeds one matmul and is then deleted (`x @ W.t()`, and the
+        backward's `g.T @ x`) is not made at all; the matmul reads the operand transposed (BLAS's way, as it read the
+        view), and the delete deletes nothing. The operand's array is held from the transpose to the delete, as the
+        view held it (a copy where its buffer is shared: another name may write it in place meanwhile), so that
+        deleting or rewriting the operand's name in between changes nothing.
+
+        A second: a `fused` whose output the next instruction naming it sums over axis 0 (a bias's gradient, after
+        the ReLU's) computes the sums in the same C loop (native.fused's `sums`), and the sum only stores them.
+
+        Returns the steps and `recover(done)`, to call when step `done` failed: a folded transpose that ran and whose
+        delete did not is made then (a row-major copy of the held array), so the tensors are execute's."""
+        steps = [self.prepare(b) for b in bounds]
+        folds = []
+        for i, j, k in _foldable_transposes(bounds, fetch, self.pinned):
+            steps[i], steps[j], steps[k], made = self._fold_transpose(bounds[i], bounds[j], bounds[k])
+            folds.append((i, k, made))
+        for i, j in _foldable_colsums(bounds):
+            steps[i], steps[j] = self._fold_colsum(bounds[i], bounds[j], steps[i], steps[j])
+
+        def recover(done: int) -> None:
+            for i, k, made in folds:
+                if i < done <= k:
+                    made()
+
+        return steps, recover
+
+    def _fold_colsum(self, f: Bound, sm: Bound, fused_step: Callable[[], None], sum_step: Callable[[], None]
+                     ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The fused step with its output's column sums made in the same loop, kept until the sum's step stores
+        them; where the native loop declines (not yet compiled, an input it cannot read), both steps as they were."""
+        from deepxd.kernels.cpu import fused as fused_kernels
+        from deepxd.kernels.cpu import native
+
+        tensors, metas = self.tensors, self.tensors.metas
+        ins, expr = f.names[0], f.args[1]
+        assert isinstance(ins, list)
+        plan = fused_kernels.compile_expr(str(expr), len(ins))
+        out, meta = str(f.out_names[0]), f.outs[0]
+        total, total_meta = str(sm.out_names[0]), sm.outs[0]
+        assert meta is not None and total_meta is not None
+        npdt, shape = to_numpy(meta.dtype), meta.shape
+        kept: list[Any] = [None]
+        if any(m is None or m.dtype != meta.dtype for m in f.args[0]):
+            return fused_step, sum_step
+        compiled = native.fused_call(plan, [m.shape for m in f.args[0]], npdt, shape, with_sums=True)
+
+        def run_fused() -> None:
+            kept[0] = None
+            if fused_kernels.backend() != "native":
+                fused_step()
+                return
+            if self.shared and out in self.shared:
+                self.unshare(out)
+            arrays = [tensors[x] for x in ins]
+            have = tensors.get(out)
+            fresh = have is None or metas[out] != meta
+            o = np.empty(shape, npdt) if fresh or have is None else have
+            sums = np.empty(shape[1], npdt)
+            if not compiled(arrays, o, sums):  # nothing written: the step as it was
+                fused_step()
+                return
+            if fresh:
+                tensors[out] = o
+            kept[0] = sums
+
+        def run_sum() -> None:
+            sums, kept[0] = kept[0], None
+            if sums is None:
+                sum_step()
+                return
+            if self.shared and total in self.shared:
+                self.unshare(total)
+            o = tensors.get(total)
+            if o is not None and metas[total] == total_meta:
+                o[...] = sums.reshape(o.shape)
+            else:
+                tensors[total] = sums.reshape(total_meta.shape)
+
+        return run_fused, run_sum
+
+    def _fold_transpose(self, t: Bound, mm: Bound, delete: Bound) -> tuple[Callable[[], None], ...]:
+        tensors, metas = self.tensors, self.tensors.metas
+        src, name = t.names[0], str(t.out_names[0])
+        held: list[Any] = [None]
+        x, y = mm.names
+        out, meta = str(mm.out_names[0]), mm.outs[0]
+        assert meta is not None
+        npdt, shape = to_numpy(meta.dtype), meta.shape
+        kernel = KERNELS["matmul"]
+
+        def hold() -> None:
+            a = tensors[src]
+            held[0] = a.copy() if self.shared and src in self.shared else a
+
+        def run_matmul() -> None:
+            a = held[0].T if x == name else tensors[x]
+            c = held[0].T if y == name else tensors[y]
+            if self.shared and out in self.shared:
+                self.unshare(out)
+            o = tensors.get(out)
+            if o is not None and metas[out] == meta:
+                kernel(a, c, o)
+            else:
+                o = np.empty(shape, npdt)
+                kernel(a, c, o)
+                tensors[out] = o
+
+        def run_delete() -> None:  # the name was never made; one held from before the program goes as usual
+            held[0] = None
+            if name in tensors:
+                self.execute(delete)
+
+        def made() -> None:  # the program stopped between the transpose and the delete: the name exists, as execute
+            a, held[0] = held[0], None  # leaves it
+            if a is not None:
+                if name in self.shared:
+                    self._forget_view(name)
+                tensors[name] = np.ascontiguousarray(a.T)
+
+        return hold, run_matmul, run_delete, made
+
+    def prepare(self, b: Bound) -> Callable[[], None]:
+        """A call that does what execute(b) does, with what can be decided once decided: for a program that runs
+        again and again unchanged. Kernel errors come out as they are (explain_failure words them)."""
+        name = b.op.name
+        kernel = KERNELS[name]
+        kinds = _ARG_KINDS[name]
+        if name == "fused":
+            run_fused = self._prepare_fused(b)
+            if run_fused is not None:
+                return run_fused
+        if name in ("deltensor", "reshape", "newtensor") and not b.instr.meta:
+            quick = self._prepare_bookkeeping(b)
+            if quick is not None:
+                return quick
+        if (b.op.family in STORE_FAMILIES or name in ("reshape", "transpose") or b.instr.meta or 2 in kinds
+                or not b.outs or any(m is None for m in b.outs)):
+            return lambda: self.execute(b)
+        if len(b.outs) > 1:
+            return self._prepare_outputs_held(b, kernel, kinds)
+        tensors = self.tensors
+        metas = tensors.metas
+        out, meta = str(b.out_names[0]), b.outs[0]
+        assert meta is not None  # checked above
+        npdt = to_numpy(meta.dtype)
+        shape = meta.shape
+        shared, unshare = self.shared, self.unshare
+
+        def get(n: str) -> np.ndarray | None:
+            if shared and n in shared:
+                unshare(n)
+            return tensors.get(n)
+
+        def target() -> tuple[np.ndarray, bool]:
+            o = get(out)
+            if o is not None and metas[out] == meta:
+                return o, False
+            return np.empty(shape, npdt), True
+
+        direct = _direct_ufunc(b)
+        if direct is not None and kinds == (1, 1):
+            uf, (x, y) = direct, b.names
+
+            def run_ufunc2() -> None:
+                o = get(out)
+                if o is not None and metas[out] == meta:
+                    uf(tensors[x], tensors[y], out=o)
+                else:
+                    o = np.empty(shape, npdt)
+                    uf(tensors[x], tensors[y], out=o)
+                    tensors[out] = o
+
+            return run_ufunc2
+        if direct is not None and kinds == (1, 0):
+            uf, x, v = direct, b.names[0], b.args[1]
+
+            def run_ufunc_scalar() -> None:
+                o = get(out)
+                if o is not None and metas[out] == meta:
+                    uf(tensors[x], v, out=o)
+                else:
+                    o = np.empty(shape, npdt)
+                    uf(tensors[x], v, out=o)
+                    tensors[out] = o
+
+            return run_ufunc_scalar
+        if kinds == (1, 1):
+            x, y = b.names
+
+            def run2() -> None:
+                o = get(out)
+                if o is not None and metas[out] == meta:
+                    kernel(tensors[x], tensors[y], o)
+                else:
+                    o = np.empty(shape, npdt)
+                    kernel(tensors[x], tensors[y], o)
+                    tensors[out] = o
+
+            return run2
+        if kinds == (1,):
+            (x,) = b.names
+
+            def run1() -> None:
+                o = get(out)
+                if o is not None and metas[out] == meta:
+                    kernel(tensors[x], o)
+                else:
+                    o = np.empty(shape, npdt)
+                    kernel(tensors[x], o)
+                    tensors[out] = o
+
+            return run1
+        if kinds == (1, 0):
+            (x, _), v = b.names, b.args[1]
+
+            def run_scalar() -> None:
+                o = get(out)
+                if o is not None and metas[out] == meta:
+                    kernel(tensors[x], v, o)
+                else:
+                    o = np.empty(shape, npdt)
+                    kernel(tensors[x], v, o)
+                    tensors[out] = o
+
+            return run_scalar
+        spec = tuple((k == 1, n if k == 1 else v) for k, v, n in zip(kinds, b.args, b.names))
+
+        def run() -> None:
+            o, fresh = target()
+            kernel(*[tensors[x] if t else x for t, x in spec], o)
+            if fresh:
+                tensors[out] = o
+
+        return run
+
+    def _prepare_sgd(self, b: Bound, spec: tuple[tuple[bool, Any], ...], wanted: list[tuple[str, Any]],
+                     kernel: Callable[..., None]) -> Callable[[], None] | None:
+        """An sgd update in place on the native loop, its numbers converted once (native.sgd_call); the kernel where
+        the loop declines. None where the loop would never run."""
+        from deepxd.kernels.cpu import native
+
+        meta = b.args[0]
+        if meta is None or any(m is None or m != meta for _, m in wanted):
+            return None
+        n = numel(meta.shape)
+        numbers = [v for _, v in spec[3:]]
+        lr, momentum, dampening, weight_decay, nesterov, step = numbers
+        try:
+            call = native.sgd_call(to_numpy(meta.dtype), n, lr, momentum, dampening, weight_decay, nesterov,
+                                   step <= 1)
+        except (TypeError, ValueError, OverflowError):  # the kernel words it
+            return None
+        if call is None:
+            return None
+        tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
+        (p_out, p_meta), (b_out, b_meta) = wanted
+        p, g, buf = (x for _, x in spec[:3])
+
+        def run_sgd() -> None:
+            if shared and (p_out in shared or b_out in shared):
+                self.execute(b)
+                return
+            if metas.get(p_out) != p_meta or metas.get(b_out) != b_meta:
+                self.execute(b)
+                return
+            po, bo = tensors[p_out], tensors[b_out]
+            pa, ga, ba = tensors[p], tensors[g], tensors[buf]
+            if not call(pa, ga, ba, po, bo):
+                kernel(pa, ga, ba, *numbers, po, bo)
+
+        return run_sgd
+
+    def _prepare_outputs_held(self, b: Bound, kernel: Callable[..., None], kinds: tuple[int, ...]
+                              ) -> Callable[[], None]:
+        """An op with several outputs (the optimizer updates, written in place every step): the kernel called on
+        the held outputs directly while each exists with its shape and dtype and none is a view or viewed; execute's
+        way otherwise."""
+        tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
+        outs = [str(n) for n in b.out_names]
+        wanted = list(zip(outs, b.outs))
+        spec = tuple((k == 1, n if k == 1 else v) for k, v, n in zip(kinds, b.args, b.names))
+        if b.op.name == "sgd" and kinds[:3] == (1, 1, 1) and 1 not in kinds[3:]:
+            quick = self._prepare_sgd(b, spec, wanted, kernel)
+            if quick is not None:
+                return quick
+
+        def run_held() -> None:
+            if shared and any(n in shared for n in outs):
+                self.execute(b)
+                return
+            held = []
+            for n, m in wanted:
+                if metas.get(n) != m:
+                    self.execute(b)
+                    return
+                held.append(tensors[n])
+            kernel(*[tensors[x] if t else x for t, x in spec], *held)
+
+        return run_held
+
+    def _prepare_bookkeeping(self, b: Bound) -> Callable[[], None] | None:
+        """deltensor, reshape and newtensor, which a training step has dozens of, without execute's dispatch:
+        straight to the table for tensors that are neither views nor viewed (not in `shared`, which names both sides
+        of every view) and, for newtensor, not there yet; execute's way otherwise."""
+        tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
+        out = str(b.out_names[0])
+        if b.op.name == "deltensor":
+
+            def run_delete() -> None:
+                if out in shared:
+                    self.execute(b)
+                else:
+                    del tensors[out]
+
+            return run_delete
+        if b.op.name == "newtensor":  # (a backward's seed, every step)
+            made = b.outs[0]
+            if made is None:
+                return None
+            dims, npdt = made.shape, to_numpy(made.dtype)
+
+            def run_new() -> None:
+                if out in tensors or out in shared:
+                    self.execute(b)  # kept as it is, with execute's warning
+                else:
+                    tensors[out] = np.zeros(dims, npdt)
+
+            return run_new
+        x, meta = b.names[0], b.outs[0]
+        if not isinstance(x, str) or meta is None:
+            return None
+        shape = meta.shape
+
+        def run_reshape() -> None:
+            if x in shared or out in shared:
+                self.execute(b)
+            elif x == out:  # in place: a view of its own buffer
+                tensors[out] = tensors[x].reshape(shape)
+            else:
+                o = tensors.get(out)
+                if o is not None and metas[out] == meta:
+                    o[...] = tensors[x].reshape(shape)
+                else:
+                    tensors[out] = np.array(tensors[x].reshape(shape), copy=True)
+
+        return run_reshape
+
+    def _prepare_fused(self, b: Bound) -> Callable[[], None] | None:
+        """A fused instruction on one block of float32 or float64, its operands of the output's shape and dtype:
+        the expression's tape called directly, on register buffers made once (the kernel's checks and allocations
+        cost more than a short tape on a small tensor). None where the general kernel is needed."""
+        from deepxd.kernels.cpu import fused as fused_kernels
+        from deepxd.kernels.cpu import native
+
+        meta = b.outs[0]
+        ins = b.names[0]
+        backend = fused_kernels.backend()
+        if (backend not in ("native", "numpy") or meta is None or b.instr.meta
+                or meta.dtype not in ("float32", "float64") or not isinstance(ins, list)
+                or any(m is None or m.dtype != meta.dtype for m in b.args[0])):
+            return None
+        n = numel(meta.shape)
+        # the tape on registers made once: operands of the output's shape, one block
+        small = n <= fused_kernels.BLOCK and all(m.shape == meta.shape for m in b.args[0])
+        if n == 0 or (not small and backend != "native"):
+            return None
+        cdt = to_numpy(meta.dtype)
+        plan = fused_kernels.compile_expr(str(b.args[1]), len(ins))
+        consts = tuple(cdt.type(c) for c in plan.constants)
+        regs = [np.empty(n, cdt) for _ in range(plan.registers)] if small else []
+        tape = plan.run
+        tensors = self.tensors
+        metas = tensors.metas
+        get = tensors.get
+        out = str(b.out_names[0])
+        shape = meta.shape
+        flat = len(shape) == 1
+        general = KERNELS["fused"]
+        expr = b.args[1]
+        # the native loop with the checks that depend on shapes made now (native.fused_call)
+        compiled = (native.fused_call(plan, [m.shape for m in b.args[0]], cdt, shape) if backend == "native"
+                    else None)
+
+        def run() -> None:
+            if self.shared and out in self.shared:
+                self.unshare(out)
+            have = get(out)
+            fresh = have is None or metas[out] != meta
+            o = np.empty(shape, cdt) if fresh or have is None else have
+            arrays = [tensors[x] for x in ins]
+            if compiled is not None and compiled(arrays, o):
+                pass
+            elif small and all(map(_C_CONTIGUOUS, arrays)):
+                if flat:
+                    tape(arrays, consts, regs, o)
+                else:  # one block: every input is read before the last step writes the output
+                    tape([a.reshape(-1) for a in arrays], consts, regs, o.reshape(-1))
+            else:
+                general(arrays, expr, o)
+            if fresh:
+                tensors[out] = o
+
+        return run
+
+    def explain_failure(self, b: Bound, e: BaseException) -> None:
+        """Raise the DeepxError that execute(b) makes of a kernel's exception `e`; return if it makes none."""
+        name = b.op.name
+        if isinstance(e, DeepxError):
+            raise e
+        if isinstance(e, MemoryError):
+            sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m is not None)
+            raise DeepxError(f"{name}: out of memory (outputs {sizes})") from None
+        if isinstance(e, (ValueError, TypeError, IndexError, OverflowError, KeyError, FloatingPointError)):
+            raise DeepxError(f"{name}: {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None
+
+    def unshare(self, name: str) -> None:
+        """Before `name`'s buffer is written in place (or freed, or renamed): a view named `name` gets a buffer of its
+        own, and the views of `name`'s buffer get copies (a strided copy is made row-major instead: its views keep
+        the old buffer to themselves)."""
+        self._release(name, copy_views=True)
+
+    def _forget_view(self, name: str) -> None:
+        """`name` is deleted or gets a new buffer: its old buffer is left to its views (a heap tensor's views get
+        copies instead: its shared memory is given back)."""
+        self._release(name, copy_views=name in self.pinned)
+
+    def _release(self, name: str, copy_views: bool) -> None:
+        tensors, shared = self.tensors, self.shared
+        shared.pop(name, None)
+        if self.strided and self.strided.pop(name, 0) is None:
+            a = tensors.get(name)
+            if a is not None and copy_views:
+                tensors[name] = np.ascontiguousarray(a)
+            copy_views = False  # the views keep the old buffer, which nothing writes any more
+        base = self.view_of.pop(name, None)
+        if base is not None:
+            others = self.views.get(base)
+            if others is not None:
+                others.remove(name)
+                if not others:
+                    del self.views[base]
+                    if base not in self.strided:
+                        shared.pop(base, None)
+            a = tensors.get(name)
+            if a is not None and copy_views:
+                tensors[name] = a.copy()
+        mine = self.views.pop(name, None)
+        if mine is not None:
+            for v in mine:
+                self.view_of.pop(v, None)
+                shared.pop(v, None)
+                a = tensors.get(v)
+                if a is not None and copy_views:
+                    if name not in self.pinned:
+                        tensors[v] = a.copy()
+                        continue
+                    # a heap tensor's (a weight's transpose still alive when an optimizer writes the weight): laid
+                    # out as the view is, a straight copy, not a strided one; BLAS reads it transposed as it read
+                    # the view, and it is made row-major before anything writes it in place
+                    c = tensors[v] = a.copy(order="K")
+                    if not c.flags.c_contiguous:
+                        self.strided[v] = None
+                        shared[v] = None
+
+    def _transpose_view(self, b: Bound) -> bool:
+        """transpose as a view of its operand where its result dies in the program, as a straight copy laid out as
+        a heap operand is; False: run the kernel (a row-major copy)."""
+        src, out = b.names[0], str(b.out_names[0])
+        if out == src or out in self.pinned or src not in self.tensors:
+            return False
+        if out in self.shared:
+            self._forget_view(out)  # its old buffer is left to its other holders; the name gets the view
+        base = self.view_of.get(src, src)
+        a = self.tensors[src]
+        # a heap tensor's transpose is always a view (a weight's, in x @ W.T): the SDK deletes it before an
+        # optimizer writes the weight in place, and one still alive then gets a straight copy (see _release)
+        if base not in self.pinned and id(b) not in self.transient:
+            return False
+        self.tensors[out] = a.transpose(b.args[1])
+        self.view_of[out] = base
+        self.views.setdefault(base, []).append(out)
+        self.shared[out] = None
+        self.shared[base] = None
+        return True
+
+    def execute(self, b: Bound) -> None:
+        """Run an instruction already checked by `bind` against this executor's current state."""
+        name = b.op.name
+        kernel = KERNELS[name]
+        try:
+            if self.shared:
+                if name == "deltensor":
+                    self._forget_view(str(b.out_names[0]))
+                else:
+                    for n in b.out_names:
+                        if n in self.shared:
+                            self.unshare(n)
+                    if name == "renametensor" and b.args[0] in self.shared:
+                        self.unshare(str(b.args[0]))
+            if name == "transpose" and self._transpose_view(b):
+                return
+            if b.op.family in STORE_FAMILIES:
+                kernel(self, b)
+                return
+            if name == "reshape" and b.out_names[0] == b.names[0]:
+                self.tensors[b.names[0]] = self.tensors[b.names[0]].reshape(b.outs[0].shape)  # type: ignore[union-attr]
+                return
+            tensors = self.tensors
+            args = [tensors[n] if k == 1 else value if k == 0 else [tensors[x] for x in n]
+                    for k, value, n in zip(_ARG_KINDS[name], b.args, b.names)]
+            metas = tensors.metas
+            outs = []
+            fresh = False
+            for n, meta in zip(b.out_names, b.outs):
+                if metas.get(n) == meta:
+                    outs.append(tensors[n])
+                else:
+                    assert meta is not None
+                    outs.append(np.empty(meta.shape, to_numpy(meta.dtype)))
+                    fresh = True
+            if b.instr.meta and b.instr.get_meta("benchmark.repeat"):
+                repeat = b.instr.get_meta("benchmark.repeat") or "1"
+                for _ in range(max(1, int(repeat)) if repeat.isdigit() else 1):
+                    kernel(*args, *outs)
+            else:
+                kernel(*args, *outs)
+            if fresh:
+                for n, arr in zip(b.out_names, outs):
+                    if tensors.get(n) is not arr:
+                        tensors[n] = arr
+        except DeepxError:
+            raise
+        except MemoryError:
+            sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m is not None)
+            raise DeepxError(f"{name}: out of memory (outputs {sizes})") from None
+        except (ValueError, TypeError, IndexError, OverflowError, KeyError, FloatingPointError) as e:
+            raise DeepxError(f"{name}: {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None
+
+    def check_path(self, op: str, path: str) -> str:
+        """`path` resolved (.. and links), refused when it falls outside every io root."""
+        if not path:
+            raise DeepxError(f"{op}: empty path")
+        resolved = Path(path).expanduser().resolve()
+        if self.io_roots is not None and not any(resolved.is_relative_to(r) for r in self.io_roots):
+            roots = ", ".join(str(r) for r in self.io_roots)
+            raise DeepxError(f"{op}: path {path} is outside the allowed io roots ({roots})")
+        return str(resolved)
+
+    def put(self, name: str, array: np.ndarray) -> None:
+        """Store `array` (any dtype deepx knows) as tensor `name`."""
+        dtype_name(array.dtype)
+        if name in self.shared:
+            self._forget_view(name)  # the name gets a new buffer; views of the old one keep it
+        self.tensors[name] = np.array(array, order="C", copy=True)  # ours: a caller's later reshape cannot desync
+
+    def get(self, name: str) -> np.ndarray:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise DeepxError(f"tensor '{name}' not found") from None
+
+
+__all__ = ["DIRECT_UFUNCS", "KERNELS", "STORE_FAMILIES", "CpuExecutor", "dtype_name", "to_numpy",
+           "transient_transposes"]
+
+
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+
+#: ops whose kernel, for a float32 or float64 output and operands of that dtype (and a Python int or float scalar),
+#: is exactly one ufunc call into the output (see elementwise.py and nn.py): prepared calls make it directly
+DIRECT_UFUNCS: dict[str, np.ufunc] = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum, "min": np.minimum,
+    "addscalar": np.add, "subscalar": np.subtract, "mulscalar": np.multiply, "divscalar": np.divide,
+    "maxscalar": np.maximum, "minscalar": np.minimum,
+}
+
+
+def _direct_ufunc(b: Bound) -> np.ufunc | None:
+    uf = DIRECT_UFUNCS.get(b.op.name)
+    meta = b.outs[0] if b.outs else None
+    if uf is None or meta is None or meta.dtype not in ("float32", "float64"):
+        return None
+    for k, v in zip(_ARG_KINDS[b.op.name], b.args):
+        if k == 1 and (not isinstance(v, TensorMeta) or v.dtype != meta.dtype or v.shape != meta.shape):
+            return None  # broadcasting or another dtype: the kernel's way
+        if k == 0 and type(v) not in (int, float):
+            return None
+    return uf
+
+
+def _mentions(b: Bound, name: str) -> bool:
+    """Whether instruction b reads or writes tensor `name` (a tensor-list arg, fused's or concat's, included)."""
+    if name in b.out_names:
+        return True
+    for n in b.names:
+        if n == name or (type(n) is list and name in n):
+            return True
+    return False
+
+
+def _foldable_colsums(bounds: Sequence[Bound]) -> list[tuple[int, int]]:
+    """(fused, sum) positions for prepare_program: a fused instruction with a float32 or float64 matrix result whose
+    next instruction naming it is a sum of it over axis 0 (keepdims either way) into another name, of its dtype."""
+    found = []
+    n = len(bounds)
+    for i, b in enumerate(bounds):
+        meta = b.outs[0] if b.op.name == "fused" and len(b.outs) == 1 else None
+        if (meta is None or b.instr.meta or meta.dtype not in ("float32", "float64") or len(meta.shape) != 2
+                or meta.shape[1] < 2 or not isinstance(b.names[0], list)):
+            continue
+        out = b.out_names[0]
+        j = i + 1
+        while j < n and not _mentions(bounds[j], out):
+            j += 1
+        if j == n:
+            continue
+        sm = bounds[j]
+        total = sm.outs[0] if sm.op.name == "sum" and sm.outs else None
+        if (total is None or sm.instr.meta or sm.names[0] != out or out in sm.out_names or total.dtype != meta.dtype
+                or tuple(int(d) % 2 for d in sm.args[1]) != (0,)):
+            continue
+        found.append((i, j))
+    return found
+
+
+def _foldable_transposes(bounds: Sequence[Bound], fetch: Collection[str], pinned: Any
+                         ) -> list[tuple[int, int, int]]:
+    """(transpose, matmul, deltensor) positions for prepare_program: a transpose that swaps the two dims of a matrix
+    (not of a heap tensor's name, not fetched) whose result the next instruction naming it reads as one operand of a
+    matmul (writing neither name), and the one after deletes; its operand not written in place, nor renamed, in
+    between."""
+    found = []
+    n = len(bounds)
+    for i, b in enumerate(bounds):
+        if (b.op.name != "transpose" or b.instr.meta or b.outs[0] is None or len(b.outs[0].shape) != 2
+                or tuple(int(d) % 2 for d in b.args[1]) != (1, 0)):
+            continue
+        src, name = b.names[0], b.out_names[0]
+        if not isinstance(src, str) or name == src or name in fetch or name in pinned:
+            continue
+        j = i + 1
+        ok = True
+        while j < n:
+            c = bounds[j]
+            if _mentions(c, name):
+                break
+            if c.op.name == "renametensor" and src in c.args:
+                ok = False
+            if c.op.name != "deltensor" and src in c.out_names:
+                ok = False
+            j += 1
+        if not ok or j >= n:
+            continue
+        mm = bounds[j]
+        if (mm.op.name != "matmul" or mm.instr.meta or mm.names.count(name) != 1 or mm.out_names[0] in (name, src)
+                or mm.outs[0] is None):
+            continue
+        k = j + 1
+        while k < n and not _mentions(bounds[k], name):
+            k += 1
+        if k < n and bounds[k].op.name == "deltensor" and not bounds[k].instr.meta:
+            found.append((i, j, k))
+    return found
+
+
+def transient_transposes(bounds: Sequence[Bound]) -> set[int]:
+    """id() of each transpose in `bounds` whose result the program deletes (and does not write again before)."""
+    dying: set[Any] = set()
+    out: set[int] = set()
+    for b in reversed(bounds):
+        if b.op.name == "deltensor":
+            dying.add(b.out_names[0])
+            continue
+        if b.op.name == "transpose" and b.out_names and b.out_names[0] in dying:
+            out.add(id(b))
+        for n in b.out_names:
+            dying.discard(n)
+    return out

@@ -1,0 +1,17 @@
+"""Matrix multiply, batched over broadcast leading dims. Every author (cblas, cublas, miaobyte) reaches this kernel:
+float32 and float64 go to MKL where it is in use (blas.py), else to numpy's matmul, which calls numpy's BLAS;
+low-precision floats multiply in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deepxd.kernels.cpu._util import LOW, up
+from deepxd.kernels.cpu.blas import gemm
+
+
+def matmul(a, b, out):
+    if out.dtype in LOW:
+        out[...] = np.matmul(up(a), up(b))
+    elif not gemm(a, b, out):
+        np.matmul(a, b, out=out)

@@ -1,0 +1,80 @@
+"""Reductions over dims (empty dims: all). Low-precision floats and small integers accumulate wider, then round."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deepxd.kernels.cpu import native
+from deepxd.kernels.cpu._util import F32, LOW
+
+_F64, _F32 = np.dtype(np.float64), np.dtype(np.float32)
+
+
+def _acc(a: np.ndarray):
+    dt = a.dtype
+    if dt is _F32 or dt is _F64:
+        return None
+    if dt in LOW:
+        return F32
+    if dt.kind in "iu":
+        return np.int64
+    return None
+
+
+def _dims(a, dims):
+    if not dims:
+        return None
+    for d in dims:
+        if d < 0:
+            return tuple(x % a.ndim for x in dims)
+    return dims
+
+
+def _leading(a: np.ndarray, dims) -> int:
+    """k when dims are a's first k axes (not all of them), else 0."""
+    if not dims or len(dims) >= a.ndim:
+        return 0
+    k = len(dims)
+    return k if sorted(d % a.ndim for d in dims) == list(range(k)) else 0
+
+
+def sum(a, dims, keepdims, out):
+    acc = _acc(a)
+    if acc is None:
+        # a bias's gradient, every training step: summed over the leading axes by a C loop, in numpy's order
+        k = _leading(a, dims)
+        if k and a.size >= native.COLSUM_MIN and native.colsum(a, k, out):
+            return
+        np.sum(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
+    else:
+        np.copyto(out, np.sum(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc), casting="unsafe")
+
+
+def prod(a, dims, keepdims, out):
+    acc = _acc(a)
+    if acc is None:
+        np.multiply.reduce(a, axis=_dims(a, dims), keepdims=keepdims, out=out)
+    else:
+        np.copyto(out, np.prod(a, axis=_dims(a, dims), keepdims=keepdims, dtype=acc), casting="unsafe")
+
+
+def reducemax(a, dims, keepdims, out):
+    out[...] = np.max(a if a.dtype not in LOW else a.astype(F32), axis=_dims(a, dims), keepdims=keepdims)
+
+
+def reducemin(a, dims, keepdims, out):
+    out[...] = np.min(a if a.dtype not in LOW else a.astype(F32), axis=_dims(a, dims), keepdims=keepdims)
+
+
+def argmax(a, dim, keepdims, out):
+    if a.ndim == 0:
+        out[...] = 0
+    else:
+        out[...] = np.argmax(a if a.dtype not in LOW else a.astype(F32), axis=dim % a.ndim, keepdims=keepdims)
+
+
+def argmin(a, dim, keepdims, out):
+    if a.ndim == 0:
+        out[...] = 0
+    else:
+        out[...] = np.argmin(a if a.dtype not in LOW else a.astype(F32), axis=dim % a.ndim, keepdims=keepdims)

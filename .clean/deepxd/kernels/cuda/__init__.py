@@ -1,0 +1,477 @@
+"""CUDA kernels (PyCUDA `SourceModule` compilation, cuBLAS GEMM) and the executor that runs checked instructions on
+one GPU.
+
+`CudaExecutor` has the interface of `deepxd.kernels.cpu.CpuExecutor`: a `tensors` table with `metas` (so
+`BindCache`/`bind` check instructions identically), `run`, `run_all`, `execute`, `put` (host -> device), `get`
+(device -> host), plus `has_kernel(op, dtype)`. It owns one CUDA context (the device's primary context) and one
+stream, and must be created, used and closed on one thread. Kernels of op `x` live in the module of its family
+(`elementwise`, `reduce`, `shape`, `nn`, `init`, `optim`, `matmul`, `fused`); tensor life, variables, files and print
+run on the host side (`host.py`). An op or dtype with no CUDA kernel runs its CPU kernel on host copies, counted in
+`executor.fallbacks[op]`. docs/cuda.md has the whole story.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
+from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name
+
+log = logging.getLogger(__name__)
+
+#: families whose ops run on the host side of the executor (they change the set of tensors, or touch files)
+HOST_FAMILIES = frozenset({"life", "io"})
+
+#: CUDA kernel modules, in the order their SUPPORT tables are merged
+MODULES = ("elementwise", "matmul", "shape", "reduce", "nn", "init", "optim", "fused")
+
+#: ops whose kernels read and write each element at the same index, so that an output may be an input's buffer
+_ALIAS_SAFE_FAMILIES = frozenset({"elementwise", "compare", "optim", "fused"})
+_ALIAS_SAFE_OPS = frozenset({"relu", "sigmoid", "tanh", "gelu", "silu", "sliceassign", "indexadd", "dropout",
+                             "switch", "constant", "arange", "uniform", "normal"})
+
+
+def _load() -> tuple[dict[str, Callable[..., Any]], dict[str, frozenset[str]]]:
+    kernels: dict[str, Callable[..., Any]] = {}
+    support: dict[str, frozenset[str]] = {}
+    for mod_name in MODULES:
+        mod = importlib.import_module(f"deepxd.kernels.cuda.{mod_name}")
+        for op, dtypes in mod.SUPPORT.items():
+            kernels[op] = getattr(mod, op)
+            support[op] = support.get(op, frozenset()) | dtypes
+    return kernels, support
+
+
+#: op -> CUDA kernel function (executor, resolved args..., outputs...) -> True, or False to run the CPU kernel
+KERNELS, SUPPORT = _load()
+
+_ARG_KINDS: dict[str, tuple[int, ...]] = {
+    name: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0 for a in op.args)
+    for name, op in OPS.items()
+}
+
+
+def all_sources() -> list[tuple[str, str]]:
+    """Every CUDA module source the executor can load, as (source, description): for `precompile`."""
+    out: list[tuple[str, str]] = []
+    for mod_name in MODULES:
+        mod = importlib.import_module(f"deepxd.kernels.cuda.{mod_name}")
+        out.extend(mod.sources())
+    return out
+
+
+class DeviceTensor:
+    """A contiguous tensor in device memory: `ptr` (device address), `shape`, `dtype` (numpy), `dname` (deepx
+    dtype name). `buf` keeps the allocation alive (a pooled allocation, an IPC mapping, or another tensor's)."""
+
+    __slots__ = ("buf", "dname", "dtype", "nbytes", "ptr", "shape", "size")
+
+    def __init__(self, buf: Any, ptr: int, shape: Sequence[int], dtype: np.dtype | str) -> None:
+        self.buf = buf
+        self.ptr = int(ptr)
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = to_numpy(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        self.dname = dtype_name(self.dtype)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def view(self, shape: Sequence[int]) -> DeviceTensor:
+        """The same memory with another shape of as many elements."""
+        return DeviceTensor(self.buf, self.ptr, shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"DeviceTensor({self.dname}{list(self.shape)} at {self.ptr:#x})"
+
+
+class CudaExecutor:
+    """Tensors in one GPU's memory and the CUDA kernels that work on them.
+
+    device: the CUDA device ordinal. cache_dir: where compiled modules are kept (default
+    $DEEPX_CUDA_CACHE or $XDG_CACHE_HOME/deepx/cuda). tf32: float32 matmul on TF32 tensor cores (off: IEEE float32).
+    """
+
+    def __init__(self, *, device: int = 0, io_roots: Iterable[str | os.PathLike[str]] | None = None,
+                 output: Callable[[str], None] | None = None, cache_dir: str | os.PathLike[str] | None = None,
+                 tf32: bool = False) -> None:
+        try:
+            import pycuda.driver as cuda
+        except ImportError as e:
+            raise DeepxError(f"cuda: PyCUDA is not installed ({e}); pip install 'deepx[cuda]'") from None
+        from pycuda.tools import DeviceMemoryPool
+
+        from deepxd.kernels.cuda._build import Compiler, ModuleCache
+
+        self.cuda = cuda
+        try:
+            cuda.init()
+            if device >= cuda.Device.count():
+                raise DeepxError(f"cuda: device {device} not found ({cuda.Device.count()} devices)")
+            self.device = cuda.Device(device)
+            self.context = self.device.retain_primary_context()
+            self.context.push()
+        except cuda.Error as e:
+            raise DeepxError(f"cuda: cannot open device {device}: {e}") from None
+        self._thread = threading.get_ident()
+        try:
+            self.stream = cuda.Stream()
+            self.pool = DeviceMemoryPool()
+        except cuda.Error as e:
+            self.context.pop()
+            self.context.detach()
+            raise DeepxError(f"cuda: cannot set up device {device}: {e}") from None
+        major, minor = self.device.compute_capability()
+        self.arch = f"sm_{major}{minor}"
+        self.sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        self.max_blocks = self.sm_count * 32
+        self.modules = ModuleCache(Compiler(self.arch, cache_dir))
+        # name -> DeviceTensor; the CPU's table keeps `metas` beside it (it reads only .shape and .dtype)
+        self.tensors: Any = TensorTable()
+        self.meta: Callable[[str], TensorMeta | None] = self.tensors.metas.get
+        self.plans = BindCache()
+        self.variables: dict[str, Any] = {}
+        self.vectors: dict[str, tuple[Any, ...]] = {}
+        self.io_roots = None if io_roots is None else [Path(r).resolve() for r in io_roots]
+        self.output: Callable[[str], None] = output or (lambda text: log.info("%s", text))
+        #: op -> how many times it ran its CPU kernel on host copies
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+        self._tf32 = tf32
+        self._blas: Any = None
+        self._flag = self.alloc(4, "executor", "error flag")
+        self.flag_ptr = int(self._flag)
+        self._flag_host = np.zeros(1, np.int32)
+        self.closed = False
+
+    # -- configuration
+    @property
+    def tf32(self) -> bool:
+        return self._tf32
+
+    @tf32.setter
+    def tf32(self, on: bool) -> None:
+        self._tf32 = bool(on)
+        if self._blas is not None:
+            self._blas.tf32 = self._tf32
+
+    def blas(self) -> Any:
+        if self._blas is None:
+            from deepxd.kernels.cuda.gemm import Blas
+
+            self._blas = Blas(self.stream.handle, tf32=self._tf32)
+        return self._blas
+
+    # -- the Env that instructions are checked against
+    def var(self, name: str) -> Any:
+        return self.variables.get(name)
+
+    def vector(self, name: str) -> tuple[Any, ...] | None:
+        return self.vectors.get(name)
+
+    def has_kernel(self, op: str, dtype: str | None = None) -> bool:
+        """Does `op` run on the device for `dtype` (None: for every dtype the catalogue claims)? Host-side ops
+        (tensor life, variables, files, print) count as having one."""
+        return has_kernel(op, dtype)
+
+    # -- memory
+    def _own(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise DeepxError("cuda: the executor is used from a thread other than the one that created it (CUDA "
+                             "contexts are per thread)")
+        if self.closed:
+            raise DeepxError("cuda: the executor is closed")
+
+    def alloc(self, nbytes: int, op: str, name: str) -> Any:
+        try:
+            return self.pool.allocate(max(int(nbytes), 1))
+        except self.cuda.MemoryError:
+            free, total = self.cuda.mem_get_info()
+            raise DeepxError(f"{op}: out of device memory allocating {nbytes} bytes for '{name}' ({free} of "
+                             f"{total} bytes free, {self.pool.active_bytes} in use by tensors)") from None
+
+    def empty(self, shape: Sequence[int], dtype: str | np.dtype, op: str = "alloc", name: str = "") -> DeviceTensor:
+        dt = to_numpy(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        nbytes = math.prod(shape) * dt.itemsize
+        buf = self.alloc(nbytes, op, name)
+        return DeviceTensor(buf, int(buf), shape, dt)
+
+    def zeros(self, shape: Sequence[int], dtype: str | np.dtype, op: str = "alloc", name: str = "") -> DeviceTensor:
+        t = self.empty(shape, dtype, op, name)
+        if t.nbytes:
+            self.cuda.memset_d8_async(t.ptr, 0, t.nbytes, self.stream)
+        return t
+
+    def copy(self, dst: DeviceTensor, src: DeviceTensor) -> None:
+        if src.nbytes and dst.ptr != src.ptr:
+            self.cuda.memcpy_dtod_async(dst.ptr, src.ptr, src.nbytes, self.stream)
+
+    def to_device(self, array: np.ndarray, op: str = "put", name: str = "") -> DeviceTensor:
+        a = np.asarray(array)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into shape (1,)
+        t = self.empty(a.shape, a.dtype, op, name)
+        if t.nbytes:
+            self.cuda.memcpy_htod_async(t.ptr, a.reshape(-1).view(np.uint8), self.stream)
+        return t
+
+    def to_host(self, t: DeviceTensor) -> np.ndarray:
+        host = np.empty(t.shape, t.dtype)
+        if t.nbytes:
+            try:
+                self.cuda.memcpy_dtoh_async(host.reshape(-1).view(np.uint8), t.ptr, self.stream)
+                self.stream.synchronize()
+            except self.cuda.Error as e:
+                raise DeepxError(f"cuda: copying {t!r} to the host failed: {e}") from None
+        return host
+
+    def write(self, t: DeviceTensor, array: np.ndarray) -> None:
+        """Copy host `array` (same number of elements and dtype) into device tensor `t`."""
+        a = np.asarray(array, dtype=t.dtype)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")
+        if a.size != t.size:
+            raise DeepxError(f"cuda: writing {a.size} elements into {t!r}")
+        if t.nbytes:
+            self.cuda.memcpy_htod_async(t.ptr, a.reshape(-1).view(np.uint8), self.stream)
+
+    def synchronize(self) -> None:
+        try:
+            self.stream.synchronize()
+        except self.cuda.Error as e:
+            raise DeepxError(f"cuda: a kernel failed: {e}") from None
+
+    # -- kernels
+    def function(self, key: str, source: str, name: str, fmt: str, what: str) -> Any:
+        return self.modules.function(key, source, name, fmt, what)
+
+    def grid(self, n: int, per_thread: int = 1, block: int = 256) -> tuple[int, int, int]:
+        return (max(1, min(self.max_blocks, -(-n // (block * per_thread)))), 1, 1)
+
+    def launch(self, op: str, f: Any, grid: tuple[int, int, int], block: tuple[int, int, int], *args: Any,
+               shared: int = 0) -> None:
+        try:
+            f.prepared_async_call(grid, block, self.stream, *args, shared_size=shared)
+        except self.cuda.Error as e:
+            raise DeepxError(f"{op}: kernel launch failed ({type(e).__name__}: {e}; grid {grid}, block {block})"
+                             ) from None
+
+    def clear_flag(self) -> None:
+        self.cuda.memset_d32_async(self.flag_ptr, 0, 1, self.stream)
+
+    def raise_flag(self, op: str, message: str) -> None:
+        """Raise DeepxError(op: message) when a kernel since clear_flag set the error flag (waits for it)."""
+        self.cuda.memcpy_dtoh_async(self._flag_host, self.flag_ptr, self.stream)
+        self.synchronize()
+        if self._flag_host[0]:
+            raise DeepxError(f"{op}: {message}")
+
+    def precompile(self, workers: int | None = None) -> int:
+        """Compile every kernel module into the disk cache (nvcc processes in parallel); returns how many were
+        compiled (0 when all were cached)."""
+        return self.modules.precompile(all_sources(), workers)
+
+    # -- running
+    def run(self, instr: Instr) -> None:
+        self.execute(self.plans.bind(instr, self))
+
+    def run_all(self, instrs: Sequence[Instr]) -> None:
+        for instr in instrs:
+            self.run(instr)
+
+    def execute(self, b: Bound) -> None:
+        """Run an instruction already checked by `bind` against this executor's current state."""
+        self._own()
+        name = b.op.name
+        try:
+            if b.op.family in HOST_FAMILIES:
+                from deepxd.kernels.cuda import host
+
+                getattr(host, name)(self, b)
+                return
+            if name == "reshape":
+                self._reshape(b)
+                return
+            kernel = KERNELS.get(name)
+            if kernel is None or _dtype_of(b, self.tensors.metas) not in SUPPORT[name]:
+                self._fallback(b)
+                return
+            tensors = self.tensors
+            args = [tensors[n] if k == 1 else value if k == 0 else [tensors[x] for x in n]
+                    for k, value, n in zip(_ARG_KINDS[name], b.args, b.names)]
+            outs, fresh = self._outputs(b)
+            repeat = 1
+            if b.instr.meta and b.instr.get_meta("benchmark.repeat"):
+                text = b.instr.get_meta("benchmark.repeat") or "1"
+                repeat = max(1, int(text)) if text.isdigit() else 1
+            for _ in range(repeat):
+                if kernel(self, *args, *outs) is False:
+                    self._fallback(b)
+                    return
+            if fresh:
+                for n, t in zip(b.out_names, outs):
+                    if tensors.get(n) is not t:
+                        tensors[n] = t
+        except DeepxError:
+            raise
+        except self.cuda.Error as e:
+            raise DeepxError(f"{name}: CUDA error {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None
+
+    def _outputs(self, b: Bound) -> tuple[list[DeviceTensor], bool]:
+        metas = self.tensors.metas
+        outs: list[DeviceTensor] = []
+        fresh = False
+        safe = b.op.family in _ALIAS_SAFE_FAMILIES or b.op.name in _ALIAS_SAFE_OPS
+        inputs = set()
+        if not safe:
+            for k, n in zip(_ARG_KINDS[b.op.name], b.names):
+                if k == 1:
+                    inputs.add(n)
+                elif k == 2:
+                    inputs.update(n)
+        for n, meta in zip(b.out_names, b.outs):
+            assert meta is not None
+            if metas.get(n) == meta and n not in inputs:
+                outs.append(self.tensors[n])
+            else:
+                outs.append(self.empty(meta.shape, meta.dtype, b.op.name, n))
+                fresh = True
+        return outs, fresh
+
+    def _reshape(self, b: Bound) -> None:
+        src = self.tensors[b.names[0]]
+        meta = b.outs[0]
+        assert meta is not None
+        out = str(b.out_names[0])
+        if out == b.names[0]:
+            self.tensors[out] = src.view(meta.shape)
+            return
+        dst = self.tensors.get(out)
+        if dst is None or self.tensors.metas[out] != meta:
+            dst = self.empty(meta.shape, meta.dtype, "reshape", out)
+            self.copy(dst, src)
+            self.tensors[out] = dst
+        else:
+            self.copy(dst, src)
+
+    def _fallback(self, b: Bound) -> None:
+        """Run the CPU kernel on host copies of the instruction's tensors and copy the outputs back."""
+        name = b.op.name
+        self.fallbacks[name] += 1
+        cpu = CpuExecutor(io_roots=self.io_roots, output=self.output)
+        cpu.variables = self.variables
+        cpu.vectors = self.vectors
+        names: list[str] = []
+        for k, n in zip(_ARG_KINDS[name], b.names):
+            if k == 1:
+                names.append(n)
+            elif k == 2:
+                names.extend(n)
+        names.extend(str(n) for n in b.out_names if n in self.tensors)
+        for n in dict.fromkeys(names):
+            cpu.tensors[n] = self.to_host(self.tensors[n])
+        cpu.execute(b)
+        for n in b.out_names:
+            arr = cpu.tensors[str(n)]
+            cur = self.tensors.get(str(n))
+            if cur is not None and cur.shape == arr.shape and cur.dtype == arr.dtype:
+                self.write(cur, arr)
+            else:
+                self.tensors[str(n)] = self.to_device(arr, name, str(n))
+
+    # -- host <-> device
+    def check_path(self, op: str, path: str) -> str:
+        return CpuExecutor.check_path(self, op, path)  # type: ignore[arg-type]
+
+    def put(self, name: str, array: np.ndarray) -> None:
+        """Copy `array` (any dtype deepx knows) to the device as tensor `name`."""
+        self._own()
+        dtype_name(np.asarray(array).dtype)
+        self.tensors[name] = self.to_device(np.asarray(array), "put", name)
+
+    def get(self, name: str) -> np.ndarray:
+        """Tensor `name` copied to the host (waits for the kernels before it)."""
+        self._own()
+        try:
+            t = self.tensors[name]
+        except KeyError:
+            raise DeepxError(f"tensor '{name}' not found") from None
+        return self.to_host(t)
+
+    def close(self) -> None:
+        """Free every tensor and the pool, and release the context (on the owning thread)."""
+        if self.closed:
+            return
+        self._own()
+        try:
+            self.stream.synchronize()
+        except self.cuda.Error as e:
+            log.warning("cuda: a kernel failed before close: %s", e)
+        if self._blas is not None:
+            self._blas.close()
+            self._blas = None
+        self.tensors.clear()
+        self._flag = None
+        self.modules.functions.clear()
+        self.modules.modules.clear()
+        self.pool.stop_holding()
+        self.closed = True
+        self.context.pop()
+        self.context.detach()
+
+    def __enter__(self) -> CudaExecutor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _dtype_of(b: Bound, metas: dict[str, TensorMeta]) -> str:
+    """The dtype that picks an op's kernel: its first tensor argument's, else its first output's."""
+    for k, n in zip(_ARG_KINDS[b.op.name], b.names):
+        if k == 1:
+            return metas[n].dtype
+        if k == 2 and n:
+            return metas[n[0]].dtype
+    meta = b.outs[0] if b.outs else None
+    return meta.dtype if meta is not None else ""
+
+
+def has_kernel(op: str, dtype: str | None = None) -> bool:
+    """Does `op` run on the device for `dtype` (None: every dtype the catalogue claims for it)?"""
+    spec = OPS.get(op)
+    if spec is None:
+        return False
+    if spec.family in HOST_FAMILIES or op == "reshape":
+        return True
+    have = SUPPORT.get(op, frozenset())
+    if dtype is None:
+        return spec.dtypes <= have
+    return dtype in have
+
+
+def kernel_dtypes(op: str) -> frozenset[str]:
+    """The dtypes `op` runs on the device for (the rest run the CPU kernel on host copies)."""
+    spec = OPS.get(op)
+    if spec is None:
+        return frozenset()
+    if spec.family in HOST_FAMILIES or op == "reshape":
+        return spec.dtypes
+    return SUPPORT.get(op, frozenset()) & spec.dtypes
+
+
+__all__ = ["KERNELS", "SUPPORT", "CudaExecutor", "DeviceTensor", "all_sources", "has_kernel", "kernel_dtypes"]

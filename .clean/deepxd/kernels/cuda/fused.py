@@ -1,0 +1,140 @@
+"""The fused elementwise kernel on the device: CUDA source generated from the `fused` op's expression tree.
+
+The expression (checked by `parse_fused`) becomes one C expression over the inputs, its numbers lifted into a
+constants argument, so `in0 * 2.5 + exp(in1)` and `in0 * 3.0 + exp(in1)` share one compiled kernel: kernels are
+cached by structure (lifted text, input count, dtype), in memory and, compiled, on disk. Each structure has a
+contiguous kernel (every input shaped like the output) and a broadcasting one (per-input strides). float64 computes
+in double; float32, float16 and bfloat16 compute in float and round once into the output, as on the CPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import FLOATS
+from deepx_sdk.ir.ops import parse_fused
+from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format
+from deepxd.kernels.cuda.elementwise import _strides, collapse
+
+if TYPE_CHECKING:
+    from deepxd.kernels.cuda import CudaExecutor, DeviceTensor
+
+MAX_INPUTS = 16
+MAX_CONSTANTS = 32
+
+_BIN = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+_CMP = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
+_CALLS = {"sqrt": "sqrt", "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "tan": "tan", "tanh": "tanh",
+          "abs": "fabs", "maximum": "mx", "minimum": "mn"}
+
+SUPPORT = {"fused": frozenset(FLOATS)}
+
+
+class Structure:
+    """A compiled-expression plan: the C expression over x0.. and c.v[k], and the constants in order."""
+
+    def __init__(self, text: str, constants: tuple[float, ...], n_inputs: int, used: tuple[int, ...]) -> None:
+        self.text = text
+        self.constants = constants
+        self.n_inputs = n_inputs
+        self.used = used
+        self.key = hashlib.sha1(f"{n_inputs}|{text}".encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=4096)
+def lower(expr: str, n_inputs: int) -> Structure:
+    """The C form of a fused expression (cached by expression)."""
+    tree = parse_fused(expr, n_inputs)
+    constants: list[float] = []
+    index: dict[tuple[type, Any], int] = {}
+    used: set[int] = set()
+
+    def c(node: ast.expr) -> str:
+        if isinstance(node, ast.Constant):
+            k = index.setdefault((type(node.value), node.value), len(constants))
+            if k == len(constants):
+                constants.append(float(node.value))  # type: ignore[arg-type]
+            return f"(A)c.v[{k}]"
+        if isinstance(node, ast.Name):
+            i = int(node.id[2:])
+            used.add(i)
+            return f"x{i}"
+        if isinstance(node, ast.BinOp):
+            if isinstance(node.op, ast.Pow):
+                return f"pow({c(node.left)}, {c(node.right)})"
+            return f"({c(node.left)} {_BIN[type(node.op)]} {c(node.right)})"
+        if isinstance(node, ast.UnaryOp):
+            return f"(-{c(node.operand)})" if isinstance(node.op, ast.USub) else c(node.operand)
+        if isinstance(node, ast.Compare):  # 1 where it holds, 0 where not, in the compute type A
+            return f"((A)({c(node.left)} {_CMP[type(node.ops[0])]} {c(node.comparators[0])}))"
+        if isinstance(node, ast.Call):
+            assert isinstance(node.func, ast.Name)
+            return f"{_CALLS[node.func.id]}({', '.join(c(a) for a in node.args)})"
+        raise DeepxError(f"fused: cannot compile {ast.unparse(node)!r}")
+
+    text = c(tree.body)
+    return Structure(text, tuple(constants), n_inputs, tuple(sorted(used)))
+
+
+_CONSTS = f"struct Consts {{ double v[{MAX_CONSTANTS}]; }};\n"
+
+
+def _params(n: int) -> str:
+    return ", ".join(f"const T* in{i}" for i in range(n))
+
+
+@functools.lru_cache(maxsize=1024)
+def source(key: str, text: str, n: int, used: tuple[int, ...], dtype: str) -> str:
+    loads_c = "".join(f"        A x{i} = ld(in{i}[i]);\n" for i in used)
+    loads_s = "".join(f"        A x{i} = ld(in{i}[o{i}]);\n" for i in used)
+    offs = "".join(f"ll o{i} = 0; " for i in used)
+    step = "".join(f"o{i} += k * sts.d[{i}].v[d]; " for i in used)
+    return (HEADER + f"typedef {ctype(dtype)} T;\ntypedef typename Acc<T>::type A;\n" + _CONSTS +
+            f"struct DimsN {{ Dims d[{max(n, 1)}]; }};\n"
+            f'extern "C" __global__ void fused_c(T* out, {_params(n)}, ll n, Consts c) {{\n'
+            f"    GRID_STRIDE(i, n) {{\n{loads_c}        out[i] = st<T>({text});\n    }}\n}}\n"
+            f'extern "C" __global__ void fused_s(T* out, {_params(n)}, ll n, Consts c, int nd, Dims shape, '
+            f"DimsN sts) {{\n"
+            f"    GRID_STRIDE(i, n) {{\n        ll r = i; {offs}\n"
+            f"        for (int d = nd - 1; d >= 0; --d) {{\n"
+            f"            ll q = r / shape.v[d], k = r - q * shape.v[d];\n            r = q; {step}\n        }}\n"
+            f"{loads_s}        out[i] = st<T>({text});\n    }}\n}}\n")
+
+
+def sources() -> list[tuple[str, str]]:
+    return []  # generated per expression structure, compiled on first use
+
+
+def fused(ex: CudaExecutor, inputs: list[DeviceTensor], expr: str, out: DeviceTensor) -> bool:
+    n_in = len(inputs)
+    if n_in > MAX_INPUTS:
+        return False
+    plan = lower(expr, n_in)
+    if len(plan.constants) > MAX_CONSTANTS:
+        return False
+    n = out.size
+    if n == 0:
+        return True
+    dt = out.dname
+    src = source(plan.key, plan.text, n_in, plan.used, dt)
+    consts = list(plan.constants) + [0.0] * (MAX_CONSTANTS - len(plan.constants))
+    key = f"fused:{plan.key}:{dt}"
+    ptrs = [t.ptr for t in inputs]
+    if all(t.shape == out.shape for t in inputs):
+        f = ex.function(key, src, "fused_c", "P" + "P" * n_in + "q" + f"{MAX_CONSTANTS}d", "fused")
+        ex.launch("fused", f, ex.grid(n), (256, 1, 1), out.ptr, *ptrs, n, *consts)
+        return True
+    shape, sts = collapse(out.shape, *(_strides(t.shape, out.shape) for t in inputs))
+    if len(shape) > MAXD:
+        return False
+    f = ex.function(key, src, "fused_s", "P" + "P" * n_in + "q" + f"{MAX_CONSTANTS}d" + "i" + dims_format(1 + n_in),
+                    "fused")
+    flat: list[int] = []
+    for s in sts:
+        flat += dims(s)
+    ex.launch("fused", f, ex.grid(n), (256, 1, 1), out.ptr, *ptrs, n, *consts, len(shape), *dims(shape), *flat)
+    return True

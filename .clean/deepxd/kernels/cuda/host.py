@@ -1,0 +1,70 @@
+"""The host side of the CUDA executor: tensor life, variables, print and tensor files.
+
+These ops change the set of tensors or touch files; they get the executor and the checked instruction, like their
+CPU counterparts in deepxd/kernels/cpu/life.py and io.py, and move data with the executor's stream. deltensor,
+renametensor, argset and vecset only touch the executor's name tables: they are the CPU ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.ops import load_name
+from deepx_sdk.tensorfile import read_data, read_tensor, write_tensor
+from deepxd.kernels.cpu.io import format_tensor
+from deepxd.kernels.cpu.life import argset, deltensor, renametensor, vecset  # noqa: F401
+
+if TYPE_CHECKING:
+    from deepx_sdk.ir.ops import Bound
+    from deepxd.kernels.cuda import CudaExecutor
+
+log = logging.getLogger(__name__)
+
+
+def newtensor(ex: CudaExecutor, b: Bound) -> None:
+    name = str(b.out_names[0])
+    if name in ex.tensors:
+        log.warning("newtensor: tensor '%s' already exists; keeping the old one", name)
+        return
+    meta = b.outs[0]
+    assert meta is not None
+    ex.tensors[name] = ex.zeros(meta.shape, meta.dtype, "newtensor", name)
+
+
+def copytensor(ex: CudaExecutor, b: Bound) -> None:
+    src = ex.tensors[b.names[0]]
+    name = str(b.out_names[0])
+    dst = ex.tensors.get(name)
+    if dst is None:
+        dst = ex.empty(src.shape, src.dtype, "copytensor", name)
+        ex.copy(dst, src)
+        ex.tensors[name] = dst
+    elif dst is not src:
+        ex.copy(dst, src)
+
+
+def print(ex: CudaExecutor, b: Bound) -> None:
+    ex.output(format_tensor(b.names[0], ex.get(b.names[0]), b.args[1]))
+
+
+def save(ex: CudaExecutor, b: Bound) -> None:
+    path = ex.check_path("save", b.args[1])
+    try:
+        write_tensor(path, ex.get(b.names[0]))
+    except OSError as e:
+        raise DeepxError(f"save: cannot write '{b.names[0]}' to {path}: {e}") from None
+
+
+def load(ex: CudaExecutor, b: Bound) -> None:
+    path = ex.check_path("load", b.args[0])
+    name = str(b.out_names[0]) if b.out_names and b.out_names[0] is not None else load_name(b.args[0])
+    ex.tensors[name] = ex.to_device(read_tensor(path), "load", name)
+
+
+def loadtensordata(ex: CudaExecutor, b: Bound) -> None:
+    path = ex.check_path("loadtensordata", b.args[0])
+    t = ex.tensors[str(b.out_names[0])]
+    ex.write(t, read_data(path, t.shape, t.dname))
+

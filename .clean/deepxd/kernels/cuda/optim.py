@@ -1,0 +1,109 @@
+"""Optimizer updates on the device, in place, with the arithmetic of deepxd/kernels/cpu/optim.py (torch.optim's
+single-tensor code paths): hyperparameters are rounded to the compute type as numpy's weak scalars are, and the
+16-bit floats compute in float32."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+from deepx_sdk.ir.dtypes import FLOATS
+from deepxd.kernels.cuda._src import HEADER, ctype
+
+if TYPE_CHECKING:
+    from deepxd.kernels.cuda import CudaExecutor, DeviceTensor
+
+_SRC = r"""
+typedef typename Acc<T>::type A;
+extern "C" __global__ void sgd(T* param, const T* grad, T* buf, ll n, double lr, double momentum, double damp1,
+                               double wd, int nesterov, int first) {
+    GRID_STRIDE(i, n) {
+        A p = ld(param[i]), g = ld(grad[i]);
+        if (wd != 0) g = g + (A)wd * p;
+        if (momentum != 0) {
+            A b;
+            if (first) b = g;
+            else { b = ld(buf[i]) * (A)momentum; b += (A)damp1 * g; }
+            g = nesterov ? g + (A)momentum * b : b;
+            buf[i] = st<T>(b);
+        }
+        param[i] = st<T>(p - (A)lr * g);
+    }
+}
+extern "C" __global__ void adam(T* param, const T* grad, T* m, T* v, ll n, double beta1, double beta2, double omb1,
+                                double omb2, double eps, double wd, double decay, int decoupled, double step_size,
+                                double sqrt_bc2) {
+    GRID_STRIDE(i, n) {
+        A p = ld(param[i]), g = ld(grad[i]);
+        if (wd != 0) {
+            if (decoupled) p = p * (A)decay;
+            else g = g + (A)wd * p;
+        }
+        A m1 = ld(m[i]) * (A)beta1 + (A)omb1 * g;
+        A v1 = ld(v[i]) * (A)beta2 + (A)omb2 * (g * g);
+        A denom = sqrt(v1) / (A)sqrt_bc2 + (A)eps;
+        p = p - (A)step_size * m1 / denom;
+        m[i] = st<T>(m1);
+        v[i] = st<T>(v1);
+        param[i] = st<T>(p);
+    }
+}
+"""
+
+SUPPORT = {"sgd": frozenset(FLOATS), "adam": frozenset(FLOATS), "adamw": frozenset(FLOATS)}
+
+
+@functools.cache
+def source(dtype: str) -> str:
+    return HEADER + f"typedef {ctype(dtype)} T;\n" + _SRC
+
+
+def sources() -> list[tuple[str, str]]:
+    return [(source(d), f"optim ({d})") for d in sorted(FLOATS)]
+
+
+def _inplace(ex: CudaExecutor, pairs: list[tuple[DeviceTensor, DeviceTensor]]) -> None:
+    for src, dst in pairs:  # outputs that are not their inputs start as copies of them
+        if dst.ptr != src.ptr:
+            ex.copy(dst, src)
+
+
+def sgd(ex: CudaExecutor, param: DeviceTensor, grad: DeviceTensor, buf: DeviceTensor, lr: Any, momentum: Any,
+        dampening: Any, weight_decay: Any, nesterov: bool, step: int, param_out: DeviceTensor,
+        buf_out: DeviceTensor) -> bool:
+    _inplace(ex, [(param, param_out), (buf, buf_out)])
+    n = param.size
+    if n:
+        f = ex.function(f"optim:{param.dname}", source(param.dname), "sgd", "PPPqddddii", "sgd")
+        ex.launch("sgd", f, ex.grid(n), (256, 1, 1), param_out.ptr, grad.ptr, buf_out.ptr, n, float(lr),
+                  float(momentum), float(1 - dampening), float(weight_decay), int(bool(nesterov)), int(step <= 1))
+    return True
+
+
+def _adam(op: str, decoupled: bool, ex: CudaExecutor, param: DeviceTensor, grad: DeviceTensor, m: DeviceTensor,
+          v: DeviceTensor, lr: Any, beta1: Any, beta2: Any, eps: Any, weight_decay: Any, step: int,
+          p_out: DeviceTensor, m_out: DeviceTensor, v_out: DeviceTensor) -> bool:
+    _inplace(ex, [(param, p_out), (m, m_out), (v, v_out)])
+    n = param.size
+    if n:
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        f = ex.function(f"optim:{param.dname}", source(param.dname), "adam", "PPPPqdddddddidd", op)
+        ex.launch(op, f, ex.grid(n), (256, 1, 1), p_out.ptr, grad.ptr, m_out.ptr, v_out.ptr, n, float(beta1),
+                  float(beta2), float(1 - beta1), float(1 - beta2), float(eps), float(weight_decay),
+                  float(1 - lr * weight_decay), int(decoupled), float(lr / bc1), math.sqrt(bc2))
+    return True
+
+
+def adam(ex: CudaExecutor, param: DeviceTensor, grad: DeviceTensor, m: DeviceTensor, v: DeviceTensor, lr: Any,
+         beta1: Any, beta2: Any, eps: Any, weight_decay: Any, step: int, p_out: DeviceTensor, m_out: DeviceTensor,
+         v_out: DeviceTensor) -> bool:
+    return _adam("adam", False, ex, param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, p_out, m_out, v_out)
+
+
+def adamw(ex: CudaExecutor, param: DeviceTensor, grad: DeviceTensor, m: DeviceTensor, v: DeviceTensor, lr: Any,
+          beta1: Any, beta2: Any, eps: Any, weight_decay: Any, step: int, p_out: DeviceTensor, m_out: DeviceTensor,
+          v_out: DeviceTensor) -> bool:
+    return _adam("adamw", True, ex, param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, p_out, m_out,
+                 v_out)

@@ -1,0 +1,337 @@
+"""The native transport: a Unix stream socket (mode 0600) carrying length-prefixed msgpack frames (net/frames.py).
+
+Requests on one connection are answered one at a time, in order, exactly one reply each. A frame over the size
+limit is answered with an error and the connection closed (its bytes cannot be trusted); a frame that ends early
+(the peer half-closed) is answered with an error; a body that is not msgpack is answered with an error and the
+connection keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from array import array
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj, unpack_instr_cached
+from deepxd.actors.opcpu import RunResult
+from deepxd.kernels.cpu import dtype_name
+from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
+
+if TYPE_CHECKING:
+    from deepxd.node import Node
+
+log = logging.getLogger(__name__)
+
+ADMIN = ("tensors", "ops", "nodes", "actors", "memory", "graphs")
+
+
+def encode_tensor(a: np.ndarray) -> dict[str, Any]:
+    """A tensor as msgpack fields; the bytes go out as a view of the array (bin), not a copy."""
+    flat = np.ascontiguousarray(a).reshape(-1)
+    return {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "data": flat.view(np.uint8).data}
+
+
+def encode_result(r: RunResult) -> dict[str, Any]:
+    return {"ok": not r.error, "done": r.done, "error": r.error or None, "error_index": r.error_index,
+            "t0": r.t0, "times": array("d", r.times_us).tobytes(), "output": r.output,
+            "tensors": {k: encode_tensor(v) for k, v in r.tensors.items()}}
+
+
+def check_socket_free(path: str) -> None:
+    """Refuse a socket path another live process listens on; remove a stale one."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (TimeoutError, ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # stale: nobody listens
+        return
+    except OSError as e:
+        raise DeepxError(f"socket {path} exists and cannot be probed: {e}") from None
+    finally:
+        probe.close()
+    raise DeepxError(f"socket {path} is in use by another deepxd; stop it or choose --listen unix:///other/path")
+
+
+async def graph_store(node: Node, name: Any, data: Any) -> dict[str, Any]:
+    """Store a graph (dx.compile's record) as `graph:<name>` in the plane, and have the scheduler plan it."""
+    from deepx_sdk.compile import GraphRecord, check_graph_name
+
+    check_graph_name(name)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DeepxError("graph_store: 'data' must be the graph's msgpack bytes")
+    data = bytes(data)
+    GraphRecord.unpack(data, name)  # refuse what would not replay before it is stored
+    assert node.kv is not None
+    await node.kv.set(f"graph:{name}", data)
+    return dict(await node.ref("scheduler").ask("store_graph", name=name, data=data))
+
+
+async def graph_get(node: Node, name: Any) -> bytes | None:
+    """A stored graph's bytes, None when there is none."""
+    from deepx_sdk.compile import check_graph_name
+
+    check_graph_name(name)
+    assert node.kv is not None
+    return await node.kv.get(f"graph:{name}")
+
+
+async def replay_graph(node: Node, name: Any, **req: Any) -> RunResult:
+    """Replay a stored graph; the scheduler plans it from the plane the first time (after a restart, say)."""
+    sched = node.ref("scheduler")
+    result = await sched.ask("replay", name=name, **req)
+    if result is None:
+        data = await graph_get(node, name)
+        if data is None:
+            raise DeepxError(f"replay: no graph named {name!r} in the storage plane (`deepxctl graphs ls` lists them)")
+        result = await sched.ask("replay", name=name, data=data, **req)
+    return result  # type: ignore[no-any-return]
+
+
+async def explain_graph(node: Node, graph: Any) -> dict[str, Any]:
+    """A stored graph before and after the passes (the plan its replays run)."""
+    data = await graph_get(node, graph)
+    if data is None:
+        raise DeepxError(f"explain: no graph named {graph!r} in the storage plane (`deepxctl graphs ls` lists them)")
+    return dict(await node.ref("scheduler").ask("explain_graph", name=graph, data=data))
+
+
+
+def _instrs(objs: Any, what: str) -> list[Instr]:
+    if not isinstance(objs, list):
+        raise DeepxError(f"{what}: 'forward' must be a list of instructions")
+    return [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in objs]
+
+
+def _names(names: Any) -> dict[str, str] | None:
+    if names is None:
+        return None
+    if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+        raise DeepxError("backward: 'names' must map tensor names to tensor names")
+    return dict(names)
+
+class NativeServer:
+    def __init__(self, node: Node, path: str, *, max_frame: int) -> None:
+        self.node = node
+        self.path = path
+        self.max_frame = max_frame
+        self.server: asyncio.AbstractServer | None = None
+        self.connections: set[asyncio.StreamWriter] = set()
+        self.requests = 0
+        self._ops = {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_op_")}
+
+    async def start(self) -> None:
+        d = Path(self.path).parent
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_socket_free(self.path)
+        old = os.umask(0o177)
+        try:
+            self.server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 20)
+        except OSError as e:
+            raise DeepxError(f"cannot listen on unix://{self.path}: {e.strerror or e}") from None
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+
+    async def stop_accepting(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def close(self) -> None:
+        for w in list(self.connections):
+            w.close()
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 2)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def force_close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections.add(writer)
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(HEADER.size)
+                except asyncio.IncompleteReadError as e:
+                    if e.partial:
+                        await self._reply(writer, {"id": None, "ok": False,
+                                                   "error": f"truncated frame: {len(e.partial)} of 4 header bytes"})
+                    return
+                (n,) = HEADER.unpack(header)
+                if n > self.max_frame:
+                    await self._reply(writer, {"id": None, "ok": False, "error":
+                                               f"frame of {n} bytes exceeds the limit of {self.max_frame} bytes "
+                                               "(max_frame_bytes); closing this connection"})
+                    return
+                try:
+                    body = await reader.readexactly(n)
+                except asyncio.IncompleteReadError as e:
+                    await self._reply(writer, {"id": None, "ok": False, "error":
+                                               f"truncated frame: expected {n} bytes, got {len(e.partial)}"})
+                    return
+                reply = await self._handle(body)
+                await self._reply(writer, reply)
+        except (ConnectionError, BrokenPipeError):
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("native connection failed")
+        finally:
+            self.connections.discard(writer)
+            writer.close()
+
+    async def _reply(self, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
+        try:
+            writer.write(pack_frame(reply))
+            await writer.drain()
+        except (ConnectionError, BrokenPipeError):
+            pass
+
+    async def _handle(self, body: bytes) -> dict[str, Any]:
+        self.requests += 1
+        rid = None
+        try:
+            req = unpack_body(body)
+            rid = req.get("id")
+            op = req.get("op")
+            handler = self._ops.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise DeepxError(f"unknown request op {op!r}; known: {', '.join(sorted(self._ops))}")
+            out = await handler(req)
+            return {"id": rid, "ok": True, **out}
+        except DeepxError as e:
+            return {"id": rid, "ok": False, "error": str(e)}
+        except Exception as e:
+            log.exception("request failed")
+            return {"id": rid, "ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
+
+    # -- requests
+    async def _op_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    async def _op_hello(self, req: dict[str, Any]) -> dict[str, Any]:
+        v = req.get("version")
+        if v != PROTOCOL_VERSION:
+            raise DeepxError(f"protocol version {v!r} is not supported; this deepxd speaks version {PROTOCOL_VERSION}")
+        c = self.node.config
+        return {"version": PROTOCOL_VERSION, "node": c.node_id, "roles": c.roles, "max_frame": self.max_frame}
+
+    async def _op_run(self, req: dict[str, Any]) -> dict[str, Any]:
+        prog = req.get("program")
+        if not isinstance(prog, list):
+            raise DeepxError("run: 'program' must be a list of instructions")
+        program = [unpack_instr_cached(obj) if type(obj) is bytes else instr_from_obj(obj) for obj in prog]
+        fetch = req.get("fetch") or []
+        if not isinstance(fetch, list) or not all(isinstance(x, str) for x in fetch):
+            raise DeepxError("run: 'fetch' must be a list of tensor names")
+        backwards = req.get("backwards")
+        if backwards is not None:
+            if not isinstance(backwards, list) or not all(isinstance(b, dict) for b in backwards):
+                raise DeepxError("run: 'backwards' must be a list of backward requests")
+            backwards = [{**b, "forward": _instrs(b.get("forward"), "backwards")} for b in backwards]
+        result: RunResult = await self.node.ref("scheduler").ask("run", program=program, fetch=fetch,
+                                                                 backwards=backwards)
+        out = encode_result(result)
+        ok = out.pop("ok")
+        if not ok:
+            return {**out, "ok": False}
+        return out
+
+    async def _op_backward(self, req: dict[str, Any]) -> dict[str, Any]:
+        forward = _instrs(req.get("forward"), "backward")
+        loss, wrt = req.get("loss"), req.get("wrt")
+        if not isinstance(loss, str) or not isinstance(wrt, list) or not all(isinstance(w, str) for w in wrt):
+            raise DeepxError("backward: 'loss' must be a tensor name and 'wrt' a list of tensor names")
+        grad_loss = req.get("grad_loss")
+        out = await self.node.ref("scheduler").ask("backward", forward=forward, loss=loss, wrt=wrt,
+                                                   grad_loss=grad_loss if isinstance(grad_loss, str) else None,
+                                                   prefix=str(req.get("prefix") or "g_"),
+                                                   capture=bool(req.get("capture", False)),
+                                                   names=_names(req.get("names")))
+        if "program" in out:
+            out["program"] = [instr_to_obj(i) for i in out["program"]]
+        return dict(out)
+
+    # -- stored graphs (dx.compile; docs/graphs.md)
+    async def _op_graph_store(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await graph_store(self.node, name=req.get("name"), data=req.get("data"))
+
+    async def _op_graph_get(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"data": await graph_get(self.node, name=req.get("name"))}
+
+    async def _op_replay(self, req: dict[str, Any]) -> dict[str, Any]:
+        from deepx_sdk.compile import check_graph_name
+
+        name = check_graph_name(req.get("name"))
+        fetch = req.get("fetch") or []
+        if not isinstance(fetch, list) or not all(isinstance(x, str) for x in fetch):
+            raise DeepxError(f"replay of graph {name!r}: 'fetch' must be a list of tensor names")
+        result = await replay_graph(self.node, name=name, inputs=req.get("inputs") or {},
+                                    outputs=req.get("outputs") or {}, scalars=req.get("scalars") or {}, fetch=fetch)
+        out = encode_result(result)
+        if not out.pop("ok"):
+            raise DeepxError(out["error"] or "replay failed")
+        return out
+
+    async def _op_explain(self, req: dict[str, Any]) -> dict[str, Any]:
+        if "graph" in req:
+            return await explain_graph(self.node, graph=req.get("graph"))
+        prog = req.get("program")
+        if not isinstance(prog, list):
+            raise DeepxError("explain: give 'graph' (a stored graph's name) or 'program' (a list of instructions)")
+        program = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
+        fetch = req.get("fetch") or []
+        return dict(await self.node.ref("scheduler").ask("explain", program=program, fetch=list(fetch)))
+
+    async def _op_fetch(self, req: dict[str, Any]) -> dict[str, Any]:
+        names = req.get("names")
+        if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+            raise DeepxError("fetch: 'names' must be a list of tensor names")
+        arrays = await self.node.worker().ask("fetch", names=names)
+        return {"tensors": {k: encode_tensor(v) for k, v in arrays.items()}}
+
+    async def _op_put(self, req: dict[str, Any]) -> dict[str, Any]:
+        try:
+            name, dtype, shape, data = req["name"], req["dtype"], req["shape"], req["data"]
+        except KeyError as e:
+            raise DeepxError(f"put: missing field {e.args[0]!r} (need name, dtype, shape, data)") from None
+        if not isinstance(name, str) or not name or not isinstance(dtype, str) or not isinstance(shape, list) \
+                or not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DeepxError("put: name and dtype must be strings, shape a list, data bytes")
+        info = await self.node.worker().ask("put", name=name, dtype=dtype, shape=shape, data=data,
+                                            heap=bool(req.get("heap", False)), owner=str(req.get("owner", "")))
+        return {"tensor": info}
+
+    async def _op_admin(self, req: dict[str, Any]) -> dict[str, Any]:
+        what = req.get("what")
+        if what == "config":
+            import dataclasses
+
+            return {"result": dataclasses.asdict(self.node.config)}
+        if what not in ADMIN:
+            raise DeepxError(f"admin: unknown query {what!r}; known: {', '.join((*ADMIN, 'config'))}")
+        return {"result": await self.node.ref("registry").ask(what)}
+
+
+    async def _op_delete(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = req.get("name")
+        if not isinstance(name, str) or not name:
+            raise DeepxError("delete: 'name' must be a tensor name")
+        info = await self.node.ref("registry").ask("delete", name=name, force=bool(req.get("force", False)))
+        return {"tensor": info}

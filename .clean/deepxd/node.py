@@ -1,0 +1,217 @@
+"""A deepxd node: the storage plane, the actors for the chosen roles, the transports, and one shutdown path.
+
+`Node.serve()` = `start()` -> wait for a stop request -> `shutdown()`: transports stop accepting, in-flight
+programs drain (up to `drain_timeout_s`), actors stop in reverse order (heapmem unlinks every segment), the socket
+file is removed. The first SIGINT/SIGTERM starts that; a second forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+from typing import Any
+
+from deepx_sdk.errors import DeepxError
+from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
+from deepxd.config import Config, udp_address
+from deepxd.kv.base import KV, open_kv
+
+log = logging.getLogger(__name__)
+
+
+class Node:
+    def __init__(self, config: Config, *, freeze_gc: bool = False) -> None:
+        self.freeze_gc = freeze_gc
+        self.config = config.resolved()
+        self.kv: KV | None = None
+        self.supervisor = Supervisor(RestartPolicy(self.config.restart_max, self.config.restart_window_s))
+        self.refs: dict[str, ActorRef] = {}
+        self.servers: list[Any] = []
+        self.stopping = asyncio.Event()
+        self._signals = 0
+        self.started = asyncio.Event()
+
+    # -- start
+    async def start(self) -> None:
+        c = self.config
+        self.kv = open_kv(c.kv, prefix=c.kv_prefix, **({"fsync": c.kv_fsync} if c.kv.startswith("memory") else {}))
+        await self.kv.connect()
+        try:
+            await self._start_actors()
+            await self._start_transports()
+        except BaseException:
+            await self.shutdown()
+            raise
+        if self.freeze_gc:  # the daemon's own process only: an embedded node must not freeze its host's objects
+            gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
+        log.info("deepxd node %s up: roles %s, listening on %s%s, storage %s", c.node_id, ",".join(c.roles),
+                 c.listen, "" if c.udp == "off" else f" and udp://{c.udp}", c.kv)
+        self.started.set()
+
+    async def _start_actors(self) -> None:
+        from deepxd.actors.opcpu import CpuWorker
+        from deepxd.actors.registry import Registry
+        from deepxd.actors.scheduler import Scheduler
+
+        c = self.config
+        assert self.kv is not None
+        roles = set(c.roles)
+        workers: dict[str, ActorRef] = {}
+        cpu_blas = ""  # the library op-cpu's matmul runs on, for the node record
+        cuda = await self._start_cuda() if "op-cuda" in roles else None  # before heapmem, so it stops after it
+        if cuda is not None:
+            workers["op-cuda"] = self.refs["op-cuda"]
+        if "heapmem" in roles:
+            from deepxd.actors.heapmem import HeapMemory
+
+            heapmem = HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
+                                 device=cuda.device_heap if cuda is not None else None)  # with op-cuda: on the GPU
+            self.refs["heapmem"] = self.supervisor.start(heapmem)
+            if cuda is not None:
+                cuda.heapmem = self.refs["heapmem"]
+        if "op-cpu" in roles:
+            from deepxd.kernels.cpu import blas, native
+
+            blas.set_mode(c.blas)  # loads MKL now, before anything the process imports later brings an OpenMP
+            log.info("op-cpu: matmul on %s", blas.describe())
+            cpu_blas = blas.short()
+            native.set_enabled(bool(c.native_kernels))
+            cc = native.compiler() if c.native_kernels else None
+            log.info("op-cpu: native kernels %s", f"on (compiled by {cc}, kept in {native.cache_dir()})" if cc
+                     else "off (native_kernels = 0)" if not c.native_kernels else "off (no C compiler found)")
+            workers["op-cpu"] = self.refs["op-cpu"] = self.supervisor.start(
+                CpuWorker(heapmem=self.refs.get("heapmem") if cuda is None else None, io_roots=c.io_roots,
+                          inline_elements=c.inline_elements))
+        if "heapmem" in roles:
+            heapmem.viewers = list(workers.values())  # told when a heap tensor they may view is freed
+        if "scheduler" in roles:
+            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c))
+        if "registry" in roles:
+            addresses = {"unix": c.listen, **({"udp": c.udp} if c.udp != "off" else {})}
+            self.refs["registry"] = self.supervisor.start(Registry(
+                self.kv, c.node_id, roles=c.roles, addresses=addresses, workers=workers,
+                heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
+                devices=[*(["cpu"] if "op-cpu" in workers else []),
+                         *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
+                blas=cpu_blas))
+            await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
+
+    async def _start_cuda(self) -> Any:
+        """The op-cuda worker, its executor made (and the GPU asked) now, so that a GPU that does not answer stops
+        start-up with one line."""
+        from deepxd.config import cuda_available
+
+        c = self.config
+        if not cuda_available():
+            raise DeepxError("op-cuda: no usable CUDA GPU here (PyCUDA is not installed, or no device answers); "
+                             "start without op-cuda")
+        from deepxd.actors.opcuda import CudaWorker
+
+        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32))
+        self.refs["op-cuda"] = self.supervisor.start(worker)
+        try:
+            await self.refs["op-cuda"].ask("sync")
+        except DeepxError as e:
+            raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{c.cuda_device}: {e}") from None
+        except Exception as e:
+            raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{c.cuda_device}: "
+                             f"{type(e).__name__}: {e}") from None
+        return worker
+
+    def worker(self) -> ActorRef:
+        """The op worker that holds this node's tensors: op-cuda when it runs, else op-cpu (as the scheduler
+        places programs)."""
+        r = self.refs.get("op-cuda") or self.refs.get("op-cpu")
+        if r is None:
+            raise DeepxError(f"no op worker runs on node {self.config.node_id} (roles: {','.join(self.config.roles)})")
+        return r
+
+    async def _start_transports(self) -> None:
+        from deepxd.net.native import NativeServer
+        from deepxd.net.udp import start_udp
+
+        c = self.config
+        if c.udp != "off":  # first: a client that can connect to the native socket finds UDP serving too
+            host, port = udp_address(c.udp)
+            self.servers.append(await start_udp(self, host, port))
+        native = NativeServer(self, c.socket_path, max_frame=c.max_frame_bytes)
+        await native.start()
+        self.servers.append(native)
+
+    # -- what transports call
+    def ref(self, role: str) -> ActorRef:
+        r = self.refs.get(role)
+        if r is None:
+            raise DeepxError(f"role '{role}' does not run on node {self.config.node_id} (roles: "
+                             f"{','.join(self.config.roles)})")
+        return r
+
+    def actor_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for a in self.supervisor.actors.values():
+            a_: Actor = a
+            rows.append({"name": a_.name, "role": a_.role, "state": a_.state, "mailbox": a_.mailbox.qsize(),
+                         "handled": a_.stats.handled, "errors": a_.stats.errors, "restarts": a_.stats.restarts,
+                         "busy_s": round(a_.stats.busy_s, 6), "last_error": a_.stats.last_error})
+        return rows
+
+    # -- run until asked to stop
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+        try:
+            await self.start()
+            await self.stopping.wait()
+        finally:
+            await self.shutdown()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("received %s: draining in-flight programs, then stopping (send it again to force)", sig.name)
+            self.stopping.set()
+        else:
+            log.warning("received %s again: forcing exit", sig.name)
+            self._force_cleanup()
+            os._exit(1)
+
+    def _force_cleanup(self) -> None:
+        for s in self.servers:
+            try:
+                s.force_close()
+            except Exception as e:
+                log.debug("force close: %s", e)
+        hm = self.supervisor.actors.get("heapmem")
+        if hm is not None and hasattr(hm, "unlink_all"):
+            hm.unlink_all()
+
+    async def shutdown(self) -> None:
+        if getattr(self, "_shut", False):
+            return
+        self._shut = True
+        for s in self.servers:
+            await s.stop_accepting()
+        sched = self.supervisor.actors.get("scheduler")
+        if sched is not None:
+            try:
+                await asyncio.wait_for(sched.stop(drain=True), self.config.drain_timeout_s)
+            except TimeoutError:
+                log.warning("in-flight programs did not finish within %.0f s; stopping anyway",
+                            self.config.drain_timeout_s)
+        for s in self.servers:
+            await s.close()
+        await self.supervisor.stop_all(drain=True)
+        if self.kv is not None:
+            await self.kv.close()
+        log.info("deepxd node %s stopped", self.config.node_id)

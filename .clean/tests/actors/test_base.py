@@ -1,0 +1,141 @@
+"""The actor runtime: tell/ask, every ask answered, stop semantics, supervision with a restart policy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from deepx_sdk.errors import DeepxError
+from deepxd.actors.base import Actor, ActorCrash, ActorStopped, RestartPolicy, Supervisor
+
+
+class Counter(Actor):
+    role = "counter"
+
+    def __init__(self, name: str = "counter") -> None:
+        super().__init__(name)
+        self.value = 0
+        self.starts = 0
+        self.failures: list[str] = []
+        self.release = asyncio.Event()
+
+    async def on_start(self) -> None:
+        self.starts += 1
+
+    async def on_failure(self, exc: BaseException) -> None:
+        self.failures.append(str(exc))
+
+    def on_add(self, n: int) -> int:
+        self.value += n
+        return self.value
+
+    async def on_slow(self) -> str:
+        await self.release.wait()
+        return "done"
+
+    def on_bad(self) -> None:
+        raise DeepxError("bad input")
+
+    def on_bug(self) -> None:
+        raise ZeroDivisionError("a bug")
+
+    def on_crash(self) -> None:
+        raise ActorCrash("state corrupted")
+
+
+async def test_tell_and_ask_run_in_order():
+    a = Counter()
+    ref = a.start()
+    ref.tell("add", n=2)
+    ref.tell("add", n=3)
+    assert await ref.ask("add", n=0) == 5
+    assert a.stats.handled == 3
+    await a.stop()
+
+
+async def test_a_failing_handler_answers_with_its_error_and_the_actor_keeps_serving():
+    a = Counter()
+    ref = a.start()
+    with pytest.raises(DeepxError, match="bad input"):
+        await ref.ask("bad")
+    with pytest.raises(ZeroDivisionError):
+        await ref.ask("bug")
+    with pytest.raises(DeepxError, match="unknown message 'nope'"):
+        await ref.ask("nope")
+    assert await ref.ask("add", n=1) == 1
+    assert a.stats.errors == 3
+    await a.stop()
+
+
+async def test_stopping_fails_every_pending_ask_with_stopped():
+    a = Counter()
+    ref = a.start()
+    slow = ref.ask_future("slow")
+    queued = [ref.ask_future("add", n=1) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    await a.stop(drain=False)
+    for f in [slow, *queued]:
+        with pytest.raises(ActorStopped, match="stopped"):
+            await f
+    with pytest.raises(ActorStopped):
+        await ref.ask("add", n=1)
+    with pytest.raises(ActorStopped):
+        ref.tell("add", n=1)
+
+
+async def test_a_graceful_stop_drains_the_mailbox_first():
+    a = Counter()
+    ref = a.start()
+    futures = [ref.ask_future("add", n=1) for _ in range(5)]
+    await a.stop(drain=True)
+    assert [f.result() for f in futures] == [1, 2, 3, 4, 5]
+    assert a.state == "stopped"
+
+
+async def test_the_supervisor_restarts_a_crashed_actor_and_logs_it(caplog):
+    sup = Supervisor(RestartPolicy(max_restarts=2, window=60))
+    a = Counter()
+    ref = sup.start(a)
+    await ref.ask("add", n=5)
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(ActorCrash):
+            await ref.ask("crash")
+        assert await ref.ask("add", n=1) == 6  # the mailbox and the state survive the restart
+    assert a.starts == 2 and a.stats.restarts == 1
+    assert a.failures == ["state corrupted"]
+    assert "actor 'counter' crashed" in caplog.text and "restarting" in caplog.text
+    await sup.stop_all()
+    assert a.state == "stopped"
+
+
+async def test_the_supervisor_gives_up_past_its_policy(caplog):
+    gave_up = []
+    sup = Supervisor(RestartPolicy(max_restarts=1, window=60), on_give_up=lambda actor, exc: gave_up.append(actor.name))
+    a = Counter()
+    ref = sup.start(a)
+    with pytest.raises(ActorCrash):
+        await ref.ask("crash")
+    with caplog.at_level(logging.ERROR):
+        with pytest.raises(ActorCrash):
+            await ref.ask("crash")
+        for _ in range(50):
+            if a.state == "stopped":
+                break
+            await asyncio.sleep(0.01)
+    assert a.state == "stopped"
+    assert gave_up == ["counter"]
+    assert "giving up" in caplog.text
+    with pytest.raises(ActorStopped):
+        await ref.ask("add", n=1)
+    await sup.stop_all()
+
+
+async def test_an_ask_with_a_timeout_says_which_actor_and_message():
+    a = Counter()
+    ref = a.start()
+    with pytest.raises(DeepxError, match=r"actor .counter. did not answer .slow. within 0\.05 s"):
+        await ref.ask("slow", timeout=0.05)
+    a.release.set()
+    await a.stop()

@@ -1,0 +1,425 @@
+"""The gradient rule of every differentiable op against torch autograd, for every float dtype the op claims.
+
+Each case is a one-instruction forward program (its result is `y`) on random inputs, with a random upstream gradient
+`up` for `y`: the backward program that `grad_program` writes runs on a CpuExecutor, and each gradient is compared
+with torch's, computed in float64 from the same (rounded) inputs. float64 is compared tightly; float32, float16 and
+bfloat16 loosely, relative to the largest gradient. The cases are keyed by op, and the test is parametrized over the
+catalogue: an op flagged differentiable without a case here fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
+from deepx_sdk.ir.ops import OPS
+from deepxd.compiler.autograd import GRAD_RULES, grad_program, unfuse
+from tests.compiler.helpers import executor, program
+
+TF = torch.nn.functional
+#: (rtol, atol relative to the largest gradient) per dtype
+TOL = {"float64": (1e-9, 1e-11), "float32": (2e-4, 2e-5), "float16": (2e-2, 4e-3), "bfloat16": (8e-2, 3e-2)}
+ORDER = ("float64", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class R:
+    """A random float input: uniform in [lo, hi), cast to the case's dtype."""
+
+    shape: tuple[int, ...]
+    lo: float = -1.0
+    hi: float = 1.0
+
+
+def r(*shape: int, lo: float = -1.0, hi: float = 1.0) -> R:
+    return R(shape, lo, hi)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A given input: floats are cast to the case's dtype, integers and bools stay as they are."""
+
+    value: np.ndarray
+
+
+@dataclass
+class Case:
+    text: str  # deepxIR; <T> stands for the dtype; the result is y
+    inputs: dict[str, R | Fixed]
+    wrt: list[str]
+    ref: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    dtypes: tuple[str, ...] = ORDER  # the dtypes this case runs in (of those the op claims)
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def c(text: str, inputs: Mapping[str, R | Fixed], wrt: str, ref: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+      dtypes: tuple[str, ...] = ORDER) -> Case:
+    return Case(text, dict(inputs), wrt.split(), ref, dtypes)
+
+
+def bin_(op: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], lo: float = -1.0,
+         blo: float = -1.0) -> list[Case]:
+    text = f"{op} (tensor<T>:a, tensor<T>:b) -> (tensor<T>:y)"
+    shapes = [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((3, 1), (2, 1, 5)), ((), (2, 3))]
+    return [c(text, {"a": r(*sa, lo=lo), "b": r(*sb, lo=blo)}, "a b", lambda t: fn(t["a"], t["b"]))
+            for sa, sb in shapes]
+
+
+def scalar(op: str, s: float, fn: Callable[[torch.Tensor], torch.Tensor], lo: float = -1.0,
+           rev: bool = False) -> list[Case]:
+    args = f"var<float64>:{s}, tensor<T>:a" if rev else f"tensor<T>:a, var<float64>:{s}"
+    return [c(f"{op} ({args}) -> (tensor<T>:y)", {"a": r(*shape, lo=lo, hi=2.0 if lo > 0 else 1.0)}, "a",
+              lambda t: fn(t["a"])) for shape in [(3, 4), (), (2, 1, 3)]]
+
+
+def unary(op: str, fn: Callable[[torch.Tensor], torch.Tensor], lo: float = -1.0, hi: float = 1.0,
+          extra: str = "") -> list[Case]:
+    return [c(f"{op} (tensor<T>:a{extra}) -> (tensor<T>:y)", {"a": r(*shape, lo=lo, hi=hi)}, "a",
+              lambda t: fn(t["a"])) for shape in [(3, 4), (), (2, 3, 5)]]
+
+
+def vecs(*vs: tuple[int, ...]) -> str:
+    return ", ".join(f"vector<int32>:[{' '.join(map(str, v))}]" for v in vs)
+
+
+def reduce_(op: str, fn: Callable[..., torch.Tensor], inputs: dict[str, R | Fixed] | None = None) -> list[Case]:
+    out = []
+    for shape, dims, keep in [((3, 4), (), False), ((3, 4), (1,), False), ((2, 3, 4), (0, 2), True),
+                              ((2, 3, 4), (-1,), True), ((5,), (0,), False)]:
+        tdims = dims or tuple(range(len(shape)))
+        out.append(c(f"{op} (tensor<T>:a, {vecs(dims)}, var<bool>:{str(keep).lower()}) -> (tensor<T>:y)",
+                     inputs or {"a": r(*shape)}, "a",
+                     lambda t, d=tdims, k=keep: fn(t["a"], d, k)))
+    return out
+
+
+def _prod(a: torch.Tensor, dims: tuple[int, ...], keep: bool) -> torch.Tensor:
+    for d in sorted((x % a.dim() for x in dims), reverse=True):
+        a = a.prod(d, keepdim=keep)
+    return a
+
+
+_ZEROS = np.array([[0.5, 0.0, 1.5, -0.7], [0.0, 0.0, 0.9, 1.2], [1.1, -0.8, 0.6, 1.3]])
+
+
+def _norm_ref(kind: str, eps: float, k: int) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def fn(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        shape = t["w"].shape
+        if kind == "layernorm":
+            return TF.layer_norm(t["a"], shape, t["w"], t["b"], eps)
+        return TF.rms_norm(t["a"], shape, t["w"], eps)
+    return fn
+
+
+def _switch_ref(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    k = t["k"]
+    return torch.where(k == 0, t["a"], torch.where(k == 1, t["b"], t["c"]))
+
+
+def _fused_ref(expr: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def fn(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        names = {f"in{i}": t[n] for i, n in enumerate("abc") if n in t}
+        ns = {**names, "sqrt": torch.sqrt, "exp": torch.exp, "log": torch.log, "sin": torch.sin, "cos": torch.cos,
+              "tan": torch.tan, "tanh": torch.tanh, "abs": torch.abs,
+              "maximum": lambda x, y: torch.maximum(torch.as_tensor(x, dtype=torch.float64),
+                                                    torch.as_tensor(y, dtype=torch.float64)),
+              "minimum": lambda x, y: torch.minimum(torch.as_tensor(x, dtype=torch.float64),
+                                                    torch.as_tensor(y, dtype=torch.float64))}
+        out = eval(expr, {"__builtins__": {}}, ns)  # the test's own expressions: numexpr syntax is Python's
+        shape = torch.broadcast_shapes(*(x.shape for x in names.values()))
+        return torch.as_tensor(out, dtype=torch.float64).expand(shape) if not torch.is_tensor(out) else \
+            out.expand(shape)
+    return fn
+
+
+def _fused(expr: str, inputs: dict[str, R | Fixed], wrt: str) -> Case:
+    lst = " ".join(inputs)
+    return c(f"fused (listtensor<T>:[{lst}], var<string>:{expr}) -> (tensor<T>:y)", inputs, wrt,
+             _fused_ref(expr))
+
+
+_IDX = Fixed(np.array([2, 0, 2, 1], dtype=np.int64))
+_IDX2 = Fixed(np.array([[1, 0], [1, 1]], dtype=np.int32))
+
+CASES: dict[str, list[Case]] = {
+    "add": bin_("add", torch.add),
+    "sub": bin_("sub", torch.sub),
+    "mul": bin_("mul", torch.mul),
+    "div": bin_("div", torch.div, blo=0.5),
+    "max": bin_("max", torch.maximum),
+    "min": bin_("min", torch.minimum),
+    "pow": bin_("pow", torch.pow, lo=0.5),
+    "addscalar": scalar("addscalar", 1.5, lambda a: a + 1.5),
+    "subscalar": scalar("subscalar", 1.5, lambda a: a - 1.5),
+    "mulscalar": scalar("mulscalar", -2.5, lambda a: a * -2.5),
+    "divscalar": scalar("divscalar", 4.0, lambda a: a / 4.0),
+    "powscalar": [*scalar("powscalar", 2.5, lambda a: a ** 2.5, lo=0.5), *scalar("powscalar", 3.0, lambda a: a ** 3),
+                  c("powscalar (tensor<T>:a, var<float64>:0.0) -> (tensor<T>:y)", {"a": Fixed(np.array([0.0, 1.5]))},
+                    "a", lambda t: t["a"] ** 0.0)],
+    "maxscalar": scalar("maxscalar", 0.1, lambda a: a.clamp_min(0.1)),
+    "minscalar": scalar("minscalar", 0.1, lambda a: a.clamp_max(0.1)),
+    "rsubscalar": scalar("rsubscalar", 2.0, lambda a: 2.0 - a, rev=True),
+    "rdivscalar": scalar("rdivscalar", 3.0, lambda a: 3.0 / a, lo=0.5, rev=True),
+    "rpowscalar": [*scalar("rpowscalar", 2.0, lambda a: 2.0 ** a, rev=True),
+                   *scalar("rpowscalar", 0.0, lambda a: torch.pow(0.0, a), lo=0.5, rev=True)],
+    "sqrt": unary("sqrt", torch.sqrt, lo=0.5, hi=2.0),
+    "exp": unary("exp", torch.exp),
+    "log": unary("log", torch.log, lo=0.5, hi=2.0),
+    "sin": unary("sin", torch.sin, lo=-3, hi=3),
+    "cos": unary("cos", torch.cos, lo=-3, hi=3),
+    "tan": unary("tan", torch.tan),
+    "neg": unary("neg", torch.neg),
+    "abs": unary("abs", torch.abs),
+    "relu": unary("relu", torch.relu),
+    "sigmoid": unary("sigmoid", torch.sigmoid, lo=-4, hi=4),
+    "tanh": unary("tanh", torch.tanh, lo=-2, hi=2),
+    "silu": unary("silu", TF.silu, lo=-4, hi=4),
+    "erf": unary("erf", torch.erf, lo=-2, hi=2),
+    "gelu": [*unary("gelu", TF.gelu, lo=-4, hi=4),
+             *unary("gelu", lambda a: TF.gelu(a, approximate="tanh"), lo=-4, hi=4, extra=", var<string>:tanh"),
+             *unary("gelu", TF.gelu, lo=-4, hi=4, extra=", var<string>:none")],
+    "softmax": [c(f"softmax (tensor<T>:a, var<int32>:{d}) -> (tensor<T>:y)", {"a": r(*s, lo=-2, hi=2)}, "a",
+                  lambda t, d=d: torch.softmax(t["a"], d))
+                for s, d in [((3, 4), -1), ((3, 4), 0), ((2, 3, 4), 1), ((), -1)]],
+    "logsoftmax": [c(f"logsoftmax (tensor<T>:a, var<int32>:{d}) -> (tensor<T>:y)", {"a": r(*s, lo=-2, hi=2)},
+                     "a", lambda t, d=d: torch.log_softmax(t["a"], d))
+                   for s, d in [((3, 4), -1), ((3, 4), 0), ((2, 3, 4), 1), ((), 0)]],
+    "matmul": [c("matmul (tensor<T>:a, tensor<T>:b) -> (tensor<T>:y)", {"a": r(*sa), "b": r(*sb)}, "a b",
+                 lambda t: t["a"] @ t["b"])
+               for sa, sb in [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 1, 3, 4), (3, 4, 2)),
+                              ((2, 4, 3, 5), (2, 4, 5, 3))]],
+    "sum": reduce_("sum", lambda a, d, k: a.sum(d, keepdim=k)),
+    "prod": reduce_("prod", _prod)
+    + [c(f"prod (tensor<T>:a, {vecs(d)}, var<bool>:{k}) -> (tensor<T>:y)", {"a": Fixed(_ZEROS)}, "a",
+         lambda t, d=d, k=k: _prod(t["a"], d or (0, 1), k == "true"))
+       for d, k in [((1,), "false"), ((0,), "true"), ((), "false")]],
+    "reducemax": reduce_("reducemax", lambda a, d, k: a.amax(d, keepdim=k)),
+    "reducemin": [*reduce_("reducemin", lambda a, d, k: a.amin(d, keepdim=k)),
+                  c("reducemin (tensor<T>:a, vector<int32>:[1], var<bool>:false) -> (tensor<T>:y)",  # ties share g
+                    {"a": Fixed(np.array([[1.0, 0.5, 0.5], [0.25, 2.0, 0.25]]))}, "a", lambda t: t["a"].amin(1))],
+    "reshape": [c(f"reshape (tensor<T>:a, {vecs(s)}) -> (tensor<T>:y)", {"a": r(2, 3, 4)}, "a",
+                  lambda t, s=s: t["a"].reshape(s)) for s in [(6, 4), (24,), (4, -1, 2)]],
+    "transpose": [c(f"transpose (tensor<T>:a, {vecs(p)}) -> (tensor<T>:y)", {"a": r(2, 3, 4)}, "a",
+                    lambda t, p=p: t["a"].permute(*p)) for p in [(2, 0, 1), (0, 2, 1), (-1, -3, -2)]],
+    "broadcastTo": [c(f"broadcastTo (tensor<T>:a, {vecs(s)}) -> (tensor<T>:y)", {"a": r(*a)}, "a",
+                      lambda t, s=s: t["a"].broadcast_to(s)) for a, s in [((3, 1), (2, 3, 4)), ((4,), (3, 4))]],
+    "concat": [c("concat (listtensor<T>:[a b a], var<int32>:0) -> (tensor<T>:y)", {"a": r(2, 3), "b": r(1, 3)},
+                 "a b", lambda t: torch.cat([t["a"], t["b"], t["a"]], 0)),
+               c("concat (listtensor<T>:[a b], var<int32>:-1) -> (tensor<T>:y)", {"a": r(2, 3, 1), "b": r(2, 3, 4)},
+                 "b", lambda t: torch.cat([t["a"], t["b"]], -1))],
+    "indexselect": [c("indexselect (tensor<T>:a, tensor<int64>:i, var<int32>:0) -> (tensor<T>:y)",
+                      {"a": r(3, 4), "i": _IDX}, "a", lambda t: t["a"][t["i"]]),
+                    c("indexselect (tensor<T>:a, tensor<int32>:i, var<int32>:1) -> (tensor<T>:y)",
+                      {"a": r(3, 2, 2), "i": _IDX2}, "a", lambda t: t["a"][:, t["i"].long()])],
+    "repeat": [c(f"repeat (tensor<T>:a, {vecs(p)}) -> (tensor<T>:y)", {"a": r(*s)}, "a",
+                 lambda t, p=p: t["a"].repeat(*p)) for s, p in [((2, 3), (2, 1, 3)), ((2, 3), (1, 2)), ((4,), (3,))]],
+    "slice": [c(f"slice (tensor<T>:a, {vecs(*v)}) -> (tensor<T>:y)", {"a": r(4, 6)}, "a",
+                lambda t, sl=sl: t["a"][sl])
+              for v, sl in [(((1, 0), (3, 6), (1, 2)), (slice(1, 3), slice(0, 6, 2))),
+                            (((-3, 1), (4, -1), (2, 3)), (slice(-3, 4, 2), slice(1, -1, 3)))]],
+    "sliceassign": [c(f"sliceassign (tensor<T>:a, {vecs((1, 0), (3, 6), (1, 2))}, tensor<T>:v) -> "
+                      "(tensor<T>:y)", {"a": r(4, 6), "v": r(*vs)}, "a v",
+                      lambda t: _sliceassign_ref(t["a"], t["v"])) for vs in [(2, 3), (3,), (1, 1)]],
+    "pad": [c(f"pad (tensor<T>:a, {vecs(p)}, var<float64>:0.5) -> (tensor<T>:y)", {"a": r(2, 3)}, "a",
+              lambda t, p=p: TF.pad(t["a"], (p[2], p[3], p[0], p[1]), value=0.5))
+            for p in [(1, 0, 2, 1), (0, 0, 0, 3)]],
+    "indexadd": [c("indexadd (tensor<T>:a, tensor<int64>:i, tensor<T>:s, var<int32>:0) -> (tensor<T>:y)",
+                   {"a": r(3, 4), "i": _IDX, "s": r(4, 4)}, "a s", lambda t: t["a"].index_add(0, t["i"], t["s"])),
+                 c("indexadd (tensor<T>:a, tensor<int32>:i, tensor<T>:s, var<int32>:-1) -> (tensor<T>:y)",
+                   {"a": r(2, 3), "i": Fixed(np.array([2, 2], dtype=np.int32)), "s": r(2, 2)}, "s",
+                   lambda t: t["a"].index_add(1, t["i"].long(), t["s"]))],
+    "switch": [c("switch (listtensor<T>:[a b c], tensor<int32>:k) -> (tensor<T>:y)",
+                 {"a": r(3, 4), "b": r(4), "c": r(3, 1), "k": Fixed(np.array([[0, 1, 2, 1]] * 3, dtype=np.int32))},
+                 "a b c", _switch_ref),
+               c("switch (listtensor<T>:[b a], tensor<bool>:k) -> (tensor<T>:y)",
+                 {"a": r(2, 3), "b": r(2, 3), "k": Fixed(np.array([True, False, True]))}, "a b",
+                 lambda t: torch.where(t["k"], t["a"], t["b"]))],
+    "todtype": [c("todtype (tensor<T>:a) -> (tensor<float64>:y)", {"a": r(3, 4)}, "a", lambda t: t["a"] * 1.0)],
+    "copytensor": [c("copytensor (tensor<T>:a) -> (tensor<T>:y)", {"a": r(3, 4)}, "a", lambda t: t["a"] * 1.0)],
+    "crossentropy": [c(f"crossentropy (tensor<T>:a, tensor<int64>:k, var<int32>:-1, var<string>:{red}) -> "
+                       "(tensor<T>:y)",
+                       {"a": r(5, 4, lo=-3, hi=3), "k": Fixed(np.array([3, -1, 0, 2, 1], dtype=np.int64))}, "a",
+                       lambda t, red=red: TF.cross_entropy(t["a"], t["k"], ignore_index=-1, reduction=red))
+                     for red in ("mean", "sum", "none")],
+    "mse": [c(f"mse (tensor<T>:a, tensor<T>:b, var<string>:{red}) -> (tensor<T>:y)",
+              {"a": r(4, 3), "b": r(4, 3)}, "a b", lambda t, red=red: TF.mse_loss(t["a"], t["b"], reduction=red))
+            for red in ("mean", "sum", "none")],
+    "layernorm": [c("layernorm (tensor<T>:a, tensor<T>:w, tensor<T>:b, var<float64>:1e-5) -> (tensor<T>:y)",
+                    {"a": r(*a, lo=-2, hi=2), "w": r(*w), "b": r(*w)}, "a w b", _norm_ref("layernorm", 1e-5, len(w)))
+                  for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]]
+    + [c("layernorm (tensor<T>:a, tensor<T>:w, tensor<T>:b) -> (tensor<T>:y)",
+         {"a": r(3, 5), "w": r(5), "b": r(5)}, "w b", _norm_ref("layernorm", 1e-5, 1))],
+    "rmsnorm": [c("rmsnorm (tensor<T>:a, tensor<T>:w, var<float64>:1e-6) -> (tensor<T>:y)",
+                  {"a": r(*a, lo=-2, hi=2), "w": r(*w)}, "a w", _norm_ref("rmsnorm", 1e-6, len(w)))
+                for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]],
+    "fused": [
+        _fused("abs(exp(in0 * in1 + in2) * 0.5 - in1)", {"a": r(3, 4), "b": r(4), "c": r(3, 1)}, "a b c"),
+        _fused("maximum(in0, 0.3) * minimum(2.0, in1) / sqrt(in2) + maximum(in0, in1) - minimum(in1, in2)",
+               {"a": r(2, 3), "b": r(2, 3), "c": r(2, 3, lo=0.5, hi=2)}, "a b c"),
+        _fused("-(in0 ** 2.0) + 2.0 ** in1 - 3.0 / in2 + tanh(in0) * sin(in1) * cos(in2) * log(in2) * tan(in0)"
+               " + in0 ** in2 - (1 - in1) / (2 + 3) + +in2",
+               {"a": r(5, lo=0.5, hi=1.5), "b": r(5), "c": r(5, lo=0.5, hi=2)}, "a b c"),
+        _fused("in0 * in0 - in0", {"a": r(3), "b": r(2, 1)}, "a b"),
+        # comparisons are masks (what the relu and clamp rules emit): they pass no gradient themselves
+        _fused("in0 * (in1 > 0.25) + (in2 <= in0) * in1 - (in0 != 0.1) * in2 + (in2 == in2) * in0 * (0.5 < in1)"
+               " + in1 * (in0 >= in2) - in2 * (-0.5 > in0) + (in1 < in0)", {"a": r(3, 4), "b": r(4), "c": r(3, 1)},
+               "a b c"),
+        _fused("in1", {"a": r(2, 3), "b": r(3)}, "a b"),
+    ],
+    "dropout": [],  # checked apart: test_dropout_gradient_is_the_mask_scaled
+}
+
+
+def _sliceassign_ref(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out = a.clone()
+    out[1:3, 0:6:2] = v
+    return out
+
+
+DIFFERENTIABLE = sorted(n for n, op in OPS.items() if op.differentiable)
+
+
+def _param(op: str) -> list:
+    dts = [d for d in ORDER if d in OPS[op].dtypes]
+    return [pytest.param(op, d, id=f"{op}-{d}") for d in dts] or [pytest.param(op, None, id=op)]
+
+
+def check(case: Case, dtype: str, rng: np.random.Generator) -> None:
+    np_dt = to_numpy(dtype)
+    inputs: dict[str, np.ndarray] = {}
+    for name, spec in case.inputs.items():
+        if isinstance(spec, R):
+            inputs[name] = rng.uniform(spec.lo, spec.hi, spec.shape).astype(np_dt)
+        elif spec.value.dtype.kind == "f":
+            inputs[name] = spec.value.astype(np_dt)
+        else:
+            inputs[name] = spec.value
+    fwd = program(case.text.replace("<T>", f"<{dtype}>"))
+    ex = executor(inputs)
+    ex.run_all(fwd)
+    y = ex.get("y")
+    up = rng.uniform(-1, 1, y.shape).astype(y.dtype)
+    ex.put("up", up)
+    before = set(ex.tensors)
+    back, names = grad_program(fwd, "y", case.wrt, ex, grad_loss="up")
+    ex.run_all(back)
+    assert set(ex.tensors) - before == set(names.values()), "the backward leaves only the gradients behind"
+    tt = {k: torch.tensor(v.astype(np.float64) if v.dtype.kind == "f" or v.dtype.kind == "V" else v,
+                          requires_grad=k in case.wrt) for k, v in inputs.items()}
+    out = case.ref(tt)
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(y.astype(np.float64), out.detach().numpy(), rtol=rtol * 10, atol=atol * 10 + rtol,
+                               err_msg="forward")
+    out.backward(torch.tensor(up.astype(np.float64)))
+    for w in case.wrt:
+        want = tt[w].grad
+        want = np.zeros(inputs[w].shape) if want is None else want.numpy()
+        got = ex.get(names[w])
+        assert got.shape == inputs[w].shape and got.dtype == inputs[w].dtype, w
+        scale = max(1.0, float(np.abs(want).max(initial=0.0)))
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol * scale,
+                                   err_msg=f"d{w} ({dtype})")
+
+
+@pytest.mark.parametrize(("op", "dtype"), [p for op in DIFFERENTIABLE for p in _param(op)])
+def test_gradient_against_torch(op, dtype, rng):
+    assert op in CASES, f"{op} is differentiable but has no gradient test here: add its cases to CASES"
+    if op == "dropout":
+        return  # test_dropout_gradient_is_the_mask_scaled
+    assert CASES[op], op
+    for case in CASES[op]:
+        if dtype in case.dtypes:
+            check(case, dtype, rng)
+
+
+def test_every_differentiable_op_has_a_rule_and_no_other_op_has_one():
+    assert sorted(GRAD_RULES) == DIFFERENTIABLE
+    assert set(CASES) <= set(DIFFERENTIABLE), sorted(set(CASES) - set(DIFFERENTIABLE))
+
+
+def test_every_rule_states_its_formula():
+    for name, fn in GRAD_RULES.items():
+        assert fn.__doc__ and fn.__doc__.strip(), f"the rule of {name} has no docstring (its formula, for docs/ir.md)"
+
+
+@pytest.mark.parametrize("dtype", ORDER)
+@pytest.mark.parametrize("seed", [0, 1234])
+def test_dropout_gradient_is_the_mask_scaled(dtype, seed, rng):
+    p = 0.4
+    x = rng.uniform(0.5, 1.5, (50, 40)).astype(to_numpy(dtype))
+    x[0, :5] = 0  # zeros in the input: with a seed the mask is drawn again, so their gradient is exact too
+    fwd = program(f"""
+        copytensor (tensor<{dtype}>:x) -> (tensor<{dtype}>:y)
+        dropout (var<float64>:{p}, var<int64>:{seed}) -> (tensor<{dtype}>:y)
+    """)
+    ex = executor({"x": x})
+    ex.run_all(fwd)
+    up = rng.uniform(-1, 1, x.shape).astype(x.dtype)
+    ex.put("up", up)
+    back, names = grad_program(fwd, "y", ["x"], ex, grad_loss="up")
+    ex.run_all(back)
+    got = ex.get(names["x"]).astype(np.float64)
+    y = ex.get("y").astype(np.float64)
+    nz = x != 0
+    kept = np.zeros(x.shape, dtype=bool)
+    kept[nz] = y[nz] != 0
+    if seed:  # the mask of the zero inputs, drawn from the same seed on ones
+        ones = executor({"o": np.ones(x.shape, x.dtype)})
+        ones.run(program(f"dropout (var<float64>:{p}, var<int64>:{seed}) -> (tensor<{dtype}>:o)")[0])
+        kept[~nz] = ones.get("o")[~nz] != 0
+    want = up.astype(np.float64) * kept / (1 - p)
+    assert 0.45 < kept.mean() < 0.75
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+def test_fused_rule_unfuses_the_expression():
+    names = iter(f"t{i}" for i in range(100))
+    prog, root = unfuse("maximum(in0, 2) * (3 - in1) / 2.0 ** in0 + (1 + 2) * -in1", ["x", "y"], "float32",
+                        lambda: next(names))
+    ops = [i.name for i in prog]
+    assert ops == ["maxscalar", "rsubscalar", "mul", "rpowscalar", "div", "neg", "mulscalar", "add"]
+    assert root == "t7"
+    assert unfuse("1.0 + 2.0 * 3.0", ["x"], "float64", lambda: next(names)) == ([], 7.0)
+
+
+def test_fused_of_numbers_alone_gives_no_gradient(rng):
+    x = rng.uniform(-1, 1, (3,))
+    fwd = program("fused (listtensor<float64>:[x], var<string>:2.0 * 3.0) -> (tensor<float64>:y)")
+    ex = executor({"x": x})
+    ex.run_all(fwd)
+    ex.put("up", np.ones(3))
+    back, names = grad_program(fwd, "y", ["x"], ex, grad_loss="up")
+    ex.run_all(back)
+    np.testing.assert_array_equal(ex.get(names["x"]), np.zeros(3))
+
+
+def test_crossentropy_labels_take_no_gradient_and_say_so(rng):
+    fwd = program("""
+        todtype (tensor<float64>:f) -> (tensor<int64>:k)
+        crossentropy (tensor<float64>:a, tensor<int64>:k) -> (tensor<float64>:y)
+    """)
+    ex = executor({"a": rng.uniform(-1, 1, (3, 4)), "f": np.array([0.0, 1.0, 2.0])})
+    back, names = grad_program(fwd, "y", ["a", "f"], ex)  # int labels cut the path from f: it gets zeros
+    ex.run_all(fwd)
+    ex.run_all(back)
+    np.testing.assert_array_equal(ex.get(names["f"]), np.zeros(3))
+
+
+def test_a_rule_that_needs_an_overwritten_input_names_it(rng):
+    fwd = program("""
+        layernorm (tensor<float64>:a, tensor<float64>:w, tensor<float64>:b) -> (tensor<float64>:y)
+        mulscalar (tensor<float64>:a, var<float64>:2.0) -> (tensor<float64>:a)
+    """)
+    ex = executor({"a": rng.uniform(-1, 1, (2, 3)), "w": np.ones(3), "b": np.zeros(3)})
+    ex.put("up", np.ones((2, 3)))
+    for wrt in (["a"], ["w"]):  # the weight's gradient needs the normalized input too
+        with pytest.raises(DeepxError, match="layernorm needs the value of 'a', which the forward program overwrites"):
+            grad_program(fwd, "y", wrt, ex, grad_loss="up")
+    grad_program(fwd, "y", ["b"], ex, grad_loss="up")  # the bias's does not

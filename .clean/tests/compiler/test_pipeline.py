@@ -1,0 +1,174 @@
+"""The pipeline: passes in order, switches, explain, and the bookkeeping that maps a rewritten program's result back
+onto the program the client sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.ops import TensorMeta
+from deepxd.compiler import DEFAULT_PASSES, PASSES, PassContext, check_passes, explain, run_passes
+from deepxd.compiler.analysis import existing_after
+from deepxd.compiler.pipeline import PlanCache, original_error, original_times, repair
+from deepxd.config import load_config
+from tests.compiler.helpers import assert_same_results, lines, program, random_inputs
+
+TEXT = """
+    mulscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:t0)
+    mul (tensor<float32>:t0, tensor<float32>:w) -> (tensor<float32>:t1)
+    deltensor () -> (tensor<float32>:t0)
+    mul (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:t2)
+    add (tensor<float32>:t1, tensor<float32>:t2) -> (tensor<float32>:t3)
+    deltensor () -> (tensor<float32>:t1)
+    deltensor () -> (tensor<float32>:t2)
+    exp (tensor<float32>:t3) -> (tensor<float32>:dead)
+    relu (tensor<float32>:t3) -> (tensor<float32>:y)
+    deltensor () -> (tensor<float32>:t3)
+    deltensor () -> (tensor<float32>:dead)
+"""
+METAS = {"x": TensorMeta((16, 8), "float32"), "w": TensorMeta((8,), "float32")}
+
+
+def test_every_pass_in_order(rng):
+    before, after = explain(program(TEXT), METAS, fetch={"y"})
+    assert before.splitlines() == lines(program(TEXT))
+    # simplify: t0 is x; cse: t2 is t1; dce: dead goes; fuse: the rest is one expression
+    assert after.splitlines() == [
+        "fused (listtensor<float32>:[x w], var<string>:maximum(in0 * in1 + in0 * in1, 0)) -> (tensor<float32>:y)"]
+    inputs = random_inputs(rng, {"x": (16, 8), "w": (8,)}, lo=-2)
+    assert_same_results(program(TEXT), program(after), inputs)
+
+
+@pytest.mark.parametrize("name", list(PASSES))
+def test_each_pass_can_run_alone_or_be_left_out(rng, name):
+    inputs = random_inputs(rng, {"x": (16, 8), "w": (8,)}, lo=-2)
+    alone = run_passes(program(TEXT), PassContext(metas=METAS), [name])
+    without = run_passes(program(TEXT), PassContext(metas=METAS), [p for p in DEFAULT_PASSES if p != name])
+    assert without != program(TEXT)
+    assert (alone != program(TEXT)) == (name != "cse")  # t2 repeats t1 only once simplify has made t0 x
+    assert_same_results(program(TEXT), alone, inputs)
+    assert_same_results(program(TEXT), without, inputs)
+
+
+def test_origins_point_at_the_instruction_each_stands_for():
+    ctx = PassContext(metas=METAS)
+    out = run_passes(program(TEXT), ctx, ["simplify", "dce"])
+    assert [i.name for i in out] == ["mul", "mul", "add", "deltensor", "deltensor", "relu", "deltensor"]
+    assert ctx.origins == [1, 3, 4, 5, 6, 8, 9]
+
+
+def test_programs_left_alone():
+    no_delete = program("exp (tensor<float32>:x) -> (tensor<float32>:a)\n"
+                        "exp (tensor<float32>:x) -> (tensor<float32>:b)")
+    assert run_passes(no_delete, PassContext(metas=METAS)) == no_delete
+    refused = program(TEXT.replace("tensor<float32>:w)", "tensor<float32>:nowhere)", 1))
+    assert run_passes(refused, PassContext(metas=METAS)) == refused  # the worker reports the exact error
+    assert run_passes(program(TEXT), PassContext(metas=METAS), []) == program(TEXT)
+
+
+def test_switches_in_the_config():
+    assert load_config(env={}).resolved().passes == list(DEFAULT_PASSES)
+    assert load_config(env={"DEEPX_PASSES": "dce,fuse"}).resolved().passes == ["dce", "fuse"]
+    assert load_config(env={"DEEPX_PASSES": "off"}).resolved().passes == []
+    assert load_config(env={"DEEPX_FUSE_MIN_ELEMENTS": "4096"}).resolved().fuse_min_elements == 4096
+    with pytest.raises(DeepxError, match="unknown pass 'fusion'"):
+        load_config(env={"DEEPX_PASSES": "dce,fusion"}).resolved()
+    assert check_passes(["none"]) == [] and check_passes([" cse "]) == ["cse"]
+
+
+def test_times_and_errors_speak_of_the_original_program():
+    # rewritten [a, b, c] standing for original instructions 1, 4 and 6 (of 7)
+    times = [0.0, 1.0, 1.0, 3.0, 3.0, 6.0]
+    assert original_times(times, [1, 4, 6], 7) == [0, 0, 0, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 6]
+    assert original_times(times[:2], [1, 4, 6], 4) == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert original_error("instruction 2: indexselect: index 9 out of range", [1, 4, 6]) == \
+        "instruction 5: indexselect: index 9 out of range"
+    assert original_error("fetch: tensor 'q' not found", [1]) == "fetch: tensor 'q' not found"
+
+
+def test_repair_gives_the_tensors_the_original_prefix_would_have_left():
+    original = program("""
+        exp (tensor<float32>:x) -> (tensor<float32>:t)
+        sqrt (tensor<float32>:t) -> (tensor<float32>:u)
+        indexselect (tensor<float32>:x, tensor<int32>:i, var<int32>:0) -> (tensor<float32>:s)
+        deltensor () -> (tensor<float32>:t)
+        neg (tensor<float32>:u) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:u)
+    """)
+    metas = {**METAS, "i": TensorMeta((3,), "int32")}
+    ctx = PassContext(metas=metas)
+    rewritten = run_passes(original, ctx, ["fuse"])
+    assert [i.name for i in rewritten] == ["indexselect", "fused"]
+    # the indexselect fails at run time: the original got as far as making t and u, which the rewrite never made
+    done, fix = repair(original, rewritten, ctx.origins, 0, ctx)
+    assert done == 2
+    assert lines(fix) == ["newtensor (vector<int32>:[16 8]) -> (tensor<float32>:t)",
+                          "newtensor (vector<int32>:[16 8]) -> (tensor<float32>:u)"]
+    assert existing_after(original[:done], metas) == {"t": True, "u": True}
+
+
+def renamed(prog: list, suffix: str, keep: frozenset[str] = frozenset({"x", "w"})) -> list:
+    def sub(p):
+        if p.category == "tensor" and p.value not in keep:
+            return p._replace(value=f"{p.value}{suffix}")
+        return p
+
+    return [i._replace(args=tuple(map(sub, i.args)), returns=tuple(map(sub, i.returns)), meta=(("id", suffix),))
+            for i in prog]
+
+
+def test_the_plan_cache_rewrites_a_renamed_program_as_the_passes_would():
+    cache = PlanCache()
+    first = cache.run(program(TEXT), PassContext(metas=METAS, fetch=frozenset({"y"})))
+    for suffix in ("_1", "_2"):
+        prog = renamed(program(TEXT), suffix)
+        ctx = PassContext(metas=METAS, fetch=frozenset({f"y{suffix}"}))
+        got = cache.run(prog, ctx)
+        want_ctx = PassContext(metas=METAS, fetch=frozenset({f"y{suffix}"}))
+        assert got == run_passes(prog, want_ctx) and ctx.origins == want_ctx.origins
+        assert got[0].meta == (("id", suffix),)  # the current program's metadata
+    assert (cache.hits, cache.misses) == (2, 1)
+    assert lines(first) != lines(got)
+
+
+def test_the_plan_cache_tells_apart_what_changes_the_rewrite():
+    cache = PlanCache()
+    cache.run(program(TEXT), PassContext(metas=METAS))
+    cache.run(program(TEXT), PassContext(metas=METAS, fetch=frozenset({"t3"})))  # a temporary fetched
+    cache.run(program(TEXT), PassContext(metas={**METAS, "w": TensorMeta((16, 8), "float32")}))  # other metas
+    cache.run(program(TEXT), PassContext(metas={**METAS, "t2": TensorMeta((16, 8), "float32")}))  # t2 exists
+    assert (cache.hits, cache.misses) == (0, 4)
+    for limit in (2, 3, 2):  # the least fused group: the same program, another rewrite; then the first again
+        out = cache.run(program(TEXT), PassContext(metas=METAS, fuse_min_ops=limit))
+        assert out == run_passes(program(TEXT), PassContext(metas=METAS, fuse_min_ops=limit))
+    assert (cache.hits, cache.misses) == (2, 5)  # 2 missed once, then each limit found its own
+    named = program("argset (var<float32>:1.0) -> (var<float32>:k)\n" + TEXT.replace(
+        "var<float32>:1.0) -> (tensor<float32>:t0)", "var<float32>:k) -> (tensor<float32>:t0)"))
+    for _ in range(2):
+        out = cache.run(named, PassContext(metas=METAS))
+    assert (cache.hits, cache.misses) == (2, 5) and out != named  # rewritten, never cached
+
+
+def test_one_instruction_object_used_twice_is_checked_where_it_stands(rng):
+    """A program may hold the same Instr object twice, seeing other tensors each time (here x's shape changes)."""
+    twice = program("exp (tensor<float32>:x) -> (tensor<float32>:t)")[0]
+    prog = [twice, *program("""
+        neg (tensor<float32>:t) -> (tensor<float32>:u)
+        deltensor () -> (tensor<float32>:t)
+        reshape (tensor<float32>:x, vector<int32>:[8 16]) -> (tensor<float32>:x)
+    """), twice, *program("""
+        neg (tensor<float32>:t) -> (tensor<float32>:v)
+        deltensor () -> (tensor<float32>:t)
+    """)]
+    prog += program("""
+        sqrt (tensor<float32>:w) -> (tensor<float32>:dead)
+        deltensor () -> (tensor<float32>:dead)
+    """)
+    inputs = random_inputs(rng, {"x": (16, 8), "w": (8,)})
+    ctx = PassContext(metas=METAS)
+    out = run_passes(prog, ctx, ["dce"])  # changes the program: the rest is checked again, twice twice
+    assert len(out) == len(prog) - 2
+    assert [b.outs[0].shape for b in ctx.bind(out) if b.instr is twice] == [(16, 8), (8, 16)]
+    out = run_passes(prog, PassContext(metas=METAS, fuse_min_ops=2))  # the exp/neg pairs fused
+    assert [b.outs[0].shape for b in PassContext(metas=METAS).bind(out) if b.op.name == "fused"] == [(16, 8), (8, 16)]
+    assert_same_results(prog, out, inputs)

@@ -1,0 +1,61 @@
+"""deepxctl as a whole: --help is instant and light, and an unreachable daemon is one line and exit code 1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from deepxctl.cli import cli
+from tests.deepxctl.conftest import ctl, one_line_error
+
+COMMANDS = [[], ["tensors"], ["tensors", "ls"], ["tensors", "show"], ["tensors", "rm"], ["memory"], ["ops"],
+            ["ops", "ls"], ["nodes"], ["nodes", "ls"], ["actors"], ["actors", "ls"], ["graphs"], ["graphs", "ls"],
+            ["graphs", "show"], ["top"], ["ir"]]
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a) or "deepxctl")
+def test_help(args: list[str]) -> None:
+    r = CliRunner().invoke(cli, [*args, "--help"])
+    assert r.exit_code == 0 and "Usage: " in r.stdout
+
+
+def test_help_is_instant_and_imports_nothing_heavy() -> None:
+    code = ("import sys, time; t = time.perf_counter(); import deepxctl.cli; dt = time.perf_counter() - t; "
+            "heavy = [m for m in ('numpy', 'msgpack', 'rich', 'yaml', 'deepxd', 'deepx_sdk') "
+            "if m in sys.modules]; print(heavy, dt)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "[]", out
+    assert float(out[1]) < 0.5
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "deepxctl", "tensors", "ls", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--filter KEY=VALUE" in r.stdout
+    assert time.perf_counter() - t < 2.0
+
+
+@pytest.mark.parametrize("args", [["tensors", "ls"], ["tensors", "show", "w"], ["tensors", "rm", "w"], ["memory"],
+                                  ["ops", "ls"], ["nodes", "ls"], ["actors", "ls"], ["graphs", "ls"],
+                                  ["graphs", "show", "g"], ["top", "--once"], ["ir", "print (tensor:x) -> ()"]],
+                         ids=lambda a: " ".join(a))
+def test_unreachable_daemon(tmp_path, args: list[str]) -> None:
+    address = f"unix://{tmp_path}/nobody.sock"
+    msg = one_line_error(ctl("--address", address, *args))
+    assert f"cannot reach deepxd at {address}" in msg and "deepxd start" in msg
+
+
+def test_address_from_the_environment(tmp_path) -> None:
+    address = f"unix://{tmp_path}/env.sock"
+    r = CliRunner().invoke(cli, ["nodes", "ls"], env={"DEEPX_ADDRESS": address})
+    assert address in one_line_error(r)
+    assert "needs a unix:// address" in one_line_error(ctl("--address", "tcp://h:1", "nodes", "ls"))
+
+
+def test_console_script() -> None:
+    r = subprocess.run(["deepxctl", "--address", "unix:///nonexistent/deepxd.sock", "nodes", "ls"],
+                       capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("Error: cannot reach deepxd")

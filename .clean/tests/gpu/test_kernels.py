@@ -1,0 +1,687 @@
+"""Every op of the catalogue x every dtype it claims, forward, on the CUDA executor against the CPU executor on the
+same random inputs (integers and bools exactly, floats within a tolerance per dtype); the random init ops by their
+statistics (Philox draws differ from numpy's). The cases are keyed by op and the test is parametrized over OPS, so
+an op without a case here fails (`test_every_op_has_a_case` runs without a GPU too).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from deepx_sdk.ir.dtypes import FLOAT8, from_numpy, to_numpy
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.ops import OPS
+from deepxd.kernels.cpu import CpuExecutor
+from tests.kernels.kernel_ref import VEC, L, T, V, instr, ordered, rand
+
+# (rtol, atol) of a CUDA result against the CPU's: about two units in the last place of each dtype
+TOL = {"float64": (1e-9, 1e-12), "float32": (3e-5, 1e-6), "float16": (2.5e-3, 1e-4), "bfloat16": (1.6e-2, 1e-3),
+       "float8e5m2": (0.26, 1e-2), "float8e4m3": (0.13, 1e-2)}
+
+
+@dataclass
+class Case:
+    inputs: dict[str, np.ndarray]
+    program: list[Instr]
+    outputs: list[str]
+    scale: str = "elem"  # "max": errors relative to the largest output (sums, products of matrices)
+    check: str = "compare"  # "compare" | "names" | "vars" | custom
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Builder = Callable[[np.random.Generator, str], list[Case]]
+CASES: dict[str, Builder] = {}
+
+
+def case(*ops: str) -> Callable[[Builder], Builder]:
+    def deco(fn: Builder) -> Builder:
+        for op in ops:
+            CASES[op] = fn
+        return fn
+
+    return deco
+
+
+def one(name: str, inputs: dict[str, np.ndarray], args: list[Any], out_dtype: str | None = None,
+        out: str = "C", **kw: Any) -> Case:
+    return Case(inputs, [instr(name, args, [T(out, out_dtype)])], [out], **kw)
+
+
+def is_int(dt: str) -> bool:
+    return dt.startswith("int")
+
+
+def r(rng: np.random.Generator, dt: str, shape: tuple[int, ...], lo: float = -4.0, hi: float = 4.0,
+      away: float = 0.0) -> np.ndarray:
+    return rand(rng, dt, shape, lo, hi, away=away)
+
+
+# ---------------------------------------------------------------- cases
+
+@case("newtensor")
+def _newtensor(rng, dt):
+    return [Case({}, [instr("newtensor", [VEC((2, 3))], [T("t", dt)])], ["t"])]
+
+
+@case("copytensor")
+def _copytensor(rng, dt):
+    a = r(rng, dt, (3, 5))
+    b = r(rng, dt, (3, 5))
+    return [Case({"a": a}, [instr("copytensor", [T("a")], [T("b")])], ["a", "b"]),
+            Case({"a": a, "b": b}, [instr("copytensor", [T("a")], [T("b")])], ["b"])]
+
+
+@case("deltensor")
+def _deltensor(rng, dt):
+    return [Case({"a": r(rng, dt, (2,)), "b": r(rng, dt, (3,))}, [instr("deltensor", [], [T("a")])], ["b"],
+                 check="names")]
+
+
+@case("renametensor")
+def _renametensor(rng, dt):
+    return [Case({"a": r(rng, dt, (2, 2))}, [instr("renametensor", [V("z")], [T("a")])], ["z"], check="names")]
+
+
+@case("argset", "vecset")
+def _vars(rng, dt):
+    return [Case({}, [instr("argset", [V(2.5)], [V("x")]), instr("vecset", [VEC((1, 2))], [VEC("v")])], [],
+                 check="vars")]
+
+
+@case("constant")
+def _constant(rng, dt):
+    value = 1 if dt == "bool" else 3 if is_int(dt) else 1.75
+    big = 300 if is_int(dt) else -2.5  # integers out of range wrap as C casts do
+    return [Case({"t": np.zeros((3, 7), to_numpy(dt))}, [instr("constant", [V(value)], [T("t")])], ["t"]),
+            Case({"t": np.zeros((5,), to_numpy(dt))}, [instr("constant", [V(big)], [T("t")])], ["t"])]
+
+
+@case("arange")
+def _arange(rng, dt):
+    start, step = (3, -2) if is_int(dt) else (0.5, 0.25)
+    return [Case({"t": np.zeros((4, 5), to_numpy(dt))}, [instr("arange", [V(start), V(step)], [T("t")])], ["t"]),
+            Case({"t": np.zeros((7,), to_numpy(dt))}, [instr("arange", [V(1.5), V(2)], [T("t")])], ["t"])]
+
+
+@case("uniform")
+def _uniform(rng, dt):
+    return [Case({"t": np.zeros((200, 500), to_numpy(dt))}, [instr("uniform", [V(-2.0), V(3.0), V(7)], [T("t")])],
+                 ["t"], check="uniform", extra={"low": -2.0, "high": 3.0})]
+
+
+@case("normal")
+def _normal(rng, dt):
+    return [Case({"t": np.zeros((200, 500), to_numpy(dt))}, [instr("normal", [V(1.5), V(2.0), V(11)], [T("t")])],
+                 ["t"], check="normal", extra={"mean": 1.5, "std": 2.0})]
+
+
+@case("dropout")
+def _dropout(rng, dt):
+    a = r(rng, dt, (300, 400), 0.5, 2.0)
+    return [Case({"A": a}, [instr("dropout", [V(0.25), V(5)], [T("A")])], ["A"], check="dropout",
+                 extra={"p": 0.25, "a": a})]
+
+
+@case("print")
+def _print(rng, dt):
+    return [Case({"a": r(rng, dt, (2, 3))}, [instr("print", [T("a")], [])], [], check="print")]
+
+
+@case("save", "load", "loadtensordata")
+def _files(rng, dt):
+    return [Case({"a": r(rng, dt, (3, 4))}, [], [], check="files")]
+
+
+_BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
+
+
+def _binary_inputs(rng, dt, op, sa, sb):
+    if op == "pow":
+        if is_int(dt):
+            return r(rng, dt, sa, -3, 3), r(rng, dt, sb, 0, 3)
+        return r(rng, dt, sa, 0.5, 2.0), r(rng, dt, sb, -2.0, 2.0)
+    if op == "div":
+        return r(rng, dt, sa, -50 if is_int(dt) else -4, 50 if is_int(dt) else 4), r(rng, dt, sb, away=1.0)
+    return r(rng, dt, sa), r(rng, dt, sb)
+
+
+def _make_binary(op):
+    def build(rng, dt):
+        out = []
+        for sa, sb in [((5, 7), (5, 7)), ((64,), (64,)), ((3, 4, 5), (4, 1)), ((2, 1, 3), (1, 4, 1)), ((), (3,))]:
+            a, b = _binary_inputs(rng, dt, op, sa, sb)
+            out.append(one(op, {"A": a, "B": b}, [T("A"), T("B")]))
+        a, b = _binary_inputs(rng, dt, op, (4, 6), (4, 6))
+        out.append(Case({"A": a, "B": b}, [instr(op, [T("A"), T("B")], [T("A")])], ["A"]))  # in place
+        return out
+
+    return build
+
+
+for _op in _BINARY:
+    CASES[_op] = _make_binary(_op)
+
+_SCALAR = ("addscalar", "subscalar", "mulscalar", "divscalar", "powscalar", "maxscalar", "minscalar", "rsubscalar",
+           "rdivscalar", "rpowscalar")
+
+
+def _make_scalar(op):
+    rev = op.startswith("r")
+
+    def build(rng, dt):
+        shape = (6, 9)
+        if op == "powscalar":
+            a = r(rng, dt, shape, -3, 3) if is_int(dt) else r(rng, dt, shape, 0.5, 2.0)
+            ss = [2, 0] if is_int(dt) else [1.5, 2, -0.5]
+        elif op == "rpowscalar":
+            a = r(rng, dt, shape, 0, 4) if is_int(dt) else r(rng, dt, shape, -2.0, 2.0)
+            ss = [2, 3] if is_int(dt) else [1.5, 0.5]
+        elif op == "rdivscalar":
+            a = r(rng, dt, shape, away=1.0)
+            ss = [7, -2.5] if is_int(dt) else [3.0, -1]
+        else:
+            a = r(rng, dt, shape, -50, 50) if is_int(dt) else r(rng, dt, shape)
+            # integers out of the dtype's range compute in int64 and wrap (divscalar refuses them on the CPU)
+            ss = ([3, -2.5, 100 if op == "divscalar" else 1000]) if is_int(dt) else [1.5, -2]
+        out = []
+        for s in ss:
+            args = [V(s), T("A")] if rev else [T("A"), V(s)]
+            out.append(one(op, {"A": a}, args))
+        return out
+
+    return build
+
+
+for _op in _SCALAR:
+    CASES[_op] = _make_scalar(_op)
+
+
+def _make_unary(op, lo=-3.0, hi=3.0):
+    def build(rng, dt):
+        a = r(rng, dt, (7, 9), lo, hi)
+        if dt == "bool":
+            a = rng.random((7, 9)) < 0.5
+        args = [T("A")]
+        cases = [one(op, {"A": a}, args), one(op, {"A": r(rng, dt, (1031,), lo, hi)}, args)]
+        if op == "gelu":
+            cases.append(one(op, {"A": a}, [T("A"), V("tanh")]))
+        return cases
+
+    return build
+
+
+for _op, _lo, _hi in [("sqrt", 0.0, 9.0), ("log", 0.01, 9.0), ("exp", -5.0, 5.0), ("sin", -4.0, 4.0),
+                      ("cos", -4.0, 4.0), ("tan", -1.2, 1.2), ("neg", -9.0, 9.0), ("abs", -9.0, 9.0),
+                      ("invert", -9.0, 9.0), ("relu", -3.0, 3.0), ("sigmoid", -8.0, 8.0), ("tanh", -4.0, 4.0),
+                      ("gelu", -4.0, 4.0), ("erf", -3.0, 3.0), ("silu", -6.0, 6.0)]:
+    CASES[_op] = _make_unary(_op, _lo, _hi)
+
+
+@case("todtype")
+def _todtype(rng, dt):
+    if dt == "bool":
+        a = rng.random((5, 6)) < 0.5
+    elif dt in FLOAT8:
+        a = r(rng, dt, (5, 6), -100, 100)
+    else:
+        a = r(rng, dt, (5, 6), -100, 100)
+    out = []
+    for dst in ordered(OPS["todtype"].dtypes):
+        out.append(Case({"A": a}, [instr("todtype", [T("A")], [T("C", dst)])], ["C"]))
+    return out
+
+
+def _near_copy(rng, a, b):
+    """b with about 40% of its elements equal to a's (same shapes), so that equal and notequal see both answers."""
+    if np.shape(a) != np.shape(b):
+        return b
+    return np.where(rng.random(np.shape(b)) < 0.4, a, b).astype(b.dtype)
+
+
+def _make_compare(op):
+    def build(rng, dt):
+        out = []
+        for sa, sb in [((6, 8), (6, 8)), ((3, 4, 5), (4, 1))]:
+            if dt == "bool":
+                a, b = rng.random(sa) < 0.5, rng.random(sb) < 0.5
+            else:
+                a, b = r(rng, dt, sa, -3, 3), r(rng, dt, sb, -3, 3)
+                b = _near_copy(rng, a, b)
+            args = [T("A"), T("B")]
+            out.append(one(op, {"A": a, "B": b}, args, "bool"))
+            if op in ("equal", "notequal"):
+                out.append(one(op, {"A": a, "B": b}, [*args, V(0.5)], "bool"))
+        return out
+
+    return build
+
+
+for _op in ("less", "greater", "equal", "notequal"):
+    CASES[_op] = _make_compare(_op)
+
+
+def _make_scalar_compare(op):
+    def build(rng, dt):
+        if dt == "bool":
+            a = rng.random((6, 8)) < 0.5
+            ss = [0, 1]
+        else:
+            a = r(rng, dt, (6, 8), -3, 3)
+            ss = [1, -1.5, 0.5] if not is_int(dt) else [1, 2.5, -1000]
+        out = []
+        for s in ss:
+            args = [T("A"), V(s)]
+            if op.startswith(("equal", "notequal")):
+                out.append(one(op, {"A": a}, args, "bool"))
+                out.append(one(op, {"A": a}, [*args, V(1.0)], "bool"))
+            else:
+                out.append(one(op, {"A": a}, args, "bool"))
+        return out
+
+    return build
+
+
+for _op in ("lessscalar", "greaterscalar", "equalscalar", "notequalscalar"):
+    CASES[_op] = _make_scalar_compare(_op)
+
+
+@case("switch")
+def _switch(rng, dt):
+    x, y, z = (r(rng, dt, (4, 5)) for _ in range(3))
+    cases = rng.integers(0, 3, (4, 5)).astype(np.int32)
+    flags = rng.random((1, 5)) < 0.5
+    return [Case({"x": x, "y": y, "z": z, "c": cases},
+                 [instr("switch", [L(["x", "y", "z"]), T("c")], [T("C")])], ["C"]),
+            Case({"x": x, "y": r(rng, dt, (5,)), "c": flags},
+                 [instr("switch", [L(["x", "y"]), T("c")], [T("C")])], ["C"])]
+
+
+@case("matmul")
+def _matmul(rng, dt):
+    lo, hi = (-3, 3) if is_int(dt) else (-1.0, 1.0)
+    out = []
+    for sa, sb in [((5, 7), (7, 3)), ((2, 3, 33, 17), (17, 9)), ((4, 6), (2, 6, 5)), ((3, 1, 4, 5), (1, 2, 5, 3)),
+                   ((64, 128), (128, 96)), ((2, 0), (0, 3))]:
+        out.append(one("matmul", {"A": r(rng, dt, sa, lo, hi), "B": r(rng, dt, sb, lo, hi)}, [T("A"), T("B")],
+                       scale="max"))
+    return out
+
+
+@case("reshape")
+def _reshape(rng, dt):
+    a = r(rng, dt, (3, 4))
+    return [one("reshape", {"A": a}, [T("A"), VEC((-1, 2))], out="B"),
+            Case({"A": a}, [instr("reshape", [T("A"), VEC((2, 6))], [T("A")])], ["A"])]
+
+
+@case("transpose")
+def _transpose(rng, dt):
+    return [one("transpose", {"A": r(rng, dt, (2, 3, 4))}, [T("A"), VEC((2, 0, 1))]),
+            Case({"A": r(rng, dt, (5, 5))}, [instr("transpose", [T("A"), VEC((1, 0))], [T("A")])], ["A"])]
+
+
+@case("concat")
+def _concat(rng, dt):
+    ts = {"x": r(rng, dt, (2, 1, 4)), "y": r(rng, dt, (2, 3, 4)), "z": r(rng, dt, (2, 2, 4))}
+    return [Case(ts, [instr("concat", [L(["x", "y", "z"]), V(1)], [T("C")])], ["C"]),
+            Case(ts, [instr("concat", [L(["x", "x"]), V(-1)], [T("C")])], ["C"])]
+
+
+@case("broadcastTo")
+def _broadcast(rng, dt):
+    return [one("broadcastTo", {"A": r(rng, dt, (3, 1))}, [T("A"), VEC((2, 3, 4))], out="B")]
+
+
+@case("indexselect")
+def _indexselect(rng, dt):
+    a = r(rng, dt, (4, 5, 3))
+    return [one("indexselect", {"A": a, "i": rng.integers(0, 5, (2, 3)).astype(np.int32)}, [T("A"), T("i"), V(1)],
+                out="B"),
+            one("indexselect", {"A": a, "i": rng.integers(0, 4, (6,)).astype(np.int64)}, [T("A"), T("i"), V(0)],
+                out="B")]
+
+
+@case("repeat")
+def _repeat(rng, dt):
+    return [one("repeat", {"A": r(rng, dt, (2, 3))}, [T("A"), VEC((2, 1, 3))], out="B")]
+
+
+def _make_reduce(op):
+    def build(rng, dt):
+        lo, hi = ((0.5, 1.5) if op == "prod" else (-4, 4)) if not is_int(dt) else ((-2, 2) if op == "prod" else
+                                                                                    (-50, 50))
+        a = r(rng, dt, (3, 4, 5), lo, hi)
+        out = [one(op, {"A": a}, [T("A"), VEC((1,))], out="B", scale="max"),
+               one(op, {"A": a}, [T("A"), VEC((0, 2)), V(True)], out="B", scale="max"),
+               one(op, {"A": a}, [T("A"), VEC(())], out="B", scale="max")]
+        if op != "prod":
+            big = r(rng, dt, (2, 40000), lo, hi)
+            out.append(one(op, {"A": big}, [T("A"), VEC((1,))], out="B", scale="max"))
+            out.append(one(op, {"A": r(rng, dt, (300, 70), lo, hi)}, [T("A"), VEC((0,))], out="B", scale="max"))
+        return out
+
+    return build
+
+
+for _op in ("sum", "prod", "reducemax", "reducemin"):
+    CASES[_op] = _make_reduce(_op)
+
+
+def _make_arg(op):
+    def build(rng, dt):
+        a = r(rng, dt, (3, 40, 5), -3, 3)  # small integer range: ties
+        return [one(op, {"A": a}, [T("A"), V(1)], out="B"), one(op, {"A": a}, [T("A"), V(-1), V(True)], out="B"),
+                one(op, {"A": r(rng, dt, (2, 3000))}, [T("A"), V(1)], out="B")]
+
+    return build
+
+
+for _op in ("argmax", "argmin"):
+    CASES[_op] = _make_arg(_op)
+
+
+def _make_softmax(op):
+    def build(rng, dt):
+        return [one(op, {"A": r(rng, dt, (3, 4, 5))}, [T("A"), V(1)]),
+                one(op, {"A": r(rng, dt, (3, 4, 5))}, [T("A")]),
+                one(op, {"A": r(rng, dt, (2, 5000), -10, 10)}, [T("A"), V(-1)]),
+                one(op, {"A": r(rng, dt, (2, 12000), -10, 10)}, [T("A"), V(-1)])]  # rows past shared memory
+
+    return build
+
+
+for _op in ("softmax", "logsoftmax"):
+    CASES[_op] = _make_softmax(_op)
+
+
+@case("crossentropy")
+def _crossentropy(rng, dt):
+    logits = r(rng, dt, (6, 10))
+    out = []
+    for idt in ("int32", "int64"):
+        labels = rng.integers(0, 10, (6,)).astype(idt)
+        labels[2] = -100
+        for red in ("mean", "sum", "none"):
+            out.append(one("crossentropy", {"x": logits, "l": labels}, [T("x"), T("l"), V(-100), V(red)],
+                           out="loss", scale="max"))
+    return out
+
+
+@case("crossentropygrad")
+def _crossentropygrad(rng, dt):
+    out = []
+    for n, c in ((6, 10), (3, 3000)):  # a warp per row, and a block per row (more than 2048 classes)
+        logits = r(rng, dt, (n, c))
+        for idt in ("int32", "int64"):
+            labels = rng.integers(0, c, (n,)).astype(idt)
+            labels[2] = -100
+            for red in ("mean", "sum", "none"):
+                g = r(rng, dt, (n,) if red == "none" else (), 0.5, 2)
+                out.append(one("crossentropygrad", {"x": logits, "l": labels, "g": g},
+                               [T("x"), T("l"), T("g"), V(-100), V(red)], out="d", scale="max"))
+    ignored = np.full((4,), -100, np.int64)  # every label ignored: zeros, as on the CPU
+    out.append(one("crossentropygrad", {"x": r(rng, dt, (4, 5)), "l": ignored, "g": r(rng, dt, (), 0.5, 2)},
+                   [T("x"), T("l"), T("g")], out="d", scale="max"))
+    return out
+
+
+@case("mse")
+def _mse(rng, dt):
+    a, b = r(rng, dt, (4, 5)), r(rng, dt, (4, 5))
+    big_a, big_b = r(rng, dt, (1000, 300)), r(rng, dt, (1000, 300))
+    return [one("mse", {"A": a, "B": b}, [T("A"), T("B"), V(red)], out="loss", scale="max")
+            for red in ("mean", "sum", "none")] + [
+        one("mse", {"A": big_a, "B": big_b}, [T("A"), T("B")], out="loss", scale="max")]
+
+
+@case("layernorm")
+def _layernorm(rng, dt):
+    a = r(rng, dt, (3, 4, 8))
+    return [one("layernorm", {"A": a, "w": r(rng, dt, (8,)), "b": r(rng, dt, (8,))}, [T("A"), T("w"), T("b")]),
+            one("layernorm", {"A": a, "w": r(rng, dt, (4, 8)), "b": r(rng, dt, (4, 8))},
+                [T("A"), T("w"), T("b"), V(1e-3)]),
+            one("layernorm", {"A": r(rng, dt, (2, 5000)), "w": r(rng, dt, (5000,)), "b": r(rng, dt, (5000,))},
+                [T("A"), T("w"), T("b")]),
+            one("layernorm", {"A": r(rng, dt, (2, 12000)), "w": r(rng, dt, (12000,)), "b": r(rng, dt, (12000,))},
+                [T("A"), T("w"), T("b")])]
+
+
+@case("rmsnorm")
+def _rmsnorm(rng, dt):
+    a = r(rng, dt, (3, 4, 8))
+    return [one("rmsnorm", {"A": a, "w": r(rng, dt, (8,))}, [T("A"), T("w")]),
+            one("rmsnorm", {"A": a, "w": r(rng, dt, (4, 8))}, [T("A"), T("w"), V(1e-3)]),
+            one("rmsnorm", {"A": r(rng, dt, (2, 12000)), "w": r(rng, dt, (12000,))}, [T("A"), T("w")])]
+
+
+@case("slice")
+def _slice(rng, dt):
+    return [one("slice", {"A": r(rng, dt, (5, 6, 7))}, [T("A"), VEC((1, -5, 0)), VEC((4, 6, 7)), VEC((1, 2, 3))],
+                out="B")]
+
+
+@case("sliceassign")
+def _sliceassign(rng, dt):
+    a, v = r(rng, dt, (5, 6)), r(rng, dt, (1, 3))
+    args = [T("A"), VEC((1, 0)), VEC((4, 6)), VEC((1, 2)), T("V")]
+    return [one("sliceassign", {"A": a, "V": v}, args),
+            Case({"A": a, "V": v}, [instr("sliceassign", args, [T("A")])], ["A"])]
+
+
+@case("pad")
+def _pad(rng, dt):
+    value = 7 if is_int(dt) else 1 if dt == "bool" else 1.5
+    return [one("pad", {"A": r(rng, dt, (2, 3))}, [T("A"), VEC((1, 0, 2, 1)), V(value)], out="B")]
+
+
+@case("indexadd")
+def _indexadd(rng, dt):
+    a = r(rng, dt, (5, 3))
+    idx = np.array([0, 3, 3, 1], np.int64)
+    src = r(rng, dt, (4, 3))
+    src1 = r(rng, dt, (5, 2))
+    return [one("indexadd", {"A": a, "i": idx, "s": src}, [T("A"), T("i"), T("s"), V(0)]),
+            one("indexadd", {"A": a, "i": np.array([2, 2], np.int32), "s": src1}, [T("A"), T("i"), T("s"), V(1)]),
+            Case({"A": a, "i": idx, "s": src}, [instr("indexadd", [T("A"), T("i"), T("s"), V(0)], [T("A")])], ["A"])]
+
+
+@case("sgd")
+def _sgd(rng, dt):
+    out = []
+    for hp, step in [((0.1, 0.0, 0.0, 0.0, False), 1), ((0.05, 0.9, 0.1, 0.01, False), 3),
+                     ((0.05, 0.9, 0.0, 0.0, True), 1)]:
+        lr, mom, damp, wd, nest = hp
+        ins = {"p": r(rng, dt, (6, 7)), "g": r(rng, dt, (6, 7)), "b": r(rng, dt, (6, 7))}
+        args = [T("p"), T("g"), T("b"), V(lr), V(mom), V(damp), V(wd), V(nest), V(step)]
+        out.append(Case(ins, [instr("sgd", args, [T("p"), T("b")])], ["p", "b"]))
+    return out
+
+
+def _make_adam(op):
+    def build(rng, dt):
+        out = []
+        for wd, step in [(0.0, 1), (0.05, 4)]:
+            ins = {"p": r(rng, dt, (6, 7)), "g": r(rng, dt, (6, 7)), "m": r(rng, dt, (6, 7), -0.1, 0.1),
+                   "v": r(rng, dt, (6, 7), 0.0, 0.1)}
+            args = [T("p"), T("g"), T("m"), T("v"), V(0.01), V(0.9), V(0.999), V(1e-8), V(wd), V(step)]
+            out.append(Case(ins, [instr(op, args, [T("p"), T("m"), T("v")])], ["p", "m", "v"]))
+        return out
+
+    return build
+
+
+for _op in ("adam", "adamw"):
+    CASES[_op] = _make_adam(_op)
+
+
+@case("fused")
+def _fused(rng, dt):
+    expr = "in0 * 2.5 + exp(in1) - maximum(in0, in2) ** 2 / (abs(in1) + 1) + sqrt(abs(in2)) * tanh(-in0)"
+    same = {"x": r(rng, dt, (7, 9), -2, 2), "y": r(rng, dt, (7, 9), -2, 2), "z": r(rng, dt, (7, 9), -2, 2)}
+    bc = {"x": r(rng, dt, (3, 4, 5), -2, 2), "y": r(rng, dt, (4, 1), -2, 2), "z": r(rng, dt, (5,), -2, 2)}
+    return [Case(ins, [instr("fused", [L(["x", "y", "z"]), V(expr)], [T("C")])], ["C"]) for ins in (same, bc)]
+
+
+# ---------------------------------------------------------------- checking
+
+
+def _params() -> list[Any]:
+    out = []
+    for op in OPS:
+        for dt in ordered(OPS[op].dtypes):
+            out.append(pytest.param(op, dt, id=f"{op}-{dt}"))
+    return out
+
+
+def test_every_op_has_a_case():
+    missing = sorted(set(OPS) - set(CASES))
+    assert not missing, f"ops with no CUDA test case in tests/gpu/test_kernels.py: {missing}"
+
+
+def test_every_claimed_dtype_runs_on_the_device():
+    """The catalogue's dtypes all have CUDA kernels (no op needs the CPU fallback for a dtype it claims)."""
+    from deepxd.kernels.cuda import has_kernel, kernel_dtypes
+
+    lacking = {op: sorted(OPS[op].dtypes - kernel_dtypes(op)) for op in OPS if not has_kernel(op)}
+    assert not lacking, f"claimed dtypes without a CUDA kernel: {lacking}"
+
+
+@pytest.mark.parametrize(("op", "dtype"), _params())
+def test_case_runs_on_cpu(op, dtype):
+    """Each case is a valid program (checked and run by the CPU executor), so a GPU visit is not spent on a typo."""
+    rng = np.random.default_rng(zlib.crc32(f"{op}-{dtype}".encode()))
+    for c in CASES[op](rng, dtype):
+        if c.check in ("files", "print"):
+            continue
+        cpu = CpuExecutor()
+        for n, a in c.inputs.items():
+            cpu.put(n, a)
+        cpu.run_all(c.program)
+
+
+def compare(got: np.ndarray, want: np.ndarray, dtype: str, scale: str, what: str) -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, CPU {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, CPU {want.shape}"
+    if got.dtype.kind in "iub":
+        bad = got != want
+        assert not bad.any(), (f"{what}: {int(bad.sum())} of {got.size} differ; got {got[bad][:6]}, CPU "
+                               f"{want[bad][:6]}")
+        return
+    rt, at = TOL[from_numpy(want.dtype)]  # the output's dtype (todtype changes it)
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    mag = np.abs(w)
+    if scale == "max" and w.size:
+        mag = np.maximum(mag, np.nanmax(np.where(np.isfinite(w), np.abs(w), 0)))
+    with np.errstate(invalid="ignore"):
+        ok = (np.isnan(g) & np.isnan(w)) | (g == w) | (np.abs(g - w) <= rt * mag + at)
+    if not ok.all():
+        raise AssertionError(f"{what}: {int((~ok).sum())} of {got.size} off (rtol {rt}, atol {at}); got "
+                             f"{g[~ok][:6]}, CPU {w[~ok][:6]}")
+
+
+def _run_both(gx, c: Case) -> CpuExecutor:
+    cpu = CpuExecutor()
+    for n, a in c.inputs.items():
+        cpu.put(n, a)
+        gx.put(n, a)
+        if cpu.tensors[n].shape != np.shape(a):  # keep 0-d inputs 0-d on both
+            cpu.tensors[n] = cpu.tensors[n].reshape(np.shape(a))
+            gx.tensors[n] = gx.tensors[n].view(np.shape(a))
+    cpu.run_all(c.program)
+    gx.run_all(c.program)
+    return cpu
+
+
+@pytest.mark.parametrize(("op", "dtype"), _params())
+def test_op_matches_cpu(gx, op, dtype, tmp_path):
+    rng = np.random.default_rng(zlib.crc32(f"{op}-{dtype}".encode()))
+    builder = CASES[op]
+    for k, c in enumerate(builder(rng, dtype)):
+        gx.tensors.clear()
+        what = f"{op}[{dtype}] case {k}"
+        if c.check == "files":
+            _check_files(gx, c, dtype, tmp_path)
+            continue
+        if c.check == "print":
+            _check_print(gx, c)
+            continue
+        cpu = _run_both(gx, c)
+        if c.check == "names":
+            assert set(gx.tensors) == set(cpu.tensors), what
+            for n in c.outputs:
+                compare(gx.get(n), cpu.get(n), dtype, c.scale, f"{what} '{n}'")
+        elif c.check == "vars":
+            assert gx.variables == cpu.variables and gx.vectors == cpu.vectors, what
+        elif c.check == "uniform":
+            t = gx.get("t").astype(np.float64)
+            assert t.min() >= c.extra["low"] and t.max() < c.extra["high"], what
+            assert abs(t.mean() - 0.5) < 0.05 and abs(t.std() - 5 / 12**0.5) < 0.05, what
+        elif c.check == "normal":
+            t = gx.get("t").astype(np.float64)
+            assert abs(t.mean() - c.extra["mean"]) < 0.05 and abs(t.std() - c.extra["std"]) < 0.05, what
+        elif c.check == "dropout":
+            got, a, p = gx.get("A").astype(np.float64), c.extra["a"].astype(np.float64), c.extra["p"]
+            zero = got == 0
+            assert abs(zero.mean() - p) < 0.01, f"{what}: dropped {zero.mean():.3f}, p {p}"
+            rt, at = TOL[dtype]
+            assert np.allclose(got[~zero], a[~zero] / (1 - p), rtol=rt, atol=at), what
+        else:
+            for n in c.outputs:
+                compare(gx.get(n), cpu.get(n), dtype, c.scale, f"{what} '{n}'")
+        assert not gx.fallbacks, f"{what}: ran on the CPU fallback: {dict(gx.fallbacks)}"
+
+
+def _check_files(gx, c: Case, dtype: str, tmp_path) -> None:
+    a = c.inputs["a"]
+    gx.put("a", a)
+    path = str(tmp_path / f"t_{dtype}")
+    gx.run(instr("save", [T("a"), V(path)]))
+    gx.run(instr("load", [V(path)], [T("b")]))
+    np.testing.assert_array_equal(gx.get("b").view(np.uint8), a.view(np.uint8))
+    gx.put("z", np.zeros_like(a))
+    gx.run(instr("loadtensordata", [V(path + ".data")], [T("z")]))
+    np.testing.assert_array_equal(gx.get("z").view(np.uint8), a.view(np.uint8))
+    cpu = CpuExecutor()
+    cpu.run(instr("load", [V(path)], [T("c")]))
+    np.testing.assert_array_equal(cpu.get("c").view(np.uint8), a.view(np.uint8))
+
+
+def _check_print(gx, c: Case) -> None:
+    lines: list[str] = []
+    cpu_lines: list[str] = []
+    old = gx.output
+    gx.output = lines.append
+    try:
+        _run_both(gx, c)
+    finally:
+        gx.output = old
+    cpu = CpuExecutor(output=cpu_lines.append)
+    for n, a in c.inputs.items():
+        cpu.put(n, a)
+    cpu.run_all(c.program)
+    assert lines == cpu_lines and lines
+
+
+# ---------------------------------------------------------------- dtypes the catalogue does not claim
+
+
+@pytest.mark.parametrize("dtype", sorted(FLOAT8))
+def test_float8_shape_ops_and_casts(gx, dtype):
+    rng = np.random.default_rng(3)
+    a = r(rng, dtype, (4, 6), -8, 8)
+    for c in [*CASES["transpose"](rng, dtype), *CASES["concat"](rng, dtype), *CASES["slice"](rng, dtype),
+              *CASES["pad"](rng, dtype), *CASES["todtype"](rng, dtype)]:
+        gx.tensors.clear()
+        cpu = _run_both(gx, c)
+        for n in c.outputs:
+            compare(gx.get(n), cpu.get(n), str(cpu.tensors.metas[n].dtype), "elem", f"{dtype} {c.program[0].name}")
+    gx.put("a", a)
+    np.testing.assert_array_equal(gx.get("a").view(np.uint8), a.view(np.uint8))
+    assert not gx.fallbacks
+

@@ -1,0 +1,153 @@
+"""The Redis backend against real redis-servers: unreachable servers, a restart under a connected client, one round
+trip per batch, hiredis, and key globbing that matches Redis's own."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.asyncio.connection import AbstractConnection
+
+from deepx_sdk.errors import DeepxError
+from deepxd.kv.base import compile_glob, escape_glob
+from deepxd.kv.redis import RedisKV, redact
+
+NewServer = Callable[[], Any]  # the new_redis_server fixture: starts a redis-server of the test's own
+
+
+async def test_an_unreachable_server_fails_fast(unused_port: int) -> None:
+    port = unused_port
+    started = time.monotonic()
+    with pytest.raises(DeepxError, match=rf"cannot reach Redis at redis://127.0.0.1:{port}/0: .*(refused|onnect)"):
+        await RedisKV(f"redis://127.0.0.1:{port}/0").connect()
+    assert time.monotonic() - started < 2.0
+
+
+async def test_a_silent_address_fails_within_the_connect_timeout() -> None:
+    started = time.monotonic()  # a non-routable address: no answer (or no route) at all
+    with pytest.raises(DeepxError, match=r"cannot reach Redis at redis://10\.255\.255\.1:6379/0"):
+        await RedisKV("redis://10.255.255.1:6379/0", connect_timeout=0.5).connect()
+    assert time.monotonic() - started < 2.5
+
+
+async def test_a_password_never_shows_in_errors(unused_port: int) -> None:
+    port = unused_port
+    with pytest.raises(DeepxError) as caught:
+        await RedisKV(f"redis://user:s3cret@127.0.0.1:{port}/0").connect()
+    assert "s3cret" not in str(caught.value)
+    assert f"redis://user:***@127.0.0.1:{port}/0" in str(caught.value)
+    assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_a_bad_url_is_a_deepx_error() -> None:
+    with pytest.raises(DeepxError, match="database number"):
+        RedisKV("redis://127.0.0.1:6379/notadb")  # redis-py would quietly use database 0
+    with pytest.raises(DeepxError, match="port is not a number"):
+        RedisKV("redis://127.0.0.1:port/0")
+    RedisKV("redis://127.0.0.1:6379")
+    RedisKV("redis://127.0.0.1/15")
+    RedisKV("unix:///run/redis.sock?db=1")
+
+
+async def test_a_restart_under_a_connected_client_is_ridden_out(new_redis_server: NewServer) -> None:
+    server = new_redis_server()
+    async with RedisKV(server.url, prefix="restart:") as kv:
+        await kv.set("a", b"1")
+        assert await kv.get("a") == b"1"
+        server.stop()  # every pooled connection is now dead
+        started = time.monotonic()
+        restart = asyncio.create_task(asyncio.to_thread(lambda: (time.sleep(0.3), server.start())))
+        await kv.set("b", b"2")  # retried with backoff until the server is back
+        assert time.monotonic() - started >= 0.3
+        await restart
+        assert await kv.get("b") == b"2"
+        assert await kv.get("a") is None  # the server kept nothing (--save "")
+        server.stop()
+        server.start()
+        assert await kv.hincrby("h", "n", 3) == 3  # a stale connection is replaced at once
+
+
+async def test_a_server_that_stays_down_is_a_deepx_error(new_redis_server: NewServer) -> None:
+    server = new_redis_server()
+    async with RedisKV(server.url, retries=2) as kv:
+        await kv.set("a", b"1")
+        server.stop()
+        with pytest.raises(DeepxError, match=r"lost Redis at .* 2 reconnects"):
+            await kv.get("a")
+        with pytest.raises(DeepxError, match="lost Redis"):
+            async with kv.batch() as b:
+                b.set("a", b"2")
+
+
+async def test_a_batch_is_one_round_trip(redis_server: Any, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sends: list[int] = []
+    real = AbstractConnection.send_packed_command
+
+    async def counting(self: AbstractConnection, command: object, check_health: bool = True) -> None:
+        sends.append(1)
+        await real(self, command, check_health)  # type: ignore[arg-type]
+
+    async with RedisKV(redis_server.url, prefix=prefix) as kv:
+        await kv.set("warm", b"")  # the pool's connection exists
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+        async with kv.batch() as b:
+            for i in range(100):
+                b.hset(f"tensor:{i}", {"refcount": 1, "dtype": "float32"})
+                b.hincrby("ops:n:cpu", "add.calls", 1)
+                b.rpush("tensor_lifecycle", b"create %d" % i)
+        assert len(sends) == 1
+        monkeypatch.undo()
+        assert await kv.hget("ops:n:cpu", "add.calls") == "100"
+        assert await kv.llen("tensor_lifecycle") == 100
+
+
+async def test_replies_are_parsed_by_hiredis(redis_server: Any, prefix: str) -> None:
+    async with RedisKV(redis_server.url, prefix=prefix) as kv:
+        client = kv._require()
+        connection = await client.connection_pool.get_connection()
+        try:
+            assert type(connection._parser).__name__ == "_AsyncHiredisParser"
+        finally:
+            await client.connection_pool.release(connection)
+        assert await client.execute_command("CLIENT", "GETNAME") == b"deepxd"  # named in CLIENT LIST
+
+
+async def test_keys_escapes_a_prefix_with_glob_characters(redis_server: Any) -> None:
+    async with (
+        RedisKV(redis_server.url, prefix="we[i]rd*?\\:") as kv,
+        RedisKV(redis_server.url, prefix="wex:") as other,
+    ):
+        await kv.set("a", b"1")
+        await other.set("b", b"2")
+        assert await kv.keys() == ["a"]
+        assert await kv.keys("?") == ["a"]
+        await kv.delete("a")
+        await other.delete("b")
+
+
+# the embedded store matches keys with compile_glob; Redis with its own matcher: they must agree, byte for byte
+
+KEYS = ["", "a", "b", "ab", "ba", "abc", "a-b", "a^", "[a]", "a*b", "a?b", "a\\b", "é", "aé", "-", "]", "^", "\\"]
+
+
+@pytest.fixture(scope="module")
+def glob_keys(redis_server: Any) -> tuple[redis.Redis, str]:
+    client = redis.Redis.from_url(redis_server.url)
+    prefix = "glob[*]:"
+    client.mset({prefix + k: b"" for k in KEYS})
+    return client, prefix
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet="ab*?[]^-\\é", max_size=7))
+def test_glob_matches_redis(glob_keys: tuple[redis.Redis, str], pattern: str) -> None:
+    client, prefix = glob_keys
+    found = {k.decode()[len(prefix) :] for k in client.scan_iter(match=escape_glob(prefix) + pattern, count=1000)}
+    mine = {k for k in KEYS if compile_glob(pattern).fullmatch(k.encode())}
+    assert mine == found, pattern

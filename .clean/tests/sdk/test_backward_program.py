@@ -1,0 +1,358 @@
+"""A training loop's repeated `loss.backward()` is recorded into the step's program as a `backward` instruction, which
+the daemon expands in place: one program per step, embedded and over the native socket, with the numbers torch
+gives. The first backward of a graph is sent on its own, so that a graph without a gradient raises at that line; a
+recorded one that fails raises at the next read, naming the line of its backward()."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.optim import SGD
+from deepx_sdk.session import Session
+from tests.daemon.conftest import Daemon
+from tests.sdk.conftest import cross_entropy_step
+
+
+@contextlib.contextmanager
+def _backwards_sent() -> Iterator[list[int]]:
+    """Per program the session sends, how many backward instructions it carries."""
+    transport = dx.session().transport
+    run = transport.run
+    sent: list[int] = []
+    transport.run = lambda program, fetch, backwards=(): sent.append(len(backwards)) or run(program, fetch, backwards)
+    try:
+        yield sent
+    finally:
+        transport.run = run
+
+
+def _train(rng: np.random.Generator, steps: int, sent: list[tuple[int, int]]) -> tuple[list[float], list[np.ndarray]]:
+    """`steps` SGD steps of a small MLP in float64 against torch's; `sent`: per program, (instructions, backwards)."""
+    transport = dx.session().transport
+    run = transport.run
+
+    def spy(program, fetch, backwards=()):  # type: ignore[no-untyped-def]
+        sent.append((len(program), len(backwards)))
+        return run(program, fetch, backwards)
+
+    transport.run = spy
+    x, y = rng.standard_normal((16, 6)), rng.integers(0, 3, 16)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    tmodel = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    with torch.no_grad():
+        for p, tp in zip(model.parameters(), tmodel.parameters()):
+            tp.copy_(torch.tensor(p.detach().numpy()))
+    opt, topt = SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(tmodel.parameters(), lr=0.1,
+                                                                              momentum=0.9)
+    dxx, dxy, tx, ty = dx.tensor(x), dx.tensor(y), torch.from_numpy(x), torch.from_numpy(y)
+    losses = []
+    try:
+        for _ in range(steps):
+            loss, tloss = cross_entropy_step(model, opt, dxx, dxy, tmodel, topt, tx, ty)
+            losses.append(loss)
+            assert loss == pytest.approx(tloss, rel=1e-12)
+    finally:
+        transport.run = run
+    for p, tp in zip(model.parameters(), tmodel.parameters()):
+        np.testing.assert_allclose(p.detach().numpy(), tp.detach().numpy(), rtol=1e-10, atol=1e-12)
+    return losses, [p.detach().numpy() for p in model.parameters()]
+
+
+def test_a_training_step_goes_as_one_program_with_its_backward_inside(rng):
+    dx.connect()  # a fresh session: its name pool empty, as a script's is
+    sent: list[tuple[int, int]] = []
+    losses, _ = _train(rng, 8, sent)
+    assert losses[-1] < losses[0]
+    # the first steps send the forward, then the backward on its own (derived and checked the first time); once the
+    # daemon has derived a step's backward, each step is a single program, the backward instruction in it
+    assert sent[-3:] == [sent[-1]] * 3 and sent[-1][1] == 1
+    assert len(sent) < 8 * 2
+
+
+def test_over_the_native_socket_a_step_is_one_program_too(rng, tmp_path):
+    d = Daemon(tmp_path, udp=False).start()
+    try:
+        s = dx.connect(d.address)
+        assert type(s.transport).__name__ == "NativeTransport"
+        sent: list[tuple[int, int]] = []
+        _train(rng, 6, sent)  # the numbers torch gives, step by step
+        assert sent[-2:] == [sent[-1]] * 2 and sent[-1][1] == 1
+    finally:
+        dx.disconnect()
+        d.stop()
+
+
+def test_a_recorded_backward_that_fails_raises_at_the_next_read_naming_its_line(rng, monkeypatch):
+    w = nn.Parameter(rng.standard_normal(3))
+    h = w.exp()  # exp's gradient reads its result, which the next line overwrites: no backward exists
+    loss = h.sum()
+    h.add_(1.0)
+    # as if this graph's backward had been derived before: recorded, and derived by the daemon only when it runs
+    monkeypatch.setattr(Session, "backward_seen", lambda self, spec, remember=False: True)
+    loss.backward(); line = _line()  # noqa: E702
+    grad = w.grad
+    with pytest.raises(DeepxError, match=rf"backward: .*overwrites.*test_backward_program.py:{line}"):
+        grad.numpy()
+    assert grad.name in dx.session()._lost  # its tensor never came to exist: Python does not delete it
+    k = int(grad.name[len(dx.session()._grad_root):].partition("_")[0])
+    assert dx.session()._grad_live[k] == -1  # what ran of it may be left: its prefix is not handed out again
+    del grad
+    w.grad = None
+    np.testing.assert_allclose((w * 2).numpy(), w.detach().numpy() * 2)  # the session goes on
+
+
+def _line() -> int:
+    import inspect
+
+    frame = inspect.currentframe()
+    assert frame is not None and frame.f_back is not None
+    return frame.f_back.f_lineno
+
+
+def test_a_weights_transpose_is_gone_before_the_optimizer_writes_the_weight(rng):
+    """x @ W.T reads a view of W; the SDK deletes the transpose before opt.step(), so the update copies nothing."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = SGD(model.parameters(), lr=0.1)
+    x, y = dx.tensor(rng.standard_normal((8, 64)).astype(np.float32)), dx.tensor(rng.integers(0, 4, 8))
+    worker = dx.session().transport.node.worker()._actor
+    for _ in range(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        dx.sync()
+        ex = worker.ex
+        heap = set(worker.heap)
+        assert not ex.strided and not any(base in heap for base in ex.views)
+
+
+def test_a_recorded_backward_keeps_its_place_when_deletions_fill_the_program(rng):
+    """The collected handles' deletions go in before the backward instruction, and a program filled to max_pending
+    is sent with the instruction and its expansion together, never one without the other."""
+    s = dx.connect(max_pending=200)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = SGD(model.parameters(), lr=0.1)
+    x, y = dx.tensor(rng.standard_normal((16, 6)).astype(np.float32)), dx.tensor(rng.integers(0, 3, 16))
+    z = dx.tensor(np.ones(5, np.float32))
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        dx.sync()
+        junk = [z * 2 for _ in range(40)]  # 40 handles collected just before backward()
+        loss = F.cross_entropy(model(x), y)
+        pad = []
+        while len(s.pending) < s.max_pending - 3:
+            pad.append(z + 1.0)
+        del junk
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        del pad
+    assert losses[-1] < losses[0]
+    assert (z * 3).numpy().tolist() == [3.0] * 5  # the session goes on
+
+
+def test_deleted_transposes_are_not_deleted_again(rng):
+    """A transpose's name is deleted when collected and pooled: dx.empty_cache() and a failed program that handed
+    the name out again must not delete it a second time."""
+    s = dx.session()
+    a = dx.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    t = a.permute(1, 0)
+    dx.sync()
+    del t
+    dx.sync()
+    dx.empty_cache()
+    dx.sync()  # no "deltensor: tensor not found"
+    t = a.permute(1, 0)
+    dx.sync()
+    del t
+    bad = F.cross_entropy(dx.zeros(4, 3), dx.tensor(np.array([0, 1, 2, 7])))  # label 7: fails when it runs
+    u = a.permute(1, 0)  # takes the deleted transpose's name, and never runs
+    with pytest.raises(DeepxError, match="label 7 out of range"):
+        dx.sync()
+    assert u.name in s._lost
+    del u, bad
+    np.testing.assert_array_equal((a + 1).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3) + 1)
+    np.testing.assert_array_equal(a.permute(1, 0).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3).T)
+
+
+def test_two_backwards_in_one_step_expand_in_order(rng):
+    """Two losses differentiated in one step (the second after the first accumulated into .grad): once both graphs
+    were derived, both backward instructions go in the one program, expanded where each stands."""
+    dx.connect()
+    w0, v0, x = rng.standard_normal((4, 3)), rng.standard_normal(3), rng.standard_normal((5, 4))
+    w, v = nn.Parameter(w0), nn.Parameter(v0)
+    tw, tv = torch.tensor(w0, requires_grad=True), torch.tensor(v0, requires_grad=True)
+    dxx, tx = dx.tensor(x), torch.tensor(x)
+    with _backwards_sent() as sent:
+        for _ in range(5):
+            for p in (w, v):
+                p.grad = None
+            (dxx @ w).tanh().sum().backward()
+            ((dxx @ w) * v).square().mean().backward()
+            gw, gv = w.grad.numpy(), v.grad.numpy()
+            tw.grad = tv.grad = None
+            (tx @ tw).tanh().sum().backward()
+            ((tx @ tw) * tv).square().mean().backward()
+            np.testing.assert_allclose(gw, tw.grad.numpy(), rtol=1e-10)
+            np.testing.assert_allclose(gv, tv.grad.numpy(), rtol=1e-10)
+    assert 2 in sent  # the last steps: one program carrying both backward instructions
+
+
+def test_a_loop_over_new_batches_names_them_alike_and_records_its_backward(rng):
+    """dx.tensor takes a collected tensor's name of its shape and dtype, and a free name goes to the lowest-numbered
+    first whatever order Python collected them in: a loop over fresh batches sends the same programs every step."""
+    dx.connect()
+    s = dx.session()
+    a, b, c = (dx.zeros(3) + k for k in range(3))
+    names = sorted((a.name, b.name, c.name), key=lambda n: (len(n), n))
+    del c, a, b
+    d = dx.ones(3) * 5.0
+    assert d.name == names[0]  # the lowest of the three, though it was collected second
+    np.testing.assert_array_equal(d.numpy(), [5.0] * 3)
+    x = dx.tensor(np.arange(4.0))
+    first = x.name
+    del x
+    x = dx.tensor(np.arange(4.0) + 10)
+    assert x.name == first
+    np.testing.assert_array_equal(x.numpy(), np.arange(4.0) + 10)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    opt = SGD(model.parameters(), lr=0.1)
+    recorded = []
+    seen = Session.backward_seen
+
+    def spy(self, spec, remember=False):  # type: ignore[no-untyped-def]
+        r = seen(self, spec, remember)
+        if not remember:
+            recorded.append(r)
+        return r
+
+    Session.backward_seen = spy  # type: ignore[method-assign]
+    try:
+        for _ in range(8):
+            xb, yb = dx.tensor(rng.standard_normal((16, 6))), dx.tensor(rng.integers(0, 3, 16))
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            loss.item()
+    finally:
+        Session.backward_seen = seen  # type: ignore[method-assign]
+    assert recorded[-4:] == [True] * 4, recorded
+    assert s is dx.session()
+
+
+def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
+    """Adam's step count changes every step, so the step's program never repeats: after two such programs the
+    graph's backward goes as its own request again (the whole step would otherwise go through the passes afresh
+    every time). The numbers are torch's throughout."""
+    dx.connect()
+    s = dx.session()
+    from deepx_sdk.optim import Adam
+
+    w0 = rng.standard_normal((4, 3))
+    w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
+    x = rng.standard_normal((5, 4))
+    dxx, tx = dx.tensor(x), torch.tensor(x)
+    opt, topt = Adam([w], lr=0.1), torch.optim.Adam([tw], lr=0.1)
+    with _backwards_sent() as sent:
+        for _ in range(12):
+            opt.zero_grad()
+            loss = (dxx @ w).tanh().sum()
+            loss.backward()
+            opt.step()
+            topt.zero_grad()
+            tloss = (tx @ tw).tanh().sum()
+            tloss.backward()
+            topt.step()
+            assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
+    np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
+    assert 1 in sent and s._lazy_off  # recorded for a while, then judged not to pay
+    assert sent[-6:] == [0] * 6  # the last steps: each backward on its own
+
+
+def test_data_sent_from_python_takes_only_names_whose_tensors_exist():
+    """dx.tensor takes a pooled name (its tensor is replaced), never a deleted transpose's (whose deletion may still
+    be queued behind a failed program), and a tensor it made is not taken for one never made when a later program
+    fails; a refused put (inside dx.compile) leaves nothing behind."""
+    import gc
+
+    dx.connect()
+    s = dx.session()
+    ex = s.transport.node.worker()._actor.ex
+    w = dx.tensor(np.arange(6.0).reshape(2, 3))
+    a, idx = dx.tensor(np.arange(3.0)), dx.tensor(np.array([5]))
+    t = w.t()
+    dx.sync()
+    bad = a[idx]  # fails in the daemon at the next flush
+    del t  # its deletion is queued after the failing instruction
+    c = dx.tensor(np.ones((3, 2)))
+    with pytest.raises(DeepxError, match="out of range"):
+        dx.sync()
+    np.testing.assert_array_equal(c.numpy(), np.ones((3, 2)))
+    del bad
+    bad = a[idx]
+    c.add_(1.0)  # after the failure: never runs
+    with pytest.raises(DeepxError, match="out of range"):
+        dx.sync()
+    assert c.name not in s._lost  # it exists: deleted (or pooled) when collected, not leaked
+    name = c.name
+    del c, bad
+    gc.collect()
+    dx.sync()
+    assert name not in ex.tensors or any(name in v for v in s.pool.values())
+
+    @dx.compile
+    def f(x):  # type: ignore[no-untyped-def]
+        return x * dx.tensor(np.ones(3, np.float32))
+
+    x = dx.tensor(np.ones(3, np.float32))
+    counts = []
+    for _ in range(3):
+        tmp = x + 1.0
+        dx.sync()
+        del tmp  # a pooled name of shape (3,)
+        with pytest.raises(DeepxError, match="sends data from Python"):
+            f(x)
+        gc.collect()
+        dx.sync()
+        counts.append(len(ex.tensors))
+    assert counts[0] == counts[-1]
+
+
+def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
+    """A learning-rate warm-up changes the step's numbers for a while: the graph's backward goes on its own, and is
+    recorded into the step again after LAZY_RETRY backwards, once the steps repeat."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("deepx_sdk.session"), "LAZY_RETRY", 4)
+    dx.connect()
+    w0, x = rng.standard_normal((4, 3)), rng.standard_normal((5, 4))
+    w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
+    dxx, tx = dx.tensor(x), torch.tensor(x)
+    opt, topt = SGD([w], lr=0.1, momentum=0.9), torch.optim.SGD([tw], lr=0.1, momentum=0.9)
+    with _backwards_sent() as sent:
+        for step in range(24):
+            lr = 0.01 * (step + 1) if step < 8 else 0.1  # warm-up, then constant
+            for o in (opt, topt):
+                o.param_groups[0]["lr"] = lr
+            opt.zero_grad()
+            loss = (dxx @ w).tanh().sum()
+            loss.backward()
+            opt.step()
+            topt.zero_grad()
+            (tx @ tw).tanh().sum().backward()
+            topt.step()
+            loss.item()
+    np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
+    first = sent.index(1)
+    assert 0 in sent[first:-3]  # recorded, then on its own during the warm-up
+    assert sent[-3:] == [1, 1, 1]  # and recorded again once the steps repeat

@@ -1,0 +1,658 @@
+"""dx.compile: a training step captured once, stored as graph:<name>, and replayed by name trains exactly as the
+eager step does; signatures, refusals, listing, explain; against the embedded daemon and a deepxd subprocess."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
+from deepx_sdk.compile import GraphRecord
+from deepx_sdk.errors import DeepxError
+from tests.daemon.conftest import Daemon
+
+
+def mlp_run(compiled: bool, optimizer: str, steps: int = 10, arrays: bool = False, sched: bool = False):
+    """Train a float64 MLP for `steps` steps; the losses, the final parameters, and the step function."""
+    dx.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    if optimizer == "sgd":
+        opt = dx.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    elif optimizer == "sgd-plain":
+        opt = dx.optim.SGD(model.parameters(), lr=0.05)
+    else:
+        opt = dx.optim.Adam(model.parameters(), lr=1e-2)
+    lr_sched = dx.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if sched else None
+
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = dx.compile(train_step) if compiled else train_step
+    rng = np.random.default_rng(7)
+    losses = []
+    for _ in range(steps):
+        xa, ya = rng.standard_normal((6, 8)), rng.integers(0, 3, 6)
+        x, y = (xa, ya) if arrays and compiled else (dx.tensor(xa), dx.tensor(ya))
+        losses.append(step(x, y).item())
+        if lr_sched is not None:
+            lr_sched.step()
+    return np.array(losses), [p.numpy() for p in model.parameters()], step
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd-plain", "adam"])
+def test_replay_trains_exactly_as_eager(optimizer: str) -> None:
+    eager_losses, eager_params, _ = mlp_run(False, optimizer)
+    losses, params, step = mlp_run(True, optimizer)
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-12, atol=1e-14)
+    for a, b in zip(params, eager_params):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert losses[-1] < losses[0]
+    # an optimizer whose first step makes its buffers is captured on the second call; plain SGD is captured on the
+    # first (no gradients yet) and on the second (gradients held since: another signature); later calls replay
+    assert step.captures == 2 and step.replays == 8
+    assert len(step.graph_names) == (2 if optimizer == "sgd-plain" else 1)
+
+
+def test_arrays_as_inputs_and_a_learning_rate_schedule() -> None:
+    eager_losses, eager_params, _ = mlp_run(False, "adam", sched=True)
+    losses, params, step = mlp_run(True, "adam", arrays=True, sched=True)
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-12, atol=1e-14)
+    for a, b in zip(params, eager_params):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert step.replays == 8
+
+
+def test_changed_shape_captures_a_new_graph() -> None:
+    w = dx.randn(8, 4, dtype=dx.float64)
+
+    @dx.compile
+    def f(x):
+        return (x @ w).relu().sum(dim=1)
+
+    a, b = np.random.rand(5, 8), np.random.rand(3, 8)
+    for _ in range(2):
+        ra, rb = f(dx.tensor(a)), f(dx.tensor(b))
+    assert f.captures == 2 and f.replays == 2 and len(f.graph_names) == 2
+    wn = w.numpy()
+    np.testing.assert_allclose(ra.numpy(), np.maximum(a @ wn, 0).sum(1), rtol=1e-12)
+    np.testing.assert_allclose(rb.numpy(), np.maximum(b @ wn, 0).sum(1), rtol=1e-12)
+    assert ra.shape == (5,) and rb.shape == (3,) and ra.dtype == "float64"
+    # another dtype, or a non-tensor argument's value, is another signature too
+    f(dx.tensor(a.astype(np.float32)))
+    assert f.captures == 3
+
+
+def test_graphs_are_listed_and_stored_in_the_plane() -> None:
+    @dx.compile(name="listed_step")
+    def f(x, scale):
+        return (x * scale + 1).exp()
+
+    x = dx.tensor(np.arange(6.0).reshape(2, 3))
+    out = f(x, 0.5)
+    again = f(x, 0.5)
+    np.testing.assert_allclose(again.numpy(), np.exp(np.arange(6.0).reshape(2, 3) * 0.5 + 1))
+    np.testing.assert_array_equal(out.numpy(), again.numpy())
+    (name,) = f.graph_names
+    assert name.startswith("listed_step-")
+    listed = {g.name: g for g in dx.graphs()}
+    assert listed[name].instructions > 0 and listed[name].inputs == [(f"{name}.in0", "float64", (2, 3))]
+    node = dx.session().transport.node
+    data = node_kv_get(node, f"graph:{name}")
+    rec = GraphRecord.unpack(data, name)
+    assert len(rec.instrs) == listed[name].instructions and rec.outputs[0][2] == (2, 3)
+    assert f"{name}.out0" in {str(p.value) for i in rec.instrs for p in i.returns}
+
+
+def node_kv_get(node, key: str) -> bytes:
+    import asyncio
+
+    s = dx.session()
+    return asyncio.run_coroutine_threadsafe(node.kv.get(key), s.transport.loop).result()
+
+
+def test_accumulating_gradients_across_calls_is_refused() -> None:
+    model = nn.Linear(3, 1).double()
+    opt = dx.optim.SGD(model.parameters(), lr=0.1)
+
+    @dx.compile
+    def step(x):
+        model(x).sum().backward()  # no zero_grad: each call would add to the last call's gradients
+        opt.step()
+        return model.weight.sum()
+
+    x = dx.tensor(np.ones((2, 3)))
+    step(x)  # no gradients yet: nothing to add to
+    # the last call's gradients are read and replaced (a backward's gradient names are deleted, never pooled)
+    with pytest.raises(dx.DeepxError, match=r"frees tensors it did not make .*_g\d+_r?\d+"):
+        step(x)
+    opt.zero_grad()
+    step(x)  # the first signature again: replayed
+    assert step.replays == 1
+
+
+def test_zero_grad_outside_the_step() -> None:
+    eager_losses, eager_params, _ = mlp_run(False, "sgd-plain")
+    dx.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    opt = dx.optim.SGD(model.parameters(), lr=0.05)
+
+    @dx.compile
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    rng = np.random.default_rng(7)
+    losses = []
+    for _ in range(10):
+        opt.zero_grad()
+        losses.append(step(rng.standard_normal((6, 8)), rng.integers(0, 3, 6)).item())
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-12, atol=1e-14)
+    for p, want in zip(model.parameters(), eager_params):
+        np.testing.assert_allclose(p.numpy(), want, rtol=1e-12, atol=1e-14)
+    assert step.captures == 1 and step.replays == 9
+
+
+def test_python_runs_at_capture_only() -> None:
+    calls = []
+
+    @dx.compile
+    def f(x):
+        calls.append(1)  # a side effect: traced once per signature, as torch.compile and jax.jit do
+        return x * 2
+
+    x = dx.tensor(np.ones(3))
+    for _ in range(4):
+        y = f(x)
+    assert calls == [1] and y.numpy().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_reading_a_value_inside_is_refused() -> None:
+    @dx.compile
+    def f(x):
+        y = x.sum()
+        if y.item() > 0:  # data-dependent control flow
+            return y
+        return -y
+
+    with pytest.raises(dx.DeepxError, match=r"reads a tensor value .* Return the tensor"):
+        f(dx.tensor(np.ones(3)))
+    assert dx.tensor(np.ones(2)).sum().item() == 2.0  # the session works on, uncaptured
+
+
+def test_sending_data_inside_is_refused() -> None:
+    @dx.compile
+    def f(x):
+        return x + dx.tensor(np.ones(3))
+
+    with pytest.raises(dx.DeepxError, match="sends data from Python"):
+        f(dx.tensor(np.ones(3)))
+
+
+def test_returning_an_input_is_refused() -> None:
+    f = dx.compile(lambda x: x)
+    with pytest.raises(dx.DeepxError, match="did not compute"):
+        f(dx.tensor(np.ones(3)))
+
+
+def test_no_grad_inside() -> None:
+    w = dx.tensor(np.full((3, 2), 0.5), requires_grad=True)
+
+    @dx.compile
+    def predict(x):
+        with dx.no_grad():
+            return (x @ w).softmax(-1)
+
+    x = np.random.rand(4, 3)
+    for _ in range(3):
+        p = predict(dx.tensor(x))
+    assert not p.requires_grad and predict.replays == 2
+    np.testing.assert_allclose(p.numpy(), np.full((4, 2), 0.5))
+
+
+def test_explain_shows_before_and_after_the_passes() -> None:
+    _, _, step = mlp_run(True, "sgd-plain", steps=2)
+    e = step.explain()
+    assert e.name == step.graph_names[-1] and e.passes
+    before, after = e.before.splitlines(), e.after.splitlines()
+    assert any(line.startswith("sgd ") for line in before) and any(line.startswith("fused ") for line in after)
+    assert len(after) < len(before)
+    assert dx.explain(e.name).after == e.after
+    assert "-- after the passes" in str(e)
+    with pytest.raises(dx.DeepxError, match="no graph named"):
+        dx.explain("no_such_graph")
+
+
+def test_against_a_deepxd_subprocess(tmp_path) -> None:
+    d = Daemon(tmp_path).start()
+    try:
+        dx.connect(d.address)
+        eager_losses, eager_params, _ = mlp_run(False, "adam", steps=5)
+        losses, params, step = mlp_run(True, "adam", steps=5, arrays=True)
+        np.testing.assert_allclose(losses, eager_losses, rtol=1e-12, atol=1e-14)
+        for a, b in zip(params, eager_params):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+        assert step.replays == 3
+        assert step.graph_names[0] in {g.name for g in dx.graphs()}
+    finally:
+        dx.disconnect()
+        assert d.stop() == 0, d.output()
+
+
+def scaled_relu_sum(x, w):
+    return (x @ w).relu().sum()
+
+
+def test_a_stored_graph_replays_after_a_daemon_restart(tmp_path) -> None:
+    kv = f"memory://{tmp_path}/plane.aof"
+    x, w = np.random.rand(4, 3), np.random.rand(3, 2) - 0.5
+    want = np.maximum(x @ w, 0).sum()
+    d = Daemon(tmp_path, kv=kv).start()
+    try:
+        dx.connect(d.address)
+        f = dx.compile(scaled_relu_sum)
+        assert f(x, w).item() == pytest.approx(want, rel=1e-12)
+        assert f.captures == 1
+        (name,) = f.graph_names
+    finally:
+        dx.disconnect()
+        assert d.stop() == 0, d.output()
+    d = Daemon(tmp_path, kv=kv).start()
+    try:
+        dx.connect(d.address)
+        assert name in {g.name for g in dx.graphs()}
+        g = dx.compile(scaled_relu_sum)  # a fresh compiled function, as a new process would make
+        assert g(x, w).item() == pytest.approx(want, rel=1e-12)
+        assert g.captures == 0 and g.replays == 1
+        x2 = np.random.rand(4, 3)
+        assert g(dx.tensor(x2), dx.tensor(w)).item() == pytest.approx(np.maximum(x2 @ w, 0).sum(), rel=1e-12)
+    finally:
+        dx.disconnect()
+        assert d.stop() == 0, d.output()
+
+
+def test_random_ops_draw_fresh_seeds_at_every_replay() -> None:
+    def run(compiled: bool) -> list[np.ndarray]:
+        dx.manual_seed(3)
+        drop = nn.Dropout(0.5)
+
+        def f(x):
+            return drop(x) + dx.rand(4, 5, dtype=dx.float64)
+
+        step = dx.compile(f) if compiled else f
+        x = dx.tensor(np.ones((4, 5)))
+        return [step(x).numpy() for _ in range(4)]
+
+    got = run(True)
+    assert not np.array_equal(got[2], got[3])  # not the captured mask and values again
+    for a, b in zip(got, run(False)):  # the same draws as the eager calls, in the same order
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_compiled_step_with_dropout_takes_the_gradient_through_the_forward_mask() -> None:
+    # the backward redraws dropout's mask from the forward's seed: a replay gives both the same fresh seed
+    def run(compiled: bool) -> list[np.ndarray]:
+        dx.manual_seed(3)
+        lin = nn.Linear(5, 5).double()
+        drop = nn.Dropout(0.5)
+        opt = dx.optim.SGD(lin.parameters(), lr=0.1)
+
+        def f(x):
+            opt.zero_grad()
+            loss = (drop(lin(x)) ** 2).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = dx.compile(f) if compiled else f
+        x = dx.tensor(np.ones((4, 5)))
+        out = []
+        for _ in range(5):
+            out.append(step(x).item())
+            out.append(lin.weight.numpy())
+        if compiled:
+            assert step.replays == 3
+            assert len({k for _, _, k in step.last.record.scalars if k.startswith("seed.")}) == 1
+        return out
+
+    for a, b in zip(run(True), run(False)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_eval_mode_is_part_of_the_signature() -> None:
+    dx.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).double()
+    f = dx.compile(lambda x: model(x) * 1.0)
+    x = dx.tensor(np.ones((2, 4)))
+    f(x)
+    f(x)
+    model.eval()
+    np.testing.assert_array_equal(f(x).numpy(), (model(x) * 1.0).numpy())  # no dropout: a graph of its own
+    assert (f.captures, f.replays) == (2, 1)
+    model.train()
+    f(x)
+    assert (f.captures, f.replays) == (2, 2)
+
+
+def test_a_refused_replay_does_not_count_an_optimizer_step() -> None:
+    from deepx_sdk.ir import parse_text
+
+    dx.manual_seed(0)
+    lin = nn.Linear(3, 1).double()
+    opt = dx.optim.Adam(lin.parameters(), lr=0.1)
+
+    def step(x):
+        opt.zero_grad()
+        loss = (lin(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    f = dx.compile(step)
+    x = dx.tensor(np.ones((4, 3)))
+    for _ in range(3):
+        f(x)
+    assert f.replays == 1
+    counts = [opt.state[id(p)]["step"] for p in lin.parameters()]
+    assert counts == [3, 3]
+    held = sorted(v.name for st in opt.state.values() for v in st.values() if hasattr(v, "name"))
+    s = dx.session()
+    s.transport.run(parse_text(f"deltensor () -> (tensor<float64>:{held[0]})"), ())  # behind the SDK's back
+    with pytest.raises(dx.DeepxError, match=held[0]):
+        f(x)
+    assert [opt.state[id(p)]["step"] for p in lin.parameters()] == counts
+
+
+def test_a_compiled_method_finds_the_model_and_optimizer_on_its_instance() -> None:
+    class Trainer:
+        def __init__(self) -> None:
+            dx.manual_seed(1)
+            self.model = nn.Linear(3, 1).double()
+            self.opt = dx.optim.Adam(self.model.parameters(), lr=0.1)
+
+        def step(self, x, y):
+            self.opt.zero_grad()
+            loss = ((self.model(x) - y) ** 2).mean()
+            loss.backward()
+            self.opt.step()
+            return loss
+
+        compiled_step = dx.compile(step)
+
+    x, y = dx.tensor(np.random.rand(8, 3)), dx.tensor(np.random.rand(8, 1))
+    eager, compiled = Trainer(), Trainer()
+    want = [eager.step(x, y).item() for _ in range(6)]
+    got = [compiled.compiled_step(x, y).item() for _ in range(6)]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert Trainer.compiled_step.replays == 4
+
+
+def test_the_same_input_twice_is_one_input() -> None:
+    f = dx.compile(lambda a, b: a * b + 1)
+    x, y = np.random.rand(3), np.random.rand(3)
+    tx, ty = dx.tensor(x), dx.tensor(y)
+    for _ in range(2):
+        same, other = f(tx, tx), f(tx, ty)
+        arrays = f(x, x)
+    np.testing.assert_allclose(same.numpy(), x * x + 1)
+    np.testing.assert_allclose(other.numpy(), x * y + 1)
+    np.testing.assert_allclose(arrays.numpy(), x * x + 1)
+    assert f.captures == 3 and f.replays == 3
+
+
+def test_an_in_place_update_of_an_outside_tensor_is_replayed_in_place() -> None:
+    total = dx.zeros(3, dtype=dx.float64)
+
+    @dx.compile
+    def accumulate(x):
+        total.add_(x)  # copytensor into a tensor the caller holds: state, updated by every replay
+        return total * 1.0
+
+    for k in range(4):
+        out = accumulate(dx.tensor(np.full(3, k + 1.0)))
+    np.testing.assert_array_equal(total.numpy(), [10.0, 10.0, 10.0])
+    np.testing.assert_array_equal(out.numpy(), [10.0, 10.0, 10.0])
+    assert accumulate.replays == 3
+
+
+def test_a_small_output_comes_back_with_its_replay(monkeypatch) -> None:
+    """A replay's small outputs (a loss) are read back with it: item() next costs no round trip. The value is used
+    only while nothing else has been sent or recorded since."""
+    s = dx.session()
+    sent = []
+    run = s.transport.run
+    monkeypatch.setattr(s.transport, "run", lambda *a, **k: sent.append(a[0]) or run(*a, **k))
+    w = dx.tensor(np.array([2.0]))
+
+    @dx.compile
+    def scaled(x):
+        return (x * w).sum()
+
+    x = dx.tensor(np.array([1.0, 2.0, 3.0]))
+    for _ in range(2):
+        scaled(x)  # captured, then replayed
+    out = scaled(x)
+    sent.clear()
+    assert out.item() == 12.0
+    assert sent == []  # no round trip
+    out.add_(1)  # recorded: the value read back is no longer the tensor's
+    assert out.item() == 13.0
+    other = scaled(x)
+    x.mul_(2)  # sent with the next read: `other` was made before it, and its value is still 12
+    assert dx.tensor(np.zeros(1)).sum().item() == 0.0
+    assert other.item() == 12.0
+    again = scaled(x)
+    w.add_(1)
+    assert again.item() == 24.0  # the replay before the update
+    assert scaled(x).item() == 36.0
+
+
+def _a_replayed_function() -> tuple[Any, np.random.Generator, dx.Tensor, Any]:
+    """A fresh session, a large input, and a compiled function of it whose output is large too."""
+    s = dx.connect()
+    rng = np.random.default_rng(0)
+    x = dx.tensor(rng.standard_normal((256, 128)).astype(np.float32))
+
+    @dx.compile
+    def f(a):
+        return (a * 2.0 + 1.0) * 3.0
+
+    return s, rng, x, f
+
+
+def test_a_replays_large_output_is_deleted_after_a_later_program_fails():
+    """A replay's output may take the name of a large temporary deleted before (Session.reuse_name): the replay made
+    it, so a later program that fails before writing that name must not count it as never made, or the tensor is
+    never deleted when Python drops it (found in review: the daemon's tensor count grew by one per loop)."""
+    import gc
+
+    s, rng, x, f = _a_replayed_function()
+
+    def count() -> int:
+        return len(s.transport._call(s.transport.node.ref("op-cpu").ask("tensors")))
+
+    for _ in range(3):
+        y = f(x)
+        y.numpy()
+        del y
+    counts = []
+    for _ in range(4):
+        t = x * 5.0  # a large temporary, dropped: its name is handed out again once its delete has gone
+        del t
+        s.sync()
+        y = f(x)  # the replay's output takes that name
+        logits = dx.tensor(rng.standard_normal((3, 4)).astype(np.float32))
+        bad = dx.tensor(np.array([0, 9, 1], np.int64))
+        loss = F.cross_entropy(logits, bad)  # fails when it runs, before the write into y below
+        y.add_(1.0)
+        with pytest.raises(DeepxError, match="label 9"):
+            loss.item()
+        np.testing.assert_allclose(y.numpy(), (x.numpy() * 2 + 1) * 3, rtol=1e-6)  # y kept its value
+        del y, logits, bad, loss
+        gc.collect()
+        s.sync()
+        counts.append(count())  # x, f's graph inputs and the pooled small tensors: the same every time
+    assert counts == [counts[0]] * 4, counts
+
+
+def test_a_replays_new_output_name_is_deleted_after_a_later_program_fails():
+    """The same with a replay output under a new name (no free name of its shape): the replay moves the session's
+    mark past it, so a later failing program does not count it as never made (found in review)."""
+    import gc
+
+    s, rng, x, f = _a_replayed_function()
+    keep = [f(x) for _ in range(3)]  # recorded, then replayed; kept, so no name of this shape is free
+    for k in keep:
+        k.numpy()
+    logits = dx.tensor(rng.standard_normal((3, 4)).astype(np.float32))
+    labels = dx.tensor(np.array([0, 9, 1], np.int64))
+    s.sync()
+    y = f(x)  # a replay: its output takes a new name
+    loss = F.cross_entropy(logits, labels)  # fails when it runs (label 9), before the write into y
+    y.add_(1.0)
+    with pytest.raises(DeepxError, match="label 9"):
+        loss.item()
+    name = y.name
+    assert name not in s._lost
+    del y, loss
+    gc.collect()
+    s.sync()
+    held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
+    assert name not in held or any(name in v for v in s.pool.values())  # deleted, or pooled for reuse
+    del keep
+
+
+def test_a_module_registry_replaced_or_swapped_is_seen_by_the_signature() -> None:
+    """Module.structure() keeps its walk only while every registry it went through is the same _Registry: a
+    registry replaced by a plain dict, a __dict__ swapped, a shallow copy, or a module's state carried elsewhere (its
+    __getstate__, what copy and pickle use) make it walk again."""
+    import copy
+
+    a, b = nn.Linear(3, 2).double(), nn.Linear(3, 2).double()
+    with dx.no_grad():
+        b.weight.fill_(2.0)
+        b.bias.fill_(0.0)
+    holder = nn.Module()
+    holder.net = a
+    f = dx.compile(lambda x: holder.net(x).sum(), name="holder_step")
+    x = dx.tensor(np.ones((1, 3)))
+    f(x)
+    f(x)
+    holder._modules = {"net": b}  # a plain dict, as a subclass's `self._modules = {...}` makes it
+    assert float(f(x).item()) == float(holder.net(x).sum().item()) == 12.0
+    assert (f.captures, f.replays) == (2, 1)
+    c = nn.Linear(3, 2).double()
+    c.structure()
+    c.__dict__.update({k: v for k, v in b.__dict__.items() if k != "_structure"})  # a hand-written load in place
+    assert [id(p) for _, p in c.structure()[0]] == [id(b.weight), id(b.bias)]
+    drop = nn.Dropout(1.0)  # train: zeros; eval: the input
+    g = dx.compile(lambda x: drop(x) + 0.0, name="drop_step")
+    ones = dx.tensor(np.ones(3))
+    g(ones)
+    twin = copy.copy(drop)
+    h = dx.compile(lambda x: twin(x) + 0.0, name="twin_step")
+    assert h(ones).numpy().tolist() == h(ones).numpy().tolist() == [0.0, 0.0, 0.0]
+    twin.eval()
+    assert h(ones).numpy().tolist() == [1.0, 1.0, 1.0] and (h.captures, h.replays) == (2, 1)
+    seq = nn.Sequential(nn.Dropout(1.0))
+    seq.structure()
+    assert "_structure" in seq.__dict__ and "_structure" not in seq.__getstate__()  # the walk is this process's
+    assert "_structure" not in copy.deepcopy(seq).__dict__
+    assert "_structure" not in copy.copy(seq).__dict__
+
+
+def test_a_replay_after_a_failed_early_program_leaks_no_tensor() -> None:
+    """A compiled call whose sync raises an earlier program's error: the output names it would take stay with the
+    session (pooled), so that empty_cache deletes their tensors."""
+    import gc
+
+    dx.disconnect()
+    s = dx.connect(max_pending=64)
+    f = dx.compile(lambda x: x * 2.0, name="leak_step")
+    x = dx.tensor(np.ones(3))
+    f(x)
+    f(x)
+    t = x + 1.0  # a temporary of the output's shape and dtype
+    dx.sync()
+    name = t.name
+    bad = x[dx.tensor([7])]  # out of range, in a program sent early (as record() sends one at max_pending)
+    s.flush_full()
+    assert not s.pending and s.error is not None
+    del t
+    gc.collect()
+    with pytest.raises(DeepxError, match="out of range"):
+        f(x)
+    del bad
+    gc.collect()
+    dx.empty_cache()
+    dx.sync()
+    held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
+    assert name not in held
+    dx.disconnect()
+
+
+def test_module_settings_outside_parameters_are_part_of_the_signature() -> None:
+    """Two lambdas of one code over two Dropouts (no parameters: alike but for p) are two graphs, and a Dropout's
+    p changed between calls captures anew: a module's settings, as its extra_repr shows them, are in the signature."""
+    ones = dx.tensor(np.ones(3))
+
+    def make(drop: nn.Dropout) -> Any:
+        return dx.compile(lambda x: drop(x) + 0.0)  # the same code, closing over another module
+
+    graphs = [(drop, make(drop)) for drop in (nn.Dropout(1.0), nn.Dropout(0.0))]
+    for drop, f in graphs:
+        for _ in range(2):
+            assert f(ones).numpy().tolist() == ([0.0] * 3 if drop.p == 1.0 else [1.0] * 3)
+    drop, f = graphs[0]
+    drop.p = 0.0  # now the other one's signature: its stored graph, or a capture of its own
+    assert f(ones).numpy().tolist() == [1.0] * 3 and len(f.graph_names) == 2
+
+
+@pytest.mark.parametrize("now", [True, False])
+def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_the_ask(now: bool) -> None:
+    """The embedded daemon replays a graph bound as the last replay was with no event loop step (replay_now); a
+    replay that fails in a kernel (a label out of range, put under the label's own name, so the bindings still fit)
+    is finished as on_replay finishes it: the same error, its temporaries deleted. now=False: the ask's way, the
+    reference."""
+    dx.disconnect()
+    sched = dx.session().transport.node.ref("scheduler")._actor
+    if not now:
+        sched.replay_now = lambda *args: None  # this session's scheduler answers every replay by the ask
+    dx.manual_seed(4)
+    model = nn.Linear(6, 5)
+    opt = dx.optim.SGD(model.parameters(), lr=0.1)
+    rng = np.random.default_rng(5)
+    x = dx.tensor(rng.standard_normal((8, 6)).astype(np.float32))
+    y = dx.tensor(rng.integers(0, 5, 8))
+
+    @dx.compile
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses = [step(x, y).item() for _ in range(8)]
+    # the first two replays go by the ask (the first checks its inputs; the worker then learns the program)
+    assert step.replays == 6 and losses[-1] < losses[0]
+    assert sched.now_hits == (4 if now else 0)
+    bad = np.array(y.numpy())
+    bad[3] = 7
+    dx.session().transport.put(y.name, bad, False)
+    with pytest.raises(DeepxError) as e:
+        step(x, y).item()
+    assert f"replay of graph '{step.graph_names[-1]}'" in str(e.value) and "label 7" in str(e.value)
+    left = {r["name"] for r in dx.session().transport._call(dx.session().transport.node.worker().ask("tensors"))}
+    assert not any(n.startswith(f"{step.graph_names[-1]}.") for n in left)
+    assert not sched._busy and sched.stats.by_message.get("replay", 0) == sched.replays
+    dx.disconnect()
