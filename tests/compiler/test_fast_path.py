@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,17 +120,25 @@ DIVIDE = """
 """
 
 
-async def test_a_kernel_error_on_the_fast_path_reads_as_on_the_whole_path(nodes):
-    nodes += [await Node(["off"]).start(), await Node(["off"]).start()]
+async def divide_runs(nodes: list[Node], program: str, passes: list[str], fetch: list[str], run: Any
+                      ) -> tuple[Node, Node, dict[int, list[RunResult]]]:
+    """Two nodes with i and d put, `program` run five times on each: by `run(node, program, fetch)` on the first,
+    the whole way every time on the second (the reference). Their results, by node."""
+    nodes += [await Node(passes).start(), await Node(passes).start()]
     looped, reference = nodes[-2], nodes[-1]
     results: dict[int, list[RunResult]] = {0: [], 1: []}
-    for k, n in enumerate((looped, reference)):
+    for n in (looped, reference):
         await n.put("i", np.array([7, 8], np.int32))
         await n.put("d", np.array([4, 4], np.int32))
-        for _ in range(5):
-            if n is reference:
-                whole_way(n)
-            results[k].append(await n.run(fresh(DIVIDE), ["q"]))
+    for _ in range(5):
+        results[0].append(await run(looped, fresh(program), fetch))
+        whole_way(reference)
+        results[1].append(await reference.run(fresh(program), fetch))
+    return looped, reference, results
+
+
+async def test_a_kernel_error_on_the_fast_path_reads_as_on_the_whole_path(nodes):
+    looped, reference, results = await divide_runs(nodes, DIVIDE, ["off"], ["q"], Node.run)
     assert looped.scheduler.fast_hits == 2 and reference.scheduler.fast_hits == 0
     for got, want in zip(*results.values()):
         assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
@@ -453,21 +462,14 @@ REWRITTEN_DIVIDE = """
 @pytest.mark.parametrize("program, passes, last, div_at", [(DIVIDE, ["off"], "now", 0), (DIVIDE, PASSES, "now", 0),
                                                            (REWRITTEN_DIVIDE, PASSES, "now, then awaited", 3)])
 async def test_a_kernel_error_in_run_now_reads_as_on_the_whole_path(nodes, program, passes, last, div_at):
-    nodes += [await Node(passes).start(), await Node(passes).start()]
-    looped, reference = nodes[-2], nodes[-1]
-    results: dict[int, list[RunResult]] = {0: [], 1: []}
     ways = []
-    for k, n in enumerate((looped, reference)):
-        await n.put("i", np.array([7, 8], np.int32))
-        await n.put("d", np.array([4, 4], np.int32))
-        for _ in range(5):
-            if n is reference:
-                whole_way(n)
-                results[k].append(await n.run(fresh(program), ["q", "x"]))
-            else:
-                r, way = await now_or_ask(n, fresh(program), ["q", "x"])
-                results[k].append(r)
-                ways.append(way)
+
+    async def run(node: Node, instrs: list[Instr], fetch: list[str]) -> RunResult:
+        r, way = await now_or_ask(node, instrs, fetch)
+        ways.append(way)
+        return r
+
+    looped, reference, results = await divide_runs(nodes, program, passes, ["q", "x"], run)
     assert ways == ["ask"] * 3 + ["now", last]
     for got, want in zip(*results.values()):
         assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)

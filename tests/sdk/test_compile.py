@@ -617,12 +617,9 @@ def test_module_settings_outside_parameters_are_part_of_the_signature() -> None:
     assert f(ones).numpy().tolist() == [1.0] * 3 and len(f.graph_names) == 2
 
 
-@pytest.mark.parametrize("now", [True, False])
-def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_the_ask(now: bool) -> None:
-    """The embedded daemon replays a graph bound as the last replay was with no event loop step (replay_now); a
-    replay that fails in a kernel (a label out of range, put under the label's own name, so the bindings still fit)
-    is finished as on_replay finishes it: the same error, its temporaries deleted. now=False: the ask's way, the
-    reference."""
+def _linear_step(now: bool) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    """A fresh embedded session (now=False: its scheduler answers every replay by the ask, the reference), its
+    scheduler, and a compiled SGD step of a Linear(6, 5) under cross-entropy, with a batch as arrays."""
     dx.disconnect()
     sched = dx.session().transport.node.ref("scheduler")._actor
     if not now:
@@ -631,8 +628,6 @@ def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_th
     model = nn.Linear(6, 5)
     opt = dx.optim.SGD(model.parameters(), lr=0.1)
     rng = np.random.default_rng(5)
-    x = dx.tensor(rng.standard_normal((8, 6)).astype(np.float32))
-    y = dx.tensor(rng.integers(0, 5, 8))
 
     @dx.compile
     def step(x, y):
@@ -642,6 +637,17 @@ def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_th
         opt.step()
         return loss
 
+    return sched, step, rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 5, 8)
+
+
+@pytest.mark.parametrize("now", [True, False])
+def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_the_ask(now: bool) -> None:
+    """The embedded daemon replays a graph bound as the last replay was with no event loop step (replay_now); a
+    replay that fails in a kernel (a label out of range, put under the label's own name, so the bindings still fit)
+    is finished as on_replay finishes it: the same error, its temporaries deleted. now=False: the ask's way, the
+    reference."""
+    sched, step, xa, ya = _linear_step(now)
+    x, y = dx.tensor(xa), dx.tensor(ya)
     losses = []
     for k in range(8):
         loss = step(x, y)
@@ -680,24 +686,7 @@ def _array_replays(now: bool) -> tuple[int, int, int]:
     how many went replay_now's way, in a fresh embedded session (now=False: every replay by the ask)."""
     from deepxd.compiler import graphs
 
-    dx.disconnect()
-    sched = dx.session().transport.node.ref("scheduler")._actor
-    if not now:
-        sched.replay_now = lambda *args: None
-    dx.manual_seed(4)
-    model = nn.Linear(6, 5)
-    opt = dx.optim.SGD(model.parameters(), lr=0.1)
-    rng = np.random.default_rng(5)
-    x, y = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 5, 8)
-
-    @dx.compile
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    sched, step, x, y = _linear_step(now)
     binds = []
     bind = graphs.bind_replay
 

@@ -101,17 +101,22 @@ def test_what_a_borrowed_call_leaves_the_loop_runs_at_once(runner: LoopThread) -
     assert time.monotonic() - t0 < 1.5
 
 
-def test_a_busy_loop_thread_gets_the_coroutine_instead(runner: LoopThread) -> None:
-    """While the loop's thread runs a long callback (it holds the turn), a call waits TURN_WAIT_S at most, then
-    sends the coroutine there: it runs after the callback, on that thread."""
+def _keep_busy(runner: LoopThread, seconds: float) -> None:
+    """The loop's thread running a long callback (it holds the turn meanwhile), from when this returns."""
     started = threading.Event()
 
     def busy() -> None:
         started.set()
-        time.sleep(0.3)
+        time.sleep(seconds)
 
     runner.loop.call_soon_threadsafe(busy)
     assert started.wait(2)
+
+
+def test_a_busy_loop_thread_gets_the_coroutine_instead(runner: LoopThread) -> None:
+    """While the loop's thread runs a long callback (it holds the turn), a call waits TURN_WAIT_S at most, then
+    sends the coroutine there: it runs after the callback, on that thread."""
+    _keep_busy(runner, 0.3)
     assert runner.call(where()) == "test-loop"
     assert runner.sent == 1 and runner.borrowed == 0
 
@@ -363,14 +368,7 @@ def test_now_goes_on_with_a_coroutine_that_its_function_returns(runner: LoopThre
 def test_now_answers_not_now_where_the_loop_is_not_to_be_borrowed(runner: LoopThread) -> None:
     """Busy loop thread, work left for it, or someone else's SIGINT handler: nothing runs, NOT_NOW comes back."""
     ran: list[bool] = []
-    started = threading.Event()
-
-    def busy() -> None:
-        started.set()
-        time.sleep(0.3)
-
-    runner.loop.call_soon_threadsafe(busy)
-    assert started.wait(2)
+    _keep_busy(runner, 0.3)
     assert runner.now(ran.append, True) is lt.NOT_NOW
     time.sleep(0.4)
     gate = threading.Event()

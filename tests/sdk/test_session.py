@@ -18,6 +18,7 @@ import pytest
 import deepx_sdk as dx
 import deepx_sdk.nn.functional as F
 from deepx_sdk.client import NativeClient
+from tests.compiler.test_fast_path import REWRITTEN_DIVIDE
 from tests.daemon.conftest import Daemon
 from tests.sdk.conftest import current_session
 
@@ -185,15 +186,7 @@ def test_run_now_repairs_a_failed_step_and_leaves_heap_deletes_to_the_ask():
     dx.disconnect()
     t = dx.session().transport
     sched, worker = t.node.ref("scheduler")._actor, t.node.worker()._actor
-    step = parse_text("""
-        add (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:a)
-        add (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:b)
-        mul (tensor<float32>:a, tensor<float32>:b) -> (tensor<float32>:p)
-        div (tensor<int32>:i, tensor<int32>:d) -> (tensor<int32>:q)
-        subscalar (tensor<int32>:d, var<int32>:1) -> (tensor<int32>:d)
-        addscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:x)
-        deltensor () -> (tensor<float32>:a)
-        deltensor () -> (tensor<float32>:b)""".strip())
+    step = parse_text(REWRITTEN_DIVIDE.strip())
     for name, a in (("x", np.ones((3, 4), np.float32)), ("w", np.ones((3, 4), np.float32)),
                     ("i", np.array([7, 8], np.int32)), ("d", np.array([4, 4], np.int32))):
         t.put(name, a, False)

@@ -1,1 +1,0 @@
-"""deepxctl: the operator CLI of deepx (see docs/deepxctl.md). The entry point is deepxctl.cli:main."""

@@ -1,5 +1,0 @@
-"""`python -m deepxctl`, the same as the deepxctl console script."""
-
-from deepxctl.cli import main
-
-main()
