@@ -205,6 +205,27 @@ class OpWorker(Actor):
                 return k
         return None
 
+    def known_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                  expect: Any = None) -> KnownProgram | RunResult | None:
+        """What on_run would do with this ask, where it can be done with no coroutine (the embedded daemon's fast
+        path, Scheduler.run_now, then run_known), found without changing anything: the known program to run, one
+        that deletes no heap tensor (heapmem would be told) and that _now_ok allows; on_run's `stale` answer; else
+        None (on_run must answer)."""
+        if self.ex is None:
+            return None
+        stale = self._stale(version, expect)
+        if stale is not None:
+            return stale
+        known = self._known(program, fetch)
+        heap = self.heap
+        if known is None or not self._now_ok(known) or (heap and any(name in heap for _, name in known.deletes)):
+            return None
+        return known
+
+    def _now_ok(self, known: KnownProgram) -> bool:
+        """Whether run_known may run this known program (op-cpu: not one for its thread pool)."""
+        return True
+
     def _meets(self, names: Sequence[str], metas: list[Any], heaped: list[bool] | None) -> bool:
         """Whether the tensors `names` have these metas here now (None: absent), and these heap flags (None: not
         asked). C loops, and list compares."""
@@ -489,20 +510,8 @@ class CpuWorker(OpWorker):
             result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
         return result
 
-    def known_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
-                  expect: Any = None) -> KnownProgram | RunResult | None:
-        """What on_run would do with this ask, where it can be done with no coroutine (the embedded daemon's fast
-        path, Scheduler.run_now), found without changing anything: the known program to run (run_known), which runs
-        inline and deletes no heap tensor (heapmem would be told); on_run's `stale` answer; else None (on_run must
-        answer)."""
-        stale = self._stale(version, expect)
-        if stale is not None:
-            return stale
-        known = self._known(program, fetch)
-        heap = self.heap
-        if known is None or known.heavy or (heap and any(name in heap for _, name in known.deletes)):
-            return None
-        return known
+    def _now_ok(self, known: KnownProgram) -> bool:
+        return not known.heavy
 
     def run_known(self, known: KnownProgram, fetch: Sequence[str]) -> RunResult:
         """on_run for a program known_now found."""

@@ -319,7 +319,7 @@ class Scheduler(Actor):
             return None
         worker = self._place(program)._actor  # every entry's (a session's tensors live on one worker)
         find = getattr(worker, "known_now", None)
-        if find is None or not worker.idle():  # (op-cuda runs its programs on its own thread: the ask's way)
+        if find is None or not worker.idle():
             return None
         for fast in self._fast:
             if fast.matches(program, fetch, backwards):

@@ -69,3 +69,38 @@ def test_an_mlp_trained_on_the_gpu_matches_the_same_mlp_trained_on_the_cpu(optim
     heap = [r for r in gpu_rows if r.get("kind") == "heap"]
     assert len(heap) >= 6 and all(r["device"] == "cuda:0" for r in heap)  # the parameters (and optimizer state)
     assert all(r.get("device", "cpu") == "cpu" for r in cpu_rows)
+
+
+def _steps_on_the_gpu(now: bool, steps: int = 12) -> tuple[list[float], int]:
+    """SGD steps on op-cuda in the embedded daemon; with now=False its scheduler answers every run by the ask. The
+    losses, and how many runs took the way with no event loop step (Scheduler.run_now, CudaWorker.run_known)."""
+    s = dx.connect(roles=["heapmem", "op-cuda"])
+    try:
+        sched = s.transport.node.ref("scheduler")._actor
+        if not now:
+            sched.run_now = lambda *args: None
+        weights, x, y = _start()
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        model.load_state_dict(weights)
+        opt = SGD(list(model.parameters()), lr=0.05, momentum=0.9)
+        X, Y = dx.tensor(x), dx.tensor(y)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(X), Y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, sched.now_hits
+    finally:
+        dx.disconnect()
+
+
+def test_repeated_steps_on_the_gpu_run_now_as_by_the_ask(monkeypatch):
+    monkeypatch.delenv("DEEPX_ADDRESS", raising=False)
+    monkeypatch.delenv("DEEPX_ROLES", raising=False)
+    now_losses, hits = _steps_on_the_gpu(True)
+    ask_losses, none = _steps_on_the_gpu(False)
+    assert hits >= 4 and none == 0
+    np.testing.assert_allclose(now_losses, ask_losses, rtol=1e-6)
+    assert now_losses[-1] < now_losses[0]
