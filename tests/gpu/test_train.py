@@ -32,9 +32,15 @@ def _start() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     return weights, x, y
 
 
-def _train(roles: list[str] | None, optimizer: str) -> tuple[list[float], dict[str, np.ndarray], list[dict]]:
+def _train(roles: list[str] | None, optimizer: str, steps: int = STEPS, now: bool = True
+           ) -> tuple[list[float], dict[str, np.ndarray], list[dict], int]:
+    """The losses, the final weights, the registry's rows, and how many runs took the way with no event loop step
+    (Scheduler.run_now; now=False: every run by the ask)."""
     s = dx.connect(roles=roles)
     try:
+        sched = s.transport.node.ref("scheduler")._actor
+        if not now:
+            sched.run_now = lambda *args: None
         weights, x, y = _start()
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
         model.load_state_dict(weights)
@@ -42,7 +48,7 @@ def _train(roles: list[str] | None, optimizer: str) -> tuple[list[float], dict[s
         opt = SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd" else Adam(params, lr=1e-3)
         X, Y = dx.tensor(x), dx.tensor(y)
         losses = []
-        for _ in range(STEPS):
+        for _ in range(steps):
             opt.zero_grad()
             loss = F.cross_entropy(model(X), Y)
             loss.backward()
@@ -51,7 +57,7 @@ def _train(roles: list[str] | None, optimizer: str) -> tuple[list[float], dict[s
         final = {k: v.numpy() for k, v in model.state_dict().items()}
         node = s.transport.node
         rows = s.transport._call(node.ref("registry").ask("tensors"))
-        return losses, final, rows
+        return losses, final, rows, sched.now_hits
     finally:
         dx.disconnect()
 
@@ -60,8 +66,8 @@ def _train(roles: list[str] | None, optimizer: str) -> tuple[list[float], dict[s
 def test_an_mlp_trained_on_the_gpu_matches_the_same_mlp_trained_on_the_cpu(optimizer, monkeypatch):
     monkeypatch.delenv("DEEPX_ADDRESS", raising=False)
     monkeypatch.delenv("DEEPX_ROLES", raising=False)
-    gpu_losses, gpu_weights, gpu_rows = _train(["heapmem", "op-cuda"], optimizer)
-    cpu_losses, cpu_weights, cpu_rows = _train(None, optimizer)
+    gpu_losses, gpu_weights, gpu_rows, _ = _train(["heapmem", "op-cuda"], optimizer)
+    cpu_losses, cpu_weights, cpu_rows, _ = _train(None, optimizer)
     np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4)
     assert gpu_losses[-1] < gpu_losses[0]
     for k in cpu_weights:
@@ -71,36 +77,15 @@ def test_an_mlp_trained_on_the_gpu_matches_the_same_mlp_trained_on_the_cpu(optim
     assert all(r.get("device", "cpu") == "cpu" for r in cpu_rows)
 
 
-def _steps_on_the_gpu(now: bool, steps: int = 12) -> tuple[list[float], int]:
-    """SGD steps on op-cuda in the embedded daemon; with now=False its scheduler answers every run by the ask. The
-    losses, and how many runs took the way with no event loop step (Scheduler.run_now, CudaWorker.run_known)."""
-    s = dx.connect(roles=["heapmem", "op-cuda"])
-    try:
-        sched = s.transport.node.ref("scheduler")._actor
-        if not now:
-            sched.run_now = lambda *args: None
-        weights, x, y = _start()
-        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-        model.load_state_dict(weights)
-        opt = SGD(list(model.parameters()), lr=0.05, momentum=0.9)
-        X, Y = dx.tensor(x), dx.tensor(y)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(X), Y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, sched.now_hits
-    finally:
-        dx.disconnect()
-
-
 def test_repeated_steps_on_the_gpu_run_now_as_by_the_ask(monkeypatch):
     monkeypatch.delenv("DEEPX_ADDRESS", raising=False)
     monkeypatch.delenv("DEEPX_ROLES", raising=False)
-    now_losses, hits = _steps_on_the_gpu(True)
-    ask_losses, none = _steps_on_the_gpu(False)
+    """op-cuda's known steps with no event loop step (CudaWorker.run_known, on its CUDA thread) give what the ask's
+    way gives."""
+    now_losses, now_weights, _, hits = _train(["heapmem", "op-cuda"], "sgd", steps=12)
+    ask_losses, ask_weights, _, none = _train(["heapmem", "op-cuda"], "sgd", steps=12, now=False)
     assert hits >= 4 and none == 0
     np.testing.assert_allclose(now_losses, ask_losses, rtol=1e-6)
+    for k in ask_weights:
+        np.testing.assert_allclose(now_weights[k], ask_weights[k], rtol=1e-6, atol=1e-7, err_msg=k)
     assert now_losses[-1] < now_losses[0]
