@@ -143,15 +143,19 @@ class Actor:
     def now(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Answer message `name` with fn(*args), a plain function, where the actor is idle(): as _direct answers an
         ask, with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the embedded daemon's
-        fast path)."""
+        fast path). Where fn hands on a coroutine (the rest needs an await), that rest is answered as an ask is,
+        the actor busy meanwhile, and the message counted once."""
         t0 = self._begin()
         try:
-            return fn(*args)
+            value = fn(*args)
         except Exception as e:
             self._failed(name, e)
             raise
         finally:
             self._end(name, t0)
+        if type(value) is CoroutineType:
+            return self._direct(name, {}, lambda: value, count=False)
+        return value
 
     def _begin(self) -> float:
         self._busy = True

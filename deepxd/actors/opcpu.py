@@ -170,6 +170,7 @@ class OpWorker(Actor):
     heapmem: ActorRef | None
     known: dict[Any, list[KnownProgram]]
     known_size: int
+    known_hits: int
     op_stats: dict[str, OpStat]
     output_log: bool
     _output: list[str]
@@ -225,6 +226,19 @@ class OpWorker(Actor):
     def _now_ok(self, known: KnownProgram) -> bool:
         """Whether run_known may run this known program (op-cpu: not one for its thread pool)."""
         return True
+
+    def _begin_known(self, known: KnownProgram) -> RunResult:
+        """A known program about to run: its result begun."""
+        result = RunResult(t0=time.time(), begun=self._state())
+        self._output = []
+        self.known_hits += 1
+        result.known = True
+        return result
+
+    def _end_known(self, known: KnownProgram, result: RunResult) -> RunResult:
+        result.output = self._output
+        self._ran_known(known, result)
+        return result
 
     def _meets(self, names: Sequence[str], metas: list[Any], heaped: list[bool] | None) -> bool:
         """Whether the tensors `names` have these metas here now (None: absent), and these heap flags (None: not
@@ -474,7 +488,7 @@ class CpuWorker(OpWorker):
                 self._execute_known(known, result)
             if known.deletes and self.heap:
                 await self._forget_deleted(known, result.done)
-            return self._end_known(known, result, fetch)
+            return self._end_known(known, self._fetched(result, fetch))
         result = RunResult(t0=time.time(), begun=self._state())
         self._output = []
         try:
@@ -517,14 +531,11 @@ class CpuWorker(OpWorker):
         """on_run for a program known_now found."""
         result = self._begin_known(known)
         self._execute_known(known, result)
-        return self._end_known(known, result, fetch)
+        return self._end_known(known, self._fetched(result, fetch))
 
     def _begin_known(self, known: KnownProgram) -> RunResult:
-        """A known program about to run: its steps prepared the first time, its result begun."""
-        result = RunResult(t0=time.time(), begun=self._state())
-        self._output = []
-        self.known_hits += 1
-        result.known = True
+        """As OpWorker's, with the program's steps prepared the first time."""
+        result = super()._begin_known(known)
         if not known.steps:
             steps, recover = self.ex.prepare_program(known.bounds, known.fetch)
             known.steps.extend(steps)
@@ -532,11 +543,9 @@ class CpuWorker(OpWorker):
         self.ex.transient = known.transient
         return result
 
-    def _end_known(self, known: KnownProgram, result: RunResult, fetch: Sequence[str]) -> RunResult:
-        result.output = self._output
+    def _fetched(self, result: RunResult, fetch: Sequence[str]) -> RunResult:
         if not result.error:
             result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
-        self._ran_known(known, result)
         return result
 
     async def _heap_tensors_to_create(self, bounds: list[Bound]) -> dict[int, np.ndarray]:

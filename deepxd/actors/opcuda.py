@@ -199,16 +199,15 @@ class CudaWorker(OpWorker):
         stale = self._stale(version, expect)
         if stale is not None:
             return stale
-        result = RunResult(t0=time.time(), begun=self._state())
-        self._output = []
         known = self._known(program, fetch)
         if known is not None:
-            self.known_hits += 1
-            result.known = True
+            result = self._begin_known(known)
             await self.call(self._run_on_device, known.bounds, result, {}, list(fetch))
             if known.deletes and self.heap:
                 await self._forget_deleted(known, result.done)
-            return self._ran(known, result)
+            return self._end_known(known, result)
+        result = RunResult(t0=time.time(), begun=self._state())
+        self._output = []
         try:
             bounds = check_program(program, self.ex, self.ex.plans)
             self._check_heap(bounds)
@@ -241,17 +240,9 @@ class CudaWorker(OpWorker):
     def run_known(self, known: KnownProgram, fetch: Sequence[str]) -> RunResult:
         """on_run for a program known_now found: on the CUDA thread, this thread waiting for it (with the loop
         borrowed: LoopThread.now)."""
-        result = RunResult(t0=time.time(), begun=self._state())
-        self._output = []
-        self.known_hits += 1
-        result.known = True
+        result = self._begin_known(known)
         self._thread.submit(self._job, self._run_on_device, (known.bounds, result, {}, list(fetch))).result()
-        return self._ran(known, result)
-
-    def _ran(self, known: KnownProgram, result: RunResult) -> RunResult:
-        result.output = self._output
-        self._ran_known(known, result)
-        return result
+        return self._end_known(known, result)
 
     async def _create_heap(self, bounds: list[Bound], out: dict[int, Any]) -> tuple[str, int] | None:
         """`newtensor ... // kind=heap`: heapmem allocates it on the GPU before the program runs; it is put in

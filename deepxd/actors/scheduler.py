@@ -335,10 +335,7 @@ class Scheduler(Actor):
         if isinstance(known, RunResult):  # stale: the entry goes, and the ask takes the whole path
             self._fast.remove(fast)
             return None
-        done = self.now("run", self._run_now, fast, worker, known, program, fetch)
-        if isinstance(done, CoroutineType):  # finished as an ask is answered: this actor busy meanwhile
-            return self._direct("run", {}, lambda: done, count=False)
-        return done
+        return self.now("run", self._run_now, fast, worker, known, program, fetch)
 
     def _run_now(self, fast: _Fast, worker: Any, known: Any, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
         t0 = time.perf_counter()
@@ -768,10 +765,7 @@ class Scheduler(Actor):
         known = find(bound.program, fetch, None, bound.expect)
         if known is None or isinstance(known, RunResult):  # not inline, or stale: on_replay checks the inputs
             return None
-        done = self.now("replay", self._replay_now, name, plan, worker, bound, known, fetch)
-        if isinstance(done, CoroutineType):
-            return self._direct("replay", {}, lambda: done, count=False)
-        return done
+        return self.now("replay", self._replay_now, name, plan, worker, bound, known, fetch)
 
     def _replay_now(self, name: str, plan: Any, worker: Any, bound: Any, known: Any, fetch: list[str]) -> Any:
         t0 = time.perf_counter()
