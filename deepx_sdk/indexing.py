@@ -7,6 +7,7 @@ boolean mask (its True positions are read back from the daemon, since they decid
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from weakref import ref as _weakref
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
@@ -113,7 +114,10 @@ def getitem(t: Tensor, index: Any) -> Tensor:
                 final.append(1 if d == -1 else d)
         return out.reshape(tuple(final)) if tuple(final) != out.shape else out
     final_shape = tuple(1 if d == -1 else d for d in shape)
-    return out.reshape(final_shape) if final_shape != out.shape else out
+    out = out.reshape(final_shape) if final_shape != out.shape else out
+    if out is not t:  # ints, slices, None: a view in torch, a copy here (see Tensor._check_write)
+        out._b = _weakref(t)
+    return out
 
 
 def _is_mask(index: Any) -> bool:
@@ -141,6 +145,7 @@ def _mask(t: Tensor, mask: Tensor) -> Tensor:
 def setitem(t: Tensor, index: Any, value: Any) -> None:
     from deepx_sdk.tensor import Tensor, _tp, _vec, full, tensor, where
 
+    t._check_write("setitem")
     if _is_mask(index):
         index = tensor(index)
     if isinstance(index, Tensor) and index.dtype == "bool":

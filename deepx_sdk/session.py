@@ -464,6 +464,14 @@ class Session:
         # fuse pass from joining the op that wrote the dead value to the op that read it)
         self._freed_now: dict[tuple[Any, str], list[str]] = {}
         self._revived: set[str] = set()
+        # names the pending program's results took from the pool (or from the handle they replace): their tensors
+        # hold an older value in the daemon until the program runs, so one that never ran must not be read (see
+        # _forget_unrun)
+        self._reused: set[str] = set()
+        # such names whose deletion is pending (in _lost as well): sent again, not dropped, where it does not run
+        self._stale: set[str] = set()
+        # the last failed program's error, for a later read of a tensor it never made (see sync)
+        self._failure = ""
         # set by dx.compile while it captures a call (deepx_sdk/compile.py): reading a value then is refused
         self.capture: Any = None
         # programs, backward requests and graph replays sent so far: a value read back along with one of them
@@ -667,6 +675,7 @@ class Session:
                     if len(item) != 3:  # its name is to be deleted as well: _drain_collected
                         collected.appendleft(item)
                     elif dt == dtype and shp == shape:  # what the pool would hand straight back
+                        self._reused.add(name)
                         return name
                     else:
                         names = self.pool.get((shp, dt)) if shp is not None else None
@@ -681,7 +690,9 @@ class Session:
         # Python collected them, so that a loop's steps name their temporaries alike (and send the same programs)
         names = self.pool.get((shape, dtype))
         if names:
-            return names.pop(0)
+            name = names.pop(0)
+            self._reused.add(name)
+            return name
         names = self.freed.get((shape, dtype))
         if names:
             name = names.pop(0)
@@ -693,6 +704,8 @@ class Session:
         """Send what is pending (with `fetch` read back); raise the first error since the last sync."""
         if fetch and self.capture is not None:
             raise self.capture.refuse_read(fetch)
+        if fetch and self._lost:
+            self._refuse_lost(fetch)
         with self._lock:
             try:
                 out = self._flush(fetch, raise_now=True)
@@ -707,6 +720,19 @@ class Session:
                 raise err
             return out
 
+    def _refuse_lost(self, fetch: Sequence[str]) -> None:
+        """Reading a tensor that a failed program never made: the failure's error where it is still to be raised,
+        else an error that says so (rather than the daemon's 'not found', or an older value under a reused name)."""
+        gone = [name for name in fetch if name in self._lost]
+        if not gone:
+            return
+        with self._lock:
+            if self.error is not None:
+                err, self.error = self.error, None
+                raise err
+        cause = f": {self._failure}" if self._failure else ""
+        raise DeepxError(f"tensor '{gone[0]}' has no value: the program that was to compute it failed{cause}")
+
     def _flush(self, fetch: Sequence[str], raise_now: bool) -> dict[str, np.ndarray]:
         if self.closed:
             raise DeepxError("this deepx session is closed; call dx.connect() again")
@@ -715,7 +741,8 @@ class Session:
         if not self.pending and not fetch:
             return {}
         program, origins, backwards, revived = self.pending, self.origins, self.backwards, self._revived
-        self.pending, self.origins, self.backwards, self._revived = [], [], [], set()
+        reused = self._reused
+        self.pending, self.origins, self.backwards, self._revived, self._reused = [], [], [], set(), set()
         if self._freed_now:
             self._release_freed()
         self.runs += 1
@@ -734,9 +761,13 @@ class Session:
             raise DeepxError(f"lost the connection to deepxd: {e}") from None
         for line in outcome.output:
             sys.stdout.write(line + "\n")
-        if not outcome.ok:
-            self._forget_unrun(program, outcome.done, mark, revived)
+        if outcome.ok:
+            if self._stale:
+                self._stale.clear()  # their deletions were in this program
+        else:
+            self._forget_unrun(program, outcome.done, mark, revived, reused)
             err = self._error(outcome, program, origins)
+            self._failure = str(err)
             if raise_now:
                 raise err
             if self.error is None:
@@ -762,15 +793,18 @@ class Session:
             del self._lazy_programs[0]
 
     def _forget_unrun(self, program: list[Instr], done: int, mark: int,
-                      revived: Collection[str] = frozenset()) -> None:
+                      revived: Collection[str] = frozenset(), reused: Collection[str] = frozenset()) -> None:
         """Instructions from `done` on did not run: the tensors they would have made do not exist (Python must not
         delete them when it collects their handles), and the deletions among them did not happen (sent again). A
         tensor does not exist either if its name is new since `mark`, or was `revived` (a deleted transpose's, handed
-        out again), and nothing that ran wrote it."""
+        out again), and nothing that ran wrote it. A result that took a `reused` name (a pooled temporary's) and never
+        ran would read the older value still held under that name: that tensor is deleted with the next program, and
+        the name counted as never made, so that reading it raises instead."""
         made = {p.value for instr in program[:done] if instr.name != "deltensor"
                 for p in instr.returns if p.category == "tensor"}
         prefix, n = self._prefix, len(self._prefix)
         unrun_deletes = []
+        stale: dict[str, Any] = {}
         for instr in program[done:]:
             if instr.name == "deltensor":
                 unrun_deletes.append(instr)
@@ -784,13 +818,28 @@ class Session:
                 continue
             for p in instr.returns:
                 name = p.value
-                if (p.category == "tensor" and isinstance(name, str) and name not in made
-                        and (name in revived or (name.startswith(prefix) and name[n:].isdigit()
-                                                 and int(name[n:]) > mark))):
+                if p.category != "tensor" or not isinstance(name, str) or name in made:
+                    continue
+                if name in revived or (name.startswith(prefix) and name[n:].isdigit() and int(name[n:]) > mark):
                     self._lost.add(name)
+                elif name in reused and name not in stale:
+                    stale[name] = p.precisions[0]
+        if self._stale:
+            self._stale.difference_update(i.returns[0].value for i in program[:done] if i.name == "deltensor")
+        for name, dtype in stale.items():  # deleted first, so that no older value stays under a result's name
+            self.pending.append(_deletion(name, dtype))
+            self.origins.append(None)
+            self._lost.add(name)
+            self._stale.add(name)
         for instr in unrun_deletes:
             name = instr.returns[0].value
-            if name in self._lost:
+            if name in self._stale:
+                if name in stale:  # made and dropped in this program: no handle left, its deletion queued above
+                    self._lost.discard(name)
+                else:  # an older value's deletion, queued by an earlier failure: still to be done
+                    self.pending.append(instr)
+                    self.origins.append(None)
+            elif name in self._lost:
                 self._lost.discard(name)
             else:
                 self.pending.append(instr)
@@ -811,6 +860,12 @@ class Session:
             code, offset = made_at
             where = f" (from {code.co_filename}:{source_line(code, offset)}, in {code.co_name})"
         msg = outcome.error or "the program failed"
+        if self._lost and 0 <= i < len(program):
+            # it read a tensor that an earlier failed program never made: say so, with that failure
+            never = [p.value for p in program[i].args if p.category == "tensor" and p.value in self._lost]
+            if never:
+                cause = f" ({self._failure})" if self._failure else ""
+                msg += f"; '{never[0]}' was never computed: an earlier program failed{cause}"
         return DeepxError(f"{msg}{where}")
 
     def put(self, name: str, array: np.ndarray, heap: bool = False) -> None:

@@ -12,6 +12,7 @@ import math
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
+from weakref import ref as _weakref
 
 import numpy as np
 
@@ -177,6 +178,7 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
         else:
             if item[1] == dtype and item[2] == shape and len(item) == 3:
                 rname = item[0]
+                s._reused.add(rname)
                 out = _new_object(Tensor)
                 out._k = item
             else:
@@ -274,10 +276,16 @@ class Tensor:
     # _k: what __del__ hands the session's collected queue, (name, dtype, shape or None: never pooled), worked out
     # when the tensor is made (a loop's result takes the very tuple of the handle it replaces); a fourth item True:
     # deleted when collected, and its name pooled all the same (a transpose's: see permute)
-    __slots__ = ("__weakref__", "_k", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name", "requires_grad", "shape")
+    # _b: set on a view's result (reshape, transpose, an index, expand, detach: copies in deepx, views in torch), a
+    # weak reference to the tensor it came from, so that writing the copy in place while that one lives raises
+    # (see _check_write); _o: set on a `.data` handle, the tensor whose name it shares (kept alive by it)
+    __slots__ = ("__weakref__", "_b", "_k", "_o", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name",
+                 "requires_grad", "shape")
     _v: tuple[_int, np.ndarray] | None  # set only where a value came back with the tensor's making (see numpy())
 
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
+        if requires_grad and dtype not in FLOATS:
+            raise DeepxError(f"only floating-point tensors can require gradients, got {dtype}")
         self._p: Param | None = None
         self.name = name
         self.shape = shape if type(shape) is tuple else tuple(shape)
@@ -295,6 +303,8 @@ class Tensor:
             k = self._k
         except AttributeError:  # a Parameter, or a half-built tensor (copy, unpickling)
             k = None
+        if k is False:  # a `.data` handle: another handle owns the name
+            return
         try:
             # never blocks: collection runs in any thread. Plain results may have their name reused (pooled);
             # parameters and other kinds are always deleted (_k None), and so are a backward's gradient names: their
@@ -393,7 +403,7 @@ class Tensor:
         out = _emit(s, name, args, shape, dtype, depth + 1)
         for t in inputs:
             if t.requires_grad:
-                if s.grad_enabled:
+                if s.grad_enabled and dtype in FLOATS:  # an integer or bool result has no gradient, as in torch
                     out.requires_grad = True
                     s.tape.append((_tuple_new(Instr, (name, args, (out._p,), ())), out, tuple(inputs)))
                 break
@@ -861,8 +871,11 @@ class Tensor:
         if known[0] == self.shape:
             return self
         if not self.requires_grad:
-            return _emit(self._s, "reshape", (self._p or _tp(self), known[1]), known[0], self.dtype, 2)
-        return self._op("reshape", (_tp(self), known[1]), known[0], self.dtype, (self,))
+            out = _emit(self._s, "reshape", (self._p or _tp(self), known[1]), known[0], self.dtype, 2)
+        else:
+            out = self._op("reshape", (_tp(self), known[1]), known[0], self.dtype, (self,))
+        out._b = _weakref(self)
+        return out
 
     view = reshape
 
@@ -889,6 +902,7 @@ class Tensor:
         # a transpose is a view in the daemon (deepxd/kernels/cpu): once collected its name is deleted as well as
         # pooled, so that it does not outlive, as a copy, the next in-place write of its operand (an optimizer's)
         out._k = (out.name, out.dtype, out.shape, True)
+        out._b = _weakref(self)
         return out
 
     def transpose(self, dim0: _int, dim1: _int) -> Tensor:
@@ -902,6 +916,7 @@ class Tensor:
         if len(shape) == 2:  # every Linear's weight, every step: straight to the instruction
             out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self])
             out._k = (out.name, out.dtype, out.shape, True)  # a view in the daemon: see permute
+            out._b = _weakref(self)
             return out
         if self.ndim > 2:
             raise DeepxError(f"t(): '{self.name}' has {self.ndim} dims; use transpose or mT")
@@ -939,7 +954,9 @@ class Tensor:
         if new == self.shape:
             return self
         meta = self._infer("broadcastTo", [TensorMeta(self.shape, self.dtype), new], [self.name, None])
-        return self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self])
+        out = self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self])
+        out._b = _weakref(self)
+        return out
 
     def expand_as(self, other: Tensor) -> Tensor:
         return self.expand(other.shape)
@@ -957,11 +974,46 @@ class Tensor:
         return self._op("copytensor", (_tp(self),), self.shape, self.dtype, [self])
 
     def detach(self) -> Tensor:
+        """A copy that does not require grad (torch's shares memory: see _check_write)."""
+        out = self._copy()
+        out._b = _weakref(self)
+        return out
+
+    def _copy(self) -> Tensor:
+        """A new tensor holding this one's values, not requiring grad."""
         out = Tensor(self._s.new_name(), self.shape, self.dtype, self._s)
         self._s.record(Instr("copytensor", (_tp(self),), (Param("tensor", (self.dtype,), out.name),)))
         return out
 
+    @property
+    def data(self) -> Tensor:
+        """This tensor's values without its autograd history, as torch's `.data`: a second handle on the same daemon
+        tensor that does not require grad. Writing it in place (`p.data.mul_(0.5)`) writes this tensor, unseen by
+        autograd; the handle keeps this one (and so the name) alive, and never deletes the name itself."""
+        out = _new_object(Tensor)
+        out.name, out.shape, out.dtype, out._s = self.name, self.shape, self.dtype, self._s
+        out.requires_grad = False
+        out.grad = out.grad_fn = out._p = None
+        out._k = False
+        out._o = self
+        return out
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        src = value if isinstance(value, Tensor) else tensor(value, dtype=self.dtype)
+        if src.shape != self.shape:
+            raise DeepxError(f"'{self.name}'.data = ...: shape {src.shape} differs from {self.shape}; deepx cannot "
+                             "change a tensor's shape in place")
+        with _no_tape(self._s):
+            self._assign(src)
+
     def requires_grad_(self, flag: _bool = True) -> Tensor:
+        if flag and self.dtype not in FLOATS:
+            raise DeepxError(f"requires_grad_: only floating-point tensors can require gradients; '{self.name}' is "
+                             f"{self.dtype}")
+        if not flag and self.grad_fn is not None:
+            raise DeepxError(f"requires_grad_(False): '{self.name}' is not a leaf (it was computed from tensors that "
+                             "require grad); use .detach() for a copy that does not")
         self.requires_grad = flag
         return self
 
@@ -1001,7 +1053,8 @@ class Tensor:
         return where(mask, fill, self)
 
     def masked_fill_(self, mask: Tensor, value: Any) -> Tensor:
-        return self._assign(self.masked_fill(mask, value))
+        self._check_write("masked_fill_")
+        return self._assign(self.masked_fill(mask, value), "masked_fill_")
 
     def multinomial(self, num_samples: _int, replacement: _bool = False) -> Tensor:
         """Indices drawn from the categories of the last dim, with probabilities proportional to the (non-negative)
@@ -1039,8 +1092,23 @@ class Tensor:
         setitem(self, index, value)
 
     # -- in place
-    def _assign(self, other: Tensor) -> Tensor:
+    def _check_write(self, how: str) -> None:
+        """Refuse an in-place write of a view's result while the tensor it came from lives: torch would write that
+        tensor too, deepx's copy would not, and the difference would go unnoticed."""
+        try:
+            ref = self._b
+        except AttributeError:
+            return
+        base = ref()
+        if base is not None:
+            raise DeepxError(f"{how}: '{self.name}' was made from '{base.name}' by a view (reshape, view, transpose, "
+                             "t, an index, expand, detach...), which in deepx is a copy: writing it in place would not "
+                             f"change '{base.name}' as it would in torch. Write '{base.name}' itself (x[i] = v, "
+                             "x.copy_(...), or under dx.no_grad()), or .clone() the view first to change only the copy")
+
+    def _assign(self, other: Tensor, how: str = "in-place write") -> Tensor:
         """Make this handle hold `other`'s values (in place, as torch's x.op_() does)."""
+        self._check_write(how)
         if other.shape != self.shape:
             other = other.expand(self.shape)
         other = other.type_as_dtype(self.dtype)
@@ -1053,43 +1121,70 @@ class Tensor:
         """Put an in-place write of this tensor on the autograd tape, so that backward sees the new value (and the
         values it read); a leaf that requires grad is left off, as torch refuses to write one in place."""
         s = self._s
-        if s.grad_enabled and (self.requires_grad or any(t.requires_grad for t in inputs)) and not (
-                self.requires_grad and self.grad_fn is None):
+        if s.grad_enabled and self.dtype in FLOATS and (self.requires_grad or any(t.requires_grad for t in inputs)) \
+                and not (self.requires_grad and self.grad_fn is None):
             self.requires_grad = True
             s.tape.append((instr, self, inputs))
 
+    def _update(self, result: Tensor, how: str) -> Tensor:
+        """An in-place arithmetic update: as torch, refused where the result's dtype cannot be cast back to this
+        tensor's (a float result into an integer or bool tensor)."""
+        if result.dtype != self.dtype and self.dtype not in FLOATS and result.dtype in FLOATS:
+            raise DeepxError(f"{how}: the result type {result.dtype} can't be cast to '{self.name}''s dtype "
+                             f"{self.dtype}")
+        return self._assign(result, how)
+
     def add_(self, o: Any, alpha: Any = 1) -> Tensor:
-        return self._assign(self + (o * alpha if alpha != 1 else o))
+        self._check_write("add_")
+        return self._update(self + (o * alpha if alpha != 1 else o), "add_")
 
     def sub_(self, o: Any, alpha: Any = 1) -> Tensor:
-        return self._assign(self - (o * alpha if alpha != 1 else o))
+        self._check_write("sub_")
+        return self._update(self - (o * alpha if alpha != 1 else o), "sub_")
 
     def mul_(self, o: Any) -> Tensor:
-        return self._assign(self * o)
+        self._check_write("mul_")
+        return self._update(self * o, "mul_")
 
     def div_(self, o: Any) -> Tensor:
-        return self._assign(self / o)
+        self._check_write("div_")
+        return self._update(self / o, "div_")
 
-    def _fill(self, instr: Instr) -> Tensor:
+    # `x += y` writes x in place, as torch's does (a parameter's update under no_grad, a gradient scaled by hand)
+    __iadd__ = add_
+    __isub__ = sub_
+    __imul__ = mul_
+    __itruediv__ = div_
+
+    def __ipow__(self, o: Any) -> Tensor:
+        self._check_write("pow_")
+        return self._update(self ** o, "pow_")
+
+    pow_ = __ipow__
+
+    def _fill(self, instr: Instr, how: str) -> Tensor:
         """An in-place fill: on the tape when this tensor is in the graph, so that backward sees the value end."""
+        self._check_write(how)
         self._s.record(instr)
         self._tape_in_place(instr, ())
         return self
 
     def zero_(self) -> Tensor:
-        return self._fill(Instr("constant", (_vp(0),), (_tp(self),)))
+        return self._fill(Instr("constant", (_vp(0),), (_tp(self),)), "zero_")
 
     def fill_(self, value: Any) -> Tensor:
-        return self._fill(Instr("constant", (_vp(_number(value)),), (_tp(self),)))
+        return self._fill(Instr("constant", (_vp(_number(value)),), (_tp(self),)), "fill_")
 
     def copy_(self, src: Tensor) -> Tensor:
-        return self._assign(src)
+        return self._assign(src, "copy_")
 
     def uniform_(self, a: _float = 0.0, b: _float = 1.0) -> Tensor:
-        return self._fill(Instr("uniform", (_vp(float(a)), _vp(float(b)), _vp(_seed(self._s))), (_tp(self),)))
+        return self._fill(Instr("uniform", (_vp(float(a)), _vp(float(b)), _vp(_seed(self._s))), (_tp(self),)),
+                          "uniform_")
 
     def normal_(self, mean: _float = 0.0, std: _float = 1.0) -> Tensor:
-        return self._fill(Instr("normal", (_vp(float(mean)), _vp(float(std)), _vp(_seed(self._s))), (_tp(self),)))
+        return self._fill(Instr("normal", (_vp(float(mean)), _vp(float(std)), _vp(_seed(self._s))),
+                                (_tp(self),)), "normal_")
 
 
 class _no_tape:
@@ -1367,7 +1462,7 @@ def randn_like(t: Tensor, dtype: Any = None) -> Tensor:
 def tensor(data: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
     """A tensor from a numpy array, a Python list or a scalar: its bytes are sent to the daemon."""
     if isinstance(data, Tensor):
-        return data.detach()
+        return data._copy()  # a copy, as torch.tensor(t): not a view
     if dtype is not None:
         arr = np.asarray(data, dtype=to_numpy(dtype_name(dtype)))
     else:

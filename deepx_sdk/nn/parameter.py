@@ -41,14 +41,12 @@ class Parameter(Tensor):
             Tensor.__init__(self, s.new_name(), arr.shape, dtype_name(arr.dtype), s, requires_grad)
             s.put(self.name, arr, heap=True)
 
-    @property
-    def data(self) -> Tensor:
-        """The parameter itself (no second handle: two handles on one daemon tensor would both delete it)."""
-        return self
-
-    @data.setter
-    def data(self, value: Any) -> None:
+    def _set_data(self, value: Any) -> None:
         load_into(self, value, self.name)
+
+    # the getter: Tensor.data's second handle on the parameter's tensor, which does not require grad (writing it in
+    # place writes the parameter, unseen by autograd); the setter loads new values, as torch's param.data = t
+    data = property(Tensor.data.fget, _set_data, doc=Tensor.data.__doc__)  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         try:

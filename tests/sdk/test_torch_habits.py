@@ -1,0 +1,236 @@
+"""What a PyTorch user writes without thinking, against torch on the CPU: in-place operators (`p -= lr * p.grad`),
+`.data`, views written in place (refused in deepx, whose views are copies), integer results and gradients, and a
+failed program's results (never an older value under a reused name). Found by an audit of the SDK against torch."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+from deepx_sdk.errors import DeepxError
+
+
+def _values(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------- in-place operators
+
+
+def test_a_parameter_update_by_in_place_operators_matches_torch(rng):
+    w0, b0, x0 = _values(rng, 3, 4), _values(rng, 3), _values(rng, 5, 4)
+    tm, dm = torch.nn.Linear(4, 3), nn.Linear(4, 3)
+    with torch.no_grad():
+        tm.weight.copy_(torch.from_numpy(w0))
+        tm.bias.copy_(torch.from_numpy(b0))
+    dm.weight.data = w0
+    dm.bias.data = b0
+    for _ in range(3):
+        tm.zero_grad()
+        dm.zero_grad()
+        tm(torch.from_numpy(x0)).square().sum().backward()
+        dm(dx.tensor(x0)).square().sum().backward()
+        with torch.no_grad():
+            for p in tm.parameters():
+                p -= 0.01 * p.grad
+        with dx.no_grad():
+            for p in dm.parameters():
+                p -= 0.01 * p.grad
+    assert isinstance(dm.weight, nn.Parameter) and dm.weight.requires_grad
+    np.testing.assert_allclose(dm.weight.numpy(), tm.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dm.bias.numpy(), tm.bias.detach().numpy(), rtol=1e-5, atol=1e-6)
+    with dx.no_grad():
+        dm.weight += 1  # a module attribute written in place stays the same Parameter
+    np.testing.assert_allclose(dm.weight.numpy(), tm.weight.detach().numpy() + 1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["+=", "-=", "*=", "/=", "**="])
+def test_in_place_operators_write_the_tensor_every_handle_sees(rng, op):
+    a0, b0 = np.abs(_values(rng, 2, 3)) + 0.5, np.abs(_values(rng, 2, 3)) + 0.5
+    results = []
+    for lib in (torch, dx):
+        x, y = lib.tensor(a0), lib.tensor(b0)
+        alias = x
+        scope = {"x": x, "y": y}
+        exec(f"x {op} y", scope)
+        assert scope["x"] is alias  # the same object, written in place
+        results.append(alias.numpy())
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-6)
+
+
+def test_a_gradient_scaled_in_place_changes_grad():
+    w = dx.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    (w * w).sum().backward()
+    g = w.grad
+    g *= 0.5
+    np.testing.assert_allclose(w.grad.numpy(), [1.0, 2.0, 3.0])
+
+
+def test_an_in_place_float_update_of_an_integer_tensor_is_refused_as_in_torch():
+    with pytest.raises(RuntimeError):
+        t = torch.tensor([1, 2])
+        t += 0.5
+    x = dx.tensor([1, 2])
+    with pytest.raises(DeepxError, match="can't be cast"):
+        x += 0.5
+    x += 2
+    np.testing.assert_array_equal(x.numpy(), [3, 4])
+
+
+# ---------------------------------------------------------------- .data
+
+
+def test_data_is_the_tensor_without_its_history(rng):
+    p = nn.Parameter(np.array([0.0, 1.0, 2.0, 3.0], np.float32))
+    d = p.data
+    assert d is not p and d.name == p.name and not d.requires_grad and d.grad_fn is None
+    x = dx.tensor(np.ones(4, np.float32))
+    with pytest.raises(DeepxError, match="does not require grad"):  # a graph from .data has no gradient to give
+        (p.data * x).sum().backward()
+    (p * x).sum().backward()
+    np.testing.assert_array_equal(p.grad.numpy(), np.ones(4))
+    p.data.mul_(0.5)  # written through: the EMA idiom, unseen by autograd
+    np.testing.assert_allclose(p.numpy(), [0.0, 0.5, 1.0, 1.5])
+    t = dx.tensor([1.0, 2.0])
+    t.data.add_(1)
+    np.testing.assert_allclose(t.numpy(), [2.0, 3.0])
+
+
+def test_a_data_handle_keeps_the_tensor_and_never_deletes_it():
+    t = dx.tensor([4.0, 5.0])
+    d = t.data
+    del t
+    gc.collect()
+    np.testing.assert_allclose(d.numpy(), [4.0, 5.0])
+    d2 = d.data
+    del d2
+    gc.collect()
+    np.testing.assert_allclose(d.numpy(), [4.0, 5.0])
+
+
+def test_assigning_data_loads_values_and_refuses_another_shape():
+    t = dx.tensor([1.0, 2.0])
+    t.data = np.array([7.0, 8.0], np.float32)
+    np.testing.assert_allclose(t.numpy(), [7.0, 8.0])
+    with pytest.raises(DeepxError, match="shape"):
+        t.data = np.zeros(3, np.float32)
+
+
+# ---------------------------------------------------------------- views written in place
+
+
+@pytest.mark.parametrize("write", [
+    lambda x: x[0].__setitem__(1, 5.0),
+    lambda x: x.view(-1).add_(1.0),
+    lambda x: x[1:].fill_(9.0),
+    lambda x: x.t().mul_(2.0),
+    lambda x: x.reshape(6).zero_(),
+    lambda x: x.detach().copy_(dx.zeros(2, 3)),
+    lambda x: x.unsqueeze(0).sub_(1.0),
+    lambda x: [row.zero_() for row in x],
+])
+def test_writing_a_view_in_place_while_its_base_lives_is_refused(write):
+    """torch writes the base through a view; deepx's views are copies, so the write would be lost without a word."""
+    x = dx.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    with pytest.raises(DeepxError, match="which in deepx is a copy"):
+        write(x)
+    np.testing.assert_array_equal(x.numpy(), np.arange(6).reshape(2, 3))  # nothing written, nothing recorded
+
+
+def test_a_view_whose_base_is_gone_is_written_as_torch_would():
+    """Nobody can see the difference any more: `h = f(x).view(...); h.mul_(2)` is a plain in-place write."""
+    x = dx.tensor(np.arange(6, dtype=np.float32))
+    h = (x + 1).view(2, 3)
+    h.mul_(2.0)
+    np.testing.assert_array_equal(h.numpy(), (np.arange(6) + 1).reshape(2, 3) * 2)
+    c = x.view(2, 3).clone()  # a clone is not a view
+    c.add_(1.0)
+    np.testing.assert_array_equal(x.numpy(), np.arange(6))
+
+
+# ---------------------------------------------------------------- integers and gradients
+
+
+def test_integer_results_do_not_require_grad_as_in_torch():
+    x = dx.tensor([0.4, 1.6, 2.2], requires_grad=True)
+    assert not x.long().requires_grad and not (x > 1).requires_grad and not x.argmax().requires_grad
+    emb = dx.tensor(np.ones((3, 2), np.float32), requires_grad=True)
+    emb[x.long()].sum().backward()
+    assert x.grad is None
+    np.testing.assert_array_equal(emb.grad.numpy(), np.ones((3, 2)))
+
+
+def test_requires_grad_is_refused_on_integers_and_on_non_leaves():
+    with pytest.raises(DeepxError, match="floating-point"):
+        dx.tensor([1, 2], requires_grad=True)
+    with pytest.raises(DeepxError, match="floating-point"):
+        dx.tensor([1, 2]).requires_grad_()
+    w = dx.tensor([1.0], requires_grad=True)
+    with pytest.raises(DeepxError, match="not a leaf"):
+        (w * 2).requires_grad_(False)
+    w.requires_grad_(False)
+    assert not w.requires_grad
+
+
+# ---------------------------------------------------------------- a failed program's results
+
+
+def test_a_result_that_never_ran_is_not_read_as_an_older_value():
+    """`r` takes the pooled name of a collected temporary that held 1500; its program fails before making it: reading
+    it must raise, not give 1500."""
+    x = dx.tensor(np.arange(6, dtype=np.float32))
+    s = (x * 100).sum()
+    assert s.item() == 1500.0
+    del s
+    gc.collect()
+    bad = x[dx.tensor(np.array([10]))]  # out of range: the program fails here
+    r = x.sum()
+    with pytest.raises(DeepxError, match="out of range"):
+        bad.numpy()
+    with pytest.raises(DeepxError, match=r"has no value.*out of range"):
+        r.item()
+    with pytest.raises(DeepxError, match=r"was never computed.*out of range"):
+        (r * 2).item()
+    assert x.sum().item() == 15.0  # the session goes on
+    del r
+    gc.collect()
+    assert (x * 100).sum().item() == 1500.0
+
+
+def test_a_failed_programs_stale_results_are_deleted_and_the_fast_paths_come_back():
+    """After the failure, the older values under reused names are deleted (the daemon's tensor count comes back) and
+    no name stays counted as lost once its handle is gone (the recording's fast paths need that set empty)."""
+    s = dx.session()
+    x = dx.tensor(np.arange(6, dtype=np.float32))
+
+    def count() -> int:
+        return len(s.transport._call(s.transport.node.worker().ask("tensors")))
+
+    for _ in range(3):
+        (x * 3).sum().item()
+    gc.collect()
+    s.sync()
+    before = count()
+    index = dx.tensor(np.array([10]))
+    for _ in range(3):
+        bad = x[index]  # out of range: the program fails here
+        r = (x * 3).sum()  # takes a pooled name
+        t = (x * 4).sum()
+        del t  # made and dropped in the failing program
+        with pytest.raises(DeepxError, match="out of range"):
+            bad.numpy()
+        with pytest.raises(DeepxError, match="has no value"):
+            r.item()
+        del r, bad
+        gc.collect()
+        s.sync()
+    assert (x * 3).sum().item() == 45.0
+    gc.collect()
+    s.sync()
+    assert not s._lost and not s._stale
+    assert count() <= before + 1  # the index; nothing else is left behind
