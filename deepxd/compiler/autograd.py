@@ -496,12 +496,14 @@ def _float_mask(gr: Grad, mask: str, like: TensorMeta) -> str:
 
 
 def _masked(gr: Grad, g: str, x: str, op: str, s: float) -> str:
-    """g where `x op s` holds (op: > or <), else 0: mul(g, todtype(greaterscalar(x, s))) as one fused instruction
-    (one pass instead of three; the same values, signed zeros included)."""
+    """g where `x op s` holds (op: >, <, >= or <=), else 0: mul(g, todtype(greaterscalar(x, s))) as one fused
+    instruction (one pass instead of three; the same values, signed zeros included)."""
     m = gr._builder.meta(g)
     if not math.isfinite(s) or gr._builder.meta(x) != m:
-        mask = gr.emit("greaterscalar" if op == ">" else "lessscalar", x, s)
-        return gr.emit("mul", g, _float_mask(gr, mask, m))
+        mask = _float_mask(gr, gr.emit("greaterscalar" if op[0] == ">" else "lessscalar", x, s), m)
+        if op.endswith("="):  # or equal: the two masks never overlap
+            mask = gr.emit("add", mask, _float_mask(gr, gr.emit("equalscalar", x, s), m))
+        return gr.emit("mul", g, mask)
     return gr.emit("fused", Param.listtensor([g, x], m.dtype), Param.var(f"in0 * (in1 {op} {s!r})"))
 
 
@@ -576,23 +578,35 @@ def _div(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("pow")
 def _pow(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g B A^(B-1), dB = g y log A"""
+    """dA = g B A^(B-1), 0 where B = 0; dB = g y log A, 0 where A = 0 and B >= 0 (torch's masks: 0^0 gives both
+    gradients 0, not nan and -inf)"""
     out = {}
     a, b = gr.x(0), gr.x(1)
+    m = gr.out_meta()
+    zero = gr.filled(TensorMeta((), m.dtype), 0.0)
     if gr.needs(0):  # g B A^(B-1)
         p = gr.emit("pow", a, gr.emit("subscalar", b, 1.0))
-        out[0] = gr.unbroadcast(gr.emit("mul", g, gr.emit("mul", b, p)), gr.meta(0))
+        d = gr.emit("switch", Param.listtensor([gr.emit("mul", b, p), zero], m.dtype), gr.emit("equalscalar", b, 0.0))
+        out[0] = gr.unbroadcast(gr.emit("mul", g, d), gr.meta(0))
     if gr.needs(1):  # g A^B log A
-        out[1] = gr.unbroadcast(gr.emit("mul", g, gr.emit("mul", gr.y(), gr.emit("log", a))), gr.meta(1))
+        at_zero = gr.emit("mul", _float_mask(gr, gr.emit("equalscalar", a, 0.0), m),
+                          _float_mask(gr, gr.emit("lessscalar", b, 0.0), m))  # A = 0 and B < 0: kept (inf)
+        mask = gr.emit("sub", _float_mask(gr, gr.emit("equalscalar", a, 0.0), m), at_zero)  # A = 0 and B >= 0
+        d = gr.emit("mul", gr.y(), gr.emit("log", a))
+        d = gr.emit("switch", Param.listtensor([d, zero], m.dtype), gr.emit("todtype", mask, dtype="int32"))
+        out[1] = gr.unbroadcast(gr.emit("mul", g, d), gr.meta(1))
     return out
 
 
 @rule("max", "min")
 def _maxmin(gr: Grad, g: str) -> dict[int, str]:
-    """g goes to the input picked (A where A > B for max, A < B for min; ties to B)"""
+    """g goes to the input picked (A where A > B for max, A < B for min), split in halves where they tie, as torch's
+    maximum and minimum"""
     a, b = gr.x(0), gr.x(1)
-    pick_a = gr.emit("greater" if gr.op == "max" else "less", a, b)  # ties go to B
-    m = gr.emit("todtype", pick_a, dtype=gr.out_meta().dtype)
+    dt = gr.out_meta().dtype
+    pick_a = gr.emit("todtype", gr.emit("greater" if gr.op == "max" else "less", a, b), dtype=dt)
+    tie = gr.emit("mulscalar", gr.emit("todtype", gr.emit("equal", a, b), dtype=dt), 0.5)
+    m = gr.emit("add", pick_a, tie)
     out = {}
     ga = gr.emit("mul", g, m)
     if gr.needs(0):
@@ -655,8 +669,9 @@ def _rpowscalar(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("maxscalar", "minscalar")
 def _maxminscalar(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g where A > s (max) or A < s (min), else 0"""
-    return {0: _masked(gr, g, gr.x(0), ">" if gr.op == "maxscalar" else "<", float(gr.arg(1)))}
+    """dA = g where A >= s (max) or A <= s (min), else 0: at the bound itself the gradient passes, as torch's
+    clamp(min=s) and clamp(max=s) give it"""
+    return {0: _masked(gr, g, gr.x(0), ">=" if gr.op == "maxscalar" else "<=", float(gr.arg(1)))}
 
 
 @rule("relu")

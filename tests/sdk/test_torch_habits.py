@@ -234,3 +234,34 @@ def test_a_failed_programs_stale_results_are_deleted_and_the_fast_paths_come_bac
     s.sync()
     assert not s._lost and not s._stale
     assert count() <= before + 1  # the index; nothing else is left behind
+
+
+# ---------------------------------------------------------------- gradients at the edges
+
+
+EDGES = {
+    "clamp(-1, 1)": lambda x, y, m: x.clamp(-1, 1),
+    "clamp(min=0)": lambda x, y, m: x.clamp(min=0),
+    "clamp(max=0.5)": lambda x, y, m: x.clamp(max=0.5),
+    "maximum": lambda x, y, m: m.maximum(x, y),
+    "minimum": lambda x, y, m: m.minimum(x, y),
+    "x ** y": lambda x, y, m: x.abs() ** y,
+    "0 ** y": lambda x, y, m: (x * 0) ** y,
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", list(EDGES))
+def test_gradients_at_ties_bounds_and_zero_powers_match_torch(rng, name, dtype):
+    """Inputs on the bounds, equal pairs, 0 ** 0 and 0 ** -1: where random inputs never land."""
+    xv = np.array([-2.0, -1.0, 0.0, 1.0, 2.0, 0.5, 0.0, 0.0], dtype)
+    yv = np.array([-2.0, 0.0, 0.0, 1.0, 3.0, 0.5, -1.0, 2.0], dtype)
+    up = rng.standard_normal(8).astype(dtype)
+    grads = []
+    for lib in (torch, dx):
+        x = lib.tensor(xv, requires_grad=True)
+        y = lib.tensor(yv, requires_grad=True)
+        (EDGES[name](x, y, lib) * lib.tensor(up)).sum().backward()
+        grads.append([t.grad.numpy() if t.grad is not None else np.zeros(8, dtype) for t in (x, y)])
+    for want, got in zip(grads[0], grads[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
