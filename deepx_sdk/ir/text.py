@@ -20,7 +20,7 @@ from deepx_sdk.errors import DeepxParseError
 from deepx_sdk.ir.dtypes import is_precision
 from deepx_sdk.ir.instr import Instr, Param, Value
 
-__all__ = ["format_param", "format_text", "parse_line", "parse_text"]
+__all__ = ["format_param", "format_text", "is_name", "parse_line", "parse_text"]
 
 _HEAD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.]*)(?=[\s(]|->|$)")
 _TYPED = re.compile(r"\s*(tensor|var|vector|listtensor)(?:<([^<>]*)>)?:")
@@ -387,9 +387,16 @@ def _lead(text: str) -> int:
     return len(text) - len(text.lstrip())
 
 
+def is_name(name: str) -> bool:
+    """Whether deepxIR text can name a tensor (or a stored vector) `name`: not empty, and no whitespace, `,`, `->`,
+    brackets or parentheses. The parser's own rule, for what arrives by other ways (a native put, renametensor's
+    string) and would otherwise make a tensor that no line of text could ever refer to."""
+    return _NAME.fullmatch(name) is not None and "->" not in name
+
+
 def _name(text: str, offset: int, what: str) -> str:
     v = text.strip()
-    if _NAME.fullmatch(v) and "->" not in v:
+    if is_name(v):
         return v
     offset += _lead(text)
     if not v:

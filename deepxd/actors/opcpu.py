@@ -24,7 +24,7 @@ from deepx_sdk.ir.instr import Instr, same_program, scalar_kinds
 from deepx_sdk.ir.ops import Bound, ProgramError, TensorMeta, check_program
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef
-from deepxd.kernels.cpu import CpuExecutor, dtype_name, transient_transposes
+from deepxd.kernels.cpu import CpuExecutor, check_instruction, dtype_name, repeat_count, transient_transposes
 
 log = logging.getLogger(__name__)
 
@@ -493,6 +493,12 @@ class CpuWorker(OpWorker):
         self._output = []
         try:
             bounds = check_program(program, self.ex, self.ex.plans)
+            for i, b in enumerate(bounds):
+                if b.instr.meta or b.op.name == "renametensor":  # what check_instruction reads
+                    try:
+                        check_instruction(b)
+                    except DeepxError as e:
+                        raise ProgramError(f"instruction {i + 1}: {e}", i) from None
             self._check_heap(bounds)
             for name in fetch:
                 if not self._will_exist(name, bounds):
@@ -635,17 +641,21 @@ class CpuWorker(OpWorker):
             self._fold()
 
     def _heavy(self, bounds: list[Bound]) -> bool:
+        """Whether the program goes to the worker's thread: it touches files, has a large matmul, or writes more
+        than `inline_elements` elements in all, each instruction's counted as many times as `benchmark.repeat` runs
+        it (a small op repeated ten thousand times is heavy work: inline it would hold the event loop)."""
         if self.inline_elements < 0:  # every program inline (an embedded daemon)
             return False
         total = 0
         for b in bounds:
             if b.op.family == "io":
                 return True
-            if b.op.name == "matmul" and numel(b.args[0].shape) * b.args[1].shape[-1] >= 1 << 16:
+            repeat = repeat_count(b.instr) if b.instr.meta else 1  # checked already (check_instruction)
+            if b.op.name == "matmul" and numel(b.args[0].shape) * b.args[1].shape[-1] * repeat >= 1 << 16:
                 return True
             for m in b.outs:
                 if m is not None and m.shape[:1] != (-1,):
-                    total += numel(m.shape)
+                    total += numel(m.shape) * repeat
             if total > self.inline_elements:
                 return True
         return False

@@ -190,3 +190,61 @@ def test_out_of_range_integer_scalars_wrap_like_c(ex):
     assert ex.get("lt").all()
     ex.run(Instr("constant", (V(300),), (T("i8"),)))
     np.testing.assert_array_equal(ex.get("i8"), np.array(300).astype(np.int8))
+
+
+@pytest.mark.parametrize("value, message", [
+    ("100000000", r"mulscalar: benchmark.repeat=100000000 is more runs than one instruction may ask for \(at most "
+                  r"10000\)"),
+    ("-1", r"mulscalar: benchmark.repeat=-1 is negative"),
+    ("abc", r"mulscalar: benchmark.repeat='abc' is not a whole number of runs"),
+    ("2.5", r"mulscalar: benchmark.repeat='2.5' is not a whole number of runs"),
+    ("", r"mulscalar: benchmark.repeat='' is not a whole number of runs"),
+])
+def test_a_benchmark_repeat_count_out_of_range_is_refused_before_anything_runs(ex, value, message):
+    """An unbounded count held the daemon's event loop (a hundred million runs of a small op); -1 and abc ran once."""
+    with pytest.raises(DeepxError, match=message):
+        ex.run(Instr("mulscalar", (T("a"), V(2)), (T("m"),), (("benchmark.repeat", value),)))
+    assert "m" not in ex.tensors
+
+
+def test_a_benchmark_repeat_count_at_the_limit_runs(ex):
+    from deepxd.kernels.cpu import MAX_REPEAT
+
+    ex.run(Instr("addscalar", (T("a"), V(1)), (T("a"),), (("benchmark.repeat", str(MAX_REPEAT)),)))
+    np.testing.assert_array_equal(ex.get("a"), np.arange(6, dtype=np.float32).reshape(2, 3) + MAX_REPEAT)
+
+
+@pytest.mark.parametrize("instr, message", [
+    (Instr("constant", (V(float("inf")),), (T("i"),)), "constant: value inf does not fit int32 (constant(inf) -> 'i')"),
+    (Instr("constant", (V(float("nan")),), (T("i"),)), "constant: value nan does not fit int32 (constant(nan) -> 'i')"),
+    (Instr("addscalar", (T("i"), V(10**23)), (T("i"),)),
+     f"addscalar: value {10**23} does not fit int32 (addscalar('i', {10**23}) -> 'i')"),
+    (Instr("addscalar", (T("i"), V(10**23)), (T("j"),)),
+     f"addscalar: value {10**23} does not fit int32 (addscalar('i', {10**23}) -> 'j')"),
+])
+def test_kernel_failures_name_the_problem_and_the_tensors_not_the_python_class(ex, instr, message):
+    """They read 'constant: OverflowError: cannot convert float infinity to integer (in constant of [None])'."""
+    ex.put("i", np.ones(4, np.int32))
+    with pytest.raises(DeepxError) as e:
+        ex.run(instr)
+    assert str(e.value) == message
+    assert "Error" not in str(e.value) and "None" not in str(e.value)
+
+
+def test_a_known_programs_kernel_failure_reads_the_same(ex):
+    """explain_failure (a prepared step's exception) words it as execute does."""
+    ex.put("i", np.ones(4, np.int32))
+    b = ex.plans.bind(Instr("addscalar", (T("i"), V(10**23)), (T("i"),)), ex)
+    with pytest.raises(Exception) as raw:
+        ex.prepare(b)()
+    with pytest.raises(DeepxError, match=r"^addscalar: value 10+ does not fit int32 \(addscalar\('i', 10+\) -> 'i'\)$"):
+        ex.explain_failure(b, raw.value)
+
+
+@pytest.mark.parametrize("new", ["a b", "x\ny", "a,b", "t->u", "[q]", "f(x)", ""])
+def test_renametensor_refuses_a_name_that_deepxir_text_cannot_write(ex, new):
+    with pytest.raises(DeepxError, match="renametensor: "):
+        ex.run(Instr("renametensor", (V(new, "string"),), (T("a"),)))
+    assert "a" in ex.tensors and new not in ex.tensors
+    ex.run(Instr("renametensor", (V("linear_0.weight", "string"),), (T("a"),)))
+    assert "linear_0.weight" in ex.tensors

@@ -11,6 +11,7 @@ import importlib
 import logging
 import operator
 import os
+import re
 import warnings
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from deepx_sdk.ir.dtypes import from_numpy, to_numpy
 from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
 from deepx_sdk.ir.shapes import numel
+from deepx_sdk.ir.text import is_name
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,106 @@ _ARG_KINDS: dict[str, tuple[int, ...]] = {
     name: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0 for a in op.args)
     for name, op in OPS.items()
 }
+
+
+#: the most runs that `benchmark.repeat=N` may ask of one instruction (deepxir.md: "run the op N times, for timing").
+#: A timing loop needs tens to thousands; a hundred million runs of a small op held the event loop for minutes, with
+#: no turn for SIGTERM or any other sender. A larger count is refused, as is one that is not a whole number (0 runs
+#: the op once, as 1 does); the op worker also counts the runs when it decides whether a program is heavy.
+MAX_REPEAT = 10_000
+
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+
+
+def repeat_count(instr: Instr) -> int:
+    """How many times `instr` runs: its `benchmark.repeat` count (1 where absent or 0); DeepxError naming the op and
+    the value where that is not a whole number from 0 to MAX_REPEAT."""
+    text = instr.get_meta("benchmark.repeat")
+    if text is None:
+        return 1
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    if not _WHOLE.fullmatch(text):
+        raise DeepxError(f"{instr.name}: benchmark.repeat={shown!r} is not a whole number of runs; give one from 1 "
+                         f"to {MAX_REPEAT}")
+    n = int(text)
+    if n < 0:
+        raise DeepxError(f"{instr.name}: benchmark.repeat={shown} is negative; give a number of runs from 1 to "
+                         f"{MAX_REPEAT}")
+    if n > MAX_REPEAT:
+        raise DeepxError(f"{instr.name}: benchmark.repeat={shown} is more runs than one instruction may ask for (at "
+                         f"most {MAX_REPEAT}); send the instruction several times instead")
+    return max(n, 1)
+
+
+def check_instruction(b: Bound) -> None:
+    """What the op table's check leaves to the executor, for where an instruction is first checked (never the
+    prepared steps of a known program): its `benchmark.repeat` count, and that renametensor's new name is one that
+    deepxIR text can write (a tensor that no line could refer to would be stuck)."""
+    if b.instr.meta:
+        repeat_count(b.instr)
+    if b.op.name == "renametensor":
+        new = str(b.args[0])
+        if not is_name(new):
+            raise DeepxError(f"renametensor: cannot rename '{b.out_names[0]}' to {new!r}: deepxIR text cannot name a "
+                             "tensor with whitespace, ',', '->', brackets or parentheses; choose a name without them")
+
+
+def _shown(value: Any) -> str:
+    """An argument's value as a failure message shows it: short, numbers as deepxIR writes them."""
+    if isinstance(value, (list, tuple)):
+        text = "[" + " ".join(map(_shown, value)) + "]"
+    elif isinstance(value, TensorMeta):
+        text = f"{value.dtype}{list(value.shape)}"
+    else:
+        text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _does_not_fit(b: Bound) -> str | None:
+    """'value V does not fit DTYPE' for the first scalar argument that an integer tensor of the instruction (an
+    input, else an output) cannot hold: what an OverflowError of a kernel means."""
+    dtypes = [m.dtype for m in b.args if isinstance(m, TensorMeta)]
+    dtypes += [m.dtype for m in b.outs if m is not None]
+    ints = [d for d in dtypes if d.startswith(("int", "uint"))]
+    if not ints:
+        return None
+    info = np.iinfo(to_numpy(ints[0]))
+    for kind, value in zip(_ARG_KINDS.get(b.op.name, ()), b.args):
+        if kind != 0 or type(value) not in (int, float):
+            continue
+        if (type(value) is float and not np.isfinite(value)) or not info.min <= value <= info.max:
+            return f"value {_shown(value)} does not fit {ints[0]}"
+    return None
+
+
+#: what a kernel's exception that says nothing meant
+_UNSAID: dict[type[BaseException], str] = {IndexError: "an index is out of range", OverflowError: "a value is out of "
+                                           "range", FloatingPointError: "a floating-point error"}
+
+
+def failure_message(b: Bound, e: BaseException) -> str:
+    """A kernel's exception in words: the op, what went wrong (never the Python class's name), and the instruction
+    as it ran, its tensors by name and its values as themselves: `addscalar: value 1e+30 does not fit int32
+    (addscalar('x', 1e+30) -> 'x')`."""
+    name = b.op.name
+    # an integer output given inf, nan or a number past its range: OverflowError, or ValueError for nan
+    overflow = isinstance(e, OverflowError) or (isinstance(e, ValueError) and "NaN" in str(e))
+    problem = _does_not_fit(b) if overflow else None
+    if problem is None:
+        if isinstance(e, KeyError) and e.args:
+            problem = f"{e.args[0]!r} not found"
+        else:
+            problem = " ".join(str(e).split()) or _UNSAID.get(type(e), "the kernel failed")
+    ins = []
+    for kind, value, n in zip(_ARG_KINDS.get(name, ()), b.args, b.names):
+        if kind == 1:
+            ins.append(repr(n) if n is not None else _shown(value))
+        elif kind == 2 and isinstance(n, list):
+            ins.append("[" + " ".join(map(repr, n)) + "]")
+        else:
+            ins.append(_shown(value))
+    outs = ", ".join(repr(str(n)) for n in b.out_names)
+    return f"{name}: {problem} ({name}({', '.join(ins)}) -> {outs or '()'})"
 
 
 def dtype_name(dt: np.dtype) -> str:
@@ -158,7 +260,9 @@ class CpuExecutor:
 
     # -- running
     def run(self, instr: Instr) -> None:
-        self.execute(self.plans.bind(instr, self))
+        b = self.plans.bind(instr, self)
+        check_instruction(b)
+        self.execute(b)
 
     def run_all(self, instrs: Sequence[Instr]) -> None:
         for instr in instrs:
@@ -580,7 +684,7 @@ class CpuExecutor:
             sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m is not None)
             raise DeepxError(f"{name}: out of memory (outputs {sizes})") from None
         if isinstance(e, (ValueError, TypeError, IndexError, OverflowError, KeyError, FloatingPointError)):
-            raise DeepxError(f"{name}: {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None
+            raise DeepxError(failure_message(b, e)) from None
 
     def unshare(self, name: str) -> None:
         """Before `name`'s buffer is written in place (or freed, or renamed): a view named `name` gets a buffer of its
@@ -687,9 +791,8 @@ class CpuExecutor:
                     assert meta is not None
                     outs.append(np.empty(meta.shape, to_numpy(meta.dtype)))
                     fresh = True
-            if b.instr.meta and b.instr.get_meta("benchmark.repeat"):
-                repeat = b.instr.get_meta("benchmark.repeat") or "1"
-                for _ in range(max(1, int(repeat)) if repeat.isdigit() else 1):
+            if b.instr.meta:
+                for _ in range(repeat_count(b.instr)):
                     kernel(*args, *outs)
             else:
                 kernel(*args, *outs)
@@ -703,7 +806,7 @@ class CpuExecutor:
             sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m is not None)
             raise DeepxError(f"{name}: out of memory (outputs {sizes})") from None
         except (ValueError, TypeError, IndexError, OverflowError, KeyError, FloatingPointError) as e:
-            raise DeepxError(f"{name}: {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None
+            raise DeepxError(failure_message(b, e)) from None
 
     def check_path(self, op: str, path: str) -> str:
         """`path` resolved (.. and links), refused when it falls outside every io root."""
@@ -729,8 +832,8 @@ class CpuExecutor:
             raise DeepxError(f"tensor '{name}' not found") from None
 
 
-__all__ = ["DIRECT_UFUNCS", "KERNELS", "STORE_FAMILIES", "CpuExecutor", "dtype_name", "to_numpy",
-           "transient_transposes"]
+__all__ = ["DIRECT_UFUNCS", "KERNELS", "MAX_REPEAT", "STORE_FAMILIES", "CpuExecutor", "check_instruction", "dtype_name",
+           "failure_message", "repeat_count", "to_numpy", "transient_transposes"]
 
 
 _C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
