@@ -21,16 +21,24 @@ import click
 from deepxctl.context import Ctl
 from deepxctl.term import CtlError, display_note
 
-MAX_DATAGRAM = 65535
+MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4, as deepxd/net/udp.py
+TRUNCATED = "... (truncated)"
 _ID = re.compile(r"//.*?\bid=(\d+)")
 
 
 def format_reply(rid: int, ok: bool, recv_ms: int, start_ms: int, finish_ms: int, message: str = "") -> str:
-    """One reply line, exactly as deepxd's UDP transport writes it (deepxd/net/udp.py)."""
+    """One reply line, exactly as deepxd's UDP transport writes it (deepxd/net/udp.py, which imports more than
+    deepxctl's commands may): a message too long for one datagram cut on a character boundary, ending TRUNCATED."""
     head = f"{rid} {'ok' if ok else 'error'}// recv_at={recv_ms} start_at={start_ms} finish_at={finish_ms}"
     if ok:
         return head
-    return f"{head} {' '.join(message.split())}"[: MAX_DATAGRAM - 1]
+    reply = f"{head} {' '.join(message.split())}"
+    if len(reply) * 4 <= MAX_DATAGRAM:
+        return reply
+    data = reply.encode("utf-8", "replace")
+    if len(data) <= MAX_DATAGRAM:
+        return reply
+    return data[: MAX_DATAGRAM - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
 
 
 def _ms(t: float) -> int:

@@ -6,7 +6,9 @@ one-instruction program, and gets exactly one reply datagram, sent to the sender
     <id> ok// recv_at=<ms> start_at=<ms> finish_at=<ms>
     <id> error// recv_at=<ms> start_at=<ms> finish_at=<ms> <message>
 
-A line that does not parse or names an unknown op still gets its reply; a bad datagram never stops the server.
+A line that does not parse, is not UTF-8 or names an unknown op still gets its reply (each line is decoded on its
+own, so one bad byte costs only its line); a reply too long for one datagram has its message cut to fit; a bad
+datagram never stops the server.
 """
 
 from __future__ import annotations
@@ -27,16 +29,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_DATAGRAM = 65535
+#: the largest reply datagram: the largest UDP payload over IPv4 (65,535 less 20 bytes of IP header and 8 of UDP
+#: header). sendto refuses a larger one (EMSGSIZE), and the sender, waiting for its reply, would hang
+MAX_DATAGRAM = 65507
+#: the end of a reply message cut to fit MAX_DATAGRAM (an error naming a very long tensor name, say)
+TRUNCATED = "... (truncated)"
 _ID = re.compile(r"//.*?\bid=(\d+)")
 
 
 def format_reply(rid: int, ok: bool, recv_ms: int, start_ms: int, finish_ms: int, message: str = "") -> str:
+    """One reply line; an error's message made one line, and cut (on a character boundary, ending with TRUNCATED)
+    where the reply would not fit one datagram: the id and times always arrive whole."""
     head = f"{rid} {'ok' if ok else 'error'}// recv_at={recv_ms} start_at={start_ms} finish_at={finish_ms}"
     if ok:
         return head
-    msg = " ".join(message.split())  # one line
-    return f"{head} {msg}"[: MAX_DATAGRAM - 1]
+    reply = f"{head} {' '.join(message.split())}"
+    if len(reply) * 4 <= MAX_DATAGRAM:  # four UTF-8 bytes a character at most: it fits
+        return reply
+    data = reply.encode("utf-8", "replace")
+    if len(data) <= MAX_DATAGRAM:
+        return reply
+    # a character cut in two at the end is dropped ("ignore" drops only the broken tail: the rest is whole UTF-8)
+    return data[: MAX_DATAGRAM - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
 
 
 def _ms(t: float) -> int:
@@ -61,7 +75,10 @@ class UdpServer(asyncio.DatagramProtocol):
             self.queue.put_nowait((data, addr, time.time()))
 
     def error_received(self, exc: Exception) -> None:
-        log.debug("udp: %s", exc)
+        if isinstance(exc, ConnectionRefusedError):  # a sender that left before its reply (ICMP port unreachable)
+            log.debug("udp: %s", exc)
+        else:
+            log.warning("udp: a reply was not sent: %s", exc)
 
     async def _work(self) -> None:
         while True:
@@ -75,13 +92,18 @@ class UdpServer(asyncio.DatagramProtocol):
                 log.exception("udp: datagram from %s failed", addr)
 
     async def _datagram(self, data: bytes, addr: tuple[str, int], recv: float) -> None:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            self._send(format_reply(0, False, _ms(recv), 0, _ms(time.time()),
-                                    f"datagram is not UTF-8 text (byte {e.start})"), addr)
-            return
-        for lineno, line in enumerate(text.split("\n"), 1):
+        offset = 0  # of the line in the datagram, in bytes
+        for lineno, raw in enumerate(data.split(b"\n"), 1):
+            start, offset = offset, offset + len(raw) + 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # this line's reply; the others run
+                self.lines += 1
+                m = _ID.search(raw.decode("utf-8", "replace"))
+                self._send(format_reply(int(m.group(1)) if m else 0, False, _ms(recv), 0, _ms(time.time()),
+                                        f"line {lineno} is not UTF-8 text: byte {e.start} of the line (byte "
+                                        f"{start + e.start} of the datagram) is {raw[e.start]:#04x}"), addr)
+                continue
             if not line.strip():
                 continue
             self.lines += 1
@@ -108,7 +130,7 @@ class UdpServer(asyncio.DatagramProtocol):
 
     def _send(self, reply: str, addr: tuple[str, int]) -> None:
         if self.transport is not None:
-            self.transport.sendto(reply.encode("utf-8")[:MAX_DATAGRAM], addr)
+            self.transport.sendto(reply.encode("utf-8", "replace"), addr)  # fits: format_reply cut it
 
     async def stop_accepting(self) -> None:
         self.accepting = False

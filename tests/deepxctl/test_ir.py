@@ -70,6 +70,7 @@ def test_ir_refusals(live: Live) -> None:
 
 
 @pytest.mark.parametrize("args", [(7, True, 1, 2, 3, ""), (0, False, 5, 0, 6, "bad\nline  here"),
-                                  (1, False, 1, 1, 1, "x" * 70000)])
+                                  (1, False, 1, 1, 1, "x" * 70000), (2, False, 1, 1, 1, "é" * 40000),
+                                  (3, False, 1, 1, 1, "x" * 65430 + "€" * 20)])
 def test_reply_format_is_the_udp_transports(args) -> None:
     assert format_reply(*args) == udp.format_reply(*args)
