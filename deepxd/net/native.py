@@ -21,6 +21,7 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.text import is_name
 from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj, unpack_instr_cached
 from deepxd.actors.opcpu import RunResult
 from deepxd.kernels.cpu import dtype_name
@@ -114,12 +115,32 @@ def _instrs(objs: Any, what: str) -> list[Instr]:
     return [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in objs]
 
 
-def _names(names: Any) -> dict[str, str] | None:
+def _names(names: Any, what: str = "backward") -> dict[str, str] | None:
+    """A backward request's `names` ({wrt: gradient name}), checked: gradients take names deepxIR text can write."""
     if names is None:
         return None
     if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
-        raise DeepxError("backward: 'names' must map tensor names to tensor names")
+        raise DeepxError(f"{what}: 'names' must map tensor names to tensor names, got {_shown(names)}")
+    for v in names.values():
+        if not is_name(v):
+            raise DeepxError(f"{what}: 'names' gives the gradient name {v!r}, which deepxIR text cannot write "
+                             "(whitespace, ',', '->', brackets or parentheses); choose another")
     return dict(names)
+
+
+def _shown(value: Any) -> str:
+    """A request field's value in an error message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _tensor_names(value: Any, what: str) -> list[str]:
+    """A request's list of tensor names (`fetch`), checked; None and absent are the empty list."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise DeepxError(f"{what}: 'fetch' must be a list of tensor names, got {_shown(value)}")
+    return value
 
 class NativeServer:
     def __init__(self, node: Node, path: str, *, max_frame: int) -> None:
@@ -237,13 +258,13 @@ class NativeServer:
         if not isinstance(prog, list):
             raise DeepxError("run: 'program' must be a list of instructions")
         program = [unpack_instr_cached(obj) if type(obj) is bytes else instr_from_obj(obj) for obj in prog]
-        fetch = req.get("fetch") or []
-        if not isinstance(fetch, list) or not all(isinstance(x, str) for x in fetch):
-            raise DeepxError("run: 'fetch' must be a list of tensor names")
+        fetch = _tensor_names(req.get("fetch"), "run")
         backwards = req.get("backwards")
         if backwards is not None:
             if not isinstance(backwards, list) or not all(isinstance(b, dict) for b in backwards):
                 raise DeepxError("run: 'backwards' must be a list of backward requests")
+            for i, b in enumerate(backwards):
+                _names(b.get("names"), f"run: backwards[{i}]")
             backwards = [{**b, "forward": _instrs(b.get("forward"), "backwards")} for b in backwards]
         result: RunResult = await self.node.ref("scheduler").ask("run", program=program, fetch=fetch,
                                                                  backwards=backwards)
@@ -296,8 +317,8 @@ class NativeServer:
         if not isinstance(prog, list):
             raise DeepxError("explain: give 'graph' (a stored graph's name) or 'program' (a list of instructions)")
         program = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
-        fetch = req.get("fetch") or []
-        return dict(await self.node.ref("scheduler").ask("explain", program=program, fetch=list(fetch)))
+        fetch = _tensor_names(req.get("fetch"), "explain")
+        return dict(await self.node.ref("scheduler").ask("explain", program=program, fetch=fetch))
 
     async def _op_fetch(self, req: dict[str, Any]) -> dict[str, Any]:
         names = req.get("names")
@@ -311,11 +332,26 @@ class NativeServer:
             name, dtype, shape, data = req["name"], req["dtype"], req["shape"], req["data"]
         except KeyError as e:
             raise DeepxError(f"put: missing field {e.args[0]!r} (need name, dtype, shape, data)") from None
-        if not isinstance(name, str) or not name or not isinstance(dtype, str) or not isinstance(shape, list) \
-                or not isinstance(data, (bytes, bytearray, memoryview)):
-            raise DeepxError("put: name and dtype must be strings, shape a list, data bytes")
-        info = await self.node.worker().ask("put", name=name, dtype=dtype, shape=shape, data=data,
-                                            heap=bool(req.get("heap", False)), owner=str(req.get("owner", "")))
+        # each field's type exactly: what a client sends wrong is refused, never coerced (bool("no") is True)
+        if not isinstance(name, str) or not is_name(name):
+            raise DeepxError(f"put: 'name' must be a tensor name deepxIR text can write (not empty; no whitespace, "
+                             f"',', '->', brackets or parentheses), got {_shown(name)}")
+        if not isinstance(dtype, str):
+            raise DeepxError(f"put of '{name}': 'dtype' must be a dtype's name (float32, int64, ...), got "
+                             f"{_shown(dtype)}")
+        if not isinstance(shape, list) or not all(type(d) is int for d in shape):
+            raise DeepxError(f"put of '{name}': 'shape' must be a list of whole numbers, got {_shown(shape)}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DeepxError(f"put of '{name}': 'data' must be the tensor's bytes (bin), got {type(data).__name__}")
+        heap, owner = req.get("heap", False), req.get("owner", "")
+        if not isinstance(heap, bool):
+            raise DeepxError(f"put of '{name}': 'heap' must be true or false, got {_shown(heap)}")
+        if owner is None:
+            owner = ""
+        if not isinstance(owner, str):
+            raise DeepxError(f"put of '{name}': 'owner' must be a string (who holds the tensor), got {_shown(owner)}")
+        info = await self.node.worker().ask("put", name=name, dtype=dtype, shape=shape, data=data, heap=heap,
+                                            owner=owner)
         return {"tensor": info}
 
     async def _op_admin(self, req: dict[str, Any]) -> dict[str, Any]:
