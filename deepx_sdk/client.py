@@ -29,6 +29,12 @@ PROTOCOL_VERSION = 1
 _HEADER = struct.Struct(">I")
 
 
+class DeepxTimeoutError(DeepxError, TimeoutError):
+    """deepxd did not answer within the client's timeout: a DeepxError (what deepx raises for a refused request) that
+    is also a TimeoutError, so that a caller (deepxctl's --timeout) can tell a slow daemon from a lost connection.
+    The connection is closed then: a late reply would be taken for the next request's."""
+
+
 def decode_tensor(obj: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(obj["data"], dtype=to_numpy(obj["dtype"])).reshape(obj["shape"])
 
@@ -60,7 +66,8 @@ class NativeClient:
                  hello: bool = True) -> None:
         address = address or default_address()
         if not address.startswith("unix://"):
-            raise DeepxError(f"NativeClient needs a unix:// address, got {address!r}")
+            raise DeepxError(f"cannot connect to {address!r}: deepxd's native socket is addressed as "
+                             "unix:///path/to/deepxd.sock (a deepx executor's udp://host:port is for dx.connect)")
         self.path = address.removeprefix("unix://")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
@@ -119,17 +126,29 @@ class NativeClient:
             elif len(body) > n:
                 raise DeepxError("deepxd sent more than one reply for one request")
             return msgpack.unpackb(body, raw=False, strict_map_key=False)
+        except TimeoutError:
+            raise self._timed_out() from None
         except OSError as e:
             raise DeepxError(f"lost the connection to deepxd at unix://{self.path}: {e}") from None
+
+    def _timed_out(self) -> DeepxTimeoutError:
+        timeout = self.sock.gettimeout()
+        self.sock.close()  # what comes later on it would answer the wrong request
+        return DeepxTimeoutError(f"deepxd at unix://{self.path} did not answer within {timeout} s (the client's "
+                                 "timeout); the connection is closed: connect again to retry")
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         rid = next(self._ids)
         try:
             self.send_frame({"id": rid, "op": op, **fields})
+        except TimeoutError:  # the daemon does not read what it is sent
+            raise self._timed_out() from None
         except OSError as e:
             # the daemon may have refused the frame (too large) and closed: its reply says why
             try:
                 reply = self.recv_frame()
+            except DeepxTimeoutError:
+                raise
             except DeepxError:
                 raise DeepxError(f"lost the connection to deepxd at unix://{self.path}: {e}") from None
             raise DeepxError(reply.get("error") or f"lost the connection to deepxd: {e}") from None

@@ -8,7 +8,7 @@ imports numpy), so `--help` is instant.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -17,15 +17,32 @@ from deepxctl.context import Ctl
 from deepxctl.term import CtlError
 
 
+def _reader_left(ctx: click.Context) -> NoReturn:
+    """stdout's reader left (`deepxctl top | head -2`): not an error, so exit 0 with nothing said. stdout becomes
+    /dev/null first, so that the interpreter's last flush of what is still buffered cannot fail again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (click's test runner): nothing is flushed to a pipe
+        pass
+    ctx.exit(0)
+
+
 class CliGroup(click.Group):
-    """Turns every refusal (DeepxError, a lost connection) into one line on stderr and exit code 1."""
+    """Turns every refusal (DeepxError, a lost connection, a timeout) into one line on stderr and exit code 1, and a
+    closed stdout pipe into a quiet exit 0."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except click.ClickException:
             raise
-        except TimeoutError:
+        except BrokenPipeError:  # a ConnectionError, but the daemon's socket errors come as DeepxError: stdout's
+            _reader_left(ctx)
+        except TimeoutError:  # deepx_sdk.client.DeepxTimeoutError, a DeepxError too
             ctl: Ctl | None = ctx.find_object(Ctl)
             raise CtlError(f"deepxd at {ctl.address if ctl else '?'} did not answer within "
                            f"{ctl.timeout if ctl else '?'} s (--timeout)") from None
@@ -40,7 +57,7 @@ class CliGroup(click.Group):
 
 @click.group(cls=CliGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--address", envvar="DEEPX_ADDRESS", default=None, show_default="$DEEPX_ADDRESS, else the default "
-              "socket", help="The daemon's native socket, unix:///path/deepxd.sock.")
+              "socket", help="The daemon's native socket, unix:///path/deepxd.sock (a bare path is refused).")
 @click.option("--kv", metavar="URL", envvar="DEEPXCTL_KV", default=None,
               help="Read the storage plane at URL (redis://host:port/db or memory:///abs/path/file) instead of a "
                    "daemon: for a stopped cluster. Serves tensors ls/show, memory, nodes ls, ops ls, graphs.")
@@ -71,7 +88,7 @@ def main() -> None:
         cli(prog_name="deepxctl")
     except KeyboardInterrupt:
         raise SystemExit(130) from None
-    except BrokenPipeError:  # `deepxctl tensors ls | head`: the reader left; not an error
+    except BrokenPipeError:  # `deepxctl tensors ls | head`, outside a command (CliGroup.invoke has the rest)
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

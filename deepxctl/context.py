@@ -57,11 +57,17 @@ class Ctl:
 
     @property
     def address(self) -> str:
-        """--address, else DEEPX_ADDRESS, else the default socket (resolved only when a command needs it)."""
+        """--address, else DEEPX_ADDRESS, else the default socket (resolved only when a command needs it); a usage
+        error (exit code 2) where it is not a unix:// URL."""
         if not self._address:
             from deepx_sdk.paths import default_address
 
             self._address = default_address()
+        if not self._address.startswith("unix://"):
+            hint = f"unix://{self._address}" if self._address.startswith("/") else "unix:///path/to/deepxd.sock"
+            raise CtlError(f"--address {self._address!r} is not a daemon address: give its native socket as {hint} "
+                           "(deepxIR over UDP to udp://host:port goes through `deepxctl ir --udp HOST:PORT`)",
+                           exit_code=2)
         return self._address
 
     def source(self) -> Source:

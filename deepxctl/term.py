@@ -6,6 +6,7 @@ rich, json and yaml are imported inside the functions: importing this module cos
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -36,14 +37,25 @@ class CtlError(click.ClickException):
         display_error(self.format_message())
 
 
-def console(stderr: bool = False) -> Console:
-    """A rich console on stdout (or stderr); written to a pipe or a file it is wide, so that nothing wraps."""
+@functools.cache
+def _console_class() -> type[Console]:
     from rich.console import Console
 
+    class CtlConsole(Console):
+        def on_broken_pipe(self) -> None:
+            """rich's own exits 1; the reader leaving is no error, and cli.CliGroup exits 0 with nothing said."""
+            self.quiet = True
+            raise BrokenPipeError
+
+    return CtlConsole
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr); written to a pipe or a file it is wide, so that nothing wraps."""
     stream = sys.stderr if stderr else sys.stdout
-    c = Console(file=stream, highlight=False)
+    c = _console_class()(file=stream, highlight=False)
     if not c.is_terminal:
-        c = Console(file=stream, highlight=False, width=WIDE, soft_wrap=True)
+        c = _console_class()(file=stream, highlight=False, width=WIDE, soft_wrap=True)
     return c
 
 

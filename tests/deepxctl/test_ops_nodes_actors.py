@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
-from tests.deepxctl.conftest import MATMULS, Live
+from tests.deepxctl.conftest import MATMULS, Live, ctl, one_line_error
 
 
 def test_ops_ls_json(live: Live) -> None:
@@ -57,3 +59,16 @@ def test_actors_ls_json(live: Live) -> None:
     assert running == []
     assert live.ctl("actors", "ls").stdout.splitlines()[0].split() == [
         "NAME", "ROLE", "STATE", "MAILBOX", "HANDLED", "ERRORS", "RESTARTS"]
+
+
+def test_a_daemon_that_does_not_answer_in_time_is_a_timeout_not_a_lost_connection(live: Live) -> None:
+    """It said "lost the connection ... timed out"; docs/deepxctl.md says "did not answer within --timeout". A stopped
+    daemon (SIGSTOP) still accepts the connection (the kernel does) and answers nothing, as a busy one would."""
+    assert live.daemon.proc is not None
+    os.kill(live.daemon.proc.pid, signal.SIGSTOP)
+    try:
+        msg = one_line_error(ctl("--address", live.daemon.address, "--timeout", "0.5", "actors", "ls"))
+    finally:
+        os.kill(live.daemon.proc.pid, signal.SIGCONT)
+    assert msg == f"Error: deepxd at {live.daemon.address} did not answer within 0.5 s (--timeout)"
+    assert live.ctl("actors", "ls").exit_code == 0

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from deepx_sdk.ir import parse_text
 from deepxctl.cli import cli
 from tests.deepxctl.conftest import Live
+
+IR_LINE = "newtensor (vector<int32>:[1]) -> (tensor<float32>:pipe_t)"
 
 
 def test_top_once_renders_a_frame(live: Live) -> None:
@@ -42,3 +49,23 @@ def test_top_refreshes_in_place_on_a_terminal(live: Live) -> None:
 def test_top_needs_a_daemon(live: Live) -> None:
     r = live.ctl("top", "--once", kv=True)
     assert r.exit_code == 1 and "need a running deepxd" in r.stderr
+
+
+@pytest.mark.parametrize("command", [["top", "-n", "6", "--interval", "0.3"], ["ir", *[IR_LINE] * 3000]],
+                         ids=["top", "ir"])
+def test_a_reader_that_leaves_early_is_a_quiet_exit_0(live: Live, command: list[str]) -> None:
+    """`deepxctl top | head -2` said "Error: lost the connection to deepxd: [Errno 32] Broken pipe" and exited 1:
+    BrokenPipeError is a ConnectionError. Every command: `ir`'s reply lines break the pipe the same way."""
+    p = subprocess.Popen(["deepxctl", "--address", live.daemon.address, *command], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": "1"})
+    assert p.stdout is not None and p.stderr is not None
+    first = p.stdout.readline()
+    p.stdout.close()  # head -1 exits: what deepxctl writes next breaks the pipe
+    try:
+        err = p.stderr.read()
+        assert p.wait(60) == 0, err
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    assert first and err == b""
