@@ -1,0 +1,270 @@
+"""Bad input an audit found, sent to a real deepxd over UDP and the native socket: each line or request gets exactly
+one clear answer naming what was wrong, and the daemon keeps serving (and stops on SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepx_sdk.client import DeepxTimeoutError, NativeClient
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir import parse_text
+from deepx_sdk.ir.wire import instr_to_obj
+from deepxd.kernels.cpu import MAX_REPEAT
+from deepxd.net.udp import MAX_DATAGRAM, TRUNCATED
+from tests.daemon.conftest import Daemon, udp_exchange
+
+REPLY_OK = re.compile(r"^(\d+) ok// recv_at=(\d+) start_at=(\d+) finish_at=(\d+)$")
+REPLY_ERR = re.compile(r"^(\d+) error// recv_at=(\d+) start_at=(\d+) finish_at=(\d+) (.+)$", re.DOTALL)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the tests that only need it to answer (each uses tensor names of its own)."""
+    d = Daemon(tmp_path_factory.mktemp("bad_input")).start()
+    try:
+        with d.client() as c:
+            c.put("base_s", np.ones(4, np.float32))
+            c.put("base_i", np.ones(4, np.int32))
+        yield d
+    finally:
+        assert d.stop() == 0, d.output()
+
+
+def _udp_raw(port: int, data: bytes, expect: int, timeout: float = 10.0) -> list[bytes]:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout)
+        s.sendto(data, ("127.0.0.1", port))
+        return [s.recvfrom(1 << 17)[0] for _ in range(expect)]
+
+
+def _request(c: NativeClient, op: str, **fields: object) -> dict:
+    """A request with fields of any type, as a client in another language might send them; the raw reply."""
+    rid = next(c._ids)
+    c.send_frame({"id": rid, "op": op, **fields})
+    return c.recv_frame()
+
+
+# -- benchmark.repeat (one UDP line hung the daemon, and SIGTERM then did not stop it)
+
+def test_a_huge_benchmark_repeat_is_refused_and_sigterm_still_stops_the_daemon(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    try:
+        with d.client() as c:
+            c.put("base_s", np.ones(4, np.float32))
+        lines = ["mulscalar (tensor:base_s, var:2) -> (tensor:x) // benchmark.repeat=100000000 id=1",
+                 "mulscalar (tensor:base_s, var:2) -> (tensor:x) // benchmark.repeat=-1 id=2",
+                 "mulscalar (tensor:base_s, var:2) -> (tensor:x) // id=3 benchmark.repeat=abc",
+                 f"addscalar (tensor:base_s, var:1) -> (tensor:base_s) // benchmark.repeat={MAX_REPEAT} id=4"]
+        t = time.monotonic()
+        replies = udp_exchange(d.udp_port, "\n".join(lines), len(lines), timeout=10)
+        assert time.monotonic() - t < 5
+        errs = [REPLY_ERR.match(r) for r in replies[:3]]
+        assert errs[0] and errs[0].group(1) == "1" and errs[0].group(3) == "0", replies[0]
+        assert errs[0].group(5) == (f"mulscalar: benchmark.repeat=100000000 is more runs than one instruction may "
+                                    f"ask for (at most {MAX_REPEAT}); send the instruction several times instead")
+        assert errs[1] and errs[1].group(1) == "2" and "mulscalar: benchmark.repeat=-1 is negative" in errs[1].group(5)
+        assert errs[2] and errs[2].group(1) == "3"
+        assert "mulscalar: benchmark.repeat='abc' is not a whole number" in errs[2].group(5)
+        assert REPLY_OK.match(replies[3]) and replies[3].startswith("4 ok")
+        with d.client() as c:
+            assert "x" not in {t["name"] for t in c.admin("tensors")}
+            np.testing.assert_array_equal(c.fetch("base_s")["base_s"], np.full(4, 1 + MAX_REPEAT, np.float32))
+    finally:
+        t = time.monotonic()
+        assert d.stop(signal.SIGTERM, timeout=10) == 0, d.output()
+        assert time.monotonic() - t < 10
+
+
+@pytest.mark.parametrize("repeat, heavy", [(1, False), (MAX_REPEAT, True)])
+async def test_a_repeated_small_instruction_is_heavy_work_and_leaves_the_event_loop(repeat: int, heavy: bool) -> None:
+    """_heavy counted each instruction's elements once, so ten thousand runs of a small op ran on the event loop."""
+    import threading
+
+    from deepxd.actors.opcpu import CpuWorker
+
+    worker = CpuWorker(output_log=False)
+    worker.start()
+    try:
+        await worker.ref.ask("put", name="small", dtype="float32", shape=[16], data=np.ones(16, np.float32).tobytes())
+        threads: set[str] = set()
+        run = worker.ex.execute
+
+        def spy(b):  # type: ignore[no-untyped-def]
+            threads.add(threading.current_thread().name)
+            return run(b)
+
+        worker.ex.execute = spy  # type: ignore[method-assign]
+        prog = parse_text(f"addscalar (tensor:small, var:1) -> (tensor:small) // benchmark.repeat={repeat}")
+        r = await worker.ref.ask("run", program=prog, fetch=["small"])
+        assert not r.error
+        np.testing.assert_array_equal(r.tensors["small"], np.full(16, 1 + repeat, np.float32))
+        assert (threads != {threading.current_thread().name}) == heavy, threads
+    finally:
+        await worker.stop()
+
+
+# -- UDP replies: one per line, always
+
+@pytest.mark.parametrize("message", ["x" * 70_000, "é" * 40_000, "x" * 65_430 + "€" * 20, "x" * 65_439])
+def test_format_reply_cuts_a_long_message_on_a_character_boundary(message: str) -> None:
+    from deepxd.net.udp import format_reply
+
+    reply = format_reply(123, False, 1796138313561, 1796138313562, 1796138313563, message)
+    data = reply.encode("utf-8")
+    assert len(data) <= MAX_DATAGRAM
+    assert reply.startswith("123 error// recv_at=1796138313561 start_at=1796138313562 finish_at=1796138313563 x"
+                            if message[0] == "x" else "123 error// recv_at=1796138313561 start_at=1796138313562 "
+                            "finish_at=1796138313563 é")
+    fits = len(f"123 error// recv_at=1796138313561 start_at=1796138313562 finish_at=1796138313563 {message}"
+               .encode()) <= MAX_DATAGRAM
+    assert reply.endswith(TRUNCATED) != fits
+    if not fits:
+        assert len(data) > MAX_DATAGRAM - 4  # cut no shorter than a character needs
+        assert set(reply[-len(TRUNCATED) - 1]) <= set(message)  # the last character kept is whole
+
+
+def test_an_over_long_reply_is_cut_to_fit_one_datagram(shared: Daemon) -> None:
+    """The error naming a 65,440-character tensor is longer than a UDP payload can be: sendto failed and the sender
+    waited forever. Now the message is cut, the id and the times intact."""
+    name = "n" * 65_440
+    line = f"addscalar (tensor:{name}, var:1) -> (tensor:y) // id=42"
+    assert len(line) < MAX_DATAGRAM
+    (reply,) = _udp_raw(shared.udp_port, line.encode(), 1)
+    assert len(reply) == MAX_DATAGRAM
+    text = reply.decode("utf-8")
+    m = REPLY_ERR.match(text)
+    assert m and m.group(1) == "42" and int(m.group(2)) > 1.7e12
+    assert m.group(5).startswith("addscalar: ") and text.endswith(TRUNCATED)
+    # the next line is answered as usual
+    assert REPLY_OK.match(udp_exchange(shared.udp_port, "newtensor (vector:[2]) -> (tensor:after_long) // id=43",
+                                       1)[0])
+
+
+def test_a_non_utf8_line_costs_only_its_own_reply(shared: Daemon) -> None:
+    """One bad byte used to lose the replies of every line of the datagram."""
+    data = (b"newtensor (vector:[2]) -> (tensor:u8_a) // id=1\n"
+            b"newtensor (vector:[2]) -> (tensor:u8_\xff) // id=2\n"
+            b"\n"
+            b"newtensor (vector:[2]) -> (tensor:u8_b) // id=3\n")
+    replies = [r.decode("utf-8") for r in _udp_raw(shared.udp_port, data, 3)]
+    assert REPLY_OK.match(replies[0]) and replies[0].startswith("1 ok")
+    m = REPLY_ERR.match(replies[1])
+    assert m and m.group(1) == "2" and m.group(3) == "0"
+    bad = data.index(b"\xff")
+    line_start = data.index(b"newtensor", 1)
+    assert m.group(5) == (f"line 2 is not UTF-8 text: byte {bad - line_start} of the line (byte {bad} of the "
+                          "datagram) is 0xff")
+    assert REPLY_OK.match(replies[2]) and replies[2].startswith("3 ok")
+    with shared.client() as c:
+        names = {t["name"] for t in c.admin("tensors")}
+    assert {"u8_a", "u8_b"} <= names and not any(n.startswith("u8_\ufffd") for n in names)
+
+
+# -- kernel failures and names, through the daemon
+
+def test_kernel_failures_say_what_went_wrong_on_both_ways_a_program_runs(shared: Daemon) -> None:
+    """The second run of the same program is a known one (prepared steps; explain_failure words the error)."""
+    prog = parse_text("addscalar (tensor:base_i, var:18446744073709551615) -> (tensor:base_i)")
+    with shared.client() as c:
+        errors = [c.run(prog).error for _ in range(2)]
+    assert errors[0] == errors[1] == ("instruction 1: addscalar: value 18446744073709551615 does not fit int32 "
+                                      "(addscalar('base_i', 18446744073709551615) -> 'base_i')")
+    (reply,) = udp_exchange(shared.udp_port, "addscalar (tensor:base_i, var:99999999999999999999999) -> "
+                                             "(tensor:base_i) // id=4", 1)
+    m = REPLY_ERR.match(reply)
+    assert m and m.group(5) == ("addscalar: value 99999999999999999999999 does not fit int32 "
+                                "(addscalar('base_i', 99999999999999999999999) -> 'base_i')")
+    (reply,) = udp_exchange(shared.udp_port, "constant (var:1e400) -> (tensor:base_i) // id=5", 1)
+    m = REPLY_ERR.match(reply)
+    assert m and m.group(5) == "constant: value inf does not fit int32 (constant(inf) -> 'base_i')"
+
+
+def test_names_deepxir_text_cannot_write_are_refused(shared: Daemon) -> None:
+    (reply,) = udp_exchange(shared.udp_port, "renametensor (var<string>:a b) -> (tensor:base_s) // id=6", 1)
+    m = REPLY_ERR.match(reply)
+    assert m and m.group(1) == "6" and "renametensor: cannot rename 'base_s' to 'a b'" in m.group(5)
+    with shared.client() as c:
+        for name in ("a b c", "x\ny", "t->u", "f(x)", "", "[q]"):
+            r = _request(c, "put", name=name, dtype="float32", shape=[1], data=b"\0" * 4)
+            assert not r["ok"] and r["error"].startswith("put: 'name' must be a tensor name deepxIR text can write")
+        r = _request(c, "put", name="linear_0.weight", dtype="float32", shape=[1], data=b"\0" * 4)
+        assert r["ok"], r
+        names = {t["name"] for t in c.admin("tensors")}
+    assert "base_s" in names and "a b" not in names and "a b c" not in names and "x\ny" not in names
+
+
+# -- native requests with fields of the wrong type
+
+@pytest.mark.parametrize("fields, message", [
+    ({"shape": ["a"]}, "put of 'typed': 'shape' must be a list of whole numbers, got ['a']"),
+    ({"shape": [2.5]}, "put of 'typed': 'shape' must be a list of whole numbers, got [2.5]"),
+    ({"shape": [True]}, "put of 'typed': 'shape' must be a list of whole numbers, got [True]"),
+    ({"shape": [1, None]}, "put of 'typed': 'shape' must be a list of whole numbers, got [1, None]"),
+    ({"shape": 4}, "put of 'typed': 'shape' must be a list of whole numbers, got 4"),
+    ({"dtype": 5}, "put of 'typed': 'dtype' must be a dtype's name (float32, int64, ...), got 5"),
+    ({"data": "abcd"}, "put of 'typed': 'data' must be the tensor's bytes (bin), got str"),
+    ({"heap": "no"}, "put of 'typed': 'heap' must be true or false, got 'no'"),
+    ({"heap": 1}, "put of 'typed': 'heap' must be true or false, got 1"),
+    ({"owner": {"a": 1}}, "put of 'typed': 'owner' must be a string (who holds the tensor), got {'a': 1}"),
+    ({"name": 7}, "put: 'name' must be a tensor name deepxIR text can write"),
+])
+def test_put_fields_of_the_wrong_type_are_refused_not_coerced(shared: Daemon, fields: dict, message: str) -> None:
+    req = {"name": "typed", "dtype": "float32", "shape": [1], "data": b"\0" * 4, **fields}
+    with shared.client() as c:
+        r = _request(c, "put", **req)
+        assert not r["ok"] and r["error"].startswith(message), r["error"]
+        assert "internal error" not in r["error"]
+        assert "typed" not in {t["name"] for t in c.admin("tensors")}
+        c.ping()  # the connection keeps serving
+
+
+def test_run_and_explain_fields_of_the_wrong_type_are_refused(shared: Daemon) -> None:
+    prog = [instr_to_obj(i) for i in parse_text("addscalar (tensor:base_s, var:1) -> (tensor:ex_y)")]
+    fw = [instr_to_obj(i) for i in parse_text("sum (tensor:base_s, vector:[0], var:False) -> (tensor:ex_l)")]
+    with shared.client() as c:
+        r = _request(c, "explain", program=prog, fetch=5)
+        assert not r["ok"] and r["error"] == "explain: 'fetch' must be a list of tensor names, got 5"
+        r = _request(c, "run", program=prog, fetch="ex_y")
+        assert not r["ok"] and r["error"] == "run: 'fetch' must be a list of tensor names, got 'ex_y'"
+        backward = [instr_to_obj(i) for i in parse_text("backward (tensor:ex_l) -> ()")]
+        spec = {"index": 0, "forward": fw, "loss": "ex_l", "wrt": ["base_s"]}
+        r = _request(c, "run", program=backward, backwards=[{**spec, "names": [1]}])
+        assert not r["ok"] and r["error"] == ("run: backwards[0]: 'names' must map tensor names to tensor names, "
+                                              "got [1]")
+        r = _request(c, "run", program=backward, backwards=[{**spec, "names": {"base_s": "g s"}}])
+        assert not r["ok"] and "gradient name 'g s', which deepxIR text cannot write" in r["error"]
+        r = _request(c, "backward", forward=fw, loss="ex_l", wrt=["base_s"], names=[1])
+        assert not r["ok"] and r["error"] == "backward: 'names' must map tensor names to tensor names, got [1]"
+        assert "internal error" not in r["error"]
+        r = _request(c, "explain", program=prog, fetch=["ex_y"])
+        assert r["ok"], r
+
+
+# -- a daemon that does not answer in time
+
+def test_the_client_says_when_the_daemon_did_not_answer_in_time(shared: Daemon) -> None:
+    """A stopped daemon (SIGSTOP) accepts the connection and answers nothing: a timeout, not a lost connection."""
+    c = NativeClient(shared.address, timeout=0.5)
+    assert shared.proc is not None
+    os.kill(shared.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(DeepxTimeoutError) as e:
+            c.ping()
+    finally:
+        os.kill(shared.proc.pid, signal.SIGCONT)
+        c.close()
+    assert isinstance(e.value, DeepxError) and isinstance(e.value, TimeoutError)
+    assert str(e.value).startswith(f"deepxd at {shared.address} did not answer within 0.5 s")
+    with pytest.raises(DeepxError, match=r"lost the connection|closed"):  # closed: a late reply is not taken
+        c.ping()
+    with shared.client() as c2:
+        c2.ping()
