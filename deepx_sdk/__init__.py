@@ -13,12 +13,11 @@ With no address (and no DEEPX_ADDRESS) the first use starts an embedded daemon i
 from __future__ import annotations
 
 import builtins
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from deepx_sdk.compile import CompiledFunction, compile, explain, graphs
 from deepx_sdk.errors import DeepxError, DeepxParseError
+from deepx_sdk.grad_mode import enable_grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
 from deepx_sdk.io import load, save
 from deepx_sdk.session import Session, connect, disconnect, session
 from deepx_sdk.tensor import (
@@ -88,18 +87,6 @@ def manual_seed(seed: Any) -> None:
     s.seed_counter = itertools.count(1)
 
 
-@contextlib.contextmanager
-def no_grad() -> Iterator[None]:
-    """Operations inside record no gradient information, as torch.no_grad()."""
-    s = session()
-    before = s.grad_enabled
-    s.grad_enabled = False
-    try:
-        yield
-    finally:
-        s.grad_enabled = before
-
-
 def is_tensor(x: Any) -> builtins.bool:
     return isinstance(x, Tensor)
 
@@ -124,6 +111,7 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
 
 __all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange",
            "as_tensor", "cat", "compile", "concat", "connect", "disconnect", "empty", "empty_cache", "empty_like",
-           "explain", "from_numpy", "full", "full_like", "graphs", "linspace", "load", "manual_seed", "matmul",
-           "maximum", "minimum", "no_grad", "ones", "ones_like", "rand", "rand_like", "randint", "randn", "randn_like",
-           "save", "session", "stack", "sync", "tensor", "where", "zeros", "zeros_like"]
+           "enable_grad", "explain", "from_numpy", "full", "full_like", "graphs", "inference_mode", "is_grad_enabled",
+           "linspace", "load", "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand",
+           "rand_like", "randint", "randn", "randn_like", "save", "session", "set_grad_enabled", "stack", "sync",
+           "tensor", "where", "zeros", "zeros_like"]

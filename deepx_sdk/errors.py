@@ -15,3 +15,8 @@ class DeepxParseError(DeepxError):
         self.column = column
         self.text = text
         super().__init__(f"line {line}, column {column}: {message}")
+
+
+class DeepxAttributeError(DeepxError, AttributeError):
+    """A torch tensor method that deepx does not have: a DeepxError that says so, and an AttributeError, so that
+    hasattr() and getattr(x, name, default) answer as for any missing attribute."""

@@ -16,7 +16,7 @@ from weakref import ref as _weakref
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
+from deepx_sdk.errors import DeepxAttributeError, DeepxError
 from deepx_sdk.ir.dtypes import FLOATS, INTS, to_numpy
 from deepx_sdk.ir.dtypes import from_numpy as precision_of
 from deepx_sdk.ir.instr import Instr, Param
@@ -622,6 +622,20 @@ class Tensor:
     def __floordiv__(self, o: Any) -> Tensor:
         raise DeepxError("// (floor division) is not in the op catalogue yet; use (a / b) and a cast")
 
+    def __mod__(self, o: Any) -> Tensor:
+        raise DeepxError("% (remainder) is not in the op catalogue yet (it has no floor op to build it from)")
+
+    __rfloordiv__ = __floordiv__
+    __rmod__ = __mod__
+
+    def __getattr__(self, name: str) -> Any:
+        # only for attributes not found: a torch method deepx lacks gets a message that says so (and is still an
+        # AttributeError: hasattr answers False); an unset slot (_b, _o, _v) is a plain AttributeError
+        if name in _TORCH_ONLY:
+            raise DeepxAttributeError(f"Tensor.{name} is not supported by deepx (no op in its catalogue computes it); "
+                                      "see docs/ir.md for the ops there are")
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     # -- comparisons
     def _compare(self, op: str, other: Any, scalar_op: str) -> Tensor:
         if isinstance(other, Tensor):
@@ -843,11 +857,51 @@ class Tensor:
     def argmin(self, dim: _int | None = None, keepdim: _bool = False) -> Tensor:
         return self._arg("argmin", dim, keepdim)
 
-    def all(self) -> Tensor:
-        return self.bool().long().sum() == self.numel()
+    def all(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
+        if dim is None:
+            return self.bool().long().sum() == self.numel()
+        dims = (dim,) if isinstance(dim, _int) else tuple(dim)
+        n = 1
+        for d in dims:
+            n *= self.shape[norm_dim("all", d, self.ndim)]
+        return self.bool().long().sum(dims, keepdim=keepdim) == n
 
-    def any(self) -> Tensor:
-        return self.bool().long().sum() > 0
+    def any(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
+        if dim is None:
+            return self.bool().long().sum() > 0
+        return self.bool().long().sum(dim, keepdim=keepdim) > 0
+
+    def split(self, split_size_or_sections: Any, dim: _int = 0) -> tuple[Tensor, ...]:
+        """Pieces along dim: of split_size each (the last smaller), or of the given sizes, as torch.split."""
+        d = norm_dim("split", dim, self.ndim)
+        size = self.shape[d]
+        if isinstance(split_size_or_sections, _int):
+            step = split_size_or_sections
+            if step <= 0:
+                raise DeepxError(f"split: split_size must be positive, got {step}")
+            sizes = [min(step, size - i) for i in range(0, size, step)] or [0]
+        else:
+            sizes = [int(k) for k in split_size_or_sections]
+            if sum(sizes) != size or any(k < 0 for k in sizes):
+                raise DeepxError(f"split: sizes {sizes} do not add up to {size}, the size of dim {dim} of "
+                                 f"'{self.name}' {self.shape}")
+        out, start = [], 0
+        for k in sizes:
+            index = (slice(None),) * d + (slice(start, start + k),)
+            out.append(self[index])
+            start += k
+        return tuple(out)
+
+    def chunk(self, chunks: _int, dim: _int = 0) -> tuple[Tensor, ...]:
+        """At most `chunks` pieces along dim, each of ceil(size / chunks), as torch.chunk."""
+        if chunks <= 0:
+            raise DeepxError(f"chunk: chunks must be positive, got {chunks}")
+        size = self.shape[norm_dim("chunk", dim, self.ndim)]
+        return self.split(max(-(-size // chunks), 1), dim)
+
+    def unbind(self, dim: _int = 0) -> tuple[Tensor, ...]:
+        d = norm_dim("unbind", dim, self.ndim)
+        return tuple(self[(slice(None),) * d + (i,)] for i in range(self.shape[d]))
 
     # -- shape
     def reshape(self, *shape: Any) -> Tensor:
@@ -930,13 +984,12 @@ class Tensor:
     def mT(self) -> Tensor:  # torch's name
         return self.transpose(-2, -1)
 
-    def squeeze(self, dim: _int | None = None) -> Tensor:
+    def squeeze(self, dim: Any = None) -> Tensor:
         if dim is None:
             return self.reshape([d for d in self.shape if d != 1])
-        d = norm_dim("squeeze", dim, self.ndim)
-        if self.shape[d] != 1:
-            return self
-        return self.reshape(self.shape[:d] + self.shape[d + 1:])
+        dims = {norm_dim("squeeze", k, self.ndim) for k in ((dim,) if isinstance(dim, _int) else dim)}
+        shape = tuple(n for i, n in enumerate(self.shape) if not (i in dims and n == 1))
+        return self if shape == self.shape else self.reshape(shape)
 
     def unsqueeze(self, dim: _int) -> Tensor:
         d = norm_dim("unsqueeze", dim, self.ndim + 1)
@@ -1214,6 +1267,19 @@ class _ValuesIndices(tuple):
     @property
     def indices(self) -> Tensor:
         return self[1]
+
+
+#: torch tensor methods deepx does not have (Tensor.__getattr__ says so)
+_TORCH_ONLY = frozenset({
+    "sign", "floor", "ceil", "round", "trunc", "frac", "fmod", "remainder", "log1p", "expm1", "log2", "log10",
+    "cumsum", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
+    "scatter_add", "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm",
+    "baddbmm", "bmm", "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr",
+    "is_contiguous", "pin_memory", "cuda", "cpu", "half_", "angle", "real", "imag", "conj", "isclose", "allclose",
+    "isnan", "isinf", "isfinite", "nan_to_num", "diff", "flip", "roll", "rot90", "diag", "diagonal", "trace", "tile",
+    "repeat_interleave", "narrow", "unfold", "as_strided", "new_zeros", "new_ones", "new_full", "new_empty",
+    "new_tensor",
+})
 
 
 def _seed(s: Session) -> _int:

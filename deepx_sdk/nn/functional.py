@@ -8,7 +8,7 @@ from typing import Any
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Param
-from deepx_sdk.ir.shapes import norm_dim
+from deepx_sdk.ir.shapes import broadcast, norm_dim
 from deepx_sdk.tensor import DEFAULT_FLOAT, Tensor, _seed, _tp, _vec, _vp, arange, full, matmul, where
 
 
@@ -159,9 +159,9 @@ def nll_loss(logp: Tensor, target: Tensor, ignore_index: int = -100, reduction: 
 def mse_loss(x: Tensor, y: Tensor, reduction: str = "mean") -> Tensor:
     red = _reduction(reduction)
     x, y = _float(x), _float(y)
-    if x.shape != y.shape:
-        y = y.expand(x.shape) if len(y.shape) <= len(x.shape) else y
-        x = x.expand(y.shape)
+    if x.shape != y.shape:  # both ways, as torch (which warns that the shapes differ)
+        both = broadcast("mse_loss", x.shape, y.shape, names=[x.name, y.name])
+        x, y = x.expand(both), y.expand(both)
     shape = () if red != "none" else x.shape
     return x._op("mse", (_tp(x), _tp(y), _vp(red)), shape, x.dtype, [x, y])
 

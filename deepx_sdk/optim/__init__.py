@@ -50,15 +50,28 @@ class Optimizer:
         self.defaults = defaults
         self.param_groups: list[dict[str, Any]] = []
         for g in groups:
-            group = {**defaults, **g, "params": list(g["params"])}
-            for p in group["params"]:
-                if not isinstance(p, Tensor):
-                    raise DeepxError(f"{type(self).__name__}: parameters must be tensors, got {type(p).__name__}")
-            self.param_groups.append(group)
+            self.add_param_group(g)
         self.state: dict[int, dict[str, Any]] = {}  # by id(param): a Tensor's == records a comparison
         # by id(group): its hyperparameters' values and their var params (_hyper); the line that called step (_at)
         self._hypers: dict[int, tuple[tuple[Any, ...], tuple[Param, ...]]] = {}
         self._at: Any = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Another group of parameters, with its own hyperparameters (the defaults for those it does not give), as
+        torch's: e.g. a layer unfrozen part-way through training."""
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise DeepxError(f"{type(self).__name__}.add_param_group: give a dict with 'params'")
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        group = {**self.defaults, **param_group, "params": params}
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        for p in params:
+            if not isinstance(p, Tensor):
+                raise DeepxError(f"{type(self).__name__}: parameters must be tensors, got {type(p).__name__}")
+            if id(p) in seen:
+                raise DeepxError(f"{type(self).__name__}: parameter '{p.name}' appears in more than one group")
+            seen.add(id(p))
+        self.param_groups.append(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -236,26 +249,36 @@ class _Scheduler:
 
 
 class StepLR(_Scheduler):
-    """lr = base_lr * gamma ** (epoch // step_size)."""
+    """Every step_size epochs, each group's lr times gamma: base_lr * gamma ** (epoch // step_size) while nobody sets
+    the lr by hand; torch's chainable form, so that an lr set in between is decayed from where it stands."""
 
     def __init__(self, optimizer: Optimizer, step_size: int, gamma: float = 0.1) -> None:
         self.step_size, self.gamma = step_size, gamma
         super().__init__(optimizer)
 
     def _lrs(self) -> list[float]:
-        return [b * self.gamma ** (self.last_epoch // self.step_size) for b in self.base_lrs]
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if self.last_epoch % self.step_size:
+            return lrs
+        return [lr * self.gamma for lr in lrs]
 
 
 class CosineAnnealingLR(_Scheduler):
-    """lr = eta_min + (base_lr - eta_min) * (1 + cos(pi * epoch / T_max)) / 2 (torch's closed form)."""
+    """lr = eta_min + (base_lr - eta_min) * (1 + cos(pi * epoch / T_max)) / 2 while nobody sets the lr by hand, in
+    torch's recursive form (each step from the group's current lr), which gives torch's values to the bit and
+    follows an lr set in between as torch does."""
 
     def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0) -> None:
         self.T_max, self.eta_min = T_max, eta_min
         super().__init__(optimizer)
 
     def _lrs(self) -> list[float]:
-        return [self.eta_min + (b - self.eta_min) * (1 + math.cos(math.pi * self.last_epoch / self.T_max)) / 2
-                for b in self.base_lrs]
+        t, n, low = self.last_epoch, self.T_max, self.eta_min
+        groups = self.optimizer.param_groups
+        if (t - 1 - n) % (2 * n) == 0:
+            return [g["lr"] + (b - low) * (1 - math.cos(math.pi / n)) / 2 for b, g in zip(self.base_lrs, groups)]
+        return [(1 + math.cos(math.pi * t / n)) / (1 + math.cos(math.pi * (t - 1) / n)) * (g["lr"] - low) + low
+                for g in groups]
 
 
 class _LRSchedulerModule:

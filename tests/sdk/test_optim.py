@@ -194,3 +194,45 @@ def test_an_update_recorded_by_a_subclass_step_names_that_step():
     where = origin_of(s.origins[-1])
     assert where is not None and where[0].co_name == "step" and s.pending[-1].name == "sgd"
     s.sync()
+
+
+@pytest.mark.parametrize("make", [
+    (lambda o: StepLR(o, step_size=2, gamma=0.5), lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5)),
+    (lambda o: CosineAnnealingLR(o, T_max=4, eta_min=0.01),
+     lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4, eta_min=0.01)),
+])
+def test_schedulers_follow_an_lr_set_by_hand_as_torch(make):
+    """torch's schedulers are chainable: an lr set in between steps is decayed from where it stands."""
+    p, tp = dx.tensor([1.0], requires_grad=True), torch.tensor([1.0], requires_grad=True)
+    opt, topt = SGD([p], lr=0.1), torch.optim.SGD([tp], lr=0.1)
+    sch, tsch = make[0](opt), make[1](topt)
+    got, want = [], []
+    for i in range(11):
+        if i == 4:
+            opt.param_groups[0]["lr"] = topt.param_groups[0]["lr"] = 0.5
+        opt.step()
+        topt.step()
+        sch.step()
+        tsch.step()
+        got.append(sch.get_last_lr()[0])
+        want.append(tsch.get_last_lr()[0])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_add_param_group_trains_the_new_group_with_its_own_lr():
+    w0, b0 = np.array([1.0, -2.0]), np.array([0.5])
+    p, q = dx.tensor(w0, requires_grad=True), dx.tensor(b0, requires_grad=True)
+    tp, tq = torch.tensor(w0, requires_grad=True), torch.tensor(b0, requires_grad=True)
+    opt, topt = SGD([p], lr=0.1, momentum=0.9), torch.optim.SGD([tp], lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:
+            opt.add_param_group({"params": [q], "lr": 0.01})
+            topt.add_param_group({"params": [tq], "lr": 0.01})
+        for o, a, b in ((opt, p, q), (topt, tp, tq)):
+            o.zero_grad()
+            ((a * a).sum() * (b * 3).sum()).backward()
+            o.step()
+    np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-10)
+    np.testing.assert_allclose(q.numpy(), tq.detach().numpy(), rtol=1e-10)
+    with pytest.raises(DeepxError, match="more than one group"):
+        opt.add_param_group({"params": [p]})

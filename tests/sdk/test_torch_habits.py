@@ -265,3 +265,81 @@ def test_gradients_at_ties_bounds_and_zero_powers_match_torch(rng, name, dtype):
         grads.append([t.grad.numpy() if t.grad is not None else np.zeros(8, dtype) for t in (x, y)])
     for want, got in zip(grads[0], grads[1]):
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- grad modes, pieces, and what deepx lacks
+
+
+def test_grad_modes_as_context_managers_and_decorators():
+    w = dx.tensor([1.0], requires_grad=True)
+
+    @dx.no_grad
+    def bare():
+        return (w * 2).requires_grad
+
+    @dx.no_grad()
+    def called():
+        return (w * 2).requires_grad
+
+    @dx.enable_grad
+    def enabled():
+        return (w * 2).requires_grad
+
+    @dx.set_grad_enabled(False)
+    def off():
+        return (w * 2).requires_grad
+
+    assert not bare() and not called() and not off() and dx.is_grad_enabled()
+    with dx.no_grad():
+        assert enabled() and not (w * 2).requires_grad
+        with dx.enable_grad():
+            assert (w * 2).requires_grad
+    with dx.inference_mode():
+        assert not (w * 2).requires_grad
+    with dx.inference_mode(False):
+        assert (w * 2).requires_grad
+    dx.set_grad_enabled(False)
+    assert not dx.is_grad_enabled()
+    dx.set_grad_enabled(True)
+    with dx.set_grad_enabled(False):
+        assert not (w * 2).requires_grad
+    assert (w * 2).requires_grad
+
+
+@pytest.mark.parametrize("how", ["split2", "split_sizes", "chunk3", "unbind", "squeeze_dims", "any", "all"])
+def test_pieces_and_reductions_by_dim_match_torch(rng, how):
+    a = (rng.standard_normal((2, 1, 5)) > 0).astype(np.float32) if how in ("any", "all") else _values(rng, 2, 1, 5)
+    do = {
+        "split2": lambda x: x.split(2, 2),
+        "split_sizes": lambda x: x.split([1, 4], 2),
+        "chunk3": lambda x: x.chunk(3, -1),
+        "unbind": lambda x: x.unbind(2),
+        "squeeze_dims": lambda x: (x.unsqueeze(0).squeeze((0, 2)),),
+        "any": lambda x: ((x > 0).any(2), (x > 0).any((0, 2), keepdim=True)),
+        "all": lambda x: ((x > 0).all(2), (x > 0).all(-1, keepdim=True)),
+    }[how]
+    got, want = do(dx.tensor(a)), do(torch.tensor(a))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == tuple(w.shape)
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def test_a_torch_method_deepx_lacks_says_so_and_hasattr_is_false():
+    x = dx.tensor([1.5, -2.0])
+    assert not hasattr(x, "cumsum") and getattr(x, "floor", None) is None
+    with pytest.raises(DeepxError, match=r"Tensor\.floor is not supported by deepx"):
+        x.floor()
+    with pytest.raises(AttributeError):
+        x.no_such_thing  # noqa: B018
+    with pytest.raises(DeepxError, match="remainder"):
+        x % 2
+
+
+def test_mse_loss_broadcasts_both_ways_as_torch(rng):
+    a, b = _values(rng, 6, 1), _values(rng, 1, 5)
+    for reduction in ("mean", "sum", "none"):
+        got = dx.nn.functional.mse_loss(dx.tensor(a), dx.tensor(b), reduction=reduction)
+        with pytest.warns(UserWarning):
+            want = torch.nn.functional.mse_loss(torch.tensor(a), torch.tensor(b), reduction=reduction)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
