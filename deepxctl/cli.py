@@ -17,7 +17,7 @@ from deepxctl.context import Ctl
 from deepxctl.term import CtlError
 
 
-def _reader_left(ctx: click.Context) -> NoReturn:
+def _reader_left() -> NoReturn:
     """stdout's reader left (`deepxctl top | head -2`): not an error, so exit 0 with nothing said. stdout becomes
     /dev/null first, so that the interpreter's last flush of what is still buffered cannot fail again."""
     import os
@@ -28,12 +28,18 @@ def _reader_left(ctx: click.Context) -> NoReturn:
         os.close(devnull)
     except (OSError, ValueError):  # stdout is not a file (click's test runner): nothing is flushed to a pipe
         pass
-    ctx.exit(0)
+    raise click.exceptions.Exit(0)
 
 
 class CliGroup(click.Group):
     """Turns every refusal (DeepxError, a lost connection, a timeout) into one line on stderr and exit code 1, and a
     closed stdout pipe into a quiet exit 0."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:  # `deepxctl --help | head -1` (click's own handling exits 1)
+            _reader_left()
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -41,7 +47,7 @@ class CliGroup(click.Group):
         except click.ClickException:
             raise
         except BrokenPipeError:  # a ConnectionError, but the daemon's socket errors come as DeepxError: stdout's
-            _reader_left(ctx)
+            _reader_left()
         except TimeoutError:  # deepx_sdk.client.DeepxTimeoutError, a DeepxError too
             ctl: Ctl | None = ctx.find_object(Ctl)
             raise CtlError(f"deepxd at {ctl.address if ctl else '?'} did not answer within "

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from deepxctl.cli import cli
-from tests.deepxctl.conftest import ctl, one_line_error
+from tests.deepxctl.conftest import Live, ctl, one_line_error
 
 COMMANDS = [[], ["tensors"], ["tensors", "ls"], ["tensors", "show"], ["tensors", "rm"], ["memory"], ["ops"],
             ["ops", "ls"], ["nodes"], ["nodes", "ls"], ["actors"], ["actors", "ls"], ["graphs"], ["graphs", "ls"],
@@ -71,3 +71,19 @@ def test_console_script() -> None:
                        capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("Error: cannot reach deepxd")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["tensors", "ls", "--help"], ["nodes", "ls"],
+                                  ["tensors", "ls", "--format", "json"], ["memory"], ["top", "--once"]],
+                         ids=lambda a: " ".join(a))
+def test_a_reader_gone_before_the_first_write_is_a_quiet_exit_0(live: Live, args: list[str]) -> None:
+    """stdout a pipe whose reader has closed: every write fails (EPIPE). click's own handling exits 1, rich's exits
+    1, and a BrokenPipeError inside a command read as a lost connection; each is exit 0 with nothing said."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run(["deepxctl", "--address", live.daemon.address, *args], stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=60, env={**os.environ, "NO_COLOR": "1"})
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (0, "")
