@@ -343,11 +343,11 @@ class NativeServer:
             raise DeepxError(f"put of '{name}': 'shape' must be a list of whole numbers, got {_shown(shape)}")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DeepxError(f"put of '{name}': 'data' must be the tensor's bytes (bin), got {type(data).__name__}")
-        heap, owner = req.get("heap", False), req.get("owner", "")
+        heap, owner = req.get("heap"), req.get("owner")  # nil as absent: false, no owner
+        heap = False if heap is None else heap
+        owner = "" if owner is None else owner
         if not isinstance(heap, bool):
             raise DeepxError(f"put of '{name}': 'heap' must be true or false, got {_shown(heap)}")
-        if owner is None:
-            owner = ""
         if not isinstance(owner, str):
             raise DeepxError(f"put of '{name}': 'owner' must be a string (who holds the tensor), got {_shown(owner)}")
         info = await self.node.worker().ask("put", name=name, dtype=dtype, shape=shape, data=data, heap=heap,
