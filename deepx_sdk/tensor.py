@@ -472,7 +472,10 @@ class Tensor:
         with _no_tape(s):
             for name, leaf in leaves.items():
                 g = Tensor(grads[name], leaf.shape, leaf.dtype, s)
-                leaf.grad = g if leaf.grad is None else leaf.grad + g
+                if leaf.grad is None:
+                    leaf.grad = g
+                else:  # accumulated in place, as torch's: a handle on .grad held from before sees the sum
+                    leaf.grad._assign(leaf.grad + g, "backward")
         if not retain_graph:
             for node in path:
                 node.free()

@@ -343,3 +343,12 @@ def test_mse_loss_broadcasts_both_ways_as_torch(rng):
         with pytest.warns(UserWarning):
             want = torch.nn.functional.mse_loss(torch.tensor(a), torch.tensor(b), reduction=reduction)
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+
+
+def test_gradients_accumulate_into_the_same_grad_tensor():
+    w = dx.tensor([1.0, 2.0], requires_grad=True)
+    (w * w).sum().backward()
+    g = w.grad
+    (w * 3).sum().backward()
+    assert w.grad is g
+    np.testing.assert_allclose(g.numpy(), [5.0, 7.0])
