@@ -455,6 +455,9 @@ class Session:
         # it writes into the buffer it already has) and needs no deltensor at all
         self.pool: dict[tuple[Any, str], list[str]] = {}
         self.pool_per_shape = 16
+        # deleted names kept for reuse per shape and dtype (names only, no buffers: a model that makes a few dozen
+        # large results of one shape every step, a transformer's (batch, length, width), names them alike each step)
+        self.freed_per_shape = 256
         # names of collected transposes (Tensor._k with a fourth item): deleted in the daemon, and kept for reuse
         # by (shape, dtype) all the same, so that a loop names its transposes the same way every step. A name
         # handed out from here is in _revived until the program that makes its tensor has run (see _forget_unrun)
@@ -586,11 +589,12 @@ class Session:
             if shape is None and name.startswith(self._grad_root):
                 self._grad_gone(name)
             elif shape is not None:
-                kept = pool if len(item) == 3 else self._freed_now
+                pooled = len(item) == 3
+                kept = pool if pooled else self._freed_now
                 names = kept.get((shape, dtype))
                 if names is None:
                     names = kept[(shape, dtype)] = []
-                if len(names) < self.pool_per_shape:
+                if len(names) < (self.pool_per_shape if pooled else self.freed_per_shape):
                     insort(names, name, key=_name_order)
                     if len(item) == 3:
                         continue  # kept, buffer and all, for the next result of its shape
@@ -599,7 +603,7 @@ class Session:
 
     def _release_freed(self) -> None:
         """The names the program being sent deletes may be handed out from now on."""
-        freed, cap = self.freed, self.pool_per_shape
+        freed, cap = self.freed, self.freed_per_shape
         for key, names in self._freed_now.items():
             kept = freed.get(key)
             if kept is None:

@@ -1429,10 +1429,18 @@ def _shape_args(shape: Sequence[Any]) -> Shape:
     return out
 
 
-def _create(shape: Shape, dtype: str, requires_grad: _bool = False) -> Tensor:
+def _create(shape: Shape, dtype: str, requires_grad: _bool = False, filled: _bool = False) -> Tensor:
+    """A new tensor of zeros, or, `filled`, whose values the caller writes next. It takes a collected temporary's
+    name of its shape and dtype where there is one, as an op's result does, so that a loop that makes a tensor every
+    step (a position index, dx.arange(T)) sends the same program every step; that tensor exists already, so it is
+    zeroed (unless filled) instead of made."""
     s = session()
-    t = Tensor(s.new_name(), shape, dtype, s, requires_grad)
-    s.record(Instr("newtensor", (_vec(shape),), (Param("tensor", (dtype,), t.name),)))
+    name = s.reuse_name(shape, dtype)
+    t = Tensor(name, shape, dtype, s, requires_grad)
+    if name not in s._reused or name in s._revived:  # not a pooled tensor's: made here, zeros
+        s.record(Instr("newtensor", (_vec(shape),), (Param("tensor", (dtype,), name),)))
+    elif not filled:
+        s.record(Instr("constant", (_vp(0),), (_tp(t),)))
     return t
 
 
@@ -1448,7 +1456,8 @@ def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: _bool = 
     if dtype is None:
         dtype = ("bool" if isinstance(fill_value, _bool) else DEFAULT_INT if isinstance(fill_value, _int)
                  else DEFAULT_FLOAT)
-    t = empty(*(shape if isinstance(shape, (tuple, list)) else (shape,)), dtype=dtype, requires_grad=requires_grad)
+    t = _create(_shape_args(shape if isinstance(shape, (tuple, list)) else (shape,)), dtype_name(dtype),
+                requires_grad, filled=fill_value != 0)
     if fill_value != 0:
         t._s.record(Instr("constant", (_vp(_number(fill_value)),), (_tp(t),)))
     return t
@@ -1471,25 +1480,25 @@ def arange(start: Any, end: Any = None, step: Any = 1, dtype: Any = None) -> Ten
     n = builtins.max(0, math.ceil((end - start) / step))
     if dtype is None:
         dtype = DEFAULT_FLOAT if any(isinstance(v, _float) for v in (start, end, step)) else DEFAULT_INT
-    t = empty(n, dtype=dtype)
+    t = _create((n,), dtype_name(dtype), filled=True)
     t._s.record(Instr("arange", (_vp(start), _vp(step)), (_tp(t),)))
     return t
 
 
 def linspace(start: _float, end: _float, steps: _int, dtype: Any = None) -> Tensor:
     step = (end - start) / (steps - 1) if steps > 1 else 0.0
-    t = empty(steps, dtype=dtype or DEFAULT_FLOAT)
+    t = _create((int(steps),), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, filled=True)
     t._s.record(Instr("arange", (_vp(float(start)), _vp(float(step))), (_tp(t),)))
     return t
 
 
 def rand(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
-    t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
+    t = _create(_shape_args(shape), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, requires_grad, True)
     return t.uniform_(0.0, 1.0)
 
 
 def randn(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
-    t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
+    t = _create(_shape_args(shape), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, requires_grad, True)
     return t.normal_(0.0, 1.0)
 
 
