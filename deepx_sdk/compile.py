@@ -745,6 +745,8 @@ class CompiledFunction:
         # first)
         s._revived.difference_update(out_names)
         s._reused.difference_update(out_names)
+        for name in out_names:
+            s._taken.pop(name, None)
         with s._lock:
             if all(i.name == "deltensor" for i in s.pending):
                 s._mark = next(s._names)

@@ -20,7 +20,7 @@ import secrets
 import sys
 import threading
 from bisect import insort
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param, same_program, scalar_kinds
+from deepx_sdk.ir.instr import Instr, Param, renumbered, same_program, scalar_kinds
 from deepx_sdk.ir.text import format_text
 from deepx_sdk.loopthread import NOT_NOW, LoopThread
 
@@ -471,6 +471,9 @@ class Session:
         # hold an older value in the daemon until the program runs, so one that never ran must not be read (see
         # _forget_unrun)
         self._reused: set[str] = set()
+        # per name handed out to a result since the last flush (reuse_name, freed_name, a loop's replaced handle):
+        # where in `pending` its instruction stands, the last time it was handed out (see _forget_unrun)
+        self._taken: dict[str, int] = {}
         # such names whose deletion is pending (in _lost as well): sent again, not dropped, where it does not run
         self._stale: set[str] = set()
         # the last failed program's error, for a later read of a tensor it never made (see sync)
@@ -680,6 +683,7 @@ class Session:
                         collected.appendleft(item)
                     elif dt == dtype and shp == shape:  # what the pool would hand straight back
                         self._reused.add(name)
+                        self._taken[name] = len(self.pending)
                         return name
                     else:
                         names = self.pool.get((shp, dt)) if shp is not None else None
@@ -696,13 +700,30 @@ class Session:
         if names:
             name = names.pop(0)
             self._reused.add(name)
-            return name
+        else:
+            names = self.freed.get((shape, dtype))
+            if names:
+                name = names.pop(0)
+                self._revived.add(name)  # its tensor exists again once this program has run
+            else:
+                name = f"{self._prefix}{next(self._names)}"
+        self._taken[name] = len(self.pending)
+        return name
+
+    def freed_name(self, shape: Any, dtype: str) -> str:
+        """A name for a tensor made with newtensor: a deleted one of this shape and dtype where there is one (its
+        tensor exists again once the pending program has run), else a new one."""
+        if self.collected:
+            with self._lock:
+                self._drain_collected()
         names = self.freed.get((shape, dtype))
         if names:
             name = names.pop(0)
-            self._revived.add(name)  # its tensor exists again once this program has run
-            return name
-        return f"{self._prefix}{next(self._names)}"
+            self._revived.add(name)
+        else:
+            name = f"{self._prefix}{next(self._names)}"
+        self._taken[name] = len(self.pending)
+        return name
 
     def sync(self, fetch: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """Send what is pending (with `fetch` read back); raise the first error since the last sync."""
@@ -745,8 +766,9 @@ class Session:
         if not self.pending and not fetch:
             return {}
         program, origins, backwards, revived = self.pending, self.origins, self.backwards, self._revived
-        reused = self._reused
+        reused, taken = self._reused, self._taken
         self.pending, self.origins, self.backwards, self._revived, self._reused = [], [], [], set(), set()
+        self._taken = {}
         if self._freed_now:
             self._release_freed()
         self.runs += 1
@@ -769,7 +791,7 @@ class Session:
             if self._stale:
                 self._stale.clear()  # their deletions were in this program
         else:
-            self._forget_unrun(program, outcome.done, mark, revived, reused)
+            self._forget_unrun(program, outcome.done, mark, revived, reused, taken)
             err = self._error(outcome, program, origins)
             self._failure = str(err)
             if raise_now:
@@ -782,7 +804,9 @@ class Session:
         """A program carrying backward instructions: does it repeat one of the last few exactly? (see _lazy_off)"""
         probes = [p for p in map(_backward_probe, backwards) if p is not None]
         for known, kinds in self._lazy_programs:
-            if same_program(program, known, kinds):
+            # a repeat, or one with new numbers in its optimizer updates (Adam's step count, a scheduled lr): the
+            # daemon's caches hold both (instr.renumbered)
+            if same_program(program, known, kinds) or renumbered(program, known):
                 for p in probes:
                     self._lazy_misses.pop(p, None)
                 return
@@ -796,16 +820,21 @@ class Session:
         if len(self._lazy_programs) > 4:
             del self._lazy_programs[0]
 
-    def _forget_unrun(self, program: list[Instr], done: int, mark: int,
-                      revived: Collection[str] = frozenset(), reused: Collection[str] = frozenset()) -> None:
+    def _forget_unrun(self, program: list[Instr], done: int, mark: int, revived: Collection[str] = frozenset(),
+                      reused: Collection[str] = frozenset(), taken: Mapping[str, int] | None = None) -> None:
         """Instructions from `done` on did not run: the tensors they would have made do not exist (Python must not
-        delete them when it collects their handles), and the deletions among them did not happen (sent again). A
-        tensor does not exist either if its name is new since `mark`, or was `revived` (a deleted transpose's, handed
-        out again), and nothing that ran wrote it. A result that took a `reused` name (a pooled temporary's) and never
-        ran would read the older value still held under that name: that tensor is deleted with the next program, and
-        the name counted as never made, so that reading it raises instead."""
+        delete them when it collects their handles), and the deletions among them did not happen (sent again).
+
+        A result's name handed out in this program (`taken`: where its instruction stands) whose instruction did not
+        run has no value: counted as never made, so that reading it raises. Where an older value may stand under
+        that name (a pooled temporary's, `reused`, or one an instruction that ran wrote before the name was handed
+        out again) the next program deletes it (a newtensor first, which keeps what stands there and makes a tensor
+        where nothing does, so that the delete finds one either way). A result made before `done` and written in
+        place after it keeps its value. Names handed out otherwise are counted as never made where they are new
+        since `mark`, or `revived` (a deleted name handed out again), and nothing that ran wrote them."""
         made = {p.value for instr in program[:done] if instr.name != "deltensor"
                 for p in instr.returns if p.category == "tensor"}
+        taken = taken or {}
         prefix, n = self._prefix, len(self._prefix)
         unrun_deletes = []
         stale: dict[str, Any] = {}
@@ -822,17 +851,23 @@ class Session:
                 continue
             for p in instr.returns:
                 name = p.value
-                if p.category != "tensor" or not isinstance(name, str) or name in made:
+                if p.category != "tensor" or not isinstance(name, str):
                     continue
-                if name in revived or (name.startswith(prefix) and name[n:].isdigit() and int(name[n:]) > mark):
+                at = taken.get(name)
+                if at is not None:
+                    if at < done:
+                        continue  # its value was made; a later write in place did not run
+                    if name in reused or name in made:
+                        stale.setdefault(name, p.precisions[0])
+                    else:
+                        self._lost.add(name)
+                elif name not in made and (name in revived or (name.startswith(prefix) and name[n:].isdigit()
+                                                               and int(name[n:]) > mark)):
                     self._lost.add(name)
-                elif name in reused and name not in stale:
-                    stale[name] = p.precisions[0]
         if self._stale:
             self._stale.difference_update(i.returns[0].value for i in program[:done] if i.name == "deltensor")
         for name, dtype in stale.items():  # deleted first, so that no older value stays under a result's name
-            self.pending.append(_deletion(name, dtype))
-            self.origins.append(None)
+            self._queue_stale(name, dtype)
             self._lost.add(name)
             self._stale.add(name)
         for instr in unrun_deletes:
@@ -841,8 +876,7 @@ class Session:
                 if name in stale:  # made and dropped in this program: no handle left, its deletion queued above
                     self._lost.discard(name)
                 else:  # an older value's deletion, queued by an earlier failure: still to be done
-                    self.pending.append(instr)
-                    self.origins.append(None)
+                    self._queue_stale(name, instr.returns[0].precisions[0])
             elif name in self._lost:
                 self._lost.discard(name)
             else:
@@ -855,6 +889,15 @@ class Session:
                 for name in [m for m in names if m in self._lost]:
                     names.remove(name)
                     self._lost.discard(name)
+
+    def _queue_stale(self, name: str, dtype: Any) -> None:
+        """Delete whatever stands under `name`, if anything: newtensor keeps a tensor that exists (and makes one where
+        none does), so the deltensor after it always finds one."""
+        self.pending.append(Instr("newtensor", (Param.vector(()),), (Param("tensor", (dtype,), name),),
+                                  (("exists", "keep"),)))
+        self.origins.append(None)
+        self.pending.append(_deletion(name, dtype))
+        self.origins.append(None)
 
     def _error(self, outcome: Outcome, program: list[Instr], origins: list[Any]) -> DeepxError:
         i = outcome.error_index

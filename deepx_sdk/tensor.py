@@ -179,6 +179,7 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
             if item[1] == dtype and item[2] == shape and len(item) == 3:
                 rname = item[0]
                 s._reused.add(rname)
+                s._taken[rname] = len(s.pending)
                 out = _new_object(Tensor)
                 out._k = item
             else:
@@ -631,13 +632,6 @@ class Tensor:
     __rfloordiv__ = __floordiv__
     __rmod__ = __mod__
 
-    def __getattr__(self, name: str) -> Any:
-        # only for attributes not found: a torch method deepx lacks gets a message that says so (and is still an
-        # AttributeError: hasattr answers False); an unset slot (_b, _o, _v) is a plain AttributeError
-        if name in _TORCH_ONLY:
-            raise DeepxAttributeError(f"Tensor.{name} is not supported by deepx (no op in its catalogue computes it); "
-                                      "see docs/ir.md for the ops there are")
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     # -- comparisons
     def _compare(self, op: str, other: Any, scalar_op: str) -> Tensor:
@@ -874,6 +868,40 @@ class Tensor:
             return self.bool().long().sum() > 0
         return self.bool().long().sum(dim, keepdim=keepdim) > 0
 
+    def isnan(self) -> Tensor:
+        return self != self
+
+    def isinf(self) -> Tensor:
+        if self.dtype not in FLOATS:
+            return full(self.shape, False, dtype="bool")
+        return self.abs() == math.inf
+
+    def isfinite(self) -> Tensor:
+        if self.dtype not in FLOATS:
+            return full(self.shape, True, dtype="bool")
+        return (self - self) == 0  # inf - inf and nan - nan are nan
+
+    def cpu(self) -> Tensor:
+        return self  # model code never names a device: the daemon places tensors
+
+    def is_contiguous(self, memory_format: Any = None) -> _bool:
+        return True
+
+    def new_zeros(self, *size: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+        return zeros(*size, dtype=dtype or self.dtype, requires_grad=requires_grad)
+
+    def new_ones(self, *size: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+        return ones(*size, dtype=dtype or self.dtype, requires_grad=requires_grad)
+
+    def new_empty(self, *size: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+        return empty(*size, dtype=dtype or self.dtype, requires_grad=requires_grad)
+
+    def new_full(self, size: Any, fill_value: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+        return full(size, fill_value, dtype=dtype or self.dtype, requires_grad=requires_grad)
+
+    def new_tensor(self, data: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+        return tensor(data, dtype=dtype or self.dtype, requires_grad=requires_grad)
+
     def split(self, split_size_or_sections: Any, dim: _int = 0) -> tuple[Tensor, ...]:
         """Pieces along dim: of split_size each (the last smaller), or of the given sizes, as torch.split."""
         d = norm_dim("split", dim, self.ndim)
@@ -931,7 +959,8 @@ class Tensor:
             out = _emit(self._s, "reshape", (self._p or _tp(self), known[1]), known[0], self.dtype, 2)
         else:
             out = self._op("reshape", (_tp(self), known[1]), known[0], self.dtype, (self,))
-        out._b = _weakref(self)
+        if not out.requires_grad:  # see _check_write
+            out._b = _weakref(self)
         return out
 
     view = reshape
@@ -959,7 +988,8 @@ class Tensor:
         # a transpose is a view in the daemon (deepxd/kernels/cpu): once collected its name is deleted as well as
         # pooled, so that it does not outlive, as a copy, the next in-place write of its operand (an optimizer's)
         out._k = (out.name, out.dtype, out.shape, True)
-        out._b = _weakref(self)
+        if not out.requires_grad:  # see _check_write
+            out._b = _weakref(self)
         return out
 
     def transpose(self, dim0: _int, dim1: _int) -> Tensor:
@@ -973,7 +1003,8 @@ class Tensor:
         if len(shape) == 2:  # every Linear's weight, every step: straight to the instruction
             out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self])
             out._k = (out.name, out.dtype, out.shape, True)  # a view in the daemon: see permute
-            out._b = _weakref(self)
+            if not out.requires_grad:  # see _check_write
+                out._b = _weakref(self)
             return out
         if self.ndim > 2:
             raise DeepxError(f"t(): '{self.name}' has {self.ndim} dims; use transpose or mT")
@@ -1011,7 +1042,8 @@ class Tensor:
             return self
         meta = self._infer("broadcastTo", [TensorMeta(self.shape, self.dtype), new], [self.name, None])
         out = self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self])
-        out._b = _weakref(self)
+        if not out.requires_grad:  # see _check_write
+            out._b = _weakref(self)
         return out
 
     def expand_as(self, other: Tensor) -> Tensor:
@@ -1052,6 +1084,9 @@ class Tensor:
         out.grad = out.grad_fn = out._p = None
         out._k = False
         out._o = self
+        ref = getattr(self, "_b", None)
+        if ref is not None:  # a view's .data is that view's copy
+            out._b = ref
         return out
 
     @data.setter
@@ -1150,10 +1185,12 @@ class Tensor:
     # -- in place
     def _check_write(self, how: str) -> None:
         """Refuse an in-place write of a view's result while the tensor it came from lives: torch would write that
-        tensor too, deepx's copy would not, and the difference would go unnoticed."""
-        try:
-            ref = self._b
-        except AttributeError:
+        tensor too, deepx's copy would not, and the difference would go unnoticed. Only views outside autograd are
+        marked (`_b`): a view that requires grad is held by the graph's nodes, as its base is, for as long as the
+        graph lives, so that every in-place write in a training step (ReLU(inplace=True) after a view) would be
+        refused; there the write goes to the copy, as before."""
+        ref = getattr(self, "_b", None)
+        if ref is None:
             return
         base = ref()
         if base is not None:
@@ -1278,11 +1315,25 @@ _TORCH_ONLY = frozenset({
     "cumsum", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
     "scatter_add", "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm",
     "baddbmm", "bmm", "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr",
-    "is_contiguous", "pin_memory", "cuda", "cpu", "half_", "angle", "real", "imag", "conj", "isclose", "allclose",
-    "isnan", "isinf", "isfinite", "nan_to_num", "diff", "flip", "roll", "rot90", "diag", "diagonal", "trace", "tile",
-    "repeat_interleave", "narrow", "unfold", "as_strided", "new_zeros", "new_ones", "new_full", "new_empty",
-    "new_tensor",
+    "pin_memory", "cuda", "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff",
+    "flip", "roll", "rot90", "diag", "diagonal", "trace", "tile", "repeat_interleave", "narrow", "unfold",
+    "as_strided",
 })
+
+
+def _torch_only(name: str) -> property:
+    def missing(self: Tensor) -> Any:
+        raise DeepxAttributeError(f"Tensor.{name} is not supported by deepx (no op in its catalogue computes it); see "
+                                  "docs/ir.md for the ops there are")
+
+    return property(missing)
+
+
+# a property each, not a __getattr__ (which would slow every attribute read of a Tensor): reading one raises a
+# DeepxError that is an AttributeError, so hasattr() answers False
+for _name in _TORCH_ONLY:
+    if not hasattr(Tensor, _name):
+        setattr(Tensor, _name, _torch_only(_name))
 
 
 def _seed(s: Session) -> _int:
@@ -1430,17 +1481,16 @@ def _shape_args(shape: Sequence[Any]) -> Shape:
 
 
 def _create(shape: Shape, dtype: str, requires_grad: _bool = False, filled: _bool = False) -> Tensor:
-    """A new tensor of zeros, or, `filled`, whose values the caller writes next. It takes a collected temporary's
-    name of its shape and dtype where there is one, as an op's result does, so that a loop that makes a tensor every
-    step (a position index, dx.arange(T)) sends the same program every step; that tensor exists already, so it is
-    zeroed (unless filled) instead of made."""
+    """A new tensor of zeros (newtensor makes them; `filled`: the caller writes every value next). It is deleted
+    when Python collects it, and its name kept for reuse, as a transpose's: a loop that makes a tensor every step (a
+    position index, dx.arange(T)) names it alike every step, so it sends the same program every step. Only a
+    deleted name is reused here (a pooled one may name no tensor, where the passes dropped its dead value)."""
     s = session()
-    name = s.reuse_name(shape, dtype)
+    name = s.freed_name(shape, dtype) if s.capture is None else s.new_name()
     t = Tensor(name, shape, dtype, s, requires_grad)
-    if name not in s._reused or name in s._revived:  # not a pooled tensor's: made here, zeros
-        s.record(Instr("newtensor", (_vec(shape),), (Param("tensor", (dtype,), name),)))
-    elif not filled:
-        s.record(Instr("constant", (_vp(0),), (_tp(t),)))
+    if t._k is not None:
+        t._k = (name, dtype, t.shape, True)
+    s.record(Instr("newtensor", (_vec(shape),), (Param("tensor", (dtype,), name),)))
     return t
 
 

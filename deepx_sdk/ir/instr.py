@@ -194,3 +194,45 @@ def same_program(program: Sequence[Instr], known: Sequence[Instr], kinds: tuple[
         if type(v) is not k and _kind(v) != k:
             return False
     return True
+
+
+#: ops whose numbers (a learning rate, a step count) change from step to step without changing what the program does
+#: with its tensors: a training step with Adam, or with a learning-rate schedule, is the same program every step
+#: with new numbers in these (see `renumbered`)
+NUMBERED_OPS = frozenset({"sgd", "adam", "adamw"})
+
+
+def renumbered(program: Sequence[Instr], known: Sequence[Instr]) -> list[int] | None:
+    """The positions where `program` differs from `known` only in the numbers of a NUMBERED_OPS instruction (the same
+    tensors, categories and precisions, each number of the same type as before); None where they differ otherwise
+    (anything else, a number's type or a zero's sign included, or a variable's name in place of a number)."""
+    if len(program) != len(known):
+        return None
+    out = []
+    for i, (a, b) in enumerate(zip(program, known)):
+        if a is b:
+            continue
+        if a == b and all(p is q or _kind(p.value) == _kind(q.value) for p, q in zip(a.args, b.args)):
+            continue
+        if (a.name != b.name or a.name not in NUMBERED_OPS or a.returns != b.returns or a.meta != b.meta
+                or len(a.args) != len(b.args)):
+            return None
+        for p, q in zip(a.args, b.args):
+            if p is q:
+                continue
+            t = type(p.value)
+            if p.category != q.category or p.precisions != q.precisions or t is not type(q.value):
+                return None
+            if p.value != q.value and (p.category != "var" or t not in (int, float, bool)):
+                return None
+        out.append(i)
+    return out
+
+
+def numbers_probe(program: Sequence[Instr]) -> tuple[Any, ...]:
+    """(length, first, last) with an optimizer update's numbers left out: what a program shares with one it repeats
+    with new numbers (see `renumbered`), for looking it up."""
+    def part(instr: Instr) -> Any:
+        return (instr.name, instr.returns) if instr.name in NUMBERED_OPS else instr
+
+    return (len(program), part(program[0]) if program else None, part(program[-1]) if program else None)

@@ -20,8 +20,8 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.instr import Instr, same_program, scalar_kinds
-from deepx_sdk.ir.ops import Bound, ProgramError, TensorMeta, check_program
+from deepx_sdk.ir.instr import NUMBERED_OPS, Instr, numbers_probe, renumbered, same_program, scalar_kinds
+from deepx_sdk.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.kernels.cpu import CpuExecutor, check_instruction, dtype_name, repeat_count, transient_transposes
@@ -196,15 +196,55 @@ class OpWorker(Actor):
             bucket = self.known.get((len(program), program[0], program[-1]))
         except TypeError:  # a list inside a param: not hashable, never remembered
             return None
-        if bucket is None:
-            return None
         heap = self.heap
         fetch = tuple(fetch)
-        for k in bucket:
+        for k in bucket or ():
             if (k.fetch == fetch and same_program(program, k.program, k.kinds)
                     and self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None)):
                 return k
+        return self._renumbered(program, fetch) if self.renumberable else None
+
+    def _renumbered(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
+        """A known program that `program` repeats with new numbers in its optimizer updates (Adam's step count, a
+        scheduled learning rate: instr.renumbered), checked against the same state: that one with those updates bound
+        again (and prepared again), in its place, since the next step brings new numbers again. None otherwise."""
+        try:
+            bucket = self.renumberable.get(numbers_probe(program))
+        except TypeError:
+            return None
+        if not bucket:
+            return None
+        heap = self.heap
+        fetch = tuple(fetch)
+        for j, k in enumerate(bucket):
+            if k.fetch != fetch:
+                continue
+            varied = renumbered(program, k.program)
+            if not varied or not self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None):
+                continue
+            bounds = list(k.bounds)
+            for i in varied:
+                old = bounds[i]
+                metas = {p.value: m for p, m in zip(old.instr.args, old.args) if p.category == "tensor"}
+                try:
+                    bounds[i] = bind(program[i], SymbolicEnv(metas))
+                except DeepxError:  # a number the op refuses: on_run's check says how
+                    return None
+            program = program if type(program) is list else list(program)
+            derived = k._replace(program=program, kinds=scalar_kinds(program), bounds=bounds,
+                                 steps=self._steps_renumbered(k, bounds, varied), recover=list(k.recover))
+            bucket[j] = derived
+            exact = self.known.get((len(k.program), k.program[0], k.program[-1]))
+            if exact is not None and k in exact:
+                exact.remove(k)
+            self.known.setdefault((len(program), program[0], program[-1]), []).append(derived)
+            self.renumbered_hits += 1
+            return derived
         return None
+
+    def _steps_renumbered(self, known: KnownProgram, bounds: list[Bound], varied: list[int]) -> list[Any]:
+        """The prepared steps of a renumbered known program: none (prepared again at its first run)."""
+        return []
 
     def known_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
                   expect: Any = None) -> KnownProgram | RunResult | None:
@@ -389,16 +429,21 @@ class OpWorker(Actor):
         metas, heap = self.ex.tensors.metas, self.heap
         if sum(map(len, self.known.values())) >= self.known_size:
             self.known.clear()
+            self.renumberable.clear()
         bucket = self.known.setdefault(probe, [])
         if len(bucket) >= 8:
             del bucket[0]
         program = program if type(program) is list else list(program)
-        bucket.append(KnownProgram(program, scalar_kinds(program), tuple(fetch), names,
-                                   [metas.get(n) for n in names], [n in heap for n in names], bounds, [], [], [],
-                                   heavy,
-                                   tuple((i, str(b.out_names[0])) for i, b in enumerate(bounds)
-                                         if b.op.name == "deltensor"),
-                                   transient if transient is not None else set(), []))
+        known = KnownProgram(program, scalar_kinds(program), tuple(fetch), names, [metas.get(n) for n in names],
+                             [n in heap for n in names], bounds, [], [], [], heavy,
+                             tuple((i, str(b.out_names[0])) for i, b in enumerate(bounds) if b.op.name == "deltensor"),
+                             transient if transient is not None else set(), [])
+        bucket.append(known)
+        if any(i.name in NUMBERED_OPS for i in program):
+            numbered = self.renumberable.setdefault(numbers_probe(program), [])
+            if len(numbered) >= 8:
+                del numbered[0]
+            numbered.append(known)
 
     def on_heap_gone(self, name: str) -> None:
         """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""
@@ -407,6 +452,7 @@ class OpWorker(Actor):
         if view is not None and self.ex is not None and self.ex.tensors.get(name) is view:
             self.ex.tensors.pop(name)
             self.known.clear()  # checked programs may name it
+            self.renumberable.clear()
             self._last = None
 
     def _fold(self) -> None:
@@ -452,6 +498,10 @@ class CpuWorker(OpWorker):
         # programs checked before, by (length, first, last): a training loop sends the same one every step
         self.known: dict[Any, list[KnownProgram]] = {}
         self.known_size = 256
+        # the known programs with optimizer updates, by _numbers_probe: a step whose updates carry new numbers
+        # (Adam's step count, a scheduled learning rate) finds its program here (_renumbered)
+        self.renumberable: dict[Any, list[KnownProgram]] = {}
+        self.renumbered_hits = 0
         self.known_hits = 0
         self._unfolded: list[tuple[list[tuple[OpStat, int]], float, list[float]]] = []  # see _fold
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
@@ -538,6 +588,16 @@ class CpuWorker(OpWorker):
         result = self._begin_known(known)
         self._execute_known(known, result)
         return self._end_known(known, self._fetched(result, fetch))
+
+    def _steps_renumbered(self, known: KnownProgram, bounds: list[Bound], varied: list[int]) -> list[Any]:
+        """The known program's prepared steps, with those of the renumbered updates prepared again (an update is
+        never part of prepare_program's folds)."""
+        if not known.steps:
+            return []
+        steps = list(known.steps)
+        for i in varied:
+            steps[i] = self.ex.prepare(bounds[i])
+        return steps
 
     def _begin_known(self, known: KnownProgram) -> RunResult:
         """As OpWorker's, with the program's steps prepared the first time."""

@@ -168,13 +168,49 @@ class _Fast:
 
     def matches(self, program: Sequence[Instr], fetch: Sequence[str],
                 backwards: Sequence[dict[str, Any]] | None) -> bool:
-        from deepx_sdk.ir.instr import same_program
+        """Whether `program` is this one again; or this one with new numbers in its optimizer updates (Adam's step
+        count, a scheduled lr: instr.renumbered), which the entry then takes as its own, in the program, its
+        expansion and what went to the worker (each update stands in those as it came: the passes and the
+        expansion keep updates as they are), so that the worker finds its known program renumbered too."""
+        from deepx_sdk.ir.instr import renumbered, same_program
 
         mine = self.backwards
-        if (len(backwards or ()) != len(mine) or tuple(fetch) != self.fetch
-                or not same_program(program, self.program, self.kinds)):
+        if len(backwards or ()) != len(mine) or tuple(fetch) != self.fetch:
             return False
-        for spec, (index, loss, wrt, grad_loss, prefix, names, forward, kinds) in zip(backwards or (), mine):
+        varied = None
+        if not same_program(program, self.program, self.kinds):
+            varied = renumbered(program, self.program)
+            if not varied:
+                return False
+        if not self._same_backwards(backwards):
+            return False
+        return varied is None or self._renumber(program, varied)
+
+    def _renumber(self, program: Sequence[Instr], varied: list[int]) -> bool:
+        from deepx_sdk.ir.instr import scalar_kinds
+
+        old, new = self.program, set(varied)
+        program = program if type(program) is list else list(program)
+        if self.expanded is not None:
+            assert self.where is not None
+            expanded = [program[w] if w in new and x is old[w] else x for x, w in zip(self.expanded, self.where)]
+            planned_old, planned = self.expanded, expanded
+        else:
+            expanded, planned_old, planned = None, old, program
+        if self.origins is not None:
+            sent = [planned[o] if x is planned_old[o] else x for x, o in zip(self.sent, self.origins)]
+        elif len(self.sent) == len(planned_old) and all(a is b for a, b in zip(self.sent, planned_old)):
+            sent = list(planned)
+        else:
+            return False
+        self.program, self.kinds, self.expanded, self.sent = program, scalar_kinds(program), expanded, sent
+        return True
+
+    def _same_backwards(self, backwards: Sequence[dict[str, Any]] | None) -> bool:
+        from deepx_sdk.ir.instr import same_program
+
+        for spec, (index, loss, wrt, grad_loss, prefix, names, forward, kinds) in zip(backwards or (),
+                                                                                     self.backwards):
             f, k = spec.get("forward"), spec.get("index")
             # what the whole path checks too: an index 3.0 or a tuple for an instruction are refused there
             if (type(k) is not int or k != index or spec.get("loss") != loss or spec.get("wrt") != wrt
@@ -490,8 +526,10 @@ class Scheduler(Actor):
 
     # expansions remembered: a training loop sends the same step, backward instruction and all, every time
     def _expansion_key(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]]) -> Any:
+        from deepx_sdk.ir.instr import numbers_probe
+
         try:
-            key: Any = (len(program), program[0], program[-1],
+            key: Any = (*numbers_probe(program),
                         tuple((i, m.get("loss"), tuple(m.get("wrt") or ()), m.get("grad_loss"), m.get("prefix"),
                                tuple((m.get("names") or {}).items()), len(m.get("forward") or ()))
                               for i, m in sorted(marks.items())))
@@ -502,17 +540,26 @@ class Scheduler(Actor):
 
     def _expansion(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]],
                    before: dict[str, Any]) -> tuple[list[Instr], list[int]] | None:
-        from deepx_sdk.ir.instr import same_program
+        """A remembered expansion of this program; or of one it repeats with new numbers in its optimizer updates
+        (Adam's step count, a scheduled lr: instr.renumbered), with the new updates in place of the old (an update
+        is never a backward's: it stands in the expansion as it stood in the program)."""
+        from deepx_sdk.ir.instr import renumbered, same_program
 
         key = self._expansion_key(program, marks)
         for e in self.expansions.get(key, ()) if key is not None else ():
             known, kinds, forwards, (names, metas), expanded, where = e
-            if (same_program(program, known, kinds)
-                    and all(type(marks[i]["forward"]) is list and all(type(x) is Instr for x in marks[i]["forward"])
-                            and same_program(marks[i]["forward"], f, k) for i, (f, k) in forwards.items())
+            if not (all(type(marks[i]["forward"]) is list and all(type(x) is Instr for x in marks[i]["forward"])
+                        and same_program(marks[i]["forward"], f, k) for i, (f, k) in forwards.items())
                     and list(map(before.get, names)) == metas):  # (a malformed forward: refused by _backward_spec)
+                continue
+            if same_program(program, known, kinds):
                 self.expansion_hits += 1
                 return expanded, where
+            varied = renumbered(program, known)
+            if varied:
+                new = set(varied)
+                self.expansion_hits += 1
+                return [program[w] if w in new and x is known[w] else x for x, w in zip(expanded, where)], where
         return None
 
     def _remember_expansion(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]],

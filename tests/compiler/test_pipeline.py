@@ -172,3 +172,28 @@ def test_one_instruction_object_used_twice_is_checked_where_it_stands(rng):
     out = run_passes(prog, PassContext(metas=METAS, fuse_min_ops=2))  # the exp/neg pairs fused
     assert [b.outs[0].shape for b in PassContext(metas=METAS).bind(out) if b.op.name == "fused"] == [(16, 8), (8, 16)]
     assert_same_results(prog, out, inputs)
+
+
+ADAM_STEP = TEXT + """
+    adam (tensor<float32>:w, tensor<float32>:g, tensor<float32>:m, tensor<float32>:v, var<float32>:{lr}, \
+var<float32>:0.9, var<float32>:0.999, var<float32>:1e-08, var<float32>:0.0, var<int32>:{step}) \
+-> (tensor<float32>:w, tensor<float32>:m, tensor<float32>:v)
+"""
+ADAM_METAS = {**METAS, **{n: TensorMeta((8,), "float32") for n in ("g", "m", "v")}}
+
+
+def test_the_plan_cache_takes_an_optimizer_update_with_new_numbers_as_the_same_program():
+    """Adam's step count and a scheduled lr change every step: the plan holds for any of them, and each rewrite
+    carries the update as it came (its numbers are never the plan's)."""
+    cache = PlanCache()
+    for step, lr in ((1, 0.1), (2, 0.1), (3, 0.05), (4, 0.025)):
+        prog = program(ADAM_STEP.format(lr=lr, step=step))
+        ctx = PassContext(metas=ADAM_METAS, fetch=frozenset({"y"}))
+        got = cache.run(prog, ctx)
+        want_ctx = PassContext(metas=ADAM_METAS, fetch=frozenset({"y"}))
+        assert got == run_passes(prog, want_ctx) and ctx.origins == want_ctx.origins
+        assert got[-1] is prog[-1]  # the very update sent
+    assert (cache.hits, cache.misses) == (3, 1)
+    other = program(ADAM_STEP.format(lr=0.1, step=5).replace("var<float32>:1.0)", "var<float32>:2.0)"))
+    cache.run(other, PassContext(metas=ADAM_METAS, fetch=frozenset({"y"})))  # a number outside the update: new
+    assert cache.misses == 2

@@ -369,12 +369,16 @@ def test_a_refused_replay_does_not_count_an_optimizer_step() -> None:
     assert f.replays == 1
     counts = [opt.state[id(p)]["step"] for p in lin.parameters()]
     assert counts == [3, 3]
-    held = sorted(v.name for st in opt.state.values() for v in st.values() if hasattr(v, "name"))
+    held = sorted((v.name, v.shape) for st in opt.state.values() for v in st.values() if hasattr(v, "name"))
     s = dx.session()
-    s.transport.run(parse_text(f"deltensor () -> (tensor<float64>:{held[0]})"), ())  # behind the SDK's back
-    with pytest.raises(dx.DeepxError, match=held[0]):
+    name, shape = held[0]
+    s.transport.run(parse_text(f"deltensor () -> (tensor<float64>:{name})"), ())  # behind the SDK's back
+    with pytest.raises(dx.DeepxError, match=name):
         f(x)
     assert [opt.state[id(p)]["step"] for p in lin.parameters()] == counts
+    # put it back, so that the handle's deletion finds it when Python collects the optimizer
+    dims = " ".join(map(str, shape))
+    s.transport.run(parse_text(f"newtensor (vector<int32>:[{dims}]) -> (tensor<float64>:{name})"), ())
 
 
 def test_a_compiled_method_finds_the_model_and_optimizer_on_its_instance() -> None:
