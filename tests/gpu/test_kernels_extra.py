@@ -294,6 +294,10 @@ def test_benchmark_repeat_meta_runs_the_kernel_again(gx):
     i = instr("addscalar", [T("a"), V(1.0)], [T("a")])
     gx.run(i._replace(meta=(("benchmark.repeat", "5"),)))
     np.testing.assert_array_equal(gx.get("a"), np.full(4, 5, np.float32))
+    for bad, why in (("100000000", "at most"), ("-1", "negative"), ("abc", "whole number")):
+        with pytest.raises(DeepxError, match=why):  # bounded as op-cpu's: one line never holds the worker for long
+            gx.run(i._replace(meta=(("benchmark.repeat", bad),)))
+    np.testing.assert_array_equal(gx.get("a"), np.full(4, 5, np.float32))
 
 
 # ---------------------------------------------------------------- row and column kernels across their size regimes

@@ -28,7 +28,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
 from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
-from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name
+from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name, repeat_count
 
 log = logging.getLogger(__name__)
 
@@ -314,10 +314,7 @@ class CudaExecutor:
             args = [tensors[n] if k == 1 else value if k == 0 else [tensors[x] for x in n]
                     for k, value, n in zip(_ARG_KINDS[name], b.args, b.names)]
             outs, fresh = self._outputs(b)
-            repeat = 1
-            if b.instr.meta and b.instr.get_meta("benchmark.repeat"):
-                text = b.instr.get_meta("benchmark.repeat") or "1"
-                repeat = max(1, int(text)) if text.isdigit() else 1
+            repeat = repeat_count(b.instr) if b.instr.meta else 1  # bounded (MAX_REPEAT), as op-cpu's
             for _ in range(repeat):
                 if kernel(self, *args, *outs) is False:
                     self._fallback(b)
