@@ -204,8 +204,9 @@ NUMBERED_OPS = frozenset({"sgd", "adam", "adamw"})
 
 def renumbered(program: Sequence[Instr], known: Sequence[Instr]) -> list[int] | None:
     """The positions where `program` differs from `known` only in the numbers of a NUMBERED_OPS instruction (the same
-    tensors, categories and precisions, each number of the same type as before); None where they differ otherwise
-    (anything else, a number's type or a zero's sign included, or a variable's name in place of a number)."""
+    tensors, categories and precisions, each number of the same type as before; a zero's sign may change there too);
+    None where they differ otherwise (anything else, a number's type or, outside those, a zero's sign included, or a
+    variable's name in place of a number)."""
     if len(program) != len(known):
         return None
     out = []

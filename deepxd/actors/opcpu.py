@@ -234,9 +234,15 @@ class OpWorker(Actor):
             derived = k._replace(program=program, kinds=scalar_kinds(program), bounds=bounds,
                                  steps=self._steps_renumbered(k, bounds, varied), recover=list(k.recover))
             bucket[j] = derived
-            exact = self.known.get((len(k.program), k.program[0], k.program[-1]))
-            if exact is not None and k in exact:
-                exact.remove(k)
+            probe = (len(k.program), k.program[0], k.program[-1])
+            exact = self.known.get(probe)
+            if exact is not None:
+                for i, e in enumerate(exact):
+                    if e is k:
+                        del exact[i]
+                        break
+                if not exact:  # a step whose last instruction is an update has a new probe every time
+                    del self.known[probe]
             self.known.setdefault((len(program), program[0], program[-1]), []).append(derived)
             self.renumbered_hits += 1
             return derived
@@ -249,7 +255,8 @@ class OpWorker(Actor):
     def known_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
                   expect: Any = None) -> KnownProgram | RunResult | None:
         """What on_run would do with this ask, where it can be done with no coroutine (the embedded daemon's fast
-        path, Scheduler.run_now, then run_known), found without changing anything: the known program to run, one
+        path, Scheduler.run_now, then run_known), found without running or counting anything (a renumbered program
+        takes its known one's place, as on_run's lookup would have it): the known program to run, one
         that deletes no heap tensor (heapmem would be told) and that _now_ok allows; on_run's `stale` answer; else
         None (on_run must answer)."""
         if self.ex is None:

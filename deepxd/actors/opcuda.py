@@ -112,6 +112,8 @@ class CudaWorker(OpWorker):
         self.known: dict[Any, list[KnownProgram]] = {}
         self.known_size = 256
         self.known_hits = 0
+        self.renumberable: dict[Any, list[KnownProgram]] = {}  # see OpWorker._renumbered
+        self.renumbered_hits = 0
         self._unfolded: list[Any] = []  # (known programs here run through _execute, which counts as it goes)
         self.device_heap = DeviceHeap(self)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cuda")

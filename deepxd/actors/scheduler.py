@@ -187,19 +187,35 @@ class _Fast:
         return varied is None or self._renumber(program, varied)
 
     def _renumber(self, program: Sequence[Instr], varied: list[int]) -> bool:
+        """Take `program`'s updates in place of this entry's, by position: an update stands alone where it stood in
+        the program (never expanded: `where` maps exactly one expanded instruction to it) and goes to the worker as
+        it came (`origins` maps exactly one sent instruction to it), as an instruction equal to the old one though
+        maybe another object (an expansion remembered from an earlier, equal program). False, with the entry left as
+        it was, where an update cannot be found so."""
         from deepx_sdk.ir.instr import scalar_kinds
 
         old, new = self.program, set(varied)
         program = program if type(program) is list else list(program)
         if self.expanded is not None:
             assert self.where is not None
-            expanded = [program[w] if w in new and x is old[w] else x for x, w in zip(self.expanded, self.where)]
-            planned_old, planned = self.expanded, expanded
+            at = [j for j, w in enumerate(self.where) if w in new]
+            if len(at) != len(new) or any(self.expanded[j] != old[self.where[j]] for j in at):
+                return False
+            expanded: list[Instr] | None = list(self.expanded)
+            assert expanded is not None
+            for j in at:
+                expanded[j] = program[self.where[j]]
+            planned_old, planned, changed = self.expanded, expanded, set(at)
         else:
-            expanded, planned_old, planned = None, old, program
+            expanded, planned_old, planned, changed = None, old, program, new
         if self.origins is not None:
-            sent = [planned[o] if x is planned_old[o] else x for x, o in zip(self.sent, self.origins)]
-        elif len(self.sent) == len(planned_old) and all(a is b for a, b in zip(self.sent, planned_old)):
+            at = [k for k, o in enumerate(self.origins) if o in changed]
+            if len(at) != len(changed) or any(self.sent[k] != planned_old[self.origins[k]] for k in at):
+                return False
+            sent = list(self.sent)
+            for k in at:
+                sent[k] = planned[self.origins[k]]
+        elif len(self.sent) == len(planned_old) and all(a == b for a, b in zip(self.sent, planned_old)):
             sent = list(planned)
         else:
             return False
@@ -556,10 +572,10 @@ class Scheduler(Actor):
                 self.expansion_hits += 1
                 return expanded, where
             varied = renumbered(program, known)
-            if varied:
+            if varied:  # each update stands alone where it stood (only a backward expands into several)
                 new = set(varied)
                 self.expansion_hits += 1
-                return [program[w] if w in new and x is known[w] else x for x, w in zip(expanded, where)], where
+                return [program[w] if w in new else x for x, w in zip(expanded, where)], where
         return None
 
     def _remember_expansion(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]],

@@ -397,3 +397,41 @@ def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
     first = sent.index(1)
     assert 0 in sent[first:-3]  # recorded, then on its own during the warm-up
     assert sent[-3:] == [1, 1, 1]  # and recorded again once the steps repeat
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_an_lr_that_holds_then_changes_is_the_lr_the_step_runs(rng, opt_name):
+    """A StepLR keeps the lr for a few steps and then changes it: the steps in between repeat exactly (the fast
+    entry's program may come from a remembered expansion of an equal, earlier program), and the step after takes the
+    new lr, not the one the entry held (found in review: every other such step ran the old lr). The worker's tables
+    stay bounded."""
+    dx.connect()
+    s = dx.session()
+    from deepx_sdk.optim import SGD, Adam, StepLR
+
+    worker = s.transport.node.worker()._actor
+    w0 = rng.standard_normal((4, 3))
+    w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
+    x = rng.standard_normal((5, 4))
+    dxx, tx = dx.tensor(x), torch.tensor(x)
+    if opt_name == "sgd":
+        opt, topt = SGD([w], lr=0.1, momentum=0.9), torch.optim.SGD([tw], lr=0.1, momentum=0.9)
+    else:
+        opt, topt = Adam([w], lr=0.1), torch.optim.Adam([tw], lr=0.1)
+    sched, tsched = StepLR(opt, 3, 0.5), torch.optim.lr_scheduler.StepLR(topt, 3, 0.5)
+    keys = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = (dxx @ w).tanh().sum()
+        loss.backward()
+        opt.step()
+        sched.step()
+        topt.zero_grad()
+        tloss = (tx @ tw).tanh().sum()
+        tloss.backward()
+        topt.step()
+        tsched.step()
+        assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
+        keys.append(len(worker.known))
+    np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
+    assert keys[-1] <= keys[5] + 2  # no entry (empty or not) per step
