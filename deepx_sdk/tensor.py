@@ -738,11 +738,14 @@ class Tensor:
         return self ** e
 
     def clamp(self, min: Any = None, max: Any = None) -> Tensor:  # torch's names, shadowing builtins
+        """As torch's: a number bound is maxscalar/minscalar (the gradient passes at the bound); a tensor bound is a
+        where, so that at a tie the gradient goes to this tensor, as torch's clamp gives it (maximum would split it),
+        and a NaN here stays NaN."""
         out = self
         if min is not None:
-            out = out._binary("max", min, "maxscalar")
+            out = where(out < min, min, out) if isinstance(min, Tensor) else out._binary("max", min, "maxscalar")
         if max is not None:
-            out = out._binary("min", max, "minscalar")
+            out = where(out > max, max, out) if isinstance(max, Tensor) else out._binary("min", max, "minscalar")
         return out
 
     clip = clamp

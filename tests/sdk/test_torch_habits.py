@@ -247,6 +247,9 @@ EDGES = {
     "minimum": lambda x, y, m: m.minimum(x, y),
     "x ** y": lambda x, y, m: x.abs() ** y,
     "0 ** y": lambda x, y, m: (x * 0) ** y,
+    "clamp(min=y)": lambda x, y, m: x.clamp(min=y),
+    "clamp(max=y)": lambda x, y, m: x.clamp(max=y),
+    "clamp(y, y + 1)": lambda x, y, m: x.clamp(y, y + 1),
 }
 
 
