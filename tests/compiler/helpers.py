@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -65,3 +66,18 @@ def assert_same_results(before: list[Instr], after: list[Instr], inputs: Mapping
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol,
                                    err_msg=name)
     return dict(ex1.tensors)
+
+
+def execute_threads(worker: Any) -> set[str]:
+    """The names of the threads the worker's executor runs instructions on, from here on (a spy on its execute)."""
+    import threading
+
+    threads: set[str] = set()
+    run = worker.ex.execute
+
+    def spy(b):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        return run(b)
+
+    worker.ex.execute = spy
+    return threads

@@ -8,6 +8,7 @@ import pytest
 
 from deepx_sdk.ir.text import parse_text
 from deepxd.actors.opcpu import CpuWorker
+from tests.compiler.helpers import execute_threads
 
 
 @pytest.mark.parametrize("inline", [65536, -1])
@@ -21,14 +22,7 @@ async def test_a_heavy_program_runs_off_the_event_loop_unless_every_program_runs
     try:
         a = np.ones((256, 512))
         await worker.ref.ask("put", name="a", dtype="float64", shape=[256, 512], data=a.tobytes())
-        threads: set[str] = set()
-        run = worker.ex.execute
-
-        def spy(b):  # type: ignore[no-untyped-def]
-            threads.add(threading.current_thread().name)
-            return run(b)
-
-        worker.ex.execute = spy  # type: ignore[method-assign]
+        threads = execute_threads(worker)
         prog = parse_text("transpose (tensor<float64>:a, vector<int32>:[1 0]) -> (tensor<float64>:t)\n"
                           "matmul (tensor<float64>:a, tensor<float64>:t) -> (tensor<float64>:m)")
         r = await worker.ref.ask("run", program=prog, fetch=["m"])

@@ -20,6 +20,7 @@ from deepx_sdk.ir import parse_text
 from deepx_sdk.ir.wire import instr_to_obj
 from deepxd.kernels.cpu import MAX_REPEAT
 from deepxd.net.udp import MAX_DATAGRAM, TRUNCATED
+from tests.compiler.helpers import execute_threads
 from tests.daemon.conftest import Daemon, udp_exchange
 
 REPLY_OK = re.compile(r"^(\d+) ok// recv_at=(\d+) start_at=(\d+) finish_at=(\d+)$")
@@ -95,14 +96,7 @@ async def test_a_repeated_small_instruction_is_heavy_work_and_leaves_the_event_l
     worker.start()
     try:
         await worker.ref.ask("put", name="small", dtype="float32", shape=[16], data=np.ones(16, np.float32).tobytes())
-        threads: set[str] = set()
-        run = worker.ex.execute
-
-        def spy(b):  # type: ignore[no-untyped-def]
-            threads.add(threading.current_thread().name)
-            return run(b)
-
-        worker.ex.execute = spy  # type: ignore[method-assign]
+        threads = execute_threads(worker)
         prog = parse_text(f"addscalar (tensor:small, var:1) -> (tensor:small) // benchmark.repeat={repeat}")
         r = await worker.ref.ask("run", program=prog, fetch=["small"])
         assert not r.error

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,6 +34,19 @@ def _backwards_sent() -> Iterator[list[int]]:
         yield sent
     finally:
         transport.run = run
+
+
+def _paired_step(mine: tuple[Any, ...], theirs: tuple[Any, ...]) -> None:
+    """One step of (x @ w).tanh().sum() with an optimizer and its scheduler, in deepx and in torch; the losses equal."""
+    losses = []
+    for x, w, opt, sched in (mine, theirs):
+        opt.zero_grad()
+        loss = (x @ w).tanh().sum()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-10)
 
 
 def _train(rng: np.random.Generator, steps: int, sent: list[tuple[int, int]]) -> tuple[list[float], list[np.ndarray]]:
@@ -270,17 +284,7 @@ def test_an_adam_step_is_one_program_though_its_numbers_change(rng):
     fast, renumbered = scheduler.fast_hits, worker.renumbered_hits
     with _backwards_sent() as sent:
         for _ in range(12):
-            opt.zero_grad()
-            loss = (dxx @ w).tanh().sum()
-            loss.backward()
-            opt.step()
-            sched.step()
-            topt.zero_grad()
-            tloss = (tx @ tw).tanh().sum()
-            tloss.backward()
-            topt.step()
-            tsched.step()
-            assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
+            _paired_step((dxx, w, opt, sched), (tx, tw, topt, tsched))
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
     assert not s._lazy_off and sent[-6:] == [1] * 6  # each step one program, its backward in it
     assert scheduler.fast_hits - fast >= 6 and worker.renumbered_hits - renumbered >= 6
@@ -421,17 +425,7 @@ def test_an_lr_that_holds_then_changes_is_the_lr_the_step_runs(rng, opt_name):
     sched, tsched = StepLR(opt, 3, 0.5), torch.optim.lr_scheduler.StepLR(topt, 3, 0.5)
     keys = []
     for _ in range(20):
-        opt.zero_grad()
-        loss = (dxx @ w).tanh().sum()
-        loss.backward()
-        opt.step()
-        sched.step()
-        topt.zero_grad()
-        tloss = (tx @ tw).tanh().sum()
-        tloss.backward()
-        topt.step()
-        tsched.step()
-        assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
+        _paired_step((dxx, w, opt, sched), (tx, tw, topt, tsched))
         keys.append(len(worker.known))
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
     assert keys[-1] <= keys[5] + 2  # no entry (empty or not) per step
