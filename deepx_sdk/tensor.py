@@ -283,6 +283,8 @@ class Tensor:
     __slots__ = ("__weakref__", "_b", "_k", "_o", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name",
                  "requires_grad", "shape")
     _v: tuple[_int, np.ndarray] | None  # set only where a value came back with the tensor's making (see numpy())
+    _b: Any  # a view's base, weakly (see _check_write); unset on most tensors
+    _o: Tensor  # a .data handle's owner; unset on others
 
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
         if requires_grad and dtype not in FLOATS:
@@ -295,7 +297,7 @@ class Tensor:
         self.requires_grad = requires_grad
         self.grad: Tensor | None = None
         self.grad_fn: Any = None
-        self._k: tuple[Any, ...] | None = (
+        self._k: tuple[Any, ...] | bool | None = (
             (name, dtype, self.shape) if type(self) is Tensor and sess is not None
             and not name.startswith(sess._grad_root) else None)
 
@@ -304,7 +306,7 @@ class Tensor:
             k = self._k
         except AttributeError:  # a Parameter, or a half-built tensor (copy, unpickling)
             k = None
-        if k is False:  # a `.data` handle: another handle owns the name
+        if k is False or k is True:  # a `.data` handle: another handle owns the name
             return
         try:
             # never blocks: collection runs in any thread. Plain results may have their name reused (pooled);
@@ -1252,7 +1254,7 @@ class Tensor:
     __imul__ = mul_
     __itruediv__ = div_
 
-    def __ipow__(self, o: Any) -> Tensor:
+    def __ipow__(self, o: Any) -> Tensor:  # type: ignore[misc]  # (pow's operand types are _arith's)
         self._check_write("pow_")
         return self._update(self ** o, "pow_")
 

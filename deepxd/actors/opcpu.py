@@ -171,6 +171,8 @@ class OpWorker(Actor):
     known: dict[Any, list[KnownProgram]]
     known_size: int
     known_hits: int
+    renumberable: dict[Any, list[KnownProgram]]  # see _renumbered
+    renumbered_hits: int
     op_stats: dict[str, OpStat]
     output_log: bool
     _output: list[str]
@@ -225,7 +227,7 @@ class OpWorker(Actor):
             bounds = list(k.bounds)
             for i in varied:
                 old = bounds[i]
-                metas = {p.value: m for p, m in zip(old.instr.args, old.args) if p.category == "tensor"}
+                metas = {str(p.value): m for p, m in zip(old.instr.args, old.args) if p.category == "tensor"}
                 try:
                     bounds[i] = bind(program[i], SymbolicEnv(metas))
                 except DeepxError:  # a number the op refuses: on_run's check says how
