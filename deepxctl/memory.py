@@ -63,6 +63,8 @@ def memory(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: boo
     if fmt != "table":
         display_data(report, fmt)
         return
+    from rich.markup import escape
+
     parts: list[Any] = [f"[bold]{human_bytes(report['total_bytes'])}[/] in {report['tensors']} tensors"]
     for key in ("node", "owner", "kind"):
         parts.append(make_table([Usage(**u) for u in report[f"by_{key}"]], Usage, title=f"by {key}",
@@ -73,7 +75,7 @@ def memory(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: boo
                             title="heap tensors: references (freed when the refcount reaches 0)"))
     pool = report["heapmem"]
     if pool:
-        parts.append(f"[bold]heapmem[/] on {pool.get('node', '?')}: {pool.get('tensors', 0)} tensors in "
+        parts.append(f"[bold]heapmem[/] on {escape(str(pool.get('node', '?')))}: {pool.get('tensors', 0)} tensors in "
                      f"{pool.get('segments', 0)} segments ({human_bytes(pool.get('segment_bytes', 0))} mapped), "
                      f"{pool.get('lost', 0)} lost; pool: {pool.get('pooled_segments', 0)} free segments, "
                      f"{human_bytes(pool.get('pooled_bytes', 0))} of {human_bytes(pool.get('pool_limit', 0))}")

@@ -81,13 +81,14 @@ def show(ctl: Ctl, name: str, fmt: str, values: bool | None) -> None:
         display_data({**t.to_dict(detail=True), **preview}, fmt)
         return
     from rich.table import Table
+    from rich.text import Text
 
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     for f in Tensor.columns(detail=True):
         if t.cell(f):  # a stack tensor has no refcount, holders or segment
-            grid.add_row(Tensor.header(f).lower(), t.cell(f))
+            grid.add_row(Tensor.header(f).lower(), Text(t.cell(f)))  # a client's text, never markup
     stats = preview["stats"]
     if stats:
         grid.add_row("values", "  ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"

@@ -107,15 +107,18 @@ def make_table(rows: Sequence[Schema], cls: type[Schema], *, detail: bool = Fals
                first_header: str | None = None) -> Any:
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left",
-                  title_style="bold")
+    # titles are deepxctl's own; cells are what clients named (a tensor's owner, a graph's instructions): plain text,
+    # never rich markup ('[/x]' in an owner raised, '[red]alice' printed red)
+    table = Table(title=Text(title, style="bold") if title is not None else None, box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False, title_justify="left")
     columns = cls.columns(detail)
     for i, f in enumerate(columns):
         table.add_column(first_header if i == 0 and first_header else cls.header(f),
                          justify="right" if f.metadata.get("right") else "left", overflow="fold")
     for r in rows:
-        table.add_row(*(r.cell(f) for f in columns))
+        table.add_row(*(Text(r.cell(f)) for f in columns))
     return table
 
 

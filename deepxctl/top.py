@@ -53,7 +53,9 @@ class TopView:
         report = summarize(tensors, d.heapmem())
         busiest, title = self.busiest(ops)
         roles = ",".join(d.client.server.get("roles") or [])
-        head = (f"[bold]deepxctl top[/]  node [bold]{d.node}[/] ({roles})  {d.address}  "
+        from rich.markup import escape
+
+        head = (f"[bold]deepxctl top[/]  node [bold]{escape(str(d.node))}[/] ({escape(roles)})  {escape(d.address)}  "
                 f"{time.strftime('%H:%M:%S')}  {human_bytes(report['total_bytes'])} in {report['tensors']} tensors")
         parts: list[Any] = [head, make_table(busiest, Op, title=title)]
         parts.append(make_table([Usage(**u) for u in report["by_kind"]], Usage, title="memory by kind",

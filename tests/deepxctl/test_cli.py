@@ -87,3 +87,19 @@ def test_a_reader_gone_before_the_first_write_is_a_quiet_exit_0(live: Live, args
     finally:
         os.close(write)
     assert (r.returncode, r.stderr) == (0, "")
+
+
+def test_table_cells_are_text_never_markup() -> None:
+    """A client names a tensor's owner: '[/x]' made rich raise (a traceback for every operator of the cluster) and
+    '[red]alice' printed red. Cells are shown as the text they are."""
+    from rich.console import Console
+
+    from deepxctl.schema import Tensor
+    from deepxctl.term import make_table
+
+    rows = [Tensor(name="a", kind="heap", dtype="float32", shape=[2], bytes=8, owner="[/x]", node="n1"),
+            Tensor(name="[bold]b", kind="heap", dtype="float32", shape=[2], bytes=8, owner="[red]alice", node="n1")]
+    out = Console(record=True, width=200, color_system=None)
+    out.print(make_table(rows, Tensor, title="tensors [x]"))
+    text = out.export_text()
+    assert "[/x]" in text and "[red]alice" in text and "[bold]b" in text and "tensors [x]" in text
