@@ -113,6 +113,9 @@ class GraphRecord:
         for i, j, k in rec.scalars:
             if not (0 <= i < len(instrs) and 0 <= j < len(instrs[i].args) and instrs[i].args[j].category == "var"):
                 raise DeepxError(f"graph {name!r}: scalar {k!r} points at instruction {i} arg {j}, which is not a var")
+        problem = _returns_problem(rec.returns, len(rec.outputs))
+        if problem:
+            raise DeepxError(f"graph {name!r}: its returns {problem}")
         return rec
 
 
@@ -883,6 +886,22 @@ def _spec(result: Any, outs: list[tuple[str, str, tuple[int, ...]]]) -> Any:
     raise DeepxError(f"dx.compile: the function returns a {type(result).__name__}; a compiled function returns "
                      "tensors (or None, or tuples, lists and dicts of them): a Python value would be frozen at "
                      "capture")
+
+
+def _returns_problem(spec: Any, outputs: int) -> str:
+    """What is wrong with a stored graph's returns spec (what _spec makes: None, an output's index, or
+    {"tuple"|"list": [spec...]} or {"dict": [[key, spec]...]}), for `outputs` outputs; "" where nothing is."""
+    if spec is None:
+        return ""
+    if type(spec) is int:
+        return "" if 0 <= spec < outputs else f"name output {spec}, of {outputs}"
+    if isinstance(spec, dict) and len(spec) == 1:
+        kind, items = next(iter(spec.items()))
+        if kind in ("tuple", "list") and isinstance(items, list):
+            return next((p for p in (_returns_problem(x, outputs) for x in items) if p), "")
+        if kind == "dict" and isinstance(items, list) and all(isinstance(x, list) and len(x) == 2 for x in items):
+            return next((p for p in (_returns_problem(v, outputs) for _, v in items) if p), "")
+    return f"hold {str(spec)[:60]!s}, which is not a returns spec"
 
 
 def _unspec(spec: Any, outs: list[Any]) -> Any:

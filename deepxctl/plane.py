@@ -191,7 +191,9 @@ class PlaneSource:
     def __init__(self, url: str, prefix: str) -> None:
         self.url = url
         self.prefix = prefix
-        self.where = f"the storage plane at {url}"
+        from deepxd.kv.base import redact
+
+        self.where = f"the storage plane at {redact(url)}"  # never a password (docs/storage.md)
 
     def query(self, what: str) -> Any:
         reader = READERS.get(what)

@@ -183,6 +183,12 @@ class Op(Schema):
         return o
 
 
+#: a running node whose heartbeat is older than this many of its heartbeats (heartbeat_s, 2 s by default) is shown
+#: as stale
+STALE_BEATS = 5
+DEFAULT_HEARTBEAT_S = 2.0
+
+
 @dataclasses.dataclass
 class Node(Schema):
     object_name: ClassVar[str] = "nodes"
@@ -203,6 +209,9 @@ class Node(Schema):
         n.roles, n.devices = _names(n.roles), _names(n.devices)
         n.pid = _int(raw["pid"]) if raw.get("pid") not in (None, "") else None
         n.started = _float(n.started)
+        beat = _float(raw.get("heartbeat_s") or DEFAULT_HEARTBEAT_S)
+        if n.state == "running" and n.heartbeat_age_s is not None and n.heartbeat_age_s > STALE_BEATS * beat:
+            n.state = "stale"  # it stopped without saying so (killed, or its host gone): its records are left over
         return n
 
 

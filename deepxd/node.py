@@ -17,7 +17,7 @@ from typing import Any
 from deepx_sdk.errors import DeepxError
 from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
 from deepxd.config import Config, udp_address
-from deepxd.kv.base import KV, open_kv
+from deepxd.kv.base import KV, open_kv, redact
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Node:
         if self.freeze_gc:  # the daemon's own process only: an embedded node must not freeze its host's objects
             gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         log.info("deepxd node %s up: roles %s, listening on %s%s, storage %s", c.node_id, ",".join(c.roles),
-                 c.listen, "" if c.udp == "off" else f" and udp://{c.udp}", c.kv)
+                 c.listen, "" if c.udp == "off" else f" and udp://{c.udp}", redact(c.kv))
         self.started.set()
 
     async def _start_actors(self) -> None:
@@ -169,8 +169,20 @@ class Node:
             except (NotImplementedError, RuntimeError):
                 pass
         try:
-            await self.start()
-            await self.stopping.wait()
+            # a signal while starting (a storage plane that is slow to answer, say) stops the start, too
+            starting = asyncio.ensure_future(self.start())
+            stop = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                try:
+                    await starting
+                except BaseException as e:  # cancelled, or it failed on its way out
+                    log.debug("start cancelled: %r", e)
+                log.info("stopped while starting")
+            else:
+                starting.result()  # a failed start raises here
+                await stop
         finally:
             await self.shutdown()
             for sig in installed:

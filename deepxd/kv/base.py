@@ -28,6 +28,7 @@ import numbers
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from deepx_sdk.errors import DeepxError
 
@@ -310,3 +311,18 @@ def open_kv(url: str, prefix: str = "deepx:", **options: Any) -> KV:
 
         return RedisKV(url, prefix=prefix, **options)
     raise DeepxError(f"unknown storage plane URL {url!r}: use memory, memory:///path/file or redis://host:port/db")
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ***, for messages and logs."""
+    try:
+        parts = urlsplit(url)
+        if not parts.password:
+            return url
+    except ValueError:  # not a URL urlsplit reads: nothing said of it beyond its scheme
+        return url.split("://", 1)[0] + "://..."
+    user = parts.username or ""
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

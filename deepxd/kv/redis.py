@@ -11,7 +11,7 @@ import asyncio
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from redis import exceptions as rx
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -31,6 +31,7 @@ from deepxd.kv.base import (
     check_key,
     escape_glob,
     hash_mapping,
+    redact,
     wrong_type,
 )
 
@@ -93,7 +94,10 @@ class RedisKV(KV):
         check the version."""
         where = redact(self.url)
         kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0), "socket_timeout": self.connect_timeout}
-        conn = pool.connection_class(**kwargs)
+        try:
+            conn = pool.connection_class(**kwargs)
+        except (TypeError, ValueError) as e:  # a query parameter redis-py passes on but no connection takes
+            raise DeepxError(f"bad Redis URL {where}: {e}") from None
         try:
             async with asyncio.timeout(self.connect_timeout + 1.0):
                 await conn.connect()
@@ -106,7 +110,10 @@ class RedisKV(KV):
         finally:
             await conn.disconnect()
         found = re.search(rb"redis_version:(\d+)\.(\d+)", info if isinstance(info, bytes) else b"")
-        if found and (int(found[1]), int(found[2])) < MIN_VERSION:
+        if not found:  # it answered, but not as Redis does (another service on that port, say)
+            raise DeepxError(f"the server at {where} answered INFO without a redis_version: it is not Redis (or "
+                             "Valkey); check the port")
+        if (int(found[1]), int(found[2])) < MIN_VERSION:
             version = f"{int(found[1])}.{int(found[2])}"
             raise DeepxError(f"Redis at {where} is version {version}; deepx needs Redis 6.2+ or Valkey")
 
@@ -296,22 +303,13 @@ def _reason(error: Exception) -> str:
 
 def check_url(url: str) -> None:
     """Refuse what redis-py would quietly misread: it takes `redis://host/1x` as database 0."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # an unclosed [IPv6 host, say
+        raise DeepxError(f"bad Redis URL: {e}") from None
     try:
         parts.port  # noqa: B018 (raises on a port that is not a number)
     except ValueError:
         raise DeepxError(f"bad Redis URL {redact(url)}: the port is not a number") from None
     if parts.scheme in ("redis", "rediss") and not re.fullmatch(r"/?([0-9]+)?", parts.path):
         raise DeepxError(f"bad Redis URL {redact(url)}: the path must be a database number, as redis://host:6379/0")
-
-
-def redact(url: str) -> str:
-    """The URL with any password replaced by ***, for messages and logs."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))

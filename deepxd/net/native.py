@@ -359,7 +359,11 @@ class NativeServer:
         if what == "config":
             import dataclasses
 
-            return {"result": dataclasses.asdict(self.node.config)}
+            from deepxd.kv.base import redact
+
+            config = dataclasses.asdict(self.node.config)
+            config["kv"] = redact(str(config.get("kv", "")))  # never a password (docs/storage.md)
+            return {"result": config}
         if what not in ADMIN:
             raise DeepxError(f"admin: unknown query {what!r}; known: {', '.join((*ADMIN, 'config'))}")
         return {"result": await self.node.ref("registry").ask(what)}

@@ -262,3 +262,58 @@ def test_the_client_says_when_the_daemon_did_not_answer_in_time(shared: Daemon) 
         c.ping()
     with shared.client() as c2:
         c2.ping()
+
+
+def test_sigterm_while_starting_stops_the_daemon_at_once(tmp_path) -> None:
+    """A storage plane that accepts and never answers keeps the start waiting (up to its connect timeout): the first
+    SIGTERM stops it then and there, as at any other time."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    port = silent.getsockname()[1]
+    try:
+        proc = subprocess.Popen(["deepxd", "start", "--kv", f"redis://127.0.0.1:{port}/0",
+                                 "--listen", f"unix://{tmp_path}/d.sock", "--udp", "off"],
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(0.8)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+        assert time.monotonic() - started < 1.5, err
+        assert proc.returncode == 0 and "stopped while starting" in err
+    finally:
+        silent.close()
+
+
+def test_a_storage_password_never_shows_in_the_log_or_the_config(tmp_path, new_redis_server) -> None:
+    """docs/storage.md: the password of a redis:// URL is never shown (the start-up line and the admin config
+    query showed it)."""
+    import signal
+    import subprocess
+    import time
+
+    import redis as redis_py
+
+    from deepx_sdk.client import NativeClient
+
+    server = new_redis_server()
+    redis_py.Redis(port=server.port).config_set("requirepass", "s3cret")
+    sock = tmp_path / "d.sock"
+    proc = subprocess.Popen(["deepxd", "start", "--kv", f"redis://:s3cret@127.0.0.1:{server.port}/0",
+                             "--listen", f"unix://{sock}", "--udp", "off"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        with NativeClient(f"unix://{sock}") as c:
+            config = c.request("admin", what="config")["result"]
+        assert config["kv"] == f"redis://:***@127.0.0.1:{server.port}/0"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "s3cret" not in err and "redis://:***@" in err

@@ -53,6 +53,34 @@ def test_a_bad_url_is_a_deepx_error() -> None:
     RedisKV("redis://127.0.0.1:6379")
     RedisKV("redis://127.0.0.1/15")
     RedisKV("unix:///run/redis.sock?db=1")
+    with pytest.raises(DeepxError, match="bad Redis URL: Invalid IPv6 URL"):
+        RedisKV("redis://[::1")
+    assert redact("redis://[::1") == "redis://..."
+
+
+async def test_a_query_parameter_no_connection_takes_is_a_deepx_error(unused_port: int) -> None:
+    with pytest.raises(DeepxError, match=r"bad Redis URL .*bogus"):
+        await RedisKV(f"redis://127.0.0.1:{unused_port}/0?bogus=1").connect()
+
+
+async def test_a_server_that_is_not_redis_is_refused_at_connect(unused_port: int) -> None:
+    """Another service on the port that answers every line with +OK (so PING and INFO 'work'): refused at once, not
+    taken for a Redis whose commands then fail one by one."""
+    import asyncio
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.readline():
+            writer.write(b"+OK\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", unused_port)
+    try:
+        with pytest.raises(DeepxError, match="not Redis"):
+            await RedisKV(f"redis://127.0.0.1:{unused_port}/0").connect()
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_restart_under_a_connected_client_is_ridden_out(new_redis_server: NewServer) -> None:

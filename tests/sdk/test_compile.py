@@ -720,3 +720,19 @@ def test_replays_with_arrays_bind_once_each_by_the_ask() -> None:
     binds, replays, hits = _array_replays(True)
     assert hits == 0 and replays >= 4
     assert (binds, replays) == _array_replays(False)[:2]
+
+
+@pytest.mark.parametrize("returns, problem", [(7, "name output 7, of 1"), ({"dict": 5}, "not a returns spec"),
+                                              ({"tuple": [0, -1]}, "name output -1"), ("x", "not a returns spec"),
+                                              ({"list": [0, {"dict": [["a", 3]]}]}, "name output 3")])
+def test_a_stored_graph_whose_returns_do_not_fit_its_outputs_is_refused(returns, problem) -> None:
+    """A graph record corrupted in the plane (its returns naming an output it does not have) is refused with the
+    graph's name when read, not a TypeError or IndexError at the replay."""
+    import msgpack
+
+    from deepx_sdk.compile import GRAPH_VERSION, GraphRecord
+
+    good = {"v": GRAPH_VERSION, "instrs": [], "inputs": [], "outputs": [["o", "float32", [2]]], "returns": 0}
+    assert GraphRecord.unpack(msgpack.packb(good), "g").returns == 0
+    with pytest.raises(DeepxError, match=f"graph 'g': its returns .*{problem}"):
+        GraphRecord.unpack(msgpack.packb({**good, "returns": returns}), "g")
