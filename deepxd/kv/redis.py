@@ -106,7 +106,11 @@ class RedisKV(KV):
         except TimeoutError:
             raise DeepxError(f"cannot reach Redis at {where}: no answer within {self.connect_timeout} s") from None
         except (rx.RedisError, OSError) as e:
-            raise DeepxError(f"cannot reach Redis at {where}: {e}") from None
+            text = str(e)
+            if isinstance(e, rx.AuthenticationError) or "NOAUTH" in text or "authenticated" in text:
+                raise DeepxError(f"Redis at {where} refused the connection: it needs a password, or not this one "
+                                 f"(give it as redis://:PASSWORD@host:port/db): {text}") from None
+            raise DeepxError(f"cannot reach Redis at {where}: {text}") from None
         finally:
             await conn.disconnect()
         found = re.search(rb"redis_version:(\d+)\.(\d+)", info if isinstance(info, bytes) else b"")

@@ -179,3 +179,15 @@ def test_glob_matches_redis(glob_keys: tuple[redis.Redis, str], pattern: str) ->
     found = {k.decode()[len(prefix) :] for k in client.scan_iter(match=escape_glob(prefix) + pattern, count=1000)}
     mine = {k for k in KEYS if compile_glob(pattern).fullmatch(k.encode())}
     assert mine == found, pattern
+
+
+async def test_a_missing_or_wrong_password_says_so(new_redis_server: NewServer) -> None:
+    server = new_redis_server()
+    redis.Redis(port=server.port).config_set("requirepass", "s3cret")
+    for url in (f"redis://127.0.0.1:{server.port}/0", f"redis://:wrong@127.0.0.1:{server.port}/0"):
+        with pytest.raises(DeepxError, match="needs a password, or not this one") as caught:
+            await RedisKV(url).connect()
+        assert "wrong" not in str(caught.value)
+    kv = RedisKV(f"redis://:s3cret@127.0.0.1:{server.port}/0")
+    await kv.connect()
+    await kv.close()
