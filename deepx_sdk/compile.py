@@ -93,7 +93,8 @@ class GraphRecord:
         try:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
         except Exception as e:
-            raise DeepxError(f"graph {name!r}: not msgpack ({type(e).__name__}: {e})") from None
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise DeepxError(f"graph {name!r}: not msgpack ({why})") from None
         if not isinstance(obj, dict) or obj.get("v") != GRAPH_VERSION or not isinstance(obj.get("instrs"), list):
             raise DeepxError(f"graph {name!r}: expected a map {{'v': {GRAPH_VERSION}, 'instrs': [...], ...}}")
         try:
