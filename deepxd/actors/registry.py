@@ -3,7 +3,9 @@ operators' questions (tensors, ops, nodes, actors, memory, graphs), gathered fro
 operator's `delete` of a tensor.
 
 The plane is kept off the per-instruction path: op counters are pulled from the workers and written in one batch
-per tick, only when they changed; the node's heartbeat is one hash write per tick.
+per tick, only when they changed; the node's heartbeat is one hash write per tick. Each tick also reads one field of
+`node:<id>`: where the plane lost the record (a Redis restarted empty, a FLUSHDB), the tick writes the whole node
+record, the op signatures and every counter again, never a heartbeat alone into an emptied hash.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS
 from deepxd.actors.base import Actor, ActorRef
-from deepxd.kv.base import KV
+from deepxd.kv.base import KV, Batch
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +49,20 @@ class Registry(Actor):
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
         self._tick: asyncio.Task[None] | None = None
 
+    def _record(self) -> dict[str, Any]:
+        """This node's whole `node:<id>` record, as running now."""
+        return {"addresses": json.dumps(self.addresses), "roles": ",".join(self.roles), "pid": os.getpid(),
+                "devices": ",".join(self.devices), "started": self.started, "heartbeat": time.time(),
+                "state": "running", "blas": self.blas}
+
+    def _signatures(self, b: Batch) -> None:
+        for worker in self.workers:
+            b.hset(f"ops:{self.node_id}:{worker}", {f"{name}.signature": op.signature() for name, op in OPS.items()})
+
     async def on_start(self) -> None:
-        await self.kv.hset(f"node:{self.node_id}", {
-            "addresses": json.dumps(self.addresses), "roles": ",".join(self.roles), "pid": os.getpid(),
-            "devices": ",".join(self.devices), "started": self.started, "heartbeat": time.time(), "state": "running",
-            "blas": self.blas,
-        })
+        await self.kv.hset(f"node:{self.node_id}", self._record())
         async with self.kv.batch() as b:
-            for worker in self.workers:
-                b.hset(f"ops:{self.node_id}:{worker}", {
-                    f"{name}.signature": op.signature() for name, op in OPS.items()
-                })
+            self._signatures(b)
         if self._tick is None:
             self._tick = asyncio.get_running_loop().create_task(self._ticker(), name="registry:tick")
 
@@ -70,15 +75,24 @@ class Registry(Actor):
                 log.warning("registry: heartbeat failed: %s", e)
 
     async def flush(self) -> None:
-        """Write the heartbeat and any op counters that changed since the last flush, in one batch."""
+        """Write the heartbeat and any op counters that changed since the last flush, in one batch; the whole node
+        record, op signatures and counters where the plane lost the node's record."""
         stats = {}
         for worker, ref in self.workers.items():
             try:
                 stats[worker] = await ref.ask("op_stats", timeout=self.heartbeat_s)
             except DeepxError as e:
                 log.debug("registry: no op stats from %s: %s", worker, e)
+        key = f"node:{self.node_id}"
+        lost = await self.kv.hget(key, "roles") is None  # its first field: none means the record is gone
+        if lost:
+            log.warning("registry: the storage plane had lost %s (a Redis restarted empty?); writing this node's "
+                        "record, op signatures and counters again", key)
+            self._written_stats = {}
         async with self.kv.batch() as b:
-            b.hset(f"node:{self.node_id}", {"heartbeat": time.time()})
+            b.hset(key, self._record() if lost else {"heartbeat": time.time()})
+            if lost:
+                self._signatures(b)
             for worker, ops in stats.items():
                 before = self._written_stats.get(worker, {})
                 changed = {f"{op}.{k}": v for op, s in ops.items() if s != before.get(op) for k, v in s.items()}
