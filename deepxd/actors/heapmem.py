@@ -8,6 +8,12 @@
 - Metadata is written to the plane on change only, one batch per request (or per tick of the lifecycle list).
 - The `tensor_lifecycle` list carries create/get/delete commands (msgpack maps) from processes that have no actor
   ref; a tick pops them and applies them through the mailbox, so they are serialized with every other message.
+  Several nodes may share it (one Redis): a command for a tensor another node holds (its `tensor:<name>` hash names
+  the node), or a `create` that names another `node`, is forwarded to that node's own list,
+  `tensor_lifecycle:<node>`, which each node polls too and applies as it comes; a `create` that names no node is
+  made by the node that pops it. A command that cannot be applied or forwarded is logged with the reason.
+- The plane's records are always written whole (never a field or two into a hash that may have gone), and a check
+  every `check_s` writes a held tensor's record again when the plane lost it (a Redis restarted empty).
 - On stop every segment is unlinked and the live tensors' hashes say "stopped"; on start a tensor of this node whose
   segment is gone is marked "lost" (its metadata is kept for the operator), one whose segment survived a daemon
   that died without stopping is adopted, and segments that dead daemons of this node left behind are unlinked.
@@ -43,6 +49,7 @@ from deepxd.shm import Segment, SegmentExists, list_segments, segment_exists, se
 log = logging.getLogger(__name__)
 
 LIFECYCLE = "tensor_lifecycle"
+CHECK_S = 2.0  # how often heapmem checks that the plane still has its tensors' records
 MIN_CLASS = 4096  # the smallest segment: one page
 REUSE_CLASSES = 3  # a pooled segment up to 4x the needed class is reused rather than a fresh one made
 TICK_BATCH = 100  # lifecycle commands popped per tick
@@ -56,6 +63,12 @@ def size_class(nbytes: int) -> int:
 
 def _key(name: str) -> str:
     return f"tensor:{name}"
+
+
+def node_lifecycle(node: str) -> str:
+    """The lifecycle list of one node: commands for its heap tensors, forwarded by the node that popped them from
+    the shared `tensor_lifecycle` (or pushed there by a client that knows the node)."""
+    return f"{LIFECYCLE}:{node}"
 
 
 @dataclass(eq=False)
@@ -87,9 +100,6 @@ class _Heap:
                 "bytes": str(self.nbytes), "kind": "heap", "owner": self.owner, "state": self.state,
                 "refcount": str(self.refcount), "holders": ",".join(self.holders), "handle": self.handle,
                 "ctime": repr(self.ctime), **({"ipc_handle": self.ipc_handle} if self.ipc_handle else {})}
-
-    def refs(self) -> dict[str, str]:
-        return {"refcount": str(self.refcount), "holders": ",".join(self.holders)}
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "node": self.node,
@@ -135,6 +145,10 @@ class _Writes:
     def delete(self, name: str) -> None:
         self.batch.delete(_key(name))
         self.freed.add(name)
+        self.count += 1
+
+    def forward(self, node: str, raw: bytes) -> None:
+        self.batch.rpush(node_lifecycle(node), raw)
         self.count += 1
 
     async def execute(self) -> None:
@@ -186,13 +200,18 @@ class HeapMemory(Actor):
     role = "heapmem"
 
     def __init__(self, kv: KV, node_id: str, *, pool_bytes: int = 256 << 20, poll_s: float = 0.05,
-                 name: str | None = None, device: Any = None) -> None:
+                 check_s: float = CHECK_S, name: str | None = None, device: Any = None) -> None:
         super().__init__(name)
         self.kv = kv
         self.device = device  # a DeviceHeap (deepxd.actors.opcuda): heap tensors then live in its GPU memory
         self.node = node_id
         self.pool_bytes = pool_bytes
         self.poll_s = poll_s
+        self.check_s = check_s
+        self.own_list = node_lifecycle(node_id)  # this node's lifecycle list (commands forwarded to it)
+        self._adopted: set[str] = set()  # tensors adopted at start from a daemon of this node that died
+        self._conflicts: set[str] = set()  # tensors whose plane record names another node (warned once)
+        self._check: asyncio.Task[None] | None = None
         self._tensors: dict[str, _Heap] = {}  # this node's heap tensors, live and lost
         self._pool: dict[int, list[Segment]] = {}  # size class -> free segments
         self._pooled_bytes = 0
@@ -204,21 +223,25 @@ class HeapMemory(Actor):
     # -- lifecycle
     async def on_start(self) -> None:
         await self._recover()
+        loop = asyncio.get_running_loop()
         if self._tick is None or self._tick.done():
-            self._tick = asyncio.get_running_loop().create_task(self._poll(), name=f"{self.name}:lifecycle")
+            self._tick = loop.create_task(self._poll(), name=f"{self.name}:lifecycle")
+        if self._check is None or self._check.done():
+            self._check = loop.create_task(self._checker(), name=f"{self.name}:check")
 
     async def on_stop(self) -> None:
-        if self._tick is not None:
-            self._tick.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tick
-            self._tick = None
+        for task in (self._tick, self._check):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._tick = self._check = None
         live = [t for t in self._tensors.values() if t.present]
         try:
             if live:
                 async with self.kv.batch() as b:
                     for t in live:
-                        b.hset(_key(t.name), {"state": "stopped"})
+                        b.hset(_key(t.name), {**t.fields(), "state": "stopped"})
         except Exception as e:
             log.warning("%s: could not mark %d heap tensors stopped in the storage plane: %s", self.name, len(live), e)
         finally:
@@ -271,12 +294,13 @@ class HeapMemory(Actor):
             if t.segment is not None:
                 keep.add(t.handle)
                 self._tensors[name] = t
+                self._adopted.add(name)
                 log.info("%s: adopted heap tensor %r from a daemon that died (segment %s)", self.name, name, t.handle)
                 continue
             if t.state != "lost":
                 log.warning("%s: heap tensor %r was lost when its daemon stopped (it was %s)", self.name, name, t.state)
                 t.state = "lost"
-                w.hset(name, {"state": "lost"})
+                w.hset(name, t.fields())
             self._tensors[name] = t
         await w.execute()
         for seg_name in list_segments("deepx-"):
@@ -287,26 +311,55 @@ class HeapMemory(Actor):
                 log.info("%s: unlinked segment %s left by dead process %d", self.name, seg_name, pid)
 
     async def _poll(self) -> None:
-        """The lifecycle tick: pop up to TICK_BATCH commands and apply them through the mailbox; then wait for more
-        (every poll_s on Redis, until one is pushed on the embedded store)."""
+        """The lifecycle tick: pop up to TICK_BATCH commands from this node's list and from the shared one, and apply
+        (or forward) them through the mailbox; then wait for more (every poll_s on Redis, until one is pushed on
+        the embedded store)."""
         while True:
             try:
-                items = await self.kv.lpop(LIFECYCLE, TICK_BATCH)
-                popped = len(items)
-                if items:
+                mine = await self.kv.lpop(self.own_list, TICK_BATCH)
+                shared = await self.kv.lpop(LIFECYCLE, TICK_BATCH)
+                if mine or shared:
                     if not self.alive:  # stopping: give them back for the next heapmem of this plane
-                        await self.kv.rpush(LIFECYCLE, *items)
+                        if mine:
+                            await self.kv.rpush(self.own_list, *mine)
+                        if shared:
+                            await self.kv.rpush(LIFECYCLE, *shared)
                         return
-                    await self.ref.ask("lifecycle", commands=items)
-                if popped == TICK_BATCH:
+                    await self.ref.ask("lifecycle", commands=shared, mine=mine)
+                if len(mine) == TICK_BATCH or len(shared) == TICK_BATCH:
                     await asyncio.sleep(0)
                 else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled
-                    await self.kv.wait_push(LIFECYCLE, self.poll_s)
+                    await self._wait_push()
             except ActorStopped:
                 return
             except Exception as e:
-                log.warning("%s: polling %s failed: %s", self.name, LIFECYCLE, e)
+                log.warning("%s: polling %s and %s failed: %s", self.name, LIFECYCLE, self.own_list, e)
                 await asyncio.sleep(self.poll_s)  # the store refuses: try again at a poll's pace
+
+    async def _wait_push(self) -> None:
+        """Until either lifecycle list may have items (wait_push of both; the first to return ends the wait)."""
+        waits = [asyncio.ensure_future(self.kv.wait_push(key, self.poll_s)) for key in (LIFECYCLE, self.own_list)]
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        for task in done:
+            task.result()  # a store's refusal: the tick's retry handles it
+
+    async def _checker(self) -> None:
+        """Every check_s: have the plane's records of this node's tensors written again where it lost them."""
+        while True:
+            await asyncio.sleep(self.check_s)
+            if not self._tensors:
+                continue
+            try:
+                await self.ref.ask("republish")
+            except ActorStopped:
+                return
+            except Exception as e:
+                log.warning("%s: checking the storage plane's heap tensor records failed: %s", self.name, e)
 
     def unlink_all(self) -> None:
         """Unlink every segment now, without the storage plane: the forced-exit path (a second signal)."""
@@ -320,10 +373,11 @@ class HeapMemory(Actor):
 
     # -- handlers
     async def on_create(self, name: str, shape: Sequence[int], dtype: str, owner: str = "",
-                        zero: bool = True) -> dict[str, Any]:
-        """A new heap tensor (refcount 1, held by `owner` if given); its memory is zeroed unless zero=False."""
+                        zero: bool = True, replace_lost: bool = False) -> dict[str, Any]:
+        """A new heap tensor (refcount 1, held by `owner` if given); its memory is zeroed unless zero=False.
+        replace_lost: a lost tensor of that name is replaced (a put), rather than refused."""
         w = _Writes(self.kv)
-        t = await self._create(w, name, shape, dtype, owner, zero)
+        t = await self._create(w, name, shape, dtype, owner, zero, replace_lost)
         try:
             await w.execute()
         except Exception as e:
@@ -378,32 +432,78 @@ class HeapMemory(Actor):
                 "pooled_segments": sum(len(s) for s in self._pool.values()), "pooled_bytes": self._pooled_bytes,
                 "pool_limit": self.pool_bytes}
 
-    async def on_lifecycle(self, commands: list[bytes]) -> int:
-        """Apply msgpack commands from `tensor_lifecycle`; a malformed or refused one is logged and skipped.
-        Returns how many were applied."""
+    async def on_lifecycle(self, commands: Sequence[bytes] = (), mine: Sequence[bytes] = ()) -> int:
+        """Apply msgpack commands: `mine` from this node's list (applied here), then `commands` from the shared
+        `tensor_lifecycle` (applied here, or forwarded to the node that holds the tensor); a malformed or refused one
+        is logged and skipped. Returns how many were applied or forwarded."""
         w = _Writes(self.kv)
-        applied = 0
-        for raw in commands:
-            try:
-                await self._apply(w, raw)
-                applied += 1
-            except DeepxError as e:
-                log.warning("%s: skipped a %s command: %s", self.name, LIFECYCLE, e)
+        handled = 0
+        nodes: dict[str, str | None] = {}  # node id -> its state in the plane, looked up once per tick
+        for source, raws in ((self.own_list, mine), (LIFECYCLE, commands)):
+            for raw in raws:
+                try:
+                    cmd = self._parse(raw)
+                    if source == LIFECYCLE:
+                        target = await self._route(w, cmd)
+                    else:
+                        self._mine(cmd)
+                        target = None
+                    if target is None:
+                        await self._apply(w, cmd)
+                    else:
+                        await self._forward(w, cmd, raw, target, nodes)
+                    handled += 1
+                except DeepxError as e:
+                    log.warning("%s: skipped a %s command: %s", self.name, source, e)
         try:
             await w.execute()
         except Exception as e:
-            log.warning("%s: could not write the metadata of %d lifecycle commands: %s", self.name, applied, e)
-        return applied
+            log.warning("%s: could not write the metadata of %d lifecycle commands: %s", self.name, handled, e)
+        return handled
+
+    async def on_republish(self) -> int:
+        """Write again, whole, the records of this node's tensors that the plane lost (a Redis that restarted
+        empty, a FLUSHDB, a key deleted by hand). Returns how many were written."""
+        present = {key[len("tensor:"):] for key in await self.kv.keys("tensor:*")}
+        w = _Writes(self.kv)
+        for name, t in self._tensors.items():
+            if name not in present:
+                w.hset(name, t.fields())
+                self._conflicts.discard(name)
+                continue
+            if name in self._conflicts or t.state != "live":
+                continue
+            node = await self.kv.hget(_key(name), "node")
+            if node != self.node:  # made by another node while the plane had lost ours: warned once, left alone
+                self._conflicts.add(name)
+                log.error("%s: heap tensor %r of node %s is recorded in the storage plane as node %s's (made there "
+                          "while the plane had lost this node's record); this node's copy is left out of the plane "
+                          "until one of them is deleted", self.name, name, self.node, node)
+        if w.count:
+            await w.execute()
+            log.warning("%s: the storage plane had lost the records of %d heap tensors of node %s; wrote them "
+                        "again", self.name, w.count, self.node)
+        return w.count
+
+    def on_adopted(self) -> list[dict[str, Any]]:
+        """The heap tensors adopted at start from a daemon of this node that died, still held: the op worker
+        views them again (CpuWorker.on_start)."""
+        return [self._tensors[n].info() for n in sorted(self._adopted)
+                if n in self._tensors and self._tensors[n].present]
 
     # -- the work
-    async def _create(self, w: _Writes, name: Any, shape: Any, dtype: Any, owner: Any, zero: bool) -> _Heap:
+    async def _create(self, w: _Writes, name: Any, shape: Any, dtype: Any, owner: Any, zero: bool,
+                      replace_lost: bool = False) -> _Heap:
         if not isinstance(name, str) or not name:
             raise DeepxError(f"heapmem: a heap tensor needs a non-empty string name, not {name!r}")
         what = f"heapmem: cannot create heap tensor {name!r}"
         known = self._tensors.get(name)
-        if known is not None:
-            if known.state == "lost":
-                raise DeepxError(f"{what}: a lost tensor of that name is still recorded; delete it first")
+        lost = known is not None and not known.present
+        if known is not None and lost and not replace_lost:
+            raise DeepxError(f"{what}: a lost tensor of that name (its memory went when its daemon stopped) is still "
+                             f"recorded, held by {known.who()}; delete it first (deepxctl tensors rm {name} --force, "
+                             "or a lifecycle delete with force), or put it again with heap=true, which replaces it")
+        if known is not None and not lost:
             raise DeepxError(f"{what}: it already exists ({known.dtype} {list(known.shape)}, held by "
                              f"{known.who()}); delete it or pick another name")
         if not isinstance(dtype, str):
@@ -414,8 +514,12 @@ class HeapMemory(Actor):
             raise DeepxError(f"{what}: {e}") from None
         dims = _dims(shape, what)
         owner = _holder(owner, what)
-        if name not in w.freed:
+        if known is None and name not in w.freed:  # (a lost tensor's record is this node's own, replaced below)
             other = await self.kv.hgetall(_key(name))
+            if other and not other.get("node"):
+                raise DeepxError(f"{what}: tensor:{name} already exists in the storage plane, as a partial record "
+                                 f"that names no node (fields: {', '.join(sorted(other))}); delete that key or pick "
+                                 "another name")
             if other:
                 raise DeepxError(f"{what}: tensor:{name} already exists in the storage plane (a "
                                  f"{other.get('kind', '?')} tensor on node {other.get('node', '?')}); "
@@ -426,6 +530,7 @@ class HeapMemory(Actor):
             t = _Heap(name=name, dtype=dtype, shape=dims, nbytes=nbytes, node=self.node, owner=owner,
                       holders=[owner] if owner else [], refcount=1, handle="", ctime=time.time(),
                       device=block.device, ipc_handle=block.ipc_handle.hex(), block=block)
+            self._replace_lost(w, known)
             self._tensors[name] = t
             w.hset(name, t.fields())
             return t
@@ -437,9 +542,21 @@ class HeapMemory(Actor):
                 seg.zero(nbytes)
         t = _Heap(name=name, dtype=dtype, shape=dims, nbytes=nbytes, node=self.node, owner=owner,
                   holders=[owner] if owner else [], refcount=1, handle=seg.name, ctime=time.time(), segment=seg)
+        self._replace_lost(w, known)
         self._tensors[name] = t
         w.hset(name, t.fields())
         return t
+
+    def _replace_lost(self, w: _Writes, lost: _Heap | None) -> None:
+        """A put of a lost tensor's name: its record is deleted in the batch that writes the new one's (so fields
+        of the old one, an ipc_handle, never linger), and its references, to memory that is gone, with it."""
+        if lost is None:
+            return
+        log.info("%s: heap tensor %r replaces the lost one of that name (%s %s, held by %s)", self.name, lost.name,
+                 lost.dtype, list(lost.shape), lost.who())
+        self._tensors.pop(lost.name, None)
+        self._adopted.discard(lost.name)
+        w.delete(lost.name)
 
     def _attach(self, w: _Writes, name: Any, holder: Any) -> _Heap:
         t = self._live(name, "attach to")
@@ -447,7 +564,7 @@ class HeapMemory(Actor):
         t.refcount += 1
         if holder:
             t.holders.append(holder)
-        w.hset(name, t.refs())
+        w.hset(name, t.fields())  # whole: a record the plane lost comes back complete, never as two fields
         return t
 
     def _release(self, w: _Writes, name: Any, holder: Any) -> int:
@@ -462,7 +579,7 @@ class HeapMemory(Actor):
         if t.refcount <= 0:
             self._free(w, t, pool=True)
             return 0
-        w.hset(name, t.refs())
+        w.hset(name, t.fields())
         return t.refcount
 
     def _delete(self, w: _Writes, name: Any, force: bool) -> None:
@@ -473,31 +590,81 @@ class HeapMemory(Actor):
         # memory others may still be using is unlinked, never pooled, so a new tensor cannot overwrite it
         self._free(w, t, pool=t.refcount <= 1)
 
-    async def _apply(self, w: _Writes, raw: Any) -> None:
+    @staticmethod
+    def _parse(raw: Any) -> dict[str, Any]:
+        """A lifecycle command: a msgpack map with a string `name`."""
         try:
             cmd = msgpack.unpackb(raw, raw=False)
         except Exception as e:
             raise DeepxError(f"{raw[:60]!r} is not msgpack ({e})") from None
         if not isinstance(cmd, dict):
             raise DeepxError(f"{cmd!r} is not a map")
-        op = cmd.get("cmd")
         name = cmd.get("name")
         if not isinstance(name, str) or not name:
             raise DeepxError(f"{cmd!r} has no string 'name'")
+        op = cmd.get("cmd")
+        if op not in ("create", "get", "delete"):
+            raise DeepxError(f"{cmd!r}: unknown cmd {op!r}; use create, get or delete")
+        if op == "get" and "holder" not in cmd:
+            raise DeepxError(f"{cmd!r}: 'get' needs a 'holder'")
+        node = cmd.get("node")
+        if node is not None and (not isinstance(node, str) or not node):
+            raise DeepxError(f"{cmd!r}: 'node' must be a node id (a non-empty string), not {node!r}")
+        return cmd
+
+    def _mine(self, cmd: dict[str, Any]) -> None:
+        """A command from this node's own list is applied here; one that names another node was misdirected."""
+        node = cmd.get("node")
+        if node is not None and node != self.node:
+            raise DeepxError(f"{cmd.get('cmd')} of heap tensor {cmd['name']!r} names "
+                             f"node {node}, but it was in {self.own_list}; push it to {node_lifecycle(node)} or to "
+                             f"{LIFECYCLE}")
+
+    async def _route(self, w: _Writes, cmd: dict[str, Any]) -> str | None:
+        """Where a command from the shared list goes: None for this node, else the node to forward it to. A
+        `create` goes to the node it names, else stays here; a get or delete goes to the node that holds the tensor
+        (here when this node knows it, else as its `tensor:<name>` hash says)."""
+        op, name = cmd.get("cmd"), cmd["name"]
+        if op == "create":
+            node = cmd.get("node")
+            return None if node is None or node == self.node else str(node)
+        if op not in ("get", "delete") or name in self._tensors or name in w.freed:
+            return None  # applied (or refused) here
+        f = await self.kv.hgetall(_key(name))
+        if not f:
+            raise DeepxError(f"{op} of heap tensor {name!r}: no node holds a heap tensor by that name (tensor:{name} "
+                             "is not in the storage plane)")
+        node = f.get("node")
+        if f.get("kind") != "heap" or not node:
+            raise DeepxError(f"{op} of heap tensor {name!r}: tensor:{name} in the storage plane is not a heap "
+                             f"tensor's record (fields: {', '.join(sorted(f))})")
+        return None if node == self.node else node
+
+    async def _forward(self, w: _Writes, cmd: dict[str, Any], raw: bytes, node: str,
+                       nodes: dict[str, str | None]) -> None:
+        """Push a command, as it came, to node `node`'s own list; warn when that node does not look alive."""
+        w.forward(node, raw)
+        if node not in nodes:
+            nodes[node] = await self.kv.hget(f"node:{node}", "state")
+        state = nodes[node]
+        what = f"{cmd.get('cmd')} of heap tensor {cmd['name']!r}"
+        if state == "running":
+            log.debug("%s: forwarded the %s to node %s (%s)", self.name, what, node, node_lifecycle(node))
+        else:
+            log.warning("%s: forwarded the %s to %s, where it waits until node %s polls it: that node is %s", self.name,
+                        what, node_lifecycle(node), node, f"{state}" if state else "not in the storage plane")
+
+    async def _apply(self, w: _Writes, cmd: dict[str, Any]) -> None:
+        op, name = cmd.get("cmd"), cmd["name"]
         if op == "create":
             await self._create(w, name, cmd.get("shape"), cmd.get("dtype"), cmd.get("owner", ""),
                                bool(cmd.get("zero", True)))
         elif op == "get":
-            if "holder" not in cmd:
-                raise DeepxError(f"{cmd!r}: 'get' needs a 'holder'")
             self._attach(w, name, cmd["holder"])
-        elif op == "delete":
-            if cmd.get("holder") is not None:
-                self._release(w, name, cmd["holder"])
-            else:
-                self._delete(w, name, bool(cmd.get("force", False)))
+        elif cmd.get("holder") is not None:  # delete (_parse checked the cmd)
+            self._release(w, name, cmd["holder"])
         else:
-            raise DeepxError(f"{cmd!r}: unknown cmd {op!r}; use create, get or delete")
+            self._delete(w, name, bool(cmd.get("force", False)))
 
     def _find(self, name: Any, verb: str) -> _Heap:
         t = self._tensors.get(name) if isinstance(name, str) else None
@@ -509,7 +676,8 @@ class HeapMemory(Actor):
     def _live(self, name: Any, verb: str) -> _Heap:
         t = self._find(name, verb)
         if not t.present:
-            raise DeepxError(f"heap tensor {name!r} was lost when its daemon stopped; put or load it again")
+            raise DeepxError(f"heap tensor {name!r} was lost when its daemon stopped; put or load it again (a put "
+                             "with heap=true replaces the lost record; deepxctl tensors rm --force deletes it)")
         return t
 
     # -- segments and the pool
@@ -534,6 +702,8 @@ class HeapMemory(Actor):
 
     def _drop(self, t: _Heap, pool: bool) -> None:
         self._tensors.pop(t.name, None)
+        self._adopted.discard(t.name)
+        self._conflicts.discard(t.name)
         viewed = False
         for viewer in self.viewers:
             with contextlib.suppress(ActorStopped):
