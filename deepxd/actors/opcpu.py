@@ -393,8 +393,9 @@ class OpWorker(Actor):
         return np.frombuffer(data, dtype=npdt).reshape(shape)
 
     async def _heap_for_put(self, name: str, dtype: str, shape: tuple[int, ...], owner: str) -> Any:
-        """The heap tensor a put writes into: the one this worker views, else a new one, else another worker's or
-        process's of that name, attached once it is known to fit."""
+        """The heap tensor a put writes into: the one this worker views, else another worker's or process's of that
+        name on this node, attached once it is known to fit, else a new one (which replaces a lost one of that name;
+        heapmem refuses a name another node holds, with its own message)."""
         if self.heapmem is None:
             raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
         view = self.heap.get(name)
@@ -405,17 +406,18 @@ class OpWorker(Actor):
         if name in self.ex.tensors:
             raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
         try:
+            have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor here
+        except DeepxError:
+            have = None  # none on this node
+        if have is None or have["state"] == "lost":
             await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype, owner=owner or self.name,
-                                   zero=False)
+                                   zero=False, replace_lost=True)
             if not owner or owner == self.name:
                 self.heap_held.add(name)
-        except DeepxError as e:
-            if "exists" not in str(e):
-                raise
-            have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor
-            if tuple(have["shape"]) != shape or have["dtype"] != dtype:
+        else:
+            if tuple(have["shape"]) != tuple(shape) or have["dtype"] != dtype:
                 raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
-                                 f"{dtype}{list(shape)}") from None
+                                 f"{dtype}{list(shape)}")
             await self.heapmem.ask("attach", name=name, holder=self.name)
             self.heap_held.add(name)
         view = self.heap[name] = await self.heapmem.ask("array", name=name)
@@ -514,6 +516,27 @@ class CpuWorker(OpWorker):
         self.known_hits = 0
         self._unfolded: list[tuple[list[tuple[OpStat, int]], float, list[float]]] = []  # see _fold
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
+
+    async def on_start(self) -> None:
+        """The heap tensors heapmem adopted at its start (a daemon of this node that died left them) are this
+        worker's again, as the worker of that daemon saw them: programs and fetches see them, a put writes into them."""
+        if self.heapmem is None:
+            return
+        try:
+            adopted = await self.heapmem.ask("adopted")
+        except DeepxError as e:
+            log.warning("%s: could not ask heapmem for the heap tensors it adopted: %s", self.name, e)
+            return
+        for info in adopted:
+            name = info["name"]
+            if name in self.heap or name in self.ex.tensors:
+                continue
+            try:
+                await self.on_attach_heap(name, hold=False)
+            except DeepxError as e:
+                log.warning("%s: could not view adopted heap tensor '%s': %s", self.name, name, e)
+            else:
+                log.info("%s: sees adopted heap tensor '%s' (%s%s)", self.name, name, info["dtype"], info["shape"])
 
     async def on_stop(self) -> None:
         self._thread.shutdown(wait=True)
@@ -751,12 +774,19 @@ class CpuWorker(OpWorker):
             self.ex.put(name, array.copy())
         return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "heap" if heap else "stack"}
 
-    async def on_attach_heap(self, name: str) -> dict[str, Any]:
-        """Make an existing heap tensor visible to programs here."""
+    async def on_attach_heap(self, name: str, hold: bool = True) -> dict[str, Any]:
+        """Make an existing heap tensor visible to programs here, with a reference of this worker's; hold=False:
+        without a new one (this worker holds it already where it is among the holders: a tensor adopted from a
+        daemon of this node that died, whose worker had put it)."""
         if self.heapmem is None:
             raise DeepxError("no heapmem role runs on this node")
-        info = await self.heapmem.ask("attach", name=name, holder=self.name)
-        self.heap_held.add(name)
+        if hold:
+            info = await self.heapmem.ask("attach", name=name, holder=self.name)
+            self.heap_held.add(name)
+        else:
+            info = await self.heapmem.ask("info", name=name)
+            if self.name in info["holders"]:
+                self.heap_held.add(name)
         view = await self.heapmem.ask("array", name=name)
         if name in self.ex.shared:
             self.ex.unshare(name)

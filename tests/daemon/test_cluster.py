@@ -1,0 +1,211 @@
+"""Several deepxd nodes on one real redis-server: lifecycle commands reach the node that holds the tensor, a Redis
+restarted empty under running daemons gets whole records back, a put of a name another node holds, a put of a lost
+tensor's name, and heap tensors adopted after a crash."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir import parse_text
+from deepxd.shm import list_segments, unlink_segment
+from tests.daemon.conftest import Daemon
+
+NODE_FIELDS = {"addresses", "roles", "pid", "devices", "started", "heartbeat", "state", "blas"}
+HEAP_FIELDS = {"dtype", "shape", "node", "device", "bytes", "kind", "owner", "state", "refcount", "holders", "handle",
+               "ctime"}
+
+
+def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what or check}")
+        time.sleep(0.05)
+
+
+def pack(cmd: dict[str, Any]) -> bytes:
+    data: bytes = msgpack.packb(cmd)
+    return data
+
+
+class Cluster:
+    """Daemons with node ids n1, n2, ... on one Redis under a prefix of their own."""
+
+    def __init__(self, tmp: Path, url: str) -> None:
+        self.tmp, self.url = tmp, url
+        self.prefix = f"c{uuid.uuid4().hex[:8]}:"
+        self.tag = f"cl{os.getpid()}{uuid.uuid4().hex[:4]}"  # node ids (and so segment names) start so
+        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.daemons: dict[str, Daemon] = {}
+
+    def start(self, n: int) -> Daemon:
+        folder = self.tmp / f"n{n}"
+        folder.mkdir(exist_ok=True)
+        d = Daemon(folder, kv=self.url, node_id=f"{self.tag}n{n}", env={"DEEPX_KV_PREFIX": self.prefix}, udp=False)
+        self.daemons[d.node_id] = d
+        return d.start()
+
+    def key(self, key: str) -> str:
+        return self.prefix + key
+
+    def hash(self, key: str) -> dict[str, str]:
+        h: dict[str, str] = self.r.hgetall(self.key(key))  # type: ignore[assignment]
+        return h
+
+    def push(self, key: str, *cmds: dict[str, Any]) -> None:
+        self.r.rpush(self.key(key), *[pack(c) for c in cmds])
+
+    def stop(self) -> None:
+        for d in self.daemons.values():
+            if d.proc is not None and d.proc.poll() is None:
+                os.kill(d.proc.pid, signal.SIGCONT)
+                d.stop()
+        for name in list_segments(f"deepx-{self.tag}"):
+            unlink_segment(name)
+        self.r.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, redis_server: Any) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, redis_server.url)
+    yield c
+    c.stop()
+
+
+def test_lifecycle_commands_reach_the_node_that_holds_the_tensor(cluster: Cluster) -> None:
+    d1, d2 = cluster.start(1), cluster.start(2)
+    n1, n2 = d1.node_id, d2.node_id
+    with d1.client() as c:
+        c.put("h1", np.full((2, 3), 1, np.float32), heap=True, owner="trainer1")
+    with d2.client() as c:
+        c.put("h2", np.full((2, 3), 2, np.float32), heap=True, owner="trainer2")
+    assert d1.proc is not None
+    os.kill(d1.proc.pid, signal.SIGSTOP)  # n1 polls nothing: n2 pops every command from the shared list
+    try:
+        cluster.push("tensor_lifecycle", *[{"cmd": "get", "name": "h1", "holder": f"x{k}"} for k in range(9)],
+                     {"cmd": "get", "name": "h2", "holder": "y"},
+                     {"cmd": "create", "name": "lc1", "shape": [2], "dtype": "float32", "owner": "ext", "node": n1},
+                     {"cmd": "create", "name": "lc2", "shape": [3], "dtype": "int32", "owner": "ext"},
+                     {"cmd": "get", "name": "nosuch", "holder": "z"})
+        eventually(lambda: cluster.r.llen(cluster.key("tensor_lifecycle")) == 0, what="n2 popped the shared list")
+        eventually(lambda: cluster.r.llen(cluster.key(f"tensor_lifecycle:{n1}")) == 10,
+                   what=f"n2 forwarded n1's ten commands to tensor_lifecycle:{n1}")
+        assert cluster.hash("tensor:h2")["refcount"] == "2"  # n2's own applied at once
+        assert cluster.hash("tensor:lc2")["node"] == n2  # no node named: the node that popped it makes it
+        assert cluster.hash("tensor:h1")["refcount"] == "1"  # waiting for n1
+    finally:
+        os.kill(d1.proc.pid, signal.SIGCONT)
+    eventually(lambda: cluster.hash("tensor:h1").get("refcount") == "10", what="n1 applied the forwarded gets")
+    h1 = cluster.hash("tensor:h1")
+    assert h1["holders"] == "trainer1," + ",".join(f"x{k}" for k in range(9)) and h1["node"] == n1
+    eventually(lambda: cluster.hash("tensor:lc1").get("node") == n1, what="the create naming n1 made on n1")
+    assert cluster.r.llen(cluster.key(f"tensor_lifecycle:{n1}")) == 0
+
+    # a release popped by either node reaches n1; nothing was dropped without a word
+    cluster.push("tensor_lifecycle", *[{"cmd": "delete", "name": "h1", "holder": f"x{k}"} for k in range(9)])
+    eventually(lambda: cluster.hash("tensor:h1").get("refcount") == "1", what="the releases reached n1")
+    eventually(lambda: "'nosuch'" in d2.output(), what="n2 logged the get of a tensor no node holds")
+    assert "no node holds a heap tensor by that name" in d2.output()
+    assert "has no heap tensor by that name" not in d1.output() + d2.output()
+
+
+def test_a_put_of_a_name_another_node_holds_says_where_it_is(cluster: Cluster) -> None:
+    d1, d2 = cluster.start(1), cluster.start(2)
+    with d1.client() as c:
+        c.put("shared", np.ones(2, np.float32), heap=True, owner="o1")
+    with d2.client() as c, pytest.raises(DeepxError) as caught:
+        c.put("shared", np.ones(2, np.float32), heap=True, owner="o2")
+    where = f"(a heap tensor on node {d1.node_id})"
+    assert f"tensor:shared already exists in the storage plane {where}" in str(caught.value)
+    assert "no heap tensor by that name" not in str(caught.value)
+    assert cluster.hash("tensor:shared")["holders"] == "o1"
+
+
+def test_a_redis_restarted_empty_gets_whole_records_back(tmp_path: Path,
+                                                         new_redis_server: Callable[[], Any]) -> None:
+    server = new_redis_server()
+    cluster = Cluster(tmp_path, server.url)
+    try:
+        d1, d2 = cluster.start(1), cluster.start(2)
+        n1 = d1.node_id
+        with d1.client() as c:
+            c.put("k2", np.arange(4, dtype=np.float32), heap=True)
+            c.put("idle", np.zeros(3, np.int32), heap=True, owner="keeper")
+        server.stop()
+        server.start()  # the same port, empty: no persistence
+        # the attach of a lost record writes it whole, at once
+        cluster.push(f"tensor_lifecycle:{n1}", {"cmd": "get", "name": "k2", "holder": "reader"})
+        eventually(lambda: cluster.hash("tensor:k2").get("holders") == "op-cpu,reader", what="the get applied")
+        assert HEAP_FIELDS <= set(cluster.hash("tensor:k2")), cluster.hash("tensor:k2")
+        # the node records and a held tensor nobody touches come back whole from the periodic checks
+        for d in (d1, d2):
+            eventually(lambda d=d: NODE_FIELDS <= set(cluster.hash(f"node:{d.node_id}")), what="node record")  # type: ignore[misc]
+            assert cluster.hash(f"node:{d.node_id}")["state"] == "running"
+        eventually(lambda: HEAP_FIELDS <= set(cluster.hash("tensor:idle")), what="the idle tensor's record")
+        idle = cluster.hash("tensor:idle")
+        assert (idle["node"], idle["kind"], idle["dtype"], idle["shape"], idle["state"]) == (
+            n1, "heap", "int32", "[3]", "live")
+        eventually(lambda: any(k.endswith(".signature") for k in cluster.hash(f"ops:{n1}:op-cpu")), what="ops")
+        with d2.client() as c:
+            rows = {t["name"]: t for t in c.admin("tensors")}
+            assert (rows["k2"]["kind"], rows["k2"]["dtype"], rows["k2"]["shape"], rows["k2"]["node"]) == (
+                "heap", "float32", [4], n1)
+            nodes = {r["node"]: r for r in c.admin("nodes")}
+            assert nodes[n1]["state"] == "running" and nodes[n1]["roles"] and nodes[n1]["addresses"]
+            with pytest.raises(DeepxError, match=f"a heap tensor on node {n1}"):
+                c.put("k2", np.ones(4, np.float32), heap=True)
+        assert "the storage plane had lost" in d1.output()
+    finally:
+        cluster.stop()
+
+
+def test_adopted_heap_tensors_are_usable_and_a_put_replaces_a_lost_one(cluster: Cluster) -> None:
+    d = cluster.start(2)
+    with d.client() as c:
+        c.put("k2", np.arange(4, dtype=np.float32), heap=True)
+        c.put("kept", np.arange(2, dtype=np.float32), heap=True, owner="trainer")
+    assert d.proc is not None
+    d.proc.kill()  # kill -9: the segments outlive it
+    d.proc.wait()
+    d.stop()
+    d = cluster.start(2)
+    assert "adopted heap tensor 'k2'" in d.output()
+    add = parse_text("addscalar (tensor:k2, var:1) -> (tensor:out)\naddscalar (tensor:kept, var:1) -> (tensor:out2)")
+    with d.client() as c:
+        r = c.run(add, fetch=["out", "out2"]).raise_for_error()
+        assert r.tensors["out"].tolist() == [1, 2, 3, 4] and r.tensors["out2"].tolist() == [1, 2]
+        assert c.fetch("k2")["k2"].tolist() == [0, 1, 2, 3]
+        c.put("k2", np.full(4, 7, np.float32), heap=True)  # written in place: no second holder
+        assert cluster.hash("tensor:k2")["holders"] == "op-cpu"
+        assert c.fetch("k2")["k2"].tolist() == [7] * 4
+        c.request("delete", name="k2", force=False)  # one reference, the worker's: no --force needed
+        assert not cluster.r.exists(cluster.key("tensor:k2"))
+    assert d.stop() == 0
+
+    # a clean stop unlinks the segments: the next start finds 'kept' lost, and a put of its name replaces it
+    d = cluster.start(2)
+    with d.client() as c:
+        assert {t["name"]: t["state"] for t in c.admin("tensors")}["kept"] == "lost"
+        c.put("kept", np.full(3, 5, np.int32), heap=True)
+        row = {t["name"]: t for t in c.admin("tensors")}["kept"]
+        assert (row["state"], row["dtype"], row["shape"], row["refcount"], row["holders"]) == (
+            "live", "int32", [3], 1, "op-cpu")
+        r = c.run(parse_text("addscalar (tensor:kept, var:1) -> (tensor:o)"), fetch=["o"]).raise_for_error()
+        assert r.tensors["o"].tolist() == [6] * 3
+    assert "replaces the lost one" in d.output()
+    assert set(cluster.hash("tensor:kept")) == HEAP_FIELDS  # the old record's fields went with it
