@@ -478,6 +478,9 @@ class Session:
         self._stale: set[str] = set()
         # the last failed program's error, for a later read of a tensor it never made (see sync)
         self._failure = ""
+        # (instruction, undo) pairs of the pending program: where the instruction does not run, undo() puts back
+        # what Python counted when it was recorded (an optimizer's step count: see undo_unrun)
+        self._undo: list[tuple[Instr, Any]] = []
         # set by dx.compile while it captures a call (deepx_sdk/compile.py): reading a value then is refused
         self.capture: Any = None
         # programs, backward requests and graph replays sent so far: a value read back along with one of them
@@ -550,6 +553,11 @@ class Session:
             entries.append((list(forward), scalar_kinds(forward)))
         return False
 
+    def undo_unrun(self, instr: Instr, undo: Any) -> None:
+        """Call undo() if `instr` (about to be recorded) is in a program that fails before it runs: Python's own
+        bookkeeping of it (an optimizer's step count) is then put back, as if it had never been recorded."""
+        self._undo.append((instr, undo))
+
     def record_backward(self, instr: Instr, spec: dict[str, Any]) -> None:
         """Append `loss.backward()` as instruction `instr` (`backward (loss) -> (the gradients)`), which the
         daemon's scheduler expands in place into the backward program of `spec` (see Scheduler.on_run). The
@@ -599,8 +607,15 @@ class Session:
                     names = kept[(shape, dtype)] = []
                 if len(names) < (self.pool_per_shape if pooled else self.freed_per_shape):
                     insort(names, name, key=_name_order)
-                    if len(item) == 3:
+                    if pooled:
                         continue  # kept, buffer and all, for the next result of its shape
+                elif pooled:  # the pool is full: deleted, its name kept as a large result's (so that a model with
+                    # more temporaries of one shape than the pool holds names them alike every step)
+                    freed = self._freed_now.get((shape, dtype))
+                    if freed is None:
+                        freed = self._freed_now[(shape, dtype)] = []
+                    if len(freed) < self.freed_per_shape:
+                        insort(freed, name, key=_name_order)
             self.pending.append(_deletion(name, dtype))
             self.origins.append(None)
 
@@ -766,9 +781,9 @@ class Session:
         if not self.pending and not fetch:
             return {}
         program, origins, backwards, revived = self.pending, self.origins, self.backwards, self._revived
-        reused, taken = self._reused, self._taken
+        reused, taken, undo = self._reused, self._taken, self._undo
         self.pending, self.origins, self.backwards, self._revived, self._reused = [], [], [], set(), set()
-        self._taken = {}
+        self._taken, self._undo = {}, []
         if self._freed_now:
             self._release_freed()
         self.runs += 1
@@ -792,6 +807,11 @@ class Session:
                 self._stale.clear()  # their deletions were in this program
         else:
             self._forget_unrun(program, outcome.done, mark, revived, reused, taken)
+            if undo:
+                unrun = {id(i) for i in program[outcome.done:]}
+                for instr, fn in undo:
+                    if id(instr) in unrun:
+                        fn()
             err = self._error(outcome, program, origins)
             self._failure = str(err)
             if raise_now:

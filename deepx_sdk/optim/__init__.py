@@ -55,6 +55,7 @@ class Optimizer:
         # by id(group): its hyperparameters' values and their var params (_hyper); the line that called step (_at)
         self._hypers: dict[int, tuple[tuple[Any, ...], tuple[Param, ...]]] = {}
         self._at: Any = None
+        self._count: tuple[dict[str, Any], int] | None = None  # (state, step before) of the update being recorded
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Another group of parameters, with its own hyperparameters (the defaults for those it does not give), as
@@ -95,15 +96,19 @@ class Optimizer:
                         raise DeepxError(f"{type(self).__name__}: gradient of '{p.name}' has shape {p.grad.shape}, "
                                          f"the parameter {p.shape}")
                     state = self.state.setdefault(id(p), {"step": 0})
+                    self._count = (state, state["step"])
                     state["step"] += 1
                     self._update(p, p.grad.type_as_dtype(p.dtype), state, group)
         finally:
-            self._at = None
+            self._at = self._count = None
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise DeepxError(f"{type(self).__name__} defines no update")
 
     def _record(self, p: Tensor, instr: Instr) -> None:
+        if self._count is not None:  # an update that never runs (its program failed first) is not counted
+            state, before = self._count
+            p._s.undo_unrun(instr, lambda: state.__setitem__("step", before))
         if self._at is None:  # not inside Optimizer.step: the line is found from the stack
             p._s.record(instr)
         else:
@@ -123,7 +128,7 @@ class Optimizer:
 
     def _buffer(self, p: Tensor, state: dict[str, Any], key: str) -> Tensor:
         buf = state.get(key)
-        if buf is None:
+        if buf is None or buf.name in buf._s._lost:  # (made by a program that failed: it never came to exist)
             buf = state[key] = zeros(p.shape, dtype=p.dtype)
         return buf
 
