@@ -481,6 +481,34 @@ def _discover(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[list[Any], l
     return mods, opts
 
 
+def _unused_grads(mods: Sequence[Any], instrs: Sequence[Instr], returned: set[str],
+                  before: dict[int, Any]) -> list[str]:
+    """The parameters whose .grad the captured call made (a new handle, written by one of its instructions) and then
+    neither read nor returned. A .grad the call added into in place (the handle it had before) is state the replay
+    updates, as the parameters."""
+    made: dict[str, int] = {}
+    last_read: dict[str, int] = {}
+    for i, instr in enumerate(instrs):
+        for p in instr.args:
+            if p.category == "tensor":
+                last_read[str(p.value)] = i
+            elif p.category == "listtensor" and isinstance(p.value, tuple):
+                for v in p.value:
+                    last_read[str(v)] = i
+        for p in instr.returns:
+            if p.category == "tensor" and instr.name != "deltensor":
+                made.setdefault(str(p.value), i)  # where it is made (an update may write it again)
+    out = []
+    for m in mods:
+        for k, p in m.structure()[0]:
+            g = p.grad
+            if g is None or g is before.get(id(p)) or g.name in returned or g.name not in made:
+                continue
+            if last_read.get(g.name, -1) <= made[g.name]:
+                out.append(k)
+    return out
+
+
 def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = True) -> list[Any]:
     """The parameters of the modules and the state tensors of the optimizers; with `grads`, also which parameters
     hold a gradient (a backward adds to it: a call that starts with gradients is another program)."""
@@ -652,6 +680,7 @@ class CompiledFunction:
                 inputs[v.name] = (v.name, v.dtype, v.shape)
         s.sync()
         before = repr(_state_signature(mods, opts, grads=False))
+        grads_before = {id(p): p.grad for m in mods for _, p in m.structure()[0]}
         outside = _outside(s)
         rec = _Recorder(s.transport, s)
         s.transport = rec
@@ -670,6 +699,14 @@ class CompiledFunction:
             return result
         outs: list[tuple[str, str, tuple[int, ...]]] = []
         spec = _spec(result, outs)
+        unused = _unused_grads(mods, rec.instrs, {n for n, _, _ in outs}, grads_before)
+        if unused:
+            # a replay's gradients are its own temporaries: ones nothing in the call reads would be dropped, and a
+            # later call (an optimizer step, another micro-batch) would not see them, with no error
+            raise DeepxError(f"dx.compile: the function computes gradients it does not use ({', '.join(unused)}): a "
+                             "replay would drop them, leaving .grad as the captured call left it. Do the "
+                             "optimizer step inside the function after the backward, or return the gradients, or "
+                             "leave this function uncompiled")
         name = f"{self.base}-{key}"
         instrs, out_names, state, slots = build_graph(name, rec.instrs, list(inputs.values()), outs, outside)
         record = GraphRecord(name, instrs, [(f"{name}.in{k}", d, sh) for k, (_, d, sh) in enumerate(inputs.values())],

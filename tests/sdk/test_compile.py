@@ -736,3 +736,24 @@ def test_a_stored_graph_whose_returns_do_not_fit_its_outputs_is_refused(returns,
     assert GraphRecord.unpack(msgpack.packb(good), "g").returns == 0
     with pytest.raises(DeepxError, match=f"graph 'g': its returns .*{problem}"):
         GraphRecord.unpack(msgpack.packb({**good, "returns": returns}), "g")
+
+
+def test_a_backward_whose_gradients_nothing_uses_is_refused() -> None:
+    """A compiled function that makes .grad and neither uses nor returns it (a micro-batch's backward, the step in
+    another function): a replay would drop those gradients with no error (found in review: every other micro-batch
+    lost). Refused, saying what to do; adding into a .grad that exists is state, replayed in place."""
+    dx.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    x = dx.tensor(np.ones((2, 3)))
+
+    @dx.compile
+    def micro(x):
+        model(x).sum().backward()
+
+    with pytest.raises(dx.DeepxError, match=r"computes gradients it does not use \(weight, bias\)"):
+        micro(x)  # .grad made here: refused (this call ran, as an eager one)
+    np.testing.assert_allclose(model.weight.grad.numpy(), [[2.0, 2.0, 2.0]])
+    for _ in range(3):
+        micro(x)  # .grad exists: added into in place, a replay does it too
+    assert micro.replays == 2
+    np.testing.assert_allclose(model.weight.grad.numpy(), [[8.0, 8.0, 8.0]])
