@@ -211,6 +211,7 @@ class HeapMemory(Actor):
         self.own_list = node_lifecycle(node_id)  # this node's lifecycle list (commands forwarded to it)
         self._adopted: set[str] = set()  # tensors adopted at start from a daemon of this node that died
         self._conflicts: set[str] = set()  # tensors whose plane record names another node (warned once)
+        self._verify_next = False  # on_republish: the plane lost records of ours in the last check
         self._check: asyncio.Task[None] | None = None
         self._tensors: dict[str, _Heap] = {}  # this node's heap tensors, live and lost
         self._pool: dict[int, list[Segment]] = {}  # size class -> free segments
@@ -465,13 +466,17 @@ class HeapMemory(Actor):
         """Write again, whole, the records of this node's tensors that the plane lost (a Redis that restarted
         empty, a FLUSHDB, a key deleted by hand). Returns how many were written."""
         present = {key[len("tensor:"):] for key in await self.kv.keys("tensor:*")}
+        # whose record a name holds is read (one request each) only where the plane lost some of ours, in this check
+        # or the last: only then can another node have made a name of ours meanwhile
+        lost = any(name not in present for name in self._tensors)
+        verify, self._verify_next = lost or self._verify_next, lost
         w = _Writes(self.kv)
         for name, t in self._tensors.items():
             if name not in present:
                 w.hset(name, t.fields())
                 self._conflicts.discard(name)
                 continue
-            if name in self._conflicts or t.state != "live":
+            if not verify or name in self._conflicts or t.state != "live":
                 continue
             node = await self.kv.hget(_key(name), "node")
             if node != self.node:  # made by another node while the plane had lost ours: warned once, left alone
