@@ -777,8 +777,15 @@ class CompiledFunction:
         # small outputs (a loss) come back with the replay: reading one next (loss.item()) then costs no round trip
         small = [t for t, (_, _, sh) in zip(out_names, rec.outputs) if math.prod(sh) <= SMALL_OUTPUT]
         s.runs += 1
-        values = _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)},
-                                           scalars, small)
+        try:
+            values = _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)},
+                                               scalars, small)
+        except BaseException:
+            # no pending program makes these names: nothing of a later program's failure is to be read off them
+            s._reused.difference_update(out_names)
+            for name in out_names:
+                s._taken.pop(name, None)
+            raise
         # the replay made them: a later program that fails must not count one as never made (its tensor would then
         # never be deleted). A name reused from a deleted tensor or from the pool (Session.reuse_name) is not waiting
         # on a program any more; a new one is numbered above the mark, which moves past it, as a put moves it, where
