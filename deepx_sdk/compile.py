@@ -780,21 +780,17 @@ class CompiledFunction:
         try:
             values = _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)},
                                                scalars, small)
-        except BaseException:
-            # no pending program makes these names: nothing of a later program's failure is to be read off them
+        finally:
+            # made or failed, no pending program makes these names: nothing of a later program's failure is to be read
+            # off them. A name reused from the pool (Session.reuse_name) is not waiting on a program any more
             s._reused.difference_update(out_names)
             for name in out_names:
                 s._taken.pop(name, None)
-            raise
         # the replay made them: a later program that fails must not count one as never made (its tensor would then
-        # never be deleted). A name reused from a deleted tensor or from the pool (Session.reuse_name) is not waiting
-        # on a program any more; a new one is numbered above the mark, which moves past it, as a put moves it, where
-        # nothing pending makes a tensor (only deletes of collected handles can be pending here: the call synced
-        # first)
+        # never be deleted). A name reused from a deleted tensor (Session.reuse_name) is not waiting on a program any
+        # more; a new one is numbered above the mark, which moves past it, as a put moves it, where nothing pending
+        # makes a tensor (only deletes of collected handles can be pending here: the call synced first)
         s._revived.difference_update(out_names)
-        s._reused.difference_update(out_names)
-        for name in out_names:
-            s._taken.pop(name, None)
         with s._lock:
             if all(i.name == "deltensor" for i in s.pending):
                 s._mark = next(s._names)

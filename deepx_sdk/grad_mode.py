@@ -69,8 +69,6 @@ class enable_grad(_GradMode):
 class inference_mode(_GradMode):
     """no_grad (mode=True), or nothing changed (mode=False), as torch's; deepx has no separate inference tensors."""
 
-    _takes_function = True
-
     def __init__(self, mode: bool = True) -> None:
         super().__init__()
         self._on = bool(mode)

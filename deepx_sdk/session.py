@@ -715,15 +715,9 @@ class Session:
         if names:
             name = names.pop(0)
             self._reused.add(name)
-        else:
-            names = self.freed.get((shape, dtype))
-            if names:
-                name = names.pop(0)
-                self._revived.add(name)  # its tensor exists again once this program has run
-            else:
-                name = f"{self._prefix}{next(self._names)}"
-        self._taken[name] = len(self.pending)
-        return name
+            self._taken[name] = len(self.pending)
+            return name
+        return self._freed_or_new(shape, dtype)
 
     def freed_name(self, shape: Any, dtype: str) -> str:
         """A name for a tensor made with newtensor: a deleted one of this shape and dtype where there is one (its
@@ -731,10 +725,13 @@ class Session:
         if self.collected:
             with self._lock:
                 self._drain_collected()
+        return self._freed_or_new(shape, dtype)
+
+    def _freed_or_new(self, shape: Any, dtype: str) -> str:
         names = self.freed.get((shape, dtype))
         if names:
             name = names.pop(0)
-            self._revived.add(name)
+            self._revived.add(name)  # its tensor exists again once this program has run
         else:
             name = f"{self._prefix}{next(self._names)}"
         self._taken[name] = len(self.pending)

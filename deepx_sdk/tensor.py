@@ -83,6 +83,14 @@ _tuple_new = tuple.__new__
 _PRECISIONS: dict[str, tuple[str]] = {}
 
 
+def _viewed(out: Tensor, base: Tensor) -> Tensor:
+    """`out`, made from `base` by a view (a copy in deepx), marked as such where it is outside autograd: see
+    Tensor._check_write."""
+    if not out.requires_grad:
+        out._b = _weakref(base)
+    return out
+
+
 def _precision(dtype: str) -> tuple[str]:
     p = _PRECISIONS.get(dtype)
     if p is None:
@@ -634,7 +642,6 @@ class Tensor:
     __rfloordiv__ = __floordiv__
     __rmod__ = __mod__
 
-
     # -- comparisons
     def _compare(self, op: str, other: Any, scalar_op: str) -> Tensor:
         if isinstance(other, Tensor):
@@ -964,9 +971,7 @@ class Tensor:
             out = _emit(self._s, "reshape", (self._p or _tp(self), known[1]), known[0], self.dtype, 2)
         else:
             out = self._op("reshape", (_tp(self), known[1]), known[0], self.dtype, (self,))
-        if not out.requires_grad:  # see _check_write
-            out._b = _weakref(self)
-        return out
+        return _viewed(out, self)
 
     view = reshape
 
@@ -993,9 +998,7 @@ class Tensor:
         # a transpose is a view in the daemon (deepxd/kernels/cpu): once collected its name is deleted as well as
         # pooled, so that it does not outlive, as a copy, the next in-place write of its operand (an optimizer's)
         out._k = (out.name, out.dtype, out.shape, True)
-        if not out.requires_grad:  # see _check_write
-            out._b = _weakref(self)
-        return out
+        return _viewed(out, self)
 
     def transpose(self, dim0: _int, dim1: _int) -> Tensor:
         order = list(range(self.ndim))
@@ -1008,9 +1011,7 @@ class Tensor:
         if len(shape) == 2:  # every Linear's weight, every step: straight to the instruction
             out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self])
             out._k = (out.name, out.dtype, out.shape, True)  # a view in the daemon: see permute
-            if not out.requires_grad:  # see _check_write
-                out._b = _weakref(self)
-            return out
+            return _viewed(out, self)
         if self.ndim > 2:
             raise DeepxError(f"t(): '{self.name}' has {self.ndim} dims; use transpose or mT")
         return self
@@ -1046,10 +1047,7 @@ class Tensor:
         if new == self.shape:
             return self
         meta = self._infer("broadcastTo", [TensorMeta(self.shape, self.dtype), new], [self.name, None])
-        out = self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self])
-        if not out.requires_grad:  # see _check_write
-            out._b = _weakref(self)
-        return out
+        return _viewed(self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self]), self)
 
     def expand_as(self, other: Tensor) -> Tensor:
         return self.expand(other.shape)
@@ -1314,7 +1312,7 @@ class _ValuesIndices(tuple):
         return self[1]
 
 
-#: torch tensor methods deepx does not have (Tensor.__getattr__ says so)
+#: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
     "sign", "floor", "ceil", "round", "trunc", "frac", "fmod", "remainder", "log1p", "expm1", "log2", "log10",
     "cumsum", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
@@ -1485,8 +1483,8 @@ def _shape_args(shape: Sequence[Any]) -> Shape:
     return out
 
 
-def _create(shape: Shape, dtype: str, requires_grad: _bool = False, filled: _bool = False) -> Tensor:
-    """A new tensor of zeros (newtensor makes them; `filled`: the caller writes every value next). It is deleted
+def _create(shape: Shape, dtype: str, requires_grad: _bool = False) -> Tensor:
+    """A new tensor of zeros (newtensor makes them). It is deleted
     when Python collects it, and its name kept for reuse, as a transpose's: a loop that makes a tensor every step (a
     position index, dx.arange(T)) names it alike every step, so it sends the same program every step. Only a
     deleted name is reused here (a pooled one may name no tensor, where the passes dropped its dead value)."""
@@ -1511,8 +1509,7 @@ def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: _bool = 
     if dtype is None:
         dtype = ("bool" if isinstance(fill_value, _bool) else DEFAULT_INT if isinstance(fill_value, _int)
                  else DEFAULT_FLOAT)
-    t = _create(_shape_args(shape if isinstance(shape, (tuple, list)) else (shape,)), dtype_name(dtype),
-                requires_grad, filled=fill_value != 0)
+    t = empty(*(shape if isinstance(shape, (tuple, list)) else (shape,)), dtype=dtype, requires_grad=requires_grad)
     if fill_value != 0:
         t._s.record(Instr("constant", (_vp(_number(fill_value)),), (_tp(t),)))
     return t
@@ -1535,25 +1532,25 @@ def arange(start: Any, end: Any = None, step: Any = 1, dtype: Any = None) -> Ten
     n = builtins.max(0, math.ceil((end - start) / step))
     if dtype is None:
         dtype = DEFAULT_FLOAT if any(isinstance(v, _float) for v in (start, end, step)) else DEFAULT_INT
-    t = _create((n,), dtype_name(dtype), filled=True)
+    t = empty(n, dtype=dtype)
     t._s.record(Instr("arange", (_vp(start), _vp(step)), (_tp(t),)))
     return t
 
 
 def linspace(start: _float, end: _float, steps: _int, dtype: Any = None) -> Tensor:
     step = (end - start) / (steps - 1) if steps > 1 else 0.0
-    t = _create((int(steps),), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, filled=True)
+    t = empty(steps, dtype=dtype or DEFAULT_FLOAT)
     t._s.record(Instr("arange", (_vp(float(start)), _vp(float(step))), (_tp(t),)))
     return t
 
 
 def rand(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
-    t = _create(_shape_args(shape), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, requires_grad, True)
+    t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
     return t.uniform_(0.0, 1.0)
 
 
 def randn(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
-    t = _create(_shape_args(shape), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, requires_grad, True)
+    t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
     return t.normal_(0.0, 1.0)
 
 
