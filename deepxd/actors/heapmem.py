@@ -503,14 +503,13 @@ class HeapMemory(Actor):
             raise DeepxError(f"heapmem: a heap tensor needs a non-empty string name, not {name!r}")
         what = f"heapmem: cannot create heap tensor {name!r}"
         known = self._tensors.get(name)
-        lost = known is not None and not known.present
-        if known is not None and lost and not replace_lost:
+        if known is not None and known.present:
+            raise DeepxError(f"{what}: it already exists ({known.dtype} {list(known.shape)}, held by "
+                             f"{known.who()}); delete it or pick another name")
+        if known is not None and not replace_lost:
             raise DeepxError(f"{what}: a lost tensor of that name (its memory went when its daemon stopped) is still "
                              f"recorded, held by {known.who()}; delete it first (deepxctl tensors rm {name} --force, "
                              "or a lifecycle delete with force), or put it again with heap=true, which replaces it")
-        if known is not None and not lost:
-            raise DeepxError(f"{what}: it already exists ({known.dtype} {list(known.shape)}, held by "
-                             f"{known.who()}); delete it or pick another name")
         if not isinstance(dtype, str):
             raise DeepxError(f"{what}: dtype {dtype!r} is not a precision name")
         try:

@@ -346,6 +346,17 @@ class OpWorker(Actor):
                 exists = True
         return exists
 
+    @staticmethod
+    def _check_instructions(bounds: list[Bound]) -> None:
+        """check_instruction (a repeat count, a rename's new name) for each checked instruction that has what it
+        reads: ProgramError at the first it refuses, before anything runs."""
+        for i, b in enumerate(bounds):
+            if b.instr.meta or b.op.name == "renametensor":
+                try:
+                    check_instruction(b)
+                except DeepxError as e:
+                    raise ProgramError(f"instruction {i + 1}: {e}", i) from None
+
     def _check_heap(self, bounds: list[Bound]) -> None:
         if not self.heap:
             return
@@ -575,12 +586,7 @@ class CpuWorker(OpWorker):
         self._output = []
         try:
             bounds = check_program(program, self.ex, self.ex.plans)
-            for i, b in enumerate(bounds):
-                if b.instr.meta or b.op.name == "renametensor":  # what check_instruction reads
-                    try:
-                        check_instruction(b)
-                    except DeepxError as e:
-                        raise ProgramError(f"instruction {i + 1}: {e}", i) from None
+            self._check_instructions(bounds)
             self._check_heap(bounds)
             for name in fetch:
                 if not self._will_exist(name, bounds):

@@ -33,7 +33,7 @@ from deepx_sdk.ir.ops import OPS, Bound, ProgramError, check_program
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
 from deepxd.actors.opcpu import HeapViews, KnownProgram, OpStat, OpWorker, RunResult
-from deepxd.kernels.cpu import check_instruction, dtype_name
+from deepxd.kernels.cpu import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -212,12 +212,7 @@ class CudaWorker(OpWorker):
         self._output = []
         try:
             bounds = check_program(program, self.ex, self.ex.plans)
-            for i, b in enumerate(bounds):
-                if b.instr.meta or b.op.name == "renametensor":  # what check_instruction reads (as op-cpu's)
-                    try:
-                        check_instruction(b)
-                    except DeepxError as e:
-                        raise ProgramError(f"instruction {i + 1}: {e}", i) from None
+            self._check_instructions(bounds)
             self._check_heap(bounds)
             for name in fetch:
                 if not self._will_exist(name, bounds):

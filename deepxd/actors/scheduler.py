@@ -194,27 +194,22 @@ class _Fast:
         it was, where an update cannot be found so."""
         from deepx_sdk.ir.instr import scalar_kinds
 
-        old, new = self.program, set(varied)
+        old, changed = self.program, set(varied)
         program = program if type(program) is list else list(program)
+        expanded: list[Instr] | None = None
+        planned_old, planned = old, program
         if self.expanded is not None:
             assert self.where is not None
-            at = [j for j, w in enumerate(self.where) if w in new]
-            if len(at) != len(new) or any(self.expanded[j] != old[self.where[j]] for j in at):
+            found = _substituted(self.expanded, self.where, changed, old, program)
+            if found is None:
                 return False
-            expanded: list[Instr] | None = list(self.expanded)
-            assert expanded is not None
-            for j in at:
-                expanded[j] = program[self.where[j]]
-            planned_old, planned, changed = self.expanded, expanded, set(at)
-        else:
-            expanded, planned_old, planned, changed = None, old, program, new
+            expanded, changed = found
+            planned_old, planned = self.expanded, expanded
         if self.origins is not None:
-            at = [k for k, o in enumerate(self.origins) if o in changed]
-            if len(at) != len(changed) or any(self.sent[k] != planned_old[self.origins[k]] for k in at):
+            found = _substituted(self.sent, self.origins, changed, planned_old, planned)
+            if found is None:
                 return False
-            sent = list(self.sent)
-            for k in at:
-                sent[k] = planned[self.origins[k]]
+            sent = found[0]
         elif len(self.sent) == len(planned_old) and all(a == b for a, b in zip(self.sent, planned_old)):
             sent = list(planned)
         else:
@@ -235,6 +230,19 @@ class _Fast:
                     or not same_program(f, forward, kinds)):
                 return False
         return True
+
+
+def _substituted(items: Sequence[Instr], origins: Sequence[int], changed: set[int], old: Sequence[Instr],
+                 new: Sequence[Instr]) -> tuple[list[Instr], set[int]] | None:
+    """`items` (each standing for old[origins[k]]) with the one that stands for each `changed` position replaced by
+    new's, and where those stand in `items`; None where a changed position has not exactly one item, equal to old's."""
+    at = [k for k, o in enumerate(origins) if o in changed]
+    if len(at) != len(changed) or any(items[k] != old[origins[k]] for k in at):
+        return None
+    out = list(items)
+    for k in at:
+        out[k] = new[origins[k]]
+    return out, set(at)
 
 
 class Scheduler(Actor):

@@ -589,9 +589,9 @@ def _pow(gr: Grad, g: str) -> dict[int, str]:
         d = gr.emit("switch", Param.listtensor([gr.emit("mul", b, p), zero], m.dtype), gr.emit("equalscalar", b, 0.0))
         out[0] = gr.unbroadcast(gr.emit("mul", g, d), gr.meta(0))
     if gr.needs(1):  # g A^B log A
-        at_zero = gr.emit("mul", _float_mask(gr, gr.emit("equalscalar", a, 0.0), m),
-                          _float_mask(gr, gr.emit("lessscalar", b, 0.0), m))  # A = 0 and B < 0: kept (inf)
-        mask = gr.emit("sub", _float_mask(gr, gr.emit("equalscalar", a, 0.0), m), at_zero)  # A = 0 and B >= 0
+        a_zero = _float_mask(gr, gr.emit("equalscalar", a, 0.0), m)
+        at_zero = gr.emit("mul", a_zero, _float_mask(gr, gr.emit("lessscalar", b, 0.0), m))  # and B < 0: kept (inf)
+        mask = gr.emit("sub", a_zero, at_zero)  # A = 0 and B >= 0
         d = gr.emit("mul", gr.y(), gr.emit("log", a))
         d = gr.emit("switch", Param.listtensor([d, zero], m.dtype), gr.emit("todtype", mask, dtype="int32"))
         out[1] = gr.unbroadcast(gr.emit("mul", g, d), gr.meta(1))
