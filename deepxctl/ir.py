@@ -21,24 +21,15 @@ import click
 from deepxctl.context import Ctl
 from deepxctl.term import CtlError, display_note
 
-MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4, as deepxd/net/udp.py
-TRUNCATED = "... (truncated)"
 _ID = re.compile(r"//.*?\bid=(\d+)")
 
 
 def format_reply(rid: int, ok: bool, recv_ms: int, start_ms: int, finish_ms: int, message: str = "") -> str:
-    """One reply line, exactly as deepxd's UDP transport writes it (deepxd/net/udp.py, which imports more than
-    deepxctl's commands may): a message too long for one datagram cut on a character boundary, ending TRUNCATED."""
-    head = f"{rid} {'ok' if ok else 'error'}// recv_at={recv_ms} start_at={start_ms} finish_at={finish_ms}"
-    if ok:
-        return head
-    reply = f"{head} {' '.join(message.split())}"
-    if len(reply) * 4 <= MAX_DATAGRAM:
-        return reply
-    data = reply.encode("utf-8", "replace")
-    if len(data) <= MAX_DATAGRAM:
-        return reply
-    return data[: MAX_DATAGRAM - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
+    """One reply line, exactly as deepxd's UDP transport writes it: its own function (deepxd/net/reply.py), imported
+    when a line is answered, not when deepxctl starts."""
+    from deepxd.net.reply import format_reply as reply
+
+    return reply(rid, ok, recv_ms, start_ms, finish_ms, message)
 
 
 def _ms(t: float) -> int:
@@ -96,6 +87,8 @@ def udp_target(text: str) -> tuple[str, int]:
 
 
 def run_udp(target: str, lines: list[tuple[int, str]], timeout: float) -> bool:
+    from deepxd.net.reply import MAX_DATAGRAM
+
     host, port = udp_target(target)
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][0]

@@ -19,7 +19,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir import parse_text
 from deepx_sdk.ir.wire import instr_to_obj
 from deepxd.kernels.cpu import MAX_REPEAT
-from deepxd.net.udp import MAX_DATAGRAM, TRUNCATED
+from deepxd.net.reply import MAX_DATAGRAM, TRUNCATED
 from tests.compiler.helpers import execute_threads
 from tests.daemon.conftest import Daemon, udp_exchange
 
@@ -110,7 +110,7 @@ async def test_a_repeated_small_instruction_is_heavy_work_and_leaves_the_event_l
 
 @pytest.mark.parametrize("message", ["x" * 70_000, "é" * 40_000, "x" * 65_430 + "€" * 20, "x" * 65_439])
 def test_format_reply_cuts_a_long_message_on_a_character_boundary(message: str) -> None:
-    from deepxd.net.udp import format_reply
+    from deepxd.net.reply import format_reply
 
     reply = format_reply(123, False, 1796138313561, 1796138313562, 1796138313563, message)
     data = reply.encode("utf-8")
