@@ -7,7 +7,6 @@ boolean mask (its True positions are read back from the daemon, since they decid
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from weakref import ref as _weakref
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
@@ -79,7 +78,7 @@ def _plan(t: Tensor, items: list[Any]) -> tuple[list[int], list[int], list[int],
 def getitem(t: Tensor, index: Any) -> Tensor:
     import numpy as np
 
-    from deepx_sdk.tensor import Tensor, _tp, _vec, tensor, where
+    from deepx_sdk.tensor import Tensor, _tp, _vec, _viewed, tensor, where
 
     if _is_mask(index):
         index = tensor(index)
@@ -116,7 +115,7 @@ def getitem(t: Tensor, index: Any) -> Tensor:
     final_shape = tuple(1 if d == -1 else d for d in shape)
     out = out.reshape(final_shape) if final_shape != out.shape else out
     if out is not t:  # ints, slices, None: a view in torch, a copy here (see Tensor._check_write)
-        out._b = _weakref(t)
+        _viewed(out, t)
     return out
 
 

@@ -83,12 +83,46 @@ _tuple_new = tuple.__new__
 _PRECISIONS: dict[str, tuple[str]] = {}
 
 
-def _viewed(out: Tensor, base: Tensor) -> Tensor:
+def _viewed(out: Tensor, base: Tensor, strided: bool = False) -> Tensor:
     """`out`, made from `base` by a view (a copy in deepx), marked as such where it is outside autograd: see
-    Tensor._check_write."""
+    Tensor._check_write. `strided`: torch's view would not be contiguous (a transpose, an expand), so that its
+    contiguous() is a copy there, and here (see Tensor.contiguous)."""
     if not out.requires_grad:
-        out._b = _weakref(base)
+        root = getattr(base, "_b", None)  # a view of a view: torch's writes the first base, as long as that lives
+        out._b = root if root is not None and root() is not None else _weakref(base)
+        if strided:
+            out._c = True
     return out
+
+
+#: the `.data` handles made of each parameter, weakly, by the parameter's id: a parameter that takes a new tensor
+#: (nn.Module.half(), which changes its name) hands its old one to them instead of deleting it, as torch's old `.data`
+#: keeps its storage. Weak references by hand: a WeakSet compares its tensors with ==, which is elementwise
+_DATA_HANDLES: dict[_int, list[Any]] = {}
+
+
+def _note_handle(owner: Tensor, handle: Tensor) -> None:
+    key = id(owner)
+    refs = _DATA_HANDLES.get(key)
+    if refs is None:
+        refs = _DATA_HANDLES[key] = [_weakref(owner, lambda _, k=key: _DATA_HANDLES.pop(k, None))]
+    elif len(refs) > 16:
+        refs[1:] = [r for r in refs[1:] if r() is not None]
+    refs.append(_weakref(handle))
+
+
+def data_handles(t: Tensor) -> list[Tensor]:
+    """The live `.data` handles of parameter `t` that name its tensor now."""
+    refs = _DATA_HANDLES.get(id(t))
+    if not refs or refs[0]() is not t:
+        return []
+    return [h for h in (r() for r in refs[1:]) if h is not None and h.name == t.name]
+
+
+def _moves_dims(shape: Shape, order: Sequence[int]) -> bool:
+    """Whether torch's permute of a tensor of `shape` by `order` is not contiguous: dims longer than 1 reordered."""
+    kept = [d for d in order if shape[d] != 1]
+    return kept != sorted(kept)
 
 
 def _precision(dtype: str) -> tuple[str]:
@@ -287,8 +321,9 @@ class Tensor:
     # deleted when collected, and its name pooled all the same (a transpose's: see permute)
     # _b: set on a view's result (reshape, transpose, an index, expand, detach: copies in deepx, views in torch), a
     # weak reference to the tensor it came from, so that writing the copy in place while that one lives raises
-    # (see _check_write); _o: set on a `.data` handle, the tensor whose name it shares (kept alive by it)
-    __slots__ = ("__weakref__", "_b", "_k", "_o", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name",
+    # (see _check_write); _c: set with _b where torch's view is not contiguous (see contiguous); _o: set on a
+    # `.data` handle, the tensor whose name it shares (kept alive by it)
+    __slots__ = ("__weakref__", "_b", "_c", "_k", "_o", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name",
                  "requires_grad", "shape")
     _v: tuple[_int, np.ndarray] | None  # set only where a value came back with the tensor's making (see numpy())
     _b: Any  # a view's base, weakly (see _check_write); unset on most tensors
@@ -998,7 +1033,7 @@ class Tensor:
         # a transpose is a view in the daemon (deepxd/kernels/cpu): once collected its name is deleted as well as
         # pooled, so that it does not outlive, as a copy, the next in-place write of its operand (an optimizer's)
         out._k = (out.name, out.dtype, out.shape, True)
-        return _viewed(out, self)
+        return _viewed(out, self, _moves_dims(self.shape, [d % self.ndim for d in dims]))
 
     def transpose(self, dim0: _int, dim1: _int) -> Tensor:
         order = list(range(self.ndim))
@@ -1011,7 +1046,7 @@ class Tensor:
         if len(shape) == 2:  # every Linear's weight, every step: straight to the instruction
             out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self])
             out._k = (out.name, out.dtype, out.shape, True)  # a view in the daemon: see permute
-            return _viewed(out, self)
+            return _viewed(out, self, 1 not in shape)
         if self.ndim > 2:
             raise DeepxError(f"t(): '{self.name}' has {self.ndim} dims; use transpose or mT")
         return self
@@ -1047,7 +1082,8 @@ class Tensor:
         if new == self.shape:
             return self
         meta = self._infer("broadcastTo", [TensorMeta(self.shape, self.dtype), new], [self.name, None])
-        return _viewed(self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self]), self)
+        out = self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self])
+        return _viewed(out, self, math.prod(meta.shape) != math.prod(self.shape))  # a dim of 1 made longer
 
     def expand_as(self, other: Tensor) -> Tensor:
         return self.expand(other.shape)
@@ -1059,6 +1095,13 @@ class Tensor:
         return self._op("repeat", (_tp(self), _vec(reps)), meta.shape, self.dtype, [self])
 
     def contiguous(self) -> Tensor:
+        """This tensor, or a copy where torch's would be one: the result of a transpose or an expand whose base
+        still lives (deepx's view is a copy already, but marked so that writing it raises: torch's contiguous()
+        copy may be written freely)."""
+        if getattr(self, "_c", False):
+            ref = self._b
+            if ref() is not None:
+                return self.clone()
         return self
 
     def clone(self) -> Tensor:
@@ -1066,9 +1109,7 @@ class Tensor:
 
     def detach(self) -> Tensor:
         """A copy that does not require grad (torch's shares memory: see _check_write)."""
-        out = self._copy()
-        out._b = _weakref(self)
-        return out
+        return _viewed(self._copy(), self)
 
     def _copy(self) -> Tensor:
         """A new tensor holding this one's values, not requiring grad."""
@@ -1087,9 +1128,13 @@ class Tensor:
         out.grad = out.grad_fn = out._p = None
         out._k = False
         out._o = self
+        if type(self) is not Tensor:  # a parameter, whose name may change (see data_handles)
+            _note_handle(self, out)
         ref = getattr(self, "_b", None)
         if ref is not None:  # a view's .data is that view's copy
             out._b = ref
+            if getattr(self, "_c", False):
+                out._c = True
         return out
 
     @data.setter

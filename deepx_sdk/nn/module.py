@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, TypeVar
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.nn.parameter import Parameter, check_source, load_into
-from deepx_sdk.tensor import Tensor, dtype_name
+from deepx_sdk.tensor import Tensor, data_handles, dtype_name
 
 M = TypeVar("M", bound="Module")
 
@@ -473,7 +473,14 @@ def _retype_heap(p: Parameter, dtype: str) -> None:
     new = s.new_name()
     s.record(Instr("newtensor", (Param.vector(p.shape),), (Param.tensor(new, dtype),), (("kind", "heap"),)))
     s.record(Instr("todtype", (Param.tensor(p.name, p.dtype),), (Param.tensor(new, dtype),)))
-    s.record(Instr("deltensor", (), (Param.tensor(p.name, p.dtype),)))
+    handles = data_handles(p)
+    if handles:  # `d = p.data` before the cast: d keeps the old tensor, as torch's does, deleted when d goes
+        keeper = Tensor(p.name, p.shape, p.dtype, s)
+        keeper._k = None  # a heap tensor: deleted, never pooled
+        for h in handles:
+            h._o = keeper
+    else:
+        s.record(Instr("deltensor", (), (Param.tensor(p.name, p.dtype),)))
     p.name, p.dtype = new, dtype
     p._p = p._k = None  # its param named the old tensor (deepx_sdk.tensor._tp); it is deleted when collected
     if p.grad is not None:

@@ -121,6 +121,40 @@ def test_assigning_data_loads_values_and_refuses_another_shape():
         t.data = np.zeros(3, np.float32)
 
 
+def test_a_data_handle_taken_before_a_cast_keeps_the_old_values_as_in_torch():
+    """`d = m.weight.data; m.half()`: torch's d keeps the float32 storage; deepx's kept naming the deleted tensor.
+    The old tensor is now d's, deleted once d goes."""
+    s = dx.session()
+    w0 = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
+    tm, dm = torch.nn.Linear(3, 2), nn.Linear(3, 2)
+    with torch.no_grad():
+        tm.weight.copy_(torch.from_numpy(w0))
+    dm.weight.data = w0
+    td, dd = tm.weight.data, dm.weight.data
+    tm.half()
+    dm.half()
+    old = dd.name
+    assert dm.weight.name != old and dm.weight.dtype == "float16"
+    for d in (td, dd):
+        assert str(d.dtype).endswith("float32")
+        np.testing.assert_array_equal(np.asarray(d.numpy()), w0)
+    dd.mul_(2.0)  # its own tensor now: the parameter is untouched
+    np.testing.assert_array_equal(dm.weight.numpy(), w0.astype(np.float16))
+
+    def held() -> set[str]:
+        dx.session().sync()
+        return {r["name"] for r in s.transport._call(s.transport.node.worker().ask("tensors"))}
+
+    assert old in held()
+    del dd, d
+    gc.collect()
+    assert old not in held()
+    m2 = nn.Linear(3, 2)  # without a handle the old tensor goes with the cast
+    gone = m2.weight.name
+    m2.half()
+    assert gone not in held()
+
+
 # ---------------------------------------------------------------- views written in place
 
 
@@ -133,6 +167,7 @@ def test_assigning_data_loads_values_and_refuses_another_shape():
     lambda x: x.detach().copy_(dx.zeros(2, 3)),
     lambda x: x.unsqueeze(0).sub_(1.0),
     lambda x: [row.zero_() for row in x],
+    lambda x: x.view(-1)[2:].add_(1.0),  # a view of a view: the first base is what torch writes
 ])
 def test_writing_a_view_in_place_while_its_base_lives_is_refused(write):
     """torch writes the base through a view; deepx's views are copies, so the write would be lost without a word."""
@@ -151,6 +186,67 @@ def test_a_view_whose_base_is_gone_is_written_as_torch_would():
     c = x.view(2, 3).clone()  # a clone is not a view
     c.add_(1.0)
     np.testing.assert_array_equal(x.numpy(), np.arange(6))
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: x.t(),
+    lambda x: x.T,
+    lambda x: x.transpose(0, 1),
+    lambda x: x.permute(1, 0),
+    lambda x: x[0:1].expand(4, 3),
+    lambda x: x.reshape(2, 1, 3).expand(2, 5, 3),
+])
+def test_contiguous_of_a_strided_view_is_a_copy_that_may_be_written_as_in_torch(make):
+    """torch's contiguous() of a transpose or an expand is a new tensor: writing it leaves the base alone. deepx's
+    view is a copy marked against writes; its contiguous() is an unmarked copy, with torch's values."""
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    results = []
+    for lib in (torch, dx):
+        x = lib.tensor(a.copy())
+        c = make(x).contiguous()
+        c.add_(100.0)
+        results.append((np.asarray(x.numpy()), np.asarray(c.numpy())))
+    np.testing.assert_array_equal(results[1][0], a)  # the base as it was
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    np.testing.assert_array_equal(results[1][1], results[0][1])
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: x.view(6),
+    lambda x: x[1],
+    lambda x: x.reshape(3, 2),
+    lambda x: x[0:1].t(),  # a transpose of a 1-row matrix: contiguous in torch, so contiguous() is the view
+    lambda x: x.reshape(1, 2, 3).permute(1, 0, 2),  # only a dim of 1 moves
+    lambda x: x.unsqueeze(0).expand(1, 2, 3),  # no dim made longer
+])
+def test_contiguous_of_a_view_torch_keeps_contiguous_stays_the_marked_view(make):
+    """Where torch's contiguous() returns the view itself (writing it writes the base), deepx's is the same marked
+    copy, and writing it is refused as writing the view is: never a write torch would make that deepx loses."""
+    x = dx.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert make(torch.arange(6.0).reshape(2, 3)).is_contiguous()
+    v = make(x)
+    assert v.contiguous() is v
+    with pytest.raises(DeepxError, match="which in deepx is a copy"):
+        v.contiguous().mul_(2.0)
+
+
+def test_an_index_of_a_tensor_that_requires_grad_follows_the_other_views():
+    """An index's result that requires grad is not marked, as a reshape's is not: the graph holds both (see
+    Tensor._check_write), and an in-place write on it during training (an in-place activation after h[0]) goes on,
+    with torch's gradient."""
+    grads = []
+    for lib in (torch, dx):
+        w = lib.tensor(np.ones((2, 3), np.float32), requires_grad=True)
+        h = w * 2.0
+        row = h[0]
+        row.mul_(3.0)
+        row.sum().backward()
+        grads.append(np.asarray(w.grad.numpy()))
+    np.testing.assert_array_equal(grads[1], [[6.0, 6.0, 6.0], [0.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(grads[1], grads[0])
+    with dx.no_grad():
+        with pytest.raises(DeepxError, match="which in deepx is a copy"):
+            h.detach()[0].zero_()  # outside autograd, still refused
 
 
 # ---------------------------------------------------------------- integers and gradients
