@@ -105,7 +105,10 @@ def _note_handle(owner: Tensor, handle: Tensor) -> None:
     key = id(owner)
     refs = _DATA_HANDLES.get(key)
     if refs is None:
-        refs = _DATA_HANDLES[key] = [_weakref(owner, lambda _, k=key: _DATA_HANDLES.pop(k, None))]
+        def forget(_: Any, k: _int = key) -> None:
+            _DATA_HANDLES.pop(k, None)
+
+        refs = _DATA_HANDLES[key] = [_weakref(owner, forget)]
     elif len(refs) > 16:
         refs[1:] = [r for r in refs[1:] if r() is not None]
     refs.append(_weakref(handle))
@@ -327,6 +330,7 @@ class Tensor:
                  "requires_grad", "shape")
     _v: tuple[_int, np.ndarray] | None  # set only where a value came back with the tensor's making (see numpy())
     _b: Any  # a view's base, weakly (see _check_write); unset on most tensors
+    _c: bool  # torch's view would not be contiguous (see contiguous); unset on most tensors
     _o: Tensor  # a .data handle's owner; unset on others
 
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:

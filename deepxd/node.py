@@ -96,7 +96,7 @@ class Node:
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
-                blas=cpu_blas))
+                blas=cpu_blas, scheduler=self.refs.get("scheduler")))
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
 
     async def _start_cuda(self) -> Any:

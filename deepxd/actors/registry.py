@@ -33,7 +33,8 @@ class Registry(Actor):
     def __init__(self, kv: KV, node_id: str, *, roles: list[str], addresses: dict[str, str],
                  workers: dict[str, ActorRef] | None = None, heapmem: ActorRef | None = None,
                  actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
-                 devices: list[str] | None = None, name: str = "registry", blas: str = "") -> None:
+                 devices: list[str] | None = None, name: str = "registry", blas: str = "",
+                 scheduler: ActorRef | None = None) -> None:
         super().__init__(name)
         self.kv = kv
         self.node_id = node_id
@@ -45,6 +46,7 @@ class Registry(Actor):
         self.heartbeat_s = heartbeat_s
         self.devices = ["cpu"] if devices is None else devices  # where this node's op workers compute
         self.blas = blas  # the library op-cpu's matmul runs on ("" without op-cpu)
+        self.scheduler = scheduler  # its planned graphs are written back where the plane lost them
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
         self._tick: asyncio.Task[None] | None = None
@@ -99,6 +101,26 @@ class Registry(Actor):
                 if changed:
                     b.hset(f"ops:{self.node_id}:{worker}", changed)
                 self._written_stats[worker] = ops
+        if lost and self.scheduler is not None:
+            await self._write_back_graphs()
+
+    async def _write_back_graphs(self) -> None:
+        """The stored graphs this node's scheduler has planned (it keeps each one's bytes), written again where the
+        plane lost them: a replay by name, here or on another node, finds them as before."""
+        assert self.scheduler is not None
+        try:
+            records: dict[str, bytes] = await self.scheduler.ask("graph_records", timeout=self.heartbeat_s)
+        except DeepxError as e:
+            log.warning("registry: could not read the scheduler's graphs to write them back: %s", e)
+            return
+        written = []
+        for name, data in records.items():
+            if not await self.kv.exists(f"graph:{name}"):
+                await self.kv.set(f"graph:{name}", data)
+                written.append(name)
+        if written:
+            log.warning("registry: the storage plane had lost %d stored graphs planned here; wrote them again: %s",
+                        len(written), ", ".join(sorted(written)))
 
     def on_flush(self) -> Any:
         return self.flush()

@@ -766,6 +766,10 @@ class Scheduler(Actor):
         self.graphs[name] = plan
         return plan
 
+    def on_graph_records(self) -> dict[str, bytes]:
+        """The bytes of every stored graph planned here, by name (the registry writes back those the plane lost)."""
+        return {name: plan.data for name, plan in self.graphs.items()}
+
     async def on_store_graph(self, name: str, data: bytes) -> dict[str, Any]:
         """Plan a graph just stored in the plane (the caller wrote `graph:<name>`)."""
         plan = await self._plan_graph(name, data)

@@ -1,6 +1,6 @@
 """Several deepxd nodes on one real redis-server: lifecycle commands reach the node that holds the tensor, a Redis
-restarted empty under running daemons gets whole records back, a put of a name another node holds, a put of a lost
-tensor's name, and heap tensors adopted after a crash."""
+restarted empty under running daemons gets whole records back (stored graphs too), a put of a name another node
+holds, a put of a lost tensor's name, and heap tensors adopted after a crash."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import redis
 
+from deepx_sdk.client import decode_tensor
+from deepx_sdk.compile import GraphRecord
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir import parse_text
 from deepxd.shm import list_segments, unlink_segment
@@ -36,6 +38,25 @@ def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "") 
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what or check}")
         time.sleep(0.05)
+
+
+G = "axpb"
+
+
+def graph_record() -> bytes:
+    """A stored graph's bytes: (2 x + 1) * y."""
+    program = parse_text(f"""\
+mulscalar (tensor<float32>:{G}.in0, var<float32>:2.0) -> (tensor<float32>:{G}.t0)
+addscalar (tensor<float32>:{G}.t0, var<float32>:1.0) -> (tensor<float32>:{G}.t1)
+deltensor () -> (tensor<float32>:{G}.t0)
+mul (tensor<float32>:{G}.t1, tensor<float32>:{G}.in1) -> (tensor<float32>:{G}.out0)
+deltensor () -> (tensor<float32>:{G}.t1)""")
+    return GraphRecord(G, program, [(f"{G}.in0", "float32", (2, 3)), (f"{G}.in1", "float32", (2, 3))],
+                       [(f"{G}.out0", "float32", (2, 3))]).pack()
+
+
+def encode(a: np.ndarray) -> dict[str, Any]:
+    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.tobytes()}
 
 
 def pack(cmd: dict[str, Any]) -> bytes:
@@ -146,6 +167,7 @@ def test_a_redis_restarted_empty_gets_whole_records_back(tmp_path: Path,
         with d1.client() as c:
             c.put("k2", np.arange(4, dtype=np.float32), heap=True)
             c.put("idle", np.zeros(3, np.int32), heap=True, owner="keeper")
+            c.request("graph_store", name=G, data=graph_record())
         server.stop()
         server.start()  # the same port, empty: no persistence
         # the attach of a lost record writes it whole, at once
@@ -170,6 +192,16 @@ def test_a_redis_restarted_empty_gets_whole_records_back(tmp_path: Path,
             with pytest.raises(DeepxError, match=f"a heap tensor on node {n1}"):
                 c.put("k2", np.ones(4, np.float32), heap=True)
         assert "the storage plane had lost" in d1.output()
+        # the graph n1 planned is written back whole, and another node replays it by name from the plane
+        eventually(lambda: cluster.r.exists(cluster.key(f"graph:{G}")), what="the stored graph written back")
+        assert redis.Redis.from_url(server.url).get(cluster.key(f"graph:{G}")) == graph_record()
+        with d2.client() as c:
+            a = np.arange(6, dtype=np.float32).reshape(2, 3)
+            r = c.request("replay", name=G, inputs={f"{G}.in0": encode(a), f"{G}.in1": encode(a)},
+                          outputs={f"{G}.out0": "replayed"}, scalars={}, fetch=["replayed"])
+            assert r["ok"], r
+            np.testing.assert_array_equal(decode_tensor(r["tensors"]["replayed"]), (a * 2 + 1) * a)
+        assert "lost 1 stored graphs planned here" in d1.output()
     finally:
         cluster.stop()
 
