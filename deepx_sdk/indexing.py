@@ -114,8 +114,9 @@ def getitem(t: Tensor, index: Any) -> Tensor:
         return out.reshape(tuple(final)) if tuple(final) != out.shape else out
     final_shape = tuple(1 if d == -1 else d for d in shape)
     out = out.reshape(final_shape) if final_shape != out.shape else out
-    if out is not t:  # ints, slices, None: a view in torch, a copy here (see Tensor._check_write)
-        _viewed(out, t)
+    if out is not t:  # ints, slices, None: a view in torch, a copy here (see Tensor._check_write); marked even
+        # where it requires grad: `logits[:, pad].fill_(-1e9)` in a training step would otherwise be lost silently
+        _viewed(out, t, always=True)
     return out
 
 

@@ -83,16 +83,25 @@ _tuple_new = tuple.__new__
 _PRECISIONS: dict[str, tuple[str]] = {}
 
 
-def _viewed(out: Tensor, base: Tensor, strided: bool = False) -> Tensor:
-    """`out`, made from `base` by a view (a copy in deepx), marked as such where it is outside autograd: see
-    Tensor._check_write. `strided`: torch's view would not be contiguous (a transpose, an expand), so that its
-    contiguous() is a copy there, and here (see Tensor.contiguous)."""
-    if not out.requires_grad:
-        root = getattr(base, "_b", None)  # a view of a view: torch's writes the first base, as long as that lives
-        out._b = root if root is not None and root() is not None else _weakref(base)
-        if strided:
-            out._c = True
+def _viewed(out: Tensor, base: Tensor, always: bool = False) -> Tensor:
+    """`out`, made from `base` by a view (a copy in deepx), marked as such where it is outside autograd (or
+    `always`: an index's result): see Tensor._check_write."""
+    if always or not out.requires_grad:
+        out._b = _bases(base)
     return out
+
+
+def _bases(base: Tensor) -> tuple[Any, ...]:
+    """Weak references to what a view of `base` shares memory with in torch: `base`, what `base` is itself a view of
+    (still alive), and the tensor a `.data` handle stands for."""
+    refs = [_weakref(base)]
+    up = getattr(base, "_b", None)
+    if up is not None:
+        refs.extend(r for r in up if r() is not None)
+    owner = getattr(base, "_o", None)
+    if owner is not None:
+        refs.append(_weakref(owner))
+    return tuple(refs)
 
 
 #: the `.data` handles made of each parameter, weakly, by the parameter's id: a parameter that takes a new tensor
@@ -108,8 +117,9 @@ def _note_handle(owner: Tensor, handle: Tensor) -> None:
         def forget(_: Any, k: _int = key) -> None:
             _DATA_HANDLES.pop(k, None)
 
-        refs = _DATA_HANDLES[key] = [_weakref(owner, forget)]
-    elif len(refs) > 16:
+        # setdefault: two threads taking a first .data at once share one list (neither registration is lost)
+        refs = _DATA_HANDLES.setdefault(key, [_weakref(owner, forget)])
+    if len(refs) > 16:
         refs[1:] = [r for r in refs[1:] if r() is not None]
     refs.append(_weakref(handle))
 
@@ -120,12 +130,6 @@ def data_handles(t: Tensor) -> list[Tensor]:
     if not refs or refs[0]() is not t:
         return []
     return [h for h in (r() for r in refs[1:]) if h is not None and h.name == t.name]
-
-
-def _moves_dims(shape: Shape, order: Sequence[int]) -> bool:
-    """Whether torch's permute of a tensor of `shape` by `order` is not contiguous: dims longer than 1 reordered."""
-    kept = [d for d in order if shape[d] != 1]
-    return kept != sorted(kept)
 
 
 def _precision(dtype: str) -> tuple[str]:
@@ -324,13 +328,11 @@ class Tensor:
     # deleted when collected, and its name pooled all the same (a transpose's: see permute)
     # _b: set on a view's result (reshape, transpose, an index, expand, detach: copies in deepx, views in torch), a
     # weak reference to the tensor it came from, so that writing the copy in place while that one lives raises
-    # (see _check_write); _c: set with _b where torch's view is not contiguous (see contiguous); _o: set on a
-    # `.data` handle, the tensor whose name it shares (kept alive by it)
-    __slots__ = ("__weakref__", "_b", "_c", "_k", "_o", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name",
+    # (see _check_write); _o: set on a `.data` handle, the tensor whose name it shares (kept alive by it)
+    __slots__ = ("__weakref__", "_b", "_k", "_o", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name",
                  "requires_grad", "shape")
     _v: tuple[_int, np.ndarray] | None  # set only where a value came back with the tensor's making (see numpy())
-    _b: Any  # a view's base, weakly (see _check_write); unset on most tensors
-    _c: bool  # torch's view would not be contiguous (see contiguous); unset on most tensors
+    _b: tuple[Any, ...]  # a view's bases, weakly (see _check_write); unset on most tensors
     _o: Tensor  # a .data handle's owner; unset on others
 
     def __init__(self, name: str, shape: Shape, dtype: str, sess: Session, requires_grad: _bool = False) -> None:
@@ -1037,7 +1039,7 @@ class Tensor:
         # a transpose is a view in the daemon (deepxd/kernels/cpu): once collected its name is deleted as well as
         # pooled, so that it does not outlive, as a copy, the next in-place write of its operand (an optimizer's)
         out._k = (out.name, out.dtype, out.shape, True)
-        return _viewed(out, self, _moves_dims(self.shape, [d % self.ndim for d in dims]))
+        return _viewed(out, self)
 
     def transpose(self, dim0: _int, dim1: _int) -> Tensor:
         order = list(range(self.ndim))
@@ -1050,7 +1052,7 @@ class Tensor:
         if len(shape) == 2:  # every Linear's weight, every step: straight to the instruction
             out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self])
             out._k = (out.name, out.dtype, out.shape, True)  # a view in the daemon: see permute
-            return _viewed(out, self, 1 not in shape)
+            return _viewed(out, self)
         if self.ndim > 2:
             raise DeepxError(f"t(): '{self.name}' has {self.ndim} dims; use transpose or mT")
         return self
@@ -1086,8 +1088,7 @@ class Tensor:
         if new == self.shape:
             return self
         meta = self._infer("broadcastTo", [TensorMeta(self.shape, self.dtype), new], [self.name, None])
-        out = self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self])
-        return _viewed(out, self, math.prod(meta.shape) != math.prod(self.shape))  # a dim of 1 made longer
+        return _viewed(self._op("broadcastTo", (_tp(self), _vec(new)), meta.shape, self.dtype, [self]), self)
 
     def expand_as(self, other: Tensor) -> Tensor:
         return self.expand(other.shape)
@@ -1099,13 +1100,9 @@ class Tensor:
         return self._op("repeat", (_tp(self), _vec(reps)), meta.shape, self.dtype, [self])
 
     def contiguous(self) -> Tensor:
-        """This tensor, or a copy where torch's would be one: the result of a transpose or an expand whose base
-        still lives (deepx's view is a copy already, but marked so that writing it raises: torch's contiguous()
-        copy may be written freely)."""
-        if getattr(self, "_c", False):
-            ref = self._b
-            if ref() is not None:
-                return self.clone()
+        """This tensor. A view's stays marked (see _check_write): torch's contiguous() is the view itself or a
+        copy depending on strides deepx does not keep (`(x.t() + 1).t()` is contiguous there), so writing it is
+        refused rather than guessed; `.clone()` it to write a copy."""
         return self
 
     def clone(self) -> Tensor:
@@ -1137,8 +1134,6 @@ class Tensor:
         ref = getattr(self, "_b", None)
         if ref is not None:  # a view's .data is that view's copy
             out._b = ref
-            if getattr(self, "_c", False):
-                out._c = True
         return out
 
     @data.setter
@@ -1237,15 +1232,19 @@ class Tensor:
     # -- in place
     def _check_write(self, how: str) -> None:
         """Refuse an in-place write of a view's result while the tensor it came from lives: torch would write that
-        tensor too, deepx's copy would not, and the difference would go unnoticed. Only views outside autograd are
-        marked (`_b`): a view that requires grad is held by the graph's nodes, as its base is, for as long as the
+        tensor too, deepx's copy would not, and the difference would go unnoticed. `_b` holds every tensor the
+        view shares memory with in torch (its base, that one's bases, a `.data` handle's owner): the write is
+        refused while any of them lives. Views outside autograd are marked, and an index's result always: a
+        reshape or transpose that requires grad is held by the graph's nodes, as its base is, for as long as the
         graph lives, so that every in-place write in a training step (ReLU(inplace=True) after a view) would be
         refused; there the write goes to the copy, as before."""
-        ref = getattr(self, "_b", None)
-        if ref is None:
+        refs = getattr(self, "_b", None)
+        if refs is None:
             return
-        base = ref()
-        if base is not None:
+        for ref in refs:
+            base = ref()
+            if base is None:
+                continue
             raise DeepxError(f"{how}: '{self.name}' was made from '{base.name}' by a view (reshape, view, transpose, "
                              "t, an index, expand, detach...), which in deepx is a copy: writing it in place would not "
                              f"change '{base.name}' as it would in torch. Write '{base.name}' itself (x[i] = v, "
