@@ -47,6 +47,7 @@ class Registry(Actor):
         self.devices = ["cpu"] if devices is None else devices  # where this node's op workers compute
         self.blas = blas  # the library op-cpu's matmul runs on ("" without op-cpu)
         self.scheduler = scheduler  # its planned graphs are written back where the plane lost them
+        self._graphs_lost = False  # the plane lost this node's record: its graphs to write back (until it works)
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
         self._tick: asyncio.Task[None] | None = None
@@ -102,22 +103,27 @@ class Registry(Actor):
                     b.hset(f"ops:{self.node_id}:{worker}", changed)
                 self._written_stats[worker] = ops
         if lost and self.scheduler is not None:
+            self._graphs_lost = True
+        if self._graphs_lost:
             await self._write_back_graphs()
 
     async def _write_back_graphs(self) -> None:
         """The stored graphs this node's scheduler has planned (it keeps each one's bytes), written again where the
-        plane lost them: a replay by name, here or on another node, finds them as before."""
+        plane lost them: a replay by name, here or on another node, finds them as before. Each only where no graph
+        of that name stands (one stored meanwhile is newer); tried again at the next tick until it went through
+        (a scheduler busy with a long program, a plane that failed a write)."""
         assert self.scheduler is not None
         try:
             records: dict[str, bytes] = await self.scheduler.ask("graph_records", timeout=self.heartbeat_s)
         except DeepxError as e:
-            log.warning("registry: could not read the scheduler's graphs to write them back: %s", e)
+            log.warning("registry: could not read the scheduler's graphs to write them back (tried again at the "
+                        "next heartbeat): %s", e)
             return
         written = []
         for name, data in records.items():
-            if not await self.kv.exists(f"graph:{name}"):
-                await self.kv.set(f"graph:{name}", data)
+            if await self.kv.set_if_absent(f"graph:{name}", data):
                 written.append(name)
+        self._graphs_lost = False
         if written:
             log.warning("registry: the storage plane had lost %d stored graphs planned here; wrote them again: %s",
                         len(written), ", ".join(sorted(written)))

@@ -127,6 +127,9 @@ class KV(abc.ABC):
     @abc.abstractmethod
     async def set(self, key: str, value: bytes) -> None: ...
     @abc.abstractmethod
+    async def set_if_absent(self, key: str, value: bytes) -> bool:
+        """Set `key` only where no key of that name exists (Redis's SET NX), in one step; whether it was set."""
+    @abc.abstractmethod
     async def delete(self, *keys: str) -> int:
         """Delete keys of any type; returns how many existed."""
     @abc.abstractmethod

@@ -166,6 +166,10 @@ class MemoryKV(KV):
     async def set(self, key: str, value: bytes) -> None:
         await self._write(("set", check_key(key), as_bytes(value, "set")))
 
+    async def set_if_absent(self, key: str, value: bytes) -> bool:
+        result: bool = await self._write(("set_nx", check_key(key), as_bytes(value, "set_if_absent")))
+        return result
+
     async def delete(self, *keys: str) -> int:
         if not keys:
             return 0
@@ -263,6 +267,11 @@ class MemoryKV(KV):
 
     def _plan_set(self, key: str, value: bytes) -> tuple[list[Effect], Any]:
         return [["set", self.prefix + key, value]], None
+
+    def _plan_set_nx(self, key: str, value: bytes) -> tuple[list[Effect], Any]:
+        if self.prefix + key in self._data:
+            return [], False
+        return [["set", self.prefix + key, value]], True
 
     def _plan_delete(self, keys: tuple[str, ...]) -> tuple[list[Effect], Any]:
         gone = [k for k in dict.fromkeys(self.prefix + k for k in keys) if k in self._data]

@@ -135,6 +135,9 @@ class RedisKV(KV):
     async def set(self, key: str, value: bytes) -> None:
         await self._run("set", key, "SET", self._k(key), as_bytes(value, "set"))
 
+    async def set_if_absent(self, key: str, value: bytes) -> bool:
+        return bool(await self._run("set_if_absent", key, "SET", self._k(key), as_bytes(value, "set_if_absent"), "NX"))
+
     async def delete(self, *keys: str) -> int:
         if not keys:
             self._require()

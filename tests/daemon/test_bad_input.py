@@ -276,20 +276,25 @@ def test_sigterm_while_starting_stops_the_daemon_at_once(tmp_path) -> None:
     silent.bind(("127.0.0.1", 0))
     silent.listen(4)
     port = silent.getsockname()[1]
+    proc = subprocess.Popen(["deepxd", "start", "--kv", f"redis://127.0.0.1:{port}/0",
+                             "--listen", f"unix://{tmp_path}/d.sock", "--udp", "off"],
+                            stderr=subprocess.PIPE, text=True)
+    conn = None
     try:
-        proc = subprocess.Popen(["deepxd", "start", "--kv", f"redis://127.0.0.1:{port}/0",
-                                 "--listen", f"unix://{tmp_path}/d.sock", "--udp", "off"],
-                                stderr=subprocess.PIPE, text=True)
         silent.settimeout(30)
         conn, _ = silent.accept()  # the daemon is connecting to the plane: its start is under way (a slow machine
         # takes more than a second to get there: a fixed sleep sent the signal before its handler was set)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
-        conn.close()
         assert time.monotonic() - started < 1.5, err
         assert proc.returncode == 0 and "stopped while starting" in err
     finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if conn is not None:
+            conn.close()
         silent.close()
 
 

@@ -26,6 +26,15 @@ async def test_get_set_overwrite_and_missing(kv: KV) -> None:
     assert not await kv.exists("graph:other")
 
 
+async def test_set_if_absent_sets_only_a_new_key(kv: KV) -> None:
+    assert await kv.set_if_absent("graph:g", b"v1")
+    assert not await kv.set_if_absent("graph:g", b"v2")
+    assert await kv.get("graph:g") == b"v1"
+    await kv.hset("node:n", {"state": "running"})
+    assert not await kv.set_if_absent("node:n", b"x")  # a key of another type stands too
+    assert await kv.hgetall("node:n") == {"state": "running"}
+
+
 async def test_binary_values_keep_every_byte(kv: KV) -> None:
     await kv.set("bin", EVERY_BYTE * 3)
     await kv.set("empty", b"")
