@@ -106,7 +106,8 @@ def __getattr__(name: str) -> Any:
 for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "abs", "softmax", "log_softmax",
            "sum", "mean", "prod", "max", "min", "argmax", "argmin", "reshape", "flatten", "permute", "transpose",
            "squeeze", "unsqueeze", "clamp", "var", "std", "amax", "amin", "t", "tril", "triu", "masked_fill",
-           "multinomial"):
+           "multinomial", "add", "sub", "rsub", "mul", "div", "multiply", "subtract", "divide", "true_divide", "mm",
+           "bmm", "neg", "pow"):
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
 __all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange",

@@ -668,6 +668,41 @@ class Tensor:
             raise DeepxError(f"~ (invert) needs an integer or bool tensor; '{self.name}' is {self.dtype}")
         return self._op("invert", (_tp(self),), self.shape, self.dtype, [self])
 
+    # torch's named forms of the operators
+    def add(self, other: Any, alpha: Any = 1) -> Tensor:
+        return self + (other * alpha if alpha != 1 else other)
+
+    def sub(self, other: Any, alpha: Any = 1) -> Tensor:
+        return self - (other * alpha if alpha != 1 else other)
+
+    def rsub(self, other: Any, alpha: Any = 1) -> Tensor:
+        return other - (self * alpha if alpha != 1 else self)
+
+    def mul(self, other: Any) -> Tensor:
+        return self * other
+
+    def div(self, other: Any, rounding_mode: str | None = None) -> Tensor:
+        if rounding_mode is not None:
+            raise DeepxError(f"div(rounding_mode={rounding_mode!r}) is not supported: the op catalogue has no floor "
+                             "or trunc op; divide and cast instead")
+        return self / other
+
+    multiply, subtract, divide, true_divide = mul, sub, div, div
+
+    def matmul(self, other: Tensor) -> Tensor:
+        return matmul(self, other)
+
+    def mm(self, other: Tensor) -> Tensor:
+        if self.ndim != 2 or getattr(other, "ndim", None) != 2:
+            raise DeepxError(f"mm: both operands must be 2-D, got {self.shape} and {getattr(other, 'shape', other)}")
+        return matmul(self, other)
+
+    def bmm(self, other: Tensor) -> Tensor:
+        if self.ndim != 3 or getattr(other, "ndim", None) != 3 or self.shape[0] != other.shape[0]:
+            raise DeepxError(f"bmm: both operands must be 3-D with the same batch, got {self.shape} and "
+                             f"{getattr(other, 'shape', other)}")
+        return matmul(self, other)
+
     def __matmul__(self, o: Tensor) -> Tensor:
         return matmul(self, o)
 
@@ -1365,7 +1400,7 @@ _TORCH_ONLY = frozenset({
     "sign", "floor", "ceil", "round", "trunc", "frac", "fmod", "remainder", "log1p", "expm1", "log2", "log10",
     "cumsum", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
     "scatter_add", "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm",
-    "baddbmm", "bmm", "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr",
+    "baddbmm", "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr",
     "pin_memory", "cuda", "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff",
     "flip", "roll", "rot90", "diag", "diagonal", "trace", "tile", "repeat_interleave", "narrow", "unfold",
     "as_strided",

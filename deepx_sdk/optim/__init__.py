@@ -167,8 +167,10 @@ class Optimizer:
                         raise DeepxError(f"load_state_dict: state '{k}' of parameter {i} has shape {t.shape}, "
                                          f"the parameter {p.shape}")
                     state[k] = t
-                else:
+                elif v is not None:  # torch's SGD keeps momentum_buffer None without momentum
                     state[k] = int(v) if k == "step" else v
+            if "step" not in state:  # torch's SGD keeps no count: a buffer it saved means its first step is done
+                state["step"] = 1 if any(isinstance(v, Tensor) for v in state.values()) else 0
             self.state[id(p)] = state
 
 

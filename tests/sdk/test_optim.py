@@ -87,6 +87,30 @@ def test_state_dict_round_trip_continues_the_trajectory():
     assert fresh.param_groups[0]["lr"] == 0.01 and fresh.state_dict()["state"][1]["step"] == 5
 
 
+@pytest.mark.parametrize("kw", [{"lr": 0.05, "momentum": 0.9}, {"lr": 0.05}, {"lr": 0.05, "momentum": 0.5,
+                                                                           "nesterov": True}])
+def test_torch_sgd_state_loaded_mid_training_continues_as_torch(kw):
+    """torch's SGD state holds only momentum_buffer (None without momentum), no step count: loading it made the
+    next step() fail with KeyError 'step' (found in review); it continues torch's trajectory now."""
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal((4, 3))
+    tp = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    topt = torch.optim.SGD([tp], foreach=False, **kw)
+    grads = [rng.standard_normal((4, 3)) for _ in range(6)]
+    for g in grads[:3]:
+        tp.grad = torch.from_numpy(g.copy())
+        topt.step()
+    p = nn.Parameter(tp.detach().numpy().copy())
+    opt = SGD([p], **kw)
+    opt.load_state_dict(topt.state_dict())
+    for g in grads[3:]:
+        tp.grad = torch.from_numpy(g.copy())
+        topt.step()
+        p.grad = dx.tensor(g)
+        opt.step()
+    np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-12)
+
+
 def test_zero_grad_and_a_step_without_gradients():
     p = nn.Parameter(np.ones(3))
     opt = SGD([p], lr=0.1)
