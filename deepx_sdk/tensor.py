@@ -908,7 +908,7 @@ class Tensor:
         return (centered * centered).sum(dim, keepdim=keepdim) / builtins.max(n - c, 0)
 
     def std(self, dim: Any = None, keepdim: _bool = False, unbiased: _bool = True) -> Tensor:
-        return self.var(dim, keepdim=keepdim, unbiased=unbiased).sqrt()
+        return _sqrt_zero_grad(self.var(dim, keepdim=keepdim, unbiased=unbiased))
 
     def max(self, dim: Any = None, keepdim: _bool = False) -> Any:
         if isinstance(dim, Tensor):
@@ -1742,6 +1742,15 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if squeeze_b:
         out = out.squeeze(-1)
     return out
+
+
+def _sqrt_zero_grad(t: Tensor) -> Tensor:
+    """sqrt(t) whose gradient where t == 0 is 0, as torch's std() and norm() give: sqrt's own is infinite there,
+    and times t's zero gradient (a constant row) it was NaN. The same values; NaN stays NaN (NaN != 0)."""
+    if not t.requires_grad:
+        return t.sqrt()
+    nonzero = t != 0
+    return where(nonzero, where(nonzero, t, 1.0).sqrt(), 0.0)
 
 
 def where(cond: Tensor, x: Any, y: Any) -> Tensor:

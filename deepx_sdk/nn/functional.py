@@ -9,7 +9,7 @@ from typing import Any
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Param
 from deepx_sdk.ir.shapes import broadcast, norm_dim
-from deepx_sdk.tensor import DEFAULT_FLOAT, Tensor, _seed, _tp, _vec, _vp, arange, full, matmul, where
+from deepx_sdk.tensor import DEFAULT_FLOAT, Tensor, _seed, _sqrt_zero_grad, _tp, _vec, _vp, arange, full, matmul, where
 
 
 def _float(x: Tensor) -> Tensor:
@@ -206,7 +206,7 @@ def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Te
     if p != 2.0:
         raise DeepxError("normalize: only p=2 is supported")
     norm_dim("normalize", dim, x.ndim)
-    n = (x * x).sum(dim, keepdim=True).sqrt().clamp(min=eps)
+    n = _sqrt_zero_grad((x * x).sum(dim, keepdim=True)).clamp(min=eps)  # an all-zero row: torch's 1/eps, not NaN
     return x / n
 
 

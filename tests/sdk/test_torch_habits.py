@@ -12,6 +12,7 @@ import torch
 
 import deepx_sdk as dx
 import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
 from deepx_sdk.errors import DeepxError
 
 
@@ -191,6 +192,30 @@ def test_the_named_forms_refuse_what_torch_refuses_or_deepx_cannot_do():
         a.bmm(a)
     with pytest.raises(DeepxError, match="rounding_mode"):
         a.div(a, rounding_mode="floor")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", ["std", "std_all", "normalize"])
+def test_gradients_where_a_square_root_meets_zero_match_torch(case, dtype):
+    """A constant row's std(), an all-zero row's normalize(): sqrt's infinite slope times a zero gradient made NaN
+    for the whole batch (found in an audit); torch gives 0 for std, and 1/eps through normalize's clamp."""
+    a = np.array([[2.0, 2.0, 2.0], [1.0, 2.0, 4.0], [0.0, 0.0, 0.0]], dtype=dtype)
+    w = np.array([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0]], dtype=dtype)
+    grads = []
+    for lib, Fn in ((torch, torch.nn.functional), (dx, F)):
+        x = lib.tensor(a, requires_grad=True)
+        if case == "std":
+            y = x.std(1) * lib.tensor(w[:, 0])
+        elif case == "std_all":
+            y = x[0].std()
+        else:
+            y = Fn.normalize(x, dim=1) * lib.tensor(w)
+        y.sum().backward()
+        grads.append(np.asarray(x.grad.numpy()))
+    assert not np.isnan(grads[1]).any()
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+    nan = dx.tensor(np.array([1.0, np.nan, 3.0], dtype=dtype), requires_grad=True)
+    assert np.isnan(nan.std().numpy())  # a NaN still shows
 
 
 # ---------------------------------------------------------------- views written in place
