@@ -59,11 +59,38 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y + bias
 
 
-def embedding(index: Tensor, weight: Tensor) -> Tensor:
+def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: float | None = None,
+              norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
+    """weight[index], with torch's gradient: none for the row padding_idx, and with scale_grad_by_freq each row's
+    divided by how often the batch names it."""
     if index.dtype not in ("int64", "int32"):
         raise DeepxError(f"embedding: indices must be int64 or int32, got {index.dtype}")
+    if max_norm is not None:
+        raise DeepxError("embedding: max_norm is not supported yet; leave it None")
+    if sparse:
+        raise DeepxError("embedding: sparse gradients are not supported; leave sparse=False")
+    rows = weight.shape[0]
+    if padding_idx is not None:
+        if not -rows <= padding_idx < rows:
+            raise DeepxError(f"embedding: padding_idx {padding_idx} must be within num_embeddings ({rows})")
+        padding_idx %= rows
     shape = (*index.shape, *weight.shape[1:])
-    return weight._op("indexselect", (_tp(weight), _tp(index), Param.var(0)), shape, weight.dtype, [weight, index])
+    out = weight._op("indexselect", (_tp(weight), _tp(index), Param.var(0)), shape, weight.dtype, [weight, index])
+    if not out.requires_grad:
+        return out
+    if scale_grad_by_freq:  # the same values; the gradient of each position divided by its row's count
+        flat = index.reshape(-1)
+        ones = full(flat.shape, 1, dtype=weight.dtype)
+        zero = full((rows,), 0, dtype=weight.dtype)
+        counts = zero._op("indexadd", (_tp(zero), _tp(flat), _tp(ones), Param.var(0)), (rows,), weight.dtype,
+                          [zero, flat, ones])
+        freq = counts._op("indexselect", (_tp(counts), _tp(index), Param.var(0)), index.shape, weight.dtype,
+                          [counts, index])
+        held = out.detach()
+        out = held + (out - held) * (1.0 / freq).unsqueeze(-1)
+    if padding_idx is not None:  # the same values; no gradient reaches the padding row
+        out = where((index == padding_idx).unsqueeze(-1), out.detach(), out)
+    return out
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:

@@ -109,7 +109,7 @@ class Embedding(Module):
         return cls(shape[0], shape[1], padding_idx=padding_idx, _weight=embeddings, _freeze=freeze, **kwargs)
 
     def forward(self, index: Tensor) -> Tensor:
-        return F.embedding(index, self.weight)
+        return F.embedding(index, self.weight, self.padding_idx, scale_grad_by_freq=self.scale_grad_by_freq)
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"

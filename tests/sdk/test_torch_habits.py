@@ -218,6 +218,33 @@ def test_gradients_where_a_square_root_meets_zero_match_torch(case, dtype):
     assert np.isnan(nan.std().numpy())  # a NaN still shows
 
 
+@pytest.mark.parametrize("kw", [{"padding_idx": 0}, {"padding_idx": -2}, {"scale_grad_by_freq": True},
+                                {"padding_idx": 1, "scale_grad_by_freq": True}])
+@pytest.mark.parametrize("functional", [False, True])
+def test_embedding_gradients_follow_padding_idx_and_scale_grad_by_freq_as_torch(kw, functional):
+    """nn.Embedding(padding_idx=) trained its padding row and scale_grad_by_freq was ignored; F.embedding took
+    neither (found in an audit). The values are the lookup's, bit for bit."""
+    rng = np.random.default_rng(1)
+    w0 = rng.standard_normal((5, 3)).astype(np.float32)
+    idx = np.array([[0, 1, 1], [0, 3, 1]])
+    up = rng.standard_normal((2, 3, 3)).astype(np.float32)
+    results = []
+    for lib, mod, Fn in ((torch, torch.nn, torch.nn.functional), (dx, nn, F)):
+        if functional:
+            w = lib.tensor(w0, requires_grad=True)
+            out = Fn.embedding(lib.tensor(idx), w, **kw)
+        else:
+            e = mod.Embedding(5, 3, **kw)
+            with (torch.no_grad() if lib is torch else dx.no_grad()):
+                e.weight.copy_(lib.tensor(w0))
+            w = e.weight
+            out = e(lib.tensor(idx))
+        (out * lib.tensor(up)).sum().backward()
+        results.append((np.asarray(out.detach().numpy()), np.asarray(w.grad.numpy())))
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------- views written in place
 
 
