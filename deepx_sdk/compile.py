@@ -519,11 +519,15 @@ def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = Tru
         parts.append([(k, p.name, p.shape, p.dtype, p.requires_grad) + ((p.grad is None,) if grads else ())
                       for k, p in m.structure()[0]])
     for o in opts:
+        # the optimizer itself: a graph's updates read their numbers from the optimizer they were captured with,
+        # and its settings other than lr (a schedule's) shape the program (SGD's momentum makes a buffer)
+        parts.append((type(o).__qualname__, id(o)))
         for group in o.param_groups:
-            row = []
+            row: list[Any] = [sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr"))]
             for p in group["params"]:
                 st = o.state.get(id(p), {})
-                row.append((p.name, sorted((k, v.name) for k, v in st.items() if isinstance(v, Tensor)))
+                row.append((p.name, p.requires_grad, sorted((k, v.name) for k, v in st.items()
+                                                             if isinstance(v, Tensor)))
                            + ((p.grad is None,) if grads else ()))
             parts.append(row)
     return parts

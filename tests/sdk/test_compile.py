@@ -757,3 +757,97 @@ def test_a_backward_whose_gradients_nothing_uses_is_refused() -> None:
         micro(x)  # .grad exists: added into in place, a replay does it too
     assert micro.replays == 2
     np.testing.assert_allclose(model.weight.grad.numpy(), [[8.0, 8.0, 8.0]])
+
+
+# ------------------------------------------------------------------ which optimizer a replay updates with (an audit)
+
+
+def _torch_steps(w0: np.ndarray, make_opt: Any, steps: int) -> np.ndarray:
+    import torch
+
+    x, y = torch.ones((3, 4), dtype=torch.float64), torch.zeros((3, 2), dtype=torch.float64)
+    w = torch.tensor(w0, requires_grad=True)
+    opt = make_opt(torch.optim, [w])
+    for _ in range(steps):
+        opt.zero_grad()
+        ((x @ w - y) ** 2).mean().backward()
+        opt.step()
+    return w.detach().numpy()
+
+
+OPTIMIZERS = [
+    lambda optim, ps: optim.SGD(ps, lr=0.1),
+    lambda optim, ps: optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda optim, ps: optim.Adam(ps, lr=0.1),
+    lambda optim, ps: optim.SGD(ps, lr=0.1, momentum=0.9),
+]
+
+
+def _one_run(w0: np.ndarray, make: Any, kept: list[dx.Tensor], k: int) -> np.ndarray:
+    from deepx_sdk import optim
+
+    x, y = np.ones((3, 4)), np.zeros((3, 2))
+    w = dx.tensor(w0, requires_grad=True)
+    opt = make(optim, [w])
+
+    def step(a: dx.Tensor, b: dx.Tensor) -> dx.Tensor:
+        opt.zero_grad()
+        loss = ((a @ w - b) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    f = dx.compile(step)
+    for i in range(4):
+        f(x, y)
+        kept.append(dx.tensor(np.full(3, float(10 * k + i))))  # live tensors that may take deleted names
+    return w.numpy()
+
+
+def test_new_objects_in_each_run_replay_their_own_optimizer() -> None:
+    """Each run makes its tensor, optimizer and compiled step afresh: a later run's names (taken from deleted ones)
+    and signature matched an earlier run's stored graph, which then updated with the earlier optimizer's program
+    (plain SGD's for momentum's; a KeyError for Adam). Found in an audit against torch."""
+    import gc
+
+    kept: list[dx.Tensor] = []
+    for k, make in enumerate(OPTIMIZERS):
+        w0 = np.full((4, 2), 0.5 + k / 10)
+        np.testing.assert_allclose(_one_run(w0, make, kept, k), _torch_steps(w0, make, 4), rtol=1e-12)
+        gc.collect()
+    for t in kept:  # nothing of theirs was written by a replay
+        assert len(set(t.numpy().tolist())) == 1
+
+
+def test_a_new_optimizer_or_a_frozen_parameter_captures_again() -> None:
+    """A replay read its numbers from the optimizer it was captured with: a new SGD(lr=0) still moved the weight,
+    and a parameter frozen with requires_grad_(False) (in the optimizer only) kept being updated."""
+    from deepx_sdk.optim import SGD, Adam
+
+    w = dx.tensor(np.full((4, 2), 0.5), requires_grad=True)
+    b = dx.tensor(np.zeros(2), requires_grad=True)
+    x, y = np.ones((3, 4)), np.zeros((3, 2))
+    opt: Any = SGD([w, b], lr=0.1)
+
+    @dx.compile
+    def step(a: dx.Tensor, c: dx.Tensor) -> dx.Tensor:
+        opt.zero_grad()
+        loss = ((a @ w + b - c) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(3):
+        step(x, y)
+    opt = SGD([w, b], lr=0.0)
+    before = w.numpy()
+    for _ in range(3):
+        step(x, y)
+    np.testing.assert_array_equal(w.numpy(), before)
+    opt = Adam([w, b], lr=0.1)
+    b.requires_grad_(False)
+    b_before = b.numpy()
+    for _ in range(3):
+        step(x, y)
+    np.testing.assert_array_equal(b.numpy(), b_before)
+    assert not np.array_equal(w.numpy(), before)
