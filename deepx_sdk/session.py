@@ -373,6 +373,13 @@ class Tape:
         out.grad_fn = Node(next(self._seq), instr, inputs, tuple(t.grad_fn for t in inputs),
                            prev if type(prev) is Node else None)
 
+    def wrote(self, t: Any) -> None:
+        """An in-place write of `t` that is not on the tape (under no_grad, of a leaf, an optimizer's update): its
+        place in the tape's order, so that a backward through nodes recorded before it, which read `t`, sees the
+        write (graph_of) and the autograd pass refuses a value it needs that is no longer there, as torch's
+        version counter does."""
+        t._w = next(self._seq)
+
 
 def graph_of(root: Node, what: str) -> tuple[list[Node], list[Instr], dict[str, Any]]:
     """The recorded graph that reaches `root` (walking back through each node's inputs), for backward: its nodes
@@ -382,7 +389,7 @@ def graph_of(root: Node, what: str) -> tuple[list[Node], list[Instr], dict[str, 
     backward."""
     seen: set[int] = set()
     path: list[Node] = []
-    later: dict[int, Node] = {}
+    later: dict[Any, Node] = {}
     stack: list[Any] = [root]
     while stack:
         n = stack.pop()
@@ -402,6 +409,13 @@ def graph_of(root: Node, what: str) -> tuple[list[Node], list[Instr], dict[str, 
                 later[id(g)] = g
                 g = g.prev
     path.sort(key=_seq_of)
+    for n in path:  # writes not on the tape, after a node that read the value (Tape.wrote)
+        for t in n.inputs:
+            w = getattr(t, "_w", -1)
+            if w > n.seq and ("w", t.name, w) not in later:
+                # stands for the write in the order: it names the tensor (the pass reads no other value of it)
+                mark = Instr("constant", (Param.var(0.0),), (Param.tensor(t.name, t.dtype),))
+                later[("w", t.name, w)] = Node(w, mark, (), (), None)
     nodes = path + [g for k, g in later.items() if k not in seen]
     if len(nodes) > len(path):
         nodes.sort(key=_seq_of)

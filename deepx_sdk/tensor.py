@@ -328,8 +328,9 @@ class Tensor:
     # deleted when collected, and its name pooled all the same (a transpose's: see permute)
     # _b: set on a view's result (reshape, transpose, an index, expand, detach: copies in deepx, views in torch), a
     # weak reference to the tensor it came from, so that writing the copy in place while that one lives raises
-    # (see _check_write); _o: set on a `.data` handle, the tensor whose name it shares (kept alive by it)
-    __slots__ = ("__weakref__", "_b", "_k", "_o", "_p", "_s", "_v", "dtype", "grad", "grad_fn", "name",
+    # (see _check_write); _o: set on a `.data` handle, the tensor whose name it shares (kept alive by it); _w: the
+    # tape's count at this tensor's last in-place write that is not on the tape (see Tape.wrote)
+    __slots__ = ("__weakref__", "_b", "_k", "_o", "_p", "_s", "_v", "_w", "dtype", "grad", "grad_fn", "name",
                  "requires_grad", "shape")
     _v: tuple[_int, np.ndarray] | None  # set only where a value came back with the tensor's making (see numpy())
     _b: tuple[Any, ...]  # a view's bases, weakly (see _check_write); unset on most tensors
@@ -1304,6 +1305,8 @@ class Tensor:
                 and not (self.requires_grad and self.grad_fn is None):
             self.requires_grad = True
             s.tape.append((instr, self, inputs))
+        else:  # under no_grad, or a leaf: a graph that read the old value must not take the new one for it
+            s.tape.wrote(self)
 
     def _update(self, result: Tensor, how: str) -> Tensor:
         """An in-place arithmetic update: as torch, refused where the result's dtype cannot be cast back to this

@@ -113,6 +113,7 @@ class Optimizer:
             p._s.record(instr)
         else:
             p._s.record_at(instr, self._at)
+        p._s.tape.wrote(p)  # a graph recorded before the update must not take the new value for the old
 
     def _hyper(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...]) -> tuple[Param, ...]:
         """The var params of a group's hyperparameters, remade only when one changed (a scheduler's lr): every step

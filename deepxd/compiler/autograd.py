@@ -216,7 +216,10 @@ class _Builder:
             what = "deletes" if name in self.deleted else "overwrites"
             raise DeepxError(
                 f"autograd: the gradient of {op} needs the value of '{name}', which the forward program {what} later; "
-                "keep it (or write the later value under another name)"
+                "keep it (or write the later value under another name). From the SDK: the tensor was written in "
+                "place after the op read it (an in-place op, under no_grad too, or an optimizer's step), as torch's "
+                "'modified by an inplace operation': compute the loss again after the write, or clone() the value "
+                "before it"
             )
         return name
 

@@ -245,6 +245,59 @@ def test_embedding_gradients_follow_padding_idx_and_scale_grad_by_freq_as_torch(
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-6, atol=1e-6)
 
 
+def _no_grad_write(lib, w):
+    with (torch.no_grad() if lib is torch else dx.no_grad()):
+        w.mul_(2.0)
+
+
+@pytest.mark.parametrize("case", ["no_grad", "optimizer", "not_requiring_grad", "add_saves_nothing"])
+def test_a_value_written_in_place_after_the_forward_read_it_is_refused_as_torch_refuses(case):
+    """torch's version counter: a value a gradient needs, written in place after the forward read it (under
+    no_grad, by an optimizer's step, a tensor that does not require grad), makes backward raise. deepx took the new
+    value silently (found in an audit); a value no gradient needs (add's) stays allowed, as in torch."""
+    outcome = []
+    for lib in (torch, dx):
+        w = lib.tensor(np.array([1.0, 2.0, -3.0]), requires_grad=True)
+        x = lib.tensor(np.array([1.0, 2.0, 3.0]))
+        if case == "add_saves_nothing":
+            y = (w + x).sum()
+        elif case == "not_requiring_grad":
+            y = (w * x).sum()
+        else:
+            y = (w * w).sum()
+        if case == "no_grad" or case == "add_saves_nothing":
+            _no_grad_write(lib, w)
+        elif case == "optimizer":
+            opt = (torch.optim.SGD if lib is torch else dx.optim.SGD)([w], lr=0.1)
+            y.backward(retain_graph=True)
+            opt.step()
+        else:
+            x.add_(1.0)
+        try:
+            y.backward()
+        except (RuntimeError, DeepxError) as e:
+            assert lib is torch or "written in place after the op read it" in str(e)
+            outcome.append("refused")
+        else:
+            outcome.append(np.asarray(w.grad.numpy()).tolist())
+    assert outcome[1] == outcome[0]
+
+
+def test_a_training_loop_is_not_refused_by_its_own_updates():
+    """The optimizer's update comes after the backward that read the weights: the next step's graph reads the new
+    values, never the old."""
+    m = nn.Linear(3, 2)
+    opt = dx.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    x = dx.tensor(np.ones((4, 3), np.float32))
+    for _ in range(3):
+        opt.zero_grad()
+        m(x).square().sum().backward()
+        opt.step()
+        with dx.no_grad():
+            m.weight.mul_(0.5)  # a weight decay by hand, between steps
+    assert np.isfinite(m.weight.numpy()).all()
+
+
 # ---------------------------------------------------------------- views written in place
 
 
