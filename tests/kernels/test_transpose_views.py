@@ -338,6 +338,15 @@ FOLDS = {
         deltensor () -> (tensor<float32>:n)
         deltensor () -> (tensor<float32>:s)
     """, [(1, 3, 4)]),
+    # both operands transposes that die after the matmul: the first is folded, not both (a second fold's step
+    # replaced the first's, whose operand was then never made: found by a fuzzer)
+    "both operands": ("""
+        transpose (tensor<float32>:sq, vector<int32>:[1 0]) -> (tensor<float32>:a)
+        transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:b)
+        matmul (tensor<float32>:a, tensor<float32>:b) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:a)
+        deltensor () -> (tensor<float32>:b)
+    """, [(0, 2, 3)]),
     # the matmul writes its own operand: not folded
     "into the operand": ("""
         copytensor (tensor<float32>:sq) -> (tensor<float32>:q)
@@ -367,10 +376,19 @@ def test_a_transpose_that_only_feeds_one_matmul_is_folded_into_it(case):
     assert _foldable_transposes(bounds, (), ex.pinned) == folds
     _, plain = _run_program_twice(text, False, tensors)
     _, folded = _run_program_twice(text, True, tensors)
+    from deepxd.kernels.cpu import blas
+
+    # "of a view": unfolded, the transpose of a view whose base is then written is made contiguous, and MKL sums a
+    # product of a contiguous operand in another order than of a transposed one (OpenBLAS does not): the same
+    # values to float32's rounding. Everywhere else both read the same transposed array.
+    rounding = case == "of a view" and blas.mkl() is not None
     for a, b in zip(plain, folded):
         assert a.keys() == b.keys()
         for n in a:
-            np.testing.assert_array_equal(b[n], a[n], err_msg=f"{case}: {n}")
+            if rounding:
+                np.testing.assert_allclose(b[n], a[n], rtol=1e-5, atol=1e-6, err_msg=f"{case}: {n}")
+            else:
+                np.testing.assert_array_equal(b[n], a[n], err_msg=f"{case}: {n}")
 
 
 def test_a_fetched_or_heap_transpose_is_not_folded():
