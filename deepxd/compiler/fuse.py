@@ -64,8 +64,10 @@ TEMPLATES: dict[str, Form] = {
     **{name: _call(name) for name in ("sqrt", "exp", "log", "sin", "cos", "tan", "tanh", "abs")},
     "neg": Form("-{0}", UNARY, (UNARY,)),
     "relu": Form("maximum({0}, 0)", ATOM, (0,)),
-    "sigmoid": Form("1 / (1 + exp(-{0}))", MUL, (UNARY,)),
-    "silu": Form("{0} / (1 + exp(-{0}))", MUL, (UNARY,)),
+    # the kernels' stable form, to the bit: e = exp(-|x|), r = 1 / (1 + e), then r where x >= 0 and e * r below
+    # (maximum(e, x >= 0) is 1 or e); 1 / (1 + exp(-x)) underflowed to 0 where the kernel keeps e (found by a fuzzer)
+    "sigmoid": Form("1 / (1 + exp(-abs({0}))) * maximum(exp(-abs({0})), {0} >= 0)", MUL, (UNARY,)),
+    "silu": Form("{0} * (1 / (1 + exp(-abs({0}))) * maximum(exp(-abs({0})), {0} >= 0))", MUL, (UNARY,)),
 }
 
 
