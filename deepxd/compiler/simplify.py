@@ -1,7 +1,8 @@
 """Algebraic simplification: instructions whose result is one of their inputs, unchanged.
 
-- multiply, divide or raise to the power by one (`mulscalar`, `divscalar`, `powscalar` with 1), add or subtract zero
-  (`addscalar`, `subscalar` with 0; x + 0 turns -0.0 into +0.0, which compares equal);
+- multiply, divide or raise to the power by one (`mulscalar`, `divscalar`, `powscalar` with 1), add -0.0 or subtract
+  +0.0 (`addscalar`, `subscalar`; on integers any zero): x + 0.0 turns -0.0 into +0.0, which 1 / x then tells apart,
+  so it stays;
 - a reshape, a broadcastTo or a todtype to the input's own shape or dtype, a transpose by the identity;
 - a transpose that undoes the transpose that made its input, a reshape back to the shape before a reshape.
 
@@ -13,6 +14,9 @@ disappears; otherwise the instruction becomes a copytensor.
 
 from __future__ import annotations
 
+import math
+
+from deepx_sdk.ir.dtypes import FLOATS
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import Bound
 from deepx_sdk.ir.shapes import check_perm
@@ -41,7 +45,8 @@ def simplify(program: list[Instr], ctx: PassContext) -> list[Instr]:
                 producer.pop(name, None)
         if b.op.name in _UNDOABLE:
             for out in tensor_writes(b):
-                producer[out] = (i, b, rw.name(b.names[0]))
+                if out != b.names[0] and out != rw.name(b.names[0]):  # in place, the value it undoes is gone
+                    producer[out] = (i, b, rw.name(b.names[0]))
     return rw.result()
 
 
@@ -62,9 +67,16 @@ def _identity(b: Bound, rw: Rewrite, producer: dict[str, tuple[int, Bound, str]]
                 return origin, j  # the transpose that undoes the one before
     if a != out:
         return None
-    if op in _ONE or op in _ZERO:
+    if op in _ONE:
         s = b.args[1]
-        return (src, _OWN) if type(s) in (int, float) and s == (1 if op in _ONE else 0) else None
+        return (src, _OWN) if type(s) in (int, float) and s == 1 else None
+    if op in _ZERO:  # x + 0.0 is +0.0 where x is -0.0 (1 / x then flips sign): only what keeps every bit
+        s = b.args[1]
+        if type(s) not in (int, float) or s != 0:
+            return None
+        if out.dtype in FLOATS and (math.copysign(1.0, s) > 0) == (op == "addscalar"):
+            return None  # x + (+0.0) and x - (-0.0) turn -0.0 into +0.0; x + (-0.0) and x - (+0.0) do not
+        return src, _OWN
     if op == "transpose":
         return (src, _OWN) if check_perm("transpose", b.args[1], len(a.shape)) == tuple(range(len(a.shape))) else None
     return src, _OWN  # reshape, broadcastTo, todtype to what it already is
@@ -73,7 +85,10 @@ def _identity(b: Bound, rw: Rewrite, producer: dict[str, tuple[int, Bound, str]]
 def _replace(rw: Rewrite, ctx: PassContext, i: int, b: Bound, src: str, since: int) -> None:
     out = str(b.out_names[0])
     uses = rw.uses
-    if since >= 0 and not uses.untouched(src, since, i):
+    if type(rw.edits.get(i)) is tuple:  # a deltensor an earlier rewrite moved here goes with this instruction
+        return
+    # `uses` is the program as sent: where src's deltensor was moved (Rewrite.reuse), it no longer shows when src goes
+    if since >= 0 and (rw.moved(src) or not uses.untouched(src, since, i)):
         return
     if out == src:  # an identity in place
         rw.remove(i)

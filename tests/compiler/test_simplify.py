@@ -15,8 +15,9 @@ IDENTITIES = [
     "mulscalar (tensor<float32>:x, var<int32>:1) -> (tensor<float32>:t)",
     "divscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:t)",
     "powscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:t)",
-    "addscalar (tensor<float32>:x, var<float32>:0.0) -> (tensor<float32>:t)",
+    "addscalar (tensor<float32>:x, var<float32>:-0.0) -> (tensor<float32>:t)",
     "subscalar (tensor<float32>:x, var<int32>:0) -> (tensor<float32>:t)",
+    "subscalar (tensor<float32>:x, var<float32>:0.0) -> (tensor<float32>:t)",
     "reshape (tensor<float32>:x, vector<int32>:[2 3 4]) -> (tensor<float32>:t)",
     "reshape (tensor<float32>:x, vector<int32>:[2 -1 4]) -> (tensor<float32>:t)",
     "broadcastTo (tensor<float32>:x, vector<int32>:[2 3 4]) -> (tensor<float32>:t)",
@@ -71,9 +72,78 @@ def test_what_is_not_an_identity(rng):
         todtype (tensor<float32>:x) -> (tensor<float64>:e)
         broadcastTo (tensor<float32>:x, vector<int32>:[5 2 3 4]) -> (tensor<float32>:f)
         rsubscalar (var<float32>:0.0, tensor<float32>:x) -> (tensor<float32>:g)
+        addscalar (tensor<float32>:x, var<float32>:0.0) -> (tensor<float32>:h)
+        subscalar (tensor<float32>:x, var<float32>:-0.0) -> (tensor<float32>:k)
         deltensor () -> (tensor<float32>:a)
     """, inputs)
     assert after == before
+
+
+# programs a differential fuzzer of the passes (all of them against none) found wrong, each run both ways
+FUZZED = {
+    # x + 0.0 is +0.0 for x = -0.0: 1 / x then gave -inf for +inf
+    "plus zero": ("""
+        addscalar (tensor<float32>:x, var<float32>:0.0) -> (tensor<float32>:t)
+        rdivscalar (var<float32>:1.0, tensor<float32>:t) -> (tensor<float32>:y)
+        deltensor () -> (tensor<float32>:t)
+    """, {"x": [-0.0, 1.0, -2.0]}),
+    # an undo of a transpose (or reshape) written in place: its input was gone, and the undo read it
+    "undo in place": ("""
+        transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:t)
+        transpose (tensor<float32>:t, vector<int32>:[1 0]) -> (tensor<float32>:t)
+        transpose (tensor<float32>:t, vector<int32>:[1 0]) -> (tensor<float32>:y)
+    """, {"x": [[1.0, 2.0], [3.0, 4.0]]}),
+    "reshape undo in place": ("""
+        reshape (tensor<float32>:x, vector<int32>:[4]) -> (tensor<float32>:t)
+        reshape (tensor<float32>:t, vector<int32>:[4 1]) -> (tensor<float32>:t)
+        reshape (tensor<float32>:t, vector<int32>:[4]) -> (tensor<float32>:y)
+    """, {"x": [[1.0, 2.0], [3.0, 4.0]]}),
+    # a deltensor moved by one rewrite was dropped by the next: `a` stayed alive
+    "moved delete kept": ("""
+        addscalar (tensor<float32>:a, var<float32>:-0.0) -> (tensor<float32>:t)
+        deltensor () -> (tensor<float32>:a)
+        copytensor (tensor<float32>:t) -> (tensor<float32>:y)
+        reshape (tensor<float32>:x, vector<int32>:[2 3]) -> (tensor<float32>:t)
+    """, {"a": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], "x": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}),
+    "moved delete kept 2": ("""
+        mulscalar (tensor<float32>:a, var<float32>:1.0) -> (tensor<float32>:p)
+        deltensor () -> (tensor<float32>:a)
+        neg (tensor<float32>:p) -> (tensor<float32>:y)
+        mulscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:p)
+        neg (tensor<float32>:p) -> (tensor<float32>:z)
+        deltensor () -> (tensor<float32>:p)
+    """, {"a": [1.0, 2.0], "x": [3.0, 4.0]}),
+    # a copy read the source after its moved delete (an invalid program: the passes were dropped)
+    "read after a moved delete": ("""
+        mulscalar (tensor<float32>:a, var<float32>:1.0) -> (tensor<float32>:t)
+        deltensor () -> (tensor<float32>:a)
+        reshape (tensor<float32>:t, vector<int32>:[6]) -> (tensor<float32>:u)
+        deltensor () -> (tensor<float32>:t)
+        reshape (tensor<float32>:u, vector<int32>:[2 3]) -> (tensor<float32>:v)
+    """, {"a": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUZZED))
+def test_what_a_fuzzer_found_runs_as_the_program_sent(case):
+    import numpy as np
+
+    from deepx_sdk.ir.ops import check_program
+    from tests.compiler.helpers import executor
+
+    text, values = FUZZED[case]
+    inputs = {k: np.array(v, np.float32) for k, v in values.items()}
+    before, after, _ = rewrite(simplify, text, inputs)
+    check_program(after, executor(inputs))  # a valid program: every read finds its tensor
+    ex1, ex2 = executor(inputs), executor(inputs)
+    ex1.run_all(before)
+    ex2.run_all(after)
+    assert set(ex1.tensors) == set(ex2.tensors)
+    for name, want in ex1.tensors.items():
+        got = ex2.tensors[name]
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        assert (np.signbit(got) == np.signbit(want)).all(), name
 
 
 def test_a_double_transpose_and_a_reshape_back_cancel(rng):
