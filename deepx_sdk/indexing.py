@@ -159,7 +159,8 @@ def setitem(t: Tensor, index: Any, value: Any) -> None:
     items = _expand(t, index)
     starts, ends, steps, shape, _, tix = _plan(t, items)
     if tix is not None:
-        raise DeepxError("assigning through a tensor index is not supported; use index_add or where")
+        raise DeepxError("assigning through a tensor index is not supported; use index_add_ (adds at the "
+                         "indices) or where (a mask)")
     target = tuple(len(range(b, e, s)) for b, e, s in zip(starts, ends, steps))
     if not isinstance(value, Tensor):
         value = full((), value, dtype=t.dtype)

@@ -704,6 +704,22 @@ class Tensor:
                              f"{getattr(other, 'shape', other)}")
         return matmul(self, other)
 
+    def index_add(self, dim: _int, index: Tensor, source: Tensor, *, alpha: Any = 1) -> Tensor:
+        """torch's: this tensor with source's slices added at `index` along `dim` (repeated indices add up)."""
+        if index.dtype not in ("int64", "int32") or index.ndim != 1:
+            raise DeepxError(f"index_add: the index must be a 1-D int64 or int32 tensor, got {index.dtype} "
+                             f"{list(index.shape)}")
+        src = (source * alpha if alpha != 1 else source).type_as_dtype(self.dtype)
+        d = norm_dim("index_add", dim, builtins.max(self.ndim, 1))
+        self._infer("indexadd", [TensorMeta(self.shape, self.dtype), TensorMeta(index.shape, index.dtype),
+                                 TensorMeta(src.shape, src.dtype), d], [self.name, index.name, src.name, None])
+        return self._op("indexadd", (_tp(self), _tp(index), _tp(src), Param.var(d)), self.shape, self.dtype,
+                        [self, index, src])
+
+    def index_add_(self, dim: _int, index: Tensor, source: Tensor, *, alpha: Any = 1) -> Tensor:
+        self._check_write("index_add_")
+        return self._assign(self.index_add(dim, index, source, alpha=alpha), "index_add_")
+
     def __matmul__(self, o: Tensor) -> Tensor:
         return matmul(self, o)
 

@@ -298,6 +298,29 @@ def test_a_training_loop_is_not_refused_by_its_own_updates():
     assert np.isfinite(m.weight.numpy()).all()
 
 
+@pytest.mark.parametrize("dim, shape", [(0, (5, 3)), (1, (3, 5))])
+def test_index_add_matches_torch_with_gradients(dim, shape):
+    """index_add (what the error for assigning through a tensor index suggests) was missing."""
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal(shape)
+    src_shape = (4, 3) if dim == 0 else (3, 4)
+    s0 = rng.standard_normal(src_shape)
+    idx = np.array([0, 2, 2, 4])
+    res = []
+    for lib in (torch, dx):
+        x, src = lib.tensor(x0, requires_grad=True), lib.tensor(s0, requires_grad=True)
+        y = x.index_add(dim, lib.tensor(idx), src, alpha=2.0)
+        (y * y).sum().backward()
+        res.append([np.asarray(v.detach().numpy()) for v in (y, x.grad, src.grad)])
+        z = lib.zeros(5, dtype=lib.float64)
+        z.index_add_(0, lib.tensor(idx), lib.ones(4, dtype=lib.float64))
+        res[-1].append(np.asarray(z.numpy()))
+    for mine, ref in zip(res[1], res[0]):
+        np.testing.assert_allclose(mine, ref, rtol=1e-12)
+    with pytest.raises(DeepxError, match="indexadd: source"):
+        dx.zeros(5, 3).index_add(0, dx.tensor(idx), dx.ones(3, 3))
+
+
 # ---------------------------------------------------------------- views written in place
 
 
