@@ -800,6 +800,8 @@ class CompiledFunction:
                 s._mark = next(s._names)
         for st, step in steps:
             st["step"] = step
+        for _, p, _ in g.updates:  # written in place by the replay: as an eager step marks them (Tape.wrote)
+            s.tape.wrote(p)
         self.replays += 1
         outs = [Tensor(n, tuple(sh), d, s) for n, (_, d, sh) in zip(out_names, rec.outputs)]
         for t in outs:
