@@ -1170,6 +1170,26 @@ class Tensor:
         self._s.record(Instr("copytensor", (_tp(self),), (Param("tensor", (self.dtype,), out.name),)))
         return out
 
+    def __copy__(self) -> Tensor:
+        return self.__deepcopy__({})  # torch's copy.copy of a tensor copies its values too
+
+    def __deepcopy__(self, memo: dict[_int, Any]) -> Tensor:
+        """A new daemon tensor with this one's values, requires_grad and (copied) .grad, as torch's deepcopy of a
+        leaf (copy.deepcopy of a model with buffers walked into the session and failed on its event loop)."""
+        if self.grad_fn is not None:
+            raise DeepxError(f"deepcopy: '{self.name}' was computed by an op inside autograd; only tensors created "
+                             "by the user (graph leaves) can be deep-copied, as in torch: deepcopy its detach()")
+        out = self._copy()
+        out.requires_grad = self.requires_grad
+        if self.grad is not None:
+            out.grad = self.grad.__deepcopy__(memo)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise DeepxError("a deepx Tensor cannot be pickled (its values live in the daemon); use dx.save, or "
+                         ".numpy() for its values")
+
     @property
     def data(self) -> Tensor:
         """This tensor's values without its autograd history, as torch's `.data`: a second handle on the same daemon

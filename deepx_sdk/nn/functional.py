@@ -9,15 +9,33 @@ from typing import Any
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Param
 from deepx_sdk.ir.shapes import broadcast, norm_dim
-from deepx_sdk.tensor import DEFAULT_FLOAT, Tensor, _seed, _sqrt_zero_grad, _tp, _vec, _vp, arange, full, matmul, where
+from deepx_sdk.tensor import (
+    DEFAULT_FLOAT,
+    Tensor,
+    _seed,
+    _sqrt_zero_grad,
+    _tp,
+    _vec,
+    _vp,
+    arange,
+    full,
+    matmul,
+    result_type,
+    where,
+)
 
 
 def _float(x: Tensor) -> Tensor:
     return x if x.dtype in ("float64", "float32", "float16", "bfloat16") else x.type_as_dtype(DEFAULT_FLOAT)
 
 
+def _write_back(x: Tensor, y: Tensor, inplace: bool) -> Tensor:
+    """torch's inplace=True: the result written into x, which is returned."""
+    return x.copy_(y) if inplace and y is not x else y
+
+
 def relu(x: Tensor, inplace: bool = False) -> Tensor:
-    return x.relu()
+    return _write_back(x, x.relu(), inplace)  # (relu's gradient reads its result: x may be overwritten)
 
 
 def sigmoid(x: Tensor) -> Tensor:
@@ -35,17 +53,29 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return x._op("gelu", (_tp(x), _vp(approximate)), x.shape, x.dtype, [x])
 
 
-def silu(x: Tensor) -> Tensor:
-    x = _float(x)
-    return x._op("silu", (_tp(x),), x.shape, x.dtype, [x])
+def silu(x: Tensor, inplace: bool = False) -> Tensor:
+    # silu's gradient reads its input: written in place inside a graph, it reads a copy of the old value (writing x
+    # itself made backward refuse "a value the forward program overwrites", which torch's silu_ does not)
+    src = _float(x.clone() if inplace and x.requires_grad and x._s.grad_enabled else x)
+    return _write_back(x, src._op("silu", (_tp(src),), src.shape, src.dtype, [src]), inplace)
 
 
-def softmax(x: Tensor, dim: int = -1, dtype: Any = None) -> Tensor:
-    return (x.to(dtype) if dtype is not None else x).softmax(dim)
+def _implicit_dim(x: Tensor, dim: int | None, what: str) -> int:
+    """torch's dim for softmax without one (deprecated there, with a warning): 0 for 0-, 1- and 3-D inputs, else 1."""
+    if dim is not None:
+        return dim
+    import logging
+
+    logging.getLogger(__name__).warning("%s: implicit dimension choice is deprecated, as in torch; pass dim", what)
+    return 0 if x.ndim in (0, 1, 3) else 1
 
 
-def log_softmax(x: Tensor, dim: int = -1, dtype: Any = None) -> Tensor:
-    return (x.to(dtype) if dtype is not None else x).log_softmax(dim)
+def softmax(x: Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Tensor:
+    return (x.to(dtype) if dtype is not None else x).softmax(_implicit_dim(x, dim, "softmax"))
+
+
+def log_softmax(x: Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: Any = None) -> Tensor:
+    return (x.to(dtype) if dtype is not None else x).log_softmax(_implicit_dim(x, dim, "log_softmax"))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -94,10 +124,12 @@ def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None, max
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
-    if not 0.0 <= p < 1.0:
-        raise DeepxError(f"dropout: p={p} must be in [0, 1)")
+    if not 0.0 <= p <= 1.0:
+        raise DeepxError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return x
+    if p == 1.0:  # torch's: everything dropped
+        return _write_back(x, x * 0.0, inplace)
     from deepx_sdk.ir.instr import Instr
 
     out = x.clone()
@@ -105,7 +137,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     x._s.record(instr)
     if out.requires_grad:
         x._s.tape.append((instr, out, (out,)))
-    return out
+    return _write_back(x, out, inplace)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
@@ -127,13 +159,25 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     q = _float(query)
     scores = matmul(q, key.transpose(-2, -1)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     length, source = q.shape[-2], key.shape[-2]
-    if is_causal:
+    dead = None
+    if is_causal:  # top-left aligned: every row keeps its first key
         attn_mask = arange(source) <= arange(length).unsqueeze(-1)
+    elif attn_mask is not None:
+        if attn_mask.dtype != "bool" and attn_mask.dtype != scores.dtype:
+            raise DeepxError(f"scaled_dot_product_attention: attn_mask must be bool or {scores.dtype} as the query, "
+                             f"got {attn_mask.dtype}")
     if attn_mask is not None:
         if attn_mask.dtype == "bool":
             attn_mask = where(attn_mask, full((), 0.0, dtype=scores.dtype), full((), -math.inf, dtype=scores.dtype))
         scores = scores + attn_mask
+        if not is_causal:
+            # torch's safe softmax: a row whose every key is masked attends to nothing (zeros), instead of NaN that
+            # would reach every gradient of the model (a padded batch)
+            dead = scores.amax(-1, keepdim=True) == -math.inf
+            scores = where(dead, 0.0, scores)
     attn = scores.softmax(-1)
+    if dead is not None:
+        attn = where(dead, 0.0, attn)
     if dropout_p > 0.0:
         attn = dropout(attn, dropout_p)
     return matmul(attn, value)
@@ -145,8 +189,20 @@ def _reduction(reduction: str) -> str:
     return reduction
 
 
-def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
+def _torch_loss_args(what: str, weight: Any, size_average: Any, reduce: Any, reduction: str) -> str:
+    """torch's loss signature (input, target, weight, size_average, ignore_index, reduce, reduction, ...): class
+    weights refused, the legacy flags turned into a reduction as torch does."""
+    if weight is not None:
+        raise DeepxError(f"{what}: class weights are not supported yet; leave weight None")
+    from deepx_sdk.nn.loss import _legacy_reduction
+
+    return _legacy_reduction(size_average, reduce, reduction)
+
+
+def cross_entropy(logits: Tensor, target: Tensor, weight: Any = None, size_average: Any = None,
+                  ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> Tensor:
+    reduction = _torch_loss_args("cross_entropy", weight, size_average, reduce, reduction)
     if label_smoothing:
         raise DeepxError("cross_entropy: label_smoothing is not supported yet")
     if logits.ndim != 2:
@@ -162,11 +218,13 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
                       logits.dtype, [logits, target])
 
 
-def nll_loss(logp: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+def nll_loss(logp: Tensor, target: Tensor, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
+             reduce: Any = None, reduction: str = "mean") -> Tensor:
     """-input[i, target[i]], averaged over the targets that are not ignore_index (for any input: log-probabilities
     or not)."""
     from deepx_sdk.tensor import arange
 
+    reduction = _torch_loss_args("nll_loss", weight, size_average, reduce, reduction)
     if logp.ndim != 2:
         raise DeepxError(f"nll_loss: input must be (batch, classes), got {logp.shape}")
     if target.dtype not in ("int64", "int32"):
@@ -180,12 +238,24 @@ def nll_loss(logp: Tensor, target: Tensor, ignore_index: int = -100, reduction: 
     loss = where(valid, -picked, 0.0)
     if red == "none":
         return loss
-    return loss.sum() if red == "sum" else loss.sum() / valid.sum()
+    if red == "sum":
+        return loss.sum()
+    # every target ignored: NaN, as torch, without a 0 / 0 in the graph (its gradient was NaN everywhere; torch's is 0)
+    count = valid.sum()
+    none = count == 0
+    return loss.sum() / where(none, 1, count) + where(none, math.nan, 0.0)
 
 
-def mse_loss(x: Tensor, y: Tensor, reduction: str = "mean") -> Tensor:
-    red = _reduction(reduction)
-    x, y = _float(x), _float(y)
+def mse_loss(x: Tensor, y: Tensor, size_average: Any = None, reduce: Any = None, reduction: str = "mean",
+             weight: Any = None) -> Tensor:
+    red = _reduction(_torch_loss_args("mse_loss", weight, size_average, reduce, reduction))
+    # torch's promotion: an integer target takes the input's dtype, two float dtypes the wider
+    x = _float(x)
+    if y.dtype not in ("float64", "float32", "float16", "bfloat16"):
+        y = y.type_as_dtype(x.dtype)
+    elif y.dtype != x.dtype:
+        dt = result_type(x, y)
+        x, y = x.type_as_dtype(dt), y.type_as_dtype(dt)
     if x.shape != y.shape:  # both ways, as torch (which warns that the shapes differ)
         both = broadcast("mse_loss", x.shape, y.shape, names=[x.name, y.name])
         x, y = x.expand(both), y.expand(both)
@@ -210,7 +280,8 @@ def rms_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, eps
     if x.shape[len(x.shape) - len(ns):] != ns:
         raise DeepxError(f"rms_norm: normalized_shape {list(ns)} does not match the last dims of {x.shape}")
     w = weight if weight is not None else full(ns, 1.0, dtype=x.dtype)
-    e = eps if eps is not None else float(__import__("numpy").finfo(x.dtype if x.dtype != "bfloat16"
+    # eps=None: the epsilon of the dtype torch computes in (its opmath type: float32 for float16 and bfloat16)
+    e = eps if eps is not None else float(__import__("numpy").finfo(x.dtype if x.dtype == "float64"
                                                                      else "float32").eps)
     return x._op("rmsnorm", (_tp(x), _tp(w), _vp(float(e))), x.shape, x.dtype, [x, w])
 
@@ -237,9 +308,13 @@ def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Te
     return x / n
 
 
-def one_hot(index: Tensor, num_classes: int) -> Tensor:
+def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
+    """torch's: num_classes=-1 takes the largest index + 1 (reading it from the daemon, as torch reads it). An
+    index outside [0, num_classes) gives a row of zeros here, where torch raises."""
     from deepx_sdk.tensor import arange
 
+    if num_classes == -1:
+        num_classes = int(index.max().item()) + 1 if index.numel() else 0
     return (index.unsqueeze(-1) == arange(num_classes)).long()
 
 

@@ -15,10 +15,6 @@ from deepx_sdk.nn.parameter import Parameter, heap_parameter
 from deepx_sdk.tensor import Tensor
 
 
-def _inplace(x: Tensor, y: Tensor, inplace: bool) -> Tensor:
-    return x.copy_(y) if inplace and y is not x else y
-
-
 class Linear(Module):
     """y = x @ weight.T + bias, initialized as torch does: weight and bias ~ U(-1/sqrt(in), 1/sqrt(in))."""
 
@@ -209,11 +205,7 @@ class Dropout(Module):
         self.inplace = inplace
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if self.p == 1.0:
-            return _inplace(x, x * 0.0, self.inplace)  # torch's p=1: everything dropped
-        return _inplace(x, F.dropout(x, self.p, True), self.inplace)
+        return F.dropout(x, self.p, self.training, self.inplace)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, inplace={self.inplace}"
@@ -229,7 +221,7 @@ class _InplaceActivation(Module):
     fn: Callable[..., Tensor] = staticmethod(F.relu)  # each subclass names its function
 
     def forward(self, x: Tensor) -> Tensor:
-        return _inplace(x, self.fn(x), self.inplace)
+        return self.fn(x, inplace=self.inplace)
 
     def extra_repr(self) -> str:
         return "inplace=True" if self.inplace else ""

@@ -58,7 +58,11 @@ class Parameter(Tensor):
     __str__ = __repr__
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Parameter:
-        return Parameter(self, self.requires_grad)
+        out = Parameter(self, self.requires_grad)
+        if self.grad is not None:  # as torch's deepcopy of a parameter
+            out.grad = self.grad.__deepcopy__(memo)
+        memo[id(self)] = out
+        return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise DeepxError("a deepx Parameter cannot be pickled (its values live in the daemon); use dx.save or "

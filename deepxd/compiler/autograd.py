@@ -1016,7 +1016,7 @@ def _mse(gr: Grad, g: str) -> dict[int, str]:
     n = 1
     for d in gr.meta(0).shape:
         n *= d
-    k = 2.0 / n if gr.arg(2) == "mean" else 2.0
+    k = 2.0 / max(n, 1) if gr.arg(2) == "mean" else 2.0  # (empty: no element to scale)
     ga = gr.emit("mul", gr.emit("mulscalar", gr.emit("sub", a, b), k), g)
     out = {}
     if gr.needs(0):

@@ -1,0 +1,160 @@
+"""nn and nn.functional at their edges, against torch on the CPU: what an audit of the layer found different (a fully
+masked attention row, every target ignored, in-place activations, deepcopy of a model with buffers, torch's loss
+signatures, promotion in mse_loss, rms_norm's default eps in float16, softmax's implicit dim, one_hot's inferred
+classes)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
+from deepx_sdk.errors import DeepxError
+
+LIBS = ((torch, torch.nn, torch.nn.functional), (dx, nn, F))
+
+
+def _np(t):
+    return np.asarray(t.detach().numpy())
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attention_with_a_fully_masked_row_attends_to_nothing_as_torch(kind):
+    """A padded batch's fully masked row gave NaN, and NaN in every gradient; torch's safe softmax gives zeros."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 3, 4))
+    m = np.ones((3, 3), bool)
+    m[1] = False
+    mask = m if kind == "bool" else np.where(m, 0.0, -np.inf)
+    res = []
+    for lib, _, Fn in LIBS:
+        Q = lib.tensor(q, requires_grad=True)
+        out = Fn.scaled_dot_product_attention(Q, Q * 0.5, Q, attn_mask=lib.tensor(mask))
+        (out * out).sum().backward()
+        res.append((_np(out), _np(Q.grad)))
+    assert not np.isnan(res[1][1]).any()
+    for mine, ref in zip(res[1], res[0]):
+        np.testing.assert_allclose(mine, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_an_attention_mask_of_another_float_dtype_is_refused_as_in_torch():
+    q = dx.tensor(np.ones((1, 2, 4), np.float32))
+    with pytest.raises(DeepxError, match="attn_mask must be bool or float32"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=dx.tensor(np.zeros((2, 2))))
+
+
+def test_nll_loss_with_every_target_ignored_is_nan_with_a_zero_gradient():
+    x0 = np.random.default_rng(1).standard_normal((2, 3))
+    res = []
+    for lib, _, Fn in LIBS:
+        x = lib.tensor(x0, requires_grad=True)
+        loss = Fn.nll_loss(x, lib.tensor(np.array([-100, -100])))
+        loss.backward()
+        res.append((_np(loss), _np(x.grad)))
+    assert np.isnan(res[1][0]) and np.isnan(res[0][0])
+    np.testing.assert_array_equal(res[1][1], res[0][1])
+
+
+def test_losses_take_torch_s_signature():
+    """(input, target, weight, size_average, ignore_index, reduce, reduction): a positional third argument is the
+    class weights, which deepx refuses with a DeepxError."""
+    x0, t0 = np.random.default_rng(2).standard_normal((3, 4)), np.array([0, 3, -100])
+    for fn in ("cross_entropy", "nll_loss"):
+        got = getattr(F, fn)(dx.tensor(x0), dx.tensor(t0), None, None, -100, None, "sum")
+        ref = getattr(torch.nn.functional, fn)(torch.tensor(x0), torch.tensor(t0), None, None, -100, None, "sum")
+        np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-12)
+        with pytest.raises(DeepxError, match="class weights"):
+            getattr(F, fn)(dx.tensor(x0), dx.tensor(t0), dx.ones(4))
+        legacy = getattr(F, fn)(dx.tensor(x0), dx.tensor(t0), size_average=False)
+        np.testing.assert_allclose(legacy.numpy(), ref.numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("a, b", [
+    (np.zeros((0, 3)), np.zeros((0, 3))),  # empty: NaN, an empty gradient (a ZeroDivisionError in the rule)
+    (np.ones(3), np.array([1, 2, 3])),  # an integer target takes the input's dtype
+    (np.ones(3, np.float32), np.arange(3.0)),  # two floats: the wider
+])
+def test_mse_loss_promotes_and_takes_empty_inputs_as_torch(a, b):
+    res = []
+    for lib, _, Fn in LIBS:
+        x = lib.tensor(a, requires_grad=True)
+        loss = Fn.mse_loss(x, lib.tensor(b))
+        loss.backward()
+        res.append((_np(loss), _np(x.grad), str(loss.dtype).replace("torch.", "")))
+    np.testing.assert_allclose(res[1][0], res[0][0], rtol=1e-6)
+    np.testing.assert_allclose(res[1][1], res[0][1], rtol=1e-6)
+    assert res[1][2] == res[0][2]
+
+
+def test_in_place_activations_and_dropout_write_their_input_and_train_as_torch():
+    """nn.SiLU(inplace=True) made backward refuse (silu's gradient reads the input it overwrote); F.relu and
+    F.dropout ignored inplace=True; F.dropout(x, 1.0) raised."""
+    w0 = np.array([[0.5, -1.0], [2.0, 0.25]], np.float32)
+    for make in (lambda m: m.SiLU(inplace=True), lambda m: m.ReLU(inplace=True)):
+        res = []
+        for lib, mod, _ in LIBS:
+            lin = mod.Linear(2, 2, bias=False)
+            with (torch.no_grad() if lib is torch else dx.no_grad()):
+                lin.weight.copy_(lib.tensor(w0))
+            x = lib.tensor(np.array([[1.0, -2.0]], np.float32), requires_grad=True)
+            out = mod.Sequential(lin, make(mod))(x)
+            out.sum().backward()
+            res.append((_np(out), _np(x.grad), _np(lin.weight.grad)))
+        for mine, ref in zip(res[1], res[0]):
+            np.testing.assert_allclose(mine, ref, rtol=1e-6)
+    for lib, _, Fn in LIBS:
+        x = lib.tensor(np.array([1.0, -2.0]))
+        assert Fn.relu(x, inplace=True) is x
+        np.testing.assert_array_equal(_np(x), [1.0, 0.0])
+        y = lib.tensor(np.array([1.0, -2.0]))
+        Fn.dropout(y, 1.0, inplace=True)
+        np.testing.assert_array_equal(_np(y), [0.0, 0.0])
+
+
+def test_deepcopy_of_a_model_with_buffers_and_gradients():
+    """copy.deepcopy(model) (an EMA, the best model so far) failed on a buffer: a plain Tensor had no deepcopy and
+    the copy walked into the session. Values, requires_grad and .grad are copied, into tensors of their own."""
+    m = nn.Linear(2, 2)
+    m.register_buffer("seen", dx.zeros(2))
+    m(dx.ones(1, 2)).sum().backward()
+    c = copy.deepcopy(m)
+    assert c.weight.name != m.weight.name and c.seen.name != m.seen.name
+    np.testing.assert_array_equal(c.weight.numpy(), m.weight.numpy())
+    np.testing.assert_array_equal(c.weight.grad.numpy(), m.weight.grad.numpy())
+    assert c.weight.requires_grad and not c.seen.requires_grad
+    with dx.no_grad():
+        c.weight.mul_(0.0)
+        c.seen.add_(1.0)
+    assert m.weight.numpy().any() and not m.seen.numpy().any()
+    y = m.weight * 2
+    with pytest.raises(DeepxError, match="graph leaves"):
+        copy.deepcopy(y)
+
+
+def test_rms_norm_in_float16_takes_float32_s_epsilon_as_torch():
+    x0 = (np.random.default_rng(3).standard_normal((2, 4)) * 0.01).astype(np.float16)
+    ref = torch.nn.functional.rms_norm(torch.tensor(x0), (4,))
+    got = F.rms_norm(dx.tensor(x0), (4,))
+    np.testing.assert_allclose(got.numpy().astype(np.float32), ref.numpy().astype(np.float32), rtol=2e-3)
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 3), (2, 3, 4), (2, 3, 4, 5)])
+def test_softmax_without_a_dim_takes_torch_s_implicit_one(shape):
+    x0 = np.random.default_rng(4).standard_normal(shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = torch.nn.functional.softmax(torch.tensor(x0))
+        lref = torch.nn.functional.log_softmax(torch.tensor(x0))
+    np.testing.assert_allclose(F.softmax(dx.tensor(x0)).numpy(), ref.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(F.log_softmax(dx.tensor(x0)).numpy(), lref.numpy(), rtol=1e-12)
+
+
+def test_one_hot_infers_the_number_of_classes_as_torch():
+    idx = np.array([0, 3, 1])
+    np.testing.assert_array_equal(F.one_hot(dx.tensor(idx)).numpy(), torch.nn.functional.one_hot(torch.tensor(idx)))
