@@ -26,6 +26,7 @@ import hashlib
 import logging
 import math
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -334,6 +335,15 @@ class _Link:
 
         return self._embedded(graph_store, name=name, data=data)  # type: ignore[no-any-return]
 
+    def drop(self, name: str) -> dict[str, Any]:
+        c = self._native()
+        if c is not None:
+            r = c.request("graph_drop", name=name)
+            return {k: v for k, v in r.items() if k not in ("id", "ok")}
+        from deepxd.net.native import graph_drop
+
+        return self._embedded(graph_drop, name=name)  # type: ignore[no-any-return]
+
     def get(self, name: str) -> bytes | None:
         c = self._native()
         if c is not None:
@@ -563,6 +573,12 @@ class Explained:
                 f"({', '.join(self.passes) or 'none'}) --\n{self.after}")
 
 
+def _drop_when_gone(made: list[tuple[Any, str]]) -> None:
+    """A compiled function was collected (in any thread): its graphs go with the sessions' next programs."""
+    for s, name in made:
+        s.graph_drops.append(name)
+
+
 class CompiledFunction:
     """What dx.compile returns: call it as the function itself."""
 
@@ -575,6 +591,10 @@ class CompiledFunction:
         if name is not None:
             check_graph_name(self.base)
         self._graphs: dict[str, _Graph] = {}
+        # (session, graph name) of every graph this function stored or took from the plane: when the function goes,
+        # each session lets go of their plans and the temporaries their replays keep allocated (Session.graph_drops)
+        self._made: list[tuple[Any, str]] = []
+        weakref.finalize(self, _drop_when_gone, self._made).atexit = False
         self.captures = 0  # calls that traced the function
         self.replays = 0
         self.last: _Graph | None = None
@@ -646,6 +666,7 @@ class CompiledFunction:
         if not self._bind_state(g, opts):
             return None
         self._graphs[key] = g
+        self._made.append((s, name))
         return g
 
     def _bind_state(self, g: _Graph, opts: Sequence[Any]) -> bool:
@@ -727,6 +748,7 @@ class CompiledFunction:
                              "an argument, not in its closure or globals); pass the optimizer to the function")
         _link(s.transport).store(name, record.pack())
         self._graphs[key] = g
+        self._made.append((s, name))
         self.last = g
         return result
 

@@ -464,6 +464,9 @@ class Session:
         # (name, dtype) of handles Python collected: appended without a lock (garbage collection runs in any thread,
         # the embedded daemon's too, while another holds the lock), sent as deltensor with the next program
         self.collected: collections.deque[tuple[Any, ...]] = collections.deque()
+        # stored graphs of compiled functions Python collected, appended the same way: the next flush has the daemon
+        # let go of their plans and kept temporaries (compile._drop_when_gone)
+        self.graph_drops: collections.deque[str] = collections.deque()
         # names of collected temporaries kept for reuse, by (shape, dtype): the next result of that shape and dtype
         # takes one, so a loop sends the same instructions every step (the daemon's checks are then cached, and
         # it writes into the buffer it already has) and needs no deltensor at all
@@ -789,6 +792,8 @@ class Session:
             raise DeepxError("this deepx session is closed; call dx.connect() again")
         if self.collected:
             self._drain_collected()
+        if self.graph_drops:
+            self._drop_graphs()
         if not self.pending and not fetch:
             return {}
         program, origins, backwards, revived = self.pending, self.origins, self.backwards, self._revived
@@ -830,6 +835,18 @@ class Session:
             if self.error is None:
                 self.error = err
         return outcome.tensors
+
+    def _drop_graphs(self) -> None:
+        """The graphs of collected compiled functions: their plans and kept temporaries let go (the stored records
+        stay in the plane, replayable by name). A failure is logged, never raised: it is housekeeping."""
+        from deepx_sdk.compile import _link
+
+        while self.graph_drops:
+            name = self.graph_drops.popleft()
+            try:
+                _link(self.transport).drop(name)
+            except DeepxError as e:
+                log.debug("dropping graph %s: %s", name, e)
 
     def _judge_lazy(self, program: list[Instr], backwards: list[dict[str, Any]]) -> None:
         """A program carrying backward instructions: does it repeat one of the last few exactly? (see _lazy_off)"""

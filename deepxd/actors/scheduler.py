@@ -766,6 +766,23 @@ class Scheduler(Actor):
         self.graphs[name] = plan
         return plan
 
+    async def on_drop_graph(self, name: str) -> dict[str, Any]:
+        """Forget a planned graph and delete the temporaries its replays keep allocated (`<name>.t<k>`, which only
+        its plan writes): what the SDK asks when a compiled function goes. Nothing where it is not planned here."""
+        plan = self.graphs.pop(name, None)
+        if plan is None:
+            return {"name": name, "planned": False, "deleted": 0}
+        worker = self._place(plan.plan)
+        metas, _, _ = await worker.ask("state")
+        prefix = f"{name}.t"
+        gone = [n for n in metas if n.startswith(prefix)]
+        if gone:
+            program = [Instr("deltensor", (), (Param.tensor(n, metas[n].dtype),)) for n in gone]
+            result: RunResult = await worker.ask("run", program=program, fetch=[])
+            if result.error:
+                log.warning("scheduler: deleting the temporaries of graph %s: %s", name, result.error)
+        return {"name": name, "planned": True, "deleted": len(gone)}
+
     def on_graph_records(self) -> dict[str, bytes]:
         """The bytes of every stored graph planned here, by name (the registry writes back those the plane lost)."""
         return {name: plan.data for name, plan in self.graphs.items()}

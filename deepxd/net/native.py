@@ -88,6 +88,15 @@ async def graph_get(node: Node, name: Any) -> bytes | None:
     return await node.kv.get(f"graph:{name}")
 
 
+async def graph_drop(node: Node, name: Any) -> dict[str, Any]:
+    """Let go of a stored graph's plan and the temporaries its replays keep allocated on the worker (the stored
+    record stays in the plane: a later replay by name plans it again)."""
+    from deepx_sdk.compile import check_graph_name
+
+    check_graph_name(name)
+    return dict(await node.ref("scheduler").ask("drop_graph", name=name))
+
+
 async def replay_graph(node: Node, name: Any, **req: Any) -> RunResult:
     """Replay a stored graph; the scheduler plans it from the plane the first time (after a restart, say)."""
     sched = node.ref("scheduler")
@@ -292,6 +301,9 @@ class NativeServer:
     # -- stored graphs (dx.compile; docs/graphs.md)
     async def _op_graph_store(self, req: dict[str, Any]) -> dict[str, Any]:
         return await graph_store(self.node, name=req.get("name"), data=req.get("data"))
+
+    async def _op_graph_drop(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await graph_drop(self.node, name=req.get("name"))
 
     async def _op_graph_get(self, req: dict[str, Any]) -> dict[str, Any]:
         return {"data": await graph_get(self.node, name=req.get("name"))}

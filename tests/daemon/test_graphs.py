@@ -221,3 +221,35 @@ def test_bindings_that_differ_only_in_the_sign_of_a_zero_bind_apart() -> None:
     assert negative.program is not zero.program
     assert str(negative.program[0].args[1].value) == "-0.0" and str(zero.program[0].args[1].value) == "0.0"
     assert bind_replay(plan, inputs, outputs, {"k": -0.0}) is negative
+
+
+def test_graph_drop_lets_go_of_the_plan_and_its_kept_temporaries(daemon) -> None:
+    """A replay keeps a graph's temporaries that live to its end allocated for the next one; graph_drop (what the
+    SDK sends when a compiled function is collected) deletes them and forgets the plan, and the record stays: a
+    later replay plans it again."""
+    g = "mmrelu"
+    program = parse_text(f"""\
+matmul (tensor<float32>:{g}.in0, tensor<float32>:{g}.in1) -> (tensor<float32>:{g}.t0)
+relu (tensor<float32>:{g}.t0) -> (tensor<float32>:{g}.out0)
+deltensor () -> (tensor<float32>:{g}.t0)""")
+    rec = GraphRecord(g, program, [(f"{g}.in0", "float32", (2, 3)), (f"{g}.in1", "float32", (3, 2))],
+                      [(f"{g}.out0", "float32", (2, 2))]).pack()
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3) - 2, np.ones((3, 2), np.float32)
+    with daemon.client() as c:
+        c.request("graph_store", name=g, data=rec)
+        c.put("a", a)
+        c.put("b", b)
+
+        def replay(out: str) -> None:
+            c.request("replay", name=g, inputs={f"{g}.in0": "a", f"{g}.in1": "b"}, outputs={f"{g}.out0": out})
+            np.testing.assert_array_equal(c.fetch(out)[out], np.maximum(a @ b, 0))
+
+        replay("y")
+        assert f"{g}.t0" in {t["name"] for t in c.admin("tensors")}  # kept for the next replay
+        r = c.request("graph_drop", name=g)
+        assert (r["planned"], r["deleted"]) == (True, 1)
+        assert {t["name"] for t in c.admin("tensors")} == {"a", "b", "y"}
+        assert c.request("graph_drop", name=g)["planned"] is False  # twice: nothing more
+        replay("z")  # planned again from the plane
+        with pytest.raises(DeepxError, match="graph name"):
+            c.request("graph_drop", name="a b")
