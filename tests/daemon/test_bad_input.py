@@ -287,7 +287,9 @@ def test_sigterm_while_starting_stops_the_daemon_at_once(tmp_path) -> None:
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
-        assert time.monotonic() - started < 1.5, err
+        # at once, or (signalled inside redis-py's handshake, whose read does not always yield to a cancellation)
+        # when the handshake gives up: the plane's connect timeout, 2 s (docs/daemon.md, "Stop it")
+        assert time.monotonic() - started < 3.5, err
         assert proc.returncode == 0 and "stopped while starting" in err
     finally:
         if proc.poll() is None:

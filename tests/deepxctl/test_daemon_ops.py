@@ -81,7 +81,8 @@ def test_admin_graphs(live: Live) -> None:
 
 
 def test_unknown_request_op_lists_delete(live: Live) -> None:
-    known = "known: admin, backward, delete, explain, fetch, graph_get, graph_store, hello, ping, put, replay"
+    known = ("known: admin, backward, delete, explain, fetch, graph_drop, graph_get, graph_store, hello, ping, put, "
+             "replay")
     with live.daemon.client() as c, pytest.raises(DeepxError, match=known):
         c.request("frobnicate")
 
