@@ -46,6 +46,9 @@ class CliGroup(click.Group):
             return super().invoke(ctx)
         except click.ClickException:
             raise
+        except KeyboardInterrupt:  # click's own handling prints "Aborted!" and exits 1; the docs promise 130
+            sys.stderr.write("\n")
+            raise SystemExit(130) from None
         except BrokenPipeError:  # a ConnectionError, but the daemon's socket errors come as DeepxError: stdout's
             _reader_left()
         except TimeoutError:  # deepx_sdk.client.DeepxTimeoutError, a DeepxError too

@@ -117,3 +117,29 @@ def test_a_running_node_whose_heartbeat_is_old_shows_as_stale() -> None:
     assert state(10.5) == "stale"
     assert state(10.5, heartbeat_s=5) == "running" and state(30, heartbeat_s=5) == "stale"
     assert Node.from_raw({"node": "n", "state": "stopped", "heartbeat_age_s": 999}).state == "stopped"
+
+
+def test_ctrl_c_while_waiting_exits_130(tmp_path) -> None:
+    """docs/deepxctl.md: interrupted, exit 130 (click's own handling printed 'Aborted!' and exited 1)."""
+    import signal
+    import socket
+
+    path = tmp_path / "mute.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(1)
+    srv.settimeout(30)
+    proc = subprocess.Popen(["deepxctl", "--address", f"unix://{path}", "nodes", "ls"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        conn, _ = srv.accept()  # connected, waiting for an answer that never comes
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        conn.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.close()
+    assert proc.returncode == 130, err
+    assert "Aborted" not in err and "Traceback" not in err
