@@ -48,6 +48,7 @@ def read_lines(args: Iterable[str], file: IO[str] | None) -> list[tuple[int, str
 def run_native(ctl: Ctl, lines: list[tuple[int, str]]) -> bool:
     from deepx_sdk.errors import DeepxError
     from deepx_sdk.ir.text import parse_line
+    from deepx_sdk.ir.wire import pack_instr_cached
 
     client = ctl.daemon("ir").client
     ok_all = True
@@ -59,6 +60,12 @@ def run_native(ctl: Ctl, lines: list[tuple[int, str]]) -> bool:
             instr = parse_line(line, lineno)
         except DeepxError as e:
             click.echo(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), str(e)))
+            ok_all = False
+            continue
+        try:
+            pack_instr_cached(instr)  # what cannot go on the wire (an int beyond 64 bits) fails this line alone
+        except DeepxError as e:
+            click.echo(format_reply(instr.id, False, _ms(recv), 0, _ms(time.time()), str(e)))
             ok_all = False
             continue
         reply = client.run([instr])

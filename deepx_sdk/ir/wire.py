@@ -58,7 +58,15 @@ def instr_from_obj(obj: Any) -> Instr:
 
 
 def pack_instr(instr: Instr) -> bytes:
-    return _pack(instr_to_obj(instr))
+    obj = instr_to_obj(instr)
+    try:
+        return _pack(obj)
+    except DeepxError as e:  # an int beyond 64 bits: said with the op and the instruction, as the daemon says its own
+        big = [p.value for p in (*instr.args, *instr.returns) if type(p.value) is int and not -2**63 <= p.value < 2**64]
+        what = f"value {big[0]} does not fit in 64 bits (the wire's integers)" if big else str(e)
+        from deepx_sdk.ir.text import format_text
+
+        raise DeepxError(f"{instr.name}: {what} ({format_text(instr)})") from None
 
 
 def unpack_instr(data: bytes) -> Instr:

@@ -74,3 +74,17 @@ def test_ir_refusals(live: Live) -> None:
                                   (3, False, 1, 1, 1, "x" * 65430 + "€" * 20)])
 def test_reply_format_is_the_udp_transports(args) -> None:
     assert format_reply(*args) == udp.format_reply(*args)
+
+
+def test_a_line_whose_number_cannot_go_on_the_wire_fails_alone(live: Live) -> None:
+    """Over the native socket an int beyond 64 bits cannot be encoded: that line's reply says so, naming the op,
+    and the lines after it run (they had no reply at all, and the error named neither)."""
+    lines = ["newtensor (vector<int32>:[2]) -> (tensor<int32>:ir_big) // id=21",
+             "addscalar (tensor<int32>:ir_big, var<int32>:99999999999999999999999) -> (tensor<int32>:ir_big) // id=22",
+             "print (tensor<int32>:ir_big) -> () // id=23"]
+    r = live.ctl("ir", *lines)
+    assert r.exit_code == 1
+    out = r.stdout.splitlines()
+    assert len(out) == 3 and OK.match(out[0]) and OK.match(out[2])
+    m = ERR.match(out[1])
+    assert m and m.group(1) == "22" and m.group(5).startswith("addscalar: value 99999999999999999999999 does not fit")
