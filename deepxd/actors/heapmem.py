@@ -417,7 +417,11 @@ class HeapMemory(Actor):
             t.view = t.segment.array(t.shape, t.dtype)
         return t.view
 
-    def on_info(self, name: str) -> dict[str, Any]:
+    def on_info(self, name: str, missing_ok: bool = False) -> dict[str, Any] | None:
+        """The record of heap tensor `name`; None where there is none and `missing_ok` (a lookup that expects a miss
+        often, which must not count as an error in the actor's statistics: `deepxctl actors ls` ERRORS)."""
+        if missing_ok and (not isinstance(name, str) or name not in self._tensors):
+            return None
         return self._find(name, "describe").info()
 
     def on_list(self) -> list[dict[str, Any]]:

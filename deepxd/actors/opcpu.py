@@ -416,10 +416,7 @@ class OpWorker(Actor):
             return view
         if name in self.ex.tensors:
             raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
-        try:
-            have = await self.heapmem.ask("info", name=name)  # another worker's or process's heap tensor here
-        except DeepxError:
-            have = None  # none on this node
+        have = await self.heapmem.ask("info", name=name, missing_ok=True)  # another worker's or process's here
         if have is None or have["state"] == "lost":
             await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype, owner=owner or self.name,
                                    zero=False, replace_lost=True)

@@ -237,10 +237,7 @@ class Registry(Actor):
         still map rather than pooling it and tells the workers (`heap_gone`) to drop their views."""
         heap: dict[str, Any] | None = None
         if self.heapmem is not None:
-            try:
-                heap = await self.heapmem.ask("info", name=name)
-            except DeepxError:
-                heap = None
+            heap = await self.heapmem.ask("info", name=name, missing_ok=True)
         holding: dict[str, int] = {}  # worker -> bytes of its view
         for worker, ref in self.workers.items():
             for row in await ref.ask("tensors"):
@@ -265,11 +262,8 @@ class Registry(Actor):
             if result.error:
                 raise DeepxError(f"delete: {worker} could not free {name!r}: {result.error}")
         if heap is not None and not shared and self.heapmem is not None:
-            try:
-                await self.heapmem.ask("info", name=name)
-            except DeepxError:
-                pass  # freed already: the worker released the last reference
-            else:
+            # none any more where the worker's release was the last reference
+            if await self.heapmem.ask("info", name=name, missing_ok=True) is not None:
                 await self.heapmem.ask("delete", name=name)
         nbytes = int(heap["bytes"]) if heap is not None else max(holding.values())
         kind = "heap" if heap is not None else "stack"

@@ -27,6 +27,21 @@ def test_delete_stack_tensor(live: Live) -> None:
             c.request("delete", name="")
 
 
+def test_routine_lookups_are_not_counted_as_actor_errors(live: Live) -> None:
+    """Deleting stack tensors asked heapmem about a heap tensor of that name, and each miss counted as one of its
+    errors: `deepxctl actors ls` showed a failing heapmem (found in a docs audit)."""
+    with live.daemon.client() as c:
+        def heapmem_errors() -> int:
+            return next(int(r["errors"]) for r in c.admin("actors") if r["name"] == "heapmem")
+
+        before = heapmem_errors()
+        for k in range(3):
+            c.put(f"look{k}", np.zeros((2,), np.float32))
+            c.request("delete", name=f"look{k}")
+        c.put("look_heap", np.zeros((2,), np.float32), heap=True)  # a put of a new heap name looks it up first
+        assert heapmem_errors() == before
+
+
 def test_delete_heap_tensor_frees_it_everywhere(live: Live) -> None:
     with live.daemon.client() as c:
         c.put("d_heap", np.ones((5,), np.float32), heap=True, owner="loader")  # held by its owner, viewed by op-cpu
