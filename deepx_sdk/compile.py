@@ -667,6 +667,7 @@ class CompiledFunction:
             return None
         self._graphs[key] = g
         self._made.append((s, name))
+        s.graphs_made.add(name)
         return g
 
     def _bind_state(self, g: _Graph, opts: Sequence[Any]) -> bool:
@@ -749,6 +750,7 @@ class CompiledFunction:
         _link(s.transport).store(name, record.pack())
         self._graphs[key] = g
         self._made.append((s, name))
+        s.graphs_made.add(name)
         self.last = g
         return result
 

@@ -467,6 +467,10 @@ class Session:
         # stored graphs of compiled functions Python collected, appended the same way: the next flush has the daemon
         # let go of their plans and kept temporaries (compile._drop_when_gone)
         self.graph_drops: collections.deque[str] = collections.deque()
+        self.graphs_made: set[str] = set()  # graphs this session stored or took from the plane (see close)
+        # on a running deepxd, close() (and the interpreter's exit) deletes what the session made (dx.connect(...,
+        # release=False) keeps it, for deepxctl to look at afterwards)
+        self.release_on_close = True
         # names of collected temporaries kept for reuse, by (shape, dtype): the next result of that shape and dtype
         # takes one, so a loop sends the same instructions every step (the daemon's checks are then cached, and
         # it writes into the buffer it already has) and needs no deltensor at all
@@ -978,25 +982,49 @@ class Session:
             with self._lock:
                 if self.pending:
                     self._flush((), raise_now=False)
+                if self.release_on_close and isinstance(self.transport, NativeTransport):
+                    self._release_all()
         except DeepxError as e:
             log.debug("closing: %s", e)
         self.closed = True
         self.transport.close()
+
+    def _release_all(self) -> None:
+        """On a running deepxd (unix://), what this session made goes with it: every tensor under its names (its
+        results, parameters and optimizer state: heap tensors other processes hold stay until they release them)
+        and the plans and kept temporaries of its compiled functions' graphs (the records stay in the plane). An
+        embedded daemon goes with the process anyway."""
+        client = self.transport.client  # type: ignore[attr-defined]
+        for name in sorted(self.graphs_made):
+            try:
+                client.request("graph_drop", name=name)
+            except DeepxError as e:
+                log.debug("closing: graph %s: %s", name, e)
+        rows = client.admin("tensors")
+        mine = [(r["name"], r["dtype"]) for r in rows if str(r.get("name", "")).startswith(self._prefix)]
+        if mine:
+            r = client.run([_deletion(n, d) for n, d in mine])
+            if not r.ok:
+                log.debug("closing: deleting this session's tensors: %s", r.error)
 
 
 _current: Session | None = None
 _current_lock = threading.Lock()
 
 
-def connect(address: str | None = None, *, max_pending: int = 4096, roles: Sequence[str] | None = None) -> Session:
+def connect(address: str | None = None, *, max_pending: int = 4096, roles: Sequence[str] | None = None,
+            release: bool = True) -> Session:
     """Connect to deepx: `address` None (and no DEEPX_ADDRESS) starts an embedded daemon in this process (with
     `roles`, else DEEPX_ROLES, else the CPU roles: `roles=["op-cuda"]` runs it on the GPU); `unix:///path` reaches a
-    running deepxd; `udp://host:port` speaks deepxIR text to any deepx executor."""
+    running deepxd; `udp://host:port` speaks deepxIR text to any deepx executor. `release`: on a running deepxd,
+    closing the session (or the interpreter's exit) deletes the tensors it made and lets go of its compiled graphs'
+    plans; False leaves them there (for `deepxctl tensors ls` after the script)."""
     global _current
     with _current_lock:
         if _current is not None:
             _current.close()
         _current = Session(open_transport(address, roles), max_pending=max_pending)
+        _current.release_on_close = release
         return _current
 
 

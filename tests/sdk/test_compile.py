@@ -889,3 +889,32 @@ def test_a_collected_compiled_function_lets_go_of_its_graphs() -> None:
         dx.empty_cache()
         seen.append(counts())
     assert seen[0] == seen[1] == seen[2], seen  # nothing left per round (before: +6 tensors, +2 plans)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_closing_a_session_on_a_running_deepxd_releases_what_it_made(tmp_path, release) -> None:
+    """A script against a running deepxd left every tensor it made (a training run: 48) and its compiled graphs'
+    kept temporaries there when it exited (found in a docs audit). Closing the session (also at exit) deletes them
+    and drops its graphs' plans, unless dx.connect(..., release=False); another client's tensors stay."""
+    from deepx_sdk.client import NativeClient
+
+    d = Daemon(tmp_path).start()
+    try:
+        with NativeClient(d.address) as other:
+            other.put("theirs", np.ones(3, np.float32), heap=True)
+            dx.connect(d.address, release=release)
+            _, _, step = mlp_run(True, "sgd", steps=4)
+            kept = dx.tensor(np.arange(3.0))
+            assert kept.numpy().sum() == 3.0 and step.replays >= 1
+            names = {t["name"] for t in other.admin("tensors")}
+            assert len(names) > 5 and any(".t" in n for n in names)
+            dx.disconnect()
+            left = {t["name"] for t in other.admin("tensors")}
+            if release:
+                assert left == {"theirs"}, left
+            else:
+                assert left == names
+            assert {g["name"] for g in other.admin("graphs")} >= set(step.graph_names)  # records stay
+    finally:
+        dx.disconnect()
+        assert d.stop() == 0, d.output()
