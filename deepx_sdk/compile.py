@@ -519,6 +519,11 @@ def _unused_grads(mods: Sequence[Any], instrs: Sequence[Instr], returned: set[st
     return out
 
 
+#: param-group settings a replay reads from the group at every call (the updates' scalars), and a schedule's own
+_REPLAYED_SETTINGS = frozenset({"params", "lr", "momentum", "dampening", "weight_decay", "nesterov", "betas", "eps",
+                                "initial_lr"})
+
+
 def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = True) -> list[Any]:
     """The parameters of the modules and the state tensors of the optimizers; with `grads`, also which parameters
     hold a gradient (a backward adds to it: a call that starts with gradients is another program)."""
@@ -529,11 +534,14 @@ def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = Tru
         parts.append([(k, p.name, p.shape, p.dtype, p.requires_grad) + ((p.grad is None,) if grads else ())
                       for k, p in m.structure()[0]])
     for o in opts:
-        # the optimizer itself: a graph's updates read their numbers from the optimizer they were captured with,
-        # and its settings other than lr (a schedule's) shape the program (SGD's momentum makes a buffer)
+        # the optimizer itself: a graph's updates read their numbers from the optimizer they were captured with.
+        # Its settings are read afresh at every replay (a schedule of lr, momentum or weight decay must not capture
+        # anew at every call: review), except what shapes the program: whether SGD has momentum (a buffer), and
+        # settings the replay does not know
         parts.append((type(o).__qualname__, id(o)))
         for group in o.param_groups:
-            row: list[Any] = [sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr"))]
+            row: list[Any] = [bool(group.get("momentum")),
+                              sorted((k, repr(v)) for k, v in group.items() if k not in _REPLAYED_SETTINGS)]
             for p in group["params"]:
                 st = o.state.get(id(p), {})
                 row.append((p.name, p.requires_grad, sorted((k, v.name) for k, v in st.items()

@@ -413,8 +413,10 @@ def graph_of(root: Node, what: str) -> tuple[list[Node], list[Instr], dict[str, 
         for t in n.inputs:
             w = getattr(t, "_w", -1)
             if w > n.seq and ("w", t.name, w) not in later:
-                # stands for the write in the order: it names the tensor (the pass reads no other value of it)
-                mark = Instr("constant", (Param.var(0.0),), (Param.tensor(t.name, t.dtype),))
+                # stands for the write in the order: an identity in place, so that reads after it still reach the
+                # tensor's gradient (a write with no input cut them off: review), while the value before it is gone
+                p = Param.tensor(t.name, t.dtype)
+                mark = Instr("copytensor", (p,), (p,))
                 later[("w", t.name, w)] = Node(w, mark, (), (), None)
     nodes = path + [g for k, g in later.items() if k not in seen]
     if len(nodes) > len(path):
@@ -445,6 +447,7 @@ class Session:
         self._names = itertools.count()
         # tensor names are unique across the clients of one daemon: a prefix of this process and session
         self._prefix = f"x{os.getpid():x}{secrets.token_hex(2)}_"
+        self._pid = os.getpid()  # a forked child inherits the session: its exit must not close the parent's
         self._lock = threading.RLock()
         self.closed = False
         self.grad_enabled = True
@@ -847,6 +850,7 @@ class Session:
 
         while self.graph_drops:
             name = self.graph_drops.popleft()
+            self.graphs_made.discard(name)
             try:
                 _link(self.transport).drop(name)
             except DeepxError as e:
@@ -977,6 +981,9 @@ class Session:
 
     def close(self) -> None:
         if self.closed:
+            return
+        if os.getpid() != self._pid:  # a forked child (a DataLoader worker, a Pool) at its exit: the parent's session
+            self.closed = True
             return
         try:
             with self._lock:

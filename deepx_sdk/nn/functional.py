@@ -243,7 +243,8 @@ def nll_loss(logp: Tensor, target: Tensor, weight: Any = None, size_average: Any
     # every target ignored: NaN, as torch, without a 0 / 0 in the graph (its gradient was NaN everywhere; torch's is 0)
     count = valid.sum()
     none = count == 0
-    return loss.sum() / where(none, 1, count) + where(none, math.nan, 0.0)
+    nan = where(none, full((), math.nan, dtype=loss.dtype), full((), 0.0, dtype=loss.dtype))  # the loss's dtype
+    return loss.sum() / where(none, 1, count).type_as_dtype(loss.dtype) + nan
 
 
 def mse_loss(x: Tensor, y: Tensor, size_average: Any = None, reduce: Any = None, reduction: str = "mean",

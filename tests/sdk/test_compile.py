@@ -918,3 +918,91 @@ def test_closing_a_session_on_a_running_deepxd_releases_what_it_made(tmp_path, r
     finally:
         dx.disconnect()
         assert d.stop() == 0, d.output()
+
+
+@pytest.mark.parametrize("setting, values", [("momentum", [0.5, 0.6, 0.7, 0.8, 0.9]),
+                                             ("weight_decay", [0.0, 0.01, 0.02, 0.03, 0.04]),
+                                             ("lr", [0.1, 0.05, 0.02, 0.01, 0.005])])
+def test_a_schedule_of_an_optimizer_setting_replays_without_capturing_again(setting, values) -> None:
+    """Settings a replay reads from the group at every call (lr, momentum, weight decay, betas...) are not in the
+    signature: a momentum warm-up captured a new graph every call (review). The replayed steps are the eager ones."""
+    from deepx_sdk.optim import SGD
+
+    rng = np.random.default_rng(0)
+    w0, x, y = rng.standard_normal((4, 2)), rng.standard_normal((3, 4)), rng.standard_normal((3, 2))
+    results = []
+    for compiled in (False, True):
+        w = dx.tensor(w0, requires_grad=True)
+        opt = SGD([w], lr=0.1, momentum=0.5)
+
+        def step(a: dx.Tensor, b: dx.Tensor, w: Any = w, opt: Any = opt) -> dx.Tensor:
+            opt.zero_grad()
+            loss = ((a @ w - b) ** 2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = _compiled_with(step, w, opt) if compiled else step
+        for v in values:
+            opt.param_groups[0][setting] = v
+            f(dx.tensor(x), dx.tensor(y))
+        results.append(w.numpy())
+        if compiled:
+            assert f.captures <= 2, f.captures  # the first call, and the one after the buffers exist
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-12)
+
+
+def _compiled_with(step: Any, w: dx.Tensor, opt: Any) -> Any:
+    """dx.compile of a step that finds its tensor and optimizer in its closure."""
+    def closed(a: dx.Tensor, b: dx.Tensor) -> dx.Tensor:
+        return step(a, b, w, opt)
+
+    return dx.compile(closed)
+
+
+def test_a_replay_marks_the_parameters_it_updated() -> None:
+    """A graph recorded before a compiled step that updated its parameters refuses their old values at backward,
+    as after an eager step (Tape.wrote from the replay)."""
+    m = nn.Linear(3, 2)
+    opt = dx.optim.SGD(m.parameters(), lr=0.1)
+    x = dx.tensor(np.ones((4, 3), np.float32))
+
+    @dx.compile
+    def step(a: dx.Tensor) -> dx.Tensor:
+        opt.zero_grad()
+        loss = m(a).square().sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(3):
+        step(x)
+    y = m(x).square().sum() + (m.weight * m.weight).sum()  # w * w's gradient needs w's value
+    step(x)
+    assert step.replays >= 1
+    with pytest.raises(DeepxError, match="written in place after the op read it"):
+        y.backward()
+
+
+def test_a_forked_child_s_exit_leaves_the_parent_s_tensors(tmp_path) -> None:
+    """A forked child (a DataLoader worker, a Pool) inherits the session; its exit closed it and deleted every
+    tensor the parent had made on the daemon (found in review)."""
+    import multiprocessing as mp
+
+    d = Daemon(tmp_path).start()
+    try:
+        dx.connect(d.address)
+        m = nn.Linear(4, 2)
+        before = m.weight.numpy()
+        p = mp.get_context("fork").Process(target=_child_touches_nothing)
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        np.testing.assert_array_equal(m.weight.numpy(), before)
+    finally:
+        dx.disconnect()
+        assert d.stop() == 0, d.output()
+
+
+def _child_touches_nothing() -> None:
+    pass

@@ -61,6 +61,14 @@ def test_nll_loss_with_every_target_ignored_is_nan_with_a_zero_gradient():
     np.testing.assert_array_equal(res[1][1], res[0][1])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_nll_loss_keeps_a_low_precision_input_s_dtype(dtype):
+    """The all-ignored guard added a float32 NaN-or-zero and promoted a float16 loss to float32 (review)."""
+    x = dx.tensor(np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)).type_as_dtype(dtype)
+    assert F.nll_loss(x, dx.tensor(np.array([0, 1, -100]))).dtype == dtype
+    assert nn.NLLLoss()(x, dx.tensor(np.array([2, 3, 0]))).dtype == dtype
+
+
 def test_losses_take_torch_s_signature():
     """(input, target, weight, size_average, ignore_index, reduce, reduction): a positional third argument is the
     class weights, which deepx refuses with a DeepxError."""

@@ -283,6 +283,22 @@ def test_a_value_written_in_place_after_the_forward_read_it_is_refused_as_torch_
     assert outcome[1] == outcome[0]
 
 
+@pytest.mark.parametrize("leaf", [True, False])
+def test_reads_after_a_write_off_the_tape_still_reach_the_gradient(leaf):
+    """The stand-in for a write off the tape was a write with no input, so that a graph reading the tensor before
+    and after it lost the later reads' gradient ([3, 3] for torch's [7, 9]: found in review)."""
+    grads = []
+    for lib in (torch, dx):
+        w = lib.tensor(np.array([1.0, 2.0]), requires_grad=True)
+        h = w if leaf else w * 2
+        y1 = (h * 3).sum()
+        with (torch.no_grad() if lib is torch else dx.no_grad()):
+            h.add_(1.0)
+        (y1 + (h * h).sum()).backward()
+        grads.append(np.asarray(w.grad.numpy()))
+    np.testing.assert_array_equal(grads[1], grads[0])
+
+
 def test_a_training_loop_is_not_refused_by_its_own_updates():
     """The optimizer's update comes after the backward that read the weights: the next step's graph reads the new
     values, never the old."""
