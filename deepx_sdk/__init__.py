@@ -106,8 +106,7 @@ def __getattr__(name: str) -> Any:
 for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "abs", "softmax", "log_softmax",
            "sum", "mean", "prod", "max", "min", "argmax", "argmin", "reshape", "flatten", "permute", "transpose",
            "squeeze", "unsqueeze", "clamp", "var", "std", "amax", "amin", "t", "tril", "triu", "masked_fill",
-           "multinomial", "add", "sub", "rsub", "mul", "div", "multiply", "subtract", "divide", "true_divide", "mm",
-           "bmm", "neg", "pow"):
+           "multinomial", "mm", "bmm", "neg"):
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
 __all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange",
@@ -116,3 +115,34 @@ __all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tens
            "linspace", "load", "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand",
            "rand_like", "randint", "randn", "randn_like", "save", "session", "set_grad_enabled", "stack", "sync",
            "tensor", "where", "zeros", "zeros_like"]
+
+
+# torch's arithmetic functions, a number on either side (dx.pow(2.0, t), dx.add(1.0, t)): the operators do the rest
+def add(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
+    return a + (b * alpha if alpha != 1 else b)  # type: ignore[no-any-return]
+
+
+def sub(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
+    return a - (b * alpha if alpha != 1 else b)  # type: ignore[no-any-return]
+
+
+def rsub(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
+    return b - (a * alpha if alpha != 1 else a)  # type: ignore[no-any-return]
+
+
+def mul(a: Any, b: Any) -> Tensor:
+    return a * b  # type: ignore[no-any-return]
+
+
+def div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Tensor:
+    if rounding_mode is not None:
+        raise DeepxError(f"div(rounding_mode={rounding_mode!r}) is not supported: the op catalogue has no floor or "
+                         "trunc op; divide and cast instead")
+    return a / b  # type: ignore[no-any-return]
+
+
+def pow(a: Any, b: Any) -> Tensor:
+    return a ** b  # type: ignore[no-any-return]
+
+
+multiply, subtract, divide, true_divide = mul, sub, div, div

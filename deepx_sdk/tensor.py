@@ -709,7 +709,9 @@ class Tensor:
         if index.dtype not in ("int64", "int32") or index.ndim != 1:
             raise DeepxError(f"index_add: the index must be a 1-D int64 or int32 tensor, got {index.dtype} "
                              f"{list(index.shape)}")
-        src = (source * alpha if alpha != 1 else source).type_as_dtype(self.dtype)
+        if source.dtype != self.dtype:  # as torch: no silent cast
+            raise DeepxError(f"index_add: source is {source.dtype}, '{self.name}' is {self.dtype}; they must match")
+        src = source * alpha if alpha != 1 else source
         d = norm_dim("index_add", dim, builtins.max(self.ndim, 1))
         self._infer("indexadd", [TensorMeta(self.shape, self.dtype), TensorMeta(index.shape, index.dtype),
                                  TensorMeta(src.shape, src.dtype), d], [self.name, index.name, src.name, None])
@@ -1171,7 +1173,9 @@ class Tensor:
         return out
 
     def __copy__(self) -> Tensor:
-        return self.__deepcopy__({})  # torch's copy.copy of a tensor copies its values too
+        raise DeepxError("copy.copy of a deepx tensor: torch's shares the storage, which a second deepx handle cannot "
+                         "do under autograd; use .clone() for a copy of the values, .data for a second handle, or "
+                         "copy.deepcopy")
 
     def __deepcopy__(self, memo: dict[_int, Any]) -> Tensor:
         """A new daemon tensor with this one's values, requires_grad and (copied) .grad, as torch's deepcopy of a

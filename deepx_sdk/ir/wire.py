@@ -62,7 +62,9 @@ def pack_instr(instr: Instr) -> bytes:
     try:
         return _pack(obj)
     except DeepxError as e:  # an int beyond 64 bits: said with the op and the instruction, as the daemon says its own
-        big = [p.value for p in (*instr.args, *instr.returns) if type(p.value) is int and not -2**63 <= p.value < 2**64]
+        values = [v for p in (*instr.args, *instr.returns)
+                  for v in (p.value if isinstance(p.value, (list, tuple)) else (p.value,))]
+        big = [v for v in values if type(v) is int and not -2**63 <= v < 2**64]
         what = f"value {big[0]} does not fit in 64 bits (the wire's integers)" if big else str(e)
         from deepx_sdk.ir.text import format_text
 

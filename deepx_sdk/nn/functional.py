@@ -64,9 +64,10 @@ def _implicit_dim(x: Tensor, dim: int | None, what: str) -> int:
     """torch's dim for softmax without one (deprecated there, with a warning): 0 for 0-, 1- and 3-D inputs, else 1."""
     if dim is not None:
         return dim
-    import logging
+    import warnings
 
-    logging.getLogger(__name__).warning("%s: implicit dimension choice is deprecated, as in torch; pass dim", what)
+    # a warning once per calling line, as torch's (a log line per call flooded a training loop: review)
+    warnings.warn(f"{what}: implicit dimension choice is deprecated, as in torch; pass dim", UserWarning, stacklevel=3)
     return 0 if x.ndim in (0, 1, 3) else 1
 
 
@@ -315,7 +316,9 @@ def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
     from deepx_sdk.tensor import arange
 
     if num_classes == -1:
-        num_classes = int(index.max().item()) + 1 if index.numel() else 0
+        if not index.numel():
+            raise DeepxError("one_hot: cannot infer the number of classes from an empty tensor; pass num_classes")
+        num_classes = int(index.max().item()) + 1
     return (index.unsqueeze(-1) == arange(num_classes)).long()
 
 

@@ -12,6 +12,7 @@ instructions, whatever the passes made of them.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from types import CoroutineType
@@ -774,8 +775,8 @@ class Scheduler(Actor):
             return {"name": name, "planned": False, "deleted": 0}
         worker = self._place(plan.plan)
         metas, _, _ = await worker.ask("state")
-        prefix = f"{name}.t"
-        gone = [n for n in metas if n.startswith(prefix)]
+        temporary = re.compile(re.escape(name) + r"\.t\d+")  # `.` may be in a graph's base name: digits only
+        gone = [n for n in metas if temporary.fullmatch(n)]
         if gone:
             program = [Instr("deltensor", (), (Param.tensor(n, metas[n].dtype),)) for n in gone]
             result: RunResult = await worker.ask("run", program=program, fetch=[])

@@ -157,14 +157,33 @@ def test_rms_norm_in_float16_takes_float32_s_epsilon_as_torch():
 @pytest.mark.parametrize("shape", [(3,), (2, 3), (2, 3, 4), (2, 3, 4, 5)])
 def test_softmax_without_a_dim_takes_torch_s_implicit_one(shape):
     x0 = np.random.default_rng(4).standard_normal(shape)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # both warn that the implicit dim is deprecated
         warnings.simplefilter("ignore")
         ref = torch.nn.functional.softmax(torch.tensor(x0))
         lref = torch.nn.functional.log_softmax(torch.tensor(x0))
-    np.testing.assert_allclose(F.softmax(dx.tensor(x0)).numpy(), ref.numpy(), rtol=1e-12)
-    np.testing.assert_allclose(F.log_softmax(dx.tensor(x0)).numpy(), lref.numpy(), rtol=1e-12)
+        got, lgot = F.softmax(dx.tensor(x0)), F.log_softmax(dx.tensor(x0))
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(lgot.numpy(), lref.numpy(), rtol=1e-12)
 
 
 def test_one_hot_infers_the_number_of_classes_as_torch():
     idx = np.array([0, 3, 1])
     np.testing.assert_array_equal(F.one_hot(dx.tensor(idx)).numpy(), torch.nn.functional.one_hot(torch.tensor(idx)))
+    with pytest.raises(DeepxError, match="empty"):
+        F.one_hot(dx.tensor(np.zeros(0, np.int64)))
+
+
+def test_the_review_s_smaller_cases():
+    """dx.pow(2.0, t) and friends take a number first (AttributeError before); index_add refuses a source of another
+    dtype, as torch; copy.copy says what to use instead of copying silently; softmax without dim warns once per line
+    (a log line per call before)."""
+    t = dx.tensor(np.array([1.0, 2.0]))
+    np.testing.assert_array_equal(dx.pow(2.0, t).numpy(), [2.0, 4.0])
+    np.testing.assert_array_equal(dx.add(1.0, t, alpha=3).numpy(), [4.0, 7.0])
+    np.testing.assert_array_equal(dx.div(1.0, t).numpy(), [1.0, 0.5])
+    with pytest.raises(DeepxError, match="source is float32"):
+        dx.zeros(3, dtype=dx.float64).index_add(0, dx.tensor(np.array([0])), dx.ones(1))
+    with pytest.raises(DeepxError, match="clone"):
+        copy.copy(t)
+    with pytest.warns(UserWarning, match="implicit dimension"):
+        F.softmax(dx.tensor(np.ones((2, 3))))
