@@ -1185,6 +1185,10 @@ class Tensor:
                              "by the user (graph leaves) can be deep-copied, as in torch: deepcopy its detach()")
         out = self._copy()
         out.requires_grad = self.requires_grad
+        return self._deepcopied(out, memo)
+
+    def _deepcopied(self, out: Tensor, memo: dict[_int, Any]) -> Tensor:
+        """A deep copy's last part (a Parameter's too): .grad copied as well, as torch's deepcopy does."""
         if self.grad is not None:
             out.grad = self.grad.__deepcopy__(memo)
         memo[id(self)] = out

@@ -59,9 +59,7 @@ class Parameter(Tensor):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Parameter:
         out = Parameter(self, self.requires_grad)
-        if self.grad is not None:  # as torch's deepcopy of a parameter
-            out.grad = self.grad.__deepcopy__(memo)
-        memo[id(self)] = out
+        self._deepcopied(out, memo)
         return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
