@@ -252,6 +252,19 @@ class Actor:
         return self.state in ("new", "running", "crashed")
 
 
+async def end_task(task: asyncio.Task[Any], timeout: float) -> None:
+    """Cancel an actor's background loop and wait for it, at most `timeout` seconds: redis-py sometimes takes a
+    cancellation inside a command for a lost connection and retries (a daemon stopped just after it started hung
+    until it was killed), so each loop also ends when its actor is no longer alive, and a stop never waits longer."""
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        log.warning("%s did not end within %.0f s of its actor's stop; going on without it", task.get_name(), timeout)
+        return
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("%s ended with %r", task.get_name(), task.exception())
+
+
 class ActorRef:
     """How everyone else reaches an actor: `tell` (fire and forget) or `await ask` (a reply or an error)."""
 

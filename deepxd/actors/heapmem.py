@@ -42,7 +42,7 @@ import numpy as np
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
-from deepxd.actors.base import Actor, ActorRef, ActorStopped
+from deepxd.actors.base import Actor, ActorRef, ActorStopped, end_task
 from deepxd.kv.base import KV, Batch
 from deepxd.shm import Segment, SegmentExists, list_segments, segment_exists, segment_name, segment_pid, unlink_segment
 
@@ -233,9 +233,7 @@ class HeapMemory(Actor):
     async def on_stop(self) -> None:
         for task in (self._tick, self._check):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await end_task(task, self.poll_s + 5.0)
         self._tick = self._check = None
         live = [t for t in self._tensors.values() if t.present]
         try:
@@ -314,8 +312,8 @@ class HeapMemory(Actor):
     async def _poll(self) -> None:
         """The lifecycle tick: pop up to TICK_BATCH commands from this node's list and from the shared one, and apply
         (or forward) them through the mailbox; then wait for more (every poll_s on Redis, until one is pushed on
-        the embedded store)."""
-        while True:
+        the embedded store). Until the actor stops (not only until cancelled: see end_task)."""
+        while self.alive:
             try:
                 mine = await self.kv.lpop(self.own_list, TICK_BATCH)
                 shared = await self.kv.lpop(LIFECYCLE, TICK_BATCH)
@@ -351,7 +349,7 @@ class HeapMemory(Actor):
 
     async def _checker(self) -> None:
         """Every check_s: have the plane's records of this node's tensors written again where it lost them."""
-        while True:
+        while self.alive:
             await asyncio.sleep(self.check_s)
             if not self._tensors:
                 continue

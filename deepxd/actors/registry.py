@@ -21,7 +21,7 @@ from typing import Any
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS
-from deepxd.actors.base import Actor, ActorRef
+from deepxd.actors.base import Actor, ActorRef, end_task
 from deepxd.kv.base import KV, Batch
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Registry(Actor):
             self._tick = asyncio.get_running_loop().create_task(self._ticker(), name="registry:tick")
 
     async def _ticker(self) -> None:
-        while True:
+        while self.alive:  # until the actor stops, not only until cancelled (see end_task)
             await asyncio.sleep(self.heartbeat_s)
             try:
                 await self.flush()
@@ -133,11 +133,7 @@ class Registry(Actor):
 
     async def on_stop(self) -> None:
         if self._tick is not None:
-            self._tick.cancel()
-            try:
-                await self._tick
-            except asyncio.CancelledError:
-                pass
+            await end_task(self._tick, self.heartbeat_s + 5.0)
         try:
             await self.flush()
             await self.kv.hset(f"node:{self.node_id}", {"state": "stopped", "heartbeat": time.time()})
