@@ -22,10 +22,12 @@ from deepx_sdk.io import load, save
 from deepx_sdk.session import Session, connect, disconnect, session
 from deepx_sdk.tensor import (
     Tensor,
+    add,
     arange,
     as_tensor,
     cat,
     concat,
+    div,
     empty,
     empty_like,
     from_numpy,
@@ -35,14 +37,18 @@ from deepx_sdk.tensor import (
     matmul,
     maximum,
     minimum,
+    mul,
     ones,
     ones_like,
+    pow,
     rand,
     rand_like,
     randint,
     randn,
     randn_like,
+    rsub,
     stack,
+    sub,
     tensor,
     where,
     zeros,
@@ -109,40 +115,13 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
            "multinomial", "mm", "bmm", "neg"):
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
-__all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "arange",
-           "as_tensor", "cat", "compile", "concat", "connect", "disconnect", "empty", "empty_cache", "empty_like",
-           "enable_grad", "explain", "from_numpy", "full", "full_like", "graphs", "inference_mode", "is_grad_enabled",
-           "linspace", "load", "manual_seed", "matmul", "maximum", "minimum", "no_grad", "ones", "ones_like", "rand",
-           "rand_like", "randint", "randn", "randn_like", "save", "session", "set_grad_enabled", "stack", "sync",
-           "tensor", "where", "zeros", "zeros_like"]
-
-
-# torch's arithmetic functions, a number on either side (dx.pow(2.0, t), dx.add(1.0, t)): the operators do the rest
-def add(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
-    return a + (b * alpha if alpha != 1 else b)  # type: ignore[no-any-return]
-
-
-def sub(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
-    return a - (b * alpha if alpha != 1 else b)  # type: ignore[no-any-return]
-
-
-def rsub(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
-    return b - (a * alpha if alpha != 1 else a)  # type: ignore[no-any-return]
-
-
-def mul(a: Any, b: Any) -> Tensor:
-    return a * b  # type: ignore[no-any-return]
-
-
-def div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Tensor:
-    if rounding_mode is not None:
-        raise DeepxError(f"div(rounding_mode={rounding_mode!r}) is not supported: the op catalogue has no floor or "
-                         "trunc op; divide and cast instead")
-    return a / b  # type: ignore[no-any-return]
-
-
-def pow(a: Any, b: Any) -> Tensor:
-    return a ** b  # type: ignore[no-any-return]
+__all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "add", "arange",
+           "as_tensor", "cat", "compile", "concat", "connect", "disconnect", "div", "divide", "empty", "empty_cache",
+           "empty_like", "enable_grad", "explain", "from_numpy", "full", "full_like", "graphs", "inference_mode",
+           "is_grad_enabled", "linspace", "load", "manual_seed", "matmul", "maximum", "minimum", "mul", "multiply",
+           "no_grad", "ones", "ones_like", "pow", "rand", "rand_like", "randint", "randn", "randn_like", "rsub", "save",
+           "session", "set_grad_enabled", "stack", "sub", "subtract", "sync", "tensor", "true_divide", "where", "zeros",
+           "zeros_like"]
 
 
 multiply, subtract, divide, true_divide = mul, sub, div, div

@@ -669,24 +669,21 @@ class Tensor:
             raise DeepxError(f"~ (invert) needs an integer or bool tensor; '{self.name}' is {self.dtype}")
         return self._op("invert", (_tp(self),), self.shape, self.dtype, [self])
 
-    # torch's named forms of the operators
+    # torch's named forms of the operators: the module's functions (also dx.add, ...), this tensor first
     def add(self, other: Any, alpha: Any = 1) -> Tensor:
-        return self + (other * alpha if alpha != 1 else other)
+        return add(self, other, alpha=alpha)
 
     def sub(self, other: Any, alpha: Any = 1) -> Tensor:
-        return self - (other * alpha if alpha != 1 else other)
+        return sub(self, other, alpha=alpha)
 
     def rsub(self, other: Any, alpha: Any = 1) -> Tensor:
-        return other - (self * alpha if alpha != 1 else self)
+        return rsub(self, other, alpha=alpha)
 
     def mul(self, other: Any) -> Tensor:
-        return self * other
+        return mul(self, other)
 
     def div(self, other: Any, rounding_mode: str | None = None) -> Tensor:
-        if rounding_mode is not None:
-            raise DeepxError(f"div(rounding_mode={rounding_mode!r}) is not supported: the op catalogue has no floor "
-                             "or trunc op; divide and cast instead")
-        return self / other
+        return div(self, other, rounding_mode=rounding_mode)
 
     multiply, subtract, divide, true_divide = mul, sub, div, div
 
@@ -1789,6 +1786,35 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if squeeze_b:
         out = out.squeeze(-1)
     return out
+
+
+# torch's arithmetic functions (dx.add, ...; Tensor.add and the others call them), a number on either side
+# (dx.pow(2.0, t), dx.add(1.0, t)): the operators do the rest
+def add(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
+    return a + (b * alpha if alpha != 1 else b)  # type: ignore[no-any-return]
+
+
+def sub(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
+    return a - (b * alpha if alpha != 1 else b)  # type: ignore[no-any-return]
+
+
+def rsub(a: Any, b: Any, *, alpha: Any = 1) -> Tensor:
+    return b - (a * alpha if alpha != 1 else a)  # type: ignore[no-any-return]
+
+
+def mul(a: Any, b: Any) -> Tensor:
+    return a * b  # type: ignore[no-any-return]
+
+
+def div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Tensor:
+    if rounding_mode is not None:
+        raise DeepxError(f"div(rounding_mode={rounding_mode!r}) is not supported: the op catalogue has no floor or "
+                         "trunc op; divide and cast instead")
+    return a / b  # type: ignore[no-any-return]
+
+
+def pow(a: Any, b: Any) -> Tensor:
+    return a ** b  # type: ignore[no-any-return]
 
 
 def _sqrt_zero_grad(t: Tensor) -> Tensor:
