@@ -1001,12 +1001,9 @@ class Session:
         results, parameters and optimizer state: heap tensors other processes hold stay until they release them)
         and the plans and kept temporaries of its compiled functions' graphs (the records stay in the plane). An
         embedded daemon goes with the process anyway."""
+        self.graph_drops.extend(sorted(self.graphs_made))
+        self._drop_graphs()
         client = self.transport.client  # type: ignore[attr-defined]
-        for name in sorted(self.graphs_made):
-            try:
-                client.request("graph_drop", name=name)
-            except DeepxError as e:
-                log.debug("closing: graph %s: %s", name, e)
         rows = client.admin("tensors")
         mine = [(r["name"], r["dtype"]) for r in rows if str(r.get("name", "")).startswith(self._prefix)]
         if mine:

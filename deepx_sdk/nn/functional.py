@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import FLOATS
 from deepx_sdk.ir.instr import Param
 from deepx_sdk.ir.shapes import broadcast, norm_dim
 from deepx_sdk.tensor import (
@@ -26,7 +27,7 @@ from deepx_sdk.tensor import (
 
 
 def _float(x: Tensor) -> Tensor:
-    return x if x.dtype in ("float64", "float32", "float16", "bfloat16") else x.type_as_dtype(DEFAULT_FLOAT)
+    return x if x.dtype in FLOATS else x.type_as_dtype(DEFAULT_FLOAT)
 
 
 def _write_back(x: Tensor, y: Tensor, inplace: bool) -> Tensor:
@@ -253,7 +254,7 @@ def mse_loss(x: Tensor, y: Tensor, size_average: Any = None, reduce: Any = None,
     red = _reduction(_torch_loss_args("mse_loss", weight, size_average, reduce, reduction))
     # torch's promotion: an integer target takes the input's dtype, two float dtypes the wider
     x = _float(x)
-    if y.dtype not in ("float64", "float32", "float16", "bfloat16"):
+    if y.dtype not in FLOATS:
         y = y.type_as_dtype(x.dtype)
     elif y.dtype != x.dtype:
         dt = result_type(x, y)
