@@ -224,8 +224,8 @@ def _renametensor(c: Call) -> list[TensorMeta | None]:
 
 def _dropout(c: Call) -> list[TensorMeta | None]:
     p = c.args[0]
-    if not 0.0 <= p < 1.0:
-        raise DeepxError(f"dropout: p={p} must be in [0, 1)")
+    if not 0.0 <= p <= 1.0:
+        raise DeepxError(f"dropout: p={p} must be in [0, 1]")
     return existing(c)
 
 
@@ -807,7 +807,9 @@ def _var(op: OpDef, a: Arg, p: Param, env: Env | None) -> Any:
         if isinstance(value, bool) or value in (0, 1):
             return bool(value)
         raise DeepxError(f"{op.name}: {a.name} must be true or false, got {value!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool):  # deepxir.md: a var literal is a number or true/false (`constant (var<bool>:True)`)
+        value = int(value)
+    elif not isinstance(value, (int, float)):
         raise DeepxError(f"{op.name}: {a.name} must be a {_VTYPE[a.vtype]}, got {value!r}")
     if a.vtype == "int":
         if isinstance(value, float):
@@ -830,6 +832,8 @@ def _vector(op: OpDef, a: Arg, p: Param, env: Env | None) -> tuple[Any, ...]:
         parsed = _vector_text(value)
         if parsed is None and a.kind == "shape" and value.strip():
             parsed = tuple(literal(x) for x in re.split(r"[\s,x]+", value.strip()) if x)
+            if not all(isinstance(x, (int, float)) for x in parsed):  # a name: the vector vecset stored
+                parsed = None
         if parsed is None:
             parsed = env.vector(value) if env is not None else None
             if parsed is None:
@@ -938,14 +942,17 @@ def bind(instr: Instr, env: Env) -> Bound:
         return Bound(op, instr, args, names, [UNKNOWN if a.kind == "tensor" else None for a in op.returns],
                      out_names)
     inferred = op.infer(Call(op, args, names, outs, out_dtypes, out_names))
+    read = None
     for i, (want, have) in enumerate(zip(inferred, outs)):
         if want is None or have is None or have is UNKNOWN or op.family == "life":
             continue
-        if have.shape != want.shape and out_names[i] not in names and op.name != "reshape":
+        if read is None:  # an output that is also an input (one of a list's too) is replaced, whatever it was
+            read = {x for n in names for x in (n if type(n) is list else (n,))}
+        if have.shape != want.shape and out_names[i] not in read and op.name != "reshape":
             raise DeepxError(
                 f"{op.name}: output '{out_names[i]}' has shape {have.shape}, but the result has shape {want.shape}"
             )
-        if have.dtype != want.dtype and out_names[i] not in names:
+        if have.dtype != want.dtype and out_names[i] not in read:
             raise DeepxError(
                 f"{op.name}: output '{out_names[i]}' is {have.dtype}, but the result is {want.dtype}"
             )

@@ -80,7 +80,12 @@ def parse_line(line: str, lineno: int = 1) -> Instr:
     try:
         return _parse(line)
     except _Fail as e:
-        raise DeepxParseError(e.message, lineno, e.offset + 1, line) from None
+        op = _OP_NAME.match(line)  # the op, where the problem lies after its name: `add: expected ')' ...`
+        message = f"{op.group(1)}: {e.message}" if op is not None and e.offset >= op.end() else e.message
+        raise DeepxParseError(message, lineno, e.offset + 1, line) from None
+
+
+_OP_NAME = re.compile(r"\s*([A-Za-z_]\w*)(?=\s*\()")
 
 
 def format_text(instr: Instr) -> str:

@@ -24,7 +24,7 @@ from deepx_sdk.ir.instr import NUMBERED_OPS, Instr, numbers_probe, renumbered, s
 from deepx_sdk.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef
-from deepxd.kernels.cpu import CpuExecutor, check_instruction, dtype_name, repeat_count, transient_transposes
+from deepxd.kernels.cpu import CpuExecutor, check_instruction, dtype_name, repeat_count, transient_transposes, worded
 
 log = logging.getLogger(__name__)
 
@@ -709,7 +709,7 @@ class CpuWorker(OpWorker):
                 add(now())
                 i += 1
         except DeepxError as e:
-            result.error, result.error_index = f"instruction {i + 1}: {e}", i
+            result.error, result.error_index = f"instruction {i + 1}: {worded(known.bounds[i], e)}", i
         except Exception as e:  # what execute() makes of a kernel's error, with its message
             try:
                 self.ex.explain_failure(known.bounds[i], e)

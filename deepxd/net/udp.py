@@ -30,7 +30,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ID = re.compile(r"//.*?\bid=(\d+)")
+_ID = re.compile(r"//.*?\bid=(\S*)")
+
+
+def _request_id(line: str) -> int:
+    """The `id=` of a line that did not parse, read as Instr.id reads a parsed one's (0 where it is not a number,
+    however long)."""
+    m = _ID.search(line)
+    try:
+        return int(m.group(1)) if m else 0
+    except ValueError:
+        return 0
 
 
 def _ms(t: float) -> int:
@@ -79,16 +89,15 @@ class UdpServer(asyncio.DatagramProtocol):
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:  # this line's reply; the others run
                 self.lines += 1
-                m = _ID.search(raw.decode("utf-8", "replace"))
-                self._send(format_reply(int(m.group(1)) if m else 0, False, _ms(recv), 0, _ms(time.time()),
+                rid = _request_id(raw.decode("utf-8", "replace"))
+                self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()),
                                         f"line {lineno} is not UTF-8 text: byte {e.start} of the line (byte "
                                         f"{start + e.start} of the datagram) is {raw[e.start]:#04x}"), addr)
                 continue
             if not line.strip():
                 continue
             self.lines += 1
-            m = _ID.search(line)
-            rid = int(m.group(1)) if m else 0
+            rid = _request_id(line)
             try:
                 instr = parse_line(line.rstrip("\r"), lineno)
             except DeepxError as e:

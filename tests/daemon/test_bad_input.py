@@ -182,6 +182,72 @@ def test_kernel_failures_say_what_went_wrong_on_both_ways_a_program_runs(shared:
     assert m and m.group(5) == "constant: value inf does not fit int32 (constant(inf) -> 'base_i')"
 
 
+# -- what an audit of deepxIR conformance found (twelfth session)
+
+def test_an_id_too_long_for_int_costs_no_reply_and_ids_read_alike_parsed_or_not(shared: Daemon) -> None:
+    """A 5,000-digit id raised inside the datagram loop and lost every reply of the datagram; a line that did not
+    parse read its id by another rule than one that did (`id=-3` gave 0, `id=12abc` gave 12)."""
+    data = ("newtensor (vector:[2]) -> (tensor:id_a) // id=" + "9" * 5000 + "\n"
+            "newtensor (vector:[2]) -> (tensor:id_b) // id=2\n").encode()
+    replies = [r.decode() for r in _udp_raw(shared.udp_port, data, 2)]
+    assert replies[0].startswith("0 ok//") and replies[1].startswith("2 ok//")
+    for rid, want in (("-3", "-3"), ("12abc", "0"), ("007", "7")):
+        ran, unparsed = udp_exchange(shared.udp_port, f"add (tensor:id_nosuch, tensor:id_nosuch) -> (tensor:id_c) "
+                                                      f"// id={rid}\nadd (tensor:id_nosuch tensor:x) -> (tensor:id_c) "
+                                                      f"// id={rid}", 2)
+        assert ran.startswith(f"{want} error//") and unparsed.startswith(f"{want} error//"), (ran, unparsed)
+
+
+def test_a_kernels_own_error_names_the_instruction_both_ways_a_program_runs(shared: Daemon) -> None:
+    """`div: integer division by zero` named no tensor; now every kernel error ends with the instruction as it
+    ran, on the first run and on the known program's prepared steps."""
+    with shared.client() as c:
+        c.put("dz_a", np.ones(2, np.int32))
+        c.put("dz_z", np.zeros(2, np.int32))
+        c.put("dz_i", np.array([9]))
+        prog = parse_text("div (tensor:dz_a, tensor:dz_z) -> (tensor:dz_a)")
+        errors = [c.run(prog).error for _ in range(2)]
+        want = "instruction 1: div: integer division by zero (div('dz_a', 'dz_z') -> 'dz_a')"
+        assert errors[0] == errors[1] == want
+        np.testing.assert_array_equal(c.fetch("dz_a")["dz_a"], np.ones(2, np.int32))  # nothing written
+    (reply,) = udp_exchange(shared.udp_port, "indexselect (tensor:dz_a, tensor:dz_i, var:0) -> (tensor:dz_o) // id=3",
+                            1)
+    m = REPLY_ERR.match(reply)
+    assert m and m.group(5).endswith("(indexselect('dz_a', 'dz_i', 0) -> 'dz_o')"), reply
+    (reply,) = udp_exchange(shared.udp_port, "load (var:/no/such/dir/t) -> () // id=4", 1)
+    m = REPLY_ERR.match(reply)
+    assert m and m.group(5).startswith("load: "), reply
+    (reply,) = udp_exchange(shared.udp_port, "add (tensor:dz_a, tensor:dz_a -> (tensor:dz_c) // id=5", 1)
+    m = REPLY_ERR.match(reply)
+    assert m and "add: expected ')'" in m.group(5), reply
+
+
+def test_deepxir_forms_the_spec_allows_run(shared: Daemon) -> None:
+    """A bool var fills a bool tensor (`var` is a number or true/false); a shape may name a vector vecset stored; an
+    output among a list's inputs is replaced, as any other op's; dropout takes p = 1 (torch's: input * 0)."""
+    lines = ["newtensor (vector<int32>:[2 2]) -> (tensor<bool>:sp_m)",
+             "constant (var<bool>:True) -> (tensor<bool>:sp_m)",
+             "newtensor (vector<int32>:[2 2]) -> (tensor<bool>:sp_o)",
+             "equalscalar (tensor<bool>:sp_m, var<bool>:False, var<float32>:0) -> (tensor<bool>:sp_o)",
+             "vecset (vector<int32>:[2 3]) -> (vector<int32>:sp_shape)",
+             "newtensor (vector<int32>:sp_shape) -> (tensor<float32>:sp_t)",
+             "newtensor (vector<int32>:[3]) -> (tensor<float32>:sp_e)",
+             "arange (var<float32>:1, var<float32>:1) -> (tensor<float32>:sp_e)",
+             "concat (listtensor<float32>:[sp_e sp_e], var<int32>:0) -> (tensor<float32>:sp_e)",
+             "newtensor (vector<int32>:[3]) -> (tensor<float32>:sp_d)",
+             "constant (var<float32>:2.5) -> (tensor<float32>:sp_d)",
+             "dropout (var<float32>:1, var<int32>:5) -> (tensor<float32>:sp_d)"]
+    replies = udp_exchange(shared.udp_port, "\n".join(f"{line} // id={k}" for k, line in enumerate(lines, 1)),
+                           len(lines))
+    assert [r.split("//")[0] for r in replies] == [f"{k} ok" for k in range(1, len(lines) + 1)], replies
+    with shared.client() as c:
+        np.testing.assert_array_equal(c.fetch("sp_m")["sp_m"], np.ones((2, 2), bool))
+        np.testing.assert_array_equal(c.fetch("sp_o")["sp_o"], np.zeros((2, 2), bool))
+        assert c.fetch("sp_t")["sp_t"].shape == (2, 3)
+        np.testing.assert_array_equal(c.fetch("sp_e")["sp_e"], np.array([1, 2, 3, 1, 2, 3], np.float32))
+        np.testing.assert_array_equal(c.fetch("sp_d")["sp_d"], np.zeros(3, np.float32))
+
+
 def test_names_deepxir_text_cannot_write_are_refused(shared: Daemon) -> None:
     (reply,) = udp_exchange(shared.udp_port, "renametensor (var<string>:a b) -> (tensor:base_s) // id=6", 1)
     m = REPLY_ERR.match(reply)

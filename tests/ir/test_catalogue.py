@@ -119,7 +119,7 @@ def env() -> SymbolicEnv:
         (Instr("constant", (Param.var(1),), (T("nosuch"),)), "constant: output tensor 'nosuch' does not exist"),
         (Instr("newtensor", (Param.vector([2, -1]),), (T("n"),)), "newtensor: shape [2, -1] of 'n' has a negative"),
         (Instr("newtensor", (Param.vector([2]),), (T("n", "int4"),)), "newtensor: dtype int4 of 'n' cannot be stored"),
-        (Instr("dropout", (Param.var(1.5), Param.var(0)), (T("a"),)), "dropout: p=1.5 must be in [0, 1)"),
+        (Instr("dropout", (Param.var(1.5), Param.var(0)), (T("a"),)), "dropout: p=1.5 must be in [0, 1]"),
         (
             Instr("broadcastTo", (T("a"), Param.vector([3, 3])), (T("d"),)),
             "broadcastTo: 'a' of shape (2, 3) cannot be broadcast to [3, 3]",

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from kernel_ref import (
     VEC,
@@ -155,10 +156,20 @@ def test_dropout_seeds(dtype, rng):
     assert_exact(drop(9, 0), x, "dropout p=0 (var<int32>) changes nothing")
 
 
-@pytest.mark.parametrize("p", [1.0, -0.1, 1.5])
+@pytest.mark.parametrize("p", [-0.1, 1.5])
 def test_dropout_refuses_p_outside_0_1(p):
     with pytest.raises(DeepxError, match="dropout"):
         run(executor(a=np.ones(4, np.float32)), "dropout", [V(p), V(1)], [T("a")])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_dropout_p_1_drops_everything_as_torch(dtype):
+    """torch's dropout with p=1 is input * 0: zeros, a NaN stays NaN."""
+    x = np.array([1.5, -2.0, np.nan, 0.0], np.float64)
+    ex = executor(a=x.astype(to_numpy(dtype)))
+    run(ex, "dropout", [V(1), V(7)], [T("a")])
+    want = torch.nn.functional.dropout(torch.from_numpy(x), p=1.0).numpy()
+    np.testing.assert_array_equal(ex.get("a").astype(np.float64), want)
 
 
 # ---------------------------------------------------------------- save, load, loadtensordata

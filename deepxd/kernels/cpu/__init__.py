@@ -147,6 +147,12 @@ def failure_message(b: Bound, e: BaseException) -> str:
             problem = f"{e.args[0]!r} not found"
         else:
             problem = " ".join(str(e).split()) or _UNSAID.get(type(e), "the kernel failed")
+    return f"{name}: {problem} ({shown_instruction(b)})"
+
+
+def shown_instruction(b: Bound) -> str:
+    """The instruction as it ran, its tensors by name and its values as themselves: `div('a', 'b') -> 'c'`."""
+    name = b.op.name
     ins = []
     for kind, value, n in zip(_ARG_KINDS.get(name, ()), b.args, b.names):
         if kind == 1:
@@ -156,7 +162,21 @@ def failure_message(b: Bound, e: BaseException) -> str:
         else:
             ins.append(_shown(value))
     outs = ", ".join(repr(str(n)) for n in b.out_names)
-    return f"{name}: {problem} ({name}({', '.join(ins)}) -> {outs or '()'})"
+    return f"{name}({', '.join(ins)}) -> {outs or '()'}"
+
+
+def worded(b: Bound, e: DeepxError) -> DeepxError:
+    """A kernel's own DeepxError (`integer division by zero`, `index 9 out of range`, a tensor file's problem) with
+    the op and the instruction as it ran added where its message lacks them."""
+    if type(e) is not DeepxError:
+        return e
+    message, name = str(e), b.op.name
+    shown = shown_instruction(b)
+    if shown in message:
+        return e
+    if not message.startswith(f"{name}:"):
+        message = f"{name}: {message}"
+    return DeepxError(f"{message} ({shown})")
 
 
 def dtype_name(dt: np.dtype) -> str:
@@ -682,7 +702,7 @@ class CpuExecutor:
         """Raise the DeepxError that execute(b) makes of a kernel's exception `e`; return if it makes none."""
         name = b.op.name
         if isinstance(e, DeepxError):
-            raise e
+            raise worded(b, e) from None
         if isinstance(e, MemoryError):
             sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m is not None)
             raise DeepxError(f"{name}: out of memory (outputs {sizes})") from None
@@ -803,8 +823,8 @@ class CpuExecutor:
                 for n, arr in zip(b.out_names, outs):
                     if tensors.get(n) is not arr:
                         tensors[n] = arr
-        except DeepxError:
-            raise
+        except DeepxError as e:
+            raise worded(b, e) from None
         except MemoryError:
             sizes = ", ".join(f"'{n}' {m.dtype}{list(m.shape)}" for n, m in zip(b.out_names, b.outs) if m is not None)
             raise DeepxError(f"{name}: out of memory (outputs {sizes})") from None

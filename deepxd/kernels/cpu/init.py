@@ -62,6 +62,9 @@ def normal(mean, std, seed, out):
 def dropout(p, seed, a):
     if p == 0 or a.size == 0:
         return
+    if p >= 1:  # everything dropped: torch's input * 0 (a NaN stays NaN)
+        a *= a.dtype.type(0)
+        return
     keep = _rng(seed).random(a.shape, dtype=F32) >= p
     scale = 1.0 / (1.0 - p)
     if a.dtype in LOW:

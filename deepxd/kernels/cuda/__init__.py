@@ -28,7 +28,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
 from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
-from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name, repeat_count
+from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name, repeat_count, worded
 
 log = logging.getLogger(__name__)
 
@@ -323,8 +323,8 @@ class CudaExecutor:
                 for n, t in zip(b.out_names, outs):
                     if tensors.get(n) is not t:
                         tensors[n] = t
-        except DeepxError:
-            raise
+        except DeepxError as e:
+            raise worded(b, e) from None
         except self.cuda.Error as e:
             raise DeepxError(f"{name}: CUDA error {type(e).__name__}: {e} (in {b.instr.name} of {b.names})") from None
 

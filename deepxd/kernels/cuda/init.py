@@ -160,7 +160,7 @@ def normal(ex: CudaExecutor, mean: Any, std: Any, seed: int, out: DeviceTensor) 
 def dropout(ex: CudaExecutor, p: Any, seed: int, a: DeviceTensor) -> bool:
     if p == 0 or a.size == 0:
         return True
-    scale = 1.0 / (1.0 - p)
+    scale = 1.0 / (1.0 - p) if p < 1 else 0.0  # p = 1: the kernel keeps nothing (u < 1), x * 0 everywhere
     if a.dname not in ("float16", "bfloat16"):
         scale = float(to_numpy(a.dname).type(scale))
     f = _fn(ex, a.dname, "dropout", "PqfdQ", "dropout")
