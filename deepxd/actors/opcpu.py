@@ -54,6 +54,9 @@ class RunResult:
     known: bool = False  # it ran as a program the worker knew (checked before, its check now a comparison)
     # asked to run only on a state it was not in (see OpWorker._stale): nothing ran
     stale: bool = False
+    # where an instruction failed while running (not in its check): when it began, in us on the clock of the times;
+    # -1 where none began (a UDP reply's start_at is 0 only for an op that never started, deepxir.md section 2)
+    failed_at: float = -1.0
 
     @property
     def times_us(self) -> list[float]:
@@ -683,6 +686,7 @@ class CpuWorker(OpWorker):
                     self.ex.execute(b)
             except DeepxError as e:
                 result.error, result.error_index = f"instruction {i + 1}: {e}", i
+                result.failed_at = (t0 - start) * 1e6
                 return
             t1 = time.perf_counter()
             times.append((t0 - start) * 1e6)
@@ -718,6 +722,8 @@ class CpuWorker(OpWorker):
             else:
                 raise
         finally:
+            if i < len(known.steps):
+                result.failed_at = ((ends[-1] if ends else start) - start) * 1e6
             if i < len(known.steps) and known.recover:  # stopped part-way: leave the tensors as execute would
                 known.recover[0](i)
         result.done = i

@@ -303,9 +303,11 @@ class CudaWorker(OpWorker):
                     ex.execute(b)
             except DeepxError as e:
                 result.error, result.error_index = f"instruction {i + 1}: {e}", i
+                result.failed_at = (t0 - start) * 1e6
                 return
             except Exception as e:
                 result.error, result.error_index = f"instruction {i + 1}: {self._describe(b, e)}", i
+                result.failed_at = (t0 - start) * 1e6
                 return
             t1 = time.perf_counter()
             times.append((t0 - start) * 1e6)

@@ -112,6 +112,8 @@ class UdpServer(asyncio.DatagramProtocol):
             if result.times_us:
                 start = _ms(result.t0 + result.times_us[0] / 1e6)
                 finish = _ms(result.t0 + result.times_us[-1] / 1e6)
+            elif result.failed_at >= 0:  # it started, and failed while running (a division by zero)
+                start, finish = _ms(result.t0 + result.failed_at / 1e6), _ms(time.time())
             else:
                 start, finish = 0, _ms(time.time())
             error = result.error.removeprefix("instruction 1: ")

@@ -210,6 +210,13 @@ def test_a_kernels_own_error_names_the_instruction_both_ways_a_program_runs(shar
         want = "instruction 1: div: integer division by zero (div('dz_a', 'dz_z') -> 'dz_a')"
         assert errors[0] == errors[1] == want
         np.testing.assert_array_equal(c.fetch("dz_a")["dz_a"], np.ones(2, np.int32))  # nothing written
+    for _ in range(2):  # started and failed: start_at is its start (0 only for an op that never started)
+        (reply,) = udp_exchange(shared.udp_port, "div (tensor:dz_a, tensor:dz_z) -> (tensor:dz_a) // id=2", 1)
+        m = REPLY_ERR.match(reply)
+        assert m and int(m.group(2)) <= int(m.group(3)) <= int(m.group(4)) and int(m.group(3)) > 0, reply
+    (reply,) = udp_exchange(shared.udp_port, "add (tensor:dz_a, tensor:base_s) -> (tensor:dz_c) // id=2", 1)
+    m = REPLY_ERR.match(reply)
+    assert m and m.group(3) == "0", reply  # refused by its check: never started
     (reply,) = udp_exchange(shared.udp_port, "indexselect (tensor:dz_a, tensor:dz_i, var:0) -> (tensor:dz_o) // id=3",
                             1)
     m = REPLY_ERR.match(reply)
