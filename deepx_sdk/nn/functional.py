@@ -235,8 +235,14 @@ def nll_loss(logp: Tensor, target: Tensor, weight: Any = None, size_average: Any
         raise DeepxError(f"nll_loss: target of shape {target.shape} does not match input {logp.shape}")
     logp = _float(logp)
     red = _reduction(reduction)
-    picked = where(target.unsqueeze(-1) == arange(logp.shape[1]), logp, 0.0).sum(1)
+    n, c = logp.shape
     valid = target != ignore_index
+    # input[i, target[i]] as one gather of the flat input: its index checked first against [0, classes) (an ignored
+    # row reads column 0), so that a target out of range fails the step, as torch's does
+    column = _checked_index("nll_loss", where(valid, target, 0), c)
+    flat = logp.reshape(-1)
+    at = arange(n, dtype=column.dtype) * c + column
+    picked = flat._op("indexselect", (_tp(flat), _tp(at), Param.var(0)), (n,), logp.dtype, [flat, at])
     loss = where(valid, -picked, 0.0)
     if red == "none":
         return loss
@@ -312,15 +318,30 @@ def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Te
 
 
 def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
-    """torch's: num_classes=-1 takes the largest index + 1 (reading it from the daemon, as torch reads it). An
-    index outside [0, num_classes) gives a row of zeros here, where torch raises."""
+    """torch's: num_classes=-1 takes the largest index + 1 (reading it from the daemon, as torch reads it); an index
+    outside [0, num_classes) fails, as torch's."""
     from deepx_sdk.tensor import arange
 
+    if index.dtype not in ("int64", "int32", "int16", "int8", "uint8"):
+        raise DeepxError(f"one_hot: indices must be integers (int64), got {index.dtype}")
     if num_classes == -1:
         if not index.numel():
             raise DeepxError("one_hot: cannot infer the number of classes from an empty tensor; pass num_classes")
         num_classes = int(index.max().item()) + 1
-    return (index.unsqueeze(-1) == arange(num_classes)).long()
+    return (_checked_index("one_hot", index, num_classes).unsqueeze(-1) == arange(num_classes)).long()
+
+
+def _checked_index(what: str, index: Tensor, size: int) -> Tensor:
+    """`index` itself, read through a gather from arange(size): the daemon refuses an index outside [0, size) there
+    (`indexselect: index 10 out of range for axis 0 of size 10`), failing the program at `what`'s line."""
+    from deepx_sdk.tensor import arange
+
+    if size <= 0:
+        raise DeepxError(f"{what}: the number of classes must be positive, got {size}")
+    table = arange(size, dtype=index.dtype if index.dtype in ("int64", "int32") else "int64")
+    flat = index.reshape(-1)
+    return table._op("indexselect", (_tp(table), _tp(flat), Param.var(0)), flat.shape, table.dtype,
+                     [table, flat]).reshape(index.shape)
 
 
 __all__ = ["cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax", "mse_loss",

@@ -166,6 +166,32 @@ def test_softmax_without_a_dim_takes_torch_s_implicit_one(shape):
     np.testing.assert_allclose(lgot.numpy(), lref.numpy(), rtol=1e-12)
 
 
+@pytest.mark.parametrize("bad", [10, -1])
+def test_a_class_index_out_of_range_fails_as_torch_s_does(bad):
+    """nll_loss and one_hot gave a row of zeros for a class outside [0, classes) (torch raises); the step fails now,
+    at the line that made the loss, and the session goes on."""
+    logp = dx.tensor(np.log(np.full((3, 10), 0.1, np.float32)), requires_grad=True)
+    target = np.array([1, bad, 2])
+    with pytest.raises(IndexError):
+        torch.nn.functional.nll_loss(torch.from_numpy(logp.numpy()), torch.from_numpy(target))
+    with pytest.raises(dx.DeepxError, match="out of range for axis 0 of size 10") as e:
+        F.nll_loss(logp, dx.tensor(target)).backward()
+    assert "test_nn_edges.py" in str(e.value)
+    with pytest.raises(dx.DeepxError, match="out of range for axis 0 of size 10"):
+        F.one_hot(dx.tensor(target), 10).numpy()
+    # an ignored target is no index; the rest match torch, forward and backward
+    target = np.array([1, -100, 9])
+    loss = F.nll_loss(logp, dx.tensor(target))
+    loss.backward()
+    t = torch.from_numpy(logp.numpy()).requires_grad_()
+    want = torch.nn.functional.nll_loss(t, torch.from_numpy(target))
+    want.backward()
+    assert loss.item() == pytest.approx(want.item())
+    np.testing.assert_allclose(logp.grad.numpy(), t.grad.numpy())
+    np.testing.assert_array_equal(F.one_hot(dx.tensor(np.array([0, 9])), 10).numpy(),
+                                  torch.nn.functional.one_hot(torch.tensor([0, 9]), 10).numpy())
+
+
 def test_one_hot_infers_the_number_of_classes_as_torch():
     idx = np.array([0, 3, 1])
     np.testing.assert_array_equal(F.one_hot(dx.tensor(idx)).numpy(), torch.nn.functional.one_hot(torch.tensor(idx)))

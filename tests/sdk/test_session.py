@@ -193,7 +193,8 @@ def test_run_now_repairs_a_failed_step_and_leaves_heap_deletes_to_the_ask():
     before = (sched.programs, sched.now_hits, sched.stats.by_message.get("run", 0), t.runner.resumed)
     outcomes = [t.run(list(step), ["p", "x", "d"]) for _ in range(5)]
     assert [o.ok for o in outcomes] == [True] * 4 + [False]
-    assert outcomes[-1].error == "instruction 4: div: integer division by zero" and outcomes[-1].done == 3
+    assert outcomes[-1].error == "instruction 4: div: integer division by zero (div('i', 'd') -> 'q')"
+    assert outcomes[-1].done == 3
     assert sched.now_hits - before[1] == 2  # the fourth and the failing fifth
     assert sched.programs - before[0] == sched.stats.by_message["run"] - before[2] == 5
     assert not sched._busy and not worker._busy and sched._fast == []
