@@ -830,15 +830,15 @@ def _vector(op: OpDef, a: Arg, p: Param, env: Env | None) -> tuple[Any, ...]:
         value = tuple(value)
     if isinstance(value, str):
         parsed = _vector_text(value)
+        if parsed is None and env is not None:  # a name: the vector vecset stored (`x` too, which reads as `[]`)
+            parsed = env.vector(value)
         if parsed is None and a.kind == "shape" and value.strip():
             parsed = tuple(literal(x) for x in re.split(r"[\s,x]+", value.strip()) if x)
-            if not all(isinstance(x, (int, float)) for x in parsed):  # a name: the vector vecset stored
+            if not all(isinstance(x, (int, float)) for x in parsed):
                 parsed = None
         if parsed is None:
-            parsed = env.vector(value) if env is not None else None
-            if parsed is None:
-                raise DeepxError(f"{op.name}: {a.name}={value!r} is not a vector and no vector of that name is set "
-                                 "(vecset)")
+            raise DeepxError(f"{op.name}: {a.name}={value!r} is not a vector and no vector of that name is set "
+                             "(vecset)")
         value = parsed
     if not isinstance(value, tuple):
         raise DeepxError(f"{op.name}: {a.name} must be a vector like [2 3], got {value!r}")

@@ -237,12 +237,16 @@ def nll_loss(logp: Tensor, target: Tensor, weight: Any = None, size_average: Any
     red = _reduction(reduction)
     n, c = logp.shape
     valid = target != ignore_index
-    # input[i, target[i]] as one gather of the flat input: its index checked first against [0, classes) (an ignored
-    # row reads column 0), so that a target out of range fails the step, as torch's does
-    column = _checked_index("nll_loss", where(valid, target, 0), c)
-    flat = logp.reshape(-1)
-    at = arange(n, dtype=column.dtype) * c + column
-    picked = flat._op("indexselect", (_tp(flat), _tp(at), Param.var(0)), (n,), logp.dtype, [flat, at])
+    if c:
+        # input[i, target[i]] as one gather of the flat input (its index in int64: n * c may pass int32's range),
+        # the target checked first against [0, classes) (an ignored row reads column 0), so that a target out of
+        # range fails the step, as torch's does
+        column = _checked_index("nll_loss", where(valid, target, 0), c).type_as_dtype("int64")
+        flat = logp.reshape(-1)
+        at = arange(n, dtype="int64") * c + column
+        picked = flat._op("indexselect", (_tp(flat), _tp(at), Param.var(0)), (n,), logp.dtype, [flat, at])
+    else:  # no class at all: every target is out of range (unchecked here) or ignored (torch's NaN below)
+        picked = logp.sum(1)
     loss = where(valid, -picked, 0.0)
     if red == "none":
         return loss
@@ -322,7 +326,7 @@ def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
     outside [0, num_classes) fails, as torch's."""
     from deepx_sdk.tensor import arange
 
-    if index.dtype not in ("int64", "int32", "int16", "int8", "uint8"):
+    if index.dtype not in ("int64", "int32", "int16", "int8"):
         raise DeepxError(f"one_hot: indices must be integers (int64), got {index.dtype}")
     if num_classes == -1:
         if not index.numel():
@@ -332,13 +336,16 @@ def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
 
 
 def _checked_index(what: str, index: Tensor, size: int) -> Tensor:
-    """`index` itself, read through a gather from arange(size): the daemon refuses an index outside [0, size) there
-    (`indexselect: index 10 out of range for axis 0 of size 10`), failing the program at `what`'s line."""
+    """`index` itself (int64 or int32; a narrower integer as int64), read through a gather from arange(size): the
+    daemon refuses an index outside [0, size) there (`indexselect: index 10 out of range for axis 0 of size 10`),
+    failing the program at `what`'s line."""
     from deepx_sdk.tensor import arange
 
     if size <= 0:
         raise DeepxError(f"{what}: the number of classes must be positive, got {size}")
-    table = arange(size, dtype=index.dtype if index.dtype in ("int64", "int32") else "int64")
+    if index.dtype not in ("int64", "int32"):
+        index = index.type_as_dtype("int64")
+    table = arange(size, dtype=index.dtype)
     flat = index.reshape(-1)
     return table._op("indexselect", (_tp(table), _tp(flat), Param.var(0)), flat.shape, table.dtype,
                      [table, flat]).reshape(index.shape)

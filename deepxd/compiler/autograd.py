@@ -976,6 +976,8 @@ def _dropout(gr: Grad, g: str) -> dict[int, str]:
         b = gr._builder
         b.append(Instr("dropout", (Param.var(p, "float64"), Param.var(seed)), (Param.tensor(ones, m.dtype),)))
         return {2: gr.emit("mul", g, ones)}
+    if p >= 1:  # everything dropped: y = x * 0, whose gradient is g * 0
+        return {2: gr.emit("mulscalar", g, 0.0)}
     kept = _float_mask(gr, gr.emit("notequalscalar", gr.y(), 0.0), m)
     return {2: gr.emit("mul", g, gr.emit("mulscalar", kept, 1.0 / (1.0 - p)))}
 

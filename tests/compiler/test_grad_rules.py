@@ -379,6 +379,27 @@ def test_dropout_gradient_is_the_mask_scaled(dtype, seed, rng):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", ORDER)
+@pytest.mark.parametrize("seed", [0, 1234])
+def test_dropout_with_p_1_has_torch_s_gradient(dtype, seed, rng):
+    """p = 1 drops everything (y = x * 0, as torch): the gradient is g * 0; the rule divided by 1 - p = 0."""
+    x = rng.uniform(0.5, 1.5, (6, 5)).astype(to_numpy(dtype))
+    fwd = program(f"""
+        copytensor (tensor<{dtype}>:x) -> (tensor<{dtype}>:y)
+        dropout (var<float64>:1, var<int64>:{seed}) -> (tensor<{dtype}>:y)
+    """)
+    ex = executor({"x": x})
+    ex.run_all(fwd)
+    up = rng.uniform(-1, 1, x.shape).astype(x.dtype)
+    ex.put("up", up)
+    back, names = grad_program(fwd, "y", ["x"], ex, grad_loss="up")
+    ex.run_all(back)
+    tx = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    torch.nn.functional.dropout(tx, p=1.0).backward(torch.from_numpy(up.astype(np.float64)))
+    np.testing.assert_array_equal(ex.get("y").astype(np.float64), 0.0)
+    np.testing.assert_array_equal(ex.get(names["x"]).astype(np.float64), tx.grad.numpy())
+
+
 def test_fused_rule_unfuses_the_expression():
     names = iter(f"t{i}" for i in range(100))
     prog, root = unfuse("maximum(in0, 2) * (3 - in1) / 2.0 ** in0 + (1 + 2) * -in1", ["x", "y"], "float32",

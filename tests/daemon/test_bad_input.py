@@ -238,6 +238,8 @@ def test_deepxir_forms_the_spec_allows_run(shared: Daemon) -> None:
              "equalscalar (tensor<bool>:sp_m, var<bool>:False, var<float32>:0) -> (tensor<bool>:sp_o)",
              "vecset (vector<int32>:[2 3]) -> (vector<int32>:sp_shape)",
              "newtensor (vector<int32>:sp_shape) -> (tensor<float32>:sp_t)",
+             "vecset (vector<int32>:[4 1]) -> (vector<int32>:x)",  # a name that reads as a literal shape too
+             "newtensor (vector<int32>:x) -> (tensor<float32>:sp_x)",
              "newtensor (vector<int32>:[3]) -> (tensor<float32>:sp_e)",
              "arange (var<float32>:1, var<float32>:1) -> (tensor<float32>:sp_e)",
              "concat (listtensor<float32>:[sp_e sp_e], var<int32>:0) -> (tensor<float32>:sp_e)",
@@ -250,7 +252,7 @@ def test_deepxir_forms_the_spec_allows_run(shared: Daemon) -> None:
     with shared.client() as c:
         np.testing.assert_array_equal(c.fetch("sp_m")["sp_m"], np.ones((2, 2), bool))
         np.testing.assert_array_equal(c.fetch("sp_o")["sp_o"], np.zeros((2, 2), bool))
-        assert c.fetch("sp_t")["sp_t"].shape == (2, 3)
+        assert c.fetch("sp_t")["sp_t"].shape == (2, 3) and c.fetch("sp_x")["sp_x"].shape == (4, 1)
         np.testing.assert_array_equal(c.fetch("sp_e")["sp_e"], np.array([1, 2, 3, 1, 2, 3], np.float32))
         np.testing.assert_array_equal(c.fetch("sp_d")["sp_d"], np.zeros(3, np.float32))
 

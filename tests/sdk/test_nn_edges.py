@@ -16,6 +16,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.dtypes import to_numpy
 
 LIBS = ((torch, torch.nn, torch.nn.functional), (dx, nn, F))
 
@@ -190,6 +191,45 @@ def test_a_class_index_out_of_range_fails_as_torch_s_does(bad):
     np.testing.assert_allclose(logp.grad.numpy(), t.grad.numpy())
     np.testing.assert_array_equal(F.one_hot(dx.tensor(np.array([0, 9])), 10).numpy(),
                                   torch.nn.functional.one_hot(torch.tensor([0, 9]), 10).numpy())
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "int16", "int8"])
+def test_one_hot_takes_every_integer_dtype_as_torch(dtype):
+    index = np.array([0, 2, 1], to_numpy(dtype))
+    np.testing.assert_array_equal(F.one_hot(dx.tensor(index), 3).numpy(),
+                                  torch.nn.functional.one_hot(torch.from_numpy(index.astype(np.int64)), 3).numpy())
+
+
+def test_nll_loss_gathers_with_an_int64_flat_index_whatever_the_target_dtype(monkeypatch):
+    """input[i, target[i]] is one gather at i * classes + target[i]: made in the int32 of an int32 target, it wrapped
+    from 2**31 elements (65,536 tokens of a 32K vocabulary), so it is made in int64."""
+    from deepx_sdk.tensor import Tensor
+
+    seen = []
+    op = Tensor._op
+
+    def spy(self, name, params, *rest, **kw):
+        if name == "indexselect":
+            seen.append([p.precisions[0] if p.precisions else None for p in params])
+        return op(self, name, params, *rest, **kw)
+
+    monkeypatch.setattr(Tensor, "_op", spy)
+    logp = dx.tensor(np.log(np.full((4, 3), 1 / 3, np.float32)))
+    loss = F.nll_loss(logp, dx.tensor(np.array([0, 2, 1, -100], np.int32)))
+    gathers = [s for s in seen if s[0] == "float32"]
+    assert gathers and gathers[-1][1] == "int64", seen
+    assert loss.item() == pytest.approx(np.log(3), rel=1e-6)
+
+
+def test_nll_loss_of_no_class_with_every_target_ignored_is_nan_as_torch():
+    x = np.zeros((2, 0), np.float32)
+    t = np.array([-100, -100])
+    logp = dx.tensor(x, requires_grad=True)
+    loss = F.nll_loss(logp, dx.tensor(t))
+    loss.backward()
+    assert np.isnan(loss.item()) and np.isnan(torch.nn.functional.nll_loss(torch.from_numpy(x),
+                                                                         torch.from_numpy(t)).item())
+    assert logp.grad.numpy().shape == (2, 0)
 
 
 def test_one_hot_infers_the_number_of_classes_as_torch():
