@@ -6,6 +6,7 @@ test process has torch (libgomp) loaded already."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -30,8 +31,10 @@ needs_mkl = pytest.mark.skipif(not _mkl_installed(), reason="MKL is not installe
 
 
 def _script(body: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`body` in a fresh interpreter, on MKL (DEEPX_BLAS=mkl) unless `env` says otherwise: auto would take numpy's
+    BLAS on a machine where it measures faster (test_auto_takes_the_library_it_measures_faster)."""
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "DEEPX_NATIVE_BACKGROUND": "0", **env})
+                       env={**os.environ, "DEEPX_NATIVE_BACKGROUND": "0", "DEEPX_BLAS": "mkl", **env})
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -370,7 +373,7 @@ def test_idle_mkl_threads_sleep_after_a_millisecond_unless_told_otherwise():
         assert blas.mkl() is not None
         print("blocktime", os.environ["KMP_BLOCKTIME"])
     """
-    env = {k: v for k, v in os.environ.items() if k != "KMP_BLOCKTIME"}
+    env = {**{k: v for k, v in os.environ.items() if k != "KMP_BLOCKTIME"}, "DEEPX_BLAS": "mkl"}
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True, timeout=120,
                        env=env)
     assert "blocktime 1" in r.stdout, r.stderr
@@ -471,3 +474,42 @@ def test_a_blas_setting_of_another_case_or_name():
         print("mode", blas._mode)
     """, DEEPX_BLAS="openblas")
     assert "mode auto" in r.stdout and "DEEPX_BLAS='openblas' is none of auto, numpy, mkl; auto" in r.stderr
+
+
+@needs_mkl
+def test_auto_takes_the_library_it_measures_faster_and_keeps_the_choice(tmp_path):
+    """auto times the MLP step's largest products on MKL and on numpy's BLAS at the first start on a machine, keeps
+    the choice in the kernel cache, and every later process reads it there (the same library, the same bits)."""
+    body = """
+        import json, logging
+        logging.basicConfig(level=logging.INFO)
+        import numpy as np
+        from deepxd.kernels.cpu import blas, native
+        from deepxd.kernels.cpu.matmul import matmul
+        a = np.ones((64, 32), np.float32)
+        out = np.empty((64, 64), np.float32)
+        matmul(a, a.T.copy(), out)
+        assert np.all(out == 32)
+        print("describe", blas.describe())
+        print("omp", blas.omp_dir() is not None)
+    """
+    cache = tmp_path / "cache"
+    first = _script(body, DEEPX_BLAS="auto", DEEPX_KERNEL_CACHE=str(cache))
+    record = json.loads((cache / "blas-choice.json").read_text())
+    (choice,) = record.values()
+    assert choice["blas"] == ("numpy" if choice["numpy_us"] < 0.95 * choice["mkl_us"] else "mkl"), choice
+    assert "blas: auto measured MKL" in first.stderr
+    said = first.stdout.split("describe ")[1].splitlines()[0]
+    assert said.startswith("numpy (auto: numpy's BLAS is faster here" if choice["blas"] == "numpy" else "mkl (")
+    assert ("omp True" in first.stdout) == (choice["blas"] == "mkl")
+    again = _script(body, DEEPX_BLAS="auto", DEEPX_KERNEL_CACHE=str(cache))
+    assert "blas: auto measured" not in again.stderr and f"describe {said}" in again.stdout
+    # a choice kept for this machine is taken as it is: numpy's here, where MKL was faster, and the other way round
+    key = next(iter(record))
+    flipped = {"blas": "mkl" if choice["blas"] == "numpy" else "numpy", "mkl_us": 1.0, "numpy_us": 1.0}
+    (cache / "blas-choice.json").write_text(json.dumps({key: flipped}))
+    third = _script(body, DEEPX_BLAS="auto", DEEPX_KERNEL_CACHE=str(cache))
+    assert ("describe mkl (" in third.stdout) == (flipped["blas"] == "mkl"), third.stdout
+    # DEEPX_BLAS=mkl or numpy is never measured
+    forced = _script(body, DEEPX_KERNEL_CACHE=str(tmp_path / "other"))
+    assert "describe mkl (" in forced.stdout and not (tmp_path / "other" / "blas-choice.json").exists()
