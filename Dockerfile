@@ -6,8 +6,9 @@
 #   docker exec -it <container> deepxctl tensors ls
 #
 # Settings are DEEPX_* variables (docs/daemon.md): -e DEEPX_KV=redis://redis:6379/0 puts the plane in a Redis that
-# several daemons share (give each -e DEEPX_NODE_ID=...). `docker stop` sends SIGTERM: deepxd drains in-flight
-# programs and stops.
+# several daemons share (give each its own -e DEEPX_NODE_ID=...). The node id is fixed here, not the container's host
+# name, which changes with every `docker run`: heap tensors in the persisted plane belong to the node that made them.
+# `docker stop` sends SIGTERM: deepxd drains in-flight programs and stops.
 FROM python:3.11-slim
 
 # a C compiler for the native kernels that op-cpu compiles at run time (optional: without it numpy runs everything)
@@ -25,7 +26,8 @@ RUN pip install --no-cache-dir . && mkdir -p /var/lib/deepx /run/deepx
 ENV DEEPX_KV=memory:///var/lib/deepx/plane.aof \
     DEEPX_UDP=0.0.0.0:9090 \
     DEEPX_LISTEN=unix:///run/deepx/deepxd.sock \
-    DEEPX_ADDRESS=unix:///run/deepx/deepxd.sock
+    DEEPX_ADDRESS=unix:///run/deepx/deepxd.sock \
+    DEEPX_NODE_ID=deepxd
 VOLUME /var/lib/deepx
 EXPOSE 9090/udp
 

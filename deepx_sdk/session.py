@@ -822,6 +822,8 @@ class Session:
             outcome = (self.transport.run(program, fetch, backwards) if backwards  # type: ignore[call-arg]
                        else self.transport.run(program, fetch))
         except DeepxError as e:
+            if str(e).startswith("lost the connection"):  # said once (the client names the address)
+                raise
             raise DeepxError(f"lost the connection to deepxd: {e}") from None
         for line in outcome.output:
             sys.stdout.write(line + "\n")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import signal
+import socket
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
@@ -40,6 +42,7 @@ class Node:
         self.kv = open_kv(c.kv, prefix=c.kv_prefix, **({"fsync": c.kv_fsync} if c.kv.startswith("memory") else {}))
         await self.kv.connect()
         try:
+            await self._refuse_a_live_namesake()
             await self._start_actors()
             await self._start_transports()
         except BaseException:
@@ -98,6 +101,37 @@ class Node:
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
                 blas=cpu_blas, scheduler=self.refs.get("scheduler")))
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
+
+    async def _refuse_a_live_namesake(self) -> None:
+        """Stop start-up where a deepxd of this node id runs on this machine (its process alive and its socket
+        answering): two daemons of one id on one plane overwrite each other's node record, and the one left running
+        was then listed stopped, at the other's address. A record left by a daemon that died is taken over."""
+        record = await self.kv.hgetall(f"node:{self.config.node_id}")
+        if not record or record.get("state") != "running":
+            return
+        try:
+            pid = int(record.get("pid", 0))
+            address = str(json.loads(record.get("addresses", "{}")).get("unix", ""))
+        except (TypeError, ValueError):
+            return
+        if pid <= 0 or pid == os.getpid() or not address.startswith("unix://"):
+            return
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return  # died (kill -9): its record is this daemon's now
+        except PermissionError:
+            pass  # another user's process: alive
+        path = address.removeprefix("unix://")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            try:
+                s.connect(path)
+            except OSError:
+                return  # its pid was reused, or it is stopping: no daemon answers there
+        raise DeepxError(f"node id '{self.config.node_id}' is in use by a running deepxd (pid {pid}, listening on "
+                         f"{address}) on this storage plane: give this daemon another one (--node-id, "
+                         "DEEPX_NODE_ID)")
 
     async def _start_cuda(self) -> Any:
         """The op-cuda worker, its executor made (and the GPU asked) now, so that a GPU that does not answer stops

@@ -65,6 +65,9 @@ class Registry(Actor):
     async def on_start(self) -> None:
         await self.kv.hset(f"node:{self.node_id}", self._record())
         async with self.kv.batch() as b:
+            # the counters are this daemon's since it started: a restart on a persisted plane left the last run's,
+            # which those of ops not yet run again kept beside the new ones of the others
+            b.delete(*(f"ops:{self.node_id}:{worker}" for worker in self.workers))
             self._signatures(b)
         if self._tick is None:
             self._tick = asyncio.get_running_loop().create_task(self._ticker(), name="registry:tick")

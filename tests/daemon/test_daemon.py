@@ -274,6 +274,58 @@ def test_restart_on_a_persisted_plane_finds_heap_tensor_metadata(tmp_path):
         assert d2.stop() == 0
 
 
+def test_a_second_daemon_of_a_running_node_id_is_refused_and_a_dead_one_s_id_is_taken(tmp_path, redis_server):
+    """Two daemons of one node id on one plane overwrote each other's record (the default id is the host name), and
+    the one left running was then listed stopped, at the other's address. A second start is refused while the first
+    runs; after a kill -9 its record is taken over."""
+    kv, node = redis_server.url, f"same-node-{os.getpid()}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = Daemon(tmp_path / "a", kv=kv, node_id=node).start()
+    try:
+        second = Daemon(tmp_path / "b", kv=kv, node_id=node).start(wait=False)
+        assert second.proc.wait(30) != 0
+        out = second.output()
+        assert f"node id '{node}' is in use by a running deepxd" in out and str(first.proc.pid) in out, out
+        with first.client() as c:
+            nodes = {n["node"]: n for n in c.admin("nodes")}
+            assert nodes[node]["state"] == "running" and int(nodes[node]["pid"]) == first.proc.pid
+    finally:
+        first.stop(signal.SIGKILL)
+    again = Daemon(tmp_path / "b", kv=kv, node_id=node).start()
+    try:
+        with again.client() as c:
+            assert int({n["node"]: n for n in c.admin("nodes")}[node]["pid"]) == again.proc.pid
+    finally:
+        assert again.stop() == 0
+
+
+def test_op_counters_after_a_restart_are_the_new_daemon_s(tmp_path):
+    """The counters were absolute since-start values written over the last run's only for ops that ran again: after
+    a restart on a persisted plane, newtensor showed this run's count and addscalar the last run's."""
+    kv = f"memory://{tmp_path}/plane.aof"
+    prog = parse_text("newtensor (vector<int32>:[4]) -> (tensor<float32>:q)\n"
+                      "addscalar (tensor<float32>:q, var<int32>:1) -> (tensor<float32>:q)")
+    d = Daemon(tmp_path, kv=kv, node_id="counting-node").start()
+    with d.client() as c:
+        for _ in range(3):
+            c.run(prog).raise_for_error()
+            c.run(parse_text("deltensor () -> (tensor<float32>:q)")).raise_for_error()
+        time.sleep(0.6)  # a heartbeat flushes op counters
+        ops = {o["op"]: o["calls"] for o in c.admin("ops") if o["worker"] == "op-cpu"}
+        assert ops["addscalar"] == 3
+    assert d.stop() == 0
+    d2 = Daemon(tmp_path, kv=kv, node_id="counting-node").start()
+    try:
+        with d2.client() as c:
+            c.run(parse_text("newtensor (vector<int32>:[4]) -> (tensor<float32>:r)")).raise_for_error()
+            time.sleep(0.6)
+            ops = {o["op"]: o["calls"] for o in c.admin("ops") if o["worker"] == "op-cpu" and o["calls"]}
+            assert ops == {"newtensor": 1}, ops
+    finally:
+        assert d2.stop() == 0
+
+
 def test_admin_queries(daemon):
     with daemon.client() as c:
         c.run(parse_text("newtensor (vector<int32>:[8]) -> (tensor<float32>:q)\n"
