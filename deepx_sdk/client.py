@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import socket
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,9 @@ class NativeClient:
             raise DeepxError(f"cannot reach deepxd at {address}: {e.strerror or e}; is it running "
                              "(deepxd start)?") from None
         self._ids = itertools.count(1)
+        # one request at a time on the connection: threads that share a client (a session's) would otherwise read
+        # each other's replies
+        self._request_lock = threading.Lock()
         self.server: dict[str, Any] = {}
         if hello:
             self.server = self.request("hello", version=PROTOCOL_VERSION, client=client)
@@ -138,6 +142,10 @@ class NativeClient:
                                  "timeout); the connection is closed: connect again to retry")
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        with self._request_lock:
+            return self._request(op, fields)
+
+    def _request(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._ids)
         try:
             self.send_frame({"id": rid, "op": op, **fields})

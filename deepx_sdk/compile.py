@@ -700,6 +700,13 @@ class CompiledFunction:
     # -- capture
     def _capture(self, s: Session, key: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                  leaves: list[tuple[str, Any]], mods: Sequence[Any], opts: Sequence[Any]) -> Any:
+        """Capture one call: under the session's lock, since the recorder stands in for the session's transport
+        and another thread's instructions meanwhile would be taken into the graph."""
+        with s._lock:
+            return self._capture_locked(s, key, args, kwargs, leaves, mods, opts)
+
+    def _capture_locked(self, s: Session, key: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        leaves: list[tuple[str, Any]], mods: Sequence[Any], opts: Sequence[Any]) -> Any:
         from deepx_sdk.tensor import tensor
 
         # arrays become tensors first (they are the graph's inputs, sent before the capture starts)

@@ -450,7 +450,7 @@ class Session:
         self._pid = os.getpid()  # a forked child inherits the session: its exit must not close the parent's
         self._lock = threading.RLock()
         self.closed = False
-        self.grad_enabled = True
+        self._grad_mode = threading.local()  # grad_enabled, per thread as torch's (no_grad in one thread is its own)
         self.seed_counter = itertools.count(1)
         self.base_seed: int | None = None
         # records the autograd graph on the tensors themselves (each result's grad_fn; see Tape)
@@ -526,6 +526,15 @@ class Session:
         self._lazy_misses: dict[Any, int] = {}  # backward probe -> programs in a row that repeated none
         self._lazy_off: dict[Any, int] = {}  # probe -> how many more of its backwards go on their own
 
+    @property
+    def grad_enabled(self) -> bool:
+        """Whether operations of this thread record gradients (dx.no_grad and the like set it, per thread)."""
+        return getattr(self._grad_mode, "on", True)
+
+    @grad_enabled.setter
+    def grad_enabled(self, on: bool) -> None:
+        self._grad_mode.on = on
+
     def new_name(self) -> str:
         return f"{self._prefix}{next(self._names)}"
 
@@ -537,10 +546,18 @@ class Session:
     def record_at(self, instr: Instr, where: Any) -> None:
         """record(), with the user's line already found (`where`: an origin() entry, None where unknown): an
         optimizer's step looks it up once for all its updates."""
+        if self.capture is not None:  # a dx.compile capture holds the lock: another thread's instruction waits
+            with self._lock:          # for its end (else it would be taken into the graph)
+                self._append(instr, where)
+            return
+        self._append(instr, where)
+
+    def _append(self, instr: Instr, where: Any) -> None:
         if self.collected:  # their deletions first: an in-place write (an optimizer's) then finds no views to copy
             with self._lock:
                 self._drain_collected()
-        # no lock: a session records from one thread (collection never records: it only queues names)
+        # no lock: a session records from one thread at a time (collection never records: it only queues names;
+        # a backward and a capture take the lock)
         pending = self.pending
         pending.append(instr)
         self.origins.append(where)

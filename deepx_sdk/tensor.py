@@ -500,35 +500,36 @@ class Tensor:
             path, forward, leaves = [], [], {self.name: self}
         else:
             path, forward, leaves = graph_of(root, self.name)
-        upstream = grad_loss.name if grad_loss is not None else None
-        prefix, k = s.grad_prefix()
-        # the gradients' names: the same every step of a loop (prefix k comes back once its gradients are gone)
-        grads = {w: f"{prefix}r{i}" for i, w in enumerate(leaves)}
-        spec = {"forward": forward, "loss": loss.name, "wrt": list(leaves), "grad_loss": upstream,
-                "prefix": prefix, "names": grads}
-        if s.transport.lazy_backward and s.capture is None and s.lazy_backward and s.backward_seen(spec):
-            # derived before (a training loop): recorded, and expanded by the daemon where it stands in the
-            # program, so that the whole step goes as one program
-            s.record_backward(Instr("backward", (_tp(loss),), tuple(Param.tensor(n, leaves[w].dtype)
-                                                                     for w, n in grads.items())), spec)
-        else:
-            # the first time: derived and run now, so that a graph without a gradient raises here
-            s.sync()
-            try:
-                s.runs += 1
-                grads = s.transport.backward(forward, loss.name, list(leaves), upstream, prefix, grads)
-            except BaseException:
-                s.grad_prefix_failed(k)
-                raise
-            s.backward_seen(spec, remember=True)
-        s.grad_prefix_taken(k, len(grads))
-        with _no_tape(s):
-            for name, leaf in leaves.items():
-                g = Tensor(grads[name], leaf.shape, leaf.dtype, s)
-                if leaf.grad is None:
-                    leaf.grad = g
-                else:  # accumulated in place, as torch's: a handle on .grad held from before sees the sum
-                    leaf.grad._assign(leaf.grad + g, "backward")
+        with s._lock:  # one backward at a time: threads of one session share its gradient names
+            upstream = grad_loss.name if grad_loss is not None else None
+            prefix, k = s.grad_prefix()
+            # the gradients' names: the same every step of a loop (prefix k comes back once its gradients are gone)
+            grads = {w: f"{prefix}r{i}" for i, w in enumerate(leaves)}
+            spec = {"forward": forward, "loss": loss.name, "wrt": list(leaves), "grad_loss": upstream,
+                    "prefix": prefix, "names": grads}
+            if s.transport.lazy_backward and s.capture is None and s.lazy_backward and s.backward_seen(spec):
+                # derived before (a training loop): recorded, and expanded by the daemon where it stands in the
+                # program, so that the whole step goes as one program
+                s.record_backward(Instr("backward", (_tp(loss),), tuple(Param.tensor(n, leaves[w].dtype)
+                                                                         for w, n in grads.items())), spec)
+            else:
+                # the first time: derived and run now, so that a graph without a gradient raises here
+                s.sync()
+                try:
+                    s.runs += 1
+                    grads = s.transport.backward(forward, loss.name, list(leaves), upstream, prefix, grads)
+                except BaseException:
+                    s.grad_prefix_failed(k)
+                    raise
+                s.backward_seen(spec, remember=True)
+            s.grad_prefix_taken(k, len(grads))
+            with _no_tape(s):
+                for name, leaf in leaves.items():
+                    g = Tensor(grads[name], leaf.shape, leaf.dtype, s)
+                    if leaf.grad is None:
+                        leaf.grad = g
+                    else:  # accumulated in place, as torch's: a handle on .grad held from before sees the sum
+                        leaf.grad._assign(leaf.grad + g, "backward")
         if not retain_graph:
             for node in path:
                 node.free()
