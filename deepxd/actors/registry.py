@@ -26,6 +26,10 @@ from deepxd.kv.base import KV, Batch
 
 log = logging.getLogger(__name__)
 
+#: how long a listing waits for an op worker busy with a program before it says so (the registry answers one
+#: query at a time: `deepxctl actors ls` queued behind `tensors ls` waited for the whole program)
+BUSY_WORKER_S = 5.0
+
 
 class Registry(Actor):
     role = "registry"
@@ -162,8 +166,14 @@ class Registry(Actor):
                     pass
             heap_names.add(row["name"])
             rows.append(row)
-        for ref in self.workers.values():
-            for row in await ref.ask("tensors"):
+        for worker, ref in self.workers.items():
+            try:  # a worker answers between programs: a long one must not hold every other query behind this one
+                listed = await ref.ask("tensors", timeout=BUSY_WORKER_S)
+            except DeepxError:
+                raise DeepxError(f"{worker} is running a program and did not list its tensors within "
+                                 f"{BUSY_WORKER_S:.0f} s (it answers between programs): try again later; the "
+                                 "plane's records (heap tensors) are listed by deepxctl --kv URL tensors ls") from None
+            for row in listed:
                 if row["kind"] == "stack" or row["name"] not in heap_names:
                     rows.append({**row, "node": self.node_id, "state": "live"})
         return sorted(rows, key=lambda r: r["name"])

@@ -8,6 +8,7 @@ import signal
 import socket
 import struct
 import subprocess
+import threading
 import time
 
 import msgpack
@@ -324,6 +325,39 @@ def test_op_counters_after_a_restart_are_the_new_daemon_s(tmp_path):
             assert ops == {"newtensor": 1}, ops
     finally:
         assert d2.stop() == 0
+
+
+def test_a_tensor_listing_during_a_long_program_says_so_and_holds_no_other_query(daemon):
+    """`deepxctl tensors ls` during a long program waited for its end inside the registry, and every query after it
+    (`actors ls`, the command for spotting a backlog) waited behind it: the listing now gives up after
+    BUSY_WORKER_S, saying why, and the queries after it are answered."""
+    from deepxd.actors.registry import BUSY_WORKER_S
+
+    with daemon.client() as c:
+        c.put("busy_a", np.ones((1024, 1024), np.float32))
+    done: list = []
+
+    def long_program() -> None:
+        with daemon.client() as c:
+            done.append(c.run(parse_text("matmul (tensor<float32>:busy_a, tensor<float32>:busy_a) -> "
+                                         "(tensor<float32>:busy_m) // benchmark.repeat=400")))
+
+    runner = threading.Thread(target=long_program)
+    runner.start()
+    try:
+        time.sleep(0.5)
+        with daemon.client() as c:
+            t0 = time.monotonic()
+            if not done:  # still running (it takes seconds on any machine this runs on)
+                with pytest.raises(DeepxError, match="op-cpu is running a program and did not list its tensors"):
+                    c.admin("tensors")
+                assert time.monotonic() - t0 < BUSY_WORKER_S + 3
+            t1 = time.monotonic()
+            assert {a["name"] for a in c.admin("actors")} >= {"registry", "op-cpu"}
+            assert time.monotonic() - t1 < 2
+    finally:
+        runner.join(120)
+    assert done and done[0].ok
 
 
 def test_admin_queries(daemon):
