@@ -102,6 +102,30 @@ def show(ctl: Ctl, name: str, passes: bool, fmt: str) -> None:
         click.echo(line)
 
 
+@graphs.command("rm")
+@click.argument("names", nargs=-1, required=True)
+@format_option
+@click.pass_obj
+def rm(ctl: Ctl, names: tuple[str, ...], fmt: str) -> None:
+    """Delete stored graphs: their records in the plane, and the daemon's plans of them with the temporaries their
+    replays keep. A dx.compile'd function that replays one afterwards captures it again. Each run of a script
+    stores its graphs under new names (its tensors' names are its own), so a plane that lives on (Redis, a
+    persisted file) keeps them until they are deleted here.
+
+    \b
+      deepxctl graphs rm step-3f2a9c1d0b7e
+      deepxctl graphs rm $(deepxctl graphs ls --format json | jq -r '.[].name')
+    """
+    d = ctl.daemon("graphs rm")
+    done = [d.client.request("graph_rm", name=name) for name in names]
+    if fmt != "table":
+        display_data([{k: v for k, v in r.items() if k not in ("id", "ok")} for r in done], fmt)
+        return
+    for r in done:
+        extra = f" (its plan and {r['temporaries_deleted']} kept temporaries dropped)" if r.get("plan_dropped") else ""
+        click.echo(f"deleted graph {r['name']!r}{extra}")
+
+
 def after_passes(ctl: Ctl, name: str, instrs: list[Instr]) -> dict[str, Any]:
     """{"passes", "after": [lines]} from the daemon's plan of the graph; under --kv, from the passes run here."""
     from deepx_sdk.errors import DeepxError

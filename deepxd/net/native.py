@@ -97,6 +97,20 @@ async def graph_drop(node: Node, name: Any) -> dict[str, Any]:
     return dict(await node.ref("scheduler").ask("drop_graph", name=name))
 
 
+async def graph_remove(node: Node, name: Any) -> dict[str, Any]:
+    """Delete a stored graph's record (`graph:<name>`) from the plane, and let go of this node's plan of it (another
+    node sharing the plane keeps its plan until its graph is dropped there: graph_drop)."""
+    from deepx_sdk.compile import check_graph_name
+
+    check_graph_name(name)
+    assert node.kv is not None
+    if not await node.kv.delete(f"graph:{name}"):
+        raise DeepxError(f"graphs rm: no graph named {name!r} in the storage plane (`deepxctl graphs ls` lists them)")
+    dropped = await graph_drop(node, name) if "scheduler" in node.refs else {}
+    return {"name": name, "deleted": True, "plan_dropped": bool(dropped.get("planned")),
+            "temporaries_deleted": int(dropped.get("deleted", 0))}
+
+
 async def replay_graph(node: Node, name: Any, **req: Any) -> RunResult:
     """Replay a stored graph; the scheduler plans it from the plane the first time (after a restart, say)."""
     sched = node.ref("scheduler")
@@ -304,6 +318,9 @@ class NativeServer:
 
     async def _op_graph_drop(self, req: dict[str, Any]) -> dict[str, Any]:
         return await graph_drop(self.node, name=req.get("name"))
+
+    async def _op_graph_rm(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await graph_remove(self.node, name=req.get("name"))
 
     async def _op_graph_get(self, req: dict[str, Any]) -> dict[str, Any]:
         return {"data": await graph_get(self.node, name=req.get("name"))}

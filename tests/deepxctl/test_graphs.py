@@ -95,3 +95,19 @@ def test_show_passes_of_a_compiled_graph(live: Live, compiled: bytes) -> None:
     g = json.loads(r.stdout)
     assert g["after"] == g["before"] == COMPILED.splitlines()
     assert "drop --kv" in r.stderr
+
+
+def test_graphs_rm_deletes_the_record_and_the_plan(live: Live, stored: bytes) -> None:
+    """Every run of a compiled script stores graphs under new names, so a plane that lives on grew without bound and
+    nothing could delete a graph: `graphs rm` does, with the daemon's plan of it."""
+    shown = live.ctl("graphs", "show", "mlp", "--passes")  # plans it on the daemon
+    assert shown.exit_code == 0, shown.output
+    r = live.ctl("graphs", "rm", "mlp")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("deleted graph 'mlp'") and "its plan" in r.stdout
+    assert redis.Redis.from_url(live.redis_url).get(f"{live.prefix}graph:mlp") is None
+    names = [g["name"] for g in json.loads(live.ctl("graphs", "ls", "--format", "json").stdout)]
+    assert "mlp" not in names and "broken" in names
+    assert "no graph named 'mlp'" in one_line_error(live.ctl("graphs", "rm", "mlp"))
+    assert "graphs rm need a running deepxd" in one_line_error(live.ctl("--kv", live.redis_url, "graphs", "rm",
+                                                                        "broken"))
