@@ -473,7 +473,9 @@ class Session:
         self.graphs_made: set[str] = set()  # graphs this session stored or took from the plane (see close)
         # on a running deepxd, close() (and the interpreter's exit) deletes what the session made (dx.connect(...,
         # release=False) keeps it, for deepxctl to look at afterwards)
-        self.release_on_close = True
+        self._release_on_close = True
+        if isinstance(transport, NativeTransport):
+            self._bind_release(True)
         # names of collected temporaries kept for reuse, by (shape, dtype): the next result of that shape and dtype
         # takes one, so a loop sends the same instructions every step (the daemon's checks are then cached, and
         # it writes into the buffer it already has) and needs no deltensor at all
@@ -659,6 +661,25 @@ class Session:
                         insort(freed, name, key=_name_order)
             self.pending.append(_deletion(name, dtype))
             self.origins.append(None)
+
+    @property
+    def release_on_close(self) -> bool:
+        """Whether closing the session deletes what it made on a running deepxd (dx.connect's `release`). The
+        daemon is told too, so that it does the same where the process ends without closing the session (a kill, a
+        SIGTERM that skips the interpreter's exit)."""
+        return self._release_on_close
+
+    @release_on_close.setter
+    def release_on_close(self, on: bool) -> None:
+        if bool(on) != self._release_on_close and isinstance(self.transport, NativeTransport):
+            self._bind_release(bool(on))
+        self._release_on_close = bool(on)
+
+    def _bind_release(self, on: bool) -> None:
+        try:
+            self.transport.client.request("release_on_close", prefix=self._prefix if on else "")  # type: ignore
+        except DeepxError as e:  # a deepxd from before this request: the session's own close still releases
+            log.debug("release_on_close: %s", e)
 
     def _release_freed(self) -> None:
         """The names the program being sent deletes may be handed out from now on."""

@@ -97,6 +97,18 @@ async def graph_drop(node: Node, name: Any) -> dict[str, Any]:
     return dict(await node.ref("scheduler").ask("drop_graph", name=name))
 
 
+def _bind(bound: dict[str, Any], op: str, req: dict[str, Any]) -> None:
+    """A connection's session state: `release_on_close` {prefix} (a session's tensor-name prefix; "" unbinds) and
+    the names of the graphs stored over it."""
+    if op == "release_on_close":
+        prefix = req.get("prefix")
+        if not isinstance(prefix, str) or (prefix and len(prefix) < 4):
+            raise DeepxError("release_on_close: 'prefix' must be a session's name prefix (a string), or '' for none")
+        bound["prefix"] = prefix
+    elif isinstance(req.get("name"), str):
+        bound.setdefault("graphs", set()).add(req["name"])
+
+
 async def graph_remove(node: Node, name: Any) -> dict[str, Any]:
     """Delete a stored graph's record (`graph:<name>`) from the plane, and let go of this node's plan of it (another
     node sharing the plane keeps its plan until its graph is dropped there: graph_drop)."""
@@ -207,6 +219,7 @@ class NativeServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections.add(writer)
+        bound: dict[str, Any] = {}  # what a session bound to this connection (release_on_close), released at its end
         try:
             while True:
                 try:
@@ -228,7 +241,7 @@ class NativeServer:
                     await self._reply(writer, {"id": None, "ok": False, "error":
                                                f"truncated frame: expected {n} bytes, got {len(e.partial)}"})
                     return
-                reply = await self._handle(body)
+                reply = await self._handle(body, bound)
                 await self._reply(writer, reply)
         except (ConnectionError, BrokenPipeError):
             pass
@@ -239,6 +252,28 @@ class NativeServer:
         finally:
             self.connections.discard(writer)
             writer.close()
+            if bound.get("prefix") and not self.node.stopping.is_set():
+                await self._release(bound["prefix"], sorted(bound.get("graphs", ())))
+
+    async def _release(self, prefix: str, graphs: list[str]) -> None:
+        """A session's connection ended without the session letting go of what it made (its process was killed, or
+        ended by a signal that skips interpreter exit): its tensors (names under `prefix`) are deleted and its
+        compiled graphs' plans dropped, as the session's own close does (Session._release_all)."""
+        from deepx_sdk.ir.instr import Instr, Param
+
+        for name in graphs:
+            with contextlib.suppress(DeepxError):
+                await graph_drop(self.node, name)
+        try:
+            rows = await self.node.ref("registry").ask("tensors")
+            mine = [Instr("deltensor", (), (Param.tensor(str(r["name"]), str(r["dtype"])),)) for r in rows
+                    if str(r.get("name", "")).startswith(prefix) and r.get("node") == self.node.config.node_id]
+            if mine:
+                result: RunResult = await self.node.ref("scheduler").ask("run", program=mine, fetch=[])
+                log.info("native: a session's connection ended without its close: deleted %d of its tensors (%s*)%s",
+                         result.done, prefix, f"; {result.error}" if result.error else "")
+        except Exception as e:  # in a connection's end: logged, never raised
+            log.warning("native: could not delete the tensors of a session whose connection ended (%s*): %s", prefix, e)
 
     async def _reply(self, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
         try:
@@ -247,13 +282,15 @@ class NativeServer:
         except (ConnectionError, BrokenPipeError):
             pass
 
-    async def _handle(self, body: bytes) -> dict[str, Any]:
+    async def _handle(self, body: bytes, bound: dict[str, Any] | None = None) -> dict[str, Any]:
         self.requests += 1
         rid = None
         try:
             req = unpack_body(body)
             rid = req.get("id")
             op = req.get("op")
+            if bound is not None and op in ("release_on_close", "graph_store"):
+                _bind(bound, op, req)
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise DeepxError(f"unknown request op {op!r}; known: {', '.join(sorted(self._ops))}")
@@ -268,6 +305,9 @@ class NativeServer:
     # -- requests
     async def _op_ping(self, req: dict[str, Any]) -> dict[str, Any]:
         return {}
+
+    async def _op_release_on_close(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"prefix": req.get("prefix")}  # recorded for the connection by _handle
 
     async def _op_hello(self, req: dict[str, Any]) -> dict[str, Any]:
         v = req.get("version")

@@ -8,6 +8,8 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -358,6 +360,60 @@ def test_a_tensor_listing_during_a_long_program_says_so_and_holds_no_other_query
     finally:
         runner.join(120)
     assert done and done[0].ok
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "sigterm"])
+def test_a_client_killed_mid_run_leaves_nothing_behind(tmp_path, how):
+    """A session closes itself at the interpreter's exit and deletes what it made; a client killed (kill -9, OOM) or
+    ended by a SIGTERM that skips that exit left its tensors and its compiled graphs' plans until the daemon
+    restarted. The daemon now does the same release when the session's connection ends."""
+    d = Daemon(tmp_path).start()
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        import numpy as np
+        import deepx_sdk as dx, deepx_sdk.nn as nn, deepx_sdk.nn.functional as F
+        from deepx_sdk.optim import SGD
+        dx.connect({d.address!r})
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        @dx.compile
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        x, y = np.ones((4, 8), np.float32), np.array([0, 1, 2, 0])
+        for _ in range(4):
+            step(x, y).item()
+            F.cross_entropy(model(dx.tensor(x)), dx.tensor(y)).item()
+        print("ready", flush=True)
+        time.sleep(60)
+    """))
+    try:
+        with d.client() as c:
+            before = {t["name"] for t in c.admin("tensors")}
+        p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        with d.client() as c:
+            made = {t["name"] for t in c.admin("tensors")} - before
+            assert len(made) > 10  # parameters, optimizer state, the graphs' kept temporaries, the eager loss
+        p.send_signal(how)
+        p.wait(30)
+        deadline = time.monotonic() + 10
+        while True:
+            with d.client() as c:
+                left = {t["name"] for t in c.admin("tensors")} - before
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert not left, left
+        assert "deleted" in d.output() and "of its tensors" in d.output()
+    finally:
+        assert d.stop() == 0
 
 
 def test_admin_queries(daemon):
