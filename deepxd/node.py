@@ -106,6 +106,7 @@ class Node:
         """Stop start-up where a deepxd of this node id runs on this machine (its process alive and its socket
         answering): two daemons of one id on one plane overwrite each other's node record, and the one left running
         was then listed stopped, at the other's address. A record left by a daemon that died is taken over."""
+        assert self.kv is not None
         record = await self.kv.hgetall(f"node:{self.config.node_id}")
         if not record or record.get("state") != "running":
             return
