@@ -60,6 +60,14 @@ class Param(NamedTuple):
         return Param("listtensor", (dtype,) if dtype else (), tuple(names))
 
 
+
+def request_id(raw: str | None) -> int:
+    """The number of an `id=` metadata value: 0 where it is missing or not a number (however many digits)."""
+    try:
+        return int(raw) if raw is not None else 0
+    except ValueError:
+        return 0
+
 class Instr(NamedTuple):
     """One deepxIR instruction. `meta` is the ordered `key=value` metadata, values kept as text."""
 
@@ -77,11 +85,7 @@ class Instr(NamedTuple):
     @property
     def id(self) -> int:
         """The sender's request id (metadata `id`), 0 where missing or not a number."""
-        raw = self.get_meta("id")
-        try:
-            return int(raw) if raw is not None else 0
-        except ValueError:
-            return 0
+        return request_id(self.get_meta("id"))
 
     @property
     def author(self) -> str:

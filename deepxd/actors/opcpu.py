@@ -722,10 +722,10 @@ class CpuWorker(OpWorker):
             else:
                 raise
         finally:
-            if i < len(known.steps):
+            if i < len(known.steps):  # stopped part-way: when the failing step began, the tensors as execute does
                 result.failed_at = ((ends[-1] if ends else start) - start) * 1e6
-            if i < len(known.steps) and known.recover:  # stopped part-way: leave the tensors as execute would
-                known.recover[0](i)
+                if known.recover:
+                    known.recover[0](i)
         result.done = i
         result.clock = (start, ends)
         slots = known.slots

@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir.instr import request_id
 from deepx_sdk.ir.text import parse_line
 from deepxd.actors.opcpu import RunResult
 from deepxd.net.reply import format_reply
@@ -34,14 +35,11 @@ _ID = re.compile(r"(?:^|\s)id=(\S*)")
 
 
 def _request_id(line: str) -> int:
-    """The `id=` of a line that did not parse, read as Instr.id reads a parsed one's (0 where it is not a number,
-    however long): a key of its own after the first `//` (one search, in time linear in the line)."""
+    """The `id=` of a line that did not parse, read as Instr.id reads a parsed one's: a key of its own after the
+    first `//` (one search, in time linear in the line)."""
     at = line.find("//")
     m = _ID.search(line[at + 2:]) if at >= 0 else None
-    try:
-        return int(m.group(1)) if m else 0
-    except ValueError:
-        return 0
+    return request_id(m.group(1) if m else None)
 
 
 def _ms(t: float) -> int:
@@ -98,11 +96,10 @@ class UdpServer(asyncio.DatagramProtocol):
             if not line.strip():
                 continue
             self.lines += 1
-            rid = _request_id(line)
             try:
                 instr = parse_line(line.rstrip("\r"), lineno)
             except DeepxError as e:
-                self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
+                self._send(format_reply(_request_id(line), False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
                 continue
             rid = instr.id
             try:

@@ -348,12 +348,9 @@ def test_every_rule_states_its_formula():
         assert fn.__doc__ and fn.__doc__.strip(), f"the rule of {name} has no docstring (its formula, for docs/ir.md)"
 
 
-@pytest.mark.parametrize("dtype", ORDER)
-@pytest.mark.parametrize("seed", [0, 1234])
-def test_dropout_gradient_is_the_mask_scaled(dtype, seed, rng):
-    p = 0.4
-    x = rng.uniform(0.5, 1.5, (50, 40)).astype(to_numpy(dtype))
-    x[0, :5] = 0  # zeros in the input: with a seed the mask is drawn again, so their gradient is exact too
+def _dropout_backward(x: np.ndarray, dtype: str, p: float, seed: int, rng) -> tuple[np.ndarray, np.ndarray,
+                                                                                  np.ndarray]:
+    """y = dropout(p, seed) of a copy of x, and dx for a random upstream gradient: (y, up, dx)."""
     fwd = program(f"""
         copytensor (tensor<{dtype}>:x) -> (tensor<{dtype}>:y)
         dropout (var<float64>:{p}, var<int64>:{seed}) -> (tensor<{dtype}>:y)
@@ -364,8 +361,18 @@ def test_dropout_gradient_is_the_mask_scaled(dtype, seed, rng):
     ex.put("up", up)
     back, names = grad_program(fwd, "y", ["x"], ex, grad_loss="up")
     ex.run_all(back)
-    got = ex.get(names["x"]).astype(np.float64)
-    y = ex.get("y").astype(np.float64)
+    return ex.get("y"), up, ex.get(names["x"])
+
+
+@pytest.mark.parametrize("dtype", ORDER)
+@pytest.mark.parametrize("seed", [0, 1234])
+def test_dropout_gradient_is_the_mask_scaled(dtype, seed, rng):
+    p = 0.4
+    x = rng.uniform(0.5, 1.5, (50, 40)).astype(to_numpy(dtype))
+    x[0, :5] = 0  # zeros in the input: with a seed the mask is drawn again, so their gradient is exact too
+    y, up, dx = _dropout_backward(x, dtype, p, seed, rng)
+    got = dx.astype(np.float64)
+    y = y.astype(np.float64)
     nz = x != 0
     kept = np.zeros(x.shape, dtype=bool)
     kept[nz] = y[nz] != 0
@@ -384,20 +391,11 @@ def test_dropout_gradient_is_the_mask_scaled(dtype, seed, rng):
 def test_dropout_with_p_1_has_torch_s_gradient(dtype, seed, rng):
     """p = 1 drops everything (y = x * 0, as torch): the gradient is g * 0; the rule divided by 1 - p = 0."""
     x = rng.uniform(0.5, 1.5, (6, 5)).astype(to_numpy(dtype))
-    fwd = program(f"""
-        copytensor (tensor<{dtype}>:x) -> (tensor<{dtype}>:y)
-        dropout (var<float64>:1, var<int64>:{seed}) -> (tensor<{dtype}>:y)
-    """)
-    ex = executor({"x": x})
-    ex.run_all(fwd)
-    up = rng.uniform(-1, 1, x.shape).astype(x.dtype)
-    ex.put("up", up)
-    back, names = grad_program(fwd, "y", ["x"], ex, grad_loss="up")
-    ex.run_all(back)
+    y, up, dx = _dropout_backward(x, dtype, 1, seed, rng)
     tx = torch.from_numpy(x.astype(np.float64)).requires_grad_()
     torch.nn.functional.dropout(tx, p=1.0).backward(torch.from_numpy(up.astype(np.float64)))
-    np.testing.assert_array_equal(ex.get("y").astype(np.float64), 0.0)
-    np.testing.assert_array_equal(ex.get(names["x"]).astype(np.float64), tx.grad.numpy())
+    np.testing.assert_array_equal(y.astype(np.float64), 0.0)
+    np.testing.assert_array_equal(dx.astype(np.float64), tx.grad.numpy())
 
 
 def test_fused_rule_unfuses_the_expression():

@@ -8,9 +8,10 @@ kernels' split loops run on one pool of threads (Intel's libiomp5, in MKL's "int
 GEMM leaves spinning is the one that takes the next loop's half.
 
     DEEPX_BLAS=auto   (the default) the faster of the two here: where the `mkl` package is installed, the first
-                      start on a machine times the MLP step's largest products on each (about 50 ms) and keeps the
-                      choice in the kernel cache (`blas-choice.json`), so that every later process makes the same
-                      one; numpy's BLAS where MKL is not installed
+                      start on a machine times the MLP step's largest products on each (under a second, most of it
+                      pauses for the other library's threads to sleep) and keeps the choice in the kernel cache
+                      (`blas-choice.json`), so that every later process makes the same one; numpy's BLAS where MKL
+                      is not installed
     DEEPX_BLAS=numpy  numpy's BLAS (OpenBLAS in numpy's wheels) and native kernels on one thread
     DEEPX_BLAS=mkl    MKL, and an error at start-up where it cannot be loaded
 
