@@ -22,8 +22,9 @@ def actors() -> None:
 @list_options
 @click.pass_obj
 def ls(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: bool) -> None:
-    """List actors: role, state, mailbox depth, messages handled, errors, restarts (--detail: busy time, last
-    error). A growing mailbox is a backlog; restarts mean the actor crashed and its supervisor restarted it.
+    """List actors: role, state, the message each is handling now and for how long, mailbox depth, messages
+    handled, errors, restarts (--detail: busy time, last error). A growing mailbox is a backlog; restarts mean the
+    actor crashed and its supervisor restarted it.
 
     \b
       deepxctl actors ls

@@ -222,6 +222,7 @@ class Actor(Schema):
     name: str = field(metadata=col())
     role: str = field(default="", metadata=col())
     state: str = field(default="", metadata=col())
+    doing: str = field(default="", metadata=col())  # the message being handled now, and for how long
     mailbox: int = field(default=0, metadata=col(right=True))
     handled: int = field(default=0, metadata=col(right=True))
     errors: int = field(default=0, metadata=col(right=True))

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from typing import Any
 
 from deepx_sdk.errors import DeepxError
@@ -186,9 +187,12 @@ class Node:
 
     def actor_rows(self) -> list[dict[str, Any]]:
         rows = []
+        now = time.time()
         for a in self.supervisor.actors.values():
             a_: Actor = a
-            rows.append({"name": a_.name, "role": a_.role, "state": a_.state, "mailbox": a_.mailbox.qsize(),
+            doing = f"{a_.doing} ({now - a_.doing_since:.1f} s)" if a_.doing else ""
+            rows.append({"name": a_.name, "role": a_.role, "state": a_.state, "doing": doing,
+                         "mailbox": a_.mailbox.qsize(),
                          "handled": a_.stats.handled, "errors": a_.stats.errors, "restarts": a_.stats.restarts,
                          "busy_s": round(a_.stats.busy_s, 6), "last_error": a_.stats.last_error})
         return rows

@@ -73,6 +73,8 @@ class Actor:
         self._stopped = asyncio.Event()
         self._handlers: dict[str, Any] = {}
         self._busy = False  # a message is being handled (by the actor's task, or directly for an asker)
+        self.doing = ""  # the message being handled, for `deepxctl actors ls`
+        self.doing_since = 0.0  # time.time() when it began
         self._idle = asyncio.Event()
         self._idle.set()
         self.ref = ActorRef(self)
@@ -107,10 +109,12 @@ class Actor:
                 raise env.kwargs["exc"]
             self._busy = True
             self._idle.clear()
+            self.doing, self.doing_since = env.name, time.time()
             try:
                 await self._handle(env)
             finally:
                 self._busy = False
+                self.doing = ""
                 self._idle.set()
 
     def idle(self) -> bool:
@@ -122,7 +126,7 @@ class Actor:
         messages are still handled one at a time and in order; it saves two trips through the event loop.
         handler: what answers it, where not on_<name>; count=False: the rest of a message `now` began (counted
         there), its time added to the busy time."""
-        t0 = self._begin()
+        t0 = self._begin(name)
         if handler is None:
             handler = self._handlers.get(name)
             if handler is None:
@@ -145,7 +149,7 @@ class Actor:
         ask, with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the embedded daemon's
         fast path). Where fn hands on a coroutine (the rest needs an await), that rest is answered as an ask is,
         the actor busy meanwhile, and the message counted once."""
-        t0 = self._begin()
+        t0 = self._begin(name)
         try:
             value = fn(*args)
         except Exception as e:
@@ -157,13 +161,15 @@ class Actor:
             return self._direct(name, {}, lambda: value, count=False)
         return value
 
-    def _begin(self) -> float:
+    def _begin(self, name: str) -> float:
         self._busy = True
         self._idle.clear()
+        self.doing, self.doing_since = name, time.time()
         return time.perf_counter()
 
     def _end(self, name: str, t0: float, count: bool = True) -> None:
         self._busy = False
+        self.doing = ""
         self._idle.set()
         stats = self.stats
         stats.busy_s += time.perf_counter() - t0

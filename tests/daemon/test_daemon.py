@@ -335,25 +335,43 @@ def test_a_tensor_listing_during_a_long_program_says_so_and_holds_no_other_query
     BUSY_WORKER_S, saying why, and the queries after it are answered."""
     from deepxd.actors.registry import BUSY_WORKER_S
 
+    def product(repeat: int) -> str:
+        return ("matmul (tensor<float32>:busy_a, tensor<float32>:busy_a) -> (tensor<float32>:busy_m) "
+                f"// benchmark.repeat={repeat}")
+
     with daemon.client() as c:
         c.put("busy_a", np.ones((1024, 1024), np.float32))
+        assert c.run(parse_text(product(1))).ok  # (warm)
+        t0 = time.monotonic()
+        assert c.run(parse_text(product(10))).ok
+        each = (time.monotonic() - t0) / 10
+    # long enough to outlast the listing's wait on this machine (a fixed 400 products took 2.2 s on one machine and
+    # ended inside the 5 s wait, so the listing was answered after it)
+    repeat = int((BUSY_WORKER_S + 5) / each) + 1
     done: list = []
 
     def long_program() -> None:
         with daemon.client() as c:
-            done.append(c.run(parse_text("matmul (tensor<float32>:busy_a, tensor<float32>:busy_a) -> "
-                                         "(tensor<float32>:busy_m) // benchmark.repeat=400")))
+            done.append(c.run(parse_text(product(repeat))))
 
     runner = threading.Thread(target=long_program)
     runner.start()
     try:
-        time.sleep(0.5)
         with daemon.client() as c:
+            # wait until op-cpu is running it (a fixed sleep was too short on a loaded machine: the listing was
+            # answered before the program reached the worker); `actors ls` says what each actor is doing
+            deadline = time.monotonic() + 60
+            while not done and time.monotonic() < deadline:
+                doing = {a["name"]: a["doing"] for a in c.admin("actors")}
+                if doing["op-cpu"].startswith("run"):
+                    break
+                time.sleep(0.05)
+            assert not done, "the program ended before op-cpu was seen running it"
+            assert doing["op-cpu"].startswith("run") and doing["registry"].startswith("actors ("), doing
             t0 = time.monotonic()
-            if not done:  # still running (it takes seconds on any machine this runs on)
-                with pytest.raises(DeepxError, match="op-cpu is running a program and did not list its tensors"):
-                    c.admin("tensors")
-                assert time.monotonic() - t0 < BUSY_WORKER_S + 3
+            with pytest.raises(DeepxError, match="op-cpu is running a program and did not list its tensors"):
+                c.admin("tensors")
+            assert time.monotonic() - t0 < BUSY_WORKER_S + 3
             t1 = time.monotonic()
             assert {a["name"] for a in c.admin("actors")} >= {"registry", "op-cpu"}
             assert time.monotonic() - t1 < 2

@@ -58,7 +58,10 @@ def test_actors_ls_json(live: Live) -> None:
     running = json.loads(live.ctl("actors", "ls", "--format", "json", "--filter", "state!=running").stdout)
     assert running == []
     assert live.ctl("actors", "ls").stdout.splitlines()[0].split() == [
-        "NAME", "ROLE", "STATE", "MAILBOX", "HANDLED", "ERRORS", "RESTARTS"]
+        "NAME", "ROLE", "STATE", "DOING", "MAILBOX", "HANDLED", "ERRORS", "RESTARTS"]
+    # what each actor is handling now: the registry answers this very query; the others are idle
+    assert rows["registry"]["doing"].startswith("actors (") and rows["registry"]["doing"].endswith(" s)")
+    assert [rows[n]["doing"] for n in ("heapmem", "scheduler", "op-cpu")] == ["", "", ""]
 
 
 def test_a_daemon_that_does_not_answer_in_time_is_a_timeout_not_a_lost_connection(live: Live) -> None:
