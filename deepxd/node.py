@@ -187,7 +187,7 @@ class Node:
 
     def actor_rows(self) -> list[dict[str, Any]]:
         rows = []
-        now = time.time()
+        now = time.perf_counter()
         for a in self.supervisor.actors.values():
             a_: Actor = a
             doing = f"{a_.doing} ({now - a_.doing_since:.1f} s)" if a_.doing else ""

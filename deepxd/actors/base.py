@@ -74,7 +74,7 @@ class Actor:
         self._handlers: dict[str, Any] = {}
         self._busy = False  # a message is being handled (by the actor's task, or directly for an asker)
         self.doing = ""  # the message being handled, for `deepxctl actors ls`
-        self.doing_since = 0.0  # time.time() when it began
+        self.doing_since = 0.0  # time.perf_counter() when it began
         self._idle = asyncio.Event()
         self._idle.set()
         self.ref = ActorRef(self)
@@ -109,7 +109,7 @@ class Actor:
                 raise env.kwargs["exc"]
             self._busy = True
             self._idle.clear()
-            self.doing, self.doing_since = env.name, time.time()
+            self.doing, self.doing_since = env.name, time.perf_counter()
             try:
                 await self._handle(env)
             finally:
@@ -164,8 +164,9 @@ class Actor:
     def _begin(self, name: str) -> float:
         self._busy = True
         self._idle.clear()
-        self.doing, self.doing_since = name, time.time()
-        return time.perf_counter()
+        t0 = time.perf_counter()
+        self.doing, self.doing_since = name, t0
+        return t0
 
     def _end(self, name: str, t0: float, count: bool = True) -> None:
         self._busy = False
