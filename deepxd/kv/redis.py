@@ -111,6 +111,11 @@ class RedisKV(KV):
                 raise DeepxError(f"Redis at {where} refused the connection: it needs a password, or not this one "
                                  f"(give it as redis://:PASSWORD@host:port/db): {text}") from None
             raise DeepxError(f"cannot reach Redis at {where}: {text}") from None
+        except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
+            # redis-py reads a handshake answer it did not expect this way (redis-py 8's RESP3 HELLO, answered
+            # "+OK" by another service, is `'bytes' object has no attribute 'get'`)
+            raise DeepxError(f"the server at {where} answered redis-py's handshake not as Redis does: it is not Redis "
+                             f"(or Valkey); check the port ({type(e).__name__}: {e})") from None
         finally:
             await conn.disconnect()
         found = re.search(rb"redis_version:(\d+)\.(\d+)", info if isinstance(info, bytes) else b"")
