@@ -101,7 +101,17 @@ class Node:
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
                 blas=cpu_blas, scheduler=self.refs.get("scheduler")))
+        await self._until_started()
+        if "registry" in roles:
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
+
+    async def _until_started(self) -> None:
+        """Until every actor's on_start has ended, so that the daemon serves nothing before then: heapmem goes
+        through the plane's heap records as it starts (adopting what a daemon that died left, marking the rest
+        lost), and a listing answered before it ended showed the records as the last daemon left them (with 3,000
+        on Redis, most still `stopped`). An actor whose start crashed is no longer `new`: its supervisor has it."""
+        while any(a.state == "new" for a in self.supervisor.actors.values()):
+            await asyncio.sleep(0.005)
 
     async def _refuse_a_live_namesake(self) -> None:
         """Stop start-up where a deepxd of this node id runs on this machine (its process alive and its socket

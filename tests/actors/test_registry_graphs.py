@@ -5,6 +5,8 @@ actors (op-cpu, scheduler, registry) on a real in-memory plane."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 import numpy as np
 
@@ -15,6 +17,9 @@ from deepxd.actors.registry import Registry
 from deepxd.actors.scheduler import Scheduler
 from deepxd.config import Config
 from deepxd.kv.memory import MemoryKV
+
+#: how long the busy scheduler's program runs, at the speed measured before it: 40 heartbeats of the test's 0.05 s
+LONG_RUN_S = 2.0
 
 
 def record(name: str, scale: float) -> bytes:
@@ -43,8 +48,18 @@ async def test_graphs_come_back_only_where_missing_and_after_a_busy_scheduler() 
         a = np.full((1536, 1536), 1 / 1536, np.float32)
         await worker.ref.ask("put", name="a", dtype="float32", shape=list(a.shape), data=a.tobytes())
         chain = ["matmul (tensor<float32>:a, tensor<float32>:a) -> (tensor<float32>:b0)"]
-        chain += [f"matmul (tensor<float32>:b{k}, tensor<float32>:a) -> (tensor<float32>:b{k + 1})" for k in range(11)]
-        long_run = parse_text("\n".join(chain))  # twelve dependent products: far longer than a heartbeat
+        # dependent products far longer than a heartbeat on this machine: a fixed twelve took 0.85 s on one machine
+        # and would end inside the flush on one that computes them 15 times as fast (the fastest of three timed
+        # products, after a warm one, so that a moment of load while timing does not make the run short)
+        seconds = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            assert not (await worker.ref.ask("run", program=parse_text(chain[0]), fetch=[])).error
+            seconds.append(time.perf_counter() - t0)
+        links = max(12, math.ceil(LONG_RUN_S / min(seconds[1:])))
+        chain += [f"matmul (tensor<float32>:b{k % 2}, tensor<float32>:a) -> (tensor<float32>:b{(k + 1) % 2})"
+                  for k in range(links - 1)]  # two names taken in turn: the memory of two products, however many
+        long_run = parse_text("\n".join(chain))
         busy = asyncio.ensure_future(scheduler.ref.ask("run", program=long_run, fetch=[]))
         await asyncio.sleep(0.01)
         await registry.flush()  # the record is lost; the scheduler, busy, does not answer within the heartbeat

@@ -363,8 +363,9 @@ def test_sigterm_while_starting_stops_the_daemon_at_once(tmp_path) -> None:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
         # at once, or (signalled inside redis-py's handshake, whose read does not always yield to a cancellation)
-        # when the handshake gives up: the plane's connect timeout, 2 s (docs/daemon.md, "Stop it")
-        assert time.monotonic() - started < 3.5, err
+        # when the handshake gives up: the plane's connect timeout, 2 s (docs/daemon.md, "Stop it"); then the exit,
+        # which a loaded machine makes slowly (2.2 s in all with three CPU hogs running: 3.5 s left it little room)
+        assert time.monotonic() - started < 2 + 4, err
         assert proc.returncode == 0 and "stopped while starting" in err
     finally:
         if proc.poll() is None:

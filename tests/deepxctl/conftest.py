@@ -40,7 +40,9 @@ def ctl(*args: str) -> Result:
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> Any:
+def wait_for(predicate: Any, timeout: float = 60.0, what: str = "condition") -> Any:
+    """predicate()'s first true value (a heartbeat's flush, a lifecycle command applied: each a moment's work that a
+    loaded machine may take seconds to get to)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

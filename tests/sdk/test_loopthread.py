@@ -19,10 +19,21 @@ async def _nothing() -> None:
     pass
 
 
+def _asleep(runner: LoopThread) -> None:
+    """Until the loop's thread sleeps in its selector with nothing left to do, as a call that borrows the loop needs
+    it (it gets there within microseconds of its last work on an idle machine; a loaded one may take longer than any
+    fixed sleep)."""
+    deadline = time.monotonic() + 30
+    while runner.turn.locked() or runner._ready or runner._woken_at == runner.selector.sleeps:
+        assert time.monotonic() < deadline, "the loop's thread did not go to sleep"
+        time.sleep(0.001)
+
+
 @pytest.fixture
 def runner() -> Iterator[LoopThread]:
     r = LoopThread("test-loop")
     r.start(_nothing)
+    _asleep(r)
     yield r
     r.stop()
     assert not r.alive()
@@ -92,7 +103,7 @@ def test_what_a_borrowed_call_leaves_the_loop_runs_at_once(runner: LoopThread) -
         tasks.append(loop.create_task(task()))
         loop.call_later(0.05, done["timer"].set)
 
-    time.sleep(0.05)  # the loop's thread is asleep by now
+    _asleep(runner)
     t0 = time.monotonic()
     runner.call(leave_work())
     assert runner.borrowed == 1 and runner.woken == 1
@@ -101,22 +112,38 @@ def test_what_a_borrowed_call_leaves_the_loop_runs_at_once(runner: LoopThread) -
     assert time.monotonic() - t0 < 1.5
 
 
-def _keep_busy(runner: LoopThread, seconds: float) -> None:
-    """The loop's thread running a long callback (it holds the turn meanwhile), from when this returns."""
-    started = threading.Event()
+def _keep_busy(runner: LoopThread) -> threading.Event:
+    """The loop's thread running a long callback (it holds the turn meanwhile), from when this returns until the
+    event it returns is set (a callback of a fixed 0.3 s took the calls after it to come within that time)."""
+    started, release = threading.Event(), threading.Event()
 
     def busy() -> None:
         started.set()
-        time.sleep(seconds)
+        release.wait(60)
 
     runner.loop.call_soon_threadsafe(busy)
-    assert started.wait(2)
+    assert started.wait(30)
+    return release
+
+
+def _release_once_sent(runner: LoopThread, release: threading.Event) -> None:
+    """Set `release`, which a callback of the loop's thread waits for, once a call has been sent to that thread (or
+    after 30 s): the call is made while that thread is busy, however late this thread gets to make it."""
+    sent = runner.sent
+
+    def watch() -> None:
+        deadline = time.monotonic() + 30
+        while runner.sent == sent and time.monotonic() < deadline:
+            time.sleep(0.001)
+        release.set()
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def test_a_busy_loop_thread_gets_the_coroutine_instead(runner: LoopThread) -> None:
     """While the loop's thread runs a long callback (it holds the turn), a call waits TURN_WAIT_S at most, then
     sends the coroutine there: it runs after the callback, on that thread."""
-    _keep_busy(runner, 0.3)
+    _release_once_sent(runner, _keep_busy(runner))
     assert runner.call(where()) == "test-loop"
     assert runner.sent == 1 and runner.borrowed == 0
 
@@ -234,7 +261,7 @@ def test_work_left_for_the_loops_thread_goes_first(runner: LoopThread) -> None:
     gate = threading.Event()
 
     def slow() -> None:
-        gate.wait(2)
+        gate.wait(30)
         order.append("callback")
 
     async def leave() -> None:
@@ -246,10 +273,10 @@ def test_work_left_for_the_loops_thread_goes_first(runner: LoopThread) -> None:
 
     runner.call(leave())
     assert runner.woken == 1
-    threading.Timer(0.05, gate.set).start()
+    _release_once_sent(runner, gate)  # the callback goes on until the call below was sent (a fixed 0.05 s was not)
     assert runner.call(mark()) == "test-loop"  # sent: it runs after the callback, on the loop's thread
     assert order == ["callback", "call"]
-    time.sleep(0.05)  # the loop's thread has slept since
+    _asleep(runner)  # the loop's thread has slept since
     assert runner.call(mark()) == threading.current_thread().name
 
 
@@ -331,7 +358,7 @@ def test_a_second_ctrl_c_interrupts_at_once(runner: LoopThread) -> None:
     assert reached == ["after the first"]
     assert not lt._held and not lt._caught
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    time.sleep(0.05)
+    _asleep(runner)
     assert runner.call(where()) == threading.current_thread().name  # the turn was given back
 
 
@@ -368,18 +395,23 @@ def test_now_goes_on_with_a_coroutine_that_its_function_returns(runner: LoopThre
 def test_now_answers_not_now_where_the_loop_is_not_to_be_borrowed(runner: LoopThread) -> None:
     """Busy loop thread, work left for it, or someone else's SIGINT handler: nothing runs, NOT_NOW comes back."""
     ran: list[bool] = []
-    _keep_busy(runner, 0.3)
-    assert runner.now(ran.append, True) is lt.NOT_NOW
-    time.sleep(0.4)
+    release = _keep_busy(runner)
+    try:
+        assert runner.now(ran.append, True) is lt.NOT_NOW
+    finally:
+        release.set()
+    _asleep(runner)
     gate = threading.Event()
 
     async def leave() -> None:
-        asyncio.get_running_loop().call_soon(gate.wait, 2)
+        asyncio.get_running_loop().call_soon(gate.wait, 30)
 
     runner.call(leave())
-    assert runner.now(ran.append, True) is lt.NOT_NOW  # the callback it left is not done yet
-    gate.set()
-    time.sleep(0.05)
+    try:
+        assert runner.now(ran.append, True) is lt.NOT_NOW  # the callback it left is not done yet
+    finally:
+        gate.set()
+    _asleep(runner)
     assert runner.now(ran.append, True) is None and ran == [True]
     if threading.current_thread() is threading.main_thread():
         before = signal.signal(signal.SIGINT, lambda signum, frame: None)
