@@ -107,6 +107,8 @@ class Actor:
                 break
             if env.name == _CRASH:
                 raise env.kwargs["exc"]
+            if env.future is not None and env.future.cancelled():
+                continue  # its asker gave up (a timeout): nobody reads the answer
             self._busy = True
             self._idle.clear()
             self.doing, self.doing_since = env.name, time.perf_counter()

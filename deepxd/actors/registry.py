@@ -55,6 +55,25 @@ class Registry(Actor):
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
         self._tick: asyncio.Task[None] | None = None
+        self._asked: dict[tuple[str, str], asyncio.Future[Any]] = {}  # (actor, message): an ask not yet answered
+
+    async def _ask_once(self, ref: ActorRef, message: str, timeout: float) -> Any:
+        """ref's answer to `message` within `timeout` seconds, else a DeepxError; where an earlier ask of it is not
+        answered yet (an op worker running a long program), that one is waited on again rather than another sent:
+        a timed-out ask stayed in the worker's mailbox, one op_stats per heartbeat, and `actors ls` showed the
+        pile as a backlog."""
+        key = (ref.name, message)
+        fut = self._asked.get(key)
+        if fut is None or fut.done():
+            if fut is not None and not fut.cancelled():
+                fut.exception()  # (an answer that came after its asker gave up: not read, so not logged as lost)
+            fut = self._asked[key] = ref.ask_future(message)
+        done, _ = await asyncio.wait({fut}, timeout=timeout)
+        if not done:
+            raise DeepxError(f"actor '{ref.name}' did not answer '{message}' within {timeout:g} s")
+        if self._asked.get(key) is fut:  # (a flush at a heartbeat and one asked for may wait on one ask)
+            del self._asked[key]
+        return fut.result()
 
     def _record(self) -> dict[str, Any]:
         """This node's whole `node:<id>` record, as running now."""
@@ -90,7 +109,7 @@ class Registry(Actor):
         stats = {}
         for worker, ref in self.workers.items():
             try:
-                stats[worker] = await ref.ask("op_stats", timeout=self.heartbeat_s)
+                stats[worker] = await self._ask_once(ref, "op_stats", self.heartbeat_s)
             except DeepxError as e:
                 log.debug("registry: no op stats from %s: %s", worker, e)
         key = f"node:{self.node_id}"
@@ -121,7 +140,7 @@ class Registry(Actor):
         (a scheduler busy with a long program, a plane that failed a write)."""
         assert self.scheduler is not None
         try:
-            records: dict[str, bytes] = await self.scheduler.ask("graph_records", timeout=self.heartbeat_s)
+            records: dict[str, bytes] = await self._ask_once(self.scheduler, "graph_records", self.heartbeat_s)
         except DeepxError as e:
             log.warning("registry: could not read the scheduler's graphs to write them back (tried again at the "
                         "next heartbeat): %s", e)
@@ -146,6 +165,9 @@ class Registry(Actor):
             await self.kv.hset(f"node:{self.node_id}", {"state": "stopped", "heartbeat": time.time()})
         except Exception as e:
             log.warning("registry: could not mark node %s stopped: %s", self.node_id, e)
+        for fut in self._asked.values():
+            fut.cancel()  # (the actor asked skips a cancelled ask)
+        self._asked.clear()
 
     # -- operators' questions
     async def on_tensors(self) -> list[dict[str, Any]]:
@@ -168,7 +190,7 @@ class Registry(Actor):
             rows.append(row)
         for worker, ref in self.workers.items():
             try:  # a worker answers between programs: a long one must not hold every other query behind this one
-                listed = await ref.ask("tensors", timeout=BUSY_WORKER_S)
+                listed = await self._ask_once(ref, "tensors", BUSY_WORKER_S)
             except DeepxError:
                 raise DeepxError(f"{worker} is running a program and did not list its tensors within "
                                  f"{BUSY_WORKER_S:.0f} s (it answers between programs): try again later; the "

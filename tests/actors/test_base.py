@@ -176,3 +176,21 @@ async def test_end_task_is_bounded_and_a_loop_that_swallows_its_cancel_ends_with
     await a.stop()  # no longer alive: the loop ends at its next round
     await asyncio.wait({rude}, timeout=2.0)
     assert rude.done()
+
+
+async def test_an_ask_its_asker_gave_up_on_is_not_handled_and_doing_says_what_runs():
+    """An ask that timed out while the actor was busy stayed in its mailbox and was handled later, for nobody; now
+    it is skipped. `doing` names the message being handled (what `deepxctl actors ls` shows)."""
+    a = Counter()
+    ref = a.start()
+    slow = asyncio.ensure_future(ref.ask("slow"))
+    await asyncio.sleep(0.01)
+    assert a.doing == "slow"
+    with pytest.raises(DeepxError, match=r"did not answer 'add' within 0\.05 s"):
+        await ref.ask("add", timeout=0.05, n=5)
+    handled = a.stats.handled
+    a.release.set()
+    assert await slow == "done"
+    assert await ref.ask("add", n=1) == 1  # the 5 was never added
+    assert a.stats.handled == handled + 2 and a.doing == ""
+    await a.stop()

@@ -477,6 +477,28 @@ def test_a_blas_setting_of_another_case_or_name():
 
 
 @needs_mkl
+def test_processes_started_together_measure_once_and_agree(tmp_path):
+    """auto's measurement is one process's at a time: three started together on an empty cache (a test suite's
+    workers, daemons started by one script) each measured under the others' load, could choose differently, and
+    the last to write won. Now one measures and the others read its choice."""
+    body = """
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        from deepxd.kernels.cpu import blas
+        print("describe", blas.describe())
+    """
+    env = {**os.environ, "DEEPX_NATIVE_BACKGROUND": "0", "DEEPX_BLAS": "auto",
+           "DEEPX_KERNEL_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum("blas: auto measured" in err for _, err in outs) == 1, [err for _, err in outs]
+    said = {out.split("describe ")[1].splitlines()[0] for out, _ in outs}
+    assert len(said) == 1, said
+
+
+@needs_mkl
 def test_auto_takes_the_library_it_measures_faster_and_keeps_the_choice(tmp_path):
     """auto times the MLP step's largest products on MKL and on numpy's BLAS at the first start on a machine, keeps
     the choice in the kernel cache, and every later process reads it there (the same library, the same bits)."""

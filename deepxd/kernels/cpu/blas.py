@@ -25,6 +25,7 @@ products' sums), within float32's rounding of each other; one process uses one l
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -209,8 +210,20 @@ def choice_key(lib: Any) -> str:
 
 
 def _choice(lib: Any) -> dict[str, Any]:
-    """auto's choice on this machine: read from the kernel cache, else measured (and written there)."""
+    """auto's choice on this machine: read from the kernel cache, else measured (and written there). One process
+    measures at a time (a lock file beside it): daemons started together (a test suite's workers) each measured
+    under the others' load, could choose differently, and the last to write won."""
     path = _native.cache_dir() / CHOICE_FILE
+    try:
+        lock = open(path.with_name(f"{CHOICE_FILE}.lock"), "a")  # (held across the measurement)
+    except OSError:
+        return _measured_or_known(lib, path)  # an unwritable cache: measured here, not kept
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        return _measured_or_known(lib, path)
+
+
+def _measured_or_known(lib: Any, path: Path) -> dict[str, Any]:
     key = choice_key(lib)
     try:
         known = json.loads(path.read_text())
