@@ -222,7 +222,8 @@ class Actor(Schema):
     name: str = field(metadata=col())
     role: str = field(default="", metadata=col())
     state: str = field(default="", metadata=col())
-    doing: str = field(default="", metadata=col())  # the message being handled now, and for how long
+    doing: str = field(default="", metadata=col())  # the message being handled now
+    doing_s: float | None = field(default=None, metadata=col("FOR", render=seconds, right=True))  # since when
     mailbox: int = field(default=0, metadata=col(right=True))
     handled: int = field(default=0, metadata=col(right=True))
     errors: int = field(default=0, metadata=col(right=True))

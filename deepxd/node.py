@@ -24,6 +24,9 @@ from deepxd.kv.base import KV, open_kv, redact
 
 log = logging.getLogger(__name__)
 
+#: how often a start that waits for an actor's start (heapmem's recovery of many heap records) says so in the log
+STARTING_LOG_S = 10.0
+
 
 class Node:
     def __init__(self, config: Config, *, freeze_gc: bool = False) -> None:
@@ -93,6 +96,9 @@ class Node:
             heapmem.viewers = list(workers.values())  # told when a heap tensor they may view is freed
         if "scheduler" in roles:
             self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c))
+        # the others first: the registry's start writes the node record `running`, which a second daemon of this id
+        # reads as this one's (its socket opened a moment later), and heapmem's start can take seconds
+        await self._until_started()
         if "registry" in roles:
             addresses = {"unix": c.listen, **({"udp": c.udp} if c.udp != "off" else {})}
             self.refs["registry"] = self.supervisor.start(Registry(
@@ -101,17 +107,29 @@ class Node:
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
                 blas=cpu_blas, scheduler=self.refs.get("scheduler")))
-        await self._until_started()
-        if "registry" in roles:
+            await self._until_started()
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
 
     async def _until_started(self) -> None:
-        """Until every actor's on_start has ended, so that the daemon serves nothing before then: heapmem goes
-        through the plane's heap records as it starts (adopting what a daemon that died left, marking the rest
-        lost), and a listing answered before it ended showed the records as the last daemon left them (with 3,000
-        on Redis, most still `stopped`). An actor whose start crashed is no longer `new`: its supervisor has it."""
-        while any(a.state == "new" for a in self.supervisor.actors.values()):
-            await asyncio.sleep(0.005)
+        """Until every actor's first on_start has ended (returned, or raised: its supervisor has it then), so that
+        the daemon serves nothing before: heapmem goes through the plane's heap records as it starts (adopting what
+        a daemon that died left, marking the rest lost), and a listing answered before it ended showed the records
+        as the last daemon left them (with 3,000 on Redis, most still `stopped`). Said in the log every
+        STARTING_LOG_S while it lasts."""
+        waits = {asyncio.ensure_future(a.start_ended.wait()): a.name for a in self.supervisor.actors.values()
+                 if not a.start_ended.is_set()}
+        t0 = time.monotonic()
+        try:
+            while waits:
+                done, _ = await asyncio.wait(waits, timeout=STARTING_LOG_S)
+                for task in done:
+                    del waits[task]
+                if waits:
+                    log.info("still starting after %.0f s: %s", time.monotonic() - t0,
+                             ", ".join(sorted(waits.values())))
+        finally:
+            for task in waits:
+                task.cancel()
 
     async def _refuse_a_live_namesake(self) -> None:
         """Stop start-up where a deepxd of this node id runs on this machine (its process alive and its socket
@@ -200,8 +218,9 @@ class Node:
         now = time.perf_counter()
         for a in self.supervisor.actors.values():
             a_: Actor = a
-            doing = f"{a_.doing} ({now - a_.doing_since:.1f} s)" if a_.doing else ""
+            doing = a_.doing
             rows.append({"name": a_.name, "role": a_.role, "state": a_.state, "doing": doing,
+                         "doing_s": round(now - a_.doing_since, 6) if doing else None,
                          "mailbox": a_.mailbox.qsize(),
                          "handled": a_.stats.handled, "errors": a_.stats.errors, "restarts": a_.stats.restarts,
                          "busy_s": round(a_.stats.busy_s, 6), "last_error": a_.stats.last_error})

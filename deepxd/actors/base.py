@@ -2,7 +2,8 @@
 
 - A message is a name and keyword arguments; the actor's handler is its method `on_<name>` (sync or async).
 - Every ask is answered: with the handler's result, with the handler's exception (the actor keeps serving), or, when
-  the actor stops, with ActorStopped.
+  the actor stops, with ActorStopped. An ask its asker gave up on before it was handled (a timeout, a cancelled
+  task: its future cancelled) is skipped.
 - A handler that raises `ActorCrash` (or a failing `on_start`) crashes the actor: its mailbox is kept, and the
   Supervisor restarts it (`on_failure`, then a fresh `on_start`) within its policy of `max_restarts` per `window`
   seconds, logging each restart; past the policy the actor stops.
@@ -77,6 +78,7 @@ class Actor:
         self.doing_since = 0.0  # time.perf_counter() when it began
         self._idle = asyncio.Event()
         self._idle.set()
+        self.start_ended = asyncio.Event()  # set once the first on_start has returned or raised
         self.ref = ActorRef(self)
 
     # -- lifecycle hooks
@@ -97,7 +99,10 @@ class Actor:
 
     async def _run(self) -> None:
         self.stats.started = time.time()
-        await self.on_start()
+        try:
+            await self.on_start()
+        finally:
+            self.start_ended.set()  # (started, or failed: its supervisor has it then)
         self.state = "running"
         while True:
             env = await self.mailbox.get()
@@ -113,7 +118,7 @@ class Actor:
             self._idle.clear()
             self.doing, self.doing_since = env.name, time.perf_counter()
             try:
-                await self._handle(env)
+                await self._handle(env, self.doing_since)
             finally:
                 self._busy = False
                 self.doing = ""
@@ -185,9 +190,8 @@ class Actor:
         if isinstance(e, ActorCrash):
             self.mailbox.put_nowait(Envelope(_CRASH, {"exc": e}, None))  # the actor's own task crashes on it
 
-    async def _handle(self, env: Envelope) -> None:
+    async def _handle(self, env: Envelope, t0: float) -> None:
         handler = getattr(self, f"on_{env.name}", None)
-        t0 = time.perf_counter()
         try:
             if handler is None:
                 raise DeepxError(f"{self.name}: unknown message '{env.name}'")

@@ -57,13 +57,17 @@ class Registry(Actor):
         self._tick: asyncio.Task[None] | None = None
         self._asked: dict[tuple[str, str], asyncio.Future[Any]] = {}  # (actor, message): an ask not yet answered
 
-    async def _ask_once(self, ref: ActorRef, message: str, timeout: float) -> Any:
+    async def _ask_once(self, ref: ActorRef, message: str, timeout: float, late: bool = False) -> Any:
         """ref's answer to `message` within `timeout` seconds, else a DeepxError; where an earlier ask of it is not
         answered yet (an op worker running a long program), that one is waited on again rather than another sent:
         a timed-out ask stayed in the worker's mailbox, one op_stats per heartbeat, and `actors ls` showed the
-        pile as a backlog."""
+        pile as a backlog. late: an answer that came after its asker gave up is taken (op counters, which only
+        grow: with programs back to back, each longer than a heartbeat, a fresh ask never came back in time)."""
         key = (ref.name, message)
         fut = self._asked.get(key)
+        if late and fut is not None and fut.done() and not fut.cancelled():
+            del self._asked[key]
+            return fut.result()
         if fut is None or fut.done():
             if fut is not None and not fut.cancelled():
                 fut.exception()  # (an answer that came after its asker gave up: not read, so not logged as lost)
@@ -109,7 +113,7 @@ class Registry(Actor):
         stats = {}
         for worker, ref in self.workers.items():
             try:
-                stats[worker] = await self._ask_once(ref, "op_stats", self.heartbeat_s)
+                stats[worker] = await self._ask_once(ref, "op_stats", self.heartbeat_s, late=True)
             except DeepxError as e:
                 log.debug("registry: no op stats from %s: %s", worker, e)
         key = f"node:{self.node_id}"

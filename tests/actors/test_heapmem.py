@@ -67,7 +67,7 @@ async def ask(actor: HeapMemory, message: str, **kwargs: Any) -> Any:
     return await actor.ref.ask(message, timeout=10, **kwargs)
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 1.0) -> None:
+async def eventually(check: Callable[[], Any], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:

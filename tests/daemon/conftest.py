@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +27,19 @@ def free_udp_port() -> int:
 def deepxd_command() -> list[str]:
     exe = shutil.which("deepxd")
     return [exe] if exe else [sys.executable, "-m", "deepxd.cli"]
+
+
+def eventually(check: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
+    """check()'s first true value, asked again every 50 ms (at most `timeout` seconds: what a daemon does at its next
+    heartbeat, poll or check, which a loaded machine may take seconds to get to)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what or check}")
+        time.sleep(0.05)
 
 
 class Daemon:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,24 +21,11 @@ from deepx_sdk.compile import GraphRecord
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir import parse_text
 from deepxd.shm import list_segments, unlink_segment
-from tests.daemon.conftest import Daemon
+from tests.daemon.conftest import Daemon, eventually
 
 NODE_FIELDS = {"addresses", "roles", "pid", "devices", "started", "heartbeat", "state", "blas"}
 HEAP_FIELDS = {"dtype", "shape", "node", "device", "bytes", "kind", "owner", "state", "refcount", "holders", "handle",
                "ctime"}
-
-
-def eventually(check: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
-    """check()'s first true value (what the nodes do at their next poll or check, which a loaded machine may take
-    seconds to get to)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what or check}")
-        time.sleep(0.05)
 
 
 G = "axpb"

@@ -61,7 +61,7 @@ def test_actors_ls_json(live: Live) -> None:
     running = json.loads(live.ctl("actors", "ls", "--format", "json", "--filter", "state!=running").stdout)
     assert running == []
     assert live.ctl("actors", "ls").stdout.splitlines()[0].split() == [
-        "NAME", "ROLE", "STATE", "DOING", "MAILBOX", "HANDLED", "ERRORS", "RESTARTS"]
+        "NAME", "ROLE", "STATE", "DOING", "FOR", "MAILBOX", "HANDLED", "ERRORS", "RESTARTS"]
     # what each actor is handling now: the registry answers this very query; the others are idle (heapmem checks
     # the plane's records of its tensors every 2 s, a round trip to Redis that one listing may come in the middle
     # of: a later one finds it done)
@@ -72,8 +72,11 @@ def test_actors_ls_json(live: Live) -> None:
         return r if all(r[n]["doing"] == "" for n in idle) else None
 
     rows = wait_for(at_rest, what="a listing with heapmem, the scheduler and op-cpu idle")
-    assert rows["registry"]["doing"].startswith("actors (") and rows["registry"]["doing"].endswith(" s)")
-    assert [rows[n]["doing"] for n in idle] == ["", "", ""]
+    assert rows["registry"]["doing"] == "actors" and 0 <= rows["registry"]["doing_s"] < 60
+    assert [(rows[n]["doing"], rows[n]["doing_s"]) for n in idle] == [("", None)] * 3
+    # the fields filter as any other: raw in JSON, rendered in the table
+    registry = json.loads(live.ctl("actors", "ls", "--format", "json", "--filter", "doing=actors").stdout)
+    assert [a["name"] for a in registry] == ["registry"]
 
 
 def test_a_daemon_that_does_not_answer_in_time_is_a_timeout_not_a_lost_connection(live: Live) -> None:

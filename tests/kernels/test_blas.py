@@ -507,6 +507,45 @@ def test_processes_started_together_measure_in_turn_and_agree(tmp_path):
 
 
 @needs_mkl
+def test_a_lock_held_too_long_or_a_damaged_record_does_not_stop_the_start(tmp_path):
+    """A lock file held by a process that does not let go (one stopped with Ctrl-Z while measuring) is waited for
+    CHOICE_LOCK_S, then done without; a record damaged or edited by hand is measured again (it stopped the start
+    with a KeyError)."""
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    body = """
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        from deepxd.kernels.cpu import blas
+        blas.CHOICE_LOCK_S = 0.5
+        print("describe", blas.describe())
+    """
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        f = open({str(cache / "blas-choice.json.lock")!r}, "a")
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        r = _script(body, DEEPX_BLAS="auto", DEEPX_KERNEL_CACHE=str(cache))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "stayed locked for 0 s; measuring without it" in r.stderr and "blas: auto measured" in r.stderr
+    for damaged in ({"blas": "mkl"}, {"blas": "numpy", "mkl_us": None, "numpy_us": 1.0, "times": 3},
+                    {"blas": "mkl", "mkl_us": 1.0, "numpy_us": 2.0, "times": "three"}):
+        (key,) = json.loads((cache / "blas-choice.json").read_text())
+        (cache / "blas-choice.json").write_text(json.dumps({key: damaged}))
+        r = _script(body, DEEPX_BLAS="auto", DEEPX_KERNEL_CACHE=str(cache))
+        assert "(the best of 1 starts' measurements)" in r.stderr, (damaged, r.stderr)
+        (record,) = json.loads((cache / "blas-choice.json").read_text()).values()
+        assert record["times"] == 1 and record["mkl_us"] > 1.0, record
+
+
+@needs_mkl
 def test_auto_takes_the_library_it_measures_faster_and_keeps_the_choice(tmp_path):
     """auto times the MLP step's largest products on MKL and on numpy's BLAS at the first start on a machine, keeps
     the choice in the kernel cache, and every later process reads it there (the same library, the same bits)."""

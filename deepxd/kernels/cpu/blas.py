@@ -193,6 +193,7 @@ CHOICE_SHAPES = ((256, 784, 512), (256, 512, 512))
 CHOICE_ROUNDS = 5
 CHOICE_PAUSE_S = 0.15
 CHOICE_TIMES = 3
+CHOICE_LOCK_S = 30.0
 NUMPY_MARGIN = 0.95
 CHOICE_FILE = "blas-choice.json"
 
@@ -215,15 +216,29 @@ def choice_key(lib: Any) -> str:
 
 def _choice(lib: Any) -> dict[str, Any]:
     """auto's choice on this machine: read from the kernel cache, else measured (and written there). One process
-    measures at a time (a lock file beside it): daemons started together (a test suite's workers) each measured
-    under the others' load, could choose differently, and the last to write won."""
+    measures at a time (a POSIX lock on a file beside it, which a forked child does not inherit): daemons started
+    together (a test suite's workers) each measured under the others' load, could choose differently, and the last
+    to write won. A lock that cannot be had (a file system without locks, a holder stopped for CHOICE_LOCK_S) is
+    done without."""
     path = _native.cache_dir() / CHOICE_FILE
     try:
         lock = open(path.with_name(f"{CHOICE_FILE}.lock"), "a")  # (held across the measurement)
     except OSError:
         return _measured_or_known(lib, path)  # an unwritable cache: measured here, not kept
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+    with lock:  # (the lock goes with the file's closing)
+        deadline = time.monotonic() + CHOICE_LOCK_S
+        while True:
+            try:
+                fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except (BlockingIOError, PermissionError):  # held by another process: it is measuring
+                if time.monotonic() > deadline:
+                    log.warning("blas: %s stayed locked for %.0f s; measuring without it", lock.name, CHOICE_LOCK_S)
+                    break
+                time.sleep(0.05)
+            except OSError as e:
+                log.debug("blas: no lock on %s (%s); measuring without it", lock.name, e)
+                break
         return _measured_or_known(lib, path)
 
 
@@ -235,15 +250,18 @@ def _measured_or_known(lib: Any, path: Path) -> dict[str, Any]:
         known = {}
     if not isinstance(known, dict):
         known = {}
-    got = known.get(key)
-    if not (isinstance(got, dict) and got.get("blas") in ("mkl", "numpy")):
-        got = None
-    elif int(got.get("times", 1)) >= CHOICE_TIMES:
+    got, times, kept = known.get(key), 0, (float("inf"), float("inf"))
+    try:
+        if isinstance(got, dict) and got.get("blas") in ("mkl", "numpy"):
+            times, kept = int(got.get("times", 1)), (float(got["mkl_us"]), float(got["numpy_us"]))
+    except (KeyError, TypeError, ValueError):  # a record damaged or edited by hand: as if there were none
+        times = 0
+    if times >= CHOICE_TIMES and isinstance(got, dict):
         return got
     mkl_us, numpy_us = measure_products(lib)
-    if got is not None:  # the best of this start's figures and the ones kept: a start on a busy machine
-        mkl_us, numpy_us = min(mkl_us, float(got["mkl_us"])), min(numpy_us, float(got["numpy_us"]))
-    times = 1 if got is None else int(got.get("times", 1)) + 1
+    # the best of this start's figures and the ones kept: a start on a busy machine measures slow
+    mkl_us, numpy_us = min(mkl_us, kept[0]), min(numpy_us, kept[1])
+    times += 1
     got = {"blas": "numpy" if numpy_us < NUMPY_MARGIN * mkl_us else "mkl", "mkl_us": round(mkl_us, 1),
            "numpy_us": round(numpy_us, 1), "times": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     log.info("blas: auto measured MKL %.0f us and numpy's BLAS %.0f us for the MLP step's largest products (the "
