@@ -6,15 +6,13 @@ registry) on a real in-memory plane."""
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 
 import numpy as np
 
-from deepx_sdk.ir import parse_text
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.registry import Registry
 from deepxd.kv.memory import MemoryKV
+from tests.actors.conftest import product_chain
 
 
 async def test_counters_reach_the_plane_while_programs_run_back_to_back() -> None:
@@ -28,17 +26,9 @@ async def test_counters_reach_the_plane_while_programs_run_back_to_back() -> Non
     try:
         a = np.full((1024, 1024), 1 / 1024, np.float32)
         await worker.ref.ask("put", name="a", dtype="float32", shape=list(a.shape), data=a.tobytes())
-        one = "matmul (tensor<float32>:a, tensor<float32>:a) -> (tensor<float32>:b0)"
-        seconds = []
-        for _ in range(4):
-            t0 = time.perf_counter()
-            assert not (await worker.ref.ask("run", program=parse_text(one), fetch=[])).error
-            seconds.append(time.perf_counter() - t0)
-        # each program about ten heartbeats long on this machine (the fastest timing, after a warm one)
-        links = max(4, math.ceil(10 * heartbeat / min(seconds[1:])))
-        long_run = parse_text("\n".join(
-            [one] + [f"matmul (tensor<float32>:b{k % 2}, tensor<float32>:a) -> (tensor<float32>:b{(k + 1) % 2})"
-                     for k in range(links - 1)]))
+        # each program about ten heartbeats long on this machine
+        long_run = await product_chain(worker.ref, 10 * heartbeat, at_least=4)
+        links = len(long_run)
         first = asyncio.ensure_future(worker.ref.ask("run", program=long_run, fetch=[]))
         await asyncio.sleep(0.01)
         await registry.flush()  # op-cpu busy: no answer within the heartbeat, nothing written
@@ -51,7 +41,7 @@ async def test_counters_reach_the_plane_while_programs_run_back_to_back() -> Non
         assert not second.done()
         await registry.flush()  # takes the answer that came late: the counters as they stood then
         calls = await kv.hget("ops:n1:op-cpu", "matmul.calls")
-        assert calls is not None and int(float(calls)) == 4 + links, calls
+        assert calls is not None and int(float(calls)) == 4 + links, calls  # (product_chain timed four)
         assert not (await second).error
     finally:
         await worker.stop()

@@ -5,8 +5,6 @@ actors (op-cpu, scheduler, registry) on a real in-memory plane."""
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 
 import numpy as np
 
@@ -17,6 +15,7 @@ from deepxd.actors.registry import Registry
 from deepxd.actors.scheduler import Scheduler
 from deepxd.config import Config
 from deepxd.kv.memory import MemoryKV
+from tests.actors.conftest import product_chain
 
 #: how long the busy scheduler's program runs, at the speed measured before it: 40 heartbeats of the test's 0.05 s
 LONG_RUN_S = 2.0
@@ -47,19 +46,9 @@ async def test_graphs_come_back_only_where_missing_and_after_a_busy_scheduler() 
         await kv.set("graph:g2", record("g2", 5.0))  # ...and g2 was stored again, newer, before the heartbeat
         a = np.full((1536, 1536), 1 / 1536, np.float32)
         await worker.ref.ask("put", name="a", dtype="float32", shape=list(a.shape), data=a.tobytes())
-        chain = ["matmul (tensor<float32>:a, tensor<float32>:a) -> (tensor<float32>:b0)"]
         # dependent products far longer than a heartbeat on this machine: a fixed twelve took 0.85 s on one machine
-        # and would end inside the flush on one that computes them 15 times as fast (the fastest of three timed
-        # products, after a warm one, so that a moment of load while timing does not make the run short)
-        seconds = []
-        for _ in range(4):
-            t0 = time.perf_counter()
-            assert not (await worker.ref.ask("run", program=parse_text(chain[0]), fetch=[])).error
-            seconds.append(time.perf_counter() - t0)
-        links = max(12, math.ceil(LONG_RUN_S / min(seconds[1:])))
-        chain += [f"matmul (tensor<float32>:b{k % 2}, tensor<float32>:a) -> (tensor<float32>:b{(k + 1) % 2})"
-                  for k in range(links - 1)]  # two names taken in turn: the memory of two products, however many
-        long_run = parse_text("\n".join(chain))
+        # and would end inside the flush on one that computes them 15 times as fast
+        long_run = await product_chain(worker.ref, LONG_RUN_S, at_least=12)
         busy = asyncio.ensure_future(scheduler.ref.ask("run", program=long_run, fetch=[]))
         await asyncio.sleep(0.01)
         await registry.flush()  # the record is lost; the scheduler, busy, does not answer within the heartbeat

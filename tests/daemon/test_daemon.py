@@ -379,12 +379,11 @@ def test_a_tensor_listing_during_a_long_program_says_so_and_holds_no_other_query
         with daemon.client() as c:
             # wait until op-cpu is running it (a fixed sleep was too short on a loaded machine: the listing was
             # answered before the program reached the worker); `actors ls` says what each actor is doing
-            deadline = time.monotonic() + 60
-            while not done and time.monotonic() < deadline:
+            def running() -> dict[str, str] | None:
                 doing = {a["name"]: a["doing"] for a in c.admin("actors")}
-                if doing["op-cpu"] == "run":
-                    break
-                time.sleep(0.05)
+                return doing if done or doing["op-cpu"] == "run" else None
+
+            doing = eventually(running, what="op-cpu running the program")
             assert not done, "the program ended before op-cpu was seen running it"
             assert doing["op-cpu"] == "run" and doing["registry"] == "actors", doing
             t0 = time.monotonic()
