@@ -70,13 +70,17 @@ class CliGroup(click.Group):
 @click.option("--kv", metavar="URL", envvar="DEEPXCTL_KV", default=None,
               help="Read the storage plane at URL (redis://host:port/db or memory:///abs/path/file) instead of a "
                    "daemon: for a stopped cluster. Serves tensors ls/show, memory, nodes ls, ops ls, graphs.")
+@click.option("--kv-password-file", metavar="FILE", envvar="DEEPX_KV_PASSWORD_FILE", default=None,
+              help="A file (mode 0600) whose first line is the plane's Redis password; also DEEPX_KV_PASSWORD. "
+                   "A password inside --kv is refused: every local user can read a command line.")
 @click.option("--kv-prefix", metavar="PREFIX", envvar="DEEPX_KV_PREFIX", default="deepx:", show_default=True,
               help="The storage plane's key prefix (the daemon's kv_prefix).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), envvar="DEEPXCTL_TIMEOUT", default=30.0,
               show_default=True, help="Seconds to wait for the daemon's answer.")
 @click.version_option(package_name="deepx", prog_name="deepxctl")
 @click.pass_context
-def cli(ctx: click.Context, address: str | None, kv: str | None, kv_prefix: str, timeout: float) -> None:
+def cli(ctx: click.Context, address: str | None, kv: str | None, kv_password_file: str | None, kv_prefix: str,
+        timeout: float) -> None:
     """The operator's view of deepx: what tensors exist and who holds them, which ops are slow, which nodes and
     actors are alive, what a stored graph is.
 
@@ -85,7 +89,18 @@ def cli(ctx: click.Context, address: str | None, kv: str | None, kv_prefix: str,
       deepxctl ops ls --limit 10                  deepxctl top
       deepxctl ir "print (tensor:x) -> ()"        deepxctl --kv redis://10.0.0.5:6379/0 nodes ls
     """
-    ctx.obj = Ctl(address, kv, kv_prefix, timeout)
+    if kv and ctx.get_parameter_source("kv") == click.core.ParameterSource.COMMANDLINE and "@" in kv:
+        from urllib.parse import urlsplit
+
+        try:
+            secret = urlsplit(kv).password
+        except ValueError:
+            secret = None
+        if secret:
+            raise CtlError("--kv: the URL carries a password, which every local user can read in /proc/<pid>/cmdline; "
+                           "give it with --kv-password-file FILE (mode 0600) or DEEPX_KV_PASSWORD, and the URL "
+                           "without it", exit_code=2)
+    ctx.obj = Ctl(address, kv, kv_prefix, timeout, kv_password_file=kv_password_file)
 
 
 for group in (tensors.tensors, memory.memory, ops.ops, nodes.nodes, actors.actors, graphs.graphs, top.top, ir.ir):

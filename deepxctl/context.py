@@ -48,9 +48,11 @@ class DaemonSource:
 class Ctl:
     """The global options and the one connection a command opens (closed when the command ends)."""
 
-    def __init__(self, address: str | None, kv: str | None, kv_prefix: str, timeout: float) -> None:
+    def __init__(self, address: str | None, kv: str | None, kv_prefix: str, timeout: float, *,
+                 kv_password_file: str | None = None) -> None:
         self._address = address
         self.kv = kv
+        self.kv_password_file = kv_password_file
         self.kv_prefix = kv_prefix
         self.timeout = timeout
         self._daemon: DaemonSource | None = None
@@ -75,7 +77,12 @@ class Ctl:
         if self.kv:
             from deepxctl.plane import PlaneSource
 
-            return PlaneSource(self.kv, self.kv_prefix)
+            password = None
+            if self.kv_password_file:
+                from deepxd.kv.base import read_password_file
+
+                password = read_password_file(self.kv_password_file)
+            return PlaneSource(self.kv, self.kv_prefix, password=password)
         return self.daemon()
 
     def daemon(self, why: str = "") -> DaemonSource:

@@ -78,7 +78,7 @@ class FileSnapshot:
         return v if isinstance(v, bytes) else None
 
 
-def open_plane(url: str, prefix: str) -> Readable:
+def open_plane(url: str, prefix: str, password: str | None = None) -> Readable:
     if url == "memory":
         raise CtlError("--kv memory is a store inside one daemon's process; give memory:///abs/path/file or "
                        "redis://host:port/db")
@@ -92,7 +92,7 @@ def open_plane(url: str, prefix: str) -> Readable:
         return FileSnapshot(path, prefix)
     from deepxd.kv.base import open_kv
 
-    return open_kv(url, prefix=prefix)
+    return open_kv(url, prefix=prefix, password=password)
 
 
 # -- the rows, in the shape of the registry's answers
@@ -188,9 +188,10 @@ READERS: dict[str, Callable[[Readable], Awaitable[Any]]] = {
 class PlaneSource:
     """What the storage plane at `url` says, in the daemon's answer shapes."""
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str, *, password: str | None = None) -> None:
         self.url = url
         self.prefix = prefix
+        self.password = password
         from deepxd.kv.base import redact
 
         self.where = f"the storage plane at {redact(url)}"  # never a password (docs/storage.md)
@@ -203,7 +204,7 @@ class PlaneSource:
         return asyncio.run(self._read(reader))
 
     async def _read(self, reader: Callable[[Readable], Awaitable[Any]]) -> Any:
-        kv = open_plane(self.url, self.prefix)
+        kv = open_plane(self.url, self.prefix, self.password)
         await kv.connect()
         try:
             return await reader(kv)

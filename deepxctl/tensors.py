@@ -30,7 +30,12 @@ def find_tensor(ctl: Ctl, name: str) -> Tensor:
     for t in load_tensors(ctl):
         if t.name == name:
             return t
-    where = f"the storage plane at {ctl.kv}" if ctl.kv else f"deepxd at {ctl.address}"
+    if ctl.kv:
+        from deepxd.kv.base import redact
+
+        where = f"the storage plane at {redact(ctl.kv)}"  # never a password (docs/storage.md)
+    else:
+        where = f"deepxd at {ctl.address}"
     raise CtlError(f"no tensor named {name!r} in {where}; `deepxctl tensors ls` lists them")
 
 

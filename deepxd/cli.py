@@ -33,6 +33,8 @@ _options = [
     click.option("--role", "roles", help="Comma list of roles: registry,heapmem,scheduler,op-cpu,op-cuda "
                  "(default: every role this machine can run)."),
     click.option("--kv", help="Storage plane: memory, memory:///path/file (persisted) or redis://host:port/db."),
+    click.option("--kv-password-file", help="A file (mode 0600) whose first line is the Redis password; also "
+                 "DEEPX_KV_PASSWORD. Never put a password in --kv: every local user can read a command line."),
     click.option("--listen", help="Native socket, unix:///path (default: under the user's runtime directory)."),
     click.option("--udp", help="deepxIR text over UDP: HOST:PORT (default 127.0.0.1:9090) or off."),
     click.option("--config", "config_path", type=click.Path(dir_okay=False),
@@ -94,9 +96,7 @@ def start(config_path, **flags) -> None:
 @main.command("config")
 @_with_options
 def show_config(config_path, **flags) -> None:
-    """Print the effective configuration (after file, environment and flags) as TOML."""
-    import dataclasses
-
+    """Print the effective configuration (after file, environment and flags) as TOML; passwords as ***."""
     from deepx_sdk.errors import DeepxError
 
     try:
@@ -105,7 +105,7 @@ def show_config(config_path, **flags) -> None:
         click.echo(f"deepxd: {e}", err=True)
         sys.exit(2)
     click.echo("[deepxd]")
-    for k, v in dataclasses.asdict(config).items():
+    for k, v in config.shown().items():
         if isinstance(v, str):
             click.echo(f'{k} = "{v}"')
         elif isinstance(v, list):

@@ -23,6 +23,8 @@ class Config:
     node_id: str = ""  # default: the host name
     roles: list[str] = field(default_factory=list)  # default: every role this machine can run
     kv: str = "memory"  # memory | memory:///path/file | redis://host:port/db
+    kv_password: str = ""  # a Redis password (config file or DEEPX_KV_PASSWORD; never a flag: docs/storage.md)
+    kv_password_file: str = ""  # a file whose first line is the Redis password (mode 0600)
     kv_prefix: str = "deepx:"
     kv_fsync: str = "everysec"  # always | everysec | no (embedded store persisted to a file)
     listen: str = ""  # unix:///path; default under the user's runtime directory
@@ -48,6 +50,10 @@ class Config:
         """A copy with every default filled in and every value checked."""
         c = dataclasses.replace(self)
         c.node_id = c.node_id or socket.gethostname()
+        if c.kv_password_file and not c.kv_password:
+            from deepxd.kv.base import read_password_file
+
+            c.kv_password = read_password_file(c.kv_password_file)
         c.listen = c.listen or f"unix://{default_socket()}"
         if not c.listen.startswith("unix://"):
             raise DeepxError(f"listen: {c.listen!r} must be unix:///path/to/socket")
@@ -76,6 +82,16 @@ class Config:
         if c.fuse_min_elements < 0:
             raise DeepxError(f"fuse_min_elements: {c.fuse_min_elements} must be >= 0")
         return c
+
+    def shown(self) -> dict[str, Any]:
+        """The settings as a mapping for people to read (`deepxd config`, the admin query): never a password."""
+        from deepxd.kv.base import redact
+
+        out = dataclasses.asdict(self)
+        out["kv"] = redact(self.kv)
+        if self.kv_password:
+            out["kv_password"] = "***"
+        return out
 
     @property
     def socket_path(self) -> str:
@@ -169,9 +185,21 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None, **fl
         if raw is not None and raw != "":
             values[key] = _coerce(key, raw, f"DEEPX_{key.upper()}")
     for key, v in flags.items():
+        if key == "kv" and isinstance(v, str) and _has_password(v):
+            raise DeepxError("--kv: the URL carries a password, which every local user can read in "
+                             "/proc/<pid>/cmdline; give it with --kv-password-file FILE (mode 0600), DEEPX_KV_PASSWORD "
+                             "or kv_password in the config file, and the URL without it (docs/storage.md)")
         if v is not None and v != () and v != []:
             values[key] = _coerce(key, list(v) if isinstance(v, tuple) else v, f"--{key.replace('_', '-')}")
+    if values.get("kv_password") and values.get("kv_password_file"):
+        raise DeepxError("kv_password and kv_password_file are both set: give the password once")
     return Config(**values)
+
+
+def _has_password(url: str) -> bool:
+    from deepxd.kv.base import url_password
+
+    return url_password(url) is not None
 
 
 def default_config_file() -> str | None:

@@ -43,7 +43,10 @@ class Node:
     # -- start
     async def start(self) -> None:
         c = self.config
-        self.kv = open_kv(c.kv, prefix=c.kv_prefix, **({"fsync": c.kv_fsync} if c.kv.startswith("memory") else {}))
+        if c.kv.startswith("memory"):
+            self.kv = open_kv(c.kv, prefix=c.kv_prefix, fsync=c.kv_fsync)
+        else:
+            self.kv = open_kv(c.kv, prefix=c.kv_prefix, password=c.kv_password or None)
         await self.kv.connect()
         try:
             await self._refuse_a_live_namesake()

@@ -25,7 +25,9 @@ import asyncio
 import functools
 import math
 import numbers
+import os
 import re
+import stat
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -303,8 +305,10 @@ def _signed_range(a: int, b: int) -> list[tuple[int, int]]:
     return [(0, hi), (lo & 0xFF, 0xFF)]
 
 
-def open_kv(url: str, prefix: str = "deepx:", **options: Any) -> KV:
-    """The backend for a URL: `memory`, `memory:///path/to/file` (persisted) or `redis://host:port/db`."""
+def open_kv(url: str, prefix: str = "deepx:", *, password: str | None = None, **options: Any) -> KV:
+    """The backend for a URL: `memory`, `memory:///path/to/file` (persisted) or `redis://host:port/db`. A Redis
+    password comes from `password`, else from `kv_password()` (DEEPX_KV_PASSWORD_FILE, DEEPX_KV_PASSWORD), so that it
+    never has to sit in a URL on a command line."""
     if url == "memory" or url.startswith("memory:"):
         from deepxd.kv.memory import MemoryKV
 
@@ -312,7 +316,7 @@ def open_kv(url: str, prefix: str = "deepx:", **options: Any) -> KV:
     if url.startswith(("redis://", "rediss://", "unix://")):
         from deepxd.kv.redis import RedisKV
 
-        return RedisKV(url, prefix=prefix, **options)
+        return RedisKV(url, prefix=prefix, password=password if password is not None else kv_password(), **options)
     raise DeepxError(f"unknown storage plane URL {url!r}: use memory, memory:///path/file or redis://host:port/db")
 
 
@@ -329,3 +333,45 @@ def redact(url: str) -> str:
     host = f"[{host}]" if ":" in host else host
     netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def url_password(url: str) -> str | None:
+    """The password a storage URL carries, None when it carries none (or is not a URL urlsplit reads)."""
+    try:
+        return urlsplit(url).password or None
+    except ValueError:
+        return None
+
+
+def read_password_file(path: str) -> str:
+    """A Redis password from a file: its first line, without the line end. A file that others can read is refused,
+    as ssh refuses such a private key."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise DeepxError(f"kv_password_file: cannot read {path}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DeepxError(f"kv_password_file: {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise DeepxError(f"kv_password_file: {path} can be read by others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                             f"chmod 600 {path}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(4096)
+    finally:
+        os.close(fd)
+    line = raw.decode("utf-8", "replace").splitlines()[0] if raw.strip() else ""
+    if not line:
+        raise DeepxError(f"kv_password_file: {path} is empty; its first line is the password")
+    return line
+
+
+def kv_password(env: Mapping[str, str] | None = None) -> str | None:
+    """The Redis password from the environment: the file DEEPX_KV_PASSWORD_FILE names, else DEEPX_KV_PASSWORD;
+    None when neither is set."""
+    environ = os.environ if env is None else env
+    path = environ.get("DEEPX_KV_PASSWORD_FILE")
+    if path:
+        return read_password_file(path)
+    return environ.get("DEEPX_KV_PASSWORD") or None

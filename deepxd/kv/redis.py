@@ -32,6 +32,7 @@ from deepxd.kv.base import (
     escape_glob,
     hash_mapping,
     redact,
+    url_password,
     wrong_type,
 )
 
@@ -54,9 +55,14 @@ class RedisKV(KV):
         retries: int = 6,
         socket_timeout: float = 10.0,
         max_connections: int = 64,
+        password: str | None = None,
     ) -> None:
         check_url(url)
+        if password and url_password(url):
+            raise DeepxError(f"Redis URL {redact(url)} carries a password and one was given apart from it "
+                             "(kv_password, DEEPX_KV_PASSWORD or a password file): give it once")
         self.url = url
+        self.password = password or None
         self.prefix = prefix
         self.connect_timeout = connect_timeout
         self.retries = retries
@@ -79,6 +85,7 @@ class RedisKV(KV):
                 retry_on_error=[rx.ConnectionError, rx.TimeoutError],
                 decode_responses=False,
                 client_name="deepxd",
+                **({"password": self.password} if self.password else {}),
             )
         except (ValueError, TypeError) as e:
             raise DeepxError(f"bad Redis URL {where}: {e}") from None
@@ -109,7 +116,8 @@ class RedisKV(KV):
             text = str(e)
             if isinstance(e, rx.AuthenticationError) or "NOAUTH" in text or "authenticated" in text:
                 raise DeepxError(f"Redis at {where} refused the connection: it needs a password, or not this one "
-                                 f"(give it as redis://:PASSWORD@host:port/db): {text}") from None
+                                 "(give it with kv_password_file or DEEPX_KV_PASSWORD, docs/storage.md): "
+                                 f"{text}") from None
             raise DeepxError(f"cannot reach Redis at {where}: {text}") from None
         except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
             # redis-py reads a handshake answer it did not expect this way (redis-py 8's RESP3 HELLO, answered

@@ -376,9 +376,9 @@ def test_sigterm_while_starting_stops_the_daemon_at_once(tmp_path) -> None:
         silent.close()
 
 
-def test_a_storage_password_never_shows_in_the_log_or_the_config(tmp_path, new_redis_server) -> None:
-    """docs/storage.md: the password of a redis:// URL is never shown (the start-up line and the admin config
-    query showed it)."""
+def test_a_storage_password_never_shows_in_the_log_the_config_or_the_command_line(tmp_path, new_redis_server) -> None:
+    """docs/storage.md: the password is given in a file (or DEEPX_KV_PASSWORD), never on the command line, where
+    /proc/<pid>/cmdline shows it to every local user; the log and the admin config show it as ***."""
     import signal
     import subprocess
     import time
@@ -389,9 +389,13 @@ def test_a_storage_password_never_shows_in_the_log_or_the_config(tmp_path, new_r
 
     server = new_redis_server()
     redis_py.Redis(port=server.port).config_set("requirepass", "s3cret")
+    secret = tmp_path / "redis.pass"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
     sock = tmp_path / "d.sock"
-    proc = subprocess.Popen(["deepxd", "start", "--kv", f"redis://:s3cret@127.0.0.1:{server.port}/0",
-                             "--listen", f"unix://{sock}", "--udp", "off"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(["deepxd", "start", "--kv", f"redis://127.0.0.1:{server.port}/0", "--kv-password-file",
+                             str(secret), "--listen", f"unix://{sock}", "--udp", "off"], stderr=subprocess.PIPE,
+                            text=True)
     try:
         deadline = time.monotonic() + 30
         while True:  # until it answers: the socket's file exists a moment before it accepts (a loaded machine)
@@ -403,8 +407,54 @@ def test_a_storage_password_never_shows_in_the_log_or_the_config(tmp_path, new_r
                 time.sleep(0.05)
         with c:
             config = c.request("admin", what="config")["result"]
-        assert config["kv"] == f"redis://:***@127.0.0.1:{server.port}/0"
+        assert config["kv"] == f"redis://127.0.0.1:{server.port}/0" and config["kv_password"] == "***"
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert b"s3cret" not in f.read()
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-    assert "s3cret" not in err and "redis://:***@" in err
+    assert proc.returncode == 0, err
+    assert "s3cret" not in err
+
+
+def test_a_password_in_the_kv_flag_is_refused_and_one_from_the_environment_is_redacted(tmp_path) -> None:
+    import subprocess
+
+    url = "redis://:s3cret@127.0.0.1:1/0"
+    flag = subprocess.run(["deepxd", "config", "--kv", url], capture_output=True, text=True)
+    assert flag.returncode == 2 and "/proc/<pid>/cmdline" in flag.stderr and "--kv-password-file" in flag.stderr
+    assert "s3cret" not in flag.stderr
+    shown = subprocess.run(["deepxd", "config"], capture_output=True, text=True,
+                           env={**os.environ, "DEEPX_KV": url, "DEEPX_KV_PASSWORD": "other"})
+    assert shown.returncode == 0, shown.stderr
+    assert "s3cret" not in shown.stdout and "other" not in shown.stdout
+    assert 'kv = "redis://:***@127.0.0.1:1/0"' in shown.stdout and 'kv_password = "***"' in shown.stdout
+    loose = tmp_path / "loose.pass"
+    loose.write_text("s3cret\n")
+    loose.chmod(0o644)
+    bad = subprocess.run(["deepxd", "config", "--kv", "redis://127.0.0.1:1/0", "--kv-password-file", str(loose)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "can be read by others" in bad.stderr and "chmod 600" in bad.stderr
+    ctl = subprocess.run(["deepxctl", "--kv", url, "nodes", "ls"], capture_output=True, text=True)
+    assert ctl.returncode == 2 and "--kv-password-file" in ctl.stderr and "s3cret" not in ctl.stderr
+
+
+def test_deepxctl_reads_a_password_protected_plane_through_a_password_file(tmp_path, new_redis_server) -> None:
+    import subprocess
+
+    import redis as redis_py
+
+    server = new_redis_server()
+    redis_py.Redis(port=server.port).config_set("requirepass", "s3cret")
+    secret = tmp_path / "redis.pass"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    url = f"redis://127.0.0.1:{server.port}/0"
+    denied = subprocess.run(["deepxctl", "--kv", url, "nodes", "ls"], capture_output=True, text=True)
+    assert denied.returncode == 1 and "needs a password" in denied.stderr
+    for how in (["--kv-password-file", str(secret)], []):
+        env = {**os.environ, **({} if how else {"DEEPX_KV_PASSWORD": "s3cret"})}
+        ok = subprocess.run(["deepxctl", "--kv", url, *how, "nodes", "ls", "--format", "json"], capture_output=True,
+                            text=True, env=env)
+        assert ok.returncode == 0, ok.stderr
+        assert ok.stdout.strip().startswith("[")
