@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import struct
 import threading
@@ -62,9 +63,33 @@ class RunReply:
         return self
 
 
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def check_peer(sock: socket.socket, address: str, expected: int | None = None) -> None:
+    """Refuse a daemon that runs as another user before anything is sent to it: whoever listens on the socket path
+    (one put in a directory another user could write, say) would get the hello and every tensor's bytes. Expected:
+    `expected`, else DEEPX_PEER_UID, else this user or root."""
+    so_peercred = getattr(socket, "SO_PEERCRED", None)
+    if so_peercred is None:  # not Linux: the socket's 0600 mode in its 0700 directory is the only check
+        return
+    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, so_peercred, _PEERCRED.size))
+    if expected is None and os.environ.get("DEEPX_PEER_UID", "").strip():
+        try:
+            expected = int(os.environ["DEEPX_PEER_UID"])
+        except ValueError:
+            raise DeepxError(f"DEEPX_PEER_UID={os.environ['DEEPX_PEER_UID']!r} is not a user id (a number)") from None
+    allowed = (expected,) if expected is not None else (os.geteuid(), 0)
+    if uid not in allowed:
+        who = f"uid {expected}" if expected is not None else f"you (uid {os.geteuid()}) or root"
+        raise DeepxError(f"the process listening at {address} runs as uid {uid}, not as {who}: nothing was sent to it "
+                         "(another user may have taken over the socket path). If that daemon is meant to be another "
+                         f"user's, pass NativeClient(peer_uid={uid}) or set DEEPX_PEER_UID={uid}")
+
+
 class NativeClient:
     def __init__(self, address: str | None = None, *, timeout: float | None = None, client: str = "deepx_sdk",
-                 hello: bool = True) -> None:
+                 hello: bool = True, peer_uid: int | None = None) -> None:
         address = address or default_address()
         if not address.startswith("unix://"):
             raise DeepxError(f"cannot connect to {address!r}: deepxd's native socket is addressed as "
@@ -78,6 +103,11 @@ class NativeClient:
             self.sock.close()
             raise DeepxError(f"cannot reach deepxd at {address}: {e.strerror or e}; is it running "
                              "(deepxd start)?") from None
+        try:
+            check_peer(self.sock, address, peer_uid)
+        except BaseException:
+            self.sock.close()
+            raise
         self._ids = itertools.count(1)
         # one request at a time on the connection: threads that share a client (a session's) would otherwise read
         # each other's replies

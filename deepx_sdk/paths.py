@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+from deepx_sdk.errors import DeepxError
 
 
 def runtime_dir() -> Path:
@@ -22,3 +25,37 @@ def default_socket() -> str:
 def default_address() -> str:
     """DEEPX_ADDRESS, else the default socket as a unix:// URL."""
     return os.environ.get("DEEPX_ADDRESS") or f"unix://{default_socket()}"
+
+
+def check_socket_dir(directory: str | os.PathLike[str], *, uid: int | None = None) -> None:
+    """Refuse a socket's directory that another user could use to take the socket over: one owned by another user
+    than `uid` (this process's) or root, or one that group or others can write without the sticky bit (as in /tmp,
+    where nobody may remove or rename another's file). A link to a directory is judged by the link's owner and by
+    the directory's (a link's own mode means nothing)."""
+    uid = os.geteuid() if uid is None else uid
+    path = str(directory)
+    hint = "choose --listen unix:///a/private/dir/deepxd.sock"
+    for st, what in _dir_stats(path):
+        if st.st_uid not in (uid, 0):
+            raise DeepxError(f"socket directory {path}: {what} belongs to uid {st.st_uid}, not to this user "
+                             f"(uid {uid}) or root, so its owner could take over the socket; remove it, or {hint}")
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode) and mode & 0o022 and not mode & stat.S_ISVTX:
+            who = "others" if mode & 0o002 else "its group"
+            raise DeepxError(f"socket directory {path}: {what} can be written by {who} (mode {mode:04o}), who "
+                             f"could replace the socket; chmod 700 {path}, or {hint}")
+
+
+def _dir_stats(path: str) -> list[tuple[os.stat_result, str]]:
+    try:
+        link = os.lstat(path)
+        if not stat.S_ISLNK(link.st_mode):
+            if not stat.S_ISDIR(link.st_mode):
+                raise DeepxError(f"socket directory {path} is not a directory")
+            return [(link, "the directory")]
+        target = os.stat(path)
+    except FileNotFoundError:
+        raise DeepxError(f"socket directory {path} does not exist") from None
+    if not stat.S_ISDIR(target.st_mode):
+        raise DeepxError(f"socket directory {path} is not a directory")
+    return [(link, "the link"), (target, "the directory it links to")]

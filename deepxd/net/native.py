@@ -23,6 +23,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.text import is_name
 from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj, unpack_instr_cached
+from deepx_sdk.paths import check_socket_dir
 from deepxd.actors.opcpu import RunResult
 from deepxd.kernels.cpu import dtype_name
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
@@ -190,6 +191,7 @@ class NativeServer:
     async def start(self) -> None:
         d = Path(self.path).parent
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_socket_dir(d)  # a directory another user can write lets them take the socket over
         check_socket_free(self.path)
         old = os.umask(0o177)
         try:
@@ -426,13 +428,7 @@ class NativeServer:
     async def _op_admin(self, req: dict[str, Any]) -> dict[str, Any]:
         what = req.get("what")
         if what == "config":
-            import dataclasses
-
-            from deepxd.kv.base import redact
-
-            config = dataclasses.asdict(self.node.config)
-            config["kv"] = redact(str(config.get("kv", "")))  # never a password (docs/storage.md)
-            return {"result": config}
+            return {"result": self.node.config.shown()}  # never a password (docs/storage.md)
         if what not in ADMIN:
             raise DeepxError(f"admin: unknown query {what!r}; known: {', '.join((*ADMIN, 'config'))}")
         return {"result": await self.node.ref("registry").ask(what)}
