@@ -1,8 +1,15 @@
-"""The deepx tensor file format (deepxir.md section 5): `P.shape` (YAML) beside `P.data` (raw little-endian bytes)."""
+"""The deepx tensor file format (deepxir.md section 5): `P.shape` (YAML) beside `P.data` (raw little-endian bytes).
+
+Every file is opened relative to a descriptor of its directory and never through a link: the `*_at` functions take
+that descriptor (the daemon opens it once, checked against its io roots: `open_directory`), the plain-path ones open
+the path's directory themselves. A link, or anything but a regular file, where a tensor file goes is refused.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -12,6 +19,14 @@ import yaml
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import from_numpy, to_numpy
 from deepx_sdk.ir.shapes import numel
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# O_PATH (Linux): a directory descriptor for the *at calls that needs no read permission on the directory
+_DIR = getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
+_READ = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC  # NONBLOCK: a FIFO must not hang a read
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC  # EXCL: never opens what is already there
+MAX_SHAPE_BYTES = 1 << 20  # a shape file is a few lines
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
@@ -27,32 +42,159 @@ def shape_doc(shape: tuple[int, ...], dtype: str) -> dict:
             "size": numel(shape)}
 
 
-def write_tensor(base: str | os.PathLike[str], array: np.ndarray) -> None:
-    """Write `array` as `base.shape` and `base.data`; the data file is replaced atomically."""
-    base = str(base)
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _not_regular(shown: str, mode: int) -> DeepxError:
+    what = _kind(mode)
+    if what == "a symbolic link":
+        return DeepxError(f"{shown} is a symbolic link; tensor files are never opened through links (put the file "
+                          "itself there, or remove the link)")
+    return DeepxError(f"{shown} is {what}, not a regular file (remove it, or pick another path)")
+
+
+def open_directory(path: str | os.PathLike[str], *, create: bool = False) -> int:
+    """A descriptor of the directory at absolute, link-free (resolved) `path`, opened one component at a time from `/`
+    with O_NOFOLLOW, so that a component made a link after the path was checked is refused instead of followed (no
+    /proc needed); missing components are made where `create`. DeepxError names what is wrong."""
+    path = os.fspath(path)
+    if not os.path.isabs(path):
+        raise DeepxError(f"open_directory: {path} is not an absolute path")
+    parts = [p for p in path.split("/") if p and p != "."]
+    if ".." in parts:
+        raise DeepxError(f"{path}: '..' in a resolved directory path")
+    fd = os.open("/", _DIR)
+    try:
+        here = ""
+        for part in parts:
+            here += "/" + part
+            try:
+                nxt = os.open(part, _DIR | _NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise DeepxError(f"directory {here} not found") from None
+                try:
+                    os.mkdir(part, 0o777, dir_fd=fd)
+                except FileExistsError:
+                    pass  # made meanwhile; opened below as any other
+                except OSError as e:
+                    raise DeepxError(f"cannot make directory {here}: {e.strerror}") from None
+                nxt = os.open(part, _DIR | _NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                try:
+                    st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    raise DeepxError(f"cannot open directory {here}: {e.strerror}") from None
+                raise DeepxError(f"{here} is {_kind(st.st_mode)}, where a directory was checked (it changed, or is "
+                                 "not a directory); refusing to follow it") from None
+            mode = os.fstat(nxt).st_mode
+            if not stat.S_ISDIR(mode):  # O_PATH|O_NOFOLLOW opens a link itself
+                os.close(nxt)
+                raise DeepxError(f"{here} is {_kind(mode)}, where a directory was checked; refusing to follow it")
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_read(dir_fd: int, name: str, shown: str) -> tuple[int, os.stat_result]:
+    """A regular file `name` in `dir_fd`, opened for reading without following a link; FileNotFoundError passes."""
+    try:
+        fd = os.open(name, _READ, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            raise DeepxError(f"cannot read {shown}: {e.strerror}") from None
+        if e.errno in (errno.ELOOP, errno.EMLINK) or not stat.S_ISREG(st.st_mode):
+            raise _not_regular(shown, st.st_mode) from None
+        raise DeepxError(f"cannot read {shown}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _not_regular(shown, st.st_mode)
+    return fd, st
+
+
+def _create(dir_fd: int, name: str, shown: str) -> int:
+    """A new regular file `name` in `dir_fd`, for writing: never an existing one, nor through a link. A regular file
+    left there (by a save that died) is removed first; anything else there is refused."""
+    for attempt in range(2):
+        try:
+            return os.open(name, _CREATE, 0o666, dir_fd=dir_fd)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise DeepxError(f"cannot create {shown}: {e.strerror or e}") from None
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(shown, st.st_mode)
+            if not attempt:
+                os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise DeepxError(f"cannot remove {shown}, left by an earlier save: {e.strerror or e}") from None
+    raise DeepxError(f"{shown} keeps reappearing: another save of this path is running")
+
+
+def _write_replace(dir_fd: int, name: str, payload: memoryview | bytes, where: str) -> None:
+    """`payload` as file `name` in `dir_fd`, replaced atomically: written to `name.tmp`, then renamed over `name`
+    (rename replaces a link there, never its target)."""
+    tmp = name + ".tmp"
+    fd = _create(dir_fd, tmp, os.path.join(where, tmp))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException as e:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise DeepxError(f"cannot write {os.path.join(where, name)}: {e.strerror or e}") from None
+        raise
+
+
+def write_tensor_at(dir_fd: int, stem: str, array: np.ndarray, where: str = ".") -> None:
+    """Write `array` as `stem.data` and `stem.shape` in directory `dir_fd` (whose path `where` is shown in errors),
+    each replaced atomically, no link followed."""
     dtype = from_numpy(array.dtype)
     data = np.ascontiguousarray(array)
     if sys.byteorder != "little" and data.dtype.itemsize > 1:
         data = data.byteswap()
-    Path(base).parent.mkdir(parents=True, exist_ok=True)
-    tmp = base + ".data.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data.reshape(-1).view(np.uint8).data if data.size else b"")
-    os.replace(tmp, base + ".data")
-    with open(base + ".shape", "w") as f:
-        yaml.safe_dump(shape_doc(tuple(array.shape), dtype), f, default_flow_style=None, sort_keys=False)
+    raw = data.reshape(-1).view(np.uint8).data if data.size else b""
+    _write_replace(dir_fd, stem + ".data", raw, where)
+    doc = yaml.safe_dump(shape_doc(tuple(array.shape), dtype), default_flow_style=None, sort_keys=False)
+    _write_replace(dir_fd, stem + ".shape", doc.encode(), where)
 
 
-def read_shape(base: str | os.PathLike[str]) -> tuple[tuple[int, ...], str]:
-    """Shape and dtype from `base.shape`, checked: stride and size must agree with the shape."""
-    path = f"{base}.shape"
+def read_shape_at(dir_fd: int, stem: str, where: str = ".") -> tuple[tuple[int, ...], str]:
+    """Shape and dtype from `stem.shape` in directory `dir_fd`, checked: stride and size must agree with the shape."""
+    path = os.path.join(where, f"{stem}.shape")
     try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
+        fd, st = _open_read(dir_fd, f"{stem}.shape", path)
     except FileNotFoundError:
         raise DeepxError(f"tensor file {path} not found") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise DeepxError(f"cannot read {path}: {e}") from None
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > MAX_SHAPE_BYTES:
+            raise DeepxError(f"{path} holds {st.st_size} bytes; a shape file holds at most {MAX_SHAPE_BYTES}")
+        try:
+            doc = yaml.safe_load(f.read(MAX_SHAPE_BYTES + 1))
+        except (OSError, yaml.YAMLError) as e:
+            raise DeepxError(f"cannot read {path}: {e}") from None
     if not isinstance(doc, dict) or "dtype" not in doc or "shape" not in doc:
         raise DeepxError(f"{path}: expected a mapping with at least dtype and shape")
     try:
@@ -75,24 +217,99 @@ def read_shape(base: str | os.PathLike[str]) -> tuple[tuple[int, ...], str]:
     return shape, dtype
 
 
-def read_data(path: str | os.PathLike[str], shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """Exactly numel(shape) elements of `dtype` from the raw file at `path`."""
+def read_data_at(dir_fd: int, name: str, shape: tuple[int, ...], dtype: str, where: str = ".") -> np.ndarray:
+    """Exactly numel(shape) elements of `dtype` from the raw file `name` in directory `dir_fd`."""
+    path = os.path.join(where, name)
     npdt = to_numpy(dtype).newbyteorder("<")
     want = numel(shape) * npdt.itemsize
     try:
-        size = os.path.getsize(path)
-        if size != want:
-            raise DeepxError(
-                f"{path} holds {size} bytes, but {dtype}{list(shape)} needs exactly {want}"
-            )
-        array = np.fromfile(path, dtype=npdt, count=numel(shape))
+        fd, st = _open_read(dir_fd, name, path)
     except FileNotFoundError:
         raise DeepxError(f"tensor data file {path} not found") from None
-    except OSError as e:
-        raise DeepxError(f"cannot read {path}: {e}") from None
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size != want:
+            raise DeepxError(f"{path} holds {st.st_size} bytes, but {dtype}{list(shape)} needs exactly {want}")
+        array = np.empty(numel(shape), dtype=npdt)
+        view = array.view(np.uint8).data
+        got = 0
+        try:
+            while got < want:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise DeepxError(f"{path} ended after {got} bytes; {dtype}{list(shape)} needs {want}")
+                got += n
+        except OSError as e:
+            raise DeepxError(f"cannot read {path}: {e.strerror or e}") from None
     return array.astype(to_numpy(dtype), copy=False).reshape(shape)
 
 
+def read_tensor_at(dir_fd: int, stem: str, where: str = ".") -> np.ndarray:
+    shape, dtype = read_shape_at(dir_fd, stem, where)
+    return read_data_at(dir_fd, f"{stem}.data", shape, dtype, where)
+
+
+def _split(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """A path's directory and last component, refused when it names no file."""
+    path = os.fspath(path)
+    where, name = os.path.split(path)
+    if name in ("", ".", ".."):
+        raise DeepxError(f"{path} names a directory; a tensor file needs a file name")
+    return where or ".", name
+
+
+def _open_parent(where: str) -> int:
+    try:
+        return os.open(where, _DIR)
+    except FileNotFoundError:
+        raise DeepxError(f"directory {where} not found") from None
+    except OSError as e:
+        raise DeepxError(f"cannot open directory {where}: {e.strerror}") from None
+
+
+def write_tensor(base: str | os.PathLike[str], array: np.ndarray) -> None:
+    """Write `array` as `base.shape` and `base.data` (see write_tensor_at); the directory is made if missing."""
+    where, stem = _split(base)
+    Path(where).mkdir(parents=True, exist_ok=True)
+    fd = _open_parent(where)
+    try:
+        write_tensor_at(fd, stem, array, where)
+    finally:
+        os.close(fd)
+
+
+def read_shape(base: str | os.PathLike[str]) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype from `base.shape` (see read_shape_at)."""
+    where, stem = _split(base)
+    try:
+        fd = _open_parent(where)
+    except DeepxError:
+        raise DeepxError(f"tensor file {base}.shape not found") from None
+    try:
+        return read_shape_at(fd, stem, where)
+    finally:
+        os.close(fd)
+
+
+def read_data(path: str | os.PathLike[str], shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Exactly numel(shape) elements of `dtype` from the raw file at `path` (see read_data_at)."""
+    where, name = _split(path)
+    try:
+        fd = _open_parent(where)
+    except DeepxError:
+        raise DeepxError(f"tensor data file {path} not found") from None
+    try:
+        return read_data_at(fd, name, shape, dtype, where)
+    finally:
+        os.close(fd)
+
+
 def read_tensor(base: str | os.PathLike[str]) -> np.ndarray:
-    shape, dtype = read_shape(base)
-    return read_data(f"{base}.data", shape, dtype)
+    where, stem = _split(base)
+    try:
+        fd = _open_parent(where)
+    except DeepxError:
+        raise DeepxError(f"tensor file {base}.shape not found") from None
+    try:
+        return read_tensor_at(fd, stem, where)
+    finally:
+        os.close(fd)

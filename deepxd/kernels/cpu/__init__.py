@@ -13,7 +13,8 @@ import operator
 import os
 import re
 import warnings
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
 from deepx_sdk.ir.shapes import numel
 from deepx_sdk.ir.text import is_name
+from deepx_sdk.tensorfile import open_directory
 
 log = logging.getLogger(__name__)
 
@@ -831,15 +833,29 @@ class CpuExecutor:
         except (ValueError, TypeError, IndexError, OverflowError, KeyError, FloatingPointError) as e:
             raise DeepxError(failure_message(b, e)) from None
 
-    def check_path(self, op: str, path: str) -> str:
-        """`path` resolved (.. and links), refused when it falls outside every io root."""
+    @contextmanager
+    def io_dir(self, op: str, tensor: str, path: str, create: bool = False) -> Iterator[tuple[int, str, str]]:
+        """(descriptor, file name, directory) of the directory `path`'s files are in: the directory resolved (.. and
+        links), refused outside every io root, then opened by that resolved path with no link followed
+        (tensorfile.open_directory), so a link swapped in after the check is refused; `create`: made if missing.
+        The files are opened relative to the descriptor, never through a link (deepx_sdk/tensorfile.py)."""
         if not path:
             raise DeepxError(f"{op}: empty path")
-        resolved = Path(path).expanduser().resolve()
-        if self.io_roots is not None and not any(resolved.is_relative_to(r) for r in self.io_roots):
+        p = Path(path).expanduser()
+        if p.name in ("", ".", ".."):
+            raise DeepxError(f"{op} of '{tensor}': path {path} names a directory; give the tensor file's base path")
+        where = p.parent.resolve()
+        if self.io_roots is not None and not any(where.is_relative_to(r) for r in self.io_roots):
             roots = ", ".join(str(r) for r in self.io_roots)
-            raise DeepxError(f"{op}: path {path} is outside the allowed io roots ({roots})")
-        return str(resolved)
+            raise DeepxError(f"{op} of '{tensor}': path {path} is outside the allowed io roots ({roots})")
+        try:
+            fd = open_directory(where, create=create)
+        except DeepxError as e:
+            raise DeepxError(f"{op} of '{tensor}': path {path}: {e}") from None
+        try:
+            yield fd, p.name, str(where)
+        finally:
+            os.close(fd)
 
     def put(self, name: str, array: np.ndarray) -> None:
         """Store `array` (any dtype deepx knows) as tensor `name`."""

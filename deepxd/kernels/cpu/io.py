@@ -1,4 +1,5 @@
-"""print, save, load, loadtensordata. Paths are checked against the executor's io roots before any file is touched."""
+"""print, save, load, loadtensordata. Paths are checked against the executor's io roots before any file is touched,
+and files are opened relative to the checked directory, never through a link (CpuExecutor.io_dir)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import from_numpy
 from deepx_sdk.ir.ops import load_name
-from deepx_sdk.tensorfile import read_data, read_tensor, write_tensor
+from deepx_sdk.tensorfile import read_data_at, read_tensor_at, write_tensor_at
 from deepxd.kernels.cpu._util import LOW, up
 
 if TYPE_CHECKING:
@@ -37,20 +38,29 @@ def print(ex: CpuExecutor, b: Bound) -> None:
 
 
 def save(ex: CpuExecutor, b: Bound) -> None:
-    path = ex.check_path("save", b.args[1])
-    try:
-        write_tensor(path, ex.tensors[b.names[0]])
-    except OSError as e:
-        raise DeepxError(f"save: cannot write '{b.names[0]}' to {path}: {e}") from None
+    name, path = b.names[0], b.args[1]
+    with ex.io_dir("save", name, path, create=True) as (fd, stem, where):
+        try:
+            write_tensor_at(fd, stem, ex.tensors[name], where)
+        except DeepxError as e:
+            raise DeepxError(f"save: cannot write '{name}' to {path}: {e}") from None
 
 
 def load(ex: CpuExecutor, b: Bound) -> None:
-    path = ex.check_path("load", b.args[0])
-    name = str(b.out_names[0]) if b.out_names and b.out_names[0] is not None else load_name(b.args[0])
-    ex.tensors[name] = read_tensor(path)
+    path = b.args[0]
+    name = str(b.out_names[0]) if b.out_names and b.out_names[0] is not None else load_name(path)
+    with ex.io_dir("load", name, path) as (fd, stem, where):
+        try:
+            ex.tensors[name] = read_tensor_at(fd, stem, where)
+        except DeepxError as e:
+            raise DeepxError(f"load: cannot read '{name}' from {path}: {e}") from None
 
 
 def loadtensordata(ex: CpuExecutor, b: Bound) -> None:
-    path = ex.check_path("loadtensordata", b.args[0])
-    t = ex.tensors[str(b.out_names[0])]
-    t[...] = read_data(path, t.shape, from_numpy(t.dtype))
+    name, path = str(b.out_names[0]), b.args[0]
+    t = ex.tensors[name]
+    with ex.io_dir("loadtensordata", name, path) as (fd, file, where):
+        try:
+            t[...] = read_data_at(fd, file, t.shape, from_numpy(t.dtype), where)
+        except DeepxError as e:
+            raise DeepxError(f"loadtensordata: cannot read '{name}' from {path}: {e}") from None

@@ -19,6 +19,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -391,8 +392,9 @@ class CudaExecutor:
                 self.tensors[str(n)] = self.to_device(arr, name, str(n))
 
     # -- host <-> device
-    def check_path(self, op: str, path: str) -> str:
-        return CpuExecutor.check_path(self, op, path)  # type: ignore[arg-type]
+    def io_dir(self, op: str, tensor: str, path: str, create: bool = False
+               ) -> AbstractContextManager[tuple[int, str, str]]:
+        return CpuExecutor.io_dir(self, op, tensor, path, create)  # type: ignore[arg-type]
 
     def put(self, name: str, array: np.ndarray) -> None:
         """Copy `array` (any dtype deepx knows) to the device as tensor `name`."""

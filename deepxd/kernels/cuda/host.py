@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.ops import load_name
-from deepx_sdk.tensorfile import read_data, read_tensor, write_tensor
+from deepx_sdk.tensorfile import read_data_at, read_tensor_at, write_tensor_at
 from deepxd.kernels.cpu.io import format_tensor
 from deepxd.kernels.cpu.life import argset, deltensor, renametensor, vecset  # noqa: F401
 
@@ -51,21 +51,31 @@ def print(ex: CudaExecutor, b: Bound) -> None:
 
 
 def save(ex: CudaExecutor, b: Bound) -> None:
-    path = ex.check_path("save", b.args[1])
-    try:
-        write_tensor(path, ex.get(b.names[0]))
-    except OSError as e:
-        raise DeepxError(f"save: cannot write '{b.names[0]}' to {path}: {e}") from None
+    name, path = b.names[0], b.args[1]
+    with ex.io_dir("save", name, path, create=True) as (fd, stem, where):
+        try:
+            write_tensor_at(fd, stem, ex.get(name), where)
+        except DeepxError as e:
+            raise DeepxError(f"save: cannot write '{name}' to {path}: {e}") from None
 
 
 def load(ex: CudaExecutor, b: Bound) -> None:
-    path = ex.check_path("load", b.args[0])
-    name = str(b.out_names[0]) if b.out_names and b.out_names[0] is not None else load_name(b.args[0])
-    ex.tensors[name] = ex.to_device(read_tensor(path), "load", name)
+    path = b.args[0]
+    name = str(b.out_names[0]) if b.out_names and b.out_names[0] is not None else load_name(path)
+    with ex.io_dir("load", name, path) as (fd, stem, where):
+        try:
+            array = read_tensor_at(fd, stem, where)
+        except DeepxError as e:
+            raise DeepxError(f"load: cannot read '{name}' from {path}: {e}") from None
+    ex.tensors[name] = ex.to_device(array, "load", name)
 
 
 def loadtensordata(ex: CudaExecutor, b: Bound) -> None:
-    path = ex.check_path("loadtensordata", b.args[0])
-    t = ex.tensors[str(b.out_names[0])]
-    ex.write(t, read_data(path, t.shape, t.dname))
-
+    name, path = str(b.out_names[0]), b.args[0]
+    t = ex.tensors[name]
+    with ex.io_dir("loadtensordata", name, path) as (fd, file, where):
+        try:
+            array = read_data_at(fd, file, t.shape, t.dname, where)
+        except DeepxError as e:
+            raise DeepxError(f"loadtensordata: cannot read '{name}' from {path}: {e}") from None
+    ex.write(t, array)
