@@ -255,6 +255,19 @@ class Usage(Schema):
 
 
 @dataclasses.dataclass
+class OrphanSegment(Schema):
+    """A shared-memory segment whose process died and that no heap tensor record refers to (`deepxctl memory`)."""
+
+    object_name: ClassVar[str] = "orphaned segments"
+
+    name: str = field(metadata=col())
+    pid: int = field(default=0, metadata=col(right=True))
+    node: str = field(default="", metadata=col())
+    bytes: int = field(default=0, metadata=col(render=human_bytes, right=True))  # memory it holds
+    size: int = field(default=0, metadata=col(render=human_bytes, right=True, detail=True))  # its length
+
+
+@dataclasses.dataclass
 class HeapRef(Schema):
     """A heap tensor's references: who holds it, and so why it is not freed."""
 

@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import operator
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,17 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
 from deepxd.actors.base import Actor, ActorRef, ActorStopped, end_task
 from deepxd.kv.base import KV, Batch
-from deepxd.shm import Segment, SegmentExists, list_segments, segment_exists, segment_name, segment_pid, unlink_segment
+from deepxd.shm import (
+    OutOfSharedMemory,
+    Segment,
+    SegmentExists,
+    orphan_segments,
+    pid_alive,
+    segment_exists,
+    segment_name,
+    segment_pid,
+    unlink_segment,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,16 +189,6 @@ def _holder(holder: Any, what: str) -> str:
     return holder
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class HeapMemory(Actor):
     """Heap tensors of one node in shared memory, their refcounts, and their metadata in the storage plane.
 
@@ -271,6 +270,8 @@ class HeapMemory(Actor):
             if name in self._tensors:
                 continue  # known already (a restart after a crash)
             f = await self.kv.hgetall(key)
+            if f.get("kind") == "heap" and f.get("handle"):
+                keep.add(f["handle"])  # any node's record: its segment is no orphan
             if f.get("kind") != "heap" or f.get("node") != self.node:
                 continue
             try:
@@ -280,12 +281,16 @@ class HeapMemory(Actor):
                 continue
             if t.state == "live" and t.handle and segment_exists(t.handle):
                 pid = segment_pid(t.handle, self.node)
-                if pid is None or _pid_alive(pid):
+                if pid is None or pid_alive(pid):
                     log.warning("%s: heap tensor %r is served by segment %r of live process %s; is another daemon "
                                 "running as node %r? left alone", self.name, name, t.handle, pid, self.node)
                     keep.add(t.handle)
                     continue
                 try:
+                    t.segment = Segment.attach(t.handle, reserve=True)
+                except OutOfSharedMemory as e:  # a sparse segment of an older daemon: adopted, its values kept
+                    log.error("%s: heap tensor %r is adopted without its memory reserved (%s); a write may fault "
+                              "until shared memory is freed", self.name, name, e)
                     t.segment = Segment.attach(t.handle)
                 except DeepxError as e:  # gone between the two looks
                     log.warning("%s: could not adopt heap tensor %r: %s", self.name, name, e)
@@ -302,12 +307,20 @@ class HeapMemory(Actor):
                 w.hset(name, t.fields())
             self._tensors[name] = t
         await w.execute()
-        for seg_name in list_segments("deepx-"):
-            pid = segment_pid(seg_name, self.node)
-            if pid is None or seg_name in keep or _pid_alive(pid):
+        self._remove_orphans(keep)
+
+    def _remove_orphans(self, keep: set[str]) -> None:
+        """Unlink the segments of dead processes that no heap record refers to, where they are this node's, or an
+        embedded session's (node `embedded-<pid>`, whose in-memory plane died with it). Others' are only listed
+        (`deepxctl memory`): a daemon of another plane may adopt them."""
+        for orphan in orphan_segments(keep):
+            mine = segment_pid(orphan.name, self.node) is not None
+            embedded = orphan.node.startswith("embedded-") and orphan.node[len("embedded-"):].isdigit()
+            if not mine and not (embedded and not pid_alive(int(orphan.node[len("embedded-"):]))):
                 continue
-            if unlink_segment(seg_name):
-                log.info("%s: unlinked segment %s left by dead process %d", self.name, seg_name, pid)
+            if unlink_segment(orphan.name):
+                log.info("%s: unlinked segment %s (%d bytes held) left by dead process %d%s", self.name, orphan.name,
+                         orphan.held, orphan.pid, "" if mine else f" (node {orphan.node})")
 
     async def _poll(self) -> None:
         """The lifecycle tick: pop up to TICK_BATCH commands from this node's list and from the shared one, and apply
@@ -540,7 +553,13 @@ class HeapMemory(Actor):
             self._tensors[name] = t
             w.hset(name, t.fields())
             return t
-        seg, reused = self._take_segment(nbytes)
+        try:
+            seg, reused = self._take_segment(nbytes)
+        except OutOfSharedMemory as e:
+            free = "an unknown number of bytes" if e.free is None else f"{e.free} bytes"
+            raise DeepxError(f"{what} ({dtype} {list(dims)}): it needs {nbytes} bytes of shared memory and {free} "
+                             f"are free in /dev/shm; free heap tensors (deepxctl memory), make it smaller, or give "
+                             f"/dev/shm more room") from None
         if reused and zero:
             if nbytes >= ZERO_IN_THREAD:
                 await asyncio.to_thread(seg.zero, nbytes)
@@ -688,16 +707,24 @@ class HeapMemory(Actor):
 
     # -- segments and the pool
     def _take_segment(self, nbytes: int) -> tuple[Segment, bool]:
+        """A segment for `nbytes`, its first `nbytes` reserved (so writing them cannot fault): a pooled one, else a
+        fresh one; OutOfSharedMemory when /dev/shm cannot hold them."""
         need = size_class(nbytes)
         for i in range(REUSE_CLASSES):
             segs = self._pool.get(need << i)
             if segs:
                 seg = segs.pop()
                 self._pooled_bytes -= seg.size
+                try:
+                    seg.reserve(nbytes)
+                except DeepxError:
+                    seg.close()
+                    seg.unlink()  # its memory goes back to /dev/shm; a fresh segment may fit where this did not
+                    break
                 return seg, True
         for _ in range(1000):
             try:
-                return Segment.create(segment_name(self.node), need), False
+                return Segment.create(segment_name(self.node), need, reserve=nbytes), False
             except SegmentExists:
                 continue  # a name left by an earlier process with our pid
         raise DeepxError(f"heapmem: could not find a free segment name for node {self.node}")
