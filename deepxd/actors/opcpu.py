@@ -374,6 +374,12 @@ class OpWorker(Actor):
             if b.op.name == "renametensor" and b.out_names[0] in self.heap:
                 raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
                                    "renamed", i)
+            # a deltensor releases this worker's own reference only: one it does not hold would stay live
+            if b.op.name == "deltensor" and b.out_names[0] in self.heap and b.out_names[0] not in self.heap_held:
+                raise ProgramError(
+                    f"instruction {i + 1}: deltensor: heap tensor '{b.out_names[0]}' is held by others, not by "
+                    f"{self.name}, so deleting it here would free nothing; its holders release it, or "
+                    f"`deepxctl tensors rm {b.out_names[0]} --force` frees it", i)
 
     async def _forget_deleted(self, known: KnownProgram, done: int) -> None:
         """The heap tensors that a known program's first `done` instructions deleted: forgotten (_forget_heap)."""

@@ -438,5 +438,8 @@ class NativeServer:
         name = req.get("name")
         if not isinstance(name, str) or not name:
             raise DeepxError("delete: 'name' must be a tensor name")
-        info = await self.node.ref("registry").ask("delete", name=name, force=bool(req.get("force", False)))
+        force = req.get("force", False)
+        if not isinstance(force, bool):  # never coerced: bool("no") is True
+            raise DeepxError(f"delete of '{name}': 'force' must be true or false, got {_shown(force)}")
+        info = await self.node.ref("registry").ask("delete", name=name, force=force)
         return {"tensor": info}
