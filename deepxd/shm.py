@@ -66,7 +66,7 @@ class _Mapping:
     """One region mapped by libc's mmap, which keeps no descriptor. Arrays over it hold it as their base (numpy's
     `__array_interface__`), so it is unmapped only when the segment is closed and no array views it any more."""
 
-    __slots__ = ("addr", "size")
+    __slots__ = ("addr", "size", "__weakref__")
 
     def __init__(self, fd: int, size: int, name: str) -> None:
         addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)

@@ -421,7 +421,8 @@ class OpWorker(Actor):
         view = self.heap.get(name)
         if view is not None:
             if tuple(view.shape) != shape or view.dtype != to_numpy(dtype):
-                raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}")
+                raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}; it "
+                                 f"cannot take {dtype}{list(shape)}")
             return view
         if name in self.ex.tensors:
             raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")

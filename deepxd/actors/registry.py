@@ -289,8 +289,10 @@ class Registry(Actor):
             assert heap is not None
             raise DeepxError(f"delete: heap tensor {name!r} is still referenced {heap['refcount']} times (held by "
                              f"{', '.join(heap['holders']) or 'unnamed holders'}); release it first, or force")
-        if shared and self.heapmem is not None:
-            await self.heapmem.ask("delete", name=name, force=True)  # it tells the workers to drop their views
+        # a worker that only views it (another holds it) cannot free it with a deltensor, which is refused then
+        viewing_only = heap is not None and not set(holding) & set(heap["holders"])
+        if (shared or viewing_only) and self.heapmem is not None:
+            await self.heapmem.ask("delete", name=name, force=shared)  # it tells the workers to drop their views
             holding = {}
         for worker in holding:
             result = await self.workers[worker].ask("run", program=[Instr("deltensor", (), (Param.tensor(name),))])

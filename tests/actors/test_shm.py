@@ -16,12 +16,15 @@ import pytest
 
 from deepx_sdk.errors import DeepxError
 from deepxd.shm import (
+    OutOfSharedMemory,
     Segment,
     SegmentExists,
     list_segments,
+    orphan_segments,
     segment_exists,
     segment_name,
     segment_pid,
+    shm_free_bytes,
     unlink_segment,
 )
 
@@ -193,3 +196,76 @@ def test_names_and_listing():
             s.close()
             assert unlink_segment(s.name)
     assert not unlink_segment(made[0].name)
+
+
+def test_a_dropped_view_after_close_unmaps_and_no_descriptor_is_kept():
+    import gc
+    import weakref
+
+    before = len(os.listdir("/proc/self/fd"))
+    segs = [Segment.create(fresh(), 4096) for _ in range(300)]
+    views = [s.array((4,), "float32") for s in segs]
+    assert len(os.listdir("/proc/self/fd")) <= before + 2  # mapped, with no descriptor kept per segment
+    owner = views[0]
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    mapping = weakref.ref(owner)  # the owner of the mapping: the views' base
+    del owner
+    for s in segs:
+        s.close()
+        s.unlink()
+    views[0][...] = 5  # still mapped under the view
+    assert views[0].tolist() == [5.0] * 4 and mapping() is not None
+    del views
+    gc.collect()
+    assert mapping() is None  # unmapped once no view is left
+
+
+def test_memory_is_reserved_at_create_and_grown_by_reserve():
+    seg = Segment.create(fresh(), 1 << 20, reserve=8192)
+    try:
+        held = os.stat(f"/dev/shm/{seg.name}").st_blocks * 512
+        assert 8192 <= held < 1 << 20 and seg.reserved == 8192
+        seg.reserve(1 << 19)
+        assert os.stat(f"/dev/shm/{seg.name}").st_blocks * 512 >= 1 << 19 and seg.reserved == 1 << 19
+        full = Segment.create(fresh(), 1 << 16)
+        assert os.stat(f"/dev/shm/{full.name}").st_blocks * 512 >= 1 << 16  # all of it by default
+        full.close()
+        full.unlink()
+    finally:
+        seg.close()
+        seg.unlink()
+
+
+def test_more_than_dev_shm_holds_is_refused_naming_the_bytes():
+    free = shm_free_bytes()
+    if free is None:
+        pytest.skip("/dev/shm has no size limit here")
+    name = fresh()
+    with pytest.raises(OutOfSharedMemory, match=rf"{name!r}: {free * 2} bytes asked, \d+ bytes free") as e:
+        Segment.create(name, free * 2)
+    assert e.value.asked == free * 2 and not segment_exists(name)
+
+
+def test_orphans_are_segments_of_dead_pids_that_nothing_names():
+    live = Segment.create(f"deepx-shmtest{os.getpid()}x-{os.getpid()}-0", 4096)
+    r = python(f"""
+        import os
+        from deepxd.shm import Segment
+        for n in range(2):
+            Segment.create(f"{PREFIX}o-{{os.getpid()}}-{{n}}", 4096)
+        print(os.getpid())
+    """)
+    assert r.returncode == 0, r.stderr
+    pid = int(r.stdout)
+    try:
+        dead = {f"{PREFIX}o-{pid}-0", f"{PREFIX}o-{pid}-1"}
+        found = {o.name: o for o in orphan_segments(referenced={f"{PREFIX}o-{pid}-1"})}
+        assert f"{PREFIX}o-{pid}-0" in found and f"{PREFIX}o-{pid}-1" not in found and live.name not in found
+        o = found[f"{PREFIX}o-{pid}-0"]
+        assert (o.pid, o.size, o.held, o.node) == (pid, 4096, 4096, f"{PREFIX}o"[len("deepx-"):])
+    finally:
+        for n in dead:
+            unlink_segment(n)
+        live.close()
+        live.unlink()
