@@ -44,3 +44,36 @@ def test_memory_table(live: Live) -> None:
     for title in ("by node", "by owner", "by kind", "largest", "heap tensors: references", "heapmem on"):
         assert title in r.stdout
     assert "REFCOUNT" in r.stdout and "HOLDERS" in r.stdout
+
+
+def test_memory_lists_orphaned_segments_and_clean_removes_them_also_under_kv(live: Live) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from deepxd.shm import list_segments
+
+    root = Path(__file__).resolve().parents[2]
+    made = subprocess.run([sys.executable, "-c", "from deepxd.shm import Segment, segment_name\n"
+                           "print(Segment.create(segment_name('ctl-orphan'), 4096).name)"], capture_output=True,
+                          text=True, check=True, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+    stray = made.stdout.strip()
+    try:
+        for kv in (False, True):
+            m = json.loads(live.ctl("memory", "--format", "json", "--detail", kv=kv).stdout)
+            row = next(o for o in m["orphans"] if o["name"] == stray)
+            assert row == {"name": stray, "pid": int(stray.split("-")[-2]), "node": "ctl-orphan", "bytes": 4096,
+                           "size": 4096}
+            live_handles = {t["handle"] for t in json.loads(live.ctl("tensors", "ls", "--format", "json",
+                                                                     "--detail").stdout) if t["kind"] == "heap"}
+            assert not live_handles & {o["name"] for o in m["orphans"]}  # the live daemon's: never orphans
+        r = live.ctl("memory", "clean", "--filter", f"name={stray}", "--format", "json", kv=True)
+        assert r.exit_code == 0, r.output
+        assert [o["name"] for o in json.loads(r.stdout)] == [stray] and stray not in list_segments(stray)
+        r = live.ctl("memory", "clean", "--filter", f"name={stray}")
+        assert r.exit_code == 0 and r.stdout == "" and "no orphaned segments" in r.stderr
+        one_line_error(live.ctl("memory", "clean", "--filter", "nope=1"), code=2)
+    finally:
+        if stray in list_segments(stray):
+            os.unlink(f"/dev/shm/{stray}")
