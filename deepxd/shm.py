@@ -66,7 +66,7 @@ class _Mapping:
     """One region mapped by libc's mmap, which keeps no descriptor. Arrays over it hold it as their base (numpy's
     `__array_interface__`), so it is unmapped only when the segment is closed and no array views it any more."""
 
-    __slots__ = ("addr", "size", "__weakref__")
+    __slots__ = ("__weakref__", "addr", "size")
 
     def __init__(self, fd: int, size: int, name: str) -> None:
         addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
@@ -213,10 +213,10 @@ class Segment:
         return cls(name, size, mapping, reserve)
 
     @classmethod
-    def attach(cls, name: str, reserve: bool = False) -> Segment:
+    def attach(cls, name: str, reserve: int = 0) -> Segment:
         """Map an existing segment (made by this or another process); DeepxError if there is none by that name.
-        reserve: allocate all its memory now (a segment made sparse by an older daemon), OutOfSharedMemory if
-        /dev/shm cannot hold it."""
+        reserve: allocate its first `reserve` bytes now (a segment an older daemon made sparse), OutOfSharedMemory if
+        /dev/shm cannot hold them."""
         _check_name(name)
         try:
             fd = _open(name, os.O_RDWR)
@@ -229,14 +229,15 @@ class Segment:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
                 raise DeepxError(f"shared-memory segment {name!r} is empty or not a segment; it cannot be mapped")
-            if reserve:
-                _reserve(fd, name, st.st_size, min(st.st_blocks * 512, st.st_size))
+            reserve = min(reserve, st.st_size)
+            if reserve > 0:
+                _reserve(fd, name, reserve, min(st.st_blocks * 512, reserve))
             mapping = _Mapping(fd, st.st_size, name)
         except OSError as e:
             raise DeepxError(f"cannot map shared-memory segment {name!r}: {e.strerror}") from e
         finally:
             os.close(fd)
-        return cls(name, st.st_size, mapping, st.st_size if reserve else 0)
+        return cls(name, st.st_size, mapping, max(reserve, 0))
 
     def reserve(self, nbytes: int) -> None:
         """Allocate the first `nbytes` now (a pooled segment given to a larger tensor); OutOfSharedMemory when

@@ -287,7 +287,7 @@ class HeapMemory(Actor):
                     keep.add(t.handle)
                     continue
                 try:
-                    t.segment = Segment.attach(t.handle, reserve=True)
+                    t.segment = Segment.attach(t.handle, reserve=t.nbytes)
                 except OutOfSharedMemory as e:  # a sparse segment of an older daemon: adopted, its values kept
                     log.error("%s: heap tensor %r is adopted without its memory reserved (%s); a write may fault "
                               "until shared memory is freed", self.name, name, e)
