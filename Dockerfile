@@ -8,7 +8,9 @@
 # Settings are DEEPX_* variables (docs/daemon.md): -e DEEPX_KV=redis://redis:6379/0 puts the plane in a Redis that
 # several daemons share (give each its own -e DEEPX_NODE_ID=...). The node id is fixed here, not the container's host
 # name, which changes with every `docker run`: heap tensors in the persisted plane belong to the node that made them.
-# `docker stop` sends SIGTERM: deepxd drains in-flight programs and stops.
+# `docker stop` sends SIGTERM: deepxd drains in-flight programs and stops. UDP listens on every address of the
+# container (DEEPX_UDP_REMOTE=1, so that -p reaches it): deepxIR over UDP is unauthenticated, so publish the port only
+# where its senders are trusted (docs/daemon.md, "who can do what").
 FROM python:3.11-slim
 
 # a C compiler for the native kernels that op-cpu compiles at run time (optional: without it numpy runs everything)
@@ -25,6 +27,7 @@ RUN pip install --no-cache-dir . && mkdir -p /var/lib/deepx /run/deepx
 
 ENV DEEPX_KV=memory:///var/lib/deepx/plane.aof \
     DEEPX_UDP=0.0.0.0:9090 \
+    DEEPX_UDP_REMOTE=1 \
     DEEPX_LISTEN=unix:///run/deepx/deepxd.sock \
     DEEPX_ADDRESS=unix:///run/deepx/deepxd.sock \
     DEEPX_NODE_ID=deepxd

@@ -1,4 +1,4 @@
-"""deepxctl tensors: ls, show, rm."""
+"""deepxctl tensors: ls, show, rm, share."""
 
 from __future__ import annotations
 
@@ -150,3 +150,25 @@ def rm(ctl: Ctl, name: str, force: bool, fmt: str) -> None:
         return
     click.echo(f"deleted {info['kind']} tensor {info['name']!r} ({human_bytes(info['bytes'])}) on node "
                f"{info['node']}{' (forced)' if info.get('forced') else ''}")
+
+
+@tensors.command("share")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--revoke", is_flag=True, help="Take the tensors back: UDP clients can no longer name them.")
+@format_option
+@click.pass_obj
+def share(ctl: Ctl, names: tuple[str, ...], revoke: bool, fmt: str) -> None:
+    """Share tensors with deepxIR's UDP clients, who otherwise reach only the tensors UDP made (UDP carries no
+    credentials: docs/daemon.md, "who can do what").
+
+    \b
+      deepxctl tensors share w1 b1
+      deepxctl tensors share w1 --revoke
+    """
+    d = ctl.daemon("tensors share")
+    reply = d.client.request("udp_share", names=list(names), shared=not revoke)
+    if fmt != "table":
+        display_data({"names": reply["names"], "shared": reply["shared"]}, fmt)
+        return
+    listed = ", ".join(repr(n) for n in reply["names"])
+    click.echo(f"{'shared with' if reply['shared'] else 'taken back from'} UDP clients: {listed}")

@@ -37,6 +37,8 @@ _options = [
                  "DEEPX_KV_PASSWORD. Never put a password in --kv: every local user can read a command line."),
     click.option("--listen", help="Native socket, unix:///path (default: under the user's runtime directory)."),
     click.option("--udp", help="deepxIR text over UDP: HOST:PORT (default 127.0.0.1:9090) or off."),
+    click.option("--udp-remote", type=int, default=None, metavar="0|1",
+                 help="1: allow --udp on an address that is not loopback; deepxIR over UDP is unauthenticated."),
     click.option("--config", "config_path", type=click.Path(dir_okay=False),
                  help="TOML config file (default: $DEEPX_CONFIG, else ./config/deepxd.toml if present)."),
     click.option("--node-id", help="This node's id in the storage plane (default: the host name)."),

@@ -29,6 +29,7 @@ class Config:
     kv_fsync: str = "everysec"  # always | everysec | no (embedded store persisted to a file)
     listen: str = ""  # unix:///path; default under the user's runtime directory
     udp: str = "127.0.0.1:9090"  # HOST:PORT, or off
+    udp_remote: int = 0  # 1: allow UDP on an address that is not loopback (it is unauthenticated: docs/daemon.md)
     io_roots: list[str] = field(default_factory=list)  # default: the working directory and the temp directory
     max_frame_bytes: int = 1 << 30
     heartbeat_s: float = 2.0
@@ -68,7 +69,12 @@ class Config:
         if c.kv_fsync not in ("always", "everysec", "no"):
             raise DeepxError(f"kv_fsync: {c.kv_fsync!r} must be always, everysec or no")
         if c.udp != "off":
-            udp_address(c.udp)
+            host, _ = udp_address(c.udp)
+            if not is_loopback(host) and not c.udp_remote:
+                raise DeepxError(f"udp: {c.udp} is not a loopback address, and deepxIR over UDP has no "
+                                 "authentication: anyone who can reach the port could run programs on the tensors UDP "
+                                 "clients made. Ask for it with --udp-remote 1 (udp_remote = 1, DEEPX_UDP_REMOTE=1), "
+                                 "or keep 127.0.0.1 (docs/daemon.md, 'who can do what')")
         if c.max_frame_bytes < 1024:
             raise DeepxError(f"max_frame_bytes: {c.max_frame_bytes} is too small (at least 1024)")
         c.blas = c.blas.strip().lower()
@@ -137,6 +143,18 @@ def udp_address(text: str) -> tuple[str, int]:
     except ValueError:
         raise DeepxError(f"udp: {text!r} must be HOST:PORT or off") from None
     return host.strip("[]"), p
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is only this machine's: 127.0.0.0/8, ::1 or localhost."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -19,7 +19,7 @@ from typing import Any
 
 from deepx_sdk.errors import DeepxError
 from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
-from deepxd.config import Config, udp_address
+from deepxd.config import Config, is_loopback, udp_address
 from deepxd.kv.base import KV, open_kv, redact
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class Node:
         self.supervisor = Supervisor(RestartPolicy(self.config.restart_max, self.config.restart_window_s))
         self.refs: dict[str, ActorRef] = {}
         self.servers: list[Any] = []
+        self.udp: Any = None  # the UdpServer, when deepxIR over UDP is on
         self.stopping = asyncio.Event()
         self._signals = 0
         self.started = asyncio.Event()
@@ -203,7 +204,12 @@ class Node:
         c = self.config
         if c.udp != "off":  # first: a client that can connect to the native socket finds UDP serving too
             host, port = udp_address(c.udp)
-            self.servers.append(await start_udp(self, host, port))
+            self.udp = await start_udp(self, host, port)
+            self.servers.append(self.udp)
+            if not is_loopback(host):  # allowed only with udp_remote (Config.resolved)
+                log.warning("deepxIR over UDP listens on %s:%d, which is not a loopback address: it is "
+                            "unauthenticated, and anyone who can reach the port can run programs on the tensors UDP "
+                            "made or was shared (docs/daemon.md, 'who can do what')", host, port)
         native = NativeServer(self, c.socket_path, max_frame=c.max_frame_bytes)
         await native.start()
         self.servers.append(native)

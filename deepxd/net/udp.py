@@ -9,6 +9,11 @@ one-instruction program, and gets exactly one reply datagram, sent to the sender
 A line that does not parse, is not UTF-8 or names an unknown op still gets its reply (each line is decoded on its
 own, so one bad byte costs only its line); a reply too long for one datagram has its message cut to fit; a bad
 datagram never stops the server.
+
+UDP carries no credentials, so its clients reach only the tensors UDP made and those shared with it (UdpScope;
+docs/daemon.md, "who can do what"). Its work is budgeted: a turn of the loop runs at most TURN_LINES lines or
+TURN_S seconds of one sender's datagrams, senders take turns, and a sender's backlog is capped, so that a flood
+never starves the native socket or the other senders.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ import contextlib
 import logging
 import re
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import request_id
+from deepx_sdk.ir.instr import Instr, request_id
+from deepx_sdk.ir.ops import OPS, load_name
 from deepx_sdk.ir.text import parse_line
 from deepxd.actors.opcpu import RunResult
 from deepxd.net.reply import format_reply
@@ -32,6 +40,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ID = re.compile(r"(?:^|\s)id=(\S*)")
+
+TURN_LINES = 64  # lines of one sender run in one turn of the event loop, at most
+TURN_S = 0.002  # and at most this long, before the loop serves others (the native socket, other senders)
+BACKLOG_BYTES = 8 << 20  # a sender's datagrams waiting beyond this are dropped (as a full socket buffer would)
 
 
 def _request_id(line: str) -> int:
@@ -46,22 +58,133 @@ def _ms(t: float) -> int:
     return int(t * 1000)
 
 
+def tensor_names(instr: Instr) -> tuple[list[str], list[str]]:
+    """The tensors an instruction names: those it reads (args) and those it writes or makes (returns, and the tensor
+    a `load` without returns names after its file). An unknown op names none: it is refused before it runs."""
+    op = OPS.get(instr.name)
+    if op is None:
+        return [], []
+    reads: list[str] = []
+    for a, p in zip(op.args, instr.args):
+        if a.kind == "tensor":
+            reads.append(str(p.value))
+        elif a.kind == "listtensor":
+            items = p.value if isinstance(p.value, tuple) else str(p.value).strip("[]").split()
+            reads.extend(str(x) for x in items)
+    writes = [str(p.value) for a, p in zip(op.returns, instr.returns) if a.kind == "tensor"]
+    if instr.name == "load" and not instr.returns and instr.args:
+        writes.append(load_name(str(instr.args[0].value)))
+    return reads, writes
+
+
+class UdpScope:
+    """The tensors UDP clients may name: those made over UDP, and those a native client shared (`udp_share`,
+    `deepxctl tensors share`). Any other tensor of the daemon, a native session's or a heap tensor of the plane, is
+    refused to UDP as if it were another's: UDP has no credentials to tell its senders apart."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.names: set[str] = set()
+
+    async def refuse(self, instr: Instr) -> str | None:
+        """Why `instr` may not run for a UDP sender, None when it may."""
+        reads, writes = tensor_names(instr)
+        outside = [n for n in dict.fromkeys((*reads, *writes)) if n not in self.names]
+        if not outside:
+            return None
+        taken = await self.existing(outside)
+        if not taken:
+            return None
+        names = ", ".join(f"'{n}'" for n in taken)
+        return (f"{instr.name}: tensor {names} was not made over UDP and is not shared with UDP clients (deepxIR "
+                "over UDP is unauthenticated: it reaches only the tensors UDP made, and those its owner shares with "
+                "`deepxctl tensors share NAME`; docs/daemon.md, 'who can do what')")
+
+    async def existing(self, names: list[str]) -> list[str]:
+        """Those of `names` that are tensors of this daemon (its worker's, or heap tensors of the plane)."""
+        found = set()
+        with contextlib.suppress(DeepxError):
+            found.update(await self.node.worker().ask("metas", names=names))
+        if self.node.kv is not None:
+            for n in names:
+                if n not in found and await self.node.kv.exists(f"tensor:{n}"):
+                    found.add(n)
+        return [n for n in names if n in found]
+
+    def ran(self, instr: Instr) -> None:
+        """Record what a UDP instruction that ran did to the set of tensors."""
+        if instr.name == "deltensor":
+            for p in instr.returns:
+                self.names.discard(str(p.value))
+        elif instr.name == "renametensor" and instr.returns and instr.args:
+            self.names.discard(str(instr.returns[0].value))
+            self.names.add(str(instr.args[0].value))
+        else:
+            self.names.update(tensor_names(instr)[1])
+
+    def share(self, names: list[str], shared: bool) -> None:
+        if shared:
+            self.names.update(names)
+        else:
+            self.names.difference_update(names)
+
+
+class _Datagram:
+    """One received datagram, run a turn's worth of lines at a time."""
+
+    __slots__ = ("addr", "lines", "recv", "size")
+
+    def __init__(self, data: bytes, addr: tuple[str, int], recv: float) -> None:
+        self.addr = addr
+        self.recv = recv
+        self.size = len(data)
+        self.lines = _split(data)
+
+
+def _split(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, offset in the datagram, raw bytes) of each line."""
+    offset = 0
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        yield lineno, offset, raw
+        offset += len(raw) + 1
+
+
 class UdpServer(asyncio.DatagramProtocol):
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.queue: asyncio.Queue[tuple[bytes, tuple[str, int], float] | None] = asyncio.Queue()
+        self.scope = UdpScope(node)
+        self.backlog: dict[tuple[str, int], deque[_Datagram]] = {}  # by sender, in turn order
+        self.backlog_bytes: dict[tuple[str, int], int] = {}
+        self.wake = asyncio.Event()
+        self.writable = asyncio.Event()
+        self.writable.set()
         self.transport: asyncio.DatagramTransport | None = None
         self.worker: asyncio.Task[None] | None = None
         self.lines = 0
+        self.dropped = 0  # datagrams dropped for a sender's backlog over BACKLOG_BYTES
+        self._dropped_said = 0.0
         self.accepting = True
+        self.closing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.worker = asyncio.get_running_loop().create_task(self._work(), name="udp:deepxir")
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        if self.accepting:
-            self.queue.put_nowait((data, addr, time.time()))
+        if not self.accepting:
+            return
+        held = self.backlog_bytes.get(addr, 0)
+        if held + len(data) > BACKLOG_BYTES:
+            self.dropped += 1
+            now = time.monotonic()
+            if now - self._dropped_said > 10:
+                self._dropped_said = now
+                log.warning("udp: %s sends faster than its lines run: dropped a datagram (%d dropped so far; each "
+                            "sender may have %d MiB waiting)", addr, self.dropped, BACKLOG_BYTES >> 20)
+            return
+        self.backlog.setdefault(addr, deque()).append(_Datagram(data, addr, time.time()))
+        self.backlog_bytes[addr] = held + len(data)
+        self.wake.set()
 
     def error_received(self, exc: Exception) -> None:
         if isinstance(exc, ConnectionRefusedError):  # a sender that left before its reply (ICMP port unreachable)
@@ -69,63 +192,102 @@ class UdpServer(asyncio.DatagramProtocol):
         else:
             log.warning("udp: a reply was not sent: %s", exc)
 
+    def pause_writing(self) -> None:  # replies pile up in the transport: run no more lines until they drain
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
     async def _work(self) -> None:
         while True:
-            item = await self.queue.get()
-            if item is None:
-                return
-            data, addr, recv = item
+            if not self.backlog:
+                if self.closing:
+                    return
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            await self.writable.wait()
+            addr = next(iter(self.backlog))
+            queue = self.backlog.pop(addr)  # popped and put back at the end: senders take turns
+            item = queue[0]
             try:
-                await self._datagram(data, addr, recv)
+                finished = await self._turn(item)
             except Exception:
                 log.exception("udp: datagram from %s failed", addr)
-
-    async def _datagram(self, data: bytes, addr: tuple[str, int], recv: float) -> None:
-        offset = 0  # of the line in the datagram, in bytes
-        for lineno, raw in enumerate(data.split(b"\n"), 1):
-            start, offset = offset, offset + len(raw) + 1
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:  # this line's reply; the others run
-                self.lines += 1
-                rid = _request_id(raw.decode("utf-8", "replace"))
-                self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()),
-                                        f"line {lineno} is not UTF-8 text: byte {e.start} of the line (byte "
-                                        f"{start + e.start} of the datagram) is {raw[e.start]:#04x}"), addr)
-                continue
-            if not line.strip():
-                continue
-            self.lines += 1
-            try:
-                instr = parse_line(line.rstrip("\r"), lineno)
-            except DeepxError as e:
-                self._send(format_reply(_request_id(line), False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
-                continue
-            rid = instr.id
-            try:
-                result: RunResult = await self.node.ref("scheduler").ask("run", program=[instr], fetch=[])
-            except DeepxError as e:
-                self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
-                continue
-            if result.times_us:
-                start = _ms(result.t0 + result.times_us[0] / 1e6)
-                finish = _ms(result.t0 + result.times_us[-1] / 1e6)
-            elif result.failed_at >= 0:  # it started, and failed while running (a division by zero)
-                start, finish = _ms(result.t0 + result.failed_at / 1e6), _ms(time.time())
+                finished = True
+            if finished:
+                queue.popleft()
+                self.backlog_bytes[addr] -= item.size
+            if queue:
+                self.backlog[addr] = queue
             else:
-                start, finish = 0, _ms(time.time())
-            error = result.error.removeprefix("instruction 1: ")
-            self._send(format_reply(rid, not result.error, _ms(recv), start, finish, error), addr)
+                self.backlog_bytes.pop(addr, None)
+            await asyncio.sleep(0)  # the loop's other work (the native socket) runs between turns
+
+    async def _turn(self, item: _Datagram) -> bool:
+        """Run up to a turn's budget of the datagram's lines; True once it has no lines left."""
+        deadline = time.perf_counter() + TURN_S
+        for n, (lineno, start, raw) in enumerate(item.lines, 1):
+            await self._line(lineno, start, raw, item.addr, item.recv)
+            if n >= TURN_LINES or time.perf_counter() > deadline:
+                return False
+        return True
+
+    async def _line(self, lineno: int, start: int, raw: bytes, addr: tuple[str, int], recv: float) -> None:
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # this line's reply; the others run
+            self.lines += 1
+            rid = _request_id(raw.decode("utf-8", "replace"))
+            self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()),
+                                    f"line {lineno} is not UTF-8 text: byte {e.start} of the line (byte "
+                                    f"{start + e.start} of the datagram) is {raw[e.start]:#04x}"), addr)
+            return
+        if not line.strip():
+            return
+        self.lines += 1
+        try:
+            instr = parse_line(line.rstrip("\r"), lineno)
+        except DeepxError as e:
+            self._send(format_reply(_request_id(line), False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
+            return
+        rid = instr.id
+        refused = await self.scope.refuse(instr)
+        if refused is not None:
+            self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), refused), addr)
+            return
+        try:
+            result: RunResult = await self.node.ref("scheduler").ask("run", program=[instr], fetch=[])
+        except DeepxError as e:
+            self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
+            return
+        if not result.error:
+            self.scope.ran(instr)
+        if result.times_us:
+            begin = _ms(result.t0 + result.times_us[0] / 1e6)
+            finish = _ms(result.t0 + result.times_us[-1] / 1e6)
+        elif result.failed_at >= 0:  # it started, and failed while running (a division by zero)
+            begin, finish = _ms(result.t0 + result.failed_at / 1e6), _ms(time.time())
+        else:
+            begin, finish = 0, _ms(time.time())
+        error = result.error.removeprefix("instruction 1: ")
+        self._send(format_reply(rid, not result.error, _ms(recv), begin, finish, error), addr)
 
     def _send(self, reply: str, addr: tuple[str, int]) -> None:
         if self.transport is not None:
             self.transport.sendto(reply.encode("utf-8", "replace"), addr)  # fits: format_reply cut it
 
+    def stats(self) -> dict[str, Any]:
+        return {"lines": self.lines, "dropped": self.dropped, "senders_waiting": len(self.backlog),
+                "shared": len(self.scope.names)}
+
     async def stop_accepting(self) -> None:
         self.accepting = False
 
     async def close(self) -> None:
-        self.queue.put_nowait(None)
+        self.closing = True
+        self.wake.set()
+        self.writable.set()
         if self.worker is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.worker, 5)

@@ -35,6 +35,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         with d.client() as c:
             c.put("base_s", np.ones(4, np.float32))
             c.put("base_i", np.ones(4, np.int32))
+            c.request("udp_share", names=["base_s", "base_i"])  # the UDP tests' operands (docs/daemon.md)
         yield d
     finally:
         assert d.stop() == 0, d.output()
@@ -61,6 +62,7 @@ def test_a_huge_benchmark_repeat_is_refused_and_sigterm_still_stops_the_daemon(t
     try:
         with d.client() as c:
             c.put("base_s", np.ones(4, np.float32))
+            c.request("udp_share", names=["base_s"])
         lines = ["mulscalar (tensor:base_s, var:2) -> (tensor:x) // benchmark.repeat=100000000 id=1",
                  "mulscalar (tensor:base_s, var:2) -> (tensor:x) // benchmark.repeat=-1 id=2",
                  "mulscalar (tensor:base_s, var:2) -> (tensor:x) // id=3 benchmark.repeat=abc",
@@ -205,6 +207,7 @@ def test_a_kernels_own_error_names_the_instruction_both_ways_a_program_runs(shar
         c.put("dz_a", np.ones(2, np.int32))
         c.put("dz_z", np.zeros(2, np.int32))
         c.put("dz_i", np.array([9]))
+        c.request("udp_share", names=["dz_a", "dz_z", "dz_i"])
         prog = parse_text("div (tensor:dz_a, tensor:dz_z) -> (tensor:dz_a)")
         errors = [c.run(prog).error for _ in range(2)]
         want = "instruction 1: div: integer division by zero (div('dz_a', 'dz_z') -> 'dz_a')"
