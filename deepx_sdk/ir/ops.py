@@ -62,6 +62,7 @@ class Call(NamedTuple):
     outs: list[TensorMeta | None]  # existing return tensors
     out_dtypes: list[str]  # the returns' annotated precision ("any" when not annotated)
     out_names: list[Any]
+    meta: tuple[tuple[str, str], ...] = ()  # the instruction's metadata (newtensor's exists=keep)
 
 
 Infer = Callable[[Call], list[TensorMeta | None]]
@@ -195,7 +196,12 @@ def _newtensor(c: Call) -> list[TensorMeta | None]:
     dtype = {"any": "float32", "float": "float32", "int": "int32", "float8": "float8e4m3"}.get(dtype, dtype)
     if dtype not in STORABLE:
         raise DeepxError(f"newtensor: dtype {dtype} of '{c.out_names[0]}' cannot be stored (use {_fmt(STORABLE)})")
-    return [c.outs[0] if c.outs[0] is not None else TensorMeta(tuple(shape), dtype)]
+    made, old = TensorMeta(tuple(shape), dtype), c.outs[0]
+    # a name that exists is kept when it has this shape and dtype (or the SDK asks, with exists=keep), else replaced:
+    # the ecosystem's scripts all name their tensors 0, 1, 2...
+    if old is not None and (old == made or ("exists", "keep") in c.meta):
+        return [old]
+    return [made]
 
 
 def _copytensor(c: Call) -> list[TensorMeta | None]:
@@ -534,8 +540,9 @@ def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtyp
 
 # -- tensor life: create, copy, free, rename (they change the set of tensors; kernels get the store)
 op("newtensor", "life", [Arg("shape", "shape")], [t("t", _ANY)], _ANY, _newtensor,
-   "create t with the given shape; its dtype is the return's precision (float32 when absent); an existing name is "
-   "kept with a warning", effects=True)
+   "create t (zeros) with the given shape; its dtype is the return's precision (float32 when absent). An existing t "
+   "of that shape and dtype is kept, values and all (with a warning); one of another shape or dtype is replaced, "
+   "except a heap tensor, which is refused", effects=True)
 op("copytensor", "life", [t("src")], [t("dst")], _ANY, _copytensor, "copy src into dst (same shape and dtype)",
    grad=True)
 op("deltensor", "life", [], [t("t")], _ANY, _deltensor, "free t", effects=True)
@@ -941,7 +948,7 @@ def bind(instr: Instr, env: Env) -> Bound:
     if unknown:
         return Bound(op, instr, args, names, [UNKNOWN if a.kind == "tensor" else None for a in op.returns],
                      out_names)
-    inferred = op.infer(Call(op, args, names, outs, out_dtypes, out_names))
+    inferred = op.infer(Call(op, args, names, outs, out_dtypes, out_names, instr.meta))
     read = None
     for i, (want, have) in enumerate(zip(inferred, outs)):
         if want is None or have is None or have is UNKNOWN or op.family == "life":
@@ -1066,6 +1073,9 @@ def _same_scalars(a: Instr, b: Instr) -> bool:
     return True
 
 
+_NEWTENSOR = OPS["newtensor"]
+
+
 class BindCache:
     """Remembers checked instructions: a training loop sends the same instructions every step, and checking one
     again costs a few dict lookups instead of the whole of `bind`."""
@@ -1086,6 +1096,8 @@ class BindCache:
         if plan is not None:
             b, ins, outs = plan
             if b.instr.meta != instr.meta:  # benchmark.repeat and error messages read the instruction
+                if b.op is _NEWTENSOR and b.instr.get_meta("exists") != instr.get_meta("exists"):
+                    return bind(instr, env)  # its rule reads exists=keep
                 b = b._replace(instr=instr)
             meta = env.meta
             for name, m in ins:

@@ -25,6 +25,7 @@ from deepx_sdk.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind,
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.kernels.cpu import CpuExecutor, check_instruction, dtype_name, repeat_count, transient_transposes, worded
+from deepxd.kernels.cpu.life import refused_heap_replace
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +369,9 @@ class OpWorker(Actor):
                 view = self.heap.get(n) if isinstance(n, str) else None
                 if view is not None and m is not None and (tuple(m.shape) != tuple(view.shape)
                                                            or m.dtype != dtype_name(view.dtype)):
+                    if b.op.name == "newtensor":
+                        have = TensorMeta(tuple(view.shape), dtype_name(view.dtype))
+                        raise ProgramError(f"instruction {i + 1}: {refused_heap_replace(n, have, m)}", i)
                     raise ProgramError(
                         f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
                         f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
@@ -669,7 +673,7 @@ class CpuWorker(OpWorker):
             if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
                 name = str(b.out_names[0])
                 meta = b.outs[0]
-                if name in self.ex.tensors or meta is None:
+                if meta is None or self.ex.tensors.metas.get(name) == meta:  # kept (of another meta: replaced)
                     continue
                 await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,
                                        owner=self.name, zero=True)
@@ -687,6 +691,8 @@ class CpuWorker(OpWorker):
                 if heap_new and i in heap_new:
                     view = heap_new[i]
                     name = str(b.out_names[0])
+                    if name in self.ex.shared:  # a stack tensor of another shape it replaces: its views keep copies
+                        self.ex.unshare(name)
                     self.heap[name] = view
                     self.ex.tensors[name] = view
                 else:

@@ -256,7 +256,7 @@ class CudaWorker(OpWorker):
             if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
                 name = str(b.out_names[0])
                 meta = b.outs[0]
-                if name in self.ex.tensors or meta is None:
+                if meta is None or self.ex.tensors.metas.get(name) == meta:  # kept (of another meta: replaced)
                     continue
                 try:
                     await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,

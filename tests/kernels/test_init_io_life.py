@@ -358,8 +358,10 @@ def test_newtensor_defaults_and_existing_name():
     run(ex, "newtensor", [VEC([2])], [T("a")])
     assert ex.get("a").dtype == np.float32
     ex.get("a")[:] = 5
-    run(ex, "newtensor", [VEC([3, 3])], [T("a", "int8")])  # an existing name is kept, with a warning
-    assert_exact(ex.get("a"), np.full(2, 5, np.float32), "newtensor keeps an existing tensor")
+    run(ex, "newtensor", [VEC([2])], [T("a", "float32")])  # the same shape and dtype: kept, with a warning
+    assert_exact(ex.get("a"), np.full(2, 5, np.float32), "newtensor keeps an existing tensor of its shape and dtype")
+    run(ex, "newtensor", [VEC([3, 3])], [T("a", "int8")])  # another shape and dtype: replaced (test_newtensor_replace)
+    assert_exact(ex.get("a"), np.zeros((3, 3), np.int8), "newtensor replaces a tensor of another shape and dtype")
     run(ex, "newtensor", [V("2x3")], [T("b", "int16")])
     assert ex.get("b").shape == (2, 3) and ex.get("b").dtype == np.int16
     with pytest.raises(DeepxError, match="negative"):

@@ -619,7 +619,7 @@ class CpuExecutor:
 
             def run_new() -> None:
                 if out in tensors or out in shared:
-                    self.execute(b)  # kept as it is, with execute's warning
+                    self.execute(b)  # kept (with a warning) or replaced, as the kernel decides
                 else:
                     tensors[out] = np.zeros(dims, npdt)
 

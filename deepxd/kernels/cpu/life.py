@@ -12,21 +12,36 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
 
 if TYPE_CHECKING:
-    from deepx_sdk.ir.ops import Bound
+    from deepx_sdk.ir.ops import Bound, TensorMeta
     from deepxd.kernels.cpu import CpuExecutor
 
 log = logging.getLogger(__name__)
 
 
 def newtensor(ex: CpuExecutor, b: Bound) -> None:
+    """Zeros of the checked shape and dtype; a tensor of that name is kept where the check kept it (its rule in
+    deepx_sdk/ir/ops.py: same shape and dtype, or exists=keep) and replaced otherwise."""
     name = str(b.out_names[0])
-    if name in ex.tensors:
-        if b.instr.get_meta("exists") != "keep":  # the SDK's own (deleting a stale value) asks for it quietly
-            log.warning("newtensor: tensor '%s' already exists; keeping the old one", name)
-        return
     meta = b.outs[0]
     assert meta is not None
+    have = ex.tensors.metas.get(name)
+    if have is not None:
+        if have == meta or b.instr.get_meta("exists") == "keep":
+            if b.instr.get_meta("exists") != "keep":  # the SDK's own (deleting a stale value) asks for it quietly
+                log.warning("newtensor: tensor '%s' already exists; keeping the old one (%s%s, values and all)",
+                            name, have.dtype, list(have.shape))
+            return
+        if name in ex.pinned:
+            raise DeepxError(refused_heap_replace(name, have, meta))
+        log.debug("newtensor: replacing '%s' (%s%s) by %s%s zeros", name, have.dtype, list(have.shape), meta.dtype,
+                  list(meta.shape))
     ex.tensors[name] = np.zeros(meta.shape, to_numpy(meta.dtype))
+
+
+def refused_heap_replace(name: str, have: TensorMeta, want: TensorMeta) -> str:
+    """Why newtensor may not replace heap tensor `name`: other processes map its memory."""
+    return (f"newtensor: heap tensor '{name}' is {have.dtype}{list(have.shape)}; it cannot be replaced by "
+            f"{want.dtype}{list(want.shape)} (other processes map it): delete it first, or use another name")
 
 
 def copytensor(ex: CpuExecutor, b: Bound) -> None:

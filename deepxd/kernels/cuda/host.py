@@ -24,13 +24,20 @@ log = logging.getLogger(__name__)
 
 
 def newtensor(ex: CudaExecutor, b: Bound) -> None:
+    """As the CPU one: a tensor of that name is kept where the check kept it (same shape and dtype, or exists=keep),
+    replaced otherwise. A heap tensor is never replaced: the op worker's check refuses that (OpWorker._check_heap)."""
     name = str(b.out_names[0])
-    if name in ex.tensors:
-        if b.instr.get_meta("exists") != "keep":  # the SDK's own (deleting a stale value) asks for it quietly
-            log.warning("newtensor: tensor '%s' already exists; keeping the old one", name)
-        return
     meta = b.outs[0]
     assert meta is not None
+    have = ex.tensors.metas.get(name)
+    if have is not None:
+        if have == meta or b.instr.get_meta("exists") == "keep":
+            if b.instr.get_meta("exists") != "keep":  # the SDK's own (deleting a stale value) asks for it quietly
+                log.warning("newtensor: tensor '%s' already exists; keeping the old one (%s%s, values and all)",
+                            name, have.dtype, list(have.shape))
+            return
+        log.debug("newtensor: replacing '%s' (%s%s) by %s%s zeros", name, have.dtype, list(have.shape), meta.dtype,
+                  list(meta.shape))
     ex.tensors[name] = ex.zeros(meta.shape, meta.dtype, "newtensor", name)
 
 
