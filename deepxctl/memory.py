@@ -120,8 +120,9 @@ def memory(ctx: click.Context, fmt: str, filters: tuple[str, ...], limit: int, d
 def clean(ctl: Ctl, fmt: str, filters: tuple[str, ...]) -> None:
     """Remove the orphaned segments from this machine's /dev/shm.
 
-    Orphans are the segments of dead processes that no heap tensor record of the daemon's plane (or --kv's) refers to. A segment of a live process, or one a record names (a restarted
-    daemon adopts it), is never removed. --filter KEY=VALUE (name, pid, node, bytes, size) narrows them.
+    Orphans are the segments of dead processes that no heap tensor record of the daemon's plane (or --kv's) refers
+    to. A segment of a live process, or one a record names (a restarted daemon adopts it), is never removed.
+    --filter KEY=VALUE (name, pid, node, bytes, size) narrows them.
 
     \b
       deepxctl memory clean
