@@ -114,11 +114,22 @@ class Bound(NamedTuple):
 _ITEMSIZE = {name: to_numpy(name).itemsize for name in STORABLE}
 
 
-def _nbytes(outs: list[TensorMeta | None]) -> int:
+#: the most bytes one tensor may hold: what numpy can index (it refuses a shape whose non-zero dims multiply past it,
+#: even where another dim is 0)
+MAX_TENSOR_BYTES = (1 << 63) - 1
+
+
+def _nbytes(op: OpDef, outs: list[TensorMeta | None], out_names: list[Any]) -> int:
     n = 0
-    for m in outs:
+    for i, m in enumerate(outs):
         if m is not None and m is not UNKNOWN:
-            n += numel(m.shape) * _ITEMSIZE.get(m.dtype, 0)
+            size = _ITEMSIZE.get(m.dtype, 0)
+            k = numel(m.shape) * size
+            if k > MAX_TENSOR_BYTES or (k == 0 and numel([d for d in m.shape if d]) * size > MAX_TENSOR_BYTES):
+                name = f" '{out_names[i]}'" if i < len(out_names) else ""
+                raise DeepxError(f"{op.name}: output{name} of shape {list(m.shape)} {m.dtype} is larger than any "
+                                 f"tensor can be (its dims multiply past {MAX_TENSOR_BYTES} bytes)")
+            n += k
     return n
 
 
@@ -963,7 +974,7 @@ def bind(instr: Instr, env: Env) -> Bound:
             raise DeepxError(
                 f"{op.name}: output '{out_names[i]}' is {have.dtype}, but the result is {want.dtype}"
             )
-    return Bound(op, instr, args, names, inferred, out_names, _nbytes(inferred))
+    return Bound(op, instr, args, names, inferred, out_names, _nbytes(op, inferred, out_names))
 
 
 class SymbolicEnv:

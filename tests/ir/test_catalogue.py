@@ -119,6 +119,14 @@ def env() -> SymbolicEnv:
         (Instr("constant", (Param.var(1),), (T("nosuch"),)), "constant: output tensor 'nosuch' does not exist"),
         (Instr("newtensor", (Param.vector([2, -1]),), (T("n"),)), "newtensor: shape [2, -1] of 'n' has a negative"),
         (Instr("newtensor", (Param.vector([2]),), (T("n", "int4"),)), "newtensor: dtype int4 of 'n' cannot be stored"),
+        (
+            Instr("newtensor", (Param.vector([1 << 62, 0]),), (T("n"),)),
+            "newtensor: output 'n' of shape [4611686018427387904, 0] float32 is larger than any tensor can be",
+        ),
+        (
+            Instr("broadcastTo", (T("a"), Param.vector([1 << 40, 1 << 40, 2, 3])), (T("d"),)),
+            "broadcastTo: output 'd' of shape [1099511627776, 1099511627776, 2, 3] float32 is larger than any tensor",
+        ),
         (Instr("dropout", (Param.var(1.5), Param.var(0)), (T("a"),)), "dropout: p=1.5 must be in [0, 1]"),
         (
             Instr("broadcastTo", (T("a"), Param.vector([3, 3])), (T("d"),)),
