@@ -506,6 +506,7 @@ async def test_run_now_leaves_a_busy_actor_and_a_heap_tensor_to_the_ask(nodes):
     assert way == "now" and not r.error
     # t1 as a heap tensor of this worker (as an attached one is): the step deletes it
     node.worker.heap["t1"] = np.zeros((3, 4), np.float32)
+    node.worker.heap_held.add("t1")  # held here, so that the program's deltensor may release it
     assert node.scheduler.run_now(fresh(STEP), ["s"]) is None
     r, way = await now_or_ask(node, fresh(STEP), ["s"])
     assert way == "ask" and not r.error and "t1" not in node.worker.heap
