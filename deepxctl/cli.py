@@ -89,14 +89,10 @@ def cli(ctx: click.Context, address: str | None, kv: str | None, kv_password_fil
       deepxctl ops ls --limit 10                  deepxctl top
       deepxctl ir "print (tensor:x) -> ()"        deepxctl --kv redis://10.0.0.5:6379/0 nodes ls
     """
-    if kv and ctx.get_parameter_source("kv") == click.core.ParameterSource.COMMANDLINE and "@" in kv:
-        from urllib.parse import urlsplit
+    if kv and ctx.get_parameter_source("kv") == click.core.ParameterSource.COMMANDLINE and ("@" in kv or "=" in kv):
+        from deepxd.kv.base import url_password
 
-        try:
-            secret = urlsplit(kv).password
-        except ValueError:
-            secret = None
-        if secret:
+        if url_password(kv):
             raise CtlError("--kv: the URL carries a password, which every local user can read in /proc/<pid>/cmdline; "
                            "give it with --kv-password-file FILE (mode 0600) or DEEPX_KV_PASSWORD, and the URL "
                            "without it", exit_code=2)

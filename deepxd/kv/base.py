@@ -30,7 +30,6 @@ import re
 import stat
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from deepx_sdk.errors import DeepxError
 
@@ -320,27 +319,30 @@ def open_kv(url: str, prefix: str = "deepx:", *, password: str | None = None, **
     raise DeepxError(f"unknown storage plane URL {url!r}: use memory, memory:///path/file or redis://host:port/db")
 
 
+_AUTHORITY = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(.*)@", re.S)  # greedy: up to the last '@'
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.I)
+
+
 def redact(url: str) -> str:
-    """The URL with any password replaced by ***, for messages and logs."""
-    try:
-        parts = urlsplit(url)
-        if not parts.password:
-            return url
-    except ValueError:  # not a URL urlsplit reads: nothing said of it beyond its scheme
-        return url.split("://", 1)[0] + "://..."
-    user = parts.username or ""
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """The URL with any password replaced by ***, for messages and logs: read from the raw text (a password with an
+    unencoded '#', '/' or '?' is still found), never by parsing the URL, so it cannot raise."""
+    m = None if url.startswith("memory") else _AUTHORITY.match(url)  # a file path may hold ':' and '@'
+    if m is not None:
+        user, sep, _ = m.group(2).partition(":")
+        url = f"{m.group(1)}{user}{':***' if sep else ''}@{url[m.end():]}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def url_password(url: str) -> str | None:
-    """The password a storage URL carries, None when it carries none (or is not a URL urlsplit reads)."""
-    try:
-        return urlsplit(url).password or None
-    except ValueError:
+    """The password a storage URL carries (in its user part, or redis-py's `?password=`), None when it carries none;
+    read from the raw text as `redact` reads it."""
+    if url.startswith("memory"):
         return None
+    m = _AUTHORITY.match(url)
+    if m is not None and ":" in m.group(2) and m.group(2).partition(":")[2]:
+        return m.group(2).partition(":")[2]
+    q = re.search(r"[?&]password=([^&#]*)", url, re.I)
+    return q.group(1) if q and q.group(1) else None
 
 
 def read_password_file(path: str) -> str:

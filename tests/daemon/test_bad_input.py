@@ -424,9 +424,10 @@ def test_a_password_in_the_kv_flag_is_refused_and_one_from_the_environment_is_re
     import subprocess
 
     url = "redis://:s3cret@127.0.0.1:1/0"
-    flag = subprocess.run(["deepxd", "config", "--kv", url], capture_output=True, text=True)
-    assert flag.returncode == 2 and "/proc/<pid>/cmdline" in flag.stderr and "--kv-password-file" in flag.stderr
-    assert "s3cret" not in flag.stderr
+    for given in (url, "redis://:s3#cret@127.0.0.1:1/0", "redis://127.0.0.1:1/0?password=s3cret"):
+        flag = subprocess.run(["deepxd", "config", "--kv", given], capture_output=True, text=True)
+        assert flag.returncode == 2 and "/proc/<pid>/cmdline" in flag.stderr and "--kv-password-file" in flag.stderr
+        assert "s3" not in flag.stderr
     shown = subprocess.run(["deepxd", "config"], capture_output=True, text=True,
                            env={**os.environ, "DEEPX_KV": url, "DEEPX_KV_PASSWORD": "other"})
     assert shown.returncode == 0, shown.stderr
@@ -438,8 +439,9 @@ def test_a_password_in_the_kv_flag_is_refused_and_one_from_the_environment_is_re
     bad = subprocess.run(["deepxd", "config", "--kv", "redis://127.0.0.1:1/0", "--kv-password-file", str(loose)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "can be read by others" in bad.stderr and "chmod 600" in bad.stderr
-    ctl = subprocess.run(["deepxctl", "--kv", url, "nodes", "ls"], capture_output=True, text=True)
-    assert ctl.returncode == 2 and "--kv-password-file" in ctl.stderr and "s3cret" not in ctl.stderr
+    for given in (url, "redis://:s3#cret@127.0.0.1:1/0"):
+        ctl = subprocess.run(["deepxctl", "--kv", given, "nodes", "ls"], capture_output=True, text=True)
+        assert ctl.returncode == 2 and "--kv-password-file" in ctl.stderr and "s3" not in ctl.stderr
 
 
 def test_deepxctl_reads_a_password_protected_plane_through_a_password_file(tmp_path, new_redis_server) -> None:

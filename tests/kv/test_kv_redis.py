@@ -55,7 +55,24 @@ def test_a_bad_url_is_a_deepx_error() -> None:
     RedisKV("unix:///run/redis.sock?db=1")
     with pytest.raises(DeepxError, match="bad Redis URL: Invalid IPv6 URL"):
         RedisKV("redis://[::1")
-    assert redact("redis://[::1") == "redis://..."
+    assert redact("redis://[::1") == "redis://[::1"  # no password to hide
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://:pa#ss@127.0.0.1:6390/0", "redis://:***@127.0.0.1:6390/0"),  # '#', '/', '?' unencoded: urlsplit errs
+    ("redis://u:p/w?x@h:1/0", "redis://u:***@h:1/0"),
+    ("redis://:pass@h:notaport/0", "redis://:***@h:notaport/0"),  # .port would raise
+    ("redis://h:6379/0?password=zz&db=1", "redis://h:6379/0?password=***&db=1"),  # redis-py's query form
+    ("unix:///tmp/r.sock?db=0&password=s", "unix:///tmp/r.sock?db=0&password=***"),
+    ("rediss://a:b@[::1]:6379/0", "rediss://a:***@[::1]:6379/0"),
+    ("redis://user@h/0", "redis://user@h/0"),
+    ("memory:///srv/a:b@c.aof", "memory:///srv/a:b@c.aof"),
+])
+def test_redact_finds_every_password_form(url: str, shown: str) -> None:
+    from deepxd.kv.base import url_password
+
+    assert redact(url) == shown
+    assert (url_password(url) is None) == (shown == url)
 
 
 async def test_a_query_parameter_no_connection_takes_is_a_deepx_error(unused_port: int) -> None:
