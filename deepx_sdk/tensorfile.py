@@ -85,7 +85,10 @@ def open_directory(path: str | os.PathLike[str], *, create: bool = False) -> int
                     pass  # made meanwhile; opened below as any other
                 except OSError as e:
                     raise DeepxError(f"cannot make directory {here}: {e.strerror}") from None
-                nxt = os.open(part, _DIR | _NOFOLLOW, dir_fd=fd)
+                try:
+                    nxt = os.open(part, _DIR | _NOFOLLOW, dir_fd=fd)
+                except OSError as e:  # replaced by a link or a file since it was made
+                    raise DeepxError(f"cannot open directory {here}: {e.strerror}; refusing to follow it") from None
             except OSError as e:
                 try:
                     st = os.stat(part, dir_fd=fd, follow_symlinks=False)
@@ -123,6 +126,10 @@ def _open_read(dir_fd: int, name: str, shown: str) -> tuple[int, os.stat_result]
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise _not_regular(shown, st.st_mode)
+    if st.st_nlink > 1:  # a hard link is a regular file too: it may be one outside the io root linked in
+        os.close(fd)
+        raise DeepxError(f"{shown} has {st.st_nlink} hard links, and may be a file from elsewhere linked in; a tensor "
+                         "file is read only where it has one name (copy it instead of linking it)")
     return fd, st
 
 

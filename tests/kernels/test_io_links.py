@@ -211,3 +211,15 @@ def test_the_sdk_file_functions_refuse_links_too(tmp_path):
     os.symlink(tmp_path / "real.data", tmp_path / "m.data")
     with pytest.raises(DeepxError, match=r"m\.data is a symbolic link"):
         read_tensor(tmp_path / "m")
+
+
+def test_a_hard_linked_tensor_file_is_not_read(tmp_path: Path) -> None:
+    """A hard link is a regular file: one to a file outside the io root (where fs.protected_hardlinks allows it) is
+    refused by its link count."""
+    from deepx_sdk.tensorfile import read_tensor, write_tensor
+
+    write_tensor(tmp_path / "t", np.arange(3, dtype=np.float32))
+    np.testing.assert_array_equal(read_tensor(tmp_path / "t"), np.arange(3, dtype=np.float32))
+    os.link(tmp_path / "t.data", tmp_path / "elsewhere.data")
+    with pytest.raises(DeepxError, match="has 2 hard links"):
+        read_tensor(tmp_path / "t")
