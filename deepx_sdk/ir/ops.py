@@ -797,6 +797,13 @@ def _vector_text(text: str) -> tuple[Any, ...] | None:
     return None
 
 
+def tensor_list(value: Any) -> list[str] | None:
+    """The tensor names a listtensor parameter's value names, as bind reads them (`[01 u]` names '1' and 'u');
+    None when it is not a list."""
+    items = value if isinstance(value, tuple) else _vector_text(str(value))
+    return None if items is None else [str(x) for x in items]
+
+
 def _describe(p: Param) -> str:
     from deepx_sdk.ir.text import format_param
 
@@ -931,13 +938,13 @@ def bind(instr: Instr, env: Env) -> Bound:
             args.append(meta)
             names.append(name)
         elif kind == "listtensor":
-            items = p.value if isinstance(p.value, tuple) else _vector_text(str(p.value))
+            items = tensor_list(p.value)
             if items is None:
                 raise DeepxError(f"{op.name}: {a.name} must be a tensor list like [a b], got {_describe(p)}")
-            metas = [_tensor(op, a, str(x), env, "argument") for x in items]
+            metas = [_tensor(op, a, x, env, "argument") for x in items]
             unknown |= any(m is UNKNOWN for m in metas)
             args.append(metas)
-            names.append([str(x) for x in items])
+            names.append(items)
         elif kind == "vector" or kind == "shape":
             args.append(_vector(op, a, p, env))
             names.append(None)

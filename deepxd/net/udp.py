@@ -12,8 +12,8 @@ datagram never stops the server.
 
 UDP carries no credentials, so its clients reach only the tensors UDP made and those shared with it (UdpScope;
 docs/daemon.md, "who can do what"). Its work is budgeted: a turn of the loop runs at most TURN_LINES lines or
-TURN_S seconds of one sender's datagrams, senders take turns, and a sender's backlog is capped, so that a flood
-never starves the native socket or the other senders.
+TURN_S seconds of one sender's datagrams, senders take turns, and backlogs are capped (per sender and in all),
+so that a flood never starves the native socket or the other senders.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, request_id
-from deepx_sdk.ir.ops import OPS, load_name
+from deepx_sdk.ir.ops import OPS, load_name, tensor_list
 from deepx_sdk.ir.text import parse_line
 from deepxd.actors.opcpu import RunResult
 from deepxd.net.reply import format_reply
@@ -44,6 +44,7 @@ _ID = re.compile(r"(?:^|\s)id=(\S*)")
 TURN_LINES = 64  # lines of one sender run in one turn of the event loop, at most
 TURN_S = 0.002  # and at most this long, before the loop serves others (the native socket, other senders)
 BACKLOG_BYTES = 8 << 20  # a sender's datagrams waiting beyond this are dropped (as a full socket buffer would)
+TOTAL_BACKLOG_BYTES = 64 << 20  # and all senders' together: memory stays bounded however many ports send
 
 
 def _request_id(line: str) -> int:
@@ -69,8 +70,8 @@ def tensor_names(instr: Instr) -> tuple[list[str], list[str]]:
         if a.kind == "tensor":
             reads.append(str(p.value))
         elif a.kind == "listtensor":
-            items = p.value if isinstance(p.value, tuple) else str(p.value).strip("[]").split()
-            reads.extend(str(x) for x in items)
+            reads.extend(tensor_list(p.value) or ())  # read as bind reads it: `[01 u]` names tensor '1'
+
     writes = [str(p.value) for a, p in zip(op.returns, instr.returns) if a.kind == "tensor"]
     if instr.name == "load" and not instr.returns and instr.args:
         writes.append(load_name(str(instr.args[0].value)))
@@ -102,9 +103,7 @@ class UdpScope:
 
     async def existing(self, names: list[str]) -> list[str]:
         """Those of `names` that are tensors of this daemon (its worker's, or heap tensors of the plane)."""
-        found = set()
-        with contextlib.suppress(DeepxError):
-            found.update(await self.node.worker().ask("metas", names=names))
+        found = set(await self.node.worker().ask("metas", names=names))  # an error refuses the line: fail closed
         if self.node.kv is not None:
             for n in names:
                 if n not in found and await self.node.kv.exists(f"tensor:{n}"):
@@ -153,8 +152,9 @@ class UdpServer(asyncio.DatagramProtocol):
     def __init__(self, node: Node) -> None:
         self.node = node
         self.scope = UdpScope(node)
-        self.backlog: dict[tuple[str, int], deque[_Datagram]] = {}  # by sender, in turn order
+        self.backlog: dict[tuple[str, int], deque[_Datagram]] = {}  # by sender (address, port), in turn order
         self.backlog_bytes: dict[tuple[str, int], int] = {}
+        self.waiting = 0  # bytes of every sender's datagrams waiting
         self.wake = asyncio.Event()
         self.writable = asyncio.Event()
         self.writable.set()
@@ -174,16 +174,18 @@ class UdpServer(asyncio.DatagramProtocol):
         if not self.accepting:
             return
         held = self.backlog_bytes.get(addr, 0)
-        if held + len(data) > BACKLOG_BYTES:
+        if held + len(data) > BACKLOG_BYTES or self.waiting + len(data) > TOTAL_BACKLOG_BYTES:
             self.dropped += 1
             now = time.monotonic()
             if now - self._dropped_said > 10:
                 self._dropped_said = now
-                log.warning("udp: %s sends faster than its lines run: dropped a datagram (%d dropped so far; each "
-                            "sender may have %d MiB waiting)", addr, self.dropped, BACKLOG_BYTES >> 20)
+                log.warning("udp: %s sends faster than its lines run: dropped a datagram (%d dropped so far; a "
+                            "sender may have %d MiB waiting, all senders %d MiB)", addr, self.dropped,
+                            BACKLOG_BYTES >> 20, TOTAL_BACKLOG_BYTES >> 20)
             return
         self.backlog.setdefault(addr, deque()).append(_Datagram(data, addr, time.time()))
         self.backlog_bytes[addr] = held + len(data)
+        self.waiting += len(data)
         self.wake.set()
 
     def error_received(self, exc: Exception) -> None:
@@ -213,11 +215,12 @@ class UdpServer(asyncio.DatagramProtocol):
             try:
                 finished = await self._turn(item)
             except Exception:
-                log.exception("udp: datagram from %s failed", addr)
+                log.exception("udp: datagram from %s failed", item.addr)
                 finished = True
             if finished:
                 queue.popleft()
                 self.backlog_bytes[addr] -= item.size
+                self.waiting -= item.size
             if queue:
                 self.backlog[addr] = queue
             else:
@@ -252,7 +255,10 @@ class UdpServer(asyncio.DatagramProtocol):
             self._send(format_reply(_request_id(line), False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
             return
         rid = instr.id
-        refused = await self.scope.refuse(instr)
+        try:
+            refused = await self.scope.refuse(instr)
+        except Exception as e:  # the check could not be made (the worker restarting): refuse, never let it through
+            refused = f"{instr.name}: could not check the tensors this line names against what UDP may reach: {e}"
         if refused is not None:
             self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), refused), addr)
             return

@@ -26,6 +26,7 @@ def test_udp_cannot_read_change_or_delete_a_native_sessions_tensors(daemon: Daem
     with daemon.client() as c:
         c.put("secret", np.arange(4, dtype=np.float32))
         c.put("hsecret", np.full(3, 7, np.float32), heap=True, owner="alice")
+        c.put("1", np.array([42, 43], np.float32))  # the existing front end names its tensors 0, 1, 2...
     out = daemon.tmp / "leak"
     attacks = [
         f"save (tensor:secret, var:{out}) -> () // id=1",
@@ -36,6 +37,9 @@ def test_udp_cannot_read_change_or_delete_a_native_sessions_tensors(daemon: Daem
         "add (tensor:secret, tensor:secret) -> (tensor:mine) // id=6",
         "renametensor (var<string>:stolen) -> (tensor:secret) // id=7",
         "copytensor (tensor:hsecret) -> (tensor:mine) // id=8",
+        "concat ([secret u], 0) -> (mine) // id=9",
+        "concat ([01 u], 0) -> (mine) // id=10",  # bind reads 01 as tensor '1'
+        "concat ([+1 u], 0) -> (mine) // id=11",
     ]
     for line in attacks:
         (reply,) = udp_exchange(daemon.udp_port, line, 1)
@@ -102,7 +106,14 @@ def test_a_udp_listener_off_loopback_must_be_asked_for_and_is_logged(tmp_path) -
     assert "which is not a loopback address: it is unauthenticated" in d.output()
 
 
+def _rss(daemon: Daemon) -> int:
+    assert daemon.proc is not None
+    with open(f"/proc/{daemon.proc.pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
 def test_a_udp_flood_does_not_starve_native_clients_or_other_senders(daemon: Daemon) -> None:
+    rss0 = _rss(daemon)
     flood = b"x\n" * 32_000  # 64 KB of bad lines: 32,000 replies each
     latencies: list[float] = []
     stop = threading.Event()
@@ -118,23 +129,33 @@ def test_a_udp_flood_does_not_starve_native_clients_or_other_senders(daemon: Dae
                 time.sleep(0.02)
 
     pinger = threading.Thread(target=pings)
+    ports: list[socket.socket] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as flooder:
         flooder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # most replies are dropped here
         pinger.start()
         try:
             for _ in range(10):
                 flooder.sendto(flood, ("127.0.0.1", daemon.udp_port))
+            ports.extend(socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(40))  # one host, many ports
+            for s in ports:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)
+                for _ in range(4):
+                    s.sendto(flood, ("127.0.0.1", daemon.udp_port))
             t0 = time.perf_counter()
             (reply,) = udp_exchange(daemon.udp_port, "newtensor (vector<int32>:[2]) -> (tensor<float32>:f) // id=9", 1)
             other = time.perf_counter() - t0
             time.sleep(1.0)
+            rss = _rss(daemon)
         finally:
             stop.set()
             pinger.join()
+            for s in ports:
+                s.close()
     assert _ok(reply)
     worst = max(latencies)
     log.info("during a 10 x 64 KB UDP flood: worst native ping %.3f s over %d pings; another sender's line %.3f s",
              worst, len(latencies), other)
-    assert worst < 2.0 and other < 2.0, (worst, other)
+    assert worst < 2.0 and other < 2.0, (worst, other)  # well under 0.1 s here; slack for a loaded CI machine
+    assert rss - rss0 < 200 << 20, (rss0, rss)  # waiting datagrams are capped at 64 MiB in all
     with daemon.client() as c:
         c.ping()
