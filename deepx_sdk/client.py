@@ -66,10 +66,11 @@ class RunReply:
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def check_peer(sock: socket.socket, address: str, expected: int | None = None) -> None:
+def check_peer(sock: socket.socket, address: str, expected: int | None = None, *, root_ok: bool = True) -> None:
     """Refuse a daemon that runs as another user before anything is sent to it: whoever listens on the socket path
     (one put in a directory another user could write, say) would get the hello and every tensor's bytes. Expected:
-    `expected`, else DEEPX_PEER_UID, else this user or root."""
+    `expected`, else DEEPX_PEER_UID, else this user, or root where `root_ok` (an address the user chose: the default
+    path is this user's own daemon's, and a squatter could link it to any socket of root's)."""
     so_peercred = getattr(socket, "SO_PEERCRED", None)
     if so_peercred is None:  # not Linux: the socket's 0600 mode in its 0700 directory is the only check
         return
@@ -79,9 +80,9 @@ def check_peer(sock: socket.socket, address: str, expected: int | None = None) -
             expected = int(os.environ["DEEPX_PEER_UID"])
         except ValueError:
             raise DeepxError(f"DEEPX_PEER_UID={os.environ['DEEPX_PEER_UID']!r} is not a user id (a number)") from None
-    allowed = (expected,) if expected is not None else (os.geteuid(), 0)
+    allowed = (expected,) if expected is not None else (os.geteuid(), 0) if root_ok else (os.geteuid(),)
     if uid not in allowed:
-        who = f"uid {expected}" if expected is not None else f"you (uid {os.geteuid()}) or root"
+        who = f"uid {expected}" if expected is not None else f"you (uid {os.geteuid()}){' or root' if root_ok else ''}"
         raise DeepxError(f"the process listening at {address} runs as uid {uid}, not as {who}: nothing was sent to it "
                          "(another user may have taken over the socket path). If that daemon is meant to be another "
                          f"user's, pass NativeClient(peer_uid={uid}) or set DEEPX_PEER_UID={uid}")
@@ -90,6 +91,7 @@ def check_peer(sock: socket.socket, address: str, expected: int | None = None) -
 class NativeClient:
     def __init__(self, address: str | None = None, *, timeout: float | None = None, client: str = "deepx_sdk",
                  hello: bool = True, peer_uid: int | None = None) -> None:
+        chosen = bool(address or os.environ.get("DEEPX_ADDRESS"))
         address = address or default_address()
         if not address.startswith("unix://"):
             raise DeepxError(f"cannot connect to {address!r}: deepxd's native socket is addressed as "
@@ -104,7 +106,7 @@ class NativeClient:
             raise DeepxError(f"cannot reach deepxd at {address}: {e.strerror or e}; is it running "
                              "(deepxd start)?") from None
         try:
-            check_peer(self.sock, address, peer_uid)
+            check_peer(self.sock, address, peer_uid, root_ok=chosen)
         except BaseException:
             self.sock.close()
             raise

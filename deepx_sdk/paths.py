@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tempfile
@@ -25,6 +26,21 @@ def default_socket() -> str:
 def default_address() -> str:
     """DEEPX_ADDRESS, else the default socket as a unix:// URL."""
     return os.environ.get("DEEPX_ADDRESS") or f"unix://{default_socket()}"
+
+
+def private_socket_dir() -> Path:
+    """The runtime directory, made if need be; where another user took it (a squatted /tmp/deepx-<uid>), a fresh
+    private temporary directory instead, as ssh-agent makes one (an embedded session's socket has no fixed name that
+    clients guess: its pid is in it)."""
+    d = runtime_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_socket_dir(d)
+        return d
+    except (OSError, DeepxError) as e:
+        fresh = Path(tempfile.mkdtemp(prefix=f"deepx-{os.getuid()}-"))
+        logging.getLogger(__name__).warning("%s cannot hold a private socket (%s); using %s", d, e, fresh)
+        return fresh
 
 
 def check_socket_dir(directory: str | os.PathLike[str], *, uid: int | None = None) -> None:

@@ -192,10 +192,10 @@ class EmbeddedTransport(Transport):
     DEEPX_ROLES=op-cuda) runs the session on the GPU."""
 
     def __init__(self, roles: Sequence[str] | None = None) -> None:
-        from deepx_sdk.paths import runtime_dir
+        from deepx_sdk.paths import private_socket_dir
         from deepxd.config import Config, with_needed_roles
 
-        sock = runtime_dir() / f"embedded-{os.getpid()}-{id(self)}.sock"
+        sock = private_socket_dir() / f"embedded-{os.getpid()}-{id(self)}.sock"
         if roles is None:
             env = os.environ.get("DEEPX_ROLES", "")
             roles = [r.strip() for r in env.split(",") if r.strip()] or ["registry", "heapmem", "scheduler", "op-cpu"]

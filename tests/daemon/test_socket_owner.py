@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -135,3 +136,28 @@ def test_a_client_may_name_the_user_its_daemon_runs_as(squat: Path, monkeypatch:
                 proc.wait()
         assert out.strip() != "got 0"
         sock.unlink()
+
+
+@as_root
+def test_an_embedded_session_works_beside_a_squatted_runtime_directory() -> None:
+    """A /tmp/deepx-<uid> another user made cannot stop a notebook's embedded session: it takes a fresh private
+    directory instead (a daemon's default socket there is refused, and clients refuse its squatter)."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="dxsq-"))  # short: a socket path holds at most 107 bytes
+    try:
+        _embedded_beside_a_squatter(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _embedded_beside_a_squatter(tmp_path: Path) -> None:
+    squatted = tmp_path / f"deepx-{os.getuid()}"
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    os.chown(squatted, NOBODY, NOBODY)
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "DEEPX_ADDRESS")}
+    env["TMPDIR"] = str(tmp_path)
+    script = "import deepx_sdk as dx; print(float(dx.tensor([1.0, 2.0]).sum().item()))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "3.0", done.stderr
+    assert "cannot hold a private socket" in done.stderr
+    assert list(squatted.iterdir()) == []
