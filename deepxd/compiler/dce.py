@@ -9,6 +9,7 @@ in one pass: once the last use of a value is gone, the instruction that made it 
 from __future__ import annotations
 
 from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.ops import Bound
 from deepxd.compiler.analysis import (
     DELETE,
     WRITE,
@@ -27,29 +28,41 @@ def eliminate_dead_code(program: list[Instr], ctx: PassContext) -> list[Instr]:
     bounds = ctx.bind(program)
     uses = ctx.uses(program)
     removed: set[int] = set()
+    events = _events_at(uses, len(bounds))
+    # per name, the kind of its next event among the instructions kept (scanning backwards): one look each, where
+    # walking past the removed ones was quadratic in a long program that overwrites its names
+    next_kind: dict[str, int] = {}
     for i in range(len(bounds) - 1, -1, -1):
-        b = bounds[i]
-        op = b.op
-        if op.effects or (op.family in ("life", "io") and op.name != "copytensor"):
-            continue
-        outs = tensor_writes(b)
-        if not outs:
-            continue
-        reads = tensor_reads(b)
-        for o in outs:
-            if ctx.pinned(o) or o in reads or not _ends_next(uses, o, i, removed):
-                break
-        else:
+        if _dead(bounds[i], ctx, next_kind):
             removed.add(i)
+        else:
+            next_kind.update(events[i])
     if not removed:
         return program
     ctx.stats["dce"] += len(removed)
     return apply_edits(ctx, program, dict.fromkeys(removed))
 
 
-def _ends_next(uses: Uses, name: str, position: int, removed: set[int]) -> bool:
-    """Whether the next thing to happen to `name` (among the instructions kept) is its deletion or an overwrite."""
-    for p, kind in uses.after(name, position):
-        if p not in removed:
-            return kind == DELETE or kind == WRITE
-    return False
+def _dead(b: Bound, ctx: PassContext, next_kind: dict[str, int]) -> bool:
+    """Whether every output of the instruction is deleted or overwritten next (next_kind: among the instructions
+    kept after it) and nothing else makes it stay."""
+    op = b.op
+    if op.effects or (op.family in ("life", "io") and op.name != "copytensor"):
+        return False
+    outs = tensor_writes(b)
+    if not outs:
+        return False
+    reads = tensor_reads(b)
+    for o in outs:
+        if ctx.pinned(o) or o in reads or next_kind.get(o) not in (DELETE, WRITE):
+            return False
+    return True
+
+
+def _events_at(uses: Uses, n: int) -> list[dict[str, int]]:
+    """Per position, {name: kind} of the events there."""
+    events: list[dict[str, int]] = [{} for _ in range(n)]
+    for name, positions in uses.pos.items():
+        for p, kind in zip(positions, uses.kinds[name]):
+            events[p][name] = kind
+    return events
