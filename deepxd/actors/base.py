@@ -74,6 +74,7 @@ class Actor:
         self._stopped = asyncio.Event()
         self._handlers: dict[str, Any] = {}
         self._busy = False  # a message is being handled (by the actor's task, or directly for an asker)
+        self._held: Envelope | _Stop | None = None  # the next message, taken by the actor's task while busy
         self.doing = ""  # the message being handled, for `deepxctl actors ls`
         self.doing_since = 0.0  # time.perf_counter() when it began
         self._idle = asyncio.Event()
@@ -106,8 +107,14 @@ class Actor:
         self.state = "running"
         while True:
             env = await self.mailbox.get()
-            while self._busy:  # an ask is being answered directly (see ActorRef.ask)
-                await self._idle.wait()
+            if self._busy:  # an ask is being answered directly (see ActorRef.ask): held till its end
+                self._held = env
+                while self._busy:
+                    await self._idle.wait()
+                held, self._held = self._held, None
+                if held is None:
+                    continue  # answered meanwhile (answer_waiting)
+                env = held
             if isinstance(env, _Stop):
                 break
             if env.name == _CRASH:
@@ -123,6 +130,40 @@ class Actor:
                 self._busy = False
                 self.doing = ""
                 self._idle.set()
+
+    def answer_waiting(self, names: frozenset[str]) -> int:
+        """Answer now, in order, the messages waiting in the mailbox whose names are in `names` (queries with plain
+        function handlers), the others left queued in their order; how many were answered. A handler calls it at a
+        point where its state is whole (between a long program's slices), so that those queries do not wait for its
+        end."""
+        box, held = self.mailbox, self._held
+        if box.empty() and held is None:
+            return 0
+        waiting = [box.get_nowait() for _ in range(box.qsize())]
+        answered = 0
+        if isinstance(held, Envelope) and held.name in names:  # the oldest: the actor's task holds it
+            self._held = None
+            waiting.insert(0, held)
+        for env in waiting:
+            if not isinstance(env, Envelope) or env.name not in names:
+                box.put_nowait(env)
+                continue
+            if env.future is not None and env.future.done():
+                continue  # its asker gave up
+            t0 = time.perf_counter()
+            try:
+                result = getattr(self, f"on_{env.name}")(**env.kwargs)
+            except Exception as e:
+                self._answer_error(env, e)
+                self._count_error(env.name, e)
+            else:
+                if env.future is not None and not env.future.done():
+                    env.future.set_result(result)
+            self.stats.handled += 1
+            self.stats.busy_s += time.perf_counter() - t0
+            self.stats.by_message[env.name] = self.stats.by_message.get(env.name, 0) + 1
+            answered += 1
+        return answered
 
     def idle(self) -> bool:
         """Nothing being handled and nothing waiting: an ask would be answered directly (_direct)."""
@@ -255,6 +296,9 @@ class Actor:
             self._stopped.set()
 
     def _fail_pending(self) -> None:
+        if self._held is not None:
+            self.mailbox.put_nowait(self._held)
+            self._held = None
         while not self.mailbox.empty():
             env = self.mailbox.get_nowait()
             if isinstance(env, Envelope) and env.future is not None and not env.future.done():

@@ -9,7 +9,9 @@ Heap tensors (held by heapmem) appear here as zero-copy views of their shared-me
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,15 @@ from deepxd.kernels.cpu import CpuExecutor, check_instruction, dtype_name, repea
 from deepxd.kernels.cpu.life import refused_heap_replace
 
 log = logging.getLogger(__name__)
+
+#: a program longer than this is checked on the worker's thread and runs there in slices (the loop stays free)
+LONG_PROGRAM = 4096
+#: a program longer than this is never remembered (known programs, plans): a memo of it would outlive it
+REMEMBER_MAX = 65536
+#: about how long a slice of a program runs on the worker's thread before the worker looks up (cancel, queries)
+SLICE_S = 0.05
+#: what a worker answers between the slices of a long program: queries that read its state
+BETWEEN_SLICES = frozenset({"tensors", "metas", "op_stats"})
 
 
 @dataclass
@@ -58,6 +69,9 @@ class RunResult:
     # where an instruction failed while running (not in its check): when it began, in us on the clock of the times;
     # -1 where none began (a UDP reply's start_at is 0 only for an op that never started, deepxir.md section 2)
     failed_at: float = -1.0
+    # stopped at an instruction boundary because its asker went away (the client's connection ended)
+    cancelled: bool = False
+    started: float = 0.0  # perf_counter when the first instruction began (a program run in slices)
 
     @property
     def times_us(self) -> list[float]:
@@ -279,6 +293,15 @@ class OpWorker(Actor):
     def _now_ok(self, known: KnownProgram) -> bool:
         """Whether run_known may run this known program (op-cpu: not one for its thread pool)."""
         return True
+
+    @staticmethod
+    def _cancelled(result: RunResult) -> RunResult:
+        """A run stopped where it was (after `result.done` instructions) because its asker went away."""
+        result.cancelled = True
+        result.error_index = result.done
+        result.error = (f"instruction {result.done + 1}: cancelled: the client's connection ended (the instructions "
+                        "before it ran)")
+        return result
 
     def _begin_known(self, known: KnownProgram) -> RunResult:
         """A known program about to run: its result begun."""
@@ -566,28 +589,52 @@ class CpuWorker(OpWorker):
         self.heap.clear()
 
     # -- programs
-    async def _offload(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run `fn(*args)` on this worker's thread, off the event loop. While the interpreter exits (an embedded
-        session's last program, sent by its atexit handler) the thread takes no new work: it then runs here."""
+    async def _offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on this worker's thread, off the event loop. While the interpreter exits (an embedded session's
+        last program, sent by its atexit handler) the thread takes no new work: it then runs here. Meanwhile, every
+        SLICE_S, the queries waiting (BETWEEN_SLICES) are answered: fn must only read the tensors."""
         try:
             fut = asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
         except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-            fn(*args)
-            return
-        await fut
+            return fn(*args)
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=SLICE_S)
+            if done:
+                return fut.result()
+            self.answer_waiting(BETWEEN_SLICES)
+
+    async def _sliced(self, fn: Callable[..., bool], *args: Any,
+                      cancel: Callable[[], bool] | None) -> bool:
+        """Run fn(*args, until) on this worker's thread, slice after slice (fn runs instructions until the
+        perf_counter passes `until` or the program ends, which it says), answering the queries waiting between
+        slices. False where the asker went away (`cancel()`): the program stopped at an instruction boundary."""
+        loop = asyncio.get_running_loop()
+        while True:
+            until = time.perf_counter() + SLICE_S
+            try:
+                ended = await loop.run_in_executor(self._thread, functools.partial(fn, *args, until))
+            except RuntimeError:  # the interpreter exits (see _offload): the rest here, whole
+                return bool(fn(*args, math.inf))
+            if ended:
+                return True
+            self.answer_waiting(BETWEEN_SLICES)
+            if cancel is not None and cancel():
+                return False
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
-                     expect: Any = None) -> RunResult:
+                     expect: Any = None, cancel: Callable[[], bool] | None = None) -> RunResult:
         """Run `program` and send back the tensors named in `fetch`. `version`, `expect`: only on that state (else
-        the answer is `stale`, and nothing ran: see _stale)."""
+        the answer is `stale`, and nothing ran: see _stale). `cancel`: whether the asker went away (its client's
+        connection ended), asked between the slices of a program on the thread: it stops at that boundary."""
         stale = self._stale(version, expect)
         if stale is not None:
             return stale
-        known = self._known(program, fetch)
+        known = self._known(program, fetch)  # (`cancel` was asked by the scheduler a moment ago)
         if known is not None:
             result = self._begin_known(known)
             if known.heavy:
-                await self._offload(self._execute_known, known, result)
+                if not await self._sliced(self._execute_known, known, result, cancel=cancel):
+                    self._stop_known(known, self._cancelled(result))
             else:
                 self._execute_known(known, result)
             if known.deletes and self.heap:
@@ -596,23 +643,21 @@ class CpuWorker(OpWorker):
         result = RunResult(t0=time.time(), begun=self._state())
         self._output = []
         try:
-            bounds = check_program(program, self.ex, self.ex.plans)
-            self._check_instructions(bounds)
-            self._check_heap(bounds)
-            for name in fetch:
-                if not self._will_exist(name, bounds):
-                    raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+            if len(program) > LONG_PROGRAM:  # O(n): on the thread (the check only reads the tensors)
+                bounds, heavy, transient = await self._offload(self._check, program, fetch)
+            else:
+                bounds, heavy, transient = self._check(program, fetch)
         except ProgramError as e:
             result.error, result.error_index = str(e), e.index
             return result
         heap_new = (await self._heap_tensors_to_create(bounds)
                     if any(b.instr.meta and b.op.name == "newtensor" for b in bounds) else {})
-        heavy = self._heavy(bounds)
-        self.ex.transient = transient = transient_transposes(bounds)
-        if not heap_new:
+        self.ex.transient = transient
+        if not heap_new and len(program) <= REMEMBER_MAX:
             self._remember(program, fetch, bounds, heavy, transient)
         if heavy:
-            await self._offload(self._execute, bounds, result, heap_new)
+            if not await self._sliced(self._execute, bounds, result, heap_new, cancel=cancel):
+                self._cancelled(result)
         else:
             self._execute(bounds, result, heap_new)
         for name in (str(bounds[i].out_names[0]) for i in heap_new if i >= result.done):
@@ -681,11 +726,29 @@ class CpuWorker(OpWorker):
                 out[i] = await self.heapmem.ask("array", name=name)
         return out
 
-    def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, np.ndarray] | None = None) -> None:
-        times = result.times_us
+    def _check(self, program: Sequence[Instr], fetch: Sequence[str]) -> tuple[list[Bound], bool, set[int]]:
+        """The program checked whole against the tensors here (ProgramError at the first refusal): its bound
+        instructions, whether it is heavy (_heavy) and its transient transposes."""
+        bounds = check_program(program, self.ex, self.ex.plans)
+        self._check_instructions(bounds)
+        self._check_heap(bounds)
+        for name in fetch:
+            if not self._will_exist(name, bounds):
+                raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        heavy = self._heavy(bounds) or (self.inline_elements >= 0 and len(bounds) > LONG_PROGRAM)
+        return bounds, heavy, transient_transposes(bounds)
+
+    def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, np.ndarray] | None = None,
+                 until: float = math.inf) -> bool:
+        """Run the program's instructions from `result.done` on, until the perf_counter passes `until` (the end of
+        a slice, after an instruction) or the program ends or fails; whether it ended."""
+        times = result.raw_times
         stats = self.op_stats
-        start = time.perf_counter()
-        for i, b in enumerate(bounds):
+        if not result.done:
+            result.started = time.perf_counter()
+        start = result.started
+        for i in range(result.done, len(bounds)):
+            b = bounds[i]
             t0 = time.perf_counter()
             try:
                 if heap_new and i in heap_new:
@@ -700,7 +763,7 @@ class CpuWorker(OpWorker):
             except DeepxError as e:
                 result.error, result.error_index = f"instruction {i + 1}: {e}", i
                 result.failed_at = (t0 - start) * 1e6
-                return
+                return True
             t1 = time.perf_counter()
             times.append((t0 - start) * 1e6)
             times.append((t1 - start) * 1e6)
@@ -711,20 +774,44 @@ class CpuWorker(OpWorker):
             s.calls += 1
             s.seconds += t1 - t0
             s.bytes += b.nbytes
+            if t1 > until:
+                return result.done == len(bounds)
+        return True
 
-    def _execute_known(self, known: KnownProgram, result: RunResult) -> None:
+    def _execute_known(self, known: KnownProgram, result: RunResult, until: float = math.inf) -> bool:
         """_execute for a known program: its instructions prepared, one clock read each; the statistics after, into
-        the OpStat of each instruction's op (found once per program), and the times worked out only if read."""
+        the OpStat of each instruction's op (found once per program), and the times worked out only if read.
+        `until`: as _execute's (a slice), the steps run in blocks that grow while they are quick."""
         now = time.perf_counter
-        ends: list[float] = []
+        if result.clock is None:
+            ends: list[float] = []
+            start = now()
+            result.clock = (start, ends)
+        else:
+            start, ends = result.clock
         add = ends.append
-        start = now()
-        i = 0
+        steps = known.steps
+        i = result.done
+        paused = False
         try:
-            for step in known.steps:
-                step()
-                add(now())
-                i += 1
+            if until == math.inf:
+                for step in steps[i:] if i else steps:
+                    step()
+                    add(now())
+                    i += 1
+            else:
+                block = 1
+                while i < len(steps):
+                    t0 = now()
+                    for step in steps[i:i + block]:
+                        step()
+                        add(now())
+                        i += 1
+                    t = ends[-1]
+                    if t > until and i < len(steps):
+                        paused = True
+                        break
+                    block = block * 2 if (t - t0) * 4 < until - t else max(1, block // 2)
         except DeepxError as e:
             result.error, result.error_index = f"instruction {i + 1}: {worded(known.bounds[i], e)}", i
         except Exception as e:  # what execute() makes of a kernel's error, with its message
@@ -735,12 +822,25 @@ class CpuWorker(OpWorker):
             else:
                 raise
         finally:
-            if i < len(known.steps):  # stopped part-way: when the failing step began, the tensors as execute does
-                result.failed_at = ((ends[-1] if ends else start) - start) * 1e6
+            result.done = i
+            if i < len(steps) and not paused:  # stopped part-way: when the failing step began, the tensors as
+                result.failed_at = ((ends[-1] if ends else start) - start) * 1e6  # execute does
                 if known.recover:
                     known.recover[0](i)
-        result.done = i
-        result.clock = (start, ends)
+        if paused:
+            return False
+        self._count_known(known, start, ends)
+        return True
+
+    def _stop_known(self, known: KnownProgram, result: RunResult) -> None:
+        """A known program run in slices stopped between two (cancelled): the tensors as execute leaves them there,
+        and the instructions that ran counted."""
+        assert result.clock is not None
+        if known.recover:
+            known.recover[0](result.done)
+        self._count_known(known, *result.clock)
+
+    def _count_known(self, known: KnownProgram, start: float, ends: list[float]) -> None:
         slots = known.slots
         if not slots:
             stats = self.op_stats

@@ -195,12 +195,15 @@ class CudaWorker(OpWorker):
 
     # -- programs
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
-                     expect: Any = None) -> RunResult:
-        """As op-cpu's: run `program`, send back `fetch`; `version`, `expect`: only on that state."""
+                     expect: Any = None, cancel: Any = None) -> RunResult:
+        """As op-cpu's: run `program`, send back `fetch`; `version`, `expect`: only on that state; `cancel`: asked
+        before it starts (a program here runs on the device whole)."""
         await self._ready()
         stale = self._stale(version, expect)
         if stale is not None:
             return stale
+        if cancel is not None and cancel():
+            return self._cancelled(RunResult(t0=time.time()))
         known = self._known(program, fetch)
         if known is not None:
             result = self._begin_known(known)

@@ -11,10 +11,11 @@ instructions, whatever the passes made of them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import CoroutineType
 from typing import Any
 
@@ -22,7 +23,7 @@ from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
 from deepx_sdk.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef
-from deepxd.actors.opcpu import RunResult
+from deepxd.actors.opcpu import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.compiler.analysis import BindMemo, default_pair_min, has_ends, named_tensors
 from deepxd.compiler.pipeline import (
     DEFAULT_PASSES,
@@ -255,7 +256,7 @@ class Scheduler(Actor):
         self.passes: list[str] = check_passes(config.passes) if config is not None else list(DEFAULT_PASSES)
         self.fuse_min_elements = config.fuse_min_elements if config is not None else 0
         self.plans = BindMemo()  # the passes check programs too: the same instructions every training step
-        self.compiled = PlanCache(self.passes)
+        self.compiled = PlanCache(self.passes, max_len=REMEMBER_MAX)
         self.programs = 0
         self.instructions = 0
         self.failed = 0
@@ -275,13 +276,22 @@ class Scheduler(Actor):
         self._fast: list[_Fast] = []  # the last few programs, to run again as they went (see _run_fast)
         self.fast_hits = 0
         self.now_hits = 0  # runs and replays taken by run_now and replay_now (the embedded daemon's, no loop step)
+        self._cancel: Callable[[], bool] | None = None  # the running program's (on_run)
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
-                     backwards: Sequence[dict[str, Any]] | None = None) -> RunResult:
+                     backwards: Sequence[dict[str, Any]] | None = None,
+                     cancel: Callable[[], bool] | None = None) -> RunResult:
         """Run `program`. `backwards`: the SDK's recorded `loss.backward()` calls, each a `backward` instruction of
         the program (at its `index`) with what on_backward takes: it is expanded there, in place, into the backward
         program derived from its forward graph, so that a training step (forward, backward, optimizer, the loss
-        read back) is one program, through the passes as a whole."""
+        read back) is one program, through the passes as a whole. `cancel`: whether the asker went away (its
+        client's connection ended): a program still queued then is dropped, a running one stops at an instruction
+        boundary (the worker asks it between slices)."""
+        if cancel is not None and cancel():
+            self.failed += 1
+            return RunResult(error="instruction 1: cancelled: the client's connection ended before the program ran",
+                             error_index=0, t0=time.time(), cancelled=True)
+        self._cancel = cancel  # what the run sites below pass on (each on_run sets its own)
         for fast in self._fast:
             if fast.matches(program, fetch, backwards):
                 t0 = time.perf_counter()
@@ -362,7 +372,7 @@ class Scheduler(Actor):
         if fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min():  # native kernels came or went
             self._fast.remove(fast)
             return None
-        result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch,
+        result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch, cancel=self._cancel,
                                                   version=fast.version if fast.version >= 0 else None,
                                                   expect=fast.expect)
         done = self._fast_ran(fast, program, fetch, result)
@@ -451,7 +461,7 @@ class Scheduler(Actor):
             return await self._run_compiled(worker, program, fetch, ctx, note)
         if note is not None:
             _note(note, program, program, None, ctx, False)
-        result: RunResult = await worker.ask("run", program=program, fetch=fetch)
+        result: RunResult = await worker.ask("run", program=program, fetch=fetch, cancel=self._cancel)
         return result
 
     async def _run_expanded(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
@@ -526,7 +536,8 @@ class Scheduler(Actor):
         else:
             expanded += program[start:]
             where += range(start, len(program))
-        if at == len(program) and not forwards and not named:  # what read variables took their values: not kept
+        if at == len(program) and not forwards and not named and len(expanded) <= REMEMBER_MAX:  # what read
+            # variables took their values: not kept
             self._remember_expansion(program, marks, before, expanded, where)
             if note is not None:
                 note["where"] = where
@@ -636,18 +647,21 @@ class Scheduler(Actor):
         if ctx is None:
             ctx = await self._context(worker, program, fetch, note=note)
         try:
-            rewritten = self.compiled.run(program, ctx)
+            if len(program) > LONG_PROGRAM and not self.compiled.seen(program):  # O(n) and more: on a thread
+                rewritten = await asyncio.to_thread(self.compiled.run, program, ctx)
+            else:
+                rewritten = self.compiled.run(program, ctx)
         except Exception:  # a pass must never cost the client its program
             log.exception("compiler passes failed; running the program as sent")
             rewritten = list(program)
         if len(rewritten) == len(program) and all(a is b for a, b in zip(rewritten, program)):
             if note is not None:
                 _note(note, program, program, None, ctx, True)
-            return await worker.ask("run", program=program, fetch=fetch)
+            return await worker.ask("run", program=program, fetch=fetch, cancel=self._cancel)
         origins = ctx.origins
         if note is not None:
             _note(note, program, rewritten, origins, ctx, True)
-        result: RunResult = await worker.ask("run", program=rewritten, fetch=fetch)
+        result: RunResult = await worker.ask("run", program=rewritten, fetch=fetch, cancel=self._cancel)
         return await self._compiled_result(worker, program, rewritten, fetch, origins, ctx, result, note)
 
     async def _compiled_result(self, worker: ActorRef, program: Sequence[Instr], rewritten: list[Instr],
@@ -659,7 +673,8 @@ class Scheduler(Actor):
             return self._compiled_ok(program, rewritten, origins, result)
         if note is not None:
             note["runs"] += 1
-        if result.done == 0:  # refused before anything ran: the program as sent gives the exact refusal
+        if result.done == 0 and not result.cancelled:  # refused before anything ran: the program as sent gives the
+            # exact refusal
             return await worker.ask("run", program=program, fetch=fetch)
         done, fix = repair(program, rewritten, origins, result.done, ctx)
         if fix:
@@ -747,7 +762,7 @@ class Scheduler(Actor):
                                       prefix=prefix)
         if names:
             program, grads = _renamed(program, grads, names, metas)
-        if probe is not None:
+        if probe is not None and len(forward) + len(program) <= REMEMBER_MAX:
             if sum(map(len, self.backwards.values())) >= 64:
                 self.backwards.clear()
             entries = self.backwards.setdefault(probe, [])

@@ -108,9 +108,10 @@ class PlanCache:
     hit rebuilds the rewritten program from the current instructions (metadata and all) and names. Programs whose
     params name variables (argset) are not cached: their meaning depends on values the key does not hold."""
 
-    def __init__(self, passes: Sequence[str] = DEFAULT_PASSES, size: int = 256) -> None:
+    def __init__(self, passes: Sequence[str] = DEFAULT_PASSES, size: int = 256, max_len: int | None = None) -> None:
         self.passes = tuple(passes)
         self.size = size
+        self.max_len = max_len  # a longer program is never remembered: a memo of it would outlive it
         self.hits = 0
         self.misses = 0
         self._plans: dict[Any, tuple[tuple[Any, ...], tuple[int, ...]]] = {}
@@ -123,7 +124,7 @@ class PlanCache:
     def seen(self, program: Sequence[Instr]) -> bool:
         """Whether `program` is exactly one remembered (whatever the state): it then names no variables, as programs
         that do are never remembered. The comparison is kept for the run() of the same program that follows."""
-        if not self.passes or len(program) < 2:
+        if not self.passes or len(program) < 2 or (self.max_len is not None and len(program) > self.max_len):
             return False
         try:
             same = [e for e in self._exact.get((len(program), program[0], program[-1]), ())
@@ -138,6 +139,9 @@ class PlanCache:
         if not self.passes or len(program) < 2 or not has_ends(program):
             ctx.origins = list(range(len(program)))
             return list(program)
+        if self.max_len is not None and len(program) > self.max_len:
+            self._last = None
+            return run_passes(list(program), ctx, self.passes)
         sent = program
         program = program if type(program) is list else list(program)
         probe: Any = (len(program), program[0], program[-1])

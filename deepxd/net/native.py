@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
+import select
 import socket
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +25,9 @@ import numpy as np
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.text import is_name
-from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj, unpack_instr_cached
+from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj, unpack_instr, unpack_instr_cached
 from deepx_sdk.paths import check_socket_dir
-from deepxd.actors.opcpu import RunResult
+from deepxd.actors.opcpu import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.kernels.cpu import dtype_name
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
 
@@ -34,6 +37,48 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ADMIN = ("tensors", "ops", "nodes", "actors", "memory", "graphs")
+LONG_FRAME = 1 << 20  # a frame at least this long is unpacked on a thread
+
+
+_paused = [0, True]  # long programs being handled, and whether the cyclic collector ran before the first
+
+
+def _pause_collector() -> None:
+    """The cyclic garbage collector off while a long program is handled (until _resume_collector): each of its full
+    collections walked the program's millions of objects holding the GIL, which froze the loop a second at a time."""
+    if not _paused[0]:
+        _paused[1] = gc.isenabled()
+        gc.disable()
+    _paused[0] += 1
+
+
+def _resume_collector() -> None:
+    _paused[0] -= 1
+    if not _paused[0] and _paused[1]:
+        gc.enable()
+
+
+def _long_program(objs: list[Any]) -> list[Instr]:
+    return [unpack_instr(o) if type(o) is bytes else instr_from_obj(o) for o in objs]
+
+
+def _peer_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Callable[[], bool]:
+    """Whether the connection's peer has gone (killed, closed): its end read, and the socket hung up (a peer that
+    only shut its writing side, waiting for the reply, has not gone)."""
+
+    def gone() -> bool:
+        if reader.exception() is not None:
+            return True
+        if not reader.at_eof():
+            return False
+        sock = writer.get_extra_info("socket")
+        if sock is None:
+            return True
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poll.poll(0))
+
+    return gone
 
 
 def encode_tensor(a: np.ndarray) -> dict[str, Any]:
@@ -243,7 +288,7 @@ class NativeServer:
                     await self._reply(writer, {"id": None, "ok": False, "error":
                                                f"truncated frame: expected {n} bytes, got {len(e.partial)}"})
                     return
-                reply = await self._handle(body, bound)
+                reply = await self._handle(body, bound, _peer_gone(reader, writer))
                 await self._reply(writer, reply)
         except (ConnectionError, BrokenPipeError):
             pass
@@ -284,11 +329,21 @@ class NativeServer:
         except (ConnectionError, BrokenPipeError):
             pass
 
-    async def _handle(self, body: bytes, bound: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _handle(self, body: bytes, bound: dict[str, Any] | None = None,
+                      gone: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """The reply to one request. `gone`: whether the connection's peer has gone (a run then stops)."""
         self.requests += 1
         rid = None
         try:
-            req = unpack_body(body)
+            # a long program's frame is unpacked off the loop: other connections are served meanwhile
+            if len(body) < LONG_FRAME:
+                req = unpack_body(body)
+            else:
+                _pause_collector()
+                try:
+                    req = await asyncio.to_thread(unpack_body, body)
+                finally:
+                    _resume_collector()
             rid = req.get("id")
             op = req.get("op")
             if bound is not None and op in ("release_on_close", "graph_store"):
@@ -296,7 +351,7 @@ class NativeServer:
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise DeepxError(f"unknown request op {op!r}; known: {', '.join(sorted(self._ops))}")
-            out = await handler(req)
+            out = await (handler(req, gone) if op == "run" else handler(req))
             return {"id": rid, "ok": True, **out}
         except DeepxError as e:
             return {"id": rid, "ok": False, "error": str(e)}
@@ -318,26 +373,37 @@ class NativeServer:
         c = self.node.config
         return {"version": PROTOCOL_VERSION, "node": c.node_id, "roles": c.roles, "max_frame": self.max_frame}
 
-    async def _op_run(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _op_run(self, req: dict[str, Any], gone: Callable[[], bool] | None = None) -> dict[str, Any]:
         prog = req.get("program")
         if not isinstance(prog, list):
             raise DeepxError("run: 'program' must be a list of instructions")
-        program = [unpack_instr_cached(obj) if type(obj) is bytes else instr_from_obj(obj) for obj in prog]
-        fetch = _tensor_names(req.get("fetch"), "run")
-        backwards = req.get("backwards")
-        if backwards is not None:
-            if not isinstance(backwards, list) or not all(isinstance(b, dict) for b in backwards):
-                raise DeepxError("run: 'backwards' must be a list of backward requests")
-            for i, b in enumerate(backwards):
-                _names(b.get("names"), f"run: backwards[{i}]")
-            backwards = [{**b, "forward": _instrs(b.get("forward"), "backwards")} for b in backwards]
-        result: RunResult = await self.node.ref("scheduler").ask("run", program=program, fetch=fetch,
-                                                                 backwards=backwards)
-        out = encode_result(result)
-        ok = out.pop("ok")
-        if not ok:
-            return {**out, "ok": False}
-        return out
+        long = len(prog) > LONG_PROGRAM
+        if long:
+            _pause_collector()
+        try:
+            if len(prog) > REMEMBER_MAX:  # O(n): off the loop, and not through the cache of repeated instructions
+                program = await asyncio.to_thread(_long_program, prog)
+            else:  # (a training step's, again and again: its instructions cached)
+                program = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
+            fetch = _tensor_names(req.get("fetch"), "run")
+            backwards = req.get("backwards")
+            if backwards is not None:
+                if not isinstance(backwards, list) or not all(isinstance(b, dict) for b in backwards):
+                    raise DeepxError("run: 'backwards' must be a list of backward requests")
+                for i, b in enumerate(backwards):
+                    _names(b.get("names"), f"run: backwards[{i}]")
+                backwards = [{**b, "forward": _instrs(b.get("forward"), "backwards")} for b in backwards]
+            result: RunResult = await self.node.ref("scheduler").ask("run", program=program, fetch=fetch,
+                                                                     backwards=backwards, cancel=gone)
+            out = (encode_result(result) if result.done <= REMEMBER_MAX
+                   else await asyncio.to_thread(encode_result, result))
+            ok = out.pop("ok")
+            if not ok:
+                return {**out, "ok": False}
+            return out
+        finally:
+            if long:
+                _resume_collector()
 
     async def _op_backward(self, req: dict[str, Any]) -> dict[str, Any]:
         forward = _instrs(req.get("forward"), "backward")

@@ -31,18 +31,20 @@ async def test_counters_reach_the_plane_while_programs_run_back_to_back() -> Non
         links = len(long_run)
         first = asyncio.ensure_future(worker.ref.ask("run", program=long_run, fetch=[]))
         await asyncio.sleep(0.01)
-        await registry.flush()  # op-cpu busy: no answer within the heartbeat, nothing written
+        await registry.flush()  # op-cpu busy: answered between its slices, or late
         assert not first.done()
-        assert await kv.hget("ops:n1:op-cpu", "matmul.calls") is None
         assert not (await first).error
         # the next program is sent at once, ahead of anything the registry asks next
         second = asyncio.ensure_future(worker.ref.ask("run", program=long_run, fetch=[]))
         await asyncio.sleep(0.01)
         assert not second.done()
-        await registry.flush()  # takes the answer that came late: the counters as they stood then
+        await registry.flush()  # an answer of between slices, or one that came late: the counters as they stood
         calls = await kv.hget("ops:n1:op-cpu", "matmul.calls")
-        assert calls is not None and int(float(calls)) == 4 + links, calls  # (product_chain timed four)
+        assert calls is not None and 4 < int(float(calls)) <= 4 + 2 * links, calls  # (product_chain timed four)
         assert not (await second).error
+        for _ in range(2):  # (the first may take an answer that came late)
+            await registry.flush()
+        assert int(float(await kv.hget("ops:n1:op-cpu", "matmul.calls"))) == 4 + 2 * links
     finally:
         await worker.stop()
         await kv.close()
