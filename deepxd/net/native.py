@@ -267,6 +267,7 @@ class NativeServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections.add(writer)
         bound: dict[str, Any] = {}  # what a session bound to this connection (release_on_close), released at its end
+        gone = _peer_gone(reader, writer)  # asked by a run between its slices
         try:
             while True:
                 try:
@@ -288,7 +289,7 @@ class NativeServer:
                     await self._reply(writer, {"id": None, "ok": False, "error":
                                                f"truncated frame: expected {n} bytes, got {len(e.partial)}"})
                     return
-                reply = await self._handle(body, bound, _peer_gone(reader, writer))
+                reply = await self._handle(body, bound, gone)
                 await self._reply(writer, reply)
         except (ConnectionError, BrokenPipeError):
             pass
