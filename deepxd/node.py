@@ -37,6 +37,7 @@ class Node:
         self.refs: dict[str, ActorRef] = {}
         self.servers: list[Any] = []
         self.udp: Any = None  # the UdpServer, when deepxIR over UDP is on
+        self.udp_scope: Any = None  # what UDP senders may name (deepxd/access.py), when it is on
         self.stopping = asyncio.Event()
         self._signals = 0
         self.started = asyncio.Event()
@@ -99,7 +100,11 @@ class Node:
         if "heapmem" in roles:
             heapmem.viewers = list(workers.values())  # told when a heap tensor they may view is freed
         if "scheduler" in roles:
-            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c))
+            if c.udp != "off":
+                from deepxd.access import UdpScope
+
+                self.udp_scope = UdpScope(self.worker, self.kv)
+            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c, udp_scope=self.udp_scope))
         # the others first: the registry's start writes the node record `running`, which a second daemon of this id
         # reads as this one's (its socket opened a moment later), and heapmem's start can take seconds
         await self._until_started()

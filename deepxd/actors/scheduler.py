@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import CoroutineType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import Instr, Param
@@ -35,6 +35,9 @@ from deepxd.compiler.pipeline import (
     repair,
 )
 from deepxd.config import Config
+
+if TYPE_CHECKING:
+    from deepxd.access import UdpScope
 
 log = logging.getLogger(__name__)
 
@@ -250,9 +253,11 @@ def _substituted(items: Sequence[Instr], origins: Sequence[int], changed: set[in
 class Scheduler(Actor):
     role = "scheduler"
 
-    def __init__(self, workers: dict[str, ActorRef], name: str = "scheduler", *, config: Config | None = None) -> None:
+    def __init__(self, workers: dict[str, ActorRef], name: str = "scheduler", *, config: Config | None = None,
+                 udp_scope: UdpScope | None = None) -> None:
         super().__init__(name)
         self.workers = workers
+        self.udp_scope = udp_scope  # what deepxIR over UDP may name (deepxd/access.py); None: UDP is off
         self.passes: list[str] = check_passes(config.passes) if config is not None else list(DEFAULT_PASSES)
         self.fuse_min_elements = config.fuse_min_elements if config is not None else 0
         self.plans = BindMemo()  # the passes check programs too: the same instructions every training step
@@ -280,7 +285,31 @@ class Scheduler(Actor):
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                      backwards: Sequence[dict[str, Any]] | None = None,
-                     cancel: Callable[[], bool] | None = None) -> RunResult:
+                     cancel: Callable[[], bool] | None = None, origin: str = "") -> RunResult:
+        """Run `program`; `origin` "udp": a UDP sender's, which may name only what UDP made or was shared (checked
+        here, in the message that runs it, so that no other program comes between the check and the run)."""
+        scope = self.udp_scope
+        if scope is None or (origin != "udp" and not scope):
+            return await self._run_one(program, fetch, backwards, cancel)
+        if origin != "udp":
+            scope.written_by_another(program, backwards)
+            return await self._run_one(program, fetch, backwards, cancel)
+        for i, instr in enumerate(program):
+            try:
+                refused = await scope.refuse(instr)
+            except Exception as e:  # the check could not be made (a worker restarting): refused, never let through
+                refused = f"{instr.name}: could not check the tensors it names against what UDP may reach: {e}"
+            if refused is not None:
+                self.failed += 1
+                return RunResult(error=f"instruction {i + 1}: {refused}", error_index=i, t0=time.time())
+        result = await self._run_one(program, fetch, backwards, cancel)
+        for instr in program[:result.done]:
+            scope.ran(instr)
+        return result
+
+    async def _run_one(self, program: Sequence[Instr], fetch: Sequence[str] = (),
+                       backwards: Sequence[dict[str, Any]] | None = None,
+                       cancel: Callable[[], bool] | None = None) -> RunResult:
         """Run `program`. `backwards`: the SDK's recorded `loss.backward()` calls, each a `backward` instruction of
         the program (at its `index`) with what on_backward takes: it is expanded there, in place, into the backward
         program derived from its forward graph, so that a training step (forward, backward, optimizer, the loss
@@ -827,6 +856,8 @@ class Scheduler(Actor):
         when the graph is not planned here and no data came (the caller reads it from the plane and asks again)."""
         from deepxd.compiler.graphs import bind_replay
 
+        if self.udp_scope:  # what the replay writes is the replayer's
+            self.udp_scope.taken_back(str(v) for v in outputs.values())
         plan = self.graphs.get(name)
         if plan is None:
             if data is None:

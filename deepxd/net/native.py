@@ -490,8 +490,8 @@ class NativeServer:
             raise DeepxError(f"put of '{name}': 'owner' must be a string (who holds the tensor), got {_shown(owner)}")
         info = await self.node.worker().ask("put", name=name, dtype=dtype, shape=shape, data=data, heap=heap,
                                             owner=owner)
-        if self.node.udp is not None:  # a new tensor of this connection's: not UDP's unless shared again
-            self.node.udp.scope.share([name], False)
+        if self.node.udp_scope is not None:  # a new tensor of this connection's: not UDP's unless shared again
+            self.node.udp_scope.taken_back([name])
         return {"tensor": info}
 
     async def _op_udp_share(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -500,16 +500,16 @@ class NativeServer:
             raise DeepxError(f"udp_share: 'names' must be a list of tensor names, got {_shown(names)}")
         if not isinstance(shared, bool):
             raise DeepxError(f"udp_share: 'shared' must be true or false, got {_shown(shared)}")
-        udp = self.node.udp
-        if udp is None:
+        scope = self.node.udp_scope
+        if scope is None:
             raise DeepxError("udp_share: deepxIR over UDP is off on this daemon (--udp off)")
         if shared:
-            found = set(await udp.scope.existing(names))
+            found = set(await scope.existing(names))
             missing = [n for n in names if n not in found]
             if missing:
                 raise DeepxError(f"udp_share: no tensor named {', '.join(map(repr, missing))} on this daemon "
                                  "(`deepxctl tensors ls` lists them)")
-        udp.scope.share(names, shared)
+        scope.share(names, shared)
         return {"names": names, "shared": shared}
 
     async def _op_admin(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -529,6 +529,6 @@ class NativeServer:
         if not isinstance(force, bool):  # never coerced: bool("no") is True
             raise DeepxError(f"delete of '{name}': 'force' must be true or false, got {_shown(force)}")
         info = await self.node.ref("registry").ask("delete", name=name, force=force)
-        if self.node.udp is not None:
-            self.node.udp.scope.share([name], False)
+        if self.node.udp_scope is not None:
+            self.node.udp_scope.deleted([name])
         return {"tensor": info}

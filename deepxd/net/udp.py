@@ -10,10 +10,11 @@ A line that does not parse, is not UTF-8 or names an unknown op still gets its r
 own, so one bad byte costs only its line); a reply too long for one datagram has its message cut to fit; a bad
 datagram never stops the server.
 
-UDP carries no credentials, so its clients reach only the tensors UDP made and those shared with it (UdpScope;
-docs/daemon.md, "who can do what"). Its work is budgeted: a turn of the loop runs at most TURN_LINES lines or
-TURN_S seconds of one sender's datagrams, senders take turns, and backlogs are capped (per sender and in all),
-so that a flood never starves the native socket or the other senders.
+UDP carries no credentials, so its clients reach only the tensors UDP made and those shared with it: the
+scheduler checks each line against deepxd/access.py's UdpScope (docs/daemon.md, "who can do what"). Its work is
+budgeted: a turn of the loop runs at most TURN_LINES lines or TURN_S seconds of one sender's datagrams, senders take
+turns, and backlogs are capped (per sender and in all), so that a flood never starves the native socket or the other
+senders.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, request_id
-from deepx_sdk.ir.ops import OPS, load_name, tensor_list
+from deepx_sdk.ir.instr import request_id
 from deepx_sdk.ir.text import parse_line
 from deepxd.actors.opcpu import RunResult
 from deepxd.net.reply import format_reply
@@ -59,75 +59,6 @@ def _ms(t: float) -> int:
     return int(t * 1000)
 
 
-def tensor_names(instr: Instr) -> tuple[list[str], list[str]]:
-    """The tensors an instruction names: those it reads (args) and those it writes or makes (returns, and the tensor
-    a `load` without returns names after its file). An unknown op names none: it is refused before it runs."""
-    op = OPS.get(instr.name)
-    if op is None:
-        return [], []
-    reads: list[str] = []
-    for a, p in zip(op.args, instr.args):
-        if a.kind == "tensor":
-            reads.append(str(p.value))
-        elif a.kind == "listtensor":
-            reads.extend(tensor_list(p.value) or ())  # read as bind reads it: `[01 u]` names tensor '1'
-
-    writes = [str(p.value) for a, p in zip(op.returns, instr.returns) if a.kind == "tensor"]
-    if instr.name == "load" and not instr.returns and instr.args:
-        writes.append(load_name(str(instr.args[0].value)))
-    return reads, writes
-
-
-class UdpScope:
-    """The tensors UDP clients may name: those made over UDP, and those a native client shared (`udp_share`,
-    `deepxctl tensors share`). Any other tensor of the daemon, a native session's or a heap tensor of the plane, is
-    refused to UDP as if it were another's: UDP has no credentials to tell its senders apart."""
-
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.names: set[str] = set()
-
-    async def refuse(self, instr: Instr) -> str | None:
-        """Why `instr` may not run for a UDP sender, None when it may."""
-        reads, writes = tensor_names(instr)
-        outside = [n for n in dict.fromkeys((*reads, *writes)) if n not in self.names]
-        if not outside:
-            return None
-        taken = await self.existing(outside)
-        if not taken:
-            return None
-        names = ", ".join(f"'{n}'" for n in taken)
-        return (f"{instr.name}: tensor {names} was not made over UDP and is not shared with UDP clients (deepxIR "
-                "over UDP is unauthenticated: it reaches only the tensors UDP made, and those its owner shares with "
-                "`deepxctl tensors share NAME`; docs/daemon.md, 'who can do what')")
-
-    async def existing(self, names: list[str]) -> list[str]:
-        """Those of `names` that are tensors of this daemon (its worker's, or heap tensors of the plane)."""
-        found = set(await self.node.worker().ask("metas", names=names))  # an error refuses the line: fail closed
-        if self.node.kv is not None:
-            for n in names:
-                if n not in found and await self.node.kv.exists(f"tensor:{n}"):
-                    found.add(n)
-        return [n for n in names if n in found]
-
-    def ran(self, instr: Instr) -> None:
-        """Record what a UDP instruction that ran did to the set of tensors."""
-        if instr.name == "deltensor":
-            for p in instr.returns:
-                self.names.discard(str(p.value))
-        elif instr.name == "renametensor" and instr.returns and instr.args:
-            self.names.discard(str(instr.returns[0].value))
-            self.names.add(str(instr.args[0].value))
-        else:
-            self.names.update(tensor_names(instr)[1])
-
-    def share(self, names: list[str], shared: bool) -> None:
-        if shared:
-            self.names.update(names)
-        else:
-            self.names.difference_update(names)
-
-
 class _Datagram:
     """One received datagram, run a turn's worth of lines at a time."""
 
@@ -151,7 +82,6 @@ def _split(data: bytes) -> Iterator[tuple[int, int, bytes]]:
 class UdpServer(asyncio.DatagramProtocol):
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.scope = UdpScope(node)
         self.backlog: dict[tuple[str, int], deque[_Datagram]] = {}  # by sender (address, port), in turn order
         self.backlog_bytes: dict[tuple[str, int], int] = {}
         self.waiting = 0  # bytes of every sender's datagrams waiting
@@ -255,20 +185,11 @@ class UdpServer(asyncio.DatagramProtocol):
             self._send(format_reply(_request_id(line), False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
             return
         rid = instr.id
-        try:
-            refused = await self.scope.refuse(instr)
-        except Exception as e:  # the check could not be made (the worker restarting): refuse, never let it through
-            refused = f"{instr.name}: could not check the tensors this line names against what UDP may reach: {e}"
-        if refused is not None:
-            self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), refused), addr)
-            return
-        try:
-            result: RunResult = await self.node.ref("scheduler").ask("run", program=[instr], fetch=[])
+        try:  # origin udp: the scheduler checks what the line may name (deepxd/access.py) as it runs it
+            result: RunResult = await self.node.ref("scheduler").ask("run", program=[instr], fetch=[], origin="udp")
         except DeepxError as e:
             self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
             return
-        if not result.error:
-            self.scope.ran(instr)
         if result.times_us:
             begin = _ms(result.t0 + result.times_us[0] / 1e6)
             finish = _ms(result.t0 + result.times_us[-1] / 1e6)
@@ -284,8 +205,7 @@ class UdpServer(asyncio.DatagramProtocol):
             self.transport.sendto(reply.encode("utf-8", "replace"), addr)  # fits: format_reply cut it
 
     def stats(self) -> dict[str, Any]:
-        return {"lines": self.lines, "dropped": self.dropped, "senders_waiting": len(self.backlog),
-                "shared": len(self.scope.names)}
+        return {"lines": self.lines, "dropped": self.dropped, "senders_waiting": len(self.backlog)}
 
     async def stop_accepting(self) -> None:
         self.accepting = False

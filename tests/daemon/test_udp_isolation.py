@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from deepx_sdk.errors import DeepxError
+from deepx_sdk.ir import parse_text
 from tests.daemon.conftest import Daemon, deepxd_command, udp_exchange
 
 log = logging.getLogger(__name__)
@@ -159,3 +160,25 @@ def test_a_udp_flood_does_not_starve_native_clients_or_other_senders(daemon: Dae
     assert rss - rss0 < 200 << 20, (rss0, rss)  # waiting datagrams are capped at 64 MiB in all
     with daemon.client() as c:
         c.ping()
+
+
+def test_a_name_udp_claimed_first_is_taken_back_when_a_native_program_writes_it(daemon: Daemon) -> None:
+    """UDP may make a name nobody uses; a native program that later makes, replaces, writes or deletes that name
+    takes it back, so that UDP cannot claim the names a native user will use and read what they put there."""
+    lines = ["newtensor (vector<int32>:[3]) -> (tensor<float32>:weights) // id=1",
+             "newtensor (vector<int32>:[2]) -> (tensor<float32>:bias) // id=2",
+             "newtensor (vector<int32>:[2]) -> (tensor<float32>:mine) // id=3"]
+    assert all(_ok(r) for r in udp_exchange(daemon.udp_port, "\n".join(lines), 3))
+    with daemon.client() as c:
+        same = parse_text("newtensor (vector<int32>:[3]) -> (tensor<float32>:weights)\n"  # kept: same shape
+                          "constant (var<float32>:9.25) -> (tensor<float32>:weights)")
+        assert c.run(same).ok
+        other = parse_text("deltensor () -> (tensor:bias)\n"
+                           "newtensor (vector<int32>:[2]) -> (tensor<float32>:bias)\n"
+                           "constant (var<float32>:4.5) -> (tensor<float32>:bias)")
+        assert c.run(other).ok
+    for i, name in enumerate(("weights", "bias")):
+        (reply,) = udp_exchange(daemon.udp_port, f"print (tensor:{name}) -> () // id={10 + i}", 1)
+        assert not _ok(reply) and "not made over UDP" in reply, reply
+    (reply,) = udp_exchange(daemon.udp_port, "print (tensor:mine) -> () // id=12", 1)
+    assert _ok(reply)  # UDP's own tensor, which no native program touched, stays UDP's

@@ -1,0 +1,119 @@
+"""Who may name which tensor: deepxIR over UDP reaches only the tensors UDP made and those shared with it
+(docs/daemon.md, "who can do what"; docs/decisions/0001-udp-trust.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from deepx_sdk.ir.instr import Instr
+from deepx_sdk.ir.ops import OPS, load_name, tensor_list
+
+if TYPE_CHECKING:
+    from deepxd.actors.base import ActorRef
+    from deepxd.kv.base import KV
+
+
+def tensor_names(instr: Instr) -> tuple[list[str], list[str]]:
+    """The tensors an instruction names: those it reads (args) and those it writes or makes (returns, and the tensor
+    a `load` without returns names after its file). An unknown op names none: it is refused before it runs."""
+    op = OPS.get(instr.name)
+    if op is None:
+        return [], []
+    reads: list[str] = []
+    for a, p in zip(op.args, instr.args):
+        if a.kind == "tensor":
+            reads.append(str(p.value))
+        elif a.kind == "listtensor":
+            reads.extend(tensor_list(p.value) or ())  # read as bind reads it: `[01 u]` names tensor '1'
+
+    writes = [str(p.value) for a, p in zip(op.returns, instr.returns) if a.kind == "tensor"]
+    if instr.name == "load" and not instr.returns and instr.args:
+        writes.append(load_name(str(instr.args[0].value)))
+    return reads, writes
+
+
+class UdpScope:
+    """The tensors UDP clients may name: those made over UDP (`made`), and those a native client shared (`shared`:
+    `udp_share`, `deepxctl tensors share`). Any other tensor of the daemon, a native session's or a heap tensor of
+    the plane, is refused to UDP as if it were another's: UDP has no credentials to tell its senders apart. The
+    scheduler checks a UDP program and runs it in one message (no other program between). A name UDP made is taken
+    back when another client's program or request writes, makes or deletes it (UDP cannot claim the names a native
+    user will use); a shared one only when it is revoked or deleted (docs/decisions/0001-udp-trust.md)."""
+
+    def __init__(self, worker: Callable[[], ActorRef], kv: KV | None) -> None:
+        self.worker = worker
+        self.kv = kv
+        self.made: set[str] = set()
+        self.shared: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.made or self.shared)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.made or name in self.shared
+
+    async def refuse(self, instr: Instr) -> str | None:
+        """Why `instr` may not run for a UDP sender, None when it may."""
+        reads, writes = tensor_names(instr)
+        outside = [n for n in dict.fromkeys((*reads, *writes)) if n not in self]
+        if not outside:
+            return None
+        taken = await self.existing(outside)
+        if not taken:
+            return None
+        names = ", ".join(f"'{n}'" for n in taken)
+        return (f"{instr.name}: tensor {names} was not made over UDP and is not shared with UDP clients (deepxIR "
+                "over UDP is unauthenticated: it reaches only the tensors UDP made, and those its owner shares with "
+                "`deepxctl tensors share NAME`; docs/daemon.md, 'who can do what')")
+
+    async def existing(self, names: list[str]) -> list[str]:
+        """Those of `names` that are tensors of this daemon (its worker's, or heap tensors of the plane)."""
+        found = set(await self.worker().ask("metas", names=names))  # an error refuses the line: fail closed
+        if self.kv is not None:
+            for n in names:
+                if n not in found and await self.kv.exists(f"tensor:{n}"):
+                    found.add(n)
+        return [n for n in names if n in found]
+
+    def ran(self, instr: Instr) -> None:
+        """Record what a UDP instruction that ran did to the set of tensors."""
+        if instr.name == "deltensor":
+            self.deleted(str(p.value) for p in instr.returns)
+        elif instr.name == "renametensor" and instr.returns and instr.args:
+            self.deleted([str(instr.returns[0].value)])
+            self.made.add(str(instr.args[0].value))
+        else:
+            self.made.update(n for n in tensor_names(instr)[1] if n not in self.shared)
+
+    def deleted(self, names: Iterable[str]) -> None:
+        """Tensors deleted (by anyone): their names are free again."""
+        for n in names:
+            self.made.discard(n)
+            self.shared.discard(n)
+
+    def written_by_another(self, program: Sequence[Instr], backwards: Sequence[dict[str, Any]] | None = None) -> None:
+        """A native client's program: the names UDP made that it writes, makes or deletes, and the shared ones it
+        deletes or renames away, are no longer UDP's."""
+        for instr in program:
+            writes = tensor_names(instr)[1]
+            if instr.name in ("deltensor", "renametensor"):
+                self.deleted(writes)
+            else:
+                self.made.difference_update(writes)
+            if instr.name == "renametensor" and instr.args:
+                self.made.discard(str(instr.args[0].value))
+        for spec in backwards or ():
+            names = spec.get("names")
+            if isinstance(names, dict):
+                self.made.difference_update(str(v) for v in names.values())
+
+    def taken_back(self, names: Iterable[str]) -> None:
+        """Names another client made anew (a native put, a replay's outputs): no longer made by UDP."""
+        self.made.difference_update(names)
+
+    def share(self, names: list[str], shared: bool) -> None:
+        if shared:
+            self.shared.update(names)
+        else:
+            self.shared.difference_update(names)
