@@ -856,8 +856,8 @@ class Scheduler(Actor):
         when the graph is not planned here and no data came (the caller reads it from the plane and asks again)."""
         from deepxd.compiler.graphs import bind_replay
 
-        if self.udp_scope:  # what the replay writes is the replayer's
-            self.udp_scope.taken_back(str(v) for v in outputs.values())
+        if self.udp_scope and isinstance(outputs, dict):  # what the replay writes is the replayer's (a bad
+            self.udp_scope.taken_back(str(v) for v in outputs.values())  # `outputs` is refused by bind_replay)
         plan = self.graphs.get(name)
         if plan is None:
             if data is None:

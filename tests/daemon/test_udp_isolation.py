@@ -182,3 +182,16 @@ def test_a_name_udp_claimed_first_is_taken_back_when_a_native_program_writes_it(
         assert not _ok(reply) and "not made over UDP" in reply, reply
     (reply,) = udp_exchange(daemon.udp_port, "print (tensor:mine) -> () // id=12", 1)
     assert _ok(reply)  # UDP's own tensor, which no native program touched, stays UDP's
+
+
+def test_a_malformed_replay_is_refused_while_udp_holds_tensors(daemon: Daemon) -> None:
+    """bench/soak.py found it: with UDP tensors about, a replay whose `outputs` is not a map raised AttributeError
+    (an internal error) where the replay's own check answers."""
+    (reply,) = udp_exchange(daemon.udp_port, "newtensor (vector<int32>:[2]) -> (tensor<float32>:u1) // id=1", 1)
+    assert _ok(reply)
+    with daemon.client() as c:
+        for outputs in ("x", b"x", 7, ["x"]):
+            with pytest.raises(DeepxError) as e:
+                c.request("replay", name="nosuchgraph", inputs={}, outputs=outputs)
+            assert "internal error" not in str(e.value)
+        c.ping()
