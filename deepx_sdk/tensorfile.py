@@ -11,7 +11,9 @@ import errno
 import os
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import yaml
@@ -27,6 +29,8 @@ _DIR = getattr(os, "O_PATH", os.O_RDONLY) | getattr(os, "O_DIRECTORY", 0) | _CLO
 _READ = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC  # NONBLOCK: a FIFO must not hang a read
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC  # EXCL: never opens what is already there
 MAX_SHAPE_BYTES = 1 << 20  # a shape file is a few lines
+
+_T = TypeVar("_T")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
@@ -284,39 +288,30 @@ def write_tensor(base: str | os.PathLike[str], array: np.ndarray) -> None:
         os.close(fd)
 
 
-def read_shape(base: str | os.PathLike[str]) -> tuple[tuple[int, ...], str]:
-    """Shape and dtype from `base.shape` (see read_shape_at)."""
-    where, stem = _split(base)
-    try:
-        fd = _open_parent(where)
-    except DeepxError:
-        raise DeepxError(f"tensor file {base}.shape not found") from None
-    try:
-        return read_shape_at(fd, stem, where)
-    finally:
-        os.close(fd)
-
-
-def read_data(path: str | os.PathLike[str], shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """Exactly numel(shape) elements of `dtype` from the raw file at `path` (see read_data_at)."""
+def _at_parent(path: str | os.PathLike[str], missing: str, read: Callable[[int, str, str], _T]) -> _T:
+    """read(directory fd, file name, directory) on the file at `path`, its directory opened without links;
+    `missing`: the error where that directory is not there."""
     where, name = _split(path)
     try:
         fd = _open_parent(where)
     except DeepxError:
-        raise DeepxError(f"tensor data file {path} not found") from None
+        raise DeepxError(missing) from None
     try:
-        return read_data_at(fd, name, shape, dtype, where)
+        return read(fd, name, where)
     finally:
         os.close(fd)
+
+
+def read_shape(base: str | os.PathLike[str]) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype from `base.shape` (see read_shape_at)."""
+    return _at_parent(base, f"tensor file {base}.shape not found", read_shape_at)
+
+
+def read_data(path: str | os.PathLike[str], shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Exactly numel(shape) elements of `dtype` from the raw file at `path` (see read_data_at)."""
+    return _at_parent(path, f"tensor data file {path} not found",
+                      lambda fd, name, where: read_data_at(fd, name, shape, dtype, where))
 
 
 def read_tensor(base: str | os.PathLike[str]) -> np.ndarray:
-    where, stem = _split(base)
-    try:
-        fd = _open_parent(where)
-    except DeepxError:
-        raise DeepxError(f"tensor file {base}.shape not found") from None
-    try:
-        return read_tensor_at(fd, stem, where)
-    finally:
-        os.close(fd)
+    return _at_parent(base, f"tensor file {base}.shape not found", read_tensor_at)

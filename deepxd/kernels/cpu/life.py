@@ -18,23 +18,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def keeps(b: Bound, have: TensorMeta | None) -> bool:
+    """Whether `newtensor` keeps the tensor of its name that exists (`have`): where the check kept it (its rule in
+    deepx_sdk/ir/ops.py: same shape and dtype, or exists=keep). Said in the log either way; both executors ask it."""
+    meta = b.outs[0]
+    if have is None or meta is None:
+        return False
+    name = str(b.out_names[0])
+    if have == meta or b.instr.get_meta("exists") == "keep":
+        if b.instr.get_meta("exists") != "keep":  # the SDK's own (deleting a stale value) asks for it quietly
+            log.warning("newtensor: tensor '%s' already exists; keeping the old one (%s%s, values and all)",
+                        name, have.dtype, list(have.shape))
+        return True
+    log.debug("newtensor: replacing '%s' (%s%s) by %s%s zeros", name, have.dtype, list(have.shape), meta.dtype,
+              list(meta.shape))
+    return False
+
+
 def newtensor(ex: CpuExecutor, b: Bound) -> None:
-    """Zeros of the checked shape and dtype; a tensor of that name is kept where the check kept it (its rule in
-    deepx_sdk/ir/ops.py: same shape and dtype, or exists=keep) and replaced otherwise."""
+    """Zeros of the checked shape and dtype; a tensor of that name is kept where the check kept it, and replaced
+    otherwise (keeps)."""
     name = str(b.out_names[0])
     meta = b.outs[0]
     assert meta is not None
     have = ex.tensors.metas.get(name)
-    if have is not None:
-        if have == meta or b.instr.get_meta("exists") == "keep":
-            if b.instr.get_meta("exists") != "keep":  # the SDK's own (deleting a stale value) asks for it quietly
-                log.warning("newtensor: tensor '%s' already exists; keeping the old one (%s%s, values and all)",
-                            name, have.dtype, list(have.shape))
-            return
-        if name in ex.pinned:
-            raise DeepxError(refused_heap_replace(name, have, meta))
-        log.debug("newtensor: replacing '%s' (%s%s) by %s%s zeros", name, have.dtype, list(have.shape), meta.dtype,
-                  list(meta.shape))
+    if keeps(b, have):
+        return
+    if have is not None and name in ex.pinned:
+        raise DeepxError(refused_heap_replace(name, have, meta))
     ex.tensors[name] = np.zeros(meta.shape, to_numpy(meta.dtype))
 
 

@@ -7,20 +7,17 @@ renametensor, argset and vecset only touch the executor's name tables: they are 
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.ops import load_name
 from deepx_sdk.tensorfile import read_data_at, read_tensor_at, write_tensor_at
 from deepxd.kernels.cpu.io import format_tensor
-from deepxd.kernels.cpu.life import argset, deltensor, renametensor, vecset  # noqa: F401
+from deepxd.kernels.cpu.life import argset, deltensor, keeps, renametensor, vecset  # noqa: F401
 
 if TYPE_CHECKING:
     from deepx_sdk.ir.ops import Bound
     from deepxd.kernels.cuda import CudaExecutor
-
-log = logging.getLogger(__name__)
 
 
 def newtensor(ex: CudaExecutor, b: Bound) -> None:
@@ -29,15 +26,8 @@ def newtensor(ex: CudaExecutor, b: Bound) -> None:
     name = str(b.out_names[0])
     meta = b.outs[0]
     assert meta is not None
-    have = ex.tensors.metas.get(name)
-    if have is not None:
-        if have == meta or b.instr.get_meta("exists") == "keep":
-            if b.instr.get_meta("exists") != "keep":  # the SDK's own (deleting a stale value) asks for it quietly
-                log.warning("newtensor: tensor '%s' already exists; keeping the old one (%s%s, values and all)",
-                            name, have.dtype, list(have.shape))
-            return
-        log.debug("newtensor: replacing '%s' (%s%s) by %s%s zeros", name, have.dtype, list(have.shape), meta.dtype,
-                  list(meta.shape))
+    if keeps(b, ex.tensors.metas.get(name)):
+        return
     ex.tensors[name] = ex.zeros(meta.shape, meta.dtype, "newtensor", name)
 
 
