@@ -750,6 +750,8 @@ class Scheduler(Actor):
         metas = await worker.ask("metas", names=sorted(_names_of(forward, loss, wrt, grad_loss)))
         variables, vectors = await self._variables(worker) if _names_variables(forward) else ({}, {})
         program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names, variables, vectors)
+        if self.udp_scope:  # the gradients it writes are the native client's
+            self.udp_scope.written_by_another(program)
         result: RunResult = await worker.ask("run", program=program, fetch=[])
         if result.error:
             raise DeepxError(f"backward: {result.error}")

@@ -195,3 +195,23 @@ def test_a_malformed_replay_is_refused_while_udp_holds_tensors(daemon: Daemon) -
                 c.request("replay", name="nosuchgraph", inputs={}, outputs=outputs)
             assert "internal error" not in str(e.value)
         c.ping()
+
+
+def test_gradients_a_native_backward_writes_are_taken_back_from_udp(daemon: Daemon) -> None:
+    """A backward request writes its gradients under names the client chose: one UDP made first is the native
+    client's after it (else UDP would read the gradient)."""
+    from deepx_sdk.ir.wire import instr_to_obj
+
+    (reply,) = udp_exchange(daemon.udp_port, "newtensor (vector<int32>:[3]) -> (tensor<float32>:gw) // id=1", 1)
+    assert _ok(reply)
+    with daemon.client() as c:
+        c.put("bw_w", np.array([1, 2, 3], np.float32))
+        forward = parse_text("mul (tensor:bw_w, tensor:bw_w) -> (tensor:bw_y)\n"
+                             "sum (tensor:bw_y, vector:[0], var:False) -> (tensor:bw_l)")
+        assert c.run(forward).ok
+        out = c.request("backward", forward=[instr_to_obj(i) for i in forward], loss="bw_l", wrt=["bw_w"],
+                        names={"bw_w": "gw"})
+        assert out["grads"] == {"bw_w": "gw"}
+        np.testing.assert_array_equal(c.fetch("gw")["gw"], np.array([2, 4, 6], np.float32))
+    (reply,) = udp_exchange(daemon.udp_port, "print (tensor:gw) -> () // id=2", 1)
+    assert not _ok(reply) and "not made over UDP" in reply, reply
