@@ -307,6 +307,13 @@ class Scheduler(Actor):
             scope.ran(instr)
         return result
 
+    def _taken_from_udp(self, program: Sequence[Instr], names: Sequence[str] = ()) -> None:
+        """What a native client's program (as it goes to the worker: backwards expanded, a replay bound) writes is
+        no longer UDP's (deepxd/access.py); nothing to do while UDP holds no tensor."""
+        if self.udp_scope:
+            self.udp_scope.written_by_another(program)
+            self.udp_scope.taken_back(names)
+
     async def _run_one(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                        backwards: Sequence[dict[str, Any]] | None = None,
                        cancel: Callable[[], bool] | None = None) -> RunResult:
@@ -401,6 +408,7 @@ class Scheduler(Actor):
         if fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min():  # native kernels came or went
             self._fast.remove(fast)
             return None
+        self._taken_from_udp(fast.expanded if fast.expanded is not None else fast.program)
         result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch, cancel=self._cancel,
                                                   version=fast.version if fast.version >= 0 else None,
                                                   expect=fast.expect)
@@ -506,6 +514,7 @@ class Scheduler(Actor):
         if hit is not None:
             if not self.compiled.seen(hit[0]) and _names_variables(hit[0]):  # a remembered one names none
                 ctx.variables, ctx.vectors = await self._variables(worker)
+            self._taken_from_udp(hit[0])
             result = await self._run_program(worker, hit[0], fetch, ctx, note)
             if note is not None:
                 note["where"] = hit[1]
@@ -570,6 +579,7 @@ class Scheduler(Actor):
             self._remember_expansion(program, marks, before, expanded, where)
             if note is not None:
                 note["where"] = where
+        self._taken_from_udp(expanded)  # the gradients it writes too
         result = await self._run_program(worker, expanded, fetch if at == len(program) else (), ctx, note)
         return self._map_expanded(result, program, where, at, failure)
 
@@ -750,8 +760,7 @@ class Scheduler(Actor):
         metas = await worker.ask("metas", names=sorted(_names_of(forward, loss, wrt, grad_loss)))
         variables, vectors = await self._variables(worker) if _names_variables(forward) else ({}, {})
         program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names, variables, vectors)
-        if self.udp_scope:  # the gradients it writes are the native client's
-            self.udp_scope.written_by_another(program)
+        self._taken_from_udp(program)  # the gradients it writes are the native client's
         result: RunResult = await worker.ask("run", program=program, fetch=[])
         if result.error:
             raise DeepxError(f"backward: {result.error}")
@@ -858,8 +867,6 @@ class Scheduler(Actor):
         when the graph is not planned here and no data came (the caller reads it from the plane and asks again)."""
         from deepxd.compiler.graphs import bind_replay
 
-        if self.udp_scope and isinstance(outputs, dict):  # what the replay writes is the replayer's (a bad
-            self.udp_scope.taken_back(str(v) for v in outputs.values())  # `outputs` is refused by bind_replay)
         plan = self.graphs.get(name)
         if plan is None:
             if data is None:
@@ -868,6 +875,7 @@ class Scheduler(Actor):
         worker = self._place(plan.plan)
         t0 = time.perf_counter()
         bound = bind_replay(plan, inputs, outputs, scalars or {})
+        self._taken_from_udp(bound.program, [p[0] for p in bound.puts])  # outputs, temporaries, inputs put
         result: RunResult | None = None
         if bound.expect is not None:  # bound as the last replay was, which found its inputs fit: run if they still do
             result = await worker.ask("run", program=bound.program, fetch=list(fetch), expect=bound.expect)

@@ -488,10 +488,10 @@ class NativeServer:
             raise DeepxError(f"put of '{name}': 'heap' must be true or false, got {_shown(heap)}")
         if not isinstance(owner, str):
             raise DeepxError(f"put of '{name}': 'owner' must be a string (who holds the tensor), got {_shown(owner)}")
+        if self.node.udp_scope is not None:  # before it is written: a UDP line must not come between
+            self.node.udp_scope.taken_back([name])
         info = await self.node.worker().ask("put", name=name, dtype=dtype, shape=shape, data=data, heap=heap,
                                             owner=owner)
-        if self.node.udp_scope is not None:  # a new tensor of this connection's: not UDP's unless shared again
-            self.node.udp_scope.taken_back([name])
         return {"tensor": info}
 
     async def _op_udp_share(self, req: dict[str, Any]) -> dict[str, Any]:

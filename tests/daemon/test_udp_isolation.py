@@ -215,3 +215,20 @@ def test_gradients_a_native_backward_writes_are_taken_back_from_udp(daemon: Daem
         np.testing.assert_array_equal(c.fetch("gw")["gw"], np.array([2, 4, 6], np.float32))
     (reply,) = udp_exchange(daemon.udp_port, "print (tensor:gw) -> () // id=2", 1)
     assert not _ok(reply) and "not made over UDP" in reply, reply
+    # a run whose backward instruction is expanded in place, its gradients named by a prefix and a count (the SDK's
+    # way): UDP claims those names first; twice, the second on the scheduler's fast path for a repeated step
+    claims = [f"newtensor (vector<int32>:[3]) -> (tensor<float32>:bwg_{n}) // id={100 + n}" for n in range(12)]
+    assert all(_ok(r) for r in udp_exchange(daemon.udp_port, "\n".join(claims), len(claims)))
+    step = parse_text("mul (tensor:bw_w, tensor:bw_w) -> (tensor:bw_y)\n"
+                      "sum (tensor:bw_y, vector:[0], var:False) -> (tensor:bw_l)\n"
+                      "backward (tensor:bw_l) -> ()")
+    spec = {"index": 2, "forward": list(step[:2]), "loss": "bw_l", "wrt": ["bw_w"], "prefix": "bwg_"}
+    for _ in range(2):
+        with daemon.client() as c:
+            assert c.run(step, backwards=[spec]).ok
+            rows = [r["name"] for r in c.admin("tensors") if r["name"].startswith("bwg_")]
+            grads = [n for n in rows if np.array_equal(c.fetch(n)[n], np.array([2, 4, 6], np.float32))]
+        assert grads, rows
+        for n in grads:
+            (reply,) = udp_exchange(daemon.udp_port, f"print (tensor:{n}) -> () // id=7", 1)
+            assert not _ok(reply) and "not made over UDP" in reply, reply
