@@ -63,19 +63,19 @@ def _long_program(objs: list[Any]) -> list[Instr]:
 
 
 def _peer_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Callable[[], bool]:
-    """Whether the connection's peer has gone (killed, closed): its end read, and the socket hung up (a peer that
-    only shut its writing side, waiting for the reply, has not gone)."""
+    """Whether the connection's peer has gone (killed, closed): the socket hung up, which the kernel says however
+    many of the peer's bytes are still unread (a client that sent one more request and died); a peer that only shut
+    its writing side, waiting for the reply, has not gone."""
 
     def gone() -> bool:
         if reader.exception() is not None:
             return True
-        if not reader.at_eof():
-            return False
         sock = writer.get_extra_info("socket")
-        if sock is None:
-            return True
+        fd = sock.fileno() if sock is not None else -1
+        if fd < 0:
+            return reader.at_eof()  # the transport closed it: gone once its end was read
         poll = select.poll()
-        poll.register(sock.fileno(), select.POLLOUT)
+        poll.register(fd, select.POLLOUT)
         return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poll.poll(0))
 
     return gone

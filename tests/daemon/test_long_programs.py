@@ -12,6 +12,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from deepx_sdk.client import NativeClient
 from deepx_sdk.ir import Instr, Param
@@ -34,9 +35,12 @@ def _doing(c: NativeClient) -> dict[str, str]:
     return {a["name"]: a["doing"] for a in c.admin("actors")}
 
 
-def test_a_killed_clients_program_stops_and_its_tensors_go(tmp_path):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_killed_clients_program_stops_and_its_tensors_go(tmp_path, pipelined):
     """kill -9 of a client while its long program runs: the worker stops at an instruction boundary and is idle
-    again, and the session's tensors are deleted, within seconds, far sooner than the program would have ended."""
+    again, and the session's tensors are deleted, within seconds, far sooner than the program would have ended.
+    pipelined: the client sent one more request behind the program before it died (its bytes, unread, hid the
+    connection's end from the reader)."""
     d = Daemon(tmp_path).start()
     script = tmp_path / "client.py"
     script.write_text(textwrap.dedent(f"""
@@ -61,6 +65,11 @@ def test_a_killed_clients_program_stops_and_its_tensors_go(tmp_path):
             timed.append((time.perf_counter() - t0) / 50)
         program = chain(math.ceil(120 / min(timed)))  # two minutes of products
         print(len(program), flush=True)
+        if {pipelined!r}:
+            from deepx_sdk.ir.wire import pack_instr_cached
+            c.send_frame({{"id": 99, "op": "run", "program": [pack_instr_cached(i) for i in program], "fetch": []}})
+            c.send_frame({{"id": 100, "op": "ping"}})
+            time.sleep(600)  # killed meanwhile
         c.run(program)  # killed meanwhile
     """))
     try:
