@@ -645,6 +645,8 @@ class CpuWorker(OpWorker):
         try:
             if len(program) > LONG_PROGRAM:  # O(n): on the thread (the check only reads the tensors)
                 bounds, heavy, transient = await self._offload(self._check, program, fetch)
+                if cancel is not None and cancel():  # the check took seconds: its asker may have gone meanwhile
+                    return self._cancelled(result)
             else:
                 bounds, heavy, transient = self._check(program, fetch)
         except ProgramError as e:

@@ -250,6 +250,11 @@ def _substituted(items: Sequence[Instr], origins: Sequence[int], changed: set[in
     return out, set(at)
 
 
+def _cancelled_unrun() -> RunResult:
+    return RunResult(error="instruction 1: cancelled: the client's connection ended before the program ran",
+                     error_index=0, t0=time.time(), cancelled=True)
+
+
 class Scheduler(Actor):
     role = "scheduler"
 
@@ -288,6 +293,14 @@ class Scheduler(Actor):
                      cancel: Callable[[], bool] | None = None, origin: str = "") -> RunResult:
         """Run `program`; `origin` "udp": a UDP sender's, which may name only what UDP made or was shared (checked
         here, in the message that runs it, so that no other program comes between the check and the run)."""
+        try:
+            return await self._run_checked(program, fetch, backwards, cancel, origin)
+        finally:
+            self._cancel = None  # holds the connection's reader and writer
+
+    async def _run_checked(self, program: Sequence[Instr], fetch: Sequence[str],
+                           backwards: Sequence[dict[str, Any]] | None, cancel: Callable[[], bool] | None,
+                           origin: str) -> RunResult:
         scope = self.udp_scope
         if scope is None or (origin != "udp" and not scope):
             return await self._run_one(program, fetch, backwards, cancel)
@@ -325,8 +338,7 @@ class Scheduler(Actor):
         boundary (the worker asks it between slices)."""
         if cancel is not None and cancel():
             self.failed += 1
-            return RunResult(error="instruction 1: cancelled: the client's connection ended before the program ran",
-                             error_index=0, t0=time.time(), cancelled=True)
+            return _cancelled_unrun()
         self._cancel = cancel  # what the run sites below pass on (each on_run sets its own)
         for fast in self._fast:
             if fast.matches(program, fetch, backwards):
@@ -688,6 +700,9 @@ class Scheduler(Actor):
         try:
             if len(program) > LONG_PROGRAM and not self.compiled.seen(program):  # O(n) and more: on a thread
                 rewritten = await asyncio.to_thread(self.compiled.run, program, ctx)
+                if self._cancel is not None and self._cancel():  # the passes took seconds: the asker may be gone
+                    self.failed += 1
+                    return _cancelled_unrun()
             else:
                 rewritten = self.compiled.run(program, ctx)
         except Exception:  # a pass must never cost the client its program
