@@ -26,7 +26,6 @@ def tensor_names(instr: Instr) -> tuple[list[str], list[str]]:
             reads.append(str(p.value))
         elif a.kind == "listtensor":
             reads.extend(tensor_list(p.value) or ())  # read as bind reads it: `[01 u]` names tensor '1'
-
     writes = [str(p.value) for a, p in zip(op.returns, instr.returns) if a.kind == "tensor"]
     if instr.name == "load" and not instr.returns and instr.args:
         writes.append(load_name(str(instr.args[0].value)))

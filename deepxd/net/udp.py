@@ -26,7 +26,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.instr import request_id
@@ -203,9 +203,6 @@ class UdpServer(asyncio.DatagramProtocol):
     def _send(self, reply: str, addr: tuple[str, int]) -> None:
         if self.transport is not None:
             self.transport.sendto(reply.encode("utf-8", "replace"), addr)  # fits: format_reply cut it
-
-    def stats(self) -> dict[str, Any]:
-        return {"lines": self.lines, "dropped": self.dropped, "senders_waiting": len(self.backlog)}
 
     async def stop_accepting(self) -> None:
         self.accepting = False
