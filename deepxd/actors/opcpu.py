@@ -373,6 +373,17 @@ class OpWorker(Actor):
                 exists = True
         return exists
 
+    def _check_program(self, program: Sequence[Instr], fetch: Sequence[str]) -> list[Bound]:
+        """The program checked whole against the tensors here, its fetch and its heap tensors included (ProgramError
+        at the first refusal): its bound instructions."""
+        bounds = check_program(program, self.ex, self.ex.plans)
+        self._check_instructions(bounds)
+        self._check_heap(bounds)
+        for name in fetch:
+            if not self._will_exist(name, bounds):
+                raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        return bounds
+
     @staticmethod
     def _check_instructions(bounds: list[Bound]) -> None:
         """check_instruction (a repeat count, a rename's new name) for each checked instruction that has what it
@@ -731,12 +742,7 @@ class CpuWorker(OpWorker):
     def _check(self, program: Sequence[Instr], fetch: Sequence[str]) -> tuple[list[Bound], bool, set[int]]:
         """The program checked whole against the tensors here (ProgramError at the first refusal): its bound
         instructions, whether it is heavy (_heavy) and its transient transposes."""
-        bounds = check_program(program, self.ex, self.ex.plans)
-        self._check_instructions(bounds)
-        self._check_heap(bounds)
-        for name in fetch:
-            if not self._will_exist(name, bounds):
-                raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        bounds = self._check_program(program, fetch)
         heavy = self._heavy(bounds) or (self.inline_elements >= 0 and len(bounds) > LONG_PROGRAM)
         return bounds, heavy, transient_transposes(bounds)
 

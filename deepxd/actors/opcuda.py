@@ -29,7 +29,7 @@ import numpy as np
 from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.dtypes import to_numpy
 from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import OPS, Bound, ProgramError, check_program
+from deepx_sdk.ir.ops import OPS, Bound, ProgramError
 from deepx_sdk.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
 from deepxd.actors.opcpu import HeapViews, KnownProgram, OpStat, OpWorker, RunResult
@@ -214,12 +214,7 @@ class CudaWorker(OpWorker):
         result = RunResult(t0=time.time(), begun=self._state())
         self._output = []
         try:
-            bounds = check_program(program, self.ex, self.ex.plans)
-            self._check_instructions(bounds)
-            self._check_heap(bounds)
-            for name in fetch:
-                if not self._will_exist(name, bounds):
-                    raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+            bounds = self._check_program(program, fetch)
         except ProgramError as e:
             result.error, result.error_index = str(e), e.index
             return result
