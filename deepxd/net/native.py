@@ -16,7 +16,7 @@ import os
 import select
 import socket
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,19 +43,23 @@ LONG_FRAME = 1 << 20  # a frame at least this long is unpacked on a thread
 _paused = [0, True]  # long programs being handled, and whether the cyclic collector ran before the first
 
 
-def _pause_collector() -> None:
-    """The cyclic garbage collector off while a long program is handled (until _resume_collector): each of its full
-    collections walked the program's millions of objects holding the GIL, which froze the loop a second at a time."""
+@contextlib.contextmanager
+def _collector_paused(pause: bool = True) -> Iterator[None]:
+    """The cyclic garbage collector off while a long program is handled: each of its full collections walked the
+    program's millions of objects holding the GIL, which froze the loop a second at a time. pause=False: nothing."""
+    if not pause:
+        yield
+        return
     if not _paused[0]:
         _paused[1] = gc.isenabled()
         gc.disable()
     _paused[0] += 1
-
-
-def _resume_collector() -> None:
-    _paused[0] -= 1
-    if not _paused[0] and _paused[1]:
-        gc.enable()
+    try:
+        yield
+    finally:
+        _paused[0] -= 1
+        if not _paused[0] and _paused[1]:
+            gc.enable()
 
 
 def _long_program(objs: list[Any]) -> list[Instr]:
@@ -340,11 +344,8 @@ class NativeServer:
             if len(body) < LONG_FRAME:
                 req = unpack_body(body)
             else:
-                _pause_collector()
-                try:
+                with _collector_paused():
                     req = await asyncio.to_thread(unpack_body, body)
-                finally:
-                    _resume_collector()
             rid = req.get("id")
             op = req.get("op")
             if bound is not None and op in ("release_on_close", "graph_store"):
@@ -378,10 +379,7 @@ class NativeServer:
         prog = req.get("program")
         if not isinstance(prog, list):
             raise DeepxError("run: 'program' must be a list of instructions")
-        long = len(prog) > LONG_PROGRAM
-        if long:
-            _pause_collector()
-        try:
+        with _collector_paused(len(prog) > LONG_PROGRAM):
             if len(prog) > REMEMBER_MAX:  # O(n): off the loop, and not through the cache of repeated instructions
                 program = await asyncio.to_thread(_long_program, prog)
             else:  # (a training step's, again and again: its instructions cached)
@@ -402,9 +400,6 @@ class NativeServer:
             if not ok:
                 return {**out, "ok": False}
             return out
-        finally:
-            if long:
-                _resume_collector()
 
     async def _op_backward(self, req: dict[str, Any]) -> dict[str, Any]:
         forward = _instrs(req.get("forward"), "backward")
