@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from deepx_sdk.ir.instr import Instr
 from deepx_sdk.ir.ops import OPS, load_name, tensor_list
@@ -91,9 +91,10 @@ class UdpScope:
             self.made.discard(n)
             self.shared.discard(n)
 
-    def written_by_another(self, program: Sequence[Instr], backwards: Sequence[dict[str, Any]] | None = None) -> None:
-        """A native client's program: the names UDP made that it writes, makes or deletes, and the shared ones it
-        deletes or renames away, are no longer UDP's."""
+    def written_by_another(self, program: Sequence[Instr]) -> None:
+        """A native client's program, as it goes to the worker (a backward expanded: its gradients are in it): the
+        names UDP made that it writes, makes or deletes, and the shared ones it deletes or renames away, are no
+        longer UDP's."""
         for instr in program:
             writes = tensor_names(instr)[1]
             if instr.name in ("deltensor", "renametensor"):
@@ -102,10 +103,6 @@ class UdpScope:
                 self.made.difference_update(writes)
             if instr.name == "renametensor" and instr.args:
                 self.made.discard(str(instr.args[0].value))
-        for spec in backwards or ():
-            names = spec.get("names")
-            if isinstance(names, dict):
-                self.made.difference_update(str(v) for v in names.values())
 
     def taken_back(self, names: Iterable[str]) -> None:
         """Names another client made anew (a native put, a replay's outputs): no longer made by UDP."""

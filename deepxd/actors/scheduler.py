@@ -302,10 +302,8 @@ class Scheduler(Actor):
                            backwards: Sequence[dict[str, Any]] | None, cancel: Callable[[], bool] | None,
                            origin: str) -> RunResult:
         scope = self.udp_scope
-        if scope is None or (origin != "udp" and not scope):
-            return await self._run_one(program, fetch, backwards, cancel)
-        if origin != "udp":
-            scope.written_by_another(program, backwards)
+        if scope is None or origin != "udp":
+            self._taken_from_udp(program)  # (its backwards expanded take back their gradients where expanded)
             return await self._run_one(program, fetch, backwards, cancel)
         for i, instr in enumerate(program):
             try:
@@ -420,7 +418,8 @@ class Scheduler(Actor):
         if fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min():  # native kernels came or went
             self._fast.remove(fast)
             return None
-        self._taken_from_udp(fast.expanded if fast.expanded is not None else fast.program)
+        if fast.expanded is not None:  # the gradients of its backwards (on_run took back the rest)
+            self._taken_from_udp(fast.expanded)
         result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch, cancel=self._cancel,
                                                   version=fast.version if fast.version >= 0 else None,
                                                   expect=fast.expect)
