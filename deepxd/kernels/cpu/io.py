@@ -3,7 +3,8 @@ and files are opened relative to the checked directory, never through a link (Cp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from deepxd.kernels.cpu._util import LOW, up
 if TYPE_CHECKING:
     from deepx_sdk.ir.ops import Bound
     from deepxd.kernels.cpu import CpuExecutor
+    from deepxd.kernels.cuda import CudaExecutor
+
+_T = TypeVar("_T")
 
 
 def format_tensor(name: str, a: np.ndarray, fmt: str = "") -> str:
@@ -37,30 +41,31 @@ def print(ex: CpuExecutor, b: Bound) -> None:
     ex.output(format_tensor(b.names[0], ex.tensors[b.names[0]], b.args[1]))
 
 
+def at_file(ex: CpuExecutor | CudaExecutor, op: str, name: str, path: str, what: str,
+            fn: Callable[[int, str, str], _T], create: bool = False) -> _T:
+    """fn(directory fd, file name, directory) on the tensor file at `path`, in its checked directory (io_dir); an
+    error there said as `{op}: cannot {what} {path}` (what: "write 'x' to", "read 'x' from")."""
+    with ex.io_dir(op, name, path, create) as (fd, file, where):
+        try:
+            return fn(fd, file, where)
+        except DeepxError as e:
+            raise DeepxError(f"{op}: cannot {what} {path}: {e}") from None
+
+
 def save(ex: CpuExecutor, b: Bound) -> None:
     name, path = b.names[0], b.args[1]
-    with ex.io_dir("save", name, path, create=True) as (fd, stem, where):
-        try:
-            write_tensor_at(fd, stem, ex.tensors[name], where)
-        except DeepxError as e:
-            raise DeepxError(f"save: cannot write '{name}' to {path}: {e}") from None
+    at_file(ex, "save", name, path, f"write '{name}' to",
+            lambda fd, stem, where: write_tensor_at(fd, stem, ex.tensors[name], where), create=True)
 
 
 def load(ex: CpuExecutor, b: Bound) -> None:
     path = b.args[0]
     name = str(b.out_names[0]) if b.out_names and b.out_names[0] is not None else load_name(path)
-    with ex.io_dir("load", name, path) as (fd, stem, where):
-        try:
-            ex.tensors[name] = read_tensor_at(fd, stem, where)
-        except DeepxError as e:
-            raise DeepxError(f"load: cannot read '{name}' from {path}: {e}") from None
+    ex.tensors[name] = at_file(ex, "load", name, path, f"read '{name}' from", read_tensor_at)
 
 
 def loadtensordata(ex: CpuExecutor, b: Bound) -> None:
     name, path = str(b.out_names[0]), b.args[0]
     t = ex.tensors[name]
-    with ex.io_dir("loadtensordata", name, path) as (fd, file, where):
-        try:
-            t[...] = read_data_at(fd, file, t.shape, from_numpy(t.dtype), where)
-        except DeepxError as e:
-            raise DeepxError(f"loadtensordata: cannot read '{name}' from {path}: {e}") from None
+    t[...] = at_file(ex, "loadtensordata", name, path, f"read '{name}' from",
+                     lambda fd, file, where: read_data_at(fd, file, t.shape, from_numpy(t.dtype), where))

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deepx_sdk.errors import DeepxError
 from deepx_sdk.ir.ops import load_name
 from deepx_sdk.tensorfile import read_data_at, read_tensor_at, write_tensor_at
-from deepxd.kernels.cpu.io import format_tensor
+from deepxd.kernels.cpu.io import at_file, format_tensor
 from deepxd.kernels.cpu.life import argset, deltensor, keeps, renametensor, vecset  # noqa: F401
 
 if TYPE_CHECKING:
@@ -49,30 +48,19 @@ def print(ex: CudaExecutor, b: Bound) -> None:
 
 def save(ex: CudaExecutor, b: Bound) -> None:
     name, path = b.names[0], b.args[1]
-    with ex.io_dir("save", name, path, create=True) as (fd, stem, where):
-        try:
-            write_tensor_at(fd, stem, ex.get(name), where)
-        except DeepxError as e:
-            raise DeepxError(f"save: cannot write '{name}' to {path}: {e}") from None
+    at_file(ex, "save", name, path, f"write '{name}' to",
+            lambda fd, stem, where: write_tensor_at(fd, stem, ex.get(name), where), create=True)
 
 
 def load(ex: CudaExecutor, b: Bound) -> None:
     path = b.args[0]
     name = str(b.out_names[0]) if b.out_names and b.out_names[0] is not None else load_name(path)
-    with ex.io_dir("load", name, path) as (fd, stem, where):
-        try:
-            array = read_tensor_at(fd, stem, where)
-        except DeepxError as e:
-            raise DeepxError(f"load: cannot read '{name}' from {path}: {e}") from None
+    array = at_file(ex, "load", name, path, f"read '{name}' from", read_tensor_at)
     ex.tensors[name] = ex.to_device(array, "load", name)
 
 
 def loadtensordata(ex: CudaExecutor, b: Bound) -> None:
     name, path = str(b.out_names[0]), b.args[0]
     t = ex.tensors[name]
-    with ex.io_dir("loadtensordata", name, path) as (fd, file, where):
-        try:
-            array = read_data_at(fd, file, t.shape, t.dname, where)
-        except DeepxError as e:
-            raise DeepxError(f"loadtensordata: cannot read '{name}' from {path}: {e}") from None
-    ex.write(t, array)
+    ex.write(t, at_file(ex, "loadtensordata", name, path, f"read '{name}' from",
+                        lambda fd, file, where: read_data_at(fd, file, t.shape, t.dname, where)))
