@@ -104,23 +104,26 @@ def _unlink(name: str) -> None:
         os.unlink(os.path.join(SHM_DIR, name))
 
 
+def _node_in_name(node: str) -> str:
+    """The node as a segment name holds it: characters a segment name cannot hold become '_'."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
+
+
 def segment_name(node: str) -> str:
-    """A fresh name `deepx-<node>-<pid>-<counter>` (characters a segment name cannot hold become '_')."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
-    return f"deepx-{safe}-{os.getpid()}-{next(_counter)}"
-
-
-def segment_pid(name: str, node: str) -> int | None:
-    """The pid in a name that `segment_name(node)` made, or None if the name is not of that form."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
-    m = re.fullmatch(rf"deepx-{re.escape(safe)}-(\d+)-\d+", name)
-    return int(m.group(1)) if m else None
+    """A fresh name `deepx-<node>-<pid>-<counter>`."""
+    return f"deepx-{_node_in_name(node)}-{os.getpid()}-{next(_counter)}"
 
 
 def parse_segment_name(name: str) -> tuple[str, int] | None:
     """(node, pid) of a name that `segment_name` made (the node as the name holds it), else None."""
     m = re.fullmatch(r"deepx-(.+)-(\d+)-\d+", name)
     return (m.group(1), int(m.group(2))) if m else None
+
+
+def segment_pid(name: str, node: str) -> int | None:
+    """The pid in a name that `segment_name(node)` made, or None if the name is not of that form."""
+    parsed = parse_segment_name(name)
+    return parsed[1] if parsed is not None and parsed[0] == _node_in_name(node) else None
 
 
 def pid_alive(pid: int) -> bool:
