@@ -1002,6 +1002,12 @@ class LoadClient(threading.Thread):
         self.op()
         self.expect.pop(name, None)
         self.gone.discard(name)
+        self._delete(name, missing_ok=True)
+
+    def _delete(self, name: str, missing_ok: bool) -> bool:
+        """A native delete of `name`; whether it went (an error is counted, unless the tensor was just not there
+        and `missing_ok`). A lost connection or a timeout is raised."""
+        assert self.client is not None
         try:
             self.client.request("delete", name=name, force=False)
         except DeepxTimeoutError:
@@ -1009,8 +1015,10 @@ class LoadClient(threading.Thread):
         except DeepxError as e:
             if "connection" in str(e):
                 raise
-            if not NOT_FOUND.search(str(e)) and "no tensor named" not in str(e):
+            if not (missing_ok and (NOT_FOUND.search(str(e)) or "no tensor named" in str(e))):
                 self.error("delete", e)
+            return False
+        return True
 
     def refused_whole(self) -> None:
         """A program whose second instruction cannot pass the check: nothing of it may run."""
@@ -1042,16 +1050,8 @@ class LoadClient(threading.Thread):
         name = str(self.rng.choice(stack))
         self.op()
         self.expect.pop(name)
-        try:
-            self.client.request("delete", name=name, force=False)
-        except DeepxTimeoutError:
-            raise
-        except DeepxError as e:
-            if "connection" in str(e):
-                raise
-            self.error("delete", e)
-            return
-        self.gone.add(name)
+        if self._delete(name, missing_ok=False):
+            self.gone.add(name)
 
     def verify(self, names: list[str], final: bool = False) -> None:
         assert self.client is not None

@@ -48,12 +48,17 @@ def on_redis(tmp_path, redis_server):
     assert d.stop() == 0, d.output()
 
 
+def _held_twice(c, push, name: str) -> None:
+    """A heap tensor `name` held by the worker (its put) and by another process, `reader`."""
+    c.put(name, np.ones(4, np.float32), heap=True)
+    push(cmd="get", name=name, holder="reader")
+    eventually(lambda: heap_row(c, name)["refcount"] == 2, 10, "the reader's hold")
+
+
 def test_a_native_delete_refuses_a_force_that_is_not_a_bool(on_redis):
     d, push = on_redis
     with d.client() as c:
-        c.put("w", np.ones(4, np.float32), heap=True)
-        push(cmd="get", name="w", holder="reader")
-        eventually(lambda: heap_row(c, "w")["refcount"] == 2, 10, "the reader's hold")
+        _held_twice(c, push, "w")
         for bad in ("no", 0, 1, None, "false"):
             with pytest.raises(DeepxError, match=r"delete of 'w': 'force' must be true or false, got"):
                 c.request("delete", name="w", force=bad)
@@ -67,9 +72,7 @@ def test_a_native_delete_refuses_a_force_that_is_not_a_bool(on_redis):
 def test_deltensor_of_a_shared_heap_tensor_releases_only_the_workers_hold(on_redis):
     d, push = on_redis
     with d.client() as c:
-        c.put("s", np.ones(4, np.float32), heap=True)
-        push(cmd="get", name="s", holder="reader")
-        eventually(lambda: heap_row(c, "s")["refcount"] == 2, 10, "the reader's hold")
+        _held_twice(c, push, "s")
         c.run(parse_text("deltensor () -> (tensor<float32>:s)")).raise_for_error()
         row = heap_row(c, "s")
         assert row is not None and row["refcount"] == 1 and row["holders"] == "reader", row

@@ -38,11 +38,17 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Path
         assert d.stop() == 0, d.output()
 
 
-def _udp_error(d: Daemon, line: str) -> str:
-    (reply,) = udp_exchange(d.udp_port, line, 1)
-    m = REPLY_ERR.match(reply)
-    assert m, reply
-    return m.group(2)
+def _refused(d: Daemon, transport: str, line: str, fetch: tuple[str, ...] = ()) -> str:
+    """The error `line` is answered with over `transport` (it must fail, and a native run fetch nothing)."""
+    if transport == "udp":
+        (reply,) = udp_exchange(d.udp_port, line, 1)
+        m = REPLY_ERR.match(reply)
+        assert m, reply
+        return m.group(2)
+    with d.client() as c:
+        r = c.run(parse_text(line), fetch=list(fetch))
+        assert not r.ok and not r.tensors
+        return r.error or ""
 
 
 def _plant_shape(path: Path) -> None:
@@ -58,13 +64,7 @@ def test_a_link_at_the_tmp_file_does_not_make_save_overwrite_a_file_outside(box,
     os.symlink(victim, f"{base}.data.tmp")
     name = "u" if transport == "udp" else "x"
     line = f"save (tensor<float32>:{name}, var<string>:{base}) -> () // id=5"
-    if transport == "udp":
-        error = _udp_error(d, line)
-    else:
-        with d.client() as c:
-            r = c.run(parse_text(line))
-            assert not r.ok
-            error = r.error
+    error = _refused(d, transport, line)
     assert f"save: cannot write '{name}' to {base}: {base}.data.tmp is a symbolic link" in error, error
     assert victim.read_bytes() == VICTIM
     assert not Path(f"{base}.data").exists() and not Path(f"{base}.shape").exists()
@@ -81,13 +81,7 @@ def test_a_linked_data_file_does_not_make_load_read_a_secret(box, transport):
     _plant_shape(Path(f"{base}.shape"))
     os.symlink(secret, f"{base}.data")
     line = f"load (var<string>:{base}) -> (tensor<float32>:stolen) // id=6"
-    if transport == "udp":
-        error = _udp_error(d, line)
-    else:
-        with d.client() as c:
-            r = c.run(parse_text(line), fetch=["stolen"])
-            assert not r.ok and not r.tensors
-            error = r.error
+    error = _refused(d, transport, line, fetch=("stolen",))
     assert f"load: cannot read 'stolen' from {base}: {base}.data is a symbolic link" in error, error
     with d.client() as c:
         assert "stolen" not in {t["name"] for t in c.admin("tensors")}
@@ -98,11 +92,11 @@ def test_a_linked_directory_and_a_linked_shape_file_are_refused_over_udp(box):
     _plant_shape(outside / "w.shape")
     (outside / "w.data").write_bytes(SECRET)
     os.symlink(outside, root / "linked_dir")
-    error = _udp_error(d, f"load (var<string>:{root}/linked_dir/w) -> (tensor<float32>:w) // id=7")
+    error = _refused(d, "udp", f"load (var<string>:{root}/linked_dir/w) -> (tensor<float32>:w) // id=7")
     assert "load of 'w': path" in error and "is outside the allowed io roots" in error, error
     (root / "v.data").write_bytes(np.zeros(21, np.float32).tobytes())
     os.symlink(outside / "w.shape", root / "v.shape")
-    error = _udp_error(d, f"load (var<string>:{root}/v) -> (tensor<float32>:v) // id=8")
+    error = _refused(d, "udp", f"load (var<string>:{root}/v) -> (tensor<float32>:v) // id=8")
     assert f"{root}/v.shape is a symbolic link" in error, error
 
 
