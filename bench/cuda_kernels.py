@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from deepx_sdk.ir.instr import Instr, Param
+from deepx_core.ir.instr import Instr, Param
 from deepxd.kernels.cuda import CudaExecutor
 
 T = Param.tensor

@@ -31,9 +31,9 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
+from deepx_core.ir import Instr, Param
+from deepx_core.ir.wire import instr_to_obj
 from deepx_sdk.client import NativeClient
-from deepx_sdk.ir import Instr, Param
-from deepx_sdk.ir.wire import instr_to_obj
 from deepxd.kernels.cpu import native as _native
 
 # a benchmark times the steady state: a native kernel is compiled before the run that made it HOT returns (here

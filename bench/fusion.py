@@ -47,8 +47,8 @@ from typing import Any
 import numexpr
 import numpy as np
 
-from deepx_sdk.ir import Instr, Param
-from deepx_sdk.ir.ops import TensorMeta
+from deepx_core.ir import Instr, Param
+from deepx_core.ir.ops import TensorMeta
 from deepxd.compiler import PassContext, run_passes
 from deepxd.kernels.cpu import CpuExecutor, native
 from deepxd.kernels.cpu import fused as fused_kernel

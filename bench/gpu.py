@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.ir import Instr, Param
-from deepx_sdk.ir.text import parse_text
+from deepx_core.ir import Instr, Param
+from deepx_core.ir.text import parse_text
 
 T = Param.tensor
 

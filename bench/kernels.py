@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deepx_sdk.ir import Instr, Param
+from deepx_core.ir import Instr, Param
 from deepxd.kernels.cpu import KERNELS, CpuExecutor
 from deepxd.kernels.cpu import native as _native
 

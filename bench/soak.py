@@ -46,11 +46,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from deepx_core.errors import DeepxError
+from deepx_core.ir import parse_text
+from deepx_core.ir.ops import OPS
+from deepx_core.ir.wire import instr_to_obj
 from deepx_sdk.client import DeepxTimeoutError, NativeClient
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import parse_text
-from deepx_sdk.ir.ops import OPS
-from deepx_sdk.ir.wire import instr_to_obj
 
 HEADER = struct.Struct(">I")
 DEADLINE_S = 5.0  # a ping or UDP one-liner slower than this is a hang

@@ -15,8 +15,9 @@ from __future__ import annotations
 import builtins
 from typing import Any
 
+from deepx_core import __version__
+from deepx_core.errors import DeepxError, DeepxParseError
 from deepx_sdk.compile import CompiledFunction, compile, explain, graphs
-from deepx_sdk.errors import DeepxError, DeepxParseError
 from deepx_sdk.grad_mode import enable_grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
 from deepx_sdk.io import load, save
 from deepx_sdk.session import Session, connect, disconnect, session
@@ -54,8 +55,6 @@ from deepx_sdk.tensor import (
     zeros,
     zeros_like,
 )
-
-__version__ = "0.1.0"
 
 # dtypes: the deepxIR precision names, so that `x.dtype == dx.float32` and `dtype=dx.int64` read as in torch
 float64 = double = "float64"

@@ -21,11 +21,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import from_numpy, to_numpy
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.wire import pack_instr_cached
-from deepx_sdk.paths import default_address
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import from_numpy, to_numpy
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.wire import pack_instr_cached
+from deepx_core.paths import default_address
 
 PROTOCOL_VERSION = 1
 _HEADER = struct.Struct(">I")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import Instr, Param
 
 if TYPE_CHECKING:
     from deepx_sdk.tensor import Tensor

@@ -27,11 +27,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import STORABLE, from_numpy
-from deepx_sdk.ir.shapes import numel
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import STORABLE, from_numpy
+from deepx_core.ir.shapes import numel
+from deepx_core.tensorfile import read_tensor, write_tensor
 from deepx_sdk.tensor import Tensor, tensor
-from deepx_sdk.tensorfile import read_tensor, write_tensor
 
 __all__ = ["load", "load_safetensors", "safetensors_metadata", "save", "save_safetensors"]
 

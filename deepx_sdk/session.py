@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param, renumbered, same_program, scalar_kinds
-from deepx_sdk.ir.text import format_text
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import Instr, Param, renumbered, same_program, scalar_kinds
+from deepx_core.ir.text import format_text
 from deepx_sdk.loopthread import NOT_NOW, LoopThread
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class NativeTransport(Transport):
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
                  prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
-        from deepx_sdk.ir.wire import pack_instr_cached
+        from deepx_core.ir.wire import pack_instr_cached
 
         r = self.client.request("backward", forward=[pack_instr_cached(i) for i in forward], loss=loss,
                                 wrt=list(wrt), grad_loss=grad_loss, prefix=prefix, names=names)
@@ -192,7 +192,7 @@ class EmbeddedTransport(Transport):
     DEEPX_ROLES=op-cuda) runs the session on the GPU."""
 
     def __init__(self, roles: Sequence[str] | None = None) -> None:
-        from deepx_sdk.paths import private_socket_dir
+        from deepx_core.paths import private_socket_dir
         from deepxd.config import Config, with_needed_roles
 
         sock = private_socket_dir() / f"embedded-{os.getpid()}-{id(self)}.sock"
@@ -256,7 +256,7 @@ class EmbeddedTransport(Transport):
         return r
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
-        from deepx_sdk.ir.dtypes import from_numpy
+        from deepx_core.ir.dtypes import from_numpy
 
         a = np.ascontiguousarray(array)
         self._call(self.node.worker().ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(array.shape),

@@ -16,12 +16,12 @@ from weakref import ref as _weakref
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxAttributeError, DeepxError
-from deepx_sdk.ir.dtypes import FLOATS, INTS, to_numpy
-from deepx_sdk.ir.dtypes import from_numpy as precision_of
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import OPS, Call, TensorMeta
-from deepx_sdk.ir.shapes import broadcast, norm_dim, numel
+from deepx_core.errors import DeepxAttributeError, DeepxError
+from deepx_core.ir.dtypes import FLOATS, INTS, to_numpy
+from deepx_core.ir.dtypes import from_numpy as precision_of
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import OPS, Call, TensorMeta
+from deepx_core.ir.shapes import broadcast, norm_dim, numel
 from deepx_sdk.session import _IN_SDK, Session, graph_of, origin, session
 
 Shape = tuple[int, ...]

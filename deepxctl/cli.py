@@ -58,7 +58,7 @@ class CliGroup(click.Group):
         except ConnectionError as e:
             raise CtlError(f"lost the connection to deepxd: {e}") from None
         except Exception as e:
-            errors = sys.modules.get("deepx_sdk.errors")  # imported already by whatever raised a DeepxError
+            errors = sys.modules.get("deepx_core.errors")  # imported already by whatever raised a DeepxError
             if errors is not None and isinstance(e, errors.DeepxError):
                 raise CtlError(str(e)) from None
             raise

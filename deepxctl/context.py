@@ -62,7 +62,7 @@ class Ctl:
         """--address, else DEEPX_ADDRESS, else the default socket (resolved only when a command needs it); a usage
         error (exit code 2) where it is not a unix:// URL."""
         if not self._address:
-            from deepx_sdk.paths import default_address
+            from deepx_core.paths import default_address
 
             self._address = default_address()
         if not self._address.startswith("unix://"):

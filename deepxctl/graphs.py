@@ -13,13 +13,13 @@ from deepxctl.schema import Graph
 from deepxctl.term import CtlError, display_data, display_note, display_table, format_option, list_options, select
 
 if TYPE_CHECKING:
-    from deepx_sdk.ir.instr import Instr
+    from deepx_core.ir.instr import Instr
 
 
 def decode(raw: dict[str, Any]) -> tuple[Graph, list[Instr]]:
     """A stored graph's row and its instructions ([] with `error` set when it does not decode)."""
-    from deepx_sdk.errors import DeepxError
-    from deepx_sdk.ir.wire import unpack_program
+    from deepx_core.errors import DeepxError
+    from deepx_core.ir.wire import unpack_program
 
     data = raw.get("data")
     g = Graph(name=raw["name"], bytes=len(data) if data else 0, error=raw.get("error", ""))
@@ -73,7 +73,7 @@ def show(ctl: Ctl, name: str, passes: bool, fmt: str) -> None:
       deepxctl graphs show train_step-3fa2c1d07be4 --passes
       deepxctl graphs show mlp --passes --format json
     """
-    from deepx_sdk.ir.text import format_text
+    from deepx_core.ir.text import format_text
 
     found = [(g, instrs) for g, instrs in load_graphs(ctl) if g.name == name]
     if not found:
@@ -128,7 +128,7 @@ def rm(ctl: Ctl, names: tuple[str, ...], fmt: str) -> None:
 
 def after_passes(ctl: Ctl, name: str, instrs: list[Instr]) -> dict[str, Any]:
     """{"passes", "after": [lines]} from the daemon's plan of the graph; under --kv, from the passes run here."""
-    from deepx_sdk.errors import DeepxError
+    from deepx_core.errors import DeepxError
 
     if not ctl.kv:
         try:
@@ -136,9 +136,9 @@ def after_passes(ctl: Ctl, name: str, instrs: list[Instr]) -> dict[str, Any]:
         except DeepxError as e:
             raise CtlError(f"graphs show --passes: {e}") from None
         return {"passes": list(r["passes"]), "after": str(r["after"]).splitlines() if r["after"] else []}
-    from deepx_sdk.compile import GraphRecord
-    from deepx_sdk.ir.ops import TensorMeta
-    from deepx_sdk.ir.text import format_text
+    from deepx_core.graphrecord import GraphRecord
+    from deepx_core.ir.ops import TensorMeta
+    from deepx_core.ir.text import format_text
     from deepxd.compiler.pipeline import DEFAULT_PASSES, new_context, run_passes
 
     metas: dict[str, TensorMeta] = {}

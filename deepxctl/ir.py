@@ -46,9 +46,9 @@ def read_lines(args: Iterable[str], file: IO[str] | None) -> list[tuple[int, str
 
 
 def run_native(ctl: Ctl, lines: list[tuple[int, str]]) -> bool:
-    from deepx_sdk.errors import DeepxError
-    from deepx_sdk.ir.text import parse_line
-    from deepx_sdk.ir.wire import pack_instr_cached
+    from deepx_core.errors import DeepxError
+    from deepx_core.ir.text import parse_line
+    from deepx_core.ir.wire import pack_instr_cached
 
     client = ctl.daemon("ir").client
     ok_all = True

@@ -157,7 +157,7 @@ async def plane_nodes(kv: Readable) -> list[dict[str, Any]]:
 
 
 async def plane_graphs(kv: Readable) -> list[dict[str, Any]]:
-    from deepx_sdk.errors import DeepxError
+    from deepx_core.errors import DeepxError
 
     rows: list[dict[str, Any]] = []
     for key in await kv.keys("graph:*"):
@@ -172,7 +172,7 @@ async def plane_graphs(kv: Readable) -> list[dict[str, Any]]:
 
 
 async def _hash(kv: Readable, key: str) -> dict[str, str]:
-    from deepx_sdk.errors import DeepxError
+    from deepx_core.errors import DeepxError
 
     try:
         return await kv.hgetall(key)

@@ -108,7 +108,7 @@ def show(ctl: Ctl, name: str, fmt: str, values: bool | None) -> None:
 def _preview(ctl: Ctl, name: str) -> dict[str, Any]:
     import numpy as np
 
-    from deepx_sdk.errors import DeepxError
+    from deepx_core.errors import DeepxError
 
     try:
         a = ctl.daemon("tensor values").client.fetch(name)[name]

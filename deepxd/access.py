@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import OPS, load_name, tensor_list
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.ops import OPS, load_name, tensor_list
 
 if TYPE_CHECKING:
     from deepxd.actors.base import ActorRef

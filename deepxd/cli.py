@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from deepx_sdk import __version__
+from deepx_core import __version__
 
 
 def _setup_logging(level: str) -> None:
@@ -66,7 +66,7 @@ def main() -> None:
 @_with_options
 def start(config_path, **flags) -> None:
     """Start a daemon and serve until SIGINT/SIGTERM (a second signal forces the exit)."""
-    from deepx_sdk.errors import DeepxError
+    from deepx_core.errors import DeepxError
 
     try:
         config = _config(config_path, **flags)
@@ -99,7 +99,7 @@ def start(config_path, **flags) -> None:
 @_with_options
 def show_config(config_path, **flags) -> None:
     """Print the effective configuration (after file, environment and flags) as TOML; passwords as ***."""
-    from deepx_sdk.errors import DeepxError
+    from deepx_core.errors import DeepxError
 
     try:
         config = _config(config_path, **flags)

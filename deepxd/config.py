@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.paths import default_socket
+from deepx_core.errors import DeepxError
+from deepx_core.paths import default_socket
 
 ALL_ROLES = ("registry", "heapmem", "scheduler", "op-cpu", "op-cuda")
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
 
 
 def read_record(kv_url: str, name: str, prefix: str = "deepx:") -> dict[str, str]:

@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
 from deepxd.config import Config, is_loopback, udp_address
 from deepxd.kv.base import KV, open_kv, redact

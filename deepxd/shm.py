@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
 
 try:
     import _posixshmem

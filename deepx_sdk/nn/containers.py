@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, overload
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepx_sdk.nn.module import Module, add_indent
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import FLOATS
-from deepx_sdk.ir.instr import Param
-from deepx_sdk.ir.shapes import broadcast, norm_dim
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import FLOATS
+from deepx_core.ir.instr import Param
+from deepx_core.ir.shapes import broadcast, norm_dim
 from deepx_sdk.tensor import (
     DEFAULT_FLOAT,
     Tensor,
@@ -132,7 +132,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
         return x
     if p == 1.0:  # torch's: everything dropped
         return _write_back(x, x * 0.0, inplace)
-    from deepx_sdk.ir.instr import Instr
+    from deepx_core.ir.instr import Instr
 
     out = x.clone()
     instr = Instr("dropout", (_vp(float(p)), _vp(_seed(x._s))), (_tp(out),))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepx_sdk.tensor import Tensor
 
 _GAINS = {"linear": 1.0, "conv1d": 1.0, "conv2d": 1.0, "conv3d": 1.0, "sigmoid": 1.0, "tanh": 5.0 / 3,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepx_sdk.nn import functional as F
 from deepx_sdk.nn.module import Module
 from deepx_sdk.tensor import Tensor

@@ -6,8 +6,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import Instr, Param
 from deepx_sdk.nn.parameter import Parameter, check_source, load_into
 from deepx_sdk.tensor import Tensor, data_handles, dtype_name
 

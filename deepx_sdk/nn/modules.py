@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepx_sdk.nn import functional as F
 from deepx_sdk.nn.module import Module
 from deepx_sdk.nn.parameter import Parameter, heap_parameter

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.instr import Instr, Param
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.instr import Instr, Param
 from deepx_sdk.session import Session, session
 from deepx_sdk.tensor import DEFAULT_FLOAT, Tensor, dtype_name, format_tensor
 

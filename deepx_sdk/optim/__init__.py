@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import Instr, Param
 from deepx_sdk.session import origin
 from deepx_sdk.tensor import Tensor, _tp, zeros
 

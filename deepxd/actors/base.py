@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import CoroutineType
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
 from deepxd.actors.base import Actor, ActorRef, ActorStopped, end_task
 from deepxd.kv.base import KV, Batch
 from deepxd.shm import (

@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.instr import NUMBERED_OPS, Instr, numbers_probe, renumbered, same_program, scalar_kinds
-from deepx_sdk.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
-from deepx_sdk.ir.shapes import numel
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.instr import NUMBERED_OPS, Instr, numbers_probe, renumbered, same_program, scalar_kinds
+from deepx_core.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
+from deepx_core.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.kernels.cpu import CpuExecutor, check_instruction, dtype_name, repeat_count, transient_transposes, worded
 from deepxd.kernels.cpu.life import refused_heap_replace

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import OPS, Bound, ProgramError
-from deepx_sdk.ir.shapes import numel
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.ops import OPS, Bound, ProgramError
+from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
 from deepxd.actors.opcpu import HeapViews, KnownProgram, OpStat, OpWorker, RunResult
 from deepxd.kernels.cpu import dtype_name

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import OPS
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import OPS
 from deepxd.actors.base import Actor, ActorRef, end_task
 from deepxd.kv.base import KV, Batch
 

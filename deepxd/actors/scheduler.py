@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import OPS, TensorMeta
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef
 from deepxd.actors.opcpu import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.compiler.analysis import BindMemo, default_pair_min, has_ends, named_tensors
@@ -164,7 +164,7 @@ class _Fast:
     def __init__(self, program: list[Instr], fetch: tuple[str, ...], backwards: list[tuple[Any, ...]],
                  worker: ActorRef, expanded: list[Instr] | None, where: list[int] | None, sent: list[Instr],
                  origins: list[int] | None, ctx: Any, planned: bool, version: int, expect: Any) -> None:
-        from deepx_sdk.ir.instr import scalar_kinds
+        from deepx_core.ir.instr import scalar_kinds
 
         self.program, self.kinds, self.fetch, self.backwards = program, scalar_kinds(program), fetch, backwards
         self.worker, self.expanded, self.where = worker, expanded, where
@@ -177,7 +177,7 @@ class _Fast:
         count, a scheduled lr: instr.renumbered), which the entry then takes as its own, in the program, its
         expansion and what went to the worker (each update stands in those as it came: the passes and the
         expansion keep updates as they are), so that the worker finds its known program renumbered too."""
-        from deepx_sdk.ir.instr import renumbered, same_program
+        from deepx_core.ir.instr import renumbered, same_program
 
         mine = self.backwards
         if len(backwards or ()) != len(mine) or tuple(fetch) != self.fetch:
@@ -197,7 +197,7 @@ class _Fast:
         it came (`origins` maps exactly one sent instruction to it), as an instruction equal to the old one though
         maybe another object (an expansion remembered from an earlier, equal program). False, with the entry left as
         it was, where an update cannot be found so."""
-        from deepx_sdk.ir.instr import scalar_kinds
+        from deepx_core.ir.instr import scalar_kinds
 
         old, changed = self.program, set(varied)
         program = program if type(program) is list else list(program)
@@ -223,7 +223,7 @@ class _Fast:
         return True
 
     def _same_backwards(self, backwards: Sequence[dict[str, Any]] | None) -> bool:
-        from deepx_sdk.ir.instr import same_program
+        from deepx_core.ir.instr import same_program
 
         for spec, (index, loss, wrt, grad_loss, prefix, names, forward, kinds) in zip(backwards or (),
                                                                                      self.backwards):
@@ -380,7 +380,7 @@ class Scheduler(Actor):
         queued at the worker between the scheduler's look at its state and the run would leave a plan made for
         another state). Its expectation: the metas and heap flags, as the passes saw them, of every tensor that
         the program, its forward graphs and its expansion name. Else None."""
-        from deepx_sdk.ir.instr import scalar_kinds
+        from deepx_core.ir.instr import scalar_kinds
 
         if (result.error or not result.known or note.get("runs") != 1 or (marks and "where" not in note)
                 or note.get("seen", result.begun) != result.begun or _names_variables(program)):
@@ -612,7 +612,7 @@ class Scheduler(Actor):
 
     # expansions remembered: a training loop sends the same step, backward instruction and all, every time
     def _expansion_key(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]]) -> Any:
-        from deepx_sdk.ir.instr import numbers_probe
+        from deepx_core.ir.instr import numbers_probe
 
         try:
             key: Any = (*numbers_probe(program),
@@ -629,7 +629,7 @@ class Scheduler(Actor):
         """A remembered expansion of this program; or of one it repeats with new numbers in its optimizer updates
         (Adam's step count, a scheduled lr: instr.renumbered), with the new updates in place of the old (an update
         is never a backward's: it stands in the expansion as it stood in the program)."""
-        from deepx_sdk.ir.instr import renumbered, same_program
+        from deepx_core.ir.instr import renumbered, same_program
 
         key = self._expansion_key(program, marks)
         for e in self.expansions.get(key, ()) if key is not None else ():
@@ -652,7 +652,7 @@ class Scheduler(Actor):
                             before: dict[str, Any], expanded: list[Instr], where: list[int]) -> None:
         """Keep an expansion with what it depended on: the program, the forward graphs, and the shape and dtype
         (or absence) of each tensor they name as it was before the program."""
-        from deepx_sdk.ir.instr import scalar_kinds
+        from deepx_core.ir.instr import scalar_kinds
 
         key = self._expansion_key(program, marks)
         if key is None:
@@ -791,8 +791,8 @@ class Scheduler(Actor):
         returns the very program derived before, so the worker's repeated-program path applies to it too.
         variables, vectors: the worker's, for a forward that reads one by name (argset's); its backward is derived
         afresh each time (it may depend on their values) and never remembered."""
-        from deepx_sdk.ir.instr import same_program, scalar_kinds
-        from deepx_sdk.ir.ops import SymbolicEnv
+        from deepx_core.ir.instr import same_program, scalar_kinds
+        from deepx_core.ir.ops import SymbolicEnv
         from deepxd.compiler.autograd import grad_program
 
         forward = forward if type(forward) is list else list(forward)
@@ -864,7 +864,7 @@ class Scheduler(Actor):
 
     async def on_explain_graph(self, name: str, data: bytes | None = None) -> dict[str, Any] | None:
         """A stored graph's program and its plan as text; None when it is not planned here and no data came."""
-        from deepx_sdk.ir.text import format_text
+        from deepx_core.ir.text import format_text
 
         plan = self.graphs.get(name)
         if plan is None or (data is not None and plan.data != data):

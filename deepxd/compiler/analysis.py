@@ -15,8 +15,8 @@ from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import OPS, UNKNOWN, Bound, SymbolicEnv, TensorMeta, bind, load_name
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import OPS, UNKNOWN, Bound, SymbolicEnv, TensorMeta, bind, load_name
 
 READ, WRITE, DELETE, RENAME = 1, 2, 4, 8
 

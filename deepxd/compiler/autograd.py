@@ -22,10 +22,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import FLOATS
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import OPS, UNKNOWN, Bound, Env, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import FLOATS
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import OPS, UNKNOWN, Bound, Env, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
 
 Key = tuple[str, int]  # a value: (tensor name, version); version 0 is the tensor as it is before the program
 
@@ -489,7 +489,7 @@ def _free(prog: list[Instr], temps: set[str]) -> list[Instr]:
 
 # ---------------------------------------------------------------- the rules
 # Each rule's docstring is its formula, in terms of the upstream gradient g, the inputs and the output y: docs/ir.md
-# shows it in the op's row of the catalogue (python -m deepx_sdk.ir.doc --write).
+# shows it in the op's row of the catalogue (python -m deepxd.compiler.doc --write).
 
 _LOW = ("float16", "bfloat16")
 

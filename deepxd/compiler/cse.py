@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import UNKNOWN, Bound
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.ops import UNKNOWN, Bound
 from deepxd.compiler.analysis import READ, PassContext, Rewrite, has_ends, refs, tensor_reads
 
 _NEVER = frozenset({"life", "io", "init"})

@@ -8,8 +8,8 @@ in one pass: once the last use of a value is gone, the instruction that made it 
 
 from __future__ import annotations
 
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import Bound
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.ops import Bound
 from deepxd.compiler.analysis import (
     DELETE,
     WRITE,

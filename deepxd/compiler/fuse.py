@@ -10,7 +10,7 @@ in the fused program, so such chains fuse whole (MAX_OPS ops at a time). Groups 
 (3: on numpy's tape a fused pair costs more than its two ops, docs/compiler.md) stay unfused, except a pair whose
 result has ctx.fuse_pair_min_elements elements or more (32K where this process has native kernels, which run it as
 one C loop: one pass over memory instead of two). The expression is numexpr's syntax over the inputs in0, in1, ...
-(see `parse_fused` in deepx_sdk/ir/ops.py and deepxd/kernels/cpu/fused.py).
+(see `parse_fused` in deepx_core/ir/ops.py and deepxd/kernels/cpu/fused.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import UNKNOWN
-from deepx_sdk.ir.shapes import numel
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import UNKNOWN
+from deepx_core.ir.shapes import numel
 from deepxd.compiler.analysis import DELETE, READ, PassContext, Rewrite, deltensor, has_ends
 
 #: the dtypes a fused kernel computes (float16 and bfloat16 in float32)

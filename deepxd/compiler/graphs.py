@@ -17,10 +17,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepx_sdk.compile import GraphRecord
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import TensorMeta
+from deepx_core.errors import DeepxError
+from deepx_core.graphrecord import GraphRecord
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import TensorMeta
 from deepxd.compiler.analysis import tensor_names
 from deepxd.compiler.pipeline import new_context, run_passes
 

@@ -13,10 +13,10 @@ import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import NUMBERED_OPS, Instr, Param, same_program, scalar_kinds
-from deepx_sdk.ir.ops import OPS, UNKNOWN, TensorMeta
-from deepx_sdk.ir.text import format_text
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param, same_program, scalar_kinds
+from deepx_core.ir.ops import OPS, UNKNOWN, TensorMeta
+from deepx_core.ir.text import format_text
 from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
 from deepxd.compiler.cse import eliminate_common_subexpressions
 from deepxd.compiler.dce import eliminate_dead_code

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 
-from deepx_sdk.ir.dtypes import FLOATS
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import Bound
-from deepx_sdk.ir.shapes import check_perm
+from deepx_core.ir.dtypes import FLOATS
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import Bound
+from deepx_core.ir.shapes import check_perm
 from deepxd.compiler.analysis import READ, PassContext, Rewrite, has_ends, known, refs, tensor_writes
 
 _ONE = frozenset({"mulscalar", "divscalar", "powscalar"})

@@ -31,7 +31,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 HashValue = str | int | float | bytes
 

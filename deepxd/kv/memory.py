@@ -30,7 +30,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import msgpack
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kv.base import (
     INT64_MAX,
     INT64_MIN,

@@ -18,7 +18,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kv.base import (
     KV,
     HashValue,

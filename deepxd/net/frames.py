@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.text import is_name
-from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj, unpack_instr, unpack_instr_cached
-from deepx_sdk.paths import check_socket_dir
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.text import is_name
+from deepx_core.ir.wire import instr_from_obj, instr_to_obj, unpack_instr, unpack_instr_cached
+from deepx_core.paths import check_socket_dir
 from deepxd.actors.opcpu import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.kernels.cpu import dtype_name
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
@@ -117,7 +117,7 @@ def check_socket_free(path: str) -> None:
 
 async def graph_store(node: Node, name: Any, data: Any) -> dict[str, Any]:
     """Store a graph (dx.compile's record) as `graph:<name>` in the plane, and have the scheduler plan it."""
-    from deepx_sdk.compile import GraphRecord, check_graph_name
+    from deepx_core.graphrecord import GraphRecord, check_graph_name
 
     check_graph_name(name)
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -131,7 +131,7 @@ async def graph_store(node: Node, name: Any, data: Any) -> dict[str, Any]:
 
 async def graph_get(node: Node, name: Any) -> bytes | None:
     """A stored graph's bytes, None when there is none."""
-    from deepx_sdk.compile import check_graph_name
+    from deepx_core.graphrecord import check_graph_name
 
     check_graph_name(name)
     assert node.kv is not None
@@ -141,7 +141,7 @@ async def graph_get(node: Node, name: Any) -> bytes | None:
 async def graph_drop(node: Node, name: Any) -> dict[str, Any]:
     """Let go of a stored graph's plan and the temporaries its replays keep allocated on the worker (the stored
     record stays in the plane: a later replay by name plans it again)."""
-    from deepx_sdk.compile import check_graph_name
+    from deepx_core.graphrecord import check_graph_name
 
     check_graph_name(name)
     return dict(await node.ref("scheduler").ask("drop_graph", name=name))
@@ -162,7 +162,7 @@ def _bind(bound: dict[str, Any], op: str, req: dict[str, Any]) -> None:
 async def graph_remove(node: Node, name: Any) -> dict[str, Any]:
     """Delete a stored graph's record (`graph:<name>`) from the plane, and let go of this node's plan of it (another
     node sharing the plane keeps its plan until its graph is dropped there: graph_drop)."""
-    from deepx_sdk.compile import check_graph_name
+    from deepx_core.graphrecord import check_graph_name
 
     check_graph_name(name)
     assert node.kv is not None
@@ -311,7 +311,7 @@ class NativeServer:
         """A session's connection ended without the session letting go of what it made (its process was killed, or
         ended by a signal that skips interpreter exit): its tensors (names under `prefix`) are deleted and its
         compiled graphs' plans dropped, as the session's own close does (Session._release_all)."""
-        from deepx_sdk.ir.instr import Instr, Param
+        from deepx_core.ir.instr import Instr, Param
 
         for name in graphs:
             with contextlib.suppress(DeepxError):
@@ -430,7 +430,7 @@ class NativeServer:
         return {"data": await graph_get(self.node, name=req.get("name"))}
 
     async def _op_replay(self, req: dict[str, Any]) -> dict[str, Any]:
-        from deepx_sdk.compile import check_graph_name
+        from deepx_core.graphrecord import check_graph_name
 
         name = check_graph_name(req.get("name"))
         fetch = req.get("fetch") or []

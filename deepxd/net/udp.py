@@ -28,9 +28,9 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.instr import request_id
-from deepx_sdk.ir.text import parse_line
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import request_id
+from deepx_core.ir.text import parse_line
 from deepxd.actors.opcpu import RunResult
 from deepxd.net.reply import format_reply
 

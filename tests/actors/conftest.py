@@ -6,7 +6,7 @@ import math
 import time
 from typing import Any
 
-from deepx_sdk.ir import parse_text
+from deepx_core.ir import parse_text
 from deepxd.actors.base import ActorRef
 
 

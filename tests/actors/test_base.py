@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.actors.base import Actor, ActorCrash, ActorStopped, RestartPolicy, Supervisor
 
 

@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.actors.heapmem import LIFECYCLE, HeapMemory, size_class
 from deepxd.kv.base import open_kv
 from deepxd.shm import list_segments, segment_exists, unlink_segment

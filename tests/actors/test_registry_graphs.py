@@ -8,8 +8,8 @@ import asyncio
 
 import numpy as np
 
-from deepx_sdk.compile import GraphRecord
-from deepx_sdk.ir import parse_text
+from deepx_core.graphrecord import GraphRecord
+from deepx_core.ir import parse_text
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.registry import Registry
 from deepxd.actors.scheduler import Scheduler

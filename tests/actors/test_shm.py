@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.shm import (
     OutOfSharedMemory,
     Segment,

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.text import format_text, parse_text
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.text import format_text, parse_text
 from deepxd.compiler import PassContext
 from deepxd.kernels.cpu import CpuExecutor
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.compiler.autograd import GRAD_RULES, grad_program
 from tests.compiler.helpers import executor, program
 

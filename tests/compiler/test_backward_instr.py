@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.text import parse_text
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.text import parse_text
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.scheduler import Scheduler
 from deepxd.config import Config

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.text import parse_text
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.text import parse_text
 from deepxd.actors.opcpu import RunResult
 from tests.compiler.test_backward_instr import FORWARD, UPDATE, _marker, _spec
 from tests.compiler.test_backward_instr import Node as GradNode
@@ -260,7 +260,7 @@ RACED_FORWARD = """
 
 
 async def test_a_plan_made_from_a_state_the_run_did_not_find_is_never_run_again(rng):
-    from deepx_sdk.ir.instr import Param
+    from deepx_core.ir.instr import Param
 
     nodes = [await RacedNode().start(rng), await RacedNode().start(rng)]
     program = [*parse_text(RACED_FORWARD.strip()),
@@ -315,7 +315,7 @@ async def run_spec(n: Node, program: list[Instr], fetch: list[str], spec: dict) 
 async def test_a_wrt_outside_the_forward_is_part_of_what_the_fast_path_expects(nodes):
     """The gradient of a tensor the forward does not name is zeros of its shape: its meta is read by the
     derivation, so a change to it (another shape, deleted) sends the step the whole way."""
-    from deepx_sdk.ir.instr import Param
+    from deepx_core.ir.instr import Param
 
     nodes += [await Node(PASSES).start(), await Node(PASSES).start()]
     looped, reference = nodes[-2], nodes[-1]
@@ -360,7 +360,7 @@ def _untyped_return() -> list[Instr]:
 
 def _untyped_list() -> list[Instr]:
     """An untyped tensor list (what the wire gives for `[x, w]` without a category), its result deleted unread."""
-    from deepx_sdk.ir.instr import Param
+    from deepx_core.ir.instr import Param
 
     concat = Instr("concat", (Param("", (), ("x", "w")), Param.var(0, "int32")), (Param.tensor("c", "float32"),))
     return [concat, *fresh("mulscalar (tensor<float32>:x, var<float32>:2.0) -> (tensor<float32>:s)\n"
@@ -400,7 +400,7 @@ async def test_a_spec_edited_in_place_and_sent_again_is_another_spec(grad_node: 
 
 
 async def test_a_rename_before_a_backward_instruction_is_seen_by_its_derivation(grad_node: GradNode) -> None:
-    from deepx_sdk.ir.instr import Param
+    from deepx_core.ir.instr import Param
 
     node = grad_node
     forward = FORWARD.replace("tensor<float64>:x,", "tensor<float64>:x2,")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.ops import parse_fused
+from deepx_core.ir.ops import parse_fused
 from deepxd.compiler import fuse_elementwise as fuse
 from deepxd.compiler.fuse import MAX_OPS, TEMPLATES
 from deepxd.kernels.cpu import fused as fused_kernel

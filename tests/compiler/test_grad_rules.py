@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.ops import OPS
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.ops import OPS
 from deepxd.compiler.autograd import GRAD_RULES, grad_program, unfuse
 from tests.compiler.helpers import executor, program
 

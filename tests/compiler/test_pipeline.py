@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.ops import TensorMeta
+from deepx_core.errors import DeepxError
+from deepx_core.ir.ops import TensorMeta
 from deepxd.compiler import DEFAULT_PASSES, PASSES, PassContext, check_passes, explain, run_passes
 from deepxd.compiler.analysis import existing_after
 from deepxd.compiler.pipeline import PlanCache, original_error, original_times, repair

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.instr import Instr, Param, same_program, scalar_kinds
-from deepx_sdk.ir.text import parse_text
+from deepx_core.ir.instr import Instr, Param, same_program, scalar_kinds
+from deepx_core.ir.text import parse_text
 from deepxd.actors.opcpu import CpuWorker, RunResult
 from deepxd.actors.scheduler import Scheduler
 from deepxd.config import Config

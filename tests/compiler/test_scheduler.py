@@ -143,7 +143,7 @@ def test_only_a_string_where_a_value_goes_makes_the_scheduler_read_the_variables
     """A program may read a variable by name (a string where a number goes): then the passes need the worker's
     variables. A string an op takes as such (a reduction's "mean", a fused expression) names none, so a training
     step's program does not ask the worker for them."""
-    from deepx_sdk.ir.text import parse_text
+    from deepx_core.ir.text import parse_text
     from deepxd.actors.scheduler import _names_variables
 
     literal = parse_text("""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepx_sdk.tensorfile import write_tensor
+from deepx_core.tensorfile import write_tensor
 from deepxd.compiler import simplify
 from tests.compiler.helpers import assert_same_results, lines, random_inputs, rewrite
 
@@ -128,7 +128,7 @@ FUZZED = {
 def test_what_a_fuzzer_found_runs_as_the_program_sent(case):
     import numpy as np
 
-    from deepx_sdk.ir.ops import check_program
+    from deepx_core.ir.ops import check_program
     from tests.compiler.helpers import executor
 
     text, values = FUZZED[case]

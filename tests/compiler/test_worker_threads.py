@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.text import parse_text
+from deepx_core.ir.text import parse_text
 from deepxd.actors.opcpu import CpuWorker
 from tests.compiler.helpers import execute_threads
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deepx_core.errors import DeepxError
+from deepx_core.ir import parse_text
+from deepx_core.ir.wire import instr_to_obj
 from deepx_sdk.client import DeepxTimeoutError, NativeClient
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import parse_text
-from deepx_sdk.ir.wire import instr_to_obj
 from deepxd.kernels.cpu import MAX_REPEAT
 from deepxd.net.reply import MAX_DATAGRAM, TRUNCATED
 from tests.compiler.helpers import execute_threads

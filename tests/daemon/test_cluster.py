@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import redis
 
+from deepx_core.errors import DeepxError
+from deepx_core.graphrecord import GraphRecord
+from deepx_core.ir import parse_text
 from deepx_sdk.client import decode_tensor
-from deepx_sdk.compile import GraphRecord
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import parse_text
 from deepxd.shm import list_segments, unlink_segment
 from tests.daemon.conftest import Daemon, eventually
 

@@ -17,9 +17,9 @@ import msgpack
 import numpy as np
 import pytest
 
+from deepx_core.errors import DeepxError
+from deepx_core.ir import parse_text
 from deepx_sdk.client import NativeClient
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import parse_text
 from deepxd.shm import list_segments
 from tests.daemon.conftest import Daemon, deepxd_command, eventually, udp_exchange
 
@@ -177,7 +177,7 @@ def test_programs_over_the_native_socket(daemon):
         assert not r.ok and r.done == 1 and r.error_index == 1 and "index 9 out of range" in r.error
         # all dtypes travel both ways
         for dt in ("float64", "float16", "bfloat16", "int8", "int64", "bool", "float8e4m3"):
-            from deepx_sdk.ir.dtypes import to_numpy
+            from deepx_core.ir.dtypes import to_numpy
 
             v = (np.arange(6) % 3).astype(to_numpy(dt)).reshape(3, 2)
             c.put(f"v_{dt}", v)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from deepx_core.graphrecord import GraphRecord
+from deepx_core.ir import parse_text
 from deepx_sdk import DeepxError
 from deepx_sdk.client import decode_tensor
-from deepx_sdk.compile import GraphRecord
-from deepx_sdk.ir import parse_text
 
 G = "axpb"
 PROGRAM = f"""\
@@ -143,7 +143,7 @@ def test_bad_stores_are_refused(daemon, fields, message) -> None:
 
 
 def test_a_record_with_an_instruction_missing_its_result_is_refused_by_name(daemon) -> None:
-    from deepx_sdk.ir.instr import Instr
+    from deepx_core.ir.instr import Instr
 
     prog = [*parse_text("mulscalar (tensor<float32>:g.in0, var<float32>:2.0) -> (tensor<float32>:g.out0)"),
             Instr("deltensor", (), ())]
@@ -160,7 +160,7 @@ def test_a_record_with_an_instruction_missing_its_result_is_refused_by_name(daem
 def test_replays_with_the_same_bindings_share_one_program() -> None:
     """bind_replay keeps the program of the last bindings: a loop replaying with the same tensors and scalars runs
     one program object (which the worker knows at once); other bindings, or data inputs, get their own."""
-    from deepx_sdk.ir.ops import TensorMeta
+    from deepx_core.ir.ops import TensorMeta
     from deepxd.compiler.graphs import bind_replay, plan_graph
 
     metas = {n: TensorMeta((2, 3), "float32") for n in ("a", "b", "c")}
@@ -209,7 +209,7 @@ def test_replays_with_the_same_bindings_check_their_inputs_every_time(stored) ->
 
 
 def test_bindings_that_differ_only_in_the_sign_of_a_zero_bind_apart() -> None:
-    from deepx_sdk.ir.ops import TensorMeta
+    from deepx_core.ir.ops import TensorMeta
     from deepxd.compiler.graphs import bind_replay, plan_graph
 
     rec = GraphRecord(G, parse_text(PROGRAM), [(f"{G}.in0", "float32", (2, 3)), (f"{G}.in1", "float32", (2, 3))],

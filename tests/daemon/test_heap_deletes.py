@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import parse_text
+from deepx_core.errors import DeepxError
+from deepx_core.ir import parse_text
 from tests.daemon.conftest import Daemon, eventually
 
 

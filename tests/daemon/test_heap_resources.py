@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepx_sdk.ir import parse_text
+from deepx_core.ir import parse_text
 from deepxd.shm import list_segments, pid_alive
 from tests.daemon.conftest import Daemon, eventually, udp_exchange
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepx_sdk.ir import parse_text
+from deepx_core.ir import parse_text
 from tests.daemon.conftest import Daemon, udp_exchange
 
 REPLY_ERR = re.compile(r"^(\d+) error// recv_at=\d+ start_at=\d+ finish_at=\d+ (.+)$", re.DOTALL)

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from deepx_core.ir import Instr, Param
 from deepx_sdk.client import NativeClient
-from deepx_sdk.ir import Instr, Param
 from tests.daemon.conftest import Daemon, eventually
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def test_a_killed_clients_program_stops_and_its_tensors_go(tmp_path, pipelined):
         import math, sys, time
         import numpy as np
         from deepx_sdk.client import NativeClient
-        from deepx_sdk.ir import parse_text
+        from deepx_core.ir import parse_text
 
         c = NativeClient({d.address!r})
         c.request("release_on_close", prefix="kill9_")
@@ -66,7 +66,7 @@ def test_a_killed_clients_program_stops_and_its_tensors_go(tmp_path, pipelined):
         program = chain(math.ceil(120 / min(timed)))  # two minutes of products
         print(len(program), flush=True)
         if {pipelined!r}:
-            from deepx_sdk.ir.wire import pack_instr_cached
+            from deepx_core.ir.wire import pack_instr_cached
             c.send_frame({{"id": 99, "op": "run", "program": [pack_instr_cached(i) for i in program], "fetch": []}})
             c.send_frame({{"id": 100, "op": "ping"}})
             time.sleep(600)  # killed meanwhile

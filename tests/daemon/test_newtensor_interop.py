@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepx_sdk.ir import parse_text
+from deepx_core.ir import parse_text
 from tests.daemon.conftest import udp_exchange
 
 # as the front end writes them: every output made with newtensor first, tensors numbered from 0 in each process

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from deepx_core.errors import DeepxError
+from deepx_core.paths import check_socket_dir
 from deepx_sdk.client import NativeClient
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.paths import check_socket_dir
 from tests.daemon.conftest import deepxd_command
 
 NOBODY = 65534

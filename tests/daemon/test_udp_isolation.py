@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import parse_text
+from deepx_core.errors import DeepxError
+from deepx_core.ir import parse_text
 from tests.daemon.conftest import Daemon, deepxd_command, udp_exchange
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def test_a_malformed_replay_is_refused_while_udp_holds_tensors(daemon: Daemon) -
 def test_gradients_a_native_backward_writes_are_taken_back_from_udp(daemon: Daemon) -> None:
     """A backward request writes its gradients under names the client chose: one UDP made first is the native
     client's after it (else UDP would read the gradient)."""
-    from deepx_sdk.ir.wire import instr_to_obj
+    from deepx_core.ir.wire import instr_to_obj
 
     (reply,) = udp_exchange(daemon.udp_port, "newtensor (vector<int32>:[3]) -> (tensor<float32>:gw) // id=1", 1)
     assert _ok(reply)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import redis
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import parse_text
-from deepx_sdk.ir.wire import pack_program, unpack_program
+from deepx_core.errors import DeepxError
+from deepx_core.ir import parse_text
+from deepx_core.ir.wire import pack_program, unpack_program
 from tests.deepxctl.conftest import Live, wait_for
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import redis
 
-from deepx_sdk.ir import parse_text
-from deepx_sdk.ir.wire import pack_program
+from deepx_core.ir import parse_text
+from deepx_core.ir.wire import pack_program
 from tests.deepxctl.conftest import Live, one_line_error
 
 PROGRAM = """\
@@ -67,7 +67,7 @@ deltensor () -> (tensor<float32>:{G}.t1)"""
 
 @pytest.fixture
 def compiled(live: Live):
-    from deepx_sdk.compile import GraphRecord
+    from deepx_core.graphrecord import GraphRecord
 
     data = GraphRecord(G, parse_text(COMPILED), [(f"{G}.in0", "float32", (3, 2))],
                        [(f"{G}.out0", "float32", (3, 2))], state=["w"]).pack()

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepx_sdk.ir import parse_text
-from deepx_sdk.ir.wire import pack_program
+from deepx_core.ir import parse_text
+from deepx_core.ir.wire import pack_program
 from tests.daemon.conftest import Daemon
 from tests.deepxctl.conftest import Live, ctl, one_line_error, wait_for
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from deepx_sdk.ir import parse_text
+from deepx_core.ir import parse_text
 from deepxctl.cli import cli
 from tests.deepxctl.conftest import Live
 

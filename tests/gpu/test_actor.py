@@ -23,7 +23,7 @@ if not cuda_available():
 
 import deepx_sdk as dx
 import deepx_sdk.nn.functional as F
-from deepx_sdk.ir import parse_text
+from deepx_core.ir import parse_text
 from deepxd.kernels.cpu import CpuExecutor
 from tests.daemon.conftest import Daemon
 

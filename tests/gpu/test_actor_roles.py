@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import deepx_sdk as dx
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.actors.base import Actor
 from deepxd.actors.scheduler import Scheduler
 from deepxd.config import cuda_available, default_roles, load_config, with_needed_roles

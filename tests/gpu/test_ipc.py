@@ -21,7 +21,7 @@ from deepxd.config import cuda_available
 if not cuda_available():
     pytest.skip("no CUDA device answers here: the CUDA IPC tests need an NVIDIA GPU", allow_module_level=True)
 
-from deepx_sdk.ir import parse_text
+from deepx_core.ir import parse_text
 from deepxd.ipc import read_record
 from tests.daemon.conftest import Daemon
 

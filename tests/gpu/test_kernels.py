@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.dtypes import FLOAT8, from_numpy, to_numpy
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import OPS
+from deepx_core.ir.dtypes import FLOAT8, from_numpy, to_numpy
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.ops import OPS
 from deepxd.kernels.cpu import CpuExecutor
 from tests.kernels.kernel_ref import VEC, L, T, V, instr, ordered, rand
 

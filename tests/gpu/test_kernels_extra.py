@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
 from deepxd.kernels.cpu import CpuExecutor
 from tests.kernels.kernel_ref import VEC, L, T, V, instr
 

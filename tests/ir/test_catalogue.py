@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import OPS, Instr, Param, SymbolicEnv, TensorMeta, bind, check_program
-from deepx_sdk.ir.dtypes import STORABLE
+from deepx_core.errors import DeepxError
+from deepx_core.ir import OPS, Instr, Param, SymbolicEnv, TensorMeta, bind, check_program
+from deepx_core.ir.dtypes import STORABLE
 from deepxd.kernels.cpu import KERNELS, CpuExecutor
 
 # the 60 operator names of deepxir.md section 4, in its order
@@ -234,7 +234,7 @@ def test_the_stored_dtype_wins_over_the_annotation():
 def test_docs_ir_md_is_generated_from_the_catalogue():
     from pathlib import Path
 
-    from deepx_sdk.ir import doc
+    from deepxd.compiler import doc
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "ir.md").read_text()
-    assert f"{doc.BEGIN}\n{doc.render()}\n{doc.END}" in text, "run: python -m deepx_sdk.ir.doc --write"
+    assert f"{doc.BEGIN}\n{doc.render()}\n{doc.END}" in text, "run: python -m deepxd.compiler.doc --write"

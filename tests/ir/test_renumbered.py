@@ -3,8 +3,8 @@ count, a scheduled learning rate), which the daemon's caches then take as the sa
 
 from __future__ import annotations
 
-from deepx_sdk.ir import parse_text
-from deepx_sdk.ir.instr import numbers_probe, renumbered
+from deepx_core.ir import parse_text
+from deepx_core.ir.instr import numbers_probe, renumbered
 
 STEP = """
     mul (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:t)

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepx_sdk.errors import DeepxParseError
-from deepx_sdk.ir import Instr, Param, Program, format_text, pack_instr, parse_line, parse_text, unpack_instr
-from deepx_sdk.ir import text as text_module
-from deepx_sdk.ir.dtypes import GROUPS, PRECISIONS
+from deepx_core.errors import DeepxParseError
+from deepx_core.ir import Instr, Param, Program, format_text, pack_instr, parse_line, parse_text, unpack_instr
+from deepx_core.ir import text as text_module
+from deepx_core.ir.dtypes import GROUPS, PRECISIONS
 
 F32 = ("float32",)
 I32 = ("int32",)

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import (
+from deepx_core.errors import DeepxError
+from deepx_core.ir import (
     Instr,
     Param,
     Program,
@@ -23,8 +23,8 @@ from deepx_sdk.ir import (
     unpack_instr,
     unpack_program,
 )
-from deepx_sdk.ir.dtypes import GROUPS, PRECISIONS
-from deepx_sdk.ir.wire import instr_from_obj, instr_to_obj
+from deepx_core.ir.dtypes import GROUPS, PRECISIONS
+from deepx_core.ir.wire import instr_from_obj, instr_to_obj
 
 SUM = Instr(
     "sum",

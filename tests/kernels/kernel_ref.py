@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.ir.dtypes import FLOAT8, FLOATS, INTS, to_numpy
-from deepx_sdk.ir.instr import Instr, Param
+from deepx_core.ir.dtypes import FLOAT8, FLOATS, INTS, to_numpy
+from deepx_core.ir.instr import Instr, Param
 from deepxd.kernels.cpu import CpuExecutor
 
 F64 = np.dtype(np.float64)
@@ -38,7 +38,7 @@ def ordered(dtypes: Iterable[str]) -> list[str]:
 
 def dtypes_of(op: str) -> list[str]:
     """The dtypes the catalogue claims for `op`, in a stable order."""
-    from deepx_sdk.ir.ops import OPS
+    from deepx_core.ir.ops import OPS
 
     return ordered(OPS[op].dtypes)
 

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 
 def _mkl_installed() -> bool:
@@ -325,7 +325,7 @@ def test_an_openmp_runtime_loaded_first_keeps_numpys_blas():
         import logging, numpy as np
         logging.basicConfig(level=logging.INFO)
         import torch
-        from deepx_sdk.errors import DeepxError
+        from deepx_core.errors import DeepxError
         from deepxd.kernels.cpu import blas
         from deepxd.kernels.cpu.matmul import matmul
         a = np.ones((256, 784), np.float32)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kernel_ref import COVERED
 
-from deepx_sdk.ir.ops import OPS
+from deepx_core.ir.ops import OPS
 from deepxd.kernels.cpu import KERNELS
 
 

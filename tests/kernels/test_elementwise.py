@@ -24,8 +24,8 @@ from kernel_ref import (
     run_op,
 )
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import INTS, STORABLE, to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import INTS, STORABLE, to_numpy
 
 
 def op_dtype(ops) -> list:

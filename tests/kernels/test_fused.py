@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from kernel_ref import L, T, V, assert_close, covers, executor, ordered, rand, random_broadcast_pair, run
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.ops import FUSED_FUNCTIONS, OPS
+from deepx_core.errors import DeepxError
+from deepx_core.ir.ops import FUSED_FUNCTIONS, OPS
 from deepxd.kernels.cpu import fused as fused_kernel
 
 covers("fused")

@@ -25,8 +25,8 @@ from kernel_ref import (
     run,
 )
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import STORABLE, to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import STORABLE, to_numpy
 from deepxd.kernels.cpu import CpuExecutor
 
 

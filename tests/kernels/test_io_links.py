@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from kernel_ref import T, V, ordered, rand, run
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import STORABLE, to_numpy
-from deepx_sdk.tensorfile import open_directory, read_tensor, write_tensor
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import STORABLE, to_numpy
+from deepx_core.tensorfile import open_directory, read_tensor, write_tensor
 from deepxd.kernels.cpu import CpuExecutor
 
 SECRET = b"root:secret-password-hash\n" * 4  # 104 bytes: float32[26] would take it whole
@@ -198,7 +198,7 @@ def test_save_load_inside_a_root_round_trips_bit_exact(box, dtype, rng):
 
 
 def test_the_sdk_file_functions_refuse_links_too(tmp_path):
-    """deepx_sdk.tensorfile's plain-path functions (dx.save and dx.load) go the same way."""
+    """deepx_core.tensorfile's plain-path functions (dx.save and dx.load) go the same way."""
     victim = tmp_path / "victim"
     victim.write_bytes(VICTIM)
     os.symlink(victim, tmp_path / "m.data.tmp")
@@ -216,7 +216,7 @@ def test_the_sdk_file_functions_refuse_links_too(tmp_path):
 def test_a_hard_linked_tensor_file_is_not_read(tmp_path: Path) -> None:
     """A hard link is a regular file: one to a file outside the io root (where fs.protected_hardlinks allows it) is
     refused by its link count."""
-    from deepx_sdk.tensorfile import read_tensor, write_tensor
+    from deepx_core.tensorfile import read_tensor, write_tensor
 
     write_tensor(tmp_path / "t", np.arange(3, dtype=np.float32))
     np.testing.assert_array_equal(read_tensor(tmp_path / "t"), np.arange(3, dtype=np.float32))

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.ops import parse_fused
+from deepx_core.ir.ops import parse_fused
 from deepxd.kernels.cpu import fused, native, nn, optim, reduce
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler (cc, gcc, clang) on this machine: "

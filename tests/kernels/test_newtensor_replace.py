@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from kernel_ref import VEC, T, run
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import parse_text
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.ops import SymbolicEnv, TensorMeta, check_program
+from deepx_core.errors import DeepxError
+from deepx_core.ir import parse_text
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.ops import SymbolicEnv, TensorMeta, check_program
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.compiler.analysis import PassContext
 from deepxd.compiler.pipeline import run_passes

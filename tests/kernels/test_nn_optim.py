@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from kernel_ref import T, V, assert_close, covers, executor, f64, ordered, rand, run, run_op
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import FLOATS, to_numpy
-from deepx_sdk.ir.ops import OPS
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import FLOATS, to_numpy
+from deepx_core.ir.ops import OPS
 
 FLOAT_DTYPES = ordered(FLOATS)
 LOW = {"float16", "bfloat16"}
@@ -175,7 +175,7 @@ SCALES = {
 def test_crossentropygrad_gives_the_bits_of_the_chain_it_replaces(dtype, reduction, rng):
     """autograd's crossentropy rule was a chain of catalogue ops (softmax, the one-hot from equal and arange, the
     kept rows' mask and count, a fused product); crossentropygrad gives its bits, NaN and inf included."""
-    from deepx_sdk.ir.text import parse_text
+    from deepx_core.ir.text import parse_text
 
     n, c, ignore = 9, 6, 2
     logits = rand(rng, dtype, (n, c), -6, 6)

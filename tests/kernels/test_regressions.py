@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir import Instr, Param
+from deepx_core.errors import DeepxError
+from deepx_core.ir import Instr, Param
 from deepxd.kernels.cpu import CpuExecutor
 
 

@@ -24,8 +24,8 @@ from kernel_ref import (
     run_op,
 )
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import INDEX, to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import INDEX, to_numpy
 
 
 def values(rng, dtype: str, shape, lo: float = -50, hi: float = 50) -> np.ndarray:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deepx_sdk.ir.ops import check_program
-from deepx_sdk.ir.text import parse_text
+from deepx_core.ir.ops import check_program
+from deepx_core.ir.text import parse_text
 from deepxd.kernels.cpu import CpuExecutor, transient_transposes
 
 
@@ -427,7 +427,7 @@ def test_a_program_that_stops_between_a_folded_transpose_and_its_delete_leaves_e
     """A known program that fails after a folded transpose ran and before its delete: the transpose's name exists
     afterwards with its value, as execute leaves it, so the client's resent delete finds it; the operand's array is
     not held past the run."""
-    from deepx_sdk.errors import DeepxError
+    from deepx_core.errors import DeepxError
 
     text = """
         transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)

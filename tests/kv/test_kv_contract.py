@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kv.base import KV, open_kv
 
 EVERY_BYTE = bytes(range(256))

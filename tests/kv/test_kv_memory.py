@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kv import memory
 from deepxd.kv.memory import MAGIC, MemoryKV, read_records
 

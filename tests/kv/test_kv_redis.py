@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio.connection import AbstractConnection
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kv.base import compile_glob, escape_glob
 from deepxd.kv.redis import RedisKV, redact
 

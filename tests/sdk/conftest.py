@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import deepx_sdk as dx
-from deepx_sdk.ir.dtypes import to_numpy
+from deepx_core.ir.dtypes import to_numpy
 
 DTYPES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "bool"]
 FLOAT_DTYPES = ["float64", "float32", "float16", "bfloat16"]

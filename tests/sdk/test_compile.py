@@ -11,8 +11,8 @@ import pytest
 import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
-from deepx_sdk.compile import GraphRecord
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
+from deepx_core.graphrecord import GraphRecord
 from tests.daemon.conftest import Daemon
 
 
@@ -349,7 +349,7 @@ def test_eval_mode_is_part_of_the_signature() -> None:
 
 
 def test_a_refused_replay_does_not_count_an_optimizer_step() -> None:
-    from deepx_sdk.ir import parse_text
+    from deepx_core.ir import parse_text
 
     dx.manual_seed(0)
     lin = nn.Linear(3, 1).double()
@@ -730,7 +730,7 @@ def test_a_stored_graph_whose_returns_do_not_fit_its_outputs_is_refused(returns,
     graph's name when read, not a TypeError or IndexError at the replay."""
     import msgpack
 
-    from deepx_sdk.compile import GRAPH_VERSION, GraphRecord
+    from deepx_core.graphrecord import GRAPH_VERSION, GraphRecord
 
     good = {"v": GRAPH_VERSION, "instrs": [], "inputs": [], "outputs": [["o", "float32", [2]]], "returns": 0}
     assert GraphRecord.unpack(msgpack.packb(good), "g").returns == 0

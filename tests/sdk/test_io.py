@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 import deepx_sdk as dx
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
+from deepx_core.tensorfile import read_tensor
 from deepx_sdk.io import load, load_safetensors, safetensors_metadata, save, save_safetensors
-from deepx_sdk.tensorfile import read_tensor
 
 STORABLE = {
     "float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,

@@ -15,7 +15,7 @@ import torch
 import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 TOL = {"float32": dict(rtol=1e-5, atol=1e-6), "float64": dict(rtol=1e-10, atol=1e-12)}
 TORCH = {"float32": torch.float32, "float64": torch.float64}

@@ -15,8 +15,8 @@ import torch
 import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
 
 LIBS = ((torch, torch.nn, torch.nn.functional), (dx, nn, F))
 

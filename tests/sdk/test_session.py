@@ -181,7 +181,7 @@ def test_run_now_repairs_a_failed_step_and_leaves_heap_deletes_to_the_ask():
     """Through the embedded session's own loop (LoopThread.now): a rewritten step that fails part-way on the fast
     path is finished under the same turn, its tensors set straight as the whole path sets them; a step that deletes
     a heap tensor (heapmem is told) goes by the ask. Each run is one message to each actor."""
-    from deepx_sdk.ir.text import parse_text
+    from deepx_core.ir.text import parse_text
 
     dx.disconnect()
     t = dx.session().transport

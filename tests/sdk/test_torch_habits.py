@@ -13,7 +13,7 @@ import torch
 import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 
 def _values(rng, *shape):

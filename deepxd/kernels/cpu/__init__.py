@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import from_numpy, to_numpy
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
-from deepx_sdk.ir.shapes import numel
-from deepx_sdk.ir.text import is_name
-from deepx_sdk.tensorfile import open_directory
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import from_numpy, to_numpy
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.ops import OPS, BindCache, Bound, TensorMeta
+from deepx_core.ir.shapes import numel
+from deepx_core.ir.text import is_name
+from deepx_core.tensorfile import open_directory
 
 log = logging.getLogger(__name__)
 
@@ -838,7 +838,7 @@ class CpuExecutor:
         """(descriptor, file name, directory) of the directory `path`'s files are in: the directory resolved (.. and
         links), refused outside every io root, then opened by that resolved path with no link followed
         (tensorfile.open_directory), so a link swapped in after the check is refused; `create`: made if missing.
-        The files are opened relative to the descriptor, never through a link (deepx_sdk/tensorfile.py)."""
+        The files are opened relative to the descriptor, never through a link (deepx_core/tensorfile.py)."""
         if not path:
             raise DeepxError(f"{op}: empty path")
         p = Path(path).expanduser()

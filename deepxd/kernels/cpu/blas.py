@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kernels.cpu import native as _native
 from deepxd.kernels.cpu._util import address as _address
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kernels.cpu._util import F64, up
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kernels.cpu._util import F64, LOW, is_int, up
 
 

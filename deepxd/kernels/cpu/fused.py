@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.ops import parse_fused
+from deepx_core.errors import DeepxError
+from deepx_core.ir.ops import parse_fused
 from deepxd.kernels.cpu import native
 from deepxd.kernels.cpu._util import F32, F64
 

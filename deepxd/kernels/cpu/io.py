@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import from_numpy
-from deepx_sdk.ir.ops import load_name
-from deepx_sdk.tensorfile import read_data_at, read_tensor_at, write_tensor_at
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import from_numpy
+from deepx_core.ir.ops import load_name
+from deepx_core.tensorfile import read_data_at, read_tensor_at, write_tensor_at
 from deepxd.kernels.cpu._util import LOW, up
 
 if TYPE_CHECKING:
-    from deepx_sdk.ir.ops import Bound
+    from deepx_core.ir.ops import Bound
     from deepxd.kernels.cpu import CpuExecutor
     from deepxd.kernels.cuda import CudaExecutor
 

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
 
 if TYPE_CHECKING:
-    from deepx_sdk.ir.ops import Bound, TensorMeta
+    from deepx_core.ir.ops import Bound, TensorMeta
     from deepxd.kernels.cpu import CpuExecutor
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def keeps(b: Bound, have: TensorMeta | None) -> bool:
     """Whether `newtensor` keeps the tensor of its name that exists (`have`): where the check kept it (its rule in
-    deepx_sdk/ir/ops.py: same shape and dtype, or exists=keep). Said in the log either way; both executors ask it."""
+    deepx_core/ir/ops.py: same shape and dtype, or exists=keep). Said in the log either way; both executors ask it."""
     meta = b.outs[0]
     if have is None or meta is None:
         return False

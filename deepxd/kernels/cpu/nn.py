@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kernels.cpu import fused, native
 from deepxd.kernels.cpu._util import F32, F64, LOW
 

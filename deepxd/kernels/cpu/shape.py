@@ -6,7 +6,7 @@ import builtins
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 from deepxd.kernels.cpu._util import F32, LOW, fill, up
 
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import to_numpy
-from deepx_sdk.ir.instr import Instr
-from deepx_sdk.ir.ops import OPS, BindCache, Bound, TensorMeta
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.ops import OPS, BindCache, Bound, TensorMeta
 from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name, repeat_count, worded
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 log = logging.getLogger(__name__)
 

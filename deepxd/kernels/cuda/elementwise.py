@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.ops import OPS
+from deepx_core.errors import DeepxError
+from deepx_core.ir.ops import OPS
 from deepxd.kernels.cuda._src import CTYPES, FLOAT_TYPES, HEADER, INT_TYPES, MAXD, ctype, dims, dims_format
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ import functools
 import hashlib
 from typing import TYPE_CHECKING, Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import FLOATS
-from deepx_sdk.ir.ops import parse_fused
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import FLOATS
+from deepx_core.ir.ops import parse_fused
 from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format
 from deepxd.kernels.cuda.elementwise import _strides, collapse
 

@@ -14,7 +14,7 @@ import ctypes.util
 import logging
 import os
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 log = logging.getLogger(__name__)
 

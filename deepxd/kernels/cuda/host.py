@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deepx_sdk.ir.ops import load_name
-from deepx_sdk.tensorfile import read_data_at, read_tensor_at, write_tensor_at
+from deepx_core.ir.ops import load_name
+from deepx_core.tensorfile import read_data_at, read_tensor_at, write_tensor_at
 from deepxd.kernels.cpu.io import at_file, format_tensor
 from deepxd.kernels.cpu.life import argset, deltensor, keeps, renametensor, vecset  # noqa: F401
 
 if TYPE_CHECKING:
-    from deepx_sdk.ir.ops import Bound
+    from deepx_core.ir.ops import Bound
     from deepxd.kernels.cuda import CudaExecutor
 
 

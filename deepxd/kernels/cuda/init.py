@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import FLOATS, NUMERIC, STORABLE, to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import FLOATS, NUMERIC, STORABLE, to_numpy
 from deepxd.kernels.cpu._util import fill
 from deepxd.kernels.cuda._src import FLOAT_TYPES, HEADER, ctype
 

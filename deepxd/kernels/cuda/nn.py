@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import FLOATS, to_numpy
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import FLOATS, to_numpy
 from deepxd.kernels.cuda import elementwise as ew
 from deepxd.kernels.cuda._src import HEADER, ctype
 

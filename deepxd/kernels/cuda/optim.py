@@ -8,7 +8,7 @@ import functools
 import math
 from typing import TYPE_CHECKING, Any
 
-from deepx_sdk.ir.dtypes import FLOATS
+from deepx_core.ir.dtypes import FLOATS
 from deepxd.kernels.cuda._src import HEADER, ctype
 
 if TYPE_CHECKING:

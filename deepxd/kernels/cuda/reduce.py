@@ -16,7 +16,7 @@ import functools
 import math
 from typing import TYPE_CHECKING, Any
 
-from deepx_sdk.ir.dtypes import NUMERIC
+from deepx_core.ir.dtypes import NUMERIC
 from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format
 from deepxd.kernels.cuda.elementwise import collapse
 from deepxd.kernels.cuda.shape import contiguous_strides

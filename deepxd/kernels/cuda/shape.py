@@ -12,8 +12,8 @@ import functools
 import math
 from typing import TYPE_CHECKING, Any
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import NUMERIC, STORABLE
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import NUMERIC, STORABLE
 from deepxd.kernels.cuda._src import BYTES_TYPE, HEADER, MAXD, ctype, dims, dims_format
 from deepxd.kernels.cuda.elementwise import _strides, collapse
 

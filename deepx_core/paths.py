@@ -8,7 +8,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 
 def runtime_dir() -> Path:

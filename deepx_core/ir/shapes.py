@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 Shape = tuple[int, ...]
 

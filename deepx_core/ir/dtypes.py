@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from deepx_sdk.errors import DeepxError
+from deepx_core.errors import DeepxError
 
 # precision name -> numpy dtype (None: a legal precision that deepx cannot store yet)
 _NUMPY: dict[str, np.dtype | None] = {

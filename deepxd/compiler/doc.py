@@ -1,7 +1,7 @@
 """Render the op catalogue as the Markdown tables of docs/ir.md, so the docs never drift from the code.
 
-    python -m deepx_sdk.ir.doc            # print the tables
-    python -m deepx_sdk.ir.doc --write    # rewrite the generated part of docs/ir.md
+    python -m deepxd.compiler.doc            # print the tables
+    python -m deepxd.compiler.doc --write    # rewrite the generated part of docs/ir.md
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from deepx_sdk.ir.dtypes import ALL, FLOATS, INTS, NUMERIC, STORABLE
-from deepx_sdk.ir.ops import OPS, OpDef, _fmt
+from deepx_core.ir.dtypes import ALL, FLOATS, INTS, NUMERIC, STORABLE
+from deepx_core.ir.ops import OPS, OpDef, _fmt
 
-BEGIN = "<!-- BEGIN GENERATED: python -m deepx_sdk.ir.doc --write -->"
+BEGIN = "<!-- BEGIN GENERATED: python -m deepxd.compiler.doc --write -->"
 END = "<!-- END GENERATED -->"
 
 _FAMILY_TITLES = {

@@ -18,9 +18,9 @@ from typing import TypeVar
 import numpy as np
 import yaml
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import from_numpy, to_numpy
-from deepx_sdk.ir.shapes import numel
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import from_numpy, to_numpy
+from deepx_core.ir.shapes import numel
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)

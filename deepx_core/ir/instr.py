@@ -99,7 +99,7 @@ class Instr(NamedTuple):
         return self._replace(meta=tuple(new.items()))
 
     def __str__(self) -> str:
-        from deepx_sdk.ir.text import format_text
+        from deepx_core.ir.text import format_text
 
         return format_text(self)
 
@@ -132,23 +132,23 @@ class Program(Sequence[Instr]):
 
     @classmethod
     def from_text(cls, text: str) -> Program:
-        from deepx_sdk.ir.text import parse_text
+        from deepx_core.ir.text import parse_text
 
         return cls(parse_text(text))
 
     def to_text(self) -> str:
-        from deepx_sdk.ir.text import format_text
+        from deepx_core.ir.text import format_text
 
         return "\n".join(format_text(i) for i in self._instrs)
 
     @classmethod
     def unpack(cls, data: bytes) -> Program:
-        from deepx_sdk.ir.wire import unpack_program
+        from deepx_core.ir.wire import unpack_program
 
         return cls(unpack_program(data))
 
     def pack(self) -> bytes:
-        from deepx_sdk.ir.wire import pack_program
+        from deepx_core.ir.wire import pack_program
 
         return pack_program(self._instrs)
 

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import ALL, FLOATS, INDEX, INTS, NUMERIC, STORABLE, to_numpy
-from deepx_sdk.ir.instr import Instr, Param
-from deepx_sdk.ir.shapes import Shape, broadcast, check_perm, norm_dim, norm_dims, numel, reduced
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import ALL, FLOATS, INDEX, INTS, NUMERIC, STORABLE, to_numpy
+from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.shapes import Shape, broadcast, check_perm, norm_dim, norm_dims, numel, reduced
 
 
 class TensorMeta(NamedTuple):
@@ -805,7 +805,7 @@ def tensor_list(value: Any) -> list[str] | None:
 
 
 def _describe(p: Param) -> str:
-    from deepx_sdk.ir.text import format_param
+    from deepx_core.ir.text import format_param
 
     return format_param(p)
 

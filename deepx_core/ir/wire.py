@@ -14,9 +14,9 @@ from typing import Any
 
 import msgpack
 
-from deepx_sdk.errors import DeepxError
-from deepx_sdk.ir.dtypes import is_precision
-from deepx_sdk.ir.instr import CATEGORIES, Instr, Param, Scalar, Value
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import is_precision
+from deepx_core.ir.instr import CATEGORIES, Instr, Param, Scalar, Value
 
 __all__ = [
     "PROGRAM_VERSION",
@@ -66,7 +66,7 @@ def pack_instr(instr: Instr) -> bytes:
                   for v in (p.value if isinstance(p.value, (list, tuple)) else (p.value,))]
         big = [v for v in values if type(v) is int and not -2**63 <= v < 2**64]
         what = f"value {big[0]} does not fit in 64 bits (the wire's integers)" if big else str(e)
-        from deepx_sdk.ir.text import format_text
+        from deepx_core.ir.text import format_text
 
         raise DeepxError(f"{instr.name}: {what} ({format_text(instr)})") from None
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numbers
 import re
 
-from deepx_sdk.errors import DeepxParseError
-from deepx_sdk.ir.dtypes import is_precision
-from deepx_sdk.ir.instr import Instr, Param, Value
+from deepx_core.errors import DeepxParseError
+from deepx_core.ir.dtypes import is_precision
+from deepx_core.ir.instr import Instr, Param, Value
 
 __all__ = ["format_param", "format_text", "is_name", "parse_line", "parse_text"]
 
