@@ -40,7 +40,7 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, existing
 from deepx_core.ir.wire import instr_from_obj
 from deepx_sdk.optim import sgd_step
-from deepx_sdk.session import EmbeddedTransport, NativeTransport, Session, Transport, session
+from deepx_sdk.session import NativeTransport, Session, Transport, session
 
 log = logging.getLogger(__name__)
 
@@ -234,12 +234,17 @@ class _Link:
     def _native(self) -> Any:
         return self.t.client if isinstance(self.t, NativeTransport) else None
 
-    def _embedded(self, fn: Callable[..., Any], **req: Any) -> Any:
-        node = getattr(self.t, "node", None)
-        if node is None or not hasattr(self.t, "_call"):
-            raise DeepxError(f"dx.compile needs a deepxd (embedded or unix://); {getattr(self.t, 'address', '?')} "
+    def _embedded(self, what: str) -> Any:
+        """The embedded node (deepxd.embedded.EmbeddedNode) this session runs on; DeepxError naming `what` where the
+        transport is neither it nor a native socket."""
+        e = getattr(self.t, "embedded", None)
+        if e is None:
+            raise DeepxError(f"{what} needs a deepxd (embedded or unix://); {getattr(self.t, 'address', '?')} "
                              "cannot store or replay graphs")
-        return self.t._call(fn(node, **req))
+        return e
+
+    def _call(self, coro: Any) -> Any:
+        return self.t._call(coro)  # type: ignore[attr-defined]
 
     def backward_program(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
                          prefix: str, names: dict[str, str] | None = None) -> tuple[dict[str, str], list[Instr]]:
@@ -250,12 +255,8 @@ class _Link:
             r = c.request("backward", forward=[pack_instr_cached(i) for i in forward], loss=loss, wrt=list(wrt),
                           grad_loss=grad_loss, prefix=prefix, capture=True, names=names)
             return dict(r["grads"]), [instr_from_obj(o) for o in r["program"]]
-        node = getattr(self.t, "node", None)
-        if node is None:
-            raise DeepxError("dx.compile: gradients need a deepxd (unix:// or embedded)")
-        r = self.t._call(node.ref("scheduler").ask("backward", forward=list(forward), loss=loss, wrt=list(wrt),  # type: ignore[attr-defined]
-                                                   grad_loss=grad_loss, prefix=prefix, capture=True,
-                                                   names=names))
+        r = self._call(self._embedded("dx.compile's gradients").backward(forward, loss, wrt, grad_loss, prefix,
+                                                                           names, capture=True))
         return dict(r["grads"]), list(r["program"])
 
     def store(self, name: str, data: bytes) -> dict[str, Any]:
@@ -263,27 +264,21 @@ class _Link:
         if c is not None:
             r = c.request("graph_store", name=name, data=data)
             return {k: v for k, v in r.items() if k not in ("id", "ok")}
-        from deepxd.net.native import graph_store
-
-        return self._embedded(graph_store, name=name, data=data)  # type: ignore[no-any-return]
+        return self._call(self._embedded("dx.compile").graph_store(name, data))  # type: ignore[no-any-return]
 
     def drop(self, name: str) -> dict[str, Any]:
         c = self._native()
         if c is not None:
             r = c.request("graph_drop", name=name)
             return {k: v for k, v in r.items() if k not in ("id", "ok")}
-        from deepxd.net.native import graph_drop
-
-        return self._embedded(graph_drop, name=name)  # type: ignore[no-any-return]
+        return self._call(self._embedded("dx.compile").graph_drop(name))  # type: ignore[no-any-return]
 
     def get(self, name: str) -> bytes | None:
         c = self._native()
         if c is not None:
             data = c.request("graph_get", name=name).get("data")
             return bytes(data) if data is not None else None
-        from deepxd.net.native import graph_get
-
-        return self._embedded(graph_get, name=name)  # type: ignore[no-any-return]
+        return self._call(self._embedded("dx.compile").graph_get(name))  # type: ignore[no-any-return]
 
     def replay(self, name: str, inputs: dict[str, Any], outputs: dict[str, str], scalars: dict[str, Any],
                fetch: Sequence[str] = ()) -> dict[str, np.ndarray]:
@@ -295,16 +290,9 @@ class _Link:
             if not r.get("ok"):
                 raise DeepxError(r.get("error") or f"replay of graph {name!r} failed")
             return {k: decode_tensor(v) for k, v in (r.get("tensors") or {}).items()}
-        from deepxd.net.native import replay_graph
-
-        t = self.t
-        if isinstance(t, EmbeddedTransport):  # with no event loop step where the scheduler can (replay_now)
-            node, req = t.node, {"inputs": inputs, "outputs": outputs, "scalars": scalars, "fetch": list(fetch)}
-            result = t.now_or_ask(node.ref("scheduler")._actor.replay_now, (name, *req.values()),
-                                  lambda: replay_graph(node, name=name, **req))
-        else:
-            result = self._embedded(replay_graph, name=name, inputs=inputs, outputs=outputs, scalars=scalars,
-                                    fetch=list(fetch))
+        e, args = self._embedded("dx.compile"), (name, inputs, outputs, scalars, list(fetch))
+        # with no event loop step where the scheduler can (Scheduler.now_replay)
+        result = self.t.now_or_ask(e.now_replay, args, lambda: e.replay(*args))  # type: ignore[attr-defined]
         if result.error:
             raise DeepxError(result.error)
         return dict(result.tensors)
@@ -314,18 +302,13 @@ class _Link:
         if c is not None:
             r = c.request("explain", graph=name)
             return {k: r[k] for k in ("before", "after", "passes")}
-        from deepxd.net.native import explain_graph
-
-        return self._embedded(explain_graph, graph=name)  # type: ignore[no-any-return]
+        return self._call(self._embedded("dx.explain").explain(name))  # type: ignore[no-any-return]
 
     def graphs(self) -> list[dict[str, Any]]:
         c = self._native()
         if c is not None:
             return list(c.admin("graphs"))
-        node = getattr(self.t, "node", None)
-        if node is None:
-            raise DeepxError("dx.graphs needs a deepxd (embedded or unix://)")
-        return list(self.t._call(node.ref("registry").ask("graphs")))  # type: ignore[attr-defined]
+        return list(self._call(self._embedded("dx.graphs").graphs()))
 
 
 def _link(transport: Transport) -> _Link:

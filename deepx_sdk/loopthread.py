@@ -22,7 +22,7 @@ Where the turn is taken (the loop's thread is busy, or in asyncio's debug mode, 
 coroutine goes to the loop's thread as `asyncio.run_coroutine_threadsafe` sends it.
 
 `LoopThread.now` borrows the loop the same way for a plain function: no task, no coroutine, nothing of asyncio's on
-the way. The embedded daemon's training steps go so (`Scheduler.run_now`: a step the scheduler has run before, its
+the way. The embedded daemon's training steps go so (`Scheduler.now_run`: a step the scheduler has run before, its
 actors idle), which saves the task and the chain of asks that `call` would make of them; where the function finds it
 needs to wait after all, it returns a coroutine, which goes on as in `call`, under the same turn. Where the loop
 cannot be borrowed, it runs nothing and says so (`NOT_NOW`), and the caller takes `call`.

@@ -193,36 +193,35 @@ class EmbeddedTransport(Transport):
 
     def __init__(self, roles: Sequence[str] | None = None) -> None:
         from deepx_core.paths import private_socket_dir
-        from deepxd.config import Config, with_needed_roles
+        from deepxd.embedded import EmbeddedNode
 
         sock = private_socket_dir() / f"embedded-{os.getpid()}-{id(self)}.sock"
         if roles is None:
             env = os.environ.get("DEEPX_ROLES", "")
-            roles = [r.strip() for r in env.split(",") if r.strip()] or ["registry", "heapmem", "scheduler", "op-cpu"]
-        roles = with_needed_roles(list(roles))
-        # every program runs on the event loop (inline_elements -1), which this thread borrows while the loop's own
-        # thread sleeps (deepx_sdk/loopthread.py): no thread hand-off for a program the actors answer at once
-        # the kernel choices a daemon reads from its config come from the environment here (DEEPX_BLAS,
-        # DEEPX_NATIVE_KERNELS), as a daemon's do
-        self.config = Config(listen=f"unix://{sock}", udp="off", roles=roles, node_id=f"embedded-{os.getpid()}",
-                             log_level="warning", inline_elements=-1,
-                             blas=os.environ.get("DEEPX_BLAS", "auto").strip().lower() or "auto",
-                             native_kernels=int(os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip() != "0"))
-        self.node: Any = None
+            roles = [r.strip() for r in env.split(",") if r.strip()] or None
         self.runner = LoopThread("deepx-embedded")
         self.loop = self.runner.loop
+        # the kernel choices a daemon reads from its config come from the environment here (DEEPX_BLAS,
+        # DEEPX_NATIVE_KERNELS), as a daemon's do
+        self.embedded: Any = None
+
+        async def start() -> None:
+            self.embedded = EmbeddedNode(str(sock), f"embedded-{os.getpid()}", roles,
+                                         blas=os.environ.get("DEEPX_BLAS", "auto").strip().lower() or "auto",
+                                         native_kernels=os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip() != "0")
+            await self.embedded.start()
+
         try:
-            self.runner.start(self._start)
+            self.runner.start(start)
         except BaseException as e:
             raise DeepxError(f"the embedded deepxd did not start: {e}") from e
         self.thread = self.runner.thread
-        self.address = self.config.listen
+        self.address = f"unix://{sock}"
 
-    async def _start(self) -> None:
-        from deepxd.node import Node
-
-        self.node = Node(self.config)
-        await self.node.start()
+    @property
+    def node(self) -> Any:
+        """The embedded deepxd node itself (deepxd.node.Node), for inspection; requests go through `embedded`."""
+        return self.embedded.node
 
     def _call(self, coro: Any) -> Any:
         if not self.runner.alive():
@@ -236,10 +235,9 @@ class EmbeddedTransport(Transport):
             ) -> Outcome:
         program, fetch, marks = list(program), list(fetch), list(backwards) or None
         # a step the scheduler has run before, straight to the worker with no event loop step where it can be
-        # (Scheduler.run_now); else the ask, as any other
-        sched = self.node.ref("scheduler")
-        r = self.now_or_ask(sched._actor.run_now, (program, fetch, marks),
-                            lambda: sched.ask("run", program=program, fetch=fetch, backwards=marks))
+        # (Scheduler.now_run); else the ask, as any other
+        e = self.embedded
+        r = self.now_or_ask(e.now_run, (program, fetch, marks), lambda: e.run(program, fetch, marks))
         return Outcome(not r.error, r.done, r.error or None, r.error_index, r.tensors, r.output)
 
     def now_or_ask(self, now: Any, args: tuple[Any, ...], ask: Any) -> Any:
@@ -256,22 +254,16 @@ class EmbeddedTransport(Transport):
         return r
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
-        from deepx_core.ir.dtypes import from_numpy
-
-        a = np.ascontiguousarray(array)
-        self._call(self.node.worker().ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(array.shape),
-                                               data=a.reshape(-1).view(np.uint8).data, heap=heap))
+        self._call(self.embedded.put(name, array, heap))
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
                  prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
-        r = self._call(self.node.ref("scheduler").ask("backward", forward=list(forward), loss=loss, wrt=list(wrt),
-                                                      grad_loss=grad_loss, prefix=prefix, names=names))
-        return dict(r["grads"])
+        return dict(self._call(self.embedded.backward(forward, loss, wrt, grad_loss, prefix, names))["grads"])
 
     def close(self) -> None:
         if self.runner.alive():
             try:
-                self.runner.send(self.node.shutdown(), 30)
+                self.runner.send(self.embedded.shutdown(), 30)
             except Exception as e:
                 log.warning("embedded deepxd: shutdown failed: %s", e)
         self.runner.stop(10)

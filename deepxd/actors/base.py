@@ -349,6 +349,14 @@ class ActorRef:
             a.mailbox.put_nowait(Envelope(message, kwargs, fut))
         return fut
 
+    def now(self, message: str, *args: Any) -> Any:
+        """The actor's answer to `message` made on the caller's thread, with no mailbox and no event loop step, where
+        the actor offers one (a method `now_<message>`) and can give it now; None, with nothing run, where it cannot:
+        the caller asks instead. The embedded daemon's fast path, used while the caller borrows the actors' loop
+        (deepx_sdk/loopthread.py); the only way past the mailbox."""
+        fn = getattr(self._actor, f"now_{message}", None)
+        return None if fn is None else fn(*args)
+
     async def ask(self, message: str, timeout: float | None = None, **kwargs: Any) -> Any:
         a = self._actor
         if timeout is None and a.idle():

@@ -32,7 +32,7 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, Bound, ProgramError
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
-from deepxd.actors.opcpu import HeapViews, KnownProgram, OpStat, OpWorker, RunResult
+from deepxd.actors.worker import HeapViews, KnownProgram, OpStat, OpWorker, RunResult
 from deepxd.kernels.cpu import dtype_name
 
 log = logging.getLogger(__name__)

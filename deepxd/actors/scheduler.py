@@ -23,7 +23,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef
-from deepxd.actors.opcpu import LONG_PROGRAM, REMEMBER_MAX, RunResult
+from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.compiler.analysis import BindMemo, default_pair_min, has_ends, named_tensors
 from deepxd.compiler.pipeline import (
     DEFAULT_PASSES,
@@ -285,7 +285,7 @@ class Scheduler(Actor):
         self.expansion_hits = 0
         self._fast: list[_Fast] = []  # the last few programs, to run again as they went (see _run_fast)
         self.fast_hits = 0
-        self.now_hits = 0  # runs and replays taken by run_now and replay_now (the embedded daemon's, no loop step)
+        self.now_hits = 0  # runs and replays taken by now_run and now_replay (the embedded daemon's, no loop step)
         self._cancel: Callable[[], bool] | None = None  # the running program's (on_run)
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
@@ -426,7 +426,7 @@ class Scheduler(Actor):
         done = self._fast_ran(fast, program, fetch, result)
         return await done if isinstance(done, CoroutineType) else done
 
-    def run_now(self, program: Sequence[Instr], fetch: Sequence[str],
+    def now_run(self, program: Sequence[Instr], fetch: Sequence[str],
                 backwards: Sequence[dict[str, Any]] | None = None) -> Any:
         """on_run's fast path with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the
         embedded daemon's training steps, without the event loop's tasks and hand-offs). None, with nothing run and
@@ -454,9 +454,9 @@ class Scheduler(Actor):
         if isinstance(known, RunResult):  # stale: the entry goes, and the ask takes the whole path
             self._fast.remove(fast)
             return None
-        return self.now("run", self._run_now, fast, worker, known, program, fetch)
+        return self.now("run", self._now_run, fast, worker, known, program, fetch)
 
-    def _run_now(self, fast: _Fast, worker: Any, known: Any, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
+    def _now_run(self, fast: _Fast, worker: Any, known: Any, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
         t0 = time.perf_counter()
         self.now_hits += 1
         done = self._fast_ran(fast, program, fetch, worker.now("run", worker.run_known, known, fetch))
@@ -900,7 +900,7 @@ class Scheduler(Actor):
         done = self._replayed(name, plan, worker, bound, result, t0)
         return await done if isinstance(done, CoroutineType) else done
 
-    def replay_now(self, name: str, inputs: dict[str, Any], outputs: dict[str, Any],
+    def now_replay(self, name: str, inputs: dict[str, Any], outputs: dict[str, Any],
                    scalars: dict[str, Any] | None = None, fetch: Sequence[str] = ()) -> Any:
         """on_replay with no coroutine (LoopThread.now: dx.compile's replays in the embedded daemon), where the graph
         is planned here and bound as the last replay was (its inputs found to fit), both actors are idle with
@@ -928,9 +928,9 @@ class Scheduler(Actor):
         known = find(bound.program, fetch, None, bound.expect)
         if known is None or isinstance(known, RunResult):  # not inline, or stale: on_replay checks the inputs
             return None
-        return self.now("replay", self._replay_now, name, plan, worker, bound, known, fetch)
+        return self.now("replay", self._now_replay, name, plan, worker, bound, known, fetch)
 
-    def _replay_now(self, name: str, plan: Any, worker: Any, bound: Any, known: Any, fetch: list[str]) -> Any:
+    def _now_replay(self, name: str, plan: Any, worker: Any, bound: Any, known: Any, fetch: list[str]) -> Any:
         t0 = time.perf_counter()
         self.now_hits += 1
         return self._replayed(name, plan, worker.ref, bound, worker.now("run", worker.run_known, known, fetch), t0)

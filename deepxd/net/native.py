@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import from_numpy
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import is_name
 from deepx_core.ir.wire import instr_from_obj, instr_to_obj, unpack_instr, unpack_instr_cached
 from deepx_core.paths import check_socket_dir
-from deepxd.actors.opcpu import LONG_PROGRAM, REMEMBER_MAX, RunResult
-from deepxd.kernels.cpu import dtype_name
+from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
+from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ def _peer_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Ca
 def encode_tensor(a: np.ndarray) -> dict[str, Any]:
     """A tensor as msgpack fields; the bytes go out as a view of the array (bin), not a copy."""
     flat = np.ascontiguousarray(a).reshape(-1)
-    return {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "data": flat.view(np.uint8).data}
+    return {"dtype": from_numpy(a.dtype), "shape": list(a.shape), "data": flat.view(np.uint8).data}
 
 
 def encode_result(r: RunResult) -> dict[str, Any]:
@@ -115,38 +116,6 @@ def check_socket_free(path: str) -> None:
     raise DeepxError(f"socket {path} is in use by another deepxd; stop it or choose --listen unix:///other/path")
 
 
-async def graph_store(node: Node, name: Any, data: Any) -> dict[str, Any]:
-    """Store a graph (dx.compile's record) as `graph:<name>` in the plane, and have the scheduler plan it."""
-    from deepx_core.graphrecord import GraphRecord, check_graph_name
-
-    check_graph_name(name)
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise DeepxError("graph_store: 'data' must be the graph's msgpack bytes")
-    data = bytes(data)
-    GraphRecord.unpack(data, name)  # refuse what would not replay before it is stored
-    assert node.kv is not None
-    await node.kv.set(f"graph:{name}", data)
-    return dict(await node.ref("scheduler").ask("store_graph", name=name, data=data))
-
-
-async def graph_get(node: Node, name: Any) -> bytes | None:
-    """A stored graph's bytes, None when there is none."""
-    from deepx_core.graphrecord import check_graph_name
-
-    check_graph_name(name)
-    assert node.kv is not None
-    return await node.kv.get(f"graph:{name}")
-
-
-async def graph_drop(node: Node, name: Any) -> dict[str, Any]:
-    """Let go of a stored graph's plan and the temporaries its replays keep allocated on the worker (the stored
-    record stays in the plane: a later replay by name plans it again)."""
-    from deepx_core.graphrecord import check_graph_name
-
-    check_graph_name(name)
-    return dict(await node.ref("scheduler").ask("drop_graph", name=name))
-
-
 def _bind(bound: dict[str, Any], op: str, req: dict[str, Any]) -> None:
     """A connection's session state: `release_on_close` {prefix} (a session's tensor-name prefix; "" unbinds) and
     the names of the graphs stored over it."""
@@ -157,41 +126,6 @@ def _bind(bound: dict[str, Any], op: str, req: dict[str, Any]) -> None:
         bound["prefix"] = prefix
     elif isinstance(req.get("name"), str):
         bound.setdefault("graphs", set()).add(req["name"])
-
-
-async def graph_remove(node: Node, name: Any) -> dict[str, Any]:
-    """Delete a stored graph's record (`graph:<name>`) from the plane, and let go of this node's plan of it (another
-    node sharing the plane keeps its plan until its graph is dropped there: graph_drop)."""
-    from deepx_core.graphrecord import check_graph_name
-
-    check_graph_name(name)
-    assert node.kv is not None
-    if not await node.kv.delete(f"graph:{name}"):
-        raise DeepxError(f"graphs rm: no graph named {name!r} in the storage plane (`deepxctl graphs ls` lists them)")
-    dropped = await graph_drop(node, name) if "scheduler" in node.refs else {}
-    return {"name": name, "deleted": True, "plan_dropped": bool(dropped.get("planned")),
-            "temporaries_deleted": int(dropped.get("deleted", 0))}
-
-
-async def replay_graph(node: Node, name: Any, **req: Any) -> RunResult:
-    """Replay a stored graph; the scheduler plans it from the plane the first time (after a restart, say)."""
-    sched = node.ref("scheduler")
-    result = await sched.ask("replay", name=name, **req)
-    if result is None:
-        data = await graph_get(node, name)
-        if data is None:
-            raise DeepxError(f"replay: no graph named {name!r} in the storage plane (`deepxctl graphs ls` lists them)")
-        result = await sched.ask("replay", name=name, data=data, **req)
-    return result  # type: ignore[no-any-return]
-
-
-async def explain_graph(node: Node, graph: Any) -> dict[str, Any]:
-    """A stored graph before and after the passes (the plan its replays run)."""
-    data = await graph_get(node, graph)
-    if data is None:
-        raise DeepxError(f"explain: no graph named {graph!r} in the storage plane (`deepxctl graphs ls` lists them)")
-    return dict(await node.ref("scheduler").ask("explain_graph", name=graph, data=data))
-
 
 
 def _instrs(objs: Any, what: str) -> list[Instr]:

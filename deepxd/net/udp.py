@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import request_id
 from deepx_core.ir.text import parse_line
-from deepxd.actors.opcpu import RunResult
+from deepxd.actors.worker import RunResult
 from deepxd.net.reply import format_reply
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import pytest
 
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import parse_text
-from deepxd.actors.opcpu import RunResult
+from deepxd.actors.worker import RunResult
 from tests.compiler.test_backward_instr import FORWARD, UPDATE, _marker, _spec
 from tests.compiler.test_backward_instr import Node as GradNode
 from tests.compiler.test_repeats import Node, fresh
@@ -412,11 +412,11 @@ async def test_a_rename_before_a_backward_instruction_is_seen_by_its_derivation(
     np.testing.assert_allclose(r.tensors["gw"], node.x.T @ (1 - np.tanh(node.x @ node.w) ** 2), rtol=1e-12)
 
 
-# -- the same path with no coroutine (Scheduler.run_now, which the embedded daemon's LoopThread.now calls)
+# -- the same path with no coroutine (Scheduler.now_run, which the embedded daemon's LoopThread.now calls)
 async def now_or_ask(node: Node, program: list[Instr], fetch: list[str]) -> tuple[RunResult, str]:
-    """run_now where it takes the program (called on the loop's thread, as LoopThread.now would), else the ask; and
+    """now_run where it takes the program (called on the loop's thread, as LoopThread.now would), else the ask; and
     which answered: "now", "now, then awaited" (a coroutine that finishes it) or "ask"."""
-    done = node.scheduler.run_now(program, fetch)
+    done = node.scheduler.now_run(program, fetch)
     if done is None:
         return await node.run(program, fetch), "ask"
     if isinstance(done, RunResult):
@@ -446,7 +446,7 @@ async def test_run_now_gives_what_the_whole_path_gives(nodes, passes):
 
 
 # DIVIDE after work that the passes rewrite (a and b are one sum, and both are deleted): the fifth run fails at its
-# fourth instruction with the rewritten program part-way, which the scheduler repairs (a coroutine on run_now's path)
+# fourth instruction with the rewritten program part-way, which the scheduler repairs (a coroutine on now_run's path)
 REWRITTEN_DIVIDE = """
     add (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:a)
     add (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:b)
@@ -488,7 +488,7 @@ async def test_a_kernel_error_in_run_now_reads_as_on_the_whole_path(nodes, progr
 
 async def test_run_now_leaves_a_busy_actor_and_a_heap_tensor_to_the_ask(nodes):
     """A message waiting for the worker or the scheduler (a deepxctl ask, say), or a step whose tensor became a heap
-    tensor in between (its expectation fails; deleting it tells heapmem, which takes an await): run_now runs nothing
+    tensor in between (its expectation fails; deleting it tells heapmem, which takes an await): now_run runs nothing
     and answers None; the ask then runs it."""
     nodes.append(await Node(PASSES).start())
     node = nodes[-1]
@@ -496,19 +496,19 @@ async def test_run_now_leaves_a_busy_actor_and_a_heap_tensor_to_the_ask(nodes):
         await now_or_ask(node, fresh(STEP), ["s"])
     x = node.worker.ex.get("x").copy()
     waiting = node.worker.ref.ask_future("tensors")
-    assert node.scheduler.run_now(fresh(STEP), ["s"]) is None
+    assert node.scheduler.now_run(fresh(STEP), ["s"]) is None
     np.testing.assert_array_equal(node.worker.ex.get("x"), x)  # nothing ran
     assert {r["name"] for r in await waiting} >= {"x", "w"}
     waiting = node.scheduler.ref.ask_future("stats")
-    assert node.scheduler.run_now(fresh(STEP), ["s"]) is None
+    assert node.scheduler.now_run(fresh(STEP), ["s"]) is None
     await waiting
     r, way = await now_or_ask(node, fresh(STEP), ["s"])
     assert way == "now" and not r.error
     # t1 as a heap tensor of this worker (as an attached one is): the step deletes it
     node.worker.heap["t1"] = np.zeros((3, 4), np.float32)
     node.worker.heap_held.add("t1")  # held here, so that the program's deltensor may release it
-    assert node.scheduler.run_now(fresh(STEP), ["s"]) is None
+    assert node.scheduler.now_run(fresh(STEP), ["s"]) is None
     r, way = await now_or_ask(node, fresh(STEP), ["s"])
     assert way == "ask" and not r.error and "t1" not in node.worker.heap
-    # a declined run_now counts no message: each run is counted once, by the ask that ran it
+    # a declined now_run counts no message: each run is counted once, by the ask that ran it
     assert node.scheduler.stats.by_message["run"] == node.scheduler.programs

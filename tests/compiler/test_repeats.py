@@ -9,8 +9,9 @@ import pytest
 
 from deepx_core.ir.instr import Instr, Param, same_program, scalar_kinds
 from deepx_core.ir.text import parse_text
-from deepxd.actors.opcpu import CpuWorker, RunResult
+from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.scheduler import Scheduler
+from deepxd.actors.worker import RunResult
 from deepxd.config import Config
 
 # a loop body as a client that reuses the names of dropped temporaries sends it: t1/t2 are overwritten every step

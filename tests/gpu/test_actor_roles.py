@@ -56,14 +56,14 @@ def test_the_embedded_session_takes_its_roles_from_connect_or_the_environment(mo
     monkeypatch.delenv("DEEPX_ROLES", raising=False)
     try:
         s = dx.connect(roles=["heapmem", "op-cpu"])
-        assert s.transport.config.roles == ["heapmem", "op-cpu", "registry", "scheduler"]
+        assert s.transport.embedded.config.roles == ["heapmem", "op-cpu", "registry", "scheduler"]
         assert (dx.arange(4) * 2).numpy().tolist() == [0, 2, 4, 6]
         monkeypatch.setenv("DEEPX_ROLES", "op-cpu")
         s = dx.connect()
-        assert s.transport.config.roles == ["op-cpu", "registry", "scheduler"]
+        assert s.transport.embedded.config.roles == ["op-cpu", "registry", "scheduler"]
         monkeypatch.delenv("DEEPX_ROLES")
         s = dx.connect()
-        assert s.transport.config.roles == ["registry", "heapmem", "scheduler", "op-cpu"]
+        assert s.transport.embedded.config.roles == ["registry", "heapmem", "scheduler", "op-cpu"]
         with pytest.raises(DeepxError, match="roles of an embedded daemon"):
             dx.connect("unix:///nonexistent/deepxd.sock", roles=["op-cuda"])
     finally:

@@ -35,12 +35,12 @@ def _start() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
 def _train(roles: list[str] | None, optimizer: str, steps: int = STEPS, now: bool = True
            ) -> tuple[list[float], dict[str, np.ndarray], list[dict], int]:
     """The losses, the final weights, the registry's rows, and how many runs took the way with no event loop step
-    (Scheduler.run_now; now=False: every run by the ask)."""
+    (Scheduler.now_run; now=False: every run by the ask)."""
     s = dx.connect(roles=roles)
     try:
         sched = s.transport.node.ref("scheduler")._actor
         if not now:
-            sched.run_now = lambda *args: None
+            sched.now_run = lambda *args: None
         weights, x, y = _start()
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
         model.load_state_dict(weights)

@@ -632,7 +632,7 @@ def _linear_step(now: bool) -> tuple[Any, Any, np.ndarray, np.ndarray]:
     dx.disconnect()
     sched = dx.session().transport.node.ref("scheduler")._actor
     if not now:
-        sched.replay_now = lambda *args: None  # this session's scheduler answers every replay by the ask
+        sched.now_replay = lambda *args: None  # this session's scheduler answers every replay by the ask
     dx.manual_seed(4)
     model = nn.Linear(6, 5)
     opt = dx.optim.SGD(model.parameters(), lr=0.1)
@@ -651,7 +651,7 @@ def _linear_step(now: bool) -> tuple[Any, Any, np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("now", [True, False])
 def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_the_ask(now: bool) -> None:
-    """The embedded daemon replays a graph bound as the last replay was with no event loop step (replay_now); a
+    """The embedded daemon replays a graph bound as the last replay was with no event loop step (now_replay); a
     replay that fails in a kernel (a label out of range, put under the label's own name, so the bindings still fit)
     is finished as on_replay finishes it: the same error, its temporaries deleted. now=False: the ask's way, the
     reference."""
@@ -692,7 +692,7 @@ def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_th
 
 def _array_replays(now: bool) -> tuple[int, int, int]:
     """A compiled step given numpy arrays (put with each replay): how many times bind_replay ran, the replays, and
-    how many went replay_now's way, in a fresh embedded session (now=False: every replay by the ask)."""
+    how many went now_replay's way, in a fresh embedded session (now=False: every replay by the ask)."""
     from deepxd.compiler import graphs
 
     sched, step, x, y = _linear_step(now)
@@ -715,7 +715,7 @@ def _array_replays(now: bool) -> tuple[int, int, int]:
 
 
 def test_replays_with_arrays_bind_once_each_by_the_ask() -> None:
-    """Arrays are put with each replay, so its binding is never the last one again: replay_now leaves them to
+    """Arrays are put with each replay, so its binding is never the last one again: now_replay leaves them to
     on_replay without binding them first (a review found each bound twice)."""
     binds, replays, hits = _array_replays(True)
     assert hits == 0 and replays >= 4

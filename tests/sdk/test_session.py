@@ -164,7 +164,7 @@ def training(steps: int = 12) -> list[np.ndarray]:
 
 
 def test_training_steps_run_now_in_the_embedded_daemon_as_over_a_socket(deepxd):
-    """The embedded daemon runs a repeated step with no event loop step (Scheduler.run_now, LoopThread.now); the
+    """The embedded daemon runs a repeated step with no event loop step (Scheduler.now_run, LoopThread.now); the
     same steps against a deepxd go through its actors' asks: the same bits."""
     dx.disconnect()
     embedded = training()

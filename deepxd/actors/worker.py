@@ -1,0 +1,541 @@
+"""What every op worker shares: the result of a program (`RunResult`), op statistics, the view of heap tensors, and
+the `OpWorker` actor base that checks a program whole against the worker's tensors, remembers repeated programs
+and runs long ones in slices. The CPU worker (opcpu.py) and the CUDA worker (opcuda.py) fill in the kernels.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.instr import NUMBERED_OPS, Instr, numbers_probe, renumbered, same_program, scalar_kinds
+from deepx_core.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
+from deepx_core.ir.shapes import numel
+from deepxd.actors.base import Actor, ActorRef
+from deepxd.kernels.cpu import check_instruction, dtype_name
+from deepxd.kernels.cpu.life import refused_heap_replace
+
+log = logging.getLogger(__name__)
+
+#: a program longer than this is checked on the worker's thread and runs there in slices (the loop stays free)
+LONG_PROGRAM = 4096
+#: a program longer than this is never remembered (known programs, plans): a memo of it would outlive it
+REMEMBER_MAX = 65536
+#: about how long a slice of a program runs on the worker's thread before the worker looks up (cancel, queries)
+SLICE_S = 0.05
+#: what a worker answers between the slices of a long program: queries that read its state
+BETWEEN_SLICES = frozenset({"tensors", "metas", "op_stats"})
+
+
+@dataclass
+class RunResult:
+    """What happened to a program: `done` instructions ran; `error` (with `error_index`) stopped it."""
+
+    done: int = 0
+    error: str = ""
+    error_index: int = -1
+    t0: float = 0.0  # wall-clock start, seconds since the epoch
+    output: list[str] = field(default_factory=list)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    # start, end of each instruction that ran, from t0, as the worker measured the program it ran; `times_us`
+    # speaks of the client's program: the mappings (origins, done) of the passes in between (map_times) are applied
+    # when it is read, which an embedded client never does
+    raw_times: list[float] = field(default_factory=list)
+    time_maps: list[tuple[Sequence[int], int]] = field(default_factory=list)
+    # a known program's clock: its start and each instruction's end (perf_counter), made into raw_times when read
+    clock: tuple[float, list[float]] | None = None
+    # the version of the worker's state (OpWorker._state) when the run began, and after it where running the program
+    # again finds the state it found this time (a known program that leaves the metas it names as it found them);
+    # -1: not so
+    begun: int = -1
+    version: int = -1
+    known: bool = False  # it ran as a program the worker knew (checked before, its check now a comparison)
+    # asked to run only on a state it was not in (see OpWorker._stale): nothing ran
+    stale: bool = False
+    # where an instruction failed while running (not in its check): when it began, in us on the clock of the times;
+    # -1 where none began (a UDP reply's start_at is 0 only for an op that never started, deepxir.md section 2)
+    failed_at: float = -1.0
+    # stopped at an instruction boundary because its asker went away (the client's connection ended)
+    cancelled: bool = False
+    started: float = 0.0  # perf_counter when the first instruction began (a program run in slices)
+
+    @property
+    def times_us(self) -> list[float]:
+        if self.clock is not None:
+            start, ends = self.clock
+            self.clock = None
+            prev = start
+            for t in ends:
+                self.raw_times.append((prev - start) * 1e6)
+                self.raw_times.append((t - start) * 1e6)
+                prev = t
+        if self.time_maps:
+            from deepxd.compiler.pipeline import original_times
+
+            for origins, done in self.time_maps:
+                self.raw_times = original_times(self.raw_times, origins, done)
+            self.time_maps = []
+        return self.raw_times
+
+    def map_times(self, origins: Sequence[int], done: int) -> None:
+        """The times now speak of a program of which instruction i of the one that ran came from origins[i]."""
+        self.time_maps.append((origins, done))
+
+
+@dataclass
+class OpStat:
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+class HeapViews(dict[str, Any]):
+    """A worker's heap tensors (name -> its array), with `version` counting the changes (see OpWorker._state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 0
+
+    def __setitem__(self, name: str, view: Any) -> None:
+        dict.__setitem__(self, name, view)
+        self.version += 1
+
+    def __delitem__(self, name: str) -> None:
+        dict.__delitem__(self, name)
+        self.version += 1
+
+    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
+        if name in self:
+            self.version += 1
+        return dict.pop(self, name, *default)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.version += 1
+
+
+class KnownProgram(NamedTuple):
+    """A program checked before, with the state its check read (per tensor name it touches: meta before, and whether
+    it is a heap tensor): while that state holds, the same program checks the same way, so it runs without the
+    check, on instructions prepared for the executor."""
+
+    program: list[Instr]
+    kinds: tuple[tuple[int, int, Any], ...]
+    fetch: tuple[str, ...]
+    names: tuple[str, ...]
+    metas: list[TensorMeta | None]  # per name, its meta before the program (None: absent)
+    heaped: list[bool]  # per name, whether it was a heap tensor
+    bounds: list[Bound]
+    steps: list[Any]  # prepared at the first repeat: most programs that never repeat are never prepared
+    recover: list[Any]  # with the steps: [recover(done)], which sets the tensors straight after step `done` failed
+    slots: list[tuple[OpStat, int]]  # per instruction, its op's statistics and its bytes (filled at the first run)
+    heavy: bool
+    deletes: tuple[tuple[int, str], ...]  # (index, name) of each deltensor
+    transient: set[int]
+    after: list[bool]  # [whether a run leaves the metas of `names` as `metas`], from its first run as known
+
+
+def _state_free(bounds: list[Bound]) -> bool:
+    """Whether checking the program reads nothing but the metas of its tensors: no files, no named variables, no heap
+    tensors made (those ask heapmem)."""
+    for b in bounds:
+        op = b.op
+        if op.family == "io" or (op.name == "newtensor" and b.instr.meta):
+            return False
+        for a, p in zip(op.args, b.instr.args):
+            if type(p.value) is str and a.kind in ("var", "vector", "shape") and a.vtype not in ("str", "any"):
+                return False
+    return True
+
+
+def _touched(bounds: list[Bound]) -> tuple[str, ...]:
+    names: dict[str, None] = {}
+    for b in bounds:
+        for n in b.names:
+            if type(n) is str:
+                names[n] = None
+            elif type(n) is list:
+                names.update(dict.fromkeys(n))
+        for n in b.out_names:
+            names[str(n)] = None
+        if b.op.name == "renametensor":
+            names[str(b.args[0])] = None
+    return tuple(names)
+
+
+class OpWorker(Actor):
+    """What the op workers (op-cpu here, op-cuda in opcuda.py) share: the programs they have checked before, the
+    heap tensors they view, and their op statistics. A subclass sets these attributes and an executor `ex` (None
+    until it exists) whose `tensors` table has `metas`."""
+
+    ex: Any
+    heap: HeapViews  # heap tensor name -> its array (memory heapmem allocated)
+    heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
+    heapmem: ActorRef | None
+    known: dict[Any, list[KnownProgram]]
+    known_size: int
+    known_hits: int
+    renumberable: dict[Any, list[KnownProgram]]  # see _renumbered
+    renumbered_hits: int
+    op_stats: dict[str, OpStat]
+    output_log: bool
+    _output: list[str]
+    _unfolded: list[Any]  # known programs' clocks not yet in op_stats (see _fold)
+
+    def _print(self, text: str) -> None:
+        self._output.append(text)
+        if self.output_log:
+            log.info("print: %s", text)
+
+    # the known program that ran last, and the tensor table's version it left, where running it again finds the
+    # state it found (see _ran_known)
+    _last: tuple[KnownProgram, int] | None = None
+
+    def _known(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
+        if not program:
+            return None
+        last = self._last
+        if last is not None and program is last[0].program and last[1] == self._state() and last[0].fetch == tuple(
+                fetch):
+            return last[0]  # the very program again, nothing written since: the metas it names are as it left them
+        try:
+            bucket = self.known.get((len(program), program[0], program[-1]))
+        except TypeError:  # a list inside a param: not hashable, never remembered
+            return None
+        heap = self.heap
+        fetch = tuple(fetch)
+        for k in bucket or ():
+            if (k.fetch == fetch and same_program(program, k.program, k.kinds)
+                    and self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None)):
+                return k
+        return self._renumbered(program, fetch) if self.renumberable else None
+
+    def _renumbered(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
+        """A known program that `program` repeats with new numbers in its optimizer updates (Adam's step count, a
+        scheduled learning rate: instr.renumbered), checked against the same state: that one with those updates bound
+        again (and prepared again), in its place, since the next step brings new numbers again. None otherwise."""
+        try:
+            bucket = self.renumberable.get(numbers_probe(program))
+        except TypeError:
+            return None
+        if not bucket:
+            return None
+        heap = self.heap
+        fetch = tuple(fetch)
+        for j, k in enumerate(bucket):
+            if k.fetch != fetch:
+                continue
+            varied = renumbered(program, k.program)
+            if not varied or not self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None):
+                continue
+            bounds = list(k.bounds)
+            for i in varied:
+                old = bounds[i]
+                metas = {str(p.value): m for p, m in zip(old.instr.args, old.args) if p.category == "tensor"}
+                try:
+                    bounds[i] = bind(program[i], SymbolicEnv(metas))
+                except DeepxError:  # a number the op refuses: on_run's check says how
+                    return None
+            program = program if type(program) is list else list(program)
+            derived = k._replace(program=program, kinds=scalar_kinds(program), bounds=bounds,
+                                 steps=self._steps_renumbered(k, bounds, varied), recover=list(k.recover))
+            bucket[j] = derived
+            probe = (len(k.program), k.program[0], k.program[-1])
+            exact = self.known.get(probe)
+            if exact is not None:
+                for i, e in enumerate(exact):
+                    if e is k:
+                        del exact[i]
+                        break
+                if not exact:  # a step whose last instruction is an update has a new probe every time
+                    del self.known[probe]
+            self.known.setdefault((len(program), program[0], program[-1]), []).append(derived)
+            self.renumbered_hits += 1
+            return derived
+        return None
+
+    def _steps_renumbered(self, known: KnownProgram, bounds: list[Bound], varied: list[int]) -> list[Any]:
+        """The prepared steps of a renumbered known program: none (prepared again at its first run)."""
+        return []
+
+    def known_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                  expect: Any = None) -> KnownProgram | RunResult | None:
+        """What on_run would do with this ask, where it can be done with no coroutine (the embedded daemon's fast
+        path, Scheduler.now_run, then run_known), found without running or counting anything (a renumbered program
+        takes its known one's place, as on_run's lookup would have it): the known program to run, one
+        that deletes no heap tensor (heapmem would be told) and that _now_ok allows; on_run's `stale` answer; else
+        None (on_run must answer)."""
+        if self.ex is None:
+            return None
+        stale = self._stale(version, expect)
+        if stale is not None:
+            return stale
+        known = self._known(program, fetch)
+        heap = self.heap
+        if known is None or not self._now_ok(known) or (heap and any(name in heap for _, name in known.deletes)):
+            return None
+        return known
+
+    def _now_ok(self, known: KnownProgram) -> bool:
+        """Whether run_known may run this known program (op-cpu: not one for its thread pool)."""
+        return True
+
+    @staticmethod
+    def _cancelled(result: RunResult) -> RunResult:
+        """A run stopped where it was (after `result.done` instructions) because its asker went away."""
+        result.cancelled = True
+        result.error_index = result.done
+        result.error = (f"instruction {result.done + 1}: cancelled: the client's connection ended (the instructions "
+                        "before it ran)")
+        return result
+
+    def _begin_known(self, known: KnownProgram) -> RunResult:
+        """A known program about to run: its result begun."""
+        result = RunResult(t0=time.time(), begun=self._state())
+        self._output = []
+        self.known_hits += 1
+        result.known = True
+        return result
+
+    def _end_known(self, known: KnownProgram, result: RunResult) -> RunResult:
+        result.output = self._output
+        self._ran_known(known, result)
+        return result
+
+    def _meets(self, names: Sequence[str], metas: list[Any], heaped: list[bool] | None) -> bool:
+        """Whether the tensors `names` have these metas here now (None: absent), and these heap flags (None: not
+        asked). C loops, and list compares."""
+        return list(map(self.ex.tensors.metas.get, names)) == metas and (
+            heaped is None or list(map(self.heap.__contains__, names)) == heaped)
+
+    def _ran_known(self, known: KnownProgram, result: RunResult) -> None:
+        """After a known program ran: where it ran to the end and left the metas it names as it found them (a
+        training step deletes its temporaries and gradients and makes them again), it is the last program, and the
+        table's version then is noted (in `result.version` too, for the scheduler): while the version stands, the
+        same program finds the same state, and runs again without the comparing."""
+        if result.error:
+            self._last = None
+            return
+        after = known.after
+        if not after:  # the same program from the same state leaves the same state: worked out once
+            after.append(self._meets(known.names, known.metas, known.heaped))
+        if after[0]:
+            result.version = self._state()
+            self._last = (known, result.version)
+        else:
+            self._last = None
+
+    def _state(self) -> int:
+        """The version of what a program's check reads here: the tensor table's and the heap tensors' (both only
+        grow, so their sum stands exactly while neither changes)."""
+        return int(self.ex.tensors.version) + self.heap.version
+
+    def _stale(self, version: int | None, expect: Any) -> RunResult | None:
+        """A run asked for only on a state (the scheduler's fast path): where the state's version is `version`, or
+        else the tensors named in `expect` (names, their metas, whether each is a heap tensor or None: either) are
+        as it says. The answer where neither holds, with nothing run; None where the run may go ahead (or neither
+        was asked for)."""
+        if version is None and expect is None:
+            return None
+        if self.ex is None:
+            return RunResult(stale=True)
+        if version is not None and self._state() == version:
+            return None
+        if expect is not None and self._meets(*expect):
+            return None
+        return RunResult(stale=True)
+
+    def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
+        exists = name in self.ex.tensors
+        for b in bounds:
+            if b.op.name == "deltensor" and b.out_names[0] == name:
+                exists = False
+            elif b.op.name == "renametensor":
+                if b.out_names[0] == name:
+                    exists = False
+                elif b.args[0] == name:
+                    exists = True
+            elif name in b.out_names or (b.op.name == "load" and name in (str(b.args[0]).rsplit("/", 1)[-1],)):
+                exists = True
+        return exists
+
+    def _check_program(self, program: Sequence[Instr], fetch: Sequence[str]) -> list[Bound]:
+        """The program checked whole against the tensors here, its fetch and its heap tensors included (ProgramError
+        at the first refusal): its bound instructions."""
+        bounds = check_program(program, self.ex, self.ex.plans)
+        self._check_instructions(bounds)
+        self._check_heap(bounds)
+        for name in fetch:
+            if not self._will_exist(name, bounds):
+                raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        return bounds
+
+    @staticmethod
+    def _check_instructions(bounds: list[Bound]) -> None:
+        """check_instruction (a repeat count, a rename's new name) for each checked instruction that has what it
+        reads: ProgramError at the first it refuses, before anything runs."""
+        for i, b in enumerate(bounds):
+            if b.instr.meta or b.op.name == "renametensor":
+                try:
+                    check_instruction(b)
+                except DeepxError as e:
+                    raise ProgramError(f"instruction {i + 1}: {e}", i) from None
+
+    def _check_heap(self, bounds: list[Bound]) -> None:
+        if not self.heap:
+            return
+        for i, b in enumerate(bounds):
+            for n, m in zip(b.out_names, b.outs):
+                view = self.heap.get(n) if isinstance(n, str) else None
+                if view is not None and m is not None and (tuple(m.shape) != tuple(view.shape)
+                                                           or m.dtype != dtype_name(view.dtype)):
+                    if b.op.name == "newtensor":
+                        have = TensorMeta(tuple(view.shape), dtype_name(view.dtype))
+                        raise ProgramError(f"instruction {i + 1}: {refused_heap_replace(n, have, m)}", i)
+                    raise ProgramError(
+                        f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
+                        f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
+            if b.op.name == "renametensor" and b.out_names[0] in self.heap:
+                raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
+                                   "renamed", i)
+            # a deltensor releases this worker's own reference only: one it does not hold would stay live
+            if b.op.name == "deltensor" and b.out_names[0] in self.heap and b.out_names[0] not in self.heap_held:
+                raise ProgramError(
+                    f"instruction {i + 1}: deltensor: heap tensor '{b.out_names[0]}' is held by others, not by "
+                    f"{self.name}, so deleting it here would free nothing; its holders release it, or "
+                    f"`deepxctl tensors rm {b.out_names[0]} --force` frees it", i)
+
+    async def _forget_deleted(self, known: KnownProgram, done: int) -> None:
+        """The heap tensors that a known program's first `done` instructions deleted: forgotten (_forget_heap)."""
+        heap = self.heap
+        for i, name in known.deletes:
+            if i >= done:
+                break
+            if name in heap:
+                await self._forget_heap(name)
+
+    async def _forget_heap(self, name: str) -> None:
+        """deltensor of a heap tensor: drop the view, and this worker's reference if it holds one (an owner's
+        reference keeps the tensor alive until the owner releases it)."""
+        if self.heap.pop(name, None) is not None and name in self.heap_held and self.heapmem is not None:
+            self.heap_held.discard(name)
+            try:
+                await self.heapmem.ask("release", name=name, holder=self.name)
+            except DeepxError as e:
+                log.warning("releasing heap tensor '%s': %s", name, e)
+
+    @staticmethod
+    def _put_array(name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview) -> np.ndarray:
+        """The bytes of a put as an array of `dtype` and `shape` (no copy), refused when they do not fit."""
+        npdt = to_numpy(dtype)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise DeepxError(f"put: shape {list(shape)} of '{name}' has a negative dimension")
+        want = numel(shape) * npdt.itemsize
+        if len(data) != want:
+            raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
+        return np.frombuffer(data, dtype=npdt).reshape(shape)
+
+    async def _heap_for_put(self, name: str, dtype: str, shape: tuple[int, ...], owner: str) -> Any:
+        """The heap tensor a put writes into: the one this worker views, else another worker's or process's of that
+        name on this node, attached once it is known to fit, else a new one (which replaces a lost one of that name;
+        heapmem refuses a name another node holds, with its own message)."""
+        if self.heapmem is None:
+            raise DeepxError("put: no heapmem role runs on this node; heap tensors need it")
+        view = self.heap.get(name)
+        if view is not None:
+            if tuple(view.shape) != shape or view.dtype != to_numpy(dtype):
+                raise DeepxError(f"put: heap tensor '{name}' is {dtype_name(view.dtype)}{list(view.shape)}; it "
+                                 f"cannot take {dtype}{list(shape)}")
+            return view
+        if name in self.ex.tensors:
+            raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
+        have = await self.heapmem.ask("info", name=name, missing_ok=True)  # another worker's or process's here
+        if have is None or have["state"] == "lost":
+            await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype, owner=owner or self.name,
+                                   zero=False, replace_lost=True)
+            if not owner or owner == self.name:
+                self.heap_held.add(name)
+        else:
+            if tuple(have["shape"]) != tuple(shape) or have["dtype"] != dtype:
+                raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
+                                 f"{dtype}{list(shape)}")
+            await self.heapmem.ask("attach", name=name, holder=self.name)
+            self.heap_held.add(name)
+        view = self.heap[name] = await self.heapmem.ask("array", name=name)
+        return view
+
+    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool = False,
+                  transient: set[int] | None = None) -> None:
+        """Keep a checked program with the state its check read (see KnownProgram). `heavy`: it runs on the
+        worker's thread; `transient`: the transposes that become views (none on the GPU, where they stay copies)."""
+        if not bounds or not _state_free(bounds):
+            return
+        try:
+            probe = (len(program), program[0], program[-1])
+            hash(probe)
+        except TypeError:
+            return
+        names = _touched(bounds)
+        if fetch:  # a name it reads back only: that it still exists is part of the check
+            names += tuple(n for n in dict.fromkeys(fetch) if n not in names)
+        metas, heap = self.ex.tensors.metas, self.heap
+        if sum(map(len, self.known.values())) >= self.known_size:
+            self.known.clear()
+            self.renumberable.clear()
+        bucket = self.known.setdefault(probe, [])
+        if len(bucket) >= 8:
+            del bucket[0]
+        program = program if type(program) is list else list(program)
+        known = KnownProgram(program, scalar_kinds(program), tuple(fetch), names, [metas.get(n) for n in names],
+                             [n in heap for n in names], bounds, [], [], [], heavy,
+                             tuple((i, str(b.out_names[0])) for i, b in enumerate(bounds) if b.op.name == "deltensor"),
+                             transient if transient is not None else set(), [])
+        bucket.append(known)
+        if any(i.name in NUMBERED_OPS for i in program):
+            numbered = self.renumberable.setdefault(numbers_probe(program), [])
+            if len(numbered) >= 8:
+                del numbered[0]
+            numbered.append(known)
+
+    def on_heap_gone(self, name: str) -> None:
+        """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""
+        view = self.heap.pop(name, None)
+        self.heap_held.discard(name)
+        if view is not None and self.ex is not None and self.ex.tensors.get(name) is view:
+            self.ex.tensors.pop(name)
+            self.known.clear()  # checked programs may name it
+            self.renumberable.clear()
+            self._last = None
+
+    def _fold(self) -> None:
+        """Add the clocks of the known programs run since the last fold to their ops' statistics: kept as they came
+        until the statistics are read (or 64 are waiting), off the path of the program that just ran."""
+        unfolded, self._unfolded = self._unfolded, []
+        for slots, start, ends in unfolded:
+            prev = start
+            for (s, nbytes), t in zip(slots, ends):
+                s.calls += 1
+                s.seconds += t - prev
+                s.bytes += nbytes
+                prev = t
+
+    def on_op_stats(self) -> dict[str, dict[str, float]]:
+        self._fold()
+        return {op: {"calls": s.calls, "seconds": s.seconds, "bytes": s.bytes} for op, s in self.op_stats.items()}
+
+    def on_state(self) -> tuple[dict[str, Any], list[str], int]:
+        """The shape and dtype of every tensor here, the names of the heap tensors, and the version of both
+        (_state): what the scheduler's passes check a program against (a copy: cheaper than the rows of `tensors`,
+        asked once per program)."""
+        if self.ex is None:
+            return {}, [], -1
+        return dict(self.ex.tensors.metas), list(self.heap), self._state()
