@@ -82,6 +82,15 @@ class OpDef:
     deepxir: bool = True  # one of the 60 operators of the existing deepxIR
     min_args: int = 0  # required args (the rest have defaults)
     min_returns: int = 0
+    # an elementwise op's value as an expression over its args' names, in the fused language (`parse_fused`:
+    # numexpr's syntax): what the fuse pass inlines, and, for family "expr", what its CPU and CUDA kernels evaluate
+    expr: str = ""
+    # the gradient rule written on value handles (deepxd/compiler/autograd.py, `Handle`): a function of `g` (the
+    # output's gradient), the op's args by name and `y` (its output), giving each tensor arg's gradient; ops without
+    # one have a rule in autograd's GRAD_RULES
+    grad_rule: Callable[..., Any] | None = None
+    # each output element depends only on the input elements at its index: an output may share an input's buffer
+    alias_safe: bool = False
 
     def signature(self) -> str:
         def fmt(a: Arg) -> str:
@@ -534,6 +543,10 @@ def lst(name: str, dtypes: frozenset[str] | None = None) -> Arg:
     return Arg(name, "listtensor", dtypes)
 
 
+#: the functions a fused expression may call, and how many arguments each takes
+FUSED_FUNCTIONS: dict[str, int] = {"sqrt": 1, "exp": 1, "log": 1, "sin": 1, "cos": 1, "tan": 1, "tanh": 1, "abs": 1,
+                                   "maximum": 2, "minimum": 2}
+
 _A, _B, _C = t("A"), t("B"), t("C")
 _BOOL_OUT = t("C", frozenset({"bool"}))
 _ANY = frozenset(STORABLE)
@@ -541,12 +554,111 @@ _ANY = frozenset(STORABLE)
 OPS: dict[str, OpDef] = {}
 
 
+#: families whose kernels read and write each element at one index (an output may be an input's buffer)
+ALIAS_SAFE_FAMILIES = frozenset({"elementwise", "compare", "optim", "fused", "expr", "init"})
+
+
 def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtypes: frozenset[str], infer: Infer,
-       doc: str, *, grad: bool = False, effects: bool = False, deepxir: bool = True) -> None:
+       doc: str, *, grad: bool | Callable[..., Any] = False, effects: bool = False, deepxir: bool = True,
+       expr: str = "", alias_safe: bool = False) -> OpDef:
+    """Add an op to the catalogue. `grad`: True where autograd's GRAD_RULES has the op's rule, or the rule itself
+    written on value handles (see OpDef.grad_rule). Family "expr" needs no kernel: its CPU and CUDA kernels evaluate
+    `expr` (an elementwise op on float tensors, whose scalar args are vars)."""
     if name in OPS:
         raise ValueError(f"op {name} defined twice")
-    OPS[name] = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, grad, effects, deepxir,
-                      sum(a.required for a in args), sum(a.required for a in returns))
+    if expr:
+        check_expr(name, expr, args)
+    elif family == "expr":
+        raise ValueError(f"op {name}: family 'expr' needs an expression")
+    d = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, bool(grad), effects, deepxir,
+              sum(a.required for a in args), sum(a.required for a in returns), expr,
+              grad if callable(grad) else None, alias_safe or family in ALIAS_SAFE_FAMILIES)
+    OPS[name] = d
+    return d
+
+
+def remove_op(name: str) -> None:
+    """Take an op out of the catalogue and out of every table derived from it (PerOp): for tests that add one."""
+    del OPS[name]
+    for table in PerOp.tables:
+        table.pop(name, None)
+
+
+class PerOp(dict[str, Any]):
+    """A table derived from the catalogue, one value per op (`fn(OPS[name])`), made on first use: an op added to
+    OPS later gets its row as well. KeyError for a name that is not an op."""
+
+    tables: list[PerOp] = []
+
+    def __init__(self, fn: Callable[[OpDef], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+        PerOp.tables.append(self)
+
+    def __missing__(self, name: str) -> Any:
+        value = self[name] = self.fn(OPS[name])
+        return value
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def __contains__(self, name: object) -> bool:
+        return name in OPS
+
+
+
+def _literal(value: Any) -> str:
+    """A scalar as fused-expression text (a negative one in parentheses; infinities as 1e999)."""
+    x = float(value)
+    if x != x:
+        return "(1e999 - 1e999)"
+    text = repr(x) if abs(x) != float("inf") else "1e999"
+    return f"({'-' if x < 0 and text[0] != '-' else ''}{text})" if x < 0 else text
+
+
+def expr_instance(op: OpDef, args: Sequence[Any]) -> tuple[list[Any], str]:
+    """An op of family "expr" bound to its resolved args, as a fused call: its tensor args in order, and its
+    expression over in0, in1... with its scalar written in. What the CPU and CUDA kernels of such an op evaluate."""
+    inputs: list[Any] = []
+    scalar = "0"
+    for a, value in zip(op.args, args):
+        if a.kind == "tensor":
+            inputs.append(value)
+        else:
+            scalar = _literal(value)
+    return inputs, expr_template(op).format(*(f"in{k}" for k in range(len(inputs))), s=scalar)
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_expr(name: str, expr: str, args: Sequence[Arg]) -> None:
+    """An op's expression names only its args (tensors, and at most one var) and the fused language's functions."""
+    names = {a.name for a in args}
+    used = set(_NAME.findall(expr)) - set(FUSED_FUNCTIONS)
+    vars_ = [a for a in args if a.kind == "var"]
+    if used - names or len(vars_) > 1 or any(a.kind not in ("tensor", "var") for a in args):
+        raise ValueError(f"op {name}: expression {expr!r} must name only the op's tensor args and at most one var "
+                         f"(args: {sorted(names)}; functions: {sorted(FUSED_FUNCTIONS)})")
+    try:
+        ast.parse(expr, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"op {name}: expression {expr!r} does not parse: {e}") from None
+
+
+def expr_template(op: OpDef) -> str:
+    """`op.expr` with its tensor args as {0}, {1}... (in arg order) and its var as {s}: for str.format."""
+    index: dict[str, str] = {}
+    k = 0
+    for a in op.args:
+        if a.kind == "tensor":
+            index[a.name] = f"{{{k}}}"
+            k += 1
+        else:
+            index[a.name] = "{s}"
+    return _NAME.sub(lambda m: index.get(m.group(0), m.group(0)), op.expr.replace("{", "{{").replace("}", "}}"))
 
 
 # -- tensor life: create, copy, free, rename (they change the set of tensors; kernels get the store)
@@ -584,18 +696,20 @@ op("loadtensordata", "io", [v("path", "str")], [t("t", _ANY)], _ANY, existing,
    "read raw bytes from exactly path into the existing t", effects=True)
 
 # -- elementwise arithmetic; binary forms broadcast (numpy rules), dtypes must match, output dtype = input dtype
-for _n, _d in [("add", "A + B"), ("sub", "A - B"), ("mul", "A * B"), ("div", "A / B (integers: truncated)"),
-               ("max", "elementwise maximum"), ("min", "elementwise minimum")]:
-    op(_n, "elementwise", [_A, _B], [_C], NUMERIC, elementwise(0, 1), _d, grad=True)
-op("pow", "elementwise", [_A, _B], [_C], NUMERIC, elementwise(0, 1), "A ** B", grad=True)
-for _n, _d in [("addscalar", "A + s"), ("subscalar", "A - s"), ("mulscalar", "A * s"), ("divscalar", "A / s"),
-               ("powscalar", "A ** s"), ("maxscalar", "max(A, s); relu is maxscalar(A, 0)"),
-               ("minscalar", "min(A, s)")]:
-    op(_n, "elementwise", [_A, v("s")], [_C], NUMERIC, same(0), _d, grad=True)
+for _n, _d, _e in [("add", "A + B", "A + B"), ("sub", "A - B", "A - B"), ("mul", "A * B", "A * B"),
+                   ("div", "A / B (integers: truncated)", "A / B"), ("max", "elementwise maximum", "maximum(A, B)"),
+                   ("min", "elementwise minimum", "minimum(A, B)"), ("pow", "A ** B", "A ** B")]:
+    op(_n, "elementwise", [_A, _B], [_C], NUMERIC, elementwise(0, 1), _d, grad=True, expr=_e)
+for _n, _d, _e in [("addscalar", "A + s", "A + s"), ("subscalar", "A - s", "A - s"), ("mulscalar", "A * s", "A * s"),
+                   ("divscalar", "A / s", "A / s"), ("powscalar", "A ** s", "A ** s"),
+                   ("maxscalar", "max(A, s); relu is maxscalar(A, 0)", "maximum(A, s)"),
+                   ("minscalar", "min(A, s)", "minimum(A, s)")]:
+    op(_n, "elementwise", [_A, v("s")], [_C], NUMERIC, same(0), _d, grad=True, expr=_e)
 for _n, _d in [("rsubscalar", "s - A"), ("rdivscalar", "s / A"), ("rpowscalar", "s ** A")]:
-    op(_n, "elementwise", [v("s"), _A], [_C], NUMERIC, same(1), _d, grad=True)
+    op(_n, "elementwise", [v("s"), _A], [_C], NUMERIC, same(1), _d, grad=True, expr=_d)
 for _n in ("sqrt", "exp", "log", "sin", "cos", "tan"):
-    op(_n, "elementwise", [_A], [_C], FLOATS, same(0), f"{_n}(A)", grad=True)
+    op(_n, "elementwise", [_A], [_C], FLOATS, same(0), f"{_n}(A)", expr=f"{_n}(A)",
+       grad={"sqrt": lambda g, y: g / y * 0.5, "exp": lambda g, y: g * y, "log": lambda g, A: g / A}.get(_n, True))
 op("invert", "elementwise", [_A], [_C], INTS | {"bool"}, same(0), "bitwise not (integers), logical not (bool)")
 op("todtype", "elementwise", [t("A", _ANY)], [t("C", _ANY)], _ANY, _todtype,
    "cast A into C's dtype (a gradient flows between float dtypes only)", grad=True)
@@ -639,16 +753,24 @@ for _n, _d in [("sum", "sum"), ("prod", "product"), ("reducemax", "maximum"), ("
 
 # ---------------------------------------------------------------- beyond deepxIR: what training needs
 _F = FLOATS
-op("neg", "elementwise", [_A], [_C], NUMERIC, same(0), "-A", grad=True, deepxir=False)
-op("abs", "elementwise", [_A], [_C], NUMERIC, same(0), "|A|", grad=True, deepxir=False)
-op("relu", "nn", [_A], [_C], _F, same(0), "max(A, 0)", grad=True, deepxir=False)
-op("sigmoid", "nn", [_A], [_C], _F, same(0), "1 / (1 + exp(-A))", grad=True, deepxir=False)
-op("tanh", "nn", [_A], [_C], _F, same(0), "tanh(A)", grad=True, deepxir=False)
+# the stable sigmoid, as the kernels compute it to the bit: e = exp(-|A|), r = 1 / (1 + e), then r where A >= 0 and
+# e * r below (maximum(e, A >= 0) is 1 or e); 1 / (1 + exp(-A)) underflows to 0 where the kernels keep e
+_SIGMOID = "1 / (1 + exp(-abs(A))) * maximum(exp(-abs(A)), A >= 0)"
+op("neg", "elementwise", [_A], [_C], NUMERIC, same(0), "-A", grad=lambda g: -g, deepxir=False, expr="-A")
+op("abs", "elementwise", [_A], [_C], NUMERIC, same(0), "|A|", grad=True, deepxir=False, expr="abs(A)")
+op("relu", "nn", [_A], [_C], _F, same(0), "max(A, 0)", grad=True, deepxir=False, expr="maximum(A, 0)",
+   alias_safe=True)
+op("sigmoid", "nn", [_A], [_C], _F, same(0), "1 / (1 + exp(-A))", grad=lambda g, y: g * (y * (1 - y)), deepxir=False,
+   expr=_SIGMOID, alias_safe=True)
+op("tanh", "nn", [_A], [_C], _F, same(0), "tanh(A)", grad=lambda g, y: g * (1 - y * y), deepxir=False, expr="tanh(A)",
+   alias_safe=True)
 op("gelu", "nn", [_A, v("approximate", "str", "none")], [_C], _F, same(0),
-   "A * Phi(A) (approximate='none', exact erf) or its tanh form (approximate='tanh')", grad=True, deepxir=False)
+   "A * Phi(A) (approximate='none', exact erf) or its tanh form (approximate='tanh')", grad=True, deepxir=False,
+   alias_safe=True)
 op("erf", "nn", [_A], [_C], _F, same(0), "the Gauss error function erf(A) (gelu's gradient needs it)", grad=True,
    deepxir=False)
-op("silu", "nn", [_A], [_C], _F, same(0), "A * sigmoid(A)", grad=True, deepxir=False)
+op("silu", "nn", [_A], [_C], _F, same(0), "A * sigmoid(A)", grad=True, deepxir=False, expr=f"A * ({_SIGMOID})",
+   alias_safe=True)
 op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "exp(A) / sum(exp(A)) along dim, stable",
    grad=True, deepxir=False)
 op("logsoftmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "A - logsumexp(A) along dim, stable",
@@ -677,12 +799,12 @@ op("slice", "shape", [t("A", _ANY), vec("starts"), vec("ends"), vec("steps")], [
    grad=True, deepxir=False)
 op("sliceassign", "shape", [t("A", _ANY), vec("starts"), vec("ends"), vec("steps"), t("V", _ANY)], [t("C", _ANY)],
    _ANY, _sliceassign, "C = A with C[starts:ends:steps] = V (V broadcasts); in place when C is A", grad=True,
-   deepxir=False)
+   deepxir=False, alias_safe=True)
 op("pad", "shape", [t("A", _ANY), vec("pads"), v("value", default=0)], [t("B", _ANY)], _ANY, _pad,
    "constant padding; pads = [before0, after0, before1, after1, ...]", grad=True, deepxir=False)
 op("indexadd", "shape", [t("A"), t("index", INDEX), t("src"), v("axis", "int")], [t("C")], NUMERIC, _indexadd,
    "C = A, then C[.., index[j], ..] += src[.., j, ..] along axis (repeated indices accumulate)", grad=True,
-   deepxir=False)
+   deepxir=False, alias_safe=True)
 op("sgd", "optim", [t("param"), t("grad"), t("momentum_buffer"), v("lr"), v("momentum", default=0.0),
                     v("dampening", default=0.0), v("weight_decay", default=0.0), v("nesterov", "bool", False),
                     v("step", "int", 1)],
@@ -699,9 +821,6 @@ for _n, _d in [("adam", "torch.optim.Adam's update (L2 weight decay), in place; 
 
 # -- fused: what the compiler's fuse pass makes of a chain or tree of elementwise ops (deepxd/compiler/fuse.py)
 
-#: the functions a fused expression may call, and how many arguments each takes
-FUSED_FUNCTIONS: dict[str, int] = {"sqrt": 1, "exp": 1, "log": 1, "sin": 1, "cos": 1, "tan": 1, "tanh": 1, "abs": 1,
-                                   "maximum": 2, "minimum": 2}
 _FUSED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Call, ast.Name, ast.Constant, ast.Load, ast.Add, ast.Sub,
                 ast.Mult, ast.Div, ast.Pow, ast.USub, ast.UAdd, ast.Compare, ast.Gt, ast.Lt, ast.GtE, ast.LtE,
                 ast.Eq, ast.NotEq)

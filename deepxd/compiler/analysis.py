@@ -16,22 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepx_core.ir.instr import Instr, Param
-from deepx_core.ir.ops import OPS, UNKNOWN, Bound, SymbolicEnv, TensorMeta, bind, load_name
+from deepx_core.ir.ops import OPS, UNKNOWN, Bound, PerOp, SymbolicEnv, TensorMeta, bind, load_name
 
 READ, WRITE, DELETE, RENAME = 1, 2, 4, 8
 
 #: per op, the positions of its tensor and tensor-list args, and of its tensor returns
-_TENSOR_ARGS: dict[str, tuple[int, ...]] = {
-    name: tuple(i for i, a in enumerate(op.args) if a.kind in ("tensor", "listtensor")) for name, op in OPS.items()}
-_TENSOR_RETURNS: dict[str, tuple[int, ...]] = {
-    name: tuple(i for i, a in enumerate(op.returns) if a.kind == "tensor") for name, op in OPS.items()}
+_TENSOR_ARGS: PerOp = PerOp(lambda op: tuple(i for i, a in enumerate(op.args) if a.kind in ("tensor", "listtensor")))
+_TENSOR_RETURNS: PerOp = PerOp(lambda op: tuple(i for i, a in enumerate(op.returns) if a.kind == "tensor"))
 
 
 _SPECIAL = frozenset({"deltensor", "renametensor", "load"})
 #: ops whose result depends on the output tensor as it was (it must exist, or its value, shape or dtype is kept):
 #: their returns count as read as well as written
-_READS_OUTPUT = frozenset(name for name, op in OPS.items()
-                          if op.family == "init" or name in ("newtensor", "todtype", "loadtensordata"))
+_READS_OUTPUT: PerOp = PerOp(lambda op: op.family == "init" or op.name in ("newtensor", "todtype", "loadtensordata"))
 
 
 def tensor_names(instr: Instr) -> list[str]:
@@ -116,7 +113,7 @@ def refs(b: Bound) -> list[tuple[str, int]]:
     if name == "renametensor":
         return [(str(b.out_names[0]), RENAME), (str(b.args[0]), RENAME)]
     out = [(n, READ) for n in tensor_reads(b)]
-    kind = READ | WRITE if name in _READS_OUTPUT else WRITE
+    kind = READ | WRITE if _READS_OUTPUT.get(name) else WRITE
     out.extend((n, kind) for n in tensor_writes(b))
     return out
 
@@ -141,7 +138,7 @@ class Uses:
 
         for i, b in enumerate(bounds):
             op = b.op.name
-            if op in _SPECIAL or op in _READS_OUTPUT:
+            if op in _SPECIAL or _READS_OUTPUT.get(op):
                 for name, kind in refs(b):
                     add(name, i, kind)
                 continue
@@ -205,7 +202,7 @@ class _ProgramEnv(SymbolicEnv):
 
 
 _DELTENSOR = OPS["deltensor"]
-_MEMO_FAMILIES = frozenset(op.family for op in OPS.values()) - {"life", "io"}
+_UNMEMO_FAMILIES = frozenset({"life", "io"})  # they change the set of tensors or touch files
 
 
 class BindMemo:
@@ -220,7 +217,7 @@ class BindMemo:
 
     def bind(self, instr: Instr, meta: Any, env: SymbolicEnv) -> Bound:
         op = OPS.get(instr.name)
-        if op is None or op.family not in _MEMO_FAMILIES:
+        if op is None or op.family in _UNMEMO_FAMILIES:
             return bind(instr, env)
         key: list[Any] = [instr.name]
         names: list[Any] = []

@@ -18,6 +18,7 @@ that needs one raises DeepxError.
 from __future__ import annotations
 
 import ast
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
 from deepx_core.ir.instr import Instr, Param
-from deepx_core.ir.ops import OPS, UNKNOWN, Bound, Env, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
+from deepx_core.ir.ops import OPS, UNKNOWN, Bound, Env, PerOp, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
 
 Key = tuple[str, int]  # a value: (tensor name, version); version 0 is the tensor as it is before the program
 
@@ -143,6 +144,193 @@ def rule(*names: str) -> Callable[[Rule], Rule]:
         return fn
 
     return deco
+
+
+class Handle:
+    """A value in a gradient rule written as maths (OpDef.grad_rule): arithmetic with handles and numbers, `-h`,
+    `abs(h)`, `h ** s`, comparisons with a number (a 0/1 mask of h's dtype) and h.exp(), .log(), .sqrt(), .tanh(),
+    .sigmoid() emit the catalogue's instructions; binary ops broadcast as the ops do."""
+
+    __slots__ = ("gr", "name")
+
+    def __init__(self, gr: Grad, name: str) -> None:
+        self.gr = gr
+        self.name = name
+
+    def _emit(self, op: str, *args: Any) -> Handle:
+        return Handle(self.gr, self.gr.emit(op, *args))
+
+    def _with(self, other: Any, op: str, scalar_op: str) -> Handle:
+        if isinstance(other, Handle):
+            return self._emit(op, self.name, other.name)
+        return self._emit(scalar_op, self.name, float(other))
+
+    def __add__(self, other: Any) -> Handle:
+        return self._with(other, "add", "addscalar")
+
+    __radd__ = __add__
+
+    def __mul__(self, other: Any) -> Handle:
+        return self._with(other, "mul", "mulscalar")
+
+    __rmul__ = __mul__
+
+    def __sub__(self, other: Any) -> Handle:
+        return self._with(other, "sub", "subscalar")
+
+    def __rsub__(self, other: Any) -> Handle:
+        return self._emit("rsubscalar", float(other), self.name)
+
+    def __truediv__(self, other: Any) -> Handle:
+        return self._with(other, "div", "divscalar")
+
+    def __rtruediv__(self, other: Any) -> Handle:
+        return self._emit("rdivscalar", float(other), self.name)
+
+    def __pow__(self, other: Any) -> Handle:
+        return self._with(other, "pow", "powscalar")
+
+    def __neg__(self) -> Handle:
+        return self._emit("neg", self.name)
+
+    def __abs__(self) -> Handle:
+        return self._emit("abs", self.name)
+
+    def _mask(self, op: str, s: float) -> Handle:
+        return Handle(self.gr, self.gr.emit("todtype", self.gr.emit(op, self.name, float(s)),
+                                            dtype=self.gr.shape_dtype(self.name)))
+
+    def __gt__(self, s: float) -> Handle:  # type: ignore[override]
+        return self._mask("greaterscalar", s)
+
+    def __lt__(self, s: float) -> Handle:  # type: ignore[override]
+        return self._mask("lessscalar", s)
+
+    def exp(self) -> Handle:
+        return self._emit("exp", self.name)
+
+    def log(self) -> Handle:
+        return self._emit("log", self.name)
+
+    def sqrt(self) -> Handle:
+        return self._emit("sqrt", self.name)
+
+    def tanh(self) -> Handle:
+        return self._emit("tanh", self.name)
+
+    def sigmoid(self) -> Handle:
+        return self._emit("sigmoid", self.name)
+
+
+def handle_rule(fn: Callable[..., Any]) -> Rule:
+    """A rule written on value handles (OpDef.grad_rule) as a GRAD_RULES rule. `fn`'s parameters are named: `g` (the
+    output's gradient), the op's args by their catalogue names (tensors as handles, vars as values) and `y` (the
+    output); it returns one gradient per tensor arg, in order (a tuple, or the gradient alone where there is one
+    tensor arg; None for an arg with none). Each is summed over its broadcast dims."""
+    params = list(inspect.signature(fn).parameters)
+
+    def rule(gr: Grad, g: str) -> dict[int, str]:
+        op = gr.b.op
+        tensors = [i for i, a in enumerate(op.args) if a.kind == "tensor"]
+        by_name: dict[str, Any] = {"g": Handle(gr, g)}
+        if "y" in params:
+            by_name["y"] = Handle(gr, gr.y())
+        for i, a in enumerate(op.args):
+            if a.name in params:
+                by_name[a.name] = Handle(gr, gr.x(i)) if a.kind == "tensor" else gr.arg(i)
+        result = fn(*(by_name[p] for p in params))
+        grads = result if isinstance(result, tuple) else (result,)
+        if len(grads) != len(tensors):
+            raise DeepxError(f"autograd: the rule of {op.name} gave {len(grads)} gradients for {len(tensors)} "
+                             "tensor args")
+        return {i: gr.unbroadcast(h.name, gr.meta(i)) for i, h in zip(tensors, grads)
+                if h is not None and gr.needs(i)}
+
+    rule.__doc__ = fn.__doc__
+    return rule
+
+
+class _Sym:
+    """A value in a rule written on handles, run on symbols: the rule's formula as text (for docs/ir.md)."""
+
+    def __init__(self, text: str, prec: int = 100) -> None:
+        self.text, self.prec = text, prec
+
+    @staticmethod
+    def _of(x: Any, need: int) -> str:
+        if isinstance(x, _Sym):
+            return x.text if x.prec >= need else f"({x.text})"
+        return f"{x:g}" if isinstance(x, float) else str(x)
+
+    def _bin(self, other: Any, sym: str, prec: int, right: bool = False) -> _Sym:
+        a, b = (other, self) if right else (self, other)
+        return _Sym(f"{self._of(a, prec)} {sym} {self._of(b, prec + 1)}", prec)
+
+    def __add__(self, o: Any) -> _Sym:
+        return self._bin(o, "+", 50)
+
+    def __radd__(self, o: Any) -> _Sym:
+        return self._bin(o, "+", 50, True)
+
+    def __sub__(self, o: Any) -> _Sym:
+        return self._bin(o, "-", 50)
+
+    def __rsub__(self, o: Any) -> _Sym:
+        return self._bin(o, "-", 50, True)
+
+    def __mul__(self, o: Any) -> _Sym:
+        return self._bin(o, "*", 60)
+
+    def __rmul__(self, o: Any) -> _Sym:
+        return self._bin(o, "*", 60, True)
+
+    def __truediv__(self, o: Any) -> _Sym:
+        return self._bin(o, "/", 60)
+
+    def __rtruediv__(self, o: Any) -> _Sym:
+        return self._bin(o, "/", 60, True)
+
+    def __pow__(self, o: Any) -> _Sym:
+        return _Sym(f"{self._of(self, 100)}^{self._of(o, 100)}", 80)
+
+    def __neg__(self) -> _Sym:
+        return _Sym(f"-{self._of(self, 70)}", 70)
+
+    def __abs__(self) -> _Sym:
+        return _Sym(f"|{self.text}|")
+
+    def __gt__(self, s: float) -> _Sym:  # type: ignore[override]
+        return _Sym(f"[{self.text} > {self._of(s, 0)}]")
+
+    def __lt__(self, s: float) -> _Sym:  # type: ignore[override]
+        return _Sym(f"[{self.text} < {self._of(s, 0)}]")
+
+    def __getattr__(self, fn: str) -> Callable[[], _Sym]:
+        return lambda: _Sym(f"{fn}({self.text})")
+
+
+def rule_formula(name: str) -> str:
+    """The formula of op `name`'s gradient rule, for docs: a rule on handles run on symbols (dA = g * y), else the
+    GRAD_RULES rule's docstring; "" where the op has no rule."""
+    op = OPS[name]
+    if op.grad_rule is None:
+        fn = GRAD_RULES.get(name)
+        return " ".join((fn.__doc__ or "yes").split()) if fn is not None else ""
+    params = list(inspect.signature(op.grad_rule).parameters)
+    args = {a.name: (_Sym(a.name) if a.kind == "tensor" else a.name) for a in op.args}
+    result = op.grad_rule(*(_Sym(p) if p in ("g", "y") else args[p] for p in params))
+    grads = result if isinstance(result, tuple) else (result,)
+    tensors = [a.name for a in op.args if a.kind == "tensor"]
+    return ", ".join(f"d{t} = {g.text}" for t, g in zip(tensors, grads) if g is not None)
+
+
+_HANDLE_RULES: PerOp = PerOp(lambda op: handle_rule(op.grad_rule) if op.grad_rule is not None else None)
+
+
+def grad_rule(name: str) -> Rule | None:
+    """The gradient rule of op `name`: its own, from the op table (OpDef.grad_rule), or GRAD_RULES'; None where it
+    has none."""
+    return _HANDLE_RULES.get(name) or GRAD_RULES.get(name)
 
 
 class _Builder:
@@ -351,7 +539,7 @@ def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, g
         if not any(k is not None and k in bld.reachable for k in node.ins):
             continue
         name = node.b.op.name
-        fn = GRAD_RULES.get(name)
+        fn = grad_rule(name)
         if fn is None:
             raise DeepxError(f"autograd: op '{name}' has no gradient rule, and it lies between {sorted(wrt)} and the "
                              f"loss '{loss}'")
@@ -683,12 +871,6 @@ def _relu(gr: Grad, g: str) -> dict[int, str]:
     return {0: _masked(gr, g, gr.y(), ">", 0.0)}
 
 
-@rule("neg")
-def _neg(gr: Grad, g: str) -> dict[int, str]:
-    """dA = -g"""
-    return {0: gr.emit("neg", g)}
-
-
 @rule("abs")
 def _abs(gr: Grad, g: str) -> dict[int, str]:
     """dA = g sign(A) (0 at 0)"""
@@ -696,24 +878,6 @@ def _abs(gr: Grad, g: str) -> dict[int, str]:
     pos = _float_mask(gr, gr.emit("greaterscalar", a, 0.0), m)
     neg = _float_mask(gr, gr.emit("lessscalar", a, 0.0), m)
     return {0: gr.emit("mul", g, gr.emit("sub", pos, neg))}
-
-
-@rule("exp")
-def _exp(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g y"""
-    return {0: gr.emit("mul", g, gr.y())}
-
-
-@rule("log")
-def _log(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g / A"""
-    return {0: gr.emit("div", g, gr.x(0))}
-
-
-@rule("sqrt")
-def _sqrt(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g / (2 y)"""
-    return {0: gr.emit("mulscalar", gr.emit("div", g, gr.y()), 0.5)}
 
 
 @rule("sin")
@@ -733,20 +897,6 @@ def _tan(gr: Grad, g: str) -> dict[int, str]:
     """dA = g (1 + y^2)"""
     y = gr.y()
     return {0: gr.emit("mul", g, gr.emit("addscalar", gr.emit("mul", y, y), 1.0))}
-
-
-@rule("sigmoid")
-def _sigmoid(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g y (1 - y)"""
-    y = gr.y()
-    return {0: gr.emit("mul", g, gr.emit("mul", y, gr.emit("rsubscalar", 1.0, y)))}
-
-
-@rule("tanh")
-def _tanh(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g (1 - y^2)"""
-    y = gr.y()
-    return {0: gr.emit("mul", g, gr.emit("rsubscalar", 1.0, gr.emit("mul", y, y)))}
 
 
 @rule("silu")
@@ -1210,4 +1360,4 @@ def _fused(gr: Grad, g: str) -> dict[int, str]:
     return out
 
 
-__all__ = ["GRAD_RULES", "Grad", "grad_program", "unfuse"]
+__all__ = ["GRAD_RULES", "Grad", "Handle", "grad_program", "grad_rule", "rule_formula", "unfuse"]

@@ -39,11 +39,11 @@ def _dtypes(op: OpDef) -> str:
 
 
 def _gradients() -> dict[str, str]:
-    """op name -> its gradient rule's formula (the rule's docstring), from deepxd/compiler/autograd.py; imported here
-    and not by the catalogue, which the SDK loads without the daemon."""
-    from deepxd.compiler.autograd import GRAD_RULES
+    """op name -> its gradient rule's formula: a rule in the op table, run on symbols, or the docstring of the op's
+    rule in deepxd/compiler/autograd.py (GRAD_RULES)."""
+    from deepxd.compiler.autograd import rule_formula
 
-    return {name: " ".join((fn.__doc__ or "yes").split()) for name, fn in GRAD_RULES.items()}
+    return {name: rule_formula(name) for name, op in OPS.items() if op.differentiable}
 
 
 def render() -> str:
@@ -67,9 +67,9 @@ def render() -> str:
                  "float64 float32 float16 bfloat16; int = int64 int32 int16 int8; all = those, bool, float8e5m2 and "
                  "float8e4m3.")
     lines.append("")
-    lines.append("gradient: the formula of the op's rule in `deepxd/compiler/autograd.py` (`GRAD_RULES[op]`), with g "
-                 "the gradient of the result y; dX is the gradient of input X, summed over the dims it was broadcast "
-                 "along. Gradients flow through float tensors only (float64 float32 float16 bfloat16).")
+    lines.append("gradient: the formula of the op's rule (in its catalogue entry, or in `deepxd/compiler/autograd.py`),"
+                 " with g the gradient of the result y; dX is the gradient of input X, summed over the dims it was "
+                 "broadcast along. Gradients flow through float tensors only (float64 float32 float16 bfloat16).")
     return "\n".join(lines)
 
 

@@ -15,12 +15,13 @@ one C loop: one pass over memory instead of two). The expression is numexpr's sy
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from deepx_core.ir.instr import Instr, Param
-from deepx_core.ir.ops import UNKNOWN
+from deepx_core.ir.ops import UNKNOWN, OpDef, PerOp, expr_template
 from deepx_core.ir.shapes import numel
 from deepxd.compiler.analysis import DELETE, READ, PassContext, Rewrite, deltensor, has_ends
 
@@ -43,32 +44,57 @@ class Form(NamedTuple):
     needs: tuple[int, ...]  # per operand, the least precedence it may have without parentheses
 
 
-def _binary(symbol: str, prec: int) -> Form:
-    return Form(f"{{0}} {symbol} {{1}}", prec, (prec, prec + 1))
+CMP = 40  # comparisons bind below arithmetic
+_BIN_PREC = {ast.Add: ADD, ast.Sub: ADD, ast.Mult: MUL, ast.Div: MUL}
 
 
-def _call(name: str) -> Form:
-    return Form(f"{name}({{0}})", ATOM, (0,))
+def _precedence(node: ast.expr) -> int:
+    if isinstance(node, ast.BinOp):
+        return POW if isinstance(node.op, ast.Pow) else _BIN_PREC[type(node.op)]
+    if isinstance(node, ast.UnaryOp):
+        return UNARY
+    if isinstance(node, ast.Compare):
+        return CMP
+    return ATOM
 
 
-TEMPLATES: dict[str, Form] = {
-    "add": _binary("+", ADD), "sub": _binary("-", ADD), "mul": _binary("*", MUL), "div": _binary("/", MUL),
-    "pow": Form("{0} ** {1}", POW, (ATOM, UNARY)),
-    "max": Form("maximum({0}, {1})", ATOM, (0, 0)), "min": Form("minimum({0}, {1})", ATOM, (0, 0)),
-    "addscalar": Form("{0} + {s}", ADD, (ADD,)), "subscalar": Form("{0} - {s}", ADD, (ADD,)),
-    "mulscalar": Form("{0} * {s}", MUL, (MUL,)), "divscalar": Form("{0} / {s}", MUL, (MUL,)),
-    "powscalar": Form("{0} ** {s}", POW, (ATOM,)),
-    "maxscalar": Form("maximum({0}, {s})", ATOM, (0,)), "minscalar": Form("minimum({0}, {s})", ATOM, (0,)),
-    "rsubscalar": Form("{s} - {0}", ADD, (ADD + 1,)), "rdivscalar": Form("{s} / {0}", MUL, (MUL + 1,)),
-    "rpowscalar": Form("{s} ** {0}", POW, (UNARY,)),
-    **{name: _call(name) for name in ("sqrt", "exp", "log", "sin", "cos", "tan", "tanh", "abs")},
-    "neg": Form("-{0}", UNARY, (UNARY,)),
-    "relu": Form("maximum({0}, 0)", ATOM, (0,)),
-    # the kernels' stable form, to the bit: e = exp(-|x|), r = 1 / (1 + e), then r where x >= 0 and e * r below
-    # (maximum(e, x >= 0) is 1 or e); 1 / (1 + exp(-x)) underflowed to 0 where the kernel keeps e (found by a fuzzer)
-    "sigmoid": Form("1 / (1 + exp(-abs({0}))) * maximum(exp(-abs({0})), {0} >= 0)", MUL, (UNARY,)),
-    "silu": Form("{0} * (1 / (1 + exp(-abs({0}))) * maximum(exp(-abs({0})), {0} >= 0))", MUL, (UNARY,)),
-}
+def _form(op: OpDef) -> Form | None:
+    """How an op with an expression (OpDef.expr) reads inside a fused one: its text over {0}, {1}, {s}, its top
+    operator's precedence, and the least precedence each operand may have there without parentheses."""
+    if not op.expr:
+        return None
+    tensors = [a.name for a in op.args if a.kind == "tensor"]
+    needs = [0] * len(tensors)
+
+    def visit(node: ast.AST, need: int) -> None:
+        if isinstance(node, ast.Name) and node.id in tensors:
+            k = tensors.index(node.id)
+            needs[k] = max(needs[k], need)
+            return
+        if isinstance(node, ast.BinOp):
+            p = _precedence(node)
+            if p == POW:  # right-associative, and -x ** y is -(x ** y)
+                visit(node.left, ATOM)
+                visit(node.right, UNARY)
+            else:
+                visit(node.left, p)
+                visit(node.right, p + 1)
+        elif isinstance(node, ast.UnaryOp):
+            visit(node.operand, UNARY)
+        elif isinstance(node, ast.Compare):
+            for n in (node.left, *node.comparators):
+                visit(n, CMP + 1)
+        elif isinstance(node, ast.Call):
+            for n in node.args:
+                visit(n, 0)
+
+    tree = ast.parse(op.expr, mode="eval").body
+    visit(tree, 0)
+    return Form(expr_template(op), _precedence(tree), tuple(needs))
+
+
+#: how each op with an expression reads inside a fused one (None for the others)
+TEMPLATES: PerOp = PerOp(_form)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param, same_program, scalar_kinds
-from deepx_core.ir.ops import OPS, UNKNOWN, TensorMeta
+from deepx_core.ir.ops import UNKNOWN, PerOp, TensorMeta
 from deepx_core.ir.text import format_text
 from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
 from deepxd.compiler.cse import eliminate_common_subexpressions
@@ -74,12 +74,10 @@ class _Token(int):
 
 # per op: how each arg reaches the passes: 0 a value, 1 a tensor name, 2 a tensor list, 3 a value that must not name
 # a variable (a string there is the name of one, whose value the plan would not see)
-_ARG_ROLES: dict[str, tuple[int, ...]] = {
-    name: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else
-                0 if a.kind == "var" and a.vtype in ("str", "any") else 3 for a in op.args)
-    for name, op in OPS.items()}
-_RETURN_TENSOR: dict[str, tuple[bool, ...]] = {name: tuple(a.kind == "tensor" for a in op.returns)
-                                               for name, op in OPS.items()}
+_ARG_ROLES: PerOp = PerOp(lambda op: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else
+                                            0 if a.kind == "var" and a.vtype in ("str", "any") else 3
+                                            for a in op.args))
+_RETURN_TENSOR: PerOp = PerOp(lambda op: tuple(a.kind == "tensor" for a in op.returns))
 
 
 class _Exact(NamedTuple):

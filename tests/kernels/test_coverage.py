@@ -21,4 +21,4 @@ def test_every_op_has_a_reference_test():
 
 
 def test_every_op_has_a_cpu_kernel():
-    assert set(KERNELS) == set(OPS)
+    assert all(callable(KERNELS[name]) for name in OPS)

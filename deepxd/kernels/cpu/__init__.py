@@ -23,7 +23,7 @@ import numpy as np
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import from_numpy, to_numpy
 from deepx_core.ir.instr import Instr
-from deepx_core.ir.ops import OPS, BindCache, Bound, TensorMeta
+from deepx_core.ir.ops import BindCache, Bound, OpDef, PerOp, TensorMeta
 from deepx_core.ir.shapes import numel
 from deepx_core.ir.text import is_name
 from deepx_core.tensorfile import open_directory
@@ -38,24 +38,22 @@ warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"deepxd\.kern
 STORE_FAMILIES = frozenset({"life", "io"})
 
 
-def _load_kernels() -> dict[str, Callable[..., None]]:
-    kernels = {}
-    for name, op in OPS.items():
-        module = importlib.import_module(f"deepxd.kernels.cpu.{op.family}")
-        kernels[name] = getattr(module, name)
-    return kernels
+def _kernel(op: OpDef) -> Callable[..., None]:
+    if op.family == "expr":  # no kernel of its own: its expression, run as a fused one
+        from deepxd.kernels.cpu.fused import expr_kernel
+
+        return expr_kernel(op)
+    return getattr(importlib.import_module(f"deepxd.kernels.cpu.{op.family}"), op.name)  # type: ignore[no-any-return]
 
 
 #: op name -> CPU kernel, for every op in the catalogue
-KERNELS: dict[str, Callable[..., None]] = _load_kernels()
+KERNELS: PerOp = PerOp(_kernel)
 
 _NAMES: dict[np.dtype, str] = {}
 
 #: per op, how each arg reaches an array kernel: 0 its value, 1 the named tensor's array, 2 a list of arrays
-_ARG_KINDS: dict[str, tuple[int, ...]] = {
-    name: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0 for a in op.args)
-    for name, op in OPS.items()
-}
+_ARG_KINDS: PerOp = PerOp(lambda op: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0
+                                            for a in op.args))
 
 
 #: the most runs that `benchmark.repeat=N` may ask of one instruction (deepxir.md: "run the op N times, for timing").

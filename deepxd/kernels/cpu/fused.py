@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from deepx_core.errors import DeepxError
-from deepx_core.ir.ops import parse_fused
+from deepx_core.ir.ops import OpDef, expr_instance, parse_fused
 from deepxd.kernels.cpu import native
 from deepxd.kernels.cpu._util import F32, F64
 
@@ -351,3 +351,14 @@ def fused(inputs, expr, out):
         return
     cdt = F64 if out.dtype == F64 else F32
     BACKENDS[_backend](plan, inputs, out, cdt)
+
+
+def expr_kernel(op: OpDef) -> Callable[..., None]:
+    """The CPU kernel of an op of family "expr": its expression (OpDef.expr), run as a fused one."""
+
+    def kernel(*values: Any) -> None:
+        inputs, text = expr_instance(op, values[:-1])
+        fused(inputs, text, values[-1])
+
+    kernel.__name__ = op.name
+    return kernel

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from deepx_core.errors import DeepxError
-from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.dtypes import FLOATS, to_numpy
 from deepx_core.ir.instr import Instr
-from deepx_core.ir.ops import OPS, BindCache, Bound, TensorMeta
+from deepx_core.ir.ops import OPS, BindCache, Bound, OpDef, PerOp, TensorMeta
 from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name, repeat_count, worded
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,6 @@ HOST_FAMILIES = frozenset({"life", "io"})
 #: CUDA kernel modules, in the order their SUPPORT tables are merged
 MODULES = ("elementwise", "matmul", "shape", "reduce", "nn", "init", "optim", "fused")
 
-#: ops whose kernels read and write each element at the same index, so that an output may be an input's buffer
-_ALIAS_SAFE_FAMILIES = frozenset({"elementwise", "compare", "optim", "fused"})
-_ALIAS_SAFE_OPS = frozenset({"relu", "sigmoid", "tanh", "gelu", "silu", "sliceassign", "indexadd", "dropout",
-                             "switch", "constant", "arange", "uniform", "normal"})
 
 
 def _load() -> tuple[dict[str, Callable[..., Any]], dict[str, frozenset[str]]]:
@@ -56,13 +52,26 @@ def _load() -> tuple[dict[str, Callable[..., Any]], dict[str, frozenset[str]]]:
     return kernels, support
 
 
-#: op -> CUDA kernel function (executor, resolved args..., outputs...) -> True, or False to run the CPU kernel
-KERNELS, SUPPORT = _load()
+_MODULE_KERNELS, _MODULE_SUPPORT = _load()
 
-_ARG_KINDS: dict[str, tuple[int, ...]] = {
-    name: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0 for a in op.args)
-    for name, op in OPS.items()
-}
+
+def _kernel(op: OpDef) -> Callable[..., Any] | None:
+    if op.family == "expr":  # no kernel of its own: its expression, run as a fused one
+        from deepxd.kernels.cuda.fused import expr_kernel
+
+        return expr_kernel(op)
+    return _MODULE_KERNELS.get(op.name)
+
+
+#: op -> CUDA kernel function (executor, resolved args..., outputs...) -> True, or False to run the CPU kernel;
+#: None where the op has none (it runs on the CPU kernel)
+KERNELS: PerOp = PerOp(_kernel)
+#: op -> the dtypes its CUDA kernel handles
+SUPPORT: PerOp = PerOp(lambda op: frozenset(FLOATS) & op.dtypes if op.family == "expr"
+                       else _MODULE_SUPPORT.get(op.name, frozenset()))
+
+_ARG_KINDS: PerOp = PerOp(lambda op: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0
+                                            for a in op.args))
 
 
 def all_sources() -> list[tuple[str, str]]:
@@ -333,7 +342,7 @@ class CudaExecutor:
         metas = self.tensors.metas
         outs: list[DeviceTensor] = []
         fresh = False
-        safe = b.op.family in _ALIAS_SAFE_FAMILIES or b.op.name in _ALIAS_SAFE_OPS
+        safe = b.op.alias_safe  # an output may be an input's buffer (the catalogue says)
         inputs = set()
         if not safe:
             for k, n in zip(_ARG_KINDS[b.op.name], b.names):

@@ -12,11 +12,12 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
-from deepx_core.ir.ops import parse_fused
+from deepx_core.ir.ops import OpDef, expr_instance, parse_fused
 from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format
 from deepxd.kernels.cuda.elementwise import _strides, collapse
 
@@ -138,3 +139,14 @@ def fused(ex: CudaExecutor, inputs: list[DeviceTensor], expr: str, out: DeviceTe
         flat += dims(s)
     ex.launch("fused", f, ex.grid(n), (256, 1, 1), out.ptr, *ptrs, n, *consts, len(shape), *dims(shape), *flat)
     return True
+
+
+def expr_kernel(op: OpDef) -> Callable[..., bool]:
+    """The CUDA kernel of an op of family "expr": its expression (OpDef.expr), run as a fused one."""
+
+    def kernel(ex: CudaExecutor, *values: Any) -> bool:
+        inputs, text = expr_instance(op, values[:-1])
+        return fused(ex, inputs, text, values[-1])
+
+    kernel.__name__ = op.name
+    return kernel
