@@ -2,7 +2,7 @@
 that comes with it, which the native kernels then share (native.py).
 
 numpy's OpenBLAS runs a GEMM on one core near the machine's peak, but on two it loses 15-20% to MKL on an AVX-512
-Xeon (docs/design-notes.md, "MKL and one thread pool"), and its idle workers spin on the other core, so that an
+Xeon (docs/decisions/0016-mkl-by-measurement.md), and its idle workers spin on the other core, so that an
 elementwise loop split across cores right after a GEMM runs many times slower. With MKL, GEMMs and the native
 kernels' split loops run on one pool of threads (Intel's libiomp5, in MKL's "intel" threading layer): the worker a
 GEMM leaves spinning is the one that takes the next loop's half.

@@ -82,7 +82,7 @@ COLSUM_MIN = 1 << 11
 #: elements per thread below which a kernel runs on the calling thread alone (Python's thread pool, without MKL)
 THREAD_MIN = 1 << 18
 #: with MKL's OpenMP runtime (blas.py), elements from which a loop is split across its threads: the worker a GEMM
-#: leaves spinning takes its half at once (docs/design-notes.md, "MKL and one thread pool")
+#: leaves spinning takes its half at once (docs/decisions/0016-mkl-by-measurement.md)
 OMP_MIN = 1 << 15
 # no -ffast-math and no contraction into fused multiply-adds: IEEE results, as numpy's. -fno-math-errno and
 # -fno-trapping-math change no value (errno and floating-point exception flags only); they let selects vectorize.
@@ -339,7 +339,7 @@ CORE = r"""
 /* An output is one of the inputs or overlaps none (the callers check): each loop reads element i of every input
    before it writes element i of any output, so no store changes a later load, which IVDEP tells the compiler (it
    then vectorizes without checking overlaps at run time). Writing straight to the outputs is 10-25% faster than
-   computing blocks into locals and copying them out (docs/design-notes.md). */
+   computing blocks into locals and copying them out (docs/decisions/0014-native-cpu-kernels.md). */
 """ + _IVDEP + r"""
 #define RELU(T, S) \
 void relu_##S(long n, const T *x, T *o) { \
