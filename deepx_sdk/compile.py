@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.graphrecord import GraphRecord, check_graph_name
 from deepx_core.ir.dtypes import to_numpy
@@ -336,7 +337,8 @@ def _leaves(obj: Any, path: str, out: list[tuple[str, Any]]) -> None:
         out.append((path, obj))
 
 
-_DIGESTS: dict[Any, str] = {}  # code object -> _code_digest (code objects never change)
+# code object -> _code_digest (code objects never change)
+_DIGESTS: Cache[Any, str] = Cache("sdk.code_digests", 1024, counted=False)
 
 
 def _code_digest(code: Any) -> str:
@@ -347,9 +349,7 @@ def _code_digest(code: Any) -> str:
     for c in code.co_consts:
         parts.append(_code_digest(c) if hasattr(c, "co_code") else repr(c))
     digest = hashlib.sha1("|".join(p if isinstance(p, str) else p.hex() for p in parts).encode()).hexdigest()
-    if len(_DIGESTS) >= 1024:
-        _DIGESTS.clear()
-    _DIGESTS[code] = digest
+    _DIGESTS.put(code, digest)
     return digest
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param, renumbered, same_program, scalar_kinds
 from deepx_core.ir.text import format_text
@@ -37,16 +38,13 @@ log = logging.getLogger(__name__)
 _SDK_DIR = os.path.dirname(os.path.abspath(__file__))
 # id(code object) -> (the code object, whether it is the SDK's own): recording walks past the SDK's frames to the
 # user's line. By id, because hashing a code object hashes its contents; the entry holds the code object, so its
-# id is never reused while the entry stands
-_IN_SDK: dict[int, tuple[CodeType, bool]] = {}
+# id is never reused while the entry stands (notebook cells make new code objects: the memo is bounded)
+_IN_SDK: Cache[int, tuple[CodeType, bool]] = Cache("sdk.in_sdk", 65536, counted=False)
 
 
 def in_sdk(code: CodeType) -> tuple[CodeType, bool]:
     """(code, whether it is the SDK's own), remembered in _IN_SDK."""
-    if len(_IN_SDK) > 65536:  # notebook cells make new code objects: keep the memo bounded
-        _IN_SDK.clear()
-    known = _IN_SDK[id(code)] = (code, code.co_filename.startswith(_SDK_DIR))
-    return known
+    return _IN_SDK.put(id(code), (code, code.co_filename.startswith(_SDK_DIR)))
 
 
 def _name_order(name: str) -> tuple[int, str]:
@@ -73,16 +71,14 @@ def _backward_probe(spec: dict[str, Any]) -> Any:
 
 #: deltensor instructions by (name, dtype): a loop deletes the same names every step, and the same objects then
 #: cost nothing to make and compare at identity speed (same_program)
-_DELETIONS: dict[tuple[str, Any], Instr] = {}
+_DELETIONS: Cache[tuple[str, Any], Instr] = Cache("sdk.deletions", 16384, counted=False)
 
 
 def _deletion(name: str, dtype: Any) -> Instr:
     key = (name, dtype)
     instr = _DELETIONS.get(key)
     if instr is None:
-        if len(_DELETIONS) >= 16384:
-            _DELETIONS.clear()
-        instr = _DELETIONS[key] = Instr("deltensor", (), (Param("tensor", (dtype,), name),))
+        instr = _DELETIONS.put(key, Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
     return instr
 
 
@@ -508,7 +504,7 @@ class Session:
         self.backwards: list[dict[str, Any]] = []
         # backward requests that the daemon derived before (by probe: forward length, ends, loss, wrt, grad_loss,
         # prefix): a repeat is recorded into the program instead of sent on its own (see Tensor.backward)
-        self._backwards_seen: dict[Any, list[tuple[list[Instr], Any]]] = {}
+        self._backwards_seen: Cache[Any, list[tuple[list[Instr], Any]]] = Cache("sdk.backwards_seen", 64, per_key=4)
         # recording backward into the step pays when the steps' programs repeat exactly (the daemon's caches then
         # hold the whole step); a step whose numbers change (Adam's step count, a learning-rate schedule) would put
         # the whole step through the passes and checks afresh each time, which costs more than the round trip it
@@ -516,7 +512,7 @@ class Session:
         # few, that graph's backward() goes on its own again (_lazy_off) for the next LAZY_RETRY backwards of it,
         # then is tried again (a learning-rate warm-up ends; the steps repeat from there)
         self.lazy_backward = True  # False: never (a session may turn it off)
-        self._lazy_programs: list[tuple[list[Instr], Any]] = []
+        self._lazy_programs: Cache[int, tuple[list[Instr], Any]] = Cache("sdk.step_programs", 4)  # by id
         self._lazy_misses: dict[Any, int] = {}  # backward probe -> programs in a row that repeated none
         self._lazy_off: dict[Any, int] = {}  # probe -> how many more of its backwards go on their own
 
@@ -573,19 +569,15 @@ class Session:
                 del self._lazy_off[probe]
                 self._lazy_misses.pop(probe, None)
             return False
-        bucket = self._backwards_seen.get(probe)
-        for known, kinds in bucket or ():
+        for known, kinds in self._backwards_seen.bucket(probe):
             if same_program(forward, known, kinds):
+                self._backwards_seen.hit()
                 return True
+        self._backwards_seen.miss()
         # only an exact repeat: a graph that differs from step to step (dropout's seed, names from a pool that
         # overflows) would send the whole step through the passes afresh, which costs more than the round trip saved
         if remember:
-            if sum(map(len, self._backwards_seen.values())) >= 64:
-                self._backwards_seen.clear()
-            entries = self._backwards_seen.setdefault(probe, [])
-            if len(entries) >= 4:
-                del entries[0]
-            entries.append((list(forward), scalar_kinds(forward)))
+            self._backwards_seen.add(probe, (list(forward), scalar_kinds(forward)))
         return False
 
     def undo_unrun(self, instr: Instr, undo: Any) -> None:
@@ -891,22 +883,22 @@ class Session:
     def _judge_lazy(self, program: list[Instr], backwards: list[dict[str, Any]]) -> None:
         """A program carrying backward instructions: does it repeat one of the last few exactly? (see _lazy_off)"""
         probes = [p for p in map(_backward_probe, backwards) if p is not None]
-        for known, kinds in self._lazy_programs:
+        for known, kinds in self._lazy_programs.newest():
             # a repeat, or one with new numbers in its optimizer updates (Adam's step count, a scheduled lr): the
             # daemon's caches hold both (instr.renumbered)
             if same_program(program, known, kinds) or renumbered(program, known):
+                self._lazy_programs.hit()
                 for p in probes:
                     self._lazy_misses.pop(p, None)
                 return
+        self._lazy_programs.miss()
         if self._lazy_programs:
             for p in probes:
                 misses = self._lazy_misses[p] = self._lazy_misses.get(p, 0) + 1
                 if misses >= 2:
                     self._lazy_off[p] = LAZY_RETRY
                     log.debug("this graph's backward() goes on its own from here: its steps do not repeat")
-        self._lazy_programs.append((program, scalar_kinds(program)))
-        if len(self._lazy_programs) > 4:
-            del self._lazy_programs[0]
+        self._lazy_programs.put(id(program), (program, scalar_kinds(program)))
 
     def _forget_unrun(self, program: list[Instr], done: int, mark: int, revived: Collection[str] = frozenset(),
                       reused: Collection[str] = frozenset(), taken: Mapping[str, int] | None = None) -> None:

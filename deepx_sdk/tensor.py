@@ -16,6 +16,7 @@ from weakref import ref as _weakref
 
 import numpy as np
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxAttributeError, DeepxError
 from deepx_core.ir.dtypes import FLOATS, INTS, to_numpy
 from deepx_core.ir.dtypes import from_numpy as precision_of
@@ -162,15 +163,13 @@ def _vec(v: Iterable[int]) -> Param:
     if type(v) is tuple:
         p = _VECTORS.get(v)
         if p is None:
-            if len(_VECTORS) >= 4096:
-                _VECTORS.clear()
-            p = _VECTORS[v] = Param("vector", ("int32",), tuple(int(x) for x in v))
+            p = _VECTORS.put(v, Param("vector", ("int32",), tuple(int(x) for x in v)))
         return p
     return Param("vector", ("int32",), tuple(int(x) for x in v))
 
 
 # vector params by the tuple they were made from (equal tuples of numbers make equal int vectors)
-_VECTORS: dict[tuple[Any, ...], Param] = {}
+_VECTORS: Cache[tuple[Any, ...], Param] = Cache("sdk.vectors", 4096, counted=False)
 
 def infer_meta(name: str, args: list[Any], names: list[Any]) -> TensorMeta:
     """The result meta of op `name` on `args` by the catalogue's shape and dtype rule (raises DeepxError)."""
@@ -181,11 +180,11 @@ def infer_meta(name: str, args: list[Any], names: list[Any]) -> TensorMeta:
 
 
 # (op, *args) -> the result meta that infer_meta gave
-_INFERRED: dict[Any, TensorMeta] = {}
+_INFERRED: Cache[Any, TensorMeta] = Cache("sdk.inferred", 65536, counted=False)
 # what a reduction or a reshape records, by what decides it: (op, shape, dtype, dim, keepdim) -> (shape, dtype, dims
 # param, keepdim param); (shape, new shape) -> (shape, shape param)
-_REDUCTIONS: dict[Any, tuple[Any, str, Param, Param]] = {}
-_RESHAPES: dict[Any, tuple[Any, Param]] = {}
+_REDUCTIONS: Cache[Any, tuple[Any, str, Param, Param]] = Cache("sdk.reductions", 4096, counted=False)
+_RESHAPES: Cache[Any, tuple[Any, Param]] = Cache("sdk.reshapes", 4096, counted=False)
 
 # Tensor has methods named bool, int and float: annotations inside it use these
 _bool: TypeAlias = bool
@@ -196,7 +195,7 @@ _float: TypeAlias = float
 _new_object = object.__new__
 # name -> the returns of an instruction that makes it: a loop's pooled names come back every step, and then so do
 # these objects (fewer allocations, and programs that compare by identity)
-_RETURNS: dict[str, tuple[Param]] = {}
+_RETURNS: Cache[str, tuple[Param]] = Cache("sdk.returns", 16384, counted=False)
 
 
 #: results of at least this many elements are deleted when collected instead of pooled with their buffers (their
@@ -250,9 +249,7 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
     prec = _PRECISIONS.get(dtype) or _precision(dtype)
     rets = _RETURNS.get(rname)
     if rets is None or rets[0][1] is not prec:
-        if len(_RETURNS) >= 16384:
-            _RETURNS.clear()
-        rets = _RETURNS[rname] = (_tuple_new(Param, ("tensor", prec, rname)),)
+        rets = _RETURNS.put(rname, (_tuple_new(Param, ("tensor", prec, rname)),))
     out._p = rets[0]
     pending = s.pending
     pending.append(_tuple_new(Instr, (name, args, rets, ())))
@@ -546,9 +543,7 @@ class Tensor:
             return out
         out = infer_meta(name, args, names)
         if key is not None:
-            if len(_INFERRED) >= 65536:
-                _INFERRED.clear()
-            _INFERRED[key] = out
+            _INFERRED.put(key, out)
         return out
 
     # -- dtype
@@ -893,9 +888,7 @@ class Tensor:
             meta = self._infer(op, [TensorMeta(a.shape, a.dtype), dims, keepdim], [a.name, None, None])
             known = (meta.shape, meta.dtype, _vec(dims), _vp(bool(keepdim)))
             if key is not None:
-                if len(_REDUCTIONS) >= 4096:
-                    _REDUCTIONS.clear()
-                _REDUCTIONS[key] = known
+                _REDUCTIONS.put(key, known)
         shape, dt, pdims, pkeep = known
         return a._op(op, (_tp(a), pdims, pkeep), shape, dt, (a,))
 
@@ -1055,9 +1048,7 @@ class Tensor:
                                [self.name, None])
             known = (meta.shape, _vec(shape))
             if key is not None:
-                if len(_RESHAPES) >= 4096:
-                    _RESHAPES.clear()
-                _RESHAPES[key] = known
+                _RESHAPES.put(key, known)
         if known[0] == self.shape:
             return self
         if not self.requires_grad:

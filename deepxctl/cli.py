@@ -1,5 +1,5 @@
-"""deepxctl: the operator's view of a deepx daemon: tensors, memory, ops, nodes, actors, graphs, a live top, and
-deepxIR by hand. One module per command group; every command prints through deepxctl.term.
+"""deepxctl: the operator's view of a deepx daemon: tensors, memory, ops, nodes, actors, graphs, caches, a live
+top, and deepxIR by hand. One module per command group; every command prints through deepxctl.term.
 
 Importing this module imports click and nothing heavy (no numpy, msgpack, rich, nor deepx_sdk, whose package
 imports numpy), so `--help` is instant.
@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from deepxctl import actors, graphs, ir, memory, nodes, ops, tensors, top
+from deepxctl import actors, caches, graphs, ir, memory, nodes, ops, tensors, top
 from deepxctl.context import Ctl
 from deepxctl.term import CtlError
 
@@ -99,7 +99,8 @@ def cli(ctx: click.Context, address: str | None, kv: str | None, kv_password_fil
     ctx.obj = Ctl(address, kv, kv_prefix, timeout, kv_password_file=kv_password_file)
 
 
-for group in (tensors.tensors, memory.memory, ops.ops, nodes.nodes, actors.actors, graphs.graphs, top.top, ir.ir):
+for group in (tensors.tensors, memory.memory, ops.ops, nodes.nodes, actors.actors, graphs.graphs, caches.caches,
+              top.top, ir.ir):
     cli.add_command(group)
 
 

@@ -183,6 +183,36 @@ class Op(Schema):
         return o
 
 
+def percent(v: Any) -> str:
+    return "" if v is None or v == "" else f"{float(v) * 100:.1f}%"
+
+
+@dataclasses.dataclass
+class CacheRow(Schema):
+    """One cache of a daemon's process (deepx_core.cache.Cache): how full, how often it found what was asked. HITS
+    and HIT RATE are empty for interning tables, whose lookups are not counted (MISSES then counts what they made)."""
+
+    object_name: ClassVar[str] = "caches"
+
+    node: str = field(metadata=col())
+    cache: str = field(metadata=col())
+    owner: str = field(default="", metadata=col())
+    size: int = field(default=0, metadata=col(right=True))
+    capacity: int = field(default=0, metadata=col(right=True))
+    hits: int | None = field(default=None, metadata=col(right=True))
+    misses: int = field(default=0, metadata=col(right=True))
+    hit_rate: float | None = field(default=None, metadata=col("HIT RATE", render=percent, right=True))
+    evictions: int = field(default=0, metadata=col(right=True))
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, Any]) -> CacheRow:
+        c = super().from_raw(raw)
+        c.size, c.capacity, c.misses, c.evictions = _int(c.size), _int(c.capacity), _int(c.misses), _int(c.evictions)
+        c.hits = None if raw.get("hits") is None else _int(raw["hits"])
+        c.hit_rate = None if raw.get("hit_rate") is None else _float(raw["hit_rate"])
+        return c
+
+
 #: a running node whose heartbeat is older than this many of its heartbeats (heartbeat_s, 2 s by default) is shown
 #: as stale
 STALE_BEATS = 5

@@ -234,6 +234,13 @@ def renumbered(program: Sequence[Instr], known: Sequence[Instr]) -> list[int] | 
     return out
 
 
+def probe(program: Sequence[Instr]) -> tuple[Any, ...]:
+    """The key a program is remembered by everywhere (plans, known programs, expansions: a Cache's buckets): its length
+    and its first and last instructions; the program itself is then compared with `same_program`. It may not hash (a
+    list inside a param): a Cache's bucket() and add() then find and keep nothing."""
+    return (len(program), program[0], program[-1]) if program else (0, None, None)
+
+
 def numbers_probe(program: Sequence[Instr]) -> tuple[Any, ...]:
     """(length, first, last) with an optimizer update's numbers left out: what a program shares with one it repeats
     with new numbers (see `renumbered`), for looking it up."""

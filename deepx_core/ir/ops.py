@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import ALL, FLOATS, INDEX, INTS, NUMERIC, STORABLE, to_numpy
 from deepx_core.ir.instr import Instr, Param
@@ -826,7 +827,7 @@ _FUSED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Call, ast.Name, ast.
                 ast.Eq, ast.NotEq)
 _FUSED_INPUT = re.compile(r"in(0|[1-9][0-9]*)\Z")
 _FUSED_MAX_CHARS = 20000
-_fused_parsed: dict[tuple[str, int], ast.Expression] = {}
+_fused_parsed: Cache[tuple[str, int], ast.Expression] = Cache("ir.fused_parsed", 4096)
 
 
 def parse_fused(expr: str, n_inputs: int) -> ast.Expression:
@@ -866,9 +867,7 @@ def parse_fused(expr: str, n_inputs: int) -> ast.Expression:
             raise DeepxError(f"fused: constant {node.value!r} in {expr!r} is not a number")
         elif isinstance(node, ast.Compare) and len(node.ops) != 1:
             raise DeepxError(f"fused: {ast.unparse(node)!r} in {expr!r} chains comparisons; compare two values")
-    if len(_fused_parsed) >= 4096:
-        _fused_parsed.clear()
-    _fused_parsed[key] = tree
+    _fused_parsed.put(key, tree)
     return tree
 
 
@@ -1217,10 +1216,10 @@ class BindCache:
     """Remembers checked instructions: a training loop sends the same instructions every step, and checking one
     again costs a few dict lookups instead of the whole of `bind`."""
 
-    def __init__(self, size: int = 8192) -> None:
-        self.size = size
-        self._plans: dict[tuple[Any, ...], tuple[Bound, tuple[tuple[str, TensorMeta | None], ...],
-                                       tuple[tuple[str, TensorMeta | None, TensorMeta | None], ...]]] = {}
+    def __init__(self, size: int = 8192, owner: str = "") -> None:
+        self._plans: Cache[tuple[Any, ...], tuple[Bound, tuple[tuple[str, TensorMeta | None], ...],
+                                                  tuple[tuple[str, TensorMeta | None, TensorMeta | None], ...]]] = (
+            Cache("executor.binds", size, owner=owner))
 
     def bind(self, instr: Instr, env: Env) -> Bound:
         key = instr[:3]  # metadata (ids, timestamps) does not change what an instruction does
@@ -1249,8 +1248,6 @@ class BindCache:
                     return b
         b = bind(instr, env)
         if _cacheable(b):
-            if len(self._plans) >= self.size:
-                self._plans.clear()
             ins_list: list[tuple[str, TensorMeta | None]] = []
             for a, n, m in zip(b.op.args, b.names, b.args):
                 if a.kind == "tensor":
@@ -1258,7 +1255,7 @@ class BindCache:
                 elif a.kind == "listtensor":
                     ins_list.extend(zip(n, m))
             outs_t = tuple((str(n), env.meta(str(n)), m) for n, m in zip(b.out_names, b.outs) if m is not None)
-            self._plans[key] = (b, tuple(ins_list), outs_t)
+            self._plans.put(key, (b, tuple(ins_list), outs_t))
         return b
 
     def clear(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 import re
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxParseError
 from deepx_core.ir.dtypes import is_precision
 from deepx_core.ir.instr import Instr, Param, Value
@@ -146,8 +147,8 @@ def _parse(line: str) -> Instr:
 
 
 # parsed fast-path lists by their text: a training loop sends the same lists every step (Params are immutable)
-_LISTS: dict[str, tuple[Param, ...]] = {}
 _LISTS_MAX = 4096
+_LISTS: Cache[str, tuple[Param, ...]] = Cache("text.lists", _LISTS_MAX, counted=False)
 
 
 def _fast_params(text: str) -> tuple[Param, ...] | None:
@@ -203,9 +204,7 @@ def _fast_params(text: str) -> tuple[Param, ...] | None:
         out.append(_tuple_new(Param, (category, precisions, v)))
     result = tuple(out)
     if len(text) <= 256:
-        if len(_LISTS) >= _LISTS_MAX:
-            _LISTS.clear()
-        _LISTS[text] = result
+        _LISTS.put(text, result)
     return result
 
 

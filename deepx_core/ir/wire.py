@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import is_precision
 from deepx_core.ir.instr import CATEGORIES, Instr, Param, Scalar, Value
@@ -78,9 +79,9 @@ def unpack_instr(data: bytes) -> Instr:
 # Both ends of a native connection keep the instructions they have packed or unpacked: a training step sends the
 # same instructions every time, and a repeated instruction then costs one dict lookup on each side, and decodes to
 # the very same Instr object (which lets the daemon's bind cache match it by identity).
-_PACKED: dict[Instr, bytes] = {}
-_UNPACKED: dict[bytes, Instr] = {}
 _CACHE_MAX = 1 << 16
+_PACKED: Cache[Instr, bytes] = Cache("wire.packed", _CACHE_MAX, counted=False)
+_UNPACKED: Cache[bytes, Instr] = Cache("wire.unpacked", _CACHE_MAX, counted=False)
 
 
 def pack_instr_cached(instr: Instr) -> bytes:
@@ -90,9 +91,7 @@ def pack_instr_cached(instr: Instr) -> bytes:
     except TypeError:  # lists inside
         return pack_instr(instr)
     if data is None:
-        if len(_PACKED) >= _CACHE_MAX:
-            _PACKED.clear()
-        data = _PACKED[instr] = pack_instr(instr)
+        data = _PACKED.put(instr, pack_instr(instr))
     return data
 
 
@@ -101,9 +100,7 @@ def unpack_instr_cached(data: bytes) -> Instr:
     instr = _UNPACKED.get(data)
     if instr is None:
         instr = unpack_instr(data)
-        if len(_UNPACKED) >= _CACHE_MAX:
-            _UNPACKED.clear()
-        _UNPACKED[bytes(data)] = instr
+        _UNPACKED.put(bytes(data), instr)
     return instr
 
 
@@ -166,8 +163,8 @@ def _plain(v: object) -> Scalar:
 
 # decoded params by (category, precisions, value type, value): a program repeats its params, and a training loop
 # repeats its programs, so most params decode with one dict lookup instead of full validation
-_PARAMS: dict[tuple[Any, ...], Param] = {}
 _PARAMS_MAX = 1 << 16
+_PARAMS: Cache[tuple[Any, ...], Param] = Cache("wire.params", _PARAMS_MAX, counted=False)
 
 
 def _params_from_obj(op: str, side: str, obj: Any) -> tuple[Param, ...]:
@@ -193,9 +190,7 @@ def _params_from_obj(op: str, side: str, obj: Any) -> tuple[Param, ...]:
                 continue
         param = _param_from_obj(op, f"{side} {k}", p)
         if key is not None:
-            if len(_PARAMS) >= _PARAMS_MAX:
-                _PARAMS.clear()
-            _PARAMS[key] = param
+            _PARAMS.put(key, param)
         out.append(param)
     return tuple(out)
 

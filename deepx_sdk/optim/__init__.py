@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param
 from deepx_sdk.session import origin
@@ -20,7 +21,7 @@ __all__ = ["SGD", "Adam", "AdamW", "CosineAnnealingLR", "Optimizer", "StepLR", "
 
 #: the scalar params of the updates, by value: the same objects every step (cheaper to record, and a repeated
 #: program then compares param by param by identity); a float's key tells -0.0 from 0.0
-_VARS: dict[tuple[Any, ...], Param] = {}
+_VARS: Cache[tuple[Any, ...], Param] = Cache("sdk.optim_vars", 4096, counted=False)
 
 
 def _var(value: bool | int | float) -> Param:
@@ -28,9 +29,7 @@ def _var(value: bool | int | float) -> Param:
     key = (t, value, math.copysign(1.0, value)) if t is float else (t, value)
     p = _VARS.get(key)
     if p is None:
-        if len(_VARS) >= 4096:
-            _VARS.clear()
-        p = _VARS[key] = Param.var(value)
+        p = _VARS.put(key, Param.var(value))
     return p
 
 

@@ -55,14 +55,7 @@ class CpuWorker(OpWorker):
         self.inline_elements = inline_elements
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
-        # programs checked before, by (length, first, last): a training loop sends the same one every step
-        self.known: dict[Any, list[KnownProgram]] = {}
-        self.known_size = 256
-        # the known programs with optimizer updates, by _numbers_probe: a step whose updates carry new numbers
-        # (Adam's step count, a scheduled learning rate) finds its program here (_renumbered)
-        self.renumberable: dict[Any, list[KnownProgram]] = {}
-        self.renumbered_hits = 0
-        self.known_hits = 0
+        self._caches()
         self._unfolded: list[tuple[list[tuple[OpStat, int]], float, list[float]]] = []  # see _fold
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
 

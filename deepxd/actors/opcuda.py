@@ -107,13 +107,7 @@ class CudaWorker(OpWorker):
         self.heap_held: set[str] = set()
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
-        # programs checked before, by (length, first, last): a training loop sends the same ones every step, and
-        # while the tensors they touch keep their metas they check the same way, so they run without the check
-        self.known: dict[Any, list[KnownProgram]] = {}
-        self.known_size = 256
-        self.known_hits = 0
-        self.renumberable: dict[Any, list[KnownProgram]] = {}  # see OpWorker._renumbered
-        self.renumbered_hits = 0
+        self._caches()
         self._unfolded: list[Any] = []  # (known programs here run through _execute, which counts as it goes)
         self.device_heap = DeviceHeap(self)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cuda")

@@ -221,6 +221,13 @@ class Registry(Actor):
                              "mean_us": secs / calls * 1e6 if calls else 0.0, "bytes": int(s.get("bytes", 0))})
         return sorted(rows, key=lambda r: -r["total_s"])
 
+    def on_caches(self) -> list[dict[str, Any]]:
+        """Every cache of this daemon's process (deepx_core.cache): size, capacity, hits, misses, evictions. Read
+        from the process, not the plane: each daemon answers for its own."""
+        from deepx_core.cache import stats
+
+        return [{"node": self.node_id, **row} for row in stats()]
+
     async def on_nodes(self) -> list[dict[str, Any]]:
         now = time.time()
         rows = []

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, TensorMeta
@@ -265,8 +266,8 @@ class Scheduler(Actor):
         self.udp_scope = udp_scope  # what deepxIR over UDP may name (deepxd/access.py); None: UDP is off
         self.passes: list[str] = check_passes(config.passes) if config is not None else list(DEFAULT_PASSES)
         self.fuse_min_elements = config.fuse_min_elements if config is not None else 0
-        self.plans = BindMemo()  # the passes check programs too: the same instructions every training step
-        self.compiled = PlanCache(self.passes, max_len=REMEMBER_MAX)
+        self.plans = BindMemo(owner=name)  # the passes check programs too: the same instructions every training step
+        self.compiled = PlanCache(self.passes, max_len=REMEMBER_MAX, owner=name)
         self.programs = 0
         self.instructions = 0
         self.failed = 0
@@ -276,14 +277,16 @@ class Scheduler(Actor):
         self.graphs: dict[str, Any] = {}  # stored graph name -> its plan (deepxd/compiler/graphs.py)
         self.replays = 0
         # backward programs derived before (_derive): probe -> [(forward, its scalar kinds, metas, program, grads)]
-        self.backwards: dict[Any, list[tuple[list[Instr], Any, dict[str, Any], list[Instr], dict[str, str]]]] = {}
+        self.backwards: Cache[Any, list[tuple[list[Instr], Any, dict[str, Any], list[Instr], dict[str, str]]]] = (
+            Cache("scheduler.backwards", 64, per_key=4, owner=name))
         self.backward_hits = 0
         self.backward_misses = 0
         # backward instructions expanded before (_expansion): probe -> [(program, kinds, forwards, (names, their
         # metas before), expanded, where)]
-        self.expansions: dict[Any, list[tuple[Any, ...]]] = {}
+        self.expansions: Cache[Any, list[tuple[Any, ...]]] = Cache("scheduler.expansions", 64, per_key=4, owner=name)
         self.expansion_hits = 0
-        self._fast: list[_Fast] = []  # the last few programs, to run again as they went (see _run_fast)
+        # the last few programs, to run again as they went (see _run_fast), by id
+        self._fast: Cache[int, _Fast] = Cache("scheduler.recent", 4, owner=name)
         self.fast_hits = 0
         self.now_hits = 0  # runs and replays taken by now_run and now_replay (the embedded daemon's, no loop step)
         self._cancel: Callable[[], bool] | None = None  # the running program's (on_run)
@@ -338,13 +341,16 @@ class Scheduler(Actor):
             self.failed += 1
             return _cancelled_unrun()
         self._cancel = cancel  # what the run sites below pass on (each on_run sets its own)
-        for fast in self._fast:
+        for fast in self._fast.newest():
             if fast.matches(program, fetch, backwards):
+                self._fast.get(id(fast))
                 t0 = time.perf_counter()
                 hit = await self._run_fast(fast, program, fetch)
                 if hit is not None:
                     return self._counted(hit, t0)
                 break
+        else:
+            self._fast.miss()
         marks = {}
         for spec in backwards or ():
             k = spec.get("index")
@@ -368,7 +374,7 @@ class Scheduler(Actor):
         self._counted(result, t0)
         made = self._next_fast(program, fetch, marks, worker, note, result)
         if made is not None:
-            self._fast = [made, *self._fast[:3]]  # a read between two steps (a fetch, a print) keeps the step's
+            self._fast.put(id(made), made)  # a read between two steps (a fetch, a print) keeps the step
         return result
 
     # -- the last program again
@@ -416,7 +422,7 @@ class Scheduler(Actor):
         without comparing while its state's version is still the one the last run left. None where it is not
         (the worker ran nothing): the program takes the whole path."""
         if fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min():  # native kernels came or went
-            self._fast.remove(fast)
+            self._fast.pop(id(fast))
             return None
         if fast.expanded is not None:  # the gradients of its backwards (on_run took back the rest)
             self._taken_from_udp(fast.expanded)
@@ -440,8 +446,9 @@ class Scheduler(Actor):
         find = getattr(worker, "known_now", None)
         if find is None or not worker.idle():
             return None
-        for fast in self._fast:
+        for fast in self._fast.newest():
             if fast.matches(program, fetch, backwards):
+                self._fast.get(id(fast))
                 break
         else:
             return None
@@ -452,7 +459,7 @@ class Scheduler(Actor):
         if known is None:
             return None
         if isinstance(known, RunResult):  # stale: the entry goes, and the ask takes the whole path
-            self._fast.remove(fast)
+            self._fast.pop(id(fast))
             return None
         return self.now("run", self._now_run, fast, worker, known, program, fetch)
 
@@ -471,7 +478,7 @@ class Scheduler(Actor):
         """The worker's answer to a fast run, told of the program as the SDK sent it: None where it was stale (it
         ran nothing; the entry goes); a coroutine to await where a rewritten program failed part-way."""
         if result.stale:
-            self._fast.remove(fast)
+            self._fast.pop(id(fast))
             return None
         self.fast_hits += 1
         if fast.origins is not None:
@@ -491,7 +498,7 @@ class Scheduler(Actor):
         if fast.where is not None:
             result = self._map_expanded(result, program, fast.where, len(program), None)
         if result.error:
-            self._fast.remove(fast)
+            self._fast.pop(id(fast))
         else:
             fast.version = result.version  # -1 where the run changed what it found: the expectation is compared
         return result
@@ -632,7 +639,7 @@ class Scheduler(Actor):
         from deepx_core.ir.instr import renumbered, same_program
 
         key = self._expansion_key(program, marks)
-        for e in self.expansions.get(key, ()) if key is not None else ():
+        for e in self.expansions.bucket(key) if key is not None else ():
             known, kinds, forwards, (names, metas), expanded, where = e
             if not (all(type(marks[i]["forward"]) is list and all(type(x) is Instr for x in marks[i]["forward"])
                         and same_program(marks[i]["forward"], f, k) for i, (f, k) in forwards.items())
@@ -640,12 +647,15 @@ class Scheduler(Actor):
                 continue
             if same_program(program, known, kinds):
                 self.expansion_hits += 1
+                self.expansions.hit()
                 return expanded, where
             varied = renumbered(program, known)
             if varied:  # each update stands alone where it stood (only a backward expands into several)
                 new = set(varied)
                 self.expansion_hits += 1
+                self.expansions.hit()
                 return [program[w] if w in new else x for x, w in zip(expanded, where)], where
+        self.expansions.miss()
         return None
 
     def _remember_expansion(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]],
@@ -662,15 +672,10 @@ class Scheduler(Actor):
             names |= _names_of(m["forward"], m["loss"], m["wrt"], m.get("grad_loss"))
         for instr in program:
             names.update(named_tensors(instr))
-        if sum(map(len, self.expansions.values())) >= 64:
-            self.expansions.clear()
-        bucket = self.expansions.setdefault(key, [])
-        if len(bucket) >= 4:
-            del bucket[0]
         order = tuple(sorted(names))
-        bucket.append((list(program), scalar_kinds(program),
-                       {i: (list(m["forward"]), scalar_kinds(m["forward"])) for i, m in marks.items()},
-                       (order, [before.get(n) for n in order]), expanded, where))
+        self.expansions.add(key, (list(program), scalar_kinds(program),
+                                  {i: (list(m["forward"]), scalar_kinds(m["forward"])) for i, m in marks.items()},
+                                  (order, [before.get(n) for n in order]), expanded, where))
 
     async def _variables(self, worker: ActorRef) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
         """The worker's named variables and vectors (argset's and vecset's)."""
@@ -791,7 +796,7 @@ class Scheduler(Actor):
         returns the very program derived before, so the worker's repeated-program path applies to it too.
         variables, vectors: the worker's, for a forward that reads one by name (argset's); its backward is derived
         afresh each time (it may depend on their values) and never remembered."""
-        from deepx_core.ir.instr import same_program, scalar_kinds
+        from deepx_core.ir.instr import probe, same_program, scalar_kinds
         from deepx_core.ir.ops import SymbolicEnv
         from deepxd.compiler.autograd import grad_program
 
@@ -801,28 +806,20 @@ class Scheduler(Actor):
                                                                                 dict(vectors or {})),
                                           grad_loss=grad_loss, prefix=prefix)
             return _renamed(program, grads, names, metas) if names else (program, grads)
-        try:
-            probe: Any = (len(forward), forward[0] if forward else None, forward[-1] if forward else None, loss,
-                          tuple(wrt), grad_loss, prefix, tuple(names.items()) if names else None)
-            bucket = self.backwards.get(probe)
-        except TypeError:  # a list inside a param: not hashable, never remembered
-            probe, bucket = None, None
-        for known, kinds, known_metas, program, grads in bucket or ():
+        key = (*probe(forward), loss, tuple(wrt), grad_loss, prefix, tuple(names.items()) if names else None)
+        for known, kinds, known_metas, program, grads in self.backwards.bucket(key):
             if known_metas == metas and same_program(forward, known, kinds):
                 self.backward_hits += 1
+                self.backwards.hit()
                 return program, dict(grads)
         self.backward_misses += 1
+        self.backwards.miss()
         program, grads = grad_program(list(forward), loss, list(wrt), SymbolicEnv(metas), grad_loss=grad_loss,
                                       prefix=prefix)
         if names:
             program, grads = _renamed(program, grads, names, metas)
-        if probe is not None and len(forward) + len(program) <= REMEMBER_MAX:
-            if sum(map(len, self.backwards.values())) >= 64:
-                self.backwards.clear()
-            entries = self.backwards.setdefault(probe, [])
-            if len(entries) >= 4:
-                del entries[0]
-            entries.append((forward, scalar_kinds(forward), dict(metas), program, grads))
+        if len(forward) + len(program) <= REMEMBER_MAX:
+            self.backwards.add(key, (forward, scalar_kinds(forward), dict(metas), program, grads))
         return program, dict(grads)
 
     # -- stored graphs (dx.compile): the plan of each is made once, then every replay binds into it

@@ -14,9 +14,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
-from deepx_core.ir.instr import NUMBERED_OPS, Instr, numbers_probe, renumbered, same_program, scalar_kinds
+from deepx_core.ir.instr import NUMBERED_OPS, Instr, numbers_probe, probe, renumbered, same_program, scalar_kinds
 from deepx_core.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef
@@ -180,15 +181,23 @@ class OpWorker(Actor):
     heap: HeapViews  # heap tensor name -> its array (memory heapmem allocated)
     heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
     heapmem: ActorRef | None
-    known: dict[Any, list[KnownProgram]]
-    known_size: int
+    known: Cache[Any, list[KnownProgram]]  # programs checked before, by probe(): a loop sends the same ones
     known_hits: int
-    renumberable: dict[Any, list[KnownProgram]]  # see _renumbered
+    renumberable: Cache[Any, list[KnownProgram]]  # the known programs with optimizer updates, by numbers_probe
     renumbered_hits: int
     op_stats: dict[str, OpStat]
     output_log: bool
     _output: list[str]
     _unfolded: list[Any]  # known programs' clocks not yet in op_stats (see _fold)
+
+    def _caches(self, size: int = 256) -> None:
+        """The known programs: while the tensors a program touches keep their metas, it checks the same way, so it
+        runs without the check; a step whose updates carry new numbers (Adam's step count, a scheduled learning rate)
+        finds its program among the renumberable ones (_renumbered)."""
+        self.known = Cache("worker.known", size, per_key=8, owner=self.name)
+        self.renumberable = Cache("worker.renumberable", size, per_key=8, owner=self.name)
+        self.known_hits = 0
+        self.renumbered_hits = 0
 
     def _print(self, text: str) -> None:
         self._output.append(text)
@@ -205,28 +214,27 @@ class OpWorker(Actor):
         last = self._last
         if last is not None and program is last[0].program and last[1] == self._state() and last[0].fetch == tuple(
                 fetch):
-            return last[0]  # the very program again, nothing written since: the metas it names are as it left them
-        try:
-            bucket = self.known.get((len(program), program[0], program[-1]))
-        except TypeError:  # a list inside a param: not hashable, never remembered
-            return None
+            self.known.hit()  # the very program again, nothing written since: the metas it names are as it left them
+            return last[0]
         heap = self.heap
         fetch = tuple(fetch)
-        for k in bucket or ():
+        for k in self.known.bucket(probe(program)):
             if (k.fetch == fetch and same_program(program, k.program, k.kinds)
                     and self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None)):
+                self.known.hit()
                 return k
-        return self._renumbered(program, fetch) if self.renumberable else None
+        found = self._renumbered(program, fetch) if self.renumberable else None
+        if found is None:
+            self.known.miss()
+        return found
 
     def _renumbered(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
         """A known program that `program` repeats with new numbers in its optimizer updates (Adam's step count, a
         scheduled learning rate: instr.renumbered), checked against the same state: that one with those updates bound
         again (and prepared again), in its place, since the next step brings new numbers again. None otherwise."""
-        try:
-            bucket = self.renumberable.get(numbers_probe(program))
-        except TypeError:
-            return None
+        bucket = self.renumberable.bucket(numbers_probe(program))
         if not bucket:
+            self.renumberable.miss()
             return None
         heap = self.heap
         fetch = tuple(fetch)
@@ -248,18 +256,13 @@ class OpWorker(Actor):
             derived = k._replace(program=program, kinds=scalar_kinds(program), bounds=bounds,
                                  steps=self._steps_renumbered(k, bounds, varied), recover=list(k.recover))
             bucket[j] = derived
-            probe = (len(k.program), k.program[0], k.program[-1])
-            exact = self.known.get(probe)
-            if exact is not None:
-                for i, e in enumerate(exact):
-                    if e is k:
-                        del exact[i]
-                        break
-                if not exact:  # a step whose last instruction is an update has a new probe every time
-                    del self.known[probe]
-            self.known.setdefault((len(program), program[0], program[-1]), []).append(derived)
+            # (a step whose last instruction is an update has a new probe every time: its bucket goes when empty)
+            self.known.discard(probe(k.program), k)
+            self.known.add(probe(program), derived)
+            self.renumberable.hit()
             self.renumbered_hits += 1
             return derived
+        self.renumberable.miss()
         return None
 
     def _steps_renumbered(self, known: KnownProgram, bounds: list[Bound], varied: list[int]) -> list[Any]:
@@ -479,32 +482,23 @@ class OpWorker(Actor):
         worker's thread; `transient`: the transposes that become views (none on the GPU, where they stay copies)."""
         if not bounds or not _state_free(bounds):
             return
+        key = probe(program)
         try:
-            probe = (len(program), program[0], program[-1])
-            hash(probe)
-        except TypeError:
+            hash(key)
+        except TypeError:  # a list inside a param: never remembered
             return
         names = _touched(bounds)
         if fetch:  # a name it reads back only: that it still exists is part of the check
             names += tuple(n for n in dict.fromkeys(fetch) if n not in names)
         metas, heap = self.ex.tensors.metas, self.heap
-        if sum(map(len, self.known.values())) >= self.known_size:
-            self.known.clear()
-            self.renumberable.clear()
-        bucket = self.known.setdefault(probe, [])
-        if len(bucket) >= 8:
-            del bucket[0]
         program = program if type(program) is list else list(program)
         known = KnownProgram(program, scalar_kinds(program), tuple(fetch), names, [metas.get(n) for n in names],
                              [n in heap for n in names], bounds, [], [], [], heavy,
                              tuple((i, str(b.out_names[0])) for i, b in enumerate(bounds) if b.op.name == "deltensor"),
                              transient if transient is not None else set(), [])
-        bucket.append(known)
+        self.known.add(key, known)
         if any(i.name in NUMBERED_OPS for i in program):
-            numbered = self.renumberable.setdefault(numbers_probe(program), [])
-            if len(numbered) >= 8:
-                del numbered[0]
-            numbered.append(known)
+            self.renumberable.add(numbers_probe(program), known)
 
     def on_heap_gone(self, name: str) -> None:
         """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""

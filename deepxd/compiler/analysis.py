@@ -15,6 +15,7 @@ from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepx_core.cache import Cache
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, UNKNOWN, Bound, PerOp, SymbolicEnv, TensorMeta, bind, load_name
 
@@ -211,9 +212,8 @@ class BindMemo:
     names never hits; by structure, a training loop's programs check at the cost of a few dict lookups per
     instruction. Instructions with named variables, and those that change the set of tensors, are checked in full."""
 
-    def __init__(self, size: int = 8192) -> None:
-        self.size = size
-        self._bounds: dict[tuple[Any, ...], Bound] = {}
+    def __init__(self, size: int = 8192, owner: str = "") -> None:
+        self._bounds: Cache[tuple[Any, ...], Bound] = Cache("scheduler.binds", size, owner=owner)
 
     def bind(self, instr: Instr, meta: Any, env: SymbolicEnv) -> Bound:
         op = OPS.get(instr.name)
@@ -245,9 +245,7 @@ class BindMemo:
         b = self._bounds.get(k)
         if b is None:
             b = bind(instr, env)
-            if len(self._bounds) >= self.size:
-                self._bounds.clear()
-            self._bounds[k] = b
+            self._bounds.put(k, b)
             return b
         return Bound(op, instr, b.args, names + [None] * (len(b.names) - len(names)), b.outs, out_names, b.nbytes)
 

@@ -17,6 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.graphrecord import GraphRecord
 from deepx_core.ir.instr import Instr, Param
@@ -40,10 +41,13 @@ class GraphPlan:
     passes: list[str]
     touches: dict[str, list[int]] = field(default_factory=dict)  # input/output name -> plan indices naming it
     slots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # scalar key -> (plan index, arg)
-    # the bindings of the last few replays without data and what bind_replay made of them, the latest first: a
-    # training loop replays with the same ones every step (two in turn where it keeps the last loss alive while it
-    # calls the next step: its output takes the other name), and the same program object lets the worker know it
-    recent: list[tuple[Any, Bound]] = field(default_factory=list)
+    # the bindings of the last few replays without data and what bind_replay made of them: a training loop replays
+    # with the same ones every step (two in turn where it keeps the last loss alive while it calls the next step: its
+    # output takes the other name), and the same program object lets the worker know it
+    recent: Cache[Any, Bound] = field(default_factory=lambda: Cache("graph.bindings", RECENT_BINDINGS))
+
+    def __post_init__(self) -> None:
+        self.recent.owner = self.record.name
 
     @property
     def name(self) -> str:
@@ -148,11 +152,9 @@ def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, A
         except TypeError:
             memo = None
         if memo is not None:
-            for k, (seen, made) in enumerate(g.recent):
-                if seen == memo:
-                    if k:
-                        g.recent.insert(0, g.recent.pop(k))
-                    return made
+            found = g.recent.get(memo)
+            if found is not None:
+                return found
     unknown = [k for k in inputs if k not in want_in]
     if unknown:
         raise DeepxError(f"replay of graph {name!r}: it has no input {', '.join(map(repr, unknown))}; its inputs are "
@@ -214,8 +216,7 @@ def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, A
     program.extend(Instr("deltensor", (), (Param.tensor(n, d),)) for n, d, _, _ in puts)
     made = Bound(program, puts, bound, list(outputs.values()))
     if memo is not None and not puts:
-        g.recent.insert(0, (memo, made))
-        del g.recent[RECENT_BINDINGS:]
+        g.recent.put(memo, made)
     return made
 
 

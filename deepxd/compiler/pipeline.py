@@ -13,8 +13,9 @@ import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
-from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param, same_program, scalar_kinds
+from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param, probe, same_program, scalar_kinds
 from deepx_core.ir.ops import UNKNOWN, PerOp, TensorMeta
 from deepx_core.ir.text import format_text
 from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
@@ -106,16 +107,18 @@ class PlanCache:
     hit rebuilds the rewritten program from the current instructions (metadata and all) and names. Programs whose
     params name variables (argset) are not cached: their meaning depends on values the key does not hold."""
 
-    def __init__(self, passes: Sequence[str] = DEFAULT_PASSES, size: int = 256, max_len: int | None = None) -> None:
+    def __init__(self, passes: Sequence[str] = DEFAULT_PASSES, size: int = 256, max_len: int | None = None,
+                 owner: str = "") -> None:
         self.passes = tuple(passes)
         self.size = size
         self.max_len = max_len  # a longer program is never remembered: a memo of it would outlive it
         self.hits = 0
         self.misses = 0
-        self._plans: dict[Any, tuple[tuple[Any, ...], tuple[int, ...]]] = {}
+        self._plans: Cache[Any, tuple[tuple[Any, ...], tuple[int, ...]]] = Cache("scheduler.plans", size, owner=owner)
         # programs seen before exactly (names and all: a client that reuses the names of its dropped temporaries
-        # sends the same instructions every step), by (length, first, last): their rewrite without even the key
-        self._exact: dict[Any, list[_Exact]] = {}
+        # sends the same instructions every step), by probe(): their rewrite without even the key
+        self._exact: Cache[Any, list[_Exact]] = Cache("scheduler.plans_exact", size, per_key=8,
+                                                        owner=owner)
         self.exact_hits = 0
         self._last: tuple[Sequence[Instr], list[_Exact]] | None = None
 
@@ -124,11 +127,7 @@ class PlanCache:
         that do are never remembered. The comparison is kept for the run() of the same program that follows."""
         if not self.passes or len(program) < 2 or (self.max_len is not None and len(program) > self.max_len):
             return False
-        try:
-            same = [e for e in self._exact.get((len(program), program[0], program[-1]), ())
-                    if same_program(program, e.program, e.kinds)]
-        except TypeError:
-            return False
+        same = [e for e in self._exact.bucket(probe(program)) if same_program(program, e.program, e.kinds)]
         self._last = (program, same)
         return bool(same)
 
@@ -142,15 +141,12 @@ class PlanCache:
             return run_passes(list(program), ctx, self.passes)
         sent = program
         program = program if type(program) is list else list(program)
-        probe: Any = (len(program), program[0], program[-1])
+        key0 = probe(program)
         last, self._last = self._last, None
         if last is not None and last[0] is sent:
             same = last[1]  # seen() compared them a moment ago
         else:
-            try:
-                same = [e for e in self._exact.get(probe, ()) if same_program(program, e.program, e.kinds)]
-            except TypeError:  # a list inside a param: not hashable, and not cached
-                same, probe = [], None
+            same = [e for e in self._exact.bucket(key0) if same_program(program, e.program, e.kinds)]
         if same:
             metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
             for e in same:
@@ -160,8 +156,10 @@ class PlanCache:
                         and list(map(keep.__contains__, e.names)) == e.kept):
                     self.hits += 1
                     self.exact_hits += 1
+                    self._exact.hit()
                     ctx.origins = list(e.origins)
                     return program if e.out is None else e.out
+        self._exact.miss()
         found = self._key(program, ctx)
         if found is None:
             return run_passes(program, ctx, self.passes)
@@ -173,39 +171,30 @@ class PlanCache:
             ctx.origins = list(origins)
             out = [program[e] if type(e) is int else _instantiate(e, names, program[o].meta)
                    for e, o in zip(entries, origins)]
-            self._remember(probe, program, names, key[1], out, ctx)
+            self._remember(key0, program, names, key[1], out, ctx)
             return out
         self.misses += 1
         out = run_passes(program, ctx, self.passes)
         kept = {id(i) for i in out}
         if any(i.name in NUMBERED_OPS and id(i) not in kept for i in program):
             # a pass rewrote an update (none does today): its plan would hold these numbers, so it is not kept
-            self._remember(probe, program, names, key[1], out, ctx)
+            self._remember(key0, program, names, key[1], out, ctx)
             return out
         tokens = {n: _Token(k) for k, n in enumerate(names)}
         entries_list: list[Any] = []
         for instr, o in zip(out, ctx.origins):
             entries_list.append(o if instr is program[o] else _template(instr, tokens))
-        if len(self._plans) >= self.size:
-            self._plans.clear()
-        self._plans[key] = (tuple(entries_list), tuple(ctx.origins))
-        self._remember(probe, program, names, key[1], out, ctx)
+        self._plans.put(key, (tuple(entries_list), tuple(ctx.origins)))
+        self._remember(key0, program, names, key[1], out, ctx)
         return out
 
-    def _remember(self, probe: Any, program: list[Instr], names: list[str], flags: tuple[Any, ...],
+    def _remember(self, key: Any, program: list[Instr], names: list[str], flags: tuple[Any, ...],
                   out: list[Instr], ctx: PassContext) -> None:
-        if probe is None:
-            return
-        if sum(map(len, self._exact.values())) >= self.size:
-            self._exact.clear()
-        bucket = self._exact.setdefault(probe, [])
-        if len(bucket) >= 8:
-            del bucket[0]
         same = len(out) == len(program) and all(a is b for a, b in zip(out, program))
         metas, fetched, kept = (list(column) for column in zip(*flags)) if flags else ([], [], [])
-        bucket.append(_Exact(program, scalar_kinds(program), tuple(names),
-                             (ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements),
-                             None if same else out, tuple(ctx.origins), metas, fetched, kept))
+        self._exact.add(key, _Exact(program, scalar_kinds(program), tuple(names),
+                                    (ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements),
+                                    None if same else out, tuple(ctx.origins), metas, fetched, kept))
 
     def _key(self, program: Sequence[Instr], ctx: PassContext) -> tuple[Any, list[str]] | None:
         ids: dict[str, int] = {}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import functools
 import math
 import numbers
 import os
@@ -31,6 +30,7 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 
 HashValue = str | int | float | bytes
@@ -250,7 +250,7 @@ def escape_glob(text: str) -> str:
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
 
 
-@functools.lru_cache(maxsize=256)
+@memoize("kv.base.compile_glob", 256)
 def compile_glob(pattern: str) -> re.Pattern[bytes]:
     """A Redis glob pattern as a regex over a key's UTF-8 bytes, with exactly Redis's rules (util.c stringmatchlen):
     `*`, `?` (one byte), `[abc]`, `[^abc]`, `[a-z]` (ends in either order), `\\x` for a literal x; an unclosed `[`

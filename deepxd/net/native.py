@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ADMIN = ("tensors", "ops", "nodes", "actors", "memory", "graphs")
+ADMIN = ("tensors", "ops", "nodes", "actors", "memory", "graphs", "caches")
 LONG_FRAME = 1 << 20  # a frame at least this long is unpacked on a thread
 
 

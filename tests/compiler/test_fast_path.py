@@ -38,7 +38,7 @@ PASSES = ["simplify", "cse", "dce", "fuse"]
 
 def whole_way(node: Node) -> None:
     """Forget the last program, so that the next one takes the whole path (the reference)."""
-    node.scheduler._fast = []
+    node.scheduler._fast.clear()
     node.worker._last = None
 
 
@@ -146,7 +146,7 @@ async def test_a_kernel_error_on_the_fast_path_reads_as_on_the_whole_path(nodes)
             np.testing.assert_array_equal(got.tensors["q"], want.tensors["q"])
     assert "integer division by zero" in results[0][-1].error and results[0][-1].error_index == 0
     # after the error the step takes the whole path: checked, d as the error left it
-    assert looped.scheduler._fast == []
+    assert len(looped.scheduler._fast) == 0
     np.testing.assert_array_equal(looped.worker.ex.get("d"), reference.worker.ex.get("d"))
 
 
@@ -478,7 +478,7 @@ async def test_a_kernel_error_in_run_now_reads_as_on_the_whole_path(nodes, progr
                 np.testing.assert_array_equal(got.tensors[name], want.tensors[name])
     assert "integer division by zero" in results[0][-1].error and results[0][-1].error_index == div_at
     # set straight as the whole path leaves them; one message each, counted once
-    assert looped.scheduler._fast == [] and not looped.scheduler._busy and not looped.worker._busy
+    assert len(looped.scheduler._fast) == 0 and not looped.scheduler._busy and not looped.worker._busy
     for name in ("d", "x"):
         np.testing.assert_array_equal(looped.worker.ex.get(name), reference.worker.ex.get(name))
     assert looped.scheduler.stats.by_message["run"] == looped.scheduler.programs == 5

@@ -197,7 +197,7 @@ def test_run_now_repairs_a_failed_step_and_leaves_heap_deletes_to_the_ask():
     assert outcomes[-1].done == 3
     assert sched.now_hits - before[1] == 2  # the fourth and the failing fifth
     assert sched.programs - before[0] == sched.stats.by_message["run"] - before[2] == 5
-    assert not sched._busy and not worker._busy and sched._fast == []
+    assert not sched._busy and not worker._busy and len(sched._fast) == 0
     # the first three instructions ran (x + w twice, their product), the division did not: d and x as they were;
     # a and b exist, as the step left them before its deletes (b, which the rewrite never made, made as zeros:
     # pipeline.repair)

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.ops import OpDef, expr_instance, parse_fused
 from deepxd.kernels.cpu import native
@@ -67,7 +68,7 @@ class Plan(NamedTuple):
     small: tuple[Step, ...]  # the steps `run` takes on a one-element block: none writes its own operand
 
 
-_plans: dict[tuple[str, int], Plan] = {}
+_plans: Cache[tuple[str, int], Plan] = Cache("kernels.cpu.fused.plans", 4096)
 
 
 def compile_expr(expr: str, n_inputs: int) -> Plan:
@@ -75,9 +76,7 @@ def compile_expr(expr: str, n_inputs: int) -> Plan:
     key = (expr, n_inputs)
     plan = _plans.get(key)
     if plan is None:
-        if len(_plans) >= 4096:
-            _plans.clear()
-        plan = _plans[key] = _compile(parse_fused(expr, n_inputs))
+        plan = _plans.put(key, _compile(parse_fused(expr, n_inputs)))
     return plan
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ast
 import ctypes
-import functools
 import hashlib
 import logging
 import math
@@ -53,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from deepx_core.cache import Cache, memoize
 from deepxd.kernels.cpu._util import address as _address
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def _private(d: Path) -> bool:
     return st.st_uid == _uid() and not st.st_mode & 0o022 and os.access(d, os.W_OK)
 
 
-@functools.cache
+@memoize("kernels.cpu.native._cpu_features", 64)
 def _cpu_features() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -216,7 +216,7 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-@functools.cache
+@memoize("kernels.cpu.native._version", 64)
 def _version(cc: str) -> str:
     try:
         return subprocess.run([cc, "--version"], capture_output=True, text=True, errors="replace", timeout=30).stdout
@@ -1093,10 +1093,12 @@ _C_COMPARE = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "=
 FULL, SCALAR, ROW, COLUMN = 0, 1, 2, 3
 _INDEX = {FULL: "i", ROW: "j", COLUMN: "r"}  # the element an input of that layout gives at row r, column j
 
-_seen: dict[tuple[str, int, str, tuple[int, ...], bool], int] = {}
-_consts: dict[tuple[str, tuple[float, ...], np.dtype], np.ndarray] = {}
-_fused_fns: dict[tuple[str, int, str, tuple[int, ...], bool], Any] = {}
-_fused_split: dict[tuple[str, int, str, tuple[int, ...], bool], Any] = {}  # pfused, where built with OpenMP
+_FusedKey = tuple[str, int, str, tuple[int, ...], bool]
+_seen: Cache[_FusedKey, int] = Cache("kernels.cpu.native.seen", 4096, counted=False)
+_consts: Cache[tuple[str, tuple[float, ...], np.dtype], np.ndarray] = Cache("kernels.cpu.native.consts", 4096,
+                                                                              counted=False)
+_fused_fns: Cache[_FusedKey, Any] = Cache("kernels.cpu.native.fused_fns", 4096)
+_fused_split: Cache[_FusedKey, Any] = Cache("kernels.cpu.native.fused_split", 4096)  # pfused, built with OpenMP
 
 
 def fused_source(tree: ast.Expression, ctype: str, layouts: Sequence[int], colsum: bool = False,
@@ -1287,9 +1289,7 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.nda
     if fn is None:
         seen = _seen.get(key, 0) + 1
         if seen < HOT:
-            if len(_seen) >= 4096:
-                _seen.clear()
-            _seen[key] = seen
+            _seen.put(key, seen)
             return False
         if _background:  # numpy this time, and until the compiler is done
             _build_in_background(key)
@@ -1451,9 +1451,7 @@ def _consts_array(plan: Any, dt: np.dtype) -> np.ndarray:
     ck = (plan.text, plan.constants, dt)
     consts = _consts.get(ck)
     if consts is None:
-        if len(_consts) >= 4096:
-            _consts.clear()
-        consts = _consts[ck] = np.array(plan.constants or (0.0,), dt)
+        consts = _consts.put(ck, np.array(plan.constants or (0.0,), dt))
     return consts
 
 
@@ -1474,7 +1472,7 @@ def _build_in_background(key: tuple[str, int, str, tuple[int, ...], bool]) -> No
                 _build_fused(key)
             except Exception:  # never seen: _build_fused keeps False for a kernel that cannot be had
                 log.exception("native kernels: building a fused kernel failed; it runs on numpy")
-                _fused_fns[key] = False
+                _fused_fns.put(key, False)
             finally:
                 with _building_lock:
                     _building.pop(key, None)
@@ -1502,16 +1500,13 @@ def _build_fused(key: tuple[str, int, str, tuple[int, ...], bool]) -> Any:
     if lib is None:
         if source is not None and not available():  # turned off meanwhile: not this kernel's failure, not kept
             return False
-        if len(_fused_fns) >= 4096:
-            _fused_fns.clear()
-            _fused_split.clear()
-        _fused_fns[key] = False
+        _fused_fns.put(key, False)
         return False
     fn = lib.fused
     fn.argtypes, fn.restype = [_LONG, _LONG, ctypes.POINTER(ctypes.c_void_p), _PTR, _PTR, *[_PTR] * colsum], None
     if omp:
         split = lib.pfused
         split.argtypes, split.restype = fn.argtypes, None
-        _fused_split[key] = split
-    _fused_fns[key] = fn
+        _fused_split.put(key, split)
+    _fused_fns.put(key, fn)
     return fn

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepxd.kernels.cpu import fused, native
 from deepxd.kernels.cpu._util import F32, F64, LOW
@@ -262,7 +263,7 @@ def _reduce(op: str, values: np.ndarray, count: int | float, reduction: str) -> 
     return total / count if reduction == "mean" else total
 
 
-_ROWS: dict[int, np.ndarray] = {}
+_ROWS: Cache[int, np.ndarray] = Cache("kernels.cpu.nn.rows", 64, counted=False)
 
 
 def crossentropy(logits, labels, ignore_index, reduction, out):
@@ -279,9 +280,7 @@ def crossentropy(logits, labels, ignore_index, reduction, out):
                 s = _shifted(_work(logits), 1)
                 rows = _ROWS.get(n)
                 if rows is None:
-                    rows = _ROWS[n] = np.arange(n)
-                    if len(_ROWS) > 64:
-                        _ROWS.clear()
+                    rows = _ROWS.put(n, np.arange(n))
                 picked = np.log(np.sum(np.exp(s), axis=1)) - s[rows, labels]
             out[...] = _reduce("crossentropy", picked, np.intp(n) if reduction == "mean" else 1, reduction)
             return

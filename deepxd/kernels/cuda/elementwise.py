@@ -10,9 +10,9 @@ with an integer tensor computes in float64.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
+from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.ops import OPS
 from deepxd.kernels.cuda._src import CTYPES, FLOAT_TYPES, HEADER, INT_TYPES, MAXD, ctype, dims, dims_format
@@ -178,7 +178,7 @@ def _kernel(name: str, kind: str, expr: str, tc: str, scalar: str) -> str:
     return text + "#undef TC\n"
 
 
-@functools.cache
+@memoize("kernels.cuda.elementwise.source", 64)
 def source(dtype: str) -> str:
     """The module of every elementwise kernel of `dtype` (as A's dtype)."""
     ta = ctype(dtype)

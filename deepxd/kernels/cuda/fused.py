@@ -10,11 +10,11 @@ in double; float32, float16 and bfloat16 compute in float and round once into th
 from __future__ import annotations
 
 import ast
-import functools
 import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
 from deepx_core.ir.ops import OpDef, expr_instance, parse_fused
@@ -46,7 +46,7 @@ class Structure:
         self.key = hashlib.sha1(f"{n_inputs}|{text}".encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=4096)
+@memoize("kernels.cuda.fused.lower", 4096)
 def lower(expr: str, n_inputs: int) -> Structure:
     """The C form of a fused expression (cached by expression)."""
     tree = parse_fused(expr, n_inputs)
@@ -88,7 +88,7 @@ def _params(n: int) -> str:
     return ", ".join(f"const T* in{i}" for i in range(n))
 
 
-@functools.lru_cache(maxsize=1024)
+@memoize("kernels.cuda.fused.source", 1024)
 def source(key: str, text: str, n: int, used: tuple[int, ...], dtype: str) -> str:
     loads_c = "".join(f"        A x{i} = ld(in{i}[i]);\n" for i in used)
     loads_s = "".join(f"        A x{i} = ld(in{i}[o{i}]);\n" for i in used)

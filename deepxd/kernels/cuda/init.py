@@ -8,7 +8,6 @@ seed from the OS, as on the CPU).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 
+from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS, NUMERIC, STORABLE, to_numpy
 from deepxd.kernels.cpu._util import fill
@@ -69,7 +69,7 @@ SUPPORT = {"constant": frozenset(STORABLE), "arange": frozenset(NUMERIC), "unifo
            "normal": frozenset(FLOATS), "dropout": frozenset(FLOATS)}
 
 
-@functools.cache
+@memoize("kernels.cuda.init.source", 64)
 def source(dtype: str) -> str:
     text = HEADER + f"typedef {ctype(dtype)} T;\n" + _SRC
     if dtype in FLOAT_TYPES:

@@ -6,10 +6,10 @@ shared with stride 0, and any other broadcast (batch (3, 1) against (1, 4)) is f
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING
 
+from deepx_core.cache import memoize
 from deepxd.kernels.cuda._src import FLOAT_TYPES, HEADER, INT_TYPES, ctype
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ extern "C" __global__ void imatmul(T* c, const T* a, const T* b, int m, int n, i
 SUPPORT = {"matmul": FLOAT_TYPES | INT_TYPES}
 
 
-@functools.cache
+@memoize("kernels.cuda.matmul.source", 64)
 def source(dtype: str) -> str:
     return HEADER + f"typedef {ctype(dtype)} T;\n" + _INT_GEMM
 

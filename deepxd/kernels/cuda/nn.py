@@ -10,9 +10,9 @@ and sum of exponentials). The activations (relu, sigmoid, tanh, gelu, silu, erf)
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
+from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS, to_numpy
 from deepxd.kernels.cuda import elementwise as ew
@@ -456,7 +456,7 @@ def _instances(dtype: str) -> str:
     return "\n".join(lines)
 
 
-@functools.cache
+@memoize("kernels.cuda.nn.source", 64)
 def source(dtype: str) -> str:
     return HEADER + f"typedef {ctype(dtype)} T;\n" + _SRC.replace("@@INSTANCES@@", _instances(dtype))
 

@@ -4,10 +4,10 @@ single-tensor code paths): hyperparameters are rounded to the compute type as nu
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
+from deepx_core.cache import memoize
 from deepx_core.ir.dtypes import FLOATS
 from deepxd.kernels.cuda._src import HEADER, ctype
 
@@ -54,7 +54,7 @@ extern "C" __global__ void adam(T* param, const T* grad, T* m, T* v, ll n, doubl
 SUPPORT = {"sgd": frozenset(FLOATS), "adam": frozenset(FLOATS), "adamw": frozenset(FLOATS)}
 
 
-@functools.cache
+@memoize("kernels.cuda.optim.source", 64)
 def source(dtype: str) -> str:
     return HEADER + f"typedef {ctype(dtype)} T;\n" + _SRC
 

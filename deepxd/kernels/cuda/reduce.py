@@ -12,10 +12,10 @@ nan).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
+from deepx_core.cache import memoize
 from deepx_core.ir.dtypes import NUMERIC
 from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format
 from deepxd.kernels.cuda.elementwise import collapse
@@ -241,7 +241,7 @@ SUPPORT = {op: frozenset(NUMERIC) for op in ("sum", "prod", "reducemax", "reduce
 _FMT = "PPPqqqii" + dims_format(2) + "i" + dims_format(2)
 
 
-@functools.cache
+@memoize("kernels.cuda.reduce.source", 64)
 def source(dtype: str) -> str:
     return HEADER + "#include <climits>\n" + f"typedef {ctype(dtype)} T;\n" + _SRC
 

@@ -8,10 +8,10 @@ anything is written; a bad one raises DeepxError.
 from __future__ import annotations
 
 import builtins
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
+from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import NUMERIC, STORABLE
 from deepxd.kernels.cuda._src import BYTES_TYPE, HEADER, MAXD, ctype, dims, dims_format
@@ -114,7 +114,7 @@ _ACC = {
 }
 
 
-@functools.cache
+@memoize("kernels.cuda.shape.add_source", 64)
 def add_source(dtype: str) -> str:
     _, tt, atomic = _ACC[dtype]
     return (HEADER + f"typedef {ctype(dtype)} T;\ntypedef {tt} TT;\n#define ATOMIC_ADD(p, v) {atomic}\n" + _ADD)
