@@ -437,25 +437,22 @@ class Scheduler(Actor):
         """on_run's fast path with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the
         embedded daemon's training steps, without the event loop's tasks and hand-offs). None, with nothing run and
         nothing counted, where on_run must answer: this scheduler or the worker busy or with messages waiting, no
-        entry that matches, a run the worker cannot make inline (CpuWorker.known_now), a stale entry (dropped).
+        entry that matches, a run the worker cannot make inline (OpWorker.now_known), a stale entry (dropped).
         Else on_run's answer, or a coroutine that finishes it (a rewritten program that failed part-way: its
         tensors are set straight)."""
         if not self._fast or not self.idle():
             return None
-        worker = self._place(program)._actor  # every entry's (a session's tensors live on one worker)
-        find = getattr(worker, "known_now", None)
-        if find is None or not worker.idle():
-            return None
+        worker = self._place(program)  # every entry's (a session's tensors live on one worker)
         for fast in self._fast.newest():
             if fast.matches(program, fetch, backwards):
                 self._fast.get(id(fast))
                 break
         else:
             return None
-        if fast.worker._actor is not worker or (
+        if fast.worker is not worker or (
                 fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min()):
             return None
-        known = find(fast.sent, fetch, fast.version if fast.version >= 0 else None, fast.expect)
+        known = worker.now("known", fast.sent, fetch, fast.version if fast.version >= 0 else None, fast.expect)
         if known is None:
             return None
         if isinstance(known, RunResult):  # stale: the entry goes, and the ask takes the whole path
@@ -463,10 +460,11 @@ class Scheduler(Actor):
             return None
         return self.now("run", self._now_run, fast, worker, known, program, fetch)
 
-    def _now_run(self, fast: _Fast, worker: Any, known: Any, program: Sequence[Instr], fetch: Sequence[str]) -> Any:
+    def _now_run(self, fast: _Fast, worker: ActorRef, known: Any, program: Sequence[Instr],
+                 fetch: Sequence[str]) -> Any:
         t0 = time.perf_counter()
         self.now_hits += 1
-        done = self._fast_ran(fast, program, fetch, worker.now("run", worker.run_known, known, fetch))
+        done = self._fast_ran(fast, program, fetch, worker.now("run_known", known, fetch))
         if isinstance(done, CoroutineType):
             return self._finish_counted(done, t0)
         return self._counted(done, t0)
@@ -901,7 +899,7 @@ class Scheduler(Actor):
                    scalars: dict[str, Any] | None = None, fetch: Sequence[str] = ()) -> Any:
         """on_replay with no coroutine (LoopThread.now: dx.compile's replays in the embedded daemon), where the graph
         is planned here and bound as the last replay was (its inputs found to fit), both actors are idle with
-        nothing waiting, and the worker runs the program inline (CpuWorker.known_now). None, with nothing run and
+        nothing waiting, and the worker runs the program inline (OpWorker.now_known). None, with nothing run and
         nothing counted, where on_replay must answer; else its answer, or a coroutine that finishes it (a failed
         replay's temporaries deleted)."""
         from deepxd.compiler.graphs import bind_replay
@@ -911,10 +909,7 @@ class Scheduler(Actor):
         # on_replay would bind once more)
         if plan is None or not plan.recent or not self.idle() or not all(type(v) is str for v in inputs.values()):
             return None
-        worker = self._place(plan.plan)._actor
-        find = getattr(worker, "known_now", None)
-        if find is None or not worker.idle():
-            return None
+        worker = self._place(plan.plan)
         try:
             bound = bind_replay(plan, inputs, outputs, scalars or {})
         except DeepxError:  # on_replay says so, and counts it
@@ -922,15 +917,15 @@ class Scheduler(Actor):
         if bound.expect is None:
             return None
         fetch = list(fetch)
-        known = find(bound.program, fetch, None, bound.expect)
+        known = worker.now("known", bound.program, fetch, None, bound.expect)
         if known is None or isinstance(known, RunResult):  # not inline, or stale: on_replay checks the inputs
             return None
         return self.now("replay", self._now_replay, name, plan, worker, bound, known, fetch)
 
-    def _now_replay(self, name: str, plan: Any, worker: Any, bound: Any, known: Any, fetch: list[str]) -> Any:
+    def _now_replay(self, name: str, plan: Any, worker: ActorRef, bound: Any, known: Any, fetch: list[str]) -> Any:
         t0 = time.perf_counter()
         self.now_hits += 1
-        return self._replayed(name, plan, worker.ref, bound, worker.now("run", worker.run_known, known, fetch), t0)
+        return self._replayed(name, plan, worker, bound, worker.now("run_known", known, fetch), t0)
 
     def _replayed(self, name: str, plan: Any, worker: ActorRef, bound: Any, result: RunResult, t0: float) -> Any:
         """on_replay's answer from the worker's: a coroutine to await where the replay failed (its temporaries are

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -189,6 +189,7 @@ class OpWorker(Actor):
     output_log: bool
     _output: list[str]
     _unfolded: list[Any]  # known programs' clocks not yet in op_stats (see _fold)
+    run_known: Callable[[KnownProgram, Sequence[str]], RunResult]  # on_run for a program known_now found, inline
 
     def _caches(self, size: int = 256) -> None:
         """The known programs: while the tensors a program touches keep their metas, it checks the same way, so it
@@ -286,6 +287,17 @@ class OpWorker(Actor):
         if known is None or not self._now_ok(known) or (heap and any(name in heap for _, name in known.deletes)):
             return None
         return known
+
+    def now_known(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
+                  expect: Any = None) -> KnownProgram | RunResult | None:
+        """known_now where this worker is idle, else None: `ref.now("known", ...)`, the scheduler's look before it
+        commits to a run on its caller's thread."""
+        return self.known_now(program, fetch, version, expect) if self.idle() else None
+
+    def now_run_known(self, known: KnownProgram, fetch: Sequence[str]) -> Any:
+        """`ref.now("run_known", known, fetch)`: run_known answered as message `run` on the caller's thread (counted
+        and marked busy as an ask is; see Actor.now)."""
+        return self.now("run", self.run_known, known, fetch)
 
     def _now_ok(self, known: KnownProgram) -> bool:
         """Whether run_known may run this known program (op-cpu: not one for its thread pool)."""
