@@ -103,8 +103,10 @@ def _lazy(name: str) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("nn", "optim", "io"):
+    if name in ("nn", "optim", "io", "utils"):
         return _lazy(name)
+    if name == "Generator":
+        return _lazy("utils.data").Generator
     raise AttributeError(f"module 'deepx_sdk' has no attribute {name!r}")
 
 

@@ -6,7 +6,7 @@ has one handle per daemon tensor); `load_state_dict` checks every key before cop
 change of kind (float values into an int tensor); devices given to `.to()` are ignored.
 """
 
-from deepx_sdk.nn import functional, init
+from deepx_sdk.nn import functional, init, utils
 from deepx_sdk.nn.containers import ModuleDict, ModuleList, Sequential
 from deepx_sdk.nn.loss import CrossEntropyLoss, MSELoss, NLLLoss
 from deepx_sdk.nn.module import IncompatibleKeys, Module
@@ -30,4 +30,5 @@ from deepx_sdk.nn.parameter import Parameter
 
 __all__ = ["GELU", "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "Identity", "IncompatibleKeys",
            "LayerNorm", "Linear", "LogSoftmax", "MSELoss", "Module", "ModuleDict", "ModuleList", "NLLLoss",
-           "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "functional", "init"]
+           "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "functional", "init",
+           "utils"]

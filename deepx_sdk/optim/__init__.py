@@ -1,11 +1,12 @@
 """deepx_sdk.optim: torch.optim's SGD, Adam and AdamW, each step one fused update instruction per parameter
-(the catalogue's `sgd`, `adam`, `adamw`), and the StepLR and CosineAnnealingLR schedulers."""
+(the catalogue's `sgd`, `adam`, `adamw`); RMSprop, written with tensor ops (the daemon's fuse pass joins them); and
+the StepLR, CosineAnnealingLR, LambdaLR, LinearLR (warm-up) and OneCycleLR schedulers."""
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,8 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_sdk.session import origin
 from deepx_sdk.tensor import Tensor, _tp, zeros
 
-__all__ = ["SGD", "Adam", "AdamW", "CosineAnnealingLR", "Optimizer", "StepLR", "lr_scheduler"]
+__all__ = ["SGD", "Adam", "AdamW", "CosineAnnealingLR", "LambdaLR", "LinearLR", "OneCycleLR", "Optimizer", "RMSprop",
+           "StepLR", "lr_scheduler"]
 
 
 #: the scalar params of the updates, by value: the same objects every step (cheaper to record, and a repeated
@@ -227,6 +229,43 @@ class AdamW(Adam):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+class RMSprop(Optimizer):
+    """torch.optim.RMSprop: square_avg = alpha * square_avg + (1 - alpha) * g^2; p -= lr * g / (sqrt(square_avg) +
+    eps), with weight decay, momentum and the centered variant as torch computes them. Each step is a few elementwise
+    instructions per parameter, which the daemon's fuse pass joins."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8,
+                 weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or momentum < 0 or alpha < 0:
+            raise DeepxError(f"RMSprop: lr={lr}, alpha={alpha}, eps={eps}, weight_decay={weight_decay} and "
+                             f"momentum={momentum} must be >= 0")
+        super().__init__(params, {"lr": lr, "alpha": alpha, "eps": eps, "weight_decay": weight_decay,
+                                  "momentum": momentum, "centered": centered})
+
+    def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        from deepx_sdk.grad_mode import no_grad
+
+        lr, alpha, eps = float(group["lr"]), float(group["alpha"]), float(group["eps"])
+        wd, momentum = float(group["weight_decay"]), float(group["momentum"])
+        with no_grad():
+            if wd:
+                g = g + p * wd
+            sq = self._buffer(p, state, "square_avg")
+            sq.copy_(sq * alpha + g * g * (1 - alpha))
+            if group["centered"]:
+                ga = self._buffer(p, state, "grad_avg")
+                ga.copy_(ga + (g - ga) * (1 - alpha))  # torch's lerp_(g, 1 - alpha)
+                avg = (sq - ga * ga).sqrt() + eps
+            else:
+                avg = sq.sqrt() + eps
+            if momentum > 0:
+                buf = self._buffer(p, state, "momentum_buffer")
+                buf.copy_(buf * momentum + g / avg)
+                p.copy_(p - buf * lr)
+            else:
+                p.copy_(p - g / avg * lr)
+
+
 class _Scheduler:
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
@@ -288,9 +327,147 @@ class CosineAnnealingLR(_Scheduler):
                 for g in groups]
 
 
+class LambdaLR(_Scheduler):
+    """lr = base_lr * lr_lambda(epoch) (one function, or one per group), set at construction for epoch 0 as torch
+    does: a warm-up is `LambdaLR(opt, lambda e: min(1.0, (e + 1) / warmup))`."""
+
+    def __init__(self, optimizer: Optimizer, lr_lambda: Any) -> None:
+        super().__init__(optimizer)
+        n = len(optimizer.param_groups)
+        self.lr_lambdas = list(lr_lambda) if isinstance(lr_lambda, (list, tuple)) else [lr_lambda] * n
+        if len(self.lr_lambdas) != n:
+            raise DeepxError(f"LambdaLR: {len(self.lr_lambdas)} functions for {n} parameter groups")
+        self._apply(self._lrs())
+
+    def _lrs(self) -> list[float]:
+        return [base * f(self.last_epoch) for f, base in zip(self.lr_lambdas, self.base_lrs)]
+
+    def _apply(self, lrs: list[float]) -> None:
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        self._last_lr = list(lrs)
+
+    def state_dict(self) -> dict[str, Any]:  # functions are not state (torch keeps only callable objects' dicts)
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
+
+
+class LinearLR(_Scheduler):
+    """The lr scaled by a factor going linearly from start_factor to end_factor over total_iters steps, then kept
+    (torch's warm-up), in torch's chainable form: each step from the group's current lr."""
+
+    def __init__(self, optimizer: Optimizer, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
+                 total_iters: int = 5) -> None:
+        if not 0 < start_factor <= 1 or not 0 <= end_factor <= 1:
+            raise DeepxError(f"LinearLR: start_factor={start_factor} must be in (0, 1] and end_factor={end_factor} "
+                             "in [0, 1]")
+        self.start_factor, self.end_factor, self.total_iters = start_factor, end_factor, total_iters
+        super().__init__(optimizer)
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * start_factor
+        self._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+    def _lrs(self) -> list[float]:
+        groups = self.optimizer.param_groups
+        if self.last_epoch > self.total_iters:
+            return [g["lr"] for g in groups]
+        delta = self.end_factor - self.start_factor
+        return [g["lr"] * (1.0 + delta / (self.total_iters * self.start_factor + (self.last_epoch - 1) * delta))
+                for g in groups]
+
+
+class OneCycleLR(_Scheduler):
+    """The 1cycle policy as torch computes it: the lr rises from max_lr / div_factor to max_lr over pct_start of
+    total_steps, then anneals to initial_lr / final_div_factor (cosine or linear; three_phase as torch), and the
+    momentum (SGD's momentum, Adam's beta1) cycles the other way between max_momentum and base_momentum. Stepped
+    once per batch; a step past total_steps raises."""
+
+    def __init__(self, optimizer: Optimizer, max_lr: float | Sequence[float], total_steps: int | None = None,
+                 epochs: int | None = None, steps_per_epoch: int | None = None, pct_start: float = 0.3,
+                 anneal_strategy: str = "cos", cycle_momentum: bool = True,
+                 base_momentum: float | Sequence[float] = 0.85, max_momentum: float | Sequence[float] = 0.95,
+                 div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False) -> None:
+        if total_steps is None:
+            if not (isinstance(epochs, int) and epochs > 0 and isinstance(steps_per_epoch, int)
+                    and steps_per_epoch > 0):
+                raise DeepxError("OneCycleLR: give total_steps, or epochs and steps_per_epoch (positive integers)")
+            total_steps = epochs * steps_per_epoch
+        if not isinstance(total_steps, int) or total_steps <= 0:
+            raise DeepxError(f"OneCycleLR: total_steps must be a positive integer, got {total_steps!r}")
+        if not 0 <= pct_start <= 1:
+            raise DeepxError(f"OneCycleLR: pct_start must be between 0 and 1, got {pct_start}")
+        if anneal_strategy not in ("cos", "linear"):
+            raise DeepxError(f"OneCycleLR: anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
+        self.total_steps, self.anneal_strategy, self.cycle_momentum = total_steps, anneal_strategy, cycle_momentum
+        p, n = pct_start, total_steps
+        if three_phase:
+            self.phases = [(float(p * n) - 1, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
+                           (float(2 * p * n) - 2, "max_lr", "initial_lr", "base_momentum", "max_momentum"),
+                           (n - 1, "initial_lr", "min_lr", "max_momentum", "max_momentum")]
+        else:
+            self.phases = [(float(p * n) - 1, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
+                           (n - 1, "max_lr", "min_lr", "base_momentum", "max_momentum")]
+        groups = optimizer.param_groups
+
+        def per_group(name: str, value: Any) -> list[float]:
+            values = list(value) if isinstance(value, (list, tuple)) else [value] * len(groups)
+            if len(values) != len(groups):
+                raise DeepxError(f"OneCycleLR: {len(values)} values of {name} for {len(groups)} parameter groups")
+            return [float(v) for v in values]
+
+        for g, top in zip(groups, per_group("max_lr", max_lr)):
+            g["initial_lr"] = top / div_factor
+            g["max_lr"] = top
+            g["min_lr"] = g["initial_lr"] / final_div_factor
+        self.use_beta1 = "betas" in optimizer.defaults
+        if cycle_momentum:
+            if "momentum" not in optimizer.defaults and not self.use_beta1:
+                raise DeepxError("OneCycleLR: cycle_momentum needs an optimizer with momentum or betas")
+            for g, hi, lo in zip(groups, per_group("max_momentum", max_momentum),
+                                 per_group("base_momentum", base_momentum)):
+                if self.use_beta1:
+                    g["betas"] = (hi, *g["betas"][1:])
+                else:
+                    g["momentum"] = hi
+                g["max_momentum"], g["base_momentum"] = hi, lo
+        super().__init__(optimizer)
+        self.base_lrs = [g["initial_lr"] for g in groups]
+        for g, lr in zip(groups, self._lrs()):
+            g["lr"] = lr
+        self._last_lr = [g["lr"] for g in groups]
+
+    def _anneal(self, start: float, end: float, pct: float) -> float:
+        if self.anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    def _lrs(self) -> list[float]:
+        step = self.last_epoch
+        if step > self.total_steps:
+            raise DeepxError(f"OneCycleLR: stepped {step} times; total_steps is {self.total_steps}")
+        lrs = []
+        for g in self.optimizer.param_groups:
+            start = 0.0
+            for i, (end, lr0, lr1, m0, m1) in enumerate(self.phases):
+                if step <= end or i == len(self.phases) - 1:
+                    pct = (step - start) / (end - start)
+                    lrs.append(self._anneal(g[lr0], g[lr1], pct))
+                    if self.cycle_momentum:
+                        momentum = self._anneal(g[m0], g[m1], pct)
+                        if self.use_beta1:
+                            g["betas"] = (momentum, *g["betas"][1:])
+                        else:
+                            g["momentum"] = momentum
+                    break
+                start = end
+        return lrs
+
+
 class _LRSchedulerModule:
     StepLR = StepLR
     CosineAnnealingLR = CosineAnnealingLR
+    LambdaLR = LambdaLR
+    LinearLR = LinearLR
+    OneCycleLR = OneCycleLR
 
 
 lr_scheduler = _LRSchedulerModule()
