@@ -107,6 +107,8 @@ def __getattr__(name: str) -> Any:
         return _lazy(name)
     if name == "Generator":
         return _lazy("utils.data").Generator
+    if name in ("device", "cuda"):
+        return getattr(_lazy("devices"), name)
     raise AttributeError(f"module 'deepx_sdk' has no attribute {name!r}")
 
 

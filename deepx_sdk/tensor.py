@@ -384,8 +384,16 @@ class Tensor:
         return self.shape[0]
 
     @property
-    def device(self) -> str:
-        return "deepx"
+    def device(self) -> Any:
+        """Where the daemon keeps this tensor: device('cuda', 0) on an op-cuda daemon, device('cpu') otherwise
+        (deepx_sdk/devices.py)."""
+        from deepx_sdk.devices import session_device
+
+        return session_device(self._s)
+
+    @property
+    def is_cuda(self) -> _bool:
+        return self.device.type == "cuda"
 
     @property
     def is_leaf(self) -> _bool:
@@ -547,11 +555,47 @@ class Tensor:
         return out
 
     # -- dtype
-    def to(self, dtype: Any = None, *args: Any, **kwargs: Any) -> Tensor:
-        if (isinstance(dtype, str) and dtype in ("cpu", "cuda", "deepx")) or dtype is None:
-            dtype = kwargs.get("dtype")
-            if dtype is None:
-                return self
+    def to(self, *args: Any, **kwargs: Any) -> Tensor:
+        """torch's forms: to(dtype), to(device), to(device, dtype), to(other) (other's dtype), with dtype=,
+        device=, non_blocking= and copy= as keywords. A device is a hint the daemon has no use for (it places every
+        tensor: deepx_sdk/devices.py); copy=True gives a new tensor even where nothing changes."""
+        from deepx_sdk.devices import device, is_device
+
+        dtype = kwargs.pop("dtype", None)
+        copy = kwargs.pop("copy", False)
+        where = kwargs.pop("device", None)
+        kwargs.pop("non_blocking", None)
+        kwargs.pop("memory_format", None)
+        if kwargs:
+            raise DeepxError(f"Tensor.to: unexpected keyword {', '.join(map(repr, kwargs))}")
+        for a in args:
+            if isinstance(a, Tensor):
+                dtype = a.dtype
+            elif is_device(a):
+                where = a
+            elif isinstance(a, _bool):  # to(dtype, non_blocking, copy) as positional flags
+                continue
+            elif a is not None:
+                dtype = a
+        if where is not None:
+            device(where)  # a malformed device string says so
+        out = self if dtype is None else self.type_as_dtype(dtype_name(dtype))
+        return out.clone() if copy and out is self else out
+
+    def cuda(self, device: Any = None, non_blocking: _bool = False) -> Tensor:
+        """torch's x.cuda(): the daemon places tensors, so this is x (on a daemon with or without a GPU)."""
+        return self
+
+    def type(self, dtype: Any = None, non_blocking: _bool = False) -> Any:
+        """torch's x.type(): with no dtype, the tensor type's name ('torch.FloatTensor' style, as
+        'deepx.FloatTensor'); with one, the tensor converted to it."""
+        if dtype is None:
+            return f"deepx.{_TYPE_NAMES.get(self.dtype, self.dtype)}"
+        if isinstance(dtype, str) and dtype.startswith(("torch.", "deepx.")) and dtype.endswith("Tensor"):
+            found = [k for k, v in _TYPE_NAMES.items() if v == dtype.split(".", 1)[1]]
+            if not found:
+                raise DeepxError(f"Tensor.type: unknown tensor type {dtype!r}")
+            dtype = found[0]
         return self.type_as_dtype(dtype_name(dtype))
 
     def type_as_dtype(self, dtype: str) -> Tensor:
@@ -1465,6 +1509,21 @@ def _seed(s: Session) -> _int:
     return (s.base_seed * 1_000_003 + next(s.seed_counter)) % (2**63 - 1) or 1
 
 
+#: torch's legacy tensor type names (x.type())
+_TYPE_NAMES = {"float32": "FloatTensor", "float64": "DoubleTensor", "float16": "HalfTensor",
+               "bfloat16": "BFloat16Tensor", "int64": "LongTensor", "int32": "IntTensor", "int16": "ShortTensor",
+               "int8": "CharTensor", "bool": "BoolTensor"}
+
+
+def _hint(device: Any) -> None:
+    """A factory's device=: checked (a malformed one says so), then left to the daemon, which places every tensor
+    (deepx_sdk/devices.py)."""
+    if device is not None:
+        from deepx_sdk.devices import device as make
+
+        make(device)
+
+
 def dtype_name(dtype: Any) -> str:
     """A deepx precision name from a name, a numpy dtype, or a dx dtype constant."""
     if isinstance(dtype, str):
@@ -1616,15 +1675,18 @@ def _create(shape: Shape, dtype: str, requires_grad: _bool = False) -> Tensor:
     return t
 
 
-def empty(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+def empty(*shape: Any, dtype: Any = None, requires_grad: _bool = False, device: Any = None) -> Tensor:
+    _hint(device)
     return _create(_shape_args(shape), dtype_name(dtype) if dtype is not None else DEFAULT_FLOAT, requires_grad)
 
 
-def zeros(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+def zeros(*shape: Any, dtype: Any = None, requires_grad: _bool = False, device: Any = None) -> Tensor:
+    _hint(device)
     return empty(*shape, dtype=dtype, requires_grad=requires_grad)  # newtensor zero-fills
 
 
-def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: _bool = False, device: Any = None) -> Tensor:
+    _hint(device)
     if dtype is None:
         dtype = ("bool" if isinstance(fill_value, _bool) else DEFAULT_INT if isinstance(fill_value, _int)
                  else DEFAULT_FLOAT)
@@ -1641,11 +1703,13 @@ def _number(value: Any) -> Any:
     return int(value) if isinstance(value, _bool) else value
 
 
-def ones(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+def ones(*shape: Any, dtype: Any = None, requires_grad: _bool = False, device: Any = None) -> Tensor:
+    _hint(device)
     return full(_shape_args(shape), 1, dtype=dtype or DEFAULT_FLOAT, requires_grad=requires_grad)
 
 
-def arange(start: Any, end: Any = None, step: Any = 1, dtype: Any = None) -> Tensor:
+def arange(start: Any, end: Any = None, step: Any = 1, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     if end is None:
         start, end = 0, start
     n = builtins.max(0, math.ceil((end - start) / step))
@@ -1656,24 +1720,28 @@ def arange(start: Any, end: Any = None, step: Any = 1, dtype: Any = None) -> Ten
     return t
 
 
-def linspace(start: _float, end: _float, steps: _int, dtype: Any = None) -> Tensor:
+def linspace(start: _float, end: _float, steps: _int, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     step = (end - start) / (steps - 1) if steps > 1 else 0.0
     t = empty(steps, dtype=dtype or DEFAULT_FLOAT)
     t._s.record(Instr("arange", (_vp(float(start)), _vp(float(step))), (_tp(t),)))
     return t
 
 
-def rand(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+def rand(*shape: Any, dtype: Any = None, requires_grad: _bool = False, device: Any = None) -> Tensor:
+    _hint(device)
     t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
     return t.uniform_(0.0, 1.0)
 
 
-def randn(*shape: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+def randn(*shape: Any, dtype: Any = None, requires_grad: _bool = False, device: Any = None) -> Tensor:
+    _hint(device)
     t = empty(*shape, dtype=dtype, requires_grad=requires_grad)
     return t.normal_(0.0, 1.0)
 
 
-def randint(low: _int, high: _int | None = None, size: Any = (), dtype: Any = None) -> Tensor:
+def randint(low: _int, high: _int | None = None, size: Any = (), dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     if high is None:
         low, high = 0, low
     elif isinstance(high, (tuple, list)) and size == ():
@@ -1684,32 +1752,39 @@ def randint(low: _int, high: _int | None = None, size: Any = (), dtype: Any = No
     return shifted.type_as_dtype(dtype_name(dtype) if dtype else DEFAULT_INT) + low
 
 
-def zeros_like(t: Tensor, dtype: Any = None) -> Tensor:
+def zeros_like(t: Tensor, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     return zeros(t.shape, dtype=dtype or t.dtype)
 
 
-def ones_like(t: Tensor, dtype: Any = None) -> Tensor:
+def ones_like(t: Tensor, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     return ones(t.shape, dtype=dtype or t.dtype)
 
 
-def full_like(t: Tensor, fill_value: Any, dtype: Any = None) -> Tensor:
+def full_like(t: Tensor, fill_value: Any, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     return full(t.shape, fill_value, dtype=dtype or t.dtype)
 
 
-def empty_like(t: Tensor, dtype: Any = None) -> Tensor:
+def empty_like(t: Tensor, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     return empty(t.shape, dtype=dtype or t.dtype)
 
 
-def rand_like(t: Tensor, dtype: Any = None) -> Tensor:
+def rand_like(t: Tensor, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     return rand(t.shape, dtype=dtype or t.dtype)
 
 
-def randn_like(t: Tensor, dtype: Any = None) -> Tensor:
+def randn_like(t: Tensor, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     return randn(t.shape, dtype=dtype or t.dtype)
 
 
-def tensor(data: Any, dtype: Any = None, requires_grad: _bool = False) -> Tensor:
+def tensor(data: Any, dtype: Any = None, requires_grad: _bool = False, device: Any = None) -> Tensor:
     """A tensor from a numpy array, a Python list or a scalar: its bytes are sent to the daemon."""
+    _hint(device)
     if isinstance(data, Tensor):
         return data._copy()  # a copy, as torch.tensor(t): not a view
     if dtype is not None:
@@ -1745,7 +1820,8 @@ def from_numpy(array: np.ndarray) -> Tensor:
     return tensor(array)
 
 
-def as_tensor(data: Any, dtype: Any = None) -> Tensor:
+def as_tensor(data: Any, dtype: Any = None, device: Any = None) -> Tensor:
+    _hint(device)
     return data if isinstance(data, Tensor) and dtype is None else tensor(data, dtype=dtype)
 
 
