@@ -109,6 +109,9 @@ def __getattr__(name: str) -> Any:
         return _lazy("utils.data").Generator
     if name in ("device", "cuda"):
         return getattr(_lazy("devices"), name)
+    composite = _lazy("composite")
+    if name in composite.__all__:
+        return getattr(composite, name)
     raise AttributeError(f"module 'deepx_sdk' has no attribute {name!r}")
 
 

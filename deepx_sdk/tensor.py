@@ -802,10 +802,18 @@ class Tensor:
         return self._compare("greater", o, "greaterscalar")
 
     def __le__(self, o: Any) -> Tensor:
-        return ~self._compare("greater", o, "greaterscalar")
+        return self._or_equal("less", o, "lessscalar", "greater", "greaterscalar")
 
     def __ge__(self, o: Any) -> Tensor:
-        return ~self._compare("less", o, "lessscalar")
+        return self._or_equal("greater", o, "greaterscalar", "less", "lessscalar")
+
+    def _or_equal(self, op: str, o: Any, scalar_op: str, opposite: str, scalar_opposite: str) -> Tensor:
+        """a <= b (a >= b): `not (a > b)` where no value can be nan; with floats, (a < b) != (a == b) (never both
+        true), which is false where either is nan, as IEEE and torch have it."""
+        floats = self.dtype in FLOATS or (o.dtype in FLOATS if isinstance(o, Tensor) else isinstance(o, _float))
+        if not floats:
+            return ~self._compare(opposite, o, scalar_opposite)
+        return self._compare(op, o, scalar_op) != self._compare("equal", o, "equalscalar")
 
     def __eq__(self, o: Any) -> Tensor:  # type: ignore[override]
         return self._compare("equal", o, "equalscalar")
@@ -1497,6 +1505,15 @@ def _torch_only(name: str) -> property:
 
 # a property each, not a __getattr__ (which would slow every attribute read of a Tensor): reading one raises a
 # DeepxError that is an AttributeError, so hasattr() answers False
+def _set_composites() -> None:
+    """torch methods written with the ops above (deepx_sdk/composite.py: flip, roll, einsum's kin...)."""
+    from deepx_sdk.composite import METHODS
+
+    for name, fn in METHODS.items():
+        setattr(Tensor, name, fn)
+
+
+_set_composites()
 for _name in _TORCH_ONLY:
     if not hasattr(Tensor, _name):
         setattr(Tensor, _name, _torch_only(_name))

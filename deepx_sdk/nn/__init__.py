@@ -8,7 +8,17 @@ change of kind (float values into an int tensor); devices given to `.to()` are i
 
 from deepx_sdk.nn import functional, init, utils
 from deepx_sdk.nn.containers import ModuleDict, ModuleList, Sequential
-from deepx_sdk.nn.loss import CrossEntropyLoss, MSELoss, NLLLoss
+from deepx_sdk.nn.loss import (
+    BCELoss,
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    HuberLoss,
+    KLDivLoss,
+    L1Loss,
+    MSELoss,
+    NLLLoss,
+    SmoothL1Loss,
+)
 from deepx_sdk.nn.module import IncompatibleKeys, Module
 from deepx_sdk.nn.modules import (
     GELU,
@@ -28,7 +38,37 @@ from deepx_sdk.nn.modules import (
 )
 from deepx_sdk.nn.parameter import Parameter
 
-__all__ = ["GELU", "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "Identity", "IncompatibleKeys",
-           "LayerNorm", "Linear", "LogSoftmax", "MSELoss", "Module", "ModuleDict", "ModuleList", "NLLLoss",
-           "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Sigmoid", "Softmax", "Tanh", "functional", "init",
-           "utils"]
+__all__ = [
+    "GELU",
+    "BCELoss",
+    "BCEWithLogitsLoss",
+    "CrossEntropyLoss",
+    "Dropout",
+    "Embedding",
+    "Flatten",
+    "HuberLoss",
+    "Identity",
+    "IncompatibleKeys",
+    "KLDivLoss",
+    "L1Loss",
+    "LayerNorm",
+    "Linear",
+    "LogSoftmax",
+    "MSELoss",
+    "Module",
+    "ModuleDict",
+    "ModuleList",
+    "NLLLoss",
+    "Parameter",
+    "RMSNorm",
+    "ReLU",
+    "Sequential",
+    "SiLU",
+    "Sigmoid",
+    "SmoothL1Loss",
+    "Softmax",
+    "Tanh",
+    "functional",
+    "init",
+    "utils",
+]

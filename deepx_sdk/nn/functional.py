@@ -354,3 +354,108 @@ def _checked_index(what: str, index: Tensor, size: int) -> Tensor:
 __all__ = ["cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax", "mse_loss",
            "nll_loss", "normalize", "one_hot", "pad", "relu", "rms_norm", "scaled_dot_product_attention", "sigmoid",
            "silu", "softmax", "tanh", "where"]
+
+
+# ---------------------------------------------------------------- losses written with elementwise ops
+
+
+def _pointwise_args(what: str, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """The input and target in one float dtype and one shape (torch requires the same shape for these losses)."""
+    x = _float(x)
+    y = y.type_as_dtype(x.dtype) if y.dtype != x.dtype else y
+    if x.shape != y.shape:
+        raise DeepxError(f"{what}: the target's shape {list(y.shape)} differs from the input's {list(x.shape)} "
+                         f"('{y.name}' and '{x.name}')")
+    return x, y
+
+
+def _reduced(loss: Tensor, reduction: str, what: str) -> Tensor:
+    red = _reduction(reduction) if reduction != "batchmean" or what != "kl_div" else reduction
+    if red == "mean":
+        return loss.mean()
+    if red == "sum":
+        return loss.sum()
+    if red == "batchmean":
+        return loss.sum() / (loss.shape[0] if loss.ndim else 1)
+    return loss
+
+
+def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: Any = None,
+                         reduce: Any = None, reduction: str = "mean") -> Tensor:
+    """-(t log x + (1 - t) log(1 - x)), each log clamped at -100 as torch's; `weight` multiplies elementwise."""
+    from deepx_sdk.nn.loss import _legacy_reduction
+
+    x, t = _pointwise_args("binary_cross_entropy", input, target)
+    loss = -(t * x.log().clamp(min=-100.0) + (1 - t) * (1 - x).log().clamp(min=-100.0))
+    if weight is not None:
+        loss = loss * weight
+    return _reduced(loss, _legacy_reduction(size_average, reduce, reduction), "binary_cross_entropy")
+
+
+def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None,
+                                     size_average: Any = None, reduce: Any = None, reduction: str = "mean",
+                                     pos_weight: Tensor | None = None) -> Tensor:
+    """BCE of sigmoid(input), computed stably as torch does: (1 - t) x + (1 + (pos_weight - 1) t) (log(1 +
+    exp(-|x|)) + max(-x, 0))."""
+    from deepx_sdk.nn.loss import _legacy_reduction
+
+    x, t = _pointwise_args("binary_cross_entropy_with_logits", input, target)
+    soft = (1 + (-x.abs()).exp()).log() + (-x).relu()
+    loss = (1 - t) * x + (soft if pos_weight is None else (1 + (pos_weight - 1) * t) * soft)
+    if weight is not None:
+        loss = loss * weight
+    return _reduced(loss, _legacy_reduction(size_average, reduce, reduction), "binary_cross_entropy_with_logits")
+
+
+def l1_loss(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any = None,
+            reduction: str = "mean") -> Tensor:
+    from deepx_sdk.nn.loss import _legacy_reduction
+
+    x, t = _pointwise_args("l1_loss", input, target)
+    return _reduced((x - t).abs(), _legacy_reduction(size_average, reduce, reduction), "l1_loss")
+
+
+def smooth_l1_loss(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any = None,
+                   reduction: str = "mean", beta: float = 1.0) -> Tensor:
+    """0.5 d^2 / beta where |d| < beta, else |d| - 0.5 beta (beta 0: the L1 loss)."""
+    from deepx_sdk.nn.loss import _legacy_reduction
+
+    if beta < 0:
+        raise DeepxError(f"smooth_l1_loss: beta must be >= 0, got {beta}")
+    x, t = _pointwise_args("smooth_l1_loss", input, target)
+    d = (x - t).abs()
+    loss = d if beta == 0 else where(d < beta, d * d * (0.5 / beta), d - 0.5 * beta)
+    return _reduced(loss, _legacy_reduction(size_average, reduce, reduction), "smooth_l1_loss")
+
+
+def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean", delta: float = 1.0) -> Tensor:
+    """0.5 d^2 where |d| < delta, else delta (|d| - 0.5 delta)."""
+    if delta <= 0:
+        raise DeepxError(f"huber_loss: delta must be > 0, got {delta}")
+    x, t = _pointwise_args("huber_loss", input, target)
+    d = (x - t).abs()
+    return _reduced(where(d < delta, d * d * 0.5, (d - 0.5 * delta) * delta), reduction, "huber_loss")
+
+
+def kl_div(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any = None, reduction: str = "mean",
+           log_target: bool = False) -> Tensor:
+    """target (log target - input) pointwise, 0 where target is 0 (input holds log-probabilities; log_target: so
+    does target); reduction 'batchmean' divides the sum by the batch size (the KL divergence), 'mean' by every
+    element, as torch."""
+    from deepx_sdk.nn.loss import _legacy_reduction
+
+    x, t = _pointwise_args("kl_div", input, target)
+    if log_target:
+        loss = t.exp() * (t - x)
+    else:
+        safe = where(t > 0, t, 1.0)  # torch's xlogy(t, t): 0 log 0 is 0, with a finite gradient
+        loss = t * safe.log() - t * x
+    return _reduced(loss, _legacy_reduction(size_average, reduce, reduction), "kl_div")
+
+
+def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold, as torch."""
+    x = _float(x)
+    bx = x * beta if beta != 1 else x
+    soft = (1 + bx.clamp(max=threshold).exp()).log()
+    return where(bx > threshold, x, soft if beta == 1 else soft / beta)
