@@ -8,6 +8,17 @@ change of kind (float values into an int tensor); devices given to `.to()` are i
 
 from deepx_sdk.nn import functional, init, utils
 from deepx_sdk.nn.containers import ModuleDict, ModuleList, Sequential
+from deepx_sdk.nn.layers2d import (
+    AdaptiveAvgPool2d,
+    AvgPool2d,
+    BatchNorm1d,
+    BatchNorm2d,
+    Conv1d,
+    Conv2d,
+    Dropout2d,
+    GroupNorm,
+    MaxPool2d,
+)
 from deepx_sdk.nn.loss import (
     BCELoss,
     BCEWithLogitsLoss,
@@ -40,12 +51,20 @@ from deepx_sdk.nn.parameter import Parameter
 
 __all__ = [
     "GELU",
+    "AdaptiveAvgPool2d",
+    "AvgPool2d",
     "BCELoss",
     "BCEWithLogitsLoss",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "Conv1d",
+    "Conv2d",
     "CrossEntropyLoss",
     "Dropout",
+    "Dropout2d",
     "Embedding",
     "Flatten",
+    "GroupNorm",
     "HuberLoss",
     "Identity",
     "IncompatibleKeys",
@@ -55,6 +74,7 @@ __all__ = [
     "Linear",
     "LogSoftmax",
     "MSELoss",
+    "MaxPool2d",
     "Module",
     "ModuleDict",
     "ModuleList",

@@ -10,6 +10,14 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
 from deepx_core.ir.instr import Param
 from deepx_core.ir.shapes import broadcast, norm_dim
+from deepx_sdk.nn.vision import adaptive_avg_pool2d as adaptive_avg_pool2d
+from deepx_sdk.nn.vision import avg_pool2d as avg_pool2d
+from deepx_sdk.nn.vision import batch_norm as batch_norm
+from deepx_sdk.nn.vision import conv1d as conv1d
+from deepx_sdk.nn.vision import conv2d as conv2d
+from deepx_sdk.nn.vision import dropout2d as dropout2d
+from deepx_sdk.nn.vision import group_norm as group_norm
+from deepx_sdk.nn.vision import max_pool2d as max_pool2d
 from deepx_sdk.tensor import (
     DEFAULT_FLOAT,
     Tensor,

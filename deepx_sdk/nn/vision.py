@@ -1,0 +1,260 @@
+"""Convolution, pooling and batch statistics for convolutional nets, written with the ops deepx has.
+
+A convolution is im2col made of strided slices: each of the kernel's kh * kw taps is one `slice` of the padded
+input (its stride the convolution's, its start the tap's offset times the dilation), the taps stacked into columns
+(N, C * kh * kw, Hout * Wout) and multiplied by the weight as one batched `matmul` (per group). Pooling takes the
+same slices and reduces them (`amax`, `sum`). Every piece has a gradient rule, so these differentiate as they are,
+on the CPU and on op-cuda; a dedicated convolution op with its own kernels would be faster, and this is the
+reference it would be checked against.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from deepx_core.errors import DeepxError
+from deepx_sdk.tensor import Tensor, stack
+
+__all__ = ["adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "conv1d", "conv2d", "dropout2d", "group_norm",
+           "max_pool2d"]
+
+
+def _pair(what: str, value: Any, name: str) -> tuple[int, int]:
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(items) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise DeepxError(f"{what}: {name} must be an int or a pair of ints, got {value!r}")
+    return int(items[0]), int(items[1])
+
+
+def _out_size(what: str, size: int, k: int, s: int, p: int, d: int) -> int:
+    n = (size + 2 * p - d * (k - 1) - 1) // s + 1
+    if n < 1:
+        raise DeepxError(f"{what}: the input's spatial size {size} (padded by {p}) is smaller than the kernel "
+                         f"({k}, dilation {d})")
+    return n
+
+
+def _taps(x: Tensor, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh: int, ow: int) -> list[Tensor]:
+    """The kernel's taps over a padded (N, C, H, W) input: kh * kw strided slices, each (N, C, oh, ow)."""
+    out = []
+    for i in range(kh):
+        for j in range(kw):
+            h0, w0 = i * dh, j * dw
+            out.append(x[:, :, h0:h0 + sh * (oh - 1) + 1:sh, w0:w0 + sw * (ow - 1) + 1:sw])
+    return out
+
+
+def _padded(x: Tensor, ph: int, pw: int, value: float = 0.0) -> Tensor:
+    from deepx_sdk.nn.functional import pad
+
+    return pad(x, (pw, pw, ph, ph), value=value) if ph or pw else x
+
+
+def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+           dilation: Any = 1, groups: int = 1) -> Tensor:
+    """torch.nn.functional.conv2d: input (N, C, H, W) or (C, H, W), weight (O, C / groups, kh, kw); padding an int,
+    a pair, 'valid' or 'same' (stride 1)."""
+    if input.ndim == 3:
+        return conv2d(input.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
+    if input.ndim != 4 or weight.ndim != 4:
+        raise DeepxError(f"conv2d: expected a 4-D input and weight, got shapes {list(input.shape)} and "
+                         f"{list(weight.shape)}")
+    n, c, h, w = input.shape
+    o, cg, kh, kw = weight.shape
+    if groups < 1 or c % groups or o % groups or cg != c // groups:
+        raise DeepxError(f"conv2d: input with {c} channels, weight {list(weight.shape)} and groups={groups} do not "
+                         f"fit (the weight's second dim must be channels / groups, and both channel counts divisible "
+                         f"by groups)")
+    sh, sw = _pair("conv2d", stride, "stride")
+    dh, dw = _pair("conv2d", dilation, "dilation")
+    if padding == "valid":
+        ph = pw = 0
+    elif padding == "same":
+        if (sh, sw) != (1, 1):
+            raise DeepxError("conv2d: padding='same' needs stride 1, as in torch")
+        th, tw = dh * (kh - 1), dw * (kw - 1)
+        if th % 2 or tw % 2:  # torch pads the extra one after
+            from deepx_sdk.nn.functional import pad
+
+            input = pad(input, (tw // 2, tw - tw // 2, th // 2, th - th // 2))
+            return conv2d(input, weight, bias, 1, 0, (dh, dw), groups)
+        ph, pw = th // 2, tw // 2
+    else:
+        ph, pw = _pair("conv2d", padding, "padding")
+    oh = _out_size("conv2d", h, kh, sh, ph, dh)
+    ow = _out_size("conv2d", w, kw, sw, pw, dw)
+    x = _padded(input, ph, pw)
+    if (kh, kw, sh, sw) == (1, 1, 1, 1):
+        cols = x.reshape(n, c, oh * ow)
+    else:
+        cols = stack(_taps(x, kh, kw, sh, sw, dh, dw, oh, ow), 2).reshape(n, c * kh * kw, oh * ow)
+    if groups == 1:
+        out = weight.reshape(o, c * kh * kw) @ cols
+    else:
+        out = weight.reshape(groups, o // groups, cg * kh * kw) @ cols.reshape(n, groups, cg * kh * kw, oh * ow)
+    out = out.reshape(n, o, oh, ow)
+    return out if bias is None else out + bias.reshape(1, o, 1, 1)
+
+
+def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+           dilation: Any = 1, groups: int = 1) -> Tensor:
+    """torch.nn.functional.conv1d: conv2d over a height of one."""
+    if input.ndim == 2:
+        return conv1d(input.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
+    if input.ndim != 3 or weight.ndim != 3:
+        raise DeepxError(f"conv1d: expected a 3-D input and weight, got shapes {list(input.shape)} and "
+                         f"{list(weight.shape)}")
+    def one(v: Any) -> Any:
+        return v[0] if isinstance(v, (tuple, list)) else v
+
+    pad_arg = padding if isinstance(padding, str) else (0, one(padding))
+    out = conv2d(input.unsqueeze(2), weight.unsqueeze(2), bias, (1, one(stride)), pad_arg, (1, one(dilation)), groups)
+    return out.squeeze(2)
+
+
+def _pool_args(what: str, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool
+               ) -> tuple[int, int, int, int, int, int, int, int]:
+    kh, kw = _pair(what, kernel_size, "kernel_size")
+    sh, sw = _pair(what, stride, "stride") if stride is not None and stride != [] else (kh, kw)
+    ph, pw = _pair(what, padding, "padding")
+    dh, dw = _pair(what, dilation, "dilation")
+    if ceil_mode:
+        raise DeepxError(f"{what}: ceil_mode=True is not supported by deepx; pad the input instead")
+    if ph > kh // 2 or pw > kw // 2:
+        raise DeepxError(f"{what}: padding should be at most half the kernel size, as torch requires")
+    return kh, kw, sh, sw, ph, pw, dh, dw
+
+
+def _spatial(x: Tensor, what: str) -> tuple[Tensor, bool]:
+    if x.ndim == 3:
+        return x.unsqueeze(0), True
+    if x.ndim != 4:
+        raise DeepxError(f"{what}: expected a 3-D or 4-D input, got shape {list(x.shape)}")
+    return x, False
+
+
+def max_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+               ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
+    """The maximum over each window (padding counts as -inf, so it is never the maximum)."""
+    if return_indices:
+        raise DeepxError("max_pool2d: return_indices=True is not supported by deepx")
+    x, one = _spatial(input, "max_pool2d")
+    kh, kw, sh, sw, ph, pw, dh, dw = _pool_args("max_pool2d", kernel_size, stride, padding, dilation, ceil_mode)
+    oh = _out_size("max_pool2d", x.shape[2], kh, sh, ph, dh)
+    ow = _out_size("max_pool2d", x.shape[3], kw, sw, pw, dw)
+    padded = _padded(x, ph, pw, -math.inf)
+    out = stack(_taps(padded, kh, kw, sh, sw, dh, dw, oh, ow), 0).amax(0)
+    return out.squeeze(0) if one else out
+
+
+def avg_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+               count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
+    """The mean over each window; with count_include_pad=False the padding is left out of each window's count."""
+    from deepx_sdk.tensor import ones
+
+    x, one = _spatial(input, "avg_pool2d")
+    kh, kw, sh, sw, ph, pw, _, _ = _pool_args("avg_pool2d", kernel_size, stride, padding, 1, ceil_mode)
+    oh = _out_size("avg_pool2d", x.shape[2], kh, sh, ph, 1)
+    ow = _out_size("avg_pool2d", x.shape[3], kw, sw, pw, 1)
+    total = stack(_taps(_padded(x, ph, pw), kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
+    if divisor_override is not None:
+        out = total / float(divisor_override)
+    elif count_include_pad or not (ph or pw):
+        out = total / float(kh * kw)
+    else:
+        inside = _padded(ones(1, 1, x.shape[2], x.shape[3], dtype=x.dtype), ph, pw)
+        count = stack(_taps(inside, kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
+        out = total / count
+    return out.squeeze(0) if one else out
+
+
+def adaptive_avg_pool2d(input: Tensor, output_size: Any) -> Tensor:
+    """torch's bins: output cell i covers rows floor(i H / oh) to ceil((i + 1) H / oh); None keeps that size."""
+    x, one = _spatial(input, "adaptive_avg_pool2d")
+    sizes = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size, output_size)
+    oh, ow = (x.shape[2] if sizes[0] is None else int(sizes[0])), (x.shape[3] if sizes[1] is None else int(sizes[1]))
+    h, w = x.shape[2], x.shape[3]
+    if (oh, ow) == (1, 1):
+        out = x.mean((2, 3), keepdim=True)
+    elif h % oh == 0 and w % ow == 0:
+        out = avg_pool2d(x, (h // oh, w // ow))
+    else:
+        rows = stack([x[:, :, (i * h) // oh:-((-(i + 1) * h) // oh)].mean(2) for i in range(oh)], 2)
+        out = stack([rows[:, :, :, (j * w) // ow:-((-(j + 1) * w) // ow)].mean(3) for j in range(ow)], 3)
+    return out.squeeze(0) if one else out
+
+
+def _per_channel(t: Tensor, ndim: int) -> Tensor:
+    return t.reshape(1, t.shape[0], *([1] * (ndim - 2)))
+
+
+def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None = None,
+               bias: Tensor | None = None, training: bool = False, momentum: float | None = 0.1,
+               eps: float = 1e-5) -> Tensor:
+    """Normalise each channel (dim 1) by the batch's statistics (training, updating the running ones in place with
+    `momentum`, the variance unbiased as torch keeps it) or by the running ones."""
+    from deepx_sdk.grad_mode import no_grad
+
+    if input.ndim < 2:
+        raise DeepxError(f"batch_norm: expected an input of at least 2 dims (N, C, ...), got {list(input.shape)}")
+    dims = [0, *range(2, input.ndim)]
+    if training:
+        count = input.numel() // input.shape[1]
+        if count < 2:
+            raise DeepxError(f"batch_norm: expected more than 1 value per channel when training, got input of shape "
+                             f"{list(input.shape)}")
+        mean = input.mean(dims, keepdim=True)
+        centered = input - mean
+        var = (centered * centered).mean(dims, keepdim=True)
+        if running_mean is not None and running_var is not None:
+            m = 0.1 if momentum is None else float(momentum)
+            with no_grad():
+                flat_mean = mean.detach().reshape(-1)
+                unbiased = var.detach().reshape(-1) * (count / (count - 1))
+                running_mean.copy_(running_mean * (1 - m) + flat_mean * m)
+                running_var.copy_(running_var * (1 - m) + unbiased * m)
+        out = centered / (var + eps).sqrt()
+    else:
+        if running_mean is None or running_var is None:
+            raise DeepxError("batch_norm: running statistics are needed when not training")
+        out = (input - _per_channel(running_mean, input.ndim)) / (_per_channel(running_var, input.ndim) + eps).sqrt()
+    if weight is not None:
+        out = out * _per_channel(weight, input.ndim)
+    if bias is not None:
+        out = out + _per_channel(bias, input.ndim)
+    return out
+
+
+def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    """Normalise each group of channels of each sample by its own mean and (biased) variance."""
+    n, c = input.shape[0], input.shape[1]
+    if c % num_groups:
+        raise DeepxError(f"group_norm: {c} channels do not split into {num_groups} groups")
+    g = input.reshape(n, num_groups, -1)
+    mean = g.mean(2, keepdim=True)
+    centered = g - mean
+    var = (centered * centered).mean(2, keepdim=True)
+    out = (centered / (var + eps).sqrt()).reshape(input.shape)
+    if weight is not None:
+        out = out * _per_channel(weight, input.ndim)
+    if bias is not None:
+        out = out + _per_channel(bias, input.ndim)
+    return out
+
+
+def dropout2d(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    """Zero whole channels with probability p (one draw per sample and channel), scaling the rest by 1 / (1 - p)."""
+    from deepx_sdk.tensor import rand
+
+    if not 0 <= p <= 1:
+        raise DeepxError(f"dropout2d: p must be between 0 and 1, got {p}")
+    if not training or p == 0:
+        return input
+    if p == 1:
+        out = input * 0.0
+    else:
+        keep = (rand(input.shape[0], input.shape[1], *([1] * (input.ndim - 2)), dtype=input.dtype) >= p)
+        out = input * keep.to(input.dtype) * (1.0 / (1 - p))
+    return input.copy_(out) if inplace else out
