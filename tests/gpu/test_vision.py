@@ -1,0 +1,56 @@
+"""A small CNN (convolution, batch norm, pooling: deepx_sdk/nn/vision.py, made of slices and batched products) trained
+on op-cuda matches the same CNN trained on op-cpu, and the composites' GPU kernels (slice, stack, batched matmul,
+amax, pad with -inf) agree with the CPU's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pycuda.driver", reason="PyCUDA is not installed: op-cuda needs an NVIDIA GPU (run it on the GPU "
+                    "machine, ../shared/gpu/README.md)")
+from deepxd.config import cuda_available
+
+if not cuda_available():
+    pytest.skip("no CUDA device answers here: op-cuda needs an NVIDIA GPU", allow_module_level=True)
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
+from deepx_sdk.optim import SGD
+
+
+def _train(roles: list[str] | None) -> tuple[list[float], dict[str, np.ndarray]]:
+    dx.connect(roles=roles)
+    try:
+        rng = np.random.default_rng(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(8, 8, 3, stride=2, groups=2), nn.ReLU(), nn.AvgPool2d(2, padding=1),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+        start = {k: (rng.standard_normal(v.shape) * 0.3).astype(np.float32) for k, v in model.state_dict().items()
+                 if v.dtype == "float32"}
+        model.load_state_dict({**{k: v for k, v in model.state_dict().items()}, **start})
+        opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
+        x = dx.tensor(rng.standard_normal((6, 3, 12, 12)).astype(np.float32))
+        y = dx.tensor(rng.integers(0, 4, 6))
+        losses = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, {k: v.numpy() for k, v in model.state_dict().items()}
+    finally:
+        dx.disconnect()
+
+
+def test_a_cnn_trained_on_the_gpu_matches_the_cpu(monkeypatch):
+    monkeypatch.delenv("DEEPX_ADDRESS", raising=False)
+    monkeypatch.delenv("DEEPX_ROLES", raising=False)
+    gpu_losses, gpu_state = _train(["heapmem", "op-cuda"])
+    cpu_losses, cpu_state = _train(None)
+    np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4)
+    assert gpu_losses[-1] < gpu_losses[0]
+    for k in cpu_state:
+        np.testing.assert_allclose(gpu_state[k], cpu_state[k], rtol=1e-3, atol=1e-5, err_msg=k)
