@@ -1,0 +1,174 @@
+"""A small LLaMA-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) written once as plain
+PyTorch code, run with deepx, generating text with a key/value cache.
+
+    python examples/llama_generate.py [--weights model.safetensors] [--tokens 64] [--temperature 0]
+
+`build(torch, nn, F)` defines the model for whichever framework it is handed: `build(dx, dx.nn, dx.nn.functional)`
+for deepx, `build(torch, torch.nn, torch.nn.functional)` for torch; the weights are a safetensors file either one
+wrote (without --weights, random weights from a seed: the output is noise, the mechanics are not). Bytes are the
+tokens (a vocabulary of 256). Decoding runs the prompt once, filling each layer's cache, then one token at a time,
+each step reading the cache instead of recomputing the prefix; `generate(..., use_cache=False)` recomputes the
+whole sequence every step, which gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Config:
+    vocab: int = 256
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    hidden: int = 176
+    max_len: int = 256
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+
+def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
+    """The model class for one framework (torch, or deepx as `torch`): the same code for both."""
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim: int, eps: float) -> None:
+            super().__init__()
+            self.eps = eps
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def forward(self, x: Any) -> Any:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def rotate_half(x: Any) -> Any:
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head_dim = cfg.dim // cfg.heads
+            self.wq = nn.Linear(cfg.dim, cfg.heads * self.head_dim, bias=False)
+            self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
+            self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
+            self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
+            self.k_cache: Any = None
+            self.v_cache: Any = None
+
+        def forward(self, x: Any, pos: int, cos: Any, sin: Any, use_cache: bool) -> Any:
+            b, n, _ = x.shape
+            q = self.wq(x).view(b, n, cfg.heads, self.head_dim).transpose(1, 2)
+            k = self.wk(x).view(b, n, cfg.kv_heads, self.head_dim).transpose(1, 2)
+            v = self.wv(x).view(b, n, cfg.kv_heads, self.head_dim).transpose(1, 2)
+            c, s = cos[pos:pos + n], sin[pos:pos + n]
+            q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+            if use_cache:
+                if pos == 0 or self.k_cache is None:
+                    shape = (b, cfg.kv_heads, cfg.max_len, self.head_dim)
+                    self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
+                self.k_cache[:, :, pos:pos + n] = k
+                self.v_cache[:, :, pos:pos + n] = v
+                k, v = self.k_cache[:, :, :pos + n], self.v_cache[:, :, :pos + n]
+            k = k.repeat_interleave(cfg.heads // cfg.kv_heads, dim=1)
+            v = v.repeat_interleave(cfg.heads // cfg.kv_heads, dim=1)
+            mask = None
+            if n > 1:  # query i (at pos + i) sees keys 0 .. pos + i
+                mask = torch.arange(k.shape[2]) <= (torch.arange(n) + pos).unsqueeze(-1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.wo(out.transpose(1, 2).reshape(b, n, cfg.heads * self.head_dim))
+
+    class FeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+            self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+            self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_norm = RMSNorm(cfg.dim, cfg.eps)
+            self.attention = Attention()
+            self.ffn_norm = RMSNorm(cfg.dim, cfg.eps)
+            self.feed_forward = FeedForward()
+
+        def forward(self, x: Any, pos: int, cos: Any, sin: Any, use_cache: bool) -> Any:
+            h = x + self.attention(self.attention_norm(x), pos, cos, sin, use_cache)
+            return h + self.feed_forward(self.ffn_norm(h))
+
+    class Llama(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+            self.layers = nn.ModuleList([Block() for _ in range(cfg.layers)])
+            self.norm = RMSNorm(cfg.dim, cfg.eps)
+            self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+            head_dim = cfg.dim // cfg.heads
+            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+            freqs = torch.outer(torch.arange(cfg.max_len).float(), inv)
+            self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
+            self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], dim=-1), persistent=False)
+
+        def forward(self, tokens: Any, pos: int = 0, use_cache: bool = False) -> Any:
+            h = self.tok_embeddings(tokens)
+            for layer in self.layers:
+                h = layer(h, pos, self.cos, self.sin, use_cache)
+            return self.output(self.norm(h))
+
+    return Llama
+
+
+def generate(torch: Any, model: Any, prompt: list[int], n: int, temperature: float = 0.0,
+             use_cache: bool = True) -> list[int]:
+    """`n` tokens after `prompt`: greedy (temperature 0) or sampled from softmax(logits / temperature)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), 0, use_cache)
+        for _ in range(n):
+            last = logits[0, -1]
+            if temperature > 0:
+                nxt = int(torch.multinomial((last / temperature).softmax(-1), 1).item())
+            else:
+                nxt = int(last.argmax().item())
+            tokens.append(nxt)
+            if use_cache:
+                logits = model(torch.tensor([[nxt]]), len(tokens) - 1, True)
+            else:
+                logits = model(torch.tensor([tokens]), 0, False)
+    return tokens[len(prompt):]
+
+
+def main() -> None:
+    import deepx_sdk as dx
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--weights", default=None, help="a safetensors file of this architecture (torch's names)")
+    ap.add_argument("--prompt", default="First Citizen:\n")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--address", default=None, help="a running deepxd (unix:///...); default: embedded")
+    opts = ap.parse_args()
+    dx.connect(opts.address)
+    dx.manual_seed(0)
+    cfg = Config()
+    model = build(dx, dx.nn, dx.nn.functional, cfg)()
+    if opts.weights:
+        model.load_state_dict(dx.io.load(opts.weights))
+    prompt = list(opts.prompt.encode())
+    started = time.perf_counter()
+    out = generate(dx, model, prompt, opts.tokens, opts.temperature)
+    took = time.perf_counter() - started
+    print(repr(bytes(out).decode("utf-8", "replace")))
+    print(f"{len(out)} tokens in {took:.2f} s ({len(out) / took:.1f} tokens/s; {cfg.layers} layers, dim {cfg.dim}, "
+          f"{cfg.heads} query and {cfg.kv_heads} key/value heads)")
+
+
+if __name__ == "__main__":
+    main()
