@@ -155,9 +155,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                                  enable_gqa: bool = False) -> Tensor:
     """softmax(query @ key^T * scale + mask) @ value over the last two dims, as torch's: a bool attn_mask keeps the
     True positions, a float one is added; is_causal masks the upper triangle (aligned top-left)."""
-    if enable_gqa:
-        raise DeepxError("scaled_dot_product_attention: enable_gqa is not supported; repeat the key and value "
-                         "heads to the query's count")
+    if enable_gqa and query.ndim >= 3 and key.ndim >= 3 and key.shape[-3] != query.shape[-3]:
+        hq, hk = query.shape[-3], key.shape[-3]
+        if hq % hk or value.shape[-3] != hk:
+            raise DeepxError(f"scaled_dot_product_attention: enable_gqa needs the query's {hq} heads to be a multiple "
+                             f"of the key's and value's ({hk} and {value.shape[-3]})")
+        key, value = key.repeat_interleave(hq // hk, dim=-3), value.repeat_interleave(hq // hk, dim=-3)
     if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
         raise DeepxError(f"scaled_dot_product_attention: query, key and value need (..., L, E) shapes, got "
                          f"{query.shape}, {key.shape}, {value.shape}")

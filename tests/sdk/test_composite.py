@@ -163,3 +163,19 @@ def test_le_and_ge_as_torch_nan_included(dtype):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     if dtype != "int64":
         np.testing.assert_array_equal((x <= float("nan")).numpy(), np.zeros(6, bool))
+
+
+def test_scaled_dot_product_attention_with_grouped_query_heads_as_torch():
+    rng = np.random.default_rng(6)
+    q, tq = (lambda a: (dx.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)))(
+        rng.standard_normal((2, 6, 5, 4)))
+    k, tk = (lambda a: (dx.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)))(
+        rng.standard_normal((2, 2, 7, 4)))
+    v, tv = (lambda a: (dx.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)))(
+        rng.standard_normal((2, 2, 7, 3)))
+    ours = dx.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+    _check(ours, theirs, [(q, tq), (k, tk), (v, tv)], "float64")
+    with pytest.raises(DeepxError, match="query's 6 heads to be a multiple"):
+        dx.nn.functional.scaled_dot_product_attention(q, dx.tensor(np.ones((2, 4, 7, 4))), dx.tensor(
+            np.ones((2, 4, 7, 3))), enable_gqa=True)
