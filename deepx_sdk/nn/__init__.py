@@ -15,9 +15,11 @@ from deepx_sdk.nn.layers2d import (
     BatchNorm2d,
     Conv1d,
     Conv2d,
+    ConvTranspose2d,
     Dropout2d,
     GroupNorm,
     MaxPool2d,
+    Upsample,
 )
 from deepx_sdk.nn.loss import (
     BCELoss,
@@ -59,6 +61,7 @@ __all__ = [
     "BatchNorm2d",
     "Conv1d",
     "Conv2d",
+    "ConvTranspose2d",
     "CrossEntropyLoss",
     "Dropout",
     "Dropout2d",
@@ -88,6 +91,7 @@ __all__ = [
     "SmoothL1Loss",
     "Softmax",
     "Tanh",
+    "Upsample",
     "functional",
     "init",
     "utils",

@@ -15,8 +15,10 @@ from deepx_sdk.nn.vision import avg_pool2d as avg_pool2d
 from deepx_sdk.nn.vision import batch_norm as batch_norm
 from deepx_sdk.nn.vision import conv1d as conv1d
 from deepx_sdk.nn.vision import conv2d as conv2d
+from deepx_sdk.nn.vision import conv_transpose2d as conv_transpose2d
 from deepx_sdk.nn.vision import dropout2d as dropout2d
 from deepx_sdk.nn.vision import group_norm as group_norm
+from deepx_sdk.nn.vision import interpolate as interpolate
 from deepx_sdk.nn.vision import max_pool2d as max_pool2d
 from deepx_sdk.tensor import (
     DEFAULT_FLOAT,
@@ -160,7 +162,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         if hq % hk or value.shape[-3] != hk:
             raise DeepxError(f"scaled_dot_product_attention: enable_gqa needs the query's {hq} heads to be a multiple "
                              f"of the key's and value's ({hk} and {value.shape[-3]})")
-        key, value = key.repeat_interleave(hq // hk, dim=-3), value.repeat_interleave(hq // hk, dim=-3)
+        from deepx_sdk.composite import repeat_interleave
+
+        key, value = repeat_interleave(key, hq // hk, -3), repeat_interleave(value, hq // hk, -3)
     if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
         raise DeepxError(f"scaled_dot_product_attention: query, key and value need (..., L, E) shapes, got "
                          f"{query.shape}, {key.shape}, {value.shape}")

@@ -1,5 +1,6 @@
-"""Modules of convolutional nets: Conv1d, Conv2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, BatchNorm1d/2d,
-GroupNorm, Dropout2d, with torch's arguments, initialisation and state (deepx_sdk/nn/vision.py computes them)."""
+"""Modules of convolutional nets: Conv1d, Conv2d, ConvTranspose2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d,
+BatchNorm1d/2d, GroupNorm, Dropout2d, Upsample, with torch's arguments, initialisation and state
+(deepx_sdk/nn/vision.py computes them)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from deepx_sdk.nn.module import Module
 from deepx_sdk.nn.parameter import Parameter, heap_parameter
 from deepx_sdk.tensor import Tensor, ones, tensor, zeros
 
-__all__ = ["AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Conv1d", "Conv2d", "Dropout2d",
-           "GroupNorm", "MaxPool2d"]
+__all__ = ["AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Conv1d", "Conv2d", "ConvTranspose2d",
+           "Dropout2d", "GroupNorm", "MaxPool2d", "Upsample"]
 
 
 class _ConvNd(Module):
@@ -37,7 +38,10 @@ class _ConvNd(Module):
         self.kernel_size, self.stride, self.dilation = tup(kernel_size), tup(stride), tup(dilation)
         self.padding = padding if isinstance(padding, str) else tup(padding)
         self.padding_mode = padding_mode
-        self.weight = heap_parameter(out_channels, in_channels // groups, *self.kernel_size, dtype=dtype)
+        if getattr(self, "_transposed", False):
+            self.weight = heap_parameter(in_channels, out_channels // groups, *self.kernel_size, dtype=dtype)
+        else:
+            self.weight = heap_parameter(out_channels, in_channels // groups, *self.kernel_size, dtype=dtype)
         if bias:
             self.bias = heap_parameter(out_channels, dtype=dtype)
         else:
@@ -46,7 +50,7 @@ class _ConvNd(Module):
 
     def reset_parameters(self) -> None:
         # kaiming_uniform_(a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in)); the bias the same bound, as torch
-        fan_in = self.in_channels // self.groups * math.prod(self.kernel_size)
+        fan_in = self.weight.shape[1] * math.prod(self.kernel_size)
         bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
         self.weight.uniform_(-bound, bound)
         if self.bias is not None:
@@ -83,6 +87,37 @@ class Conv1d(_ConvNd):
 
     def forward(self, x: Tensor) -> Tensor:
         return V.conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class ConvTranspose2d(_ConvNd):
+    """The transposed convolution: weight (in, out / groups, kh, kw), initialised as torch's (fan_in from the
+    weight's second dim)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1, padding: Any = 0,
+                 output_padding: Any = 0, groups: int = 1, bias: bool = True, dilation: Any = 1,
+                 padding_mode: str = "zeros", device: Any = None, dtype: Any = None) -> None:
+        self._transposed = True
+        super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, dtype)
+        self.output_padding = tuple(output_padding) if isinstance(output_padding, (tuple, list)) else (
+            int(output_padding),) * 2
+
+    def forward(self, x: Tensor) -> Tensor:
+        return V.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding, self.output_padding,
+                                  self.groups, self.dilation)
+
+
+class Upsample(Module):
+    def __init__(self, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
+                 align_corners: bool | None = None) -> None:
+        super().__init__()
+        self.size, self.scale_factor, self.mode, self.align_corners = size, scale_factor, mode, align_corners
+
+    def forward(self, x: Tensor) -> Tensor:
+        return V.interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners)
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, scale_factor={self.scale_factor}, mode={self.mode!r}"
 
 
 class MaxPool2d(Module):

@@ -16,8 +16,8 @@ from typing import Any
 from deepx_core.errors import DeepxError
 from deepx_sdk.tensor import Tensor, stack
 
-__all__ = ["adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "conv1d", "conv2d", "dropout2d", "group_norm",
-           "max_pool2d"]
+__all__ = ["adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "conv1d", "conv2d", "conv_transpose2d", "dropout2d",
+           "group_norm", "interpolate", "max_pool2d"]
 
 
 def _pair(what: str, value: Any, name: str) -> tuple[int, int]:
@@ -111,6 +111,114 @@ def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
     pad_arg = padding if isinstance(padding, str) else (0, one(padding))
     out = conv2d(input.unsqueeze(2), weight.unsqueeze(2), bias, (1, one(stride)), pad_arg, (1, one(dilation)), groups)
     return out.squeeze(2)
+
+
+def _spread(x: Tensor, sh: int, sw: int) -> Tensor:
+    """(N, C, H, W) with sh - 1 zero rows between rows and sw - 1 zero columns between columns (a strided transposed
+    convolution's input), by pad and reshape: (N, C, H, 1, W, 1) padded to (N, C, H, sh, W, sw), then cut."""
+    from deepx_sdk.nn.functional import pad
+
+    if (sh, sw) == (1, 1):
+        return x
+    n, c, h, w = x.shape
+    y = pad(x.reshape(n, c, h, 1, w, 1), (0, sw - 1, 0, 0, 0, sh - 1))
+    return y.reshape(n, c, h * sh, w * sw)[:, :, :(h - 1) * sh + 1, :(w - 1) * sw + 1]
+
+
+def conv_transpose2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """torch.nn.functional.conv_transpose2d (weight (C, O / groups, kh, kw)): the gradient of a convolution, made as
+    one: the input spread by the stride, then a stride-1 convolution with the kernel flipped and in and out swapped,
+    padded by dilation * (k - 1) - padding (and output_padding more at the end)."""
+    from deepx_sdk.nn.functional import pad
+
+    if input.ndim == 3:
+        return conv_transpose2d(input.unsqueeze(0), weight, bias, stride, padding, output_padding, groups,
+                                dilation).squeeze(0)
+    if input.ndim != 4 or weight.ndim != 4:
+        raise DeepxError(f"conv_transpose2d: expected a 4-D input and weight, got shapes {list(input.shape)} and "
+                         f"{list(weight.shape)}")
+    c, og, kh, kw = weight.shape
+    if input.shape[1] != c or c % groups:
+        raise DeepxError(f"conv_transpose2d: input with {input.shape[1]} channels and weight {list(weight.shape)} "
+                         f"(groups={groups}) do not fit")
+    sh, sw = _pair("conv_transpose2d", stride, "stride")
+    ph, pw = _pair("conv_transpose2d", padding, "padding")
+    oph, opw = _pair("conv_transpose2d", output_padding, "output_padding")
+    dh, dw = _pair("conv_transpose2d", dilation, "dilation")
+    if oph >= max(sh, dh) or opw >= max(sw, dw):
+        raise DeepxError("conv_transpose2d: output_padding must be smaller than either stride or dilation")
+    eh, ew = dh * (kh - 1) - ph, dw * (kw - 1) - pw
+    x = _spread(input, sh, sw)
+    if eh < 0 or ew < 0:  # more padding than the kernel reaches: the result is cut instead
+        x = pad(x, (max(ew, 0), max(ew, 0) + opw, max(eh, 0), max(eh, 0) + oph))
+        cut_h, cut_w = max(-eh, 0), max(-ew, 0)
+    else:
+        x = pad(x, (ew, ew + opw, eh, eh + oph))
+        cut_h = cut_w = 0
+    # (C, O/g, kh, kw) -> (O, C/g, kh, kw), flipped in space
+    w = weight.reshape(groups, c // groups, og, kh, kw).transpose(1, 2).reshape(groups * og, c // groups, kh, kw)
+    from deepx_sdk.composite import flip
+
+    out = conv2d(x, flip(w, [2, 3]), None, 1, 0, (dh, dw), groups)
+    if cut_h or cut_w:
+        out = out[:, :, cut_h:out.shape[2] - cut_h, cut_w:out.shape[3] - cut_w]
+    return out if bias is None else out + bias.reshape(1, -1, 1, 1)
+
+
+def interpolate(input: Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
+                align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
+                antialias: bool = False) -> Tensor:
+    """Resize the spatial dims of (N, C, H, W) (or (N, C, L)): mode 'nearest' (torch's floor rule) or 'bilinear'
+    ('linear' for 3-D), with align_corners as torch; gathers with indices and weights worked out on the host."""
+    import numpy as np
+
+    from deepx_sdk.tensor import tensor
+
+    if antialias:
+        raise DeepxError("interpolate: antialias=True is not supported by deepx")
+    if input.ndim not in (3, 4):
+        raise DeepxError(f"interpolate: expected a 3-D or 4-D input, got shape {list(input.shape)}")
+    spatial = input.shape[2:]
+    k = len(spatial)
+    if (size is None) == (scale_factor is None):
+        raise DeepxError("interpolate: give exactly one of size and scale_factor")
+    if size is not None:
+        out_sizes = [int(v) for v in (size if isinstance(size, (tuple, list)) else [size] * k)]
+        scales = [s / o for s, o in zip(spatial, out_sizes)]
+    else:
+        factors = [float(v) for v in (scale_factor if isinstance(scale_factor, (tuple, list)) else
+                                      [scale_factor] * k)]
+        out_sizes = [math.floor(s * f) for s, f in zip(spatial, factors)]
+        scales = [1.0 / f if not recompute_scale_factor else s / o for s, f, o in zip(spatial, factors, out_sizes)]
+    if len(out_sizes) != k:
+        raise DeepxError(f"interpolate: {len(out_sizes)} sizes for {k} spatial dims")
+    linear = {3: "linear", 4: "bilinear"}[input.ndim]
+    if mode not in ("nearest", linear):
+        raise DeepxError(f"interpolate: mode {mode!r} is not supported for a {input.ndim}-D input by deepx (nearest, "
+                         f"{linear})")
+    if mode == "nearest" and align_corners is not None:
+        raise DeepxError("interpolate: align_corners applies to the linear modes only")
+    x = input
+    for axis, (n_in, n_out, scale) in enumerate(zip(spatial, out_sizes, scales)):
+        dim = 2 + axis
+        head = (slice(None),) * dim
+        dst = np.arange(n_out, dtype=np.float64)
+        if mode == "nearest":
+            src = np.minimum(np.floor(dst * scale).astype(np.int64), n_in - 1)
+            x = x[(*head, tensor(src))]
+            continue
+        if align_corners:
+            pos = dst * ((n_in - 1) / (n_out - 1)) if n_out > 1 else np.zeros(n_out)
+        else:
+            pos = np.maximum((dst + 0.5) * scale - 0.5, 0.0)
+        lo = np.minimum(np.floor(pos).astype(np.int64), n_in - 1)
+        hi = np.minimum(lo + 1, n_in - 1)
+        frac = (pos - lo).reshape(-1, *([1] * (x.ndim - dim - 1)))
+        wt = tensor(frac.astype(np.float32 if x.dtype == "float32" else np.float64)).to(x.dtype)
+        a, b = x[(*head, tensor(lo))], x[(*head, tensor(hi))]
+        x = a + (b - a) * wt
+    return x
 
 
 def _pool_args(what: str, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool

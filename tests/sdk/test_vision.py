@@ -180,3 +180,54 @@ def test_a_small_cnn_trains_as_torch():
         assert float(loss) == pytest.approx(tloss.item(), rel=1e-9)
     for k, v in theirs.state_dict().items():
         np.testing.assert_allclose(ours.state_dict()[k].numpy(), v.detach().numpy(), rtol=1e-8, atol=1e-10)
+
+
+CONVT = [
+    dict(),
+    dict(stride=2),
+    dict(stride=2, padding=1, output_padding=1),
+    dict(stride=(3, 2), padding=(2, 0), dilation=(1, 2)),
+    dict(groups=2, stride=2, padding=1),
+    dict(padding=3),
+]
+
+
+@pytest.mark.parametrize("kw", CONVT, ids=[str(k) for k in CONVT])
+def test_conv_transpose2d_follows_torch(kw):
+    rng = np.random.default_rng(7)
+    g = kw.get("groups", 1)
+    x, tx = _t(rng.standard_normal((2, 4, 5, 6)))
+    w, tw = _t(rng.standard_normal((4, 6 // g, 3, 4)))
+    b, tb = _t(rng.standard_normal(6))
+    _grads_match(F.conv_transpose2d(x, w, b, **kw), TF.conv_transpose2d(tx, tw, tb, **kw), [(x, tx), (w, tw), (b, tb)],
+                 "float64")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(size=(7, 9)), dict(scale_factor=2), dict(scale_factor=(0.5, 1.5)),
+    dict(size=(7, 9), mode="bilinear", align_corners=False), dict(size=(3, 11), mode="bilinear", align_corners=True),
+    dict(scale_factor=2.0, mode="bilinear"), dict(size=(1, 1), mode="bilinear", align_corners=True),
+], ids=str)
+def test_interpolate_follows_torch(kw):
+    x, tx = _t(np.random.default_rng(8).standard_normal((2, 3, 5, 6)))
+    _grads_match(F.interpolate(x, **kw), TF.interpolate(tx, **kw), [(x, tx)], "float64")
+
+
+def test_interpolate_1d_and_modules():
+    x, tx = _t(np.random.default_rng(9).standard_normal((2, 3, 7)))
+    _grads_match(F.interpolate(x, size=12, mode="linear"), TF.interpolate(tx, size=12, mode="linear"), [(x, tx)],
+                 "float64")
+    up, tup = nn.Upsample(scale_factor=2, mode="nearest"), torch.nn.Upsample(scale_factor=2, mode="nearest")
+    y, ty = _t(np.random.default_rng(10).standard_normal((1, 2, 3, 3)))
+    _grads_match(up(y), tup(ty), [(y, ty)], "float64")
+    torch.manual_seed(0)
+    ours = nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2)
+    theirs = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2)
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    bound = 1 / np.sqrt(3 * 3 * 3)  # fan_in: the weight's second dim (out / groups) times the kernel
+    assert np.abs(ours.weight.numpy()).max() <= bound
+    with pytest.raises(DeepxError, match="exactly one of size and scale_factor"):
+        F.interpolate(y)
+    with pytest.raises(DeepxError, match="mode 'bicubic' is not supported"):
+        F.interpolate(y, size=4, mode="bicubic")
