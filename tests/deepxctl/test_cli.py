@@ -129,8 +129,10 @@ def test_ctrl_c_while_waiting_exits_130(tmp_path) -> None:
     srv.bind(str(path))
     srv.listen(1)
     srv.settimeout(30)
+    # Python's own SIGINT handling in the child, however this suite was started (a `&` job ignores SIGINT)
     proc = subprocess.Popen(["deepxctl", "--address", f"unix://{path}", "nodes", "ls"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         conn, _ = srv.accept()  # connected, waiting for an answer that never comes
         time.sleep(0.3)
