@@ -5,7 +5,10 @@ Prints seconds per command (aims: `import deepx_sdk` < 0.35 s, a deepxctl listin
 interpreter's start for scale; writes bench/results/startup.json. The test suite checks that the heavy modules are
 not imported (tests/sdk/test_imports.py, tests/deepxctl/test_cli.py); this times it.
 
-    python bench/startup.py [--repeat N]
+    python bench/startup.py [--repeat N] [--tree PATH]
+
+`--tree` times another checkout of deepx (a baseline) with this script; the two runs go in turn, command by command,
+so that a busy machine weighs on both alike.
 
 `python -X importtime -c "import deepx_sdk" 2>&1 | sort -t'|' -k2 -n | tail` shows where an import's time goes.
 """
@@ -24,26 +27,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def best(args: list[str], repeat: int, env: dict[str, str]) -> float:
-    out = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        subprocess.run(args, check=True, capture_output=True, env=env, cwd=ROOT)
-        out = min(out, time.perf_counter() - t0)
-    return out
+def once(args: list[str], env: dict[str, str], cwd: Path) -> float:
+    """Seconds `args` took, run in `cwd` (which `python -c` puts first on sys.path)."""
+    t0 = time.perf_counter()
+    subprocess.run(args, check=True, capture_output=True, env=env, cwd=cwd)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--tree", type=Path, help="also time this checkout (a baseline), command by command in turn")
     args = ap.parse_args()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    trees = [ROOT] + ([args.tree.resolve()] if args.tree else [])
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="deepx-bench-") as tmp:
         sock = f"unix://{tmp}/d.sock"
-        daemon = subprocess.Popen([py, "-m", "deepxd", "start", "--listen", sock, "--udp", "off", "--kv",
-                                   "memory"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+        daemon = subprocess.Popen([py, "-m", "deepxd.cli", "start", "--listen", sock, "--udp", "off", "--kv",
+                                   "memory"], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60
             while not Path(tmp, "d.sock").exists():
@@ -58,14 +60,22 @@ def main() -> None:
                 "deepxctl tensors ls": [py, "-m", "deepxctl", "--address", sock, "tensors", "ls"],
                 "deepxctl tensors ls --format json": [py, "-m", "deepxctl", "--address", sock, "tensors", "ls",
                                                       "--format", "json"],
-                "deepxd --help": [py, "-m", "deepxd", "--help"],
+                "deepxd --help": [py, "-m", "deepxd.cli", "--help"],
             }
-            result = {name: best(cmd, args.repeat, env) for name, cmd in cases.items()}
+            result: dict[str, dict[str, float]] = {str(tree): {} for tree in trees}
+            for name, cmd in cases.items():
+                for _ in range(args.repeat):
+                    for tree in trees:
+                        env = {**os.environ, "PYTHONPATH": str(tree)}
+                        seconds = once(cmd, env, tree)
+                        was = result[str(tree)].get(name, float("inf"))
+                        result[str(tree)][name] = min(was, seconds)
         finally:
             daemon.terminate()
             daemon.wait(30)
-    for name, seconds in result.items():
-        print(f"{seconds:7.3f} s  {name}")
+    print("   ".join(f"{str(tree)[-24:]:>24}" for tree in trees))
+    for name in cases:
+        print("   ".join(f"{result[str(tree)][name]:22.3f} s" for tree in trees) + f"   {name}")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "startup.json").write_text(json.dumps(result, indent=1) + "\n")

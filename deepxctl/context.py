@@ -9,7 +9,7 @@ import click
 from deepxctl.term import CtlError
 
 if TYPE_CHECKING:
-    from deepx_sdk.client import NativeClient
+    from deepx_core.client import NativeClient
 
 
 class Source(Protocol):
@@ -24,7 +24,7 @@ class DaemonSource:
     """A deepxd, over its native socket; admin queries answer everything."""
 
     def __init__(self, address: str, timeout: float) -> None:
-        from deepx_sdk.client import NativeClient
+        from deepx_core.client import NativeClient
 
         self.address = address
         self.where = f"deepxd at {address}"

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
-from deepx_core.ir.dtypes import ALL, FLOATS, INDEX, INTS, NUMERIC, STORABLE, to_numpy
+from deepx_core.ir.dtypes import ALL, FLOATS, INDEX, INTS, NUMERIC, STORABLE, itemsize
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.shapes import Shape, broadcast, check_perm, norm_dim, norm_dims, numel, reduced
 
@@ -121,7 +121,7 @@ class Bound(NamedTuple):
     nbytes: int = 0  # bytes the outputs hold (for op statistics)
 
 
-_ITEMSIZE = {name: to_numpy(name).itemsize for name in STORABLE}
+_ITEMSIZE = {name: itemsize(name) for name in STORABLE}
 
 
 #: the most bytes one tensor may hold: what numpy can index (it refuses a shape whose non-zero dims multiply past it,
