@@ -13,6 +13,7 @@ from deepxctl.term import (
     display,
     display_data,
     display_note,
+    display_source,
     display_table,
     format_option,
     list_options,
@@ -82,6 +83,7 @@ def show(ctl: Ctl, name: str, fmt: str, values: bool | None) -> None:
         preview["note"] = f"values not fetched ({human_bytes(t.bytes)}); add --values to fetch them"
     else:
         preview.update(_preview(ctl, name))
+    display_source()
     if fmt != "table":
         display_data({**t.to_dict(detail=True), **preview}, fmt)
         return

@@ -84,7 +84,8 @@ def test_a_reader_gone_before_the_first_write_is_a_quiet_exit_0(live: Live, args
                            stderr=subprocess.PIPE, text=True, timeout=60, env={**os.environ, "NO_COLOR": "1"})
     finally:
         os.close(write)
-    assert (r.returncode, r.stderr) == (0, "")
+    # nothing said about the pipe (the note of which daemon answered comes before any write)
+    assert (r.returncode, [ln for ln in r.stderr.splitlines() if not ln.startswith("from deepxd ")]) == (0, [])
 
 
 def test_table_cells_are_text_never_markup() -> None:
