@@ -1,4 +1,4 @@
-"""The deepx tensor file format (deepxir.md section 5): `P.shape` (YAML) beside `P.data` (raw little-endian bytes).
+"""The deepx tensor file format (docs/deepxir.md section 5): `P.shape` (YAML) beside `P.data` (raw little-endian bytes).
 
 Every file is opened relative to a descriptor of its directory and never through a link: the `*_at` functions take
 that descriptor (the daemon opens it once, checked against its io roots: `open_directory`), the plain-path ones open

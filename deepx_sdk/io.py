@@ -1,7 +1,7 @@
 """Saving and loading tensors: the deepx tensor file format and safetensors.
 
     import deepx_sdk as dx
-    dx.io.save(x, "ckpt/x")                   # ckpt/x.shape + ckpt/x.data (deepxir.md section 5)
+    dx.io.save(x, "ckpt/x")                   # ckpt/x.shape + ckpt/x.data (docs/deepxir.md section 5)
     x = dx.io.load("ckpt/x")
     dx.io.save(state_dict, "model.safetensors")   # a dict of name -> tensor: one safetensors file
     state_dict = dx.io.load("model.safetensors")  # name -> dx Tensor, in the file's order

@@ -246,6 +246,22 @@ class Node(Schema):
 
 
 @dataclasses.dataclass
+class OpEntry(Schema):
+    """An op of the catalogue (deepx_core/ir/ops.py), as `ops catalogue` lists it."""
+
+    object_name: ClassVar[str] = "ops"
+
+    name: str = field(metadata=col("OP"))
+    signature: str = field(default="", metadata=col())
+    dtypes: list[str] = field(default_factory=list, metadata=col(render=words))
+    grad: bool = field(default=False, metadata=col())  # differentiable: autograd has a rule for it
+    doc: str = field(default="", metadata=col())
+    family: str = field(default="", metadata=col(detail=True))
+    deepxir: bool = field(default=False, metadata=col("DEEPXIR", detail=True))  # one of the existing 60
+    expr: str = field(default="", metadata=col(detail=True))
+
+
+@dataclasses.dataclass
 class Actor(Schema):
     object_name: ClassVar[str] = "actors"
 

@@ -47,7 +47,7 @@ def same(a: Instr, b: Instr) -> bool:
     return typed(tuple(a)) == typed(tuple(b))
 
 
-# --- the examples of deepxir.md, as they arrive on the wire -------------------------------------------------------
+# --- the examples of docs/deepxir.md, as they arrive on the wire --------------------------------------------------
 
 DOC_EXAMPLES = [
     (

@@ -200,7 +200,7 @@ def test_save_load_round_trip(dtype, tmp_path, rng):
 
 @pytest.mark.parametrize("dtype", ANY_DTYPES)
 def test_load_written_by_hand(dtype, tmp_path, rng):
-    """load reads a tensor file laid out as deepxir.md section 5 says (keys in any order), independently of save."""
+    """load reads a tensor file laid out as docs/deepxir.md section 5 says (keys in any order), not through save."""
     a = _sample(rng, dtype, (2, 3))
     (tmp_path / "w.shape").write_text(f"size: 6\nstride: [3, 1]\nshape: [2, 3]\ndim: 2\ndtype: {dtype}\n")
     (tmp_path / "w.data").write_bytes(a.astype(to_numpy(dtype).newbyteorder("<")).tobytes())
