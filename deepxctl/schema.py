@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import field
 from typing import Any, ClassVar, TypeVar
@@ -60,6 +61,14 @@ def urls(v: Any) -> str:
     if not isinstance(v, Mapping):
         return str(v)
     return " ".join(str(x) if "://" in str(x) else f"{k}://{x}" for k, x in v.items())
+
+
+def natural_key(text: str) -> tuple[Any, ...]:
+    """Sort key that orders the numbers inside names by value: t2 before t10 (text order put t10 first)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in _DIGITS.split(text) if part)
+
+
+_DIGITS = re.compile(r"(\d+)")
 
 
 def timestamp(v: Any) -> str:
