@@ -1,4 +1,4 @@
-"""The deepx tensor file format (deepxir.md section 5): `P.shape` (YAML) beside `P.data` (raw little-endian bytes).
+"""The deepx tensor file format (docs/deepxir.md section 5): `P.shape` (YAML) beside `P.data` (raw little-endian bytes).
 
 Every file is opened relative to a descriptor of its directory and never through a link: the `*_at` functions take
 that descriptor (the daemon opens it once, checked against its io roots: `open_directory`), the plain-path ones open
@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
-import yaml
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import from_numpy, to_numpy
@@ -188,12 +187,16 @@ def write_tensor_at(dir_fd: int, stem: str, array: np.ndarray, where: str = ".")
         data = data.byteswap()
     raw = data.reshape(-1).view(np.uint8).data if data.size else b""
     _write_replace(dir_fd, stem + ".data", raw, where)
+    import yaml  # here: most processes never write a tensor file, and yaml takes a tenth of a second to import
+
     doc = yaml.safe_dump(shape_doc(tuple(array.shape), dtype), default_flow_style=None, sort_keys=False)
     _write_replace(dir_fd, stem + ".shape", doc.encode(), where)
 
 
 def read_shape_at(dir_fd: int, stem: str, where: str = ".") -> tuple[tuple[int, ...], str]:
     """Shape and dtype from `stem.shape` in directory `dir_fd`, checked: stride and size must agree with the shape."""
+    import yaml
+
     path = os.path.join(where, f"{stem}.shape")
     try:
         fd, st = _open_read(dir_fd, f"{stem}.shape", path)

@@ -1,7 +1,7 @@
 """Saving and loading tensors: the deepx tensor file format and safetensors.
 
     import deepx_sdk as dx
-    dx.io.save(x, "ckpt/x")                   # ckpt/x.shape + ckpt/x.data (deepxir.md section 5)
+    dx.io.save(x, "ckpt/x")                   # ckpt/x.shape + ckpt/x.data (docs/deepxir.md section 5)
     x = dx.io.load("ckpt/x")
     dx.io.save(state_dict, "model.safetensors")   # a dict of name -> tensor: one safetensors file
     state_dict = dx.io.load("model.safetensors")  # name -> dx Tensor, in the file's order
@@ -15,6 +15,7 @@ dict) goes to safetensors, the format PyTorch's ecosystem uses, so weights move 
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap as _mmap
 import os
@@ -24,7 +25,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from deepx_core.errors import DeepxError
@@ -37,30 +37,6 @@ __all__ = ["load", "load_safetensors", "safetensors_metadata", "save", "save_saf
 
 PathLike = str | os.PathLike[str]
 
-#: safetensors dtype name -> numpy dtype (the numpy level reads and writes all of these; dx tensors need STORABLE)
-SAFETENSORS_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U64": np.dtype(np.uint64),
-    "U32": np.dtype(np.uint32),
-    "U16": np.dtype(np.uint16),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-    "C64": np.dtype(np.complex64),
-}
-if hasattr(ml_dtypes, "float8_e8m0fnu"):
-    SAFETENSORS_DTYPES["F8_E8M0"] = np.dtype(ml_dtypes.float8_e8m0fnu)
-_ST_NAME: dict[np.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
-
-
 def _storable(dt: np.dtype) -> bool:
     try:
         return from_numpy(dt) in STORABLE
@@ -68,8 +44,44 @@ def _storable(dt: np.dtype) -> bool:
         return False
 
 
-#: the safetensors dtypes that dx tensors can hold
-DEEPX_SAFETENSORS_DTYPES = frozenset(name for name, dt in SAFETENSORS_DTYPES.items() if _storable(dt))
+@functools.cache
+def _safetensors_dtypes() -> tuple[dict[str, np.dtype], dict[np.dtype, str], frozenset[str]]:
+    """safetensors dtype name -> numpy dtype (the numpy level reads and writes all of these; dx tensors need
+    STORABLE), its inverse, and the names dx tensors can hold. Built on first use: ml_dtypes is slow to import."""
+    import ml_dtypes
+
+    table: dict[str, np.dtype] = {
+        "F64": np.dtype(np.float64),
+        "F32": np.dtype(np.float32),
+        "F16": np.dtype(np.float16),
+        "BF16": np.dtype(ml_dtypes.bfloat16),
+        "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+        "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+        "I64": np.dtype(np.int64),
+        "I32": np.dtype(np.int32),
+        "I16": np.dtype(np.int16),
+        "I8": np.dtype(np.int8),
+        "U64": np.dtype(np.uint64),
+        "U32": np.dtype(np.uint32),
+        "U16": np.dtype(np.uint16),
+        "U8": np.dtype(np.uint8),
+        "BOOL": np.dtype(np.bool_),
+        "C64": np.dtype(np.complex64),
+    }
+    if hasattr(ml_dtypes, "float8_e8m0fnu"):
+        table["F8_E8M0"] = np.dtype(ml_dtypes.float8_e8m0fnu)
+    names = {dt: name for name, dt in table.items()}
+    return table, names, frozenset(name for name, dt in table.items() if _storable(dt))
+
+
+def __getattr__(name: str) -> Any:
+    """SAFETENSORS_DTYPES and DEEPX_SAFETENSORS_DTYPES (the safetensors dtypes dx tensors can hold), on first use."""
+    if name == "SAFETENSORS_DTYPES":
+        return _safetensors_dtypes()[0]
+    if name == "DEEPX_SAFETENSORS_DTYPES":
+        return _safetensors_dtypes()[2]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _MAX_HEADER = 100_000_000  # the limit of the reference implementation
 _METADATA = "__metadata__"
@@ -119,10 +131,11 @@ def load(path: PathLike) -> Tensor | dict[str, Tensor]:
                 "exists"
             )
     arrays = load_safetensors(p)
+    _, st_names, storable = _safetensors_dtypes()
     for name, array in arrays.items():
-        if _ST_NAME.get(array.dtype) not in DEEPX_SAFETENSORS_DTYPES:
+        if st_names.get(array.dtype) not in storable:
             raise DeepxError(
-                f"{p}: tensor '{name}' has dtype {_ST_NAME.get(array.dtype, array.dtype)}, which deepx cannot store "
+                f"{p}: tensor '{name}' has dtype {st_names.get(array.dtype, array.dtype)}, which deepx cannot store "
                 f"(deepx stores {', '.join(sorted(STORABLE))}); deepx_sdk.io.load_safetensors reads it as numpy"
             )
     return {name: tensor(array) for name, array in arrays.items()}
@@ -193,11 +206,12 @@ def save_safetensors(tensors: Mapping[str, np.ndarray], path: PathLike,
         if not isinstance(value, (np.ndarray, np.generic)):
             raise DeepxError(f"save_safetensors: '{name}' is a {type(value).__name__}, not a numpy array")
         a = np.asarray(value)
-        st = _ST_NAME.get(a.dtype.newbyteorder("="))
+        table, st_names, _ = _safetensors_dtypes()
+        st = st_names.get(a.dtype.newbyteorder("="))
         if st is None:
             raise DeepxError(
                 f"save_safetensors: '{name}' has numpy dtype {a.dtype}, which safetensors cannot hold; "
-                f"known: {', '.join(str(d) for d in SAFETENSORS_DTYPES.values())}"
+                f"known: {', '.join(str(d) for d in table.values())}"
             )
         arrays.append((name, a, st))
     header: dict[str, Any] = {}
@@ -342,11 +356,12 @@ def _entry(p: str, name: str, info: Any) -> _Entry:
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
     if missing:
         raise DeepxError(f"{p}: header entry '{name}' lacks {', '.join(missing)}")
-    dtype = SAFETENSORS_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    table = _safetensors_dtypes()[0]
+    dtype = table.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
         raise DeepxError(
             f"{p}: tensor '{name}' has dtype {info['dtype']!r}, which deepx cannot read; "
-            f"known: {', '.join(SAFETENSORS_DTYPES)}"
+            f"known: {', '.join(table)}"
         )
     shape, offsets = info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):

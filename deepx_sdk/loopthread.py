@@ -28,8 +28,10 @@ needs to wait after all, it returns a coroutine, which goes on as in `call`, und
 cannot be borrowed, it runs nothing and says so (`NOT_NOW`), and the caller takes `call`.
 
 Ctrl-C: on the main thread, a borrowed run is not interrupted half-way by the first Ctrl-C (the actors' state would
-be left half changed); the KeyboardInterrupt is raised when the run has finished. A second Ctrl-C interrupts at
-once. Outside a borrowed run SIGINT is left to whatever handles it.
+be left half changed); the SIGINT handler in place (Python's KeyboardInterrupt, or the program's own, a checkpoint
+on Ctrl-C say) is called when the run has finished. A second Ctrl-C calls it at once. An ignored SIGINT (a job
+started with `&`) stays ignored. Outside a borrowed run SIGINT is left to whatever handles it. So whether the loop is
+borrowed never depends on SIGINT's disposition.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import concurrent.futures
 import logging
 import selectors
 import signal
+import sys
 import threading
 from _signal import getsignal as _getsignal  # signal.getsignal and .signal without their enum conversion (20x)
 from _signal import signal as _setsignal
@@ -96,11 +99,13 @@ def _settle(cf: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None
         cf.set_result(task.result())
 
 
-# SIGINT on the main thread while it runs a borrowed coroutine: the first is held until the run has finished
+# SIGINT on the main thread while it runs a borrowed coroutine: the first is held until the run has finished, then
+# handed to the handler that was in place (_outer)
 _SIGINT = int(signal.SIGINT)
 _MAIN = threading.main_thread().ident
 _held = 0
 _caught = False
+_outer: Any = None
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
@@ -109,7 +114,7 @@ def _on_sigint(signum: int, frame: Any) -> None:
         _caught = True
         return
     _caught = False  # a second one: at once
-    signal.default_int_handler(signum, frame)
+    _outer(signum, frame)
 
 
 class LoopThread:
@@ -178,8 +183,7 @@ class LoopThread:
         """fn(*args), a plain function that works on the loop's actors, on this thread while the loop's thread
         sleeps, with no task and no loop step: where it returns a coroutine, that goes on as `call` runs one (its
         first step at once, under the same turn). NOT_NOW, with nothing run, where the loop cannot be borrowed now
-        (its thread is busy or has work left waiting, a SIGINT handler of the program's own is set): the caller
-        then goes the usual way (`call`)."""
+        (its thread is busy or has work left waiting): the caller then goes the usual way (`call`)."""
         self._check_thread()
 
         def step() -> tuple[concurrent.futures.Future[Any] | None, Any]:
@@ -206,7 +210,7 @@ class LoopThread:
         """step() with the turn held (this thread then stands in for the loop's), the first Ctrl-C held back until
         it is done; what it left waiting is waited for after the turn is given back. refuse() where the turn is not
         to be had."""
-        global _held, _caught
+        global _held, _caught, _outer
         me = threading.get_ident()
         if self._ready is None or self.loop.get_debug() or (
                 self._woken_at is not None and self._woken_at == self.selector.sleeps):
@@ -215,11 +219,13 @@ class LoopThread:
         handler: Any = None
         if me == _MAIN:
             handler = _getsignal(_SIGINT)
-            if handler is not signal.default_int_handler and handler is not _on_sigint:
-                return refuse()  # a handler of the program's own may raise anywhere: not inside the actors
-            if handler is not _on_sigint:
-                _setsignal(_SIGINT, _on_sigint)
-            _held += 1
+            if handler is _on_sigint or callable(handler):  # not SIG_IGN, SIG_DFL or C's: nothing raises for those
+                if handler is not _on_sigint:
+                    _outer = handler
+                    _setsignal(_SIGINT, _on_sigint)
+                _held += 1
+            else:
+                handler = None
         got = False
         wait: concurrent.futures.Future[Any] | None = None
         value: Any = None
@@ -237,9 +243,9 @@ class LoopThread:
                 if not _held:
                     if handler is not _on_sigint:
                         _setsignal(_SIGINT, handler)
-                    if _caught:
+                    if _caught:  # the held Ctrl-C, to its own handler (Python's raises KeyboardInterrupt)
                         _caught = False
-                        raise KeyboardInterrupt
+                        handler(_SIGINT, sys._getframe())
         if not got:
             return refuse()
         return wait.result() if wait is not None else value

@@ -31,7 +31,6 @@ from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param, renumbered, same_program, scalar_kinds
 from deepx_core.ir.text import format_text
-from deepx_sdk.loopthread import NOT_NOW, LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +188,7 @@ class EmbeddedTransport(Transport):
 
     def __init__(self, roles: Sequence[str] | None = None) -> None:
         from deepx_core.paths import private_socket_dir
+        from deepx_sdk.loopthread import NOT_NOW, LoopThread  # here: asyncio is not imported until it is needed
         from deepxd.embedded import EmbeddedNode
 
         sock = private_socket_dir() / f"embedded-{os.getpid()}-{id(self)}.sock"
@@ -196,6 +196,7 @@ class EmbeddedTransport(Transport):
             env = os.environ.get("DEEPX_ROLES", "")
             roles = [r.strip() for r in env.split(",") if r.strip()] or None
         self.runner = LoopThread("deepx-embedded")
+        self.not_now = NOT_NOW
         self.loop = self.runner.loop
         # the kernel choices a daemon reads from its config come from the environment here (DEEPX_BLAS,
         # DEEPX_NATIVE_KERNELS), as a daemon's do
@@ -243,7 +244,7 @@ class EmbeddedTransport(Transport):
         if not self.runner.alive():
             raise DeepxError("the embedded deepxd has stopped; call dx.connect() again")
         r = self.runner.now(now, *args)
-        if r is NOT_NOW:
+        if r is self.not_now:
             return self.runner.send(ask())
         if r is None:
             return self._call(ask())

@@ -1497,8 +1497,8 @@ _TORCH_ONLY = frozenset({
 
 def _torch_only(name: str) -> property:
     def missing(self: Tensor) -> Any:
-        raise DeepxAttributeError(f"Tensor.{name} is not supported by deepx (no op in its catalogue computes it); see "
-                                  "docs/ir.md for the ops there are")
+        raise DeepxAttributeError(f"Tensor.{name} is not supported by deepx (no op in its catalogue computes it); "
+                                  "`deepxctl ops catalogue` lists the ops there are")
 
     return property(missing)
 

@@ -51,7 +51,7 @@ class CliGroup(click.Group):
             raise SystemExit(130) from None
         except BrokenPipeError:  # a ConnectionError, but the daemon's socket errors come as DeepxError: stdout's
             _reader_left()
-        except TimeoutError:  # deepx_sdk.client.DeepxTimeoutError, a DeepxError too
+        except TimeoutError:  # deepx_core.client.DeepxTimeoutError, a DeepxError too
             ctl: Ctl | None = ctx.find_object(Ctl)
             raise CtlError(f"deepxd at {ctl.address if ctl else '?'} did not answer within "
                            f"{ctl.timeout if ctl else '?'} s (--timeout)") from None

@@ -9,11 +9,12 @@ import click
 from deepxctl.term import CtlError
 
 if TYPE_CHECKING:
-    from deepx_sdk.client import NativeClient
+    from deepx_core.client import NativeClient
 
 
 class Source(Protocol):
     where: str
+    answered_by: str  # the header line of a listing: which daemon (node, pid, socket) or plane answered
 
     def query(self, what: str) -> Any: ...
     def heapmem(self) -> dict[str, Any] | None: ...
@@ -23,12 +24,15 @@ class Source(Protocol):
 class DaemonSource:
     """A deepxd, over its native socket; admin queries answer everything."""
 
-    def __init__(self, address: str, timeout: float) -> None:
-        from deepx_sdk.client import NativeClient
+    def __init__(self, address: str, timeout: float, *, default: bool = False) -> None:
+        from deepx_core.client import NativeClient
 
         self.address = address
         self.where = f"deepxd at {address}"
         self.client: NativeClient = NativeClient(address, timeout=timeout, client="deepxctl")
+        # which daemon answered: another process's may own the default socket
+        self.answered_by = (f"deepxd {self.node} (pid {self.client.server.get('pid', '?')}) at {address}"
+                            + (" (the default socket; --address or DEEPX_ADDRESS picks another)" if default else ""))
 
     @property
     def node(self) -> str:
@@ -56,6 +60,7 @@ class Ctl:
         self.kv_prefix = kv_prefix
         self.timeout = timeout
         self._daemon: DaemonSource | None = None
+        self.answered_by = ""  # the source the command used, once it has one (term shows it above a listing)
 
     @property
     def address(self) -> str:
@@ -82,7 +87,9 @@ class Ctl:
                 from deepxd.kv.base import read_password_file
 
                 password = read_password_file(self.kv_password_file)
-            return PlaneSource(self.kv, self.kv_prefix, password=password)
+            plane = PlaneSource(self.kv, self.kv_prefix, password=password)
+            self.answered_by = plane.answered_by
+            return plane
         return self.daemon()
 
     def daemon(self, why: str = "") -> DaemonSource:
@@ -91,7 +98,9 @@ class Ctl:
             raise CtlError(f"{why or 'this command'} need a running deepxd, which --kv does not reach; drop --kv "
                            "and give --address")
         if self._daemon is None:
-            self._daemon = DaemonSource(self.address, self.timeout)
+            default = not self._address
+            self._daemon = DaemonSource(self.address, self.timeout, default=default)
+            self.answered_by = self._daemon.answered_by
             click.get_current_context().call_on_close(self.close)
         return self._daemon
 

@@ -15,6 +15,7 @@ from deepxctl.term import (
     display,
     display_data,
     display_note,
+    display_source,
     display_table,
     format_option,
     make_table,
@@ -86,6 +87,7 @@ def memory(ctx: click.Context, fmt: str, filters: tuple[str, ...], limit: int, d
     known = [Tensor.from_raw(r) for r in src.query("tensors")]
     rows = select(known, Tensor, filters, None)
     report = summarize(rows, src.heapmem(), limit, detail, orphans(known))
+    display_source()
     if fmt != "table":
         display_data(report, fmt)
         return

@@ -195,6 +195,7 @@ class PlaneSource:
         from deepxd.kv.base import redact
 
         self.where = f"the storage plane at {redact(url)}"  # never a password (docs/storage.md)
+        self.answered_by = f"{self.where} (--kv: no daemon asked)"
 
     def query(self, what: str) -> Any:
         reader = READERS.get(what)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import field
 from typing import Any, ClassVar, TypeVar
@@ -60,6 +61,14 @@ def urls(v: Any) -> str:
     if not isinstance(v, Mapping):
         return str(v)
     return " ".join(str(x) if "://" in str(x) else f"{k}://{x}" for k, x in v.items())
+
+
+def natural_key(text: str) -> tuple[Any, ...]:
+    """Sort key that orders the numbers inside names by value: t2 before t10 (text order put t10 first)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in _DIGITS.split(text) if part)
+
+
+_DIGITS = re.compile(r"(\d+)")
 
 
 def timestamp(v: Any) -> str:
@@ -243,6 +252,22 @@ class Node(Schema):
         if n.state == "running" and n.heartbeat_age_s is not None and n.heartbeat_age_s > STALE_BEATS * beat:
             n.state = "stale"  # it stopped without saying so (killed, or its host gone): its records are left over
         return n
+
+
+@dataclasses.dataclass
+class OpEntry(Schema):
+    """An op of the catalogue (deepx_core/ir/ops.py), as `ops catalogue` lists it."""
+
+    object_name: ClassVar[str] = "ops"
+
+    name: str = field(metadata=col("OP"))
+    signature: str = field(default="", metadata=col())
+    dtypes: list[str] = field(default_factory=list, metadata=col(render=words))
+    grad: bool = field(default=False, metadata=col())  # differentiable: autograd has a rule for it
+    doc: str = field(default="", metadata=col())
+    family: str = field(default="", metadata=col(detail=True))
+    deepxir: bool = field(default=False, metadata=col("DEEPXIR", detail=True))  # one of the existing 60
+    expr: str = field(default="", metadata=col(detail=True))
 
 
 @dataclasses.dataclass

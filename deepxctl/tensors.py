@@ -7,15 +7,18 @@ from typing import Any
 import click
 
 from deepxctl.context import Ctl
-from deepxctl.schema import Tensor, human_bytes
+from deepxctl.schema import Tensor, human_bytes, natural_key
 from deepxctl.term import (
     CtlError,
     display,
     display_data,
     display_note,
+    display_source,
     display_table,
     format_option,
     list_options,
+    make_table,
+    sections,
     select,
 )
 
@@ -23,7 +26,11 @@ PREVIEW_MAX_BYTES = 64 << 20  # `show` fetches values only up to this size unles
 
 
 def load_tensors(ctl: Ctl) -> list[Tensor]:
-    return [Tensor.from_raw(r) for r in ctl.source().query("tensors")]
+    """The tensors, in natural order of their names (t2 before t10)."""
+    return sorted((Tensor.from_raw(r) for r in ctl.source().query("tensors")), key=lambda t: natural_key(t.name))
+
+
+GROUP_BY = ("owner", "node", "kind", "dtype")
 
 
 def find_tensor(ctl: Ctl, name: str) -> Tensor:
@@ -46,16 +53,35 @@ def tensors() -> None:
 
 @tensors.command("ls")
 @list_options
+@click.option("--group-by", "group_by", type=click.Choice(GROUP_BY), default=None,
+              help="One table per owner (node, kind, dtype), largest first, each with its count and bytes.")
 @click.pass_obj
-def ls(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: bool) -> None:
-    """List tensors: name, kind (heap or stack), dtype, shape, bytes, owner, node.
+def ls(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: bool, group_by: str | None) -> None:
+    """List tensors, names in natural order (t2 before t10): name, kind (heap or stack), dtype, shape, bytes,
+    owner, node.
 
     \b
       deepxctl tensors ls --filter kind=heap --detail     # with refcount, holders, segment
       deepxctl tensors ls --format json --filter owner=op-cpu
+      deepxctl tensors ls --group-by owner
     """
     rows = select(load_tensors(ctl), Tensor, filters, limit)
-    display_table(rows, Tensor, fmt=fmt, detail=detail)
+    if group_by is None:
+        display_table(rows, Tensor, fmt=fmt, detail=detail)
+        return
+    groups: dict[str, list[Tensor]] = {}
+    for t in rows:
+        groups.setdefault(str(getattr(t, group_by)), []).append(t)
+    ordered = sorted(groups.items(), key=lambda g: (-sum(t.bytes for t in g[1]), natural_key(g[0])))
+    display_source()
+    if fmt != "table":
+        display_data([{group_by: key, "tensors": len(ts), "bytes": sum(t.bytes for t in ts),
+                       "rows": [t.to_dict(detail) for t in ts]} for key, ts in ordered], fmt)
+        return
+    if not rows:
+        display_note("no tensors")
+    display(sections([make_table(ts, Tensor, detail=detail, title=f"{group_by} {key}: {len(ts)} tensors, "
+                                 f"{human_bytes(sum(t.bytes for t in ts))}") for key, ts in ordered]))
 
 
 @tensors.command("show")
@@ -82,6 +108,7 @@ def show(ctl: Ctl, name: str, fmt: str, values: bool | None) -> None:
         preview["note"] = f"values not fetched ({human_bytes(t.bytes)}); add --values to fetch them"
     else:
         preview.update(_preview(ctl, name))
+    display_source()
     if fmt != "table":
         display_data({**t.to_dict(detail=True), **preview}, fmt)
         return

@@ -122,9 +122,20 @@ def make_table(rows: Sequence[Schema], cls: type[Schema], *, detail: bool = Fals
     return table
 
 
+def display_source() -> None:
+    """Which daemon (node, pid, socket) or plane answered, as a note above a listing: another process's daemon can
+    own the default socket. A note (stderr), so that stdout stays the table or the JSON/YAML list."""
+    ctx = click.get_current_context(silent=True)
+    answered_by = getattr(ctx.obj if ctx is not None else None, "answered_by", "")
+    if answered_by:
+        display_note(f"from {answered_by}")
+
+
 def display_table(rows: Sequence[Schema], cls: type[Schema], *, fmt: str = "table", detail: bool = False,
                   title: str | None = None) -> None:
-    """A list of objects of one schema: a table, or a JSON/YAML list of the same fields."""
+    """A list of objects of one schema: a table, or a JSON/YAML list of the same fields, under display_source's
+    note."""
+    display_source()
     if fmt != "table":
         display_data([r.to_dict(detail) for r in rows], fmt)
         return

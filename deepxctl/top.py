@@ -45,28 +45,37 @@ class TopView:
         shown.sort(key=lambda o: (-o.total_s, -o.calls, o.op))
         return shown[: self.rows], title
 
-    def frame(self) -> Any:
+    def data(self) -> dict[str, Any]:
+        """One frame's content, as `--format json` prints it (and the table view shows it)."""
         d = self.daemon
         ops = [Op.from_raw(r) for r in d.query("ops")]
         tensors = [Tensor.from_raw(r) for r in d.query("tensors")]
         actors = [Actor.from_raw(r) for r in d.query("actors")]
         report = summarize(tensors, d.heapmem())
         busiest, title = self.busiest(ops)
-        roles = ",".join(d.client.server.get("roles") or [])
+        actors.sort(key=lambda a: (-a.mailbox, a.name))
+        return {"node": d.node, "pid": d.client.server.get("pid"), "address": d.address,
+                "roles": list(d.client.server.get("roles") or []), "time": time.time(),
+                "total_bytes": report["total_bytes"], "tensors": report["tensors"], "ops_title": title,
+                "ops": [o.to_dict(detail=True) for o in busiest], "by_kind": report["by_kind"],
+                "heapmem": report["heapmem"], "actors": [a.to_dict(detail=True) for a in actors]}
+
+    def frame(self) -> Any:
         from rich.markup import escape
 
-        head = (f"[bold]deepxctl top[/]  node [bold]{escape(str(d.node))}[/] ({escape(roles)})  {escape(d.address)}  "
-                f"{time.strftime('%H:%M:%S')}  {human_bytes(report['total_bytes'])} in {report['tensors']} tensors")
-        parts: list[Any] = [head, make_table(busiest, Op, title=title)]
-        parts.append(make_table([Usage(**u) for u in report["by_kind"]], Usage, title="memory by kind",
+        f = self.data()
+        head = (f"[bold]deepxctl top[/]  node [bold]{escape(str(f['node']))}[/] ({escape(','.join(f['roles']))})  "
+                f"pid {f['pid']}  {escape(f['address'])}  {time.strftime('%H:%M:%S', time.localtime(f['time']))}  "
+                f"{human_bytes(f['total_bytes'])} in {f['tensors']} tensors")
+        parts: list[Any] = [head, make_table([Op(**o) for o in f["ops"]], Op, title=f["ops_title"])]
+        parts.append(make_table([Usage(**u) for u in f["by_kind"]], Usage, title="memory by kind",
                                 first_header="KIND"))
-        pool = report["heapmem"]
+        pool = f["heapmem"]
         if pool:
             parts.append(f"heapmem: {pool.get('segments', 0)} segments, {human_bytes(pool.get('segment_bytes', 0))} "
                          f"mapped, {pool.get('lost', 0)} lost; pool {human_bytes(pool.get('pooled_bytes', 0))} of "
                          f"{human_bytes(pool.get('pool_limit', 0))}")
-        actors.sort(key=lambda a: (-a.mailbox, a.name))
-        parts.append(make_table(actors, Actor, title="actors (deepest mailbox first)"))
+        parts.append(make_table([Actor(**a) for a in f["actors"]], Actor, title="actors (deepest mailbox first)"))
         return sections(parts)
 
 
@@ -77,8 +86,10 @@ class TopView:
 @click.option("-n", "--iterations", type=click.IntRange(min=1), default=None,
               help="Exit after N frames (default: run until Ctrl-C).")
 @click.option("--rows", type=click.IntRange(min=1), default=10, show_default=True, help="Ops to show.")
+@click.option("--format", "fmt", type=click.Choice(("table", "json")), default="table", show_default=True,
+              help="json: each frame as one JSON object on a line of its own (JSON Lines).")
 @click.pass_obj
-def top(ctl: Ctl, interval: float, once: bool, iterations: int | None, rows: int) -> None:
+def top(ctl: Ctl, interval: float, once: bool, iterations: int | None, rows: int, fmt: str) -> None:
     """A live view of the daemon, refreshed in place: the busiest ops (over the last interval), memory by kind
     and heapmem's pool, and the actors by mailbox depth. Ctrl-C quits.
 
@@ -86,11 +97,19 @@ def top(ctl: Ctl, interval: float, once: bool, iterations: int | None, rows: int
       deepxctl top
       deepxctl top --interval 0.5
       deepxctl top --once
+      deepxctl top --format json -n 10 > frames.jsonl
     """
     view = TopView(ctl.daemon("top"), rows)
     out = console()
     try:
-        if once:
+        if fmt == "json":
+            import json
+
+            for shown in range(1 if once else iterations or sys.maxsize):
+                if shown:
+                    time.sleep(interval)
+                click.echo(json.dumps(view.data()))
+        elif once:
             display(view.frame())
         elif not out.is_terminal:  # a pipe or a file: the frames one after another, as `top -b` writes them
             for shown in range(iterations or sys.maxsize):

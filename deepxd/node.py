@@ -37,6 +37,7 @@ class Node:
         self.refs: dict[str, ActorRef] = {}
         self.servers: list[Any] = []
         self.udp: Any = None  # the UdpServer, when deepxIR over UDP is on
+        self.addresses: dict[str, str] = {}  # where it listens, as the registry records it
         self.udp_scope: Any = None  # what UDP senders may name (deepxd/access.py), when it is on
         self.stopping = asyncio.Event()
         self._signals = 0
@@ -109,7 +110,7 @@ class Node:
         # reads as this one's (its socket opened a moment later), and heapmem's start can take seconds
         await self._until_started()
         if "registry" in roles:
-            addresses = {"unix": c.listen, **({"udp": c.udp} if c.udp != "off" else {})}
+            addresses = self.addresses = {"unix": c.listen, **({"udp": c.udp} if c.udp != "off" else {})}
             self.refs["registry"] = self.supervisor.start(Registry(
                 self.kv, c.node_id, roles=c.roles, addresses=addresses, workers=workers,
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
@@ -211,6 +212,13 @@ class Node:
             host, port = udp_address(c.udp)
             self.udp = await start_udp(self, host, port)
             self.servers.append(self.udp)
+            if port == 0:  # --udp HOST:0, a free port: the one given is what the log and `nodes ls` show
+                sock = self.udp.transport.get_extra_info("socket") if self.udp.transport else None
+                if sock is not None:
+                    c.udp = f"{host}:{sock.getsockname()[1]}"
+                    self.addresses["udp"] = c.udp  # the registry's record shares this dict; written now as well
+                    if "registry" in self.refs and self.kv is not None:
+                        await self.kv.hset(f"node:{c.node_id}", {"addresses": json.dumps(self.addresses)})
             if not is_loopback(host):  # allowed only with udp_remote (Config.resolved)
                 log.warning("deepxIR over UDP listens on %s:%d, which is not a loopback address: it is "
                             "unauthenticated, and anyone who can reach the port can run programs on the tensors UDP "

@@ -11,7 +11,7 @@ import argparse
 import time
 
 import numpy as np
-from rich.progress import Progress
+from bars import progress_bar  # examples/bars.py
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
@@ -40,7 +40,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     n = len(x_train)
     started = time.perf_counter()
-    with Progress() as progress:
+    with progress_bar() as progress:
         task = progress.add_task("training", total=opts.epochs)
         for epoch in range(opts.epochs):
             order = rng.permutation(n)

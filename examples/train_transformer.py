@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rich.progress import Progress
+from bars import progress_bar  # examples/bars.py
 
 import deepx_sdk as dx
 import deepx_sdk.nn as nn
@@ -152,7 +152,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     losses: list[float] = []
     started = time.perf_counter()
-    with Progress() as progress:
+    with progress_bar() as progress:
         task = progress.add_task("training", total=opts.steps)
         for step in range(opts.steps):
             starts = rng.integers(0, len(data) - opts.context - 1, opts.batch)

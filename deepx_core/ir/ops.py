@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
-from deepx_core.ir.dtypes import ALL, FLOATS, INDEX, INTS, NUMERIC, STORABLE, to_numpy
+from deepx_core.ir.dtypes import ALL, FLOATS, INDEX, INTS, NUMERIC, STORABLE, itemsize
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.shapes import Shape, broadcast, check_perm, norm_dim, norm_dims, numel, reduced
 
@@ -121,7 +121,7 @@ class Bound(NamedTuple):
     nbytes: int = 0  # bytes the outputs hold (for op statistics)
 
 
-_ITEMSIZE = {name: to_numpy(name).itemsize for name in STORABLE}
+_ITEMSIZE = {name: itemsize(name) for name in STORABLE}
 
 
 #: the most bytes one tensor may hold: what numpy can index (it refuses a shape whose non-zero dims multiply past it,
@@ -685,7 +685,7 @@ op("normal", "init", [v("mean"), v("std"), v("seed", "int")], [t("t")], FLOATS, 
 op("dropout", "init", [v("p"), v("seed", "int")], [t("A")], FLOATS, _dropout,
    "in place: zero each element with probability p, scale the kept ones by 1/(1-p)", grad=True)
 
-# -- io: print to the executor's output, tensor files (deepxir.md section 5)
+# -- io: print to the executor's output, tensor files (docs/deepxir.md section 5)
 op("print", "io", [t("t", _ANY), v("format", "str", "")], [], _ANY, nothing,
    "write t to the executor's output, elements in a printf format", effects=True)
 op("save", "io", [t("t", _ANY), v("path", "str")], [], _ANY, nothing, "write path.shape and path.data",
@@ -950,7 +950,7 @@ def _var(op: OpDef, a: Arg, p: Param, env: Env | None) -> Any:
         if isinstance(value, bool) or value in (0, 1):
             return bool(value)
         raise DeepxError(f"{op.name}: {a.name} must be true or false, got {value!r}")
-    if isinstance(value, bool):  # deepxir.md: a var literal is a number or true/false (`constant (var<bool>:True)`)
+    if isinstance(value, bool):  # docs/deepxir.md: a var literal is a number or true/false (`var<bool>:True`)
         value = int(value)
     elif not isinstance(value, (int, float)):
         raise DeepxError(f"{op.name}: {a.name} must be a {_VTYPE[a.vtype]}, got {value!r}")

@@ -62,7 +62,7 @@ class RunResult:
     # asked to run only on a state it was not in (see OpWorker._stale): nothing ran
     stale: bool = False
     # where an instruction failed while running (not in its check): when it began, in us on the clock of the times;
-    # -1 where none began (a UDP reply's start_at is 0 only for an op that never started, deepxir.md section 2)
+    # -1 where none began (a UDP reply's start_at is 0 only for an op that never started, docs/deepxir.md section 2)
     failed_at: float = -1.0
     # stopped at an instruction boundary because its asker went away (the client's connection ended)
     cancelled: bool = False

@@ -307,7 +307,8 @@ class NativeServer:
         if v != PROTOCOL_VERSION:
             raise DeepxError(f"protocol version {v!r} is not supported; this deepxd speaks version {PROTOCOL_VERSION}")
         c = self.node.config
-        return {"version": PROTOCOL_VERSION, "node": c.node_id, "roles": c.roles, "max_frame": self.max_frame}
+        return {"version": PROTOCOL_VERSION, "node": c.node_id, "roles": c.roles, "max_frame": self.max_frame,
+                "pid": os.getpid()}
 
     async def _op_run(self, req: dict[str, Any], gone: Callable[[], bool] | None = None) -> dict[str, Any]:
         prog = req.get("program")

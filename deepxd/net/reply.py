@@ -1,4 +1,4 @@
-"""The reply line of deepxIR over UDP (deepxir.md: one reply per line), with nothing else imported: deepxd's UDP
+"""The reply line of deepxIR over UDP (docs/deepxir.md: one reply per line), with nothing else imported: deepxd's UDP
 transport and `deepxctl ir` (whose commands must import little) write the very same lines."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""deepxIR text over UDP, as the existing deepx front end speaks it (deepxir.md sections 2 and 3).
+"""deepxIR text over UDP, as the existing deepx front end speaks it (docs/deepxir.md sections 2 and 3).
 
 One datagram carries one or more `\\n`-separated instruction lines; each line runs eagerly, in order, as a
 one-instruction program, and gets exactly one reply datagram, sent to the sender's address:
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import re
 import time
@@ -227,6 +228,11 @@ async def start_udp(node: Node, host: str, port: int) -> UdpServer:
     try:
         _, protocol = await loop.create_datagram_endpoint(lambda: UdpServer(node), local_addr=(host, port))
     except OSError as e:
+        if e.errno == errno.EADDRINUSE or "could not bind" in str(e):
+            # a second daemon on one machine meets the first on the default port: name the ways out
+            raise DeepxError(f"cannot listen on udp://{host}:{port}: the port is in use (another deepxd?); start with "
+                             f"--udp off (no deepxIR over UDP), --udp {host}:0 (a free port) or --udp {host}:PORT "
+                             "(DEEPX_UDP, or udp in the config file)") from None
         raise DeepxError(f"cannot listen on udp://{host}:{port}: {e.strerror or e}") from None
     sock = protocol.transport.get_extra_info("socket") if protocol.transport else None
     if sock is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,9 +23,13 @@ def free_udp_port() -> int:
         return s.getsockname()[1]
 
 
+#: deepxd and deepxctl as this interpreter runs them: the venv's bin need not be on PATH
+DEEPXD = [sys.executable, "-m", "deepxd"]
+DEEPXCTL = [sys.executable, "-m", "deepxctl"]
+
+
 def deepxd_command() -> list[str]:
-    exe = shutil.which("deepxd")
-    return [exe] if exe else [sys.executable, "-m", "deepxd.cli"]
+    return list(DEEPXD)
 
 
 def eventually(check: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:

@@ -21,7 +21,7 @@ from deepx_sdk.client import DeepxTimeoutError, NativeClient
 from deepxd.kernels.cpu import MAX_REPEAT
 from deepxd.net.reply import MAX_DATAGRAM, TRUNCATED
 from tests.compiler.helpers import execute_threads
-from tests.daemon.conftest import Daemon, udp_exchange
+from tests.daemon.conftest import DEEPXCTL, DEEPXD, Daemon, udp_exchange
 
 REPLY_OK = re.compile(r"^(\d+) ok// recv_at=(\d+) start_at=(\d+) finish_at=(\d+)$")
 REPLY_ERR = re.compile(r"^(\d+) error// recv_at=(\d+) start_at=(\d+) finish_at=(\d+) (.+)$", re.DOTALL)
@@ -354,7 +354,7 @@ def test_sigterm_while_starting_stops_the_daemon_at_once(tmp_path) -> None:
     silent.bind(("127.0.0.1", 0))
     silent.listen(4)
     port = silent.getsockname()[1]
-    proc = subprocess.Popen(["deepxd", "start", "--kv", f"redis://127.0.0.1:{port}/0",
+    proc = subprocess.Popen([*DEEPXD, "start", "--kv", f"redis://127.0.0.1:{port}/0",
                              "--listen", f"unix://{tmp_path}/d.sock", "--udp", "off"],
                             stderr=subprocess.PIPE, text=True)
     conn = None
@@ -396,7 +396,7 @@ def test_a_storage_password_never_shows_in_the_log_the_config_or_the_command_lin
     secret.write_text("s3cret\n")
     secret.chmod(0o600)
     sock = tmp_path / "d.sock"
-    proc = subprocess.Popen(["deepxd", "start", "--kv", f"redis://127.0.0.1:{server.port}/0", "--kv-password-file",
+    proc = subprocess.Popen([*DEEPXD, "start", "--kv", f"redis://127.0.0.1:{server.port}/0", "--kv-password-file",
                              str(secret), "--listen", f"unix://{sock}", "--udp", "off"], stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -425,10 +425,10 @@ def test_a_password_in_the_kv_flag_is_refused_and_one_from_the_environment_is_re
 
     url = "redis://:s3cret@127.0.0.1:1/0"
     for given in (url, "redis://:s3#cret@127.0.0.1:1/0", "redis://127.0.0.1:1/0?password=s3cret"):
-        flag = subprocess.run(["deepxd", "config", "--kv", given], capture_output=True, text=True)
+        flag = subprocess.run([*DEEPXD, "config", "--kv", given], capture_output=True, text=True)
         assert flag.returncode == 2 and "/proc/<pid>/cmdline" in flag.stderr and "--kv-password-file" in flag.stderr
         assert "s3" not in flag.stderr
-    shown = subprocess.run(["deepxd", "config"], capture_output=True, text=True,
+    shown = subprocess.run([*DEEPXD, "config"], capture_output=True, text=True,
                            env={**os.environ, "DEEPX_KV": url, "DEEPX_KV_PASSWORD": "other"})
     assert shown.returncode == 0, shown.stderr
     assert "s3cret" not in shown.stdout and "other" not in shown.stdout
@@ -436,11 +436,11 @@ def test_a_password_in_the_kv_flag_is_refused_and_one_from_the_environment_is_re
     loose = tmp_path / "loose.pass"
     loose.write_text("s3cret\n")
     loose.chmod(0o644)
-    bad = subprocess.run(["deepxd", "config", "--kv", "redis://127.0.0.1:1/0", "--kv-password-file", str(loose)],
+    bad = subprocess.run([*DEEPXD, "config", "--kv", "redis://127.0.0.1:1/0", "--kv-password-file", str(loose)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "can be read by others" in bad.stderr and "chmod 600" in bad.stderr
     for given in (url, "redis://:s3#cret@127.0.0.1:1/0"):
-        ctl = subprocess.run(["deepxctl", "--kv", given, "nodes", "ls"], capture_output=True, text=True)
+        ctl = subprocess.run([*DEEPXCTL, "--kv", given, "nodes", "ls"], capture_output=True, text=True)
         assert ctl.returncode == 2 and "--kv-password-file" in ctl.stderr and "s3" not in ctl.stderr
 
 
@@ -455,11 +455,11 @@ def test_deepxctl_reads_a_password_protected_plane_through_a_password_file(tmp_p
     secret.write_text("s3cret\n")
     secret.chmod(0o600)
     url = f"redis://127.0.0.1:{server.port}/0"
-    denied = subprocess.run(["deepxctl", "--kv", url, "nodes", "ls"], capture_output=True, text=True)
+    denied = subprocess.run([*DEEPXCTL, "--kv", url, "nodes", "ls"], capture_output=True, text=True)
     assert denied.returncode == 1 and "needs a password" in denied.stderr
     for how in (["--kv-password-file", str(secret)], []):
         env = {**os.environ, **({} if how else {"DEEPX_KV_PASSWORD": "s3cret"})}
-        ok = subprocess.run(["deepxctl", "--kv", url, *how, "nodes", "ls", "--format", "json"], capture_output=True,
+        ok = subprocess.run([*DEEPXCTL, "--kv", url, *how, "nodes", "ls", "--format", "json"], capture_output=True,
                             text=True, env=env)
         assert ok.returncode == 0, ok.stderr
         assert ok.stdout.strip().startswith("[")

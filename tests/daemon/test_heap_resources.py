@@ -148,7 +148,7 @@ def test_a_restart_after_kill_9_removes_the_orphans_and_deepxctl_lists_and_clean
             runner = CliRunner()
             r = runner.invoke(main, ["--address", d2.address, "memory", "--format", "json"])
             assert r.exit_code == 0, r.output
-            orphans = json.loads(r.output)["orphans"]
+            orphans = json.loads(r.stdout)["orphans"]  # (stderr says which daemon answered)
             assert [o["name"] for o in orphans if o["name"] == stray] == [stray]
             row = next(o for o in orphans if o["name"] == stray)
             assert row["bytes"] == 8192 and row["node"] == "elsewhere" and not pid_alive(row["pid"])

@@ -14,7 +14,7 @@ import pytest
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir import parse_text
-from tests.daemon.conftest import Daemon, deepxd_command, udp_exchange
+from tests.daemon.conftest import DEEPXCTL, Daemon, deepxd_command, udp_exchange
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +68,12 @@ def test_udp_tensors_work_as_before_and_a_shared_tensor_is_reachable_until_revok
         c.put("weights", np.ones(3, np.float32))
     (reply,) = udp_exchange(daemon.udp_port, "add (tensor:w, tensor:weights) -> (tensor:w) // id=5", 1)
     assert not _ok(reply)
-    shared = subprocess.run(["deepxctl", "--address", daemon.address, "tensors", "share", "weights"],
+    shared = subprocess.run([*DEEPXCTL, "--address", daemon.address, "tensors", "share", "weights"],
                             capture_output=True, text=True)
     assert shared.returncode == 0 and "shared with UDP clients: 'weights'" in shared.stdout, shared.stderr
     (reply,) = udp_exchange(daemon.udp_port, "add (tensor:w, tensor:weights) -> (tensor:w) // id=6", 1)
     assert _ok(reply), reply
-    revoked = subprocess.run(["deepxctl", "--address", daemon.address, "tensors", "share", "weights", "--revoke"],
+    revoked = subprocess.run([*DEEPXCTL, "--address", daemon.address, "tensors", "share", "weights", "--revoke"],
                              capture_output=True, text=True)
     assert revoked.returncode == 0 and "taken back from UDP clients" in revoked.stdout
     (reply,) = udp_exchange(daemon.udp_port, "add (tensor:w, tensor:weights) -> (tensor:w) // id=7", 1)

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from deepxctl.cli import cli
+from tests.daemon.conftest import DEEPXCTL
 from tests.deepxctl.conftest import Live, ctl, one_line_error
 
 COMMANDS = [[], ["tensors"], ["tensors", "ls"], ["tensors", "show"], ["tensors", "rm"], ["memory"], ["ops"],
@@ -24,17 +25,14 @@ def test_help(args: list[str]) -> None:
     assert r.exit_code == 0 and "Usage: " in r.stdout
 
 
-def test_help_is_instant_and_imports_nothing_heavy() -> None:
-    code = ("import sys, time; t = time.perf_counter(); import deepxctl.cli; dt = time.perf_counter() - t; "
-            "heavy = [m for m in ('numpy', 'msgpack', 'rich', 'yaml', 'deepxd', 'deepx_sdk') "
-            "if m in sys.modules]; print(heavy, dt)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[0] == "[]", out
-    assert float(out[1]) < 0.5
-    t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "deepxctl", "tensors", "ls", "--help"], capture_output=True, text=True)
+def test_help_imports_nothing_heavy() -> None:
+    """`--help` is instant because the CLI's module imports nothing heavy (bench/startup.py times it)."""
+    code = ("import sys; import deepxctl.cli; "
+            "print([m for m in ('numpy', 'msgpack', 'rich', 'yaml', 'deepxd', 'deepx_sdk') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
+    r = subprocess.run([*DEEPXCTL, "tensors", "ls", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--filter KEY=VALUE" in r.stdout
-    assert time.perf_counter() - t < 2.0
 
 
 @pytest.mark.parametrize("args", [["tensors", "ls"], ["tensors", "show", "w"], ["tensors", "rm", "w"], ["memory"],
@@ -67,7 +65,7 @@ def test_an_address_that_is_not_unix_is_a_usage_error(address: str, hint: str) -
 
 
 def test_console_script() -> None:
-    r = subprocess.run(["deepxctl", "--address", "unix:///nonexistent/deepxd.sock", "nodes", "ls"],
+    r = subprocess.run([*DEEPXCTL, "--address", "unix:///nonexistent/deepxd.sock", "nodes", "ls"],
                        capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("Error: cannot reach deepxd")
@@ -82,11 +80,12 @@ def test_a_reader_gone_before_the_first_write_is_a_quiet_exit_0(live: Live, args
     read, write = os.pipe()
     os.close(read)
     try:
-        r = subprocess.run(["deepxctl", "--address", live.daemon.address, *args], stdout=write,
+        r = subprocess.run([*DEEPXCTL, "--address", live.daemon.address, *args], stdout=write,
                            stderr=subprocess.PIPE, text=True, timeout=60, env={**os.environ, "NO_COLOR": "1"})
     finally:
         os.close(write)
-    assert (r.returncode, r.stderr) == (0, "")
+    # nothing said about the pipe (the note of which daemon answered comes before any write)
+    assert (r.returncode, [ln for ln in r.stderr.splitlines() if not ln.startswith("from deepxd ")]) == (0, [])
 
 
 def test_table_cells_are_text_never_markup() -> None:
@@ -129,8 +128,10 @@ def test_ctrl_c_while_waiting_exits_130(tmp_path) -> None:
     srv.bind(str(path))
     srv.listen(1)
     srv.settimeout(30)
-    proc = subprocess.Popen(["deepxctl", "--address", f"unix://{path}", "nodes", "ls"],
-                            stderr=subprocess.PIPE, text=True)
+    # Python's own SIGINT handling in the child, however this suite was started (a `&` job ignores SIGINT)
+    proc = subprocess.Popen([*DEEPXCTL, "--address", f"unix://{path}", "nodes", "ls"],
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         conn, _ = srv.accept()  # connected, waiting for an answer that never comes
         time.sleep(0.3)

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from deepx_core.ir import parse_text
 from deepxctl.cli import cli
+from tests.daemon.conftest import DEEPXCTL
 from tests.deepxctl.conftest import Live
 
 IR_LINE = "newtensor (vector<int32>:[1]) -> (tensor<float32>:pipe_t)"
@@ -56,7 +57,7 @@ def test_top_needs_a_daemon(live: Live) -> None:
 def test_a_reader_that_leaves_early_is_a_quiet_exit_0(live: Live, command: list[str]) -> None:
     """`deepxctl top | head -2` said "Error: lost the connection to deepxd: [Errno 32] Broken pipe" and exited 1:
     BrokenPipeError is a ConnectionError. Every command: `ir`'s reply lines break the pipe the same way."""
-    p = subprocess.Popen(["deepxctl", "--address", live.daemon.address, *command], stdout=subprocess.PIPE,
+    p = subprocess.Popen([*DEEPXCTL, "--address", live.daemon.address, *command], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": "1"})
     assert p.stdout is not None and p.stderr is not None
     first = p.stdout.readline()

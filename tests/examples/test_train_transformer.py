@@ -63,6 +63,8 @@ def test_a_prompt_outside_the_vocabulary_is_refused(tmp_path):
 
 
 def load_example():
+    if str(EXAMPLES) not in sys.path:  # as running the script puts its folder first: it imports examples/bars.py
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location("train_transformer", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

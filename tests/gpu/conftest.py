@@ -1,5 +1,5 @@
-"""Fixtures for the GPU tests. They run where PyCUDA is installed and a CUDA device answers (the GPU machine,
-../shared/gpu/README.md); elsewhere each test module skips with the reason.
+"""Fixtures for the GPU tests. They run where PyCUDA is installed and a CUDA device answers (docs/cuda.md says how);
+elsewhere each test module skips with the reason.
 
 `cuda_session` is one CudaExecutor for the whole session (one context on the main thread; its kernel modules are
 compiled once, in parallel, at the start); `gx` hands it to a test with an empty tensor table.
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-NO_PYCUDA = ("PyCUDA is not installed: the CUDA kernel tests need an NVIDIA GPU (run them on the GPU machine, "
-             "../shared/gpu/README.md)")
+NO_PYCUDA = ("PyCUDA is not installed: the CUDA kernel tests need an NVIDIA GPU (pip install -e '.[cuda]' there: "
+             "docs/cuda.md)")
 
 
 def gpu_reason() -> str | None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pycuda.driver", reason="PyCUDA is not installed: the op-cuda tests need an NVIDIA GPU "
-                    "(run them on the GPU machine, ../shared/gpu/README.md)")
+                    "(pip install -e '.[cuda]' there: docs/cuda.md)")
 from deepxd.config import cuda_available
 
 if not cuda_available():

@@ -16,7 +16,7 @@ from deepxd.kernels.cpu import CpuExecutor
 from tests.kernels.kernel_ref import VEC, L, T, V, instr
 
 pytest.importorskip("pycuda.driver", reason="PyCUDA is not installed: the CUDA kernel tests need an NVIDIA GPU "
-                    "(run them on the GPU machine, ../shared/gpu/README.md)")
+                    "(pip install -e '.[cuda]' there: docs/cuda.md)")
 
 
 def _gemm(gx, dtype, m, n, k, *, ta=False, tb=False, batch=1, tf32=False, seed=0):

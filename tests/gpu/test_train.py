@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pycuda.driver", reason="PyCUDA is not installed: training on op-cuda needs an NVIDIA GPU "
-                    "(run it on the GPU machine, ../shared/gpu/README.md)")
+                    "(pip install -e '.[cuda]' there: docs/cuda.md)")
 from deepxd.config import cuda_available
 
 if not cuda_available():

@@ -10,7 +10,7 @@ from deepx_core.ir import OPS, Instr, Param, SymbolicEnv, TensorMeta, bind, chec
 from deepx_core.ir.dtypes import STORABLE
 from deepxd.kernels.cpu import KERNELS, CpuExecutor
 
-# the 60 operator names of deepxir.md section 4, in its order
+# the 60 operator names of docs/deepxir.md section 4, in its order
 DEEPXIR_OPS = """
 newtensor copytensor deltensor renametensor argset vecset constant arange uniform normal dropout print save load
 loadtensordata add sub mul div addscalar subscalar mulscalar divscalar rsubscalar rdivscalar pow powscalar rpowscalar

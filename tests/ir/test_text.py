@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -48,7 +47,7 @@ def same(a: Instr, b: Instr) -> bool:
     return typed(tuple(a)) == typed(tuple(b))
 
 
-# --- the examples of deepxir.md, as they arrive on the wire -------------------------------------------------------
+# --- the examples of docs/deepxir.md, as they arrive on the wire --------------------------------------------------
 
 DOC_EXAMPLES = [
     (
@@ -463,35 +462,27 @@ def test_huge_integer_is_a_parse_error() -> None:
         parse_line(f"constant (var<int32>:{'9' * 5000}) -> (tensor:t)")
 
 
-def test_adversarial_lines_fail_fast() -> None:
-    lines = [
-        "op " + "->" * 30000,
-        "op (" + "a->b//c=d" * 5000,
-        "op () -> (" + "//a=" * 10000,
-        "op " + "//a=->" * 8000,
-        "op (var<string>:" + ", x" * 20000 + ") -> (" + "//" * 5000,
-        "op (" + "var<string>:x->" * 3000 + ") -> ()",
-        "op () -> () // " + "a=b=" * 10000 + " x",
-        "op (" + "1" * 30000 + "x) -> ()",
-        "op (var:" + "1" * 30000 + "x) -> ()",
-    ]
-    for line in lines:
-        start = time.perf_counter()
+ADVERSARIAL_LINES = [
+    "op " + "->" * 30000,
+    "op (" + "a->b//c=d" * 5000,
+    "op () -> (" + "//a=" * 10000,
+    "op " + "//a=->" * 8000,
+    "op (var<string>:" + ", x" * 20000 + ") -> (" + "//" * 5000,
+    "op (" + "var<string>:x->" * 3000 + ") -> ()",
+    "op () -> () // " + "a=b=" * 10000 + " x",
+    "op (" + "1" * 30000 + "x) -> ()",
+    "op (var:" + "1" * 30000 + "x) -> ()",
+]
+
+
+@pytest.mark.timeout(60)  # a hang guard: a regex that backtracks catastrophically takes hours on these
+def test_adversarial_lines_are_refused_or_parsed() -> None:
+    """Lines built to make a backtracking parser blow up: each is answered (bench/parse.py times them)."""
+    for line in ADVERSARIAL_LINES:
         try:
             parse_line(line)
         except DeepxParseError:
             pass
-        assert time.perf_counter() - start < 0.5, line[:40]
-
-
-def test_typical_line_is_fast() -> None:
-    line = DOC_EXAMPLES[4][0]
-    n = 2000
-    start = time.perf_counter()
-    for _ in range(n):
-        parse_line(line)
-    per_line = (time.perf_counter() - start) / n
-    assert per_line < 200e-6  # loose, for slow CI machines; typically a few microseconds
 
 
 # --- properties -----------------------------------------------------------------------------------------------------

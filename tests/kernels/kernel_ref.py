@@ -18,14 +18,6 @@ from deepxd.kernels.cpu import CpuExecutor
 
 F64 = np.dtype(np.float64)
 
-#: ops that some test in this folder checks against a reference; test_coverage.py asserts it holds every op
-COVERED: set[str] = set()
-
-
-def covers(*names: str) -> None:
-    COVERED.update(names)
-
-
 #: deterministic order for parametrization (sets have none)
 ORDER = ("float64", "float32", "float16", "bfloat16", "float8e5m2", "float8e4m3", "int64", "int32", "int16", "int8",
          "bool")

@@ -155,6 +155,29 @@ async def test_a_corrupt_tail_is_dropped(tmp_path: Path, caplog: pytest.LogCaptu
     assert "dropped" in caplog.text
 
 
+async def test_one_flipped_bit_in_a_valid_record_is_caught_by_its_checksum(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record whose payload still decodes to valid effects after one bit flipped (a value byte 'w' -> 'v'): only
+    the checksum tells, and the record is dropped rather than replayed with the wrong value."""
+    path = tmp_path / "kv.aof"
+    async with MemoryKV(url(path)) as kv:
+        await kv.set("k", b"v")
+        good = path.stat().st_size
+        await kv.set("last", b"w" * 20)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"w" * 20, good)
+    data[at] ^= 0x01
+    flipped = msgpack.unpackb(bytes(data[good + 8 :]), raw=False)
+    assert flipped[0][0] == "set" and flipped[0][2] == b"v" + b"w" * 19  # still a valid record
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="deepxd.kv.memory"):
+        async with MemoryKV(url(path)) as kv:
+            assert await kv.keys() == ["k"]
+    assert path.stat().st_size == good
+    assert "checksum does not match" in caplog.text
+
+
 async def test_an_empty_or_half_created_file_starts_empty(tmp_path: Path) -> None:
     for content in [b"", MAGIC[:3]]:
         path = tmp_path / "kv.aof"

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import ctypes
 
-import ml_dtypes
 import numpy as np
+
+from deepx_core.ir.dtypes import LOW_NUMPY
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
-#: dtypes whose arithmetic runs in float32 (numpy has no fast loops for them)
-LOW = frozenset(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn))
+#: dtypes whose arithmetic runs in float32 (numpy has no fast loops for them); bfloat16 and float8 join when
+#: ml_dtypes is first needed
+LOW = LOW_NUMPY
 
 
 _CHAR = ctypes.c_char

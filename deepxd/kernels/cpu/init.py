@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 
 from deepx_core.errors import DeepxError
@@ -33,10 +32,19 @@ def _fill_float(out: np.ndarray, sample) -> None:
     out[...] = sample(dt)
 
 
+def _largest(dt: np.dtype) -> float:
+    """The largest finite value of a float dtype (ml_dtypes' finfo only for its own types, which numpy's lacks)."""
+    if dt in (F32, F64, np.float16):
+        return float(np.finfo(dt).max)
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(dt).max)
+
+
 def uniform(low, high, seed, out):
     if not (math.isfinite(low) and math.isfinite(high)):
         raise DeepxError(f"uniform: low={low} and high={high} must be finite")
-    top = float(ml_dtypes.finfo(out.dtype).max)
+    top = _largest(out.dtype)
     if low < -top or high > top:
         raise DeepxError(f"uniform: [{low}, {high}) does not fit {out.dtype} (largest {top:g})")
     if high <= low:
