@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("pycuda.driver", reason="PyCUDA is not installed: op-cuda needs an NVIDIA GPU (run it on the GPU "
-                    "machine, ../shared/gpu/README.md)")
+pytest.importorskip("pycuda.driver", reason="PyCUDA is not installed: op-cuda needs an NVIDIA GPU "
+                    "(pip install -e '.[cuda]' there: docs/cuda.md)")
 from deepxd.config import cuda_available
 
 if not cuda_available():
