@@ -21,6 +21,7 @@ from deepxctl.term import (
     make_table,
     sections,
     select,
+    wide_option,
 )
 
 LARGEST = 10
@@ -69,6 +70,7 @@ def summarize(rows: Sequence[Tensor], heapmem: dict[str, Any] | None, largest: i
 @click.option("--limit", type=click.IntRange(min=1), default=LARGEST, show_default=True,
               help="How many of the largest tensors to list.")
 @click.option("--detail", is_flag=True, help="Every field of the largest tensors.")
+@wide_option
 @click.pass_context
 def memory(ctx: click.Context, fmt: str, filters: tuple[str, ...], limit: int, detail: bool) -> None:
     """Bytes per node, per owner and per kind; the largest tensors; each heap tensor's refcount and holders (who

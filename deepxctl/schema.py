@@ -86,10 +86,11 @@ def plain(v: Any) -> str:
 
 
 def col(header: str = "", *, detail: bool = False, render: Callable[[Any], str] = plain,
-        right: bool = False) -> dict[str, Any]:
+        right: bool = False, whole: bool = False) -> dict[str, Any]:
     """A schema field's metadata: `header` (the upper-cased name by default), `detail` (shown only with --detail),
-    `render` (its table cell), `right` (right-aligned, for numbers)."""
-    return {"header": header, "detail": detail, "render": render, "right": right}
+    `render` (its table cell), `right` (right-aligned, for numbers), `whole` (a narrow table wraps the cell but never
+    cuts it short: for values deepx bounds, such as a node's roles and addresses, unlike names clients choose)."""
+    return {"header": header, "detail": detail, "render": render, "right": right, "whole": whole}
 
 
 @dataclasses.dataclass
@@ -234,10 +235,10 @@ class Node(Schema):
 
     node: str = field(metadata=col())
     state: str = field(default="", metadata=col())
-    roles: list[str] = field(default_factory=list, metadata=col(render=words))
-    addresses: dict[str, str] = field(default_factory=dict, metadata=col(render=urls))
+    roles: list[str] = field(default_factory=list, metadata=col(render=words, whole=True))
+    addresses: dict[str, str] = field(default_factory=dict, metadata=col(render=urls, whole=True))
     heartbeat_age_s: float | None = field(default=None, metadata=col("HEARTBEAT AGE", render=seconds, right=True))
-    devices: list[str] = field(default_factory=list, metadata=col(render=words))
+    devices: list[str] = field(default_factory=list, metadata=col(render=words, whole=True))
     pid: int | None = field(default=None, metadata=col(detail=True, right=True))
     started: float = field(default=0.0, metadata=col(detail=True, render=timestamp))
     blas: str = field(default="", metadata=col("BLAS", detail=True))  # op-cpu's matmul: "mkl 2026.2" or "numpy"

@@ -9,6 +9,7 @@ import click
 from deepxctl.context import Ctl
 from deepxctl.schema import Tensor, human_bytes, natural_key
 from deepxctl.term import (
+    Cell,
     CtlError,
     display,
     display_data,
@@ -113,14 +114,13 @@ def show(ctl: Ctl, name: str, fmt: str, values: bool | None) -> None:
         display_data({**t.to_dict(detail=True), **preview}, fmt)
         return
     from rich.table import Table
-    from rich.text import Text
 
     grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
+    grid.add_column(style="bold", no_wrap=True)
     grid.add_column()
     for f in Tensor.columns(detail=True):
         if t.cell(f):  # a stack tensor has no refcount, holders or segment
-            grid.add_row(Tensor.header(f).lower(), Text(t.cell(f)))  # a client's text, never markup
+            grid.add_row(Tensor.header(f).lower(), Cell(t.cell(f), max_lines=None))  # all of it, wrapped at separators
     stats = preview["stats"]
     if stats:
         grid.add_row("values", "  ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"

@@ -7,6 +7,7 @@ rich, json and yaml are imported inside the functions: importing this module cos
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
 FORMATS = ("table", "json", "yaml")
 DEFAULT_LIMIT = 100
 WIDE = 240  # the width of tables written to a pipe or a file, where nothing wraps them
+WIDEST = 1 << 20  # --wide: tables are measured against this, so nothing is cut short
+CELL_LINES = 3  # a table cell wraps onto at most this many lines; the last ends in '…' when more was left out
+SHORT_COLUMN = 24  # a word up to this long keeps its column at least that wide while others give way (FitTable)
+WIDE_KEY = "deepxctl.wide"  # where --wide is kept: click's context meta, which subcommands share
 
 F = TypeVar("F", bound=Callable[..., Any])
 S = TypeVar("S", bound=Schema)
@@ -51,12 +56,98 @@ def _console_class() -> type[Console]:
 
 
 def console(stderr: bool = False) -> Console:
-    """A rich console on stdout (or stderr); written to a pipe or a file it is wide, so that nothing wraps."""
+    """A rich console on stdout (or stderr); a terminal's width is its own (or $COLUMNS), and written to a pipe or a
+    file it is WIDE, so that little wraps (execnet and others set COLUMNS=80 for processes with no terminal)."""
     stream = sys.stderr if stderr else sys.stdout
     c = _console_class()(file=stream, highlight=False)
     if not c.is_terminal:
         c = _console_class()(file=stream, highlight=False, width=WIDE, soft_wrap=True)
     return c
+
+
+def wide_output() -> bool:
+    """Whether --wide (or DEEPXCTL_WIDE) asked for whole cells, one line each, however wide the table gets."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.meta.get(WIDE_KEY))
+
+
+def wide_option(f: F) -> F:
+    """--wide: tables show every cell whole on one line (no wrapping, no '…'), as wide as that makes them."""
+
+    def keep(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+        if value:
+            ctx.meta[WIDE_KEY] = True
+        return value
+
+    return click.option("--wide", is_flag=True, envvar="DEEPXCTL_WIDE", expose_value=False, callback=keep,
+                        help="Show every table cell whole, on one line, however wide the table gets (default: "
+                             f"fit the terminal, wrapping cells at separators onto at most {CELL_LINES} lines "
+                             "and ending cut ones with '…').")(f)
+
+
+# a cell's pieces: a run of spaces, or a word up to and including its separators ('/', '_', '.', ','; not '-', which
+# joins words such as op-cpu); a URL's scheme stays with what follows it (never `udp://` alone at a line's end)
+_PIECES = re.compile(r"\s+|(?:[^\s/_.,]+://)?[^\s/_.,]*[/_.,]+|[^\s/_.,]+")
+
+
+def wrap_cell(text: str, width: int, max_lines: int | None = CELL_LINES) -> list[str]:
+    """`text` as lines of at most `width` cells, broken at spaces and after separators ('/', '_', '.', ','), a word
+    longer than a line folded; beyond `max_lines` lines (None: no limit) the last kept line ends in '…'."""
+    from rich.cells import cell_len, chop_cells
+
+    width = max(width, 1)
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for piece in _PIECES.findall(paragraph):
+            if piece.isspace():
+                if line and cell_len(line) + cell_len(piece) < width:
+                    line += piece
+                elif line:  # a full line breaks here, and the spaces go
+                    lines.append(line)
+                    line = ""
+                continue
+            if cell_len(line) + cell_len(piece) <= width:
+                line += piece
+                continue
+            if line:
+                lines.append(line.rstrip())
+            *folded, line = chop_cells(piece, width)  # a word longer than a line: nothing else fits it
+            lines.extend(folded)
+        lines.append(line.rstrip())
+    if max_lines is not None and len(lines) > max_lines:
+        lines = lines[:max_lines]
+        last = lines[-1]
+        while last and cell_len(last) + 1 > width:
+            last = last[:-1]
+        lines[-1] = last + "…"
+    return lines
+
+
+class Cell:
+    """A table cell: text a client gave (never markup), wrapped by wrap_cell at the column's width; with `wide`,
+    whole on one line, and its column as wide as that needs."""
+
+    def __init__(self, text: str, *, max_lines: int | None = CELL_LINES, wide: bool = False) -> None:
+        self.text = text
+        self.max_lines = max_lines
+        self.wide = wide
+
+    def __rich_measure__(self, console: Console, options: Any) -> Any:
+        from rich.cells import cell_len
+        from rich.measure import Measurement
+
+        whole = max(cell_len(line) for line in self.text.split("\n"))
+        if self.wide:
+            return Measurement(whole, whole)
+        longest = max((cell_len(p) for p in _PIECES.findall(self.text)), default=0)
+        return Measurement(min(longest, whole), whole)
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        from rich.text import Text
+
+        lines = self.text.split("\n") if self.wide else wrap_cell(self.text, options.max_width, self.max_lines)
+        yield Text("\n".join(lines), no_wrap=True, overflow="ignore" if self.wide else "ellipsis")
 
 
 def display_error(message: str) -> None:
@@ -84,7 +175,12 @@ def display_text(text: str) -> None:
 
 
 def display(renderable: RenderableType) -> None:
+    """A renderable on stdout; with --wide, the console is made as wide as the renderable's widest line."""
     c = console()
+    if wide_output():
+        from rich.measure import Measurement
+
+        c.width = max(c.width, Measurement.get(c, c.options.update_width(WIDEST), renderable).maximum)
     if c.is_terminal:
         c.print(renderable)
         return
@@ -116,10 +212,77 @@ def make_table(rows: Sequence[Schema], cls: type[Schema], *, detail: bool = Fals
     columns = cls.columns(detail)
     for i, f in enumerate(columns):
         table.add_column(first_header if i == 0 and first_header else cls.header(f),
-                         justify="right" if f.metadata.get("right") else "left", overflow="fold")
+                         justify="right" if f.metadata.get("right") else "left")
+    wide = wide_output()
     for r in rows:
-        table.add_row(*(Text(r.cell(f)) for f in columns))
-    return table
+        table.add_row(*(Cell(r.cell(f), max_lines=None if f.metadata.get("whole") else CELL_LINES, wide=wide)
+                        for f in columns))
+    return FitTable(table)
+
+
+def fit_widths(natural: Sequence[int], floors: Sequence[int], room: int) -> list[int]:
+    """Column widths within `room`: the widest give way first, none below its floor (its longest word, at most
+    SHORT_COLUMN) while the floors fit; where they do not, the narrowest keep theirs and the rest share what is
+    left."""
+    if sum(natural) <= room:
+        return list(natural)
+    if sum(floors) > room:
+        out, left, remaining = list(natural), len(natural), room
+        for i in sorted(range(len(natural)), key=natural.__getitem__):
+            out[i] = max(1, min(natural[i], remaining // left))
+            remaining, left = remaining - out[i], left - 1
+        return out
+    lo, hi = 0, max(natural)  # the largest level L at which min(natural, max(floor, L)) fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(min(n, max(f, mid)) for n, f in zip(natural, floors, strict=True)) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    out = [min(n, max(f, lo)) for n, f in zip(natural, floors, strict=True)]
+    spare = room - sum(out)
+    for i in sorted(range(len(out)), key=lambda i: -natural[i]):  # what the level left over, to the widest cut
+        if spare and out[i] < natural[i]:
+            out[i], spare = out[i] + 1, spare - 1
+    return out
+
+
+class FitTable:
+    """A rich Table whose column widths are chosen when it is drawn, at the width it gets (fit_widths): the widest
+    columns (a 300-character name) give way first and a short word (a node id, `running`) is not broken while
+    there is room for it. rich's own choice narrowed every wide column alike and folded words mid-way."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def _measure(self, console: Console, options: Any) -> tuple[list[int], list[int], int]:
+        """Each column's widest cell or header, its longest word (at most SHORT_COLUMN), and the table's width
+        beyond the columns' (padding, separators)."""
+        from rich.measure import Measurement
+
+        natural, floors = [], []
+        unbounded = options.update_width(WIDEST)
+        for column in self.table.columns:
+            column.width = None
+            sizes = [Measurement.get(console, unbounded, cell) for cell in (column.header, *column.cells)]
+            natural.append(max(m.maximum for m in sizes))
+            floors.append(min(max(m.minimum for m in sizes), SHORT_COLUMN, natural[-1]))
+        whole = Measurement.get(console, unbounded, self.table).maximum
+        return natural, floors, whole - sum(natural)
+
+    def __rich_measure__(self, console: Console, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        natural, _floors, extra = self._measure(console, options)
+        return Measurement(min(sum(natural) + extra, options.max_width), sum(natural) + extra)
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        natural, floors, extra = self._measure(console, options)
+        widths = fit_widths(natural, floors, options.max_width - extra)
+        if widths != natural:
+            for column, w in zip(self.table.columns, widths, strict=True):
+                column.width = w
+        yield self.table
 
 
 def display_source() -> None:
@@ -177,7 +340,8 @@ def _plain(v: Any) -> Any:
 # -- the list options
 
 def list_options(f: F) -> F:
-    """--format, --filter, --limit and --detail, as every list command takes them."""
+    """--format, --filter, --limit, --detail and --wide, as every list command takes them."""
+    f = wide_option(f)
     f = click.option("--detail", is_flag=True, help="Show every field, not only the main columns.")(f)
     f = click.option("--limit", type=click.IntRange(min=1), default=DEFAULT_LIMIT, show_default=True,
                      help="Show at most N rows.")(f)

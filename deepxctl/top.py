@@ -11,7 +11,7 @@ import click
 from deepxctl.context import Ctl, DaemonSource
 from deepxctl.memory import summarize
 from deepxctl.schema import Actor, Op, Tensor, Usage, human_bytes
-from deepxctl.term import console, display, make_table, sections
+from deepxctl.term import console, display, make_table, sections, wide_option
 
 
 class TopView:
@@ -88,6 +88,7 @@ class TopView:
 @click.option("--rows", type=click.IntRange(min=1), default=10, show_default=True, help="Ops to show.")
 @click.option("--format", "fmt", type=click.Choice(("table", "json")), default="table", show_default=True,
               help="json: each frame as one JSON object on a line of its own (JSON Lines).")
+@wide_option
 @click.pass_obj
 def top(ctl: Ctl, interval: float, once: bool, iterations: int | None, rows: int, fmt: str) -> None:
     """A live view of the daemon, refreshed in place: the busiest ops (over the last interval), memory by kind
