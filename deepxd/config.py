@@ -34,7 +34,7 @@ class Config:
     max_frame_bytes: int = 1 << 30
     heartbeat_s: float = 2.0
     inline_elements: int = 1 << 16  # programs writing more elements than this run off the event loop; -1: none
-    heap_pool_bytes: int = 256 << 20
+    heap_pool_bytes: int = -1  # freed segments kept for reuse; -1: heap_pool_default() of /dev/shm's size
     restart_max: int = 3
     restart_window_s: float = 60.0
     drain_timeout_s: float = 30.0
@@ -75,6 +75,10 @@ class Config:
                                  "authentication: anyone who can reach the port could run programs on the tensors UDP "
                                  "clients made. Ask for it with --udp-remote 1 (udp_remote = 1, DEEPX_UDP_REMOTE=1), "
                                  "or keep 127.0.0.1 (docs/daemon.md, 'who can do what')")
+        if c.heap_pool_bytes < 0:
+            from deepxd.shm import shm_total_bytes
+
+            c.heap_pool_bytes = heap_pool_default(shm_total_bytes())
         if c.max_frame_bytes < 1024:
             raise DeepxError(f"max_frame_bytes: {c.max_frame_bytes} is too small (at least 1024)")
         c.blas = c.blas.strip().lower()
@@ -102,6 +106,15 @@ class Config:
     @property
     def socket_path(self) -> str:
         return self.listen.removeprefix("unix://")
+
+
+HEAP_POOL_MAX = 256 << 20
+
+
+def heap_pool_default(shm_bytes: int | None) -> int:
+    """A quarter of /dev/shm (`shm_bytes`), at most HEAP_POOL_MAX: Docker gives a container 64 MB there, which a
+    256 MiB pool of freed segments could fill, leaving nothing for live tensors. Unknown size: HEAP_POOL_MAX."""
+    return HEAP_POOL_MAX if not shm_bytes else min(HEAP_POOL_MAX, shm_bytes // 4)
 
 
 def cuda_available() -> bool:

@@ -139,6 +139,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def shm_total_bytes() -> int | None:
+    """/dev/shm's size in bytes (a container's --shm-size; half the RAM by default on a host); None where unknown."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize or None
+
+
 def shm_free_bytes() -> int | None:
     """Bytes free in /dev/shm for an unprivileged user; None where unknown (no /dev/shm, or a tmpfs without limit)."""
     try:
