@@ -56,33 +56,19 @@ def declare(kind: str | None, family: str, args: Sequence[Arg], returns: Sequenc
 _NONE: tuple[Any, ...] = ()
 
 
-class Change:
-    """What one instruction does to the set of tensors. `created` and `written` split the names it gives a value by
-    whether they existed before, as the metas given to apply_effect say (without them, all are in `written`); a
-    name renamed is neither (it moves, value and all). `sets`: the variables or vectors it sets. `reads` is worked
-    out when asked (most callers never ask)."""
+class Change(NamedTuple):
+    """What one instruction does to the set of tensors: the tensors it `reads`, and the names it gives a value,
+    `created` and `written` split by whether they existed before, as the metas given to apply_effect say (without
+    them, all are in `written`); a name renamed is neither (it moves, value and all). `sets`: the variables or
+    vectors it sets. `of`: the instruction (a Bound or an Instr)."""
 
-    __slots__ = ("created", "deleted", "of", "renamed", "sets", "written")
-
-    def __init__(self, of: Any = None, created: tuple[str, ...] = _NONE, written: tuple[str, ...] = _NONE,
-                 deleted: tuple[str, ...] = _NONE, renamed: tuple[tuple[str, str], ...] = _NONE,
-                 sets: tuple[str, ...] = _NONE) -> None:
-        self.of = of  # the instruction (a Bound or an Instr) whose args `reads` names
-        self.created = created
-        self.written = written
-        self.deleted = deleted
-        self.renamed = renamed
-        self.sets = sets
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        """The tensors it reads: its tensor args, and the items of its tensor lists."""
-        x = self.of
-        if x is None:
-            return _NONE
-        if type(x) is Instr:
-            return _instr_reads(_ops.OPS[x.name], x)
-        return _reads(x.op, x.names)
+    of: Any = None
+    reads: tuple[str, ...] = _NONE
+    created: tuple[str, ...] = _NONE
+    written: tuple[str, ...] = _NONE
+    deleted: tuple[str, ...] = _NONE
+    renamed: tuple[tuple[str, str], ...] = _NONE
+    sets: tuple[str, ...] = _NONE
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -94,34 +80,11 @@ class Change:
         """The names that no longer exist after it: deleted, or renamed away."""
         return self.deleted + tuple(old for old, new in self.renamed if old != new) if self.renamed else self.deleted
 
-    def _key(self) -> tuple[Any, ...]:
-        return self.reads, self.created, self.written, self.deleted, self.renamed, self.sets
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Change) and self._key() == other._key()
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
-        fields = zip(("reads", "created", "written", "deleted", "renamed", "sets"), self._key())
-        return f"Change({', '.join(f'{k}={v!r}' for k, v in fields if v)})"
+        return f"Change({', '.join(f'{k}={v!r}' for k, v in zip(self._fields[1:], self[1:]) if v)})"
 
 
-NOTHING = Change()
-
-
-def _reads(op: Any, names: Sequence[Any]) -> tuple[str, ...]:
-    """The tensors a checked instruction reads: its tensor args' names and its tensor lists' items."""
-    out: list[str] = []
-    n = len(names)
-    for i in op.effect.reads:
-        if i < n:
-            x = names[i]
-            if type(x) is list:
-                out.extend(x)
-            elif x is not None:
-                out.append(x)
-    return tuple(out)
+_new = tuple.__new__  # a Change made at C speed: _new(Change, (of, reads, created, written, deleted, renamed, sets))
 
 
 def _instr_reads(op: Any, instr: Instr) -> tuple[str, ...]:
@@ -159,32 +122,31 @@ def apply_effect(x: Bound | Instr, metas: MutableMapping[str, Any] | None = None
     that goes is then set to None in `metas`, hiding the one beneath, instead of removed. With a Bound, a name made
     gets the meta the check inferred (UNKNOWN for a load); with an Instr, UNKNOWN. DeepxError for a rename to a
     name that exists (given the metas). An instruction of no known op changes nothing. `quiet`: the metas and
-    variables followed, and None returned (the check's loop, where the Change would cost a third of the time)."""
+    variables followed, and None returned (the check's loop, where making the Change would cost a third of the
+    time). Without metas, variables or vectors, the answer depends on `x` alone, and is remembered per object."""
+    if metas is None and variables is None and vectors is None:
+        known = _KNOWN.get(id(x))
+        if known is not None and known.of is x:
+            return known
+        change = _of_instr(x) if type(x) is Instr else _of_bound(x)  # type: ignore[arg-type]
+        if len(_KNOWN) >= _KNOWN_MAX:
+            _KNOWN.clear()
+        _KNOWN[id(x)] = change
+        return change
     if type(x) is Instr:
         return _apply_instr(x, metas, before)
     b: Bound = x  # type: ignore[assignment]
     kind = b.op.effect.kind
     if kind is WRITES or kind is FILLS or kind is CREATES:
+        if metas is None:
+            return None if quiet else _of_bound(b)
         out_names, outs = b.out_names, b.outs
         if quiet:
             for n, m in zip(out_names, outs):
                 if m is not None:
-                    metas[n] = m  # type: ignore[index]
+                    metas[n] = m
             return None
-        if metas is None:
-            return Change(b, _NONE, tuple(n for n, m in zip(out_names, outs) if m is not None))
         get = before if before is not None else metas.get
-        if len(out_names) == 1:  # most ops
-            n, m = out_names[0], outs[0]
-            if m is None:
-                return Change(b)
-            have = get(n)
-            metas[n] = m
-            if have is None:
-                return Change(b, (n,))
-            if kind is CREATES and have == m:
-                return Change(b)  # kept, values and all
-            return Change(b, _NONE, (n,))
         created: list[str] = []
         written: list[str] = []
         for n, m in zip(out_names, outs):
@@ -193,35 +155,104 @@ def apply_effect(x: Bound | Instr, metas: MutableMapping[str, Any] | None = None
             have = get(n)
             if have is None:
                 created.append(n)
-            elif kind is not CREATES or have != m:
+            elif kind is not CREATES or have != m:  # (newtensor keeps one of its meta, values and all)
                 written.append(n)
             metas[n] = m
-        return Change(b, tuple(created), tuple(written))
+        return _new(Change, (b, _reads(b), tuple(created), tuple(written), _NONE, _NONE, _NONE))
     if kind is DELETES:
-        if quiet:  # one name, the check's own (deltensor)
+        if metas is not None:
             for n in b.out_names:
                 if before is None:
-                    metas.pop(n, None)  # type: ignore[union-attr]
+                    metas.pop(n, None)
                 else:
-                    metas[n] = None  # type: ignore[index]
-            return None
-        gone = tuple(str(n) for n in b.out_names)
-        if metas is not None:
-            _forget(metas, gone, before)
-        return Change(None, _NONE, _NONE, gone)
+                    metas[n] = None
+        return None if quiet else _of_bound(b)
     if kind is RENAMES:
-        change = _rename(str(b.out_names[0]), str(b.args[0]), metas, before, quiet)
+        if metas is not None:
+            _rename(str(b.out_names[0]), str(b.args[0]), metas, before)
     elif kind is LOADS:
-        change = _made(str(b.out_names[0]) if b.out_names else _ops.load_name(str(b.args[0])), metas, before)
+        if metas is not None:
+            return _load(b, _of_bound(b).written[0], metas, before, quiet)
     elif kind is SETS:
-        name = str(b.out_names[0])
         store = vectors if b.op.returns[0].kind == "vector" else variables
         if store is not None:
-            store[name] = b.args[0]
-        change = Change(sets=(name,))
-    else:
-        change = Change(b)
-    return None if quiet else change
+            store[str(b.out_names[0])] = b.args[0]
+    return None if quiet else _of_bound(b)
+
+
+#: the Change of an instruction alone (no state), per instruction object: the passes ask it of one checked
+#: instruction again and again, and a client sends the same instruction objects every step. Its `of` holds the
+#: object, so that the id stays that object's while it is remembered
+_KNOWN: dict[int, Change] = {}
+_KNOWN_MAX = 8192
+
+
+def forget() -> None:
+    """Forget the remembered Changes: an op left the catalogue (ops.remove_op)."""
+    _KNOWN.clear()
+
+
+def _reads(b: Bound) -> tuple[str, ...]:
+    """The tensors a checked instruction reads: its tensor args, and the items of its tensor lists."""
+    names = b.names
+    n = len(names)
+    out: list[str] = []
+    for i in b.op.effect.reads:
+        if i < n:
+            v = names[i]
+            if type(v) is list:
+                out.extend(v)
+            elif v is not None:
+                out.append(v)
+    return tuple(out)
+
+
+def _of_bound(b: Bound) -> Change:
+    kind = b.op.effect.kind
+    if kind is WRITES or kind is FILLS or kind is CREATES:
+        out_names, outs = b.out_names, b.outs
+        if len(out_names) == 1:  # most ops
+            made = (out_names[0],) if outs[0] is not None else _NONE
+        else:
+            made = tuple(n for n, m in zip(out_names, outs) if m is not None)
+        return _new(Change, (b, _reads(b), _NONE, made, _NONE, _NONE, _NONE))
+    if kind is DELETES:
+        return _new(Change, (b, _NONE, _NONE, _NONE, tuple(str(n) for n in b.out_names), _NONE, _NONE))
+    if kind is RENAMES:
+        return Change(b, renamed=((str(b.out_names[0]), str(b.args[0])),))
+    if kind is LOADS:
+        return Change(b, written=(str(b.out_names[0]) if b.out_names else _ops.load_name(str(b.args[0])),))
+    if kind is SETS:
+        return Change(b, sets=(str(b.out_names[0]),))
+    return Change(b, _reads(b))
+
+
+def _of_instr(instr: Instr) -> Change:
+    op = _ops.OPS.get(instr.name)
+    if op is None:
+        return Change(instr)
+    kind = op.effect.kind
+    returns = instr.returns
+    if kind is WRITES or kind is FILLS or kind is CREATES:
+        if len(returns) == 1 and op.returns[0].kind == "tensor":  # most ops
+            v = returns[0].value
+            names: tuple[str, ...] = (v if type(v) is str else str(v),)
+        else:
+            names = tuple(str(p.value) for a, p in zip(op.returns, returns) if a.kind == "tensor")
+        return _new(Change, (instr, _instr_reads(op, instr), _NONE, names, _NONE, _NONE, _NONE))
+    if kind is DELETES:
+        return _new(Change, (instr, _NONE, _NONE, _NONE, tuple(str(p.value) for p in returns), _NONE, _NONE))
+    if kind is RENAMES:
+        if not returns or not instr.args:
+            return Change(instr)
+        return Change(instr, renamed=((str(returns[0].value), str(instr.args[0].value)),))
+    if kind is LOADS:
+        if returns:
+            return Change(instr, written=(str(returns[0].value),))
+        return Change(instr, written=(_ops.load_name(str(instr.args[0].value)),)) if instr.args else Change(instr)
+    if kind is SETS:
+        return Change(instr, sets=tuple(str(p.value) for p in returns))
+    return Change(instr, _instr_reads(op, instr))
 
 
 def _forget(metas: MutableMapping[str, Any], names: Sequence[str], before: Callable[[str], Any] | None) -> None:
@@ -232,61 +263,61 @@ def _forget(metas: MutableMapping[str, Any], names: Sequence[str], before: Calla
             metas[n] = None
 
 
-def _made(name: str, metas: MutableMapping[str, Any] | None, before: Callable[[str], Any] | None) -> Change:
+def _load(x: Any, name: str, metas: MutableMapping[str, Any], before: Callable[[str], Any] | None,
+          quiet: bool = False) -> Change | None:
     """A load's: a tensor whose meta shows when it runs."""
-    if metas is None:
-        return Change(None, _NONE, (name,))
     existed = (before or metas.get)(name) is not None
     metas[name] = _ops.UNKNOWN
-    return Change(None, _NONE, (name,)) if existed else Change(None, (name,))
+    if quiet:
+        return None
+    return Change(x, written=(name,)) if existed else Change(x, created=(name,))
 
 
-def _rename(old: str, new: str, metas: MutableMapping[str, Any] | None, before: Callable[[str], Any] | None,
-            quiet: bool = False) -> Change | None:
-    if metas is not None and new != old:
+def _rename(old: str, new: str, metas: MutableMapping[str, Any], before: Callable[[str], Any] | None) -> None:
+    if new != old:
         get = before or metas.get
         if get(new) is not None:
             raise DeepxError(f"renametensor: cannot rename '{old}' to '{new}': a tensor named '{new}' exists")
         metas[new] = get(old)
-        if before is None:
-            metas.pop(old, None)
-        else:
-            metas[old] = None
-    return None if quiet else Change(None, renamed=((old, new),))
+        _forget(metas, (old,), before)
 
 
 def _apply_instr(instr: Instr, metas: MutableMapping[str, Any] | None, before: Callable[[str], Any] | None) -> Change:
+    """An instruction as sent, on metas (what it makes: UNKNOWN)."""
+    change = _of_instr(instr)
+    if metas is None:
+        return change
     op = _ops.OPS.get(instr.name)
-    if op is None:
-        return NOTHING
-    kind = op.effect.kind
-    returns = instr.returns
-    if kind is WRITES or kind is FILLS or kind is CREATES:
-        names = tuple(str(p.value) for a, p in zip(op.returns, returns) if a.kind == "tensor")
-        if metas is None:
-            return Change(instr, _NONE, names)
+    kind = op.effect.kind if op is not None else None
+    if change.written and kind is not LOADS:
         get = before or metas.get
-        created = tuple(n for n in names if get(n) is None)
-        for n in names:
+        created = tuple(n for n in change.written if get(n) is None)
+        for n in change.written:
             if kind is not FILLS or n in created:  # a fill keeps the meta; what else it makes shows when it runs
                 metas[n] = _ops.UNKNOWN
-        return Change(instr, created, tuple(n for n in names if n not in created))
-    if kind is DELETES:
-        gone = tuple(str(p.value) for p in returns)
-        if metas is not None:
-            _forget(metas, gone, before)
-        return Change(None, _NONE, _NONE, gone)
-    if kind is RENAMES:
-        if not returns or not instr.args:
-            return NOTHING
-        return _rename(str(returns[0].value), str(instr.args[0].value), metas, before) or NOTHING
-    if kind is LOADS:
-        if returns:
-            return _made(str(returns[0].value), metas, before)
-        return _made(_ops.load_name(str(instr.args[0].value)), metas, before) if instr.args else NOTHING
-    if kind is SETS:
-        return Change(sets=tuple(str(p.value) for p in returns))
-    return Change(instr)
+        return change._replace(created=created, written=tuple(n for n in change.written if n not in created))
+    if change.written:
+        return _load(instr, change.written[0], metas, before) or change
+    _forget(metas, change.deleted, before)
+    for old, new in change.renamed:
+        _rename(old, new, metas, before)
+    return change
+
+
+def kind_of(x: Bound | Instr) -> str | None:
+    """The kind of effect of an instruction's op (checked or as sent); None for a name that is no op."""
+    if type(x) is Instr:
+        op = _ops.OPS.get(x.name)
+        return op.effect.kind if op is not None else None
+    return x.op.effect.kind  # type: ignore[union-attr]
+
+
+def heap_made(b: Bound) -> str | None:
+    """The heap tensor a checked instruction makes (`newtensor ... // kind=heap`: heapmem's shared memory, which
+    other processes see; docs/decisions/0009-heap-parameters.md), or None."""
+    if b.instr.meta and b.op.effect.kind is CREATES and b.instr.get_meta("kind") == "heap":
+        return str(b.out_names[0])
+    return None
 
 
 # last: ops imports this module for its kinds while it builds the table; this module reads ops only when it runs

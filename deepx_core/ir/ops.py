@@ -31,6 +31,7 @@ from deepx_core.ir.effects import (
     Effect,
     apply_effect,
     declare,
+    forget,
 )
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.shapes import Shape, broadcast, check_perm, norm_dim, norm_dims, numel, reduced
@@ -602,6 +603,7 @@ def remove_op(name: str) -> None:
     del OPS[name]
     for table in PerOp.tables:
         table.pop(name, None)
+    forget()
 
 
 class PerOp(dict[str, Any]):
