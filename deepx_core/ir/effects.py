@@ -60,7 +60,7 @@ class Change(NamedTuple):
     """What one instruction does to the set of tensors: the tensors it `reads`, and the names it gives a value,
     `created` and `written` split by whether they existed before, as the metas given to apply_effect say (without
     them, all are in `written`); a name renamed is neither (it moves, value and all). `sets`: the variables or
-    vectors it sets. `of`: the instruction (a Bound or an Instr)."""
+    vectors it sets. `of`: the instruction, as sent."""
 
     of: Any = None
     reads: tuple[str, ...] = _NONE
@@ -123,23 +123,21 @@ def apply_effect(x: Bound | Instr, metas: MutableMapping[str, Any] | None = None
     gets the meta the check inferred (UNKNOWN for a load); with an Instr, UNKNOWN. DeepxError for a rename to a
     name that exists (given the metas). An instruction of no known op changes nothing. `quiet`: the metas and
     variables followed, and None returned (the check's loop, where making the Change would cost a third of the
-    time). Without metas, variables or vectors, the answer depends on `x` alone, and is remembered per object."""
+    time). Without metas, variables or vectors, the answer depends on the instruction alone (a Bound's is its
+    Instr's), and is remembered per Instr object."""
     if metas is None and variables is None and vectors is None:
-        known = _KNOWN.get(id(x))
-        if known is not None and known.of is x:
+        instr = x if type(x) is Instr else x.instr  # type: ignore[union-attr]
+        known = _KNOWN.get(id(instr))
+        if known is not None and known.of is instr:
             return known
-        change = _of_instr(x) if type(x) is Instr else _of_bound(x)  # type: ignore[arg-type]
-        if len(_KNOWN) >= _KNOWN_MAX:
-            _KNOWN.clear()
-        _KNOWN[id(x)] = change
-        return change
+        return _alone(instr)
     if type(x) is Instr:
         return _apply_instr(x, metas, before)
     b: Bound = x  # type: ignore[assignment]
     kind = b.op.effect.kind
     if kind is WRITES or kind is FILLS or kind is CREATES:
         if metas is None:
-            return None if quiet else _of_bound(b)
+            return None if quiet else _alone(b.instr)
         out_names, outs = b.out_names, b.outs
         if quiet:
             for n, m in zip(out_names, outs):
@@ -158,7 +156,7 @@ def apply_effect(x: Bound | Instr, metas: MutableMapping[str, Any] | None = None
             elif kind is not CREATES or have != m:  # (newtensor keeps one of its meta, values and all)
                 written.append(n)
             metas[n] = m
-        return _new(Change, (b, _reads(b), tuple(created), tuple(written), _NONE, _NONE, _NONE))
+        return _new(Change, (b.instr, _alone(b.instr).reads, tuple(created), tuple(written), _NONE, _NONE, _NONE))
     if kind is DELETES:
         if metas is not None:
             for n in b.out_names:
@@ -166,25 +164,25 @@ def apply_effect(x: Bound | Instr, metas: MutableMapping[str, Any] | None = None
                     metas.pop(n, None)
                 else:
                     metas[n] = None
-        return None if quiet else _of_bound(b)
+        return None if quiet else _alone(b.instr)
     if kind is RENAMES:
         if metas is not None:
             _rename(str(b.out_names[0]), str(b.args[0]), metas, before)
     elif kind is LOADS:
         if metas is not None:
-            return _load(b, _of_bound(b).written[0], metas, before, quiet)
+            return _load(b.instr, _alone(b.instr).written[0], metas, before, quiet)
     elif kind is SETS:
         store = vectors if b.op.returns[0].kind == "vector" else variables
         if store is not None:
             store[str(b.out_names[0])] = b.args[0]
-    return None if quiet else _of_bound(b)
+    return None if quiet else _alone(b.instr)
 
 
-#: the Change of an instruction alone (no state), per instruction object: the passes ask it of one checked
-#: instruction again and again, and a client sends the same instruction objects every step. Its `of` holds the
-#: object, so that the id stays that object's while it is remembered
+#: the Change of an instruction alone (no state), per Instr object: the passes ask it of one instruction again and
+#: again, and a client sends the same instruction objects every step. Its `of` holds the object, so that the id
+#: stays that object's while it is remembered
 _KNOWN: dict[int, Change] = {}
-_KNOWN_MAX = 8192
+_KNOWN_MAX = 1 << 15
 
 
 def forget() -> None:
@@ -192,39 +190,16 @@ def forget() -> None:
     _KNOWN.clear()
 
 
-def _reads(b: Bound) -> tuple[str, ...]:
-    """The tensors a checked instruction reads: its tensor args, and the items of its tensor lists."""
-    names = b.names
-    n = len(names)
-    out: list[str] = []
-    for i in b.op.effect.reads:
-        if i < n:
-            v = names[i]
-            if type(v) is list:
-                out.extend(v)
-            elif v is not None:
-                out.append(v)
-    return tuple(out)
-
-
-def _of_bound(b: Bound) -> Change:
-    kind = b.op.effect.kind
-    if kind is WRITES or kind is FILLS or kind is CREATES:
-        out_names, outs = b.out_names, b.outs
-        if len(out_names) == 1:  # most ops
-            made = (out_names[0],) if outs[0] is not None else _NONE
-        else:
-            made = tuple(n for n, m in zip(out_names, outs) if m is not None)
-        return _new(Change, (b, _reads(b), _NONE, made, _NONE, _NONE, _NONE))
-    if kind is DELETES:
-        return _new(Change, (b, _NONE, _NONE, _NONE, tuple(str(n) for n in b.out_names), _NONE, _NONE))
-    if kind is RENAMES:
-        return Change(b, renamed=((str(b.out_names[0]), str(b.args[0])),))
-    if kind is LOADS:
-        return Change(b, written=(str(b.out_names[0]) if b.out_names else _ops.load_name(str(b.args[0])),))
-    if kind is SETS:
-        return Change(b, sets=(str(b.out_names[0]),))
-    return Change(b, _reads(b))
+def _alone(instr: Instr) -> Change:
+    """apply_effect(instr) with no state, remembered."""
+    known = _KNOWN.get(id(instr))
+    if known is not None and known.of is instr:
+        return known
+    change = _of_instr(instr)
+    if len(_KNOWN) >= _KNOWN_MAX:
+        _KNOWN.clear()
+    _KNOWN[id(instr)] = change
+    return change
 
 
 def _of_instr(instr: Instr) -> Change:
@@ -284,7 +259,7 @@ def _rename(old: str, new: str, metas: MutableMapping[str, Any], before: Callabl
 
 def _apply_instr(instr: Instr, metas: MutableMapping[str, Any] | None, before: Callable[[str], Any] | None) -> Change:
     """An instruction as sent, on metas (what it makes: UNKNOWN)."""
-    change = _of_instr(instr)
+    change = _alone(instr)
     if metas is None:
         return change
     op = _ops.OPS.get(instr.name)
