@@ -132,7 +132,8 @@ def apply_effect(x: Bound | Instr, metas: MutableMapping[str, Any] | None = None
             return known
         return _alone(instr)
     if type(x) is Instr:
-        return _apply_instr(x, metas, before)
+        change = _apply_instr(x, metas, before)
+        return None if quiet else change
     b: Bound = x  # type: ignore[assignment]
     kind = b.op.effect.kind
     if kind is WRITES or kind is FILLS or kind is CREATES:
