@@ -435,8 +435,14 @@ def test_apply_effect_says_what_the_executor_does(name, tmp_path):
         assert variables == ex.variables and vectors == ex.vectors, str(instr)
         reads = [x for p in instr.args if p.category in ("tensor", "listtensor")
                  for x in (p.value if p.category == "listtensor" else (p.value,))]
-        assert change.reads == tuple(reads), str(instr)
+        assert change.reads == tuple(reads) == _read_by_bind(b), str(instr)
         _same_by_name(instr, change, dict(ex.tensors.metas), before)
+
+
+def _read_by_bind(b: Any) -> tuple[str, ...]:
+    """The tensors the check resolved the instruction's tensor args to (apply_effect reads them off the Instr)."""
+    names = [b.names[i] for i, a in enumerate(b.op.args) if a.kind in ("tensor", "listtensor") and b.names[i]]
+    return tuple(x for n in names for x in (n if isinstance(n, list) else [n]))
 
 
 def _same_by_name(instr: Instr, change: Change, after: dict[str, Any], before: dict[str, Any]) -> None:
@@ -516,3 +522,25 @@ def test_the_module_imports_on_its_own():
     """effects.py and ops.py import each other: either may come first."""
     for module in ("deepx_core.ir.effects", "deepx_core.ir.ops"):
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True, env={**os.environ})
+
+
+def test_an_instruction_as_sent_names_what_the_check_resolves():
+    """Untyped params, numbers as names and tensor lists as text: apply_effect reads an Instr by the rules bind
+    resolves it by, so that a checked instruction's effect can be its Instr's."""
+    from deepx_core.ir.text import parse_text
+
+    metas = {n: TensorMeta((2,), "float32") for n in ("a", "1", "u", "7")}
+    for instr in parse_text("add (a, 1) -> (c)\n"
+                            "concat ([01 u], 0) -> (tensor:2)\n"
+                            "renametensor (8) -> (7)\n"
+                            "deltensor () -> (tensor<float32>:7)\n"
+                            "copytensor (tensor:u) -> (u2)"):
+        b = bind(instr, SymbolicEnv(metas))
+        change = apply_effect(instr)
+        assert change.reads == _read_by_bind(b), str(instr)
+        if b.op.effect.kind == RENAMES:
+            assert change.renamed == ((b.out_names[0], str(b.args[0])),)
+        elif b.op.effect.kind == DELETES:
+            assert change.deleted == tuple(b.out_names)
+        else:
+            assert change.written == tuple(b.out_names), str(instr)
