@@ -37,8 +37,9 @@ from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.graphrecord import GraphRecord, check_graph_name
 from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.effects import FILLS, apply_effect, kind_of
 from deepx_core.ir.instr import Instr, Param
-from deepx_core.ir.ops import OPS, existing
+from deepx_core.ir.ops import OPS
 from deepx_core.ir.wire import instr_from_obj
 from deepx_sdk.optim import sgd_step
 from deepx_sdk.session import NativeTransport, Session, Transport, session
@@ -50,7 +51,6 @@ SMALL_OUTPUT = 64
 _BAD_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 #: ops whose output must exist before they run (they fill it): a first write by one of them is a use of a tensor
 #: from outside the graph
-_FILLS_EXISTING = frozenset(n for n, op in OPS.items() if op.infer is existing) | {"dropout", "loadtensordata"}
 _OPTIMIZER_OPS = frozenset({"sgd", "adam", "adamw"})
 
 
@@ -115,13 +115,13 @@ class _Build:
             self.state[name] = None
         return g
 
-    def write(self, name: str, op: str) -> str:
+    def write(self, name: str, instr: Instr) -> str:
         g = self.current.get(name)
         if g is None:
             # a write into a tensor from outside: an op that fills an existing tensor, or an assignment in place
             # (x.add_(1) is copytensor into x) into one Python held when the call began. Other results only ever
             # get a fresh name or one Python dropped (the session's pool), which belongs to the graph from here on
-            if op in _FILLS_EXISTING or (op == "copytensor" and self.outside(name)):
+            if kind_of(instr) is FILLS or (instr.name == "copytensor" and self.outside(name)):
                 return self.read(name)
             g = self.current[name] = f"{self.gname}.t{self.temps}"
             self.temps += 1
@@ -162,7 +162,7 @@ def build_graph(gname: str, captured: Sequence[Instr], inputs: Sequence[Meta], o
     slots: list[tuple[int, int, str]] = []
     seeds: dict[int, str] = {}  # a seed the call drew -> its key: a backward's dropout redraws the forward's mask
     for instr in captured:
-        if instr.name == "deltensor":
+        if apply_effect(instr).deleted:
             g = b.delete(str(instr.returns[0].value))
             if g is not None:
                 out.append(_rename(instr, (), (instr.returns[0]._replace(value=g),)))
@@ -177,7 +177,7 @@ def build_graph(gname: str, captured: Sequence[Instr], inputs: Sequence[Meta], o
         rets = []
         for p in instr.returns:
             if p.category == "tensor":
-                p = p._replace(value=b.write(str(p.value), instr.name))
+                p = p._replace(value=b.write(str(p.value), instr))
             rets.append(p)
         op = OPS.get(instr.name)
         if op is not None and (instr.name in _OPTIMIZER_OPS or op.family == "init"):
@@ -420,9 +420,8 @@ def _unused_grads(mods: Sequence[Any], instrs: Sequence[Instr], returned: set[st
             elif p.category == "listtensor" and isinstance(p.value, tuple):
                 for v in p.value:
                     last_read[str(v)] = i
-        for p in instr.returns:
-            if p.category == "tensor" and instr.name != "deltensor":
-                made.setdefault(str(p.value), i)  # where it is made (an update may write it again)
+        for name in apply_effect(instr).writes:
+            made.setdefault(name, i)  # where it is made (an update may write it again)
     out = []
     for m in mods:
         for k, p in m.structure()[0]:
@@ -750,7 +749,7 @@ class CompiledFunction:
         # makes a tensor (only deletes of collected handles can be pending here: the call synced first)
         s._revived.difference_update(out_names)
         with s._lock:
-            if all(i.name == "deltensor" for i in s.pending):
+            if all(apply_effect(i).deleted for i in s.pending):
                 s._mark = next(s._names)
         for st, step in steps:
             st["step"] = step

@@ -29,6 +29,7 @@ import numpy as np
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
+from deepx_core.ir.effects import apply_effect
 from deepx_core.ir.instr import Instr, Param, renumbered, same_program, scalar_kinds
 from deepx_core.ir.text import format_text
 
@@ -79,6 +80,17 @@ def _deletion(name: str, dtype: Any) -> Instr:
     if instr is None:
         instr = _DELETIONS.put(key, Instr("deltensor", (), (Param("tensor", (dtype,), name),)))
     return instr
+
+
+#: the mark of a backward, which the daemon expands into the backward program of its forward (no op of the catalogue)
+_BACKWARD = "backward"
+
+
+def _given(instr: Instr) -> tuple[str, ...]:
+    """The tensors an instruction gives a value (its op's effect); a backward mark's: its gradients."""
+    if instr.name == _BACKWARD:
+        return tuple(str(p.value) for p in instr.returns if p.category == "tensor")
+    return apply_effect(instr).writes
 
 
 def origin(f: Any) -> Any:
@@ -913,26 +925,26 @@ class Session:
         where nothing does, so that the delete finds one either way). A result made before `done` and written in
         place after it keeps its value. Names handed out otherwise are counted as never made where they are new
         since `mark`, or `revived` (a deleted name handed out again), and nothing that ran wrote them."""
-        made = {p.value for instr in program[:done] if instr.name != "deltensor"
-                for p in instr.returns if p.category == "tensor"}
+        made = {name for instr in program[:done] for name in _given(instr)}
         taken = taken or {}
         prefix, n = self._prefix, len(self._prefix)
         unrun_deletes = []
         stale: dict[str, Any] = {}
         for instr in program[done:]:
-            if instr.name == "deltensor":
+            if apply_effect(instr).deleted:
                 unrun_deletes.append(instr)
                 continue
-            if instr.name == "backward":  # its gradients never came to exist, and its prefix is not handed out again
+            if instr.name == _BACKWARD:  # its gradients never came to exist, and its prefix is not handed out again
                 names = [str(p.value) for p in instr.returns]
                 self._lost.update(names)
                 head = names[0][len(self._grad_root):].partition("_")[0] if names else ""
                 if head.isdigit():
                     self.grad_prefix_failed(int(head))
                 continue
+            given = _given(instr)
             for p in instr.returns:
                 name = p.value
-                if p.category != "tensor" or not isinstance(name, str):
+                if p.category != "tensor" or name not in given:
                     continue
                 at = taken.get(name)
                 if at is not None:
@@ -946,7 +958,7 @@ class Session:
                                                                and int(name[n:]) > mark)):
                     self._lost.add(name)
         if self._stale:
-            self._stale.difference_update(i.returns[0].value for i in program[:done] if i.name == "deltensor")
+            self._stale.difference_update(name for i in program[:done] for name in apply_effect(i).deleted)
         for name, dtype in stale.items():  # deleted first, so that no older value stays under a result's name
             self._queue_stale(name, dtype)
             self._lost.add(name)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from deepx_core.ir.effects import apply_effect
 from deepx_core.ir.instr import Instr
-from deepx_core.ir.ops import OPS, load_name, tensor_list
 
 if TYPE_CHECKING:
     from deepxd.actors.base import ActorRef
@@ -15,21 +15,11 @@ if TYPE_CHECKING:
 
 
 def tensor_names(instr: Instr) -> tuple[list[str], list[str]]:
-    """The tensors an instruction names: those it reads (args) and those it writes or makes (returns, and the tensor
-    a `load` without returns names after its file). An unknown op names none: it is refused before it runs."""
-    op = OPS.get(instr.name)
-    if op is None:
-        return [], []
-    reads: list[str] = []
-    for a, p in zip(op.args, instr.args):
-        if a.kind == "tensor":
-            reads.append(str(p.value))
-        elif a.kind == "listtensor":
-            reads.extend(tensor_list(p.value) or ())  # read as bind reads it: `[01 u]` names tensor '1'
-    writes = [str(p.value) for a, p in zip(op.returns, instr.returns) if a.kind == "tensor"]
-    if instr.name == "load" and not instr.returns and instr.args:
-        writes.append(load_name(str(instr.args[0].value)))
-    return reads, writes
+    """The tensors an instruction names: those it reads (args, a tensor list read as bind reads it: `[01 u]` names
+    tensor '1') and those it writes, makes, deletes or renames away (returns, and the tensor a `load` without
+    returns names after its file). An unknown op names none: it is refused before it runs."""
+    change = apply_effect(instr)
+    return list(change.reads), [*change.writes, *change.deleted, *(old for old, _ in change.renamed)]
 
 
 class UdpScope:
@@ -77,13 +67,12 @@ class UdpScope:
 
     def ran(self, instr: Instr) -> None:
         """Record what a UDP instruction that ran did to the set of tensors."""
-        if instr.name == "deltensor":
-            self.deleted(str(p.value) for p in instr.returns)
-        elif instr.name == "renametensor" and instr.returns and instr.args:
-            self.deleted([str(instr.returns[0].value)])
-            self.made.add(str(instr.args[0].value))
-        else:
-            self.made.update(n for n in tensor_names(instr)[1] if n not in self.shared)
+        change = apply_effect(instr)
+        self.deleted(change.deleted)
+        for old, new in change.renamed:
+            self.deleted([old])
+            self.made.add(new)
+        self.made.update(n for n in change.writes if n not in self.shared)
 
     def deleted(self, names: Iterable[str]) -> None:
         """Tensors deleted (by anyone): their names are free again."""
@@ -96,13 +85,12 @@ class UdpScope:
         names UDP made that it writes, makes or deletes, and the shared ones it deletes or renames away, are no
         longer UDP's."""
         for instr in program:
-            writes = tensor_names(instr)[1]
-            if instr.name in ("deltensor", "renametensor"):
-                self.deleted(writes)
-            else:
-                self.made.difference_update(writes)
-            if instr.name == "renametensor" and instr.args:
-                self.made.discard(str(instr.args[0].value))
+            change = apply_effect(instr)
+            self.deleted(change.deleted)
+            for old, new in change.renamed:
+                self.deleted([old])
+                self.made.discard(new)
+            self.made.difference_update(change.writes)
 
     def taken_back(self, names: Iterable[str]) -> None:
         """Names another client made anew (a native put, a replay's outputs): no longer made by UDP."""

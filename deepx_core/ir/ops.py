@@ -1,8 +1,9 @@
 """The op catalogue: one entry per operator, the single place where an op's facts live.
 
 An entry (`OpDef`) gives the op's signature (`args`, `returns`), the stored dtypes its kernels handle, its shape
-and dtype rule (`infer`), whether it is differentiable, whether it has effects beyond writing its returns, and the
-kernel family that implements it: the CPU kernel of op `x` in family `f` is `deepxd.kernels.cpu.<f>.<x>`.
+and dtype rule (`infer`), whether it is differentiable, its effect on the set of tensors (`effect`, followed by
+`effects.apply_effect`), whether it has effects beyond writing its returns, and the kernel family that implements
+it: the CPU kernel of op `x` in family `f` is `deepxd.kernels.cpu.<f>.<x>`.
 
 `bind(instr, env)` checks one instruction against its entry and the tensors that exist (`env`), resolving named
 variables and untyped params, and returns the shapes and dtypes of its outputs; `check_program` does it for a whole
@@ -20,6 +21,19 @@ from typing import Any, NamedTuple, Protocol
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import ALL, FLOATS, INDEX, INTS, NUMERIC, STORABLE, itemsize
+from deepx_core.ir.effects import (
+    CREATES,
+    DELETES,
+    FILLS,
+    LOADS,
+    RENAMES,
+    SETS,
+    WRITES,
+    Effect,
+    apply_effect,
+    declare,
+    forget,
+)
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.shapes import Shape, broadcast, check_perm, norm_dim, norm_dims, numel, reduced
 
@@ -67,6 +81,7 @@ class Call(NamedTuple):
 
 
 Infer = Callable[[Call], list[TensorMeta | None]]
+_WRITES = Effect(WRITES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +107,9 @@ class OpDef:
     grad_rule: Callable[..., Any] | None = None
     # each output element depends only on the input elements at its index: an output may share an input's buffer
     alias_safe: bool = False
+    # what it does to the set of tensors: makes, fills, deletes or renames its returns, only reads its args
+    # (deepx_core/ir/effects.py; `op(..., effect=KIND)`, or derived from the family and the returns)
+    effect: Effect = _WRITES
 
     def signature(self) -> str:
         def fmt(a: Arg) -> str:
@@ -561,10 +579,12 @@ ALIAS_SAFE_FAMILIES = frozenset({"elementwise", "compare", "optim", "fused", "ex
 
 def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtypes: frozenset[str], infer: Infer,
        doc: str, *, grad: bool | Callable[..., Any] = False, effects: bool = False, deepxir: bool = True,
-       expr: str = "", alias_safe: bool = False) -> OpDef:
+       expr: str = "", alias_safe: bool = False, effect: str | None = None, reads_returns: bool = False) -> OpDef:
     """Add an op to the catalogue. `grad`: True where autograd's GRAD_RULES has the op's rule, or the rule itself
     written on value handles (see OpDef.grad_rule). Family "expr" needs no kernel: its CPU and CUDA kernels evaluate
-    `expr` (an elementwise op on float tensors, whose scalar args are vars)."""
+    `expr` (an elementwise op on float tensors, whose scalar args are vars). `effect`: what it does to its tensor
+    returns, a kind of effects.py (derived where not given: see effects.declare); `reads_returns`: its result
+    depends on a return as it was."""
     if name in OPS:
         raise ValueError(f"op {name} defined twice")
     if expr:
@@ -573,7 +593,8 @@ def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtyp
         raise ValueError(f"op {name}: family 'expr' needs an expression")
     d = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, bool(grad), effects, deepxir,
               sum(a.required for a in args), sum(a.required for a in returns), expr,
-              grad if callable(grad) else None, alias_safe or family in ALIAS_SAFE_FAMILIES)
+              grad if callable(grad) else None, alias_safe or family in ALIAS_SAFE_FAMILIES,
+              declare(effect, family, args, returns, reads_returns))
     OPS[name] = d
     return d
 
@@ -583,6 +604,7 @@ def remove_op(name: str) -> None:
     del OPS[name]
     for table in PerOp.tables:
         table.pop(name, None)
+    forget()
 
 
 class PerOp(dict[str, Any]):
@@ -666,14 +688,17 @@ def expr_template(op: OpDef) -> str:
 op("newtensor", "life", [Arg("shape", "shape")], [t("t", _ANY)], _ANY, _newtensor,
    "create t (zeros) with the given shape; its dtype is the return's precision (float32 when absent). An existing t "
    "of that shape and dtype is kept, values and all (with a warning); one of another shape or dtype is replaced, "
-   "except a heap tensor, which is refused", effects=True)
+   "except a heap tensor, which is refused", effects=True, effect=CREATES)
 op("copytensor", "life", [t("src")], [t("dst")], _ANY, _copytensor, "copy src into dst (same shape and dtype)",
    grad=True)
-op("deltensor", "life", [], [t("t")], _ANY, _deltensor, "free t", effects=True)
-op("renametensor", "life", [v("new_name", "str")], [t("t")], _ANY, _renametensor, "give t a new name", effects=True)
+op("deltensor", "life", [], [t("t")], _ANY, _deltensor, "free t", effects=True, effect=DELETES)
+op("renametensor", "life", [v("new_name", "str")], [t("t")], _ANY, _renametensor, "give t a new name", effects=True,
+   effect=RENAMES)
 # -- variables: named scalars and vectors that later var/vector params may name
-op("argset", "life", [v("value", "any")], [v("name", "str")], _ANY, nothing, "store a named scalar", effects=True)
-op("vecset", "life", [vec("value")], [Arg("name", "vector")], _ANY, nothing, "store a named vector", effects=True)
+op("argset", "life", [v("value", "any")], [v("name", "str")], _ANY, nothing, "store a named scalar", effects=True,
+   effect=SETS)
+op("vecset", "life", [vec("value")], [Arg("name", "vector")], _ANY, nothing, "store a named vector", effects=True,
+   effect=SETS)
 
 # -- init: fill existing tensors
 op("constant", "init", [v("value")], [t("t")], _ANY, existing, "fill t with value")
@@ -692,9 +717,9 @@ op("save", "io", [t("t", _ANY), v("path", "str")], [], _ANY, nothing, "write pat
    effects=True)
 op("load", "io", [v("path", "str")], [Arg("t", "tensor", _ANY, default=None)], _ANY, nothing,
    "create a tensor from path.shape and path.data, named after the file's whole base name (or the return, "
-   "when given)", effects=True)
+   "when given)", effects=True, effect=LOADS)
 op("loadtensordata", "io", [v("path", "str")], [t("t", _ANY)], _ANY, existing,
-   "read raw bytes from exactly path into the existing t", effects=True)
+   "read raw bytes from exactly path into the existing t", effects=True, effect=FILLS)
 
 # -- elementwise arithmetic; binary forms broadcast (numpy rules), dtypes must match, output dtype = input dtype
 for _n, _d, _e in [("add", "A + B", "A + B"), ("sub", "A - B", "A - B"), ("mul", "A * B", "A * B"),
@@ -713,7 +738,7 @@ for _n in ("sqrt", "exp", "log", "sin", "cos", "tan"):
        grad={"sqrt": lambda g, y: g / y * 0.5, "exp": lambda g, y: g * y, "log": lambda g, A: g / A}.get(_n, True))
 op("invert", "elementwise", [_A], [_C], INTS | {"bool"}, same(0), "bitwise not (integers), logical not (bool)")
 op("todtype", "elementwise", [t("A", _ANY)], [t("C", _ANY)], _ANY, _todtype,
-   "cast A into C's dtype (a gradient flows between float dtypes only)", grad=True)
+   "cast A into C's dtype (a gradient flows between float dtypes only)", grad=True, reads_returns=True)
 
 # -- comparisons, to a bool tensor; eps 0 means exact
 op("less", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A < B")
@@ -1129,27 +1154,7 @@ class SymbolicEnv:
 
     def apply(self, b: Bound) -> None:
         """Record what `b` does to the set of tensors and variables."""
-        name = b.op.name
-        if name == "deltensor":
-            self.tensors[str(b.out_names[0])] = None
-        elif name == "renametensor":
-            old = str(b.out_names[0])
-            if str(b.args[0]) != old and self.meta(str(b.args[0])) is not None:
-                raise DeepxError(f"renametensor: cannot rename '{old}' to '{b.args[0]}': a tensor named "
-                                 f"'{b.args[0]}' exists")
-            self.tensors[str(b.args[0])] = self.meta(old)
-            self.tensors[old] = None
-        elif name == "argset":
-            self.variables[str(b.out_names[0])] = b.args[0]
-        elif name == "vecset":
-            self.vectors[str(b.out_names[0])] = b.args[0]
-        elif name == "load":
-            target = b.out_names[0] if b.out_names else load_name(str(b.args[0]))
-            self.tensors[str(target)] = UNKNOWN
-        else:
-            for n, m in zip(b.out_names, b.outs):
-                if m is not None:
-                    self.tensors[str(n)] = m
+        apply_effect(b, self.tensors, self.variables, self.vectors, self.meta, True)
 
 
 def load_name(path: str) -> str:
@@ -1176,11 +1181,12 @@ def check_program(instrs: Iterable[Instr], env: Env, cache: BindCache | None = N
         except DeepxError as e:
             raise ProgramError(f"instruction 1: {e}", 0) from None
     sym = SymbolicEnv(base=env)
+    tensors, variables, vectors, before = sym.tensors, sym.variables, sym.vectors, sym.meta
     bound = []
     for i, instr in enumerate(instrs):
         try:
             b = bind_one(instr, sym)
-            sym.apply(b)
+            apply_effect(b, tensors, variables, vectors, before, True)
         except DeepxError as e:
             raise ProgramError(f"instruction {i + 1}: {e}", i) from None
         bound.append(b)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from deepx_core.errors import DeepxError
+from deepx_core.ir.effects import heap_made
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import Bound, ProgramError
 from deepx_core.ir.shapes import numel
@@ -34,6 +35,7 @@ from deepxd.actors.worker import (
     OpStat,
     OpWorker,
     RunResult,
+    deletions,
 )
 from deepxd.kernels.cpu import CpuExecutor, dtype_name, repeat_count, transient_transposes, worded
 
@@ -150,7 +152,7 @@ class CpuWorker(OpWorker):
             result.error, result.error_index = str(e), e.index
             return result
         heap_new = (await self._heap_tensors_to_create(bounds)
-                    if any(b.instr.meta and b.op.name == "newtensor" for b in bounds) else {})
+                    if any(b.instr.meta and heap_made(b) for b in bounds) else {})
         self.ex.transient = transient
         if not heap_new and len(program) <= REMEMBER_MAX:
             self._remember(program, fetch, bounds, heavy, transient)
@@ -165,9 +167,8 @@ class CpuWorker(OpWorker):
             if self.heapmem is not None:
                 await self.heapmem.ask("delete", name=name, force=True)
         if self.heap:
-            for b in bounds[: result.done]:
-                if b.op.name == "deltensor":
-                    await self._forget_heap(str(b.out_names[0]))
+            for _, name in deletions(bounds[: result.done]):
+                await self._forget_heap(name)
         result.output = self._output
         if not result.error:
             result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
@@ -214,8 +215,8 @@ class CpuWorker(OpWorker):
         if self.heapmem is None:
             return out
         for i, b in enumerate(bounds):
-            if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
-                name = str(b.out_names[0])
+            name = heap_made(b) if b.instr.meta else None
+            if name is not None:
                 meta = b.outs[0]
                 if meta is None or self.ex.tensors.metas.get(name) == meta:  # kept (of another meta: replaced)
                     continue

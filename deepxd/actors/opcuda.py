@@ -28,11 +28,12 @@ import numpy as np
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.effects import heap_made
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, Bound, ProgramError
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
-from deepxd.actors.worker import HeapViews, KnownProgram, OpStat, OpWorker, RunResult
+from deepxd.actors.worker import HeapViews, KnownProgram, OpStat, OpWorker, RunResult, deletions
 from deepxd.kernels.cpu import dtype_name
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ class CudaWorker(OpWorker):
             return result
         heap_new: dict[int, Any] = {}
         failed = None
-        if self.heapmem is not None and any(b.instr.meta and b.op.name == "newtensor" for b in bounds):
+        if self.heapmem is not None and any(b.instr.meta and heap_made(b) for b in bounds):
             failed = await self._create_heap(bounds, heap_new)
         if failed is None:
             if not heap_new:
@@ -226,9 +227,8 @@ class CudaWorker(OpWorker):
                 result.error, result.error_index = failed
         await self._give_back(bounds, heap_new, result.done)
         if self.heap:
-            for b in bounds[: result.done]:
-                if b.op.name == "deltensor":
-                    await self._forget_heap(str(b.out_names[0]))
+            for _, name in deletions(bounds[: result.done]):
+                await self._forget_heap(name)
         result.output = self._output
         return result
 
@@ -245,8 +245,8 @@ class CudaWorker(OpWorker):
         stops there, and (message, index) is returned."""
         assert self.heapmem is not None
         for i, b in enumerate(bounds):
-            if b.op.name == "newtensor" and b.instr.meta and b.instr.get_meta("kind") == "heap":
-                name = str(b.out_names[0])
+            name = heap_made(b) if b.instr.meta else None
+            if name is not None:
                 meta = b.outs[0]
                 if meta is None or self.ex.tensors.metas.get(name) == meta:  # kept (of another meta: replaced)
                     continue

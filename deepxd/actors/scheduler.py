@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
+from deepx_core.ir.effects import SETS, apply_effect, kind_of
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef
@@ -108,7 +109,7 @@ def _names_variables(program: Sequence[Instr]) -> bool:
     """Whether the program sets variables or may read one by name (a string where a value goes): then the passes
     need the worker's variables. A plain loop: this runs over every instruction of every program."""
     for instr in program:
-        if instr.name in ("argset", "vecset"):
+        if kind_of(instr) is SETS:
             return True
         for p in instr.args:
             if type(p.value) is str and p.category in _VALUE_CATEGORIES:  # a string where a value goes: look closer
@@ -137,9 +138,8 @@ def _set_again(prefix: Sequence[Instr], forward: Sequence[Instr]) -> str | None:
         return None
     last: dict[str, int] = {}
     for k, instr in enumerate(prefix):
-        if instr.name in ("argset", "vecset"):
-            for p in instr.returns:
-                last[str(p.value)] = k
+        for name in apply_effect(instr).sets:
+            last[name] = k
     for v, users in readers.items():
         if v in last and not all(u in prefix[last[v] + 1:] for u in users):
             return v
@@ -555,18 +555,7 @@ class Scheduler(Actor):
                 variables, vectors = dict(ctx.variables), dict(ctx.vectors)  # as the instructions before leave them
                 for b in PassContext(metas=before, variables=ctx.variables, vectors=ctx.vectors,
                                      cache=self.plans).bind(expanded):
-                    if b.op.name == "argset":
-                        variables[str(b.out_names[0])] = b.args[0]
-                    elif b.op.name == "vecset":
-                        vectors[str(b.out_names[0])] = tuple(b.args[0])
-                    elif b.op.name == "deltensor":
-                        metas.pop(str(b.out_names[0]), None)
-                    elif b.op.name == "renametensor":  # (old) -> new, as the worker does it
-                        metas[str(b.args[0])] = metas.pop(str(b.out_names[0]), b.outs[0])
-                    else:
-                        for n, m in zip(b.out_names, b.outs):
-                            if m is not None:
-                                metas[str(n)] = m
+                    apply_effect(b, metas, variables, vectors, None, True)
             except DeepxError:
                 at = i  # the instructions before it are refused: running them says how
                 break

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -17,6 +17,7 @@ import numpy as np
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
+from deepx_core.ir.effects import CREATES, DELETES, RENAMES, apply_effect
 from deepx_core.ir.instr import NUMBERED_OPS, Instr, numbers_probe, probe, renumbered, same_program, scalar_kinds
 from deepx_core.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
 from deepx_core.ir.shapes import numel
@@ -149,7 +150,7 @@ def _state_free(bounds: list[Bound]) -> bool:
     tensors made (those ask heapmem)."""
     for b in bounds:
         op = b.op
-        if op.family == "io" or (op.name == "newtensor" and b.instr.meta):
+        if op.family == "io" or (op.effect.kind is CREATES and b.instr.meta):  # (kind=heap, exists=keep)
             return False
         for a, p in zip(op.args, b.instr.args):
             if type(p.value) is str and a.kind in ("var", "vector", "shape") and a.vtype not in ("str", "any"):
@@ -167,9 +168,17 @@ def _touched(bounds: list[Bound]) -> tuple[str, ...]:
                 names.update(dict.fromkeys(n))
         for n in b.out_names:
             names[str(n)] = None
-        if b.op.name == "renametensor":
-            names[str(b.args[0])] = None
+        if b.op.effect.kind is RENAMES:  # and the name it renames to
+            names.update((new, None) for _, new in apply_effect(b).renamed)
     return tuple(names)
+
+
+def deletions(bounds: Sequence[Bound]) -> Iterator[tuple[int, str]]:
+    """(index, name) of each tensor the checked program deletes."""
+    for i, b in enumerate(bounds):
+        if b.op.effect.kind is DELETES:
+            for name in apply_effect(b).deleted:
+                yield i, name
 
 
 class OpWorker(Actor):
@@ -368,19 +377,18 @@ class OpWorker(Actor):
             return None
         return RunResult(stale=True)
 
-    def _will_exist(self, name: str, bounds: list[Bound]) -> bool:
-        exists = name in self.ex.tensors
+    def _missing(self, names: Sequence[str], bounds: list[Bound]) -> str | None:
+        """The first of `names` that no tensor will have after the program; None where all will."""
+        exists = {name: name in self.ex.tensors for name in names}
         for b in bounds:
-            if b.op.name == "deltensor" and b.out_names[0] == name:
-                exists = False
-            elif b.op.name == "renametensor":
-                if b.out_names[0] == name:
-                    exists = False
-                elif b.args[0] == name:
-                    exists = True
-            elif name in b.out_names or (b.op.name == "load" and name in (str(b.args[0]).rsplit("/", 1)[-1],)):
-                exists = True
-        return exists
+            change = apply_effect(b)
+            for name in change.gone:
+                if name in exists:
+                    exists[name] = False
+            for name in (*change.writes, *(new for _, new in change.renamed)):
+                if name in exists:
+                    exists[name] = True
+        return next((name for name in names if not exists[name]), None)
 
     def _check_program(self, program: Sequence[Instr], fetch: Sequence[str]) -> list[Bound]:
         """The program checked whole against the tensors here, its fetch and its heap tensors included (ProgramError
@@ -388,9 +396,9 @@ class OpWorker(Actor):
         bounds = check_program(program, self.ex, self.ex.plans)
         self._check_instructions(bounds)
         self._check_heap(bounds)
-        for name in fetch:
-            if not self._will_exist(name, bounds):
-                raise ProgramError(f"fetch: tensor '{name}' not found", len(program))
+        missing = self._missing(fetch, bounds) if fetch else None
+        if missing is not None:
+            raise ProgramError(f"fetch: tensor '{missing}' not found", len(program))
         return bounds
 
     @staticmethod
@@ -398,7 +406,7 @@ class OpWorker(Actor):
         """check_instruction (a repeat count, a rename's new name) for each checked instruction that has what it
         reads: ProgramError at the first it refuses, before anything runs."""
         for i, b in enumerate(bounds):
-            if b.instr.meta or b.op.name == "renametensor":
+            if b.instr.meta or b.op.effect.kind is RENAMES:
                 try:
                     check_instruction(b)
                 except DeepxError as e:
@@ -412,21 +420,25 @@ class OpWorker(Actor):
                 view = self.heap.get(n) if isinstance(n, str) else None
                 if view is not None and m is not None and (tuple(m.shape) != tuple(view.shape)
                                                            or m.dtype != dtype_name(view.dtype)):
-                    if b.op.name == "newtensor":
+                    if b.op.effect.kind is CREATES:
                         have = TensorMeta(tuple(view.shape), dtype_name(view.dtype))
                         raise ProgramError(f"instruction {i + 1}: {refused_heap_replace(n, have, m)}", i)
                     raise ProgramError(
                         f"instruction {i + 1}: {b.op.name}: heap tensor '{n}' is {dtype_name(view.dtype)}"
                         f"{list(view.shape)}; it cannot become {m.dtype}{list(m.shape)}", i)
-            if b.op.name == "renametensor" and b.out_names[0] in self.heap:
-                raise ProgramError(f"instruction {i + 1}: renametensor: heap tensor '{b.out_names[0]}' cannot be "
-                                   "renamed", i)
+            if b.op.effect.kind is not RENAMES and b.op.effect.kind is not DELETES:
+                continue
+            change = apply_effect(b)
+            for old, _ in change.renamed:
+                if old in self.heap:
+                    raise ProgramError(f"instruction {i + 1}: {b.op.name}: heap tensor '{old}' cannot be renamed", i)
             # a deltensor releases this worker's own reference only: one it does not hold would stay live
-            if b.op.name == "deltensor" and b.out_names[0] in self.heap and b.out_names[0] not in self.heap_held:
-                raise ProgramError(
-                    f"instruction {i + 1}: deltensor: heap tensor '{b.out_names[0]}' is held by others, not by "
-                    f"{self.name}, so deleting it here would free nothing; its holders release it, or "
-                    f"`deepxctl tensors rm {b.out_names[0]} --force` frees it", i)
+            for name in change.deleted:
+                if name in self.heap and name not in self.heap_held:
+                    raise ProgramError(
+                        f"instruction {i + 1}: {b.op.name}: heap tensor '{name}' is held by others, not by "
+                        f"{self.name}, so deleting it here would free nothing; its holders release it, or "
+                        f"`deepxctl tensors rm {name} --force` frees it", i)
 
     async def _forget_deleted(self, known: KnownProgram, done: int) -> None:
         """The heap tensors that a known program's first `done` instructions deleted: forgotten (_forget_heap)."""
@@ -506,7 +518,7 @@ class OpWorker(Actor):
         program = program if type(program) is list else list(program)
         known = KnownProgram(program, scalar_kinds(program), tuple(fetch), names, [metas.get(n) for n in names],
                              [n in heap for n in names], bounds, [], [], [], heavy,
-                             tuple((i, str(b.out_names[0])) for i, b in enumerate(bounds) if b.op.name == "deltensor"),
+                             tuple(deletions(bounds)),
                              transient if transient is not None else set(), [])
         self.known.add(key, known)
         if any(i.name in NUMBERED_OPS for i in program):

@@ -16,20 +16,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepx_core.cache import Cache
+from deepx_core.ir.effects import DELETES, LOADS, RENAMES, apply_effect, heap_made, kind_of
 from deepx_core.ir.instr import Instr, Param
-from deepx_core.ir.ops import OPS, UNKNOWN, Bound, PerOp, SymbolicEnv, TensorMeta, bind, load_name
+from deepx_core.ir.ops import OPS, UNKNOWN, Bound, PerOp, SymbolicEnv, TensorMeta, bind
 
 READ, WRITE, DELETE, RENAME = 1, 2, 4, 8
 
-#: per op, the positions of its tensor and tensor-list args, and of its tensor returns
-_TENSOR_ARGS: PerOp = PerOp(lambda op: tuple(i for i, a in enumerate(op.args) if a.kind in ("tensor", "listtensor")))
+#: per op, the positions of its tensor returns (those of the tensor and tensor-list args it reads: op.effect.reads)
 _TENSOR_RETURNS: PerOp = PerOp(lambda op: tuple(i for i, a in enumerate(op.returns) if a.kind == "tensor"))
 
 
-_SPECIAL = frozenset({"deltensor", "renametensor", "load"})
-#: ops whose result depends on the output tensor as it was (it must exist, or its value, shape or dtype is kept):
-#: their returns count as read as well as written
-_READS_OUTPUT: PerOp = PerOp(lambda op: op.family == "init" or op.name in ("newtensor", "todtype", "loadtensordata"))
+#: ops whose events Uses takes from refs: those that delete, rename or load, and those whose result depends on the
+#: output tensor as it was (it must exist, or its value, shape or dtype is kept), whose returns count as read as well
+#: as written
+_BY_REFS: PerOp = PerOp(lambda op: op.effect.kind in (DELETES, RENAMES, LOADS) or op.effect.reads_returns)
 
 
 def tensor_names(instr: Instr) -> list[str]:
@@ -53,7 +53,7 @@ def named_tensors(instr: Instr) -> list[str]:
         return tensor_names(instr)
     out: list[str] = []
     args, returns = instr.args, instr.returns
-    for i in _TENSOR_ARGS[instr.name]:
+    for i in op.effect.reads:
         if i >= len(args):
             continue
         v = args[i].value
@@ -61,7 +61,7 @@ def named_tensors(instr: Instr) -> list[str]:
             out.extend(str(x) for x in (v if isinstance(v, tuple) else str(v).strip()[1:-1].replace(",", " ").split()))
         else:
             out.append(str(v))
-    if instr.name == "renametensor" and args:
+    if op.effect.kind is RENAMES and args:  # the new name
         out.append(str(args[0].value))
     for i in _TENSOR_RETURNS[instr.name]:
         if i < len(returns):
@@ -75,7 +75,7 @@ def has_ends(program: Iterable[Instr]) -> bool:
     written: set[Any] = set()
     add = written.add
     for instr in program:
-        if instr.name == "deltensor":
+        if kind_of(instr) is DELETES:
             return True
         for p in instr.returns:
             v = p.value
@@ -86,36 +86,25 @@ def has_ends(program: Iterable[Instr]) -> bool:
 
 
 def tensor_reads(b: Bound) -> list[str]:
-    names: list[str] = []
-    for i in _TENSOR_ARGS[b.op.name]:
-        n = b.names[i]
-        if isinstance(n, list):
-            names.extend(n)
-        elif n is not None:
-            names.append(n)
-    return names
+    """Tensors an instruction reads (its tensor args, and the items of its tensor lists)."""
+    return list(apply_effect(b).reads)
 
 
 def tensor_writes(b: Bound) -> list[str]:
-    """Tensors an instruction writes (not the life ops: deltensor, renametensor; load's derived name included)."""
-    name = b.op.name
-    if name == "deltensor" or name == "renametensor":
-        return []
-    if name == "load":
-        return [str(b.out_names[0]) if b.out_names else load_name(str(b.args[0]))]
-    return [str(b.out_names[i]) for i in _TENSOR_RETURNS[name] if i < len(b.out_names)]
+    """Tensors an instruction gives a value (not those it deletes or renames; load's derived name included)."""
+    return list(apply_effect(b).written)
 
 
 def refs(b: Bound) -> list[tuple[str, int]]:
     """(tensor name, READ|WRITE|DELETE|RENAME) for every tensor an instruction touches."""
-    name = b.op.name
-    if name == "deltensor":
-        return [(str(b.out_names[0]), DELETE)]
-    if name == "renametensor":
-        return [(str(b.out_names[0]), RENAME), (str(b.args[0]), RENAME)]
-    out = [(n, READ) for n in tensor_reads(b)]
-    kind = READ | WRITE if _READS_OUTPUT.get(name) else WRITE
-    out.extend((n, kind) for n in tensor_writes(b))
+    change = apply_effect(b)
+    if change.deleted:
+        return [(n, DELETE) for n in change.deleted]
+    if change.renamed:
+        return [(n, RENAME) for pair in change.renamed for n in pair]
+    out = [(n, READ) for n in change.reads]
+    kind = READ | WRITE if b.op.effect.reads_returns else WRITE
+    out.extend((n, kind) for n in change.written)
     return out
 
 
@@ -137,14 +126,15 @@ class Uses:
                 p.append(i)
                 kinds[name].append(kind)
 
+        by_refs = _BY_REFS
         for i, b in enumerate(bounds):
             op = b.op.name
-            if op in _SPECIAL or _READS_OUTPUT.get(op):
+            if by_refs[op]:
                 for name, kind in refs(b):
                     add(name, i, kind)
                 continue
             names = b.names
-            for k in _TENSOR_ARGS[op]:
+            for k in b.op.effect.reads:
                 n = names[k]
                 if type(n) is str:
                     add(n, i, READ)
@@ -202,7 +192,6 @@ class _ProgramEnv(SymbolicEnv):
         self.meta = self.tensors.get  # type: ignore[method-assign,assignment]
 
 
-_DELTENSOR = OPS["deltensor"]
 _UNMEMO_FAMILIES = frozenset({"life", "io"})  # they change the set of tensors or touch files
 
 
@@ -318,31 +307,31 @@ class PassContext:
         bounds: list[Bound] = []
         before: list[list[TensorMeta | None]] = []
         new_memo: dict[int, tuple[Instr, Bound] | None] = {}
-        tensors = env.tensors
+        tensors, variables, vectors = env.tensors, env.variables, env.vectors
         meta = env.meta
+        ops = OPS
         for instr in program:
             m = memo.get(id(instr))
             if m is not None and m[0] is instr:  # None: it occurred more than once
                 b = m[1]
-            elif instr.name == "deltensor" and len(instr.returns) == 1 and not instr.args:
-                name = instr.returns[0].value
+            elif ((op := ops.get(instr.name)) is not None and op.effect.kind is DELETES and len(instr.returns) == 1
+                  and not instr.args):
+                name = instr.returns[0].value  # a training step has dozens: checked here, without bind
                 name = name if type(name) is str else str(name)
                 if meta(name) is None:
                     b = bind(instr, env)  # raises: not found
-                b = Bound(_DELTENSOR, instr, [], [], [None], [name])
+                b = Bound(op, instr, [], [], [None], [name])
             else:
                 b = cache.bind(instr, meta, env)
             new_memo[id(instr)] = None if id(instr) in new_memo else (instr, b)
             out_names = b.out_names
-            if b.op is _DELTENSOR:
-                before.append([meta(out_names[0])])
-                tensors[out_names[0]] = None
-            else:
-                before.append([meta(str(n)) for n in out_names] if out_names else [])
-                env.apply(b)
+            before.append([meta(str(n)) for n in out_names] if out_names else [])
+            apply_effect(b, tensors, variables, vectors, meta, True)
             bounds.append(b)
-            if instr.meta and instr.name == "newtensor" and instr.get_meta("kind") == "heap":
-                self._pinned.add(str(b.out_names[0]))  # a heap tensor: heapmem and other processes see it
+            if instr.meta:
+                made = heap_made(b)
+                if made is not None:
+                    self._pinned.add(made)  # a heap tensor: heapmem and other processes see it
         self._program, self._bounds, self._before, self._memo = program, bounds, before, new_memo
         self._uses = None
         return bounds
@@ -368,7 +357,7 @@ def rename_reads(instr: Instr, renames: Mapping[str, str]) -> Instr:
     """`instr` reading renames[n] wherever it read tensor n (tensor and tensor-list args only)."""
     op = OPS[instr.name]
     args = list(instr.args)
-    for i in _TENSOR_ARGS[instr.name]:
+    for i in op.effect.reads:
         if i >= len(args):
             continue
         p = args[i]
@@ -420,26 +409,19 @@ def apply_edits(ctx: PassContext, program: Sequence[Instr], edits: Mapping[int, 
 def _simulate(program: Sequence[Instr], before: Container[str], state: dict[str, bool],
               ok: list[bool] | None = None) -> None:
     """Follow which tensors exist through `program` (state: name -> exists, for the names touched so far)."""
+    get = state.get
     for instr in program:
-        name = instr.name
-        if name == "deltensor":
-            t = str(instr.returns[0].value)
-            if ok is not None:
-                alive = state.get(t)
-                ok.append(t in before if alive is None else alive)
-            state[t] = False
-            continue
+        change = apply_effect(instr)
+        deleted = change.deleted
         if ok is not None:
-            ok.append(True)
-        if name == "renametensor":
-            state[str(instr.returns[0].value)] = False
-            state[str(instr.args[0].value)] = True
-        elif name == "load":
-            state[str(instr.returns[0].value) if instr.returns else load_name(str(instr.args[0].value))] = True
-        else:
-            for i in _TENSOR_RETURNS.get(name, ()):
-                if i < len(instr.returns):
-                    state[str(instr.returns[i].value)] = True
+            ok.append(all(t in before if get(t) is None else get(t) for t in deleted) if deleted else True)
+        for t in deleted:
+            state[t] = False
+        for old, new in change.renamed:
+            state[old] = False
+            state[new] = True
+        for n in change.written:
+            state[n] = True
 
 
 def existence_checks(program: Sequence[Instr], before: Container[str]) -> list[bool]:

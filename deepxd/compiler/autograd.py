@@ -25,6 +25,7 @@ from typing import Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
+from deepx_core.ir.effects import DELETES
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, UNKNOWN, Bound, Env, PerOp, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
 
@@ -382,7 +383,7 @@ class _Builder:
                     outs.append(None)
                     continue
                 self.version[n] = self.version.get(n, 0) + 1
-                if b.op.name == "deltensor":
+                if b.op.effect.kind is DELETES:
                     self.deleted.add(n)
                     outs.append(None)
                 else:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from deepx_core.ir.dtypes import ALL, FLOATS, INTS, NUMERIC, STORABLE
+from deepx_core.ir.effects import CREATES, DELETES, FILLS, LOADS, READS, RENAMES, SETS, WRITES
 from deepx_core.ir.ops import OPS, OpDef, _fmt
 
 BEGIN = "<!-- BEGIN GENERATED: python -m deepxd.compiler.doc --write -->"
@@ -70,7 +71,28 @@ def render() -> str:
     lines.append("gradient: the formula of the op's rule (in its catalogue entry, or in `deepxd/compiler/autograd.py`),"
                  " with g the gradient of the result y; dX is the gradient of input X, summed over the dims it was "
                  "broadcast along. Gradients flow through float tensors only (float64 float32 float16 bfloat16).")
+    lines.append("")
+    lines.append(_effects())
     return "\n".join(lines)
+
+
+_EFFECT_WORDS = {FILLS: "writes its returns in place, which exist and keep their shape and dtype",
+                 CREATES: "makes its return, keeping one of that shape and dtype", DELETES: "its return",
+                 RENAMES: "its return", LOADS: "makes a tensor from a file", READS: "only",
+                 SETS: "a variable or a vector"}
+
+
+def _effects() -> str:
+    """Each op's effect on the set of tensors (its entry's `effect`, which `apply_effect` follows)."""
+    by_kind: dict[str, list[str]] = {}
+    for op in OPS.values():
+        by_kind.setdefault(op.effect.kind, []).append(f"`{op.name}`")
+    parts = [f"{k} ({words}): {', '.join(by_kind[k])}" for k, words in _EFFECT_WORDS.items() if k in by_kind]
+    reading = [f"`{op.name}`" for op in OPS.values() if op.effect.kind == WRITES and op.effect.reads_returns]
+    return ("effect on the set of tensors (an entry's `effect`, which `apply_effect` in `deepx_core/ir/effects.py` "
+            "follows for every layer): an op reads its tensor args and writes its returns (made where absent, else "
+            f"written over), unless its entry says otherwise: {'; '.join(parts)}. The result of "
+            f"{', '.join(reading)} also depends on its return as it was (its dtype).")
 
 
 def rewrite(path: Path) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.graphrecord import GraphRecord
+from deepx_core.ir.effects import CREATES, apply_effect, kind_of
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import TensorMeta
 from deepxd.compiler.analysis import tensor_names
@@ -76,13 +77,14 @@ def plan_graph(name: str, data: bytes, metas: Mapping[str, TensorMeta], keep: Co
         slots = _slots(rec, plan, origins) or {}
     # the temporaries still alive at the end stay allocated between replays (as a CUDA graph's memory does): the
     # next replay writes into the buffers it has instead of faulting in fresh memory (about 5x faster for an MLP
-    # step). Their deletions were there for the passes, which have seen them.
-    made_by_newtensor = {_first_return(i) for i in plan if i.name == "newtensor"}
+    # step). Their deletions were there for the passes, which have seen them; not those of a newtensor's, which would
+    # keep the values the name holds instead of making zeros.
+    made_by_newtensor = {n for i in plan if kind_of(i) is CREATES for n in apply_effect(i).writes}
     tail = len(plan)
-    while tail and plan[tail - 1].name == "deltensor":
+    while tail and apply_effect(plan[tail - 1]).deleted:
         tail -= 1
-    kept = [k for k in range(tail, len(plan)) if not _first_return(plan[k]).startswith(f"{name}.t")
-            or _first_return(plan[k]) in made_by_newtensor]
+    kept = [k for k in range(tail, len(plan)) if not all(n.startswith(f"{name}.t") and n not in made_by_newtensor
+                                                          for n in apply_effect(plan[k]).deleted)]
     plan, origins = plan[:tail] + [plan[k] for k in kept], origins[:tail] + [origins[k] for k in kept]
     g = GraphPlan(rec, data, plan, origins, list(passes), slots=slots)
     names = {n for n, _, _ in rec.inputs} | {n for n, _, _ in rec.outputs}
@@ -91,14 +93,6 @@ def plan_graph(name: str, data: bytes, metas: Mapping[str, TensorMeta], keep: Co
             if n in names:
                 g.touches.setdefault(n, []).append(k)
     return g
-
-
-def _first_return(instr: Instr) -> str:
-    """The name an instruction writes first; "" for one with no returns (a malformed record: the worker's check of
-    the replayed program refuses it with a message)."""
-    return str(instr.returns[0].value) if instr.returns else ""
-
-
 
 
 def _slots(rec: GraphRecord, plan: Sequence[Instr], origins: Sequence[int]) -> dict[str, list[tuple[int, int]]] | None:

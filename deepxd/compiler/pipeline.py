@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
+from deepx_core.ir.effects import CREATES, DELETES, kind_of
 from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param, probe, same_program, scalar_kinds
 from deepx_core.ir.ops import UNKNOWN, PerOp, TensorMeta
 from deepx_core.ir.text import format_text
@@ -232,7 +233,7 @@ class PlanCache:
             rets = tuple((p.category, p.precisions, token(p.value) if is_tensor else p.value)
                          for p, is_tensor in zip(instr.returns, _RETURN_TENSOR[instr.name]))
             parts.append((instr.name, tuple(p.category for p in instr.args), tuple(p.precisions for p in instr.args),
-                          tuple(args), rets, instr.meta if instr.name == "newtensor" else ()))
+                          tuple(args), rets, instr.meta if kind_of(instr) is CREATES else ()))  # keep, heap
         metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
         # what the rewrite depends on besides the structure: which tensors exist before (and their metas), and
         # which are fetched or heap; never the names themselves (a client's pool hands out names in any order)
@@ -264,7 +265,7 @@ def _instantiate(template: Instr, names: Sequence[str], meta: tuple[tuple[str, s
         return p
 
     return Instr(template.name, tuple(map(sub, template.args)), tuple(map(sub, template.returns)),
-                 meta if template.name != "deltensor" else ())
+                 meta if kind_of(template) is not DELETES else ())  # (a delete the passes added has none)
 
 
 def explain(program: Sequence[Instr], metas: Mapping[str, TensorMeta] | None = None, fetch: Collection[str] = (),

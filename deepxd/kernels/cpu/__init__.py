@@ -22,6 +22,7 @@ import numpy as np
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import from_numpy, to_numpy
+from deepx_core.ir.effects import RENAMES, apply_effect
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import BindCache, Bound, OpDef, PerOp, TensorMeta
 from deepx_core.ir.shapes import numel
@@ -91,11 +92,11 @@ def check_instruction(b: Bound) -> None:
     deepxIR text can write (a tensor that no line could refer to would be stuck)."""
     if b.instr.meta:
         repeat_count(b.instr)
-    if b.op.name == "renametensor":
-        new = str(b.args[0])
-        if not is_name(new):
-            raise DeepxError(f"renametensor: cannot rename '{b.out_names[0]}' to {new!r}: deepxIR text cannot name a "
-                             "tensor with whitespace, ',', '->', brackets or parentheses; choose a name without them")
+    if b.op.effect.kind is RENAMES:
+        for old, new in apply_effect(b).renamed:
+            if not is_name(new):
+                raise DeepxError(f"{b.op.name}: cannot rename '{old}' to {new!r}: deepxIR text cannot name a tensor "
+                                 "with whitespace, ',', '->', brackets or parentheses; choose a name without them")
 
 
 def _shown(value: Any) -> str:
@@ -784,15 +785,13 @@ class CpuExecutor:
         name = b.op.name
         kernel = KERNELS[name]
         try:
-            if self.shared:
-                if name == "deltensor":
-                    self._forget_view(str(b.out_names[0]))
-                else:
-                    for n in b.out_names:
-                        if n in self.shared:
-                            self.unshare(n)
-                    if name == "renametensor" and b.args[0] in self.shared:
-                        self.unshare(str(b.args[0]))
+            if self.shared:  # views: see unshare
+                change = apply_effect(b)
+                for n in change.deleted:
+                    self._forget_view(n)
+                for n in (*change.writes, *(n for pair in change.renamed for n in pair)):
+                    if n in self.shared:
+                        self.unshare(n)
             if name == "transpose" and self._transpose_view(b):
                 return
             if b.op.family in STORE_FAMILIES:
