@@ -41,7 +41,8 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, existing
 from deepx_core.ir.wire import instr_from_obj
 from deepx_sdk.optim import sgd_step
-from deepx_sdk.session import NativeTransport, Session, Transport, session
+from deepx_sdk.session import Session, session
+from deepx_sdk.transports import NativeTransport, Transport
 
 log = logging.getLogger(__name__)
 

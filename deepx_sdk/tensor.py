@@ -23,7 +23,8 @@ from deepx_core.ir.dtypes import from_numpy as precision_of
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, Call, TensorMeta
 from deepx_core.ir.shapes import broadcast, norm_dim, numel
-from deepx_sdk.session import _IN_SDK, Session, graph_of, origin, session
+from deepx_sdk.session import _IN_SDK, Session, origin, session
+from deepx_sdk.tape import graph_of
 
 Shape = tuple[int, ...]
 
