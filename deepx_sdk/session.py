@@ -25,7 +25,8 @@ import numpy as np
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
-from deepx_core.ir.instr import Instr, Param, renumbered, same_program, scalar_kinds
+from deepx_core.ir.instr import Instr, Param
+from deepx_sdk.lazy_backward import LazyBackward
 from deepx_sdk.tape import Tape
 from deepx_sdk.transports import NativeTransport, Outcome, Transport, open_transport
 
@@ -46,23 +47,6 @@ def in_sdk(code: CodeType) -> tuple[CodeType, bool]:
 def _name_order(name: str) -> tuple[int, str]:
     """A session's names are its prefix and a number: by length, then text, is by number."""
     return len(name), name
-
-
-#: how many backwards of a graph whose steps did not repeat go on their own before recording is tried again
-LAZY_RETRY = 64
-
-
-def _backward_probe(spec: dict[str, Any]) -> Any:
-    """What a backward request is looked up by (its forward's length and ends, loss, wrt, upstream gradient, prefix
-    and names); None where it cannot be hashed (a list inside a param)."""
-    forward = spec["forward"]
-    try:
-        probe = (len(forward), forward[0] if forward else None, forward[-1] if forward else None, spec["loss"],
-                 tuple(spec["wrt"]), spec["grad_loss"], spec["prefix"], tuple(spec["names"].items()))
-        hash(probe)
-    except TypeError:
-        return None
-    return probe
 
 
 #: deltensor instructions by (name, dtype): a loop deletes the same names every step, and the same objects then
@@ -194,19 +178,8 @@ class Session:
         self.runs = 0
         # backward instructions in `pending` (record_backward): what the daemon expands each into, with its index
         self.backwards: list[dict[str, Any]] = []
-        # backward requests that the daemon derived before (by probe: forward length, ends, loss, wrt, grad_loss,
-        # prefix): a repeat is recorded into the program instead of sent on its own (see Tensor.backward)
-        self._backwards_seen: Cache[Any, list[tuple[list[Instr], Any]]] = Cache("sdk.backwards_seen", 64, per_key=4)
-        # recording backward into the step pays when the steps' programs repeat exactly (the daemon's caches then
-        # hold the whole step); a step whose numbers change (Adam's step count, a learning-rate schedule) would put
-        # the whole step through the passes and checks afresh each time, which costs more than the round trip it
-        # saves. So the programs that carry a backward are compared: after two in a row that repeat none of the last
-        # few, that graph's backward() goes on its own again (_lazy_off) for the next LAZY_RETRY backwards of it,
-        # then is tried again (a learning-rate warm-up ends; the steps repeat from there)
-        self.lazy_backward = True  # False: never (a session may turn it off)
-        self._lazy_programs: Cache[int, tuple[list[Instr], Any]] = Cache("sdk.step_programs", 4)  # by id
-        self._lazy_misses: dict[Any, int] = {}  # backward probe -> programs in a row that repeated none
-        self._lazy_off: dict[Any, int] = {}  # probe -> how many more of its backwards go on their own
+        # whether a backward is recorded into the program or sent on its own (deepx_sdk/lazy_backward.py)
+        self.lazy = LazyBackward()
 
     @property
     def grad_enabled(self) -> bool:
@@ -247,30 +220,9 @@ class Session:
             self.flush_full()
 
     def backward_seen(self, spec: dict[str, Any], remember: bool = False) -> bool:
-        """Whether the daemon derived this backward request before (the same forward graph, loss, wrt, upstream
-        gradient and names); `remember`: it just did."""
-        forward = spec["forward"]
-        probe = _backward_probe(spec)
-        if probe is None:
-            return False
-        off = self._lazy_off.get(probe)
-        if off is not None:
-            if off > 1:
-                self._lazy_off[probe] = off - 1
-            else:
-                del self._lazy_off[probe]
-                self._lazy_misses.pop(probe, None)
-            return False
-        for known, kinds in self._backwards_seen.bucket(probe):
-            if same_program(forward, known, kinds):
-                self._backwards_seen.hit()
-                return True
-        self._backwards_seen.miss()
-        # only an exact repeat: a graph that differs from step to step (dropout's seed, names from a pool that
-        # overflows) would send the whole step through the passes afresh, which costs more than the round trip saved
-        if remember:
-            self._backwards_seen.add(probe, (list(forward), scalar_kinds(forward)))
-        return False
+        """Whether this backward request is recorded into the program (see LazyBackward.seen); `remember`: the daemon
+        just derived it."""
+        return self.lazy.seen(spec, remember)
 
     def undo_unrun(self, instr: Instr, undo: Any) -> None:
         """Call undo() if `instr` (about to be recorded) is in a program that fails before it runs: Python's own
@@ -531,7 +483,7 @@ class Session:
                              "UDP has no way back for data; connect to a deepxd over unix:// (or embedded) to read "
                              "values")
         if backwards:
-            self._judge_lazy(program, backwards)
+            self.lazy.judge(program, backwards)
         try:
             outcome = (self.transport.run(program, fetch, backwards) if backwards  # type: ignore[call-arg]
                        else self.transport.run(program, fetch))
@@ -571,26 +523,6 @@ class Session:
                 _link(self.transport).drop(name)
             except DeepxError as e:
                 log.debug("dropping graph %s: %s", name, e)
-
-    def _judge_lazy(self, program: list[Instr], backwards: list[dict[str, Any]]) -> None:
-        """A program carrying backward instructions: does it repeat one of the last few exactly? (see _lazy_off)"""
-        probes = [p for p in map(_backward_probe, backwards) if p is not None]
-        for known, kinds in self._lazy_programs.newest():
-            # a repeat, or one with new numbers in its optimizer updates (Adam's step count, a scheduled lr): the
-            # daemon's caches hold both (instr.renumbered)
-            if same_program(program, known, kinds) or renumbered(program, known):
-                self._lazy_programs.hit()
-                for p in probes:
-                    self._lazy_misses.pop(p, None)
-                return
-        self._lazy_programs.miss()
-        if self._lazy_programs:
-            for p in probes:
-                misses = self._lazy_misses[p] = self._lazy_misses.get(p, 0) + 1
-                if misses >= 2:
-                    self._lazy_off[p] = LAZY_RETRY
-                    log.debug("this graph's backward() goes on its own from here: its steps do not repeat")
-        self._lazy_programs.put(id(program), (program, scalar_kinds(program)))
 
     def _forget_unrun(self, program: list[Instr], done: int, mark: int, revived: Collection[str] = frozenset(),
                       reused: Collection[str] = frozenset(), taken: Mapping[str, int] | None = None) -> None:

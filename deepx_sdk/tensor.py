@@ -505,7 +505,7 @@ class Tensor:
             grads = {w: f"{prefix}r{i}" for i, w in enumerate(leaves)}
             spec = {"forward": forward, "loss": loss.name, "wrt": list(leaves), "grad_loss": upstream,
                     "prefix": prefix, "names": grads}
-            if s.transport.lazy_backward and s.capture is None and s.lazy_backward and s.backward_seen(spec):
+            if s.transport.lazy_backward and s.capture is None and s.lazy.enabled and s.backward_seen(spec):
                 # derived before (a training loop): recorded, and expanded by the daemon where it stands in the
                 # program, so that the whole step goes as one program
                 s.record_backward(Instr("backward", (_tp(loss),), tuple(Param.tensor(n, leaves[w].dtype)

@@ -286,7 +286,7 @@ def test_an_adam_step_is_one_program_though_its_numbers_change(rng):
         for _ in range(12):
             _paired_step((dxx, w, opt, sched), (tx, tw, topt, tsched))
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
-    assert not s._lazy_off and sent[-6:] == [1] * 6  # each step one program, its backward in it
+    assert not s.lazy._off and sent[-6:] == [1] * 6  # each step one program, its backward in it
     assert scheduler.fast_hits - fast >= 6 and worker.renumbered_hits - renumbered >= 6
 
 
@@ -317,7 +317,7 @@ def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
             assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
     assert monitor.item() == pytest.approx(x.sum() * 2.1, rel=1e-10)
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
-    assert 1 in sent and s._lazy_off  # recorded for a while, then judged not to pay
+    assert 1 in sent and s.lazy._off  # recorded for a while, then judged not to pay
     assert sent[-6:].count(0) >= 4  # most of the last steps: each backward on its own (tried again now and then)
 
 
@@ -376,7 +376,7 @@ def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
     backwards, once the steps repeat."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("deepx_sdk.session"), "LAZY_RETRY", 4)
+    monkeypatch.setattr(importlib.import_module("deepx_sdk.lazy_backward"), "LAZY_RETRY", 4)
     dx.connect()
     w0, x = rng.standard_normal((4, 3)), rng.standard_normal((5, 4))
     w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
