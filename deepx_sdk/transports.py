@@ -36,7 +36,7 @@ class Outcome:
 
 
 class Transport:
-    #: whether run() takes `backwards`: `loss.backward()` recorded into the program (see Session.record_backward)
+    #: whether run() takes `backwards`: `loss.backward()` recorded into the program (see Recorder.record_backward)
     lazy_backward = False
 
     def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:

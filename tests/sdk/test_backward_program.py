@@ -116,9 +116,9 @@ def test_a_recorded_backward_that_fails_raises_at_the_next_read_naming_its_line(
     grad = w.grad
     with pytest.raises(DeepxError, match=rf"backward: .*overwrites.*test_backward_program.py:{line}"):
         grad.numpy()
-    assert grad.name in dx.session()._lost  # its tensor never came to exist: Python does not delete it
-    k = int(grad.name[len(dx.session()._grad_root):].partition("_")[0])
-    assert dx.session()._grad_live[k] == -1  # what ran of it may be left: its prefix is not handed out again
+    assert grad.name in dx.session().names.lost  # its tensor never came to exist: Python does not delete it
+    k = int(grad.name[len(dx.session().names.grad_root):].partition("_")[0])
+    assert dx.session().names._grad_live[k] == -1  # what ran of it may be left: its prefix is not handed out again
     del grad
     w.grad = None
     np.testing.assert_allclose((w * 2).numpy(), w.detach().numpy() * 2)  # the session goes on
@@ -192,7 +192,7 @@ def test_deleted_transposes_are_not_deleted_again(rng):
     u = a.permute(1, 0)  # takes the deleted transpose's name, and never runs
     with pytest.raises(DeepxError, match="label 7 out of range"):
         dx.sync()
-    assert u.name in s._lost
+    assert u.name in s.names.lost
     del u, bad
     np.testing.assert_array_equal((a + 1).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3) + 1)
     np.testing.assert_array_equal(a.permute(1, 0).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3).T)
@@ -345,12 +345,12 @@ def test_data_sent_from_python_takes_only_names_whose_tensors_exist():
     c.add_(1.0)  # after the failure: never runs
     with pytest.raises(DeepxError, match="out of range"):
         dx.sync()
-    assert c.name not in s._lost  # it exists: deleted (or pooled) when collected, not leaked
+    assert c.name not in s.names.lost  # it exists: deleted (or pooled) when collected, not leaked
     name = c.name
     del c, bad
     gc.collect()
     dx.sync()
-    assert name not in ex.tensors or any(name in v for v in s.pool.values())
+    assert name not in ex.tensors or any(name in v for v in s.names.pool.values())
 
     @dx.compile
     def f(x):  # type: ignore[no-untyped-def]
