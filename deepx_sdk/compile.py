@@ -42,7 +42,8 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS
 from deepx_core.ir.wire import instr_from_obj
 from deepx_sdk.optim import sgd_step
-from deepx_sdk.session import NativeTransport, Session, Transport, session
+from deepx_sdk.session import Session, session
+from deepx_sdk.transports import NativeTransport, Transport
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ _OPTIMIZER_OPS = frozenset({"sgd", "adam", "adamw"})
 # ------------------------------------------------------------------------------------------------ capture
 
 
-class _Recorder(Transport):
+class _Capture(Transport):
     """Stands in for the session's transport while a call is captured: every program and every backward
     expansion is run as usual and also appended to `instrs`."""
 
@@ -75,7 +76,7 @@ class _Recorder(Transport):
         return self.inner.run(program, fetch)
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
-        self.session._lost.add(name)  # its handle exists, its tensor never will: Python must not delete it
+        self.session.names.never_made(name)  # its handle exists, its tensor never will: Python must not delete it
         raise DeepxError(f"dx.compile: the function sends data from Python (a {array.dtype}{list(array.shape)} "
                          "array, by dx.tensor or similar) while it is captured; such a constant would be frozen into "
                          "the graph. Pass it as an argument instead (or create it once, outside the function)")
@@ -313,7 +314,7 @@ class _Link:
 
 
 def _link(transport: Transport) -> _Link:
-    return _Link(transport.inner if isinstance(transport, _Recorder) else transport)
+    return _Link(transport.inner if isinstance(transport, _Capture) else transport)
 
 
 # ------------------------------------------------------------------------------------------------ signatures
@@ -498,7 +499,7 @@ class Explained:
 def _drop_when_gone(made: list[tuple[Any, str]]) -> None:
     """A compiled function was collected (in any thread): its graphs go with the sessions' next programs."""
     for s, name in made:
-        s.graph_drops.append(name)
+        s.recorder.drop_graph(name)
 
 
 class CompiledFunction:
@@ -514,7 +515,7 @@ class CompiledFunction:
             check_graph_name(self.base)
         self._graphs: dict[str, _Graph] = {}
         # (session, graph name) of every graph this function stored or took from the plane: when the function goes,
-        # each session lets go of their plans and the temporaries their replays keep allocated (Session.graph_drops)
+        # each session lets go of their plans and the temporaries their replays keep allocated (Recorder.graph_drops)
         self._made: list[tuple[Any, str]] = []
         weakref.finalize(self, _drop_when_gone, self._made).atexit = False
         self.captures = 0  # calls that traced the function
@@ -589,7 +590,7 @@ class CompiledFunction:
             return None
         self._graphs[key] = g
         self._made.append((s, name))
-        s.graphs_made.add(name)
+        s.recorder.graph_made(name)
         return g
 
     def _bind_state(self, g: _Graph, opts: Sequence[Any]) -> bool:
@@ -637,15 +638,10 @@ class CompiledFunction:
         before = repr(_state_signature(mods, opts, grads=False))
         grads_before = {id(p): p.grad for m in mods for _, p in m.structure()[0]}
         outside = _outside(s)
-        rec = _Recorder(s.transport, s)
-        s.transport = rec
-        s.capture = rec
-        try:
+        rec = _Capture(s.transport, s)
+        with s.recorder.capturing(rec):
             result = self.fn(*args, **kwargs)
             s.sync()
-        finally:
-            s.transport = rec.inner
-            s.capture = None
         self.captures += 1
         if repr(_state_signature(mods, opts, grads=False)) != before:
             # the call made new state (an optimizer's first step creates its buffers): what it recorded makes them,
@@ -679,7 +675,7 @@ class CompiledFunction:
         _link(s.transport).store(name, record.pack())
         self._graphs[key] = g
         self._made.append((s, name))
-        s.graphs_made.add(name)
+        s.recorder.graph_made(name)
         self.last = g
         return result
 
@@ -691,11 +687,11 @@ class CompiledFunction:
         # where nothing is recorded, only collected handles wait: the outputs take their names first, so that a
         # loop's last result (the loss of the step before) hands its name straight over, with no program of its
         # delete sent ahead of the replay
-        early = not s.pending and s.error is None  # (a sync that raises would take the names with it)
-        out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs] if early else None
+        early = not s.pending and s.recorder.error is None  # (a sync that raises would take the names with it)
+        out_names = [s.recorder.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs] if early else None
         s.sync()  # what was recorded before the call runs first
         if out_names is None:
-            out_names = [s.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs]
+            out_names = [s.recorder.reuse_name(tuple(sh), d) for _, d, sh in rec.outputs]
         inputs: dict[str, Any] = {}
         tensors = [v for _, v in leaves if _is_tensor(v) or isinstance(v, np.ndarray)]
         seen: set[Any] = set()
@@ -733,24 +729,22 @@ class CompiledFunction:
                 scalars[key] = _hyper(b, a)
         # small outputs (a loss) come back with the replay: reading one next (loss.item()) then costs no round trip
         small = [t for t, (_, _, sh) in zip(out_names, rec.outputs) if math.prod(sh) <= SMALL_OUTPUT]
-        s.runs += 1
+        s.recorder.sent_request()
         try:
             values = _link(s.transport).replay(g.name, inputs, {n: t for (n, _, _), t in zip(rec.outputs, out_names)},
                                                scalars, small)
         finally:
             # made or failed, no pending program makes these names: nothing of a later program's failure is to be read
-            # off them. A name reused from the pool (Session.reuse_name) is not waiting on a program any more
-            s._reused.difference_update(out_names)
-            for name in out_names:
-                s._taken.pop(name, None)
+            # off them. A name reused from the pool (Recorder.reuse_name) is not waiting on a program any more
+            s.names.not_pending(out_names)
         # the replay made them: a later program that fails must not count one as never made (its tensor would then
-        # never be deleted). A name reused from a deleted tensor (Session.reuse_name) is not waiting on a program any
-        # more; a new one is numbered above the mark, which moves past it, as a put moves it, where nothing pending
-        # makes a tensor (only deletes of collected handles can be pending here: the call synced first)
-        s._revived.difference_update(out_names)
+        # never be deleted). A name reused from a deleted tensor is not waiting on a program any more; a new one is
+        # numbered above the mark, which moves past it, as a put moves it, where nothing pending makes a tensor (only
+        # deletes of collected handles can be pending here: the call synced first)
+        s.names.made(out_names)
         with s._lock:
             if all(apply_effect(i).deleted for i in s.pending):
-                s._mark = next(s._names)
+                s.names.all_made()
         for st, step in steps:
             st["step"] = step
         for _, p, _ in g.updates:  # written in place by the replay: as an eager step marks them (Tape.wrote)
@@ -760,7 +754,7 @@ class CompiledFunction:
         for t in outs:
             v = values.get(t.name)
             if v is not None:
-                t._v = (s.runs, v)
+                t._v = (s.recorder.runs, v)
         return _unspec(rec.returns, outs)
 
     def _scalar_plan(self, g: _Graph) -> list[tuple[int, str, Any, Any]]:
@@ -833,10 +827,9 @@ def _outside(s: Session) -> Callable[[str], bool]:
     """Whether a name stood for a tensor Python held when the capture began: not one the session makes from here on
     (numbered after the mark) and not one it had dropped (pooled, a deleted transpose's, or collected: free for
     reuse)."""
-    prefix = s._prefix
-    mark = int(s.new_name()[len(prefix):])
-    dropped = ({n for names in s.pool.values() for n in names} | {n for names in s.freed.values() for n in names}
-               | {c[0] for c in list(s.collected)})
+    prefix = s.names.prefix
+    mark = int(s.names.new_name()[len(prefix):])
+    dropped = s.names.dropped() | {c[0] for c in list(s.collected)}
 
     def outside(name: str) -> bool:
         if name in dropped:

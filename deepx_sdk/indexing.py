@@ -175,5 +175,5 @@ def setitem(t: Tensor, index: Any, value: Any) -> None:
     if value.shape != target:
         value = value.reshape(target)
     instr = Instr("sliceassign", (_tp(t), _vec(starts), _vec(ends), _vec(steps), _tp(value)), (_tp(t),))
-    t._s.record(instr)
+    t._s.recorder.record(instr)
     t._tape_in_place(instr, (t, value))

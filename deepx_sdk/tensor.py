@@ -23,7 +23,9 @@ from deepx_core.ir.dtypes import from_numpy as precision_of
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, Call, TensorMeta
 from deepx_core.ir.shapes import broadcast, norm_dim, numel
-from deepx_sdk.session import _IN_SDK, Session, graph_of, origin, session
+from deepx_sdk.recorder import _IN_SDK, origin
+from deepx_sdk.session import Session, session
+from deepx_sdk.tape import graph_of
 
 Shape = tuple[int, ...]
 
@@ -217,23 +219,27 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
     way is the SDK's); only that frame is looked at, and its line is worked out only if an error names it."""
     rname = None
     collected = s.collected
-    if collected and len(collected) == 1 and not s._lost:
-        # the handle this result replaces in a loop: its name, shape and dtype fit, so the result takes the name
-        try:
-            item = collected.popleft()
-        except IndexError:
-            pass
-        else:
-            if item[1] == dtype and item[2] == shape and len(item) == 3:
-                rname = item[0]
-                s._reused.add(rname)
-                s._taken[rname] = len(s.pending)
-                out = _new_object(Tensor)
-                out._k = item
+    pending = s.pending
+    if collected and len(collected) == 1:
+        names = s.names
+        if not names.lost:
+            # the handle this result replaces in a loop: its name, shape and dtype fit, so the result takes the name
+            # (as Recorder.reuse_name would, without the call)
+            try:
+                item = collected.popleft()
+            except IndexError:
+                pass
             else:
-                collected.appendleft(item)
+                if item[1] == dtype and item[2] == shape and len(item) == 3:
+                    rname = item[0]
+                    names.reused.add(rname)
+                    names.taken[rname] = len(pending)
+                    out = _new_object(Tensor)
+                    out._k = item
+                else:
+                    collected.appendleft(item)
     if rname is None:
-        rname = s.reuse_name(shape, dtype)
+        rname = s.recorder.reuse_name(shape, dtype)
         out = _new_object(Tensor)
         # never a gradient's name: those are neither pooled nor numbered. A large result is deleted once collected
         # (its name is reused all the same, like a transpose's): the daemon then knows the value is dead where the
@@ -251,7 +257,6 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
     if rets is None or rets[0][1] is not prec:
         rets = _RETURNS.put(rname, (_tuple_new(Param, ("tensor", prec, rname)),))
     out._p = rets[0]
-    pending = s.pending
     pending.append(_tuple_new(Instr, (name, args, rets, ())))
     try:
         f: Any = _getframe(depth)
@@ -263,14 +268,14 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
         known = _IN_SDK.get(k)
         if known is not None and not known[1]:  # the common case: the user's code, seen before
             lasti = f.f_lasti
-            # an int, not a tuple: nothing for the garbage collector to track (session.origin_of reads both forms)
+            # an int, not a tuple: nothing for the garbage collector to track (recorder.origin_of reads both forms)
             s.origins.append(k << 24 | lasti if lasti < 16777216 else (code, lasti))
         else:
             s.origins.append(origin(f))
     else:
         s.origins.append(None)
     if len(pending) >= s.max_pending:
-        s.flush_full()
+        s.recorder.flush_full()
     return out
 
 
@@ -346,7 +351,7 @@ class Tensor:
         self.grad_fn: Any = None
         self._k: tuple[Any, ...] | bool | None = (
             (name, dtype, self.shape) if type(self) is Tensor and sess is not None
-            and not name.startswith(sess._grad_root) else None)
+            and not name.startswith(sess.names.grad_root) else None)
 
     def __del__(self) -> None:
         try:
@@ -404,10 +409,11 @@ class Tensor:
         v = getattr(self, "_v", None)  # a value read back with the replay that made this tensor (deepx_sdk/compile)
         if v is not None:
             s = self._s
-            if v[0] == s.runs and not s.pending and s.capture is None:  # nothing sent or recorded since
+            rec = s.recorder
+            if v[0] == rec.runs and not s.pending and rec.capture is None:  # nothing sent or recorded since
                 return v[1].copy()  # type: ignore[no-any-return]
             self._v = None
-        return self._s.sync(fetch=(self.name,))[self.name]
+        return self._s.recorder.sync(fetch=(self.name,))[self.name]
 
     def item(self) -> Any:
         if self.numel() != 1:
@@ -450,7 +456,7 @@ class Tensor:
 
     # -- recording helpers
     def _new(self, shape: Shape, dtype: str) -> Tensor:
-        return Tensor(self._s.reuse_name(shape, dtype), shape, dtype, self._s)
+        return Tensor(self._s.recorder.reuse_name(shape, dtype), shape, dtype, self._s)
 
     def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor],
             depth: _int = 2) -> Tensor:
@@ -507,27 +513,29 @@ class Tensor:
             path, forward, leaves = graph_of(root, self.name)
         with s._lock:  # one backward at a time: threads of one session share its gradient names
             upstream = grad_loss.name if grad_loss is not None else None
-            prefix, k = s.grad_prefix()
+            prefix, k = s.names.grad_prefix()
             # the gradients' names: the same every step of a loop (prefix k comes back once its gradients are gone)
             grads = {w: f"{prefix}r{i}" for i, w in enumerate(leaves)}
             spec = {"forward": forward, "loss": loss.name, "wrt": list(leaves), "grad_loss": upstream,
                     "prefix": prefix, "names": grads}
-            if s.transport.lazy_backward and s.capture is None and s.lazy_backward and s.backward_seen(spec):
+            rec = s.recorder
+            transport = rec.transport  # (a capture's stand-in while dx.compile captures)
+            if transport.lazy_backward and rec.capture is None and s.lazy.enabled and s.backward_seen(spec):
                 # derived before (a training loop): recorded, and expanded by the daemon where it stands in the
                 # program, so that the whole step goes as one program
-                s.record_backward(Instr("backward", (_tp(loss),), tuple(Param.tensor(n, leaves[w].dtype)
-                                                                         for w, n in grads.items())), spec)
+                rec.record_backward(Instr("backward", (_tp(loss),), tuple(Param.tensor(n, leaves[w].dtype)
+                                                                          for w, n in grads.items())), spec)
             else:
                 # the first time: derived and run now, so that a graph without a gradient raises here
-                s.sync()
+                rec.sync()
                 try:
-                    s.runs += 1
-                    grads = s.transport.backward(forward, loss.name, list(leaves), upstream, prefix, grads)
+                    rec.sent_request()
+                    grads = transport.backward(forward, loss.name, list(leaves), upstream, prefix, grads)
                 except BaseException:
-                    s.grad_prefix_failed(k)
+                    s.names.grad_prefix_failed(k)
                     raise
                 s.backward_seen(spec, remember=True)
-            s.grad_prefix_taken(k, len(grads))
+            s.names.grad_prefix_taken(k, len(grads))
             with _no_tape(s):
                 for name, leaf in leaves.items():
                     g = Tensor(grads[name], leaf.shape, leaf.dtype, s)
@@ -1209,8 +1217,8 @@ class Tensor:
 
     def _copy(self) -> Tensor:
         """A new tensor holding this one's values, not requiring grad."""
-        out = Tensor(self._s.new_name(), self.shape, self.dtype, self._s)
-        self._s.record(Instr("copytensor", (_tp(self),), (Param("tensor", (self.dtype,), out.name),)))
+        out = Tensor(self._s.names.new_name(), self.shape, self.dtype, self._s)
+        self._s.recorder.record(Instr("copytensor", (_tp(self),), (Param("tensor", (self.dtype,), out.name),)))
         return out
 
     def __copy__(self) -> Tensor:
@@ -1378,7 +1386,7 @@ class Tensor:
             other = other.expand(self.shape)
         other = other.type_as_dtype(self.dtype)
         instr = Instr("copytensor", (_tp(other),), (_tp(self),))
-        self._s.record(instr)
+        self._s.recorder.record(instr)
         self._tape_in_place(instr, (other,))
         return self
 
@@ -1432,7 +1440,7 @@ class Tensor:
     def _fill(self, instr: Instr, how: str) -> Tensor:
         """An in-place fill: on the tape when this tensor is in the graph, so that backward sees the value end."""
         self._check_write(how)
-        self._s.record(instr)
+        self._s.recorder.record(instr)
         self._tape_in_place(instr, ())
         return self
 
@@ -1684,11 +1692,11 @@ def _create(shape: Shape, dtype: str, requires_grad: _bool = False) -> Tensor:
     position index, dx.arange(T)) names it alike every step, so it sends the same program every step. Only a
     deleted name is reused here (a pooled one may name no tensor, where the passes dropped its dead value)."""
     s = session()
-    name = s.freed_name(shape, dtype) if s.capture is None else s.new_name()
+    name = s.recorder.freed_name(shape, dtype) if s.recorder.capture is None else s.names.new_name()
     t = Tensor(name, shape, dtype, s, requires_grad)
     if t._k is not None:
         t._k = (name, dtype, t.shape, True)
-    s.record(Instr("newtensor", (_vec(shape),), (Param("tensor", (dtype,), name),)))
+    s.recorder.record(Instr("newtensor", (_vec(shape),), (Param("tensor", (dtype,), name),)))
     return t
 
 
@@ -1709,7 +1717,7 @@ def full(shape: Any, fill_value: Any, dtype: Any = None, requires_grad: _bool = 
                  else DEFAULT_FLOAT)
     t = empty(*(shape if isinstance(shape, (tuple, list)) else (shape,)), dtype=dtype, requires_grad=requires_grad)
     if fill_value != 0:
-        t._s.record(Instr("constant", (_vp(_number(fill_value)),), (_tp(t),)))
+        t._s.recorder.record(Instr("constant", (_vp(_number(fill_value)),), (_tp(t),)))
     return t
 
 
@@ -1733,7 +1741,7 @@ def arange(start: Any, end: Any = None, step: Any = 1, dtype: Any = None, device
     if dtype is None:
         dtype = DEFAULT_FLOAT if any(isinstance(v, _float) for v in (start, end, step)) else DEFAULT_INT
     t = empty(n, dtype=dtype)
-    t._s.record(Instr("arange", (_vp(start), _vp(step)), (_tp(t),)))
+    t._s.recorder.record(Instr("arange", (_vp(start), _vp(step)), (_tp(t),)))
     return t
 
 
@@ -1741,7 +1749,7 @@ def linspace(start: _float, end: _float, steps: _int, dtype: Any = None, device:
     _hint(device)
     step = (end - start) / (steps - 1) if steps > 1 else 0.0
     t = empty(steps, dtype=dtype or DEFAULT_FLOAT)
-    t._s.record(Instr("arange", (_vp(float(start)), _vp(float(step))), (_tp(t),)))
+    t._s.recorder.record(Instr("arange", (_vp(float(start)), _vp(float(step))), (_tp(t),)))
     return t
 
 
@@ -1817,18 +1825,18 @@ def tensor(data: Any, dtype: Any = None, requires_grad: _bool = False, device: A
     # a collected tensor's name of this shape and dtype where there is one: a loop's batches then take the same
     # names every step, and so do the programs that read them (the daemon's caches see repeats). Not while a call
     # is captured (dx.compile refuses the put)
-    if s.capture is None:
-        name, pooled = s.pooled_name(arr.shape, dt)
+    if s.recorder.capture is None:
+        name, pooled = s.recorder.pooled_name(arr.shape, dt)
     else:
-        name, pooled = s.new_name(), False
+        name, pooled = s.names.new_name(), False
     t = Tensor(name, arr.shape, dt, s, requires_grad)
     try:
-        s.put(t.name, arr)
+        s.recorder.put(t.name, arr)
     except BaseException:
         if pooled:
             t._k = None  # the pooled tensor is still there: deleted when this handle goes
         else:
-            s._lost.add(t.name)  # no tensor of that name came to exist: Python must not delete it
+            s.names.never_made(t.name)  # no tensor of that name came to exist: Python must not delete it
         raise
     return t
 

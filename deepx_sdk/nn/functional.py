@@ -146,7 +146,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
 
     out = x.clone()
     instr = Instr("dropout", (_vp(float(p)), _vp(_seed(x._s))), (_tp(out),))
-    x._s.record(instr)
+    x._s.recorder.record(instr)
     if out.requires_grad:
         x._s.tape.append((instr, out, (out,)))
     return _write_back(x, out, inplace)

@@ -470,9 +470,9 @@ def _retype_heap(p: Parameter, dtype: str) -> None:
     """Give parameter `p` a new heap tensor of `dtype` holding its values; the Parameter object stays the same, so
     references to it (an optimizer's) stay valid, as with torch's param.data swap."""
     s = p._s
-    new = s.new_name()
-    s.record(Instr("newtensor", (Param.vector(p.shape),), (Param.tensor(new, dtype),), (("kind", "heap"),)))
-    s.record(Instr("todtype", (Param.tensor(p.name, p.dtype),), (Param.tensor(new, dtype),)))
+    new = s.names.new_name()
+    s.recorder.record(Instr("newtensor", (Param.vector(p.shape),), (Param.tensor(new, dtype),), (("kind", "heap"),)))
+    s.recorder.record(Instr("todtype", (Param.tensor(p.name, p.dtype),), (Param.tensor(new, dtype),)))
     handles = data_handles(p)
     if handles:  # `d = p.data` before the cast: d keeps the old tensor, as torch's does, deleted when d goes
         keeper = Tensor(p.name, p.shape, p.dtype, s)
@@ -480,7 +480,7 @@ def _retype_heap(p: Parameter, dtype: str) -> None:
         for h in handles:
             h._o = keeper
     else:
-        s.record(Instr("deltensor", (), (Param.tensor(p.name, p.dtype),)))
+        s.recorder.record(Instr("deltensor", (), (Param.tensor(p.name, p.dtype),)))
     p.name, p.dtype = new, dtype
     p._p = p._k = None  # its param named the old tensor (deepx_sdk.tensor._tp); it is deleted when collected
     if p.grad is not None:

@@ -35,11 +35,12 @@ class Parameter(Tensor):
         elif isinstance(data, Tensor):
             src = data.type_as_dtype(want) if want else data
             _init_heap(self, s, src.shape, src.dtype, requires_grad)
-            s.record(Instr("copytensor", (Param.tensor(src.name, src.dtype),), (Param.tensor(self.name, self.dtype),)))
+            s.recorder.record(Instr("copytensor", (Param.tensor(src.name, src.dtype),),
+                                    (Param.tensor(self.name, self.dtype),)))
         else:
             arr = _as_array(data, want)
-            Tensor.__init__(self, s.new_name(), arr.shape, dtype_name(arr.dtype), s, requires_grad)
-            s.put(self.name, arr, heap=True)
+            Tensor.__init__(self, s.names.new_name(), arr.shape, dtype_name(arr.dtype), s, requires_grad)
+            s.recorder.put(self.name, arr, heap=True)
 
     def _set_data(self, value: Any) -> None:
         load_into(self, value, self.name)
@@ -85,8 +86,8 @@ def _as_array(data: Any, dtype: str | None) -> np.ndarray:
 
 def _init_heap(p: Parameter, s: Session, shape: Shape, dtype: str, requires_grad: bool) -> None:
     to_numpy(dtype)
-    Tensor.__init__(p, s.new_name(), shape, dtype, s, requires_grad)
-    s.record(Instr("newtensor", (Param.vector(shape),), (Param.tensor(p.name, dtype),), (("kind", "heap"),)))
+    Tensor.__init__(p, s.names.new_name(), shape, dtype, s, requires_grad)
+    s.recorder.record(Instr("newtensor", (Param.vector(shape),), (Param.tensor(p.name, dtype),), (("kind", "heap"),)))
 
 
 def heap_parameter(*shape: int, dtype: Any = None, requires_grad: bool = True) -> Parameter:
@@ -155,7 +156,7 @@ def load_into(target: Tensor, value: Any, key: str) -> None:
         return
     arr = np.array(value, dtype=to_numpy(target.dtype), order="C", copy=None)
     if isinstance(target, Parameter):
-        target._s.put(target.name, arr, heap=True)  # straight into the heap segment, no temporary
+        target._s.recorder.put(target.name, arr, heap=True)  # straight into the heap segment, no temporary
     else:
         from deepx_sdk.tensor import tensor
 

@@ -14,7 +14,7 @@ import numpy as np
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param
-from deepx_sdk.session import origin
+from deepx_sdk.recorder import origin
 from deepx_sdk.tensor import Tensor, _tp, zeros
 
 __all__ = ["SGD", "Adam", "AdamW", "CosineAnnealingLR", "LambdaLR", "LinearLR", "OneCycleLR", "Optimizer", "RMSprop",
@@ -109,11 +109,11 @@ class Optimizer:
     def _record(self, p: Tensor, instr: Instr) -> None:
         if self._count is not None:  # an update that never runs (its program failed first) is not counted
             state, before = self._count
-            p._s.undo_unrun(instr, lambda: state.__setitem__("step", before))
+            p._s.recorder.undo_unrun(instr, lambda: state.__setitem__("step", before))
         if self._at is None:  # not inside Optimizer.step: the line is found from the stack
-            p._s.record(instr)
+            p._s.recorder.record(instr)
         else:
-            p._s.record_at(instr, self._at)
+            p._s.recorder.record_at(instr, self._at)
         p._s.tape.wrote(p)  # a graph recorded before the update must not take the new value for the old
 
     def _hyper(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...]) -> tuple[Param, ...]:
@@ -130,7 +130,7 @@ class Optimizer:
 
     def _buffer(self, p: Tensor, state: dict[str, Any], key: str) -> Tensor:
         buf = state.get(key)
-        if buf is None or buf.name in buf._s._lost:  # (made by a program that failed: it never came to exist)
+        if buf is None or buf.name in buf._s.names.lost:  # (made by a program that failed: it never came to exist)
             buf = state[key] = zeros(p.shape, dtype=p.dtype)
         return buf
 

@@ -388,7 +388,7 @@ def test_graphs_never_backwarded_do_not_pile_up():
     its tensors, so the recorded nodes and the daemon's tensors stay bounded."""
     import gc
 
-    from deepx_sdk.session import Node
+    from deepx_sdk.tape import Node
 
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     x = dx.tensor(np.ones((4, 8), np.float32))

@@ -116,9 +116,9 @@ def test_a_recorded_backward_that_fails_raises_at_the_next_read_naming_its_line(
     grad = w.grad
     with pytest.raises(DeepxError, match=rf"backward: .*overwrites.*test_backward_program.py:{line}"):
         grad.numpy()
-    assert grad.name in dx.session()._lost  # its tensor never came to exist: Python does not delete it
-    k = int(grad.name[len(dx.session()._grad_root):].partition("_")[0])
-    assert dx.session()._grad_live[k] == -1  # what ran of it may be left: its prefix is not handed out again
+    assert grad.name in dx.session().names.lost  # its tensor never came to exist: Python does not delete it
+    k = int(grad.name[len(dx.session().names.grad_root):].partition("_")[0])
+    assert dx.session().names._grad_live[k] == -1  # what ran of it may be left: its prefix is not handed out again
     del grad
     w.grad = None
     np.testing.assert_allclose((w * 2).numpy(), w.detach().numpy() * 2)  # the session goes on
@@ -192,7 +192,7 @@ def test_deleted_transposes_are_not_deleted_again(rng):
     u = a.permute(1, 0)  # takes the deleted transpose's name, and never runs
     with pytest.raises(DeepxError, match="label 7 out of range"):
         dx.sync()
-    assert u.name in s._lost
+    assert u.name in s.names.lost
     del u, bad
     np.testing.assert_array_equal((a + 1).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3) + 1)
     np.testing.assert_array_equal(a.permute(1, 0).numpy(), np.arange(6, dtype=np.float32).reshape(2, 3).T)
@@ -286,7 +286,7 @@ def test_an_adam_step_is_one_program_though_its_numbers_change(rng):
         for _ in range(12):
             _paired_step((dxx, w, opt, sched), (tx, tw, topt, tsched))
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
-    assert not s._lazy_off and sent[-6:] == [1] * 6  # each step one program, its backward in it
+    assert not s.lazy._off and sent[-6:] == [1] * 6  # each step one program, its backward in it
     assert scheduler.fast_hits - fast >= 6 and worker.renumbered_hits - renumbered >= 6
 
 
@@ -317,7 +317,7 @@ def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
             assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
     assert monitor.item() == pytest.approx(x.sum() * 2.1, rel=1e-10)
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
-    assert 1 in sent and s._lazy_off  # recorded for a while, then judged not to pay
+    assert 1 in sent and s.lazy._off  # recorded for a while, then judged not to pay
     assert sent[-6:].count(0) >= 4  # most of the last steps: each backward on its own (tried again now and then)
 
 
@@ -345,12 +345,12 @@ def test_data_sent_from_python_takes_only_names_whose_tensors_exist():
     c.add_(1.0)  # after the failure: never runs
     with pytest.raises(DeepxError, match="out of range"):
         dx.sync()
-    assert c.name not in s._lost  # it exists: deleted (or pooled) when collected, not leaked
+    assert c.name not in s.names.lost  # it exists: deleted (or pooled) when collected, not leaked
     name = c.name
     del c, bad
     gc.collect()
     dx.sync()
-    assert name not in ex.tensors or any(name in v for v in s.pool.values())
+    assert name not in ex.tensors or any(name in v for v in s.names.pool.values())
 
     @dx.compile
     def f(x):  # type: ignore[no-untyped-def]
@@ -376,7 +376,7 @@ def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
     backwards, once the steps repeat."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("deepx_sdk.session"), "LAZY_RETRY", 4)
+    monkeypatch.setattr(importlib.import_module("deepx_sdk.lazy_backward"), "LAZY_RETRY", 4)
     dx.connect()
     w0, x = rng.standard_normal((4, 3)), rng.standard_normal((5, 4))
     w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)

@@ -531,12 +531,12 @@ def test_a_replays_new_output_name_is_deleted_after_a_later_program_fails():
     with pytest.raises(DeepxError, match="label 9"):
         loss.item()
     name = y.name
-    assert name not in s._lost
+    assert name not in s.names.lost
     del y, loss
     gc.collect()
     s.sync()
     held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
-    assert name not in held or any(name in v for v in s.pool.values())  # deleted, or pooled for reuse
+    assert name not in held or any(name in v for v in s.names.pool.values())  # deleted, or pooled for reuse
     del keep
 
 
@@ -595,7 +595,7 @@ def test_a_replay_after_a_failed_early_program_leaks_no_tensor() -> None:
     name = t.name
     bad = x[dx.tensor([7])]  # out of range, in a program sent early (as record() sends one at max_pending)
     s.flush_full()
-    assert not s.pending and s.error is not None
+    assert not s.pending and s.recorder.error is not None
     del t
     gc.collect()
     with pytest.raises(DeepxError, match="out of range"):

@@ -12,7 +12,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 from deepx_core.errors import DeepxError
 from deepx_sdk.optim import SGD, Adam, AdamW, CosineAnnealingLR, StepLR
-from deepx_sdk.session import origin_of
+from deepx_sdk.recorder import origin_of
 from deepx_sdk.session import session as current_session_object
 
 

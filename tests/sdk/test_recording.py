@@ -13,7 +13,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_core.ir.ops import TensorMeta
-from deepx_sdk.session import origin_of, source_line
+from deepx_sdk.recorder import origin_of, source_line
 from deepx_sdk.tensor import _INFERRED, infer_meta
 
 HERE = __file__

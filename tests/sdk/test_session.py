@@ -357,8 +357,8 @@ def test_a_temporary_of_a_failed_program_is_not_pooled():
     del r
     gc.collect()
     dx.sync()
-    pooled = {n for names in s.pool.values() for n in names}
-    assert not pooled & s._lost
+    pooled = {n for names in s.names.pool.values() for n in names}
+    assert not pooled & s.names.lost
     reused = [dx.ones(1) * k for k in range(4)]  # names of the failed program's shape come from the pool, if any
     np.testing.assert_array_equal(np.concatenate([t.numpy() for t in reused]), [0.0, 1.0, 2.0, 3.0])
     del reused
@@ -432,7 +432,7 @@ def test_loop_against_deepxd_keeps_the_tensor_count_flat(deepxd):
     dx.sync()
     with NativeClient(deepxd.address, timeout=10) as admin:
         def count():
-            return len([t for t in admin.admin("tensors") if t["name"].startswith(dx.session()._prefix)])
+            return len([t for t in admin.admin("tensors") if t["name"].startswith(dx.session().names.prefix)])
 
         before = count()
         for i in range(3000):

@@ -511,7 +511,7 @@ def test_a_failed_programs_stale_results_are_deleted_and_the_fast_paths_come_bac
     assert (x * 3).sum().item() == 45.0
     gc.collect()
     s.sync()
-    assert not s._lost and not s._stale
+    assert not s.names.lost and not s.names._stale
     assert count() <= before + 1  # the index; nothing else is left behind
 
 
@@ -684,7 +684,7 @@ def test_a_failed_step_counts_no_update_and_training_goes_on_as_torch(rng, kind,
     assert [st["step"] for st in opt.state.values()] == [8] * 4
     gc.collect()
     dx.sync()
-    assert not dx.session()._stale
+    assert not dx.session().names._stale
 
 
 def test_more_temporaries_of_one_shape_than_the_pool_holds_still_repeat():
