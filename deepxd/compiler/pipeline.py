@@ -21,6 +21,7 @@ from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_
 from deepxd.compiler.cse import eliminate_common_subexpressions
 from deepxd.compiler.dce import eliminate_dead_code
 from deepxd.compiler.fuse import fuse_elementwise
+from deepxd.compiler.products import transpose_products
 from deepxd.compiler.simplify import simplify
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,15 @@ Pass = Callable[[list[Instr], PassContext], list[Instr]]
 
 #: every pass by its name in the config (`passes`, DEEPX_PASSES)
 PASSES: dict[str, Pass] = {
+    "transpose_products": transpose_products,
     "simplify": simplify,
     "cse": eliminate_common_subexpressions,
     "dce": eliminate_dead_code,
     "fuse": fuse_elementwise,
 }
-#: identities first (they turn instructions into aliases), then repeats, then what became dead, then fusion
-DEFAULT_PASSES: tuple[str, ...] = ("simplify", "cse", "dce", "fuse")
+#: transposed products first (a backward's weight gradients), then identities (they turn instructions into aliases),
+#: repeats, what became dead, and fusion
+DEFAULT_PASSES: tuple[str, ...] = ("transpose_products", "simplify", "cse", "dce", "fuse")
 
 
 def check_passes(names: Sequence[str]) -> list[str]:
