@@ -366,8 +366,10 @@ class CpuWorker(OpWorker):
             if b.op.family == "io":
                 return True
             repeat = repeat_count(b.instr) if b.instr.meta else 1  # checked already (check_instruction)
-            if b.op.name == "matmul" and numel(b.args[0].shape) * b.args[1].shape[-1] * repeat >= 1 << 16:
-                return True
+            if b.op.family == "matmul":  # m * k * n multiply-adds, for either operand read transposed
+                n = b.args[1].shape[-2 if b.op.name == "matmultransposed" and b.args[3] else -1]
+                if numel(b.args[0].shape) * n * repeat >= 1 << 16:
+                    return True
             for m in b.outs:
                 if m is not None and m.shape[:1] != (-1,):
                     total += numel(m.shape) * repeat

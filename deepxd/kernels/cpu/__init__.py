@@ -425,6 +425,10 @@ class CpuExecutor:
             run_fused = self._prepare_fused(b)
             if run_fused is not None:
                 return run_fused
+        if name == "fusedcolsum":
+            run_colsum = self._prepare_fusedcolsum(b)
+            if run_colsum is not None:
+                return run_colsum
         if name in ("deltensor", "reshape", "newtensor") and not b.instr.meta:
             quick = self._prepare_bookkeeping(b)
             if quick is not None:
@@ -695,6 +699,44 @@ class CpuExecutor:
                 general(arrays, expr, o)
             if fresh:
                 tensors[out] = o
+
+        return run
+
+    def _prepare_fusedcolsum(self, b: Bound) -> Callable[[], None] | None:
+        """fusedcolsum on the native loop with the checks that depend on shapes made once (native.fused_call): a
+        ReLU's gradient and its bias's, every training step. The kernel where the loop declines (not compiled yet,
+        an operand it cannot read). None where the general way is needed."""
+        from deepxd.kernels.cpu import fused as fused_kernels
+        from deepxd.kernels.cpu import native
+
+        meta, sums_meta = b.outs
+        ins = b.names[0]
+        if (meta is None or sums_meta is None or b.instr.meta or not isinstance(ins, list)
+                or any(m is None or m.dtype != meta.dtype for m in b.args[0])):
+            return None
+        npdt, shape = to_numpy(meta.dtype), meta.shape
+        plan = fused_kernels.compile_expr(str(b.args[1]), len(ins))
+        compiled = native.fused_call(plan, [m.shape for m in b.args[0]], npdt, shape, with_sums=True)
+        tensors, metas = self.tensors, self.tensors.metas
+        out, total = str(b.out_names[0]), str(b.out_names[1])
+        kernel, expr, keepdims = KERNELS["fusedcolsum"], b.args[1], b.args[2]
+
+        def run() -> None:
+            if self.shared:
+                for n in (out, total):
+                    if n in self.shared:
+                        self.unshare(n)
+            have, have_sums = tensors.get(out), tensors.get(total)
+            o = have if have is not None and metas[out] == meta else np.empty(shape, npdt)
+            s = have_sums if have_sums is not None and metas[total] == sums_meta else np.empty(sums_meta.shape, npdt)
+            arrays = [tensors[x] for x in ins]
+            if not (fused_kernels.backend() == "native" and s.flags.c_contiguous
+                    and compiled(arrays, o, s.reshape(-1))):
+                kernel(arrays, expr, keepdims, o, s)
+            if o is not have:
+                tensors[out] = o
+            if s is not have_sums:
+                tensors[total] = s
 
         return run
 
