@@ -18,8 +18,10 @@ from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param, same_program, scalar
 from deepx_core.ir.ops import UNKNOWN, PerOp, TensorMeta
 from deepx_core.ir.text import format_text
 from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
+from deepxd.compiler.colsum import fuse_colsum
 from deepxd.compiler.cse import eliminate_common_subexpressions
 from deepxd.compiler.dce import eliminate_dead_code
+from deepxd.compiler.fold import fold_transpose
 from deepxd.compiler.fuse import fuse_elementwise
 from deepxd.compiler.products import transpose_products
 from deepxd.compiler.simplify import simplify
@@ -35,10 +37,13 @@ PASSES: dict[str, Pass] = {
     "cse": eliminate_common_subexpressions,
     "dce": eliminate_dead_code,
     "fuse": fuse_elementwise,
+    "fuse_colsum": fuse_colsum,
+    "fold_transpose": fold_transpose,
 }
 #: transposed products first (a backward's weight gradients), then identities (they turn instructions into aliases),
-#: repeats, what became dead, and fusion
-DEFAULT_PASSES: tuple[str, ...] = ("transpose_products", "simplify", "cse", "dce", "fuse")
+#: repeats, what became dead, fusion, and last the folds into internal ops that the others do not know
+DEFAULT_PASSES: tuple[str, ...] = ("transpose_products", "simplify", "cse", "dce", "fuse", "fuse_colsum",
+                                   "fold_transpose")
 
 
 def check_passes(names: Sequence[str]) -> list[str]:
