@@ -47,17 +47,21 @@ def _round(program: list[Instr], ctx: PassContext) -> list[Instr]:
     bounds = ctx.bind(program)
     uses = ctx.uses(program)
     edits: dict[int, Edit] = {}
+    touched: set[str] = set()  # names a rewrite of this round moved a write of: the next round sees them as they are
     for i, b in enumerate(bounds):
         if swaps_last_two(b) and i not in edits:
             found = _rewrite(i, b, bounds, uses, ctx)
-            if found is not None and not edits.keys() & found.keys():
-                edits.update(found)
+            if found is not None and not edits.keys() & found[0].keys() and not touched & found[1]:
+                edits.update(found[0])
+                touched.update(found[1])
                 ctx.stats["transpose_products"] += 1
     return apply_edits(ctx, program, edits) if edits else program
 
 
-def _rewrite(i: int, t: Bound, bounds: list[Bound], uses: Uses, ctx: PassContext) -> dict[int, Edit] | None:
-    """The edits that rewrite the transpose at i of a product, or None where it does not apply."""
+def _rewrite(i: int, t: Bound, bounds: list[Bound], uses: Uses, ctx: PassContext
+             ) -> tuple[dict[int, Edit], set[str]] | None:
+    """The edits that rewrite the transpose at i of a product, and the names they involve; None where it does not
+    apply."""
     product, out = str(t.names[0]), str(t.out_names[0])
     if product == out or ctx.pinned(product) or ctx.pinned(out):
         return None
@@ -92,10 +96,13 @@ def _rewrite(i: int, t: Bound, bounds: list[Bound], uses: Uses, ctx: PassContext
         return None
     new.append(Instr("matmul", (Param.tensor(bt, dtype), Param.tensor(at, dtype)), t.instr.returns))
     edits: dict[int, Edit] = {j: tuple(new) if len(new) > 1 else new[0], i: None}
+    names = {product, out, a, b}
     for found in sources.values():
-        if found is not None and found[2]:
-            edits[found[1]] = None
-    return edits
+        if found is not None:
+            names.add(found[0])
+            if found[2]:
+                edits[found[1]] = None
+    return edits, names
 
 
 def _source(n: str, j: int, rank: int, bounds: list[Bound], uses: Uses, ctx: PassContext
