@@ -29,7 +29,7 @@ from deepxd.compiler.analysis import (
 
 
 def fold_transpose(program: list[Instr], ctx: PassContext) -> list[Instr]:
-    if not has_ends(program):
+    if not has_ends(program) or not any(i.name == "transpose" for i in program):
         return program
     bounds = ctx.bind(program)
     uses = ctx.uses(program)

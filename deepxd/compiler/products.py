@@ -33,7 +33,7 @@ _ROUNDS = 4  # a chain of layers: each round rewrites the products whose instruc
 
 
 def transpose_products(program: list[Instr], ctx: PassContext) -> list[Instr]:
-    if not has_ends(program):
+    if not has_ends(program) or not any(i.name == "transpose" for i in program):
         return program
     for _ in range(_ROUNDS):
         rewritten = _round(program, ctx)
