@@ -172,10 +172,11 @@ def client_program(n_instr: int, step: int) -> list[Instr]:
 async def scheduler_cost(n_instr: int, elements: int, repeat: int) -> dict[str, float]:
     from deepxd.actors.opcpu import CpuWorker
     from deepxd.actors.scheduler import Scheduler
+    from deepxd.compiler import DEFAULT_PASSES
     from deepxd.config import Config
 
     out: dict[str, float] = {}
-    for label, passes in (("off", ["off"]), ("on", ["simplify", "cse", "dce", "fuse"])):
+    for label, passes in (("off", ["off"]), ("on", list(DEFAULT_PASSES))):
         worker = CpuWorker(output_log=False, inline_elements=1 << 30)
         worker.start()
         sched = Scheduler({"op-cpu": worker.ref}, config=Config(passes=passes))
@@ -309,11 +310,12 @@ def sdk_programs(n: int) -> tuple[list[list[Instr]], dict[str, np.ndarray], floa
 async def sdk_loop(programs: list[list[Instr]], arrays: dict[str, np.ndarray], repeat: int) -> dict[str, float]:
     from deepxd.actors.opcpu import CpuWorker
     from deepxd.actors.scheduler import Scheduler
+    from deepxd.compiler import DEFAULT_PASSES
     from deepxd.config import Config
 
     out: dict[str, float] = {}
     n_ops = sum(len(p) for p in programs)
-    setups = {"fuse": ["simplify", "cse", "dce", "fuse"], "no_fuse": ["simplify", "cse", "dce"]}
+    setups = {"fuse": list(DEFAULT_PASSES), "no_fuse": [p for p in DEFAULT_PASSES if p != "fuse"]}
     pairs = []
     for label, passes in setups.items():
         worker = CpuWorker(output_log=False, inline_elements=1 << 30)

@@ -40,7 +40,8 @@ class Config:
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     # compiler passes run on every program, in this order (deepxd/compiler); "off" alone: none
-    passes: list[str] = field(default_factory=lambda: ["simplify", "cse", "dce", "fuse"])
+    passes: list[str] = field(default_factory=lambda: ["transpose_products", "simplify", "cse", "dce", "fuse",
+                                                       "fuse_colsum", "fold_transpose"])
     fuse_min_elements: int = 0  # fuse only ops whose result has this many elements (0: measured best, docs/compiler.md)
     cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
     cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)

@@ -303,17 +303,18 @@ def _switch(c: Call) -> list[TensorMeta | None]:
 def _matmul(c: Call) -> list[TensorMeta | None]:
     a, b = c.args[0], c.args[1]
     dt = _dtype_match(c, 0, 1)
+    op = c.op.name
     if len(a.shape) < 2 or len(b.shape) < 2:
         raise DeepxError(
-            f"matmul: operands need rank >= 2, got {a.shape} ('{c.names[0]}') and {b.shape} ('{c.names[1]}')"
+            f"{op}: operands need rank >= 2, got {a.shape} ('{c.names[0]}') and {b.shape} ('{c.names[1]}')"
         )
-    if a.shape[-1] != b.shape[-2]:
-        raise DeepxError(
-            f"matmul: shapes {a.shape} ('{c.names[0]}') and {b.shape} ('{c.names[1]}') do not match "
-            f"({a.shape[-1]} != {b.shape[-2]})"
-        )
-    batch = broadcast("matmul", a.shape[:-2], b.shape[:-2], names=c.names[:2])
-    return [TensorMeta((*batch, a.shape[-2], b.shape[-1]), dt)]
+    flags = (bool(c.args[2]), bool(c.args[3])) if op == "matmultransposed" else (False, False)
+    sa, sb = ((*m.shape[:-2], m.shape[-1], m.shape[-2]) if t else m.shape for m, t in zip((a, b), flags))
+    if sa[-1] != sb[-2]:
+        shown = [f"{m.shape} ('{n}'{', transposed' if t else ''})" for m, n, t in zip((a, b), c.names, flags)]
+        raise DeepxError(f"{op}: shapes {shown[0]} and {shown[1]} do not match ({sa[-1]} != {sb[-2]})")
+    batch = broadcast(op, sa[:-2], sb[:-2], names=c.names[:2])
+    return [TensorMeta((*batch, sa[-2], sb[-1]), dt)]
 
 
 def _reshape(c: Call) -> list[TensorMeta | None]:
@@ -758,6 +759,9 @@ op("switch", "compare", [lst("tensors", _ANY), t("cases", INTS | {"bool"})], [t(
 
 # -- matmul: batched over leading dims (which broadcast); authors cblas, cublas, miaobyte all reach the best kernel
 op("matmul", "matmul", [_A, _B], [_C], NUMERIC, _matmul, "C = A @ B", grad=True)
+op("matmultransposed", "matmul", [_A, _B, v("transpose_a", "bool", False), v("transpose_b", "bool", False)], [_C],
+   FLOATS, _matmul, "C = A @ B, each operand read with its last two dims swapped where its flag is set; what the "
+   "fold_transpose pass makes of a transpose that only a matmul reads", deepxir=False)
 
 # -- change shape
 op("reshape", "shape", [t("A", _ANY), vec("shape")], [t("B", _ANY)], _ANY, _reshape,
@@ -898,14 +902,28 @@ def parse_fused(expr: str, n_inputs: int) -> ast.Expression:
 
 def _fused(c: Call) -> list[TensorMeta | None]:
     metas, names = c.args[0], c.names[0]
+    op = c.op.name
     if not metas:
-        raise DeepxError("fused: the input list is empty")
+        raise DeepxError(f"{op}: the input list is empty")
     dt = metas[0].dtype
     for m, n in zip(metas, names):
         if m.dtype != dt:
-            raise DeepxError(f"fused: inputs differ in dtype ({dt} of '{names[0]}' and {m.dtype} of '{n}')")
+            raise DeepxError(f"{op}: inputs differ in dtype ({dt} of '{names[0]}' and {m.dtype} of '{n}')")
     parse_fused(c.args[1], len(metas))
-    return [TensorMeta(broadcast("fused", *(m.shape for m in metas), names=names), dt)]
+    return [TensorMeta(broadcast(op, *(m.shape for m in metas), names=names), dt)]
+
+
+def _fusedcolsum(c: Call) -> list[TensorMeta | None]:
+    (out,) = _fused(c)
+    assert out is not None
+    if len(out.shape) != 2:
+        raise DeepxError(f"fusedcolsum: the result '{c.out_names[0]}' would be {list(out.shape)}; it must be a "
+                         "matrix, whose rows the sums add up")
+    sums = str(c.out_names[1])
+    if sums == str(c.out_names[0]) or sums in c.names[0]:
+        raise DeepxError(f"fusedcolsum: the sums '{sums}' must be a tensor of their own, neither the result nor an "
+                         "input (they are written while the inputs are read)")
+    return [out, TensorMeta((1, out.shape[1]) if c.args[2] else (out.shape[1],), out.dtype)]
 
 
 op("fused", "fused", [lst("inputs"), v("expr", "str")], [_C], _F, _fused,
@@ -913,6 +931,10 @@ op("fused", "fused", [lst("inputs"), v("expr", "str")], [_C], _F, _fused,
    "expr is a numexpr expression of numbers, + - * / **, unary -, one comparison at a time (1 where it holds, 0 "
    "where not), sqrt exp log sin cos tan tanh abs maximum minimum; made by the fuse pass from a chain or tree of "
    "elementwise ops", grad=True, deepxir=False)
+op("fusedcolsum", "fused", [lst("inputs"), v("expr", "str"), v("keepdims", "bool", False)], [_C, t("S")],
+   frozenset({"float32", "float64"}), _fusedcolsum,
+   "C = expr over the inputs, as fused computes it, and S = C summed over axis 0 (its rows), in one pass; what the "
+   "fuse_colsum pass makes of a fused whose result a sum over axis 0 reads next (a bias's gradient)", deepxir=False)
 
 
 # ---------------------------------------------------------------- checking an instruction

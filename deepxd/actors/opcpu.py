@@ -184,8 +184,7 @@ class CpuWorker(OpWorker):
         return self._end_known(known, self._fetched(result, fetch))
 
     def _steps_renumbered(self, known: KnownProgram, bounds: list[Bound], varied: list[int]) -> list[Any]:
-        """The known program's prepared steps, with those of the renumbered updates prepared again (an update is
-        never part of prepare_program's folds)."""
+        """The known program's prepared steps, with those of the renumbered updates prepared again."""
         if not known.steps:
             return []
         steps = list(known.steps)
@@ -197,9 +196,7 @@ class CpuWorker(OpWorker):
         """As OpWorker's, with the program's steps prepared the first time."""
         result = super()._begin_known(known)
         if not known.steps:
-            steps, recover = self.ex.prepare_program(known.bounds, known.fetch)
-            known.steps.extend(steps)
-            known.recover.append(recover)
+            known.steps.extend(map(self.ex.prepare, known.bounds))
         self.ex.transient = known.transient
         return result
 
@@ -318,21 +315,16 @@ class CpuWorker(OpWorker):
                 raise
         finally:
             result.done = i
-            if i < len(steps) and not paused:  # stopped part-way: when the failing step began, the tensors as
-                result.failed_at = ((ends[-1] if ends else start) - start) * 1e6  # execute does
-                if known.recover:
-                    known.recover[0](i)
+            if i < len(steps) and not paused:  # stopped part-way: when the failing step began
+                result.failed_at = ((ends[-1] if ends else start) - start) * 1e6
         if paused:
             return False
         self._count_known(known, start, ends)
         return True
 
     def _stop_known(self, known: KnownProgram, result: RunResult) -> None:
-        """A known program run in slices stopped between two (cancelled): the tensors as execute leaves them there,
-        and the instructions that ran counted."""
+        """A known program run in slices stopped between two (cancelled): the instructions that ran counted."""
         assert result.clock is not None
-        if known.recover:
-            known.recover[0](result.done)
         self._count_known(known, *result.clock)
 
     def _count_known(self, known: KnownProgram, start: float, ends: list[float]) -> None:
@@ -360,8 +352,10 @@ class CpuWorker(OpWorker):
             if b.op.family == "io":
                 return True
             repeat = repeat_count(b.instr) if b.instr.meta else 1  # checked already (check_instruction)
-            if b.op.name == "matmul" and numel(b.args[0].shape) * b.args[1].shape[-1] * repeat >= 1 << 16:
-                return True
+            if b.op.family == "matmul":  # m * k * n multiply-adds, for either operand read transposed
+                n = b.args[1].shape[-2 if b.op.name == "matmultransposed" and b.args[3] else -1]
+                if numel(b.args[0].shape) * n * repeat >= 1 << 16:
+                    return True
             for m in b.outs:
                 if m is not None and m.shape[:1] != (-1,):
                     total += numel(m.shape) * repeat

@@ -767,7 +767,7 @@ class Scheduler(Actor):
         variables, vectors = await self._variables(worker) if _names_variables(forward) else ({}, {})
         program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names, variables, vectors)
         self._taken_from_udp(program)  # the gradients it writes are the native client's
-        result: RunResult = await worker.ask("run", program=program, fetch=[])
+        result = await self._run_program(worker, program, [])  # through the passes, as a step's backward goes
         if result.error:
             raise DeepxError(f"backward: {result.error}")
         self.programs += 1

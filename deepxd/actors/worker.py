@@ -137,7 +137,6 @@ class KnownProgram(NamedTuple):
     heaped: list[bool]  # per name, whether it was a heap tensor
     bounds: list[Bound]
     steps: list[Any]  # prepared at the first repeat: most programs that never repeat are never prepared
-    recover: list[Any]  # with the steps: [recover(done)], which sets the tensors straight after step `done` failed
     slots: list[tuple[OpStat, int]]  # per instruction, its op's statistics and its bytes (filled at the first run)
     heavy: bool
     deletes: tuple[tuple[int, str], ...]  # (index, name) of each deltensor
@@ -264,7 +263,7 @@ class OpWorker(Actor):
                     return None
             program = program if type(program) is list else list(program)
             derived = k._replace(program=program, kinds=scalar_kinds(program), bounds=bounds,
-                                 steps=self._steps_renumbered(k, bounds, varied), recover=list(k.recover))
+                                 steps=self._steps_renumbered(k, bounds, varied))
             bucket[j] = derived
             # (a step whose last instruction is an update has a new probe every time: its bucket goes when empty)
             self.known.discard(probe(k.program), k)
@@ -517,7 +516,7 @@ class OpWorker(Actor):
         metas, heap = self.ex.tensors.metas, self.heap
         program = program if type(program) is list else list(program)
         known = KnownProgram(program, scalar_kinds(program), tuple(fetch), names, [metas.get(n) for n in names],
-                             [n in heap for n in names], bounds, [], [], [], heavy,
+                             [n in heap for n in names], bounds, [], [], heavy,
                              tuple(deletions(bounds)),
                              transient if transient is not None else set(), [])
         self.known.add(key, known)

@@ -156,6 +156,19 @@ class Uses:
         kinds = self.kinds[name]
         return ((p[j], kinds[j]) for j in range(bisect.bisect_right(p, position), len(p)))
 
+    def writer(self, name: str, position: int) -> int | None:
+        """The position of the write that gave `name` the value it holds at `position`, where nothing but reads come
+        between (and the write did not read `name`: not in place); None otherwise."""
+        p = self.pos.get(name)
+        if not p:
+            return None
+        kinds = self.kinds[name]
+        for j in range(bisect.bisect_left(p, position) - 1, -1, -1):
+            if kinds[j] == READ:
+                continue
+            return p[j] if kinds[j] == WRITE else None
+        return None
+
     def untouched(self, name: str, start: int, end: int, allowed: int = READ) -> bool:
         """Nothing but `allowed` kinds of events on `name` in (start, end]."""
         for p, kind in self.after(name, start):
@@ -351,6 +364,20 @@ class PassContext:
 
 def known(meta: TensorMeta | None) -> bool:
     return meta is not None and meta is not UNKNOWN
+
+
+def swap_last(rank: int) -> tuple[int, ...]:
+    """The permutation of `rank` dims that swaps the last two."""
+    return (*range(rank - 2), rank - 1, rank - 2)
+
+
+def swaps_last_two(b: Bound) -> bool:
+    """Whether `b` is a transpose, without metadata, that swaps the last two dims of an operand of rank 2 or more
+    (of known shape)."""
+    if b.op.name != "transpose" or b.instr.meta or not known(b.args[0]):
+        return False
+    rank = len(b.args[0].shape)
+    return rank >= 2 and tuple(int(d) % rank for d in b.args[1]) == swap_last(rank)
 
 
 def rename_reads(instr: Instr, renames: Mapping[str, str]) -> Instr:

@@ -569,84 +569,7 @@ def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, g
             g = found
         used.add(g)
         result_names[w] = g
-    prog = _transposed_products(bld, used)
-    return _free(prog, bld.created - used), result_names
-
-
-def _transposed_products(bld: _Builder, keep: set[str]) -> list[Instr]:
-    """transpose(A @ B) -> B^T @ A^T over the last two dims, with transpose(transpose(X)) -> X: a Linear's weight
-    gradient (y = x @ W^T: the rules give transpose(transpose(x) @ g)) becomes transpose(g) @ x. The product is then
-    written row-major by the matmul, and the transpose left (of a temporary deleted later) is a view on the CPU
-    executor, instead of a strided copy of the whole gradient. Only where the product and the transposes are this
-    backward's own temporaries, each read once."""
-    prog = bld.out
-    made: dict[str, int] = {}
-    reads: dict[str, int] = {}
-    for i, instr in enumerate(prog):
-        for p in instr.args:
-            if p.category == "tensor":
-                reads[str(p.value)] = reads.get(str(p.value), 0) + 1
-            elif p.category == "listtensor" and isinstance(p.value, tuple):
-                for v in p.value:
-                    reads[str(v)] = reads.get(str(v), 0) + 1
-        for p in instr.returns:
-            if p.category == "tensor" and p.value in bld.created:
-                made[str(p.value)] = i
-
-    def swap(instr: Instr, rank: int) -> bool:
-        perm = instr.args[1].value
-        return (instr.name == "transpose" and rank >= 2 and isinstance(perm, tuple) and len(perm) == rank
-                and tuple(int(d) % rank for d in perm) == _swap_last(rank))
-
-    removed: set[int] = set()
-    inserted: dict[int, list[Instr]] = {}
-
-    def transposed(x: str, rank: int, new: list[Instr]) -> str:
-        """x^T: the tensor a transpose of this backward made x from (that transpose goes when nothing else reads
-        x), else a new transpose appended to `new`."""
-        k = made.get(x)
-        if k is not None and k not in removed and swap(prog[k], rank) and x not in keep:
-            reads[x] -= 1
-            if reads[x] == 0:
-                removed.add(k)
-            return str(prog[k].args[0].value)
-        name = bld.fresh()
-        bld.created.add(name)
-        dtype = bld.meta(x).dtype
-        new.append(Instr("transpose", (Param.tensor(x, dtype), Param.vector(_swap_last(rank))),
-                         (Param.tensor(name, dtype),)))
-        return name
-
-    for i, instr in enumerate(prog):
-        if instr.name != "transpose":
-            continue
-        t = str(instr.args[0].value)
-        rank = len(bld.meta(t).shape)
-        j = made.get(t)
-        if j is None or j in removed or reads.get(t) != 1 or t in keep or not swap(instr, rank):
-            continue
-        product = prog[j]
-        if product.name != "matmul":
-            continue
-        a, b = (str(p.value) for p in product.args)
-        if len(bld.meta(a).shape) != rank or len(bld.meta(b).shape) != rank:
-            continue
-        new: list[Instr] = []
-        bt, at = transposed(b, rank, new), transposed(a, rank, new)
-        dtype = bld.meta(a).dtype
-        new.append(Instr("matmul", (Param.tensor(bt, dtype), Param.tensor(at, dtype)), instr.returns, instr.meta))
-        removed.add(j)
-        bld.created.discard(t)
-        inserted[i] = new
-    if not inserted:
-        return prog
-    out: list[Instr] = []
-    for i, instr in enumerate(prog):
-        if i in inserted:
-            out.extend(inserted[i])
-        elif i not in removed:
-            out.append(instr)
-    return out
+    return _free(bld.out, bld.created - used), result_names
 
 
 def _free(prog: list[Instr], temps: set[str]) -> list[Instr]:
@@ -956,7 +879,7 @@ def _matmul(gr: Grad, g: str) -> dict[int, str]:
     out = {}
     if gr.needs(0):  # g @ B^T
         out[0] = gr.unbroadcast(gr.emit("matmul", g, gr.transposed(1)), gr.meta(0))
-    if gr.needs(1):  # A^T @ g (a transpose of it becomes g^T @ A: _transposed_products)
+    if gr.needs(1):  # A^T @ g (a transpose of it becomes g^T @ A: the transpose_products pass)
         out[1] = gr.unbroadcast(gr.emit("matmul", gr.transposed(0), g), gr.meta(1))
     return out
 

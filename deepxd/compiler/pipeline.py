@@ -20,9 +20,12 @@ from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param, probe, same_program,
 from deepx_core.ir.ops import UNKNOWN, PerOp, TensorMeta
 from deepx_core.ir.text import format_text
 from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
+from deepxd.compiler.colsum import fuse_colsum
 from deepxd.compiler.cse import eliminate_common_subexpressions
 from deepxd.compiler.dce import eliminate_dead_code
+from deepxd.compiler.fold import fold_transpose
 from deepxd.compiler.fuse import fuse_elementwise
+from deepxd.compiler.products import transpose_products
 from deepxd.compiler.simplify import simplify
 
 log = logging.getLogger(__name__)
@@ -31,13 +34,18 @@ Pass = Callable[[list[Instr], PassContext], list[Instr]]
 
 #: every pass by its name in the config (`passes`, DEEPX_PASSES)
 PASSES: dict[str, Pass] = {
+    "transpose_products": transpose_products,
     "simplify": simplify,
     "cse": eliminate_common_subexpressions,
     "dce": eliminate_dead_code,
     "fuse": fuse_elementwise,
+    "fuse_colsum": fuse_colsum,
+    "fold_transpose": fold_transpose,
 }
-#: identities first (they turn instructions into aliases), then repeats, then what became dead, then fusion
-DEFAULT_PASSES: tuple[str, ...] = ("simplify", "cse", "dce", "fuse")
+#: transposed products first (a backward's weight gradients), then identities (they turn instructions into aliases),
+#: repeats, what became dead, fusion, and last the folds into internal ops that the others do not know
+DEFAULT_PASSES: tuple[str, ...] = ("transpose_products", "simplify", "cse", "dce", "fuse", "fuse_colsum",
+                                   "fold_transpose")
 
 
 def check_passes(names: Sequence[str]) -> list[str]:

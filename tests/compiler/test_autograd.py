@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pytest
 import torch
 
 from deepx_core.errors import DeepxError
+from deepxd.compiler import DEFAULT_PASSES, PassContext, run_passes
 from deepxd.compiler.autograd import grad_program, grad_rule
 from tests.compiler.helpers import executor, program
 
@@ -17,9 +18,10 @@ F = "float64"
 
 def check(text: str, inputs: Mapping[str, np.ndarray], loss: str, wrt: list[str],
           torch_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], *, before: bool = True,
-          grad_loss: np.ndarray | None = None) -> list:
-    """Run the forward program, then its backward; compare every gradient with torch's. `before`: build the
-    backward against the tensors before the forward ran (else after)."""
+          grad_loss: np.ndarray | None = None, passes: Sequence[str] = ()) -> list:
+    """Run the forward program, then its backward (after `passes`, as the scheduler runs them); compare every
+    gradient with torch's. `before`: build the backward against the tensors before the forward ran (else after).
+    Returns the backward as it ran."""
     fwd = program(text)
     ex = executor(inputs)
     if grad_loss is not None:
@@ -30,6 +32,7 @@ def check(text: str, inputs: Mapping[str, np.ndarray], loss: str, wrt: list[str]
     if before:
         ex.run_all(fwd)
     existing = set(ex.tensors)
+    back = run_passes(back, PassContext(metas=dict(ex.tensors.metas), fetch=frozenset(names.values())), passes)
     ex.run_all(back)
     # only the gradients are left behind
     assert set(ex.tensors) - existing == set(names.values())
@@ -261,17 +264,27 @@ def _made_by(back: list, op: str) -> dict[str, object]:
     return {str(i.returns[0].value): i for i in back if i.name == op}
 
 
+LINEAR = """
+    transpose (tensor<float64>:W, vector<int32>:[1 0]) -> (tensor<float64>:Wt)
+    matmul (tensor<float64>:x, tensor<float64>:Wt) -> (tensor<float64>:y)
+    add (tensor<float64>:y, tensor<float64>:b) -> (tensor<float64>:z)
+    tanh (tensor<float64>:z) -> (tensor<float64>:t)
+    sum (tensor<float64>:t, vector<int32>:[], var<bool>:false) -> (tensor<float64>:loss)
+"""
+
+
+def _linear(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.tanh(t["x"] @ t["W"].T + t["b"]).sum()
+
+
 def test_linear_weight_gradient_is_one_product_without_transposing_it(rng):
-    """y = x @ W^T (torch's Linear): the rules give dW = transpose(transpose(x) @ g), rewritten to transpose(g) @ x
-    (the transpose of g is a temporary: a view on the CPU executor), and dx = g @ W reads W itself."""
+    """y = x @ W^T (torch's Linear): the rules give dW = transpose(transpose(x) @ g), which the transpose_products
+    pass rewrites to transpose(g) @ x (the transpose of g is a temporary: fold_transpose folds it into the product),
+    and dx = g @ W reads W itself."""
     inputs = {"x": rnd(rng, 4, 6), "W": rnd(rng, 3, 6), "b": rnd(rng, 3)}
-    back = check("""
-        transpose (tensor<float64>:W, vector<int32>:[1 0]) -> (tensor<float64>:Wt)
-        matmul (tensor<float64>:x, tensor<float64>:Wt) -> (tensor<float64>:y)
-        add (tensor<float64>:y, tensor<float64>:b) -> (tensor<float64>:z)
-        tanh (tensor<float64>:z) -> (tensor<float64>:t)
-        sum (tensor<float64>:t, vector<int32>:[], var<bool>:false) -> (tensor<float64>:loss)
-    """, inputs, "loss", ["x", "W", "b"], lambda t: torch.tanh(t["x"] @ t["W"].T + t["b"]).sum())
+    raw = check(LINEAR, inputs, "loss", ["x", "W", "b"], _linear)
+    assert len(_made_by(raw, "transpose")) == 2  # x^T, and the product's: what the rules emit
+    back = check(LINEAR, inputs, "loss", ["x", "W", "b"], _linear, passes=["transpose_products"])
     products = _made_by(back, "matmul")
     transposes = _made_by(back, "transpose")
     assert len(products) == 2 and len(transposes) == 1
@@ -286,6 +299,9 @@ def test_linear_weight_gradient_is_one_product_without_transposing_it(rng):
     assert len(sums) == 1 and sums[0].args[1].value == (0,) and sums[0].args[2].value is False
     db = str(sums[0].returns[0].value)
     assert not any(i.name == "reshape" and str(i.args[0].value) == db for i in back)
+    # the default pipeline: no transpose left; the weight gradient is one product reading g transposed
+    folded = check(LINEAR, inputs, "loss", ["x", "W", "b"], _linear, passes=DEFAULT_PASSES)
+    assert not _made_by(folded, "transpose") and len(_made_by(folded, "matmultransposed")) == 1
 
 
 @pytest.mark.parametrize("shapes", [((2, 5, 4), (2, 3, 4)), ((5, 4), (3, 4))])
@@ -295,15 +311,21 @@ def test_transposed_products_in_batches_and_chains_keep_their_values(rng, shapes
     inputs = {"x": rnd(rng, *xs), "W": rnd(rng, *ws), "V": rnd(rng, *ws[:-2], 3, 3)}
     r = len(xs)
     perm = " ".join(map(str, [*range(r - 2), r - 1, r - 2]))
-    back = check(f"""
+    text = f"""
         transpose (tensor<float64>:W, vector<int32>:[{perm}]) -> (tensor<float64>:Wt)
         matmul (tensor<float64>:x, tensor<float64>:Wt) -> (tensor<float64>:h)
         transpose (tensor<float64>:V, vector<int32>:[{perm}]) -> (tensor<float64>:Vt)
         matmul (tensor<float64>:h, tensor<float64>:Vt) -> (tensor<float64>:y)
         mul (tensor<float64>:y, tensor<float64>:y) -> (tensor<float64>:y2)
         sum (tensor<float64>:y2, vector<int32>:[], var<bool>:false) -> (tensor<float64>:loss)
-    """, inputs, "loss", ["x", "W", "V"],
-        lambda t: ((t["x"] @ t["W"].transpose(-1, -2)) @ t["V"].transpose(-1, -2)).pow(2).sum())
+    """
+
+    def torch_fn(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ((t["x"] @ t["W"].transpose(-1, -2)) @ t["V"].transpose(-1, -2)).pow(2).sum()
+
+    back = check(text, inputs, "loss", ["x", "W", "V"], torch_fn, passes=["transpose_products"])
     transposes = _made_by(back, "transpose").values()
     assert len(transposes) == 2  # one per weight gradient: of its upstream gradient, never of x, W, V or a result
     assert not {str(i.args[0].value) for i in transposes} & {"x", "W", "V", "Wt", "Vt"}
+    folded = check(text, inputs, "loss", ["x", "W", "V"], torch_fn, passes=DEFAULT_PASSES)
+    assert not _made_by(folded, "transpose")

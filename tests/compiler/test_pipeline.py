@@ -45,7 +45,8 @@ def test_each_pass_can_run_alone_or_be_left_out(rng, name):
     alone = run_passes(program(TEXT), PassContext(metas=METAS), [name])
     without = run_passes(program(TEXT), PassContext(metas=METAS), [p for p in DEFAULT_PASSES if p != name])
     assert without != program(TEXT)
-    assert (alone != program(TEXT)) == (name != "cse")  # t2 repeats t1 only once simplify has made t0 x
+    # t2 repeats t1 only once simplify has made t0 x; TEXT has no products, colsums or transposes
+    assert (alone != program(TEXT)) == (name in ("simplify", "dce", "fuse"))
     assert_same_results(program(TEXT), alone, inputs)
     assert_same_results(program(TEXT), without, inputs)
 
@@ -197,3 +198,52 @@ def test_the_plan_cache_takes_an_optimizer_update_with_new_numbers_as_the_same_p
     other = program(ADAM_STEP.format(lr=0.1, step=5).replace("var<float32>:1.0)", "var<float32>:2.0)"))
     cache.run(other, PassContext(metas=ADAM_METAS, fetch=frozenset({"y"})))  # a number outside the update: new
     assert cache.misses == 2
+
+
+# a Linear layer's forward and the weight and bias gradients after a ReLU, as autograd's rules write them
+LINEAR_STEP = """
+    transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)
+    matmul (tensor<float32>:x, tensor<float32>:wt) -> (tensor<float32>:h)
+    deltensor () -> (tensor<float32>:wt)
+    fused (listtensor<float32>:[g h], var<string>:in0 * (in1 > 0.0)) -> (tensor<float32>:gh)
+    sum (tensor<float32>:gh, vector<int32>:[0], var<bool>:false) -> (tensor<float32>:db)
+    transpose (tensor<float32>:x, vector<int32>:[1 0]) -> (tensor<float32>:xt)
+    matmul (tensor<float32>:xt, tensor<float32>:gh) -> (tensor<float32>:p)
+    deltensor () -> (tensor<float32>:xt)
+    deltensor () -> (tensor<float32>:gh)
+    transpose (tensor<float32>:p, vector<int32>:[1 0]) -> (tensor<float32>:dw)
+    deltensor () -> (tensor<float32>:p)
+    deltensor () -> (tensor<float32>:h)
+"""
+LINEAR_METAS = {"x": TensorMeta((8, 6), "float32"), "w": TensorMeta((5, 6), "float32"),
+                "g": TensorMeta((8, 5), "float32")}
+
+
+def test_explain_shows_the_rewrites_into_internal_ops(rng):
+    _, after = explain(program(LINEAR_STEP), LINEAR_METAS, fetch={"dw", "db"})
+    assert after.splitlines() == [
+        "matmultransposed (tensor<float32>:x, tensor<float32>:w, var<bool>:False, var<bool>:True) -> "
+        "(tensor<float32>:h)",
+        "fusedcolsum (listtensor<float32>:[g h], var<string>:in0 * (in1 > 0.0), var<bool>:False) -> "
+        "(tensor<float32>:gh, tensor<float32>:db)",
+        "matmultransposed (tensor<float32>:gh, tensor<float32>:x, var<bool>:True, var<bool>:False) -> "
+        "(tensor<float32>:dw)",
+        "deltensor () -> (tensor<float32>:gh)",
+        "deltensor () -> (tensor<float32>:h)",
+    ]
+    inputs = random_inputs(rng, {"x": (8, 6), "w": (5, 6), "g": (8, 5)}, lo=-1)
+    assert_same_results(program(LINEAR_STEP), program(after), inputs)
+
+
+@pytest.mark.parametrize(("name", "shows"), [("transpose_products", "transpose (tensor<float32>:p"),
+                                             ("fuse_colsum", "sum "), ("fold_transpose", "transpose ")])
+def test_each_rewrite_into_internal_ops_can_be_switched_off(rng, name, shows):
+    without = [p for p in DEFAULT_PASSES if p != name]
+    _, after = explain(program(LINEAR_STEP), LINEAR_METAS, fetch={"dw", "db"}, passes=without)
+    assert any(line.startswith(shows) for line in after.splitlines())
+    _, full = explain(program(LINEAR_STEP), LINEAR_METAS, fetch={"dw", "db"})
+    assert not any(line.startswith(shows) for line in full.splitlines())
+    inputs = random_inputs(rng, {"x": (8, 6), "w": (5, 6), "g": (8, 5)}, lo=-1)
+    assert_same_results(program(LINEAR_STEP), program(after), inputs)
+    env = ",".join(without)
+    assert load_config(env={"DEEPX_PASSES": env}).resolved().passes == without

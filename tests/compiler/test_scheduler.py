@@ -154,3 +154,48 @@ def test_only_a_string_where_a_value_goes_makes_the_scheduler_read_the_variables
     by_name = parse_text("mulscalar (tensor<float32>:a, var<float32>:alpha) -> (tensor<float32>:b)")
     assert _names_variables(by_name)
     assert _names_variables(parse_text("argset (var<float32>:1.5) -> (var<float32>:alpha)"))
+
+
+FOLDED = """
+    transpose (tensor<float32>:w, vector<int32>:[1 0]) -> (tensor<float32>:wt)
+    indexselect (tensor<float32>:x, tensor<int32>:i, var<int32>:0) -> (tensor<float32>:xs)
+    matmul (tensor<float32>:xs, tensor<float32>:wt) -> (tensor<float32>:y)
+    deltensor () -> (tensor<float32>:wt)
+"""
+
+
+async def test_a_failure_after_a_folded_transpose_leaves_its_name_as_the_program_sent_would_have(nodes):
+    """fold_transpose never makes wt: when the program stops between the transpose and its deletion (the indexselect
+    fails), repair makes wt, so that the same tensors exist as with the passes off, and the client's deletion of
+    wt, sent again, succeeds on both. The first run, and a run of the program the worker knows (prepared calls)."""
+    from deepxd.compiler import DEFAULT_PASSES
+
+    i = np.array([0, 2], dtype=np.int32)
+    nodes += [await Node(list(DEFAULT_PASSES)).start(i), await Node(["off"]).start(i)]
+    fast, ref = nodes[-2], nodes[-1]
+    w = np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3)
+    bad = np.array([0, 7], dtype=np.int32)
+    prog = program(FOLDED)
+    for repeats in (0, 3):
+        for node in (fast, ref):
+            await node.worker.ref.ask("put", name="w", dtype="float32", shape=[5, 3], data=w.tobytes())
+            await node.worker.ref.ask("put", name="i", dtype="int32", shape=[2], data=i.tobytes())
+            for _ in range(repeats):  # a step that repeats: the worker knows it and runs its prepared calls
+                ok = await node.ref.ask("run", program=prog, fetch=["y"])
+                assert not ok.error, ok.error
+            await node.worker.ref.ask("put", name="i", dtype="int32", shape=[2], data=bad.tobytes())
+        explained = await fast.ref.ask("explain", program=prog, fetch=[])
+        assert [line.split(" ")[0] for line in explained["after"].splitlines()] == ["indexselect", "matmultransposed"]
+        got = await fast.ref.ask("run", program=prog, fetch=[])
+        want = await ref.ref.ask("run", program=prog, fetch=[])
+        assert want.error.startswith("instruction 2: indexselect: index 7 out of range")
+        assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
+        have, expect = fast.tensors(), ref.tensors()
+        assert "wt" in expect
+        assert {n: (a.shape, a.dtype) for n, a in have.items()} == {n: (a.shape, a.dtype) for n, a in expect.items()}
+        for node in (fast, ref):
+            again = await node.ref.ask("run", program=prog[3:], fetch=[])
+            assert not again.error, again.error
+        assert sorted(fast.tensors()) == sorted(ref.tensors())
+        assert "wt" not in fast.tensors()
+    assert fast.worker.known_hits > 0  # the repeats ran as a program the worker knew

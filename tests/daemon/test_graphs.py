@@ -10,6 +10,7 @@ from deepx_core.graphrecord import GraphRecord
 from deepx_core.ir import parse_text
 from deepx_sdk import DeepxError
 from deepx_sdk.client import decode_tensor
+from deepxd.compiler.pipeline import DEFAULT_PASSES
 
 G = "axpb"
 PROGRAM = f"""\
@@ -63,7 +64,7 @@ def test_replay_with_data_and_with_bound_tensors(stored) -> None:
 def test_the_passes_plan_is_what_replays_run(stored) -> None:
     r = stored.request("explain", graph=G)
     assert r["before"].splitlines() == [str(i) for i in parse_text(PROGRAM)]
-    assert r["passes"] == ["simplify", "cse", "dce", "fuse"]
+    assert r["passes"] == list(DEFAULT_PASSES)
     (line,) = r["after"].splitlines()  # one fused instruction
     assert line.startswith("fused (listtensor<float32>:[axpb.in0 axpb.in1]")
 
@@ -164,7 +165,7 @@ def test_replays_with_the_same_bindings_share_one_program() -> None:
     from deepxd.compiler.graphs import bind_replay, plan_graph
 
     metas = {n: TensorMeta((2, 3), "float32") for n in ("a", "b", "c")}
-    plan = plan_graph(G, record(), metas, [], ["simplify", "cse", "dce", "fuse"])
+    plan = plan_graph(G, record(), metas, [], DEFAULT_PASSES)
     inputs, outputs = {f"{G}.in0": "a", f"{G}.in1": "b"}, {f"{G}.out0": "y"}
     first = bind_replay(plan, inputs, outputs, {})
     assert bind_replay(plan, dict(inputs), dict(outputs), {}).program is first.program

@@ -10,6 +10,7 @@ import redis
 
 from deepx_core.ir import parse_text
 from deepx_core.ir.wire import pack_program
+from deepxd.compiler.pipeline import DEFAULT_PASSES
 from tests.deepxctl.conftest import Live, one_line_error
 
 PROGRAM = """\
@@ -49,7 +50,7 @@ def test_stored_graphs(live: Live, stored: bytes, kv: bool) -> None:
     assert g["before"][2] == "mulscalar (tensor<float32>:a, var<float32>:2.5) -> (tensor<float32>:b)"
     assert "after" not in g and "passes" not in g
     g = json.loads(live.ctl("graphs", "show", "mlp", "--passes", "--format", "json", kv=kv).stdout)
-    assert g["after"] == g["before"] and g["passes"] == ["simplify", "cse", "dce", "fuse"]  # nothing ends in it
+    assert g["after"] == g["before"] and g["passes"] == list(DEFAULT_PASSES)  # nothing ends in it
     table = live.ctl("graphs", "show", "mlp", kv=kv)
     assert table.stdout.splitlines()[0] == f"graph mlp: 3 instructions, {len(stored)} bytes"
     assert "newtensor (vector<int32>:[2 3]) -> (tensor<float32>:a) // id=1" in table.stdout
@@ -83,7 +84,7 @@ def test_show_passes_of_a_compiled_graph(live: Live, compiled: bytes) -> None:
     lines = r.stdout.splitlines()
     assert lines[:2] == [f"graph {G}: 5 instructions, {len(compiled)} bytes", "-- before the passes --"]
     assert lines[2:7] == COMPILED.splitlines()
-    assert lines[7] == "-- after the passes (simplify, cse, dce, fuse): 1 instructions --"
+    assert lines[7] == f"-- after the passes ({', '.join(DEFAULT_PASSES)}): 1 instructions --"
     # the daemon knows w (a heap tensor of the fixture), so the whole chain fuses into one instruction
     assert lines[8] == ("fused (listtensor<float32>:[axpb.in0 w], var<string>:(in0 * 2.0 + 1.0) * in1) -> "
                         "(tensor<float32>:axpb.out0)")

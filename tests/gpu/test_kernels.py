@@ -313,6 +313,17 @@ def _matmul(rng, dt):
     return out
 
 
+@case("matmultransposed")
+def _matmultransposed(rng, dt):
+    out = []
+    for sa, sb in [((5, 7), (7, 3)), ((2, 3, 33, 17), (17, 9)), ((3, 1, 4, 5), (1, 2, 5, 3)), ((2, 0), (0, 3))]:
+        for ta, tb in [(False, False), (True, False), (False, True), (True, True)]:
+            a = r(rng, dt, (*sa[:-2], sa[-1], sa[-2]) if ta else sa, -1.0, 1.0)
+            b = r(rng, dt, (*sb[:-2], sb[-1], sb[-2]) if tb else sb, -1.0, 1.0)
+            out.append(one("matmultransposed", {"A": a, "B": b}, [T("A"), T("B"), V(ta), V(tb)], scale="max"))
+    return out
+
+
 @case("reshape")
 def _reshape(rng, dt):
     a = r(rng, dt, (3, 4))
@@ -526,6 +537,13 @@ def _fused(rng, dt):
     same = {"x": r(rng, dt, (7, 9), -2, 2), "y": r(rng, dt, (7, 9), -2, 2), "z": r(rng, dt, (7, 9), -2, 2)}
     bc = {"x": r(rng, dt, (3, 4, 5), -2, 2), "y": r(rng, dt, (4, 1), -2, 2), "z": r(rng, dt, (5,), -2, 2)}
     return [Case(ins, [instr("fused", [L(["x", "y", "z"]), V(expr)], [T("C")])], ["C"]) for ins in (same, bc)]
+
+
+@case("fusedcolsum")
+def _fusedcolsum(rng, dt):
+    ins = {"g": r(rng, dt, (300, 64), -2, 2), "y": r(rng, dt, (300, 64), -2, 2), "b": r(rng, dt, (64,), -2, 2)}
+    return [Case(ins, [instr("fusedcolsum", [L(["g", "y", "b"]), V("in0 * (in1 > 0.0) + in2"), V(keepdims)],
+                             [T("C"), T("S")])], ["C", "S"], scale="max") for keepdims in (False, True)]
 
 
 # ---------------------------------------------------------------- checking

@@ -303,6 +303,20 @@ def _fused(rng: np.random.Generator, name: str) -> Built:
     return ({"a": rand(rng, s, dt), "b": rand(rng, s, dt)}, [L(["a", "b"]), V("in0 * in1 + 1", "string")], None)
 
 
+def _matmultransposed(rng: np.random.Generator, name: str) -> Built:
+    m, k, n = (int(x) for x in rng.integers(2, 5, 3))
+    dt = fdtype(rng)
+    ta, tb = bool(rng.random() < 0.5), bool(rng.random() < 0.5)
+    return ({"a": rand(rng, (k, m) if ta else (m, k), dt), "b": rand(rng, (n, k) if tb else (k, n), dt)},
+            [T("a"), T("b"), V(ta), V(tb)], None)
+
+
+def _fusedcolsum(rng: np.random.Generator, name: str) -> Built:
+    s, dt = shape2(rng), ("float32", "float64")[int(rng.integers(0, 2))]
+    return ({"a": rand(rng, s, dt), "b": rand(rng, s, dt)}, [L(["a", "b"]), V("in0 * in1 + 1", "string"), V(False)],
+            [T("out"), T("sums")])  # two results: both fresh
+
+
 BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "newtensor": _newtensor, "copytensor": _copytensor, "deltensor": _deltensor, "renametensor": _renametensor,
     "argset": _argset, "vecset": _vecset,
@@ -317,6 +331,7 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "gelu": _gelu, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
+    "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary

@@ -97,8 +97,7 @@ def test_the_program_runs_with_the_new_shape(prepared):
             ex.put(n, v)
         bounds = check_program(parse_text(TWICE), ex, ex.plans)
         if prepared:
-            steps, _ = ex.prepare_program(bounds)
-            for step in steps:
+            for step in map(ex.prepare, bounds):
                 step()
         else:
             for b in bounds:

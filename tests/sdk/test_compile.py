@@ -229,7 +229,12 @@ def test_explain_shows_before_and_after_the_passes() -> None:
     e = step.explain()
     assert e.name == step.graph_names[-1] and e.passes
     before, after = e.before.splitlines(), e.after.splitlines()
-    assert any(line.startswith("sgd ") for line in before) and any(line.startswith("fused ") for line in after)
+    assert any(line.startswith("sgd ") for line in before) and any(line.startswith("fused") for line in after)
+    # the folds show: a Linear's transposes read by its products, its bias gradients made in the fused loops
+    assert any(line.startswith("transpose ") for line in before)
+    assert not any(line.startswith("transpose ") for line in after)
+    assert any(line.startswith("matmultransposed ") for line in after)
+    assert any(line.startswith("fusedcolsum ") for line in after)
     assert len(after) < len(before)
     assert dx.explain(e.name).after == e.after
     assert "-- after the passes" in str(e)

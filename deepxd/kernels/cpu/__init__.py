@@ -13,7 +13,7 @@ import operator
 import os
 import re
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -292,130 +292,6 @@ class CpuExecutor:
         for instr in instrs:
             self.run(instr)
 
-    def prepare_program(self, bounds: Sequence[Bound], fetch: Collection[str] = ()
-                        ) -> tuple[list[Callable[[], None]], Callable[[int], None]]:
-        """prepare() for each instruction of a program that runs again and again, with one rewrite across
-        instructions: a transpose whose result only feeds one matmul and is then deleted (`x @ W.t()`, and the
-        backward's `g.T @ x`) is not made at all; the matmul reads the operand transposed (BLAS's way, as it read the
-        view), and the delete deletes nothing. The operand's array is held from the transpose to the delete, as the
-        view held it (a copy where its buffer is shared: another name may write it in place meanwhile), so that
-        deleting or rewriting the operand's name in between changes nothing.
-
-        A second: a `fused` whose output the next instruction naming it sums over axis 0 (a bias's gradient, after
-        the ReLU's) computes the sums in the same C loop (native.fused's `sums`), and the sum only stores them.
-
-        Returns the steps and `recover(done)`, to call when step `done` failed: a folded transpose that ran and whose
-        delete did not is made then (a row-major copy of the held array), so the tensors are execute's."""
-        steps = [self.prepare(b) for b in bounds]
-        folds = []
-        for i, j, k in _foldable_transposes(bounds, fetch, self.pinned):
-            steps[i], steps[j], steps[k], made = self._fold_transpose(bounds[i], bounds[j], bounds[k])
-            folds.append((i, k, made))
-        for i, j in _foldable_colsums(bounds):
-            steps[i], steps[j] = self._fold_colsum(bounds[i], bounds[j], steps[i], steps[j])
-
-        def recover(done: int) -> None:
-            for i, k, made in folds:
-                if i < done <= k:
-                    made()
-
-        return steps, recover
-
-    def _fold_colsum(self, f: Bound, sm: Bound, fused_step: Callable[[], None], sum_step: Callable[[], None]
-                     ) -> tuple[Callable[[], None], Callable[[], None]]:
-        """The fused step with its output's column sums made in the same loop, kept until the sum's step stores
-        them; where the native loop declines (not yet compiled, an input it cannot read), both steps as they were."""
-        from deepxd.kernels.cpu import fused as fused_kernels
-        from deepxd.kernels.cpu import native
-
-        tensors, metas = self.tensors, self.tensors.metas
-        ins, expr = f.names[0], f.args[1]
-        assert isinstance(ins, list)
-        plan = fused_kernels.compile_expr(str(expr), len(ins))
-        out, meta = str(f.out_names[0]), f.outs[0]
-        total, total_meta = str(sm.out_names[0]), sm.outs[0]
-        assert meta is not None and total_meta is not None
-        npdt, shape = to_numpy(meta.dtype), meta.shape
-        kept: list[Any] = [None]
-        if any(m is None or m.dtype != meta.dtype for m in f.args[0]):
-            return fused_step, sum_step
-        compiled = native.fused_call(plan, [m.shape for m in f.args[0]], npdt, shape, with_sums=True)
-
-        def run_fused() -> None:
-            kept[0] = None
-            if fused_kernels.backend() != "native":
-                fused_step()
-                return
-            if self.shared and out in self.shared:
-                self.unshare(out)
-            arrays = [tensors[x] for x in ins]
-            have = tensors.get(out)
-            fresh = have is None or metas[out] != meta
-            o = np.empty(shape, npdt) if fresh or have is None else have
-            sums = np.empty(shape[1], npdt)
-            if not compiled(arrays, o, sums):  # nothing written: the step as it was
-                fused_step()
-                return
-            if fresh:
-                tensors[out] = o
-            kept[0] = sums
-
-        def run_sum() -> None:
-            sums, kept[0] = kept[0], None
-            if sums is None:
-                sum_step()
-                return
-            if self.shared and total in self.shared:
-                self.unshare(total)
-            o = tensors.get(total)
-            if o is not None and metas[total] == total_meta:
-                o[...] = sums.reshape(o.shape)
-            else:
-                tensors[total] = sums.reshape(total_meta.shape)
-
-        return run_fused, run_sum
-
-    def _fold_transpose(self, t: Bound, mm: Bound, delete: Bound) -> tuple[Callable[[], None], ...]:
-        tensors, metas = self.tensors, self.tensors.metas
-        src, name = t.names[0], str(t.out_names[0])
-        held: list[Any] = [None]
-        x, y = mm.names
-        out, meta = str(mm.out_names[0]), mm.outs[0]
-        assert meta is not None
-        npdt, shape = to_numpy(meta.dtype), meta.shape
-        kernel = KERNELS["matmul"]
-
-        def hold() -> None:
-            a = tensors[src]
-            held[0] = a.copy() if self.shared and src in self.shared else a
-
-        def run_matmul() -> None:
-            a = held[0].T if x == name else tensors[x]
-            c = held[0].T if y == name else tensors[y]
-            if self.shared and out in self.shared:
-                self.unshare(out)
-            o = tensors.get(out)
-            if o is not None and metas[out] == meta:
-                kernel(a, c, o)
-            else:
-                o = np.empty(shape, npdt)
-                kernel(a, c, o)
-                tensors[out] = o
-
-        def run_delete() -> None:  # the name was never made; one held from before the program goes as usual
-            held[0] = None
-            if name in tensors:
-                self.execute(delete)
-
-        def made() -> None:  # the program stopped between the transpose and the delete: the name exists, as execute
-            a, held[0] = held[0], None  # leaves it
-            if a is not None:
-                if name in self.shared:
-                    self._forget_view(name)
-                tensors[name] = np.ascontiguousarray(a.T)
-
-        return hold, run_matmul, run_delete, made
-
     def prepare(self, b: Bound) -> Callable[[], None]:
         """A call that does what execute(b) does, with what can be decided once decided: for a program that runs
         again and again unchanged. Kernel errors come out as they are (explain_failure words them)."""
@@ -426,6 +302,10 @@ class CpuExecutor:
             run_fused = self._prepare_fused(b)
             if run_fused is not None:
                 return run_fused
+        if name == "fusedcolsum":
+            run_colsum = self._prepare_fusedcolsum(b)
+            if run_colsum is not None:
+                return run_colsum
         if name in ("deltensor", "reshape", "newtensor") and not b.instr.meta:
             quick = self._prepare_bookkeeping(b)
             if quick is not None:
@@ -699,6 +579,44 @@ class CpuExecutor:
 
         return run
 
+    def _prepare_fusedcolsum(self, b: Bound) -> Callable[[], None] | None:
+        """fusedcolsum on the native loop with the checks that depend on shapes made once (native.fused_call): a
+        ReLU's gradient and its bias's, every training step. The kernel where the loop declines (not compiled yet,
+        an operand it cannot read). None where the general way is needed."""
+        from deepxd.kernels.cpu import fused as fused_kernels
+        from deepxd.kernels.cpu import native
+
+        meta, sums_meta = b.outs
+        ins = b.names[0]
+        if (meta is None or sums_meta is None or b.instr.meta or not isinstance(ins, list)
+                or any(m is None or m.dtype != meta.dtype for m in b.args[0])):
+            return None
+        npdt, shape = to_numpy(meta.dtype), meta.shape
+        plan = fused_kernels.compile_expr(str(b.args[1]), len(ins))
+        compiled = native.fused_call(plan, [m.shape for m in b.args[0]], npdt, shape, with_sums=True)
+        tensors, metas = self.tensors, self.tensors.metas
+        out, total = str(b.out_names[0]), str(b.out_names[1])
+        kernel, expr, keepdims = KERNELS["fusedcolsum"], b.args[1], b.args[2]
+
+        def run() -> None:
+            if self.shared:
+                for n in (out, total):
+                    if n in self.shared:
+                        self.unshare(n)
+            have, have_sums = tensors.get(out), tensors.get(total)
+            o = have if have is not None and metas[out] == meta else np.empty(shape, npdt)
+            s = have_sums if have_sums is not None and metas[total] == sums_meta else np.empty(sums_meta.shape, npdt)
+            arrays = [tensors[x] for x in ins]
+            if not (fused_kernels.backend() == "native" and s.flags.c_contiguous
+                    and compiled(arrays, o, s.reshape(-1))):
+                kernel(arrays, expr, keepdims, o, s)
+            if o is not have:
+                tensors[out] = o
+            if s is not have_sums:
+                tensors[total] = s
+
+        return run
+
     def explain_failure(self, b: Bound, e: BaseException) -> None:
         """Raise the DeepxError that execute(b) makes of a kernel's exception `e`; return if it makes none."""
         name = b.op.name
@@ -894,83 +812,6 @@ def _direct_ufunc(b: Bound) -> np.ufunc | None:
         if k == 0 and type(v) not in (int, float):
             return None
     return uf
-
-
-def _mentions(b: Bound, name: str) -> bool:
-    """Whether instruction b reads or writes tensor `name` (a tensor-list arg, fused's or concat's, included)."""
-    if name in b.out_names:
-        return True
-    for n in b.names:
-        if n == name or (type(n) is list and name in n):
-            return True
-    return False
-
-
-def _foldable_colsums(bounds: Sequence[Bound]) -> list[tuple[int, int]]:
-    """(fused, sum) positions for prepare_program: a fused instruction with a float32 or float64 matrix result whose
-    next instruction naming it is a sum of it over axis 0 (keepdims either way) into another name, of its dtype."""
-    found = []
-    n = len(bounds)
-    for i, b in enumerate(bounds):
-        meta = b.outs[0] if b.op.name == "fused" and len(b.outs) == 1 else None
-        if (meta is None or b.instr.meta or meta.dtype not in ("float32", "float64") or len(meta.shape) != 2
-                or meta.shape[1] < 2 or not isinstance(b.names[0], list)):
-            continue
-        out = b.out_names[0]
-        j = i + 1
-        while j < n and not _mentions(bounds[j], out):
-            j += 1
-        if j == n:
-            continue
-        sm = bounds[j]
-        total = sm.outs[0] if sm.op.name == "sum" and sm.outs else None
-        if (total is None or sm.instr.meta or sm.names[0] != out or out in sm.out_names or total.dtype != meta.dtype
-                or tuple(int(d) % 2 for d in sm.args[1]) != (0,)):
-            continue
-        found.append((i, j))
-    return found
-
-
-def _foldable_transposes(bounds: Sequence[Bound], fetch: Collection[str], pinned: Any
-                         ) -> list[tuple[int, int, int]]:
-    """(transpose, matmul, deltensor) positions for prepare_program: a transpose that swaps the two dims of a matrix
-    (not of a heap tensor's name, not fetched) whose result the next instruction naming it reads as one operand of a
-    matmul (writing neither name), and the one after deletes; its operand not written in place, nor renamed, in
-    between."""
-    found = []
-    folded: set[int] = set()
-    n = len(bounds)
-    for i, b in enumerate(bounds):
-        if (b.op.name != "transpose" or b.instr.meta or b.outs[0] is None or len(b.outs[0].shape) != 2
-                or tuple(int(d) % 2 for d in b.args[1]) != (1, 0)):
-            continue
-        src, name = b.names[0], b.out_names[0]
-        if not isinstance(src, str) or name == src or name in fetch or name in pinned:
-            continue
-        j = i + 1
-        ok = True
-        while j < n:
-            c = bounds[j]
-            if _mentions(c, name):
-                break
-            if c.op.name == "renametensor" and src in c.args:
-                ok = False
-            if c.op.name != "deltensor" and src in c.out_names:
-                ok = False
-            j += 1
-        if not ok or j >= n:
-            continue
-        mm = bounds[j]
-        if (mm.op.name != "matmul" or mm.instr.meta or mm.names.count(name) != 1 or mm.out_names[0] in (name, src)
-                or mm.outs[0] is None):
-            continue
-        k = j + 1
-        while k < n and not _mentions(bounds[k], name):
-            k += 1
-        if k < n and bounds[k].op.name == "deltensor" and not bounds[k].instr.meta and j not in folded:
-            folded.add(j)  # one fold per matmul: a second's step would replace the first's, whose operand then
-            found.append((i, j, k))  # was never made (a known program failed at its third run: found by a fuzzer)
-    return found
 
 
 def transient_transposes(bounds: Sequence[Bound]) -> set[int]:

@@ -30,6 +30,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.ops import OpDef, expr_instance, parse_fused
 from deepxd.kernels.cpu import native
 from deepxd.kernels.cpu._util import F32, F64
+from deepxd.kernels.cpu.reduce import sum as reduce_sum
 
 #: elements per block of the numpy backend: a handful of float32 block buffers stay in a core's L2 cache
 BLOCK = 1 << 16
@@ -350,6 +351,16 @@ def fused(inputs, expr, out):
         return
     cdt = F64 if out.dtype == F64 else F32
     BACKENDS[_backend](plan, inputs, out, cdt)
+
+
+def fusedcolsum(inputs, expr, keepdims, out, sums):
+    """fused, with out's column sums made in the same native C loop; where that loop declines (not compiled yet, a
+    layout it does not take), fused and then sum, which give the same bits."""
+    if _backend == "native" and sums.flags.c_contiguous:
+        if native.fused(compile_expr(expr, len(inputs)), inputs, out, sums.reshape(-1)):
+            return
+    fused(inputs, expr, out)
+    reduce_sum(out, (0,), keepdims, sums)
 
 
 def expr_kernel(op: OpDef) -> Callable[..., None]:

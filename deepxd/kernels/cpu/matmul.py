@@ -1,6 +1,7 @@
 """Matrix multiply, batched over broadcast leading dims. Every author (cblas, cublas, miaobyte) reaches this kernel:
 float32 and float64 go to MKL where it is in use (blas.py), else to numpy's matmul, which calls numpy's BLAS;
-low-precision floats multiply in float32."""
+low-precision floats multiply in float32. matmultransposed reads an operand through a view with its last two dims
+swapped, which BLAS reads transposed: no copy."""
 
 from __future__ import annotations
 
@@ -15,3 +16,7 @@ def matmul(a, b, out):
         out[...] = np.matmul(up(a), up(b))
     elif not gemm(a, b, out):
         np.matmul(a, b, out=out)
+
+
+def matmultransposed(a, b, transpose_a, transpose_b, out):
+    matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b, out)

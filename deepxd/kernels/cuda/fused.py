@@ -5,6 +5,7 @@ constants argument, so `in0 * 2.5 + exp(in1)` and `in0 * 3.0 + exp(in1)` share o
 cached by structure (lifted text, input count, dtype), in memory and, compiled, on disk. Each structure has a
 contiguous kernel (every input shaped like the output) and a broadcasting one (per-input strides). float64 computes
 in double; float32, float16 and bfloat16 compute in float and round once into the output, as on the CPU.
+fusedcolsum runs the fused kernel and then reduce's sum over axis 0.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _CMP = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "==", as
 _CALLS = {"sqrt": "sqrt", "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "tan": "tan", "tanh": "tanh",
           "abs": "fabs", "maximum": "mx", "minimum": "mn"}
 
-SUPPORT = {"fused": frozenset(FLOATS)}
+SUPPORT = {"fused": frozenset(FLOATS), "fusedcolsum": frozenset({"float32", "float64"})}
 
 
 class Structure:
@@ -139,6 +140,17 @@ def fused(ex: CudaExecutor, inputs: list[DeviceTensor], expr: str, out: DeviceTe
         flat += dims(s)
     ex.launch("fused", f, ex.grid(n), (256, 1, 1), out.ptr, *ptrs, n, *consts, len(shape), *dims(shape), *flat)
     return True
+
+
+def fusedcolsum(ex: CudaExecutor, inputs: list[DeviceTensor], expr: str, keepdims: bool, out: DeviceTensor,
+                sums: DeviceTensor) -> bool:
+    """fused, then the sum over axis 0 of its result: the two kernels the instruction stands for, one after the
+    other on the stream (a GPU reads the result back at its memory's speed; one kernel for both would save that)."""
+    if not fused(ex, inputs, expr, out):
+        return False
+    from deepxd.kernels.cuda import reduce
+
+    return reduce.sum(ex, out, (0,), keepdims, sums)
 
 
 def expr_kernel(op: OpDef) -> Callable[..., bool]:

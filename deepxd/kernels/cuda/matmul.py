@@ -2,6 +2,7 @@
 
 Batch dims broadcast: an operand whose batch is the whole batch walks it with a stride, one with a single matrix is
 shared with stride 0, and any other broadcast (batch (3, 1) against (1, 4)) is first expanded on the device.
+matmultransposed hands its flags to cuBLAS (op(A) = A^T): the operand is read transposed where it lies.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ extern "C" __global__ void imatmul(T* c, const T* a, const T* b, int m, int n, i
 }
 """
 
-SUPPORT = {"matmul": FLOAT_TYPES | INT_TYPES}
+SUPPORT = {"matmul": FLOAT_TYPES | INT_TYPES, "matmultransposed": FLOAT_TYPES}
 
 
 @memoize("kernels.cuda.matmul.source", 64)
@@ -87,4 +88,26 @@ def matmul(ex: CudaExecutor, a: DeviceTensor, b: DeviceTensor, out: DeviceTensor
         ex.launch("matmul", f, ((n + 15) // 16, (m + 15) // 16, z), (16, 16, 1),
                   out.ptr + z0 * m * n * out.dtype.itemsize, pa + z0 * sa * a.dtype.itemsize,
                   pb + z0 * sb * b.dtype.itemsize, m, n, k, sa, sb, m * n)
+    return True
+
+
+def matmultransposed(ex: CudaExecutor, a: DeviceTensor, b: DeviceTensor, transpose_a: bool, transpose_b: bool,
+                     out: DeviceTensor) -> bool:
+    m = a.shape[-1] if transpose_a else a.shape[-2]
+    k = a.shape[-2] if transpose_a else a.shape[-1]
+    n = b.shape[-2] if transpose_b else b.shape[-1]
+    batch = tuple(out.shape[:-2])
+    if a.dname not in FLOAT_TYPES:
+        return False
+    if out.size == 0:
+        return True
+    if k == 0:
+        from deepxd.kernels.cuda.init import fill_bytes
+
+        fill_bytes(ex, "matmultransposed", out, 0)
+        return True
+    pa, sa = _operand(ex, a, batch, a.shape[-2], a.shape[-1])
+    pb, sb = _operand(ex, b, batch, b.shape[-2], b.shape[-1])
+    ex.blas().gemm(a.dname, m, n, k, pa, pb, out.ptr, trans_a=bool(transpose_a), trans_b=bool(transpose_b),
+                   batch=math.prod(batch), stride_a=sa, stride_b=sb, stride_c=m * n)
     return True
