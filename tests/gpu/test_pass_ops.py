@@ -13,7 +13,7 @@ from deepxd.kernels.cpu import CpuExecutor
 from tests.compiler.helpers import context, program
 
 pytest.importorskip("pycuda.driver", reason="PyCUDA is not installed: the CUDA kernel tests need an NVIDIA GPU "
-                    "(run them on the GPU machine, ../shared/gpu/README.md)")
+                    "(pip install -e '.[cuda]' there: docs/cuda.md)")
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
