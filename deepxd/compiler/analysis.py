@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,18 @@ def named_tensors(instr: Instr) -> list[str]:
         if i < len(returns):
             out.append(str(returns[i].value))
     return out
+
+
+def settle(program: list[Instr], ctx: PassContext, one_round: Callable[[list[Instr], PassContext], list[Instr]],
+           rounds: int) -> list[Instr]:
+    """`one_round` again on its own result until it returns its input (the very list) or `rounds` have run: a pass
+    whose round rewrites each value at most once, so that a chain takes a round per link."""
+    for _ in range(rounds):
+        rewritten = one_round(program, ctx)
+        if rewritten is program:
+            break
+        program = rewritten
+    return program
 
 
 def has_ends(program: Iterable[Instr]) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import UNKNOWN, Bound
-from deepxd.compiler.analysis import READ, PassContext, Rewrite, has_ends, refs, tensor_reads
+from deepxd.compiler.analysis import READ, PassContext, Rewrite, has_ends, refs, settle, tensor_reads
 
 _NEVER = frozenset({"life", "io", "init"})
 _ROUNDS = 4  # each round reuses a result at most once; a few rounds settle every chain seen in practice
@@ -22,12 +22,7 @@ _ROUNDS = 4  # each round reuses a result at most once; a few rounds settle ever
 def eliminate_common_subexpressions(program: list[Instr], ctx: PassContext) -> list[Instr]:
     if not has_ends(program):
         return program
-    for _ in range(_ROUNDS):
-        rewritten = _round(program, ctx)
-        if rewritten is program:
-            break
-        program = rewritten
-    return program
+    return settle(program, ctx, _round, _ROUNDS)
 
 
 def _value_key(v: Any) -> Any:

@@ -25,6 +25,7 @@ from deepxd.compiler.analysis import (
     apply_edits,
     has_ends,
     known,
+    settle,
     swap_last,
     swaps_last_two,
 )
@@ -35,12 +36,7 @@ _ROUNDS = 4  # a chain of layers: each round rewrites the products whose instruc
 def transpose_products(program: list[Instr], ctx: PassContext) -> list[Instr]:
     if not has_ends(program) or not any(i.name == "transpose" for i in program):
         return program
-    for _ in range(_ROUNDS):
-        rewritten = _round(program, ctx)
-        if rewritten is program:
-            break
-        program = rewritten
-    return program
+    return settle(program, ctx, _round, _ROUNDS)
 
 
 def _round(program: list[Instr], ctx: PassContext) -> list[Instr]:
