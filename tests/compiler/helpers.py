@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from deepx_core.ir.dtypes import to_numpy
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import format_text, parse_text
 from deepxd.compiler import PassContext
@@ -40,7 +41,7 @@ def context(inputs: Mapping[str, np.ndarray], fetch: Collection[str] = (), **kw)
 
 def random_inputs(rng: np.random.Generator, shapes: Mapping[str, tuple[int, ...]], dtype: str = "float32",
                   lo: float = 0.5, hi: float = 2.0) -> dict[str, np.ndarray]:
-    return {n: rng.uniform(lo, hi, s).astype(dtype) for n, s in shapes.items()}
+    return {n: rng.uniform(lo, hi, s).astype(to_numpy(dtype)) for n, s in shapes.items()}
 
 
 def rewrite(fn: Callable[[list[Instr], PassContext], list[Instr]], text: str, inputs: Mapping[str, np.ndarray],
