@@ -13,7 +13,9 @@ program before anything runs, so that a bad program changes nothing.
 from __future__ import annotations
 
 import ast
+import math
 import re
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -1202,17 +1204,36 @@ def check_program(instrs: Iterable[Instr], env: Env, cache: BindCache | None = N
             return [bind_one(instrs[0], env)]
         except DeepxError as e:
             raise ProgramError(f"instruction 1: {e}", 0) from None
-    sym = SymbolicEnv(base=env)
-    tensors, variables, vectors, before = sym.tensors, sym.variables, sym.vectors, sym.meta
-    bound = []
-    for i, instr in enumerate(instrs):
-        try:
-            b = bind_one(instr, sym)
-            apply_effect(b, tensors, variables, vectors, before, True)
-        except DeepxError as e:
-            raise ProgramError(f"instruction {i + 1}: {e}", i) from None
-        bound.append(b)
-    return bound
+    check = ProgramCheck(instrs, env, cache)
+    check.step()
+    return check.bound
+
+
+class ProgramCheck:
+    """check_program in steps (a long program's, between which its worker does other work): `step(until)` checks
+    instructions, in order, until the perf_counter passes `until` (looked at every 256) or all are checked, which it
+    says. The env's tensors that the program names must stay as they are from the first step to the last."""
+
+    def __init__(self, instrs: Iterable[Instr], env: Env, cache: BindCache | None = None) -> None:
+        self.instrs = instrs if isinstance(instrs, (list, tuple)) else list(instrs)
+        self.bind_one = cache.bind if cache is not None else bind
+        self.sym = SymbolicEnv(base=env)
+        self.bound: list[Bound] = []
+
+    def step(self, until: float = math.inf) -> bool:
+        sym, bind_one, bound, instrs = self.sym, self.bind_one, self.bound, self.instrs
+        tensors, variables, vectors, before = sym.tensors, sym.variables, sym.vectors, sym.meta
+        clock = time.perf_counter
+        for i in range(len(bound), len(instrs)):
+            try:
+                b = bind_one(instrs[i], sym)
+                apply_effect(b, tensors, variables, vectors, before, True)
+            except DeepxError as e:
+                raise ProgramError(f"instruction {i + 1}: {e}", i) from None
+            bound.append(b)
+            if not i & 255 and clock() > until:
+                return len(bound) == len(instrs)
+        return True
 
 
 def _cacheable(b: Bound) -> bool:

@@ -165,6 +165,47 @@ class Actor:
             answered += 1
         return answered
 
+    def take_next(self, accept: Callable[[Envelope], bool],
+                  passes: Callable[[Envelope], bool] | None = None) -> Envelope | None:
+        """The oldest message waiting that accept(it) takes (its asker still waiting), taken out of the mailbox; the
+        look goes on past a message not taken only where passes(it) says so (None: never past one), else it ends
+        there: None, and the mailbox as it was. For a handler that handles it nested, at a point where its state
+        is whole (see OpWorker._interleave); `passes` says what it may overtake (it keeps the order of the rest)."""
+        def live(env: Envelope | _Stop | None) -> bool:
+            return isinstance(env, Envelope) and (env.future is None or not env.future.done()) and env.name != _CRASH
+
+        held = self._held
+        waiting = [] if held is None else [held]  # the oldest: the actor's task holds it while a direct ask is answered
+        box = self.mailbox
+        waiting.extend(box.get_nowait() for _ in range(box.qsize()))
+        taken = None
+        for k, env in enumerate(waiting):
+            if live(env) and accept(env):  # type: ignore[arg-type]
+                taken = k
+                break
+            if passes is None or not live(env) or not passes(env):  # type: ignore[arg-type]
+                break
+        if taken is None:
+            rest = waiting[1:] if held is not None else waiting
+        else:
+            env = waiting[taken]
+            if held is not None:
+                if taken == 0:
+                    self._held = None
+                rest = [e for k, e in enumerate(waiting) if k and k != taken]
+            else:
+                rest = [e for k, e in enumerate(waiting) if k != taken]
+        for e in rest:
+            box.put_nowait(e)
+        return None if taken is None else waiting[taken]  # type: ignore[return-value]
+
+    def message_waiting(self) -> None:
+        """Called as a message is put in the mailbox (a handler that takes waiting messages nested may start to)."""
+
+    async def handle_nested(self, env: Envelope) -> None:
+        """Handle `env` now, inside the handler that calls this (take_next gave it), counted as any message."""
+        await self._handle(env, time.perf_counter())
+
     def idle(self) -> bool:
         """Nothing being handled and nothing waiting: an ask would be answered directly (_direct)."""
         return not self._busy and self.state == "running" and self.mailbox.empty()
@@ -339,6 +380,7 @@ class ActorRef:
         if not a.alive:
             raise ActorStopped(f"actor '{a.name}' is {a.state}; cannot tell '{message}'")
         a.mailbox.put_nowait(Envelope(message, kwargs, None))
+        a.message_waiting()
 
     def ask_future(self, message: str, **kwargs: Any) -> asyncio.Future[Any]:
         a = self._actor
@@ -347,6 +389,7 @@ class ActorRef:
             fut.set_exception(ActorStopped(f"actor '{a.name}' is {a.state}; cannot ask '{message}'"))
         else:
             a.mailbox.put_nowait(Envelope(message, kwargs, fut))
+            a.message_waiting()
         return fut
 
     def now(self, message: str, *args: Any) -> Any:

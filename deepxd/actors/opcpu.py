@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 from deepx_core.errors import DeepxError
 from deepx_core.ir.effects import heap_made
 from deepx_core.ir.instr import Instr
-from deepx_core.ir.ops import Bound, ProgramError
+from deepx_core.ir.ops import Bound, ProgramCheck, ProgramError, check_program
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef
 from deepxd.actors.worker import (
@@ -32,14 +33,26 @@ from deepxd.actors.worker import (
     SLICE_S,
     HeapViews,
     KnownProgram,
+    LongNames,
     OpStat,
     OpWorker,
     RunResult,
     deletions,
+    program_tensor_names,
+    touched_names,
 )
 from deepxd.kernels.cpu import CpuExecutor, dtype_name, repeat_count, transient_transposes, worded
 
 log = logging.getLogger(__name__)
+
+
+def _check_step(checking: ProgramCheck, names: set[str], until: float) -> bool:
+    """A slice of a long program's check, the names of the tensors it checked added to `names`."""
+    start = len(checking.bound)
+    try:
+        return checking.step(until)
+    finally:
+        names.update(touched_names(checking.bound[start:]))
 
 
 class CpuWorker(OpWorker):
@@ -102,12 +115,25 @@ class CpuWorker(OpWorker):
                 return fut.result()
             self.answer_waiting(BETWEEN_SLICES)
 
-    async def _sliced(self, fn: Callable[..., bool], *args: Any,
-                      cancel: Callable[[], bool] | None) -> bool:
+    async def _sliced(self, fn: Callable[..., bool], *args: Any, cancel: Callable[[], bool] | None,
+                      running: LongNames) -> bool:
         """Run fn(*args, until) on this worker's thread, slice after slice (fn runs instructions until the
         perf_counter passes `until` or the program ends, which it says), answering the queries waiting between
-        slices. False where the asker went away (`cancel()`): the program stopped at an instruction boundary."""
+        slices and running the small programs that share no tensor with it (`running`: its tensor names; see
+        _interleave). False where the asker went away (`cancel()`): the program stopped at an instruction
+        boundary."""
         loop = asyncio.get_running_loop()
+        outer = self._long is None
+        if outer:
+            self._long = running
+        try:
+            return await self._slices(loop, fn, args, cancel, running)
+        finally:
+            if outer:
+                self._long = None
+
+    async def _slices(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., bool], args: tuple[Any, ...],
+                      cancel: Callable[[], bool] | None, running: LongNames) -> bool:
         while True:
             until = time.perf_counter() + SLICE_S
             try:
@@ -117,8 +143,25 @@ class CpuWorker(OpWorker):
             if ended:
                 return True
             self.answer_waiting(BETWEEN_SLICES)
+            await self._interleave(running)
             if cancel is not None and cancel():
                 return False
+
+    def _names_of(self, program: Sequence[Instr], known: KnownProgram | None, fetch: Sequence[str],
+                  live: set[str] | None = None) -> LongNames:
+        """The names of the program _sliced runs: `live` where its sliced check fills it (the names checked so
+        far: a program run beside it before the check reads a name comes before it), a known one's, else worked
+        out once, on the thread."""
+        if live is not None:
+            return LongNames(live)
+        if known is not None:
+            return LongNames(frozenset(known.names).union(fetch))
+
+        async def work() -> AbstractSet[str]:
+            names: frozenset[str] = await asyncio.get_running_loop().run_in_executor(
+                self._thread, program_tensor_names, program, fetch)
+            return names
+        return LongNames(None, work)
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
                      expect: Any = None, cancel: Callable[[], bool] | None = None) -> RunResult:
@@ -132,7 +175,8 @@ class CpuWorker(OpWorker):
         if known is not None:
             result = self._begin_known(known)
             if known.heavy:
-                if not await self._sliced(self._execute_known, known, result, cancel=cancel):
+                if not await self._sliced(self._execute_known, known, result, cancel=cancel,
+                                          running=self._names_of(program, known, fetch)):
                     self._stop_known(known, self._cancelled(result))
             else:
                 self._execute_known(known, result)
@@ -141,11 +185,26 @@ class CpuWorker(OpWorker):
             return self._end_known(known, self._fetched(result, fetch))
         result = RunResult(t0=time.time(), begun=self._state())
         self._output = []
+        live = set(fetch) if len(program) > LONG_PROGRAM else None
+        running = self._names_of(program, None, fetch, live)
+        outer = live is not None and self._long is None
+        if outer:  # from its check on (see _interleave)
+            self._long = running
         try:
-            if len(program) > LONG_PROGRAM:  # O(n): on the thread (the check only reads the tensors)
-                bounds, heavy, transient = await self._offload(self._check, program, fetch)
-                if cancel is not None and cancel():  # the check took seconds: its asker may have gone meanwhile
-                    return self._cancelled(result)
+            return await self._run_new(program, fetch, cancel, result, live, running)
+        finally:
+            if outer:
+                self._long = None
+
+    async def _run_new(self, program: Sequence[Instr], fetch: Sequence[str], cancel: Callable[[], bool] | None,
+                       result: RunResult, live: set[str] | None, running: LongNames) -> RunResult:
+        """on_run for a program not known: checked (`live`: in slices, the names it checked into it), then run."""
+        try:
+            if live is not None:  # O(n): in slices on the thread (the check only reads the tensors)
+                checking = ProgramCheck(program, self.ex, self.ex.plans)
+                if not await self._sliced(_check_step, checking, live, cancel=cancel, running=running):
+                    return self._cancelled(result)  # the check took seconds: its asker went meanwhile
+                bounds, heavy, transient = await self._offload(self._check_rest, checking.bound, fetch, len(program))
             else:
                 bounds, heavy, transient = self._check(program, fetch)
         except ProgramError as e:
@@ -157,7 +216,8 @@ class CpuWorker(OpWorker):
         if not heap_new and len(program) <= REMEMBER_MAX:
             self._remember(program, fetch, bounds, heavy, transient)
         if heavy:
-            if not await self._sliced(self._execute, bounds, result, heap_new, cancel=cancel):
+            if not await self._sliced(self._execute, bounds, result, heap_new, cancel=cancel,
+                                      running=running):
                 self._cancelled(result)
         else:
             self._execute(bounds, result, heap_new)
@@ -226,7 +286,12 @@ class CpuWorker(OpWorker):
     def _check(self, program: Sequence[Instr], fetch: Sequence[str]) -> tuple[list[Bound], bool, set[int]]:
         """The program checked whole against the tensors here (ProgramError at the first refusal): its bound
         instructions, whether it is heavy (_heavy) and its transient transposes."""
-        bounds = self._check_program(program, fetch)
+        return self._check_rest(check_program(program, self.ex, self.ex.plans), fetch, len(program))
+
+    def _check_rest(self, bounds: list[Bound], fetch: Sequence[str],
+                    length: int) -> tuple[list[Bound], bool, set[int]]:
+        """_check after check_program's checks."""
+        bounds = self._checked(bounds, fetch, length)
         heavy = self._heavy(bounds) or (self.inline_elements >= 0 and len(bounds) > LONG_PROGRAM)
         return bounds, heavy, transient_transposes(bounds)
 

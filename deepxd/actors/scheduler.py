@@ -15,7 +15,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +24,15 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.effects import SETS, apply_effect, kind_of
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, TensorMeta
-from deepxd.actors.base import Actor, ActorRef
-from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
+from deepxd.actors.base import Actor, ActorRef, Envelope
+from deepxd.actors.worker import (
+    LONG_PROGRAM,
+    REMEMBER_MAX,
+    SLICE_S,
+    RunResult,
+    program_tensor_names,
+    small_tensor_names,
+)
 from deepxd.compiler.analysis import BindMemo, default_pair_min, has_ends, named_tensors
 from deepxd.compiler.pipeline import (
     DEFAULT_PASSES,
@@ -290,6 +297,10 @@ class Scheduler(Actor):
         self.fast_hits = 0
         self.now_hits = 0  # runs and replays taken by now_run and now_replay (the embedded daemon's, no loop step)
         self._cancel: Callable[[], bool] | None = None  # the running program's (on_run)
+        self._beside: asyncio.Task[None] | None = None  # handling small programs beside a long one (_serving)
+        # the step _serving awaits: (its end, the names of what ran beside it, the worker)
+        self._step: tuple[asyncio.Future[None], set[str] | None, ActorRef] | None = None
+        self.beside = 0  # programs handled beside a long one
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                      backwards: Sequence[dict[str, Any]] | None = None,
@@ -426,9 +437,8 @@ class Scheduler(Actor):
             return None
         if fast.expanded is not None:  # the gradients of its backwards (on_run took back the rest)
             self._taken_from_udp(fast.expanded)
-        result: RunResult = await fast.worker.ask("run", program=fast.sent, fetch=fetch, cancel=self._cancel,
-                                                  version=fast.version if fast.version >= 0 else None,
-                                                  expect=fast.expect)
+        result = await self._ask_run(fast.worker, program=fast.sent, fetch=fetch, cancel=self._cancel,
+                                     version=fast.version if fast.version >= 0 else None, expect=fast.expect)
         done = self._fast_ran(fast, program, fetch, result)
         return await done if isinstance(done, CoroutineType) else done
 
@@ -514,8 +524,80 @@ class Scheduler(Actor):
             return await self._run_compiled(worker, program, fetch, ctx, note)
         if note is not None:
             _note(note, program, program, None, ctx, False)
-        result: RunResult = await worker.ask("run", program=program, fetch=fetch, cancel=self._cancel)
+        return await self._ask_run(worker, program=program, fetch=fetch, cancel=self._cancel)
+
+    async def _ask_run(self, worker: ActorRef, **kwargs: Any) -> RunResult:
+        """worker.ask("run", **kwargs), serving (_serving) meanwhile."""
+        result: RunResult = await self._serving(worker.ask("run", **kwargs), worker)
         return result
+
+    async def _serving(self, step: Awaitable[Any], worker: ActorRef, touched: set[str] | None = None) -> Any:
+        """`await step`, a step of running a program on `worker` (the passes on a thread, the worker's run); while
+        it goes on, the small programs that arrive meanwhile are handled, each whole, by a task beside this
+        handler (_run_beside, started by the first message that waits: no cost where none does): a long program
+        must not hold another client's step at the scheduler. The worker runs such a step between its slices
+        where the two share no tensor (OpWorker._interleave), else after it. `touched` takes the names of the
+        tensors that the programs beside it named. This returns only after that task: messages are still handled
+        one at a time, those beside a program as if before it."""
+        if self._beside is not None or self._step is not None:  # a step of a program beside another: no deeper
+            return await step
+        self._step = (asyncio.get_running_loop().create_future(), touched, worker)
+        cancel = self._cancel
+        try:
+            if not self.mailbox.empty() or self._held is not None:
+                self.message_waiting()
+            return await step
+        finally:
+            ended, _, _ = self._step
+            self._step = None
+            ended.set_result(None)
+            if self._beside is not None:
+                try:
+                    await self._beside
+                finally:
+                    self._beside = None
+                    self._cancel = cancel
+
+    def message_waiting(self) -> None:
+        if self._step is not None and self._beside is None:
+            self._beside = asyncio.get_running_loop().create_task(self._run_beside(*self._step),
+                                                                  name=f"{self.name}:beside")
+
+    async def _run_beside(self, ended: asyncio.Future[None], touched: set[str] | None, worker: ActorRef) -> None:
+        """Until `ended`: handle the next message waiting that is a run of a small program (small_tensor_names) with
+        no backward that the worker would run now (OpWorker.now_interleaves), one at a time, its names added to
+        `touched`. It may overtake small runs that must wait (they name a tensor of the long program) where it
+        shares no tensor with them; nothing else."""
+        passed: set[str] = set()  # the names of the runs looked past, this look
+
+        def small(env: Envelope) -> set[str] | None:
+            if env.name != "run" or env.kwargs.get("backwards"):
+                return None
+            return small_tensor_names(env.kwargs.get("program", ()), env.kwargs.get("fetch", ()))
+
+        def accept(env: Envelope) -> bool:
+            names = small(env)
+            if names is None or not passed.isdisjoint(names) or not worker.now("interleaves", names):
+                return False
+            if touched is not None:
+                touched.update(names)
+            return True
+
+        def passes(env: Envelope) -> bool:
+            names = small(env)
+            if names is not None:
+                passed.update(names)
+            return names is not None
+
+        await asyncio.wait({ended}, timeout=SLICE_S)  # a step that ends within a slice is not held up
+        while not ended.done():
+            passed.clear()
+            env = self.take_next(accept, passes)
+            if env is None:
+                await asyncio.wait({ended}, timeout=SLICE_S)
+            else:
+                self.beside += 1
+                await self.handle_nested(env)
 
     async def _run_expanded(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
                             marks: dict[int, dict[str, Any]], note: dict[str, Any] | None = None) -> RunResult:
@@ -690,7 +772,11 @@ class Scheduler(Actor):
             ctx = await self._context(worker, program, fetch, note=note)
         try:
             if len(program) > LONG_PROGRAM and not self.compiled.seen(program):  # O(n) and more: on a thread
-                rewritten = await asyncio.to_thread(self.compiled.run, program, ctx)
+                touched: set[str] = set()
+                rewritten, names = await self._serving(asyncio.to_thread(self._passes_and_names, program, ctx), worker,
+                                                        touched)
+                if not names.isdisjoint(touched):  # a program beside the passes changed what they read
+                    rewritten = list(program)
                 if self._cancel is not None and self._cancel():  # the passes took seconds: the asker may be gone
                     self.failed += 1
                     return _cancelled_unrun()
@@ -702,12 +788,16 @@ class Scheduler(Actor):
         if len(rewritten) == len(program) and all(a is b for a, b in zip(rewritten, program)):
             if note is not None:
                 _note(note, program, program, None, ctx, True)
-            return await worker.ask("run", program=program, fetch=fetch, cancel=self._cancel)
+            return await self._ask_run(worker, program=program, fetch=fetch, cancel=self._cancel)
         origins = ctx.origins
         if note is not None:
             _note(note, program, rewritten, origins, ctx, True)
-        result: RunResult = await worker.ask("run", program=rewritten, fetch=fetch, cancel=self._cancel)
+        result = await self._ask_run(worker, program=rewritten, fetch=fetch, cancel=self._cancel)
         return await self._compiled_result(worker, program, rewritten, fetch, origins, ctx, result, note)
+
+    def _passes_and_names(self, program: Sequence[Instr], ctx: Any) -> tuple[list[Instr], frozenset[str]]:
+        """A long program through the passes, on a thread, and the names of the tensors it names."""
+        return self.compiled.run(program, ctx), program_tensor_names(program, ())
 
     async def _compiled_result(self, worker: ActorRef, program: Sequence[Instr], rewritten: list[Instr],
                                fetch: Sequence[str], origins: list[int], ctx: Any, result: RunResult,
@@ -973,5 +1063,5 @@ class Scheduler(Actor):
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
                 "plan_hits": self.compiled.hits, "plan_misses": self.compiled.misses, "graphs": len(self.graphs),
-                "replays": self.replays, "fast_hits": self.fast_hits, "now_hits": self.now_hits,
+                "replays": self.replays, "fast_hits": self.fast_hits, "now_hits": self.now_hits, "beside": self.beside,
                 "backward_hits": self.backward_hits, "backward_misses": self.backward_misses}

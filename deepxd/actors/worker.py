@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -17,11 +18,12 @@ import numpy as np
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
-from deepx_core.ir.effects import CREATES, DELETES, RENAMES, apply_effect
+from deepx_core.ir.effects import CREATES, DELETES, RENAMES, SETS, apply_effect
 from deepx_core.ir.instr import NUMBERED_OPS, Instr, numbers_probe, probe, renumbered, same_program, scalar_kinds
-from deepx_core.ir.ops import Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
+from deepx_core.ir.ops import OPS, Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
 from deepx_core.ir.shapes import numel
-from deepxd.actors.base import Actor, ActorRef
+from deepxd.actors.base import Actor, ActorRef, Envelope
+from deepxd.compiler.analysis import named_tensors
 from deepxd.kernels.cpu import check_instruction, dtype_name
 from deepxd.kernels.cpu.life import refused_heap_replace
 
@@ -33,8 +35,13 @@ LONG_PROGRAM = 4096
 REMEMBER_MAX = 65536
 #: about how long a slice of a program runs on the worker's thread before the worker looks up (cancel, queries)
 SLICE_S = 0.05
-#: what a worker answers between the slices of a long program: queries that read its state
-BETWEEN_SLICES = frozenset({"tensors", "metas", "op_stats"})
+#: what a worker answers between the slices of a long program: queries that read its state (`state`: for the passes
+#: of a small program that may run between them, see OpWorker._interleave)
+BETWEEN_SLICES = frozenset({"tensors", "metas", "op_stats", "state"})
+#: a program this short, naming none of the tensors of the long program running and no variable, runs between the
+#: long one's slices: programs that share no tensor commute, so another client's small step does not wait for it
+SMALL_PROGRAM = 256
+_VALUE_CATEGORIES = frozenset(("var", "vector", ""))
 
 
 @dataclass
@@ -157,7 +164,8 @@ def _state_free(bounds: list[Bound]) -> bool:
     return True
 
 
-def _touched(bounds: list[Bound]) -> tuple[str, ...]:
+def touched_names(bounds: list[Bound]) -> tuple[str, ...]:
+    """The names of every tensor a checked program touches, in order of first touch."""
     names: dict[str, None] = {}
     for b in bounds:
         for n in b.names:
@@ -172,12 +180,54 @@ def _touched(bounds: list[Bound]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def program_tensor_names(program: Sequence[Instr], fetch: Sequence[str]) -> frozenset[str]:
+    """Every tensor a program names (named_tensors), and those it fetches."""
+    names = set(fetch)
+    for instr in program:
+        names.update(named_tensors(instr))
+    return frozenset(names)
+
+
+def small_tensor_names(program: Sequence[Instr], fetch: Sequence[str]) -> set[str] | None:
+    """The tensors a program that may run beside a long one names (with those it fetches); None where it may not:
+    longer than SMALL_PROGRAM, an op outside the catalogue (a backward marker) or one that sets variables, or a
+    string where a value goes (a variable read by name: the long program may set it)."""
+    if len(program) > SMALL_PROGRAM:
+        return None
+    names = set(fetch)
+    for instr in program:
+        op = OPS.get(instr.name)
+        if op is None or op.effect.kind is SETS:
+            return None
+        for p in instr.args:
+            if type(p.value) is str and p.category in _VALUE_CATEGORIES:
+                return None
+        names.update(named_tensors(instr))
+    return names
+
+
 def deletions(bounds: Sequence[Bound]) -> Iterator[tuple[int, str]]:
     """(index, name) of each tensor the checked program deletes."""
     for i, b in enumerate(bounds):
         if b.op.effect.kind is DELETES:
             for name in apply_effect(b).deleted:
                 yield i, name
+
+
+class LongNames:
+    """The names of the tensors of a long program that a worker runs in slices: `now`, where known (the live set
+    its sliced check fills, or a known program's), else worked out once by `get` (with `work`, on a thread)."""
+
+    def __init__(self, now: AbstractSet[str] | None = None,
+                 work: Callable[[], Awaitable[AbstractSet[str]]] | None = None) -> None:
+        self.now = now
+        self._work = work
+
+    async def get(self) -> AbstractSet[str]:
+        if self.now is None:
+            assert self._work is not None
+            self.now = await self._work()
+        return self.now
 
 
 class OpWorker(Actor):
@@ -207,6 +257,82 @@ class OpWorker(Actor):
         self.renumberable = Cache("worker.renumberable", size, per_key=8, owner=self.name)
         self.known_hits = 0
         self.renumbered_hits = 0
+
+    _nested = False  # a small program runs between the slices of a long one (see _interleave): none deeper
+    _long: LongNames | None = None  # the long program running in slices (see _interleave)
+
+    def _may_interleave(self, names: AbstractSet[str]) -> bool:
+        """Whether a program naming `names` may run between the slices of the long program running: it names
+        none of its tensors (as far as they are known) and no tensor that shares its buffer with another (a write
+        there would give views copies under the long program's prepared steps)."""
+        shared = getattr(self.ex, "shared", None)
+        if shared and not shared.keys().isdisjoint(names):
+            return False
+        long = self._long
+        return long is None or long.now is None or long.now.isdisjoint(names)
+
+    def now_interleaves(self, names: AbstractSet[str]) -> bool:
+        """`ref.now("interleaves", names)`: whether a small program naming `names` sent now would run before the end
+        of the long program running here (True where none runs or its names are not known yet): the scheduler
+        sends on only those, so that one that must wait holds up no other."""
+        return self._may_interleave(names)
+
+    async def _interleave(self, running: LongNames) -> int:
+        """Between two slices of a long program (its tensors whole): run, each whole, the small programs (and
+        fetches and puts) waiting that name none of its tensors and no variable (small_tensor_names): programs that
+        share no tensor commute, so the results are those of some serial order. A message may overtake only
+        small ones it shares no tensor with. `running`: the long program's names, worked out at the first
+        candidate. How many ran."""
+        if self._nested:
+            return 0
+        candidate = False
+
+        def names_of(env: Envelope) -> set[str] | None:
+            kw = env.kwargs
+            if env.name == "run":
+                return small_tensor_names(kw.get("program", ()), kw.get("fetch", ()))
+            if env.name == "fetch" and all(type(n) is str for n in kw.get("names", (None,))):
+                return set(kw["names"])
+            if env.name == "put" and type(kw.get("name")) is str:
+                return {kw["name"]}
+            return None
+
+        ran = 0
+        passed: set[str] = set()  # the names of the messages looked past, this look
+        while True:
+            passed.clear()
+
+            def accept(env: Envelope) -> bool:
+                nonlocal candidate
+                small = names_of(env)
+                if small is None or not passed.isdisjoint(small):
+                    return False
+                candidate = True
+                return running.now is not None and self._may_interleave(small)
+
+            def passes(env: Envelope) -> bool:
+                small = names_of(env)
+                if small is None:
+                    return False
+                passed.update(small)
+                return True
+
+            env = self.take_next(accept, passes)
+            if env is None:
+                if not candidate or running.now is not None:
+                    return ran
+                await running.get()
+                continue
+            output, transient = self._output, getattr(self.ex, "transient", None)
+            self._nested = True
+            try:
+                await self.handle_nested(env)
+            finally:
+                self._nested = False
+                self._output = output
+                if transient is not None:
+                    self.ex.transient = transient
+            ran += 1
 
     def _print(self, text: str) -> None:
         self._output.append(text)
@@ -392,12 +518,15 @@ class OpWorker(Actor):
     def _check_program(self, program: Sequence[Instr], fetch: Sequence[str]) -> list[Bound]:
         """The program checked whole against the tensors here, its fetch and its heap tensors included (ProgramError
         at the first refusal): its bound instructions."""
-        bounds = check_program(program, self.ex, self.ex.plans)
+        return self._checked(check_program(program, self.ex, self.ex.plans), fetch, len(program))
+
+    def _checked(self, bounds: list[Bound], fetch: Sequence[str], length: int) -> list[Bound]:
+        """_check_program's checks after check_program's (of a program of `length` instructions)."""
         self._check_instructions(bounds)
         self._check_heap(bounds)
         missing = self._missing(fetch, bounds) if fetch else None
         if missing is not None:
-            raise ProgramError(f"fetch: tensor '{missing}' not found", len(program))
+            raise ProgramError(f"fetch: tensor '{missing}' not found", length)
         return bounds
 
     @staticmethod
@@ -510,7 +639,7 @@ class OpWorker(Actor):
             hash(key)
         except TypeError:  # a list inside a param: never remembered
             return
-        names = _touched(bounds)
+        names = touched_names(bounds)
         if fetch:  # a name it reads back only: that it still exists is part of the check
             names += tuple(n for n in dict.fromkeys(fetch) if n not in names)
         metas, heap = self.ex.tensors.metas, self.heap

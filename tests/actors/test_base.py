@@ -191,3 +191,39 @@ async def test_an_ask_its_asker_gave_up_on_is_not_handled_and_doing_says_what_ru
     assert await ref.ask("add", n=1) == 1  # the 5 was never added
     assert a.stats.handled == handled + 2 and a.doing == ""
     await a.stop()
+
+
+class Nesting(Counter):
+    """A handler that, while it waits, handles the waiting `add` messages nested (as a worker between slices)."""
+
+    async def on_long(self, skip: int) -> list[int]:
+        seen = []
+        while not self.release.is_set():
+            env = self.take_next(lambda e: e.name == "add" and e.kwargs["n"] != skip,
+                                 lambda e: e.name == "add")  # past the skipped adds, never past anything else
+            if env is None:
+                await asyncio.sleep(0.01)
+                continue
+            seen.append(env.kwargs["n"])
+            await self.handle_nested(env)
+        return seen
+
+
+async def test_take_next_takes_what_it_accepts_in_order_passing_only_what_it_may():
+    """A handler takes waiting messages out of order only past those `passes` allows; the rest stay queued in
+    their order and are handled after it; every ask is answered once."""
+    a = Nesting()
+    ref = a.start()
+    long = asyncio.ensure_future(ref.ask("long", skip=5))
+    await asyncio.sleep(0.02)
+    asks = [asyncio.ensure_future(ref.ask("add", n=n)) for n in (1, 5, 2)]
+    stop_here = asyncio.ensure_future(ref.ask("slow"))  # not an add: nothing after it is taken
+    late = asyncio.ensure_future(ref.ask("add", n=7))
+    await asyncio.sleep(0.1)
+    assert [f.done() for f in asks] == [True, False, True] and not late.done()
+    assert asks[0].result() == 1 and asks[2].result() == 3
+    a.release.set()
+    assert await long == [1, 2]
+    assert await asks[1] == 8 and await stop_here == "done" and await late == 15  # then in mailbox order
+    assert a.stats.handled == 6
+    await a.stop()
