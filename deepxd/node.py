@@ -81,7 +81,8 @@ class Node:
             from deepxd.actors.heapmem import HeapMemory
 
             heapmem = HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
-                                 device=cuda.device_heap if cuda is not None else None)  # with op-cuda: on the GPU
+                                 device=cuda.device_heap if cuda is not None else None,  # with op-cuda: on the GPU
+                                 dead_after_s=5 * c.heartbeat_s)  # (as deepxctl nodes ls says `stale`)
             self.refs["heapmem"] = self.supervisor.start(heapmem)
             if cuda is not None:
                 cuda.heapmem = self.refs["heapmem"]

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import operator
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 
 LIFECYCLE = "tensor_lifecycle"
 CHECK_S = 2.0  # how often heapmem checks that the plane still has its tensors' records
+REMOTE_HOLDER = "node:"  # a holder that is another node of this host, which mapped the segment (on_remote)
 MIN_CLASS = 4096  # the smallest segment: one page
 REUSE_CLASSES = 3  # a pooled segment up to 4x the needed class is reused rather than a fresh one made
 TICK_BATCH = 100  # lifecycle commands popped per tick
@@ -98,6 +100,7 @@ class _Heap:
     device: str = "cpu"
     ipc_handle: str = ""  # hex of the CUDA IPC handle of a GPU tensor
     block: Any = field(default=None, repr=False)  # a GPU tensor's memory (deepxd.actors.opcuda.DeviceBlock)
+    lent: bool = False  # another node of this host mapped its segment (never pooled: see _drop)
 
     @property
     def present(self) -> bool:
@@ -199,8 +202,12 @@ class HeapMemory(Actor):
     role = "heapmem"
 
     def __init__(self, kv: KV, node_id: str, *, pool_bytes: int = 256 << 20, poll_s: float = 0.05,
-                 check_s: float = CHECK_S, name: str | None = None, device: Any = None) -> None:
+                 check_s: float = CHECK_S, name: str | None = None, device: Any = None,
+                 dead_after_s: float = 10.0) -> None:
         super().__init__(name)
+        self.dead_after_s = dead_after_s  # a node whose heartbeat is older is dead: its tensors are unreachable
+        # heap tensors of other nodes of this host that programs here use: name -> (segment, node, handle)
+        self._remote: dict[str, tuple[Segment, str, str]] = {}
         self.kv = kv
         self.device = device  # a DeviceHeap (deepxd.actors.opcuda): heap tensors then live in its GPU memory
         self.node = node_id
@@ -234,6 +241,8 @@ class HeapMemory(Actor):
             if task is not None:
                 await end_task(task, self.poll_s + 5.0)
         self._tick = self._check = None
+        for name in list(self._remote):
+            await self._forget_remote(name)
         live = [t for t in self._tensors.values() if t.present]
         try:
             if live:
@@ -361,13 +370,17 @@ class HeapMemory(Actor):
             task.result()  # a store's refusal: the tick's retry handles it
 
     async def _checker(self) -> None:
-        """Every check_s: have the plane's records of this node's tensors written again where it lost them."""
+        """Every check_s: have the plane's records of this node's tensors written again where it lost them, and
+        forget the other nodes' tensors mapped here that went (_check_remote)."""
         while self.alive:
             await asyncio.sleep(self.check_s)
-            if not self._tensors:
+            if not self._tensors and not self._remote:
                 continue
             try:
-                await self.ref.ask("republish")
+                if self._remote:
+                    await self.ref.ask("check_remote")
+                if self._tensors:
+                    await self.ref.ask("republish")
             except ActorStopped:
                 return
             except Exception as e:
@@ -427,6 +440,90 @@ class HeapMemory(Actor):
             assert t.segment is not None
             t.view = t.segment.array(t.shape, t.dtype)
         return t.view
+
+    async def on_remote(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Heap tensors of other nodes that a program here names: those of a live node of this host, mapped from
+        their segments (no copy: both nodes read and write the same bytes), this node a holder of each (the
+        holder `node:<this node>`, through the owner's lifecycle list: it keeps the tensor from being freed
+        under the mapping). A name the plane has no heap tensor for is left out (the program's own check says it
+        is not found); one of a dead node, of another host, or in GPU memory is refused, naming the tensor and the
+        node."""
+        out: dict[str, np.ndarray] = {}
+        here = socket.gethostname()
+        for name in names:
+            if name in self._tensors:
+                continue
+            f = await self.kv.hgetall(_key(name))
+            if name in self._remote:
+                seg, held_on, handle = self._remote[name]
+                if f.get("handle") == handle and f.get("node") == held_on:
+                    out[name] = seg.array(json.loads(f["shape"]), to_numpy(f["dtype"]))
+                    continue
+                await self._forget_remote(name)
+            node = f.get("node")
+            if f.get("kind") != "heap" or not node or node == self.node:
+                continue
+            try:
+                t = _Heap.from_fields(name, f)
+            except ValueError as e:
+                raise DeepxError(f"tensor '{name}' of node {node}: its record in the storage plane is malformed: "
+                                 f"{e}") from None
+            n = await self.kv.hgetall(f"node:{node}")
+            age = time.time() - float(n.get("heartbeat") or 0)
+            if n.get("state") != "running" or age > self.dead_after_s:
+                said = (f"is {n['state']}" if n.get("state") not in (None, "running")
+                        else f"is dead (its last heartbeat was {age:.1f} s ago)" if n else "is not in the plane")
+                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, which {said}: unreachable")
+            if t.state != "live" or not t.handle:
+                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, {t.state} there: unreachable")
+            if n.get("host", here) != here:
+                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node} on host {n.get('host')}, and this "
+                                 f"node runs on {here}: tensors travel between hosts over peer links, which deepx "
+                                 "does not have yet (docs/storage.md)")
+            if t.device != "cpu":
+                raise DeepxError(f"tensor '{name}' is a heap tensor in GPU memory of node {node} ({t.device}): "
+                                 "another node cannot use it yet (docs/storage.md)")
+            try:
+                seg = Segment.attach(t.handle)
+            except (OSError, DeepxError) as e:
+                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, whose segment {t.handle} could "
+                                 f"not be mapped: {e}") from None
+            await self.kv.rpush(node_lifecycle(node), msgpack.packb(
+                {"cmd": "get", "name": name, "holder": REMOTE_HOLDER + self.node}))
+            self._remote[name] = (seg, node, t.handle)
+            out[name] = seg.array(t.shape, to_numpy(t.dtype))
+            log.info("%s: maps heap tensor '%s' of node %s (%s%s), no copy", self.name, name, node, t.dtype,
+                     list(t.shape))
+        return out
+
+    async def _forget_remote(self, name: str) -> None:
+        """Drop the mapping of another node's tensor: this node's workers are told (heap_gone), and its hold on the
+        tensor is given back through the owner's lifecycle list."""
+        seg, node, _ = self._remote.pop(name)
+        for viewer in self.viewers:
+            with contextlib.suppress(ActorStopped):
+                viewer.tell("heap_gone", name=name)
+        seg.close()
+        try:
+            await self.kv.rpush(node_lifecycle(node), msgpack.packb(
+                {"cmd": "delete", "name": name, "holder": REMOTE_HOLDER + self.node}))
+        except Exception as e:  # a lost plane: the owner keeps a hold that nothing gives back (logged)
+            log.warning("%s: could not give back the hold on heap tensor '%s' of node %s: %s", self.name, name, node, e)
+
+    async def on_check_remote(self) -> None:
+        await self._check_remote()
+
+    async def _check_remote(self) -> None:
+        """The other nodes' tensors mapped here: one whose record changed or went, or whose node died, is
+        forgotten (its views here go)."""
+        for name, (_, node, handle) in list(self._remote.items()):
+            f = await self.kv.hgetall(_key(name))
+            n = await self.kv.hgetall(f"node:{node}") if f.get("handle") == handle else {}
+            if (f.get("node") != node or n.get("state") != "running"
+                    or time.time() - float(n.get("heartbeat") or 0) > self.dead_after_s):
+                log.info("%s: heap tensor '%s' of node %s is gone or unreachable: its mapping here goes", self.name,
+                         name, node)
+                await self._forget_remote(name)
 
     def on_info(self, name: str, missing_ok: bool = False) -> dict[str, Any] | None:
         """The record of heap tensor `name`; None where there is none and `missing_ok` (a lookup that expects a miss
@@ -589,6 +686,7 @@ class HeapMemory(Actor):
         t.refcount += 1
         if holder:
             t.holders.append(holder)
+            t.lent = t.lent or holder.startswith(REMOTE_HOLDER)
         w.hset(name, t.fields())  # whole: a record the plane lost comes back complete, never as two fields
         return t
 
@@ -750,9 +848,10 @@ class HeapMemory(Actor):
         seg, t.segment, t.view = t.segment, None, None
         if seg is None:
             return
-        # a worker's view goes only when it reads its mailbox: until then the segment must not hold another tensor,
-        # so it is unlinked (the mapping lives on under the view until that is collected), never pooled
-        if (pool and not viewed and seg.size == size_class(seg.size)
+        # a worker's view goes only when it reads its mailbox, another node's when it next checks: until then the
+        # segment must not hold another tensor, so it is unlinked (the mapping lives on under the view until that is
+        # collected), never pooled
+        if (pool and not viewed and not t.lent and seg.size == size_class(seg.size)
                 and self._pooled_bytes + seg.size <= self.pool_bytes):
             self._pool.setdefault(seg.size, []).append(seg)
             self._pooled_bytes += seg.size

@@ -41,6 +41,7 @@ from deepxd.actors.worker import (
     program_tensor_names,
     touched_names,
 )
+from deepxd.compiler.analysis import named_tensors
 from deepxd.kernels.cpu import CpuExecutor, dtype_name, repeat_count, transient_transposes, worded
 
 log = logging.getLogger(__name__)
@@ -198,18 +199,29 @@ class CpuWorker(OpWorker):
 
     async def _run_new(self, program: Sequence[Instr], fetch: Sequence[str], cancel: Callable[[], bool] | None,
                        result: RunResult, live: set[str] | None, running: LongNames) -> RunResult:
-        """on_run for a program not known: checked (`live`: in slices, the names it checked into it), then run."""
-        try:
-            if live is not None:  # O(n): in slices on the thread (the check only reads the tensors)
-                checking = ProgramCheck(program, self.ex, self.ex.plans)
-                if not await self._sliced(_check_step, checking, live, cancel=cancel, running=running):
-                    return self._cancelled(result)  # the check took seconds: its asker went meanwhile
-                bounds, heavy, transient = await self._offload(self._check_rest, checking.bound, fetch, len(program))
-            else:
-                bounds, heavy, transient = self._check(program, fetch)
-        except ProgramError as e:
-            result.error, result.error_index = str(e), e.index
-            return result
+        """on_run for a program not known: checked (`live`: in slices, the names it checked into it), then run. A
+        check that stops at a tensor not found here checks again after mapping it where it is another node's heap
+        tensor on this host (_map_remote)."""
+        while True:
+            try:
+                if live is not None:  # O(n): in slices on the thread (the check only reads the tensors)
+                    checking = ProgramCheck(program, self.ex, self.ex.plans)
+                    if not await self._sliced(_check_step, checking, live, cancel=cancel, running=running):
+                        return self._cancelled(result)  # the check took seconds: its asker went meanwhile
+                    bounds, heavy, transient = await self._offload(self._check_rest, checking.bound, fetch,
+                                                                   len(program))
+                else:
+                    bounds, heavy, transient = self._check(program, fetch)
+                break
+            except ProgramError as e:
+                try:
+                    mapped = await self._map_remote(program, e.index)
+                except DeepxError as refused:
+                    result.error, result.error_index = f"instruction {e.index + 1}: {refused}", e.index
+                    return result
+                if not mapped:
+                    result.error, result.error_index = str(e), e.index
+                    return result
         heap_new = (await self._heap_tensors_to_create(bounds)
                     if any(b.instr.meta and heap_made(b) for b in bounds) else {})
         self.ex.transient = transient
@@ -449,6 +461,22 @@ class CpuWorker(OpWorker):
                 raise DeepxError(f"put: '{name}' is a heap tensor; put it with heap=true")
             self.ex.put(name, array.copy())
         return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "heap" if heap else "stack"}
+
+    async def _map_remote(self, program: Sequence[Instr], index: int) -> bool:
+        """The tensors that instruction `index` names and that neither this worker nor an instruction before it
+        has, mapped where they are heap tensors of other nodes of this host (HeapMemory.on_remote: DeepxError where
+        one is unreachable); whether any was. They are viewed here as heap tensors this worker does not hold."""
+        if self.heapmem is None or index >= len(program):
+            return False
+        made = {str(p.value) for instr in program[:index] for p in instr.returns}
+        names = [n for n in named_tensors(program[index]) if n not in self.ex.tensors and n not in made]
+        if not names:
+            return False
+        views: dict[str, np.ndarray] = await self.heapmem.ask("remote", names=names)
+        for name, view in views.items():
+            self.heap[name] = view
+            self.ex.tensors[name] = view
+        return bool(views)
 
     async def on_attach_heap(self, name: str, hold: bool = True) -> dict[str, Any]:
         """Make an existing heap tensor visible to programs here, with a reference of this worker's; hold=False:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,7 +84,7 @@ class Registry(Actor):
         """This node's whole `node:<id>` record, as running now."""
         return {"addresses": json.dumps(self.addresses), "roles": ",".join(self.roles), "pid": os.getpid(),
                 "devices": ",".join(self.devices), "started": self.started, "heartbeat": time.time(),
-                "state": "running", "blas": self.blas}
+                "state": "running", "blas": self.blas, "host": socket.gethostname()}
 
     def _signatures(self, b: Batch) -> None:
         for worker in self.workers:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from deepx_sdk.client import decode_tensor
 from deepxd.shm import list_segments, unlink_segment
 from tests.daemon.conftest import Daemon, eventually
 
-NODE_FIELDS = {"addresses", "roles", "pid", "devices", "started", "heartbeat", "state", "blas"}
+NODE_FIELDS = {"addresses", "roles", "pid", "devices", "started", "heartbeat", "state", "blas", "host"}
 HEAP_FIELDS = {"dtype", "shape", "node", "device", "bytes", "kind", "owner", "state", "refcount", "holders", "handle",
                "ctime"}
 
@@ -62,10 +63,11 @@ class Cluster:
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.daemons: dict[str, Daemon] = {}
 
-    def start(self, n: int) -> Daemon:
+    def start(self, n: int, env: dict[str, str] | None = None) -> Daemon:
         folder = self.tmp / f"n{n}"
         folder.mkdir(exist_ok=True)
-        d = Daemon(folder, kv=self.url, node_id=f"{self.tag}n{n}", env={"DEEPX_KV_PREFIX": self.prefix}, udp=False)
+        d = Daemon(folder, kv=self.url, node_id=f"{self.tag}n{n}", env={"DEEPX_KV_PREFIX": self.prefix, **(env or {})},
+                   udp=False)
         self.daemons[d.node_id] = d
         return d.start()
 
@@ -230,3 +232,45 @@ def test_adopted_heap_tensors_are_usable_and_a_put_replaces_a_lost_one(cluster: 
         assert r.tensors["o"].tolist() == [6] * 3
     assert "replaces the lost one" in d.output()
     assert set(cluster.hash("tensor:kept")) == HEAP_FIELDS  # the old record's fields went with it
+
+
+def test_a_program_on_one_node_uses_another_nodes_heap_tensor_on_the_same_host(cluster: Cluster) -> None:
+    """Node 2 runs a program that names node 1's heap tensor: mapped from node 1's segment, no copy (a write on
+    either node is seen by the other), node 2 a holder of it (so node 1 frees it only after node 2 lets go); a
+    tensor of a node killed with -9 fails a program at once, naming the tensor and the node."""
+    quick = {"DEEPX_HEARTBEAT_S": "0.4"}  # dead after 5 heartbeats: 2 s
+    d1, d2 = cluster.start(1, quick), cluster.start(2, quick)
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with d1.client() as c1, d2.client() as c2:
+        c1.put("wshared", w, heap=True)
+        c1.put("wother", np.ones(3, np.float32), heap=True)
+        step = parse_text("mulscalar (tensor<float32>:wshared, var<float32>:2.0) -> (tensor<float32>:doubled)")
+        r = c2.run(step, fetch=["doubled"]).raise_for_error()
+        np.testing.assert_array_equal(r.tensors["doubled"], w * 2)
+        eventually(lambda: cluster.hash("tensor:wshared")["holders"] == f"op-cpu,node:{d2.node_id}",
+                   what="node 2 a holder of node 1's tensor")
+        c1.put("wshared", w + 10, heap=True)  # written in place on node 1: node 2 reads the same bytes
+        np.testing.assert_array_equal(c2.run(step, fetch=["doubled"]).raise_for_error().tensors["doubled"],
+                                      (w + 10) * 2)
+        c2.run(parse_text("addscalar (tensor<float32>:wshared, var<float32>:1.0) -> (tensor<float32>:wshared)"))
+        np.testing.assert_array_equal(c1.fetch("wshared")["wshared"], w + 11)  # and node 1 sees node 2's write
+        with pytest.raises(DeepxError, match="held by"):  # node 2 holds it: not freed under its mapping
+            c1.request("delete", name="wshared", force=False)
+        bad = c2.run(parse_text("add (tensor<float32>:wshared, tensor<float32>:nowhere) -> (tensor<float32>:o)"))
+        assert not bad.ok and "nowhere" in bad.error and "not found" in bad.error, bad.error
+    assert d2.stop() == 0, d2.output()  # its hold goes with it
+    with d1.client() as c1:
+        eventually(lambda: cluster.hash("tensor:wshared")["holders"] == "op-cpu", what="node 2's hold given back")
+        c1.request("delete", name="wshared", force=False)
+    d2 = cluster.start(2, quick)
+    assert d1.proc is not None
+    d1.proc.kill()  # kill -9: its heartbeat stops
+    d1.proc.wait()
+    with d2.client() as c2:
+        t0 = time.monotonic()
+        dead = eventually(lambda: (r := c2.run(parse_text(
+            "addscalar (tensor<float32>:wother, var<float32>:1.0) -> (tensor<float32>:o2)"))).error and r,
+            timeout=30, what="node 1 dead")
+        assert "wother" in dead.error and d1.node_id in dead.error and "dead" in dead.error, dead.error
+        assert time.monotonic() - t0 < 10
+    assert d2.stop() == 0, d2.output()
