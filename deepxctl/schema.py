@@ -224,7 +224,7 @@ class CacheRow(Schema):
 
 
 #: a running node whose heartbeat is older than this many of its heartbeats (heartbeat_s, 2 s by default) is shown
-#: as stale
+#: as dead (deepxd.peers.DEAD_HEARTBEATS: the daemons' own rule)
 STALE_BEATS = 5
 DEFAULT_HEARTBEAT_S = 2.0
 
@@ -251,7 +251,7 @@ class Node(Schema):
         n.started = _float(n.started)
         beat = _float(raw.get("heartbeat_s") or DEFAULT_HEARTBEAT_S)
         if n.state == "running" and n.heartbeat_age_s is not None and n.heartbeat_age_s > STALE_BEATS * beat:
-            n.state = "stale"  # it stopped without saying so (killed, or its host gone): its records are left over
+            n.state = "dead"  # it stopped without saying so (killed, or its host gone): its records are left over
         return n
 
 

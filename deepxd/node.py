@@ -21,6 +21,7 @@ from deepx_core.errors import DeepxError
 from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
 from deepxd.config import Config, is_loopback, udp_address
 from deepxd.kv.base import KV, open_kv, redact
+from deepxd.peers import DEAD_HEARTBEATS
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Node:
 
             heapmem = HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
                                  device=cuda.device_heap if cuda is not None else None,  # with op-cuda: on the GPU
-                                 dead_after_s=5 * c.heartbeat_s)  # (as deepxctl nodes ls says `stale`)
+                                 dead_after_s=DEAD_HEARTBEATS * c.heartbeat_s)
             self.refs["heapmem"] = self.supervisor.start(heapmem)
             if cuda is not None:
                 cuda.heapmem = self.refs["heapmem"]

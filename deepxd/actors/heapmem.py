@@ -44,6 +44,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
 from deepxd.actors.base import Actor, ActorRef, ActorStopped, end_task
 from deepxd.kv.base import KV, Batch
+from deepxd.peers import on_this_host, unreachable
 from deepxd.shm import (
     OutOfSharedMemory,
     Segment,
@@ -469,14 +470,12 @@ class HeapMemory(Actor):
                 raise DeepxError(f"tensor '{name}' of node {node}: its record in the storage plane is malformed: "
                                  f"{e}") from None
             n = await self.kv.hgetall(f"node:{node}")
-            age = time.time() - float(n.get("heartbeat") or 0)
-            if n.get("state") != "running" or age > self.dead_after_s:
-                said = (f"is {n['state']}" if n.get("state") not in (None, "running")
-                        else f"is dead (its last heartbeat was {age:.1f} s ago)" if n else "is not in the plane")
-                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, which {said}: unreachable")
+            why = unreachable(n, node, self.dead_after_s)
+            if why is not None:
+                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, which {why}: unreachable")
             if t.state != "live" or not t.handle:
                 raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, {t.state} there: unreachable")
-            if n.get("host", here) != here:
+            if not on_this_host(n):
                 raise DeepxError(f"tensor '{name}' is a heap tensor of node {node} on host {n.get('host')}, and this "
                                  f"node runs on {here}: tensors travel between hosts over peer links, which deepx "
                                  "does not have yet (docs/storage.md)")
@@ -510,6 +509,13 @@ class HeapMemory(Actor):
         except Exception as e:  # a lost plane: the owner keeps a hold that nothing gives back (logged)
             log.warning("%s: could not give back the hold on heap tensor '%s' of node %s: %s", self.name, name, node, e)
 
+    async def on_unmap(self, name: str) -> bool:
+        """Let go of another node's tensor mapped here (before that node deletes it): whether it was."""
+        if name not in self._remote:
+            return False
+        await self._forget_remote(name)
+        return True
+
     async def on_check_remote(self) -> None:
         await self._check_remote()
 
@@ -519,8 +525,7 @@ class HeapMemory(Actor):
         for name, (_, node, handle) in list(self._remote.items()):
             f = await self.kv.hgetall(_key(name))
             n = await self.kv.hgetall(f"node:{node}") if f.get("handle") == handle else {}
-            if (f.get("node") != node or n.get("state") != "running"
-                    or time.time() - float(n.get("heartbeat") or 0) > self.dead_after_s):
+            if f.get("node") != node or unreachable(n, node, self.dead_after_s) is not None:
                 log.info("%s: heap tensor '%s' of node %s is gone or unreachable: its mapping here goes", self.name,
                          name, node)
                 await self._forget_remote(name)

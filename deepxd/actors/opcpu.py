@@ -441,11 +441,22 @@ class CpuWorker(OpWorker):
         return False
 
     # -- data in and out
-    def on_fetch(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        out = {}
-        for name in names:
-            out[name] = self.ex.get(name).copy()
-        return out
+    def on_fetch(self, names: Sequence[str]) -> Any:
+        """Copies of the tensors `names`; one not here is mapped first where it is another node's heap tensor on
+        this host (then the answer is a coroutine: see _map_remote)."""
+        tensors = self.ex.tensors
+        if self.heapmem is not None and not all(name in tensors for name in names):
+            return self._fetch_mapped(names)
+        return {name: self.ex.get(name).copy() for name in names}
+
+    async def _fetch_mapped(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        assert self.heapmem is not None
+        views: dict[str, np.ndarray] = await self.heapmem.ask(
+            "remote", names=[n for n in names if n not in self.ex.tensors])
+        for name, view in views.items():
+            self.heap[name] = view
+            self.ex.tensors[name] = view
+        return {name: self.ex.get(name).copy() for name in names}
 
     async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
                      heap: bool = False, owner: str = "") -> dict[str, Any]:

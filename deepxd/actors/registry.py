@@ -24,6 +24,7 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS
 from deepxd.actors.base import Actor, ActorRef, end_task
 from deepxd.kv.base import KV, Batch
+from deepxd.peers import DEAD_HEARTBEATS, ask_node, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class Registry(Actor):
         self.heapmem = heapmem
         self.actors_view = actors
         self.heartbeat_s = heartbeat_s
+        self.dead_after_s = DEAD_HEARTBEATS * heartbeat_s  # another node silent longer is dead
         self.devices = ["cpu"] if devices is None else devices  # where this node's op workers compute
         self.blas = blas  # the library op-cpu's matmul runs on ("" without op-cpu)
         self.scheduler = scheduler  # its planned graphs are written back where the plane lost them
@@ -193,6 +195,14 @@ class Registry(Actor):
                     pass
             heap_names.add(row["name"])
             rows.append(row)
+        alive: dict[str, bool] = {self.node_id: True}  # a live tensor of a dead node is `unreachable`
+        for row in rows:
+            node = row.get("node")
+            if row.get("state") == "live" and isinstance(node, str):
+                if node not in alive:
+                    alive[node] = unreachable(await self.kv.hgetall(f"node:{node}"), node, self.dead_after_s) is None
+                if not alive[node]:
+                    row["state"] = "unreachable"
         for worker, ref in self.workers.items():
             try:  # a worker answers between programs: a long one must not hold every other query behind this one
                 listed = await self._ask_once(ref, "tensors", BUSY_WORKER_S)
@@ -274,6 +284,18 @@ class Registry(Actor):
                 rows.append({"name": key.split(":", 1)[1], "data": data})
         return rows
 
+    async def _delete_elsewhere(self, name: str, node: str, force: bool) -> dict[str, Any]:
+        """Delete heap tensor `name` of node `node`: this node lets go of its mapping first (its hold would refuse
+        the delete), then asks that node over its socket (deepxd/peers.py)."""
+        assert self.heapmem is not None
+        await self.heapmem.ask("unmap", name=name)
+        try:
+            reply = await ask_node(self.kv, node, "delete", self.dead_after_s, name=name, force=force)
+        except DeepxError as e:
+            raise DeepxError(f"delete: heap tensor {name!r} of node {node}: {e}") from None
+        info: dict[str, Any] = reply["tensor"]
+        return info
+
     async def on_delete(self, name: str, force: bool = False) -> dict[str, Any]:
         """Free tensor `name` of this node: a stack tensor at once; a heap tensor only while at most one reference
         is held (refcount <= 1), unless force. A forced heap tensor is freed in heapmem, which unlinks memory others
@@ -281,6 +303,11 @@ class Registry(Actor):
         heap: dict[str, Any] | None = None
         if self.heapmem is not None:
             heap = await self.heapmem.ask("info", name=name, missing_ok=True)
+            if heap is None:
+                other = await self.kv.hgetall(f"tensor:{name}")
+                node = other.get("node")
+                if other.get("kind") == "heap" and node and node != self.node_id:
+                    return await self._delete_elsewhere(name, node, force)
         holding: dict[str, int] = {}  # worker -> bytes of its view
         for worker, ref in self.workers.items():
             for row in await ref.ask("tensors"):
@@ -289,8 +316,8 @@ class Registry(Actor):
         if heap is None and not holding:
             other = await self.kv.hgetall(f"tensor:{name}")
             if other and other.get("node") != self.node_id:
-                raise DeepxError(f"delete: tensor {name!r} lives on node {other.get('node')}, not {self.node_id}; "
-                                 "ask that node's deepxd")
+                raise DeepxError(f"delete: tensor {name!r} is a stack tensor of node {other.get('node')}, not "
+                                 f"{self.node_id}; ask that node's deepxd")
             raise DeepxError(f"delete: no tensor named {name!r} on node {self.node_id}")
         shared = heap is not None and int(heap["refcount"]) > 1
         if shared and not force:

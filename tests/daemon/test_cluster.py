@@ -244,6 +244,7 @@ def test_a_program_on_one_node_uses_another_nodes_heap_tensor_on_the_same_host(c
     with d1.client() as c1, d2.client() as c2:
         c1.put("wshared", w, heap=True)
         c1.put("wother", np.ones(3, np.float32), heap=True)
+        np.testing.assert_array_equal(c2.fetch("wshared")["wshared"], w)  # a fetch on node 2 maps it too
         step = parse_text("mulscalar (tensor<float32>:wshared, var<float32>:2.0) -> (tensor<float32>:doubled)")
         r = c2.run(step, fetch=["doubled"]).raise_for_error()
         np.testing.assert_array_equal(r.tensors["doubled"], w * 2)
@@ -256,6 +257,13 @@ def test_a_program_on_one_node_uses_another_nodes_heap_tensor_on_the_same_host(c
         np.testing.assert_array_equal(c1.fetch("wshared")["wshared"], w + 11)  # and node 1 sees node 2's write
         with pytest.raises(DeepxError, match="held by"):  # node 2 holds it: not freed under its mapping
             c1.request("delete", name="wshared", force=False)
+        c1.put("wrm", np.ones(2, np.float32), heap=True)  # deepxctl tensors rm on node 2 of node 1's tensor
+        assert c2.fetch("wrm")["wrm"].tolist() == [1, 1]
+        info = c2.request("delete", name="wrm", force=False)["tensor"]
+        assert (info["name"], info["node"]) == ("wrm", d1.node_id)
+        assert not cluster.r.exists(cluster.key("tensor:wrm"))
+        with pytest.raises(DeepxError, match="wrm"):
+            c2.fetch("wrm")
         bad = c2.run(parse_text("add (tensor<float32>:wshared, tensor<float32>:nowhere) -> (tensor<float32>:o)"))
         assert not bad.ok and "nowhere" in bad.error and "not found" in bad.error, bad.error
     assert d2.stop() == 0, d2.output()  # its hold goes with it
@@ -273,4 +281,5 @@ def test_a_program_on_one_node_uses_another_nodes_heap_tensor_on_the_same_host(c
             timeout=30, what="node 1 dead")
         assert "wother" in dead.error and d1.node_id in dead.error and "dead" in dead.error, dead.error
         assert time.monotonic() - t0 < 10
+        assert {t["name"]: t["state"] for t in c2.admin("tensors")}["wother"] == "unreachable"
     assert d2.stop() == 0, d2.output()

@@ -104,8 +104,8 @@ def test_table_cells_are_text_never_markup() -> None:
     assert "[/x]" in text and "[red]alice" in text and "[bold]b" in text and "tensors [x]" in text
 
 
-def test_a_running_node_whose_heartbeat_is_old_shows_as_stale() -> None:
-    """A daemon killed with SIGKILL leaves `running` in its record: deepxctl shows `stale` once its heartbeat is more
+def test_a_running_node_whose_heartbeat_is_old_shows_as_dead() -> None:
+    """A daemon killed with SIGKILL leaves `running` in its record: deepxctl shows `dead` once its heartbeat is more
     than STALE_BEATS heartbeats old (heartbeat_s where the record has it, else 2 s)."""
     from deepxctl.schema import Node
 
@@ -113,8 +113,8 @@ def test_a_running_node_whose_heartbeat_is_old_shows_as_stale() -> None:
         return Node.from_raw({"node": "n", "state": "running", "heartbeat_age_s": age, **raw}).state
 
     assert state(1.0) == "running" and state(None) == "running"
-    assert state(10.5) == "stale"
-    assert state(10.5, heartbeat_s=5) == "running" and state(30, heartbeat_s=5) == "stale"
+    assert state(10.5) == "dead"
+    assert state(10.5, heartbeat_s=5) == "running" and state(30, heartbeat_s=5) == "dead"
     assert Node.from_raw({"node": "n", "state": "stopped", "heartbeat_age_s": 999}).state == "stopped"
 
 
