@@ -479,6 +479,51 @@ def _norm(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(a.shape, a.dtype)]
 
 
+def conv2d_geometry(what: str, a: Shape, w: Shape, stride: Sequence[int], padding: Sequence[int],
+                    dilation: Sequence[int], groups: int) -> tuple[int, int]:
+    """The output's spatial size (Hout, Wout) of a conv2d of input shape `a` by weight shape `w`; DeepxError naming
+    the mismatch."""
+    if len(a) != 4 or len(w) != 4:
+        raise DeepxError(f"{what}: input and weight must be 4-D (N, C, H, W) and (O, C / groups, kh, kw), got {a} "
+                         f"and {w}")
+    for name, pair, low in (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)):
+        if len(pair) != 2 or any(int(p) < low for p in pair):
+            raise DeepxError(f"{what}: {name} must be two ints of at least {low}, got {list(pair)}")
+    c, o = a[1], w[0]
+    if groups < 1 or c % groups or o % groups or w[1] != c // groups:
+        raise DeepxError(f"{what}: input of {c} channels, weight {w} and groups={groups} do not fit (the weight's "
+                         "second dim must be channels / groups, and both channel counts divisible by groups)")
+    out = []
+    for k in range(2):
+        n = (a[2 + k] + 2 * int(padding[k]) - int(dilation[k]) * (w[2 + k] - 1) - 1) // int(stride[k]) + 1
+        if n < 1:
+            raise DeepxError(f"{what}: the input's spatial size {a[2 + k]} (padded by {padding[k]}) is smaller than "
+                             f"the kernel ({w[2 + k]}, dilation {dilation[k]})")
+        out.append(n)
+    return out[0], out[1]
+
+
+def _conv2d(c: Call) -> list[TensorMeta | None]:
+    a, w = c.args[0], c.args[1]
+    dt = _dtype_match(c, 0, 1)
+    oh, ow = conv2d_geometry("conv2d", a.shape, w.shape, c.args[2], c.args[3], c.args[4], int(c.args[5]))
+    return [TensorMeta((a.shape[0], w.shape[0], oh, ow), dt)]
+
+
+def _conv2dgrad(c: Call) -> list[TensorMeta | None]:
+    """conv2dgradinput (G, weight, input_shape, ...) and conv2dgradweight (A, G, weight_shape, ...)."""
+    by_input = c.op.name == "conv2dgradinput"
+    dt = _dtype_match(c, 0, 1)
+    shape = tuple(int(d) for d in c.args[2])
+    a, w = (shape, c.args[1].shape) if by_input else (c.args[0].shape, shape)
+    g = c.args[0].shape if by_input else c.args[1].shape
+    oh, ow = conv2d_geometry(c.op.name, a, w, c.args[3], c.args[4], c.args[5], int(c.args[6]))
+    if g != (a[0], w[0], oh, ow):
+        raise DeepxError(f"{c.op.name}: the gradient '{c.names[0 if by_input else 1]}' has shape {g}, the conv2d's "
+                         f"result has {(a[0], w[0], oh, ow)}")
+    return [TensorMeta(shape, dt)]
+
+
 def _slices(c: Call) -> tuple[Shape, tuple[slice, ...]]:
     a, starts, ends, steps = c.args[0], c.args[1], c.args[2], c.args[3]
     n = len(a.shape)
@@ -822,6 +867,16 @@ op("layernorm", "nn", [_A, t("weight"), t("bias"), v("eps", default=1e-5)], [_C]
    "normalize over the trailing dims of weight's shape, then * weight + bias", grad=True, deepxir=False)
 op("rmsnorm", "nn", [_A, t("weight"), v("eps", default=1e-6)], [_C], _F, _norm,
    "A / sqrt(mean(A^2) + eps) * weight over the trailing dims of weight's shape", grad=True, deepxir=False)
+_CONV = [vec("stride"), vec("padding"), vec("dilation"), v("groups", "int", 1)]
+op("conv2d", "conv", [_A, t("weight"), *_CONV], [_C], _F, _conv2d,
+   "C[n, o] = sum over c (of o's group), i, j of weight[o, c, i, j] A_padded[n, c, y*stride + i*dilation, ...]: "
+   "A (N, C, H, W), weight (O, C / groups, kh, kw), C (N, O, Hout, Wout), as torch's conv2d without its bias",
+   grad=True, deepxir=False)
+op("conv2dgradinput", "conv", [t("G"), t("weight"), vec("input_shape"), *_CONV], [t("dA")], _F, _conv2dgrad,
+   "conv2d's gradient for its input A (of shape input_shape) from the gradient G of its result", deepxir=False)
+op("conv2dgradweight", "conv", [_A, t("G"), vec("weight_shape"), *_CONV], [t("dweight")], _F, _conv2dgrad,
+   "conv2d's gradient for its weight (of shape weight_shape) from its input A and the gradient G of its result",
+   deepxir=False)
 op("argmax", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,
    _argreduce, "index of the maximum along dim (the first on ties)", deepxir=False)
 op("argmin", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,

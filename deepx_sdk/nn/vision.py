@@ -1,11 +1,11 @@
 """Convolution, pooling and batch statistics for convolutional nets, written with the ops deepx has.
 
-A convolution is im2col made of strided slices: each of the kernel's kh * kw taps is one `slice` of the padded
-input (its stride the convolution's, its start the tap's offset times the dilation), the taps stacked into columns
-(N, C * kh * kw, Hout * Wout) and multiplied by the weight as one batched `matmul` (per group). Pooling takes the
-same slices and reduces them (`amax`, `sum`). Every piece has a gradient rule, so these differentiate as they are,
-on the CPU and on op-cuda; a dedicated convolution op with its own kernels would be faster, and this is the
-reference it would be checked against.
+A convolution is the `conv2d` op (im2col as a strided view and one GEMM per group, deepxd/kernels/cpu/conv.py;
+its gradient the ops conv2dgradinput and conv2dgradweight). On op-cuda, which has no convolution kernel yet, it is
+written with ops that have CUDA kernels: im2col made of strided slices (each of the kernel's kh * kw taps one
+`slice` of the padded input, its stride the convolution's, its start the tap's offset times the dilation), the taps
+stacked into columns (N, C * kh * kw, Hout * Wout) and multiplied by the weight as one batched `matmul` per group.
+Pooling takes the same slices and reduces them (`amax`, `sum`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from deepx_core.errors import DeepxError
-from deepx_sdk.tensor import Tensor, stack
+from deepx_sdk.tensor import Tensor, _tp, _vec, _vp, stack
 
 __all__ = ["adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "conv1d", "conv2d", "conv_transpose2d", "dropout2d",
            "group_norm", "interpolate", "max_pool2d"]
@@ -84,6 +84,25 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
         ph, pw = _pair("conv2d", padding, "padding")
     oh = _out_size("conv2d", h, kh, sh, ph, dh)
     ow = _out_size("conv2d", w, kw, sw, pw, dw)
+    if _cuda():  # the conv2d op has CPU kernels only so far: on op-cuda, slices and matmul (CUDA kernels)
+        out = _conv2d_taps(input, weight, n, c, o, cg, kh, kw, (sh, sw), (ph, pw), (dh, dw), groups, oh, ow)
+    else:
+        params = (_tp(input), _tp(weight), _vec((sh, sw)), _vec((ph, pw)), _vec((dh, dw)), _vp(int(groups)))
+        out = input._op("conv2d", params, (n, o, oh, ow), weight.dtype, [input, weight])
+    return out if bias is None else out + bias.reshape(1, o, 1, 1)
+
+
+def _cuda() -> bool:
+    from deepx_sdk.devices import cuda
+
+    return cuda.is_available()
+
+
+def _conv2d_taps(input: Tensor, weight: Tensor, n: int, c: int, o: int, cg: int, kh: int, kw: int,
+                 stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int], groups: int, oh: int,
+                 ow: int) -> Tensor:
+    """conv2d without bias as im2col of strided slices and one batched matmul per group (ops with CUDA kernels)."""
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     x = _padded(input, ph, pw)
     if (kh, kw, sh, sw) == (1, 1, 1, 1):
         cols = x.reshape(n, c, oh * ow)
@@ -93,8 +112,7 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
         out = weight.reshape(o, c * kh * kw) @ cols
     else:
         out = weight.reshape(groups, o // groups, cg * kh * kw) @ cols.reshape(n, groups, cg * kh * kw, oh * ow)
-    out = out.reshape(n, o, oh, ow)
-    return out if bias is None else out + bias.reshape(1, o, 1, 1)
+    return out.reshape(n, o, oh, ow)
 
 
 def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,

@@ -1136,6 +1136,19 @@ def _layernorm(gr: Grad, g: str) -> dict[int, str]:
     return out
 
 
+@rule("conv2d")
+def _conv2d(gr: Grad, g: str) -> dict[int, str]:
+    """dA = conv2dgradinput(g, weight) (weight^T g, scattered back over the taps); dweight = conv2dgradweight(A, g)
+    (g contracted with A's taps)"""
+    geometry = tuple(gr.arg(k) for k in (2, 3, 4, 5))
+    out = {}
+    if gr.needs(0):
+        out[0] = gr.emit("conv2dgradinput", g, gr.x(1), gr.meta(0).shape, *geometry)
+    if gr.needs(1):
+        out[1] = gr.emit("conv2dgradweight", gr.x(0), g, gr.meta(1).shape, *geometry)
+    return out
+
+
 @rule("rmsnorm")
 def _rmsnorm(gr: Grad, g: str) -> dict[int, str]:
     """with r = 1 / sqrt(mean(A^2) + eps) over weight's dims and d = g weight: dA = r (d - A r mean(d A r));

@@ -26,6 +26,7 @@ _FAMILY_TITLES = {
     "shape": "Change shape",
     "reduce": "Reduce",
     "nn": "Neural-network ops",
+    "conv": "Convolution",
     "optim": "Optimizer updates",
     "fused": "Fused elementwise (made by the compiler)",
 }

@@ -255,6 +255,12 @@ CASES: dict[str, list[Case]] = {
                   for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]]
     + [c("layernorm (tensor<T>:a, tensor<T>:w, tensor<T>:b) -> (tensor<T>:y)",
          {"a": r(3, 5), "w": r(5), "b": r(5)}, "w b", _norm_ref("layernorm", 1e-5, 1))],
+    "conv2d": [c(f"conv2d (tensor<T>:a, tensor<T>:w, {vecs(s, p, d)}, var<int32>:{g}) -> (tensor<T>:y)",
+                 {"a": r(*a), "w": r(*w)}, "a w",
+                 lambda t, s=s, p=p, d=d, g=g: torch.nn.functional.conv2d(t["a"], t["w"], stride=s, padding=p,
+                                                                          dilation=d, groups=g))
+               for a, w, s, p, d, g in [((2, 3, 6, 5), (4, 3, 3, 2), (1, 1), (1, 0), (1, 1), 1),
+                                        ((1, 4, 7, 7), (4, 2, 3, 3), (2, 1), (1, 1), (1, 2), 2)]],
     "rmsnorm": [c("rmsnorm (tensor<T>:a, tensor<T>:w, var<float64>:1e-6) -> (tensor<T>:y)",
                   {"a": r(*a, lo=-2, hi=2), "w": r(*w)}, "a w", _norm_ref("rmsnorm", 1e-6, len(w)))
                 for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]],

@@ -168,7 +168,7 @@ def _argset(rng: np.random.Generator, name: str) -> Built:
 
 
 def _vecset(rng: np.random.Generator, name: str) -> Built:
-    return {"a": rand(rng, (3,))}, [VEC([int(x) for x in rng.integers(1, 5, 2)])], [Param.vector("dims")]
+    return {"a": rand(rng, (3,))}, [VEC([int(x) for x in rng.integers(1, 5, 2)])], [VEC("dims")]
 
 
 def _print(rng: np.random.Generator, name: str) -> Built:
@@ -311,6 +311,18 @@ def _matmultransposed(rng: np.random.Generator, name: str) -> Built:
             [T("a"), T("b"), V(ta), V(tb)], None)
 
 
+def _conv(rng: np.random.Generator, name: str) -> Built:
+    """conv2d and its gradient ops, on one small geometry (N, C, H, W) = (2, 3, 5, 4), weight (4, 3, 3, 2)."""
+    dt = fdtype(rng)
+    x, w, gy = rand(rng, (2, 3, 5, 4), dt), rand(rng, (4, 3, 3, 2), dt), rand(rng, (2, 4, 3, 3), dt)
+    geometry = [VEC((1, 1)), VEC((0, 0)), VEC((1, 1)), V(1)]
+    if name == "conv2d":
+        return {"x": x, "w": w}, [T("x"), T("w"), *geometry], None
+    if name == "conv2dgradinput":
+        return {"gy": gy, "w": w}, [T("gy"), T("w"), VEC(x.shape), *geometry], None
+    return {"x": x, "gy": gy}, [T("x"), T("gy"), VEC(w.shape), *geometry], None
+
+
 def _fusedcolsum(rng: np.random.Generator, name: str) -> Built:
     s, dt = shape2(rng), ("float32", "float64")[int(rng.integers(0, 2))]
     return ({"a": rand(rng, s, dt), "b": rand(rng, s, dt)}, [L(["a", "b"]), V("in0 * in1 + 1", "string"), V(False)],
@@ -332,6 +344,7 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum,
+    "conv2d": _conv, "conv2dgradinput": _conv, "conv2dgradweight": _conv,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary

@@ -1,0 +1,94 @@
+"""conv2d, forward and backward, through the SDK's embedded daemon on the CPU, in one run:
+
+    op      the `conv2d` op (im2col as a strided view, one GEMM per group; its gradient ops likewise)
+    taps    the same convolution written with slices and matmul (what op-cuda gets until it has a kernel)
+    torch   torch.nn.functional.conv2d on the CPU, eager (the peer)
+
+for a few layer shapes (batch, channels, image, kernel). Each figure is the median of the timed steps of
+y = conv2d(x, w); y.sum().backward(); reading the gradients back. Prints a table of milliseconds and the ratios
+op/torch and taps/op; writes bench/results/conv.json.
+
+    python bench/conv.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = [  # (N, C, H, W, O, k, stride, padding)
+    (64, 1, 8, 8, 16, 3, 1, 1),  # examples/train_cnn.py's first layer (digits)
+    (32, 16, 32, 32, 32, 3, 1, 1),
+    (16, 64, 16, 16, 64, 3, 2, 1),
+    (8, 32, 28, 28, 32, 5, 1, 2),
+]
+
+
+def _time(step, steps: int) -> float:
+    step()  # warm: kernels, plans, known programs
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+
+    import deepx_sdk as dx
+    from deepx_sdk.nn import vision
+
+    dx.session()  # the embedded daemon before torch: torch's OpenMP runtime must not come first (MKL)
+    import torch
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, c, h, w, o, k, s, p in SHAPES:
+        x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+        wt = (rng.standard_normal((o, c, k, k)) * 0.1).astype(np.float32)
+
+        def deepx_step(taps: bool) -> None:
+            xd = dx.tensor(x, requires_grad=True)
+            wd = dx.tensor(wt, requires_grad=True)
+            if taps:
+                oh = (h + 2 * p - k) // s + 1
+                y = vision._conv2d_taps(xd, wd, n, c, o, c, k, k, (s, s), (p, p), (1, 1), 1, oh, oh)
+            else:
+                y = vision.conv2d(xd, wd, stride=s, padding=p)
+            y.sum().backward()
+            xd.grad.numpy()
+            wd.grad.numpy()
+
+        xt = torch.tensor(x, requires_grad=True)
+        wtt = torch.tensor(wt, requires_grad=True)
+
+        def torch_step() -> None:
+            xt.grad = wtt.grad = None
+            torch.nn.functional.conv2d(xt, wtt, stride=s, padding=p).sum().backward()
+
+        op = _time(lambda: deepx_step(False), args.steps)
+        taps = _time(lambda: deepx_step(True), args.steps)
+        ref = _time(torch_step, args.steps)
+        rows.append({"shape": [n, c, h, w, o, k, s, p], "op_ms": op, "taps_ms": taps, "torch_ms": ref,
+                     "torch_over_op": ref / op, "taps_over_op": taps / op})
+    print("| N, C, H, W -> O, k, stride, pad | op ms | taps ms | torch ms | op speed / torch | op speed / taps |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['shape']} | {r['op_ms']:.2f} | {r['taps_ms']:.2f} | {r['torch_ms']:.2f} | "
+              f"{r['torch_over_op']:.2f}x | {r['taps_over_op']:.2f}x |")
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "conv.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
