@@ -1,6 +1,6 @@
 """The native protocol over TCP (issue 23, items 1 and 2): a client proves it holds the token by answering an HMAC
 challenge made for its connection alone, or is refused with one line; a listener off loopback needs a token; TLS
-is optional; requests work over it as over the Unix socket."""
+is optional; the SDK and deepxctl work over it as over the Unix socket."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,12 @@ import msgpack
 import numpy as np
 import pytest
 
+import deepx_sdk as dx
 from deepx_core.auth import NONCE_BYTES, client_answer, new_nonce, server_answer
 from deepx_core.errors import DeepxError
 from deepx_core.ir import parse_text
 from deepx_sdk.client import NativeClient
-from tests.daemon.conftest import DEEPXD, Daemon
+from tests.daemon.conftest import DEEPXCTL, DEEPXD, Daemon, eventually
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -97,6 +99,70 @@ def test_a_client_with_the_token_puts_runs_and_fetches_as_over_the_socket(tcp: T
         np.testing.assert_array_equal(local.fetch("y")["y"], x * 2)
         same = local.run(parse_text("add (tensor:nope, tensor:x) -> (tensor:z)"))
     assert not bad.ok and bad.error == same.error and "'nope' not found" in (bad.error or "")
+
+
+def tiny_training() -> list[np.ndarray]:
+    import deepx_sdk.nn as nn
+    import deepx_sdk.nn.functional as F
+    from deepx_sdk.optim import SGD
+
+    rng = np.random.default_rng(5)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    for p in model.parameters():
+        p.data = dx.tensor(rng.standard_normal(p.shape).astype(np.float32) * 0.3)
+    opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = dx.tensor(rng.standard_normal((16, 6)).astype(np.float32)), dx.tensor(rng.integers(0, 3, 16))
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(np.array(loss.item()))
+    return losses + [p.numpy() for p in model.parameters()]
+
+
+def test_the_sdk_trains_a_model_over_tcp_as_over_the_socket(tcp: TcpDaemon, monkeypatch) -> None:
+    try:
+        dx.connect(tcp.tcp, token=TOKEN)
+        remote = tiny_training()
+        assert remote[-1].shape == (3,) and float(remote[7]) < float(remote[0])  # it learns
+        monkeypatch.setenv("DEEPX_ADDRESS", tcp.tcp)  # the address and the token from the environment
+        monkeypatch.setenv("DEEPX_TOKEN", TOKEN)
+        s = dx.connect()
+        assert type(s.transport).__name__ == "NativeTransport" and s.transport.address == tcp.tcp
+        again = tiny_training()
+        monkeypatch.delenv("DEEPX_TOKEN")
+        dx.connect(tcp.address)
+        local = tiny_training()
+    finally:
+        dx.disconnect()
+    for a, b, c in zip(remote, again, local):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    with tcp.client() as c:  # each session's tensors went with it (release_on_close over TCP too)
+        assert not [t["name"] for t in c.admin("tensors")]
+    with pytest.raises(DeepxError, match=r"token= given, but unix://.* is not a tcp://host:port address"):
+        dx.connect(tcp.address, token=TOKEN)
+
+
+def test_a_client_killed_over_tcp_leaves_nothing_behind(tcp: TcpDaemon) -> None:
+    """The connection's end releases the session's tensors, as on the Unix socket (release_on_close)."""
+    code = (f"import time, numpy as np, deepx_sdk as dx\n"
+            f"dx.connect({tcp.tcp!r}, token={TOKEN!r})\n"
+            "w = dx.tensor(np.ones((4, 4), np.float32), requires_grad=True)\n"
+            "((w * 2).sum()).backward(); w.grad.numpy()\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        with tcp.client() as c:
+            assert c.admin("tensors")
+    finally:
+        p.kill()
+        p.wait(30)
+    with tcp.client() as c:
+        eventually(lambda: not c.admin("tensors"), 30, "the killed client's tensors deleted")
 
 
 def test_no_token_or_a_wrong_one_is_refused_with_one_line(tcp: TcpDaemon) -> None:
@@ -199,6 +265,25 @@ def test_deepxd_config_never_shows_the_token(tmp_path) -> None:
     assert TOKEN not in d.output()
 
 
+def test_deepxctl_over_tcp_with_a_token_file_or_the_environment(tcp: TcpDaemon) -> None:
+    with tcp.client() as c:
+        c.put("w", np.ones(3, np.float32))
+    path = tcp.tmp / "token"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPX_")}
+    by_file = subprocess.run([*DEEPXCTL, "--address", tcp.tcp, "--token-file", str(path), "tensors", "ls"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert by_file.returncode == 0, by_file.stderr
+    assert "w " in by_file.stdout and f"at {tcp.tcp}" in by_file.stdout + by_file.stderr
+    by_env = subprocess.run([*DEEPXCTL, "tensors", "ls"], capture_output=True, text=True, timeout=60,
+                            env={**env, "DEEPX_ADDRESS": tcp.tcp, "DEEPX_TOKEN": TOKEN})
+    assert by_env.returncode == 0 and "w " in by_env.stdout, by_env.stderr
+    none = subprocess.run([*DEEPXCTL, "--address", tcp.tcp, "tensors", "ls"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert none.returncode == 1 and none.stderr.strip().splitlines() == [
+        f"Error: deepxd at {tcp.tcp} asks for a token and none was given: pass token= (NativeClient, dx.connect), "
+        "or set DEEPX_TOKEN or DEEPX_TOKEN_FILE (deepxctl: --token-file)"]
+
+
 def self_signed(tmp: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and its key: made with `cryptography` where installed, else `openssl`."""
     cert, key = tmp / "cert.pem", tmp / "key.pem"
@@ -246,6 +331,9 @@ def test_tls_with_a_self_signed_certificate(tmp_path) -> None:
             NativeClient(d.tcp, token=TOKEN, tls=True, timeout=10)  # the system's CAs do not know it
         with pytest.raises(DeepxError, match="sent no greeting within 1 s: a TLS listener"):
             NativeClient(d.tcp, token=TOKEN, timeout=1)  # no TLS asked for
+        ctl = subprocess.run([*DEEPXCTL, "--address", d.tcp, "--tls-cafile", str(cert), "tensors", "ls"],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "DEEPX_TOKEN": TOKEN})
+        assert ctl.returncode == 0 and "x " in ctl.stdout, ctl.stderr
     finally:
         assert d.stop() == 0, d.output()
     assert "asks for the token, over TLS" in d.output()
