@@ -1,4 +1,4 @@
-"""A blocking client for deepxd's native protocol (length-prefixed msgpack frames over a Unix socket).
+"""A blocking client for deepxd's native protocol (length-prefixed msgpack frames over a Unix socket or TCP).
 
 Here in the base so that deepxctl talks to a daemon without importing the SDK; the SDK re-exports it as
 `deepx_sdk.client`.
@@ -8,6 +8,8 @@ Here in the base so that deepxctl talks to a daemon without importing the SDK; t
         c.put("x", np.ones((2, 3), np.float32))
         reply = c.run(parse_text("mulscalar (tensor:x, var:2) -> (tensor:y)"), fetch=["y"])
         reply.tensors["y"]
+
+    NativeClient("tcp://10.0.0.5:7070", token=...)  # a daemon started with --listen tcp://... --token-file
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from deepx_core.auth import AUTH, NONCE_BYTES, answer_matches, client_answer, new_nonce, server_answer, token_from_env
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import from_numpy, to_numpy
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.wire import pack_instr_cached
-from deepx_core.paths import default_address
+from deepx_core.paths import default_address, tcp_address
 
 PROTOCOL_VERSION = 1
 _HEADER = struct.Struct(">I")
@@ -91,28 +94,53 @@ def check_peer(sock: socket.socket, address: str, expected: int | None = None, *
                          f"user's, pass NativeClient(peer_uid={uid}) or set DEEPX_PEER_UID={uid}")
 
 
+def _tls_wrap(raw: socket.socket, host: str, address: str, cafile: str | None) -> socket.socket:
+    """The connection under TLS, the daemon's certificate checked against `cafile` (else the system's CAs) and
+    `host`."""
+    import ssl
+
+    try:
+        context = ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as e:
+        raise DeepxError(f"cafile {cafile}: cannot load it as PEM certificates: {e}") from None
+    try:
+        return context.wrap_socket(raw, server_hostname=host)
+    except ssl.SSLCertVerificationError as e:
+        raise DeepxError(f"TLS with deepxd at {address}: its certificate is not trusted ({e.verify_message}): pass "
+                         "cafile= its certificate or CA (deepxctl --tls-cafile, DEEPX_TLS_CAFILE)") from None
+    except (ssl.SSLError, OSError) as e:
+        raise DeepxError(f"TLS with deepxd at {address} failed: {e}; is its listener TLS (deepxd start "
+                         "--tls-cert)? Without it, connect without tls") from None
+
+
+#: how long a client waits for a TCP listener's greeting (and its answer to the client's challenge)
+HANDSHAKE_S = 10.0
+
+
 class NativeClient:
+    """A connection to a deepxd: `unix:///path` (the local socket: its file mode and the listener's uid protect it)
+    or `tcp://host:port` (a token proves who may use it: `token`, else DEEPX_TOKEN, else the file DEEPX_TOKEN_FILE
+    names; `tls` or `cafile` (else DEEPX_TLS=1, DEEPX_TLS_CAFILE) for a listener started with --tls-cert)."""
+
     def __init__(self, address: str | None = None, *, timeout: float | None = None, client: str = "deepx_sdk",
-                 hello: bool = True, peer_uid: int | None = None) -> None:
+                 hello: bool = True, peer_uid: int | None = None, token: str | None = None, tls: bool | None = None,
+                 cafile: str | None = None) -> None:
         chosen = bool(address or os.environ.get("DEEPX_ADDRESS"))
         address = address or default_address()
-        if not address.startswith("unix://"):
-            raise DeepxError(f"cannot connect to {address!r}: deepxd's native socket is addressed as "
-                             "unix:///path/to/deepxd.sock (a deepx executor's udp://host:port is for dx.connect)")
-        self.path = address.removeprefix("unix://")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(self.path)
-        except OSError as e:
-            self.sock.close()
-            raise DeepxError(f"cannot reach deepxd at {address}: {e.strerror or e}; is it running "
-                             "(deepxd start)?") from None
-        try:
-            check_peer(self.sock, address, peer_uid, root_ok=chosen)
-        except BaseException:
-            self.sock.close()
-            raise
+        self.address = address
+        if address.startswith("unix://"):
+            if token is not None or tls or cafile:
+                raise DeepxError(f"{address} is a Unix socket, which asks no token and has no TLS (its file "
+                                 "permissions protect it): token=, tls= and cafile= are for tcp:// addresses")
+            self.path = address.removeprefix("unix://")  # the socket file (a unix:// address only)
+            self.sock = self._connect_unix(address, timeout, peer_uid, chosen)
+        elif address.startswith("tcp://"):
+            self.path = ""
+            self.sock = self._connect_tcp(address, timeout, token, tls, cafile)
+        else:
+            raise DeepxError(f"cannot connect to {address!r}: deepxd's native protocol is addressed as "
+                             "unix:///path/to/deepxd.sock or tcp://host:port (a deepx executor's udp://host:port is "
+                             "for dx.connect)")
         self._ids = itertools.count(1)
         # one request at a time on the connection: threads that share a client (a session's) would otherwise read
         # each other's replies
@@ -120,6 +148,83 @@ class NativeClient:
         self.server: dict[str, Any] = {}
         if hello:
             self.server = self.request("hello", version=PROTOCOL_VERSION, client=client)
+
+    def _connect_unix(self, address: str, timeout: float | None, peer_uid: int | None, chosen: bool) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as e:
+            sock.close()
+            raise DeepxError(f"cannot reach deepxd at {address}: {e.strerror or e}; is it running "
+                             "(deepxd start)?") from None
+        try:
+            check_peer(sock, address, peer_uid, root_ok=chosen)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _connect_tcp(self, address: str, timeout: float | None, token: str | None, tls: bool | None,
+                     cafile: str | None) -> socket.socket:
+        host, port = tcp_address(address)
+        if token is None:
+            token = token_from_env()
+        cafile = cafile or os.environ.get("DEEPX_TLS_CAFILE") or None
+        if tls is None:
+            tls = bool(cafile) or os.environ.get("DEEPX_TLS", "").strip() not in ("", "0")
+        handshake = HANDSHAKE_S if timeout is None else min(timeout, HANDSHAKE_S)
+        try:
+            raw = socket.create_connection((host, port), timeout=handshake)
+        except OSError as e:
+            raise DeepxError(f"cannot reach deepxd at {address}: {e.strerror or e}; is it running with "
+                             f"--listen {address}?") from None
+        sock: socket.socket = raw
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a request's header and body go at once
+            if tls:
+                sock = _tls_wrap(raw, host, address, cafile)
+            self.sock = sock
+            self._greet(token, handshake)
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(timeout)
+        return sock
+
+    def _greet(self, token: str | None, handshake: float) -> None:
+        """TCP's first exchange (deepx_core/auth.py): answer the listener's challenge with the token, and check its
+        answer to ours, before anything else is sent."""
+        try:
+            first = self.recv_frame()
+        except DeepxTimeoutError:
+            raise DeepxError(f"deepxd at {self.address} sent no greeting within {handshake:g} s: a TLS "
+                             "listener (deepxd start --tls-cert) needs tls=True (deepxctl --tls), or what listens "
+                             "there is not a deepxd") from None
+        if first.get("op") != "challenge" or first.get("auth") not in (AUTH, "none"):
+            raise DeepxError(f"{self.address} did not greet as a deepxd's TCP listener does (got "
+                             f"{str(first)[:80]}): is it a deepxd of this version?")
+        if first["auth"] == "none":
+            if token:
+                raise DeepxError(f"deepxd at {self.address} asks no token, so it cannot prove that it is the daemon "
+                                 "your token is for: nothing was sent to it. Start it with --token-file, or connect "
+                                 "without a token (unset DEEPX_TOKEN)")
+            return
+        if not token:
+            raise DeepxError(f"deepxd at {self.address} asks for a token and none was given: pass token= "
+                             "(NativeClient, dx.connect), or set DEEPX_TOKEN or DEEPX_TOKEN_FILE (deepxctl: "
+                             "--token-file)")
+        nonce = first.get("nonce")
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            raise DeepxError(f"deepxd at {self.address} sent a malformed challenge (no {NONCE_BYTES}-byte nonce)")
+        mine = new_nonce()
+        self.send_frame({"id": 0, "op": "auth", "answer": client_answer(token, nonce), "nonce": mine})
+        reply = self.recv_frame()
+        if not reply.get("ok"):
+            raise DeepxError(f"deepxd at {self.address} refused the connection: {reply.get('error')}")
+        if not answer_matches(server_answer(token, mine, nonce), reply.get("answer")):
+            raise DeepxError(f"deepxd at {self.address} did not prove that it holds the token (its answer to this "
+                             "client's challenge is wrong): nothing was sent to it")
 
     def __enter__(self) -> NativeClient:
         return self
@@ -146,7 +251,7 @@ class NativeClient:
         while got < n:
             k = self.sock.recv_into(view[got:], n - got)
             if k == 0:
-                raise DeepxError(f"deepxd at unix://{self.path} closed the connection")
+                raise DeepxError(f"deepxd at {self.address} closed the connection")
             got += k
         return buf
 
@@ -155,7 +260,7 @@ class NativeClient:
             # most replies arrive whole in one read: take what is there, then read exactly the rest
             first = self.sock.recv(65536)
             if not first:
-                raise DeepxError(f"deepxd at unix://{self.path} closed the connection")
+                raise DeepxError(f"deepxd at {self.address} closed the connection")
             if len(first) < 4:
                 first += bytes(self._recv_exact(4 - len(first)))
             (n,) = _HEADER.unpack_from(first)
@@ -168,12 +273,12 @@ class NativeClient:
         except TimeoutError:
             raise self._timed_out() from None
         except OSError as e:
-            raise DeepxError(f"lost the connection to deepxd at unix://{self.path}: {e}") from None
+            raise DeepxError(f"lost the connection to deepxd at {self.address}: {e}") from None
 
     def _timed_out(self) -> DeepxTimeoutError:
         timeout = self.sock.gettimeout()
         self.sock.close()  # what comes later on it would answer the wrong request
-        return DeepxTimeoutError(f"deepxd at unix://{self.path} did not answer within {timeout} s (the client's "
+        return DeepxTimeoutError(f"deepxd at {self.address} did not answer within {timeout} s (the client's "
                                  "timeout); the connection is closed: connect again to retry")
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -193,7 +298,7 @@ class NativeClient:
             except DeepxTimeoutError:
                 raise
             except DeepxError:
-                raise DeepxError(f"lost the connection to deepxd at unix://{self.path}: {e}") from None
+                raise DeepxError(f"lost the connection to deepxd at {self.address}: {e}") from None
             raise DeepxError(reply.get("error") or f"lost the connection to deepxd: {e}") from None
         reply = self.recv_frame()
         if reply.get("id") not in (rid, None):

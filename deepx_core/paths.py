@@ -28,6 +28,26 @@ def default_address() -> str:
     return os.environ.get("DEEPX_ADDRESS") or f"unix://{default_socket()}"
 
 
+def tcp_address(address: str, what: str = "address") -> tuple[str, int]:
+    """The host and port of `tcp://HOST:PORT` (an IPv6 host in brackets: `tcp://[::1]:7070`); port 0 asks for a
+    free one (a listener's)."""
+    hint = f"{what}: {address!r} must be tcp://HOST:PORT (tcp://127.0.0.1:7070, tcp://[::1]:7070)"
+    if not address.startswith("tcp://"):
+        raise DeepxError(hint)
+    host, sep, port = address.removeprefix("tcp://").rstrip("/").rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise DeepxError(f"{hint}: an IPv6 host goes in brackets")
+    try:
+        p = int(port)
+    except ValueError:
+        raise DeepxError(hint) from None
+    if not sep or not host or not 0 <= p < 65536:
+        raise DeepxError(hint)
+    return host, p
+
+
 def private_socket_dir() -> Path:
     """The runtime directory, made if need be; where another user took it (a squatted /tmp/deepx-<uid>), a fresh
     private temporary directory instead, as ssh-agent makes one (an embedded session's socket has no fixed name that

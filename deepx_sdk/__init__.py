@@ -7,7 +7,8 @@
     value = y.item()      # the recorded program runs here
 
 With no address (and no DEEPX_ADDRESS) the first use starts an embedded daemon in this process; `dx.connect(
-"unix:///path")` uses a running deepxd, `dx.connect("udp://host:port")` any deepx executor (eager, write-only).
+"unix:///path")` uses a running deepxd, `dx.connect("tcp://host:port", token=...)` one on another machine,
+`dx.connect("udp://host:port")` any deepx executor (eager, write-only).
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ class _Link:
         transport is neither it nor a native socket."""
         e = getattr(self.t, "embedded", None)
         if e is None:
-            raise DeepxError(f"{what} needs a deepxd (embedded or unix://); {getattr(self.t, 'address', '?')} "
+            raise DeepxError(f"{what} needs a deepxd (embedded, unix:// or tcp://); {getattr(self.t, 'address', '?')} "
                              "cannot store or replay graphs")
         return e
 

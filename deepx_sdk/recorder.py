@@ -349,8 +349,8 @@ class Recorder:
         if fetch and not self.transport.can_read:
             self.transport.run(program, ())
             raise DeepxError(f"cannot read tensor values over {getattr(self.transport, 'address', '?')}: deepxIR over "
-                             "UDP has no way back for data; connect to a deepxd over unix:// (or embedded) to read "
-                             "values")
+                             "UDP has no way back for data; connect to a deepxd over unix:// or tcp:// (or embedded) "
+                             "to read values")
         if backwards:
             self.lazy.judge(program, backwards)
         try:
@@ -445,7 +445,7 @@ class Recorder:
         self.closed = True
 
     def release_all(self) -> None:
-        """On a running deepxd (unix://), what this session made goes with it: every tensor under its names (its
+        """On a running deepxd (unix://, tcp://), what this session made goes with it: every tensor under its names (its
         results, parameters and optimizer state: heap tensors other processes hold stay until they release them)
         and the plans and kept temporaries of its compiled functions' graphs (the records stay in the plane). An
         embedded daemon goes with the process anyway."""

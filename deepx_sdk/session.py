@@ -124,17 +124,20 @@ _current_lock = threading.Lock()
 
 
 def connect(address: str | None = None, *, max_pending: int = 4096, roles: Sequence[str] | None = None,
-            release: bool = True) -> Session:
+            release: bool = True, token: str | None = None, tls: bool | None = None, cafile: str | None = None
+            ) -> Session:
     """Connect to deepx: `address` None (and no DEEPX_ADDRESS) starts an embedded daemon in this process (with
     `roles`, else DEEPX_ROLES, else the CPU roles: `roles=["op-cuda"]` runs it on the GPU); `unix:///path` reaches a
-    running deepxd; `udp://host:port` speaks deepxIR text to any deepx executor. `release`: on a running deepxd,
-    closing the session (or the interpreter's exit) deletes the tensors it made and lets go of its compiled graphs'
-    plans; False leaves them there (for `deepxctl tensors ls` after the script)."""
+    running deepxd; `tcp://host:port` one on another machine (`token`, else DEEPX_TOKEN or DEEPX_TOKEN_FILE; `tls`
+    or `cafile` for its TLS listener); `udp://host:port` speaks deepxIR text to any deepx executor. `release`: on a
+    running deepxd, closing the session (or the interpreter's exit) deletes the tensors it made and lets go of its
+    compiled graphs' plans; False leaves them there (for `deepxctl tensors ls` after the script)."""
     global _current
     with _current_lock:
         if _current is not None:
             _current.close()
-        _current = Session(open_transport(address, roles), max_pending=max_pending)
+        _current = Session(open_transport(address, roles, token=token, tls=tls, cafile=cafile),
+                           max_pending=max_pending)
         _current.release_on_close = release
         return _current
 

@@ -1,7 +1,7 @@
 """How a session's programs reach an executor: the transports.
 
 - embedded (the default): a deepxd node inside this process, on its own event loop in a background thread;
-- `unix:///path`: a running deepxd over the native protocol;
+- `unix:///path`: a running deepxd over the native protocol; `tcp://host:port` the same over TCP (a token, TLS);
 - `udp://host:port`: deepxIR text to any deepx executor (eager; values cannot be read back).
 """
 
@@ -46,7 +46,7 @@ class Transport:
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
                  prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
-        raise DeepxError(f"{type(self).__name__} cannot run backward: gradients need a deepxd (unix:// or "
+        raise DeepxError(f"{type(self).__name__} cannot run backward: gradients need a deepxd (unix://, tcp:// or "
                          "embedded)")
 
     def close(self) -> None:
@@ -57,10 +57,10 @@ class Transport:
 
 
 class NativeTransport(Transport):
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, **remote: Any) -> None:
         from deepx_sdk.client import NativeClient
 
-        self.client = NativeClient(address, client="deepx_sdk")
+        self.client = NativeClient(address, client="deepx_sdk", **remote)
         self.address = address
 
     lazy_backward = True
@@ -211,8 +211,17 @@ class UdpTransport(Transport):
         self.sock.close()
 
 
-def open_transport(address: str | None, roles: Sequence[str] | None = None) -> Transport:
+def open_transport(address: str | None, roles: Sequence[str] | None = None, *, token: str | None = None,
+                   tls: bool | None = None, cafile: str | None = None) -> Transport:
+    """The transport for `address` (else DEEPX_ADDRESS, else embedded). `token`, `tls`, `cafile`: a tcp:// daemon's
+    (NativeClient reads DEEPX_TOKEN, DEEPX_TOKEN_FILE, DEEPX_TLS and DEEPX_TLS_CAFILE where they are not given)."""
     address = address or os.environ.get("DEEPX_ADDRESS") or ""
+    remote = {k: v for k, v in (("token", token), ("tls", tls), ("cafile", cafile)) if v is not None}
+    given = [k for k, v in remote.items() if v]  # tls=False asks for nothing
+    if given and not address.startswith("tcp://"):
+        raise DeepxError(f"{' and '.join(f'{k}=' for k in given)} given, but {address or 'the embedded daemon'} is "
+                         "not a tcp://host:port address: a token and TLS are for a deepxd's TCP listener (its Unix "
+                         "socket asks for neither)")
     if not address or address == "embedded":
         return EmbeddedTransport(roles)
     if roles is not None:
@@ -220,6 +229,9 @@ def open_transport(address: str | None, roles: Sequence[str] | None = None) -> T
                          "(start it with deepxd start --role=...)")
     if address.startswith("unix://"):
         return NativeTransport(address)
+    if address.startswith("tcp://"):
+        return NativeTransport(address, **remote)
     if address.startswith("udp://"):
         return UdpTransport(address)
-    raise DeepxError(f"unknown address {address!r}: use unix:///path, udp://host:port, or nothing for embedded")
+    raise DeepxError(f"unknown address {address!r}: use unix:///path, tcp://host:port, udp://host:port, or nothing "
+                     "for embedded")

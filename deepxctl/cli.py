@@ -66,7 +66,15 @@ class CliGroup(click.Group):
 
 @click.group(cls=CliGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--address", envvar="DEEPX_ADDRESS", default=None, show_default="$DEEPX_ADDRESS, else the default "
-              "socket", help="The daemon's native socket, unix:///path/deepxd.sock (a bare path is refused).")
+              "socket", help="The daemon: its native socket, unix:///path/deepxd.sock (a bare path is refused), or "
+              "its TCP listener, tcp://HOST:PORT.")
+@click.option("--token-file", metavar="FILE", envvar="DEEPX_TOKEN_FILE", default=None,
+              help="For a tcp:// address: a file (mode 0600) whose first line is the daemon's token; also "
+                   "DEEPX_TOKEN.")
+@click.option("--tls", is_flag=True, envvar="DEEPX_TLS", default=False,
+              help="For a tcp:// address: speak TLS, the daemon's certificate checked against the system's CAs.")
+@click.option("--tls-cafile", metavar="FILE", envvar="DEEPX_TLS_CAFILE", default=None,
+              help="For a tcp:// address: speak TLS, the daemon's certificate checked against FILE (PEM).")
 @click.option("--kv", metavar="URL", envvar="DEEPXCTL_KV", default=None,
               help="Read the storage plane at URL (redis://host:port/db or memory:///abs/path/file) instead of a "
                    "daemon: for a stopped cluster. Serves tensors ls/show, memory, nodes ls, ops ls, graphs.")
@@ -79,8 +87,8 @@ class CliGroup(click.Group):
               show_default=True, help="Seconds to wait for the daemon's answer.")
 @click.version_option(package_name="deepx", prog_name="deepxctl")
 @click.pass_context
-def cli(ctx: click.Context, address: str | None, kv: str | None, kv_password_file: str | None, kv_prefix: str,
-        timeout: float) -> None:
+def cli(ctx: click.Context, address: str | None, token_file: str | None, tls: bool, tls_cafile: str | None,
+        kv: str | None, kv_password_file: str | None, kv_prefix: str, timeout: float) -> None:
     """The operator's view of deepx: what tensors exist and who holds them, which ops are slow, which nodes and
     actors are alive, what a stored graph is.
 
@@ -96,7 +104,8 @@ def cli(ctx: click.Context, address: str | None, kv: str | None, kv_password_fil
             raise CtlError("--kv: the URL carries a password, which every local user can read in /proc/<pid>/cmdline; "
                            "give it with --kv-password-file FILE (mode 0600) or DEEPX_KV_PASSWORD, and the URL "
                            "without it", exit_code=2)
-    ctx.obj = Ctl(address, kv, kv_prefix, timeout, kv_password_file=kv_password_file)
+    ctx.obj = Ctl(address, kv, kv_prefix, timeout, kv_password_file=kv_password_file, token_file=token_file,
+                  tls=tls, tls_cafile=tls_cafile)
 
 
 for group in (tensors.tensors, memory.memory, ops.ops, nodes.nodes, actors.actors, graphs.graphs, caches.caches,

@@ -35,7 +35,13 @@ _options = [
     click.option("--kv", help="Storage plane: memory, memory:///path/file (persisted) or redis://host:port/db."),
     click.option("--kv-password-file", help="A file (mode 0600) whose first line is the Redis password; also "
                  "DEEPX_KV_PASSWORD. Never put a password in --kv: every local user can read a command line."),
-    click.option("--listen", help="Native socket, unix:///path (default: under the user's runtime directory)."),
+    click.option("--listen", multiple=True,
+                 help="Native listener (repeatable): unix:///path (default: under the user's runtime directory; "
+                 "always one) and tcp://HOST:PORT (a token is needed off loopback)."),
+    click.option("--token-file", help="A file (mode 0600) whose first line is the token TCP clients prove they hold; "
+                 "also DEEPX_TOKEN. Never a flag's value: every local user can read a command line."),
+    click.option("--tls-cert", help="A PEM certificate (chain): the TCP listener speaks TLS (with --tls-key)."),
+    click.option("--tls-key", help="The TLS certificate's private key (PEM)."),
     click.option("--udp", help="deepxIR text over UDP: HOST:PORT (default 127.0.0.1:9090) or off."),
     click.option("--udp-remote", type=int, default=None, metavar="0|1",
                  help="1: allow --udp on an address that is not loopback; deepxIR over UDP is unauthenticated."),
@@ -98,7 +104,8 @@ def start(config_path, **flags) -> None:
 @main.command("config")
 @_with_options
 def show_config(config_path, **flags) -> None:
-    """Print the effective configuration (after file, environment and flags) as TOML; passwords as ***."""
+    """Print the effective configuration (after file, environment and flags) as TOML; passwords and the token as
+    ***."""
     from deepx_core.errors import DeepxError
 
     try:

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepx_core.auth import check_token, read_secret_file
 from deepx_core.errors import DeepxError
-from deepx_core.paths import default_socket
+from deepx_core.paths import default_socket, tcp_address
 
 ALL_ROLES = ("registry", "heapmem", "scheduler", "op-cpu", "op-cuda")
 
@@ -27,7 +28,12 @@ class Config:
     kv_password_file: str = ""  # a file whose first line is the Redis password (mode 0600)
     kv_prefix: str = "deepx:"
     kv_fsync: str = "everysec"  # always | everysec | no (embedded store persisted to a file)
-    listen: str = ""  # unix:///path; default under the user's runtime directory
+    # unix:///path (default: under the user's runtime directory; always one) and at most one tcp://HOST:PORT
+    listen: list[str] = field(default_factory=list)
+    token: str = ""  # what TCP clients prove they hold (config file or DEEPX_TOKEN; never a flag: docs/daemon.md)
+    token_file: str = ""  # a file (mode 0600) whose first line is the token
+    tls_cert: str = ""  # a PEM certificate (chain): the TCP listener speaks TLS
+    tls_key: str = ""  # its private key (PEM)
     udp: str = "127.0.0.1:9090"  # HOST:PORT, or off
     udp_remote: int = 0  # 1: allow UDP on an address that is not loopback (it is unauthenticated: docs/daemon.md)
     io_roots: list[str] = field(default_factory=list)  # default: the working directory and the temp directory
@@ -56,9 +62,24 @@ class Config:
             from deepxd.kv.base import read_password_file
 
             c.kv_password = read_password_file(c.kv_password_file)
-        c.listen = c.listen or f"unix://{default_socket()}"
-        if not c.listen.startswith("unix://"):
-            raise DeepxError(f"listen: {c.listen!r} must be unix:///path/to/socket")
+        c.listen = listen_addresses(c.listen)
+        if c.token_file and not c.token:
+            c.token = read_secret_file(c.token_file, "token_file", "token")
+        tcp = c.tcp_listen
+        if tcp is not None:
+            if c.token:
+                check_token(c.token)
+            host, _ = tcp_address(tcp, "listen")
+            if not is_loopback(host) and not c.token:
+                raise DeepxError(f"listen: {tcp} is not a loopback address, and no token is set: anyone who can "
+                                 "reach the port could use this daemon. Give a token (--token-file FILE, "
+                                 "DEEPX_TOKEN_FILE or DEEPX_TOKEN; make one with `openssl rand -hex 32`), or listen "
+                                 "on 127.0.0.1 (docs/daemon.md, 'who can do what')")
+        if bool(c.tls_cert) != bool(c.tls_key):
+            raise DeepxError("tls_cert and tls_key go together: give both (--tls-cert FILE --tls-key FILE), or "
+                             "neither")
+        if c.tls_cert and tcp is None:
+            raise DeepxError("tls_cert: TLS is for a TCP listener, and none is asked for (--listen tcp://HOST:PORT)")
         c.io_roots = c.io_roots or [os.getcwd(), tempfile.gettempdir()]
         c.roles = c.roles or default_roles()
         bad = [r for r in c.roles if r not in ALL_ROLES]
@@ -102,11 +123,36 @@ class Config:
         out["kv"] = redact(self.kv)
         if self.kv_password:
             out["kv_password"] = "***"
+        if self.token:
+            out["token"] = "***"
         return out
 
     @property
     def socket_path(self) -> str:
-        return self.listen.removeprefix("unix://")
+        """The native Unix socket's path (of a resolved config)."""
+        return next(a for a in self.listen if a.startswith("unix://")).removeprefix("unix://")
+
+    @property
+    def tcp_listen(self) -> str | None:
+        """The tcp://HOST:PORT listener, if any."""
+        return next((a for a in self.listen if a.startswith("tcp://")), None)
+
+
+def listen_addresses(given: list[str]) -> list[str]:
+    """The native listeners: the Unix socket first (the default one where none is given: deepxctl on this machine
+    and a second daemon's node-id check reach the daemon through it), then at most one tcp://HOST:PORT."""
+    unix = [a for a in given if a.startswith("unix://")]
+    tcp = [a for a in given if a.startswith("tcp://")]
+    other = [a for a in given if a not in unix and a not in tcp]
+    if other:
+        raise DeepxError(f"listen: {other[0]!r} must be unix:///path/to/socket or tcp://HOST:PORT")
+    if len(unix) > 1 or len(tcp) > 1:
+        twice = unix if len(unix) > 1 else tcp
+        raise DeepxError(f"listen: {' and '.join(twice)}: a daemon listens on one Unix socket and at most one TCP "
+                         "address (tcp://0.0.0.0:PORT for every interface)")
+    for a in tcp:
+        tcp_address(a, "listen")
+    return [unix[0] if unix else f"unix://{default_socket()}", *tcp]
 
 
 HEAP_POOL_MAX = 256 << 20
@@ -225,6 +271,9 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None, **fl
             values[key] = _coerce(key, list(v) if isinstance(v, tuple) else v, f"--{key.replace('_', '-')}")
     if values.get("kv_password") and values.get("kv_password_file"):
         raise DeepxError("kv_password and kv_password_file are both set: give the password once")
+    if values.get("token") and values.get("token_file"):
+        raise DeepxError("token and token_file are both set (in the config file, DEEPX_TOKEN, DEEPX_TOKEN_FILE or "
+                         "--token-file): give the token once")
     return Config(**values)
 
 

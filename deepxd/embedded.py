@@ -32,14 +32,14 @@ class EmbeddedNode:
                  native_kernels: bool = True) -> None:
         # every program runs on the event loop (inline_elements -1), which the SDK's thread borrows while the loop's
         # own thread sleeps: no thread hand-off for a program the actors answer at once
-        self.config = Config(listen=f"unix://{socket_path}", udp="off",
+        self.config = Config(listen=[f"unix://{socket_path}"], udp="off",
                              roles=with_needed_roles(list(roles or DEFAULT_ROLES)), node_id=node_id,
                              log_level="warning", inline_elements=-1, blas=blas, native_kernels=int(native_kernels))
         self.node = Node(self.config)
 
     @property
     def address(self) -> str:
-        return self.config.listen
+        return f"unix://{self.config.socket_path}"
 
     async def start(self) -> None:
         await self.node.start()

@@ -62,7 +62,7 @@ class Node:
         if self.freeze_gc:  # the daemon's own process only: an embedded node must not freeze its host's objects
             gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         log.info("deepxd node %s up: roles %s, listening on %s%s, storage %s", c.node_id, ",".join(c.roles),
-                 c.listen, "" if c.udp == "off" else f" and udp://{c.udp}", redact(c.kv))
+                 " and ".join(c.listen), "" if c.udp == "off" else f" and udp://{c.udp}", redact(c.kv))
         self.started.set()
 
     async def _start_actors(self) -> None:
@@ -112,7 +112,9 @@ class Node:
         # reads as this one's (its socket opened a moment later), and heapmem's start can take seconds
         await self._until_started()
         if "registry" in roles:
-            addresses = self.addresses = {"unix": c.listen, **({"udp": c.udp} if c.udp != "off" else {})}
+            addresses = self.addresses = {"unix": f"unix://{c.socket_path}",
+                                          **({"tcp": c.tcp_listen} if c.tcp_listen else {}),
+                                          **({"udp": c.udp} if c.udp != "off" else {})}
             self.refs["registry"] = self.supervisor.start(Registry(
                 self.kv, c.node_id, roles=c.roles, addresses=addresses, workers=workers,
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
@@ -218,16 +220,35 @@ class Node:
                 sock = self.udp.transport.get_extra_info("socket") if self.udp.transport else None
                 if sock is not None:
                     c.udp = f"{host}:{sock.getsockname()[1]}"
-                    self.addresses["udp"] = c.udp  # the registry's record shares this dict; written now as well
-                    if "registry" in self.refs and self.kv is not None:
-                        await self.kv.hset(f"node:{c.node_id}", {"addresses": json.dumps(self.addresses)})
+                    await self._publish_address("udp", c.udp)
             if not is_loopback(host):  # allowed only with udp_remote (Config.resolved)
                 log.warning("deepxIR over UDP listens on %s:%d, which is not a loopback address: it is "
                             "unauthenticated, and anyone who can reach the port can run programs on the tensors UDP "
                             "made or was shared (docs/daemon.md, 'who can do what')", host, port)
-        native = NativeServer(self, c.socket_path, max_frame=c.max_frame_bytes)
+        tcp = c.tcp_listen
+        if tcp is not None:
+            server = NativeServer(self, tcp, max_frame=c.max_frame_bytes, token=c.token,
+                                  tls=(c.tls_cert, c.tls_key) if c.tls_cert else None)
+            await server.start()
+            self.servers.append(server)
+            if server.address != tcp:  # port 0: the one taken
+                c.listen = [server.address if a == tcp else a for a in c.listen]
+                await self._publish_address("tcp", server.address)
+            if not c.token:  # allowed on loopback only (Config.resolved)
+                log.warning("native: %s asks no token: every user of this machine can use this daemon through it "
+                            "(give --token-file; docs/daemon.md, 'who can do what')", server.address)
+            else:
+                log.info("native: %s asks for the token%s", server.address, ", over TLS" if c.tls_cert else "")
+        # last: a client that can connect to the Unix socket finds every other listener serving too
+        native = NativeServer(self, f"unix://{c.socket_path}", max_frame=c.max_frame_bytes)
         await native.start()
         self.servers.append(native)
+
+    async def _publish_address(self, kind: str, address: str) -> None:
+        """Where a listener given port 0 listens: in the registry's record (which shares this dict), written now."""
+        self.addresses[kind] = address
+        if "registry" in self.refs and self.kv is not None:
+            await self.kv.hset(f"node:{self.config.node_id}", {"addresses": json.dumps(self.addresses)})
 
     # -- what transports call
     def ref(self, role: str) -> ActorRef:

@@ -26,10 +26,10 @@ import math
 import numbers
 import os
 import re
-import stat
 from collections.abc import Mapping
 from typing import Any
 
+from deepx_core.auth import read_secret_file
 from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 
@@ -346,27 +346,8 @@ def url_password(url: str) -> str | None:
 
 
 def read_password_file(path: str) -> str:
-    """A Redis password from a file: its first line, without the line end. A file that others can read is refused,
-    as ssh refuses such a private key."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise DeepxError(f"kv_password_file: cannot read {path}: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DeepxError(f"kv_password_file: {path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise DeepxError(f"kv_password_file: {path} can be read by others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                             f"chmod 600 {path}")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(4096)
-    finally:
-        os.close(fd)
-    line = raw.decode("utf-8", "replace").splitlines()[0] if raw.strip() else ""
-    if not line:
-        raise DeepxError(f"kv_password_file: {path} is empty; its first line is the password")
-    return line
+    """A Redis password from a file: its first line, without the line end; a file others can read is refused."""
+    return read_secret_file(path, "kv_password_file", "password")
 
 
 def kv_password(env: Mapping[str, str] | None = None) -> str | None:

@@ -1,4 +1,5 @@
-"""The native transport: a Unix stream socket (mode 0600) carrying length-prefixed msgpack frames (net/frames.py).
+"""The native transport: a Unix stream socket (mode 0600), or a TCP listener (a token proved by HMAC challenge,
+TLS optional: deepx_core/auth.py), carrying length-prefixed msgpack frames (net/frames.py).
 
 Requests on one connection are answered one at a time, in order, exactly one reply each. A frame over the size
 limit is answered with an error and the connection closed (its bytes cannot be trusted); a frame that ends early
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
 import select
 import socket
+import time
 from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deepx_core.auth import AUTH, NONCE_BYTES, answer_matches, client_answer, new_nonce, server_answer
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import from_numpy
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import is_name
 from deepx_core.ir.wire import instr_from_obj, instr_to_obj, unpack_instr, unpack_instr_cached
-from deepx_core.paths import check_socket_dir
+from deepx_core.paths import check_socket_dir, tcp_address
 from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
@@ -39,6 +43,11 @@ log = logging.getLogger(__name__)
 
 ADMIN = ("tensors", "ops", "nodes", "actors", "memory", "graphs", "caches")
 LONG_FRAME = 1 << 20  # a frame at least this long is unpacked on a thread
+#: a token listener's first frame is the answer to its challenge: this small, this soon (also TLS's handshake)
+AUTH_FRAME_MAX = 4096
+AUTH_TIMEOUT_S = 10.0
+#: refused TCP connections are logged at most this often (a scan or a flood must not fill the log)
+REFUSED_LOG_S = 10.0
 
 
 _paused = [0, True]  # long programs being handled, and whether the cyclic collector ran before the first
@@ -84,6 +93,22 @@ def _peer_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Ca
         return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poll.poll(0))
 
     return gone
+
+
+def _keep_alive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive probes after a minute of silence: a client whose host vanished (no FIN ever comes) is seen gone
+    within about two minutes, and its session's tensors released (release_on_close), instead of never."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer or "?")
 
 
 def encode_tensor(a: np.ndarray) -> dict[str, Any]:
@@ -161,17 +186,44 @@ def _tensor_names(value: Any, what: str) -> list[str]:
         raise DeepxError(f"{what}: 'fetch' must be a list of tensor names, got {_shown(value)}")
     return value
 
+def tls_context(cert: str, key: str) -> Any:
+    """A server-side TLS context (TLS 1.2 at least) from a PEM certificate (chain) and its key."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise DeepxError(f"tls_cert {cert} / tls_key {key}: cannot load them as a PEM certificate and its key: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
+    return context
+
+
 class NativeServer:
-    def __init__(self, node: Node, path: str, *, max_frame: int) -> None:
+    """One native listener: `unix:///path` (file permissions and the client's SO_PEERCRED check protect it) or
+    `tcp://HOST:PORT` (with `token`, every connection proves it holds it before its first request; with `tls`, a
+    (certificate, key) pair of PEM files, the connection is TLS)."""
+
+    def __init__(self, node: Node, address: str, *, max_frame: int, token: str = "",
+                 tls: tuple[str, str] | None = None) -> None:
         self.node = node
-        self.path = path
+        self.address = address  # a TCP listener's port 0 is replaced by the one taken, once listening
+        self.path = address.removeprefix("unix://") if address.startswith("unix://") else ""
+        self.token = token
+        self.tls = tls
         self.max_frame = max_frame
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[asyncio.StreamWriter] = set()
         self.requests = 0
+        self.refused = 0  # TCP connections refused (no token, a wrong one)
+        self._refused_logged = (0.0, 0)  # when the last refusal was logged, and the count then
         self._ops = {name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_op_")}
 
     async def start(self) -> None:
+        if not self.path:
+            await self._start_tcp()
+            return
         d = Path(self.path).parent
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         check_socket_dir(d)  # a directory another user can write lets them take the socket over
@@ -185,6 +237,20 @@ class NativeServer:
             os.umask(old)
         os.chmod(self.path, 0o600)
 
+    async def _start_tcp(self) -> None:
+        host, port = tcp_address(self.address, "listen")
+        context = tls_context(*self.tls) if self.tls else None
+        tls_args: dict[str, Any] = {"ssl": context, "ssl_handshake_timeout": AUTH_TIMEOUT_S} if context else {}
+        try:
+            self.server = await asyncio.start_server(self._serve, host, port, limit=1 << 20, **tls_args)
+        except OSError as e:
+            hint = (": the port is in use (another deepxd, or another program); choose another port, or 0 for a "
+                    "free one" if e.errno == errno.EADDRINUSE else "")
+            raise DeepxError(f"cannot listen on {self.address}: {e.strerror or e}{hint}") from None
+        if port == 0:  # the port taken is what the log and `deepxctl nodes ls` show
+            taken = self.server.sockets[0].getsockname()[1]
+            self.address = f"tcp://{f'[{host}]' if ':' in host else host}:{taken}"
+
     async def stop_accepting(self) -> None:
         if self.server is not None:
             self.server.close()
@@ -195,18 +261,24 @@ class NativeServer:
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.wait_closed(), 2)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def force_close(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections.add(writer)
         bound: dict[str, Any] = {}  # what a session bound to this connection (release_on_close), released at its end
         gone = _peer_gone(reader, writer)  # asked by a run between its slices
         try:
+            if not self.path:
+                _keep_alive(writer)
+                if not await self._greet(reader, writer):
+                    return
             while True:
                 try:
                     header = await reader.readexactly(HEADER.size)
@@ -240,6 +312,62 @@ class NativeServer:
             writer.close()
             if bound.get("prefix") and not self.node.stopping.is_set():
                 await self._release(bound["prefix"], sorted(bound.get("graphs", ())))
+
+    async def _greet(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """A TCP connection's first exchange (deepx_core/auth.py), before any request is read: without a token, a
+        greeting; with one, a challenge made for this connection alone, answered once (a wrong or missing answer
+        closes the connection, so an answer seen on another connection never matches), then this daemon's answer
+        to the client's own challenge. Whether the connection may go on."""
+        if not self.token:
+            await self._reply(writer, {"id": 0, "ok": True, "op": "challenge", "auth": "none"})
+            return True
+        nonce = new_nonce()
+        await self._reply(writer, {"id": 0, "ok": True, "op": "challenge", "auth": AUTH, "nonce": nonce})
+        try:
+            req = await asyncio.wait_for(self._first_frame(reader), AUTH_TIMEOUT_S)
+        except TimeoutError:
+            return await self._refuse(writer, f"no answer to the token challenge within {AUTH_TIMEOUT_S:g} s")
+        except asyncio.IncompleteReadError:
+            return await self._refuse(writer, "the connection ended before it answered the token challenge")
+        except DeepxError as e:
+            return await self._refuse(writer, str(e))
+        op = req.get("op")
+        if op != "auth":
+            return await self._refuse(writer, f"this listener needs a token: a connection's first request answers "
+                                              f"its challenge (op 'auth'), not {_shown(op)}; connect with "
+                                              "NativeClient(address, token=...) or DEEPX_TOKEN", req.get("id"))
+        if not answer_matches(client_answer(self.token, nonce), req.get("answer")):
+            return await self._refuse(writer, "wrong token: the answer to the challenge does not match this "
+                                              "daemon's token (or answers another connection's challenge)")
+        theirs = req.get("nonce")
+        if not isinstance(theirs, bytes) or len(theirs) != NONCE_BYTES:
+            return await self._refuse(writer, f"the answer carries no challenge of its own ({NONCE_BYTES} random "
+                                              "bytes in 'nonce') for this daemon to answer")
+        await self._reply(writer, {"id": 0, "ok": True, "answer": server_answer(self.token, theirs, nonce)})
+        return True
+
+    async def _first_frame(self, reader: asyncio.StreamReader) -> dict[str, Any]:
+        """An unauthenticated peer's one frame, small: it may not make the daemon read a large one."""
+        (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if n > AUTH_FRAME_MAX:
+            raise DeepxError(f"this listener needs a token: the first frame answers its challenge (at most "
+                             f"{AUTH_FRAME_MAX} bytes), not a frame of {n} bytes; connect with NativeClient(address, "
+                             "token=...) or DEEPX_TOKEN")
+        return unpack_body(await reader.readexactly(n))
+
+    async def _refuse(self, writer: asyncio.StreamWriter, reason: str, rid: Any = 0) -> bool:
+        """Answer a TCP connection that did not prove the token with one line, and say so in the log (at most
+        every REFUSED_LOG_S, with the count since). False: the caller closes the connection."""
+        self.refused += 1
+        now = time.monotonic()
+        last, count = self._refused_logged
+        if now - last >= REFUSED_LOG_S:
+            more = self.refused - count - 1
+            log.warning("native: refused a connection from %s on %s: %s%s", _peer(writer), self.address, reason,
+                        f" ({more} more refused since the last such line)" if more > 0 else "")
+            self._refused_logged = (now, self.refused)
+        await self._reply(writer, {"id": rid, "ok": False, "error": reason})
+        return False
 
     async def _release(self, prefix: str, graphs: list[str]) -> None:
         """A session's connection ended without the session letting go of what it made (its process was killed, or

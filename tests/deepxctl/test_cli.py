@@ -52,15 +52,16 @@ def test_address_from_the_environment(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("address, hint", [("/run/deepx/deepxd.sock", "unix:///run/deepx/deepxd.sock"),
-                                           ("tcp://h:1", "unix:///path/to/deepxd.sock"),
+                                           ("http://h:1", "unix:///path/to/deepxd.sock"),
                                            ("udp://127.0.0.1:9090", "unix:///path/to/deepxd.sock")])
-def test_an_address_that_is_not_unix_is_a_usage_error(address: str, hint: str) -> None:
+def test_an_address_that_is_not_unix_or_tcp_is_a_usage_error(address: str, hint: str) -> None:
     """It said "NativeClient needs a unix:// address" (a class of the SDK's) and exited 1."""
     for r in (ctl("--address", address, "nodes", "ls"), CliRunner().invoke(cli, ["nodes", "ls"],
                                                                            env={"DEEPX_ADDRESS": address})):
         msg = one_line_error(r, code=2)
         assert msg == (f"Error: --address {address!r} is not a daemon address: give its native socket as {hint} "
-                       "(deepxIR over UDP to udp://host:port goes through `deepxctl ir --udp HOST:PORT`)")
+                       "or its TCP listener as tcp://HOST:PORT (deepxIR over UDP to udp://host:port goes through "
+                       "`deepxctl ir --udp HOST:PORT`)")
         assert "NativeClient" not in msg
 
 

@@ -78,7 +78,11 @@ def test_embedded_by_default():
 
 def test_connect_refuses_bad_addresses(tmp_path):
     with pytest.raises(dx.DeepxError, match="unknown address"):
-        dx.connect("tcp://localhost:1")
+        dx.connect("http://localhost:1")
+    with pytest.raises(dx.DeepxError, match="cannot reach deepxd at tcp://"):
+        dx.connect("tcp://127.0.0.1:1")
+    with pytest.raises(dx.DeepxError, match="must be tcp://HOST:PORT"):
+        dx.connect("tcp://localhost:port")
     with pytest.raises(dx.DeepxError, match="cannot reach deepxd"):
         dx.connect(f"unix://{tmp_path}/missing.sock")
     with pytest.raises(dx.DeepxError, match="bad address"):
