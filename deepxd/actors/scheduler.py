@@ -16,6 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
@@ -298,8 +299,8 @@ class Scheduler(Actor):
         self.now_hits = 0  # runs and replays taken by now_run and now_replay (the embedded daemon's, no loop step)
         self._cancel: Callable[[], bool] | None = None  # the running program's (on_run)
         self._beside: asyncio.Task[None] | None = None  # handling small programs beside a long one (_serving)
-        # the step _serving awaits: (its end, the names of what ran beside it, the worker)
-        self._step: tuple[asyncio.Future[None], set[str] | None, ActorRef] | None = None
+        # the step _serving awaits: (its end, the names a program beside it must not name, the worker)
+        self._step: tuple[asyncio.Future[None], AbstractSet[str] | None, ActorRef] | None = None
         self.beside = 0  # programs handled beside a long one
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
@@ -531,17 +532,17 @@ class Scheduler(Actor):
         result: RunResult = await self._serving(worker.ask("run", **kwargs), worker)
         return result
 
-    async def _serving(self, step: Awaitable[Any], worker: ActorRef, touched: set[str] | None = None) -> Any:
+    async def _serving(self, step: Awaitable[Any], worker: ActorRef, avoid: AbstractSet[str] | None = None) -> Any:
         """`await step`, a step of running a program on `worker` (the passes on a thread, the worker's run); while
         it goes on, the small programs that arrive meanwhile are handled, each whole, by a task beside this
         handler (_run_beside, started by the first message that waits: no cost where none does): a long program
         must not hold another client's step at the scheduler. The worker runs such a step between its slices
-        where the two share no tensor (OpWorker._interleave), else after it. `touched` takes the names of the
-        tensors that the programs beside it named. This returns only after that task: messages are still handled
-        one at a time, those beside a program as if before it."""
+        where the two share no tensor (OpWorker._interleave), else after it. `avoid`: names that a program beside
+        this step must not name (the tensors whose metas the passes planned on). This returns only after that
+        task: messages are still handled one at a time, those beside a program as if before it."""
         if self._beside is not None or self._step is not None:  # a step of a program beside another: no deeper
             return await step
-        self._step = (asyncio.get_running_loop().create_future(), touched, worker)
+        self._step = (asyncio.get_running_loop().create_future(), avoid, worker)
         cancel = self._cancel
         try:
             if not self.mailbox.empty() or self._held is not None:
@@ -563,10 +564,11 @@ class Scheduler(Actor):
             self._beside = asyncio.get_running_loop().create_task(self._run_beside(*self._step),
                                                                   name=f"{self.name}:beside")
 
-    async def _run_beside(self, ended: asyncio.Future[None], touched: set[str] | None, worker: ActorRef) -> None:
+    async def _run_beside(self, ended: asyncio.Future[None], avoid: AbstractSet[str] | None,
+                          worker: ActorRef) -> None:
         """Until `ended`: handle the next message waiting that is a run of a small program (small_tensor_names) with
-        no backward that the worker would run now (OpWorker.now_interleaves), one at a time, its names added to
-        `touched`. It may overtake small runs that must wait (they name a tensor of the long program) where it
+        no backward, that names nothing in `avoid` and that the worker would run now (OpWorker.now_interleaves), one
+        at a time. It may overtake small runs that must wait (they name a tensor of the long program) where it
         shares no tensor with them; nothing else."""
         passed: set[str] = set()  # the names of the runs looked past, this look
 
@@ -577,11 +579,8 @@ class Scheduler(Actor):
 
         def accept(env: Envelope) -> bool:
             names = small(env)
-            if names is None or not passed.isdisjoint(names) or not worker.now("interleaves", names):
-                return False
-            if touched is not None:
-                touched.update(names)
-            return True
+            return (names is not None and passed.isdisjoint(names) and (avoid is None or avoid.isdisjoint(names))
+                    and bool(worker.now("interleaves", names)))
 
         def passes(env: Envelope) -> bool:
             names = small(env)
@@ -772,11 +771,9 @@ class Scheduler(Actor):
             ctx = await self._context(worker, program, fetch, note=note)
         try:
             if len(program) > LONG_PROGRAM and not self.compiled.seen(program):  # O(n) and more: on a thread
-                touched: set[str] = set()
-                rewritten, names = await self._serving(asyncio.to_thread(self._passes_and_names, program, ctx), worker,
-                                                        touched)
-                if not names.isdisjoint(touched):  # a program beside the passes changed what they read
-                    rewritten = list(program)
+                # a program beside the passes must leave the metas they plan on as they were
+                names = await asyncio.to_thread(program_tensor_names, program, ())
+                rewritten = await self._serving(asyncio.to_thread(self.compiled.run, program, ctx), worker, names)
                 if self._cancel is not None and self._cancel():  # the passes took seconds: the asker may be gone
                     self.failed += 1
                     return _cancelled_unrun()
@@ -794,10 +791,6 @@ class Scheduler(Actor):
             _note(note, program, rewritten, origins, ctx, True)
         result = await self._ask_run(worker, program=rewritten, fetch=fetch, cancel=self._cancel)
         return await self._compiled_result(worker, program, rewritten, fetch, origins, ctx, result, note)
-
-    def _passes_and_names(self, program: Sequence[Instr], ctx: Any) -> tuple[list[Instr], frozenset[str]]:
-        """A long program through the passes, on a thread, and the names of the tensors it names."""
-        return self.compiled.run(program, ctx), program_tensor_names(program, ())
 
     async def _compiled_result(self, worker: ActorRef, program: Sequence[Instr], rewritten: list[Instr],
                                fetch: Sequence[str], origins: list[int], ctx: Any, result: RunResult,
