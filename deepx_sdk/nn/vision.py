@@ -239,17 +239,36 @@ def interpolate(input: Tensor, size: Any = None, scale_factor: Any = None, mode:
     return x
 
 
-def _pool_args(what: str, kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool
+def _pool_args(what: str, kernel_size: Any, stride: Any, padding: Any, dilation: Any
                ) -> tuple[int, int, int, int, int, int, int, int]:
     kh, kw = _pair(what, kernel_size, "kernel_size")
     sh, sw = _pair(what, stride, "stride") if stride is not None and stride != [] else (kh, kw)
     ph, pw = _pair(what, padding, "padding")
     dh, dw = _pair(what, dilation, "dilation")
-    if ceil_mode:
-        raise DeepxError(f"{what}: ceil_mode=True is not supported by deepx; pad the input instead")
     if ph > kh // 2 or pw > kw // 2:
         raise DeepxError(f"{what}: padding should be at most half the kernel size, as torch requires")
     return kh, kw, sh, sw, ph, pw, dh, dw
+
+
+def _pool_size(what: str, size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> tuple[int, int]:
+    """A pooling's output size along one dim, and how far its last window reaches past the padded input (ceil_mode:
+    as torch, the last window may hang over the end, but must start inside the input or its left padding)."""
+    n = _out_size(what, size, k, s, p, d)
+    if ceil_mode:
+        span = size + 2 * p - d * (k - 1) - 1
+        n = -(-span // s) + 1
+        if (n - 1) * s >= size + p:
+            n -= 1
+    return n, max(0, (n - 1) * s + d * (k - 1) + 1 - (size + 2 * p))
+
+
+def _pool_padded(x: Tensor, ph: int, pw: int, over_h: int, over_w: int, value: float) -> Tensor:
+    """x padded by (ph, pw) on each side and by (over_h, over_w) more after (where ceil_mode's last windows hang)."""
+    from deepx_sdk.nn.functional import pad
+
+    if not (ph or pw or over_h or over_w):
+        return x
+    return pad(x, (pw, pw + over_w, ph, ph + over_h), value=value)
 
 
 def _spatial(x: Tensor, what: str) -> tuple[Tensor, bool]:
@@ -266,10 +285,10 @@ def max_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any
     if return_indices:
         raise DeepxError("max_pool2d: return_indices=True is not supported by deepx")
     x, one = _spatial(input, "max_pool2d")
-    kh, kw, sh, sw, ph, pw, dh, dw = _pool_args("max_pool2d", kernel_size, stride, padding, dilation, ceil_mode)
-    oh = _out_size("max_pool2d", x.shape[2], kh, sh, ph, dh)
-    ow = _out_size("max_pool2d", x.shape[3], kw, sw, pw, dw)
-    padded = _padded(x, ph, pw, -math.inf)
+    kh, kw, sh, sw, ph, pw, dh, dw = _pool_args("max_pool2d", kernel_size, stride, padding, dilation)
+    oh, over_h = _pool_size("max_pool2d", x.shape[2], kh, sh, ph, dh, ceil_mode)
+    ow, over_w = _pool_size("max_pool2d", x.shape[3], kw, sw, pw, dw, ceil_mode)
+    padded = _pool_padded(x, ph, pw, over_h, over_w, -math.inf)
     out = stack(_taps(padded, kh, kw, sh, sw, dh, dw, oh, ow), 0).amax(0)
     return out.squeeze(0) if one else out
 
@@ -280,16 +299,20 @@ def avg_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any
     from deepx_sdk.tensor import ones
 
     x, one = _spatial(input, "avg_pool2d")
-    kh, kw, sh, sw, ph, pw, _, _ = _pool_args("avg_pool2d", kernel_size, stride, padding, 1, ceil_mode)
-    oh = _out_size("avg_pool2d", x.shape[2], kh, sh, ph, 1)
-    ow = _out_size("avg_pool2d", x.shape[3], kw, sw, pw, 1)
-    total = stack(_taps(_padded(x, ph, pw), kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
+    kh, kw, sh, sw, ph, pw, _, _ = _pool_args("avg_pool2d", kernel_size, stride, padding, 1)
+    oh, over_h = _pool_size("avg_pool2d", x.shape[2], kh, sh, ph, 1, ceil_mode)
+    ow, over_w = _pool_size("avg_pool2d", x.shape[3], kw, sw, pw, 1, ceil_mode)
+    total = stack(_taps(_pool_padded(x, ph, pw, over_h, over_w, 0.0), kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
     if divisor_override is not None:
         out = total / float(divisor_override)
-    elif count_include_pad or not (ph or pw):
+    elif not (over_h or over_w) and (count_include_pad or not (ph or pw)):
         out = total / float(kh * kw)
-    else:
-        inside = _padded(ones(1, 1, x.shape[2], x.shape[3], dtype=x.dtype), ph, pw)
+    else:  # each window's count: its cells inside the input (and its padding, count_include_pad), never the overhang
+        if count_include_pad:
+            inside = _pool_padded(ones(1, 1, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw, dtype=x.dtype), 0, 0,
+                                  over_h, over_w, 0.0)
+        else:
+            inside = _pool_padded(ones(1, 1, x.shape[2], x.shape[3], dtype=x.dtype), ph, pw, over_h, over_w, 0.0)
         count = stack(_taps(inside, kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
         out = total / count
     return out.squeeze(0) if one else out

@@ -72,6 +72,16 @@ def test_conv1d_follows_torch(kw):
     (lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
      lambda x: TF.avg_pool2d(x, 3, 2, 1, count_include_pad=False)),
     (lambda x: F.avg_pool2d(x, 2, divisor_override=3), lambda x: TF.avg_pool2d(x, 2, divisor_override=3)),
+    (lambda x: F.max_pool2d(x, 2, ceil_mode=True), lambda x: TF.max_pool2d(x, 2, ceil_mode=True)),
+    (lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True), lambda x: TF.max_pool2d(x, 3, 2, 1, ceil_mode=True)),
+    (lambda x: F.max_pool2d(x, (2, 3), (3, 2), ceil_mode=True, dilation=(2, 1)),
+     lambda x: TF.max_pool2d(x, (2, 3), (3, 2), ceil_mode=True, dilation=(2, 1))),
+    (lambda x: F.avg_pool2d(x, 2, ceil_mode=True), lambda x: TF.avg_pool2d(x, 2, ceil_mode=True)),
+    (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), lambda x: TF.avg_pool2d(x, 3, 2, 1, ceil_mode=True)),
+    (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+     lambda x: TF.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False)),
+    (lambda x: F.avg_pool2d(x, (3, 2), (2, 3), ceil_mode=True, divisor_override=2),
+     lambda x: TF.avg_pool2d(x, (3, 2), (2, 3), ceil_mode=True, divisor_override=2)),
     (lambda x: F.adaptive_avg_pool2d(x, 1), lambda x: TF.adaptive_avg_pool2d(x, 1)),
     (lambda x: F.adaptive_avg_pool2d(x, (4, 2)), lambda x: TF.adaptive_avg_pool2d(x, (4, 2))),
     (lambda x: F.adaptive_avg_pool2d(x, (3, 5)), lambda x: TF.adaptive_avg_pool2d(x, (3, 5))),
@@ -147,8 +157,6 @@ def test_refusals_name_the_problem():
         F.conv2d(x, dx.ones(2, 4, 7, 7))
     with pytest.raises(DeepxError, match="padding='same' needs stride 1"):
         F.conv2d(x, dx.ones(2, 4, 3, 3), stride=2, padding="same")
-    with pytest.raises(DeepxError, match="ceil_mode=True is not supported"):
-        F.max_pool2d(x, 2, ceil_mode=True)
     with pytest.raises(DeepxError, match="expected 3 channels"):
         nn.BatchNorm2d(3)(x)
     with pytest.raises(DeepxError, match="padding_mode='reflect' is not supported"):
