@@ -322,6 +322,21 @@ def _float_unary(op: str) -> Any:
     return method
 
 
+def _rounding(op: str) -> Any:
+    """floor, ceil, trunc: a float tensor rounded by the op; an integer or bool tensor is whole already and comes back
+    as a copy, as torch's."""
+
+    def method(self: Tensor) -> Tensor:
+        if self.dtype not in _FLOAT_RANK:
+            return self.clone()
+        if not self.requires_grad:
+            return _emit(self._s, op, (self._p or _tp(self),), self.shape, self.dtype, 2)
+        return self._op(op, (_tp(self),), self.shape, self.dtype, (self,))
+
+    method.__name__ = method.__qualname__ = op
+    return method
+
+
 class Tensor:
     """A deepx tensor. Model code uses it like a torch.Tensor; values live in the daemon."""
 
@@ -874,6 +889,35 @@ class Tensor:
     tanh = _float_unary("tanh")
 
     sigmoid = _float_unary("sigmoid")
+
+    log1p = _float_unary("log1p")
+
+    expm1 = _float_unary("expm1")
+
+    erf = _float_unary("erf")
+
+    floor = _rounding("floor")
+
+    ceil = _rounding("ceil")
+
+    trunc = fix = _rounding("trunc")
+
+    def round(self, decimals: _int = 0) -> Tensor:
+        """To the nearest whole number, halves to even; with `decimals`, as torch computes it: round(x * 10^d) / 10^d
+        (d < 0: round(x / 10^-d) * 10^-d)."""
+        if not decimals:
+            if self.dtype not in _FLOAT_RANK:
+                return self.clone()
+            return self._op("round", (_tp(self),), self.shape, self.dtype, (self,))
+        if self.dtype not in _FLOAT_RANK:
+            raise DeepxError(f"round: decimals={decimals} needs a float tensor; '{self.name}' is {self.dtype} (torch "
+                             "refuses it too)")
+        scale = 10.0 ** builtins.abs(decimals)
+        return (self * scale).round() / scale if decimals > 0 else (self / scale).round() * scale
+
+    def frac(self) -> Tensor:
+        """x - trunc(x), the sign of x kept (its gradient is g, as torch's)."""
+        return self - self.trunc()
 
     def relu(self) -> Tensor:
         if self.dtype in _FLOAT_RANK and not self.requires_grad:  # recorded straight away, as _float_unary does
@@ -1493,7 +1537,7 @@ class _ValuesIndices(tuple):
 
 #: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
-    "sign", "floor", "ceil", "round", "trunc", "frac", "fmod", "remainder", "log1p", "expm1", "log2", "log10",
+    "sign", "fmod", "remainder", "log2", "log10",
     "cumsum", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
     "scatter_add", "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm",
     "baddbmm", "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr",

@@ -803,6 +803,15 @@ op("erf", "nn", [_A], [_C], _F, same(0), "the Gauss error function erf(A) (gelu'
    deepxir=False)
 op("silu", "nn", [_A], [_C], _F, same(0), "A * sigmoid(A)", grad=True, deepxir=False, expr=f"A * ({_SIGMOID})",
    alias_safe=True)
+# -- rounding to whole numbers (a step: its gradient is zero, as torch's) and log/exp accurate near 0
+for _n, _d in [("floor", "the largest whole number <= A"), ("ceil", "the smallest whole number >= A"),
+               ("round", "A rounded to the nearest whole number, halves to even (torch.round)"),
+               ("trunc", "A rounded toward zero")]:
+    op(_n, "elementwise", [_A], [_C], _F, same(0), _d, grad=True, deepxir=False)
+op("log1p", "elementwise", [_A], [_C], _F, same(0), "log(1 + A), accurate near 0", grad=lambda g, A: g / (1 + A),
+   deepxir=False)
+op("expm1", "elementwise", [_A], [_C], _F, same(0), "exp(A) - 1, accurate near 0", grad=lambda g, y: g * (y + 1),
+   deepxir=False)
 op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "exp(A) / sum(exp(A)) along dim, stable",
    grad=True, deepxir=False)
 op("logsoftmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "A - logsumexp(A) along dim, stable",

@@ -823,6 +823,12 @@ def _tan(gr: Grad, g: str) -> dict[int, str]:
     return {0: gr.emit("mul", g, gr.emit("addscalar", gr.emit("mul", y, y), 1.0))}
 
 
+@rule("floor", "ceil", "round", "trunc")
+def _step(gr: Grad, g: str) -> dict[int, str]:
+    """dA = 0 (a step function: nothing flows back, so nothing is emitted)"""
+    return {}
+
+
 @rule("silu")
 def _silu(gr: Grad, g: str) -> dict[int, str]:
     """dA = g s (1 + A (1 - s)), s = sigmoid(A)"""

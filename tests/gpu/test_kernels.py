@@ -211,6 +211,9 @@ def _make_unary(op, lo=-3.0, hi=3.0):
         cases = [one(op, {"A": a}, args), one(op, {"A": r(rng, dt, (1031,), lo, hi)}, args)]
         if op == "gelu":
             cases.append(one(op, {"A": a}, [T("A"), V("tanh")]))
+        if op in ("floor", "ceil", "round", "trunc"):  # halves (round's ties go to even) and signed zeros
+            halves = np.concatenate([np.arange(-20, 21) / 2, [-0.0, 0.25, -0.25]]).astype(to_numpy(dt))
+            cases.append(one(op, {"A": halves}, args))
         return cases
 
     return build
@@ -219,7 +222,9 @@ def _make_unary(op, lo=-3.0, hi=3.0):
 for _op, _lo, _hi in [("sqrt", 0.0, 9.0), ("log", 0.01, 9.0), ("exp", -5.0, 5.0), ("sin", -4.0, 4.0),
                       ("cos", -4.0, 4.0), ("tan", -1.2, 1.2), ("neg", -9.0, 9.0), ("abs", -9.0, 9.0),
                       ("invert", -9.0, 9.0), ("relu", -3.0, 3.0), ("sigmoid", -8.0, 8.0), ("tanh", -4.0, 4.0),
-                      ("gelu", -4.0, 4.0), ("erf", -3.0, 3.0), ("silu", -6.0, 6.0)]:
+                      ("gelu", -4.0, 4.0), ("erf", -3.0, 3.0), ("silu", -6.0, 6.0), ("floor", -9.0, 9.0),
+                      ("ceil", -9.0, 9.0), ("round", -9.0, 9.0), ("trunc", -9.0, 9.0), ("log1p", -0.9, 9.0),
+                      ("expm1", -5.0, 5.0)]:
     CASES[_op] = _make_unary(_op, _lo, _hi)
 
 

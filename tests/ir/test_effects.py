@@ -339,7 +339,8 @@ for _n in ("addscalar", "subscalar", "mulscalar", "divscalar", "powscalar", "max
     BUILDERS[_n] = _scalar
 for _n in ("rsubscalar", "rdivscalar", "rpowscalar"):
     BUILDERS[_n] = _rscalar
-for _n in ("sqrt", "exp", "log", "sin", "cos", "tan", "neg", "abs", "relu", "sigmoid", "tanh", "erf", "silu"):
+for _n in ("sqrt", "exp", "log", "sin", "cos", "tan", "neg", "abs", "relu", "sigmoid", "tanh", "erf", "silu", "floor",
+           "ceil", "round", "trunc", "log1p", "expm1"):
     BUILDERS[_n] = _unary
 for _n in ("less", "greater"):
     BUILDERS[_n] = _compare2

@@ -1,0 +1,70 @@
+"""torch's tensor functions that deepx computes with ops of their own (rounding, log1p, expm1, erf): forward and
+backward against torch on the CPU, float64 and float32, as functions and as methods."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import deepx_sdk as dx
+
+TOL = {"float64": dict(rtol=1e-10, atol=1e-12), "float32": dict(rtol=2e-6, atol=1e-6)}
+
+
+def _pair(a: np.ndarray, grad: bool = True) -> tuple[dx.Tensor, torch.Tensor]:
+    return dx.tensor(a, requires_grad=grad), torch.tensor(a, requires_grad=grad)
+
+
+def _backward_both(ours: dx.Tensor, theirs: torch.Tensor, rng: np.random.Generator) -> None:
+    """The gradient of sum(out * w) for a random w, on both sides."""
+    w = rng.standard_normal(tuple(theirs.shape)).astype(ours.dtype)
+    (ours * dx.tensor(w)).sum().backward()
+    (theirs * torch.from_numpy(w)).sum().backward()
+
+
+UNARY = [
+    ("floor", lambda m, x: m.floor(x)),
+    ("ceil", lambda m, x: x.ceil()),
+    ("round", lambda m, x: m.round(x)),
+    ("round decimals", lambda m, x: x.round(decimals=2)),
+    ("round negative decimals", lambda m, x: m.round(x * 100, decimals=-1)),
+    ("trunc", lambda m, x: m.trunc(x)),
+    ("fix", lambda m, x: x.fix()),
+    ("frac", lambda m, x: m.frac(x)),
+    ("log1p", lambda m, x: m.log1p(x.abs())),
+    ("expm1", lambda m, x: x.expm1()),
+    ("erf", lambda m, x: m.erf(x)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name, f", UNARY, ids=[u[0] for u in UNARY])
+def test_unary_functions_follow_torch(name, f, dtype, rng):
+    a = rng.uniform(-4, 4, (5, 7)).astype(dtype)
+    a[0, :6] = [0.5, 1.5, -2.5, -0.5, 0.125, 2.0]  # ties of round, whole numbers
+    x, t = _pair(a)
+    ours, theirs = f(dx, x), f(torch, t)
+    np.testing.assert_allclose(ours.numpy(), theirs.detach().numpy(), **TOL[dtype])
+    _backward_both(ours, theirs, rng)
+    np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32"])
+def test_rounding_an_integer_tensor_copies_it_as_torch(dtype):
+    a = np.array([-3, 0, 7], dtype=dtype)
+    for name in ("floor", "ceil", "round", "trunc"):
+        got = getattr(dx.tensor(a), name)()
+        want = getattr(torch.tensor(a), name)()
+        assert got.dtype == dtype and str(want.dtype) == f"torch.{dtype}"
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    with pytest.raises(dx.DeepxError, match="round: decimals=1 needs a float tensor"):
+        dx.tensor(a).round(decimals=1)
+
+
+def test_log1p_expm1_erf_of_an_integer_tensor_are_float32_as_torch():
+    a = np.array([0, 1, 3])
+    for name in ("log1p", "expm1", "erf"):
+        got, want = getattr(dx.tensor(a), name)(), getattr(torch.tensor(a), name)()
+        assert got.dtype == "float32"
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
