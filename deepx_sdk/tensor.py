@@ -1050,6 +1050,14 @@ class Tensor:
         meta = self._infer(op, [TensorMeta(a.shape, a.dtype), d, keepdim], [a.name, None, None])
         return a._op(op, (_tp(a), _vp(int(d)), _vp(bool(keepdim))), meta.shape, "int64", [])
 
+    def cumsum(self, dim: _int, *, dtype: Any = None) -> Tensor:
+        """Running sums along dim; integer and bool tensors sum in int64, as torch's (`dtype`: cast first)."""
+        a = self.type_as_dtype(dtype_name(dtype)) if dtype is not None else self
+        if a.dtype in ("bool", "int8", "int16", "int32"):
+            a = a.type_as_dtype("int64")
+        meta = a._infer("cumsum", [TensorMeta(a.shape, a.dtype), dim, False], [a.name, None, None])
+        return a._op("cumsum", (_tp(a), _vp(int(dim))), meta.shape, meta.dtype, (a,))
+
     def argmax(self, dim: _int | None = None, keepdim: _bool = False) -> Tensor:
         return self._arg("argmax", dim, keepdim)
 
@@ -1538,7 +1546,7 @@ class _ValuesIndices(tuple):
 #: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
     "sign", "fmod", "remainder", "log2", "log10",
-    "cumsum", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
+    "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
     "scatter_add", "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm",
     "baddbmm", "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr",
     "pin_memory", "cuda", "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff",

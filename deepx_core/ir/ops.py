@@ -416,7 +416,8 @@ def _argreduce(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(reduced(a.shape, (dim,), bool(c.args[2])), "int64")]
 
 
-def _softmax(c: Call) -> list[TensorMeta | None]:
+def _along_dim(c: Call) -> list[TensorMeta | None]:
+    """An op along one dim (softmax, cumsum): the output is shaped and typed like A."""
     a = c.args[0]
     norm_dim(c.op.name, c.args[1], len(a.shape), scalar_ok=True)
     return [TensorMeta(a.shape, a.dtype)]
@@ -812,9 +813,9 @@ op("log1p", "elementwise", [_A], [_C], _F, same(0), "log(1 + A), accurate near 0
    deepxir=False)
 op("expm1", "elementwise", [_A], [_C], _F, same(0), "exp(A) - 1, accurate near 0", grad=lambda g, y: g * (y + 1),
    deepxir=False)
-op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "exp(A) / sum(exp(A)) along dim, stable",
+op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _along_dim, "exp(A) / sum(exp(A)) along dim, stable",
    grad=True, deepxir=False)
-op("logsoftmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "A - logsumexp(A) along dim, stable",
+op("logsoftmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _along_dim, "A - logsumexp(A) along dim, stable",
    grad=True, deepxir=False)
 op("crossentropy", "nn", [t("logits"), t("labels", INDEX), v("ignore_index", "int", -100),
                           v("reduction", "str", "mean")], [t("loss")], _F, _crossentropy,
@@ -833,6 +834,9 @@ op("rmsnorm", "nn", [_A, t("weight"), v("eps", default=1e-6)], [_C], _F, _norm,
    "A / sqrt(mean(A^2) + eps) * weight over the trailing dims of weight's shape", grad=True, deepxir=False)
 op("argmax", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,
    _argreduce, "index of the maximum along dim (the first on ties)", deepxir=False)
+op("cumsum", "reduce", [_A, v("dim", "int"), v("reverse", "bool", False)], [_C], NUMERIC, _along_dim,
+   "running sums along dim, from the end where reverse (low-precision floats add in float32, float32 in float64, "
+   "integers in int64, then round into C)", grad=True, deepxir=False)
 op("argmin", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,
    _argreduce, "index of the minimum along dim (the first on ties)", deepxir=False)
 op("slice", "shape", [t("A", _ANY), vec("starts"), vec("ends"), vec("steps")], [t("B", _ANY)], _ANY, _slice,

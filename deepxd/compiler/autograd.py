@@ -917,6 +917,12 @@ def _prod(gr: Grad, g: str) -> dict[int, str]:
     return {0: gr.emit("mul", gk, gr.emit("add", where_nonzero, where_zero))}
 
 
+@rule("cumsum")
+def _cumsum(gr: Grad, g: str) -> dict[int, str]:
+    """dA = the running sums of g from the other end (cumsum with reverse flipped)"""
+    return {0: gr.emit("cumsum", g, int(gr.arg(1)), not gr.arg(2))}
+
+
 @rule("reducemax", "reducemin")
 def _reducemaxmin(gr: Grad, g: str) -> dict[int, str]:
     """dA = g shared evenly between the elements equal to the result (as torch.amax and amin do)"""

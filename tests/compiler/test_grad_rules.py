@@ -209,6 +209,10 @@ CASES: dict[str, list[Case]] = {
     "reducemin": [*reduce_("reducemin", lambda a, d, k: a.amin(d, keepdim=k)),
                   c("reducemin (tensor<T>:a, vector<int32>:[1], var<bool>:false) -> (tensor<T>:y)",  # ties share g
                     {"a": Fixed(np.array([[1.0, 0.5, 0.5], [0.25, 2.0, 0.25]]))}, "a", lambda t: t["a"].amin(1))],
+    "cumsum": [c(f"cumsum (tensor<T>:a, var<int32>:{d}, var<bool>:{rev}) -> (tensor<T>:y)", {"a": r(*s)}, "a",
+                 lambda t, d=d, rev=rev: t["a"].flip(d).cumsum(d).flip(d) if rev == "true" else t["a"].cumsum(d))
+               for s, d, rev in [((3, 4), 1, "false"), ((2, 3, 4), -2, "true"), ((5,), 0, "false"),
+                                 ((2, 6), -1, "true")]],
     "reshape": [c(f"reshape (tensor<T>:a, {vecs(s)}) -> (tensor<T>:y)", {"a": r(2, 3, 4)}, "a",
                   lambda t, s=s: t["a"].reshape(s)) for s in [(6, 4), (24,), (4, -1, 2)]],
     "transpose": [c(f"transpose (tensor<T>:a, {vecs(p)}) -> (tensor<T>:y)", {"a": r(2, 3, 4)}, "a",

@@ -402,6 +402,18 @@ for _op in ("argmax", "argmin"):
     CASES[_op] = _make_arg(_op)
 
 
+@case("cumsum")
+def _cumsum(rng, dt):
+    lo, hi = (0, 100) if dt == "int8" else (-9, 9)  # int8: running sums wrap
+    return [one("cumsum", {"A": r(rng, dt, (3, 700), lo, hi)}, [T("A"), V(1)], scale="max"),  # a block per row
+            one("cumsum", {"A": r(rng, dt, (2, 5000), lo, hi)}, [T("A"), V(-1), V(True)], scale="max"),  # 3 tiles
+            one("cumsum", {"A": r(rng, dt, (4, 6, 5), lo, hi)}, [T("A"), V(1), V(True)], scale="max"),  # strided
+            one("cumsum", {"A": r(rng, dt, (40, 20), lo, hi)}, [T("A"), V(-1)], scale="max"),  # short rows
+            one("cumsum", {"A": r(rng, dt, (0, 7), lo, hi)}, [T("A"), V(0)]),
+            Case({"A": r(rng, dt, (2, 300), lo, hi)}, [instr("cumsum", [T("A"), V(1)], [T("A")])], ["A"],
+                 scale="max")]
+
+
 def _make_softmax(op):
     def build(rng, dt):
         return [one(op, {"A": r(rng, dt, (3, 4, 5))}, [T("A"), V(1)]),

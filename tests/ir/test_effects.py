@@ -234,6 +234,11 @@ def _repeat(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), VEC([2, 1])], None
 
 
+def _cumsum(rng: np.random.Generator, name: str) -> Built:
+    return ({"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(int(rng.integers(-2, 2))),
+                                                         V(bool(rng.random() < 0.5))], None)
+
+
 def _softmax(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(int(rng.integers(0, 2)))], None
 
@@ -331,7 +336,7 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "gelu": _gelu, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
-    "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum,
+    "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary

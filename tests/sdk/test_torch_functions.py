@@ -1,5 +1,5 @@
-"""torch's tensor functions that deepx computes with ops of their own (rounding, log1p, expm1, erf): forward and
-backward against torch on the CPU, float64 and float32, as functions and as methods."""
+"""torch's tensor functions that deepx computes with ops of their own (rounding, log1p, expm1, erf, cumsum): forward
+and backward against torch on the CPU, float64 and float32, as functions and as methods."""
 
 from __future__ import annotations
 
@@ -68,3 +68,27 @@ def test_log1p_expm1_erf_of_an_integer_tensor_are_float32_as_torch():
         got, want = getattr(dx.tensor(a), name)(), getattr(torch.tensor(a), name)()
         assert got.dtype == "float32"
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dim", [0, 1, -1, -3])
+def test_cumsum_follows_torch(dim, dtype, rng):
+    a = rng.uniform(-3, 3, (3, 4, 5)).astype(dtype)
+    x, t = _pair(a)
+    ours, theirs = (dx.cumsum(x, dim), torch.cumsum(t, dim)) if dim % 2 else (x.cumsum(dim), t.cumsum(dim))
+    np.testing.assert_allclose(ours.numpy(), theirs.detach().numpy(), **TOL[dtype])
+    _backward_both(ours, theirs, rng)
+    np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), **TOL[dtype])
+
+
+def test_cumsum_dtypes_as_torch():
+    """Integers and bools sum in int64; dtype= casts first; a 0-d tensor is its own running sum."""
+    for a in (np.array([1, 2, 3], dtype=np.int32), np.array([True, False, True]), np.array([100, 100], np.int8)):
+        got, want = dx.tensor(a).cumsum(0), torch.tensor(a).cumsum(0)
+        assert got.dtype == "int64" and want.dtype == torch.int64
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    got = dx.cumsum(dx.tensor(np.array([1, 2, 3])), 0, dtype=dx.float32)
+    assert got.dtype == "float32" and got.tolist() == [1.0, 3.0, 6.0]
+    assert dx.tensor(2.5).cumsum(-1).item() == 2.5
+    with pytest.raises(dx.DeepxError, match="cumsum: dim 2 out of range"):
+        dx.ones(3, 4).cumsum(2)
