@@ -322,6 +322,15 @@ def _float_unary(op: str) -> Any:
     return method
 
 
+def _index_of(what: str, index: Any) -> Tensor:
+    """An index tensor for gather and scatter: int64 or int32, as torch takes."""
+    if not isinstance(index, Tensor):
+        raise DeepxError(f"{what}: index must be a Tensor of int64, got {type(index).__name__}")
+    if index.dtype not in ("int64", "int32"):
+        raise DeepxError(f"{what}: index must be int64 (or int32), got {index.dtype}")
+    return index
+
+
 def _rounding(op: str) -> Any:
     """floor, ceil, trunc: a float tensor rounded by the op; an integer or bool tensor is whole already and comes back
     as a copy, as torch's."""
@@ -781,6 +790,55 @@ class Tensor:
     def index_add_(self, dim: _int, index: Tensor, source: Tensor, *, alpha: Any = 1) -> Tensor:
         self._check_write("index_add_")
         return self._assign(self.index_add(dim, index, source, alpha=alpha), "index_add_")
+
+    def gather(self, dim: _int, index: Tensor, *, sparse_grad: _bool = False) -> Tensor:
+        """torch's: out[i][j] = self[index[i][j]][j] for dim 0 (any rank); out has index's shape."""
+        index = _index_of("gather", index)
+        meta = self._infer("gather", [TensorMeta(self.shape, self.dtype), TensorMeta(index.shape, index.dtype), dim],
+                           [self.name, index.name, None])
+        return self._op("gather", (_tp(self), _tp(index), _vp(int(dim))), meta.shape, meta.dtype, (self, index))
+
+    def scatter(self, dim: _int, index: Tensor, src: Any = None, *, value: Any = None, reduce: str | None = None
+                ) -> Tensor:
+        """torch's: this tensor with src's elements (or `value`) written where index says along dim; reduce='add'
+        adds them instead (scatter_add). Where indices repeat, one of the writes is kept."""
+        if reduce not in (None, "add"):
+            raise DeepxError(f"scatter: reduce={reduce!r} is not supported by deepx (only 'add'; scatter_reduce is "
+                             "not either)")
+        return self._scatter("scatteradd" if reduce == "add" else "scatter", dim, index,
+                             value if src is None else src)
+
+    def scatter_add(self, dim: _int, index: Tensor, src: Tensor) -> Tensor:
+        """torch's: this tensor with src's elements added where index says along dim (repeated indices add up)."""
+        return self._scatter("scatteradd", dim, index, src)
+
+    def scatter_(self, dim: _int, index: Tensor, src: Any = None, *, value: Any = None,
+                 reduce: str | None = None) -> Tensor:
+        self._check_write("scatter_")
+        return self._assign(self.scatter(dim, index, src, value=value, reduce=reduce), "scatter_")
+
+    def scatter_add_(self, dim: _int, index: Tensor, src: Tensor) -> Tensor:
+        self._check_write("scatter_add_")
+        return self._assign(self.scatter_add(dim, index, src), "scatter_add_")
+
+    def _scatter(self, op: str, dim: _int, index: Tensor, src: Any) -> Tensor:
+        what = "scatter_add" if op == "scatteradd" else "scatter"
+        index = _index_of(what, index)
+        if src is None:
+            raise DeepxError(f"{what}: give src (a tensor) or value (a number)")
+        if not isinstance(src, Tensor):  # a number: written (or added) everywhere the index says
+            src = full(index.shape, src, dtype=self.dtype)
+        elif src.dtype != self.dtype:  # as torch: no silent cast
+            raise DeepxError(f"{what}: src is {src.dtype}, '{self.name}' is {self.dtype}; they must match")
+        if src.shape != index.shape:  # torch reads src[:index.shape] only
+            if src.ndim != index.ndim or any(s < i for s, i in zip(src.shape, index.shape)):
+                raise DeepxError(f"{what}: src of shape {list(src.shape)} is smaller than index {list(index.shape)}"
+                                 " in some dim (or of another rank)")
+            src = src[tuple(builtins.slice(0, i) for i in index.shape)]
+        self._infer(op, [TensorMeta(self.shape, self.dtype), TensorMeta(index.shape, index.dtype),
+                         TensorMeta(src.shape, src.dtype), dim], [self.name, index.name, src.name, None])
+        return self._op(op, (_tp(self), _tp(index), _tp(src), _vp(int(dim))), self.shape, self.dtype,
+                        (self, index, src))
 
     def __matmul__(self, o: Tensor) -> Tensor:
         return matmul(self, o)
@@ -1545,13 +1603,11 @@ class _ValuesIndices(tuple):
 
 #: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
-    "sign", "fmod", "remainder", "log2", "log10",
-    "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
-    "scatter_add", "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm",
-    "baddbmm", "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr",
-    "pin_memory", "cuda", "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff",
-    "flip", "roll", "rot90", "diag", "diagonal", "trace", "tile", "repeat_interleave", "narrow", "unfold",
-    "as_strided",
+    "sign", "fmod", "remainder", "log2", "log10", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode",
+    "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm", "baddbmm",
+    "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr", "pin_memory", "cuda",
+    "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff", "flip", "roll", "rot90",
+    "diag", "diagonal", "trace", "tile", "repeat_interleave", "narrow", "unfold", "as_strided",
 })
 
 

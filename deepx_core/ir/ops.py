@@ -390,6 +390,37 @@ def _indexadd(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(a.shape, a.dtype)]
 
 
+def _index_along(c: Call, dim_arg: int) -> int:
+    """gather's and scatter's index: A's rank, and no larger than A outside dim (it may be any size along dim).
+    Returns dim, normalized."""
+    a, index = c.args[0], c.args[1]
+    op, an, iname = c.op.name, c.names[0], c.names[1]
+    dim = norm_dim(op, c.args[dim_arg], len(a.shape), scalar_ok=True)
+    if len(index.shape) != len(a.shape):
+        raise DeepxError(f"{op}: index '{iname}' has rank {len(index.shape)} but '{an}' has rank {len(a.shape)}; they "
+                         "must match")
+    for d, (i, n) in enumerate(zip(index.shape, a.shape)):
+        if d != dim and i > n:
+            raise DeepxError(f"{op}: index '{iname}' of shape {list(index.shape)} is larger than '{an}' "
+                             f"{list(a.shape)} in dim {d}; only dim {dim} may be larger")
+    return dim
+
+
+def _gather(c: Call) -> list[TensorMeta | None]:
+    _index_along(c, 2)
+    return [TensorMeta(c.args[1].shape, c.args[0].dtype)]
+
+
+def _scatter(c: Call) -> list[TensorMeta | None]:
+    _index_along(c, 3)
+    index, src = c.args[1], c.args[2]
+    if src.shape != index.shape:
+        raise DeepxError(f"{c.op.name}: source '{c.names[2]}' has shape {list(src.shape)} but index '{c.names[1]}' "
+                         f"has {list(index.shape)}; they must match (slice the source)")
+    _dtype_match(c, 0, 2)
+    return [TensorMeta(c.args[0].shape, c.args[0].dtype)]
+
+
 def _repeat(c: Call) -> list[TensorMeta | None]:
     a, reps = c.args[0], tuple(c.args[1])
     if any(r < 0 for r in reps):
@@ -850,6 +881,15 @@ op("pad", "shape", [t("A", _ANY), vec("pads"), v("value", default=0)], [t("B", _
 op("indexadd", "shape", [t("A"), t("index", INDEX), t("src"), v("axis", "int")], [t("C")], NUMERIC, _indexadd,
    "C = A, then C[.., index[j], ..] += src[.., j, ..] along axis (repeated indices accumulate)", grad=True,
    deepxir=False, alias_safe=True)
+op("gather", "shape", [t("A", _ANY), t("index", INDEX), v("dim", "int")], [t("B", _ANY)], _ANY, _gather,
+   "B[i][j] = A[index[i][j]][j] for dim 0 (any rank): B has index's shape, which may be smaller than A's outside dim",
+   grad=True, deepxir=False)
+op("scatter", "shape", [t("A", _ANY), t("index", INDEX), t("src", _ANY), v("dim", "int")], [t("C", _ANY)], _ANY,
+   _scatter, "C = A, then C[index[i][j]][j] = src[i][j] for dim 0 (src has index's shape; where indices repeat, one "
+   "of the writes is kept: the last on the CPU)", grad=True, deepxir=False)
+op("scatteradd", "shape", [t("A"), t("index", INDEX), t("src"), v("dim", "int")], [t("C")], NUMERIC, _scatter,
+   "C = A, then C[index[i][j]][j] += src[i][j] for dim 0 (src has index's shape; repeated indices accumulate)",
+   grad=True, deepxir=False)
 op("sgd", "optim", [t("param"), t("grad"), t("momentum_buffer"), v("lr"), v("momentum", default=0.0),
                     v("dampening", default=0.0), v("weight_decay", default=0.0), v("nesterov", "bool", False),
                     v("step", "int", 1)],

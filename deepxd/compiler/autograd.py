@@ -1033,6 +1033,36 @@ def _indexadd(gr: Grad, g: str) -> dict[int, str]:
     return out
 
 
+@rule("gather")
+def _gather(gr: Grad, g: str) -> dict[int, str]:
+    """dA = zeros, then g added where each element was read from (scatteradd; repeats accumulate)"""
+    zeros = gr.filled(gr.meta(0), 0.0)
+    return {0: gr.emit("scatteradd", zeros, gr.x(1), g, int(gr.arg(2)))}
+
+
+@rule("scatter")
+def _scatter(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g, 0 where src was written (scatter of zeros); dsrc = g where each element went (gather)"""
+    out = {}
+    dim = int(gr.arg(3))
+    if gr.needs(0):
+        out[0] = gr.emit("scatter", g, gr.x(1), gr.filled(gr.meta(2), 0.0), dim)
+    if gr.needs(2):
+        out[2] = gr.emit("gather", g, gr.x(1), dim)
+    return out
+
+
+@rule("scatteradd")
+def _scatteradd(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g; dsrc = g where each element went (gather)"""
+    out = {}
+    if gr.needs(0):
+        out[0] = g
+    if gr.needs(2):
+        out[2] = gr.emit("gather", g, gr.x(1), int(gr.arg(3)))
+    return out
+
+
 @rule("switch")
 def _switch(gr: Grad, g: str) -> dict[int, str]:
     """d tensors[k] = g where cases == k, else 0 (summed over broadcast dims)"""

@@ -508,6 +508,37 @@ def _pad(rng, dt):
     return [one("pad", {"A": r(rng, dt, (2, 3))}, [T("A"), VEC((1, 0, 2, 1)), V(value)], out="B")]
 
 
+@case("gather")
+def _gather(rng, dt):
+    a = r(rng, dt, (4, 5, 6), -9, 9)
+    return [one("gather", {"A": a, "i": rng.integers(0, 5, (4, 7, 6)).astype(np.int64)}, [T("A"), T("i"), V(1)],
+                out="B"),
+            one("gather", {"A": a, "i": rng.integers(0, 6, (2, 3, 9)).astype(np.int32)}, [T("A"), T("i"), V(-1)],
+                out="B"),
+            one("gather", {"A": a, "i": rng.integers(0, 4, (1, 5, 6)).astype(np.int64)}, [T("A"), T("i"), V(0)],
+                out="B")]
+
+
+def _make_scatter(op):
+    def build(rng, dt):
+        a, src = r(rng, dt, (4, 6), -9, 9), r(rng, dt, (3, 6), -9, 9)
+        kw = {"scale": "max"} if op == "scatteradd" else {}  # atomic adds: sums in any order
+        once = np.stack([rng.permutation(4)[:3] for _ in range(6)], 1)  # no two writes to one place
+        cases = [one(op, {"A": a, "i": once.astype(np.int64), "s": src}, [T("A"), T("i"), T("s"), V(0)], **kw),
+                 one(op, {"A": a, "i": np.array([[5, 0, 2], [1, 4, 3]], np.int32), "s": src[:2, :3].copy()},
+                     [T("A"), T("i"), T("s"), V(-1)], **kw)]
+        if op == "scatteradd":  # repeated indices: their sums
+            cases.append(one(op, {"A": a, "i": rng.integers(0, 4, (3, 6)).astype(np.int64), "s": src},
+                             [T("A"), T("i"), T("s"), V(0)], **kw))
+        return cases
+
+    return build
+
+
+for _op in ("scatter", "scatteradd"):
+    CASES[_op] = _make_scatter(_op)
+
+
 @case("indexadd")
 def _indexadd(rng, dt):
     a = r(rng, dt, (5, 3))

@@ -234,6 +234,15 @@ def _repeat(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), VEC([2, 1])], None
 
 
+def _gather(rng: np.random.Generator, name: str) -> Built:
+    (m, n), dt = shape2(rng), fdtype(rng)
+    tensors = {"a": rand(rng, (m, n), dt), "i": rng.permutation(m)[:2].reshape(2, 1).repeat(n, 1).astype(np.int64)}
+    if name == "gather":
+        return tensors, [T("a"), T("i"), V(0)], None
+    tensors["s"] = rand(rng, (2, n), dt, 5, 6)
+    return tensors, [T("a"), T("i"), T("s"), V(0)], None
+
+
 def _cumsum(rng: np.random.Generator, name: str) -> Built:
     return ({"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(int(rng.integers(-2, 2))),
                                                          V(bool(rng.random() < 0.5))], None)
@@ -337,6 +346,7 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
+    "gather": _gather, "scatter": _gather, "scatteradd": _gather,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary

@@ -1,12 +1,14 @@
-"""The ops that work along one dim (cumsum) against torch on the CPU, for every dtype each claims: random shapes,
-every dim (negative ones too), in place and not."""
+"""The ops that work along one dim (cumsum, gather, scatter, scatteradd) against torch on the CPU, for every dtype
+each claims: random shapes, every dim (negative ones too), in place and not, and the errors of a bad index."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from kernel_ref import T, V, assert_close, dtypes_of, executor, f64, is_int, rand, run, run_op
+from kernel_ref import T, V, assert_close, assert_exact, dtypes_of, executor, f64, is_int, rand, run, run_op
+
+from deepx_core.errors import DeepxError
 
 SHAPES = [(7,), (3, 5), (2, 3, 4), (4, 1, 6), (0, 3), (3, 0), (2, 65, 3)]
 
@@ -57,3 +59,114 @@ def test_cumsum_of_float32_adds_in_float64_as_torch():
     got = run_op("cumsum", {"a": a}, [T("a"), V(0)])
     np.testing.assert_array_equal(got, torch.from_numpy(a).cumsum(0).numpy())
     assert got[-1] > 1.00009
+
+
+# ---------------------------------------------------------------- gather, scatter, scatteradd
+
+
+def _index_case(rng, shape: tuple[int, ...], dim: int, unique: bool, index_dtype: str
+                ) -> tuple[np.ndarray, tuple[int, ...]]:
+    """An index for A of `shape` along dim: smaller than A outside dim now and then, longer along dim for gather;
+    `unique`: no two elements of one line along dim point at the same place (scatter's writes then never collide)."""
+    d = dim % len(shape)
+    ishape = tuple(n if k == d or rng.random() < 0.6 else int(rng.integers(0, n + 1)) for k, n in enumerate(shape))
+    size = shape[d]
+    if unique:
+        ishape = (*ishape[:d], int(rng.integers(0, size + 1)), *ishape[d + 1:])
+        lines = np.moveaxis(np.zeros(ishape, dtype=np.int64), d, -1)
+        for pos in np.ndindex(*lines.shape[:-1]):
+            lines[pos] = rng.permutation(size)[:lines.shape[-1]]
+        index = np.moveaxis(lines, -1, d)
+    else:
+        ishape = (*ishape[:d], int(rng.integers(0, 2 * size + 1)), *ishape[d + 1:])
+        index = rng.integers(0, max(size, 1), ishape) if size else np.zeros(ishape, dtype=np.int64)
+    return np.ascontiguousarray(index).astype(index_dtype), ishape
+
+
+_ALONG_SHAPES = [(5,), (3, 4), (2, 3, 4), (4, 1, 3), (3, 5, 2, 2)]
+
+
+def _positions(shape: tuple[int, ...]) -> torch.Tensor:
+    """Each element's flat position: what torch moves, for a reference of any dtype (float8 and bool too)."""
+    return torch.arange(int(np.prod(shape)), dtype=torch.int64).reshape(shape)
+
+
+@pytest.mark.parametrize("index_dtype", ["int64", "int32"])
+@pytest.mark.parametrize("dtype", dtypes_of("gather"))
+def test_gather(dtype, index_dtype, rng):
+    for shape in _ALONG_SHAPES:
+        for dim in range(-len(shape), len(shape)):
+            a = rand(rng, dtype, shape, -50, 50)
+            index, _ = _index_case(rng, shape, dim, False, index_dtype)
+            got = run_op("gather", {"a": a, "i": index}, [T("a", dtype), T("i", index_dtype), V(dim)], out="b")
+            picked = torch.gather(_positions(shape), dim, torch.from_numpy(index).long()).numpy()
+            assert_exact(got, a.reshape(-1)[picked], f"gather {shape} index{index.shape} dim={dim}")
+    got = run_op("gather", {"a": np.array(2.5), "i": np.array(0)}, [T("a"), T("i"), V(-1)], out="b")  # 0-d
+    assert got.shape == () and got == 2.5
+
+
+@pytest.mark.parametrize("op", ["scatter", "scatteradd"])
+@pytest.mark.parametrize("index_dtype", ["int64", "int32"])
+def test_scatter_every_dtype(op, index_dtype, rng):
+    for dtype in dtypes_of(op):
+        for shape in _ALONG_SHAPES:
+            for dim in range(-len(shape), len(shape)):
+                a = rand(rng, dtype, shape, -20, 20)
+                index, ishape = _index_case(rng, shape, dim, op == "scatter", index_dtype)
+                src = rand(rng, dtype, ishape, -20, 20)
+                got = run_op(op, {"a": a, "i": index, "s": src},
+                             [T("a", dtype), T("i", index_dtype), T("s", dtype), V(dim)])
+                what = f"{op} {shape} index{ishape} dim={dim}"
+                ti = torch.from_numpy(index).long()
+                if op == "scatter":
+                    flat = _positions(shape).scatter(dim, ti, -1 - _positions(ishape)).reshape(-1).numpy()
+                    want, written = a.reshape(-1).copy(), flat < 0
+                    want[written] = src.reshape(-1)[-1 - flat[written]]
+                    assert_exact(got, want.reshape(shape), what)
+                else:
+                    want = _torch(a).scatter_add(dim, ti, _torch(src)).numpy()
+                    scale = _torch(np.abs(f64(a))).scatter_add(dim, ti, _torch(np.abs(f64(src)))).numpy()
+                    assert_close(got, want, dtype, scale=None if is_int(dtype) else scale, what=what)
+
+
+@pytest.mark.parametrize("op", ["scatter", "scatteradd"])
+def test_scatter_in_place_and_into_its_source(op, rng):
+    """C = A (in place) and C = src (the source read before C is written): torch's values either way."""
+    a, src = rng.uniform(-3, 3, (3, 4)), rng.uniform(-3, 3, (3, 4))
+    index = np.array([[0, 1, 2, 3]] * 3)[:, ::-1].copy()
+    want = getattr(torch.from_numpy(a), "scatter" if op == "scatter" else "scatter_add")(
+        1, torch.from_numpy(index), torch.from_numpy(src)).numpy()
+    for out in ("a", "s"):
+        ex = executor(a=a.copy(), i=index, s=src.copy())
+        run(ex, op, [T("a"), T("i"), T("s"), V(1)], [T(out)])
+        np.testing.assert_allclose(ex.get(out), want, rtol=1e-15, err_msg=f"{op} into '{out}'")
+
+
+@pytest.mark.parametrize(("op", "args", "message"), [
+    ("gather", [T("a"), T("i"), V(1)], r"gather: index 4 out of range for dim 1 of size 4 \(gather\('a', 'i', 1\)"),
+    ("gather", [T("a"), T("n"), V(0)], r"gather: index -1 out of range for dim 0 of size 3 \(gather\('a', 'n', 0\)"),
+    ("scatter", [T("a"), T("i"), T("s"), V(-1)], r"scatter: index 4 out of range for dim 1 of size 4 \(scatter\('a'"),
+    ("scatteradd", [T("a"), T("n"), T("s"), V(0)], r"scatteradd: index -1 out of range for dim 0 of size 3"),
+])
+def test_an_index_out_of_range_names_the_op_and_its_tensors(op, args, message):
+    ex = executor(a=np.zeros((3, 4)), i=np.array([[0, 4]]), n=np.array([[0, -1]]), s=np.ones((1, 2)))
+    with pytest.raises(DeepxError, match=message):
+        run(ex, op, args, [T("C")])
+    assert "C" not in ex.tensors
+
+
+@pytest.mark.parametrize(("op", "tensors", "args", "message"), [
+    ("gather", {"a": (3, 4), "i": (3,)}, [T("a"), T("i"), V(0)], "gather: index 'i' has rank 1 but 'a' has rank 2"),
+    ("gather", {"a": (3, 4), "i": (4, 2)}, [T("a"), T("i"), V(1)],
+     r"gather: index 'i' of shape \[4, 2\] is larger than 'a' \[3, 4\] in dim 0; only dim 1 may be larger"),
+    ("gather", {"a": (3, 4), "i": (3, 4)}, [T("a"), T("i"), V(2)], "gather: dim 2 out of range"),
+    ("scatter", {"a": (3, 4), "i": (2, 2), "s": (2, 3)}, [T("a"), T("i"), T("s"), V(1)],
+     r"scatter: source 's' has shape \[2, 3\] but index 'i' has \[2, 2\]"),
+    ("scatteradd", {"a": (3, 4), "i": (2, 2), "s": (2, 2)}, [T("a"), T("i"), T("f"), V(1)],
+     "scatteradd: dtypes float64 \\('a'\\) and float32 \\('f'\\) differ"),
+])
+def test_a_bad_shape_is_refused_before_running(op, tensors, args, message):
+    arrays = {n: np.zeros(s, dtype=np.int64 if n == "i" else np.float64) for n, s in tensors.items()}
+    arrays["f"] = np.zeros((2, 2), np.float32)
+    with pytest.raises(DeepxError, match=message):
+        run(executor(**arrays), op, args, [T("C")])

@@ -92,3 +92,74 @@ def test_cumsum_dtypes_as_torch():
     assert dx.tensor(2.5).cumsum(-1).item() == 2.5
     with pytest.raises(dx.DeepxError, match="cumsum: dim 2 out of range"):
         dx.ones(3, 4).cumsum(2)
+
+
+def _index(rng: np.random.Generator, high: int, shape: tuple[int, ...]) -> tuple[dx.Tensor, torch.Tensor]:
+    i = rng.integers(0, high, shape)
+    return dx.tensor(i), torch.from_numpy(i)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_gather_follows_torch(dim, dtype, rng):
+    a = rng.uniform(-3, 3, (3, 4, 5)).astype(dtype)
+    x, t = _pair(a)
+    shape = [2, 3, 4]
+    shape[dim] = 7  # longer than A along dim: indices repeat
+    ix, it = _index(rng, a.shape[dim], tuple(shape))
+    ours, theirs = (x.gather(dim, ix), t.gather(dim, it)) if dim else (dx.gather(x, dim, ix), torch.gather(t, dim, it))
+    np.testing.assert_array_equal(ours.numpy(), theirs.detach().numpy())
+    _backward_both(ours, theirs, rng)
+    np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("how", ["scatter", "scatter value", "scatter_add", "reduce add", "src larger", "in place",
+                                 "scatter_add_ in place"])
+def test_scatter_follows_torch(how, dtype, rng):
+    a = rng.uniform(-3, 3, (4, 5)).astype(dtype)
+    s = rng.uniform(-3, 3, (3, 5)).astype(dtype)
+    x, t = _pair(a)
+    sx, st = _pair(s)
+    index = np.stack([rng.permutation(4)[:3] for _ in range(5)], 1)  # one write per place: torch's order is unsaid
+    if how in ("scatter_add", "reduce add", "scatter_add_ in place"):
+        index = rng.integers(0, 4, (3, 5))  # repeats add up
+    ix, it = dx.tensor(index), torch.from_numpy(index)
+    if how == "scatter value":
+        ours, theirs = x.scatter(0, ix, 1.25), t.scatter(0, it, 1.25)
+    elif how == "scatter_add":
+        ours, theirs = dx.scatter_add(x, 0, ix, sx), torch.scatter_add(t, 0, it, st)
+    elif how == "reduce add":
+        ours, theirs = x.scatter(0, ix, sx, reduce="add"), t.scatter_add(0, it, st)
+    elif how == "src larger":  # src is read only as far as the index reaches (torch's own backward then fails)
+        ix, it = ix[:2, :3], it[:2, :3]
+        ours, theirs = x.scatter(0, ix, sx), t.scatter(0, it, st[:2, :3])
+    elif how == "in place":
+        ours, theirs = x * 1, t * 1
+        ours.scatter_(0, ix, sx)
+        theirs.scatter_(0, it, st)
+    elif how == "scatter_add_ in place":
+        ours, theirs = x * 1, t * 1
+        ours.scatter_add_(0, ix, sx)
+        theirs.scatter_add_(0, it, st)
+    else:
+        ours, theirs = dx.scatter(x, 0, ix, sx), torch.scatter(t, 0, it, st)
+    np.testing.assert_allclose(ours.numpy(), theirs.detach().numpy(), **TOL[dtype])
+    _backward_both(ours, theirs, rng)
+    np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), **TOL[dtype])
+    if how != "scatter value":
+        np.testing.assert_allclose(sx.grad.numpy(), st.grad.numpy(), **TOL[dtype])
+
+
+def test_gather_and_scatter_refuse_what_torch_refuses():
+    x = dx.ones(3, 4)
+    with pytest.raises(dx.DeepxError, match="gather: index must be int64"):
+        x.gather(1, dx.tensor(np.array([[0.0]])))
+    with pytest.raises(dx.DeepxError, match=r"gather: index '.+' has rank 1 but"):
+        x.gather(1, dx.tensor(np.array([0, 1])))
+    with pytest.raises(dx.DeepxError, match=r"scatter: src is float64, '.+' is float32"):
+        x.scatter(0, dx.tensor(np.array([[0]])), dx.tensor(np.array([[1.0]])))
+    with pytest.raises(dx.DeepxError, match="scatter: reduce='multiply' is not supported"):
+        x.scatter(0, dx.tensor(np.array([[0]])), 2.0, reduce="multiply")
+    with pytest.raises(dx.DeepxError, match=r"gather: index 4 out of range for dim 1 of size 4 \(gather\("):
+        x.gather(1, dx.tensor(np.array([[0, 4]]))).numpy()
