@@ -1116,6 +1116,27 @@ class Tensor:
         meta = a._infer("cumsum", [TensorMeta(a.shape, a.dtype), dim, False], [a.name, None, None])
         return a._op("cumsum", (_tp(a), _vp(int(dim))), meta.shape, meta.dtype, (a,))
 
+    def argsort(self, dim: _int = -1, descending: _bool = False, stable: _bool = False) -> Tensor:
+        """The indices that sort along dim; always stable (ties keep their order, as torch's stable=True), nan the
+        largest."""
+        a = self if self.dtype != "bool" else self.type_as_dtype("int8")
+        meta = a._infer("argsort", [TensorMeta(a.shape, a.dtype), dim, descending], [a.name, None, None])
+        return a._op("argsort", (_tp(a), _vp(int(dim)), _vp(bool(descending))), meta.shape, "int64", [])
+
+    def sort(self, dim: _int = -1, descending: _bool = False, stable: _bool = False) -> Any:
+        """(values, indices) as torch.sort's, always stable; the values are gathered by the indices, so their
+        gradient goes back to where each came from."""
+        indices = self.argsort(dim, descending)
+        return _ValuesIndices(self.gather(dim, indices), indices)
+
+    def topk(self, k: _int, dim: _int = -1, largest: _bool = True, sorted: _bool = True) -> Any:
+        """(values, indices) of the k largest (or smallest) along dim, as torch.topk's; always sorted, ties to the
+        first index."""
+        a = self if self.dtype != "bool" else self.type_as_dtype("int8")
+        meta = a._infer("argtopk", [TensorMeta(a.shape, a.dtype), int(k), dim, largest], [a.name, None, None, None])
+        indices = a._op("argtopk", (_tp(a), _vp(int(k)), _vp(int(dim)), _vp(bool(largest))), meta.shape, "int64", [])
+        return _ValuesIndices(self.gather(dim, indices), indices)
+
     def argmax(self, dim: _int | None = None, keepdim: _bool = False) -> Tensor:
         return self._arg("argmax", dim, keepdim)
 
@@ -1587,7 +1608,7 @@ class _no_tape:
 
 
 class _ValuesIndices(tuple):
-    """torch's (values, indices) pair from max(dim) and min(dim)."""
+    """torch's (values, indices) pair from max(dim), min(dim), sort and topk."""
 
     def __new__(cls, values: Tensor, indices: Tensor) -> _ValuesIndices:
         return super().__new__(cls, (values, indices))
@@ -1603,7 +1624,7 @@ class _ValuesIndices(tuple):
 
 #: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
-    "sign", "fmod", "remainder", "log2", "log10", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode",
+    "sign", "fmod", "remainder", "log2", "log10", "cumprod", "kthvalue", "median", "mode",
     "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm", "baddbmm",
     "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr", "pin_memory", "cuda",
     "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff", "flip", "roll", "rot90",

@@ -454,6 +454,22 @@ def _along_dim(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(a.shape, a.dtype)]
 
 
+def _argsort(c: Call) -> list[TensorMeta | None]:
+    a = c.args[0]
+    norm_dim(c.op.name, c.args[1], len(a.shape), scalar_ok=True)
+    return [TensorMeta(a.shape, "int64")]
+
+
+def _argtopk(c: Call) -> list[TensorMeta | None]:
+    a, k = c.args[0], c.args[1]
+    dim = norm_dim("argtopk", c.args[2], len(a.shape), scalar_ok=True)
+    size = a.shape[dim] if a.shape else 1
+    if not 0 <= k <= size:
+        raise DeepxError(f"argtopk: k={k} is out of range for the {size} elements along dim {dim} of '{c.names[0]}' "
+                         f"(shape {list(a.shape)})")
+    return [TensorMeta((*a.shape[:dim], k, *a.shape[dim + 1:]) if a.shape else (), "int64")]
+
+
 def _reduction_shape(c: Call, n: int) -> Shape:
     mode = c.args[-1]
     if mode not in ("mean", "sum", "none"):
@@ -868,6 +884,13 @@ op("argmax", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("
 op("cumsum", "reduce", [_A, v("dim", "int"), v("reverse", "bool", False)], [_C], NUMERIC, _along_dim,
    "running sums along dim, from the end where reverse (low-precision floats add in float32, float32 in float64, "
    "integers in int64, then round into C)", grad=True, deepxir=False)
+op("argsort", "sort", [_A, v("dim", "int", -1), v("descending", "bool", False)], [t("B", frozenset({"int64"}))],
+   NUMERIC, _argsort, "the indices that sort A along dim, ascending or descending; stable (ties keep their order) "
+   "with nan the largest and -0.0 equal to 0.0, as torch.sort(stable=True)", deepxir=False)
+op("argtopk", "sort", [_A, v("k", "int"), v("dim", "int", -1), v("largest", "bool", True)],
+   [t("B", frozenset({"int64"}))], NUMERIC, _argtopk,
+   "the indices of the k largest (or smallest) elements along dim, in order: argsort's first k (ties: the first)",
+   deepxir=False)
 op("argmin", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,
    _argreduce, "index of the minimum along dim (the first on ties)", deepxir=False)
 op("slice", "shape", [t("A", _ANY), vec("starts"), vec("ends"), vec("steps")], [t("B", _ANY)], _ANY, _slice,

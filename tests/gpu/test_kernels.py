@@ -414,6 +414,33 @@ def _cumsum(rng, dt):
                  scale="max")]
 
 
+def _sortable(rng, dt, shape):
+    """Many ties (a small range), and for floats nan, infinities and both zeros among them."""
+    a = r(rng, dt, shape, -3, 3)
+    if not is_int(dt) and a.size:
+        a = (np.round(a.astype(np.float64) * 2) / 2).reshape(-1)
+        a[rng.integers(0, a.size, 6)] = [np.nan, np.inf, -np.inf, -0.0, 0.0, np.nan]
+        a = a.reshape(shape).astype(to_numpy(dt))
+    return a
+
+
+@case("argsort")
+def _argsort(rng, dt):
+    return [one("argsort", {"A": _sortable(rng, dt, (3, 700))}, [T("A"), V(1)], out="B"),  # one run per line
+            one("argsort", {"A": _sortable(rng, dt, (2, 5000))}, [T("A"), V(-1), V(True)], out="B"),  # merges
+            one("argsort", {"A": _sortable(rng, dt, (30, 4, 5))}, [T("A"), V(0)], out="B"),  # strided
+            one("argsort", {"A": _sortable(rng, dt, (9, 1))}, [T("A"), V(1), V(True)], out="B"),
+            one("argsort", {"A": _sortable(rng, dt, (0, 6))}, [T("A"), V(1)], out="B")]
+
+
+@case("argtopk")
+def _argtopk(rng, dt):
+    return [one("argtopk", {"A": _sortable(rng, dt, (3, 700))}, [T("A"), V(5), V(1)], out="B"),
+            one("argtopk", {"A": _sortable(rng, dt, (2, 20000))}, [T("A"), V(40), V(-1), V(False)], out="B"),
+            one("argtopk", {"A": _sortable(rng, dt, (30, 4, 5))}, [T("A"), V(30), V(0)], out="B"),
+            one("argtopk", {"A": _sortable(rng, dt, (4, 6))}, [T("A"), V(0), V(1)], out="B")]
+
+
 def _make_softmax(op):
     def build(rng, dt):
         return [one(op, {"A": r(rng, dt, (3, 4, 5))}, [T("A"), V(1)]),

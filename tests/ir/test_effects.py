@@ -243,6 +243,14 @@ def _gather(rng: np.random.Generator, name: str) -> Built:
     return tensors, [T("a"), T("i"), T("s"), V(0)], None
 
 
+def _sort(rng: np.random.Generator, name: str) -> Built:
+    (m, n), dt = shape2(rng), fdtype(rng)
+    order = [V(int(rng.integers(-2, 2))), V(bool(rng.random() < 0.5))]
+    if name == "argtopk":
+        order.insert(0, V(int(rng.integers(1, 3))))
+    return {"a": rand(rng, (m, n), dt)}, [T("a"), *order], None
+
+
 def _cumsum(rng: np.random.Generator, name: str) -> Built:
     return ({"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(int(rng.integers(-2, 2))),
                                                          V(bool(rng.random() < 0.5))], None)
@@ -346,7 +354,7 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
-    "gather": _gather, "scatter": _gather, "scatteradd": _gather,
+    "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary

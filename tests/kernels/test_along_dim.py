@@ -1,5 +1,6 @@
-"""The ops that work along one dim (cumsum, gather, scatter, scatteradd) against torch on the CPU, for every dtype
-each claims: random shapes, every dim (negative ones too), in place and not, and the errors of a bad index."""
+"""The ops that work along one dim (cumsum, gather, scatter, scatteradd, argsort, argtopk) against torch on the CPU,
+for every dtype each claims: random shapes, every dim (negative ones too), ties, nan and signed zeros for the sorts, in
+place and not, and the errors of a bad index."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from kernel_ref import T, V, assert_close, assert_exact, dtypes_of, executor, f64, is_int, rand, run, run_op
 
 from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
 
 SHAPES = [(7,), (3, 5), (2, 3, 4), (4, 1, 6), (0, 3), (3, 0), (2, 65, 3)]
 
@@ -170,3 +172,55 @@ def test_a_bad_shape_is_refused_before_running(op, tensors, args, message):
     arrays["f"] = np.zeros((2, 2), np.float32)
     with pytest.raises(DeepxError, match=message):
         run(executor(**arrays), op, args, [T("C")])
+
+
+# ---------------------------------------------------------------- argsort, argtopk
+
+
+def _sortable(rng, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Values with many ties (a small range), and for floats nan, infinities and both zeros among them."""
+    a = rand(rng, dtype, shape, -3, 3)
+    if not is_int(dtype) and a.size:
+        a = np.round(f64(a) * 2) / 2
+        flat = a.reshape(-1)
+        for v in (np.nan, np.inf, -np.inf, -0.0, 0.0, np.nan):
+            flat[int(rng.integers(0, flat.size))] = v
+        a = a.astype(to_numpy(dtype))
+    return a
+
+
+@pytest.mark.parametrize("dtype", dtypes_of("argsort"))
+def test_argsort_is_torch_s_stable_sort(dtype, rng):
+    for shape in [*SHAPES, (3, 2100), ()]:
+        for dim in range(-max(len(shape), 1), max(len(shape), 1)):
+            for descending in (False, True):
+                a = _sortable(rng, dtype, shape)
+                got = run_op("argsort", {"a": a}, [T("a", dtype), V(dim), V(descending)], out="b")
+                want = torch.sort(_torch(a), dim=dim, descending=descending, stable=True).indices.numpy()
+                assert_exact(got, want, f"argsort {shape} dim={dim} descending={descending}")
+
+
+@pytest.mark.parametrize("dtype", dtypes_of("argtopk"))
+def test_argtopk_is_torch_s_topk(dtype, rng):
+    """torch.topk's values; the indices are the first k of the stable sort (torch's own tie order is unsaid)."""
+    for shape in [*SHAPES, (2, 3000), ()]:
+        for dim in range(-max(len(shape), 1), max(len(shape), 1)):
+            size = shape[dim] if shape else 1
+            for k in sorted({0, min(1, size), size // 2, size}):
+                for largest in (True, False):
+                    a = _sortable(rng, dtype, shape)
+                    got = run_op("argtopk", {"a": a}, [T("a", dtype), V(k), V(dim), V(largest)], out="b")
+                    what = f"argtopk {shape} k={k} dim={dim} largest={largest}"
+                    t = _torch(a)
+                    order = torch.sort(t, dim=dim, descending=largest, stable=True).indices
+                    assert_exact(got, order.narrow(dim, 0, k).numpy() if shape else order.numpy(), what)
+                    values = torch.topk(t, k, dim=dim, largest=largest).values
+                    picked = torch.gather(t, dim, torch.from_numpy(got)) if shape else t
+                    assert_exact(picked.numpy(), values.numpy(), what)
+
+
+def test_argtopk_refuses_k_past_the_dim():
+    with pytest.raises(DeepxError, match=r"argtopk: k=5 is out of range for the 4 elements along dim 1 of 'a'"):
+        run(executor(a=np.zeros((3, 4))), "argtopk", [T("a"), V(5), V(-1)], [T("b")])
+    with pytest.raises(DeepxError, match=r"argtopk: k=-1 is out of range"):
+        run(executor(a=np.zeros((3, 4))), "argtopk", [T("a"), V(-1), V(0)], [T("b")])

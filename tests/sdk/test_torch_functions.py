@@ -163,3 +163,67 @@ def test_gather_and_scatter_refuse_what_torch_refuses():
         x.scatter(0, dx.tensor(np.array([[0]])), 2.0, reduce="multiply")
     with pytest.raises(dx.DeepxError, match=r"gather: index 4 out of range for dim 1 of size 4 \(gather\("):
         x.gather(1, dx.tensor(np.array([[0, 4]]))).numpy()
+
+
+def _ties(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Values with ties (halves in a small range)."""
+    return (np.round(rng.uniform(-3, 3, shape) * 2) / 2).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize(("dim", "descending"), [(-1, False), (0, True), (1, False), (-2, True)])
+def test_sort_and_argsort_follow_torch_s_stable_sort(dim, descending, dtype, rng):
+    a = _ties(rng, (4, 6, 5), dtype)
+    x, t = _pair(a)
+    ours = x.sort(dim, descending) if dim % 2 else dx.sort(x, dim=dim, descending=descending, stable=True)
+    theirs = torch.sort(t, dim=dim, descending=descending, stable=True)
+    values, indices = ours
+    np.testing.assert_array_equal(values.numpy(), theirs.values.detach().numpy())
+    np.testing.assert_array_equal(ours.indices.numpy(), theirs.indices.numpy())
+    assert indices.dtype == "int64" and ours.values is values
+    np.testing.assert_array_equal(dx.argsort(x, dim, descending).numpy(),
+                                  torch.argsort(t, dim=dim, descending=descending, stable=True).numpy())
+    _backward_both(values, theirs.values, rng)
+    np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize(("k", "dim", "largest"), [(3, -1, True), (1, 0, False), (6, 1, True), (0, -1, False)])
+def test_topk_follows_torch(k, dim, largest, dtype, rng):
+    """torch's values; the indices of ties are the first ones (torch's tie order is unsaid); the gradient, on
+    values without ties, torch's."""
+    a = _ties(rng, (4, 6, 5), dtype)
+    x, t = _pair(a)
+    ours = x.topk(k, dim, largest) if k % 2 else dx.topk(x, k, dim=dim, largest=largest, sorted=True)
+    theirs = torch.topk(t, k, dim=dim, largest=largest)
+    np.testing.assert_array_equal(ours.values.numpy(), theirs.values.detach().numpy())
+    stable = torch.sort(t, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+    np.testing.assert_array_equal(ours.indices.numpy(), stable.numpy())
+    x, t = _pair(rng.permutation(120).reshape(4, 6, 5).astype(dtype))
+    ours, theirs = dx.topk(x, k, dim, largest), torch.topk(t, k, dim, largest)
+    _backward_both(ours.values, theirs.values, rng)
+    np.testing.assert_allclose(x.grad.numpy(), t.grad.numpy(), **TOL[dtype])
+
+
+def test_topk_gradient_goes_where_the_values_came_from():
+    a = np.array([[1.0, 5.0, 3.0, 5.0], [0.0, -1.0, 2.0, 7.0]])
+    x, t = _pair(a)
+    x.topk(2).values.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [[0, 1, 0, 1], [0, 0, 1, 1]])
+    t.topk(2).values.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), t.grad.numpy())
+
+
+def test_sort_of_bools_ints_nan_and_a_0d_tensor_as_torch():
+    for a in (np.array([True, False, True, False]), np.array([3, -1, 3, 0], dtype=np.int32),
+              np.array([2.0, np.nan, -0.0, 0.0, -np.inf, np.nan])):
+        for descending in (False, True):
+            ours, theirs = dx.tensor(a).sort(descending=descending), torch.tensor(a).sort(descending=descending,
+                                                                                            stable=True)
+            assert ours.values.dtype == str(theirs.values.dtype).removeprefix("torch.")
+            np.testing.assert_array_equal(ours.values.numpy(), theirs.values.numpy())
+            np.testing.assert_array_equal(ours.indices.numpy(), theirs.indices.numpy())
+    ours = dx.tensor(2.5).sort()
+    assert ours.values.item() == 2.5 and ours.indices.item() == 0 and ours.indices.shape == ()
+    with pytest.raises(dx.DeepxError, match="argtopk: k=7 is out of range for the 6 elements along dim 0"):
+        dx.tensor(np.arange(6.0)).topk(7)
