@@ -847,10 +847,10 @@ class Tensor:
         return matmul(o, self)
 
     def __floordiv__(self, o: Any) -> Tensor:
-        raise DeepxError("// (floor division) is not in the op catalogue yet; use (a / b) and a cast")
+        raise DeepxError(_NO_FLOOR_DIVISION.format("// (floor division)"))
 
     def __mod__(self, o: Any) -> Tensor:
-        raise DeepxError("% (remainder) is not in the op catalogue yet (it has no floor op to build it from)")
+        raise DeepxError(_NO_FLOOR_DIVISION.format("% (remainder)"))
 
     __rfloordiv__ = __floordiv__
     __rmod__ = __mod__
@@ -1132,10 +1132,13 @@ class Tensor:
     def topk(self, k: _int, dim: _int = -1, largest: _bool = True, sorted: _bool = True) -> Any:
         """(values, indices) of the k largest (or smallest) along dim, as torch.topk's; always sorted, ties to the
         first index."""
+        indices = self._argtopk(k, dim, largest)
+        return _ValuesIndices(self.gather(dim, indices), indices)
+
+    def _argtopk(self, k: _int, dim: _int, largest: _bool) -> Tensor:
         a = self if self.dtype != "bool" else self.type_as_dtype("int8")
         meta = a._infer("argtopk", [TensorMeta(a.shape, a.dtype), int(k), dim, largest], [a.name, None, None, None])
-        indices = a._op("argtopk", (_tp(a), _vp(int(k)), _vp(int(dim)), _vp(bool(largest))), meta.shape, "int64", [])
-        return _ValuesIndices(self.gather(dim, indices), indices)
+        return a._op("argtopk", (_tp(a), _vp(int(k)), _vp(int(dim)), _vp(bool(largest))), meta.shape, "int64", [])
 
     def argmax(self, dim: _int | None = None, keepdim: _bool = False) -> Tensor:
         return self._arg("argmax", dim, keepdim)
@@ -1469,14 +1472,9 @@ class Tensor:
             noise_shape = (*self.shape[:-1], k, n)
             scores = logw.unsqueeze(-2) - (-rand(noise_shape, dtype=logw.dtype).log()).log()
             return scores.argmax(-1)
+        # Gumbel top-k: the k best perturbed scores are a sample without replacement, in the order drawn
         scores = logw - (-rand(self.shape, dtype=logw.dtype).log()).log()
-        picks = []
-        for i in range(k):  # Gumbel top-k: the k best perturbed scores are a sample without replacement
-            j = scores.argmax(-1, keepdim=True)
-            picks.append(j)
-            if i + 1 < k:
-                scores = scores.masked_fill(arange(n) == j, -math.inf)
-        return picks[0] if k == 1 else cat(picks, -1)
+        return scores._argtopk(k, -1, True)
 
     # -- indexing
     def __getitem__(self, index: Any) -> Tensor:
@@ -2029,10 +2027,23 @@ def mul(a: Any, b: Any) -> Tensor:
 
 
 def div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Tensor:
-    if rounding_mode is not None:
-        raise DeepxError(f"div(rounding_mode={rounding_mode!r}) is not supported: the op catalogue has no floor or "
-                         "trunc op; divide and cast instead")
-    return a / b  # type: ignore[no-any-return]
+    """a / b; rounding_mode='trunc' rounds toward zero as torch's (integers stay integers); 'floor' is refused."""
+    if rounding_mode is None:
+        return a / b  # type: ignore[no-any-return]
+    if rounding_mode == "trunc":
+        x, y, reverse = (a, b, False) if isinstance(a, Tensor) else (b, a, True)
+        if not isinstance(x, Tensor):
+            raise DeepxError("div: one of a and b must be a Tensor")
+        q = x._binary("div", y, "divscalar", "rdivscalar", reverse)  # the integer kernels truncate toward zero
+        return q.trunc() if q.dtype in _FLOAT_RANK else q
+    if rounding_mode == "floor":
+        raise DeepxError(_NO_FLOOR_DIVISION.format("div(rounding_mode='floor')"))
+    raise DeepxError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}")
+
+
+_NO_FLOOR_DIVISION = ("{} is not supported by deepx: torch computes floor division and remainders through fmod, "
+                      "which the op catalogue lacks; (a / b).floor() is close, and differs where a / b rounds up to "
+                      "a whole number")
 
 
 def pow(a: Any, b: Any) -> Tensor:

@@ -227,3 +227,45 @@ def test_sort_of_bools_ints_nan_and_a_0d_tensor_as_torch():
     assert ours.values.item() == 2.5 and ours.indices.item() == 0 and ours.indices.shape == ()
     with pytest.raises(dx.DeepxError, match="argtopk: k=7 is out of range for the 6 elements along dim 0"):
         dx.tensor(np.arange(6.0)).topk(7)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (np.array([7.5, -7.5, 2.0, -0.5, 1.0]), np.array([2.0, 2.0, -3.0, 4.0, 0.1])),
+    (np.array([7, -7, 9, -1, 0], dtype=np.int64), np.array([2, 2, -4, 3, 5], dtype=np.int64)),
+    (np.array([7, -7, 9], dtype=np.int32), 2),
+    (np.array([7, -7, 9], dtype=np.int32), 2.5),
+    (9.0, np.array([2.0, -4.0, 0.7])),
+])
+def test_div_rounding_mode_trunc_as_torch(a, b):
+    ours = dx.div(*(dx.tensor(v) if isinstance(v, np.ndarray) else v for v in (a, b)), rounding_mode="trunc")
+    theirs = torch.div(*(torch.tensor(v) if isinstance(v, np.ndarray) else v for v in (a, b)), rounding_mode="trunc")
+    assert ours.dtype == str(theirs.dtype).removeprefix("torch.")
+    np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+def test_floor_division_and_remainder_say_why_they_are_missing():
+    x = dx.tensor([1.0, 2.0])
+    for f in (lambda: x // 2, lambda: x % 2, lambda: x.div(x, rounding_mode="floor")):
+        with pytest.raises(dx.DeepxError, match="torch computes floor division and remainders through fmod"):
+            f()
+
+
+def test_a_torch_function_deepx_lacks_raises_a_deepx_error_from_the_module_too():
+    for name in ("median", "kthvalue", "cumprod"):
+        with pytest.raises(dx.DeepxError, match=f"deepx_sdk.{name} is not supported by deepx"):
+            getattr(dx, name)
+        assert not hasattr(dx, name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_function'"):
+        dx.no_such_function  # noqa: B018
+
+
+def test_multinomial_without_replacement_draws_distinct_categories_by_weight():
+    """The Gumbel top-k sample (one argtopk): distinct categories, never a zero-weight one while others remain, the
+    heavy one most often first."""
+    dx.manual_seed(3)
+    w = dx.tensor(np.array([[0.0, 1.0, 8.0, 1.0, 0.0]] * 400))
+    draws = w.multinomial(3).numpy()
+    assert draws.shape == (400, 3) and draws.dtype == np.int64
+    assert all(len(set(row)) == 3 for row in draws.tolist())
+    assert set(np.unique(draws)) == {1, 2, 3}
+    assert (draws[:, 0] == 2).mean() > 0.7
