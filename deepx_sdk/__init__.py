@@ -17,7 +17,7 @@ import builtins
 from typing import Any
 
 from deepx_core import __version__
-from deepx_core.errors import DeepxError, DeepxParseError
+from deepx_core.errors import DeepxAttributeError, DeepxError, DeepxParseError
 from deepx_sdk.compile import CompiledFunction, compile, explain, graphs
 from deepx_sdk.grad_mode import enable_grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
 from deepx_sdk.io import load, save
@@ -113,13 +113,19 @@ def __getattr__(name: str) -> Any:
     composite = _lazy("composite")
     if name in composite.__all__:
         return getattr(composite, name)
+    from deepx_sdk.tensor import _TORCH_ONLY
+
+    if name in _TORCH_ONLY:  # as Tensor's: a DeepxError that is an AttributeError (hasattr answers False)
+        raise DeepxAttributeError(f"deepx_sdk.{name} is not supported by deepx (no op in its catalogue computes it); "
+                                  "`deepxctl ops catalogue` lists the ops there are")
     raise AttributeError(f"module 'deepx_sdk' has no attribute {name!r}")
 
 
 for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "abs", "softmax", "log_softmax",
            "sum", "mean", "prod", "max", "min", "argmax", "argmin", "reshape", "flatten", "permute", "transpose",
            "squeeze", "unsqueeze", "clamp", "var", "std", "amax", "amin", "t", "tril", "triu", "masked_fill",
-           "multinomial", "mm", "bmm", "neg"):
+           "multinomial", "mm", "bmm", "neg", "floor", "ceil", "round", "trunc", "fix", "frac", "log1p", "expm1",
+           "erf", "cumsum", "gather", "scatter", "scatter_add", "sort", "argsort", "topk"):
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
 __all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "add", "arange",

@@ -322,6 +322,30 @@ def _float_unary(op: str) -> Any:
     return method
 
 
+def _index_of(what: str, index: Any) -> Tensor:
+    """An index tensor for gather and scatter: int64 or int32, as torch takes."""
+    if not isinstance(index, Tensor):
+        raise DeepxError(f"{what}: index must be a Tensor of int64, got {type(index).__name__}")
+    if index.dtype not in ("int64", "int32"):
+        raise DeepxError(f"{what}: index must be int64 (or int32), got {index.dtype}")
+    return index
+
+
+def _rounding(op: str) -> Any:
+    """floor, ceil, trunc: a float tensor rounded by the op; an integer or bool tensor is whole already and comes back
+    as a copy, as torch's."""
+
+    def method(self: Tensor) -> Tensor:
+        if self.dtype not in _FLOAT_RANK:
+            return self.clone()
+        if not self.requires_grad:
+            return _emit(self._s, op, (self._p or _tp(self),), self.shape, self.dtype, 2)
+        return self._op(op, (_tp(self),), self.shape, self.dtype, (self,))
+
+    method.__name__ = method.__qualname__ = op
+    return method
+
+
 class Tensor:
     """A deepx tensor. Model code uses it like a torch.Tensor; values live in the daemon."""
 
@@ -767,6 +791,55 @@ class Tensor:
         self._check_write("index_add_")
         return self._assign(self.index_add(dim, index, source, alpha=alpha), "index_add_")
 
+    def gather(self, dim: _int, index: Tensor, *, sparse_grad: _bool = False) -> Tensor:
+        """torch's: out[i][j] = self[index[i][j]][j] for dim 0 (any rank); out has index's shape."""
+        index = _index_of("gather", index)
+        meta = self._infer("gather", [TensorMeta(self.shape, self.dtype), TensorMeta(index.shape, index.dtype), dim],
+                           [self.name, index.name, None])
+        return self._op("gather", (_tp(self), _tp(index), _vp(int(dim))), meta.shape, meta.dtype, (self, index))
+
+    def scatter(self, dim: _int, index: Tensor, src: Any = None, *, value: Any = None, reduce: str | None = None
+                ) -> Tensor:
+        """torch's: this tensor with src's elements (or `value`) written where index says along dim; reduce='add'
+        adds them instead (scatter_add). Where indices repeat, one of the writes is kept."""
+        if reduce not in (None, "add"):
+            raise DeepxError(f"scatter: reduce={reduce!r} is not supported by deepx (only 'add'; scatter_reduce is "
+                             "not either)")
+        return self._scatter("scatteradd" if reduce == "add" else "scatter", dim, index,
+                             value if src is None else src)
+
+    def scatter_add(self, dim: _int, index: Tensor, src: Tensor) -> Tensor:
+        """torch's: this tensor with src's elements added where index says along dim (repeated indices add up)."""
+        return self._scatter("scatteradd", dim, index, src)
+
+    def scatter_(self, dim: _int, index: Tensor, src: Any = None, *, value: Any = None,
+                 reduce: str | None = None) -> Tensor:
+        self._check_write("scatter_")
+        return self._assign(self.scatter(dim, index, src, value=value, reduce=reduce), "scatter_")
+
+    def scatter_add_(self, dim: _int, index: Tensor, src: Tensor) -> Tensor:
+        self._check_write("scatter_add_")
+        return self._assign(self.scatter_add(dim, index, src), "scatter_add_")
+
+    def _scatter(self, op: str, dim: _int, index: Tensor, src: Any) -> Tensor:
+        what = "scatter_add" if op == "scatteradd" else "scatter"
+        index = _index_of(what, index)
+        if src is None:
+            raise DeepxError(f"{what}: give src (a tensor) or value (a number)")
+        if not isinstance(src, Tensor):  # a number: written (or added) everywhere the index says
+            src = full(index.shape, src, dtype=self.dtype)
+        elif src.dtype != self.dtype:  # as torch: no silent cast
+            raise DeepxError(f"{what}: src is {src.dtype}, '{self.name}' is {self.dtype}; they must match")
+        if src.shape != index.shape:  # torch reads src[:index.shape] only
+            if src.ndim != index.ndim or any(s < i for s, i in zip(src.shape, index.shape)):
+                raise DeepxError(f"{what}: src of shape {list(src.shape)} is smaller than index {list(index.shape)}"
+                                 " in some dim (or of another rank)")
+            src = src[tuple(builtins.slice(0, i) for i in index.shape)]
+        self._infer(op, [TensorMeta(self.shape, self.dtype), TensorMeta(index.shape, index.dtype),
+                         TensorMeta(src.shape, src.dtype), dim], [self.name, index.name, src.name, None])
+        return self._op(op, (_tp(self), _tp(index), _tp(src), _vp(int(dim))), self.shape, self.dtype,
+                        (self, index, src))
+
     def __matmul__(self, o: Tensor) -> Tensor:
         return matmul(self, o)
 
@@ -774,10 +847,10 @@ class Tensor:
         return matmul(o, self)
 
     def __floordiv__(self, o: Any) -> Tensor:
-        raise DeepxError("// (floor division) is not in the op catalogue yet; use (a / b) and a cast")
+        raise DeepxError(_NO_FLOOR_DIVISION.format("// (floor division)"))
 
     def __mod__(self, o: Any) -> Tensor:
-        raise DeepxError("% (remainder) is not in the op catalogue yet (it has no floor op to build it from)")
+        raise DeepxError(_NO_FLOOR_DIVISION.format("% (remainder)"))
 
     __rfloordiv__ = __floordiv__
     __rmod__ = __mod__
@@ -874,6 +947,35 @@ class Tensor:
     tanh = _float_unary("tanh")
 
     sigmoid = _float_unary("sigmoid")
+
+    log1p = _float_unary("log1p")
+
+    expm1 = _float_unary("expm1")
+
+    erf = _float_unary("erf")
+
+    floor = _rounding("floor")
+
+    ceil = _rounding("ceil")
+
+    trunc = fix = _rounding("trunc")
+
+    def round(self, decimals: _int = 0) -> Tensor:
+        """To the nearest whole number, halves to even; with `decimals`, as torch computes it: round(x * 10^d) / 10^d
+        (d < 0: round(x / 10^-d) * 10^-d)."""
+        if not decimals:
+            if self.dtype not in _FLOAT_RANK:
+                return self.clone()
+            return self._op("round", (_tp(self),), self.shape, self.dtype, (self,))
+        if self.dtype not in _FLOAT_RANK:
+            raise DeepxError(f"round: decimals={decimals} needs a float tensor; '{self.name}' is {self.dtype} (torch "
+                             "refuses it too)")
+        scale = 10.0 ** builtins.abs(decimals)
+        return (self * scale).round() / scale if decimals > 0 else (self / scale).round() * scale
+
+    def frac(self) -> Tensor:
+        """x - trunc(x), the sign of x kept (its gradient is g, as torch's)."""
+        return self - self.trunc()
 
     def relu(self) -> Tensor:
         if self.dtype in _FLOAT_RANK and not self.requires_grad:  # recorded straight away, as _float_unary does
@@ -1005,6 +1107,38 @@ class Tensor:
         d = 0 if dim is None else dim
         meta = self._infer(op, [TensorMeta(a.shape, a.dtype), d, keepdim], [a.name, None, None])
         return a._op(op, (_tp(a), _vp(int(d)), _vp(bool(keepdim))), meta.shape, "int64", [])
+
+    def cumsum(self, dim: _int, *, dtype: Any = None) -> Tensor:
+        """Running sums along dim; integer and bool tensors sum in int64, as torch's (`dtype`: cast first)."""
+        a = self.type_as_dtype(dtype_name(dtype)) if dtype is not None else self
+        if a.dtype in ("bool", "int8", "int16", "int32"):
+            a = a.type_as_dtype("int64")
+        meta = a._infer("cumsum", [TensorMeta(a.shape, a.dtype), dim, False], [a.name, None, None])
+        return a._op("cumsum", (_tp(a), _vp(int(dim))), meta.shape, meta.dtype, (a,))
+
+    def argsort(self, dim: _int = -1, descending: _bool = False, stable: _bool = False) -> Tensor:
+        """The indices that sort along dim; always stable (ties keep their order, as torch's stable=True), nan the
+        largest."""
+        a = self if self.dtype != "bool" else self.type_as_dtype("int8")
+        meta = a._infer("argsort", [TensorMeta(a.shape, a.dtype), dim, descending], [a.name, None, None])
+        return a._op("argsort", (_tp(a), _vp(int(dim)), _vp(bool(descending))), meta.shape, "int64", [])
+
+    def sort(self, dim: _int = -1, descending: _bool = False, stable: _bool = False) -> Any:
+        """(values, indices) as torch.sort's, always stable; the values are gathered by the indices, so their
+        gradient goes back to where each came from."""
+        indices = self.argsort(dim, descending)
+        return _ValuesIndices(self.gather(dim, indices), indices)
+
+    def topk(self, k: _int, dim: _int = -1, largest: _bool = True, sorted: _bool = True) -> Any:
+        """(values, indices) of the k largest (or smallest) along dim, as torch.topk's; always sorted, ties to the
+        first index."""
+        indices = self._argtopk(k, dim, largest)
+        return _ValuesIndices(self.gather(dim, indices), indices)
+
+    def _argtopk(self, k: _int, dim: _int, largest: _bool) -> Tensor:
+        a = self if self.dtype != "bool" else self.type_as_dtype("int8")
+        meta = a._infer("argtopk", [TensorMeta(a.shape, a.dtype), int(k), dim, largest], [a.name, None, None, None])
+        return a._op("argtopk", (_tp(a), _vp(int(k)), _vp(int(dim)), _vp(bool(largest))), meta.shape, "int64", [])
 
     def argmax(self, dim: _int | None = None, keepdim: _bool = False) -> Tensor:
         return self._arg("argmax", dim, keepdim)
@@ -1338,14 +1472,9 @@ class Tensor:
             noise_shape = (*self.shape[:-1], k, n)
             scores = logw.unsqueeze(-2) - (-rand(noise_shape, dtype=logw.dtype).log()).log()
             return scores.argmax(-1)
+        # Gumbel top-k: the k best perturbed scores are a sample without replacement, in the order drawn
         scores = logw - (-rand(self.shape, dtype=logw.dtype).log()).log()
-        picks = []
-        for i in range(k):  # Gumbel top-k: the k best perturbed scores are a sample without replacement
-            j = scores.argmax(-1, keepdim=True)
-            picks.append(j)
-            if i + 1 < k:
-                scores = scores.masked_fill(arange(n) == j, -math.inf)
-        return picks[0] if k == 1 else cat(picks, -1)
+        return scores._argtopk(k, -1, True)
 
     # -- indexing
     def __getitem__(self, index: Any) -> Tensor:
@@ -1477,7 +1606,7 @@ class _no_tape:
 
 
 class _ValuesIndices(tuple):
-    """torch's (values, indices) pair from max(dim) and min(dim)."""
+    """torch's (values, indices) pair from max(dim), min(dim), sort and topk."""
 
     def __new__(cls, values: Tensor, indices: Tensor) -> _ValuesIndices:
         return super().__new__(cls, (values, indices))
@@ -1493,13 +1622,11 @@ class _ValuesIndices(tuple):
 
 #: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
-    "sign", "floor", "ceil", "round", "trunc", "frac", "fmod", "remainder", "log1p", "expm1", "log2", "log10",
-    "cumsum", "cumprod", "sort", "argsort", "topk", "kthvalue", "median", "mode", "gather", "scatter", "scatter_",
-    "scatter_add", "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm",
-    "baddbmm", "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr",
-    "pin_memory", "cuda", "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff",
-    "flip", "roll", "rot90", "diag", "diagonal", "trace", "tile", "repeat_interleave", "narrow", "unfold",
-    "as_strided",
+    "sign", "fmod", "remainder", "log2", "log10", "cumprod", "kthvalue", "median", "mode",
+    "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm", "baddbmm",
+    "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr", "pin_memory", "cuda",
+    "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff", "flip", "roll", "rot90",
+    "diag", "diagonal", "trace", "tile", "repeat_interleave", "narrow", "unfold", "as_strided",
 })
 
 
@@ -1900,10 +2027,23 @@ def mul(a: Any, b: Any) -> Tensor:
 
 
 def div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Tensor:
-    if rounding_mode is not None:
-        raise DeepxError(f"div(rounding_mode={rounding_mode!r}) is not supported: the op catalogue has no floor or "
-                         "trunc op; divide and cast instead")
-    return a / b  # type: ignore[no-any-return]
+    """a / b; rounding_mode='trunc' rounds toward zero as torch's (integers stay integers); 'floor' is refused."""
+    if rounding_mode is None:
+        return a / b  # type: ignore[no-any-return]
+    if rounding_mode == "trunc":
+        x, y, reverse = (a, b, False) if isinstance(a, Tensor) else (b, a, True)
+        if not isinstance(x, Tensor):
+            raise DeepxError("div: one of a and b must be a Tensor")
+        q = x._binary("div", y, "divscalar", "rdivscalar", reverse)  # the integer kernels truncate toward zero
+        return q.trunc() if q.dtype in _FLOAT_RANK else q
+    if rounding_mode == "floor":
+        raise DeepxError(_NO_FLOOR_DIVISION.format("div(rounding_mode='floor')"))
+    raise DeepxError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}")
+
+
+_NO_FLOOR_DIVISION = ("{} is not supported by deepx: torch computes floor division and remainders through fmod, "
+                      "which the op catalogue lacks; (a / b).floor() is close, and differs where a / b rounds up to "
+                      "a whole number")
 
 
 def pow(a: Any, b: Any) -> Tensor:

@@ -390,6 +390,37 @@ def _indexadd(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(a.shape, a.dtype)]
 
 
+def _index_along(c: Call, dim_arg: int) -> int:
+    """gather's and scatter's index: A's rank, and no larger than A outside dim (it may be any size along dim).
+    Returns dim, normalized."""
+    a, index = c.args[0], c.args[1]
+    op, an, iname = c.op.name, c.names[0], c.names[1]
+    dim = norm_dim(op, c.args[dim_arg], len(a.shape), scalar_ok=True)
+    if len(index.shape) != len(a.shape):
+        raise DeepxError(f"{op}: index '{iname}' has rank {len(index.shape)} but '{an}' has rank {len(a.shape)}; they "
+                         "must match")
+    for d, (i, n) in enumerate(zip(index.shape, a.shape)):
+        if d != dim and i > n:
+            raise DeepxError(f"{op}: index '{iname}' of shape {list(index.shape)} is larger than '{an}' "
+                             f"{list(a.shape)} in dim {d}; only dim {dim} may be larger")
+    return dim
+
+
+def _gather(c: Call) -> list[TensorMeta | None]:
+    _index_along(c, 2)
+    return [TensorMeta(c.args[1].shape, c.args[0].dtype)]
+
+
+def _scatter(c: Call) -> list[TensorMeta | None]:
+    _index_along(c, 3)
+    index, src = c.args[1], c.args[2]
+    if src.shape != index.shape:
+        raise DeepxError(f"{c.op.name}: source '{c.names[2]}' has shape {list(src.shape)} but index '{c.names[1]}' "
+                         f"has {list(index.shape)}; they must match (slice the source)")
+    _dtype_match(c, 0, 2)
+    return [TensorMeta(c.args[0].shape, c.args[0].dtype)]
+
+
 def _repeat(c: Call) -> list[TensorMeta | None]:
     a, reps = c.args[0], tuple(c.args[1])
     if any(r < 0 for r in reps):
@@ -416,10 +447,27 @@ def _argreduce(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(reduced(a.shape, (dim,), bool(c.args[2])), "int64")]
 
 
-def _softmax(c: Call) -> list[TensorMeta | None]:
+def _along_dim(c: Call) -> list[TensorMeta | None]:
+    """An op along one dim (softmax, cumsum): the output is shaped and typed like A."""
     a = c.args[0]
     norm_dim(c.op.name, c.args[1], len(a.shape), scalar_ok=True)
     return [TensorMeta(a.shape, a.dtype)]
+
+
+def _argsort(c: Call) -> list[TensorMeta | None]:
+    a = c.args[0]
+    norm_dim(c.op.name, c.args[1], len(a.shape), scalar_ok=True)
+    return [TensorMeta(a.shape, "int64")]
+
+
+def _argtopk(c: Call) -> list[TensorMeta | None]:
+    a, k = c.args[0], c.args[1]
+    dim = norm_dim("argtopk", c.args[2], len(a.shape), scalar_ok=True)
+    size = a.shape[dim] if a.shape else 1
+    if not 0 <= k <= size:
+        raise DeepxError(f"argtopk: k={k} is out of range for the {size} elements along dim {dim} of '{c.names[0]}' "
+                         f"(shape {list(a.shape)})")
+    return [TensorMeta((*a.shape[:dim], k, *a.shape[dim + 1:]) if a.shape else (), "int64")]
 
 
 def _reduction_shape(c: Call, n: int) -> Shape:
@@ -848,9 +896,18 @@ op("erf", "nn", [_A], [_C], _F, same(0), "the Gauss error function erf(A) (gelu'
    deepxir=False)
 op("silu", "nn", [_A], [_C], _F, same(0), "A * sigmoid(A)", grad=True, deepxir=False, expr=f"A * ({_SIGMOID})",
    alias_safe=True)
-op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "exp(A) / sum(exp(A)) along dim, stable",
+# -- rounding to whole numbers (a step: its gradient is zero, as torch's) and log/exp accurate near 0
+for _n, _d in [("floor", "the largest whole number <= A"), ("ceil", "the smallest whole number >= A"),
+               ("round", "A rounded to the nearest whole number, halves to even (torch.round)"),
+               ("trunc", "A rounded toward zero")]:
+    op(_n, "elementwise", [_A], [_C], _F, same(0), _d, grad=True, deepxir=False)
+op("log1p", "elementwise", [_A], [_C], _F, same(0), "log(1 + A), accurate near 0", grad=lambda g, A: g / (1 + A),
+   deepxir=False)
+op("expm1", "elementwise", [_A], [_C], _F, same(0), "exp(A) - 1, accurate near 0", grad=lambda g, y: g * (y + 1),
+   deepxir=False)
+op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _along_dim, "exp(A) / sum(exp(A)) along dim, stable",
    grad=True, deepxir=False)
-op("logsoftmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _softmax, "A - logsumexp(A) along dim, stable",
+op("logsoftmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _along_dim, "A - logsumexp(A) along dim, stable",
    grad=True, deepxir=False)
 op("crossentropy", "nn", [t("logits"), t("labels", INDEX), v("ignore_index", "int", -100),
                           v("reduction", "str", "mean")], [t("loss")], _F, _crossentropy,
@@ -879,6 +936,16 @@ op("conv2dgradweight", "conv", [_A, t("G"), vec("weight_shape"), *_CONV], [t("dw
    deepxir=False)
 op("argmax", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,
    _argreduce, "index of the maximum along dim (the first on ties)", deepxir=False)
+op("cumsum", "reduce", [_A, v("dim", "int"), v("reverse", "bool", False)], [_C], NUMERIC, _along_dim,
+   "running sums along dim, from the end where reverse (low-precision floats add in float32, float32 in float64, "
+   "integers in int64, then round into C)", grad=True, deepxir=False)
+op("argsort", "sort", [_A, v("dim", "int", -1), v("descending", "bool", False)], [t("B", frozenset({"int64"}))],
+   NUMERIC, _argsort, "the indices that sort A along dim, ascending or descending; stable (ties keep their order) "
+   "with nan the largest and -0.0 equal to 0.0, as torch.sort(stable=True)", deepxir=False)
+op("argtopk", "sort", [_A, v("k", "int"), v("dim", "int", -1), v("largest", "bool", True)],
+   [t("B", frozenset({"int64"}))], NUMERIC, _argtopk,
+   "the indices of the k largest (or smallest) elements along dim, in order: argsort's first k (ties: the first)",
+   deepxir=False)
 op("argmin", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,
    _argreduce, "index of the minimum along dim (the first on ties)", deepxir=False)
 op("slice", "shape", [t("A", _ANY), vec("starts"), vec("ends"), vec("steps")], [t("B", _ANY)], _ANY, _slice,
@@ -892,6 +959,15 @@ op("pad", "shape", [t("A", _ANY), vec("pads"), v("value", default=0)], [t("B", _
 op("indexadd", "shape", [t("A"), t("index", INDEX), t("src"), v("axis", "int")], [t("C")], NUMERIC, _indexadd,
    "C = A, then C[.., index[j], ..] += src[.., j, ..] along axis (repeated indices accumulate)", grad=True,
    deepxir=False, alias_safe=True)
+op("gather", "shape", [t("A", _ANY), t("index", INDEX), v("dim", "int")], [t("B", _ANY)], _ANY, _gather,
+   "B[i][j] = A[index[i][j]][j] for dim 0 (any rank): B has index's shape, which may be smaller than A's outside dim",
+   grad=True, deepxir=False)
+op("scatter", "shape", [t("A", _ANY), t("index", INDEX), t("src", _ANY), v("dim", "int")], [t("C", _ANY)], _ANY,
+   _scatter, "C = A, then C[index[i][j]][j] = src[i][j] for dim 0 (src has index's shape; where indices repeat, one "
+   "of the writes is kept: the last on the CPU)", grad=True, deepxir=False)
+op("scatteradd", "shape", [t("A"), t("index", INDEX), t("src"), v("dim", "int")], [t("C")], NUMERIC, _scatter,
+   "C = A, then C[index[i][j]][j] += src[i][j] for dim 0 (src has index's shape; repeated indices accumulate)",
+   grad=True, deepxir=False)
 op("sgd", "optim", [t("param"), t("grad"), t("momentum_buffer"), v("lr"), v("momentum", default=0.0),
                     v("dampening", default=0.0), v("weight_decay", default=0.0), v("nesterov", "bool", False),
                     v("step", "int", 1)],

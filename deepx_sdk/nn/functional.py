@@ -239,8 +239,6 @@ def nll_loss(logp: Tensor, target: Tensor, weight: Any = None, size_average: Any
              reduce: Any = None, reduction: str = "mean") -> Tensor:
     """-input[i, target[i]], averaged over the targets that are not ignore_index (for any input: log-probabilities
     or not)."""
-    from deepx_sdk.tensor import arange
-
     reduction = _torch_loss_args("nll_loss", weight, size_average, reduce, reduction)
     if logp.ndim != 2:
         raise DeepxError(f"nll_loss: input must be (batch, classes), got {logp.shape}")
@@ -250,16 +248,13 @@ def nll_loss(logp: Tensor, target: Tensor, weight: Any = None, size_average: Any
         raise DeepxError(f"nll_loss: target of shape {target.shape} does not match input {logp.shape}")
     logp = _float(logp)
     red = _reduction(reduction)
-    n, c = logp.shape
+    c = logp.shape[1]
     valid = target != ignore_index
     if c:
-        # input[i, target[i]] as one gather of the flat input (its index in int64: n * c may pass int32's range),
-        # the target checked first against [0, classes) (an ignored row reads column 0), so that a target out of
-        # range fails the step, as torch's does
-        column = _checked_index("nll_loss", where(valid, target, 0), c).type_as_dtype("int64")
-        flat = logp.reshape(-1)
-        at = arange(n, dtype="int64") * c + column
-        picked = flat._op("indexselect", (_tp(flat), _tp(at), Param.var(0)), (n,), logp.dtype, [flat, at])
+        # input[i, target[i]] as one gather along the classes, the target checked first against [0, classes) (an
+        # ignored row reads column 0), so that a target out of range fails the step, as torch's does
+        column = _checked_index("nll_loss", where(valid, target, 0), c)
+        picked = logp.gather(1, column.unsqueeze(1)).squeeze(1)
     else:  # no class at all: every target is out of range (unchecked here) or ignored (torch's NaN below)
         picked = logp.sum(1)
     loss = where(valid, -picked, 0.0)

@@ -823,6 +823,12 @@ def _tan(gr: Grad, g: str) -> dict[int, str]:
     return {0: gr.emit("mul", g, gr.emit("addscalar", gr.emit("mul", y, y), 1.0))}
 
 
+@rule("floor", "ceil", "round", "trunc")
+def _step(gr: Grad, g: str) -> dict[int, str]:
+    """dA = 0 (a step function: nothing flows back, so nothing is emitted)"""
+    return {}
+
+
 @rule("silu")
 def _silu(gr: Grad, g: str) -> dict[int, str]:
     """dA = g s (1 + A (1 - s)), s = sigmoid(A)"""
@@ -909,6 +915,12 @@ def _prod(gr: Grad, g: str) -> dict[int, str]:
     where_nonzero = gr.emit("mul", gr.emit("div", rest, x1), no_zero)
     where_zero = gr.emit("mul", zero, gr.emit("mul", rest, one_zero))
     return {0: gr.emit("mul", gk, gr.emit("add", where_nonzero, where_zero))}
+
+
+@rule("cumsum")
+def _cumsum(gr: Grad, g: str) -> dict[int, str]:
+    """dA = the running sums of g from the other end (cumsum with reverse flipped)"""
+    return {0: gr.emit("cumsum", g, int(gr.arg(1)), not gr.arg(2))}
 
 
 @rule("reducemax", "reducemin")
@@ -1018,6 +1030,36 @@ def _indexadd(gr: Grad, g: str) -> dict[int, str]:
         out[0] = g
     if gr.needs(2):
         out[2] = gr.emit("indexselect", g, gr.x(1), int(gr.arg(3)))
+    return out
+
+
+@rule("gather")
+def _gather(gr: Grad, g: str) -> dict[int, str]:
+    """dA = zeros, then g added where each element was read from (scatteradd; repeats accumulate)"""
+    zeros = gr.filled(gr.meta(0), 0.0)
+    return {0: gr.emit("scatteradd", zeros, gr.x(1), g, int(gr.arg(2)))}
+
+
+@rule("scatter")
+def _scatter(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g, 0 where src was written (scatter of zeros); dsrc = g where each element went (gather)"""
+    out = {}
+    dim = int(gr.arg(3))
+    if gr.needs(0):
+        out[0] = gr.emit("scatter", g, gr.x(1), gr.filled(gr.meta(2), 0.0), dim)
+    if gr.needs(2):
+        out[2] = gr.emit("gather", g, gr.x(1), dim)
+    return out
+
+
+@rule("scatteradd")
+def _scatteradd(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g; dsrc = g where each element went (gather)"""
+    out = {}
+    if gr.needs(0):
+        out[0] = g
+    if gr.needs(2):
+        out[2] = gr.emit("gather", g, gr.x(1), int(gr.arg(3)))
     return out
 
 

@@ -25,6 +25,7 @@ _FAMILY_TITLES = {
     "matmul": "Matmul",
     "shape": "Change shape",
     "reduce": "Reduce",
+    "sort": "Sort",
     "nn": "Neural-network ops",
     "conv": "Convolution",
     "optim": "Optimizer updates",

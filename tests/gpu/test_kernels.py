@@ -211,6 +211,9 @@ def _make_unary(op, lo=-3.0, hi=3.0):
         cases = [one(op, {"A": a}, args), one(op, {"A": r(rng, dt, (1031,), lo, hi)}, args)]
         if op == "gelu":
             cases.append(one(op, {"A": a}, [T("A"), V("tanh")]))
+        if op in ("floor", "ceil", "round", "trunc"):  # halves (round's ties go to even) and signed zeros
+            halves = np.concatenate([np.arange(-20, 21) / 2, [-0.0, 0.25, -0.25]]).astype(to_numpy(dt))
+            cases.append(one(op, {"A": halves}, args))
         return cases
 
     return build
@@ -219,7 +222,9 @@ def _make_unary(op, lo=-3.0, hi=3.0):
 for _op, _lo, _hi in [("sqrt", 0.0, 9.0), ("log", 0.01, 9.0), ("exp", -5.0, 5.0), ("sin", -4.0, 4.0),
                       ("cos", -4.0, 4.0), ("tan", -1.2, 1.2), ("neg", -9.0, 9.0), ("abs", -9.0, 9.0),
                       ("invert", -9.0, 9.0), ("relu", -3.0, 3.0), ("sigmoid", -8.0, 8.0), ("tanh", -4.0, 4.0),
-                      ("gelu", -4.0, 4.0), ("erf", -3.0, 3.0), ("silu", -6.0, 6.0)]:
+                      ("gelu", -4.0, 4.0), ("erf", -3.0, 3.0), ("silu", -6.0, 6.0), ("floor", -9.0, 9.0),
+                      ("ceil", -9.0, 9.0), ("round", -9.0, 9.0), ("trunc", -9.0, 9.0), ("log1p", -0.9, 9.0),
+                      ("expm1", -5.0, 5.0)]:
     CASES[_op] = _make_unary(_op, _lo, _hi)
 
 
@@ -397,6 +402,45 @@ for _op in ("argmax", "argmin"):
     CASES[_op] = _make_arg(_op)
 
 
+@case("cumsum")
+def _cumsum(rng, dt):
+    lo, hi = (0, 100) if dt == "int8" else (-9, 9)  # int8: running sums wrap
+    return [one("cumsum", {"A": r(rng, dt, (3, 700), lo, hi)}, [T("A"), V(1)], scale="max"),  # a block per row
+            one("cumsum", {"A": r(rng, dt, (2, 5000), lo, hi)}, [T("A"), V(-1), V(True)], scale="max"),  # 3 tiles
+            one("cumsum", {"A": r(rng, dt, (4, 6, 5), lo, hi)}, [T("A"), V(1), V(True)], scale="max"),  # strided
+            one("cumsum", {"A": r(rng, dt, (40, 20), lo, hi)}, [T("A"), V(-1)], scale="max"),  # short rows
+            one("cumsum", {"A": r(rng, dt, (0, 7), lo, hi)}, [T("A"), V(0)]),
+            Case({"A": r(rng, dt, (2, 300), lo, hi)}, [instr("cumsum", [T("A"), V(1)], [T("A")])], ["A"],
+                 scale="max")]
+
+
+def _sortable(rng, dt, shape):
+    """Many ties (a small range), and for floats nan, infinities and both zeros among them."""
+    a = r(rng, dt, shape, -3, 3)
+    if not is_int(dt) and a.size:
+        a = (np.round(a.astype(np.float64) * 2) / 2).reshape(-1)
+        a[rng.integers(0, a.size, 6)] = [np.nan, np.inf, -np.inf, -0.0, 0.0, np.nan]
+        a = a.reshape(shape).astype(to_numpy(dt))
+    return a
+
+
+@case("argsort")
+def _argsort(rng, dt):
+    return [one("argsort", {"A": _sortable(rng, dt, (3, 700))}, [T("A"), V(1)], out="B"),  # one run per line
+            one("argsort", {"A": _sortable(rng, dt, (2, 5000))}, [T("A"), V(-1), V(True)], out="B"),  # merges
+            one("argsort", {"A": _sortable(rng, dt, (30, 4, 5))}, [T("A"), V(0)], out="B"),  # strided
+            one("argsort", {"A": _sortable(rng, dt, (9, 1))}, [T("A"), V(1), V(True)], out="B"),
+            one("argsort", {"A": _sortable(rng, dt, (0, 6))}, [T("A"), V(1)], out="B")]
+
+
+@case("argtopk")
+def _argtopk(rng, dt):
+    return [one("argtopk", {"A": _sortable(rng, dt, (3, 700))}, [T("A"), V(5), V(1)], out="B"),
+            one("argtopk", {"A": _sortable(rng, dt, (2, 20000))}, [T("A"), V(40), V(-1), V(False)], out="B"),
+            one("argtopk", {"A": _sortable(rng, dt, (30, 4, 5))}, [T("A"), V(30), V(0)], out="B"),
+            one("argtopk", {"A": _sortable(rng, dt, (4, 6))}, [T("A"), V(0), V(1)], out="B")]
+
+
 def _make_softmax(op):
     def build(rng, dt):
         return [one(op, {"A": r(rng, dt, (3, 4, 5))}, [T("A"), V(1)]),
@@ -489,6 +533,37 @@ def _sliceassign(rng, dt):
 def _pad(rng, dt):
     value = 7 if is_int(dt) else 1 if dt == "bool" else 1.5
     return [one("pad", {"A": r(rng, dt, (2, 3))}, [T("A"), VEC((1, 0, 2, 1)), V(value)], out="B")]
+
+
+@case("gather")
+def _gather(rng, dt):
+    a = r(rng, dt, (4, 5, 6), -9, 9)
+    return [one("gather", {"A": a, "i": rng.integers(0, 5, (4, 7, 6)).astype(np.int64)}, [T("A"), T("i"), V(1)],
+                out="B"),
+            one("gather", {"A": a, "i": rng.integers(0, 6, (2, 3, 9)).astype(np.int32)}, [T("A"), T("i"), V(-1)],
+                out="B"),
+            one("gather", {"A": a, "i": rng.integers(0, 4, (1, 5, 6)).astype(np.int64)}, [T("A"), T("i"), V(0)],
+                out="B")]
+
+
+def _make_scatter(op):
+    def build(rng, dt):
+        a, src = r(rng, dt, (4, 6), -9, 9), r(rng, dt, (3, 6), -9, 9)
+        kw = {"scale": "max"} if op == "scatteradd" else {}  # atomic adds: sums in any order
+        once = np.stack([rng.permutation(4)[:3] for _ in range(6)], 1)  # no two writes to one place
+        cases = [one(op, {"A": a, "i": once.astype(np.int64), "s": src}, [T("A"), T("i"), T("s"), V(0)], **kw),
+                 one(op, {"A": a, "i": np.array([[5, 0, 2], [1, 4, 3]], np.int32), "s": src[:2, :3].copy()},
+                     [T("A"), T("i"), T("s"), V(-1)], **kw)]
+        if op == "scatteradd":  # repeated indices: their sums
+            cases.append(one(op, {"A": a, "i": rng.integers(0, 4, (3, 6)).astype(np.int64), "s": src},
+                             [T("A"), T("i"), T("s"), V(0)], **kw))
+        return cases
+
+    return build
+
+
+for _op in ("scatter", "scatteradd"):
+    CASES[_op] = _make_scatter(_op)
 
 
 @case("indexadd")

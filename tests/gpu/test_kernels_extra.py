@@ -225,6 +225,12 @@ def test_integer_division_by_zero_and_bad_indices_raise(gx):
     gx.put("k", np.array([0, 2, 1, 5], np.int32))
     with pytest.raises(DeepxError, match="switch: a case is out of range"):
         gx.run(instr("switch", [L(["x", "x"]), T("k")], [T("c")]))
+    gx.put("g", np.array([[0, 4]], np.int64))
+    gx.put("s", np.ones((1, 2), np.float32))
+    for op, args in [("gather", [T("x"), T("g"), V(1)]), ("scatter", [T("x"), T("g"), T("s"), V(-1)]),
+                     ("scatteradd", [T("x"), T("g"), T("s"), V(1)])]:
+        with pytest.raises(DeepxError, match=rf"{op}: an index is out of range for dim 1 of size 4 \({op}\('x', 'g'"):
+            gx.run(instr(op, args, [T("c")]))
     assert "c" not in gx.tensors
     _still_serving(gx)
 

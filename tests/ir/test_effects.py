@@ -234,6 +234,28 @@ def _repeat(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), VEC([2, 1])], None
 
 
+def _gather(rng: np.random.Generator, name: str) -> Built:
+    (m, n), dt = shape2(rng), fdtype(rng)
+    tensors = {"a": rand(rng, (m, n), dt), "i": rng.permutation(m)[:2].reshape(2, 1).repeat(n, 1).astype(np.int64)}
+    if name == "gather":
+        return tensors, [T("a"), T("i"), V(0)], None
+    tensors["s"] = rand(rng, (2, n), dt, 5, 6)
+    return tensors, [T("a"), T("i"), T("s"), V(0)], None
+
+
+def _sort(rng: np.random.Generator, name: str) -> Built:
+    (m, n), dt = shape2(rng), fdtype(rng)
+    order = [V(int(rng.integers(-2, 2))), V(bool(rng.random() < 0.5))]
+    if name == "argtopk":
+        order.insert(0, V(int(rng.integers(1, 3))))
+    return {"a": rand(rng, (m, n), dt)}, [T("a"), *order], None
+
+
+def _cumsum(rng: np.random.Generator, name: str) -> Built:
+    return ({"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(int(rng.integers(-2, 2))),
+                                                         V(bool(rng.random() < 0.5))], None)
+
+
 def _softmax(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(int(rng.integers(0, 2)))], None
 
@@ -343,7 +365,8 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "gelu": _gelu, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
-    "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum,
+    "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
+    "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,
     "conv2d": _conv, "conv2dgradinput": _conv, "conv2dgradweight": _conv,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
@@ -352,7 +375,8 @@ for _n in ("addscalar", "subscalar", "mulscalar", "divscalar", "powscalar", "max
     BUILDERS[_n] = _scalar
 for _n in ("rsubscalar", "rdivscalar", "rpowscalar"):
     BUILDERS[_n] = _rscalar
-for _n in ("sqrt", "exp", "log", "sin", "cos", "tan", "neg", "abs", "relu", "sigmoid", "tanh", "erf", "silu"):
+for _n in ("sqrt", "exp", "log", "sin", "cos", "tan", "neg", "abs", "relu", "sigmoid", "tanh", "erf", "silu", "floor",
+           "ceil", "round", "trunc", "log1p", "expm1"):
     BUILDERS[_n] = _unary
 for _n in ("less", "greater"):
     BUILDERS[_n] = _compare2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from kernel_ref import (
     TOL,
     L,
@@ -227,6 +228,12 @@ UNARY = {
     "tan": (np.tan, -1.3, 1.3),
     "neg": (np.negative, -9, 9),
     "abs": (np.abs, -9, 9),
+    "floor": (np.floor, -9, 9),
+    "ceil": (np.ceil, -9, 9),
+    "round": (np.rint, -9, 9),
+    "trunc": (np.trunc, -9, 9),
+    "log1p": (np.log1p, -0.9, 4),
+    "expm1": (np.expm1, -4, 4),
 }
 
 @pytest.mark.parametrize("op,dtype", op_dtype(UNARY))
@@ -248,6 +255,29 @@ def test_unary_in_place(op, dtype, rng):
     run(ex, op, [T("a", dtype)], [T("a", dtype)])
     assert ex.get("a") is buf
     assert_close(ex.get("a"), ref, dtype, what=f"{op} in place")
+
+
+_TORCH_UNARY = {"floor": torch.floor, "ceil": torch.ceil, "round": torch.round, "trunc": torch.trunc,
+                "log1p": torch.log1p, "expm1": torch.expm1}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("op", list(_TORCH_UNARY))
+def test_rounding_log1p_expm1_as_torch(op, dtype, rng):
+    """Halves (round's ties go to even), signed zeros, infinities, nan, whole numbers past 2^24, and tiny values
+    where log1p and expm1 must not lose their digits: torch's values, bit for bit in float64 and float32 (signed
+    zeros included), within a few ulp for log1p and expm1."""
+    special = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, -0.0, 0.0, np.inf, -np.inf, np.nan, 2.0**25 + 1, -7.0,
+               1e-10, -1e-10, 3e-30, -0.999]
+    a = np.concatenate([np.array(special), rng.uniform(-6, 6, 200), np.round(rng.uniform(-9, 9, 50)) / 2])
+    a = a.astype(to_numpy(dtype))
+    got = run_op(op, {"a": a}, [T("a", dtype)])
+    want = _TORCH_UNARY[op](torch.from_numpy(a)).numpy()
+    if op in ("log1p", "expm1"):
+        np.testing.assert_allclose(got, want, rtol=1e-15 if dtype == "float64" else 2e-7, atol=0, equal_nan=True)
+    else:
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want), err_msg=f"{op}: signed zeros")
 
 
 def _invert_ref(a: np.ndarray) -> np.ndarray:

@@ -200,24 +200,24 @@ def test_one_hot_takes_every_integer_dtype_as_torch(dtype):
                                   torch.nn.functional.one_hot(torch.from_numpy(index.astype(np.int64)), 3).numpy())
 
 
-def test_nll_loss_gathers_with_an_int64_flat_index_whatever_the_target_dtype(monkeypatch):
-    """input[i, target[i]] is one gather at i * classes + target[i]: made in the int32 of an int32 target, it wrapped
-    from 2**31 elements (65,536 tokens of a 32K vocabulary), so it is made in int64."""
+def test_nll_loss_gathers_along_the_classes_whatever_the_target_dtype(monkeypatch):
+    """input[i, target[i]] is one gather along the classes: no flat index i * classes + target[i], which in an int32
+    target's dtype wrapped from 2**31 elements (65,536 tokens of a 32K vocabulary)."""
     from deepx_sdk.tensor import Tensor
 
     seen = []
     op = Tensor._op
 
     def spy(self, name, params, *rest, **kw):
-        if name == "indexselect":
-            seen.append([p.precisions[0] if p.precisions else None for p in params])
+        seen.append((name, [p.precisions[0] if p.precisions else None for p in params]))
         return op(self, name, params, *rest, **kw)
 
     monkeypatch.setattr(Tensor, "_op", spy)
     logp = dx.tensor(np.log(np.full((4, 3), 1 / 3, np.float32)))
     loss = F.nll_loss(logp, dx.tensor(np.array([0, 2, 1, -100], np.int32)))
-    gathers = [s for s in seen if s[0] == "float32"]
-    assert gathers and gathers[-1][1] == "int64", seen
+    gathers = [p for name, p in seen if name == "gather"]
+    assert gathers == [["float32", "int32", "int32"]], seen
+    assert not [p for name, p in seen if name == "indexselect" and p[0] == "float32"], seen
     assert loss.item() == pytest.approx(np.log(3), rel=1e-6)
 
 

@@ -181,6 +181,30 @@ def abs(a, out):
     _unary(np.absolute, a, out)
 
 
+def floor(a, out):
+    _unary(np.floor, a, out)
+
+
+def ceil(a, out):
+    _unary(np.ceil, a, out)
+
+
+def round(a, out):
+    _unary(np.rint, a, out)  # halves to even, as torch.round
+
+
+def trunc(a, out):
+    _unary(np.trunc, a, out)
+
+
+def log1p(a, out):
+    _unary(np.log1p, a, out)
+
+
+def expm1(a, out):
+    _unary(np.expm1, a, out)
+
+
 def invert(a, out):
     np.invert(a, out=out)
 

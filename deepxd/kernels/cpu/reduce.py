@@ -1,4 +1,5 @@
-"""Reductions over dims (empty dims: all). Low-precision floats and small integers accumulate wider, then round."""
+"""Reductions over dims (empty dims: all) and running sums along one. Low-precision floats and small integers
+accumulate wider, then round."""
 
 from __future__ import annotations
 
@@ -78,3 +79,22 @@ def argmin(a, dim, keepdims, out):
         out[...] = 0
     else:
         out[...] = np.argmin(a if a.dtype not in LOW else a.astype(F32), axis=dim % a.ndim, keepdims=keepdims)
+
+
+def _scan_acc(a: np.ndarray):
+    """What cumsum adds in: float32 in float64 (torch's CPU kernel does), low precision in float32, ints in int64."""
+    if a.dtype in LOW:
+        return F32
+    if a.dtype.kind in "iu":
+        return np.int64
+    return _F64
+
+
+def cumsum(a, dim, reverse, out):
+    if a.ndim == 0:
+        out[...] = a
+        return
+    dim %= a.ndim
+    x = np.flip(a, dim) if reverse else a
+    sums = np.cumsum(x, axis=dim, dtype=_scan_acc(a))
+    np.copyto(out, np.flip(sums, dim) if reverse else sums, casting="unsafe")

@@ -26,10 +26,10 @@ def broadcastTo(a, shape, out):
     np.copyto(out, a)
 
 
-def _check_index(op: str, index: np.ndarray, size: int, axis: int) -> None:
+def _check_index(op: str, index: np.ndarray, size: int, axis: int, what: str = "axis") -> None:
     if index.size and (index.min() < 0 or index.max() >= size):
         bad = index[(index < 0) | (index >= size)].flat[0]
-        raise DeepxError(f"{op}: index {bad} out of range for axis {axis} of size {size}")
+        raise DeepxError(f"{op}: index {bad} out of range for {what} {axis} of size {size}")
 
 
 def indexselect(a, index, axis, out):
@@ -58,6 +58,51 @@ def indexadd(a, index, src, axis, out):
         acc[keys] += np.add.reduceat(up(src)[order], starts, axis=0).astype(acc.dtype, copy=False)
     else:
         np.add.at(acc, (builtins.slice(None),) * axis + (flat,), up(src))
+    if low:
+        out[...] = acc
+
+
+def _along(op: str, a: np.ndarray, index: np.ndarray, dim: int) -> tuple[np.ndarray, ...]:
+    """The index tuple that picks, for every element of `index`, A's element at it along dim and at the element's own
+    position in the other dims (A's 0-d: the one element). Refuses an index outside [0, size)."""
+    if a.ndim == 0:
+        _check_index(op, index, 1, 0, "dim")
+        return ()
+    dim %= a.ndim
+    _check_index(op, index, a.shape[dim], dim, "dim")
+    return tuple(index if d == dim else
+                 np.arange(n).reshape((1,) * d + (n,) + (1,) * (index.ndim - d - 1))
+                 for d, n in enumerate(index.shape))
+
+
+def _apart(out: np.ndarray, *xs: np.ndarray) -> list[np.ndarray]:
+    """The inputs, each copied where it shares memory with the output (which is written first)."""
+    return [x.copy() if np.may_share_memory(x, out) else x for x in xs]
+
+
+def gather(a, index, dim, out):
+    at = _along("gather", a, index, dim)
+    out[...] = a[at] if at else a
+
+
+def scatter(a, index, src, dim, out):
+    index, src = _apart(out, index, src)
+    at = _along("scatter", a, index, dim)
+    if out is not a:
+        out[...] = a
+    if index.size:
+        out[at] = src
+
+
+def scatteradd(a, index, src, dim, out):
+    index, src = _apart(out, index, src)
+    at = _along("scatteradd", a, index, dim)
+    low = out.dtype in LOW
+    acc = a.astype(F32) if low else out
+    if not low and out is not a:
+        out[...] = a
+    if index.size:
+        np.add.at(acc, at, up(src))
     if low:
         out[...] = acc
 

@@ -5,9 +5,9 @@ one GPU.
 `BindCache`/`bind` check instructions identically), `run`, `run_all`, `execute`, `put` (host -> device), `get`
 (device -> host), plus `has_kernel(op, dtype)`. It owns one CUDA context (the device's primary context) and one
 stream, and must be created, used and closed on one thread. Kernels of op `x` live in the module of its family
-(`elementwise`, `reduce`, `shape`, `nn`, `init`, `optim`, `matmul`, `fused`); tensor life, variables, files and print
-run on the host side (`host.py`). An op or dtype with no CUDA kernel runs its CPU kernel on host copies, counted in
-`executor.fallbacks[op]`. docs/cuda.md has the whole story.
+(`elementwise`, `reduce`, `sort`, `shape`, `nn`, `init`, `optim`, `matmul`, `fused`); tensor life, variables, files
+and print run on the host side (`host.py`). An op or dtype with no CUDA kernel runs its CPU kernel on host copies,
+counted in `executor.fallbacks[op]`. docs/cuda.md has the whole story.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 HOST_FAMILIES = frozenset({"life", "io"})
 
 #: CUDA kernel modules, in the order their SUPPORT tables are merged
-MODULES = ("elementwise", "matmul", "shape", "reduce", "nn", "init", "optim", "fused")
+MODULES = ("elementwise", "matmul", "shape", "reduce", "sort", "nn", "init", "optim", "fused")
 
 
 

@@ -1,4 +1,4 @@
-"""Elementwise kernels: arithmetic, comparisons, activations and todtype, one CUDA module per dtype.
+"""Elementwise kernels: arithmetic, rounding, comparisons, activations and todtype, one CUDA module per dtype.
 
 Every op is a C expression over `x` (A's value in the compute type: float for the 16-bit floats, long long for
 integers and bool), `y` (B's value), the scalar `S` and `err` (a flag set on integer division by zero). Each op has
@@ -29,7 +29,8 @@ _FLOAT: dict[str, tuple[str, str]] = {
     "minscalar": ("s", "mn(x, S)"), "rsubscalar": ("r", "S - x"), "rdivscalar": ("r", "S / x"),
     "rpowscalar": ("r", "pow(S, x)"),
     "sqrt": ("u", "sqrt(x)"), "exp": ("u", "exp(x)"), "log": ("u", "log(x)"), "sin": ("u", "sin(x)"),
-    "erf": ("u", "erf(x)"),
+    "erf": ("u", "erf(x)"), "floor": ("u", "floor(x)"), "ceil": ("u", "ceil(x)"), "round": ("u", "rint(x)"),
+    "trunc": ("u", "trunc(x)"), "log1p": ("u", "log1p(x)"), "expm1": ("u", "expm1(x)"),
     "cos": ("u", "cos(x)"), "tan": ("u", "tan(x)"), "neg": ("u", "-x"), "abs": ("u", "fabs(x)"),
     "relu": ("u", "mx(x, (A)0)"), "sigmoid": ("u", "sigm(x)"), "tanh": ("u", "tanh(x)"),
     "gelu": ("u", "(A)0.5 * x * ((A)1 + erf(x * (A)0.70710678118654752440))"),
@@ -345,6 +346,7 @@ rsubscalar, rdivscalar, rpowscalar = (_rscalar(n) for n in ("rsubscalar", "rdivs
 sqrt, exp, log, sin, cos, tan, neg, abs, invert = (
     _unary(n) for n in ("sqrt", "exp", "log", "sin", "cos", "tan", "neg", "abs", "invert"))
 relu, sigmoid, tanh, silu, erf = (_unary(n) for n in ("relu", "sigmoid", "tanh", "silu", "erf"))
+floor, ceil, round, trunc, log1p, expm1 = (_unary(n) for n in ("floor", "ceil", "round", "trunc", "log1p", "expm1"))
 less, greater = _binary("less"), _binary("greater")
 lessscalar, greaterscalar = _scalar("lessscalar"), _scalar("greaterscalar")
 

@@ -1,4 +1,5 @@
-"""Reductions on the device: sum, prod, reducemax, reducemin over any dims, argmax and argmin along one dim.
+"""Reductions on the device: sum, prod, reducemax, reducemin over any dims, argmax and argmin along one dim, and
+cumsum (running sums) along one dim.
 
 The layout follows the shape. Reduced elements that are each output's contiguous tail (the last dims): a warp per
 row for short rows or many rows, else a block per row, split over several blocks plus a combining kernel when there
@@ -7,7 +8,9 @@ are few rows; 16-byte loads from the first 16-byte boundary, scalar head and tai
 splitting the column. Anything else goes through the strided indexer, a block per output. Combining is warp shuffles,
 then one word per warp in shared memory. The 16-bit floats accumulate in float32, integers in int64 (then wrap into
 the output), as on the CPU; max/min propagate nan; argmax/argmin return the first index on ties (and of the first
-nan).
+nan). cumsum adds in double (floats) or int64 and rounds each running sum into the output: a contiguous dim by a
+block per row (tiles of 2048 staged through shared memory, thread sums then a block scan of them), a strided one, or
+a short contiguous one, by a thread per column walking it.
 """
 
 from __future__ import annotations
@@ -234,9 +237,91 @@ extern "C" __global__ void argmax_cols(ll* out, const T* a, ll n_out, ll dim, ll
 extern "C" __global__ void argmin_cols(ll* out, const T* a, ll n_out, ll dim, ll inner) {
     arg_col<false>(out, a, n_out, dim, inner);
 }
+
+// cumsum: running sums in W (double for floats, long long for integers), each rounded into the output
+typedef typename Wide<T>::type W;
+#define SCAN_K 8
+// the exclusive scan of v over the block (blockDim.x a multiple of 32); *total gets the block's sum
+__device__ W block_exclusive_scan(W v, W* total) {
+    __shared__ W warp_tot[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    W inc = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        W u = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += u;
+    }
+    if (lane == 31) warp_tot[w] = inc;
+    __syncthreads();
+    if (w == 0) {
+        W t = lane < nw ? warp_tot[lane] : (W)0;
+        for (int o = 1; o < 32; o <<= 1) {
+            W u = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += u;
+        }
+        if (lane < nw) warp_tot[lane] = t;
+    }
+    __syncthreads();
+    W before = w ? warp_tot[w - 1] : (W)0;
+    W excl = __shfl_up_sync(0xffffffffu, inc, 1);
+    *total = warp_tot[nw - 1];
+    __syncthreads();
+    return lane ? before + excl : before;
+}
+// one block (256 threads) per contiguous row: tiles of 256 * SCAN_K elements, loaded coalesced into shared memory,
+// each thread's SCAN_K neighbours summed in order, the block's scan of those sums, the tiles before carried along
+extern "C" __global__ void cumsum_rows(T* out, const T* a, ll rows, ll n, int reverse) {
+    __shared__ W tile[256 * SCAN_K];
+    const int B = 256;
+    for (ll row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* p = a + row * n;
+        T* q = out + row * n;
+        W carry = (W)0;
+        for (ll base = 0; base < n; base += (ll)B * SCAN_K) {
+            #pragma unroll
+            for (int k = 0; k < SCAN_K; ++k) {
+                ll j = base + (ll)k * B + threadIdx.x;
+                tile[k * B + threadIdx.x] = j < n ? (W)ld(p[reverse ? n - 1 - j : j]) : (W)0;
+            }
+            __syncthreads();
+            W run[SCAN_K];
+            W s = (W)0;
+            #pragma unroll
+            for (int k = 0; k < SCAN_K; ++k) {
+                s += tile[threadIdx.x * SCAN_K + k];
+                run[k] = s;
+            }
+            W total;
+            W before = carry + block_exclusive_scan(s, &total);
+            #pragma unroll
+            for (int k = 0; k < SCAN_K; ++k) tile[threadIdx.x * SCAN_K + k] = before + run[k];
+            __syncthreads();
+            #pragma unroll
+            for (int k = 0; k < SCAN_K; ++k) {
+                ll j = base + (ll)k * B + threadIdx.x;
+                if (j < n) q[reverse ? n - 1 - j : j] = st<T>(tile[k * B + threadIdx.x]);
+            }
+            carry += total;
+            __syncthreads();
+        }
+    }
+}
+// one thread per column (neighbouring threads read neighbouring elements where inner > 1)
+extern "C" __global__ void cumsum_cols(T* out, const T* a, ll outer, ll n, ll inner, int reverse) {
+    GRID_STRIDE(c, outer * inner) {
+        ll o = c / inner, i = c - o * inner;
+        const T* p = a + o * n * inner + i;
+        T* q = out + o * n * inner + i;
+        W s = (W)0;
+        for (ll r = 0; r < n; ++r) {
+            ll j = reverse ? n - 1 - r : r;
+            s += (W)ld(p[j * inner]);
+            q[j * inner] = st<T>(s);
+        }
+    }
+}
 """
 
-SUPPORT = {op: frozenset(NUMERIC) for op in ("sum", "prod", "reducemax", "reducemin", "argmax", "argmin")}
+SUPPORT = {op: frozenset(NUMERIC) for op in ("sum", "prod", "reducemax", "reducemin", "argmax", "argmin", "cumsum")}
 
 _FMT = "PPPqqqii" + dims_format(2) + "i" + dims_format(2)
 
@@ -361,3 +446,22 @@ def argmax(ex: CudaExecutor, a: DeviceTensor, dim: int, keepdims: bool, out: Dev
 
 def argmin(ex: CudaExecutor, a: DeviceTensor, dim: int, keepdims: bool, out: DeviceTensor) -> bool:
     return _arg("argmin", ex, a, dim, out)
+
+
+def cumsum(ex: CudaExecutor, a: DeviceTensor, dim: int, reverse: bool, out: DeviceTensor) -> bool:
+    if a.size == 0:
+        return True
+    if a.ndim == 0:
+        ex.copy(out, a)
+        return True
+    dim %= a.ndim
+    n = a.shape[dim]
+    outer, inner = math.prod(a.shape[:dim]), math.prod(a.shape[dim + 1:])
+    src = source(a.dname)
+    if inner == 1 and n > 32:
+        f = ex.function(f"reduce:{a.dname}", src, "cumsum_rows", "PPqqi", "cumsum")
+        ex.launch("cumsum", f, (min(outer, 1 << 20), 1, 1), (256, 1, 1), out.ptr, a.ptr, outer, n, int(reverse))
+    else:
+        f = ex.function(f"reduce:{a.dname}", src, "cumsum_cols", "PPqqqi", "cumsum")
+        ex.launch("cumsum", f, ex.grid(outer * inner), (256, 1, 1), out.ptr, a.ptr, outer, n, inner, int(reverse))
+    return True

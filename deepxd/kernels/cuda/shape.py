@@ -1,6 +1,7 @@
 """Shape ops on the device: transpose, concat, broadcastTo, slice, sliceassign, pad, repeat (one strided-copy
 kernel per item size: they only move bytes, so every storable dtype, float8 included, is handled), indexselect,
-indexadd (atomic adds; float16/bfloat16 and int8/int16 accumulate in a float32/int32 buffer and round once, as the
+gather and scatter (byte movers too; scatter's repeated indices: one write wins, which one unsaid), indexadd and
+scatteradd (atomic adds; float16/bfloat16 and int8/int16 accumulate in a float32/int32 buffer and round once, as the
 CPU does) and switch (select among up to 8 tensors by case). Index and case values are checked on the device before
 anything is written; a bad one raises DeepxError.
 """
@@ -20,7 +21,21 @@ from deepxd.kernels.cuda.elementwise import _strides, collapse
 if TYPE_CHECKING:
     from deepxd.kernels.cuda import CudaExecutor, DeviceTensor
 
-_MOVE = r"""
+_ALONG_OFFSET = r"""
+// gather and scatter along a dim: element i of the index (row-major in its `shape`) stands at its own position in
+// every dim but `dim`, where its value says; `st` are the element strides of A (gather's source, scatter's output)
+__device__ __forceinline__ ll along_offset(ll i, ll at, int nd, int dim, const Dims& shape, const Dims& st) {
+    ll r = i, off = 0;
+    for (int d = nd - 1; d >= 0; --d) {
+        ll q = r / shape.v[d], k = r - q * shape.v[d];
+        r = q;
+        off += (d == dim ? at : k) * st.v[d];
+    }
+    return off;
+}
+"""
+
+_MOVE = _ALONG_OFFSET + r"""
 template <class T> __device__ void scopy(T* dst, const T* src, ll n, int nd, const Dims& shape, const Dims& sd,
                                          const Dims& ss) {
     GRID_STRIDE(i, n) {
@@ -41,6 +56,14 @@ template <class T, class TI> __device__ void gather(T* out, const T* a, const TI
         ll in_ = i % inner, r = i / inner, j = r % nidx, o = r / nidx;
         out[i] = a[(o * dim + (ll)idx[j]) * inner + in_];
     }
+}
+template <class T, class TI> __device__ void gather_dim(T* out, const T* a, const TI* idx, ll n, int nd, int dim,
+                                                        const Dims& shape, const Dims& st) {
+    GRID_STRIDE(i, n) out[i] = a[along_offset(i, (ll)idx[i], nd, dim, shape, st)];
+}
+template <class T, class TI> __device__ void scatter_dim(T* out, const T* src, const TI* idx, ll n, int nd, int dim,
+                                                         const Dims& shape, const Dims& st) {
+    GRID_STRIDE(i, n) out[along_offset(i, (ll)idx[i], nd, dim, shape, st)] = src[i];
 }
 struct Ptrs { const void* p[8]; };
 struct Dims8 { Dims d[8]; };
@@ -73,6 +96,10 @@ def _move_source() -> str:
         for iname, it in _INDEX_TYPES.items():
             parts.append(f'extern "C" __global__ void gather{size}_{iname}({t}* out, const {t}* a, const {it}* idx, '
                          f"ll n, ll nidx, ll dim, ll inner) {{ gather(out, a, idx, n, nidx, dim, inner); }}\n")
+            for kind in ("gather", "scatter"):
+                parts.append(f'extern "C" __global__ void {kind}dim{size}_{iname}({t}* out, const {t}* a, '
+                             f"const {it}* idx, ll n, int nd, int dim, Dims shape, Dims st) "
+                             f"{{ {kind}_dim(out, a, idx, n, nd, dim, shape, st); }}\n")
         for cname, ct in _CASE_TYPES.items():
             parts.append(f'extern "C" __global__ void select{size}_{cname}({t}* out, const {ct}* cases, ll n, int nd, '
                          "Dims shape, Dims sc, Ptrs ps, Dims8 st) "
@@ -99,6 +126,22 @@ extern "C" __global__ void indexadd_int32(TT* acc, const T* src, const int* idx,
 extern "C" __global__ void indexadd_int64(TT* acc, const T* src, const ll* idx, ll n, ll nidx, ll dim, ll inner) {
     index_add(acc, src, idx, n, nidx, dim, inner);
 }
+// scatteradd: element i of src (index-shaped) into acc where along_offset says
+template <class TI> __device__ void scatter_add(TT* acc, const T* src, const TI* idx, ll n, int nd, int dim,
+                                                const Dims& shape, const Dims& st) {
+    GRID_STRIDE(i, n) {
+        TT v = (TT)ld(src[i]);
+        ATOMIC_ADD(&acc[along_offset(i, (ll)idx[i], nd, dim, shape, st)], v);
+    }
+}
+extern "C" __global__ void scatteradd_int32(TT* acc, const T* src, const int* idx, ll n, int nd, int dim, Dims shape,
+                                            Dims st) {
+    scatter_add(acc, src, idx, n, nd, dim, shape, st);
+}
+extern "C" __global__ void scatteradd_int64(TT* acc, const T* src, const ll* idx, ll n, int nd, int dim, Dims shape,
+                                            Dims st) {
+    scatter_add(acc, src, idx, n, nd, dim, shape, st);
+}
 """
 
 #: dtype -> (accumulator dtype, accumulator C type, atomic add)
@@ -117,7 +160,8 @@ _ACC = {
 @memoize("kernels.cuda.shape.add_source", 64)
 def add_source(dtype: str) -> str:
     _, tt, atomic = _ACC[dtype]
-    return (HEADER + f"typedef {ctype(dtype)} T;\ntypedef {tt} TT;\n#define ATOMIC_ADD(p, v) {atomic}\n" + _ADD)
+    return (HEADER + f"typedef {ctype(dtype)} T;\ntypedef {tt} TT;\n#define ATOMIC_ADD(p, v) {atomic}\n" + _ALONG_OFFSET
+            + _ADD)
 
 
 def sources() -> list[tuple[str, str]]:
@@ -126,7 +170,8 @@ def sources() -> list[tuple[str, str]]:
 
 _ANY = frozenset(STORABLE)
 SUPPORT = {"transpose": _ANY, "concat": _ANY, "broadcastTo": _ANY, "slice": _ANY, "sliceassign": _ANY, "pad": _ANY,
-           "repeat": _ANY, "indexselect": _ANY, "indexadd": frozenset(NUMERIC), "switch": _ANY}
+           "repeat": _ANY, "indexselect": _ANY, "indexadd": frozenset(NUMERIC), "switch": _ANY, "gather": _ANY,
+           "scatter": _ANY, "scatteradd": frozenset(NUMERIC)}
 
 _COPY_FMT = "PPqi" + dims_format(3)
 
@@ -303,6 +348,73 @@ def indexadd(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, src: Device
     if n:
         f = ex.function(f"indexadd:{a.dname}", add_source(a.dname), f"indexadd_{index.dname}", "PPPqqqq", "indexadd")
         ex.launch("indexadd", f, ex.grid(n), (256, 1, 1), acc.ptr, src.ptr, index.ptr, n, index.size, dim, inner)
+    if acc is not out:
+        todtype(ex, acc, out)
+    return True
+
+
+_ALONG_FMT = "PPPqii" + dims_format(2)
+
+
+def _along(ex: CudaExecutor, op: str, a: DeviceTensor, index: DeviceTensor, dim: int) -> tuple[int, int] | None:
+    """(rank, dim) for a gather or scatter along dim of A by `index`, its values checked against dim's size; None
+    where A has more dims than the indexer."""
+    if a.ndim > MAXD:
+        return None
+    dim = dim % a.ndim if a.ndim else 0
+    size = a.shape[dim] if a.ndim else 1
+    check_range(ex, op, index, size, f"an index is out of range for dim {dim} of size {size}")
+    return a.ndim, dim
+
+
+def gather(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, dim: int, out: DeviceTensor) -> bool:
+    plan = _along(ex, "gather", a, index, dim)
+    if plan is None:
+        return False
+    n = out.size
+    if n:
+        size = a.dtype.itemsize
+        f = ex.function("shape", MOVE_SOURCE, f"gatherdim{size}_{index.dname}", _ALONG_FMT, "gather")
+        ex.launch("gather", f, ex.grid(n), (256, 1, 1), out.ptr, a.ptr, index.ptr, n, *plan, *dims(index.shape),
+                  *dims(contiguous_strides(a.shape)))
+    return True
+
+
+def scatter(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, src: DeviceTensor, dim: int,
+            out: DeviceTensor) -> bool:
+    plan = _along(ex, "scatter", a, index, dim)
+    if plan is None:
+        return False
+    ex.copy(out, a)  # a fresh output (scatter is not alias-safe): src and index are never out
+    n = src.size
+    if n:
+        size = a.dtype.itemsize
+        f = ex.function("shape", MOVE_SOURCE, f"scatterdim{size}_{index.dname}", _ALONG_FMT, "scatter")
+        ex.launch("scatter", f, ex.grid(n), (256, 1, 1), out.ptr, src.ptr, index.ptr, n, *plan, *dims(index.shape),
+                  *dims(contiguous_strides(a.shape)))
+    return True
+
+
+def scatteradd(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, src: DeviceTensor, dim: int,
+               out: DeviceTensor) -> bool:
+    from deepxd.kernels.cuda.elementwise import todtype
+
+    plan = _along(ex, "scatteradd", a, index, dim)
+    if plan is None:
+        return False
+    acc_dtype = _ACC[a.dname][0]
+    if acc_dtype == a.dname:
+        ex.copy(out, a)
+        acc = out
+    else:
+        acc = ex.empty(a.shape, acc_dtype, "scatteradd", "(accumulator)")
+        todtype(ex, a, acc)
+    n = src.size
+    if n:
+        f = ex.function(f"indexadd:{a.dname}", add_source(a.dname), f"scatteradd_{index.dname}", _ALONG_FMT,
+                        "scatteradd")
+        ex.launch("scatteradd", f, ex.grid(n), (256, 1, 1), acc.ptr, src.ptr, index.ptr, n, *plan,
+                  *dims(index.shape), *dims(contiguous_strides(a.shape)))
     if acc is not out:
         todtype(ex, acc, out)
     return True
