@@ -25,6 +25,7 @@ import msgpack
 import numpy as np
 
 from deepx_core.errors import DeepxError
+from deepx_core.identity import this_process
 from deepx_core.ir.dtypes import from_numpy, to_numpy
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.wire import pack_instr_cached
@@ -93,7 +94,7 @@ def check_peer(sock: socket.socket, address: str, expected: int | None = None, *
 
 class NativeClient:
     def __init__(self, address: str | None = None, *, timeout: float | None = None, client: str = "deepx_sdk",
-                 hello: bool = True, peer_uid: int | None = None) -> None:
+                 hello: bool = True, peer_uid: int | None = None, name: str | None = None) -> None:
         chosen = bool(address or os.environ.get("DEEPX_ADDRESS"))
         address = address or default_address()
         if not address.startswith("unix://"):
@@ -119,7 +120,8 @@ class NativeClient:
         self._request_lock = threading.Lock()
         self.server: dict[str, Any] = {}
         if hello:
-            self.server = self.request("hello", version=PROTOCOL_VERSION, client=client)
+            # who this is (name, pid, host): the daemon shows it as the owner of what this connection makes
+            self.server = self.request("hello", version=PROTOCOL_VERSION, client=client, **this_process(name))
 
     def __enter__(self) -> NativeClient:
         return self

@@ -23,6 +23,7 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS
 from deepxd.actors.base import Actor, ActorRef, end_task
 from deepxd.kv.base import KV, Batch
+from deepxd.owners import Owners, shown
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class Registry(Actor):
                  workers: dict[str, ActorRef] | None = None, heapmem: ActorRef | None = None,
                  actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
                  devices: list[str] | None = None, name: str = "registry", blas: str = "",
-                 scheduler: ActorRef | None = None) -> None:
+                 scheduler: ActorRef | None = None, owners: Owners | None = None) -> None:
         super().__init__(name)
+        self.owners = owners or Owners()  # who made this node's tensors, and their labels (deepxd/owners.py)
         self.kv = kv
         self.node_id = node_id
         self.roles = roles
@@ -191,7 +193,9 @@ class Registry(Actor):
                 except ValueError:
                     pass
             heap_names.add(row["name"])
-            rows.append(row)
+            if row.get("node") == self.node_id:  # what this node knows now (the record may lag a label)
+                row.update(self.owners.fields(row["name"]))
+            rows.append(shown(row))
         for worker, ref in self.workers.items():
             try:  # a worker answers between programs: a long one must not hold every other query behind this one
                 listed = await self._ask_once(ref, "tensors", BUSY_WORKER_S)
@@ -201,7 +205,9 @@ class Registry(Actor):
                                  "plane's records (heap tensors) are listed by deepxctl --kv URL tensors ls") from None
             for row in listed:
                 if row["kind"] == "stack" or row["name"] not in heap_names:
-                    rows.append({**row, "node": self.node_id, "state": "live"})
+                    rows.append(shown({**row, "node": self.node_id, "state": "live",
+                                       **self.owners.fields(row["name"])}))
+        self.owners.keep_only(r["name"] for r in rows if r.get("node") == self.node_id)
         return sorted(rows, key=lambda r: r["name"])
 
     async def on_ops(self) -> list[dict[str, Any]]:
