@@ -49,6 +49,10 @@ class Transport:
         raise DeepxError(f"{type(self).__name__} cannot run backward: gradients need a deepxd (unix:// or "
                          "embedded)")
 
+    def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
+        """Tell the daemon what the session knows of its tensors (deepx_sdk/labels.py): `prefix`, the names its
+        tensors are made under; `tensors`, their labels. Where there is no daemon (UDP), nothing."""
+
     def close(self) -> None:
         pass
 
@@ -57,10 +61,10 @@ class Transport:
 
 
 class NativeTransport(Transport):
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, name: str | None = None) -> None:
         from deepx_sdk.client import NativeClient
 
-        self.client = NativeClient(address, client="deepx_sdk")
+        self.client = NativeClient(address, client="deepx_sdk", name=name)
         self.address = address
 
     lazy_backward = True
@@ -81,6 +85,14 @@ class NativeTransport(Transport):
                                 wrt=list(wrt), grad_loss=grad_loss, prefix=prefix, names=names)
         return dict(r["grads"])
 
+    def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
+        fields: dict[str, Any] = {}
+        if prefix is not None:
+            fields["prefix"] = prefix
+        if tensors:
+            fields["tensors"] = tensors
+        self.client.request("label", **fields)
+
     def close(self) -> None:
         self.client.close()
 
@@ -92,7 +104,7 @@ class EmbeddedTransport(Transport):
     Its roles: `roles`, else DEEPX_ROLES, else registry, heapmem, scheduler and op-cpu; naming op-cuda (e.g.
     DEEPX_ROLES=op-cuda) runs the session on the GPU."""
 
-    def __init__(self, roles: Sequence[str] | None = None) -> None:
+    def __init__(self, roles: Sequence[str] | None = None, name: str | None = None) -> None:
         from deepx_core.paths import private_socket_dir
         from deepx_sdk.loopthread import NOT_NOW, LoopThread  # here: asyncio is not imported until it is needed
         from deepxd.embedded import EmbeddedNode
@@ -111,7 +123,8 @@ class EmbeddedTransport(Transport):
         async def start() -> None:
             self.embedded = EmbeddedNode(str(sock), f"embedded-{os.getpid()}", roles,
                                          blas=os.environ.get("DEEPX_BLAS", "auto").strip().lower() or "auto",
-                                         native_kernels=os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip() != "0")
+                                         native_kernels=os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip() != "0",
+                                         name=name)
             await self.embedded.start()
 
         try:
@@ -158,6 +171,9 @@ class EmbeddedTransport(Transport):
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         self._call(self.embedded.put(name, array, heap))
+
+    def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
+        self._call(self.embedded.label(prefix, tensors))
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
                  prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
@@ -211,15 +227,16 @@ class UdpTransport(Transport):
         self.sock.close()
 
 
-def open_transport(address: str | None, roles: Sequence[str] | None = None) -> Transport:
+def open_transport(address: str | None, roles: Sequence[str] | None = None, name: str | None = None) -> Transport:
+    """The transport for `address`; `name`: the session's name as deepxctl shows it (default: the program's)."""
     address = address or os.environ.get("DEEPX_ADDRESS") or ""
     if not address or address == "embedded":
-        return EmbeddedTransport(roles)
+        return EmbeddedTransport(roles, name)
     if roles is not None:
         raise DeepxError(f"roles={list(roles)!r} picks the roles of an embedded daemon; {address} runs its own "
                          "(start it with deepxd start --role=...)")
     if address.startswith("unix://"):
-        return NativeTransport(address)
+        return NativeTransport(address, name)
     if address.startswith("udp://"):
         return UdpTransport(address)
     raise DeepxError(f"unknown address {address!r}: use unix:///path, udp://host:port, or nothing for embedded")
