@@ -28,6 +28,7 @@ import numpy as np
 
 from deepx_core.auth import AUTH, NONCE_BYTES, answer_matches, client_answer, new_nonce, server_answer, token_from_env
 from deepx_core.errors import DeepxError
+from deepx_core.identity import this_process
 from deepx_core.ir.dtypes import from_numpy, to_numpy
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.wire import pack_instr_cached
@@ -124,7 +125,7 @@ class NativeClient:
 
     def __init__(self, address: str | None = None, *, timeout: float | None = None, client: str = "deepx_sdk",
                  hello: bool = True, peer_uid: int | None = None, token: str | None = None, tls: bool | None = None,
-                 cafile: str | None = None) -> None:
+                 cafile: str | None = None, name: str | None = None) -> None:
         chosen = bool(address or os.environ.get("DEEPX_ADDRESS"))
         address = address or default_address()
         self.address = address
@@ -147,7 +148,8 @@ class NativeClient:
         self._request_lock = threading.Lock()
         self.server: dict[str, Any] = {}
         if hello:
-            self.server = self.request("hello", version=PROTOCOL_VERSION, client=client)
+            # who this is (name, pid, host): the daemon shows it as the owner of what this connection makes
+            self.server = self.request("hello", version=PROTOCOL_VERSION, client=client, **this_process(name))
 
     def _connect_unix(self, address: str, timeout: float | None, peer_uid: int | None, chosen: bool) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -25,6 +25,7 @@ import numpy as np
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param
+from deepx_sdk.labels import Labels
 from deepx_sdk.lazy_backward import LazyBackward
 from deepx_sdk.names import HandOut, NamePool, name_order
 from deepx_sdk.transports import Outcome, Transport
@@ -58,6 +59,28 @@ def origin(f: Any) -> Any:
     return None
 
 
+def maker(f: Any) -> Any:
+    """origin(), past the standard library's frames as well (copy.deepcopy's, functools'): the user's line that made
+    a tensor, its CALL SITE. Only where a tensor is made, not per op."""
+    while f is not None:
+        entry = origin(f)
+        made_at = origin_of(entry)
+        if made_at is None or not _in_stdlib(made_at[0]):
+            return entry
+        while f is not None and f.f_code is not made_at[0]:  # on from the standard library's frame
+            f = f.f_back
+        f = f.f_back if f is not None else None
+    return None
+
+
+def _in_stdlib(code: CodeType) -> bool:
+    name = code.co_filename
+    return name.startswith(_STDLIB) and "-packages" not in name[len(_STDLIB):]
+
+
+_STDLIB = os.path.dirname(os.__file__) + os.sep  # the standard library (site- and dist-packages below it are not)
+
+
 def origin_of(entry: Any) -> tuple[CodeType, int] | None:
     """(code, offset) of an entry of Recorder.origins: a tuple, or id(code) << 24 | offset (the code object then
     found in _IN_SDK, which holds it); None where unknown."""
@@ -65,6 +88,25 @@ def origin_of(entry: Any) -> tuple[CodeType, int] | None:
         known = _IN_SDK.get(entry >> 24)
         return (known[0], entry & 0xFFFFFF) if known is not None else None
     return entry
+
+
+def call_site(entry: Any) -> str | None:
+    """`file:line` of an entry of Recorder.origins (a tensor's CALL SITE in deepxctl); None where unknown."""
+    made_at = origin_of(entry)
+    if made_at is None:
+        return None
+    code, offset = made_at
+    key = (id(code), offset)
+    known = _SITES.get(key)
+    if known is not None and known[0] is code:
+        return known[1]  # type: ignore[no-any-return]
+    site = f"{code.co_filename}:{source_line(code, offset)}"
+    _SITES.put(key, (code, site))
+    return site
+
+
+# (id(code), offset) -> (the code object, its `file:line`): working a line out walks the code's line table
+_SITES: Cache[tuple[int, int], tuple[CodeType, str]] = Cache("sdk.call_sites", 4096, counted=False)
 
 
 def source_line(code: CodeType, offset: int) -> int | None:
@@ -97,10 +139,11 @@ class Recorder:
     the recording hot path as they are (tensor._emit)."""
 
     def __init__(self, transport: Transport, names: NamePool, lazy: LazyBackward, lock: threading.RLock,
-                 max_pending: int = 4096) -> None:
+                 max_pending: int = 4096, labels: Labels | None = None) -> None:
         self.transport = transport
         self.names = names
         self.lazy = lazy
+        self.labels = labels if labels is not None else Labels(call_site)  # sent after the program that made them
         self.lock = lock  # the session's: one flush, backward or capture at a time
         self.max_pending = max_pending
         self.pending: list[Instr] = []
@@ -282,14 +325,38 @@ class Recorder:
                 raise err
             return out
 
-    def put(self, name: str, array: np.ndarray, heap: bool = False) -> None:
-        """Send a tensor's data (after what is pending)."""
+    def put(self, name: str, array: np.ndarray, heap: bool = False, made: bool = True) -> None:
+        """Send a tensor's data (after what is pending). `made`: it makes the tensor (its call site is the user's
+        line that called the SDK), rather than loading values into one (load_state_dict)."""
         with self.lock:
             self._flush((), raise_now=False)
             self.transport.put(name, array, heap)
             # the tensor exists now: every name numbered so far was made or is known lost, as after a flush (so a
             # later failed program that writes it in place does not count it among the tensors never made)
             self.names.all_made()
+            if made:
+                self.labels.made_at(name, maker(sys._getframe(1)))
+            if self.capture is None and self.labels.due():
+                self.send_labels()
+
+    def made_here(self, name: str) -> None:
+        """Tensor `name` is made by the instruction about to be recorded: its call site is the user's line that
+        called the SDK (sent with the labels after the next program)."""
+        self.labels.made_at(name, maker(sys._getframe(1)))
+
+    def send_labels(self) -> None:
+        """Tell the daemon the labels not sent yet (deepx_sdk/labels.py), now; a daemon from before labels is not
+        asked again. Never raises: labels are for operators, not for the program."""
+        labels = self.labels
+        tensors = labels.take()
+        if not labels.enabled or not tensors:
+            return
+        labels.requests += 1
+        try:
+            self.transport.label(None, tensors)
+        except DeepxError as e:
+            labels.enabled = False
+            log.debug("labels not sent (%s); no more are", e)
 
     def sent_request(self) -> None:
         """A request went to the transport outside the program (a backward, a graph replay): values read back
@@ -362,6 +429,11 @@ class Recorder:
             raise DeepxError(f"lost the connection to deepxd: {e}") from None
         for line in outcome.output:
             sys.stdout.write(line + "\n")
+        labels = self.labels
+        if labels.all_sites and handout.taken:  # DEEPX_CALLSITES=1: every result's line
+            labels.made(handout.taken, where)
+        if labels.pending and self.capture is None and labels.due():
+            self.send_labels()
         if outcome.ok:
             self.names.ran()
         else:

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from deepx_core.errors import DeepxError
+from deepx_sdk.labels import Labels, all_callsites
 from deepx_sdk.lazy_backward import LazyBackward
 from deepx_sdk.names import NamePool
-from deepx_sdk.recorder import Recorder
+from deepx_sdk.recorder import Recorder, call_site
 from deepx_sdk.tape import Tape
 from deepx_sdk.transports import NativeTransport, Transport, open_transport
 
@@ -38,7 +39,9 @@ class Session:
         # tensor names are unique across the clients of one daemon: a prefix of this process and session
         self.names = NamePool(f"x{os.getpid():x}{secrets.token_hex(2)}_")
         self.lazy = LazyBackward()
-        self.recorder = rec = Recorder(transport, self.names, self.lazy, self._lock, max_pending)
+        # what deepxctl shows of the session's tensors: parameters' module paths and where they were made
+        self.labels = Labels(call_site, all_callsites())
+        self.recorder = rec = Recorder(transport, self.names, self.lazy, self._lock, max_pending, self.labels)
         self.tape = Tape()  # the autograd graph, on the tensors themselves (each result's grad_fn)
         # read on the recording hot path (tensor._emit) from the session itself, with no hop (decision 0025): the
         # recorder's lists (never replaced), its bound, and whether broadcasting is sent as broadcastTo instructions
@@ -54,6 +57,11 @@ class Session:
         self._release_on_close = True
         if isinstance(transport, NativeTransport):
             self._bind_release(True)
+        try:  # the daemon shows the tensors named under the prefix as this session's
+            transport.label(self.names.prefix, None)
+        except DeepxError as e:  # a deepxd from before labels: none is sent
+            self.labels.enabled = False
+            log.debug("label: %s", e)
 
     @property
     def transport(self) -> Transport:
@@ -124,19 +132,20 @@ _current_lock = threading.Lock()
 
 
 def connect(address: str | None = None, *, max_pending: int = 4096, roles: Sequence[str] | None = None,
-            release: bool = True, token: str | None = None, tls: bool | None = None, cafile: str | None = None
-            ) -> Session:
+            release: bool = True, token: str | None = None, tls: bool | None = None, cafile: str | None = None,
+            name: str | None = None) -> Session:
     """Connect to deepx: `address` None (and no DEEPX_ADDRESS) starts an embedded daemon in this process (with
     `roles`, else DEEPX_ROLES, else the CPU roles: `roles=["op-cuda"]` runs it on the GPU); `unix:///path` reaches a
     running deepxd; `tcp://host:port` one on another machine (`token`, else DEEPX_TOKEN or DEEPX_TOKEN_FILE; `tls`
     or `cafile` for its TLS listener); `udp://host:port` speaks deepxIR text to any deepx executor. `release`: on a
     running deepxd, closing the session (or the interpreter's exit) deletes the tensors it made and lets go of its
-    compiled graphs' plans; False leaves them there (for `deepxctl tensors ls` after the script)."""
+    compiled graphs' plans; False leaves them there (for `deepxctl tensors ls` after the script). `name`: the
+    session's name where deepxctl shows who owns a tensor (default: the program's file name)."""
     global _current
     with _current_lock:
         if _current is not None:
             _current.close()
-        _current = Session(open_transport(address, roles, token=token, tls=tls, cafile=cafile),
+        _current = Session(open_transport(address, roles, name, token=token, tls=tls, cafile=cafile),
                            max_pending=max_pending)
         _current.release_on_close = release
         return _current

@@ -49,6 +49,10 @@ class Transport:
         raise DeepxError(f"{type(self).__name__} cannot run backward: gradients need a deepxd (unix://, tcp:// or "
                          "embedded)")
 
+    def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
+        """Tell the daemon what the session knows of its tensors (deepx_sdk/labels.py): `prefix`, the names its
+        tensors are made under; `tensors`, their labels. Where there is no daemon (UDP), nothing."""
+
     def close(self) -> None:
         pass
 
@@ -57,10 +61,10 @@ class Transport:
 
 
 class NativeTransport(Transport):
-    def __init__(self, address: str, **remote: Any) -> None:
+    def __init__(self, address: str, name: str | None = None, **remote: Any) -> None:
         from deepx_sdk.client import NativeClient
 
-        self.client = NativeClient(address, client="deepx_sdk", **remote)
+        self.client = NativeClient(address, client="deepx_sdk", name=name, **remote)
         self.address = address
 
     lazy_backward = True
@@ -81,6 +85,14 @@ class NativeTransport(Transport):
                                 wrt=list(wrt), grad_loss=grad_loss, prefix=prefix, names=names)
         return dict(r["grads"])
 
+    def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
+        fields: dict[str, Any] = {}
+        if prefix is not None:
+            fields["prefix"] = prefix
+        if tensors:
+            fields["tensors"] = tensors
+        self.client.request("label", **fields)
+
     def close(self) -> None:
         self.client.close()
 
@@ -92,7 +104,7 @@ class EmbeddedTransport(Transport):
     Its roles: `roles`, else DEEPX_ROLES, else registry, heapmem, scheduler and op-cpu; naming op-cuda (e.g.
     DEEPX_ROLES=op-cuda) runs the session on the GPU."""
 
-    def __init__(self, roles: Sequence[str] | None = None) -> None:
+    def __init__(self, roles: Sequence[str] | None = None, name: str | None = None) -> None:
         from deepx_core.paths import private_socket_dir
         from deepx_sdk.loopthread import NOT_NOW, LoopThread  # here: asyncio is not imported until it is needed
         from deepxd.embedded import EmbeddedNode
@@ -111,7 +123,8 @@ class EmbeddedTransport(Transport):
         async def start() -> None:
             self.embedded = EmbeddedNode(str(sock), f"embedded-{os.getpid()}", roles,
                                          blas=os.environ.get("DEEPX_BLAS", "auto").strip().lower() or "auto",
-                                         native_kernels=os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip() != "0")
+                                         native_kernels=os.environ.get("DEEPX_NATIVE_KERNELS", "1").strip() != "0",
+                                         name=name)
             await self.embedded.start()
 
         try:
@@ -158,6 +171,9 @@ class EmbeddedTransport(Transport):
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         self._call(self.embedded.put(name, array, heap))
+
+    def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
+        self._call(self.embedded.label(prefix, tensors))
 
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
                  prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
@@ -211,10 +227,11 @@ class UdpTransport(Transport):
         self.sock.close()
 
 
-def open_transport(address: str | None, roles: Sequence[str] | None = None, *, token: str | None = None,
-                   tls: bool | None = None, cafile: str | None = None) -> Transport:
-    """The transport for `address` (else DEEPX_ADDRESS, else embedded). `token`, `tls`, `cafile`: a tcp:// daemon's
-    (NativeClient reads DEEPX_TOKEN, DEEPX_TOKEN_FILE, DEEPX_TLS and DEEPX_TLS_CAFILE where they are not given)."""
+def open_transport(address: str | None, roles: Sequence[str] | None = None, name: str | None = None, *,
+                   token: str | None = None, tls: bool | None = None, cafile: str | None = None) -> Transport:
+    """The transport for `address` (else DEEPX_ADDRESS, else embedded); `name`: the session's name as deepxctl shows
+    it (default: the program's). `token`, `tls`, `cafile`: a tcp:// daemon's (NativeClient reads DEEPX_TOKEN,
+    DEEPX_TOKEN_FILE, DEEPX_TLS and DEEPX_TLS_CAFILE where they are not given)."""
     address = address or os.environ.get("DEEPX_ADDRESS") or ""
     remote = {k: v for k, v in (("token", token), ("tls", tls), ("cafile", cafile)) if v is not None}
     given = [k for k, v in remote.items() if v]  # tls=False asks for nothing
@@ -223,14 +240,14 @@ def open_transport(address: str | None, roles: Sequence[str] | None = None, *, t
                          "not a tcp://host:port address: a token and TLS are for a deepxd's TCP listener (its Unix "
                          "socket asks for neither)")
     if not address or address == "embedded":
-        return EmbeddedTransport(roles)
+        return EmbeddedTransport(roles, name)
     if roles is not None:
         raise DeepxError(f"roles={list(roles)!r} picks the roles of an embedded daemon; {address} runs its own "
                          "(start it with deepxd start --role=...)")
     if address.startswith("unix://"):
-        return NativeTransport(address)
+        return NativeTransport(address, name)
     if address.startswith("tcp://"):
-        return NativeTransport(address, **remote)
+        return NativeTransport(address, name, **remote)
     if address.startswith("udp://"):
         return UdpTransport(address)
     raise DeepxError(f"unknown address {address!r}: use unix:///path, tcp://host:port, udp://host:port, or nothing "

@@ -98,6 +98,8 @@ def open_plane(url: str, prefix: str, password: str | None = None) -> Readable:
 # -- the rows, in the shape of the registry's answers
 
 async def plane_tensors(kv: Readable) -> list[dict[str, Any]]:
+    from deepxd.owners import shown
+
     rows = []
     for key in await kv.keys("tensor:*"):
         h = await _hash(kv, key)
@@ -109,7 +111,7 @@ async def plane_tensors(kv: Readable) -> list[dict[str, Any]]:
                 row["shape"] = json.loads(row["shape"])
             except ValueError:
                 pass
-        rows.append(row)
+        rows.append(shown(row))  # the owner as the daemon shows it (deepxd/owners.py)
     return rows
 
 

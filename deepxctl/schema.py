@@ -86,11 +86,14 @@ def plain(v: Any) -> str:
 
 
 def col(header: str = "", *, detail: bool = False, render: Callable[[Any], str] = plain,
-        right: bool = False, whole: bool = False) -> dict[str, Any]:
+        right: bool = False, whole: bool = False, tail: bool = False, spare: bool = False) -> dict[str, Any]:
     """A schema field's metadata: `header` (the upper-cased name by default), `detail` (shown only with --detail),
     `render` (its table cell), `right` (right-aligned, for numbers), `whole` (a narrow table wraps the cell but never
-    cuts it short: for values deepx bounds, such as a node's roles and addresses, unlike names clients choose)."""
-    return {"header": header, "detail": detail, "render": render, "right": right, "whole": whole}
+    cuts it short: for values deepx bounds, such as a node's roles and addresses, unlike names clients choose),
+    `tail` (a narrow table that cuts the cell short keeps its end: a call site's file and line), `spare` (a table
+    too narrow for every column's words leaves it out, with a note, the rightmost such column first)."""
+    return {"header": header, "detail": detail, "render": render, "right": right, "whole": whole, "tail": tail,
+            "spare": spare}
 
 
 @dataclasses.dataclass
@@ -153,13 +156,20 @@ class Tensor(Schema):
     dtype: str = field(default="", metadata=col())
     shape: list[int] = field(default_factory=list, metadata=col(render=shape))
     bytes: int = field(default=0, metadata=col(render=human_bytes, right=True))
+    # the session that made it (`train.py[4242]@gpu-1`), else a name a client gave, else the worker holding it
     owner: str = field(default="", metadata=col())
+    parameter: str = field(default="", metadata=col(spare=True))  # a model parameter's module path (`0.weight`)
+    # the line of the user's code that made it
+    call_site: str = field(default="", metadata=col("CALL SITE", tail=True, spare=True))
     node: str = field(default="", metadata=col())
     state: str = field(default="", metadata=col(detail=True))
     device: str = field(default="", metadata=col(detail=True))
     refcount: int | None = field(default=None, metadata=col(detail=True, right=True))
     holders: list[str] = field(default_factory=list, metadata=col(detail=True, render=words))
     handle: str = field(default="", metadata=col(detail=True))
+    client: str = field(default="", metadata=col(detail=True))  # the owning session: its program's name,
+    pid: int | None = field(default=None, metadata=col(detail=True, right=True))  # process id
+    host: str = field(default="", metadata=col(detail=True))  # and host
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any]) -> Tensor:
@@ -168,6 +178,7 @@ class Tensor(Schema):
         t.shape = list(t.shape) if isinstance(t.shape, list | tuple) else t.shape
         t.holders = _names(raw.get("holders"))
         t.refcount = _int(raw["refcount"]) if raw.get("refcount") not in (None, "") else None
+        t.pid = _int(raw["pid"]) if raw.get("pid") not in (None, "") else None
         return t
 
 

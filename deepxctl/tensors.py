@@ -55,15 +55,17 @@ def tensors() -> None:
 @tensors.command("ls")
 @list_options
 @click.option("--group-by", "group_by", type=click.Choice(GROUP_BY), default=None,
-              help="One table per owner (node, kind, dtype), largest first, each with its count and bytes.")
+              help="One table per owner (the session that made the tensors; or per node, kind, dtype), largest "
+                   "first, each with its count and bytes.")
 @click.pass_obj
 def ls(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: bool, group_by: str | None) -> None:
     """List tensors, names in natural order (t2 before t10): name, kind (heap or stack), dtype, shape, bytes,
-    owner, node.
+    owner (the session that made it, as client[pid]@host), parameter (a model parameter's module path), call site
+    (the user's line that made it), node.
 
     \b
-      deepxctl tensors ls --filter kind=heap --detail     # with refcount, holders, segment
-      deepxctl tensors ls --format json --filter owner=op-cpu
+      deepxctl tensors ls --filter kind=heap --detail     # with refcount, holders, segment, client, pid, host
+      deepxctl tensors ls --format json --filter pid=4242
       deepxctl tensors ls --group-by owner
     """
     rows = select(load_tensors(ctl), Tensor, filters, limit)

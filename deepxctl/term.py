@@ -85,14 +85,16 @@ def wide_option(f: F) -> F:
                              "and ending cut ones with '…').")(f)
 
 
-# a cell's pieces: a run of spaces, or a word up to and including its separators ('/', '_', '.', ','; not '-', which
-# joins words such as op-cpu); a URL's scheme stays with what follows it (never `udp://` alone at a line's end)
-_PIECES = re.compile(r"\s+|(?:[^\s/_.,]+://)?[^\s/_.,]*[/_.,]+|[^\s/_.,]+")
+# a cell's pieces: a run of spaces, or a word up to and including its separators ('/', '_', '.', ',', and '[' and '@'
+# of an owner's `train.py[4242]@gpu-1`; not '-', which joins words such as op-cpu); a URL's scheme stays with what
+# follows it (never `udp://` alone at a line's end)
+_PIECES = re.compile(r"\s+|(?:[^\s/_.,\[@]+://)?[^\s/_.,\[@]*[/_.,\[@]+|[^\s/_.,\[@]+")
 
 
-def wrap_cell(text: str, width: int, max_lines: int | None = CELL_LINES) -> list[str]:
-    """`text` as lines of at most `width` cells, broken at spaces and after separators ('/', '_', '.', ','), a word
-    longer than a line folded; beyond `max_lines` lines (None: no limit) the last kept line ends in '…'."""
+def wrap_cell(text: str, width: int, max_lines: int | None = CELL_LINES, tail: bool = False) -> list[str]:
+    """`text` as lines of at most `width` cells, broken at spaces and after separators ('/', '_', '.', ',', '[', '@'), a
+    word longer than a line folded; beyond `max_lines` lines (None: no limit) the last kept line ends in '…', or with
+    `tail` the last lines are kept and the first begins with '…' (a path's file and line matter most)."""
     from rich.cells import cell_len, chop_cells
 
     width = max(width, 1)
@@ -115,7 +117,13 @@ def wrap_cell(text: str, width: int, max_lines: int | None = CELL_LINES) -> list
             *folded, line = chop_cells(piece, width)  # a word longer than a line: nothing else fits it
             lines.extend(folded)
         lines.append(line.rstrip())
-    if max_lines is not None and len(lines) > max_lines:
+    if max_lines is not None and len(lines) > max_lines and tail:
+        lines = lines[-max_lines:]
+        first = lines[0]
+        while first and cell_len(first) + 1 > width:
+            first = first[1:]
+        lines[0] = "…" + first
+    elif max_lines is not None and len(lines) > max_lines:
         lines = lines[:max_lines]
         last = lines[-1]
         while last and cell_len(last) + 1 > width:
@@ -128,10 +136,12 @@ class Cell:
     """A table cell: text a client gave (never markup), wrapped by wrap_cell at the column's width; with `wide`,
     whole on one line, and its column as wide as that needs."""
 
-    def __init__(self, text: str, *, max_lines: int | None = CELL_LINES, wide: bool = False) -> None:
+    def __init__(self, text: str, *, max_lines: int | None = CELL_LINES, wide: bool = False,
+                 tail: bool = False) -> None:
         self.text = text
         self.max_lines = max_lines
         self.wide = wide
+        self.tail = tail  # cut short, it keeps its end (wrap_cell)
 
     def __rich_measure__(self, console: Console, options: Any) -> Any:
         from rich.cells import cell_len
@@ -146,7 +156,8 @@ class Cell:
     def __rich_console__(self, console: Console, options: Any) -> Any:
         from rich.text import Text
 
-        lines = self.text.split("\n") if self.wide else wrap_cell(self.text, options.max_width, self.max_lines)
+        lines = (self.text.split("\n") if self.wide
+                 else wrap_cell(self.text, options.max_width, self.max_lines, self.tail))
         yield Text("\n".join(lines), no_wrap=True, overflow="ignore" if self.wide else "ellipsis")
 
 
@@ -175,18 +186,26 @@ def display_text(text: str) -> None:
 
 
 def display(renderable: RenderableType) -> None:
-    """A renderable on stdout; with --wide, the console is made as wide as the renderable's widest line."""
+    """A renderable on stdout; with --wide, the console is made as wide as the renderable's widest line. Columns a
+    narrow terminal left out (FitTable) are named in a note."""
     c = console()
     if wide_output():
         from rich.measure import Measurement
 
         c.width = max(c.width, Measurement.get(c, c.options.update_width(WIDEST), renderable).maximum)
+    _LEFT_OUT.clear()
     if c.is_terminal:
         c.print(renderable)
-        return
-    with c.capture() as captured:  # a pipe or a file: the same text without the cells' trailing padding
-        c.print(renderable)
-    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+    else:
+        with c.capture() as captured:  # a pipe or a file: the same text without the cells' trailing padding
+            c.print(renderable)
+        click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+    if _LEFT_OUT:
+        display_note(f"left out to fit {c.width} columns: {', '.join(_LEFT_OUT)} (--wide or --format json shows "
+                     "every column)")
+
+
+_LEFT_OUT: dict[str, None] = {}  # the headers of the columns the tables just drawn left out, in order
 
 
 def sections(parts: Sequence[Any]) -> Any:
@@ -215,9 +234,11 @@ def make_table(rows: Sequence[Schema], cls: type[Schema], *, detail: bool = Fals
                          justify="right" if f.metadata.get("right") else "left")
     wide = wide_output()
     for r in rows:
-        table.add_row(*(Cell(r.cell(f), max_lines=None if f.metadata.get("whole") else CELL_LINES, wide=wide)
-                        for f in columns))
-    return FitTable(table)
+        table.add_row(*(Cell(r.cell(f), max_lines=None if f.metadata.get("whole") else CELL_LINES, wide=wide,
+                             tail=bool(f.metadata.get("tail"))) for f in columns))
+    # the columns a narrow terminal leaves out, the rightmost first
+    spare = [table.columns[i] for i, f in reversed(list(enumerate(columns))) if f.metadata.get("spare")]
+    return FitTable(table, () if wide else spare)
 
 
 def fit_widths(natural: Sequence[int], floors: Sequence[int], room: int) -> list[int]:
@@ -252,8 +273,9 @@ class FitTable:
     columns (a 300-character name) give way first and a short word (a node id, `running`) is not broken while
     there is room for it. rich's own choice narrowed every wide column alike and folded words mid-way."""
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: Any, spare: Sequence[Any] = ()) -> None:
         self.table = table
+        self.spare = list(spare)  # columns left out, in this order, while the others' words do not fit
 
     def _measure(self, console: Console, options: Any) -> tuple[list[int], list[int], int]:
         """Each column's widest cell or header, its longest word (at most SHORT_COLUMN), and the table's width
@@ -270,6 +292,14 @@ class FitTable:
         whole = Measurement.get(console, unbounded, self.table).maximum
         return natural, floors, whole - sum(natural)
 
+    def _crowded(self, natural: list[int], floors: list[int], extra: int, room: int) -> bool:
+        """Whether the other columns' short words (up to SHORT_COLUMN) would be cut, with the spare columns at
+        their longest words: a spare column then goes first."""
+        spare = {id(c) for c in self.spare}
+        need = sum(f if id(c) in spare else min(n, SHORT_COLUMN)
+                   for c, n, f in zip(self.table.columns, natural, floors, strict=True))
+        return need + extra > room
+
     def __rich_measure__(self, console: Console, options: Any) -> Any:
         from rich.measure import Measurement
 
@@ -278,6 +308,11 @@ class FitTable:
 
     def __rich_console__(self, console: Console, options: Any) -> Any:
         natural, floors, extra = self._measure(console, options)
+        while self.spare and self._crowded(natural, floors, extra, options.max_width):
+            column = self.spare.pop(0)
+            self.table.columns.remove(column)
+            _LEFT_OUT.setdefault(str(column.header), None)
+            natural, floors, extra = self._measure(console, options)
         widths = fit_widths(natural, floors, options.max_width - extra)
         if widths != natural:
             for column, w in zip(self.table.columns, widths, strict=True):

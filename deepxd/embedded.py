@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from deepx_core.identity import this_process
 from deepx_core.ir.dtypes import from_numpy
 from deepx_core.ir.instr import Instr
 from deepxd.actors.worker import RunResult
 from deepxd.config import Config, with_needed_roles
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_store, replay_graph
 from deepxd.node import Node
+from deepxd.owners import Session
 
 #: the roles of an embedded node when neither the caller nor DEEPX_ROLES names them
 DEFAULT_ROLES = ("registry", "heapmem", "scheduler", "op-cpu")
@@ -29,13 +31,16 @@ class EmbeddedNode:
     """A deepxd node for one process: no UDP, a private socket for deepxctl, programs run on the event loop."""
 
     def __init__(self, socket_path: str, node_id: str, roles: Sequence[str] | None = None, *, blas: str = "auto",
-                 native_kernels: bool = True) -> None:
+                 native_kernels: bool = True, name: str | None = None) -> None:
         # every program runs on the event loop (inline_elements -1), which the SDK's thread borrows while the loop's
         # own thread sleeps: no thread hand-off for a program the actors answer at once
         self.config = Config(listen=[f"unix://{socket_path}"], udp="off",
                              roles=with_needed_roles(list(roles or DEFAULT_ROLES)), node_id=node_id,
                              log_level="warning", inline_elements=-1, blas=blas, native_kernels=int(native_kernels))
         self.node = Node(self.config)
+        # the session that owns what the SDK makes here: this process (`name`: the program's, by default)
+        me = this_process(name)
+        self.session = Session(me["name"], me["pid"], me["host"])
 
     @property
     def address(self) -> str:
@@ -69,8 +74,17 @@ class EmbeddedNode:
                                                          wrt=list(wrt), grad_loss=grad_loss, prefix=prefix,
                                                          capture=capture, names=names))
 
+    async def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
+        """As the native `label` request: the tensors named under `prefix` are this process's session's; `tensors`
+        gives their labels (a parameter's module path, the line that made it)."""
+        owners = self.node.owners
+        owners.label_request({"prefix": prefix, "tensors": tensors}, self.session, set())
+        if tensors and "heapmem" in self.node.refs:
+            await self.node.ref("heapmem").ask("relabel", names=list(tensors))
+
     # -- stored graphs (deepxd/graphstore.py)
     async def graph_store(self, name: str, data: bytes) -> dict[str, Any]:
+        self.node.owners.bind(f"{name}.", self.session)  # its temporaries are named under the graph's name
         return await graph_store(self.node, name, data)
 
     async def graph_drop(self, name: str) -> dict[str, Any]:

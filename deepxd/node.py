@@ -21,6 +21,7 @@ from deepx_core.errors import DeepxError
 from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
 from deepxd.config import Config, is_loopback, udp_address
 from deepxd.kv.base import KV, open_kv, redact
+from deepxd.owners import Owners
 from deepxd.peers import DEAD_HEARTBEATS
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Node:
         self.udp: Any = None  # the UdpServer, when deepxIR over UDP is on
         self.addresses: dict[str, str] = {}  # where it listens, as the registry records it
         self.udp_scope: Any = None  # what UDP senders may name (deepxd/access.py), when it is on
+        self.owners = Owners()  # who made which tensor, and the labels clients gave (deepxd/owners.py)
         self.stopping = asyncio.Event()
         self._signals = 0
         self.started = asyncio.Event()
@@ -83,7 +85,7 @@ class Node:
 
             heapmem = HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
                                  device=cuda.device_heap if cuda is not None else None,  # with op-cuda: on the GPU
-                                 dead_after_s=DEAD_HEARTBEATS * c.heartbeat_s)
+                                 dead_after_s=DEAD_HEARTBEATS * c.heartbeat_s, owners=self.owners)
             self.refs["heapmem"] = self.supervisor.start(heapmem)
             if cuda is not None:
                 cuda.heapmem = self.refs["heapmem"]
@@ -120,7 +122,7 @@ class Node:
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
-                blas=cpu_blas, scheduler=self.refs.get("scheduler")))
+                blas=cpu_blas, scheduler=self.refs.get("scheduler"), owners=self.owners))
             await self._until_started()
             await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
 

@@ -101,6 +101,8 @@ class Module:
         raise NotImplementedError(f'Module [{type(self).__name__}] is missing the required "forward" function')
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_labelled") != _EPOCH[0]:  # once, and again only after a registry changed
+            _label_parameters(self)
         return self.forward(*args, **kwargs)
 
     # -- registration
@@ -260,6 +262,7 @@ class Module:
         objects and epoch."""
         state = dict(self.__dict__)
         state.pop("_structure", None)
+        state.pop("_labelled", None)  # a copy's parameters are other tensors: labelled at its first call
         return state
 
     def named_children(self) -> Iterator[tuple[str, Module]]:
@@ -466,11 +469,27 @@ class Module:
         return f"{self._get_name()}({body})"
 
 
+def _label_parameters(module: Module) -> None:
+    """Tell the daemon the module path of each parameter of `module` and its submodules (`0.weight`: deepxctl's
+    PARAMETER), at the first call of the outermost module that is called; the submodules it calls are then not
+    asked again (they would give their own, shorter paths). Sent with the next program, and only what changed."""
+    params, mods = module.structure()
+    epoch = _EPOCH[0]
+    for m in mods:
+        m.__dict__["_labelled"] = epoch
+    for path, p in params:
+        s = p._s
+        if s is not None and not s.closed:
+            s.labels.parameter(p.name, path)
+
+
 def _retype_heap(p: Parameter, dtype: str) -> None:
     """Give parameter `p` a new heap tensor of `dtype` holding its values; the Parameter object stays the same, so
     references to it (an optimizer's) stay valid, as with torch's param.data swap."""
     s = p._s
     new = s.names.new_name()
+    s.recorder.made_here(new)
+    _EPOCH[0] += 1  # the parameter's new tensor is labelled with its module path at the next call
     s.recorder.record(Instr("newtensor", (Param.vector(p.shape),), (Param.tensor(new, dtype),), (("kind", "heap"),)))
     s.recorder.record(Instr("todtype", (Param.tensor(p.name, p.dtype),), (Param.tensor(new, dtype),)))
     handles = data_handles(p)

@@ -87,6 +87,7 @@ def _as_array(data: Any, dtype: str | None) -> np.ndarray:
 def _init_heap(p: Parameter, s: Session, shape: Shape, dtype: str, requires_grad: bool) -> None:
     to_numpy(dtype)
     Tensor.__init__(p, s.names.new_name(), shape, dtype, s, requires_grad)
+    s.recorder.made_here(p.name)
     s.recorder.record(Instr("newtensor", (Param.vector(shape),), (Param.tensor(p.name, dtype),), (("kind", "heap"),)))
 
 
@@ -156,7 +157,8 @@ def load_into(target: Tensor, value: Any, key: str) -> None:
         return
     arr = np.array(value, dtype=to_numpy(target.dtype), order="C", copy=None)
     if isinstance(target, Parameter):
-        target._s.recorder.put(target.name, arr, heap=True)  # straight into the heap segment, no temporary
+        # straight into the heap segment, no temporary; the tensor was made where the parameter was
+        target._s.recorder.put(target.name, arr, heap=True, made=False)
     else:
         from deepx_sdk.tensor import tensor
 

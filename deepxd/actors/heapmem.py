@@ -44,6 +44,8 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
 from deepxd.actors.base import Actor, ActorRef, ActorStopped, end_task
 from deepxd.kv.base import KV, Batch
+from deepxd.owners import FIELDS as OWNER_FIELDS
+from deepxd.owners import Owners
 from deepxd.peers import on_this_host, unreachable
 from deepxd.shm import (
     OutOfSharedMemory,
@@ -102,6 +104,7 @@ class _Heap:
     ipc_handle: str = ""  # hex of the CUDA IPC handle of a GPU tensor
     block: Any = field(default=None, repr=False)  # a GPU tensor's memory (deepxd.actors.opcuda.DeviceBlock)
     lent: bool = False  # another node of this host mapped its segment (never pooled: see _drop)
+    labels: dict[str, str] = field(default_factory=dict)  # who made it and what it is (deepxd/owners.py FIELDS)
 
     @property
     def present(self) -> bool:
@@ -112,7 +115,8 @@ class _Heap:
         return {"dtype": self.dtype, "shape": str(list(self.shape)), "node": self.node, "device": self.device,
                 "bytes": str(self.nbytes), "kind": "heap", "owner": self.owner, "state": self.state,
                 "refcount": str(self.refcount), "holders": ",".join(self.holders), "handle": self.handle,
-                "ctime": repr(self.ctime), **({"ipc_handle": self.ipc_handle} if self.ipc_handle else {})}
+                "ctime": repr(self.ctime), **({"ipc_handle": self.ipc_handle} if self.ipc_handle else {}),
+                **self.labels}
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "node": self.node,
@@ -136,7 +140,8 @@ class _Heap:
                        owner=f.get("owner", ""), holders=[h for h in f.get("holders", "").split(",") if h],
                        refcount=int(f.get("refcount", "0")), handle=f.get("handle", ""),
                        ctime=float(f.get("ctime", "0")), state=f.get("state", "live"),
-                       device=f.get("device", "cpu"), ipc_handle=f.get("ipc_handle", ""))
+                       device=f.get("device", "cpu"), ipc_handle=f.get("ipc_handle", ""),
+                       labels={k: f[k] for k in OWNER_FIELDS if f.get(k)})
         except KeyError as e:
             raise ValueError(f"field {e.args[0]!r} is missing") from None
         except json.JSONDecodeError as e:
@@ -197,18 +202,20 @@ class HeapMemory(Actor):
     """Heap tensors of one node in shared memory, their refcounts, and their metadata in the storage plane.
 
     Messages (all answer through `ask`; refusals are DeepxError naming the tensor): create, attach, release,
-    delete, array, info, list, stats, and lifecycle (the commands that the tick popped from `tensor_lifecycle`).
+    delete, array, info, list, stats, relabel (deepxd/owners.py), and lifecycle (the commands that the tick popped
+    from `tensor_lifecycle`).
     """
 
     role = "heapmem"
 
     def __init__(self, kv: KV, node_id: str, *, pool_bytes: int = 256 << 20, poll_s: float = 0.05,
                  check_s: float = CHECK_S, name: str | None = None, device: Any = None,
-                 dead_after_s: float = 10.0) -> None:
+                 dead_after_s: float = 10.0, owners: Owners | None = None) -> None:
         super().__init__(name)
         self.dead_after_s = dead_after_s  # a node whose heartbeat is older is dead: its tensors are unreachable
         # heap tensors of other nodes of this host that programs here use: name -> (segment, node, handle)
         self._remote: dict[str, tuple[Segment, str, str]] = {}
+        self.owners = owners  # who made the tensors, and their labels: written into their records
         self.kv = kv
         self.device = device  # a DeviceHeap (deepxd.actors.opcuda): heap tensors then live in its GPU memory
         self.node = node_id
@@ -607,6 +614,22 @@ class HeapMemory(Actor):
                         "again", self.name, w.count, self.node)
         return w.count
 
+    async def on_relabel(self, names: Sequence[str]) -> int:
+        """A client labelled these tensors (deepxd/owners.py): the records of those that are heap tensors here are
+        written again with what the node now knows of them. Returns how many."""
+        if self.owners is None:
+            return 0
+        w = _Writes(self.kv)
+        for name in names:
+            t = self._tensors.get(name)
+            if t is not None:
+                labels = {**t.labels, **self.owners.fields(name)}
+                if labels != t.labels:
+                    t.labels = labels
+                    w.hset(name, t.fields())
+        await w.execute()
+        return w.count
+
     def on_adopted(self) -> list[dict[str, Any]]:
         """The heap tensors adopted at start from a daemon of this node that died, still held: the op worker
         views them again (CpuWorker.on_start)."""
@@ -646,11 +669,12 @@ class HeapMemory(Actor):
                                  f"{other.get('kind', '?')} tensor on node {other.get('node', '?')}); "
                                  "delete it there or pick another name")
         nbytes = math.prod(dims) * itemsize
+        labels = self.owners.fields(name) if self.owners is not None else {}
         if self.device is not None:
             block = await self.device.alloc(name, nbytes, zero)
             t = _Heap(name=name, dtype=dtype, shape=dims, nbytes=nbytes, node=self.node, owner=owner,
                       holders=[owner] if owner else [], refcount=1, handle="", ctime=time.time(),
-                      device=block.device, ipc_handle=block.ipc_handle.hex(), block=block)
+                      device=block.device, ipc_handle=block.ipc_handle.hex(), block=block, labels=labels)
             self._replace_lost(w, known)
             self._tensors[name] = t
             w.hset(name, t.fields())
@@ -668,7 +692,8 @@ class HeapMemory(Actor):
             else:
                 seg.zero(nbytes)
         t = _Heap(name=name, dtype=dtype, shape=dims, nbytes=nbytes, node=self.node, owner=owner,
-                  holders=[owner] if owner else [], refcount=1, handle=seg.name, ctime=time.time(), segment=seg)
+                  holders=[owner] if owner else [], refcount=1, handle=seg.name, ctime=time.time(), segment=seg,
+                  labels=labels)
         self._replace_lost(w, known)
         self._tensors[name] = t
         w.hset(name, t.fields())

@@ -24,6 +24,7 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS
 from deepxd.actors.base import Actor, ActorRef, end_task
 from deepxd.kv.base import KV, Batch
+from deepxd.owners import Owners, shown
 from deepxd.peers import DEAD_HEARTBEATS, ask_node, unreachable
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ class Registry(Actor):
                  workers: dict[str, ActorRef] | None = None, heapmem: ActorRef | None = None,
                  actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
                  devices: list[str] | None = None, name: str = "registry", blas: str = "",
-                 scheduler: ActorRef | None = None) -> None:
+                 scheduler: ActorRef | None = None, owners: Owners | None = None) -> None:
         super().__init__(name)
+        self.owners = owners or Owners()  # who made this node's tensors, and their labels (deepxd/owners.py)
         self.kv = kv
         self.node_id = node_id
         self.roles = roles
@@ -194,7 +196,9 @@ class Registry(Actor):
                 except ValueError:
                     pass
             heap_names.add(row["name"])
-            rows.append(row)
+            if row.get("node") == self.node_id:  # what this node knows now (the record may lag a label)
+                row.update(self.owners.fields(row["name"]))
+            rows.append(shown(row))
         alive: dict[str, bool] = {self.node_id: True}  # a live tensor of a dead node is `unreachable`
         for row in rows:
             node = row.get("node")
@@ -212,7 +216,9 @@ class Registry(Actor):
                                  "plane's records (heap tensors) are listed by deepxctl --kv URL tensors ls") from None
             for row in listed:
                 if row["kind"] == "stack" or row["name"] not in heap_names:
-                    rows.append({**row, "node": self.node_id, "state": "live"})
+                    rows.append(shown({**row, "node": self.node_id, "state": "live",
+                                       **self.owners.fields(row["name"])}))
+        self.owners.keep_only(r["name"] for r in rows if r.get("node") == self.node_id)
         return sorted(rows, key=lambda r: r["name"])
 
     async def on_ops(self) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from deepx_core.paths import check_socket_dir, tcp_address
 from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
+from deepxd.owners import Owners, session_of_hello
 
 if TYPE_CHECKING:
     from deepxd.node import Node
@@ -141,16 +142,24 @@ def check_socket_free(path: str) -> None:
     raise DeepxError(f"socket {path} is in use by another deepxd; stop it or choose --listen unix:///other/path")
 
 
-def _bind(bound: dict[str, Any], op: str, req: dict[str, Any]) -> None:
-    """A connection's session state: `release_on_close` {prefix} (a session's tensor-name prefix; "" unbinds) and
-    the names of the graphs stored over it."""
-    if op == "release_on_close":
+def _bind(bound: dict[str, Any], op: str, req: dict[str, Any], owners: Owners) -> None:
+    """A connection's session state: who it is (`hello`: deepxd/owners.py), `release_on_close` {prefix} (a session's
+    tensor-name prefix; "" unbinds), the prefixes its tensors are named under (`label`) and the names of the graphs
+    stored over it."""
+    if op == "hello":
+        bound["session"] = session_of_hello(req)
+    elif op == "label":
+        owners.label_request(req, bound.get("session"), bound.setdefault("prefixes", set()))
+    elif op == "release_on_close":
         prefix = req.get("prefix")
         if not isinstance(prefix, str) or (prefix and len(prefix) < 4):
             raise DeepxError("release_on_close: 'prefix' must be a session's name prefix (a string), or '' for none")
         bound["prefix"] = prefix
     elif isinstance(req.get("name"), str):
         bound.setdefault("graphs", set()).add(req["name"])
+        if bound.get("session") is not None:  # its temporaries are named under the graph's name
+            owners.bind(f"{req['name']}.", bound["session"])
+            bound.setdefault("prefixes", set()).add(f"{req['name']}.")
 
 
 def _instrs(objs: Any, what: str) -> list[Instr]:
@@ -310,8 +319,10 @@ class NativeServer:
         finally:
             self.connections.discard(writer)
             writer.close()
-            if bound.get("prefix") and not self.node.stopping.is_set():
+            released = bool(bound.get("prefix")) and not self.node.stopping.is_set()
+            if released:
                 await self._release(bound["prefix"], sorted(bound.get("graphs", ())))
+            self.node.owners.ended(bound.get("prefixes", ()), released)
 
     async def _greet(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """A TCP connection's first exchange (deepx_core/auth.py), before any request is read: without a token, a
@@ -410,8 +421,10 @@ class NativeServer:
                     req = await asyncio.to_thread(unpack_body, body)
             rid = req.get("id")
             op = req.get("op")
-            if bound is not None and op in ("release_on_close", "graph_store"):
-                _bind(bound, op, req)
+            if bound is not None and op in ("release_on_close", "graph_store", "hello", "label"):
+                _bind(bound, op, req, self.node.owners)
+            elif bound is not None and op in ("put", "run") and bound.get("session") is not None:
+                await self.node.owners.made_by(op, req, bound["session"], bool(bound.get("prefixes")))
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise DeepxError(f"unknown request op {op!r}; known: {', '.join(sorted(self._ops))}")
@@ -429,6 +442,12 @@ class NativeServer:
 
     async def _op_release_on_close(self, req: dict[str, Any]) -> dict[str, Any]:
         return {"prefix": req.get("prefix")}  # recorded for the connection by _handle
+
+    async def _op_label(self, req: dict[str, Any]) -> dict[str, Any]:
+        names = list(req.get("tensors") or ())  # recorded for the connection's session by _handle
+        if names and "heapmem" in self.node.refs:  # a heap tensor's record in the plane carries them too
+            await self.node.ref("heapmem").ask("relabel", names=names)
+        return {"labelled": len(names)}
 
     async def _op_hello(self, req: dict[str, Any]) -> dict[str, Any]:
         v = req.get("version")

@@ -321,6 +321,29 @@ def test_run_and_explain_fields_of_the_wrong_type_are_refused(shared: Daemon) ->
         assert r["ok"], r
 
 
+@pytest.mark.parametrize("op, fields, message", [
+    ("hello", {"name": 5, "pid": 1, "host": "h"}, "hello: 'name' must be the client program's name (a string), got 5"),
+    ("hello", {"name": "a", "pid": "1", "host": "h"},
+     "hello: 'pid' must be the client's process id (a positive whole number), got '1'"),
+    ("hello", {"name": "a", "pid": True, "host": "h"},
+     "hello: 'pid' must be the client's process id (a positive whole number), got True"),
+    ("hello", {"name": "a", "pid": 1}, "hello: 'host' must be the client's host name (a string), got None"),
+    ("label", {"prefix": 7}, "label: 'prefix' must be a session's tensor-name prefix (a string of 4 characters or "
+                             "more), got 7"),
+    ("label", {"tensors": ["w"]}, "label: 'tensors' must map tensor names to their labels, got list"),
+    ("label", {"tensors": {"w": "0.weight"}}, "label: 'tensors' must map tensor names to maps of labels"),
+    ("label", {"tensors": {"w": {"colour": "red"}}}, "label of 'w': 'colour' must be one of parameter, call_site"),
+    ("label", {"tensors": {"w": {"parameter": 3}}}, "label of 'w': 'parameter' must be one of parameter, call_site "
+                                                    "with a string value, got 3"),
+])
+def test_hello_and_label_fields_of_the_wrong_type_are_refused(shared: Daemon, op: str, fields: dict,
+                                                              message: str) -> None:
+    with shared.client() as c:
+        r = _request(c, op, **({"version": 1, "client": "t"} if op == "hello" else {}), **fields)
+        assert not r["ok"] and r["error"].startswith(message), r["error"]
+        c.ping()  # the connection keeps serving
+
+
 # -- a daemon that does not answer in time
 
 def test_the_client_says_when_the_daemon_did_not_answer_in_time(shared: Daemon) -> None:

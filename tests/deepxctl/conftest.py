@@ -13,11 +13,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 
+from deepx_core.identity import this_process
 from deepx_core.ir import parse_text
 from deepxctl.cli import cli
 from tests.daemon.conftest import Daemon
 
 MATMULS = 5  # matmul runs in the fixture (and nowhere else in these tests, so its counters are known)
+_ME = this_process()
+#: the owner deepxctl shows for what this test process's clients made: its session (deepxd/owners.py)
+ME = f"{_ME['name']}[{_ME['pid']}]@{_ME['host']}"
 
 
 @dataclass

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from deepx_core.identity import this_process
 from deepx_core.ir import parse_text
 from deepx_core.ir.wire import pack_program
 from tests.daemon.conftest import Daemon
-from tests.deepxctl.conftest import Live, ctl, one_line_error, wait_for
+from tests.deepxctl.conftest import ME, Live, ctl, one_line_error, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,9 @@ def test_tensors_of_a_stopped_daemon(stopped) -> None:
     assert (w["kind"], w["dtype"], w["shape"], w["bytes"], w["owner"], w["node"]) == (
         "heap", "float32", [8, 8], 256, "trainer", node)
     assert (w["state"], w["refcount"], w["holders"]) == ("stopped", 1, ["trainer"])
-    heap = kv_json(url, "tensors", "ls", "--filter", "owner=op-cpu")
+    heap = kv_json(url, "tensors", "ls", "--filter", f"owner={ME}")  # the session that put it, as its record says
     assert [t["name"] for t in heap] == ["bias"]
+    assert (rows["bias"]["pid"], rows["bias"]["client"]) == (os.getpid(), this_process()["name"])
     shown = kv_json(url, "tensors", "show", "weights")
     assert shown["preview"] is None and "values need a running deepxd" in shown["note"]
     assert "no tensor named 'nope' in the storage plane" in one_line_error(ctl("--kv", url, "tensors", "show", "nope"))
@@ -64,7 +67,7 @@ def test_nodes_ops_memory_graphs_of_a_stopped_daemon(stopped) -> None:
     assert (add["node"], add["worker"], add["calls"]) == (node, "op-cpu", 3) and add["total_s"] > 0
     m = kv_json(url, "memory")
     assert m["total_bytes"] == 256 + 32 and m["heapmem"] is None
-    assert {u["name"]: u["bytes"] for u in m["by_owner"]} == {"trainer": 256, "op-cpu": 32}
+    assert {u["name"]: u["bytes"] for u in m["by_owner"]} == {"trainer": 256, ME: 32}
     assert kv_json(url, "graphs", "ls") == []
     assert "no graph named 'g'" in one_line_error(ctl("--kv", url, "graphs", "show", "g"))
 
@@ -114,7 +117,7 @@ def test_redis_plane_of_a_running_daemon(live: Live) -> None:
     rows = {t["name"]: t for t in json.loads(live.ctl("tensors", "ls", "--format", "json", kv=True).stdout)}
     assert {"w", "v"} <= set(rows) and "x" not in rows  # only heap tensors are in the plane
     assert rows["w"] == {"name": "w", "kind": "heap", "dtype": "float32", "shape": [3, 2], "bytes": 24,
-                         "owner": "op-cpu", "node": live.node}
+                         "owner": ME, "parameter": "", "call_site": "", "node": live.node}
     nodes = json.loads(live.ctl("nodes", "ls", "--format", "json", kv=True).stdout)
     assert [n["state"] for n in nodes if n["node"] == live.node] == ["running"]
     ops = json.loads(live.ctl("ops", "ls", "--format", "json", "--filter", "op=matmul", kv=True).stdout)

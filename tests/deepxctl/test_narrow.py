@@ -29,6 +29,16 @@ def test_wrap_breaks_after_separators_not_mid_word() -> None:
     assert wrap_cell("w1", 10) == ["w1"] and wrap_cell("", 10) == [""]
 
 
+def test_wrap_breaks_an_owner_after_its_bracket_and_at() -> None:
+    assert wrap_cell("train.py[26410]@gpu-node-1", 10) == ["train.py[", "26410]@", "gpu-node-1"]
+
+
+def test_a_cut_call_site_keeps_its_file_and_line() -> None:
+    site = "/home/someone/projects/deepx/experiments/2026/tests/test_model.py:123"
+    assert wrap_cell(site, 14, tail=True) == ["…2026/tests/", "test_model.", "py:123"]
+    assert wrap_cell(site, 14)[-1] == "deepx/…"  # what any other cell keeps: its start
+
+
 def test_wrap_cuts_after_max_lines_with_an_ellipsis() -> None:
     lines = wrap_cell(LONG, 30)
     assert len(lines) == CELL_LINES and all(len(line) <= 30 for line in lines)
@@ -95,6 +105,18 @@ def test_at_80_columns_the_name_takes_a_few_lines_not_hundreds(long_named: Daemo
     assert first_of_w1 - 2 == CELL_LINES and lines[first_of_w1 - 1].split()[-1].endswith("…")
 
 
+def test_at_80_columns_parameter_and_call_site_give_way_first(long_named: Daemon) -> None:
+    """Spare columns are left out, with a note on stderr, before the others' short words are cut."""
+    r = CliRunner().invoke(cli, ["--address", long_named.address, "tensors", "ls"],
+                           env={"FORCE_COLOR": "1", "COLUMNS": "80"}, catch_exceptions=False)
+    header = ANSI.sub("", r.stdout).splitlines()[0].split()
+    assert header == ["NAME", "KIND", "DTYPE", "SHAPE", "BYTES", "OWNER", "NODE"]
+    assert "left out to fit 80 columns: CALL SITE, PARAMETER (--wide" in ANSI.sub("", r.stderr)
+    wide = run(long_named, "tensors", "ls", "--wide").splitlines()[0].split()
+    assert wide[5:] == ["OWNER", "PARAMETER", "CALL", "SITE", "NODE"]
+    assert run(long_named, "tensors", "ls", columns=130).splitlines()[0].split() == wide  # room for them
+
+
 def test_wide_shows_the_name_whole(long_named: Daemon) -> None:
     for columns in (80, None):
         out = run(long_named, "tensors", "ls", "--wide", columns=columns)
@@ -108,7 +130,8 @@ def test_wide_shows_the_name_whole(long_named: Daemon) -> None:
 def test_a_pipe_is_wide_and_wraps_no_less(long_named: Daemon) -> None:
     out = run(long_named, "tensors", "ls", columns=None)
     assert max(len(line) for line in out.splitlines()) <= WIDE
-    assert out.splitlines()[0].split() == ["NAME", "KIND", "DTYPE", "SHAPE", "BYTES", "OWNER", "NODE"]
+    assert out.splitlines()[0].split() == ["NAME", "KIND", "DTYPE", "SHAPE", "BYTES", "OWNER", "PARAMETER", "CALL",
+                                           "SITE", "NODE"]
     assert next(line for line in out.splitlines() if line.startswith("w1 ")).split()[:3] == ["w1", "stack",
                                                                                            "float32"]
 

@@ -9,7 +9,8 @@ import numpy as np
 import redis
 import yaml
 
-from tests.deepxctl.conftest import Live, one_line_error, wait_for
+from deepx_core.identity import this_process
+from tests.deepxctl.conftest import ME, Live, one_line_error, wait_for
 
 
 def rows_by_name(result) -> dict[str, dict]:
@@ -18,14 +19,17 @@ def rows_by_name(result) -> dict[str, dict]:
 
 
 def test_ls_json_field_by_field(live: Live) -> None:
+    """OWNER: the session that made a tensor (this process's client put x and w, and its program made y), or the
+    name a client gave (v, put with owner='alice')."""
     rows = rows_by_name(live.ctl("tensors", "ls", "--format", "json"))
+    unlabelled = {"parameter": "", "call_site": "", "node": live.node}
     assert rows["x"] == {"name": "x", "kind": "stack", "dtype": "float32", "shape": [2, 3], "bytes": 24,
-                         "owner": "op-cpu", "node": live.node}
+                         "owner": ME, **unlabelled}
     assert rows["w"] == {"name": "w", "kind": "heap", "dtype": "float32", "shape": [3, 2], "bytes": 24,
-                         "owner": "op-cpu", "node": live.node}
+                         "owner": ME, **unlabelled}
     assert rows["v"] == {"name": "v", "kind": "heap", "dtype": "int32", "shape": [4], "bytes": 16,
-                         "owner": "alice", "node": live.node}
-    assert rows["y"]["kind"] == "stack" and rows["y"]["shape"] == [2, 2]
+                         "owner": "alice", **unlabelled}
+    assert rows["y"]["kind"] == "stack" and rows["y"]["shape"] == [2, 2] and rows["y"]["owner"] == ME
 
 
 def test_ls_detail_adds_references(live: Live) -> None:
@@ -35,17 +39,20 @@ def test_ls_detail_adds_references(live: Live) -> None:
     assert w["handle"].startswith("deepx-")
     x = rows["x"]
     assert (x["state"], x["refcount"], x["holders"], x["handle"]) == ("live", None, [], "")
+    me = this_process()
+    for r in (w, x, rows["v"]):  # the session, field by field
+        assert (r["client"], r["pid"], r["host"]) == (me["name"], me["pid"], me["host"])
 
 
 def test_ls_table_and_yaml_have_the_same_fields(live: Live) -> None:
     table = live.ctl("tensors", "ls")
     assert table.exit_code == 0
     header = table.stdout.splitlines()[0].split()
-    assert header == ["NAME", "KIND", "DTYPE", "SHAPE", "BYTES", "OWNER", "NODE"]
+    assert header == ["NAME", "KIND", "DTYPE", "SHAPE", "BYTES", "OWNER", "PARAMETER", "CALL", "SITE", "NODE"]
     line = next(ln for ln in table.stdout.splitlines() if ln.split()[:1] == ["w"])
-    assert line.split() == ["w", "heap", "float32", "[3,", "2]", "24", "B", "op-cpu", live.node]
+    assert line.split() == ["w", "heap", "float32", "[3,", "2]", "24", "B", ME, live.node]
     data = yaml.safe_load(live.ctl("tensors", "ls", "--format", "yaml").stdout)
-    assert [k.upper() for k in data[0]] == header
+    assert " ".join(k.upper().replace("_", " ") for k in data[0]).split() == header  # call_site: CALL SITE
 
 
 def test_ls_filters_and_limit(live: Live) -> None:
