@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import from_numpy
 from deepx_core.ir.instr import Instr
+from deepxd import groups
 from deepxd.actors.worker import RunResult
 from deepxd.config import Config, with_needed_roles
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_store, replay_graph
@@ -68,6 +70,14 @@ class EmbeddedNode:
         return dict(await self.node.ref("scheduler").ask("backward", forward=list(forward), loss=loss,
                                                          wrt=list(wrt), grad_loss=grad_loss, prefix=prefix,
                                                          capture=capture, names=names))
+
+    # -- process groups (deepxd/groups.py)
+    async def group(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """A process-group request (`join`, `barrier`, `leave`), as the native socket's `group_<op>`."""
+        handler = {"join": groups.join, "barrier": groups.barrier, "leave": groups.leave}.get(op)
+        if handler is None:
+            raise DeepxError(f"unknown process-group request {op!r}")
+        return await handler(self.node, **fields)  # type: ignore[operator]
 
     # -- stored graphs (deepxd/graphstore.py)
     async def graph_store(self, name: str, data: bytes) -> dict[str, Any]:
