@@ -104,7 +104,7 @@ def _lazy(name: str) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("nn", "optim", "io", "utils"):
+    if name in ("nn", "optim", "io", "utils", "distributed"):
         return _lazy(name)
     if name == "Generator":
         return _lazy("utils.data").Generator

@@ -570,6 +570,20 @@ class Tensor:
         if not retain_graph:
             for node in path:
                 node.free()
+        if _GRAD_HOOKS:
+            _after_accumulate(leaves.values())
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> _HookHandle:
+        """Call hook(tensor) after each backward that accumulated this leaf's `.grad`, as torch's (DDP's
+        all-reduce of the gradients hangs on it). Returns a handle whose remove() takes it away."""
+        if self.grad_fn is not None:
+            raise DeepxError("register_post_accumulate_grad_hook: only leaf tensors accumulate a .grad; "
+                             f"'{self.name}' was computed by an op")
+        entry = _GRAD_HOOKS.get(id(self))
+        if entry is None:
+            entry = _GRAD_HOOKS[id(self)] = (_weakref(self, _hooks_gone(id(self))), [])
+        entry[1].append(hook)
+        return _HookHandle(entry[1], hook)
 
     def _infer(self, name: str, args: list[Any], names: list[Any]) -> TensorMeta:
         """The op's result meta by the catalogue's rule, remembered by (op, args): a loop asks the same again and
@@ -1589,6 +1603,33 @@ class Tensor:
     def normal_(self, mean: _float = 0.0, std: _float = 1.0) -> Tensor:
         return self._fill(Instr("normal", (_vp(float(mean)), _vp(float(std)), _vp(_seed(self._s))),
                                 (_tp(self),)), "normal_")
+
+
+# id(leaf) -> (a weak reference to it, the hooks called after backward accumulated its .grad)
+_GRAD_HOOKS: dict[_int, tuple[Any, list[Any]]] = {}
+
+
+def _hooks_gone(key: _int) -> Any:
+    return lambda _ref: _GRAD_HOOKS.pop(key, None)
+
+
+def _after_accumulate(leaves: Iterable[Tensor]) -> None:
+    for leaf in leaves:
+        entry = _GRAD_HOOKS.get(id(leaf))
+        if entry is not None and entry[0]() is leaf:
+            for hook in list(entry[1]):
+                hook(leaf)
+
+
+class _HookHandle:
+    """What register_post_accumulate_grad_hook returns (torch's RemovableHandle)."""
+
+    def __init__(self, hooks: list[Any], hook: Any) -> None:
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
 
 
 class _no_tape:

@@ -53,6 +53,10 @@ class Transport:
         """Tell the daemon what the session knows of its tensors (deepx_sdk/labels.py): `prefix`, the names its
         tensors are made under; `tensors`, their labels. Where there is no daemon (UDP), nothing."""
 
+    def group(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """A process-group request of deepx_sdk.distributed (`join`, `barrier`, `leave`: deepxd/groups.py)."""
+        raise DeepxError(f"{type(self).__name__} cannot form process groups: they need a deepxd (unix:// or embedded)")
+
     def close(self) -> None:
         pass
 
@@ -92,6 +96,15 @@ class NativeTransport(Transport):
         if tensors:
             fields["tensors"] = tensors
         self.client.request("label", **fields)
+
+    def group(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        from deepx_core.ir.wire import pack_instr_cached
+
+        for program in ("before", "then"):
+            if fields.get(program):
+                fields = {**fields, program: [pack_instr_cached(i) for i in fields[program]]}
+        reply = self.client.request(f"group_{op}", **fields)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
 
     def close(self) -> None:
         self.client.close()
@@ -178,6 +191,9 @@ class EmbeddedTransport(Transport):
     def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
                  prefix: str, names: dict[str, str] | None = None) -> dict[str, str]:
         return dict(self._call(self.embedded.backward(forward, loss, wrt, grad_loss, prefix, names))["grads"])
+
+    def group(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        return dict(self._call(self.embedded.group(op, fields)))
 
     def close(self) -> None:
         if self.runner.alive():

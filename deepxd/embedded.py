@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from deepx_core.errors import DeepxError
 from deepx_core.identity import this_process
 from deepx_core.ir.dtypes import from_numpy
 from deepx_core.ir.instr import Instr
+from deepxd import groups
 from deepxd.actors.worker import RunResult
 from deepxd.config import Config, with_needed_roles
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_store, replay_graph
@@ -81,6 +83,14 @@ class EmbeddedNode:
         owners.label_request({"prefix": prefix, "tensors": tensors}, self.session, set())
         if tensors and "heapmem" in self.node.refs:
             await self.node.ref("heapmem").ask("relabel", names=list(tensors))
+
+    # -- process groups (deepxd/groups.py)
+    async def group(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """A process-group request (`join`, `barrier`, `leave`), as the native socket's `group_<op>`."""
+        handler = {"join": groups.join, "barrier": groups.barrier, "leave": groups.leave}.get(op)
+        if handler is None:
+            raise DeepxError(f"unknown process-group request {op!r}")
+        return await handler(self.node, **fields)  # type: ignore[operator]
 
     # -- stored graphs (deepxd/graphstore.py)
     async def graph_store(self, name: str, data: bytes) -> dict[str, Any]:

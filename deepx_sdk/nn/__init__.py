@@ -96,3 +96,11 @@ __all__ = [
     "init",
     "utils",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "parallel":  # imported when first named: it brings deepx_sdk.distributed
+        import importlib
+
+        return importlib.import_module("deepx_sdk.nn.parallel")
+    raise AttributeError(f"module 'deepx_sdk.nn' has no attribute {name!r}")

@@ -523,6 +523,14 @@ class HeapMemory(Actor):
         await self._forget_remote(name)
         return True
 
+    async def on_forget_remote(self, names: Sequence[str]) -> int:
+        """Let go of the mappings of other nodes' tensors among `names` (a process group's, which its members
+        leave); how many there were."""
+        mapped = [name for name in names if name in self._remote]
+        for name in mapped:
+            await self._forget_remote(name)
+        return len(mapped)
+
     async def on_check_remote(self) -> None:
         await self._check_remote()
 

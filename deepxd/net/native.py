@@ -32,6 +32,7 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import is_name
 from deepx_core.ir.wire import instr_from_obj, instr_to_obj, unpack_instr, unpack_instr_cached
 from deepx_core.paths import check_socket_dir, tcp_address
+from deepxd import groups
 from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
@@ -534,6 +535,26 @@ class NativeServer:
         program = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
         fetch = _tensor_names(req.get("fetch"), "explain")
         return dict(await self.node.ref("scheduler").ask("explain", program=program, fetch=fetch))
+
+    # -- process groups (deepx_sdk.distributed; deepxd/groups.py)
+    async def _op_group_join(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await groups.join(self.node, req.get("group"), req.get("world_size"), req.get("rank"), req.get("pid"),
+                                 req.get("host"), req.get("timeout"))
+
+    async def _op_group_barrier(self, req: dict[str, Any]) -> dict[str, Any]:
+        programs = {}
+        for field in ("before", "then"):
+            prog = req.get(field) or []
+            if not isinstance(prog, list):
+                raise DeepxError(f"group_barrier: '{field}' must be a list of instructions")
+            programs[field] = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
+        return await groups.barrier(self.node, req.get("group"), req.get("gen"), req.get("rank"), req.get("seq"),
+                                    req.get("timeout"), req.get("what", "barrier"), programs["then"],
+                                    req.get("leaving", False), programs["before"])
+
+    async def _op_group_leave(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await groups.leave(self.node, req.get("group"), req.get("gen"), req.get("rank"),
+                                  req.get("delete") or [], req.get("forget") or [])
 
     async def _op_fetch(self, req: dict[str, Any]) -> dict[str, Any]:
         names = req.get("names")

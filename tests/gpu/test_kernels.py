@@ -507,6 +507,22 @@ def _layernorm(rng, dt):
                 [T("A"), T("w"), T("b")])]
 
 
+@case("conv2d", "conv2dgradinput", "conv2dgradweight")
+def _conv(rng, dt):
+    """Each of the three on a few geometries (stride, padding, dilation, groups), against the CPU kernels."""
+    out = []
+    for (n, c, h, w, o, kh, kw, s, p, d, g) in [(2, 3, 7, 6, 4, 3, 2, (1, 1), (1, 0), (1, 1), 1),
+                                                (2, 4, 9, 8, 6, 3, 3, (2, 1), (1, 2), (2, 1), 2),
+                                                (1, 4, 5, 5, 4, 1, 1, (1, 1), (0, 0), (1, 1), 4)]:
+        oh, ow = (h + 2 * p[0] - d[0] * (kh - 1) - 1) // s[0] + 1, (w + 2 * p[1] - d[1] * (kw - 1) - 1) // s[1] + 1
+        x, wt, gy = r(rng, dt, (n, c, h, w)), r(rng, dt, (o, c // g, kh, kw)), r(rng, dt, (n, o, oh, ow))
+        geometry = [VEC(s), VEC(p), VEC(d), V(g)]
+        out += [one("conv2d", {"x": x, "w": wt}, [T("x"), T("w"), *geometry], scale="max"),
+                one("conv2dgradinput", {"g": gy, "w": wt}, [T("g"), T("w"), VEC(x.shape), *geometry], scale="max"),
+                one("conv2dgradweight", {"x": x, "g": gy}, [T("x"), T("g"), VEC(wt.shape), *geometry], scale="max")]
+    return out
+
+
 @case("rmsnorm")
 def _rmsnorm(rng, dt):
     a = r(rng, dt, (3, 4, 8))

@@ -1,0 +1,427 @@
+"""deepx_sdk.distributed: torch.distributed's collectives for ranks on one host (docs/distributed.md).
+
+    import deepx_sdk.distributed as dist
+    dist.init_process_group(world_size=2, rank=r)   # or WORLD_SIZE and RANK from the environment (torchrun's)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+
+The ranks meet through the storage plane of the daemons their sessions are connected to: one deepxd for every rank,
+or one deepxd each on one Redis. A collective is one request after the rank's pending program: each rank writes its
+contribution into a heap tensor of its own (made once and reused), the ranks meet at a barrier in the plane, and each
+rank's daemon then runs the reduction, a deepxIR program that names the other ranks' heap tensors, mapped without a
+copy (deepx_core/collectives.py, deepxd/groups.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from deepx_core.collectives import ReduceOp, buffer_key, buffer_name, copy, heap_buffer, reduce_into
+from deepx_core.errors import DeepxError
+from deepx_core.ir.instr import Instr, Param
+from deepx_sdk.session import Session, session
+from deepx_sdk.tensor import Tensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Backend", "DistBackendError", "DistError", "ProcessGroup", "ReduceOp", "Work", "all_gather",
+           "all_gather_into_tensor", "all_reduce", "barrier", "broadcast", "destroy_process_group", "get_backend",
+           "get_rank", "get_world_size", "init_process_group", "is_available", "is_initialized", "reduce_scatter"]
+
+#: torch's default for CPU groups (gloo): a collective waits this long for the slowest rank
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class DistError(DeepxError):
+    """A collective failed (torch.distributed.DistError)."""
+
+
+class DistBackendError(DistError):
+    """A collective failed in the group itself: a rank died, left or did not come in time. The group is then broken:
+    destroy_process_group() and init_process_group() again (torch.distributed.DistBackendError)."""
+
+
+class Backend:
+    """The backends: `heap` (CPU ranks on one host, through heap tensors in shared memory). `gloo`, torch's CPU
+    backend, is accepted as its name in ported scripts."""
+
+    HEAP = "heap"
+    GLOO = "gloo"
+
+
+class Work:
+    """What an `async_op=True` collective returns: deepx runs collectives when called, so it is complete."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+class ProcessGroup:
+    """The ranks of one formation of a group: who they are (pid, host, node), this rank's count of collectives
+    (every rank calls the same collectives in the same order, as in torch), and the buffers it made and read."""
+
+    def __init__(self, s: Session, name: str, rank: int, world_size: int, timeout: float, gen: str,
+                 members: dict[int, dict[str, Any]]) -> None:
+        self.session, self.name, self.rank, self.world_size = s, name, rank, world_size
+        self.timeout, self.gen, self.members = timeout, gen, members
+        self.seq = 0
+        self.made: dict[str, None] = {}  # this rank's heap buffers (made once each)
+        self.making: list[str] = []  # those the collective about to run makes
+        self.read: dict[str, None] = {}  # the other ranks' buffers this rank's reductions name
+        self.broken: str | None = None
+
+    def size(self) -> int:
+        return self.world_size
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size}, gen={self.gen})"
+
+    # -- the parts of a collective
+    def buffer(self, rank: int, key: str) -> str:
+        """Rank `rank`'s buffer `key` for the collective about to run (its parity: see buffer_name)."""
+        name = buffer_name(self.gen, rank, key, self.seq % 2)
+        if rank != self.rank:
+            self.read[name] = None
+        return name
+
+    def contribute(self, t: Tensor, key: str) -> list[Instr]:
+        """The instructions that write `t` into this rank's buffer `key` (made the first time)."""
+        mine = self.buffer(self.rank, key)
+        out = []
+        if mine not in self.made and mine not in self.making:
+            self.making.append(mine)
+            out.append(heap_buffer(mine, t.dtype, t.shape))
+        out.append(copy(t.name, mine, t.dtype))
+        return out
+
+    def meet(self, what: str, before: Sequence[Instr], then: Sequence[Instr], written: Sequence[Tensor] = ()
+             ) -> None:
+        """Run what is pending and `before` (this rank's contribution), meet the other ranks at this collective's
+        barrier, then have the daemon run `then` (the reduction), which writes the tensors `written`."""
+        making, self.making = self.making, []
+        s = self.usable(what)
+        for t in written:
+            t._check_write(what)
+        rec = s.recorder
+        if rec.pending:  # sent with what is pending (a training step's forward and backward), in its program
+            for instr in before:
+                rec.record(instr)
+            s.sync()
+            before = ()
+        else:  # nothing else to send: the daemon runs it as part of the request
+            s.sync()  # (raises an earlier program's error, as a sync does)
+        self.made.update(dict.fromkeys(making))  # (or about to be, first in the request)
+        seq, self.seq = self.seq, self.seq + 1
+        try:
+            s.transport.group("barrier", {"group": self.name, "gen": self.gen, "rank": self.rank, "seq": seq,
+                                          "timeout": self.timeout, "what": f"{what} #{seq}", "before": list(before),
+                                          "then": list(then)})
+        except DeepxError as e:
+            self.broken = str(e)
+            raise DistBackendError(str(e)) from None
+        finally:
+            for t in written:
+                s.tape.wrote(t)
+
+    def usable(self, what: str) -> Session:
+        if self.broken is not None:
+            raise DistBackendError(f"{what}: process group {self.name!r} is broken ({self.broken}); call "
+                                   "destroy_process_group() and init_process_group() again")
+        s = self.session
+        if s.closed or s is not session():
+            raise DistError(f"{what}: the session of process group {self.name!r} was closed or replaced "
+                            "(dx.connect or dx.disconnect after init_process_group)")
+        if s.recorder.capture is not None:
+            raise DistError(f"{what} inside dx.compile: collectives are requests to the daemon, not instructions "
+                            "of the catalogue yet, so a captured step cannot replay them (docs/distributed.md)")
+        return s
+
+    def leave(self) -> None:
+        """Meet the other ranks as they leave (unless the group is broken), then leave: this rank's buffers are
+        freed and its daemon lets go of the others' it mapped."""
+        s = self.session
+        if s.closed:
+            return
+        if self.broken is None and self.world_size > 1:
+            try:
+                s.transport.group("barrier", {"group": self.name, "gen": self.gen, "rank": self.rank,
+                                              "seq": self.seq, "leaving": True, "timeout": self.timeout,
+                                              "what": "destroy_process_group"})
+            except DeepxError as e:
+                log.warning("destroy_process_group: %s", e)
+        try:
+            s.transport.group("leave", {"group": self.name, "gen": self.gen, "rank": self.rank,
+                                        "delete": list(self.made), "forget": list(self.read)})
+        except DeepxError as e:
+            log.warning("destroy_process_group: leaving process group %r: %s", self.name, e)
+
+
+_group: ProcessGroup | None = None
+_lock = threading.Lock()
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return _group is not None
+
+
+def _seconds(timeout: Any) -> float:
+    if timeout is None:
+        return DEFAULT_TIMEOUT.total_seconds()
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def _from_env(value: int, var: str) -> int:
+    if value is not None and value >= 0:
+        return int(value)
+    raw = os.environ.get(var)
+    if raw is None:
+        raise DistError(f"init_process_group: give {var.lower()}= or set {var} in the environment (torchrun sets "
+                        "WORLD_SIZE and RANK)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistError(f"init_process_group: {var}={raw!r} is not a whole number") from None
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None, timeout: Any = None,
+                       world_size: int = -1, rank: int = -1, store: Any = None, group_name: str = "default",
+                       pg_options: Any = None, device_id: Any = None) -> None:
+    """Join the default process group as `rank` of `world_size` (-1: RANK and WORLD_SIZE from the environment),
+    through the current session's daemon; returns once every rank has joined (or raises after `timeout`, a
+    timedelta or seconds: 30 minutes unless given, which also bounds each collective's wait for the slowest rank).
+    Rank 0 forms the group: a group formed again after a rank died is formed anew by rank 0 calling this again."""
+    global _group
+    if backend not in (None, Backend.HEAP, Backend.GLOO, "cpu:gloo", "cpu"):
+        raise DistError(f"init_process_group: backend {backend!r} is not available; deepx has 'heap' (CPU ranks on "
+                        "one host; 'gloo' is taken as its name): NCCL and GPU ranks are not supported yet "
+                        "(docs/distributed.md)")
+    if (init_method not in (None, "env://")) or store is not None:
+        raise DistError("init_process_group: ranks meet through their daemons' storage plane; init_method and store "
+                        "are not used (connect every rank to one deepxd, or to deepxds sharing one Redis)")
+    world_size, rank = _from_env(world_size, "WORLD_SIZE"), _from_env(rank, "RANK")
+    limit = _seconds(timeout)
+    with _lock:
+        if _group is not None:
+            raise DistError("init_process_group: the default process group is already initialized; call "
+                            "destroy_process_group() first")
+        s = session()
+        if world_size > 1 and type(s.transport).__name__ == "EmbeddedTransport":
+            raise DistError(f"init_process_group: world_size {world_size} needs the ranks' sessions on a running "
+                            "deepxd (dx.connect('unix:///...') or DEEPX_ADDRESS), one for all of them or one each "
+                            "on one Redis plane; this session's daemon is embedded in the process, with a plane of "
+                            "its own (examples/train_ddp.py starts what it needs)")
+        reply = s.transport.group("join", {"group": group_name, "world_size": world_size, "rank": rank,
+                                           "pid": os.getpid(), "host": socket.gethostname(), "timeout": limit})
+        members = {int(r): dict(m) for r, m in reply["members"].items()}
+        _group = ProcessGroup(s, group_name, rank, world_size, limit, str(reply["gen"]), members)
+        log.info("process group %r formed: rank %d of %d (gen %s)", group_name, rank, world_size, _group.gen)
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Leave the default group: wait until every rank leaves it too (so that none still reads this rank's buffers),
+    then free this rank's buffers. A broken group (a rank died) is left at once."""
+    global _group
+    with _lock:
+        g = _group
+        if g is None or (group is not None and group is not g):
+            return
+        _group = None
+    g.leave()
+
+
+def _default(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    g = group if group is not None else _group
+    if g is None:
+        raise DistError(f"{what}: the default process group has not been initialized; call init_process_group() "
+                        "first")
+    return g
+
+
+def _begin(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    """The group a collective runs on, checked before any of it is built."""
+    g = _default(group, what)
+    g.making = []
+    if g.world_size > 1:
+        g.usable(what)
+    return g
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    return _default(group, "get_rank").rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    return _default(group, "get_world_size").world_size
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    _default(group, "get_backend")
+    return Backend.HEAP
+
+
+def _same(what: str, tensors: Sequence[Tensor], like: Tensor) -> None:
+    for t in tensors:
+        if t.shape != like.shape or t.dtype != like.dtype:
+            raise DistError(f"{what}: tensor '{t.name}' is {t.dtype}{list(t.shape)}; every tensor must be "
+                            f"{like.dtype}{list(like.shape)}")
+
+
+def _done(async_op: bool) -> Work | None:
+    return Work() if async_op else None
+
+
+def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
+               ) -> Work | None:
+    """Reduce `tensor` over the ranks, in place on every rank."""
+    g = _begin(group, "all_reduce")
+    all_reduce_coalesced([tensor], op, g)
+    return _done(async_op)
+
+
+def all_reduce_coalesced(tensors: Sequence[Tensor], op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+                         async_op: bool = False) -> Work | None:
+    """all_reduce of each of `tensors`, at one barrier (DistributedDataParallel's gradients, a step's all at once)."""
+    g = _begin(group, "all_reduce")
+    reduce = ReduceOp.of(op)
+    if g.world_size == 1:
+        for t in tensors:
+            reduce_into(reduce, [t.name], t.name, t.dtype, 1)  # refuses what it would refuse with more ranks
+        return _done(async_op)
+    before: list[Instr] = []
+    then: list[Instr] = []
+    for slot, t in enumerate(tensors):
+        key = buffer_key(t.dtype, t.shape, slot)
+        before += g.contribute(t, key)
+        then += reduce_into(reduce, [g.buffer(r, key) for r in range(g.world_size)], t.name, t.dtype, g.world_size)
+    g.meet("all_reduce", before, then, tensors)
+    return _done(async_op)
+
+
+def broadcast(tensor: Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Every rank's `tensor` takes rank `src`'s values."""
+    broadcast_coalesced([tensor], src, group)
+    return _done(async_op)
+
+
+def broadcast_coalesced(tensors: Sequence[Tensor], src: int, group: ProcessGroup | None = None) -> None:
+    """broadcast of each of `tensors` from rank `src`, at one barrier (DistributedDataParallel's parameters)."""
+    g = _begin(group, "broadcast")
+    if not 0 <= src < g.world_size:
+        raise DistError(f"broadcast: src {src} is not a rank of the group (world_size {g.world_size})")
+    if g.world_size == 1:
+        return
+    before: list[Instr] = []
+    then: list[Instr] = []
+    for slot, t in enumerate(tensors):
+        key = buffer_key(t.dtype, t.shape, slot)
+        if g.rank == src:
+            before += g.contribute(t, key)
+        else:
+            then.append(copy(g.buffer(src, key), t.name, t.dtype))
+    g.meet("broadcast", before, then, tensors if g.rank != src else ())
+
+
+def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: ProcessGroup | None = None, async_op: bool = False
+               ) -> Work | None:
+    """tensor_list[r] takes rank r's `tensor`, on every rank (tensor_list: world_size tensors of its shape)."""
+    g = _begin(group, "all_gather")
+    if len(tensor_list) != g.world_size:
+        raise DistError(f"all_gather: tensor_list has {len(tensor_list)} tensors; the group has {g.world_size} ranks")
+    _same("all_gather", tensor_list, tensor)
+    key = buffer_key(tensor.dtype, tensor.shape)
+    own = [copy(tensor.name, tensor_list[g.rank].name, tensor.dtype)] if tensor_list[g.rank] is not tensor else []
+    if g.world_size == 1:
+        for instr in own:
+            g.usable("all_gather").recorder.record(instr)
+        return _done(async_op)
+    then = [copy(g.buffer(r, key), t.name, t.dtype) for r, t in enumerate(tensor_list) if r != g.rank]
+    g.meet("all_gather", g.contribute(tensor, key) + own, then, tensor_list)
+    return _done(async_op)
+
+
+def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: ProcessGroup | None = None,
+                           async_op: bool = False) -> Work | None:
+    """output_tensor (world_size times input_tensor's first dim) takes the ranks' input_tensor, in rank order."""
+    g = _begin(group, "all_gather_into_tensor")
+    t = input_tensor
+    want = ((t.shape[0] if t.shape else 1) * g.world_size, *t.shape[1:])
+    if output_tensor.shape != want or output_tensor.dtype != t.dtype:
+        raise DistError(f"all_gather_into_tensor: output_tensor is {output_tensor.dtype}{list(output_tensor.shape)};"
+                        f" it must be {t.dtype}{list(want)}")
+    if not t.shape:
+        raise DistError("all_gather_into_tensor: input_tensor is 0-d; give it a dimension (t.reshape(1))")
+    if g.world_size == 1:
+        g.usable("all_gather_into_tensor").recorder.record(copy(t.name, output_tensor.name, t.dtype))
+        return _done(async_op)
+    key = buffer_key(t.dtype, t.shape)
+    before = g.contribute(t, key)
+    names = [t.name if r == g.rank else g.buffer(r, key) for r in range(g.world_size)]
+    out = Param.tensor(output_tensor.name, t.dtype)
+    join = Instr("concat", (Param.listtensor(names, t.dtype), Param.var(0)), (out,))
+    g.meet("all_gather_into_tensor", before, [join], [output_tensor])
+    return _done(async_op)
+
+
+def reduce_scatter(output: Tensor, input_list: list[Tensor], op: Any = ReduceOp.SUM,
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """`output` on rank r takes the reduction over the ranks of their input_list[r]."""
+    g = _begin(group, "reduce_scatter")
+    reduce = ReduceOp.of(op)
+    if len(input_list) != g.world_size:
+        raise DistError(f"reduce_scatter: input_list has {len(input_list)} tensors; the group has {g.world_size} "
+                        "ranks")
+    _same("reduce_scatter", input_list, output)
+    if g.world_size == 1:
+        for instr in reduce_into(reduce, [input_list[0].name], output.name, output.dtype, 1):
+            g.usable("reduce_scatter").recorder.record(instr)
+        return _done(async_op)
+    before: list[Instr] = []
+    for slot, t in enumerate(input_list):
+        if slot != g.rank:  # the others read slot r of rank r's list; this rank reads its own where it is
+            before += g.contribute(t, buffer_key(t.dtype, t.shape, slot))
+    key = buffer_key(output.dtype, output.shape, g.rank)
+    sources = [input_list[g.rank].name if r == g.rank else g.buffer(r, key) for r in range(g.world_size)]
+    g.meet("reduce_scatter", before, reduce_into(reduce, sources, output.name, output.dtype, g.world_size), [output])
+    return _done(async_op)
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
+    """Return once every rank of the group has called barrier (after its pending program ran)."""
+    g = _begin(group, "barrier")
+    if g.world_size > 1:
+        g.meet("barrier", [], [])
+    return _done(async_op)
+
+
+def _at_exit() -> None:
+    """A script that ends without destroy_process_group() leaves its group, as torch asks the script to: the others
+    read its buffers until they leave too. (Registered after the session's exit hook, so it runs before it.)"""
+    with contextlib.suppress(Exception):
+        destroy_process_group()
+
+
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_at_exit)
+else:  # pragma: no cover
+    import atexit
+
+    atexit.register(_at_exit)

@@ -1,0 +1,180 @@
+"""One rank of the distributed tests (tests/sdk/test_distributed.py), run as its own process:
+
+    python tests/sdk/distributed_worker.py SCENARIO ADDRESS WORLD RANK OUT [TIMEOUT [WORLDS]]
+
+It connects to ADDRESS, joins the default group and runs SCENARIO; it writes what the test compares to OUT (a .npz
+of plain arrays), and exits 0 when every check in it passed. SCENARIO: `train` (every collective against numpy, then
+DistributedDataParallel; world 1 is the reference run, of one process on the whole batches of WORLDS ranks),
+`killed` (the last rank waits to be killed) or `rejoined` (a rank that comes in place of the killed one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import numpy as np
+
+import deepx_sdk as dx
+import deepx_sdk.distributed as dist
+import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
+from deepx_sdk.nn.parallel import DistributedDataParallel
+from deepx_sdk.optim import SGD, Adam
+
+STEPS, BATCH, FEATURES, CLASSES = 4, 12, 5, 3
+WORLDS = 1  # how many ranks share each batch: the world, or for the reference (world 1) the ranks' (argv)
+
+
+def inputs(rank: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """What rank `rank` contributes (any rank can work out every other's)."""
+    values = np.random.default_rng(100 + rank).standard_normal(shape) * 4
+    return values.astype(dtype)
+
+
+def collectives(world: int, rank: int) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for dtype in ("float32", "float64"):
+        ins = [inputs(r, dtype, (3, 4)) for r in range(world)]
+        tol = 1e-5 if dtype == "float32" else 1e-12
+        for op, ref in ((dist.ReduceOp.SUM, np.sum), (dist.ReduceOp.AVG, np.mean), (dist.ReduceOp.MAX, np.max),
+                        (dist.ReduceOp.MIN, np.min), (dist.ReduceOp.PRODUCT, np.prod)):
+            t = dx.tensor(ins[rank])
+            dist.all_reduce(t, op=op)
+            np.testing.assert_allclose(t.numpy(), ref(np.stack(ins), axis=0), rtol=tol, err_msg=f"{op} {dtype}")
+        t = dx.tensor(ins[rank])
+        dist.broadcast(t, src=world - 1)
+        np.testing.assert_array_equal(t.numpy(), ins[world - 1])
+        got = [dx.zeros(3, 4, dtype=dtype) for _ in range(world)]
+        dist.all_gather(got, dx.tensor(ins[rank]))
+        for r in range(world):
+            np.testing.assert_array_equal(got[r].numpy(), ins[r])
+        whole = dx.zeros(3 * world, 4, dtype=dtype)
+        dist.all_gather_into_tensor(whole, dx.tensor(ins[rank]))
+        np.testing.assert_array_equal(whole.numpy(), np.concatenate(ins))
+        lists = [[inputs(10 * r + j, dtype, (2, 2)) for j in range(world)] for r in range(world)]
+        mine = dx.zeros(2, 2, dtype=dtype)
+        dist.reduce_scatter(mine, [dx.tensor(a) for a in lists[rank]])
+        np.testing.assert_allclose(mine.numpy(), sum(lists[r][rank] for r in range(world)), rtol=tol)
+    n = dx.tensor(np.arange(4, dtype=np.int64) * (rank + 1))
+    dist.all_reduce(n)  # integers are summed exactly
+    np.testing.assert_array_equal(n.numpy(), np.arange(4) * sum(range(1, world + 1)))
+    for _ in range(3):  # the same shape again: its buffers are reused, in turn
+        t = dx.tensor(ins[rank])
+        dist.all_reduce(t)
+    np.testing.assert_allclose(t.numpy(), np.sum(np.stack(ins), axis=0), rtol=1e-12)
+    if world > 1:
+        @dx.compile
+        def step(x: dx.Tensor) -> dx.Tensor:
+            dist.all_reduce(x)
+            return x * 2
+
+        try:
+            step(dx.tensor([1.0]))
+        except dist.DistError as e:
+            assert "inside dx.compile" in str(e), e
+        else:
+            raise AssertionError("dx.compile captured a collective")
+    dist.barrier()
+    out["rank"] = np.array([dist.get_rank(), dist.get_world_size()])
+    return out
+
+
+def model(dtype: str, seed: int) -> nn.Module:
+    """The MLP, its weights from numpy: rank 0's seed is the reference's, the others' differ (DDP broadcasts)."""
+    m = nn.Sequential(nn.Linear(FEATURES, 8, dtype=dtype), nn.Tanh(), nn.Linear(8, CLASSES, dtype=dtype))
+    rng = np.random.default_rng(seed)
+    m.load_state_dict({k: dx.tensor(rng.standard_normal(v.shape).astype(dtype) * 0.5)
+                       for k, v in m.state_dict().items()})
+    return m
+
+
+def ddp(world: int, rank: int) -> dict[str, np.ndarray]:
+    """STEPS steps of SGD (float64) and Adam (float32) on the whole batch split over the ranks, the first half of each
+    step's shard accumulated under no_sync; world 1 is the reference (one process, the whole batches)."""
+    out: dict[str, np.ndarray] = {}
+    data = np.random.default_rng(7)
+    xs = data.standard_normal((STEPS, BATCH, FEATURES))
+    ys = data.integers(0, CLASSES, (STEPS, BATCH))
+    for dtype, make_opt in (("float64", lambda p: SGD(p, lr=0.3, momentum=0.5)), ("float32", lambda p: Adam(p, 0.05))):
+        net = model(dtype, seed=rank if world > 1 else 0)
+        wrapped = DistributedDataParallel(net) if world > 1 else net
+        opt = make_opt(net.parameters())
+        for step in range(STEPS):
+            # two micro-batches per step, the first accumulated on this rank only; a rank's share of each is half of
+            # its shard, and the reference (world 1) takes every rank's at once: the mean over the ranks of their
+            # mean losses' gradients is the gradient of the mean over the whole micro-batch
+            ranks = range(WORLDS) if world == 1 else [rank]
+            share = BATCH // WORLDS
+            rows = [np.concatenate([np.arange(r * share, (r + 1) * share)[part] for r in ranks])
+                    for part in (slice(0, share // 2), slice(share // 2, share))]
+            micro = [(xs[step, i].astype(dtype), ys[step, i]) for i in rows]
+            opt.zero_grad()
+            with wrapped.no_sync() if world > 1 else contextlib.nullcontext():
+                F.cross_entropy(wrapped(dx.tensor(micro[0][0])), dx.tensor(micro[0][1])).backward()
+            F.cross_entropy(wrapped(dx.tensor(micro[1][0])), dx.tensor(micro[1][1])).backward()
+            opt.step()
+        for k, v in net.state_dict().items():
+            out[f"{dtype}.{k}"] = v.numpy()
+    return out
+
+
+def killed(world: int, rank: int, timeout: float) -> dict[str, np.ndarray]:
+    """The last rank waits to be killed; the others fail their all_reduce naming it, form the group again with the
+    rank that comes in its place, and all_reduce with it."""
+    t = dx.tensor(np.full(4, rank + 1.0))
+    dist.all_reduce(t)
+    if rank == world - 1:
+        print("ready to be killed", flush=True)
+        time.sleep(600)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(t)
+    except dist.DistBackendError as e:
+        took = time.monotonic() - started
+        print(f"failed after {took:.2f} s: {e}", flush=True)
+        assert f"rank {world - 1}" in str(e), e
+        assert took < timeout, took
+        try:
+            dist.all_reduce(t)
+        except dist.DistBackendError as again:
+            assert "broken" in str(again), again
+        else:
+            raise AssertionError("a broken group ran a collective") from None
+    else:
+        raise AssertionError("all_reduce succeeded without the killed rank")
+    dist.destroy_process_group()
+    dist.init_process_group(world_size=world, rank=rank, timeout=timeout * 4)
+    return rejoined(world, rank)
+
+
+def rejoined(world: int, rank: int) -> dict[str, np.ndarray]:
+    t = dx.tensor(np.full(4, rank + 1.0))
+    dist.all_reduce(t)
+    np.testing.assert_array_equal(t.numpy(), np.full(4, world * (world + 1) / 2))
+    return {"sum": t.numpy()}
+
+
+def main() -> None:
+    global WORLDS
+    scenario, address, world, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 20.0
+    WORLDS = int(sys.argv[7]) if world == 1 and len(sys.argv) > 7 else world
+    dx.connect(address)
+    # a reference run (world 1) beside the ranks, on their daemon, forms a group of its own
+    dist.init_process_group(world_size=world, rank=rank, timeout=timeout,
+                            group_name="default" if world > 1 else "reference")
+    if scenario == "train":  # every collective against numpy, then DistributedDataParallel
+        arrays = {**collectives(world, rank), **ddp(world, rank)}
+    elif scenario == "killed":
+        arrays = killed(world, rank, timeout)
+    else:
+        arrays = rejoined(world, rank)
+    dist.destroy_process_group()
+    np.savez(out, **arrays)
+    print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
