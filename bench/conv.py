@@ -6,9 +6,9 @@
 
 for a few layer shapes (batch, channels, image, kernel). Each figure is the median of the timed steps of
 y = conv2d(x, w); y.sum().backward(); reading the gradients back. Prints a table of milliseconds and the ratios
-op/torch and taps/op; writes bench/results/conv.json.
+op/torch and taps/op; writes bench/results/conv.json (conv_cuda.json with --cuda).
 
-    python bench/conv.py [--steps N]
+    python bench/conv.py [--steps N] [--cuda]     # --cuda: deepx on op-cuda, torch on the GPU
 """
 
 from __future__ import annotations
@@ -42,13 +42,18 @@ def _time(step, steps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--cuda", action="store_true", help="deepx on op-cuda and torch on the GPU")
     args = ap.parse_args()
 
     import deepx_sdk as dx
     from deepx_sdk.nn import vision
 
+    if args.cuda:
+        dx.connect(roles=["heapmem", "op-cuda"])
     dx.session()  # the embedded daemon before torch: torch's OpenMP runtime must not come first (MKL)
     import torch
+
+    device = "cuda" if args.cuda else "cpu"
 
     rng = np.random.default_rng(0)
     rows = []
@@ -68,12 +73,14 @@ def main() -> None:
             xd.grad.numpy()
             wd.grad.numpy()
 
-        xt = torch.tensor(x, requires_grad=True)
-        wtt = torch.tensor(wt, requires_grad=True)
+        xt = torch.tensor(x, requires_grad=True, device=device)
+        wtt = torch.tensor(wt, requires_grad=True, device=device)
 
         def torch_step() -> None:
             xt.grad = wtt.grad = None
             torch.nn.functional.conv2d(xt, wtt, stride=s, padding=p).sum().backward()
+            xt.grad.cpu()  # read back, as the deepx step reads its gradients
+            wtt.grad.cpu()
 
         op = _time(lambda: deepx_step(False), args.steps)
         taps = _time(lambda: deepx_step(True), args.steps)
@@ -87,7 +94,7 @@ def main() -> None:
               f"{r['torch_over_op']:.2f}x | {r['taps_over_op']:.2f}x |")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "conv.json").write_text(json.dumps(rows, indent=1))
+    (out / ("conv_cuda.json" if args.cuda else "conv.json")).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

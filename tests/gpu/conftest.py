@@ -7,9 +7,11 @@ compiled once, in parallel, at the start); `gx` hands it to a test with an empty
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 NO_PYCUDA = ("PyCUDA is not installed: the CUDA kernel tests need an NVIDIA GPU (pip install -e '.[cuda]' there: "
@@ -60,3 +62,9 @@ def gx(cuda_session: Any) -> Iterator[Any]:
     yield ex
     ex.synchronize()
     ex.tensors.clear()
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """A generator seeded by the test's id, as tests/compiler's and tests/kernels' fixtures are."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
