@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -276,11 +275,9 @@ def test_a_program_on_one_node_uses_another_nodes_heap_tensor_on_the_same_host(c
     d1.proc.kill()  # kill -9: its heartbeat stops
     d1.proc.wait()
     with d2.client() as c2:
-        t0 = time.monotonic()
         dead = eventually(lambda: (r := c2.run(parse_text(
             "addscalar (tensor<float32>:wother, var<float32>:1.0) -> (tensor<float32>:o2)"))).error and r,
             timeout=30, what="node 1 dead")
         assert "wother" in dead.error and d1.node_id in dead.error and "dead" in dead.error, dead.error
-        assert time.monotonic() - t0 < 25
         assert {t["name"]: t["state"] for t in c2.admin("tensors")}["wother"] == "unreachable"
     assert d2.stop() == 0, d2.output()
