@@ -179,12 +179,16 @@ class Actor:
         box = self.mailbox
         waiting.extend(box.get_nowait() for _ in range(box.qsize()))
         taken = None
-        for k, env in enumerate(waiting):
-            if live(env) and accept(env):  # type: ignore[arg-type]
-                taken = k
-                break
-            if passes is None or not live(env) or not passes(env):  # type: ignore[arg-type]
-                break
+        try:
+            for k, env in enumerate(waiting):
+                if live(env) and accept(env):  # type: ignore[arg-type]
+                    taken = k
+                    break
+                if passes is None or not live(env) or not passes(env):  # type: ignore[arg-type]
+                    break
+        except Exception:  # a malformed message: nothing taken, the mailbox as it was
+            log.exception("%s: looking through the mailbox failed; nothing taken", self.name)
+            taken = None
         if taken is None:
             rest = waiting[1:] if held is not None else waiting
         else:

@@ -494,8 +494,9 @@ class HeapMemory(Actor):
             except (OSError, DeepxError) as e:
                 raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, whose segment {t.handle} could "
                                  f"not be mapped: {e}") from None
-            await self.kv.rpush(node_lifecycle(node), msgpack.packb(
-                {"cmd": "get", "name": name, "holder": REMOTE_HOLDER + self.node}))
+            if REMOTE_HOLDER + self.node not in t.holders:  # (held already: a daemon of this node before a restart)
+                await self.kv.rpush(node_lifecycle(node), msgpack.packb(
+                    {"cmd": "get", "name": name, "holder": REMOTE_HOLDER + self.node}))
             self._remote[name] = (seg, node, t.handle)
             out[name] = seg.array(t.shape, to_numpy(t.dtype))
             log.info("%s: maps heap tensor '%s' of node %s (%s%s), no copy", self.name, name, node, t.dtype,
@@ -515,6 +516,11 @@ class HeapMemory(Actor):
                 {"cmd": "delete", "name": name, "holder": REMOTE_HOLDER + self.node}))
         except Exception as e:  # a lost plane: the owner keeps a hold that nothing gives back (logged)
             log.warning("%s: could not give back the hold on heap tensor '%s' of node %s: %s", self.name, name, node, e)
+
+    def on_mapped(self, name: str) -> str | None:
+        """The node whose heap tensor `name` is mapped here (on_remote), else None."""
+        entry = self._remote.get(name)
+        return entry[1] if entry is not None else None
 
     async def on_unmap(self, name: str) -> bool:
         """Let go of another node's tensor mapped here (before that node deletes it): whether it was."""

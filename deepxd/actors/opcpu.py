@@ -41,7 +41,7 @@ from deepxd.actors.worker import (
     program_tensor_names,
     touched_names,
 )
-from deepxd.compiler.analysis import named_tensors
+from deepxd.compiler.analysis import named_tensors, read_tensors
 from deepxd.kernels.cpu import CpuExecutor, dtype_name, repeat_count, transient_transposes, worded
 
 log = logging.getLogger(__name__)
@@ -474,13 +474,14 @@ class CpuWorker(OpWorker):
         return {"name": name, "dtype": dtype, "shape": list(array.shape), "kind": "heap" if heap else "stack"}
 
     async def _map_remote(self, program: Sequence[Instr], index: int) -> bool:
-        """The tensors that instruction `index` names and that neither this worker nor an instruction before it
-        has, mapped where they are heap tensors of other nodes of this host (HeapMemory.on_remote: DeepxError where
+        """The tensors that instruction `index` reads and that neither this worker nor an instruction before it
+        names, mapped where they are heap tensors of other nodes of this host (HeapMemory.on_remote: DeepxError where
         one is unreachable); whether any was. They are viewed here as heap tensors this worker does not hold."""
         if self.heapmem is None or index >= len(program):
             return False
         made = {str(p.value) for instr in program[:index] for p in instr.returns}
-        names = [n for n in named_tensors(program[index]) if n not in self.ex.tensors and n not in made]
+        made.update(n for instr in program[:index] for n in named_tensors(instr))  # (a rename's new name too)
+        names = [n for n in read_tensors(program[index]) if n not in self.ex.tensors and n not in made]
         if not names:
             return False
         views: dict[str, np.ndarray] = await self.heapmem.ask("remote", names=names)

@@ -292,9 +292,15 @@ class Registry(Actor):
 
     async def _delete_elsewhere(self, name: str, node: str, force: bool) -> dict[str, Any]:
         """Delete heap tensor `name` of node `node`: this node lets go of its mapping first (its hold would refuse
-        the delete), then asks that node over its socket (deepxd/peers.py)."""
+        the delete, so the release is waited for), then asks that node over its socket (deepxd/peers.py). A tensor
+        of this node by that name (a stack tensor) is deleted here instead: on_delete looks here first."""
         assert self.heapmem is not None
-        await self.heapmem.ask("unmap", name=name)
+        if await self.heapmem.ask("unmap", name=name):  # its release goes through the owner's lifecycle list
+            holder = f"node:{self.node_id}"
+            for _ in range(40):  # (applied at the owner's next poll, 50 ms)
+                if holder not in (await self.kv.hget(f"tensor:{name}", "holders") or "").split(","):
+                    break
+                await asyncio.sleep(0.05)
         try:
             reply = await ask_node(self.kv, node, "delete", self.dead_after_s, name=name, force=force)
         except DeepxError as e:
@@ -310,10 +316,9 @@ class Registry(Actor):
         if self.heapmem is not None:
             heap = await self.heapmem.ask("info", name=name, missing_ok=True)
             if heap is None:
-                other = await self.kv.hgetall(f"tensor:{name}")
-                node = other.get("node")
-                if other.get("kind") == "heap" and node and node != self.node_id:
-                    return await self._delete_elsewhere(name, node, force)
+                mapped = await self.heapmem.ask("mapped", name=name)  # another node's, mapped here
+                if mapped is not None:
+                    return await self._delete_elsewhere(name, mapped, force)
         holding: dict[str, int] = {}  # worker -> bytes of its view
         for worker, ref in self.workers.items():
             for row in await ref.ask("tensors"):
@@ -321,6 +326,9 @@ class Registry(Actor):
                     holding[worker] = int(row["bytes"])
         if heap is None and not holding:
             other = await self.kv.hgetall(f"tensor:{name}")
+            node = other.get("node")
+            if other.get("kind") == "heap" and node and node != self.node_id and self.heapmem is not None:
+                return await self._delete_elsewhere(name, node, force)
             if other and other.get("node") != self.node_id:
                 raise DeepxError(f"delete: tensor {name!r} is a stack tensor of node {other.get('node')}, not "
                                  f"{self.node_id}; ask that node's deepxd")

@@ -299,6 +299,7 @@ class Scheduler(Actor):
         self.now_hits = 0  # runs and replays taken by now_run and now_replay (the embedded daemon's, no loop step)
         self._cancel: Callable[[], bool] | None = None  # the running program's (on_run)
         self._beside: asyncio.Task[None] | None = None  # handling small programs beside a long one (_serving)
+        self._passes_busy = False  # a long program's passes run on a thread (the plan caches are theirs meanwhile)
         # the step _serving awaits: (its end, the names a program beside it must not name, the worker)
         self._step: tuple[asyncio.Future[None], AbstractSet[str] | None, ActorRef] | None = None
         self.beside = 0  # programs handled beside a long one
@@ -767,13 +768,21 @@ class Scheduler(Actor):
 
     async def _run_compiled(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
                             ctx: Any = None, note: dict[str, Any] | None = None) -> RunResult:
+        beside = self._beside is not None and asyncio.current_task() is self._beside
+        if beside and self._passes_busy:  # the plan caches are not for two threads: no passes beside the passes
+            return await self._ask_run(worker, program=program, fetch=fetch, cancel=self._cancel)
         if ctx is None:
             ctx = await self._context(worker, program, fetch, note=note)
         try:
             if len(program) > LONG_PROGRAM and not self.compiled.seen(program):  # O(n) and more: on a thread
                 # a program beside the passes must leave the metas they plan on as they were
                 names = await asyncio.to_thread(program_tensor_names, program, ())
-                rewritten = await self._serving(asyncio.to_thread(self.compiled.run, program, ctx), worker, names)
+                self._passes_busy = True
+                try:
+                    rewritten = await self._serving(asyncio.to_thread(self.compiled.run, program, ctx), worker,
+                                                    names)
+                finally:
+                    self._passes_busy = False
                 if self._cancel is not None and self._cancel():  # the passes took seconds: the asker may be gone
                     self.failed += 1
                     return _cancelled_unrun()
@@ -789,7 +798,14 @@ class Scheduler(Actor):
         origins = ctx.origins
         if note is not None:
             _note(note, program, rewritten, origins, ctx, True)
-        result = await self._ask_run(worker, program=rewritten, fetch=fetch, cancel=self._cancel)
+        if beside:  # planned on the metas of a moment between a long program's slices: only on those metas
+            order = tuple(program_tensor_names(program, fetch))
+            expect = (order, [ctx.metas.get(n) for n in order], [n in ctx.keep for n in order])
+            result = await self._ask_run(worker, program=rewritten, fetch=fetch, cancel=self._cancel, expect=expect)
+            if result.stale:  # the long program changed them first: the program as sent, which the worker checks
+                return await self._ask_run(worker, program=program, fetch=fetch, cancel=self._cancel)
+        else:
+            result = await self._ask_run(worker, program=rewritten, fetch=fetch, cancel=self._cancel)
         return await self._compiled_result(worker, program, rewritten, fetch, origins, ctx, result, note)
 
     async def _compiled_result(self, worker: ActorRef, program: Sequence[Instr], rewritten: list[Instr],

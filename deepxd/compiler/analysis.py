@@ -44,6 +44,24 @@ def tensor_names(instr: Instr) -> list[str]:
     return out
 
 
+def read_tensors(instr: Instr) -> list[str]:
+    """The tensors an instruction reads (its op's reads: no return, no rename's new name)."""
+    op = OPS.get(instr.name)
+    if op is None:
+        return []
+    out: list[str] = []
+    for i in op.effect.reads:
+        if i < len(instr.args):
+            v = instr.args[i].value
+            if op.args[i].kind != "listtensor":
+                out.append(str(v))
+            elif isinstance(v, tuple):
+                out.extend(str(x) for x in v)
+            else:  # a tensor list written as text
+                out.extend(str(v).strip()[1:-1].replace(",", " ").split())
+    return out
+
+
 def named_tensors(instr: Instr) -> list[str]:
     """The tensors an instruction names, by its op's signature (an untyped param where a tensor goes included, a
     tensor list written as text too, and renametensor's new name): what a check of it reads the metas of. An
@@ -51,16 +69,8 @@ def named_tensors(instr: Instr) -> list[str]:
     op = OPS.get(instr.name)
     if op is None:
         return tensor_names(instr)
-    out: list[str] = []
+    out = read_tensors(instr)
     args, returns = instr.args, instr.returns
-    for i in op.effect.reads:
-        if i >= len(args):
-            continue
-        v = args[i].value
-        if op.args[i].kind == "listtensor":
-            out.extend(str(x) for x in (v if isinstance(v, tuple) else str(v).strip()[1:-1].replace(",", " ").split()))
-        else:
-            out.append(str(v))
     if op.effect.kind is RENAMES and args:  # the new name
         out.append(str(args[0].value))
     for i in _TENSOR_RETURNS[instr.name]:
