@@ -264,6 +264,10 @@ def test_a_program_on_one_node_uses_another_nodes_heap_tensor_on_the_same_host(c
         assert not cluster.r.exists(cluster.key("tensor:wrm"))
         with pytest.raises(DeepxError, match="wrm"):
             c2.fetch("wrm")
+        c1.put("wboth", np.ones(2, np.float32), heap=True)  # and node 2's own stack tensor of that name
+        c2.put("wboth", np.zeros(2, np.float32))
+        assert c2.request("delete", name="wboth", force=False)["tensor"]["node"] == d2.node_id  # its own goes
+        assert cluster.r.exists(cluster.key("tensor:wboth"))
         bad = c2.run(parse_text("add (tensor<float32>:wshared, tensor<float32>:nowhere) -> (tensor<float32>:o)"))
         assert not bad.ok and "nowhere" in bad.error and "not found" in bad.error, bad.error
     assert d2.stop() == 0, d2.output()  # its hold goes with it
