@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from deepx_core.errors import DeepxError
+from deepx_core.ir.ops import conv2d_geometry
 from deepx_sdk.tensor import Tensor, _tp, _vec, _vp, stack
 
 __all__ = ["adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "conv1d", "conv2d", "conv_transpose2d", "dropout2d",
@@ -58,12 +59,8 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
     if input.ndim != 4 or weight.ndim != 4:
         raise DeepxError(f"conv2d: expected a 4-D input and weight, got shapes {list(input.shape)} and "
                          f"{list(weight.shape)}")
-    n, c, h, w = input.shape
-    o, cg, kh, kw = weight.shape
-    if groups < 1 or c % groups or o % groups or cg != c // groups:
-        raise DeepxError(f"conv2d: input with {c} channels, weight {list(weight.shape)} and groups={groups} do not "
-                         f"fit (the weight's second dim must be channels / groups, and both channel counts divisible "
-                         f"by groups)")
+    n = input.shape[0]
+    o, _, kh, kw = weight.shape
     sh, sw = _pair("conv2d", stride, "stride")
     dh, dw = _pair("conv2d", dilation, "dilation")
     if padding == "valid":
@@ -80,8 +77,7 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
         ph, pw = th // 2, tw // 2
     else:
         ph, pw = _pair("conv2d", padding, "padding")
-    oh = _out_size("conv2d", h, kh, sh, ph, dh)
-    ow = _out_size("conv2d", w, kw, sw, pw, dw)
+    oh, ow = conv2d_geometry("conv2d", input.shape, weight.shape, (sh, sw), (ph, pw), (dh, dw), groups)
     params = (_tp(input), _tp(weight), _vec((sh, sw)), _vec((ph, pw)), _vec((dh, dw)), _vp(int(groups)))
     out = input._op("conv2d", params, (n, o, oh, ow), weight.dtype, [input, weight])
     return out if bias is None else out + bias.reshape(1, o, 1, 1)

@@ -451,11 +451,7 @@ class CpuWorker(OpWorker):
 
     async def _fetch_mapped(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         assert self.heapmem is not None
-        views: dict[str, np.ndarray] = await self.heapmem.ask(
-            "remote", names=[n for n in names if n not in self.ex.tensors])
-        for name, view in views.items():
-            self.heap[name] = view
-            self.ex.tensors[name] = view
+        self._view_mapped(await self.heapmem.ask("remote", names=[n for n in names if n not in self.ex.tensors]))
         return {name: self.ex.get(name).copy() for name in names}
 
     async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
@@ -479,12 +475,15 @@ class CpuWorker(OpWorker):
         one is unreachable); whether any was. They are viewed here as heap tensors this worker does not hold."""
         if self.heapmem is None or index >= len(program):
             return False
-        made = {str(p.value) for instr in program[:index] for p in instr.returns}
-        made.update(n for instr in program[:index] for n in named_tensors(instr))  # (a rename's new name too)
+        made = {n for instr in program[:index] for n in named_tensors(instr)}  # (returns, a rename's new name)
         names = [n for n in read_tensors(program[index]) if n not in self.ex.tensors and n not in made]
         if not names:
             return False
-        views: dict[str, np.ndarray] = await self.heapmem.ask("remote", names=names)
+        return self._view_mapped(await self.heapmem.ask("remote", names=names))
+
+    def _view_mapped(self, views: dict[str, np.ndarray]) -> bool:
+        """Other nodes' heap tensors heapmem mapped (on_remote), seen here as heap tensors this worker does not
+        hold; whether there were any."""
         for name, view in views.items():
             self.heap[name] = view
             self.ex.tensors[name] = view

@@ -15,6 +15,11 @@ F64 = np.dtype(np.float64)
 LOW = LOW_NUMPY
 
 
+def work(a: np.ndarray) -> np.ndarray:
+    """`a` in the dtype a kernel computes in: float32 for the low-precision floats, else itself."""
+    return a.astype(F32) if a.dtype in LOW else a
+
+
 _CHAR = ctypes.c_char
 _addressof = ctypes.addressof
 

@@ -14,11 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from deepxd.kernels.cpu._util import F32, LOW
-
-
-def _work(a: np.ndarray) -> np.ndarray:
-    return a.astype(F32) if a.dtype in LOW else a
+from deepxd.kernels.cpu._util import work as _work
 
 
 def _padded(a: np.ndarray, ph: int, pw: int) -> np.ndarray:

@@ -11,10 +11,7 @@ from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepxd.kernels.cpu import fused, native
 from deepxd.kernels.cpu._util import F32, F64, LOW
-
-
-def _work(a: np.ndarray) -> np.ndarray:
-    return a.astype(F32) if a.dtype in LOW else a
+from deepxd.kernels.cpu._util import work as _work
 
 
 def relu(a, out):

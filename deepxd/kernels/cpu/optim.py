@@ -7,11 +7,8 @@ import math
 import numpy as np
 
 from deepxd.kernels.cpu import native
-from deepxd.kernels.cpu._util import F32, LOW
-
-
-def _work(a: np.ndarray) -> np.ndarray:
-    return a.astype(F32) if a.dtype in LOW else a
+from deepxd.kernels.cpu._util import LOW
+from deepxd.kernels.cpu._util import work as _work
 
 
 def _store(dst: np.ndarray, value: np.ndarray) -> None:
