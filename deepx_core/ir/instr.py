@@ -235,16 +235,13 @@ def renumbered(program: Sequence[Instr], known: Sequence[Instr]) -> list[int] | 
 
 
 def probe(program: Sequence[Instr]) -> tuple[Any, ...]:
-    """The key a program is remembered by everywhere (plans, known programs, expansions: a Cache's buckets): its length
-    and its first and last instructions; the program itself is then compared with `same_program`. It may not hash (a
-    list inside a param): a Cache's bucket() and add() then find and keep nothing."""
-    return (len(program), program[0], program[-1]) if program else (0, None, None)
-
-
-def numbers_probe(program: Sequence[Instr]) -> tuple[Any, ...]:
-    """(length, first, last) with an optimizer update's numbers left out: what a program shares with one it repeats
-    with new numbers (see `renumbered`), for looking it up."""
-    def part(instr: Instr) -> Any:
-        return (instr.name, instr.returns) if instr.name in NUMBERED_OPS else instr
-
-    return (len(program), part(program[0]) if program else None, part(program[-1]) if program else None)
+    """The key a program is remembered by (the scheduler's plans, expansions' derivations: a Cache's buckets): its
+    length and its first and last instructions, an optimizer update's numbers left out, so that a program it repeats
+    with new numbers there (see `renumbered`) shares its key; the program itself is then compared with
+    `same_program` or `renumbered`. It may not hash (a list inside a param): a Cache's bucket() and add() then find
+    and keep nothing."""
+    if not program:
+        return (0, None, None)
+    first, last = program[0], program[-1]
+    return (len(program), (first.name, first.returns) if first.name in NUMBERED_OPS else first,
+            (last.name, last.returns) if last.name in NUMBERED_OPS else last)

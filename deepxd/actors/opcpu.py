@@ -32,10 +32,11 @@ from deepxd.actors.worker import (
     REMEMBER_MAX,
     SLICE_S,
     HeapViews,
-    KnownProgram,
     LongNames,
     OpStat,
     OpWorker,
+    Plan,
+    Prepared,
     RunResult,
     deletions,
     program_tensor_names,
@@ -71,7 +72,6 @@ class CpuWorker(OpWorker):
         self.inline_elements = inline_elements
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
-        self._caches()
         self._unfolded: list[tuple[list[tuple[OpStat, int]], float, list[float]]] = []  # see _fold
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cpu")
 
@@ -148,15 +148,15 @@ class CpuWorker(OpWorker):
             if cancel is not None and cancel():
                 return False
 
-    def _names_of(self, program: Sequence[Instr], known: KnownProgram | None, fetch: Sequence[str],
+    def _names_of(self, program: Sequence[Instr], prepared: Prepared | None, fetch: Sequence[str],
                   live: set[str] | None = None) -> LongNames:
         """The names of the program _sliced runs: `live` where its sliced check fills it (the names checked so
-        far: a program run beside it before the check reads a name comes before it), a known one's, else worked
+        far: a program run beside it before the check reads a name comes before it), a prepared plan's, else worked
         out once, on the thread."""
         if live is not None:
             return LongNames(live)
-        if known is not None:
-            return LongNames(frozenset(known.names).union(fetch))
+        if prepared is not None:
+            return LongNames(frozenset(prepared.names).union(fetch))
 
         async def work() -> AbstractSet[str]:
             names: frozenset[str] = await asyncio.get_running_loop().run_in_executor(
@@ -164,27 +164,40 @@ class CpuWorker(OpWorker):
             return names
         return LongNames(None, work)
 
-    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
-                     expect: Any = None, cancel: Callable[[], bool] | None = None) -> RunResult:
-        """Run `program` and send back the tensors named in `fetch`. `version`, `expect`: only on that state (else
-        the answer is `stale`, and nothing ran: see _stale). `cancel`: whether the asker went away (its client's
-        connection ended), asked between the slices of a program on the thread: it stops at that boundary."""
-        stale = self._stale(version, expect)
-        if stale is not None:
-            return stale
-        known = self._known(program, fetch)  # (`cancel` was asked by the scheduler a moment ago)
-        if known is not None:
-            result = self._begin_known(known)
-            if known.heavy:
-                if not await self._sliced(self._execute_known, known, result, cancel=cancel,
-                                          running=self._names_of(program, known, fetch)):
-                    self._stop_known(known, self._cancelled(result))
-            else:
-                self._execute_known(known, result)
-            if known.deletes and self.heap:
-                await self._forget_deleted(known, result.done)
-            return self._end_known(known, self._fetched(result, fetch))
-        result = RunResult(t0=time.time(), begun=self._state())
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
+                     cancel: Callable[[], bool] | None = None) -> RunResult:
+        """Run `program` once (checked whole first; nothing of it kept) and send back the tensors named in `fetch`.
+        `cancel`: whether the asker went away (its client's connection ended), asked between the slices of a program
+        on the thread: it stops at that boundary."""
+        return await self._run_checked(program, fetch, cancel, None)
+
+    async def on_run_plan(self, plan: Plan, cancel: Callable[[], bool] | None = None) -> RunResult | None:
+        """Run `plan` (deepxd/actors/plan.py) and send back the tensors it fetches: as prepared where it stands here
+        (_stands), else its program checked whole, its first run keeping the check on it. None, with nothing run,
+        where it does not stand. `cancel`: as on_run's."""
+        stands = self._stands(plan)
+        if stands is False:
+            return None
+        if stands is None:
+            return await self._run_checked(plan.sent, plan.fetch, cancel, plan)
+        prepared = plan.prepared
+        assert prepared is not None
+        result = self._begin_prepared(prepared)  # (`cancel` was asked by the scheduler a moment ago)
+        if prepared.heavy:
+            if not await self._sliced(self._execute_prepared, prepared, result, cancel=cancel,
+                                      running=self._names_of(plan.sent, prepared, plan.fetch)):
+                self._stop_prepared(prepared, self._cancelled(result))
+        else:
+            self._execute_prepared(prepared, result)
+        if prepared.deletes and self.heap:
+            await self._forget_deleted(prepared, result.done)
+        return self._end_prepared(plan, self._fetched(result, plan.fetch))
+
+    async def _run_checked(self, program: Sequence[Instr], fetch: Sequence[str], cancel: Callable[[], bool] | None,
+                           plan: Plan | None) -> RunResult:
+        """Check `program` whole and run it; `plan`: the plan it is the program of, which keeps the check."""
+        result = RunResult(t0=time.time())
+        begun = self._state()
         self._output = []
         live = set(fetch) if len(program) > LONG_PROGRAM else None
         running = self._names_of(program, None, fetch, live)
@@ -192,14 +205,15 @@ class CpuWorker(OpWorker):
         if outer:  # from its check on (see _interleave)
             self._long = running
         try:
-            return await self._run_new(program, fetch, cancel, result, live, running)
+            return await self._run_new(program, fetch, cancel, result, live, running, plan, begun)
         finally:
             if outer:
                 self._long = None
 
     async def _run_new(self, program: Sequence[Instr], fetch: Sequence[str], cancel: Callable[[], bool] | None,
-                       result: RunResult, live: set[str] | None, running: LongNames) -> RunResult:
-        """on_run for a program not known: checked (`live`: in slices, the names it checked into it), then run. A
+                       result: RunResult, live: set[str] | None, running: LongNames, plan: Plan | None = None,
+                       begun: int = -1) -> RunResult:
+        """_run_checked's work: checked (`live`: in slices, the names it checked into it), then run. A
         check that stops at a tensor not found here checks again after mapping it where it is another node's heap
         tensor on this host (_map_remote)."""
         while True:
@@ -225,8 +239,8 @@ class CpuWorker(OpWorker):
         heap_new = (await self._heap_tensors_to_create(bounds)
                     if any(b.instr.meta and heap_made(b) for b in bounds) else {})
         self.ex.transient = transient
-        if not heap_new and len(program) <= REMEMBER_MAX:
-            self._remember(program, fetch, bounds, heavy, transient)
+        if plan is not None and not heap_new and len(program) <= REMEMBER_MAX:
+            self._prepare(plan, bounds, begun, heavy, transient)
         if heavy:
             if not await self._sliced(self._execute, bounds, result, heap_new, cancel=cancel,
                                       running=running):
@@ -244,32 +258,33 @@ class CpuWorker(OpWorker):
         result.output = self._output
         if not result.error:
             result.tensors = {name: self.ex.tensors[name].copy() for name in fetch}
+        if plan is not None:
+            self._ran(plan, result)
         return result
 
-    def _now_ok(self, known: KnownProgram) -> bool:
-        return not known.heavy
+    def _now_ok(self, prepared: Prepared) -> bool:
+        return not prepared.heavy
 
-    def run_known(self, known: KnownProgram, fetch: Sequence[str]) -> RunResult:
-        """on_run for a program known_now found."""
-        result = self._begin_known(known)
-        self._execute_known(known, result)
-        return self._end_known(known, self._fetched(result, fetch))
+    def run_prepared(self, plan: Plan) -> RunResult:
+        """on_run_plan for a plan that stands (now_run_plan)."""
+        prepared = plan.prepared
+        assert prepared is not None
+        result = self._begin_prepared(prepared)
+        self._execute_prepared(prepared, result)
+        return self._end_prepared(plan, self._fetched(result, plan.fetch))
 
-    def _steps_renumbered(self, known: KnownProgram, bounds: list[Bound], varied: list[int]) -> list[Any]:
-        """The known program's prepared steps, with those of the renumbered updates prepared again."""
-        if not known.steps:
-            return []
-        steps = list(known.steps)
-        for i in varied:
-            steps[i] = self.ex.prepare(bounds[i])
-        return steps
+    def _prepare_again(self, prepared: Prepared, changed: list[int]) -> None:
+        """The prepared steps of the instructions bound again."""
+        if prepared.steps:
+            for i in changed:
+                prepared.steps[i] = self.ex.prepare(prepared.bounds[i])
 
-    def _begin_known(self, known: KnownProgram) -> RunResult:
-        """As OpWorker's, with the program's steps prepared the first time."""
-        result = super()._begin_known(known)
-        if not known.steps:
-            known.steps.extend(map(self.ex.prepare, known.bounds))
-        self.ex.transient = known.transient
+    def _begin_prepared(self, prepared: Prepared) -> RunResult:
+        """As OpWorker's, with the plan's steps prepared the first time."""
+        result = super()._begin_prepared(prepared)
+        if not prepared.steps:
+            prepared.steps.extend(map(self.ex.prepare, prepared.bounds))
+        self.ex.transient = prepared.transient
         return result
 
     def _fetched(self, result: RunResult, fetch: Sequence[str]) -> RunResult:
@@ -347,8 +362,8 @@ class CpuWorker(OpWorker):
                 return result.done == len(bounds)
         return True
 
-    def _execute_known(self, known: KnownProgram, result: RunResult, until: float = math.inf) -> bool:
-        """_execute for a known program: its instructions prepared, one clock read each; the statistics after, into
+    def _execute_prepared(self, prepared: Prepared, result: RunResult, until: float = math.inf) -> bool:
+        """_execute for a prepared plan: its instructions prepared, one clock read each; the statistics after, into
         the OpStat of each instruction's op (found once per program), and the times worked out only if read.
         `until`: as _execute's (a slice), the steps run in blocks that grow while they are quick."""
         now = time.perf_counter
@@ -359,7 +374,7 @@ class CpuWorker(OpWorker):
         else:
             start, ends = result.clock
         add = ends.append
-        steps = known.steps
+        steps = prepared.steps
         i = result.done
         paused = False
         try:
@@ -382,10 +397,10 @@ class CpuWorker(OpWorker):
                         break
                     block = block * 2 if (t - t0) * 4 < until - t else max(1, block // 2)
         except DeepxError as e:
-            result.error, result.error_index = f"instruction {i + 1}: {worded(known.bounds[i], e)}", i
+            result.error, result.error_index = f"instruction {i + 1}: {worded(prepared.bounds[i], e)}", i
         except Exception as e:  # what execute() makes of a kernel's error, with its message
             try:
-                self.ex.explain_failure(known.bounds[i], e)
+                self.ex.explain_failure(prepared.bounds[i], e)
             except DeepxError as d:
                 result.error, result.error_index = f"instruction {i + 1}: {d}", i
             else:
@@ -396,19 +411,19 @@ class CpuWorker(OpWorker):
                 result.failed_at = ((ends[-1] if ends else start) - start) * 1e6
         if paused:
             return False
-        self._count_known(known, start, ends)
+        self._count_prepared(prepared, start, ends)
         return True
 
-    def _stop_known(self, known: KnownProgram, result: RunResult) -> None:
-        """A known program run in slices stopped between two (cancelled): the instructions that ran counted."""
+    def _stop_prepared(self, prepared: Prepared, result: RunResult) -> None:
+        """A prepared plan run in slices stopped between two (cancelled): the instructions that ran counted."""
         assert result.clock is not None
-        self._count_known(known, *result.clock)
+        self._count_prepared(prepared, *result.clock)
 
-    def _count_known(self, known: KnownProgram, start: float, ends: list[float]) -> None:
-        slots = known.slots
+    def _count_prepared(self, prepared: Prepared, start: float, ends: list[float]) -> None:
+        slots = prepared.slots
         if not slots:
             stats = self.op_stats
-            for b in known.bounds:
+            for b in prepared.bounds:
                 s = stats.get(b.op.name)
                 if s is None:
                     s = stats[b.op.name] = OpStat()

@@ -33,7 +33,7 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, Bound, ProgramError
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
-from deepxd.actors.worker import HeapViews, KnownProgram, OpStat, OpWorker, RunResult, deletions
+from deepxd.actors.worker import HeapViews, OpStat, OpWorker, Plan, RunResult, deletions
 from deepxd.kernels.cpu import dtype_name
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,7 @@ class CudaWorker(OpWorker):
         self.heap_held: set[str] = set()
         self.output_log = output_log
         self.op_stats: dict[str, OpStat] = {}
-        self._caches()
-        self._unfolded: list[Any] = []  # (known programs here run through _execute, which counts as it goes)
+        self._unfolded: list[Any] = []  # (prepared plans here run through _execute, which counts as it goes)
         self.device_heap = DeviceHeap(self)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-op-cuda")
 
@@ -189,24 +188,36 @@ class CudaWorker(OpWorker):
         block.allocation.free()
 
     # -- programs
-    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
-                     expect: Any = None, cancel: Any = None) -> RunResult:
-        """As op-cpu's: run `program`, send back `fetch`; `version`, `expect`: only on that state; `cancel`: asked
-        before it starts (a program here runs on the device whole)."""
+    async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (), cancel: Any = None) -> RunResult:
+        """As op-cpu's: run `program` once, send back `fetch`; `cancel`: asked before it starts (a program here runs
+        on the device whole)."""
         await self._ready()
-        stale = self._stale(version, expect)
-        if stale is not None:
-            return stale
         if cancel is not None and cancel():
             return self._cancelled(RunResult(t0=time.time()))
-        known = self._known(program, fetch)
-        if known is not None:
-            result = self._begin_known(known)
-            await self.call(self._run_on_device, known.bounds, result, {}, list(fetch))
-            if known.deletes and self.heap:
-                await self._forget_deleted(known, result.done)
-            return self._end_known(known, result)
-        result = RunResult(t0=time.time(), begun=self._state())
+        return await self._run_checked(program, fetch, None)
+
+    async def on_run_plan(self, plan: Plan, cancel: Any = None) -> RunResult | None:
+        """As op-cpu's: run `plan`, as prepared where it stands here; None, with nothing run, where it does not."""
+        await self._ready()
+        stands = self._stands(plan)
+        if stands is False:
+            return None
+        if cancel is not None and cancel():
+            return self._cancelled(RunResult(t0=time.time()))
+        if stands is None:
+            return await self._run_checked(plan.sent, plan.fetch, plan)
+        prepared = plan.prepared
+        assert prepared is not None
+        result = self._begin_prepared(prepared)
+        await self.call(self._run_on_device, prepared.bounds, result, {}, list(plan.fetch))
+        if prepared.deletes and self.heap:
+            await self._forget_deleted(prepared, result.done)
+        return self._end_prepared(plan, result)
+
+    async def _run_checked(self, program: Sequence[Instr], fetch: Sequence[str], plan: Plan | None) -> RunResult:
+        """Check `program` whole and run it; `plan`: the plan it is the program of, which keeps the check."""
+        result = RunResult(t0=time.time())
+        begun = self._state()
         self._output = []
         try:
             bounds = self._check_program(program, fetch)
@@ -218,8 +229,8 @@ class CudaWorker(OpWorker):
         if self.heapmem is not None and any(b.instr.meta and heap_made(b) for b in bounds):
             failed = await self._create_heap(bounds, heap_new)
         if failed is None:
-            if not heap_new:
-                self._remember(program, fetch, bounds)
+            if not heap_new and plan is not None:
+                self._prepare(plan, bounds, begun)
             await self.call(self._run_on_device, bounds, result, heap_new, list(fetch))
         else:  # a heap tensor heapmem could not make: the instructions before it run, as if it failed when reached
             await self.call(self._run_on_device, bounds[: failed[1]], result, heap_new, [])
@@ -230,14 +241,18 @@ class CudaWorker(OpWorker):
             for _, name in deletions(bounds[: result.done]):
                 await self._forget_heap(name)
         result.output = self._output
+        if plan is not None:
+            self._ran(plan, result)
         return result
 
-    def run_known(self, known: KnownProgram, fetch: Sequence[str]) -> RunResult:
-        """on_run for a program known_now found: on the CUDA thread, this thread waiting for it (with the loop
-        borrowed: LoopThread.now)."""
-        result = self._begin_known(known)
-        self._thread.submit(self._job, self._run_on_device, (known.bounds, result, {}, list(fetch))).result()
-        return self._end_known(known, result)
+    def run_prepared(self, plan: Plan) -> RunResult:
+        """on_run_plan for a plan that stands (now_run_plan): on the CUDA thread, this thread waiting for it (with
+        the loop borrowed: LoopThread.now)."""
+        prepared = plan.prepared
+        assert prepared is not None
+        result = self._begin_prepared(prepared)
+        self._thread.submit(self._job, self._run_on_device, (prepared.bounds, result, {}, list(plan.fetch))).result()
+        return self._end_prepared(plan, result)
 
     async def _create_heap(self, bounds: list[Bound], out: dict[int, Any]) -> tuple[str, int] | None:
         """`newtensor ... // kind=heap`: heapmem allocates it on the GPU before the program runs; it is put in

@@ -1,5 +1,6 @@
-"""The scheduler: the middle end at run time. It receives programs, runs the compiler passes over them, places them
-on an op worker and answers with what happened. Programs run one at a time, in arrival order, so that each is
+"""The scheduler: the middle end at run time. It receives programs, makes each a plan (its backward instructions
+expanded, the compiler passes run: deepxd/actors/plan.py), places it on an op worker and answers with what
+happened; a program that comes again runs by its plan. Programs run one at a time, in arrival order, so that each is
 checked against the state the one before it left. Placement: with op-cuda running every program goes to op-cuda,
 else to op-cpu (placement across several workers and nodes builds on this).
 
@@ -23,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.effects import SETS, apply_effect, kind_of
-from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.instr import Instr, Param, probe, scalar_kinds
 from deepx_core.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef, Envelope
+from deepxd.actors.plan import BackwardSpec, Plan
 from deepxd.actors.worker import (
     LONG_PROGRAM,
     REMEMBER_MAX,
@@ -34,10 +36,10 @@ from deepxd.actors.worker import (
     program_tensor_names,
     small_tensor_names,
 )
-from deepxd.compiler.analysis import BindMemo, default_pair_min, has_ends, named_tensors
+from deepxd.compiler.analysis import BindMemo, PassContext, default_pair_min, has_ends, named_tensors
 from deepxd.compiler.pipeline import (
     DEFAULT_PASSES,
-    PlanCache,
+    Rewrites,
     check_passes,
     explain,
     new_context,
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: how many plans the scheduler keeps (a bucket's each count)
+PLANS = 256
 
 _VALUE_CATEGORIES = frozenset(("var", "vector", ""))
 
@@ -154,114 +158,57 @@ def _set_again(prefix: Sequence[Instr], forward: Sequence[Instr]) -> str | None:
     return None
 
 
-def _note(note: dict[str, Any], given: Sequence[Instr], sent: Sequence[Instr], origins: list[int] | None, ctx: Any,
-          planned: bool) -> None:
-    """What a program became on its way to the worker (see Scheduler._next_fast): `given` went through the passes
-    (`planned`) or not, `sent` went to the worker, `origins` maps it back to `given` (None: it is `given`), `ctx`
-    is the state the passes read."""
-    note.update(given=given, sent=sent, origins=origins, ctx=ctx, planned=planned, runs=note.get("runs", 0) + 1)
-
-
-class _Fast:
-    """A program run lately, as the passes left it (see Scheduler._run_fast): what went to the worker, how its
-    result maps back, what it expects of the worker's tensors, and the version of the worker's state after it ran
-    (-1 where that run changed what it found)."""
-
-    __slots__ = ("backwards", "ctx", "expanded", "expect", "fetch", "kinds", "origins", "planned", "program",
-                 "sent", "version", "where", "worker")
-
-    def __init__(self, program: list[Instr], fetch: tuple[str, ...], backwards: list[tuple[Any, ...]],
-                 worker: ActorRef, expanded: list[Instr] | None, where: list[int] | None, sent: list[Instr],
-                 origins: list[int] | None, ctx: Any, planned: bool, version: int, expect: Any) -> None:
-        from deepx_core.ir.instr import scalar_kinds
-
-        self.program, self.kinds, self.fetch, self.backwards = program, scalar_kinds(program), fetch, backwards
-        self.worker, self.expanded, self.where = worker, expanded, where
-        self.sent, self.origins, self.ctx, self.planned = sent, origins, ctx, planned
-        self.version, self.expect = version, expect
-
-    def matches(self, program: Sequence[Instr], fetch: Sequence[str],
-                backwards: Sequence[dict[str, Any]] | None) -> bool:
-        """Whether `program` is this one again; or this one with new numbers in its optimizer updates (Adam's step
-        count, a scheduled lr: instr.renumbered), which the entry then takes as its own, in the program, its
-        expansion and what went to the worker (each update stands in those as it came: the passes and the
-        expansion keep updates as they are), so that the worker finds its known program renumbered too."""
-        from deepx_core.ir.instr import renumbered, same_program
-
-        mine = self.backwards
-        if len(backwards or ()) != len(mine) or tuple(fetch) != self.fetch:
-            return False
-        varied = None
-        if not same_program(program, self.program, self.kinds):
-            varied = renumbered(program, self.program)
-            if not varied:
-                return False
-        if not self._same_backwards(backwards):
-            return False
-        return varied is None or self._renumber(program, varied)
-
-    def _renumber(self, program: Sequence[Instr], varied: list[int]) -> bool:
-        """Take `program`'s updates in place of this entry's, by position: an update stands alone where it stood in
-        the program (never expanded: `where` maps exactly one expanded instruction to it) and goes to the worker as
-        it came (`origins` maps exactly one sent instruction to it), as an instruction equal to the old one though
-        maybe another object (an expansion remembered from an earlier, equal program). False, with the entry left as
-        it was, where an update cannot be found so."""
-        from deepx_core.ir.instr import scalar_kinds
-
-        old, changed = self.program, set(varied)
-        program = program if type(program) is list else list(program)
-        expanded: list[Instr] | None = None
-        planned_old, planned = old, program
-        if self.expanded is not None:
-            assert self.where is not None
-            found = _substituted(self.expanded, self.where, changed, old, program)
-            if found is None:
-                return False
-            expanded, changed = found
-            planned_old, planned = self.expanded, expanded
-        if self.origins is not None:
-            found = _substituted(self.sent, self.origins, changed, planned_old, planned)
-            if found is None:
-                return False
-            sent = found[0]
-        elif len(self.sent) == len(planned_old) and all(a == b for a, b in zip(self.sent, planned_old)):
-            sent = list(planned)
-        else:
-            return False
-        self.program, self.kinds, self.expanded, self.sent = program, scalar_kinds(program), expanded, sent
-        return True
-
-    def _same_backwards(self, backwards: Sequence[dict[str, Any]] | None) -> bool:
-        from deepx_core.ir.instr import same_program
-
-        for spec, (index, loss, wrt, grad_loss, prefix, names, forward, kinds) in zip(backwards or (),
-                                                                                     self.backwards):
-            f, k = spec.get("forward"), spec.get("index")
-            # what the whole path checks too: an index 3.0 or a tuple for an instruction are refused there
-            if (type(k) is not int or k != index or spec.get("loss") != loss or spec.get("wrt") != wrt
-                    or spec.get("grad_loss") != grad_loss or spec.get("prefix", "g_") != prefix
-                    or spec.get("names") != names or type(f) is not list or not all(type(i) is Instr for i in f)
-                    or not same_program(f, forward, kinds)):
-                return False
-        return True
-
-
-def _substituted(items: Sequence[Instr], origins: Sequence[int], changed: set[int], old: Sequence[Instr],
-                 new: Sequence[Instr]) -> tuple[list[Instr], set[int]] | None:
-    """`items` (each standing for old[origins[k]]) with the one that stands for each `changed` position replaced by
-    new's, and where those stand in `items`; None where a changed position has not exactly one item, equal to old's."""
-    at = [k for k, o in enumerate(origins) if o in changed]
-    if len(at) != len(changed) or any(items[k] != old[origins[k]] for k in at):
-        return None
-    out = list(items)
-    for k in at:
-        out[k] = new[origins[k]]
-    return out, set(at)
-
-
 def _cancelled_unrun() -> RunResult:
     return RunResult(error="instruction 1: cancelled: the client's connection ended before the program ran",
                      error_index=0, t0=time.time(), cancelled=True)
+
+
+def _backward_key(spec: dict[str, Any]) -> Any:
+    """What the steps that carry a backward request are counted by (see Scheduler._apart): the tensors it
+    differentiates, which a loop names alike every step (its parameters) while the names of its temporaries may come
+    from the pool in another order; None where they are malformed (refused on the way)."""
+    wrt = spec.get("wrt")
+    if type(wrt) is not list or not all(type(w) is str for w in wrt):
+        return None
+    return tuple(sorted(wrt))
+
+
+class _Parts:
+    """A program's result put together from the results of its parts, run one after another (Scheduler._run_apart):
+    counts, times (on the first part's clock), output, and the fetched tensors of the last."""
+
+    def __init__(self) -> None:
+        self.result = RunResult(t0=time.time())
+        self.result.raw_times = []
+
+    def add(self, part: RunResult, start: int, length: int, one: bool = False) -> bool:
+        """The result of the part made of the program's instructions start..start+length (`one`: of the single
+        instruction at `start`, which it stands for whole: a backward); whether it ran whole."""
+        out = self.result
+        shift = (part.t0 - out.t0) * 1e6
+        times = [t + shift for t in part.times_us]
+        if one:
+            if part.error:
+                part.error = original_error(part.error, [start])
+            if times:
+                times = [times[0], times[-1]] if not part.error else []
+            done = 1 if not part.error else 0
+        else:
+            if part.error:
+                part.error = original_error(part.error, range(start, start + length))
+            done = part.done
+        out.raw_times.extend(times[: 2 * done])
+        out.output.extend(part.output)
+        out.tensors = part.tensors
+        out.done = start + done
+        if part.error:
+            out.error, out.error_index = part.error, start + (0 if one else part.error_index)
+            out.cancelled = part.cancelled
+            if part.failed_at >= 0:
+                out.failed_at = part.failed_at + shift
+            out.done = out.error_index
+            return False
+        return True
 
 
 class Scheduler(Actor):
@@ -274,8 +221,13 @@ class Scheduler(Actor):
         self.udp_scope = udp_scope  # what deepxIR over UDP may name (deepxd/access.py); None: UDP is off
         self.passes: list[str] = check_passes(config.passes) if config is not None else list(DEFAULT_PASSES)
         self.fuse_min_elements = config.fuse_min_elements if config is not None else 0
-        self.plans = BindMemo(owner=name)  # the passes check programs too: the same instructions every training step
-        self.compiled = PlanCache(self.passes, max_len=REMEMBER_MAX, owner=name)
+        # the plans: every program that may come again, made runnable once (deepxd/actors/plan.py), by probe(); a
+        # bucket holds the plans of one program for the states it came on
+        self.plans: Cache[Any, list[Plan]] = Cache("scheduler.plans", PLANS, per_key=8, owner=name)
+        # what a plan is made from: checks by structure (the passes check programs too), the passes' rewrites by
+        # structure (a program under new names), and derived backward programs by forward graph (_derive)
+        self.binds = BindMemo(owner=name)
+        self.rewrites = Rewrites(self.passes, max_len=REMEMBER_MAX, owner=name)
         self.programs = 0
         self.instructions = 0
         self.failed = 0
@@ -289,17 +241,17 @@ class Scheduler(Actor):
             Cache("scheduler.backwards", 64, per_key=4, owner=name))
         self.backward_hits = 0
         self.backward_misses = 0
-        # backward instructions expanded before (_expansion): probe -> [(program, kinds, forwards, (names, their
-        # metas before), expanded, where)]
-        self.expansions: Cache[Any, list[tuple[Any, ...]]] = Cache("scheduler.expansions", 64, per_key=4, owner=name)
-        self.expansion_hits = 0
-        # the last few programs, to run again as they went (see _run_fast), by id
-        self._fast: Cache[int, _Fast] = Cache("scheduler.recent", 4, owner=name)
-        self.fast_hits = 0
+        # per backward request's parameters (_backward_key): [steps in a row carrying it that were no plan's,
+        # whether its steps go in parts] (see _apart)
+        self.steps: Cache[Any, list[Any]] = Cache("scheduler.steps", 64, owner=name)
+        self.plan_hits = 0  # runs of a plan from the cache
+        self.plan_misses = 0  # plans made
+        self.stale = 0  # plans from the cache that did not stand on the worker's state
         self.now_hits = 0  # runs and replays taken by now_run and now_replay (the embedded daemon's, no loop step)
+        self.apart = 0  # steps run in parts (_run_apart)
         self._cancel: Callable[[], bool] | None = None  # the running program's (on_run)
         self._beside: asyncio.Task[None] | None = None  # handling small programs beside a long one (_serving)
-        self._passes_busy = False  # a long program's passes run on a thread (the plan caches are theirs meanwhile)
+        self._passes_busy = False  # a long program's passes run on a thread (the memos are theirs meanwhile)
         # the step _serving awaits: (its end, the names a program beside it must not name, the worker)
         self._step: tuple[asyncio.Future[None], AbstractSet[str] | None, ActorRef] | None = None
         self.beside = 0  # programs handled beside a long one
@@ -344,26 +296,21 @@ class Scheduler(Actor):
     async def _run_one(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                        backwards: Sequence[dict[str, Any]] | None = None,
                        cancel: Callable[[], bool] | None = None) -> RunResult:
-        """Run `program`. `backwards`: the SDK's recorded `loss.backward()` calls, each a `backward` instruction of
-        the program (at its `index`) with what on_backward takes: it is expanded there, in place, into the backward
-        program derived from its forward graph, so that a training step (forward, backward, optimizer, the loss
-        read back) is one program, through the passes as a whole. `cancel`: whether the asker went away (its
-        client's connection ended): a program still queued then is dropped, a running one stops at an instruction
-        boundary (the worker asks it between slices)."""
+        """Run `program`: its plan from the cache where it stands, else a plan made for the worker's state as it is.
+        `backwards`: the SDK's recorded `loss.backward()` calls, each a `backward` instruction of the program (at its
+        `index`) with what on_backward takes: it is expanded there, in place, into the backward program derived from
+        its forward graph, so that a training step (forward, backward, optimizer, the loss read back) is one program,
+        through the passes as a whole. `cancel`: whether the asker went away (its client's connection ended): a
+        program still queued then is dropped, a running one stops at an instruction boundary (the worker asks it
+        between slices)."""
         if cancel is not None and cancel():
             self.failed += 1
             return _cancelled_unrun()
         self._cancel = cancel  # what the run sites below pass on (each on_run sets its own)
-        for fast in self._fast.newest():
-            if fast.matches(program, fetch, backwards):
-                self._fast.get(id(fast))
-                t0 = time.perf_counter()
-                hit = await self._run_fast(fast, program, fetch)
-                if hit is not None:
-                    return self._counted(hit, t0)
-                break
-        else:
-            self._fast.miss()
+        t0 = time.perf_counter()
+        hit = await self._run_cached(program, fetch, backwards)
+        if hit is not None:
+            return self._counted(hit, t0)
         marks = {}
         for spec in backwards or ():
             k = spec.get("index")
@@ -379,139 +326,11 @@ class Scheduler(Actor):
                                  t0=time.time())
         worker = self._place(program)
         t0 = time.perf_counter()
-        note: dict[str, Any] = {}  # what went to the worker, and how its result maps back (for _next_fast)
-        if marks:
-            result = await self._run_expanded(worker, program, fetch, marks, note)
+        if marks and self._apart(marks):
+            result = await self._run_apart(worker, program, fetch, marks)
         else:
-            result = await self._run_program(worker, program, fetch, note=note)
-        self._counted(result, t0)
-        made = self._next_fast(program, fetch, marks, worker, note, result)
-        if made is not None:
-            self._fast.put(id(made), made)  # a read between two steps (a fetch, a print) keeps the step
-        return result
-
-    # -- the last program again
-    def _next_fast(self, program: Sequence[Instr], fetch: Sequence[str], marks: dict[int, dict[str, Any]],
-                   worker: ActorRef, note: dict[str, Any], result: RunResult) -> _Fast | None:
-        """The fast path for the program that just ran, where it may take one: it ran whole, as one program the
-        worker knew (it repeats), and what the passes and the derivation made of it depended on the worker's
-        tensors only (no variable is named, the expansion was one to remember), as the run found them (a write
-        queued at the worker between the scheduler's look at its state and the run would leave a plan made for
-        another state). Its expectation: the metas and heap flags, as the passes saw them, of every tensor that
-        the program, its forward graphs and its expansion name. Else None."""
-        from deepx_core.ir.instr import scalar_kinds
-
-        if (result.error or not result.known or note.get("runs") != 1 or (marks and "where" not in note)
-                or note.get("seen", result.begun) != result.begun or _names_variables(program)):
-            return None
-        backwards = []
-        for i, spec in sorted(marks.items()):
-            forward = spec["forward"]
-            if _names_variables(forward):
-                return None
-            names = spec.get("names")  # (copies: a client that edits its spec in place sends another one)
-            backwards.append((i, spec["loss"], list(spec["wrt"]), spec.get("grad_loss"), spec.get("prefix", "g_"),
-                              dict(names) if names is not None else None, list(forward), scalar_kinds(forward)))
-        ctx = note["ctx"]
-        if ctx is None:  # the program went as it was: only the worker's own check stands for it
-            expect: Any = ((), [], [])
-        else:  # what the passes and the derivation read: the metas of what the program and its expansion name, and
-            # of what each backward's derivation reads
-            seen: dict[str, None] = {}
-            for part in (program, note["given"]):
-                for instr in part:
-                    seen.update(dict.fromkeys(named_tensors(instr)))
-            for _, loss, wrt, grad_loss, _, _, forward, _ in backwards:
-                seen.update(dict.fromkeys(_names_of(forward, loss, wrt, grad_loss)))
-            order = tuple(seen)
-            expect = (order, [ctx.metas.get(n) for n in order], [n in ctx.keep for n in order])
-        return _Fast(list(program), tuple(fetch), backwards, worker, note["given"] if marks else None,
-                     note.get("where"), note["sent"], note["origins"], ctx, note["planned"], result.version, expect)
-
-    async def _run_fast(self, fast: _Fast, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult | None:
-        """A training loop sends the same step every time: the program it became (backward expanded, passes run,
-        known to the worker) goes to the worker again as it is, on the condition that the worker's tensors still
-        meet its expectation (what the derivation and the passes read of them), which the worker takes as met
-        without comparing while its state's version is still the one the last run left. None where it is not
-        (the worker ran nothing): the program takes the whole path."""
-        if fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min():  # native kernels came or went
-            self._fast.pop(id(fast))
-            return None
-        if fast.expanded is not None:  # the gradients of its backwards (on_run took back the rest)
-            self._taken_from_udp(fast.expanded)
-        result = await self._ask_run(fast.worker, program=fast.sent, fetch=fetch, cancel=self._cancel,
-                                     version=fast.version if fast.version >= 0 else None, expect=fast.expect)
-        done = self._fast_ran(fast, program, fetch, result)
-        return await done if isinstance(done, CoroutineType) else done
-
-    def now_run(self, program: Sequence[Instr], fetch: Sequence[str],
-                backwards: Sequence[dict[str, Any]] | None = None) -> Any:
-        """on_run's fast path with no coroutine, on a thread that stands in for the loop's (LoopThread.now: the
-        embedded daemon's training steps, without the event loop's tasks and hand-offs). None, with nothing run and
-        nothing counted, where on_run must answer: this scheduler or the worker busy or with messages waiting, no
-        entry that matches, a run the worker cannot make inline (OpWorker.now_known), a stale entry (dropped).
-        Else on_run's answer, or a coroutine that finishes it (a rewritten program that failed part-way: its
-        tensors are set straight)."""
-        if not self._fast or not self.idle():
-            return None
-        worker = self._place(program)  # every entry's (a session's tensors live on one worker)
-        for fast in self._fast.newest():
-            if fast.matches(program, fetch, backwards):
-                self._fast.get(id(fast))
-                break
-        else:
-            return None
-        if fast.worker is not worker or (
-                fast.planned and fast.ctx.fuse_pair_min_elements != default_pair_min()):
-            return None
-        known = worker.now("known", fast.sent, fetch, fast.version if fast.version >= 0 else None, fast.expect)
-        if known is None:
-            return None
-        if isinstance(known, RunResult):  # stale: the entry goes, and the ask takes the whole path
-            self._fast.pop(id(fast))
-            return None
-        return self.now("run", self._now_run, fast, worker, known, program, fetch)
-
-    def _now_run(self, fast: _Fast, worker: ActorRef, known: Any, program: Sequence[Instr],
-                 fetch: Sequence[str]) -> Any:
-        t0 = time.perf_counter()
-        self.now_hits += 1
-        done = self._fast_ran(fast, program, fetch, worker.now("run_known", known, fetch))
-        if isinstance(done, CoroutineType):
-            return self._finish_counted(done, t0)
-        return self._counted(done, t0)
-
-    async def _finish_counted(self, done: Any, t0: float) -> RunResult:
-        return self._counted(await done, t0)
-
-    def _fast_ran(self, fast: _Fast, program: Sequence[Instr], fetch: Sequence[str], result: RunResult) -> Any:
-        """The worker's answer to a fast run, told of the program as the SDK sent it: None where it was stale (it
-        ran nothing; the entry goes); a coroutine to await where a rewritten program failed part-way."""
-        if result.stale:
-            self._fast.pop(id(fast))
-            return None
-        self.fast_hits += 1
-        if fast.origins is not None:
-            planned = fast.expanded if fast.expanded is not None else program
-            if result.error:
-                return self._fast_repaired(fast, planned, program, fetch, result)
-            result = self._compiled_ok(planned, fast.sent, fast.origins, result)
-        return self._fast_mapped(fast, program, result)
-
-    async def _fast_repaired(self, fast: _Fast, planned: Sequence[Instr], program: Sequence[Instr],
-                             fetch: Sequence[str], result: RunResult) -> RunResult:
-        assert fast.origins is not None
-        result = await self._compiled_result(fast.worker, planned, fast.sent, fetch, fast.origins, fast.ctx, result)
-        return self._fast_mapped(fast, program, result)
-
-    def _fast_mapped(self, fast: _Fast, program: Sequence[Instr], result: RunResult) -> RunResult:
-        if fast.where is not None:
-            result = self._map_expanded(result, program, fast.where, len(program), None)
-        if result.error:
-            self._fast.pop(id(fast))
-        else:
-            fast.version = result.version  # -1 where the run changed what it found: the expectation is compared
-        return result
+            result = await self._run_new(worker, program, fetch, marks)
+        return self._counted(result, t0)
 
     def _counted(self, result: RunResult, t0: float) -> RunResult:
         self.busy_s += time.perf_counter() - t0
@@ -520,16 +339,317 @@ class Scheduler(Actor):
         self.failed += bool(result.error)
         return result
 
-    async def _run_program(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
-                           ctx: Any = None, note: dict[str, Any] | None = None) -> RunResult:
-        if self.passes and len(program) > 1 and has_ends(program):
-            return await self._run_compiled(worker, program, fetch, ctx, note)
-        if note is not None:
-            _note(note, program, program, None, ctx, False)
-        return await self._ask_run(worker, program=program, fetch=fetch, cancel=self._cancel)
+    # -- plans
+    async def _run_cached(self, program: Sequence[Instr], fetch: Sequence[str],
+                          backwards: Sequence[dict[str, Any]] | None) -> RunResult | None:
+        """The program run by its plan from the cache, the newest of its plans that stands on the worker's state
+        (each matching plan asked in turn: one that does not stand ran nothing); None where none does."""
+        key = probe(program)
+        bucket = self.plans.bucket(key)
+        for plan in reversed(bucket):
+            if not plan.matches(program, fetch, backwards):
+                continue
+            if plan.pair_min is not None and plan.pair_min != default_pair_min():  # native kernels came or went
+                self.plans.discard(key, plan)
+                continue
+            result = await self._run_plan(plan, program)
+            if result is None:
+                self.stale += 1
+                continue
+            self._hit(key, plan, result)
+            return result
+        self.plans.miss()
+        return None
+
+    def _hit(self, key: Any, plan: Plan, result: RunResult) -> None:
+        """A plan from the cache ran: counted; where it failed, the program's plans go (the next run takes the whole
+        path)."""
+        self.plans.hit()
+        self.plan_hits += 1
+        if result.error:
+            self.plans.pop(key)
+        for k in plan.step_keys:  # its steps repeat: whole (see _apart)
+            counts = self.steps.peek(k)
+            if counts is not None:
+                counts[0] = 0
+
+    async def _run_plan(self, plan: Plan, program: Sequence[Instr]) -> RunResult | None:
+        """Run `plan` on its worker, its result told of `program` (the client's); None where it does not stand (the
+        worker ran nothing)."""
+        if plan.expanded is not None:  # the gradients of its backwards (on_run took back the rest)
+            self._taken_from_udp(plan.expanded)
+        result: RunResult | None = await self._serving(plan.worker.ask("run_plan", plan=plan, cancel=self._cancel),
+                                                       plan.worker)
+        if result is None:
+            return None
+        done = self._plan_ran(plan, program, result)
+        return await done if isinstance(done, CoroutineType) else done
+
+    def _plan_ran(self, plan: Plan, program: Sequence[Instr], result: RunResult) -> Any:
+        """The worker's result of a plan, told of `program`: a coroutine to await where a rewritten program failed
+        part-way (the tensors are set straight as `program` would have left them)."""
+        plan.runs += 1
+        if plan.origins is not None:
+            if result.error:
+                return self._plan_repaired(plan, program, result)
+            result = self._compiled_ok(plan.planned, plan.sent, plan.origins, result)
+        return self._plan_mapped(plan, program, result)
+
+    async def _plan_repaired(self, plan: Plan, program: Sequence[Instr], result: RunResult) -> RunResult:
+        assert plan.origins is not None and plan.ctx is not None
+        result = await self._compiled_result(plan.worker, plan.planned, plan.sent, plan.fetch, plan.origins, plan.ctx,
+                                             result)
+        return self._plan_mapped(plan, program, result)
+
+    def _plan_mapped(self, plan: Plan, program: Sequence[Instr], result: RunResult) -> RunResult:
+        if plan.where is not None:
+            result = self._map_expanded(result, program, plan.where, len(program), None)
+        return result
+
+    async def _run_new(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+                       marks: dict[int, dict[str, Any]], passes: bool = True) -> RunResult:
+        """Make a plan for `program` on the worker's state as it is, run it, and keep it where it may come again.
+        A plan the worker finds made for another state (a put came between the look and the run) is made again;
+        the third time on whatever state the run finds, as the worker's check allows. `passes`: False for a program
+        the passes made already (a stored graph's replay)."""
+        for attempt in range(3):
+            made = await self._make_plan(worker, program, fetch, marks, passes, loose=attempt == 2)
+            if isinstance(made, RunResult):  # a backward that could not be derived
+                return made
+            plan, keep = made
+            self.plan_misses += 1
+            result = await self._run_plan(plan, program)
+            if result is not None:
+                break
+            self.stale += 1
+        else:
+            raise AssertionError("a plan made on no state always runs")  # (loose: its check decides)
+        if keep and not result.error and plan.prepared is not None and plan.runs == 1:
+            self.plans.add(probe(program), plan)
+        return result
+
+    async def _make_plan(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+                         marks: dict[int, dict[str, Any]], passes: bool, loose: bool
+                         ) -> tuple[Plan, bool] | RunResult:
+        """A plan for `program` on the worker's state as it is now: its backwards expanded (_expand), the passes
+        run; and whether it may be kept (it names no variable, and what it was made of read only the metas of
+        tensors). A RunResult where a backward could not be derived: the instructions before it ran, the error
+        names it. `loose`: planned on no particular state (the worker's check decides)."""
+        program = program if type(program) is list else list(program)
+        fetch = tuple(fetch)
+        ctx: PassContext | None = None
+        seen: int | None = None
+        expanded: list[Instr] | None = None
+        where: list[int] | None = None
+        keep = len(program) <= REMEMBER_MAX
+        specs: tuple[BackwardSpec, ...] = ()
+        if marks:
+            ctx, seen = await self._context(worker, program, fetch, scan=False)
+            found = await self._expand(worker, program, fetch, marks, ctx)
+            if isinstance(found, RunResult):
+                return found
+            expanded, where, specs, remembered = found
+            keep = keep and remembered
+        planned = expanded if expanded is not None else program
+        sent, origins = planned, None
+        beside = self._beside is not None and asyncio.current_task() is self._beside
+        if passes and self.passes and len(planned) > 1 and has_ends(planned):
+            if beside and self._passes_busy:  # the memos are not for two threads: no passes beside the passes
+                keep = False
+            else:
+                if ctx is None:
+                    ctx, seen = await self._context(worker, planned, fetch)
+                elif not ctx.variables and not ctx.vectors and _names_variables(planned):
+                    ctx.variables, ctx.vectors = await self._variables(worker)
+                rewritten = await self._rewrite(worker, planned, ctx)
+                if rewritten is None:  # the asker went while the passes ran
+                    return _cancelled_unrun()
+                if len(rewritten) != len(planned) or any(a is not b for a, b in zip(rewritten, planned)):
+                    sent, origins = rewritten, ctx.origins
+        keep = keep and not _names_variables(program)
+        reads: tuple[str, ...] = ()
+        if ctx is not None and keep:  # what the derivation and the passes read: the metas of what the program and
+            # its expansion name, and of what each backward's derivation reads
+            seen_names: dict[str, None] = {}
+            for part in (program, planned) if planned is not program else (program,):
+                for instr in part:
+                    seen_names.update(dict.fromkeys(named_tensors(instr)))
+            for _, loss, wrt, grad_loss, _, _, forward, _ in specs:
+                seen_names.update(dict.fromkeys(_names_of(forward, loss, wrt, grad_loss)))
+            reads = tuple(seen_names)
+        plan = Plan(program, fetch, specs, worker, sent, expanded=expanded, where=where, origins=origins, ctx=ctx,
+                    reads=reads, seen=None if loose else seen,
+                    step_keys=tuple(k for k in map(_backward_key, marks.values()) if k is not None))
+        return plan, keep
+
+    async def _rewrite(self, worker: ActorRef, program: list[Instr], ctx: PassContext) -> list[Instr] | None:
+        """The passes over `program` (from the rewrite memo where it came before under other names); a long one's on
+        a thread, small programs served beside meanwhile. None where the asker went away meanwhile."""
+        try:
+            if len(program) > LONG_PROGRAM:  # O(n) and more: on a thread
+                # a program beside the passes must leave the metas they plan on as they were
+                names = await asyncio.to_thread(program_tensor_names, program, ())
+                self._passes_busy = True
+                try:
+                    rewritten: list[Instr] = await self._serving(
+                        asyncio.to_thread(self.rewrites.run, program, ctx), worker, names)
+                finally:
+                    self._passes_busy = False
+                if self._cancel is not None and self._cancel():  # the passes took seconds: the asker may be gone
+                    return None
+                return rewritten
+            return self.rewrites.run(program, ctx)
+        except Exception:  # a pass must never cost the client its program
+            log.exception("compiler passes failed; running the program as sent")
+            ctx.origins = list(range(len(program)))
+            return program
+
+    # -- the last programs again, with no coroutine
+    def now_run(self, program: Sequence[Instr], fetch: Sequence[str],
+                backwards: Sequence[dict[str, Any]] | None = None) -> Any:
+        """on_run for a program whose plan stands, with no coroutine, on a thread that stands in for the loop's
+        (LoopThread.now: the embedded daemon's training steps, without the event loop's tasks and hand-offs). None,
+        with nothing run and nothing counted, where on_run must answer: this scheduler or the worker busy or with
+        messages waiting, no plan that matches and stands, a plan the worker cannot run inline (OpWorker.now_stands).
+        Else on_run's answer, or a coroutine that finishes it (a rewritten program that failed part-way: its tensors
+        are set straight)."""
+        if not self.plans or not self.idle():
+            return None
+        plan = self._standing(program, fetch, backwards)
+        if plan is None:
+            return None
+        return self.now("run", self._now_run, plan, program)
+
+    def _standing(self, program: Sequence[Instr], fetch: Sequence[str],
+                  backwards: Sequence[dict[str, Any]] | None) -> Plan | None:
+        """The newest plan of `program` that its worker would run inline now (now_stands), found without running or
+        counting anything."""
+        worker = self._place(program)  # every plan's (a session's tensors live on one worker)
+        for plan in reversed(self.plans.bucket(probe(program))):
+            if plan.worker is not worker or not plan.matches(program, fetch, backwards):
+                continue
+            if plan.pair_min is not None and plan.pair_min != default_pair_min():
+                return None
+            if worker.now("stands", plan):
+                return plan
+        return None
+
+    def _now_run(self, plan: Plan, program: Sequence[Instr]) -> Any:
+        t0 = time.perf_counter()
+        self.now_hits += 1
+        self._taken_from_udp(program)
+        if plan.expanded is not None:
+            self._taken_from_udp(plan.expanded)
+        done = self._plan_ran(plan, program, plan.worker.now("run_plan", plan))
+        if isinstance(done, CoroutineType):
+            return self._finish_counted(done, t0, plan)
+        self._hit(probe(program), plan, done)
+        return self._counted(done, t0)
+
+    async def _finish_counted(self, done: Any, t0: float, plan: Plan) -> RunResult:
+        result: RunResult = await done
+        self._hit(probe(plan.program), plan, result)
+        return self._counted(result, t0)
+
+    # -- a step that does not repeat: in parts
+    def _apart(self, marks: dict[int, dict[str, Any]]) -> bool:
+        """Whether a program with backward instructions, which no plan matched, runs in parts (_run_apart). A step
+        that repeats (the same program, or new numbers in its optimizer updates) runs whole, through the passes
+        once, its plan reused at every step; a step with a number of its own that changes every step (a monitor of
+        the learning rate) would go through the passes and the worker's check whole at every step. So after two
+        steps in a row carrying one backward request that no plan matched, that request's steps run in parts,
+        whose backward repeats: its derived program's plan is reused, and only the parts around it are planned
+        afresh. Once the parts all repeat, the steps run whole again."""
+        apart = False
+        for spec in marks.values():
+            key = _backward_key(spec)
+            if key is None:
+                continue
+            counts = self.steps.get(key)
+            if counts is None:  # the first step with it
+                self.steps.put(key, [0, False])
+            elif counts[1]:
+                apart = True
+            else:
+                counts[0] += 1
+                if counts[0] >= 2:  # from the next step on
+                    counts[1] = True
+                    log.debug("scheduler: a step whose program does not repeat: its backward runs apart from here")
+        return apart
+
+    async def _run_apart(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+                         marks: dict[int, dict[str, Any]]) -> RunResult:
+        """`program` run in parts, each by its plan: the instructions before each backward, the backward (derived
+        from its forward as on_backward derives it, against the metas the part before it left), and the
+        instructions after the last. The result speaks of `program`. Where every part came by a plan from the
+        cache, the steps repeat: the next runs whole."""
+        self.apart += 1
+        parts = _Parts()
+        repeated = True
+        start, end = 0, len(program)  # (the last part takes `fetch`: a backward where the program ends with one)
+        for i in [*sorted(marks), end]:
+            if i > start:
+                result, hit = await self._run_part(worker, program[start:i], fetch if i == end else ())
+                repeated = repeated and hit
+                if not parts.add(result, start, i - start):
+                    return parts.result
+            if i == len(program):
+                break
+            if self._cancel is not None and self._cancel():
+                parts.add(self._cancelled(), i, 1)
+                return parts.result
+            result, hit = await self._run_backward(worker, program, i, marks[i], fetch if i == end - 1 else ())
+            repeated = repeated and hit
+            if not parts.add(result, i, 1, one=True):
+                return parts.result
+            start = i + 1
+        if repeated:
+            for spec in marks.values():
+                counts = self.steps.peek(_backward_key(spec))
+                if counts is not None:
+                    counts[:] = [0, False]
+        parts.result.done = len(program)
+        return parts.result
+
+    @staticmethod
+    def _cancelled() -> RunResult:
+        return RunResult(error="instruction 1: cancelled: the client's connection ended (the instructions before it "
+                               "ran)", error_index=0, t0=time.time(), cancelled=True)
+
+    async def _run_part(self, worker: ActorRef, part: Sequence[Instr], fetch: Sequence[str]
+                        ) -> tuple[RunResult, bool]:
+        """A part of a program run by its plan: (its result, whether the plan came from the cache)."""
+        hit = await self._run_cached(part, fetch, None)
+        if hit is not None:
+            return hit, True
+        return await self._run_new(worker, part, fetch, {}), False
+
+    async def _run_backward(self, worker: ActorRef, program: Sequence[Instr], i: int, spec: dict[str, Any],
+                            fetch: Sequence[str]) -> tuple[RunResult, bool]:
+        """The backward instruction at `i` run on its own: derived against the metas its forward's tensors have now,
+        then run by its plan."""
+        try:
+            forward, loss, wrt, grad_loss, prefix, names = _backward_spec(spec)
+            variables: tuple[Any, ...] = ()
+            if _names_variables(forward):
+                again = _set_again(program[:i], forward)
+                if again is not None:
+                    raise DeepxError(f"variable '{again}', which its forward reads by name, is set again between "
+                                     f"the forward and the backward: the gradient would take the new value; "
+                                     f"set it after the backward")
+                variables = await self._variables(worker)
+            metas = await worker.ask("metas", names=sorted(_names_of(forward, loss, wrt, grad_loss)))
+            derived, _ = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names, *variables)
+        except DeepxError as e:
+            return RunResult(error=f"instruction 1: backward: {e}", error_index=0, t0=time.time()), False
+        self._taken_from_udp(derived)
+        result, hit = await self._run_part(worker, derived, fetch)
+        if result.error:  # told of the one instruction it stands for
+            result.error = original_error(result.error, [0] * len(derived))
+        return result, hit
 
     async def _ask_run(self, worker: ActorRef, **kwargs: Any) -> RunResult:
-        """worker.ask("run", **kwargs), serving (_serving) meanwhile."""
+        """worker.ask("run", **kwargs): a program run once, unplanned, serving (_serving) meanwhile."""
         result: RunResult = await self._serving(worker.ask("run", **kwargs), worker)
         return result
 
@@ -599,24 +719,16 @@ class Scheduler(Actor):
                 self.beside += 1
                 await self.handle_nested(env)
 
-    async def _run_expanded(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
-                            marks: dict[int, dict[str, Any]], note: dict[str, Any] | None = None) -> RunResult:
-        """on_run with each marked backward instruction replaced by its backward program. The metas its derivation
-        needs are those the instructions before it leave (worked out without running them). A backward that cannot
-        be derived fails at its own instruction, after the ones before it ran."""
+    async def _expand(self, worker: ActorRef, program: list[Instr], fetch: tuple[str, ...],
+                      marks: dict[int, dict[str, Any]], ctx: PassContext
+                      ) -> tuple[list[Instr], list[int], tuple[BackwardSpec, ...], bool] | RunResult:
+        """`program` with each marked backward instruction replaced by its backward program: (the expansion, its
+        positions in the program, the backwards as a plan keeps them, whether the expansion may be kept). The metas
+        a derivation needs are those the instructions before it leave (worked out without running them). A backward
+        that cannot be derived fails at its own instruction, after the ones before it ran: the RunResult of that."""
         from deepxd.compiler.analysis import PassContext
 
-        ctx = await self._context(worker, program, fetch, scan=False, note=note)
         before = ctx.metas
-        hit = self._expansion(program, marks, before)
-        if hit is not None:
-            if not self.compiled.seen(hit[0]) and _names_variables(hit[0]):  # a remembered one names none
-                ctx.variables, ctx.vectors = await self._variables(worker)
-            self._taken_from_udp(hit[0])
-            result = await self._run_program(worker, hit[0], fetch, ctx, note)
-            if note is not None:
-                note["where"] = hit[1]
-            return self._map_expanded(result, program, hit[1], len(program), None)
         named = _names_variables(program)
         forwards = any(isinstance(f, list) and all(isinstance(i, Instr) for i in f) and _names_variables(f)
                        for f in (m.get("forward") for m in marks.values()))  # (a malformed one fails below)
@@ -624,6 +736,7 @@ class Scheduler(Actor):
             ctx.variables, ctx.vectors = await self._variables(worker)
         expanded: list[Instr] = []
         where: list[int] = []  # expanded position -> the program's
+        specs: list[BackwardSpec] = []
         start = 0
         failure: str | None = None
         at = len(program)
@@ -636,7 +749,7 @@ class Scheduler(Actor):
                 metas = dict(before)
                 variables, vectors = dict(ctx.variables), dict(ctx.vectors)  # as the instructions before leave them
                 for b in PassContext(metas=before, variables=ctx.variables, vectors=ctx.vectors,
-                                     cache=self.plans).bind(expanded):
+                                     cache=self.binds).bind(expanded):
                     apply_effect(b, metas, variables, vectors, None, True)
             except DeepxError:
                 at = i  # the instructions before it are refused: running them says how
@@ -658,17 +771,27 @@ class Scheduler(Actor):
                 break
             expanded += derived
             where += [i] * len(derived)
+            # (copies: a client that edits its spec in place sends another one)
+            specs.append((i, loss, list(wrt), grad_loss, prefix, dict(names) if names is not None else None,
+                          list(forward), scalar_kinds(forward)))
         else:
             expanded += program[start:]
             where += range(start, len(program))
-        if at == len(program) and not forwards and not named and len(expanded) <= REMEMBER_MAX:  # what read
-            # variables took their values: not kept
-            self._remember_expansion(program, marks, before, expanded, where)
-            if note is not None:
-                note["where"] = where
         self._taken_from_udp(expanded)  # the gradients it writes too
-        result = await self._run_program(worker, expanded, fetch if at == len(program) else (), ctx, note)
+        if at == len(program):
+            # what read variables took their values: not kept
+            return expanded, where, tuple(specs), not forwards and not named and len(expanded) <= REMEMBER_MAX
+        result = await self._run_program(worker, expanded, ())  # the instructions before the failed backward
         return self._map_expanded(result, program, where, at, failure)
+
+    async def _run_program(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult:
+        """`program` run by a plan made for it now, never kept (a part of a program that failed)."""
+        made = await self._make_plan(worker, program, fetch, {}, True, loose=True)
+        assert not isinstance(made, RunResult)
+        self.plan_misses += 1
+        result = await self._run_plan(made[0], program)
+        assert result is not None  # (loose: its check decides)
+        return result
 
     @staticmethod
     def _map_expanded(result: RunResult, program: Sequence[Instr], where: list[int], at: int,
@@ -686,140 +809,34 @@ class Scheduler(Actor):
         result.map_times(where, result.done)
         return result
 
-    # expansions remembered: a training loop sends the same step, backward instruction and all, every time
-    def _expansion_key(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]]) -> Any:
-        from deepx_core.ir.instr import numbers_probe
-
-        try:
-            key: Any = (*numbers_probe(program),
-                        tuple((i, m.get("loss"), tuple(m.get("wrt") or ()), m.get("grad_loss"), m.get("prefix"),
-                               tuple((m.get("names") or {}).items()), len(m.get("forward") or ()))
-                              for i, m in sorted(marks.items())))
-            hash(key)
-        except TypeError:
-            return None
-        return key
-
-    def _expansion(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]],
-                   before: dict[str, Any]) -> tuple[list[Instr], list[int]] | None:
-        """A remembered expansion of this program; or of one it repeats with new numbers in its optimizer updates
-        (Adam's step count, a scheduled lr: instr.renumbered), with the new updates in place of the old (an update
-        is never a backward's: it stands in the expansion as it stood in the program)."""
-        from deepx_core.ir.instr import renumbered, same_program
-
-        key = self._expansion_key(program, marks)
-        for e in self.expansions.bucket(key) if key is not None else ():
-            known, kinds, forwards, (names, metas), expanded, where = e
-            if not (all(type(marks[i]["forward"]) is list and all(type(x) is Instr for x in marks[i]["forward"])
-                        and same_program(marks[i]["forward"], f, k) for i, (f, k) in forwards.items())
-                    and list(map(before.get, names)) == metas):  # (a malformed forward: refused by _backward_spec)
-                continue
-            if same_program(program, known, kinds):
-                self.expansion_hits += 1
-                self.expansions.hit()
-                return expanded, where
-            varied = renumbered(program, known)
-            if varied:  # each update stands alone where it stood (only a backward expands into several)
-                new = set(varied)
-                self.expansion_hits += 1
-                self.expansions.hit()
-                return [program[w] if w in new else x for x, w in zip(expanded, where)], where
-        self.expansions.miss()
-        return None
-
-    def _remember_expansion(self, program: Sequence[Instr], marks: dict[int, dict[str, Any]],
-                            before: dict[str, Any], expanded: list[Instr], where: list[int]) -> None:
-        """Keep an expansion with what it depended on: the program, the forward graphs, and the shape and dtype
-        (or absence) of each tensor they name as it was before the program."""
-        from deepx_core.ir.instr import scalar_kinds
-
-        key = self._expansion_key(program, marks)
-        if key is None:
-            return
-        names: set[str] = set()
-        for m in marks.values():
-            names |= _names_of(m["forward"], m["loss"], m["wrt"], m.get("grad_loss"))
-        for instr in program:
-            names.update(named_tensors(instr))
-        order = tuple(sorted(names))
-        self.expansions.add(key, (list(program), scalar_kinds(program),
-                                  {i: (list(m["forward"]), scalar_kinds(m["forward"])) for i, m in marks.items()},
-                                  (order, [before.get(n) for n in order]), expanded, where))
-
     async def _variables(self, worker: ActorRef) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
         """The worker's named variables and vectors (argset's and vecset's)."""
         held = await worker.ask("variables")
         return held.get("vars", {}), {k: tuple(v) for k, v in held.get("vectors", {}).items()}
 
     async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
-                       scan: bool = True, note: dict[str, Any] | None = None) -> Any:
+                       scan: bool = True) -> tuple[PassContext, int]:
         """The passes' context: the worker's metas and heap names, and its variables where the program may name
-        one (scan=False: not looked for; the caller knows the program names none, or looks itself). `note` takes
-        the version of the worker's state they were read at (`seen`: see _next_fast)."""
+        one (scan=False: not looked for; the caller knows the program names none, or looks itself); and the version
+        of the worker's state they were read at."""
         metas, keep, version = await worker.ask("state")
-        if note is not None:
-            note["seen"] = version
         variables: dict[str, Any] = {}
         vectors: dict[str, Any] = {}
-        if scan and not self.compiled.seen(program) and _names_variables(program):  # a remembered one names none
+        if scan and _names_variables(program):
             variables, vectors = await self._variables(worker)
         return new_context(metas, fetch=fetch, keep=keep, variables=variables, vectors=vectors,
-                           fuse_min_elements=self.fuse_min_elements, cache=self.plans)
-
-    async def _run_compiled(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
-                            ctx: Any = None, note: dict[str, Any] | None = None) -> RunResult:
-        beside = self._beside is not None and asyncio.current_task() is self._beside
-        if beside and self._passes_busy:  # the plan caches are not for two threads: no passes beside the passes
-            return await self._ask_run(worker, program=program, fetch=fetch, cancel=self._cancel)
-        if ctx is None:
-            ctx = await self._context(worker, program, fetch, note=note)
-        try:
-            if len(program) > LONG_PROGRAM and not self.compiled.seen(program):  # O(n) and more: on a thread
-                # a program beside the passes must leave the metas they plan on as they were
-                names = await asyncio.to_thread(program_tensor_names, program, ())
-                self._passes_busy = True
-                try:
-                    rewritten = await self._serving(asyncio.to_thread(self.compiled.run, program, ctx), worker,
-                                                    names)
-                finally:
-                    self._passes_busy = False
-                if self._cancel is not None and self._cancel():  # the passes took seconds: the asker may be gone
-                    self.failed += 1
-                    return _cancelled_unrun()
-            else:
-                rewritten = self.compiled.run(program, ctx)
-        except Exception:  # a pass must never cost the client its program
-            log.exception("compiler passes failed; running the program as sent")
-            rewritten = list(program)
-        if len(rewritten) == len(program) and all(a is b for a, b in zip(rewritten, program)):
-            if note is not None:
-                _note(note, program, program, None, ctx, True)
-            return await self._ask_run(worker, program=program, fetch=fetch, cancel=self._cancel)
-        origins = ctx.origins
-        if note is not None:
-            _note(note, program, rewritten, origins, ctx, True)
-        if beside:  # planned on the metas of a moment between a long program's slices: only on those metas
-            order = tuple(program_tensor_names(program, fetch))
-            expect = (order, [ctx.metas.get(n) for n in order], [n in ctx.keep for n in order])
-            result = await self._ask_run(worker, program=rewritten, fetch=fetch, cancel=self._cancel, expect=expect)
-            if result.stale:  # the long program changed them first: the program as sent, which the worker checks
-                return await self._ask_run(worker, program=program, fetch=fetch, cancel=self._cancel)
-        else:
-            result = await self._ask_run(worker, program=rewritten, fetch=fetch, cancel=self._cancel)
-        return await self._compiled_result(worker, program, rewritten, fetch, origins, ctx, result, note)
+                           fuse_min_elements=self.fuse_min_elements, cache=self.binds), version
 
     async def _compiled_result(self, worker: ActorRef, program: Sequence[Instr], rewritten: list[Instr],
-                               fetch: Sequence[str], origins: list[int], ctx: Any, result: RunResult,
-                               note: dict[str, Any] | None = None) -> RunResult:
+                               fetch: Sequence[str], origins: list[int], ctx: PassContext,
+                               result: RunResult) -> RunResult:
         """The result of `rewritten` (the passes' program for `program`), told of `program`. Where it failed part-way
         the tensors are set straight as `program` would have left them (repair)."""
         if not result.error:
             return self._compiled_ok(program, rewritten, origins, result)
-        if note is not None:
-            note["runs"] += 1
         if result.done == 0 and not result.cancelled:  # refused before anything ran: the program as sent gives the
             # exact refusal
-            return await worker.ask("run", program=program, fetch=fetch)
+            return await self._ask_run(worker, program=program, fetch=fetch)
         done, fix = repair(program, rewritten, origins, result.done, ctx)
         if fix:
             fixed: RunResult = await worker.ask("run", program=fix, fetch=())
@@ -849,7 +866,7 @@ class Scheduler(Actor):
 
     async def on_explain(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> dict[str, Any]:
         """The program's text before and after the passes, against the worker's tensors as they are now."""
-        ctx = await self._context(self._place(program), program, fetch)
+        ctx, _ = await self._context(self._place(program), program, fetch)
         before, after = explain(program, ctx.metas, fetch, self.passes, keep=ctx.keep, variables=ctx.variables,
                                 vectors=ctx.vectors, fuse_min_elements=self.fuse_min_elements)
         return {"before": before, "after": after, "passes": list(self.passes)}
@@ -866,7 +883,9 @@ class Scheduler(Actor):
         variables, vectors = await self._variables(worker) if _names_variables(forward) else ({}, {})
         program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names, variables, vectors)
         self._taken_from_udp(program)  # the gradients it writes are the native client's
-        result = await self._run_program(worker, program, [])  # through the passes, as a step's backward goes
+        result = await self._run_cached(program, (), None)  # by its plan, as a step's backward goes
+        if result is None:
+            result = await self._run_new(worker, program, (), {})
         if result.error:
             raise DeepxError(f"backward: {result.error}")
         self.programs += 1
@@ -961,7 +980,9 @@ class Scheduler(Actor):
                         scalars: dict[str, Any] | None = None, fetch: Sequence[str] = (),
                         data: bytes | None = None) -> RunResult | None:
         """Run stored graph `name` with inputs bound to tensors (or data), outputs to names, and scalars set. None
-        when the graph is not planned here and no data came (the caller reads it from the plane and asks again)."""
+        when the graph is not planned here and no data came (the caller reads it from the plane and asks again).
+        The bound program runs by its plan where one stands (a loop replays with the same bindings); else its
+        inputs are checked (and those given as data put) first."""
         from deepxd.compiler.graphs import bind_replay
 
         plan = self.graphs.get(name)
@@ -974,10 +995,8 @@ class Scheduler(Actor):
         bound = bind_replay(plan, inputs, outputs, scalars or {})
         self._taken_from_udp(bound.program, [p[0] for p in bound.puts])  # outputs, temporaries, inputs put
         result: RunResult | None = None
-        if bound.expect is not None:  # bound as the last replay was, which found its inputs fit: run if they still do
-            result = await worker.ask("run", program=bound.program, fetch=list(fetch), expect=bound.expect)
-            if result.stale:
-                result = None
+        if not bound.puts:  # (data to put: put first, every time)
+            result = await self._run_cached(bound.program, fetch, None)
         if result is None:
             result = await self._replay_checked(name, worker, bound, fetch)
         done = self._replayed(name, plan, worker, bound, result, t0)
@@ -986,34 +1005,32 @@ class Scheduler(Actor):
     def now_replay(self, name: str, inputs: dict[str, Any], outputs: dict[str, Any],
                    scalars: dict[str, Any] | None = None, fetch: Sequence[str] = ()) -> Any:
         """on_replay with no coroutine (LoopThread.now: dx.compile's replays in the embedded daemon), where the graph
-        is planned here and bound as the last replay was (its inputs found to fit), both actors are idle with
-        nothing waiting, and the worker runs the program inline (OpWorker.now_known). None, with nothing run and
-        nothing counted, where on_replay must answer; else its answer, or a coroutine that finishes it (a failed
-        replay's temporaries deleted)."""
+        is planned here, its bound program's plan stands, both actors are idle with nothing waiting, and the worker
+        runs the plan inline (OpWorker.now_stands). None, with nothing run and nothing counted, where on_replay must
+        answer; else its answer, or a coroutine that finishes it (a failed replay's temporaries deleted)."""
         from deepxd.compiler.graphs import bind_replay
 
         plan = self.graphs.get(name)
-        # only a binding of tensor names can be the last one again (with data to put, bind_replay binds afresh and
-        # on_replay would bind once more)
-        if plan is None or not plan.recent or not self.idle() or not all(type(v) is str for v in inputs.values()):
+        # only a binding of tensor names can run by a plan as it is (data is put first)
+        if plan is None or not self.plans or not self.idle() or not all(type(v) is str for v in inputs.values()):
             return None
-        worker = self._place(plan.plan)
         try:
             bound = bind_replay(plan, inputs, outputs, scalars or {})
         except DeepxError:  # on_replay says so, and counts it
             return None
-        if bound.expect is None:
-            return None
         fetch = list(fetch)
-        known = worker.now("known", bound.program, fetch, None, bound.expect)
-        if known is None or isinstance(known, RunResult):  # not inline, or stale: on_replay checks the inputs
+        standing = self._standing(bound.program, fetch, None)
+        if standing is None:
             return None
-        return self.now("replay", self._now_replay, name, plan, worker, bound, known, fetch)
+        return self.now("replay", self._now_replay, name, plan, bound, standing)
 
-    def _now_replay(self, name: str, plan: Any, worker: ActorRef, bound: Any, known: Any, fetch: list[str]) -> Any:
+    def _now_replay(self, name: str, plan: Any, bound: Any, standing: Plan) -> Any:
         t0 = time.perf_counter()
         self.now_hits += 1
-        return self._replayed(name, plan, worker, bound, worker.now("run_known", known, fetch), t0)
+        self._taken_from_udp(bound.program)
+        result = standing.worker.now("run_plan", standing)
+        self._hit(probe(bound.program), standing, result)
+        return self._replayed(name, plan, standing.worker, bound, result, t0)
 
     def _replayed(self, name: str, plan: Any, worker: ActorRef, bound: Any, result: RunResult, t0: float) -> Any:
         """on_replay's answer from the worker's: a coroutine to await where the replay failed (its temporaries are
@@ -1024,9 +1041,6 @@ class Scheduler(Actor):
         if result.error:
             self.failed += 1
             return self._replay_failed(name, plan, worker, bound, result)
-        if not bound.puts and bound.bound_inputs:
-            bound.expect = (tuple(bound.bound_inputs), [TensorMeta(shape, dtype) for dtype, shape in
-                                                        bound.bound_inputs.values()], None)
         self.instructions += len(plan.record.instrs)
         result.done = len(plan.record.instrs)
         return result
@@ -1065,12 +1079,17 @@ class Scheduler(Actor):
                     await worker.ask("run", program=[Instr("deltensor", (), (Param.tensor(p[0]),))
                                                      for p in bound.puts[:k]])
                 raise DeepxError(f"replay of graph {name!r}: {e}") from None
-        result: RunResult = await worker.ask("run", program=bound.program, fetch=list(fetch))
+        # by a plan: made once for these bindings (the graph's binding memo gives the same program; one that puts
+        # data deletes its inputs after it, the same program every time too)
+        result = await self._run_cached(bound.program, fetch, None) if bound.puts else None
+        if result is None:
+            result = await self._run_new(worker, bound.program, fetch, {}, passes=False)
         return result
 
     def on_stats(self) -> dict[str, float]:
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
-                "plan_hits": self.compiled.hits, "plan_misses": self.compiled.misses, "graphs": len(self.graphs),
-                "replays": self.replays, "fast_hits": self.fast_hits, "now_hits": self.now_hits, "beside": self.beside,
+                "plan_hits": self.plan_hits, "plan_misses": self.plan_misses, "stale": self.stale,
+                "now_hits": self.now_hits, "apart": self.apart, "rewrite_hits": self.rewrites.hits,
+                "graphs": len(self.graphs), "replays": self.replays, "beside": self.beside,
                 "backward_hits": self.backward_hits, "backward_misses": self.backward_misses}

@@ -1,6 +1,7 @@
 """What every op worker shares: the result of a program (`RunResult`), op statistics, the view of heap tensors, and
-the `OpWorker` actor base that checks a program whole against the worker's tensors, remembers repeated programs
-and runs long ones in slices. The CPU worker (opcpu.py) and the CUDA worker (opcuda.py) fill in the kernels.
+the `OpWorker` actor base that checks a program whole against the worker's tensors, runs a plan again on the part
+it kept of it (deepxd/actors/plan.py) and runs long programs in slices.
+The CPU worker (opcpu.py) and the CUDA worker (opcuda.py) fill in the kernels.
 """
 
 
@@ -11,18 +12,18 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
 from deepx_core.ir.effects import CREATES, DELETES, RENAMES, SETS, apply_effect
-from deepx_core.ir.instr import NUMBERED_OPS, Instr, numbers_probe, probe, renumbered, same_program, scalar_kinds
+from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef, Envelope
+from deepxd.actors.plan import Plan, Prepared
 from deepxd.compiler.analysis import named_tensors
 from deepxd.kernels.cpu import check_instruction, dtype_name
 from deepxd.kernels.cpu.life import refused_heap_replace
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 #: a program longer than this is checked on the worker's thread and runs there in slices (the loop stays free)
 LONG_PROGRAM = 4096
-#: a program longer than this is never remembered (known programs, plans): a memo of it would outlive it
+#: a program longer than this is never kept as a plan: a memo of it would outlive it
 REMEMBER_MAX = 65536
 #: about how long a slice of a program runs on the worker's thread before the worker looks up (cancel, queries)
 SLICE_S = 0.05
@@ -59,16 +60,8 @@ class RunResult:
     # when it is read, which an embedded client never does
     raw_times: list[float] = field(default_factory=list)
     time_maps: list[tuple[Sequence[int], int]] = field(default_factory=list)
-    # a known program's clock: its start and each instruction's end (perf_counter), made into raw_times when read
+    # a prepared plan's clock: its start and each instruction's end (perf_counter), made into raw_times when read
     clock: tuple[float, list[float]] | None = None
-    # the version of the worker's state (OpWorker._state) when the run began, and after it where running the program
-    # again finds the state it found this time (a known program that leaves the metas it names as it found them);
-    # -1: not so
-    begun: int = -1
-    version: int = -1
-    known: bool = False  # it ran as a program the worker knew (checked before, its check now a comparison)
-    # asked to run only on a state it was not in (see OpWorker._stale): nothing ran
-    stale: bool = False
     # where an instruction failed while running (not in its check): when it began, in us on the clock of the times;
     # -1 where none began (a UDP reply's start_at is 0 only for an op that never started, docs/deepxir.md section 2)
     failed_at: float = -1.0
@@ -129,26 +122,6 @@ class HeapViews(dict[str, Any]):
     def clear(self) -> None:
         dict.clear(self)
         self.version += 1
-
-
-class KnownProgram(NamedTuple):
-    """A program checked before, with the state its check read (per tensor name it touches: meta before, and whether
-    it is a heap tensor): while that state holds, the same program checks the same way, so it runs without the
-    check, on instructions prepared for the executor."""
-
-    program: list[Instr]
-    kinds: tuple[tuple[int, int, Any], ...]
-    fetch: tuple[str, ...]
-    names: tuple[str, ...]
-    metas: list[TensorMeta | None]  # per name, its meta before the program (None: absent)
-    heaped: list[bool]  # per name, whether it was a heap tensor
-    bounds: list[Bound]
-    steps: list[Any]  # prepared at the first repeat: most programs that never repeat are never prepared
-    slots: list[tuple[OpStat, int]]  # per instruction, its op's statistics and its bytes (filled at the first run)
-    heavy: bool
-    deletes: tuple[tuple[int, str], ...]  # (index, name) of each deltensor
-    transient: set[int]
-    after: list[bool]  # [whether a run leaves the metas of `names` as `metas`], from its first run as known
 
 
 def _state_free(bounds: list[Bound]) -> bool:
@@ -216,7 +189,7 @@ def deletions(bounds: Sequence[Bound]) -> Iterator[tuple[int, str]]:
 
 class LongNames:
     """The names of the tensors of a long program that a worker runs in slices: `now`, where known (the live set
-    its sliced check fills, or a known program's), else worked out once by `get` (with `work`, on a thread)."""
+    its sliced check fills, or a prepared plan's), else worked out once by `get` (with `work`, on a thread)."""
 
     def __init__(self, now: AbstractSet[str] | None = None,
                  work: Callable[[], Awaitable[AbstractSet[str]]] | None = None) -> None:
@@ -231,32 +204,21 @@ class LongNames:
 
 
 class OpWorker(Actor):
-    """What the op workers (op-cpu here, op-cuda in opcuda.py) share: the programs they have checked before, the
-    heap tensors they view, and their op statistics. A subclass sets these attributes and an executor `ex` (None
+    """What the op workers (op-cpu here, op-cuda in opcuda.py) share: running programs and plans, the heap tensors
+    they view, and their op statistics. A subclass sets these attributes and an executor `ex` (None
     until it exists) whose `tensors` table has `metas`."""
 
     ex: Any
     heap: HeapViews  # heap tensor name -> its array (memory heapmem allocated)
     heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
     heapmem: ActorRef | None
-    known: Cache[Any, list[KnownProgram]]  # programs checked before, by probe(): a loop sends the same ones
-    known_hits: int
-    renumberable: Cache[Any, list[KnownProgram]]  # the known programs with optimizer updates, by numbers_probe
-    renumbered_hits: int
     op_stats: dict[str, OpStat]
     output_log: bool
     _output: list[str]
-    _unfolded: list[Any]  # known programs' clocks not yet in op_stats (see _fold)
-    run_known: Callable[[KnownProgram, Sequence[str]], RunResult]  # on_run for a program known_now found, inline
-
-    def _caches(self, size: int = 256) -> None:
-        """The known programs: while the tensors a program touches keep their metas, it checks the same way, so it
-        runs without the check; a step whose updates carry new numbers (Adam's step count, a scheduled learning rate)
-        finds its program among the renumberable ones (_renumbered)."""
-        self.known = Cache("worker.known", size, per_key=8, owner=self.name)
-        self.renumberable = Cache("worker.renumberable", size, per_key=8, owner=self.name)
-        self.known_hits = 0
-        self.renumbered_hits = 0
+    _unfolded: list[Any]  # prepared plans' clocks not yet in op_stats (see _fold)
+    run_prepared: Callable[[Plan], RunResult]  # on_run_plan for a plan that stands, inline (now_run_plan)
+    prepared_runs = 0  # plans run as prepared (their check a version or a comparison)
+    renumbered_runs = 0  # ...of which with new numbers in their optimizer updates, bound again
 
     _nested = False  # a small program runs between the slices of a long one (see _interleave): none deeper
     _long: LongNames | None = None  # the long program running in slices (see _interleave)
@@ -291,6 +253,8 @@ class OpWorker(Actor):
             kw = env.kwargs
             if env.name == "run":
                 return small_tensor_names(kw.get("program", ()), kw.get("fetch", ()))
+            if env.name == "run_plan" and isinstance(kw.get("plan"), Plan):
+                return small_tensor_names(kw["plan"].sent, kw["plan"].fetch)
             if env.name == "fetch" and all(type(n) is str for n in kw.get("names", (None,))):
                 return set(kw["names"])
             if env.name == "put" and type(kw.get("name")) is str:
@@ -339,102 +303,70 @@ class OpWorker(Actor):
         if self.output_log:
             log.info("print: %s", text)
 
-    # the known program that ran last, and the tensor table's version it left, where running it again finds the
-    # state it found (see _ran_known)
-    _last: tuple[KnownProgram, int] | None = None
-
-    def _known(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
-        if not program:
-            return None
-        last = self._last
-        if last is not None and program is last[0].program and last[1] == self._state() and last[0].fetch == tuple(
-                fetch):
-            self.known.hit()  # the very program again, nothing written since: the metas it names are as it left them
-            return last[0]
-        heap = self.heap
-        fetch = tuple(fetch)
-        for k in self.known.bucket(probe(program)):
-            if (k.fetch == fetch and same_program(program, k.program, k.kinds)
-                    and self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None)):
-                self.known.hit()
-                return k
-        found = self._renumbered(program, fetch) if self.renumberable else None
-        if found is None:
-            self.known.miss()
-        return found
-
-    def _renumbered(self, program: Sequence[Instr], fetch: Sequence[str]) -> KnownProgram | None:
-        """A known program that `program` repeats with new numbers in its optimizer updates (Adam's step count, a
-        scheduled learning rate: instr.renumbered), checked against the same state: that one with those updates bound
-        again (and prepared again), in its place, since the next step brings new numbers again. None otherwise."""
-        bucket = self.renumberable.bucket(numbers_probe(program))
-        if not bucket:
-            self.renumberable.miss()
-            return None
-        heap = self.heap
-        fetch = tuple(fetch)
-        for j, k in enumerate(bucket):
-            if k.fetch != fetch:
-                continue
-            varied = renumbered(program, k.program)
-            if not varied or not self._meets(k.names, k.metas, k.heaped if heap or any(k.heaped) else None):
-                continue
-            bounds = list(k.bounds)
-            for i in varied:
-                old = bounds[i]
-                metas = {str(p.value): m for p, m in zip(old.instr.args, old.args) if p.category == "tensor"}
-                try:
-                    bounds[i] = bind(program[i], SymbolicEnv(metas))
-                except DeepxError:  # a number the op refuses: on_run's check says how
-                    return None
-            program = program if type(program) is list else list(program)
-            derived = k._replace(program=program, kinds=scalar_kinds(program), bounds=bounds,
-                                 steps=self._steps_renumbered(k, bounds, varied))
-            bucket[j] = derived
-            # (a step whose last instruction is an update has a new probe every time: its bucket goes when empty)
-            self.known.discard(probe(k.program), k)
-            self.known.add(probe(program), derived)
-            self.renumberable.hit()
-            self.renumbered_hits += 1
-            return derived
-        self.renumberable.miss()
-        return None
-
-    def _steps_renumbered(self, known: KnownProgram, bounds: list[Bound], varied: list[int]) -> list[Any]:
-        """The prepared steps of a renumbered known program: none (prepared again at its first run)."""
-        return []
-
-    def known_now(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
-                  expect: Any = None) -> KnownProgram | RunResult | None:
-        """What on_run would do with this ask, where it can be done with no coroutine (the embedded daemon's fast
-        path, Scheduler.now_run, then run_known), found without running or counting anything (a renumbered program
-        takes its known one's place, as on_run's lookup would have it): the known program to run, one
-        that deletes no heap tensor (heapmem would be told) and that _now_ok allows; on_run's `stale` answer; else
-        None (on_run must answer)."""
+    def _stands(self, plan: Plan) -> bool | None:
+        """Whether `plan` runs here now as prepared (True: its state's version is the one its last run left, or the
+        tensors it read are as it found them); False where it does not stand (nothing runs); None where it has no
+        prepared part (its first run, or one whose part was not kept, or whose new numbers an op refuses): then its
+        program is checked whole, as any program's. Renumbered updates are bound and prepared again here."""
+        prepared = plan.prepared
+        if prepared is None:  # its first run: on the state it was planned on
+            return None if plan.seen is None or (self.ex is not None and plan.seen == self._state()) else False
         if self.ex is None:
+            return False
+        if plan.version < 0 or plan.version != self._state():
+            if not self._meets(prepared.names, prepared.metas,
+                               prepared.heaped if self.heap or any(prepared.heaped) else None):
+                return False
+        if plan.redo and not self._rebind(plan, prepared):
+            plan.prepared = None
             return None
-        stale = self._stale(version, expect)
-        if stale is not None:
-            return stale
-        known = self._known(program, fetch)
+        return True
+
+    def _rebind(self, plan: Plan, prepared: Prepared) -> bool:
+        """Bind again the instructions of `plan` whose numbers changed (Plan.renumber), against the metas their
+        tensors were bound with, and prepare them again; False where an op refuses its new numbers (the whole check
+        says how)."""
+        bounds = prepared.bounds
+        redo = sorted(set(plan.redo))
+        plan.redo.clear()
+        for i in redo:
+            old = bounds[i]
+            metas = {str(p.value): m for p, m in zip(old.instr.args, old.args) if p.category == "tensor"}
+            try:
+                bounds[i] = bind(plan.sent[i], SymbolicEnv(metas))
+            except DeepxError:
+                return False
+        self._prepare_again(prepared, redo)
+        self.renumbered_runs += 1
+        return True
+
+    def _prepare_again(self, prepared: Prepared, changed: list[int]) -> None:
+        """The prepared steps at positions `changed`, bound again: none here (prepared again at the next run)."""
+        prepared.steps.clear()
+
+    def now_stands(self, plan: Plan) -> bool:
+        """`ref.now("stands", plan)`: whether on_run_plan would run this plan as prepared with no coroutine, were it
+        asked now: this worker idle, the plan prepared and standing (_stands), not one for a thread (_now_ok), and
+        deleting no heap tensor (heapmem would be told). Nothing runs; the scheduler's look before it commits to a
+        run on its caller's thread (now_run_plan)."""
+        if not self.idle() or self.ex is None:
+            return False
+        prepared = plan.prepared
+        if prepared is None or not self._now_ok(prepared):
+            return False
         heap = self.heap
-        if known is None or not self._now_ok(known) or (heap and any(name in heap for _, name in known.deletes)):
-            return None
-        return known
+        if heap and any(name in heap for _, name in prepared.deletes):
+            return False
+        return self._stands(plan) is True
 
-    def now_known(self, program: Sequence[Instr], fetch: Sequence[str] = (), version: int | None = None,
-                  expect: Any = None) -> KnownProgram | RunResult | None:
-        """known_now where this worker is idle, else None: `ref.now("known", ...)`, the scheduler's look before it
-        commits to a run on its caller's thread."""
-        return self.known_now(program, fetch, version, expect) if self.idle() else None
+    def now_run_plan(self, plan: Plan) -> RunResult:
+        """`ref.now("run_plan", plan)`, right after now_stands said yes: run_prepared answered as message `run_plan`
+        on the caller's thread (counted and marked busy as an ask is; see Actor.now)."""
+        result: RunResult = self.now("run_plan", self.run_prepared, plan)
+        return result
 
-    def now_run_known(self, known: KnownProgram, fetch: Sequence[str]) -> Any:
-        """`ref.now("run_known", known, fetch)`: run_known answered as message `run` on the caller's thread (counted
-        and marked busy as an ask is; see Actor.now)."""
-        return self.now("run", self.run_known, known, fetch)
-
-    def _now_ok(self, known: KnownProgram) -> bool:
-        """Whether run_known may run this known program (op-cpu: not one for its thread pool)."""
+    def _now_ok(self, prepared: Prepared) -> bool:
+        """Whether run_prepared may run this plan inline (op-cpu: not one for its thread pool)."""
         return True
 
     @staticmethod
@@ -446,17 +378,16 @@ class OpWorker(Actor):
                         "before it ran)")
         return result
 
-    def _begin_known(self, known: KnownProgram) -> RunResult:
-        """A known program about to run: its result begun."""
-        result = RunResult(t0=time.time(), begun=self._state())
+    def _begin_prepared(self, prepared: Prepared) -> RunResult:
+        """A prepared plan about to run: its result begun."""
+        result = RunResult(t0=time.time())
         self._output = []
-        self.known_hits += 1
-        result.known = True
+        self.prepared_runs += 1
         return result
 
-    def _end_known(self, known: KnownProgram, result: RunResult) -> RunResult:
+    def _end_prepared(self, plan: Plan, result: RunResult) -> RunResult:
         result.output = self._output
-        self._ran_known(known, result)
+        self._ran(plan, result)
         return result
 
     def _meets(self, names: Sequence[str], metas: list[Any], heaped: list[bool] | None) -> bool:
@@ -465,42 +396,25 @@ class OpWorker(Actor):
         return list(map(self.ex.tensors.metas.get, names)) == metas and (
             heaped is None or list(map(self.heap.__contains__, names)) == heaped)
 
-    def _ran_known(self, known: KnownProgram, result: RunResult) -> None:
-        """After a known program ran: where it ran to the end and left the metas it names as it found them (a
-        training step deletes its temporaries and gradients and makes them again), it is the last program, and the
-        table's version then is noted (in `result.version` too, for the scheduler): while the version stands, the
-        same program finds the same state, and runs again without the comparing."""
-        if result.error:
-            self._last = None
+    def _ran(self, plan: Plan, result: RunResult) -> None:
+        """After a plan ran: where it ran to the end and left the metas it read as it found them (a training step
+        deletes its temporaries and gradients and makes them again), the version of the state then is noted on it:
+        while the version stands, the plan finds the state it found, and runs again without comparing."""
+        prepared = plan.prepared
+        if prepared is None:
             return
-        after = known.after
+        if result.error:
+            plan.version = -1
+            return
+        after = prepared.after
         if not after:  # the same program from the same state leaves the same state: worked out once
-            after.append(self._meets(known.names, known.metas, known.heaped))
-        if after[0]:
-            result.version = self._state()
-            self._last = (known, result.version)
-        else:
-            self._last = None
+            after.append(self._meets(prepared.names, prepared.metas, prepared.heaped))
+        plan.version = self._state() if after[0] else -1
 
     def _state(self) -> int:
         """The version of what a program's check reads here: the tensor table's and the heap tensors' (both only
         grow, so their sum stands exactly while neither changes)."""
         return int(self.ex.tensors.version) + self.heap.version
-
-    def _stale(self, version: int | None, expect: Any) -> RunResult | None:
-        """A run asked for only on a state (the scheduler's fast path): where the state's version is `version`, or
-        else the tensors named in `expect` (names, their metas, whether each is a heap tensor or None: either) are
-        as it says. The answer where neither holds, with nothing run; None where the run may go ahead (or neither
-        was asked for)."""
-        if version is None and expect is None:
-            return None
-        if self.ex is None:
-            return RunResult(stale=True)
-        if version is not None and self._state() == version:
-            return None
-        if expect is not None and self._meets(*expect):
-            return None
-        return RunResult(stale=True)
 
     def _missing(self, names: Sequence[str], bounds: list[Bound]) -> str | None:
         """The first of `names` that no tensor will have after the program; None where all will."""
@@ -568,10 +482,10 @@ class OpWorker(Actor):
                         f"{self.name}, so deleting it here would free nothing; its holders release it, or "
                         f"`deepxctl tensors rm {name} --force` frees it", i)
 
-    async def _forget_deleted(self, known: KnownProgram, done: int) -> None:
-        """The heap tensors that a known program's first `done` instructions deleted: forgotten (_forget_heap)."""
+    async def _forget_deleted(self, prepared: Prepared, done: int) -> None:
+        """The heap tensors that a prepared plan's first `done` instructions deleted: forgotten (_forget_heap)."""
         heap = self.heap
-        for i, name in known.deletes:
+        for i, name in prepared.deletes:
             if i >= done:
                 break
             if name in heap:
@@ -628,42 +542,30 @@ class OpWorker(Actor):
         view = self.heap[name] = await self.heapmem.ask("array", name=name)
         return view
 
-    def _remember(self, program: Sequence[Instr], fetch: Sequence[str], bounds: list[Bound], heavy: bool = False,
-                  transient: set[int] | None = None) -> None:
-        """Keep a checked program with the state its check read (see KnownProgram). `heavy`: it runs on the
-        worker's thread; `transient`: the transposes that become views (none on the GPU, where they stay copies)."""
-        if not bounds or not _state_free(bounds):
-            return
-        key = probe(program)
-        try:
-            hash(key)
-        except TypeError:  # a list inside a param: never remembered
+    def _prepare(self, plan: Plan, bounds: list[Bound], begun: int, heavy: bool = False,
+                 transient: set[int] | None = None) -> None:
+        """Keep the check of a plan's first run on it, with the state that check read (see Prepared), where that
+        check reads nothing but the metas of its tensors and the plan was made on the state the run began on
+        (`begun`). `heavy`: it runs on the worker's thread; `transient`: the transposes that become views."""
+        if not bounds or not _state_free(bounds) or (plan.seen is not None and plan.seen != begun):
             return
         names = touched_names(bounds)
-        if fetch:  # a name it reads back only: that it still exists is part of the check
-            names += tuple(n for n in dict.fromkeys(fetch) if n not in names)
+        more = [n for n in dict.fromkeys((*plan.fetch, *plan.reads)) if n not in names]
+        if more:  # a name it reads back or was planned on: its meta is part of the check
+            names += tuple(more)
         metas, heap = self.ex.tensors.metas, self.heap
-        program = program if type(program) is list else list(program)
-        known = KnownProgram(program, scalar_kinds(program), tuple(fetch), names, [metas.get(n) for n in names],
-                             [n in heap for n in names], bounds, [], [], heavy,
-                             tuple(deletions(bounds)),
-                             transient if transient is not None else set(), [])
-        self.known.add(key, known)
-        if any(i.name in NUMBERED_OPS for i in program):
-            self.renumberable.add(numbers_probe(program), known)
+        plan.prepared = Prepared(names, [metas.get(n) for n in names], [n in heap for n in names], bounds, heavy,
+                                 tuple(deletions(bounds)), transient if transient is not None else set())
 
     def on_heap_gone(self, name: str) -> None:
         """heapmem freed heap tensor `name`: forget its array, so no later program touches that memory."""
         view = self.heap.pop(name, None)
         self.heap_held.discard(name)
         if view is not None and self.ex is not None and self.ex.tensors.get(name) is view:
-            self.ex.tensors.pop(name)
-            self.known.clear()  # checked programs may name it
-            self.renumberable.clear()
-            self._last = None
+            self.ex.tensors.pop(name)  # (a plan that names it no longer stands: its heap flag and meta are gone)
 
     def _fold(self) -> None:
-        """Add the clocks of the known programs run since the last fold to their ops' statistics: kept as they came
+        """Add the clocks of the prepared plans run since the last fold to their ops' statistics: kept as they came
         until the statistics are read (or 64 are waiting), off the path of the program that just ran."""
         unfolded, self._unfolded = self._unfolded, []
         for slots, start, ends in unfolded:

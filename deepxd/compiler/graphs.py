@@ -118,9 +118,6 @@ class Bound:
     puts: list[tuple[str, str, list[int], Any]]  # (name, dtype, shape, data) to put before the program
     bound_inputs: dict[str, tuple[str, tuple[int, ...]]]  # existing tensor -> the (dtype, shape) the graph needs
     outputs: list[str]
-    # after a replay of these bindings ran: what the worker is asked to find of the inputs (names, metas, None)
-    # when they come again, instead of the scheduler asking for their metas first
-    expect: Any = None
 
 
 def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, Any],

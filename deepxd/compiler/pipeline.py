@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.effects import CREATES, DELETES, kind_of
-from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param, probe, same_program, scalar_kinds
+from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param
 from deepx_core.ir.ops import UNKNOWN, PerOp, TensorMeta
 from deepx_core.ir.text import format_text
 from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
@@ -90,26 +90,10 @@ _ARG_ROLES: PerOp = PerOp(lambda op: tuple(1 if a.kind == "tensor" else 2 if a.k
 _RETURN_TENSOR: PerOp = PerOp(lambda op: tuple(a.kind == "tensor" for a in op.returns))
 
 
-class _Exact(NamedTuple):
-    """A program seen before, the state its rewrite depended on (per tensor name: meta before, fetched, heap), and
-    the rewrite."""
-
-    program: list[Instr]
-    kinds: tuple[tuple[int, int, Any], ...]
-    names: tuple[str, ...]
-    fuse_limits: tuple[int, int, int]  # fuse_min_elements, fuse_min_ops, fuse_pair_min_elements
-    out: list[Instr] | None  # None: the passes changed nothing
-    origins: tuple[int, ...]
-    # per name: its meta before, whether fetched, whether heap (the key's flags by column, as the hit check compares
-    # them: lists built by C loops)
-    metas: list[TensorMeta | None]
-    fetched: list[bool]
-    kept: list[bool]
-
-
-class PlanCache:
-    """Rewritten programs remembered by structure, so that a loop that sends the same program every step (with
-    fresh names for its temporaries) pays for the passes once.
+class Rewrites:
+    """What the passes made of a program, remembered by structure, so that a program that comes again under other
+    names for its temporaries (a client that names them afresh every step) pays for the passes once. A program
+    that comes again exactly does not get here: the scheduler's plan for it holds its rewrite (Scheduler.plans).
 
     The key is the program with its tensors numbered in order of first appearance, and for each whether it exists
     before the program (and its shape and dtype), whether the client fetches it and whether it is a heap tensor. A
@@ -121,89 +105,46 @@ class PlanCache:
         self.passes = tuple(passes)
         self.size = size
         self.max_len = max_len  # a longer program is never remembered: a memo of it would outlive it
-        self.hits = 0
-        self.misses = 0
-        self._plans: Cache[Any, tuple[tuple[Any, ...], tuple[int, ...]]] = Cache("scheduler.plans", size, owner=owner)
-        # programs seen before exactly (names and all: a client that reuses the names of its dropped temporaries
-        # sends the same instructions every step), by probe(): their rewrite without even the key
-        self._exact: Cache[Any, list[_Exact]] = Cache("scheduler.plans_exact", size, per_key=8,
-                                                        owner=owner)
-        self.exact_hits = 0
-        self._last: tuple[Sequence[Instr], list[_Exact]] | None = None
+        self._plans: Cache[Any, tuple[tuple[Any, ...], tuple[int, ...]]] = Cache("scheduler.rewrites", size,
+                                                                                 owner=owner)
 
-    def seen(self, program: Sequence[Instr]) -> bool:
-        """Whether `program` is exactly one remembered (whatever the state): it then names no variables, as programs
-        that do are never remembered. The comparison is kept for the run() of the same program that follows."""
-        if not self.passes or len(program) < 2 or (self.max_len is not None and len(program) > self.max_len):
-            return False
-        same = [e for e in self._exact.bucket(probe(program)) if same_program(program, e.program, e.kinds)]
-        self._last = (program, same)
-        return bool(same)
+    @property
+    def hits(self) -> int:
+        return self._plans.hits
+
+    @property
+    def misses(self) -> int:
+        return self._plans.misses
 
     def run(self, program: Sequence[Instr], ctx: PassContext) -> list[Instr]:
         """run_passes(program, ctx, self.passes), from the cache when the structure was seen before."""
         if not self.passes or len(program) < 2 or not has_ends(program):
             ctx.origins = list(range(len(program)))
             return list(program)
-        if self.max_len is not None and len(program) > self.max_len:
-            self._last = None
-            return run_passes(list(program), ctx, self.passes)
-        sent = program
         program = program if type(program) is list else list(program)
-        key0 = probe(program)
-        last, self._last = self._last, None
-        if last is not None and last[0] is sent:
-            same = last[1]  # seen() compared them a moment ago
-        else:
-            same = [e for e in self._exact.bucket(key0) if same_program(program, e.program, e.kinds)]
-        if same:
-            metas, fetch, keep = ctx.metas, ctx.fetch, ctx.keep
-            for e in same:
-                if (e.fuse_limits == (ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements)
-                        and list(map(metas.get, e.names)) == e.metas
-                        and list(map(fetch.__contains__, e.names)) == e.fetched
-                        and list(map(keep.__contains__, e.names)) == e.kept):
-                    self.hits += 1
-                    self.exact_hits += 1
-                    self._exact.hit()
-                    ctx.origins = list(e.origins)
-                    return program if e.out is None else e.out
-        self._exact.miss()
+        if self.max_len is not None and len(program) > self.max_len:
+            return run_passes(program, ctx, self.passes)
         found = self._key(program, ctx)
         if found is None:
             return run_passes(program, ctx, self.passes)
         key, names = found
         plan = self._plans.get(key)
         if plan is not None:
-            self.hits += 1
             entries, origins = plan
             ctx.origins = list(origins)
-            out = [program[e] if type(e) is int else _instantiate(e, names, program[o].meta)
-                   for e, o in zip(entries, origins)]
-            self._remember(key0, program, names, key[1], out, ctx)
-            return out
-        self.misses += 1
+            return [program[e] if type(e) is int else _instantiate(e, names, program[o].meta)
+                    for e, o in zip(entries, origins)]
         out = run_passes(program, ctx, self.passes)
         kept = {id(i) for i in out}
         if any(i.name in NUMBERED_OPS and id(i) not in kept for i in program):
             # a pass rewrote an update (none does today): its plan would hold these numbers, so it is not kept
-            self._remember(key0, program, names, key[1], out, ctx)
             return out
         tokens = {n: _Token(k) for k, n in enumerate(names)}
         entries_list: list[Any] = []
         for instr, o in zip(out, ctx.origins):
             entries_list.append(o if instr is program[o] else _template(instr, tokens))
         self._plans.put(key, (tuple(entries_list), tuple(ctx.origins)))
-        self._remember(key0, program, names, key[1], out, ctx)
         return out
-
-    def _remember(self, key: Any, program: list[Instr], names: list[str], flags: tuple[Any, ...],
-                  out: list[Instr], ctx: PassContext) -> None:
-        same = len(out) == len(program) and all(a is b for a, b in zip(out, program))
-        metas, fetched, kept = (list(column) for column in zip(*flags)) if flags else ([], [], [])
-        self._exact.add(key, _Exact(program, scalar_kinds(program), tuple(names),
-                                    (ctx.fuse_min_elements, ctx.fuse_min_ops, ctx.fuse_pair_min_elements),
-                                    None if same else out, tuple(ctx.origins), metas, fetched, kept))
 
     def _key(self, program: Sequence[Instr], ctx: PassContext) -> tuple[Any, list[str]] | None:
         ids: dict[str, int] = {}

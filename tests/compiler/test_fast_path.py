@@ -1,9 +1,10 @@
-"""The last program again (Scheduler._run_fast): a training loop sends the same step every time, and between two
-steps nothing else writes the worker's tensors. The program that step became (backward expanded, passes run, known
-to the worker) then goes to the worker as it is, on the condition that the worker's state (its tensor table and heap
-tensors) has the version the last run left. A repeat on that path must give what the whole path gives, bit for bit;
-a write in between (a put, another program) must send the step the whole way again; an error on that path must read
-as on the whole path."""
+"""A program again, by its plan (deepxd/actors/plan.py): a training loop sends the same step every time, and between
+two steps nothing else writes the worker's tensors. The plan the step became (backward expanded, passes run, checked
+and prepared by the worker) then runs as it is, on the condition that the worker's state (its tensor table and heap
+tensors) has the version the plan's last run left, or else that the tensors it read are as it found them. A repeat
+by its plan must give what the whole path gives, bit for bit; a write in between that changes what the plan read (a
+put of another shape) must send the step the whole way again; an error on that path must read as on the whole
+path."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import parse_text
+from deepxd.actors.plan import Plan
 from deepxd.actors.worker import RunResult
 from tests.compiler.test_backward_instr import FORWARD, UPDATE, _marker, _spec
 from tests.compiler.test_backward_instr import Node as GradNode
@@ -37,9 +39,8 @@ PASSES = ["simplify", "cse", "dce", "fuse"]
 
 
 def whole_way(node: Node) -> None:
-    """Forget the last program, so that the next one takes the whole path (the reference)."""
-    node.scheduler._fast.clear()
-    node.worker._last = None
+    """Forget the plans, so that the next program takes the whole path (the reference)."""
+    node.scheduler.plans.clear()
 
 
 @pytest.mark.parametrize("passes", [PASSES, ["off"]])
@@ -54,13 +55,13 @@ async def test_a_step_sent_again_takes_the_fast_path_and_gives_what_the_whole_pa
         for name in ("s", "x"):
             np.testing.assert_array_equal(got.tensors[name], want.tensors[name])
         assert len(got.times_us) == 2 * got.done
-    # the first run checks; the second is checked again (s and x were made by the first); the third is known and
-    # leaves the state it found; from the fourth on, each goes the fast way
-    assert looped.scheduler.fast_hits == 5 and reference.scheduler.fast_hits == 0
+    # the first run makes a plan; the second finds s, which the first made: another state, another plan; from the
+    # third on, each runs by that plan, as prepared
+    assert looped.scheduler.plan_hits == 6 and reference.scheduler.plan_hits == 0
+    assert (looped.scheduler.plan_misses, looped.scheduler.stale) == (2, 1)
     assert sorted(looped.worker.ex.tensors) == ["s", "w", "x"]
-    # the caches behind the fast path count only what they answer
-    assert looped.scheduler.compiled.exact_hits == (1 if passes != ["off"] else 0)
-    assert (await looped.scheduler.ref.ask("stats"))["fast_hits"] == 5
+    stats = await looped.scheduler.ref.ask("stats")
+    assert (stats["plan_hits"], stats["plan_misses"]) == (6, 2)
 
 
 async def test_a_write_in_between_sends_the_step_the_whole_way(nodes):
@@ -68,49 +69,58 @@ async def test_a_write_in_between_sends_the_step_the_whole_way(nodes):
     node = nodes[-1]
     for _ in range(4):
         assert not (await node.run(fresh(STEP), ["s"])).error
-    hits = node.scheduler.fast_hits
-    assert hits == 1
+    hits = node.scheduler.plan_hits
+    assert hits == 2
     # w of another shape: the step no longer checks, and says so as the whole path does
     await node.put("w", np.ones(5, np.float32))
     r = await node.run(fresh(STEP), ["s"])
     assert r.error.startswith("instruction 1: add") and r.error_index == 0 and r.done == 0
-    assert node.scheduler.fast_hits == hits
-    # w as it was, given anew (a put of the same shape writes too): the whole way once (the worker knows the
-    # program for this state from before), then fast again
+    assert node.scheduler.plan_hits == hits
+    # w as it was, given anew (a put of the same shape writes too): the plan finds what it read, and runs
     await node.put("w", np.ones((3, 4), np.float32))
     for _ in range(3):
         assert not (await node.run(fresh(STEP), ["s"])).error
-    assert node.scheduler.fast_hits == hits + 2
-    hits += 2
+    assert node.scheduler.plan_hits == hits + 3
+    hits += 3
     # another program that writes a tensor none of the step's: the step finds what it expects, and goes fast
     assert not (await node.run(fresh("addscalar (tensor<float32>:w, var<float32>:1.0) -> (tensor<float32>:v)"),
                                [])).error
     assert not (await node.run(fresh(STEP), ["s"])).error
-    assert node.scheduler.fast_hits == hits + 1
+    assert node.scheduler.plan_hits == hits + 1
     # one that only reads leaves the state as it was: the step after it still goes the fast way
-    hits = node.scheduler.fast_hits
+    hits = node.scheduler.plan_hits
     assert not (await node.run(fresh("print (tensor<float32>:w) -> ()"), [])).error
     assert not (await node.run(fresh(STEP), ["s"])).error
-    assert node.scheduler.fast_hits == hits + 1
+    assert node.scheduler.plan_hits == hits + 1
 
 
-async def test_the_worker_runs_nothing_for_a_state_version_that_is_gone(nodes):
+async def test_the_worker_runs_a_plan_only_on_the_state_it_read(nodes):
     nodes.append(await Node(["off"]).start())
     node = nodes[-1]
     program = fresh("addscalar (tensor<float32>:w, var<float32>:1.0) -> (tensor<float32>:v)")
-    runs = [await node.worker.ref.ask("run", program=program, fetch=[]) for _ in range(3)]
-    # checked (no v), checked again (v there now), known and leaving v as it found it
-    assert [r.version >= 0 for r in runs] == [False, False, True]
-    again = runs[-1]
-    await node.put("x", np.zeros((3, 4), np.float32))
+
+    async def run(plan: Plan) -> RunResult | None:
+        return await node.worker.ref.ask("run_plan", plan=plan)
+
+    first = Plan(program, ("v",), (), node.worker.ref, program)
+    r = await run(first)
+    assert r is not None and not r.error and first.prepared is not None
+    assert first.version == -1  # it made v: a run again would not find the state it found
+    assert await run(first) is None  # v exists now: the plan does not stand, nothing ran
+    second = Plan(program, ("v",), (), node.worker.ref, program)
+    assert (await run(second)) is not None and second.version >= 0  # it leaves v as it found it
+    await node.put("x", np.zeros((3, 4), np.float32))  # the version moves on; what the plan read stands
+    r = await run(second)
+    assert r is not None and not r.error and second.version >= 0
+    np.testing.assert_array_equal(r.tensors["v"], node.worker.ex.get("w") + 1)
     before = node.worker.ex.get("v").copy()
-    stale: RunResult = await node.worker.ref.ask("run", program=program, fetch=["v"], version=again.version)
-    assert stale.stale and stale.done == 0 and not stale.tensors
-    await node.put("w", np.zeros((3, 4), np.float32))  # what the program would change v to
+    await node.put("w", np.zeros(5, np.float32))  # what it read changes: it does not stand, nothing runs
+    assert await run(second) is None
     np.testing.assert_array_equal(node.worker.ex.get("v"), before)
-    r = await node.worker.ref.ask("run", program=program, fetch=["v"])
-    assert not r.stale and not r.error
-    np.testing.assert_array_equal(r.tensors["v"], np.ones((3, 4), np.float32))
+    # a plan made on a state of the worker's runs first on that state only
+    late = Plan(program, ("v",), (), node.worker.ref, program, seen=node.worker._state() - 1)
+    assert await run(late) is None and late.prepared is None
+    np.testing.assert_array_equal(node.worker.ex.get("v"), before)
 
 
 # d moves towards zero on every run: the fifth run divides by zero, by then on the fast path
@@ -139,14 +149,14 @@ async def divide_runs(nodes: list[Node], program: str, passes: list[str], fetch:
 
 async def test_a_kernel_error_on_the_fast_path_reads_as_on_the_whole_path(nodes):
     looped, reference, results = await divide_runs(nodes, DIVIDE, ["off"], ["q"], Node.run)
-    assert looped.scheduler.fast_hits == 2 and reference.scheduler.fast_hits == 0
+    assert looped.scheduler.plan_hits == 3 and reference.scheduler.plan_hits == 0
     for got, want in zip(*results.values()):
         assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
         if not want.error:
             np.testing.assert_array_equal(got.tensors["q"], want.tensors["q"])
     assert "integer division by zero" in results[0][-1].error and results[0][-1].error_index == 0
     # after the error the step takes the whole path: checked, d as the error left it
-    assert len(looped.scheduler._fast) == 0
+    assert len(looped.scheduler.plans) == 0
     np.testing.assert_array_equal(looped.worker.ex.get("d"), reference.worker.ex.get("d"))
 
 
@@ -168,14 +178,13 @@ async def test_a_training_step_with_its_backward_on_the_fast_path_matches_numpy(
         np.testing.assert_allclose(r.tensors["loss"], np.tanh(node.x @ w).sum(), rtol=1e-12)
         w = w - 0.1 * (node.x.T @ (1 - np.tanh(node.x @ w) ** 2))
         np.testing.assert_allclose(node.worker.ex.get("w"), w, rtol=1e-12)
-    assert node.scheduler.fast_hits == 3
-    assert node.scheduler.expansion_hits == 1  # the third run's: the fast runs do not look
+    assert node.scheduler.plan_hits == 4  # from the third run on (the first made h, t and loss)
     # another loss (a different backward) is not the last program: the whole way, with its own gradient
     other = _spec(3, wrt=["x"], names={"x": "gw"})
     r = await node.scheduler.ref.ask("run", program=[*parse_text(FORWARD.strip()), _marker({"x": "gw"}),
                                                      *parse_text("deltensor () -> (tensor<float64>:gw)")],
                                      fetch=[], backwards=[other])
-    assert not r.error and node.scheduler.fast_hits == 3
+    assert not r.error and node.scheduler.plan_hits == 4
 
 
 async def test_a_backward_spec_the_whole_path_refuses_is_refused_after_a_fast_run_too(grad_node: GradNode) -> None:
@@ -184,13 +193,13 @@ async def test_a_backward_spec_the_whole_path_refuses_is_refused_after_a_fast_ru
                *parse_text("deltensor () -> (tensor<float64>:gw)")]
     for _ in range(4):
         assert not (await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[_spec(3)])).error
-    assert node.scheduler.fast_hits == 1
+    assert node.scheduler.plan_hits == 2
     for index in (3.0, True, np.int64(3)):  # equal to 3, and not an instruction's index
         r = await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[_spec(index)])
         assert r.error == f"backward: index {index!r} is not a backward instruction of the program" and r.done == 0
     forward = [tuple(i) for i in parse_text(FORWARD.strip())]  # instructions as plain tuples (equal to them)
     r = await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[_spec(3, forward=forward)])
-    assert "malformed request" in r.error and node.scheduler.fast_hits == 1
+    assert "malformed request" in r.error and node.scheduler.plan_hits == 2
 
 
 async def test_a_fetched_tensor_deleted_in_between_is_refused_as_on_a_fresh_worker(nodes):
@@ -199,9 +208,9 @@ async def test_a_fetched_tensor_deleted_in_between_is_refused_as_on_a_fresh_work
     step = "addscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:x)"
     for n in (looped, fresh_node):
         await n.put("z", np.zeros(2, np.float32))
-    for _ in range(4):  # z is read back only: the worker's check of the known step covers it all the same
+    for _ in range(4):  # z is read back only: the plan's check covers it all the same
         assert not (await looped.run(fresh(step), ["z"])).error
-    assert looped.scheduler.fast_hits == 2
+    assert looped.scheduler.plan_hits == 3
     x = looped.worker.ex.get("x").copy()
     for n in (looped, fresh_node):
         assert not (await n.run(fresh("deltensor () -> (tensor<float32>:z)"), [])).error
@@ -234,9 +243,9 @@ async def test_two_programs_in_turn_take_the_fast_path_by_their_expectations(nod
         assert not got.error and not want.error
         np.testing.assert_array_equal(got.tensors[f"l{k % 2 + 1}"], want.tensors[f"l{k % 2 + 1}"])
     np.testing.assert_array_equal(looped.worker.ex.get("x"), reference.worker.ex.get("x"))
-    # neither leaves the state it found (the version moves on), so each is compared against what it expects:
-    # checked, then known (its entry made), then fast, for each of the two
-    assert looped.scheduler.fast_hits == 10 - 4 and reference.scheduler.fast_hits == 0
+    # neither leaves the state it found (the version moves on), so each compares what it read: from the second run
+    # of each on, it finds the state the other left, as its first did
+    assert looped.scheduler.plan_hits == 10 - 2 and reference.scheduler.plan_hits == 0
 
 
 class RacedNode(GradNode):
@@ -259,10 +268,12 @@ RACED_FORWARD = """
 """
 
 
-async def test_a_plan_made_from_a_state_the_run_did_not_find_is_never_run_again(rng):
+async def test_a_plan_made_from_a_state_the_run_does_not_find_never_runs(rng):
+    """The scheduler planned on b of shape (4, 3); a put of b of shape [3] lands before the run: that plan is not
+    run, and the step is planned again on the state the worker has (the gradient of shape [3])."""
     from deepx_core.ir.instr import Param
 
-    nodes = [await RacedNode().start(rng), await RacedNode().start(rng)]
+    looped = await RacedNode().start(rng)
     program = [*parse_text(RACED_FORWARD.strip()),
                Instr("backward", (Param.tensor("loss", "float64"),), (Param.tensor("gb", "float64"),)),
                *parse_text("deltensor () -> (tensor<float64>:h)\ndeltensor () -> (tensor<float64>:t)\n"
@@ -281,27 +292,21 @@ async def test_a_plan_made_from_a_state_the_run_did_not_find_is_never_run_again(
             "add (tensor<float64>:x, tensor<float64>:x) -> (tensor<float64>:junk)"), fetch=[]))
         stepped = asyncio.create_task(step(n))
         await asyncio.sleep(0)
-        assert n.worker._busy and n.worker.mailbox.qsize() == 1  # the scheduler's `state`, queued behind it
+        assert n.worker._busy and n.worker.mailbox.qsize() == 1  # the scheduler's ask, queued behind it
         put_b = n.worker.ref.ask_future("put", name="b", dtype="float64", shape=[3], data=np.full(3, 0.5).tobytes())
         await busy
         await put_b
         return await stepped
 
     try:
-        for n in nodes:
-            await put(n, "b", np.zeros((4, 3)))
-        looped, reference = nodes
-        for n in nodes:
-            for _ in range(3):
-                await put(n, "b", np.zeros((4, 3)))  # what the scheduler sees; the run finds b of shape [3]
-                await raced(n)
-        whole_way(reference)  # type: ignore[arg-type]
-        got, want = await step(looped), await step(reference)
-        assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
-        assert "sum: output 'gb'" in want.error and looped.scheduler.fast_hits == 0
+        for _ in range(3):
+            await put(looped, "b", np.zeros((4, 3)))  # what the scheduler sees; the run finds b of shape [3]
+            got = await raced(looped)
+            assert not got.error, got.error
+            np.testing.assert_allclose(got.tensors["gb"], (1 - np.tanh(looped.x + 0.5) ** 2).sum(0), rtol=1e-12)
+        assert looped.scheduler.stale >= 1  # made on the state the scheduler saw, found another: made again
     finally:
-        for n in nodes:
-            await n.stop()
+        await looped.stop()
 
 
 def state(n: Node) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
@@ -337,7 +342,7 @@ async def test_a_wrt_outside_the_forward_is_part_of_what_the_fast_path_expects(n
         whole_way(reference)
         for n in (looped, reference):
             assert not (await run_spec(n, program(), ["gz"], dict(spec))).error
-    assert looped.scheduler.fast_hits == 2
+    assert looped.scheduler.plan_hits == 3
     for n in (looped, reference):
         await n.put("z", np.ones(7))
     whole_way(reference)
@@ -376,7 +381,7 @@ async def test_untyped_tensor_params_are_part_of_what_the_fast_path_expects(node
         whole_way(reference)
         for n in (looped, reference):
             assert not (await n.run(step(), ["s"])).error
-    assert looped.scheduler.fast_hits >= 1
+    assert looped.scheduler.plan_hits >= 1
     for n in (looped, reference):
         await n.put(*changed)
     whole_way(reference)
@@ -391,11 +396,11 @@ async def test_a_spec_edited_in_place_and_sent_again_is_another_spec(grad_node: 
     program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"}), *parse_text("deltensor () -> (tensor<float64>:gw)")]
     for _ in range(4):
         assert not (await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[spec])).error
-    assert node.scheduler.fast_hits == 1
+    assert node.scheduler.plan_hits == 2
     spec["wrt"].append("x")  # the same objects, now asking for x's gradient too
     spec["names"]["x"] = "gx"
     r = await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[spec])
-    assert not r.error and node.scheduler.fast_hits == 1
+    assert not r.error and node.scheduler.plan_hits == 2
     np.testing.assert_allclose(node.worker.ex.get("gx"), (1 - np.tanh(node.x @ node.w) ** 2) @ node.w.T, rtol=1e-12)
 
 
@@ -438,11 +443,12 @@ async def test_run_now_gives_what_the_whole_path_gives(nodes, passes):
         for name in ("s", "x"):
             np.testing.assert_array_equal(got.tensors[name], want.tensors[name])
         assert len(got.times_us) == 2 * got.done
-    # as on the ask's fast path: from the fourth run on (checked, checked again, known and leaving its state)
-    assert ways == ["ask"] * 3 + ["now"] * 5
+    # as the ask runs a plan from the cache: from the third run on (the first made s: another state)
+    assert ways == ["ask"] * 2 + ["now"] * 6
     stats = await looped.scheduler.ref.ask("stats")
-    assert stats["fast_hits"] == stats["now_hits"] == 5 and stats["programs"] == 8
-    assert looped.worker.stats.by_message["run"] >= 8 and looped.worker.known_hits >= 6
+    assert stats["plan_hits"] == stats["now_hits"] == 6 and stats["programs"] == 8
+    assert looped.worker.stats.by_message["run_plan"] == 8 + looped.scheduler.stale  # (one stale, which ran nothing)
+    assert looped.worker.prepared_runs == 6
 
 
 # DIVIDE after work that the passes rewrite (a and b are one sum, and both are deleted): the fifth run fails at its
@@ -470,7 +476,7 @@ async def test_a_kernel_error_in_run_now_reads_as_on_the_whole_path(nodes, progr
         return r
 
     looped, reference, results = await divide_runs(nodes, program, passes, ["q", "x"], run)
-    assert ways == ["ask"] * 3 + ["now", last]
+    assert ways == ["ask"] * 2 + ["now", "now", last]
     for got, want in zip(*results.values()):
         assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
         if not want.error:
@@ -478,11 +484,11 @@ async def test_a_kernel_error_in_run_now_reads_as_on_the_whole_path(nodes, progr
                 np.testing.assert_array_equal(got.tensors[name], want.tensors[name])
     assert "integer division by zero" in results[0][-1].error and results[0][-1].error_index == div_at
     # set straight as the whole path leaves them; one message each, counted once
-    assert len(looped.scheduler._fast) == 0 and not looped.scheduler._busy and not looped.worker._busy
+    assert len(looped.scheduler.plans) == 0 and not looped.scheduler._busy and not looped.worker._busy
     for name in ("d", "x"):
         np.testing.assert_array_equal(looped.worker.ex.get(name), reference.worker.ex.get(name))
     assert looped.scheduler.stats.by_message["run"] == looped.scheduler.programs == 5
-    assert looped.scheduler.now_hits == 2 and looped.scheduler.failed == 1
+    assert looped.scheduler.now_hits == 3 and looped.scheduler.failed == 1
     assert (await looped.run(fresh(program), ["q"])).error  # d is 0: it fails again, the whole way
 
 

@@ -9,7 +9,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.ops import TensorMeta
 from deepxd.compiler import DEFAULT_PASSES, PASSES, PassContext, check_passes, explain, run_passes
 from deepxd.compiler.analysis import existing_after
-from deepxd.compiler.pipeline import PlanCache, original_error, original_times, repair
+from deepxd.compiler.pipeline import Rewrites, original_error, original_times, repair
 from deepxd.config import load_config
 from tests.compiler.helpers import assert_same_results, lines, program, random_inputs
 
@@ -118,8 +118,8 @@ def renamed(prog: list, suffix: str, keep: frozenset[str] = frozenset({"x", "w"}
             for i in prog]
 
 
-def test_the_plan_cache_rewrites_a_renamed_program_as_the_passes_would():
-    cache = PlanCache()
+def test_the_rewrite_memo_rewrites_a_renamed_program_as_the_passes_would():
+    cache = Rewrites()
     first = cache.run(program(TEXT), PassContext(metas=METAS, fetch=frozenset({"y"})))
     for suffix in ("_1", "_2"):
         prog = renamed(program(TEXT), suffix)
@@ -132,8 +132,8 @@ def test_the_plan_cache_rewrites_a_renamed_program_as_the_passes_would():
     assert lines(first) != lines(got)
 
 
-def test_the_plan_cache_tells_apart_what_changes_the_rewrite():
-    cache = PlanCache()
+def test_the_rewrite_memo_tells_apart_what_changes_the_rewrite():
+    cache = Rewrites()
     cache.run(program(TEXT), PassContext(metas=METAS))
     cache.run(program(TEXT), PassContext(metas=METAS, fetch=frozenset({"t3"})))  # a temporary fetched
     cache.run(program(TEXT), PassContext(metas={**METAS, "w": TensorMeta((16, 8), "float32")}))  # other metas
@@ -183,10 +183,10 @@ var<float32>:0.9, var<float32>:0.999, var<float32>:1e-08, var<float32>:0.0, var<
 ADAM_METAS = {**METAS, **{n: TensorMeta((8,), "float32") for n in ("g", "m", "v")}}
 
 
-def test_the_plan_cache_takes_an_optimizer_update_with_new_numbers_as_the_same_program():
+def test_the_rewrite_memo_takes_an_optimizer_update_with_new_numbers_as_the_same_program():
     """Adam's step count and a scheduled lr change every step: the plan holds for any of them, and each rewrite
     carries the update as it came (its numbers are never the plan's)."""
-    cache = PlanCache()
+    cache = Rewrites()
     for step, lr in ((1, 0.1), (2, 0.1), (3, 0.05), (4, 0.025)):
         prog = program(ADAM_STEP.format(lr=lr, step=step))
         ctx = PassContext(metas=ADAM_METAS, fetch=frozenset({"y"}))

@@ -71,11 +71,11 @@ async def test_a_repeated_program_gives_what_a_fresh_daemon_gives(nodes, passes)
         x = np.full((3, 4), 0.25 * step, np.float32)
         await looped.put("x", x)
         await reference.put("x", x)
-        reference.worker.known.clear()  # the reference always checks afresh
-        reference.scheduler.compiled = type(reference.scheduler.compiled)(reference.scheduler.passes)
-    assert looped.worker.known_hits >= 3
+        reference.scheduler.plans.clear()  # the reference always plans and checks afresh
+        reference.scheduler.rewrites = type(reference.scheduler.rewrites)(reference.scheduler.passes)
+    assert looped.worker.prepared_runs >= 3
     if passes != ["off"]:  # the plan remembered, or the last program run again as it went (test_fast_path.py)
-        assert looped.scheduler.compiled.exact_hits + looped.scheduler.fast_hits >= 3
+        assert looped.scheduler.plan_hits >= 3
 
 
 async def test_a_changed_shape_or_fetch_is_checked_again(nodes):
@@ -83,12 +83,12 @@ async def test_a_changed_shape_or_fetch_is_checked_again(nodes):
     node = nodes[-1]
     for _ in range(2):
         assert not (await node.run(fresh(STEP), ["y"])).error
-    hits = node.worker.known_hits
+    hits = node.worker.prepared_runs
     # w with another shape: the same instructions no longer check (add cannot broadcast (3, 4) with (5,))
     await node.put("w", np.ones(5, np.float32))
     r = await node.run(fresh(STEP), ["y"])
     assert r.error.startswith("instruction 1: add") and r.error_index == 0
-    assert node.worker.known_hits == hits
+    assert node.worker.prepared_runs == hits
     # fetching a tensor that the program deletes is refused, though the instructions are known
     await node.put("w", np.ones((3, 4), np.float32))
     assert not (await node.run(fresh(STEP), ["y"])).error
@@ -140,9 +140,9 @@ async def test_a_kernel_error_in_a_known_program_reads_as_in_a_fresh_one(nodes):
     assert not (await node.run(fresh(prog), [])).error
     assert not (await node.run(fresh(prog), [])).error  # known now
     await node.put("d", np.array([1, 0], np.int32))
-    hits = node.worker.known_hits
+    hits = node.worker.prepared_runs
     again = await node.run(fresh(prog), [])
-    assert node.worker.known_hits == hits + 1
+    assert node.worker.prepared_runs == hits + 1
     assert again.error == first.error and again.error_index == first.error_index == 0 and again.done == 0
 
 

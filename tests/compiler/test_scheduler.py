@@ -198,4 +198,4 @@ async def test_a_failure_after_a_folded_transpose_leaves_its_name_as_the_program
             assert not again.error, again.error
         assert sorted(fast.tensors()) == sorted(ref.tensors())
         assert "wt" not in fast.tensors()
-    assert fast.worker.known_hits > 0  # the repeats ran as a program the worker knew
+    assert fast.worker.prepared_runs > 0  # the repeats ran as a program the worker knew

@@ -22,23 +22,24 @@ def test_caches_ls_shows_the_worker_and_scheduler_caches_with_their_hits(live: L
         for _ in range(5):
             c.run(STEP).raise_for_error()
     after = rows()
-    known = after["worker.known", "op-cpu"]
-    assert known["capacity"] == 256 and 1 <= known["size"] <= 256
-    # the same step five times: the first two checked in full (the second finds cache_u, which the first made:
-    # another state), the next three found (each a lookup that hit)
-    assert known["hits"] - before.get(("worker.known", "op-cpu"), {"hits": 0})["hits"] >= 3
-    assert 0 < known["hit_rate"] <= 1
-    assert ("scheduler.plans", "scheduler") in after and ("scheduler.recent", "scheduler") in after
+    plans = after["scheduler.plans", "scheduler"]
+    assert plans["capacity"] == 256 and 1 <= plans["size"] <= 256
+    # the same step five times: the first two planned (the second finds cache_u, which the first made: another
+    # state), the next three by the second's plan (each a lookup that hit)
+    assert plans["hits"] - before.get(("scheduler.plans", "scheduler"), {"hits": 0})["hits"] >= 3
+    assert 0 < plans["hit_rate"] <= 1
+    assert ("scheduler.rewrites", "scheduler") in after and ("scheduler.backwards", "scheduler") in after
+    assert not any(name.startswith("worker.") for name, _ in after)  # a worker keeps its part on the plan
     unpacked = after["wire.unpacked", ""]  # an interning table: what it made counts, not its lookups
     assert unpacked["hits"] is None and unpacked["hit_rate"] is None and unpacked["misses"] >= 1
     assert all(c["node"] == live.node for c in after.values())
     assert all(0 <= c["size"] <= c["capacity"] for c in after.values())
     owned = json.loads(live.ctl("caches", "ls", "--format", "json", "--filter", "owner!=").stdout)  # docs/deepxctl.md
     assert owned and all(c["owner"] for c in owned) and len(owned) < len(after)
-    table = live.ctl("caches", "ls", "--filter", "cache=worker.known").stdout.splitlines()
+    table = live.ctl("caches", "ls", "--filter", "cache=scheduler.plans").stdout.splitlines()
     assert table[0].split() == ["NODE", "CACHE", "OWNER", "SIZE", "CAPACITY", "HITS", "MISSES", "HIT", "RATE",
                                 "EVICTIONS"]
-    assert len(table) == 3 and "op-cpu" in table[2] and table[2].rstrip().split()[-2].endswith("%")
+    assert len(table) == 3 and "scheduler" in table[2] and table[2].rstrip().split()[-2].endswith("%")
 
 
 def test_caches_ls_needs_a_daemon(live: Live) -> None:

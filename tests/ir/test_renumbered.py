@@ -4,7 +4,7 @@ count, a scheduled learning rate), which the daemon's caches then take as the sa
 from __future__ import annotations
 
 from deepx_core.ir import parse_text
-from deepx_core.ir.instr import numbers_probe, renumbered
+from deepx_core.ir.instr import probe, renumbered
 
 STEP = """
     mul (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:t)
@@ -30,7 +30,7 @@ def test_only_the_updates_numbers_may_differ():
     assert renumbered(step(lr="0.05", step=2), known) == [2, 3]
     assert renumbered(step(step=7), known) == [2, 3]
     assert renumbered(step(nesterov="true"), known) == [2]
-    assert numbers_probe(step(lr="0.05", step=9)) == numbers_probe(known)
+    assert probe(step(lr="0.05", step=9)) == probe(known)  # one key for both
 
 
 def test_anything_else_makes_another_program():

@@ -131,8 +131,8 @@ def test_a_replaced_view_leaves_its_transpose_its_values():
 
 
 def test_the_op_worker_runs_two_scripts_that_name_their_tensors_alike():
-    """Two front-end scripts on one worker, both naming tensors 0, 1, 2, taking turns three times (later turns run as
-    programs the worker knows): every run computes its own script's result."""
+    """Two front-end scripts on one worker, both naming tensors 0, 1, 2, taking turns three times (later turns run by
+    the plans the scheduler made of them): every run computes its own script's result."""
     a = parse_text("""
         newtensor (vector<int32>:[2 3]) -> (tensor<float32>:0)
         newtensor (vector<int32>:[2 3]) -> (tensor<float32>:1)
@@ -153,13 +153,23 @@ def test_the_op_worker_runs_two_scripts_that_name_their_tensors_alike():
     want_b = (np.arange(10, 14) * 3).astype(np.int32)
 
     async def scripts() -> None:
+        from deepxd.actors.scheduler import Scheduler
+        from deepxd.config import Config
+
         w = CpuWorker()
-        for _ in range(3):
-            for prog, want in ((a, want_a), (b, want_b)):
-                r = await w.on_run(prog, fetch=["2"])
-                assert not r.error, r.error
-                np.testing.assert_array_equal(r.tensors["2"], want)
-                assert r.tensors["2"].dtype == want.dtype
-        assert w.known_hits == 3, "from the second B on, each script finds the state it found before: known"
+        sched = Scheduler({"op-cpu": w.ref}, config=Config(passes=["off"]))
+        w.start()
+        sched.start()
+        try:
+            for _ in range(3):
+                for prog, want in ((a, want_a), (b, want_b)):
+                    r = await sched.ref.ask("run", program=prog, fetch=["2"])
+                    assert not r.error, r.error
+                    np.testing.assert_array_equal(r.tensors["2"], want)
+                    assert r.tensors["2"].dtype == want.dtype
+        finally:
+            await sched.stop()
+            await w.stop()
+        assert w.prepared_runs == 3, "from the second B on, each script finds the state its plan read: as prepared"
 
     asyncio.run(scripts())

@@ -281,13 +281,13 @@ def test_an_adam_step_is_one_program_though_its_numbers_change(rng):
     dxx, tx = dx.tensor(x), torch.tensor(x)
     opt, topt = Adam([w], lr=0.1), torch.optim.Adam([tw], lr=0.1)
     sched, tsched = StepLR(opt, 3, 0.5), torch.optim.lr_scheduler.StepLR(topt, 3, 0.5)
-    fast, renumbered = scheduler.fast_hits, worker.renumbered_hits
+    fast, renumbered = scheduler.plan_hits, worker.renumbered_runs
     with _backwards_sent() as sent:
         for _ in range(12):
             _paired_step((dxx, w, opt, sched), (tx, tw, topt, tsched))
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
     assert not s.lazy._off and sent[-6:] == [1] * 6  # each step one program, its backward in it
-    assert scheduler.fast_hits - fast >= 6 and worker.renumbered_hits - renumbered >= 6
+    assert scheduler.plan_hits - fast >= 6 and worker.renumbered_runs - renumbered >= 6
 
 
 def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
@@ -407,13 +407,13 @@ def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
 def test_an_lr_that_holds_then_changes_is_the_lr_the_step_runs(rng, opt_name):
     """A StepLR keeps the lr for a few steps and then changes it: the steps in between repeat exactly (the fast
     entry's program may come from a remembered expansion of an equal, earlier program), and the step after takes the
-    new lr, not the one the entry held (found in review: every other such step ran the old lr). The worker's tables
+    new lr, not the one the entry held (found in review: every other such step ran the old lr). The scheduler's plans
     stay bounded."""
     dx.connect()
     s = dx.session()
     from deepx_sdk.optim import SGD, Adam, StepLR
 
-    worker = s.transport.node.worker()._actor
+    scheduler = s.transport.node.ref("scheduler")._actor
     w0 = rng.standard_normal((4, 3))
     w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
     x = rng.standard_normal((5, 4))
@@ -426,6 +426,6 @@ def test_an_lr_that_holds_then_changes_is_the_lr_the_step_runs(rng, opt_name):
     keys = []
     for _ in range(20):
         _paired_step((dxx, w, opt, sched), (tx, tw, topt, tsched))
-        keys.append(len(worker.known))
+        keys.append(len(scheduler.plans))
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
     assert keys[-1] <= keys[5] + 2  # no entry (empty or not) per step

@@ -173,7 +173,8 @@ def test_training_steps_run_now_in_the_embedded_daemon_as_over_a_socket(deepxd):
     dx.disconnect()
     embedded = training()
     stats = dx.session().transport._call(dx.session().transport.node.ref("scheduler").ask("stats"))
-    assert stats["now_hits"] >= 4 and stats["now_hits"] == stats["fast_hits"]
+    # (a plan hit by an ask comes only before the loop settles: a backward sent on its own)
+    assert stats["now_hits"] >= 4 and stats["plan_hits"] - stats["now_hits"] <= 2
     dx.connect(deepxd.address)
     remote = training()
     for k, (a, b) in enumerate(zip(embedded, remote)):
@@ -199,9 +200,9 @@ def test_run_now_repairs_a_failed_step_and_leaves_heap_deletes_to_the_ask():
     assert [o.ok for o in outcomes] == [True] * 4 + [False]
     assert outcomes[-1].error == "instruction 4: div: integer division by zero (div('i', 'd') -> 'q')"
     assert outcomes[-1].done == 3
-    assert sched.now_hits - before[1] == 2  # the fourth and the failing fifth
+    assert sched.now_hits - before[1] == 3  # the third, the fourth and the failing fifth
     assert sched.programs - before[0] == sched.stats.by_message["run"] - before[2] == 5
-    assert not sched._busy and not worker._busy and len(sched._fast) == 0
+    assert not sched._busy and not worker._busy and len(sched.plans) == 0  # the failed step's plans are gone
     # the first three instructions ran (x + w twice, their product), the division did not: d and x as they were;
     # a and b exist, as the step left them before its deletes (b, which the rewrite never made, made as zeros:
     # pipeline.repair)
@@ -636,7 +637,8 @@ def test_large_temporaries_are_deleted_where_their_program_ends_and_keep_their_n
     assert made("matmul", "add ") and all(name in deleted for name in made("matmul", "add "))
     small_steps = [p for p in sent if any(line.startswith("mulscalar") for line in p)]
     assert small_steps and not any(line.startswith("deltensor") for line in small_steps[-1])
-    # the daemon fused the bias add into the relu: the worker's known program for the step has no separate add
-    worker = next(a for a in s.transport.node.supervisor.actors.values() if hasattr(a, "known"))
-    programs = [[bd.op.name for bd in k.bounds] for bucket in worker.known.values() for k in bucket]
+    # the daemon fused the bias add into the relu: the plan for the step, as the worker checked it, has no add
+    sched = s.transport.node.ref("scheduler")._actor
+    programs = [[bd.op.name for bd in p.prepared.bounds] for bucket in sched.plans.values() for p in bucket
+                if p.prepared is not None]
     assert any("matmul" in ops and "fused" in ops and "add" not in ops for ops in programs), programs

@@ -40,7 +40,7 @@ CHILD = textwrap.dedent("""
     t = dx.session().transport
     stats = t._call(t.node.ref("scheduler").ask("stats"))
     print(json.dumps({"sigint": repr(signal.getsignal(signal.SIGINT)), "now_hits": stats["now_hits"],
-                      "fast_hits": stats["fast_hits"], "first": losses[0], "last": losses[-1]}))
+                      "plan_hits": stats["plan_hits"], "first": losses[0], "last": losses[-1]}))
 """)
 
 
@@ -59,6 +59,8 @@ def test_a_training_loop_takes_the_fast_path_whatever_sigint_does(disposition: s
         assert out["sigint"] == repr(signal.SIG_IGN)
     else:
         assert "lambda" in out["sigint"]
-    # every step repeats the first's program: from the seventh on (14 of 20) they go the fast path, on this thread
-    assert out["now_hits"] >= 10 and out["now_hits"] == out["fast_hits"], out
+    # from the third step on, each repeats the program of the step two before it (the pool hands names out in two
+    # orders): from the fifth on (16 of 20) each runs by its plan on this thread; a plan hit by an ask comes only
+    # before the loop settles (the second step's backward, sent on its own)
+    assert out["now_hits"] >= 14 and out["plan_hits"] - out["now_hits"] <= 2, out
     assert out["last"] < out["first"]
