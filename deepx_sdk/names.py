@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 from deepx_core.ir.effects import apply_effect
-from deepx_core.ir.instr import Instr
+from deepx_core.ir.instr import Instr, same_program, scalar_kinds
 
 # a named tuple made without its Python-level __new__ (one flush, one call fewer)
 _tuple_new = tuple.__new__
@@ -69,6 +69,8 @@ class NamePool:
         # request every time and the daemon's caches see a repeat. Those names are never pooled (see release)
         self.grad_root = f"{prefix}g"
         self._grad_live: dict[int, int] = {}  # k -> live gradient handles; -1: never handed out again
+        # k -> the last few graphs differentiated under it, their backward run whole (see differentiated)
+        self._grad_graphs: dict[int, list[tuple[Any, ...]]] = {}
         # names of collected temporaries kept for reuse, by (shape, dtype), with their tensors: the next result of
         # that shape and dtype takes one, so a loop sends the same instructions every step (the daemon's checks are
         # then cached, and it writes into the buffer it already has) and needs no deltensor at all
@@ -296,6 +298,30 @@ class NamePool:
     def grad_prefix_failed(self, k: int) -> None:
         """A backward that failed may have left tensors of prefix k in the daemon: never hand k out again."""
         self._grad_live[k] = -1
+        self._grad_graphs.pop(k, None)
+
+    def differentiated(self, k: int, spec: dict[str, Any]) -> bool:
+        """Whether backward request `spec` (forward graph, loss, wrt, upstream gradient, gradient names) was run
+        under gradient prefix k before: then it is recorded into the step's program, and a loop sends one program
+        per step. The first backward of a graph under a prefix is sent on its own, so that its errors are raised at
+        the line of backward(), as torch raises them. Whether the step then repeats is the daemon's to judge."""
+        return self._graph_known(k, spec)
+
+    def _graph_known(self, k: int, spec: dict[str, Any]) -> bool:
+        forward = spec["forward"]
+        for known, kinds, loss, wrt, grad_loss in self._grad_graphs.get(k, ()):
+            if (loss == spec["loss"] and wrt == spec["wrt"] and grad_loss == spec["grad_loss"]
+                    and same_program(forward, known, kinds)):
+                return True
+        return False
+
+    def note_differentiated(self, k: int, spec: dict[str, Any]) -> None:
+        """Backward request `spec` ran under gradient prefix k (see differentiated); the last four are kept per k."""
+        if not self._graph_known(k, spec):
+            graphs = self._grad_graphs.setdefault(k, [])
+            graphs.append((list(spec["forward"]), scalar_kinds(spec["forward"]), spec["loss"], list(spec["wrt"]),
+                           spec["grad_loss"]))
+            del graphs[:-4]
 
     def _grad_gone(self, name: str) -> None:
         head = name[len(self.grad_root):].partition("_")[0]

@@ -26,7 +26,6 @@ from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param
 from deepx_sdk.labels import Labels
-from deepx_sdk.lazy_backward import LazyBackward
 from deepx_sdk.names import HandOut, NamePool, name_order
 from deepx_sdk.transports import Outcome, Transport
 
@@ -138,11 +137,10 @@ class Recorder:
     `transport`). `pending`, `origins` and `collected` are never replaced, only emptied: the session hands them to
     the recording hot path as they are (tensor._emit)."""
 
-    def __init__(self, transport: Transport, names: NamePool, lazy: LazyBackward, lock: threading.RLock,
+    def __init__(self, transport: Transport, names: NamePool, lock: threading.RLock,
                  max_pending: int = 4096, labels: Labels | None = None) -> None:
         self.transport = transport
         self.names = names
-        self.lazy = lazy
         self.labels = labels if labels is not None else Labels(call_site)  # sent after the program that made them
         self.lock = lock  # the session's: one flush, backward or capture at a time
         self.max_pending = max_pending
@@ -418,8 +416,6 @@ class Recorder:
             raise DeepxError(f"cannot read tensor values over {getattr(self.transport, 'address', '?')}: deepxIR over "
                              "UDP has no way back for data; connect to a deepxd over unix:// or tcp:// (or embedded) "
                              "to read values")
-        if backwards:
-            self.lazy.judge(program, backwards)
         try:
             outcome = (self.transport.run(program, fetch, backwards) if backwards  # type: ignore[call-arg]
                        else self.transport.run(program, fetch))

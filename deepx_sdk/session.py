@@ -1,8 +1,8 @@
 """A session: what tensors record into and read from.
 
 It composes its parts, each in its own module: the transport that runs programs (transports.py), the recorder that
-holds the pending program and sends it (recorder.py), the pool of tensor names (names.py), the autograd tape
-(tape.py) and the judgement of whether a backward is recorded into the program (lazy_backward.py).
+holds the pending program and sends it (recorder.py), the pool of tensor names (names.py) and the autograd tape
+(tape.py).
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import os
 import secrets
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from deepx_core.errors import DeepxError
 from deepx_sdk.labels import Labels, all_callsites
-from deepx_sdk.lazy_backward import LazyBackward
 from deepx_sdk.names import NamePool
 from deepx_sdk.recorder import Recorder, call_site
 from deepx_sdk.tape import Tape
@@ -38,10 +36,9 @@ class Session:
         self._lock = threading.RLock()  # one flush, backward or capture at a time
         # tensor names are unique across the clients of one daemon: a prefix of this process and session
         self.names = NamePool(f"x{os.getpid():x}{secrets.token_hex(2)}_")
-        self.lazy = LazyBackward()
         # what deepxctl shows of the session's tensors: parameters' module paths and where they were made
         self.labels = Labels(call_site, all_callsites())
-        self.recorder = rec = Recorder(transport, self.names, self.lazy, self._lock, max_pending, self.labels)
+        self.recorder = rec = Recorder(transport, self.names, self._lock, max_pending, self.labels)
         self.tape = Tape()  # the autograd graph, on the tensors themselves (each result's grad_fn)
         # read on the recording hot path (tensor._emit) from the session itself, with no hop (decision 0025): the
         # recorder's lists (never replaced), its bound, and whether broadcasting is sent as broadcastTo instructions
@@ -92,11 +89,6 @@ class Session:
     def empty_cache(self) -> None:
         """Delete the pooled temporaries (they are kept for reuse, at most pool_per_shape per shape and dtype)."""
         self.recorder.empty_cache()
-
-    def backward_seen(self, spec: dict[str, Any], remember: bool = False) -> bool:
-        """Whether this backward request is recorded into the program (see LazyBackward.seen); `remember`: the daemon
-        just derived it."""
-        return self.lazy.seen(spec, remember)
 
     @property
     def release_on_close(self) -> bool:

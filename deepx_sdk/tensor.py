@@ -544,9 +544,9 @@ class Tensor:
                     "prefix": prefix, "names": grads}
             rec = s.recorder
             transport = rec.transport  # (a capture's stand-in while dx.compile captures)
-            if transport.lazy_backward and rec.capture is None and s.lazy.enabled and s.backward_seen(spec):
-                # derived before (a training loop): recorded, and expanded by the daemon where it stands in the
-                # program, so that the whole step goes as one program
+            if transport.takes_backwards and rec.capture is None and s.names.differentiated(k, spec):
+                # run before under these names (a training loop): recorded, and expanded by the daemon where it
+                # stands in the program, so that the whole step goes as one program
                 rec.record_backward(Instr("backward", (_tp(loss),), tuple(Param.tensor(n, leaves[w].dtype)
                                                                           for w, n in grads.items())), spec)
             else:
@@ -558,7 +558,7 @@ class Tensor:
                 except BaseException:
                     s.names.grad_prefix_failed(k)
                     raise
-                s.backward_seen(spec, remember=True)
+                s.names.note_differentiated(k, spec)
             s.names.grad_prefix_taken(k, len(grads))
             with _no_tape(s):
                 for name, leaf in leaves.items():

@@ -36,7 +36,7 @@ class Outcome:
 
 class Transport:
     #: whether run() takes `backwards`: `loss.backward()` recorded into the program (see Recorder.record_backward)
-    lazy_backward = False
+    takes_backwards = False
 
     def run(self, program: Sequence[Instr], fetch: Sequence[str]) -> Outcome:
         raise DeepxError(f"{type(self).__name__} cannot run programs")
@@ -71,7 +71,7 @@ class NativeTransport(Transport):
         self.client = NativeClient(address, client="deepx_sdk", name=name, **remote)
         self.address = address
 
-    lazy_backward = True
+    takes_backwards = True
 
     def run(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] = ()
             ) -> Outcome:
@@ -158,7 +158,7 @@ class EmbeddedTransport(Transport):
             raise DeepxError("the embedded deepxd has stopped; call dx.connect() again")
         return self.runner.call(coro)
 
-    lazy_backward = True
+    takes_backwards = True
 
     def run(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] = ()
             ) -> Outcome:

@@ -1,7 +1,8 @@
 """A training loop's repeated `loss.backward()` is recorded into the step's program as a `backward` instruction, which
 the daemon expands in place: one program per step, embedded and over the native socket, with the numbers torch
-gives. The first backward of a graph is sent on its own, so that a graph without a gradient raises at that line; a
-recorded one that fails raises at the next read, naming the line of its backward()."""
+gives. The first backward of a graph (under its gradient names) is sent on its own, so that a graph without a
+gradient raises at that line; a recorded one that fails raises at the next read, naming the line of its backward().
+Whether a step that does not repeat runs whole or in parts is the daemon's to judge (Scheduler._apart)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_core.errors import DeepxError
+from deepx_sdk.names import NamePool
 from deepx_sdk.optim import SGD
-from deepx_sdk.session import Session
 from tests.daemon.conftest import Daemon
 from tests.sdk.conftest import cross_entropy_step
 
@@ -111,7 +112,7 @@ def test_a_recorded_backward_that_fails_raises_at_the_next_read_naming_its_line(
     loss = h.sum()
     h.add_(1.0)
     # as if this graph's backward had been derived before: recorded, and derived by the daemon only when it runs
-    monkeypatch.setattr(Session, "backward_seen", lambda self, spec, remember=False: True)
+    monkeypatch.setattr(NamePool, "differentiated", lambda self, k, spec: True)
     loss.backward(); line = _line()  # noqa: E702
     grad = w.grad
     with pytest.raises(DeepxError, match=rf"backward: .*overwrites.*test_backward_program.py:{line}"):
@@ -241,15 +242,14 @@ def test_a_loop_over_new_batches_names_them_alike_and_records_its_backward(rng):
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     opt = SGD(model.parameters(), lr=0.1)
     recorded = []
-    seen = Session.backward_seen
+    seen = NamePool.differentiated
 
-    def spy(self, spec, remember=False):  # type: ignore[no-untyped-def]
-        r = seen(self, spec, remember)
-        if not remember:
-            recorded.append(r)
+    def spy(self, k, spec):  # type: ignore[no-untyped-def]
+        r = seen(self, k, spec)
+        recorded.append(r)
         return r
 
-    Session.backward_seen = spy  # type: ignore[method-assign]
+    NamePool.differentiated = spy  # type: ignore[method-assign]
     try:
         for _ in range(8):
             xb, yb = dx.tensor(rng.standard_normal((16, 6))), dx.tensor(rng.integers(0, 3, 16))
@@ -259,7 +259,7 @@ def test_a_loop_over_new_batches_names_them_alike_and_records_its_backward(rng):
             opt.step()
             loss.item()
     finally:
-        Session.backward_seen = seen  # type: ignore[method-assign]
+        NamePool.differentiated = seen  # type: ignore[method-assign]
     assert recorded[-4:] == [True] * 4, recorded
     assert s is dx.session()
 
@@ -286,23 +286,25 @@ def test_an_adam_step_is_one_program_though_its_numbers_change(rng):
         for _ in range(12):
             _paired_step((dxx, w, opt, sched), (tx, tw, topt, tsched))
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
-    assert not s.lazy._off and sent[-6:] == [1] * 6  # each step one program, its backward in it
+    assert scheduler.apart == 0 and sent[-6:] == [1] * 6  # each step one program, its backward in it, run whole
     assert scheduler.plan_hits - fast >= 6 and worker.renumbered_runs - renumbered >= 6
 
 
-def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
+def test_a_step_whose_numbers_change_runs_in_parts_in_the_daemon(rng):
     """A number that changes every step outside the optimizer's updates (here a monitor the step computes) makes a
-    new program every step: after two such programs the graph's backward goes as its own request again (the whole
-    step would otherwise go through the passes afresh every time). The numbers are torch's throughout."""
+    new program every step: the SDK still sends one program per step, its backward inside, and after two such steps
+    the daemon runs them in parts (Scheduler._apart): the backward by the plan of its derived program, only the parts
+    around it planned afresh (the whole step would go through the passes and the worker's check every time). The
+    numbers are torch's throughout."""
     dx.connect()
     s = dx.session()
-    from deepx_sdk.optim import SGD
-
+    scheduler = s.transport.node.ref("scheduler")._actor
     w0 = rng.standard_normal((4, 3))
     w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
     x = rng.standard_normal((5, 4))
     dxx, tx = dx.tensor(x), torch.tensor(x)
     opt, topt = SGD([w], lr=0.1), torch.optim.SGD([tw], lr=0.1)
+    apart, hits = [], []
     with _backwards_sent() as sent:
         for step in range(12):
             opt.zero_grad()
@@ -315,10 +317,13 @@ def test_a_step_whose_numbers_change_sends_its_backward_on_its_own_again(rng):
             tloss.backward()
             topt.step()
             assert loss.item() == pytest.approx(tloss.item(), rel=1e-10)
+            apart.append(scheduler.apart)
+            hits.append(scheduler.plan_hits)
     assert monitor.item() == pytest.approx(x.sum() * 2.1, rel=1e-10)
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
-    assert 1 in sent and s.lazy._off  # recorded for a while, then judged not to pay
-    assert sent[-6:].count(0) >= 4  # most of the last steps: each backward on its own (tried again now and then)
+    assert sent[-8:] == [1] * 8  # each step one program, its backward recorded in it
+    assert apart[-1] - apart[-7] == 6  # the last steps: each run in parts by the daemon
+    assert hits[-1] - hits[-7] >= 6  # ...the backward of each by its plan, reused from step to step
 
 
 def test_data_sent_from_python_takes_only_names_whose_tensors_exist():
@@ -370,18 +375,16 @@ def test_data_sent_from_python_takes_only_names_whose_tensors_exist():
     assert counts[0] == counts[-1]
 
 
-def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
+def test_steps_run_whole_again_once_they_repeat(rng):
     """A warm-up that changes a number of the step (not an optimizer's: those the daemon takes as the same program)
-    for a while: the graph's backward goes on its own, and is recorded into the step again after LAZY_RETRY
-    backwards, once the steps repeat."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("deepx_sdk.lazy_backward"), "LAZY_RETRY", 4)
+    for a while: the daemon runs those steps in parts, and whole again once the parts repeat."""
     dx.connect()
+    scheduler = dx.session().transport.node.ref("scheduler")._actor
     w0, x = rng.standard_normal((4, 3)), rng.standard_normal((5, 4))
     w, tw = nn.Parameter(w0), torch.tensor(w0, requires_grad=True)
     dxx, tx = dx.tensor(x), torch.tensor(x)
     opt, topt = SGD([w], lr=0.1, momentum=0.9), torch.optim.SGD([tw], lr=0.1, momentum=0.9)
+    apart, hits = [], []
     with _backwards_sent() as sent:
         for step in range(24):
             lr = 0.01 * (step + 1) if step < 8 else 0.1  # warm-up, then constant
@@ -396,11 +399,13 @@ def test_recording_is_tried_again_once_the_steps_repeat(rng, monkeypatch):
             (tx @ tw).tanh().sum().backward()
             topt.step()
             loss.item()
+            apart.append(scheduler.apart)
+            hits.append(scheduler.plan_hits)
     assert monitor.item() == pytest.approx(x.sum() * 0.1, rel=1e-10)
     np.testing.assert_allclose(w.detach().numpy(), tw.detach().numpy(), rtol=1e-9)
-    first = sent.index(1)
-    assert 0 in sent[first:-3]  # recorded, then on its own during the warm-up
-    assert sent[-3:] == [1, 1, 1]  # and recorded again once the steps repeat
+    assert sent[-16:] == [1] * 16  # one program per step, its backward recorded in it
+    assert apart[7] > apart[2]  # in parts during the warm-up
+    assert apart[-1] == apart[-6] and hits[-1] - hits[-6] == 5  # whole again, each step by its plan
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
