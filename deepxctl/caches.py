@@ -11,7 +11,7 @@ from deepxctl.term import display_table, list_options, select
 
 @click.group()
 def caches() -> None:
-    """The daemon's caches: plans, known programs, derived backwards, compiled kernels. Whether a training loop's
+    """The daemon's caches: plans, rewrites, derived backwards, compiled kernels. Whether a training loop's
     steps repeat shows here: its caches' hit rates climb towards 100%."""
 
 
@@ -25,7 +25,7 @@ def ls(ctl: Ctl, fmt: str, filters: tuple[str, ...], limit: int, detail: bool) -
 
     \b
       deepxctl caches ls
-      deepxctl caches ls --filter cache=worker.known --format json
+      deepxctl caches ls --filter cache=scheduler.plans --format json
     """
     rows = sorted((CacheRow.from_raw(r) for r in ctl.daemon("caches ls").query("caches")),
                   key=lambda c: (c.cache, c.owner))
