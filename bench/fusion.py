@@ -49,6 +49,7 @@ import numpy as np
 
 from deepx_core.ir import Instr, Param
 from deepx_core.ir.ops import TensorMeta
+from deepxd.actors.messages import Put, Run, SchedulerStats
 from deepxd.compiler import PassContext, run_passes
 from deepxd.kernels.cpu import CpuExecutor, native
 from deepxd.kernels.cpu import fused as fused_kernel
@@ -182,18 +183,18 @@ async def scheduler_cost(n_instr: int, elements: int, repeat: int) -> dict[str, 
         sched = Scheduler({"op-cpu": worker.ref}, config=Config(passes=passes))
         sched.start()
         for name, a in {**inputs(elements), "acc": np.zeros(elements, np.float32)}.items():
-            await worker.ref.ask("put", name=name, dtype="float32", shape=list(a.shape), data=a.tobytes())
+            await worker.ref.ask(Put(name=name, dtype="float32", shape=list(a.shape), data=a.tobytes()))
         times = []
         for step in range(repeat + 1):
             prog = client_program(n_instr, step)
             t0 = time.perf_counter()
-            result = await sched.ref.ask("run", program=prog, fetch=[])
+            result = await sched.ref.ask(Run(program=prog, fetch=[]))
             times.append(time.perf_counter() - t0)
             assert not result.error and result.done == len(prog), result.error
         if label == "on":
             out["on_first_us_per_instr"] = times[0] / len(prog) * 1e6
             out["on_cached_us_per_instr"] = min(times[1:]) / len(prog) * 1e6
-            stats = await sched.ref.ask("stats")
+            stats = await sched.ref.ask(SchedulerStats())
             assert stats["rewrite_hits"] == repeat, stats  # fresh names: the rewrite by structure
         else:
             out["off_us_per_instr"] = min(times) / len(prog) * 1e6
@@ -323,21 +324,21 @@ async def sdk_loop(programs: list[list[Instr]], arrays: dict[str, np.ndarray], r
         sched = Scheduler({"op-cpu": worker.ref}, config=Config(passes=passes))
         sched.start()
         for name, a in arrays.items():
-            await worker.ref.ask("put", name=name, dtype="float32", shape=list(a.shape), data=a.tobytes())
+            await worker.ref.ask(Put(name=name, dtype="float32", shape=list(a.shape), data=a.tobytes()))
         pairs.append((label, worker, sched))
         out[label] = float("inf")
     for _ in range(repeat + 1):  # interleaved, so that the load on this box falls on both alike
         for label, _, sched in pairs:
             t0 = time.perf_counter()
             for prog in programs:
-                result = await sched.ref.ask("run", program=prog, fetch=[])
+                result = await sched.ref.ask(Run(program=prog, fetch=[]))
                 assert not result.error and result.done == len(prog), result.error
             out[label] = min(out[label], (time.perf_counter() - t0) / n_ops)
     last = str(programs[-1][-1].returns[0].value)  # the loop's result: the same with and without fusion
     values = []
     for _, worker, sched in pairs:
         for k, prog in enumerate(programs):
-            result = await sched.ref.ask("run", program=prog, fetch=[last] if k == len(programs) - 1 else [])
+            result = await sched.ref.ask(Run(program=prog, fetch=[last] if k == len(programs) - 1 else []))
         values.append(result.tensors[last])
         await sched.stop()
         await worker.stop()

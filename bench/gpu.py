@@ -34,6 +34,7 @@ import numpy as np
 
 from deepx_core.ir import Instr, Param
 from deepx_core.ir.text import parse_text
+from deepxd.actors.messages import Fetch, OpStats, Run, Sync, Tf32
 
 T = Param.tensor
 
@@ -58,16 +59,17 @@ class Deepx:
         self.node = self.transport.node
 
     def run(self, program: list[Instr], fetch: tuple[str, ...] = ()) -> Any:
-        r = self.transport._call(self.node.ref("scheduler").ask("run", program=program, fetch=list(fetch)))
+        r = self.transport._call(self.node.ref("scheduler").ask(Run(program=program, fetch=list(fetch))))
         if r.error:
             raise RuntimeError(r.error)
         return r
 
-    def ask(self, message: str, **kw: Any) -> Any:
-        return self.transport._call(self.node.ref("op-cuda").ask(message, **kw))
+    def ask(self, message: Any) -> Any:
+        """The op-cuda worker's answer to `message` (deepxd/actors/messages.py)."""
+        return self.transport._call(self.node.ref("op-cuda").ask(message))
 
     def sync(self) -> None:
-        self.ask("sync")
+        self.ask(Sync())
 
     def put(self, name: str, array: np.ndarray) -> None:
         self.transport.put(name, array, False)
@@ -76,7 +78,7 @@ class Deepx:
         self.run([Instr("deltensor", (), (T(n),)) for n in names])
 
     def fallbacks(self) -> dict[str, int]:
-        stats = self.ask("op_stats")
+        stats = self.ask(OpStats())
         return {op: int(s["calls"]) for op, s in stats.items() if op.endswith("(cpu fallback)")}
 
 
@@ -111,7 +113,7 @@ def bench_gemm(dx: Deepx, torch: Any, n: int, reps: int, tf32: bool) -> dict[str
     w = rng.standard_normal((n, n), dtype=np.float32)
     dx.put("gx", x)
     dx.put("gw", w)
-    dx.ask("tf32", on=tf32)
+    dx.ask(Tf32(on=tf32))
     mm = parse_text(f"matmul (tensor:gx, tensor:gw) -> (tensor:gy) // benchmark.repeat={reps}")
 
     def deepx() -> None:
@@ -120,7 +122,7 @@ def bench_gemm(dx: Deepx, torch: Any, n: int, reps: int, tf32: bool) -> dict[str
 
     deepx()
     t_dx = best(deepx, 3) / reps
-    dx.ask("tf32", on=False)
+    dx.ask(Tf32(on=False))
     dx.delete("gx", "gw", "gy")
     torch.backends.cuda.matmul.allow_tf32 = tf32
     tx, tw = torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda()
@@ -163,13 +165,13 @@ def bench_chain(dx: Deepx, torch: Any, n: int, reps: int) -> dict[str, Any]:
     for k, v in host.items():
         dx.put(k, v)
     prog = chain()
-    before = dict(dx.ask("op_stats"))
+    before = dict(dx.ask(OpStats()))
     dx.run(prog)
     dx.sync()
-    after = dx.ask("op_stats")
+    after = dx.ask(OpStats())
     ran = {op: int(s["calls"]) - int(before.get(op, {}).get("calls", 0)) for op, s in after.items()}
     ran = {op: c for op, c in ran.items() if c and op != "deltensor"}
-    y = dx.ask("fetch", names=["cy"])["cy"]
+    y = dx.ask(Fetch(names=["cy"]))["cy"]
     x, a, b, d = (torch.from_numpy(host[k]).cuda() for k in ("cx", "ca", "cb", "cd"))
     ty = torch.abs(torch.exp(x * a + b) * 0.5 - d).cpu().numpy()
     err = float(np.max(np.abs(y - ty)) / np.max(np.abs(ty)))

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from deepxd.actors.messages import OpStats
+
 # a benchmark times the steady state: a native kernel is compiled before the run that made it HOT returns
 os.environ["DEEPX_NATIVE_BACKGROUND"] = "0"
 
@@ -123,7 +125,7 @@ def kernel_split(step, n: int) -> dict[str, float]:
     worker = transport.node.worker()
 
     def busy() -> float:
-        return sum(s["seconds"] for s in transport._call(worker.ask("op_stats")).values())
+        return sum(s["seconds"] for s in transport._call(worker.ask(OpStats())).values())
 
     before = busy()
     t0 = time.perf_counter()

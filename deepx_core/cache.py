@@ -1,7 +1,7 @@
 """The one cache type of the tree: a bounded map that counts its hits, misses and evictions.
 
-Every memo in deepx (the scheduler's plans and expansions, the worker's known programs, compiled kernels, the SDK's
-backward requests) is a `Cache`, so that each is bounded the same way (the least recently used entry goes first) and
+Every memo in deepx (the scheduler's plans, rewrites and derived backwards, compiled kernels, the SDK's interning
+tables) is a `Cache`, so that each is bounded the same way (the least recently used entry goes first) and
 `deepxctl caches` can show its size and hit rate. Two shapes of use:
 
 - a plain map: `get(key)` counts a hit or a miss, `put(key, value)` stores;
@@ -130,8 +130,11 @@ class Cache(Generic[K, V]):
         if not found:
             del self._data[key]
 
-    def hit(self) -> None:
+    def hit(self, key: Any = None) -> None:
+        """Count a hit; `key`: the bucket it was found in, now the most recently used."""
         self.hits += 1
+        if key is not None and key in self._data:
+            self._data.move_to_end(key)
 
     def miss(self) -> None:
         self.misses += 1

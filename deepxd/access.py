@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 
 from deepx_core.ir.effects import apply_effect
 from deepx_core.ir.instr import Instr
+from deepxd.actors.messages import Metas
 
 if TYPE_CHECKING:
     from deepxd.actors.base import ActorRef
+    from deepxd.actors.worker import OpWorker
     from deepxd.kv.base import KV
 
 
@@ -30,7 +32,7 @@ class UdpScope:
     back when another client's program or request writes, makes or deletes it (UDP cannot claim the names a native
     user will use); a shared one only when it is revoked or deleted (docs/decisions/0001-udp-trust.md)."""
 
-    def __init__(self, worker: Callable[[], ActorRef], kv: KV | None) -> None:
+    def __init__(self, worker: Callable[[], ActorRef[OpWorker]], kv: KV | None) -> None:
         self.worker = worker
         self.kv = kv
         self.made: set[str] = set()
@@ -58,7 +60,7 @@ class UdpScope:
 
     async def existing(self, names: list[str]) -> list[str]:
         """Those of `names` that are tensors of this daemon (its worker's, or heap tensors of the plane)."""
-        found = set(await self.worker().ask("metas", names=names))  # an error refuses the line: fail closed
+        found = set(await self.worker().ask(Metas(names=names)))  # an error refuses the line: fail closed
         if self.kv is not None:
             for n in names:
                 if n not in found and await self.kv.exists(f"tensor:{n}"):

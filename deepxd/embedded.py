@@ -19,6 +19,7 @@ from deepx_core.identity import this_process
 from deepx_core.ir.dtypes import from_numpy
 from deepx_core.ir.instr import Instr
 from deepxd import groups
+from deepxd.actors.messages import Backward, ListGraphs, Put, Relabel, Replay, Run
 from deepxd.actors.worker import RunResult
 from deepxd.config import Config, with_needed_roles
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_store, replay_graph
@@ -57,24 +58,24 @@ class EmbeddedNode:
     # -- programs
     def now_run(self, program: list[Instr], fetch: list[str], backwards: list[dict[str, Any]] | None) -> Any:
         """A program the scheduler has run before, answered on this thread (Scheduler.now_run), or None."""
-        return self.node.ref("scheduler").now("run", program, fetch, backwards)
+        return self.node.ref("scheduler").now(Run(program, fetch, backwards))
 
     async def run(self, program: list[Instr], fetch: list[str], backwards: list[dict[str, Any]] | None
                   ) -> RunResult:
-        return await self.node.ref("scheduler").ask("run", program=program, fetch=fetch,  # type: ignore[no-any-return]
-                                                    backwards=backwards)
+        return await self.node.ref("scheduler").ask(Run(program=program, fetch=fetch,  # type: ignore[no-any-return]
+                                                    backwards=backwards))
 
     async def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         a = np.ascontiguousarray(array)
-        await self.node.worker().ask("put", name=name, dtype=from_numpy(a.dtype), shape=list(array.shape),
-                                     data=a.reshape(-1).view(np.uint8).data, heap=heap)
+        await self.node.worker().ask(Put(name=name, dtype=from_numpy(a.dtype), shape=list(array.shape),
+                                     data=a.reshape(-1).view(np.uint8).data, heap=heap))
 
     async def backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
                        prefix: str, names: dict[str, str] | None = None, capture: bool = False) -> dict[str, Any]:
         """The gradient program of `forward` (autograd); with capture, the program itself comes back unrun."""
-        return dict(await self.node.ref("scheduler").ask("backward", forward=list(forward), loss=loss,
+        return dict(await self.node.ref("scheduler").ask(Backward(forward=list(forward), loss=loss,
                                                          wrt=list(wrt), grad_loss=grad_loss, prefix=prefix,
-                                                         capture=capture, names=names))
+                                                         capture=capture, names=names)))
 
     async def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
         """As the native `label` request: the tensors named under `prefix` are this process's session's; `tensors`
@@ -82,7 +83,7 @@ class EmbeddedNode:
         owners = self.node.owners
         owners.label_request({"prefix": prefix, "tensors": tensors}, self.session, set())
         if tensors and "heapmem" in self.node.refs:
-            await self.node.ref("heapmem").ask("relabel", names=list(tensors))
+            await self.node.ref("heapmem").ask(Relabel(names=list(tensors)))
 
     # -- process groups (deepxd/groups.py)
     async def group(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -107,12 +108,12 @@ class EmbeddedNode:
         return await explain_graph(self.node, name)
 
     async def graphs(self) -> list[dict[str, Any]]:
-        return list(await self.node.ref("registry").ask("graphs"))
+        return list(await self.node.ref("registry").ask(ListGraphs()))
 
     def now_replay(self, name: str, inputs: dict[str, Any], outputs: dict[str, str], scalars: dict[str, Any],
                    fetch: list[str]) -> Any:
         """A replay answered on this thread (Scheduler.now_replay), or None."""
-        return self.node.ref("scheduler").now("replay", name, inputs, outputs, scalars, fetch)
+        return self.node.ref("scheduler").now(Replay(name, inputs, outputs, scalars, fetch))
 
     async def replay(self, name: str, inputs: dict[str, Any], outputs: dict[str, str], scalars: dict[str, Any],
                      fetch: list[str]) -> RunResult:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.graphrecord import GraphRecord, check_graph_name
+from deepxd.actors.messages import DropGraph, ExplainGraph, Replay, StoreGraph
 from deepxd.actors.worker import RunResult
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ async def graph_store(node: Node, name: Any, data: Any) -> dict[str, Any]:
     GraphRecord.unpack(data, name)  # refuse what would not replay before it is stored
     assert node.kv is not None
     await node.kv.set(f"graph:{name}", data)
-    return dict(await node.ref("scheduler").ask("store_graph", name=name, data=data))
+    return dict(await node.ref("scheduler").ask(StoreGraph(name=name, data=data)))
 
 
 async def graph_get(node: Node, name: Any) -> bytes | None:
@@ -37,7 +38,7 @@ async def graph_drop(node: Node, name: Any) -> dict[str, Any]:
     """Let go of a stored graph's plan and the temporaries its replays keep allocated on the worker (the stored
     record stays in the plane: a later replay by name plans it again)."""
     check_graph_name(name)
-    return dict(await node.ref("scheduler").ask("drop_graph", name=name))
+    return dict(await node.ref("scheduler").ask(DropGraph(name=name)))
 
 
 async def graph_remove(node: Node, name: Any) -> dict[str, Any]:
@@ -55,13 +56,14 @@ async def graph_remove(node: Node, name: Any) -> dict[str, Any]:
 async def replay_graph(node: Node, name: Any, **req: Any) -> RunResult:
     """Replay a stored graph; the scheduler plans it from the plane the first time (after a restart, say)."""
     sched = node.ref("scheduler")
-    result = await sched.ask("replay", name=name, **req)
+    result = await sched.ask(Replay(name=name, **req))
     if result is None:
         data = await graph_get(node, name)
         if data is None:
             raise DeepxError(f"replay: no graph named {name!r} in the storage plane (`deepxctl graphs ls` lists them)")
-        result = await sched.ask("replay", name=name, data=data, **req)
-    return result  # type: ignore[no-any-return]
+        result = await sched.ask(Replay(name=name, data=data, **req))
+        assert result is not None  # (planned from the data given)
+    return result
 
 
 async def explain_graph(node: Node, graph: Any) -> dict[str, Any]:
@@ -69,4 +71,6 @@ async def explain_graph(node: Node, graph: Any) -> dict[str, Any]:
     data = await graph_get(node, graph)
     if data is None:
         raise DeepxError(f"explain: no graph named {graph!r} in the storage plane (`deepxctl graphs ls` lists them)")
-    return dict(await node.ref("scheduler").ask("explain_graph", name=graph, data=data))
+    shown = await node.ref("scheduler").ask(ExplainGraph(name=graph, data=data))
+    assert shown is not None  # (planned from the data given)
+    return shown

@@ -39,6 +39,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import is_name
 from deepxd.actors.heapmem import node_lifecycle
+from deepxd.actors.messages import ForgetRemote, Run
 from deepxd.actors.worker import RunResult
 from deepxd.peers import DEAD_HEARTBEATS, unreachable
 
@@ -286,7 +287,7 @@ async def barrier(node: Node, group: Any, gen: Any, rank: Any, seq: Any, timeout
     deadline = time.monotonic() + limit
     said = f"{what} on process group {group!r}"
     if before:
-        ran: RunResult = await node.ref("scheduler").ask("run", program=list(before), fetch=[])
+        ran: RunResult = await node.ref("scheduler").ask(Run(program=list(before), fetch=[]))
         if ran.error:  # this rank's own program: it does not arrive, and the others learn why from its next step
             raise DeepxError(f"{said}: this rank's contribution failed: {ran.error}")
     await kv.hset(key, {f"b{rank}": f"{gen}:{seq}{':leave' if leaving else ''}"})
@@ -326,7 +327,7 @@ async def barrier(node: Node, group: Any, gen: Any, rank: Any, seq: Any, timeout
             await waiter.wait(deadline)
     if not then:
         return {"done": 0}
-    result: RunResult = await node.ref("scheduler").ask("run", program=list(then), fetch=[])
+    result: RunResult = await node.ref("scheduler").ask(Run(program=list(then), fetch=[]))
     if result.error:
         dead = await _dead(node, await kv.hgetall(key), [r for r in range(int(record.get("world_size") or 0))
                                                          if r != rank])
@@ -369,7 +370,7 @@ async def leave(node: Node, group: Any, gen: Any, rank: Any, delete: Any = (), f
         _wake(node, group)
     heapmem = node.refs.get("heapmem")
     if forget and heapmem is not None:
-        await heapmem.ask("forget_remote", names=list(forget))
+        await heapmem.ask(ForgetRemote(names=list(forget)))
     for (owner, holder), names in releases.items():
         if names:
             await kv.rpush(node_lifecycle(owner),

@@ -15,14 +15,18 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepx_core.errors import DeepxError
 from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
+from deepxd.actors.messages import Flush, Sync
 from deepxd.config import Config, is_loopback, udp_address
 from deepxd.kv.base import KV, open_kv, redact
 from deepxd.owners import Owners
 from deepxd.peers import DEAD_HEARTBEATS
+
+if TYPE_CHECKING:
+    from deepxd.actors.worker import OpWorker
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ class Node:
         self.config = config.resolved()
         self.kv: KV | None = None
         self.supervisor = Supervisor(RestartPolicy(self.config.restart_max, self.config.restart_window_s))
-        self.refs: dict[str, ActorRef] = {}
+        self.refs: dict[str, ActorRef[Any]] = {}
         self.servers: list[Any] = []
         self.udp: Any = None  # the UdpServer, when deepxIR over UDP is on
         self.addresses: dict[str, str] = {}  # where it listens, as the registry records it
@@ -75,7 +79,7 @@ class Node:
         c = self.config
         assert self.kv is not None
         roles = set(c.roles)
-        workers: dict[str, ActorRef] = {}
+        workers: dict[str, ActorRef[OpWorker]] = {}
         cpu_blas = ""  # the library op-cpu's matmul runs on, for the node record
         cuda = await self._start_cuda() if "op-cuda" in roles else None  # before heapmem, so it stops after it
         if cuda is not None:
@@ -124,7 +128,7 @@ class Node:
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
                 blas=cpu_blas, scheduler=self.refs.get("scheduler"), owners=self.owners))
             await self._until_started()
-            await self.refs["registry"].ask("flush")  # fails start-up now if the plane cannot be written
+            await self.refs["registry"].ask(Flush())  # fails start-up now if the plane cannot be written
 
     async def _until_started(self) -> None:
         """Until every actor's first on_start has ended (returned, or raised: its supervisor has it then), so that
@@ -193,7 +197,7 @@ class Node:
         worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32))
         self.refs["op-cuda"] = self.supervisor.start(worker)
         try:
-            await self.refs["op-cuda"].ask("sync")
+            await self.refs["op-cuda"].ask(Sync())
         except DeepxError as e:
             raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{c.cuda_device}: {e}") from None
         except Exception as e:
@@ -201,7 +205,7 @@ class Node:
                              f"{type(e).__name__}: {e}") from None
         return worker
 
-    def worker(self) -> ActorRef:
+    def worker(self) -> ActorRef[OpWorker]:
         """The op worker that holds this node's tensors: op-cuda when it runs, else op-cpu (as the scheduler
         places programs)."""
         r = self.refs.get("op-cuda") or self.refs.get("op-cpu")
@@ -253,7 +257,7 @@ class Node:
             await self.kv.hset(f"node:{self.config.node_id}", {"addresses": json.dumps(self.addresses)})
 
     # -- what transports call
-    def ref(self, role: str) -> ActorRef:
+    def ref(self, role: str) -> ActorRef[Any]:
         r = self.refs.get(role)
         if r is None:
             raise DeepxError(f"role '{role}' does not run on node {self.config.node_id} (roles: "

@@ -1,6 +1,7 @@
 """Actors: an actor owns its state and a mailbox; others hold an ActorRef and `tell` or `await ask`.
 
-- A message is a name and keyword arguments; the actor's handler is its method `on_<name>` (sync or async).
+- A message is a dataclass of `Message[A, R]` (deepxd/actors/messages.py has every actor's): sent to an actor of type A,
+  answered with an R; the actor's handler is its method `on_<message>` (sync or async), given the fields in order.
 - Every ask is answered: with the handler's result, with the handler's exception (the actor keeps serving), or, when
   the actor stops, with ActorStopped. An ask its asker gave up on before it was handled (a timeout, a cancelled
   task: its future cancelled) is skipped.
@@ -12,14 +13,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import CoroutineType
-from typing import Any
+from typing import Any, ClassVar, Generic, Self, TypeVar, cast
 
 from deepx_core.errors import DeepxError
 
@@ -39,14 +42,57 @@ class _Stop:
 
 
 _STOP = _Stop()
-_CRASH = "\0crash"  # an envelope that makes the actor's task raise a crash that happened in a direct ask
+
+A = TypeVar("A", bound="Actor")
+A_contra = TypeVar("A_contra", bound="Actor", contravariant=True)
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Message(Generic[A_contra, R_co]):
+    """A message to an actor of type A, answered with an R. Subclasses are dataclasses (deepxd/actors/messages.py):
+    `message` names the handler (`on_<message>`), which takes the fields as its arguments, in order."""
+
+    __slots__ = ()
+    message: ClassVar[str]
+
+    def args(self) -> tuple[Any, ...]:
+        """The fields' values, in order: the handler's arguments."""
+        get = _ARGS.get(type(self))
+        if get is None:
+            get = _ARGS[type(self)] = _fields_getter(type(self))
+        return get(self)
+
+
+_ARGS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def _fields_getter(cls: type) -> Callable[[Any], tuple[Any, ...]]:
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not names:
+        return lambda m: ()
+    if len(names) == 1:
+        one = operator.attrgetter(names[0])
+        return lambda m: (one(m),)
+    return operator.attrgetter(*names)  # a tuple, made in C
+
+
+@dataclass(slots=True)
+class _Crash(Message["Actor", None]):
+    """Makes the actor's task raise a crash that happened in a direct ask (see Actor._failed)."""
+
+    message: ClassVar[str] = "\0crash"
+    exc: BaseException
 
 
 @dataclass(slots=True)
 class Envelope:
-    name: str
-    kwargs: dict[str, Any]
+    message: Message[Any, Any]
     future: asyncio.Future[Any] | None
+
+    @property
+    def name(self) -> str:
+        return self.message.message
 
 
 @dataclass
@@ -80,7 +126,7 @@ class Actor:
         self._idle = asyncio.Event()
         self._idle.set()
         self.start_ended = asyncio.Event()  # set once the first on_start has returned or raised
-        self.ref = ActorRef(self)
+        self.ref = cast("ActorRef[Self]", ActorRef(self))
 
     # -- lifecycle hooks
     async def on_start(self) -> None:
@@ -93,7 +139,7 @@ class Actor:
         """Called after a crash, before the restart."""
 
     # -- running
-    def start(self) -> ActorRef:
+    def start(self) -> ActorRef[Self]:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"actor:{self.name}")
         return self.ref
@@ -117,8 +163,8 @@ class Actor:
                 env = held
             if isinstance(env, _Stop):
                 break
-            if env.name == _CRASH:
-                raise env.kwargs["exc"]
+            if isinstance(env.message, _Crash):
+                raise env.message.exc
             if env.future is not None and env.future.cancelled():
                 continue  # its asker gave up (a timeout): nobody reads the answer
             self._busy = True
@@ -152,7 +198,7 @@ class Actor:
                 continue  # its asker gave up
             t0 = time.perf_counter()
             try:
-                result = getattr(self, f"on_{env.name}")(**env.kwargs)
+                result = getattr(self, f"on_{env.name}")(*env.message.args())
             except Exception as e:
                 self._answer_error(env, e)
                 self._count_error(env.name, e)
@@ -172,7 +218,8 @@ class Actor:
         there: None, and the mailbox as it was. For a handler that handles it nested, at a point where its state
         is whole (see OpWorker._interleave); `passes` says what it may overtake (it keeps the order of the rest)."""
         def live(env: Envelope | _Stop | None) -> bool:
-            return isinstance(env, Envelope) and (env.future is None or not env.future.done()) and env.name != _CRASH
+            return (isinstance(env, Envelope) and (env.future is None or not env.future.done())
+                    and not isinstance(env.message, _Crash))
 
         held = self._held
         waiting = [] if held is None else [held]  # the oldest: the actor's task holds it while a direct ask is answered
@@ -214,7 +261,7 @@ class Actor:
         """Nothing being handled and nothing waiting: an ask would be answered directly (_direct)."""
         return not self._busy and self.state == "running" and self.mailbox.empty()
 
-    async def _direct(self, name: str, kwargs: dict[str, Any], handler: Any = None, count: bool = True) -> Any:
+    async def _direct(self, name: str, args: tuple[Any, ...], handler: Any = None, count: bool = True) -> Any:
         """Answer an ask in the asker's task: only while the mailbox is empty and nothing is being handled, so
         messages are still handled one at a time and in order; it saves two trips through the event loop.
         handler: what answers it, where not on_<name>; count=False: the rest of a message `now` began (counted
@@ -227,7 +274,7 @@ class Actor:
         try:
             if handler is None:
                 raise DeepxError(f"{self.name}: unknown message '{name}'")
-            result = handler(**kwargs)
+            result = handler(*args)
             if type(result) is CoroutineType or inspect.isawaitable(result):
                 result = await result
             return result
@@ -251,7 +298,7 @@ class Actor:
         finally:
             self._end(name, t0)
         if type(value) is CoroutineType:
-            return self._direct(name, {}, lambda: value, count=False)
+            return self._direct(name, (), lambda: value, count=False)
         return value
 
     def _begin(self, name: str) -> float:
@@ -274,14 +321,14 @@ class Actor:
     def _failed(self, name: str, e: Exception) -> None:
         self._count_error(name, e)
         if isinstance(e, ActorCrash):
-            self.mailbox.put_nowait(Envelope(_CRASH, {"exc": e}, None))  # the actor's own task crashes on it
+            self.mailbox.put_nowait(Envelope(_Crash(e), None))  # the actor's own task crashes on it
 
     async def _handle(self, env: Envelope, t0: float) -> None:
         handler = getattr(self, f"on_{env.name}", None)
         try:
             if handler is None:
                 raise DeepxError(f"{self.name}: unknown message '{env.name}'")
-            result = handler(**env.kwargs)
+            result = handler(*env.message.args())
             if inspect.isawaitable(result):
                 result = await result
         except asyncio.CancelledError:
@@ -367,54 +414,55 @@ async def end_task(task: asyncio.Task[Any], timeout: float) -> None:
         log.debug("%s ended with %r", task.get_name(), task.exception())
 
 
-class ActorRef:
-    """How everyone else reaches an actor: `tell` (fire and forget) or `await ask` (a reply or an error)."""
+class ActorRef(Generic[A]):
+    """How everyone else reaches an actor of type A: `tell` (fire and forget), `await ask` (a reply of the message's
+    type, or an error), and `now`, the embedded daemon's way to an answer on the caller's thread."""
 
     __slots__ = ("_actor",)
 
-    def __init__(self, actor: Actor) -> None:
+    def __init__(self, actor: A) -> None:
         self._actor = actor
 
     @property
     def name(self) -> str:
         return self._actor.name
 
-    def tell(self, message: str, **kwargs: Any) -> None:
+    def tell(self, message: Message[A, Any]) -> None:
         a = self._actor
         if not a.alive:
-            raise ActorStopped(f"actor '{a.name}' is {a.state}; cannot tell '{message}'")
-        a.mailbox.put_nowait(Envelope(message, kwargs, None))
+            raise ActorStopped(f"actor '{a.name}' is {a.state}; cannot tell '{message.message}'")
+        a.mailbox.put_nowait(Envelope(message, None))
         a.message_waiting()
 
-    def ask_future(self, message: str, **kwargs: Any) -> asyncio.Future[Any]:
+    def ask_future(self, message: Message[A, R]) -> asyncio.Future[R]:
         a = self._actor
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         if not a.alive:
-            fut.set_exception(ActorStopped(f"actor '{a.name}' is {a.state}; cannot ask '{message}'"))
+            fut.set_exception(ActorStopped(f"actor '{a.name}' is {a.state}; cannot ask '{message.message}'"))
         else:
-            a.mailbox.put_nowait(Envelope(message, kwargs, fut))
+            a.mailbox.put_nowait(Envelope(message, fut))
             a.message_waiting()
         return fut
 
-    def now(self, message: str, *args: Any) -> Any:
+    def now(self, message: Message[A, R]) -> R | None:
         """The actor's answer to `message` made on the caller's thread, with no mailbox and no event loop step, where
-        the actor offers one (a method `now_<message>`) and can give it now; None, with nothing run, where it cannot:
-        the caller asks instead. The embedded daemon's fast path, used while the caller borrows the actors' loop
-        (deepx_sdk/loopthread.py); the only way past the mailbox."""
-        fn = getattr(self._actor, f"now_{message}", None)
-        return None if fn is None else fn(*args)
+        the actor offers one (a method `now_<message>`, taking the fields as `on_<message>` does) and can give it now;
+        None, with nothing run, where it cannot: the caller asks instead. The embedded daemon's fast path, used while
+        the caller borrows the actors' loop (deepx_sdk/loopthread.py); the only way past the mailbox."""
+        fn = getattr(self._actor, f"now_{message.message}", None)
+        return None if fn is None else fn(*message.args())  # type: ignore[no-any-return]
 
-    async def ask(self, message: str, timeout: float | None = None, **kwargs: Any) -> Any:
+    async def ask(self, message: Message[A, R], timeout: float | None = None) -> R:
         a = self._actor
         if timeout is None and a.idle():
-            return await a._direct(message, kwargs)
-        fut = self.ask_future(message, **kwargs)
+            return await a._direct(message.message, message.args())  # type: ignore[no-any-return]
+        fut = self.ask_future(message)
         if timeout is None:
             return await fut
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            raise DeepxError(f"actor '{self.name}' did not answer '{message}' within {timeout} s") from None
+            raise DeepxError(f"actor '{self.name}' did not answer '{message.message}' within {timeout} s") from None
 
 
 @dataclass
@@ -434,7 +482,7 @@ class Supervisor:
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._on_give_up = on_give_up
 
-    def start(self, actor: Actor) -> ActorRef:
+    def start(self, actor: A) -> ActorRef[A]:
         if actor.name in self.actors:
             raise DeepxError(f"an actor named '{actor.name}' is already supervised")
         self.actors[actor.name] = actor

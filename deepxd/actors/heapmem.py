@@ -35,7 +35,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -43,6 +43,7 @@ import numpy as np
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
 from deepxd.actors.base import Actor, ActorRef, ActorStopped, end_task
+from deepxd.actors.messages import CheckRemote, HeapGone, Lifecycle, Republish
 from deepxd.kv.base import KV, Batch
 from deepxd.owners import FIELDS as OWNER_FIELDS
 from deepxd.owners import Owners
@@ -58,6 +59,9 @@ from deepxd.shm import (
     segment_pid,
     unlink_segment,
 )
+
+if TYPE_CHECKING:
+    from deepxd.actors.worker import OpWorker
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +237,7 @@ class HeapMemory(Actor):
         self._tick: asyncio.Task[None] | None = None
         # op workers that view heap tensors (their arrays are this memory): told `heap_gone` when one is freed, so
         # that no later program of theirs touches memory that is gone or given to another tensor
-        self.viewers: list[ActorRef] = []
+        self.viewers: list[ActorRef[OpWorker]] = []
 
     # -- lifecycle
     async def on_start(self) -> None:
@@ -354,7 +358,7 @@ class HeapMemory(Actor):
                         if shared:
                             await self.kv.rpush(LIFECYCLE, *shared)
                         return
-                    await self.ref.ask("lifecycle", commands=shared, mine=mine)
+                    await self.ref.ask(Lifecycle(commands=shared, mine=mine))
                 if len(mine) == TICK_BATCH or len(shared) == TICK_BATCH:
                     await asyncio.sleep(0)
                 else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled
@@ -386,9 +390,9 @@ class HeapMemory(Actor):
                 continue
             try:
                 if self._remote:
-                    await self.ref.ask("check_remote")
+                    await self.ref.ask(CheckRemote())
                 if self._tensors:
-                    await self.ref.ask("republish")
+                    await self.ref.ask(Republish())
             except ActorStopped:
                 return
             except Exception as e:
@@ -509,7 +513,7 @@ class HeapMemory(Actor):
         seg, node, _ = self._remote.pop(name)
         for viewer in self.viewers:
             with contextlib.suppress(ActorStopped):
-                viewer.tell("heap_gone", name=name)
+                viewer.tell(HeapGone(name=name))
         seg.close()
         try:
             await self.kv.rpush(node_lifecycle(node), msgpack.packb(
@@ -882,7 +886,7 @@ class HeapMemory(Actor):
         viewed = False
         for viewer in self.viewers:
             with contextlib.suppress(ActorStopped):
-                viewer.tell("heap_gone", name=t.name)
+                viewer.tell(HeapGone(name=t.name))
                 viewed = True
         if t.block is not None:
             # told after heap_gone, into the CUDA worker's mailbox: freed after every program queued before it

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import Bound, ProgramCheck, ProgramError, check_program
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef
+from deepxd.actors.messages import Adopted, ArrayOf, Attach, Create, HeapDelete, Info, Remote
 from deepxd.actors.worker import (
     BETWEEN_SLICES,
     LONG_PROGRAM,
@@ -45,6 +46,9 @@ from deepxd.actors.worker import (
 from deepxd.compiler.analysis import named_tensors, read_tensors
 from deepxd.kernels.cpu import CpuExecutor, dtype_name, repeat_count, transient_transposes, worded
 
+if TYPE_CHECKING:
+    from deepxd.actors.heapmem import HeapMemory
+
 log = logging.getLogger(__name__)
 
 
@@ -60,8 +64,9 @@ def _check_step(checking: ProgramCheck, names: set[str], until: float) -> bool:
 class CpuWorker(OpWorker):
     role = "op-cpu"
 
-    def __init__(self, name: str = "op-cpu", *, heapmem: ActorRef | None = None, io_roots: Sequence[str] | None = None,
-                 inline_elements: int = 1 << 16, output_log: bool = True) -> None:
+    def __init__(self, name: str = "op-cpu", *, heapmem: ActorRef[HeapMemory] | None = None,
+                 io_roots: Sequence[str] | None = None, inline_elements: int = 1 << 16,
+                 output_log: bool = True) -> None:
         super().__init__(name)
         self._output: list[str] = []
         self.ex = CpuExecutor(io_roots=io_roots, output=self._print)
@@ -81,7 +86,7 @@ class CpuWorker(OpWorker):
         if self.heapmem is None:
             return
         try:
-            adopted = await self.heapmem.ask("adopted")
+            adopted = await self.heapmem.ask(Adopted())
         except DeepxError as e:
             log.warning("%s: could not ask heapmem for the heap tensors it adopted: %s", self.name, e)
             return
@@ -251,7 +256,7 @@ class CpuWorker(OpWorker):
             self.heap.pop(name, None)
             self.heap_held.discard(name)  # never reached: give the segment back
             if self.heapmem is not None:
-                await self.heapmem.ask("delete", name=name, force=True)
+                await self.heapmem.ask(HeapDelete(name=name, force=True))
         if self.heap:
             for _, name in deletions(bounds[: result.done]):
                 await self._forget_heap(name)
@@ -304,10 +309,10 @@ class CpuWorker(OpWorker):
                 meta = b.outs[0]
                 if meta is None or self.ex.tensors.metas.get(name) == meta:  # kept (of another meta: replaced)
                     continue
-                await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,
-                                       owner=self.name, zero=True)
+                await self.heapmem.ask(Create(name=name, shape=list(meta.shape), dtype=meta.dtype,
+                                       owner=self.name, zero=True))
                 self.heap_held.add(name)
-                out[i] = await self.heapmem.ask("array", name=name)
+                out[i] = await self.heapmem.ask(ArrayOf(name=name))
         return out
 
     def _check(self, program: Sequence[Instr], fetch: Sequence[str]) -> tuple[list[Bound], bool, set[int]]:
@@ -466,7 +471,7 @@ class CpuWorker(OpWorker):
 
     async def _fetch_mapped(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         assert self.heapmem is not None
-        self._view_mapped(await self.heapmem.ask("remote", names=[n for n in names if n not in self.ex.tensors]))
+        self._view_mapped(await self.heapmem.ask(Remote(names=[n for n in names if n not in self.ex.tensors])))
         return {name: self.ex.get(name).copy() for name in names}
 
     async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
@@ -494,7 +499,7 @@ class CpuWorker(OpWorker):
         names = [n for n in read_tensors(program[index]) if n not in self.ex.tensors and n not in made]
         if not names:
             return False
-        return self._view_mapped(await self.heapmem.ask("remote", names=names))
+        return self._view_mapped(await self.heapmem.ask(Remote(names=names)))
 
     def _view_mapped(self, views: dict[str, np.ndarray]) -> bool:
         """Other nodes' heap tensors heapmem mapped (on_remote), seen here as heap tensors this worker does not
@@ -510,14 +515,16 @@ class CpuWorker(OpWorker):
         daemon of this node that died, whose worker had put it)."""
         if self.heapmem is None:
             raise DeepxError("no heapmem role runs on this node")
+        info: dict[str, Any] | None
         if hold:
-            info = await self.heapmem.ask("attach", name=name, holder=self.name)
+            info = await self.heapmem.ask(Attach(name=name, holder=self.name))
             self.heap_held.add(name)
         else:
-            info = await self.heapmem.ask("info", name=name)
+            info = await self.heapmem.ask(Info(name=name))
+            assert info is not None  # (missing_ok=False: a missing one raised)
             if self.name in info["holders"]:
                 self.heap_held.add(name)
-        view = await self.heapmem.ask("array", name=name)
+        view = await self.heapmem.ask(ArrayOf(name=name))
         if name in self.ex.shared:
             self.ex.unshare(name)
         self.heap[name] = view

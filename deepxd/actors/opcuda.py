@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,8 +33,12 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, Bound, ProgramError
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
+from deepxd.actors.messages import ArrayOf, Attach, Create, HeapDelete, HeapFree, Info
 from deepxd.actors.worker import HeapViews, OpStat, OpWorker, Plan, RunResult, deletions
 from deepxd.kernels.cpu import dtype_name
+
+if TYPE_CHECKING:
+    from deepxd.actors.heapmem import HeapMemory
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,7 @@ class DeviceHeap:
         # through the worker's mailbox, after heapmem's `heap_gone` and every program queued before it; with the
         # worker stopped, straight to its thread (which frees nothing once the context is gone)
         try:
-            self.worker.ref.tell("heap_free", block=block)
+            self.worker.ref.tell(HeapFree(block=block))
         except ActorStopped:
             self.worker.submit(self.worker.free_block, block)
 
@@ -93,7 +97,7 @@ class CudaWorker(OpWorker):
 
     role = "op-cuda"
 
-    def __init__(self, name: str = "op-cuda", *, heapmem: ActorRef | None = None,
+    def __init__(self, name: str = "op-cuda", *, heapmem: ActorRef[HeapMemory] | None = None,
                  io_roots: Sequence[str] | None = None, device: int = 0, tf32: bool = False,
                  output_log: bool = True) -> None:
         super().__init__(name)
@@ -266,12 +270,12 @@ class CudaWorker(OpWorker):
                 if meta is None or self.ex.tensors.metas.get(name) == meta:  # kept (of another meta: replaced)
                     continue
                 try:
-                    await self.heapmem.ask("create", name=name, shape=list(meta.shape), dtype=meta.dtype,
-                                           owner=self.name, zero=True)
+                    await self.heapmem.ask(Create(name=name, shape=list(meta.shape), dtype=meta.dtype,
+                                           owner=self.name, zero=True))
                 except DeepxError as e:
                     return f"instruction {i + 1}: newtensor: {e}", i
                 self.heap_held.add(name)
-                out[i] = await self.heapmem.ask("array", name=name)
+                out[i] = await self.heapmem.ask(ArrayOf(name=name))
         return None
 
     async def _give_back(self, bounds: list[Bound], heap_new: dict[int, Any], done: int) -> None:
@@ -279,7 +283,7 @@ class CudaWorker(OpWorker):
             self.heap.pop(name, None)
             self.heap_held.discard(name)  # never reached: give the memory back
             assert self.heapmem is not None
-            await self.heapmem.ask("delete", name=name, force=True)
+            await self.heapmem.ask(HeapDelete(name=name, force=True))
 
     def _run_on_device(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any],
                        fetch: list[str]) -> None:
@@ -378,13 +382,21 @@ class CudaWorker(OpWorker):
                                  f"{free} of {total} bytes free") from None
             raise DeepxError(f"put: '{name}' could not be copied to {self.device}: {type(e).__name__}: {e}") from None
 
-    async def on_attach_heap(self, name: str) -> dict[str, Any]:
-        """Make an existing heap tensor visible to programs here."""
+    async def on_attach_heap(self, name: str, hold: bool = True) -> dict[str, Any]:
+        """Make an existing heap tensor visible to programs here, with a reference of this worker's; hold=False:
+        without a new one (as op-cpu's: where this worker is among its holders already, it holds it)."""
         if self.heapmem is None:
             raise DeepxError("no heapmem role runs on this node")
-        info = await self.heapmem.ask("attach", name=name, holder=self.name)
-        self.heap_held.add(name)
-        view = await self.heapmem.ask("array", name=name)
+        info: dict[str, Any] | None
+        if hold:
+            info = await self.heapmem.ask(Attach(name=name, holder=self.name))
+            self.heap_held.add(name)
+        else:
+            info = await self.heapmem.ask(Info(name=name))
+            assert info is not None  # (missing_ok=False: a missing one raised)
+            if self.name in info["holders"]:
+                self.heap_held.add(name)
+        view = await self.heapmem.ask(ArrayOf(name=name))
         self.heap[name] = view
         await self._ready()
         self.ex.tensors[name] = view

@@ -20,6 +20,7 @@ from deepx_core.ir.ops import Bound, TensorMeta
 
 if TYPE_CHECKING:
     from deepxd.actors.base import ActorRef
+    from deepxd.actors.worker import OpWorker
     from deepxd.compiler.analysis import PassContext
 
 #: a backward instruction of the program, as a plan keeps it: (index, loss, wrt, grad_loss, prefix, names, forward,
@@ -57,7 +58,7 @@ class Plan:
                  "program", "reads", "redo", "runs", "seen", "sent", "step_keys", "version", "where", "worker")
 
     def __init__(self, program: list[Instr], fetch: tuple[str, ...], backwards: tuple[BackwardSpec, ...],
-                 worker: ActorRef, sent: list[Instr], *, expanded: list[Instr] | None = None,
+                 worker: ActorRef[OpWorker], sent: list[Instr], *, expanded: list[Instr] | None = None,
                  where: list[int] | None = None, origins: list[int] | None = None, ctx: PassContext | None = None,
                  reads: tuple[str, ...] = (), seen: int | None = None, step_keys: tuple[Any, ...] = ()) -> None:
         self.id = next(_ids)

@@ -17,15 +17,31 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS
-from deepxd.actors.base import Actor, ActorRef, end_task
+from deepxd.actors.base import A, Actor, ActorRef, Message, R, end_task
+from deepxd.actors.messages import (
+    GraphRecords,
+    HeapDelete,
+    HeapStats,
+    Info,
+    Mapped,
+    OpStats,
+    RunProgram,
+    Unmap,
+    WorkerTensors,
+)
 from deepxd.kv.base import KV, Batch
 from deepxd.owners import Owners, shown
 from deepxd.peers import DEAD_HEARTBEATS, ask_node, unreachable
+
+if TYPE_CHECKING:
+    from deepxd.actors.heapmem import HeapMemory
+    from deepxd.actors.scheduler import Scheduler
+    from deepxd.actors.worker import OpWorker
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +54,10 @@ class Registry(Actor):
     role = "registry"
 
     def __init__(self, kv: KV, node_id: str, *, roles: list[str], addresses: dict[str, str],
-                 workers: dict[str, ActorRef] | None = None, heapmem: ActorRef | None = None,
+                 workers: dict[str, ActorRef[OpWorker]] | None = None, heapmem: ActorRef[HeapMemory] | None = None,
                  actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
                  devices: list[str] | None = None, name: str = "registry", blas: str = "",
-                 scheduler: ActorRef | None = None, owners: Owners | None = None) -> None:
+                 scheduler: ActorRef[Scheduler] | None = None, owners: Owners | None = None) -> None:
         super().__init__(name)
         self.owners = owners or Owners()  # who made this node's tensors, and their labels (deepxd/owners.py)
         self.kv = kv
@@ -62,14 +78,14 @@ class Registry(Actor):
         self._tick: asyncio.Task[None] | None = None
         self._asked: dict[tuple[str, str], asyncio.Future[Any]] = {}  # (actor, message): an ask not yet answered
 
-    async def _ask_once(self, ref: ActorRef, message: str, timeout: float, late: bool = False) -> Any:
+    async def _ask_once(self, ref: ActorRef[A], message: Message[A, R], timeout: float, late: bool = False) -> R:
         """ref's answer to `message` within `timeout` seconds, else a DeepxError; where an earlier ask of it is not
         answered yet (an op worker running a long program), that one is waited on again rather than another sent:
         a timed-out ask stayed in the worker's mailbox, one op_stats per heartbeat, and `actors ls` showed the
         pile as a backlog. late: an answer that came after its asker gave up is taken (op counters, which only
         grow: with programs back to back, each longer than a heartbeat, a fresh ask never came back in time)."""
-        key = (ref.name, message)
-        fut = self._asked.get(key)
+        key = (ref.name, message.message)
+        fut: asyncio.Future[Any] | None = self._asked.get(key)
         if late and fut is not None and fut.done() and not fut.cancelled():
             del self._asked[key]
             return fut.result()
@@ -79,10 +95,11 @@ class Registry(Actor):
             fut = self._asked[key] = ref.ask_future(message)
         done, _ = await asyncio.wait({fut}, timeout=timeout)
         if not done:
-            raise DeepxError(f"actor '{ref.name}' did not answer '{message}' within {timeout:g} s")
+            raise DeepxError(f"actor '{ref.name}' did not answer '{message.message}' within {timeout:g} s")
         if self._asked.get(key) is fut:  # (a flush at a heartbeat and one asked for may wait on one ask)
             del self._asked[key]
-        return fut.result()
+        answer: R = fut.result()
+        return answer
 
     def _record(self) -> dict[str, Any]:
         """This node's whole `node:<id>` record, as running now."""
@@ -118,7 +135,7 @@ class Registry(Actor):
         stats = {}
         for worker, ref in self.workers.items():
             try:
-                stats[worker] = await self._ask_once(ref, "op_stats", self.heartbeat_s, late=True)
+                stats[worker] = await self._ask_once(ref, OpStats(), self.heartbeat_s, late=True)
             except DeepxError as e:
                 log.debug("registry: no op stats from %s: %s", worker, e)
         key = f"node:{self.node_id}"
@@ -149,7 +166,7 @@ class Registry(Actor):
         (a scheduler busy with a long program, a plane that failed a write)."""
         assert self.scheduler is not None
         try:
-            records: dict[str, bytes] = await self._ask_once(self.scheduler, "graph_records", self.heartbeat_s)
+            records: dict[str, bytes] = await self._ask_once(self.scheduler, GraphRecords(), self.heartbeat_s)
         except DeepxError as e:
             log.warning("registry: could not read the scheduler's graphs to write them back (tried again at the "
                         "next heartbeat): %s", e)
@@ -209,7 +226,7 @@ class Registry(Actor):
                     row["state"] = "unreachable"
         for worker, ref in self.workers.items():
             try:  # a worker answers between programs: a long one must not hold every other query behind this one
-                listed = await self._ask_once(ref, "tensors", BUSY_WORKER_S)
+                listed = await self._ask_once(ref, WorkerTensors(), BUSY_WORKER_S)
             except DeepxError:
                 raise DeepxError(f"{worker} is running a program and did not list its tensors within "
                                  f"{BUSY_WORKER_S:.0f} s (it answers between programs): try again later; the "
@@ -273,7 +290,7 @@ class Registry(Actor):
         largest = sorted(tensors, key=lambda t: -int(t.get("bytes", 0)))[:10]
         heap = [{"name": t["name"], "refcount": t.get("refcount", 0), "holders": t.get("holders", ""),
                  "bytes": t.get("bytes", 0), "state": t.get("state", "")} for t in tensors if t.get("kind") == "heap"]
-        pool = await self.heapmem.ask("stats") if self.heapmem is not None else {}
+        pool = await self.heapmem.ask(HeapStats()) if self.heapmem is not None else {}
         return {"by_node": by_node, "by_owner": by_owner, "by_kind": by_kind, "largest": largest, "heap": heap,
                 "heapmem": pool}
 
@@ -295,7 +312,7 @@ class Registry(Actor):
         the delete, so the release is waited for), then asks that node over its socket (deepxd/peers.py). A tensor
         of this node by that name (a stack tensor) is deleted here instead: on_delete looks here first."""
         assert self.heapmem is not None
-        if await self.heapmem.ask("unmap", name=name):  # its release goes through the owner's lifecycle list
+        if await self.heapmem.ask(Unmap(name=name)):  # its release goes through the owner's lifecycle list
             holder = f"node:{self.node_id}"
             for _ in range(40):  # (applied at the owner's next poll, 50 ms)
                 if holder not in (await self.kv.hget(f"tensor:{name}", "holders") or "").split(","):
@@ -314,14 +331,14 @@ class Registry(Actor):
         still map rather than pooling it and tells the workers (`heap_gone`) to drop their views."""
         heap: dict[str, Any] | None = None
         if self.heapmem is not None:
-            heap = await self.heapmem.ask("info", name=name, missing_ok=True)
+            heap = await self.heapmem.ask(Info(name=name, missing_ok=True))
             if heap is None:
-                mapped = await self.heapmem.ask("mapped", name=name)  # another node's, mapped here
+                mapped = await self.heapmem.ask(Mapped(name=name))  # another node's, mapped here
                 if mapped is not None:
                     return await self._delete_elsewhere(name, mapped, force)
         holding: dict[str, int] = {}  # worker -> bytes of its view
         for worker, ref in self.workers.items():
-            for row in await ref.ask("tensors"):
+            for row in await ref.ask(WorkerTensors()):
                 if row["name"] == name:
                     holding[worker] = int(row["bytes"])
         if heap is None and not holding:
@@ -341,16 +358,16 @@ class Registry(Actor):
         # a worker that only views it (another holds it) cannot free it with a deltensor, which is refused then
         viewing_only = heap is not None and not set(holding) & set(heap["holders"])
         if (shared or viewing_only) and self.heapmem is not None:
-            await self.heapmem.ask("delete", name=name, force=shared)  # it tells the workers to drop their views
+            await self.heapmem.ask(HeapDelete(name=name, force=shared))  # it tells the workers to drop their views
             holding = {}
         for worker in holding:
-            result = await self.workers[worker].ask("run", program=[Instr("deltensor", (), (Param.tensor(name),))])
+            result = await self.workers[worker].ask(RunProgram(program=[Instr("deltensor", (), (Param.tensor(name),))]))
             if result.error:
                 raise DeepxError(f"delete: {worker} could not free {name!r}: {result.error}")
         if heap is not None and not shared and self.heapmem is not None:
             # none any more where the worker's release was the last reference
-            if await self.heapmem.ask("info", name=name, missing_ok=True) is not None:
-                await self.heapmem.ask("delete", name=name)
+            if await self.heapmem.ask(Info(name=name, missing_ok=True)) is not None:
+                await self.heapmem.ask(HeapDelete(name=name))
         nbytes = int(heap["bytes"]) if heap is not None else max(holding.values())
         kind = "heap" if heap is not None else "stack"
         log.info("registry: deleted %s tensor %r (%d bytes)%s", kind, name, nbytes, " by force" if shared else "")

@@ -16,10 +16,9 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from types import CoroutineType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
@@ -27,6 +26,18 @@ from deepx_core.ir.effects import SETS, apply_effect, kind_of
 from deepx_core.ir.instr import Instr, Param, probe, scalar_kinds
 from deepx_core.ir.ops import OPS, TensorMeta
 from deepxd.actors.base import Actor, ActorRef, Envelope
+from deepxd.actors.messages import (
+    Interleaves,
+    Metas,
+    Put,
+    Run,
+    RunPlan,
+    RunProgram,
+    Stands,
+    State,
+    Variables,
+    WorkerTensors,
+)
 from deepxd.actors.plan import BackwardSpec, Plan
 from deepxd.actors.worker import (
     LONG_PROGRAM,
@@ -50,8 +61,14 @@ from deepxd.config import Config
 
 if TYPE_CHECKING:
     from deepxd.access import UdpScope
+    from deepxd.actors.worker import OpWorker
+    from deepxd.compiler.graphs import Bound, GraphPlan
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: an answer, or a coroutine that finishes it (where the rest needs an await: a failed program set straight)
+Finished = RunResult | Coroutine[Any, Any, RunResult]
 
 #: how many plans the scheduler keeps (a bucket's each count)
 PLANS = 256
@@ -163,7 +180,7 @@ def _cancelled_unrun() -> RunResult:
                      error_index=0, t0=time.time(), cancelled=True)
 
 
-def _backward_key(spec: dict[str, Any]) -> Any:
+def _backward_key(spec: dict[str, Any]) -> tuple[str, ...] | None:
     """What the steps that carry a backward request are counted by (see Scheduler._apart): the tensors it
     differentiates, which a loop names alike every step (its parameters) while the names of its temporaries may come
     from the pool in another order; None where they are malformed (refused on the way)."""
@@ -171,6 +188,17 @@ def _backward_key(spec: dict[str, Any]) -> Any:
     if type(wrt) is not list or not all(type(w) is str for w in wrt):
         return None
     return tuple(sorted(wrt))
+
+
+class _Steps:
+    """The steps carrying one backward request's parameters (see Scheduler._apart): how many in a row no plan
+    matched, and whether they run in parts."""
+
+    __slots__ = ("apart", "misses")
+
+    def __init__(self) -> None:
+        self.misses = 0
+        self.apart = False
 
 
 class _Parts:
@@ -214,7 +242,7 @@ class _Parts:
 class Scheduler(Actor):
     role = "scheduler"
 
-    def __init__(self, workers: dict[str, ActorRef], name: str = "scheduler", *, config: Config | None = None,
+    def __init__(self, workers: dict[str, ActorRef[OpWorker]], name: str = "scheduler", *, config: Config | None = None,
                  udp_scope: UdpScope | None = None) -> None:
         super().__init__(name)
         self.workers = workers
@@ -223,7 +251,7 @@ class Scheduler(Actor):
         self.fuse_min_elements = config.fuse_min_elements if config is not None else 0
         # the plans: every program that may come again, made runnable once (deepxd/actors/plan.py), by probe(); a
         # bucket holds the plans of one program for the states it came on
-        self.plans: Cache[Any, list[Plan]] = Cache("scheduler.plans", PLANS, per_key=8, owner=name)
+        self.plans: Cache[tuple[Any, ...], list[Plan]] = Cache("scheduler.plans", PLANS, per_key=8, owner=name)
         # what a plan is made from: checks by structure (the passes check programs too), the passes' rewrites by
         # structure (a program under new names), and derived backward programs by forward graph (_derive)
         self.binds = BindMemo(owner=name)
@@ -234,7 +262,7 @@ class Scheduler(Actor):
         self.busy_s = 0.0
         self.rewritten = 0  # programs the passes changed
         self.eliminated = 0  # instructions they removed
-        self.graphs: dict[str, Any] = {}  # stored graph name -> its plan (deepxd/compiler/graphs.py)
+        self.graphs: dict[str, GraphPlan] = {}  # stored graph name -> its plan (deepxd/compiler/graphs.py)
         self.replays = 0
         # backward programs derived before (_derive): probe -> [(forward, its scalar kinds, metas, program, grads)]
         self.backwards: Cache[Any, list[tuple[list[Instr], Any, dict[str, Any], list[Instr], dict[str, str]]]] = (
@@ -243,7 +271,7 @@ class Scheduler(Actor):
         self.backward_misses = 0
         # per backward request's parameters (_backward_key): [steps in a row carrying it that were no plan's,
         # whether its steps go in parts] (see _apart)
-        self.steps: Cache[Any, list[Any]] = Cache("scheduler.steps", 64, owner=name)
+        self.steps: Cache[tuple[str, ...], _Steps] = Cache("scheduler.steps", 64, owner=name)
         self.plan_hits = 0  # runs of a plan from the cache
         self.plan_misses = 0  # plans made
         self.stale = 0  # plans from the cache that did not stand on the worker's state
@@ -253,7 +281,7 @@ class Scheduler(Actor):
         self._beside: asyncio.Task[None] | None = None  # handling small programs beside a long one (_serving)
         self._passes_busy = False  # a long program's passes run on a thread (the memos are theirs meanwhile)
         # the step _serving awaits: (its end, the names a program beside it must not name, the worker)
-        self._step: tuple[asyncio.Future[None], AbstractSet[str] | None, ActorRef] | None = None
+        self._step: tuple[asyncio.Future[None], AbstractSet[str] | None, ActorRef[OpWorker]] | None = None
         self.beside = 0  # programs handled beside a long one
 
     async def on_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
@@ -361,31 +389,31 @@ class Scheduler(Actor):
         self.plans.miss()
         return None
 
-    def _hit(self, key: Any, plan: Plan, result: RunResult) -> None:
+    def _hit(self, key: tuple[Any, ...], plan: Plan, result: RunResult) -> None:
         """A plan from the cache ran: counted; where it failed, the program's plans go (the next run takes the whole
         path)."""
-        self.plans.hit()
+        self.plans.hit(key)
         self.plan_hits += 1
         if result.error:
             self.plans.pop(key)
         for k in plan.step_keys:  # its steps repeat: whole (see _apart)
             counts = self.steps.peek(k)
             if counts is not None:
-                counts[0] = 0
+                counts.misses = 0
 
     async def _run_plan(self, plan: Plan, program: Sequence[Instr]) -> RunResult | None:
         """Run `plan` on its worker, its result told of `program` (the client's); None where it does not stand (the
         worker ran nothing)."""
         if plan.expanded is not None:  # the gradients of its backwards (on_run took back the rest)
             self._taken_from_udp(plan.expanded)
-        result: RunResult | None = await self._serving(plan.worker.ask("run_plan", plan=plan, cancel=self._cancel),
+        result: RunResult | None = await self._serving(plan.worker.ask(RunPlan(plan=plan, cancel=self._cancel)),
                                                        plan.worker)
         if result is None:
             return None
         done = self._plan_ran(plan, program, result)
-        return await done if isinstance(done, CoroutineType) else done
+        return done if isinstance(done, RunResult) else await done
 
-    def _plan_ran(self, plan: Plan, program: Sequence[Instr], result: RunResult) -> Any:
+    def _plan_ran(self, plan: Plan, program: Sequence[Instr], result: RunResult) -> Finished:
         """The worker's result of a plan, told of `program`: a coroutine to await where a rewritten program failed
         part-way (the tensors are set straight as `program` would have left them)."""
         plan.runs += 1
@@ -406,7 +434,7 @@ class Scheduler(Actor):
             result = self._map_expanded(result, program, plan.where, len(program), None)
         return result
 
-    async def _run_new(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+    async def _run_new(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str],
                        marks: dict[int, dict[str, Any]], passes: bool = True) -> RunResult:
         """Make a plan for `program` on the worker's state as it is, run it, and keep it where it may come again.
         A plan the worker finds made for another state (a put came between the look and the run) is made again;
@@ -428,7 +456,7 @@ class Scheduler(Actor):
             self.plans.add(probe(program), plan)
         return result
 
-    async def _make_plan(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+    async def _make_plan(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str],
                          marks: dict[int, dict[str, Any]], passes: bool, loose: bool
                          ) -> tuple[Plan, bool] | RunResult:
         """A plan for `program` on the worker's state as it is now: its backwards expanded (_expand), the passes
@@ -482,7 +510,7 @@ class Scheduler(Actor):
                     step_keys=tuple(k for k in map(_backward_key, marks.values()) if k is not None))
         return plan, keep
 
-    async def _rewrite(self, worker: ActorRef, program: list[Instr], ctx: PassContext) -> list[Instr] | None:
+    async def _rewrite(self, worker: ActorRef[OpWorker], program: list[Instr], ctx: PassContext) -> list[Instr] | None:
         """The passes over `program` (from the rewrite memo where it came before under other names); a long one's on
         a thread, small programs served beside meanwhile. None where the asker went away meanwhile."""
         try:
@@ -505,15 +533,16 @@ class Scheduler(Actor):
             return program
 
     # -- the last programs again, with no coroutine
-    def now_run(self, program: Sequence[Instr], fetch: Sequence[str],
-                backwards: Sequence[dict[str, Any]] | None = None) -> Any:
+    def now_run(self, program: Sequence[Instr], fetch: Sequence[str] = (),
+                backwards: Sequence[dict[str, Any]] | None = None, cancel: Callable[[], bool] | None = None,
+                origin: str = "") -> Finished | None:
         """on_run for a program whose plan stands, with no coroutine, on a thread that stands in for the loop's
         (LoopThread.now: the embedded daemon's training steps, without the event loop's tasks and hand-offs). None,
         with nothing run and nothing counted, where on_run must answer: this scheduler or the worker busy or with
         messages waiting, no plan that matches and stands, a plan the worker cannot run inline (OpWorker.now_stands).
         Else on_run's answer, or a coroutine that finishes it (a rewritten program that failed part-way: its tensors
-        are set straight)."""
-        if not self.plans or not self.idle():
+        are set straight). A UDP sender's program, or one that may be cancelled, is on_run's."""
+        if not self.plans or not self.idle() or origin or cancel is not None:
             return None
         plan = self._standing(program, fetch, backwards)
         if plan is None:
@@ -530,24 +559,26 @@ class Scheduler(Actor):
                 continue
             if plan.pair_min is not None and plan.pair_min != default_pair_min():
                 return None
-            if worker.now("stands", plan):
+            if worker.now(Stands(plan)):
                 return plan
         return None
 
-    def _now_run(self, plan: Plan, program: Sequence[Instr]) -> Any:
+    def _now_run(self, plan: Plan, program: Sequence[Instr]) -> Finished:
         t0 = time.perf_counter()
         self.now_hits += 1
         self._taken_from_udp(program)
         if plan.expanded is not None:
             self._taken_from_udp(plan.expanded)
-        done = self._plan_ran(plan, program, plan.worker.now("run_plan", plan))
-        if isinstance(done, CoroutineType):
+        result = plan.worker.now(RunPlan(plan))
+        assert result is not None  # (now_stands said it would run)
+        done = self._plan_ran(plan, program, result)
+        if not isinstance(done, RunResult):
             return self._finish_counted(done, t0, plan)
         self._hit(probe(program), plan, done)
         return self._counted(done, t0)
 
-    async def _finish_counted(self, done: Any, t0: float, plan: Plan) -> RunResult:
-        result: RunResult = await done
+    async def _finish_counted(self, done: Coroutine[Any, Any, RunResult], t0: float, plan: Plan) -> RunResult:
+        result = await done
         self._hit(probe(plan.program), plan, result)
         return self._counted(result, t0)
 
@@ -567,17 +598,17 @@ class Scheduler(Actor):
                 continue
             counts = self.steps.get(key)
             if counts is None:  # the first step with it
-                self.steps.put(key, [0, False])
-            elif counts[1]:
+                self.steps.put(key, _Steps())
+            elif counts.apart:
                 apart = True
             else:
-                counts[0] += 1
-                if counts[0] >= 2:  # from the next step on
-                    counts[1] = True
+                counts.misses += 1
+                if counts.misses >= 2:  # from the next step on
+                    counts.apart = True
                     log.debug("scheduler: a step whose program does not repeat: its backward runs apart from here")
         return apart
 
-    async def _run_apart(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+    async def _run_apart(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str],
                          marks: dict[int, dict[str, Any]]) -> RunResult:
         """`program` run in parts, each by its plan: the instructions before each backward, the backward (derived
         from its forward as on_backward derives it, against the metas the part before it left), and the
@@ -605,9 +636,10 @@ class Scheduler(Actor):
             start = i + 1
         if repeated:
             for spec in marks.values():
-                counts = self.steps.peek(_backward_key(spec))
+                key = _backward_key(spec)
+                counts = self.steps.peek(key) if key is not None else None
                 if counts is not None:
-                    counts[:] = [0, False]
+                    counts.misses, counts.apart = 0, False
         parts.result.done = len(program)
         return parts.result
 
@@ -616,7 +648,7 @@ class Scheduler(Actor):
         return RunResult(error="instruction 1: cancelled: the client's connection ended (the instructions before it "
                                "ran)", error_index=0, t0=time.time(), cancelled=True)
 
-    async def _run_part(self, worker: ActorRef, part: Sequence[Instr], fetch: Sequence[str]
+    async def _run_part(self, worker: ActorRef[OpWorker], part: Sequence[Instr], fetch: Sequence[str]
                         ) -> tuple[RunResult, bool]:
         """A part of a program run by its plan: (its result, whether the plan came from the cache)."""
         hit = await self._run_cached(part, fetch, None)
@@ -624,13 +656,13 @@ class Scheduler(Actor):
             return hit, True
         return await self._run_new(worker, part, fetch, {}), False
 
-    async def _run_backward(self, worker: ActorRef, program: Sequence[Instr], i: int, spec: dict[str, Any],
+    async def _run_backward(self, worker: ActorRef[OpWorker], program: Sequence[Instr], i: int, spec: dict[str, Any],
                             fetch: Sequence[str]) -> tuple[RunResult, bool]:
         """The backward instruction at `i` run on its own: derived against the metas its forward's tensors have now,
         then run by its plan."""
         try:
             forward, loss, wrt, grad_loss, prefix, names = _backward_spec(spec)
-            variables: tuple[Any, ...] = ()
+            variables: tuple[dict[str, Any], dict[str, tuple[Any, ...]]] | tuple[()] = ()
             if _names_variables(forward):
                 again = _set_again(program[:i], forward)
                 if again is not None:
@@ -638,7 +670,7 @@ class Scheduler(Actor):
                                      f"the forward and the backward: the gradient would take the new value; "
                                      f"set it after the backward")
                 variables = await self._variables(worker)
-            metas = await worker.ask("metas", names=sorted(_names_of(forward, loss, wrt, grad_loss)))
+            metas = await worker.ask(Metas(names=sorted(_names_of(forward, loss, wrt, grad_loss))))
             derived, _ = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names, *variables)
         except DeepxError as e:
             return RunResult(error=f"instruction 1: backward: {e}", error_index=0, t0=time.time()), False
@@ -648,12 +680,14 @@ class Scheduler(Actor):
             result.error = original_error(result.error, [0] * len(derived))
         return result, hit
 
-    async def _ask_run(self, worker: ActorRef, **kwargs: Any) -> RunResult:
-        """worker.ask("run", **kwargs): a program run once, unplanned, serving (_serving) meanwhile."""
-        result: RunResult = await self._serving(worker.ask("run", **kwargs), worker)
+    async def _ask_run(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str] = (),
+                       cancel: Callable[[], bool] | None = None) -> RunResult:
+        """A program run once, unplanned (RunProgram), serving (_serving) meanwhile."""
+        result: RunResult = await self._serving(worker.ask(RunProgram(program, fetch, cancel)), worker)
         return result
 
-    async def _serving(self, step: Awaitable[Any], worker: ActorRef, avoid: AbstractSet[str] | None = None) -> Any:
+    async def _serving(self, step: Awaitable[T], worker: ActorRef[OpWorker],
+                       avoid: AbstractSet[str] | None = None) -> T:
         """`await step`, a step of running a program on `worker` (the passes on a thread, the worker's run); while
         it goes on, the small programs that arrive meanwhile are handled, each whole, by a task beside this
         handler (_run_beside, started by the first message that waits: no cost where none does): a long program
@@ -686,7 +720,7 @@ class Scheduler(Actor):
                                                                   name=f"{self.name}:beside")
 
     async def _run_beside(self, ended: asyncio.Future[None], avoid: AbstractSet[str] | None,
-                          worker: ActorRef) -> None:
+                          worker: ActorRef[OpWorker]) -> None:
         """Until `ended`: handle the next message waiting that is a run of a small program (small_tensor_names) with
         no backward, that names nothing in `avoid` and that the worker would run now (OpWorker.now_interleaves), one
         at a time. It may overtake small runs that must wait (they name a tensor of the long program) where it
@@ -694,14 +728,15 @@ class Scheduler(Actor):
         passed: set[str] = set()  # the names of the runs looked past, this look
 
         def small(env: Envelope) -> set[str] | None:
-            if env.name != "run" or env.kwargs.get("backwards"):
+            m = env.message
+            if not isinstance(m, Run) or m.backwards:
                 return None
-            return small_tensor_names(env.kwargs.get("program", ()), env.kwargs.get("fetch", ()))
+            return small_tensor_names(m.program, m.fetch)
 
         def accept(env: Envelope) -> bool:
             names = small(env)
             return (names is not None and passed.isdisjoint(names) and (avoid is None or avoid.isdisjoint(names))
-                    and bool(worker.now("interleaves", names)))
+                    and bool(worker.now(Interleaves(names))))
 
         def passes(env: Envelope) -> bool:
             names = small(env)
@@ -719,7 +754,7 @@ class Scheduler(Actor):
                 self.beside += 1
                 await self.handle_nested(env)
 
-    async def _expand(self, worker: ActorRef, program: list[Instr], fetch: tuple[str, ...],
+    async def _expand(self, worker: ActorRef[OpWorker], program: list[Instr], fetch: tuple[str, ...],
                       marks: dict[int, dict[str, Any]], ctx: PassContext
                       ) -> tuple[list[Instr], list[int], tuple[BackwardSpec, ...], bool] | RunResult:
         """`program` with each marked backward instruction replaced by its backward program: (the expansion, its
@@ -784,7 +819,8 @@ class Scheduler(Actor):
         result = await self._run_program(worker, expanded, ())  # the instructions before the failed backward
         return self._map_expanded(result, program, where, at, failure)
 
-    async def _run_program(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult:
+    async def _run_program(self, worker: ActorRef[OpWorker], program: Sequence[Instr],
+                           fetch: Sequence[str]) -> RunResult:
         """`program` run by a plan made for it now, never kept (a part of a program that failed)."""
         made = await self._make_plan(worker, program, fetch, {}, True, loose=True)
         assert not isinstance(made, RunResult)
@@ -809,17 +845,17 @@ class Scheduler(Actor):
         result.map_times(where, result.done)
         return result
 
-    async def _variables(self, worker: ActorRef) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    async def _variables(self, worker: ActorRef[OpWorker]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
         """The worker's named variables and vectors (argset's and vecset's)."""
-        held = await worker.ask("variables")
+        held = await worker.ask(Variables())
         return held.get("vars", {}), {k: tuple(v) for k, v in held.get("vectors", {}).items()}
 
-    async def _context(self, worker: ActorRef, program: Sequence[Instr], fetch: Sequence[str],
+    async def _context(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str],
                        scan: bool = True) -> tuple[PassContext, int]:
         """The passes' context: the worker's metas and heap names, and its variables where the program may name
         one (scan=False: not looked for; the caller knows the program names none, or looks itself); and the version
         of the worker's state they were read at."""
-        metas, keep, version = await worker.ask("state")
+        metas, keep, version = await worker.ask(State())
         variables: dict[str, Any] = {}
         vectors: dict[str, Any] = {}
         if scan and _names_variables(program):
@@ -827,7 +863,7 @@ class Scheduler(Actor):
         return new_context(metas, fetch=fetch, keep=keep, variables=variables, vectors=vectors,
                            fuse_min_elements=self.fuse_min_elements, cache=self.binds), version
 
-    async def _compiled_result(self, worker: ActorRef, program: Sequence[Instr], rewritten: list[Instr],
+    async def _compiled_result(self, worker: ActorRef[OpWorker], program: Sequence[Instr], rewritten: list[Instr],
                                fetch: Sequence[str], origins: list[int], ctx: PassContext,
                                result: RunResult) -> RunResult:
         """The result of `rewritten` (the passes' program for `program`), told of `program`. Where it failed part-way
@@ -839,7 +875,7 @@ class Scheduler(Actor):
             return await self._ask_run(worker, program=program, fetch=fetch)
         done, fix = repair(program, rewritten, origins, result.done, ctx)
         if fix:
-            fixed: RunResult = await worker.ask("run", program=fix, fetch=())
+            fixed: RunResult = await worker.ask(RunProgram(program=fix, fetch=()))
             if fixed.error:
                 log.warning("after a failed rewritten program, setting the tensors straight failed: %s", fixed.error)
         result.error = original_error(result.error, origins)
@@ -856,7 +892,7 @@ class Scheduler(Actor):
         result.done = len(program)
         return result
 
-    def _place(self, program: Sequence[Instr]) -> ActorRef:
+    def _place(self, program: Sequence[Instr]) -> ActorRef[OpWorker]:
         """All tensors of a session live on one worker: op-cuda when that role runs (its executor runs an op
         without a CUDA kernel on the CPU kernel itself), else op-cpu."""
         worker = self.workers.get("op-cuda") or self.workers.get("op-cpu")
@@ -879,7 +915,7 @@ class Scheduler(Actor):
         gradient (`names`, where given: wrt -> the name its gradient takes). The forward has already run; its
         tensors are still there. `capture` (dx.compile): the answer carries the backward program too."""
         worker = self._place(forward)
-        metas = await worker.ask("metas", names=sorted(_names_of(forward, loss, wrt, grad_loss)))
+        metas = await worker.ask(Metas(names=sorted(_names_of(forward, loss, wrt, grad_loss))))
         variables, vectors = await self._variables(worker) if _names_variables(forward) else ({}, {})
         program, grads = self._derive(forward, loss, wrt, grad_loss, prefix, metas, names, variables, vectors)
         self._taken_from_udp(program)  # the gradients it writes are the native client's
@@ -928,10 +964,10 @@ class Scheduler(Actor):
         return program, dict(grads)
 
     # -- stored graphs (dx.compile): the plan of each is made once, then every replay binds into it
-    async def _plan_graph(self, name: str, data: bytes) -> Any:
+    async def _plan_graph(self, name: str, data: bytes) -> GraphPlan:
         from deepxd.compiler.graphs import plan_graph
 
-        rows = await self._place(()).ask("tensors")
+        rows = await self._place(()).ask(WorkerTensors())
         metas = {r["name"]: TensorMeta(tuple(r["shape"]), r["dtype"]) for r in rows}
         plan = plan_graph(name, data, metas, [r["name"] for r in rows if r.get("kind") == "heap"], self.passes,
                           self.fuse_min_elements)
@@ -945,12 +981,12 @@ class Scheduler(Actor):
         if plan is None:
             return {"name": name, "planned": False, "deleted": 0}
         worker = self._place(plan.plan)
-        metas, _, _ = await worker.ask("state")
+        metas, _, _ = await worker.ask(State())
         temporary = re.compile(re.escape(name) + r"\.t\d+")  # `.` may be in a graph's base name: digits only
         gone = [n for n in metas if temporary.fullmatch(n)]
         if gone:
             program = [Instr("deltensor", (), (Param.tensor(n, metas[n].dtype),)) for n in gone]
-            result: RunResult = await worker.ask("run", program=program, fetch=[])
+            result: RunResult = await worker.ask(RunProgram(program=program, fetch=[]))
             if result.error:
                 log.warning("scheduler: deleting the temporaries of graph %s: %s", name, result.error)
         return {"name": name, "planned": True, "deleted": len(gone)}
@@ -1000,10 +1036,11 @@ class Scheduler(Actor):
         if result is None:
             result = await self._replay_checked(name, worker, bound, fetch)
         done = self._replayed(name, plan, worker, bound, result, t0)
-        return await done if isinstance(done, CoroutineType) else done
+        return done if isinstance(done, RunResult) else await done
 
     def now_replay(self, name: str, inputs: dict[str, Any], outputs: dict[str, Any],
-                   scalars: dict[str, Any] | None = None, fetch: Sequence[str] = ()) -> Any:
+                   scalars: dict[str, Any] | None = None, fetch: Sequence[str] = (),
+                   data: bytes | None = None) -> Finished | None:
         """on_replay with no coroutine (LoopThread.now: dx.compile's replays in the embedded daemon), where the graph
         is planned here, its bound program's plan stands, both actors are idle with nothing waiting, and the worker
         runs the plan inline (OpWorker.now_stands). None, with nothing run and nothing counted, where on_replay must
@@ -1012,7 +1049,8 @@ class Scheduler(Actor):
 
         plan = self.graphs.get(name)
         # only a binding of tensor names can run by a plan as it is (data is put first)
-        if plan is None or not self.plans or not self.idle() or not all(type(v) is str for v in inputs.values()):
+        if (plan is None or data is not None or not self.plans or not self.idle()
+                or not all(type(v) is str for v in inputs.values())):
             return None
         try:
             bound = bind_replay(plan, inputs, outputs, scalars or {})
@@ -1024,15 +1062,17 @@ class Scheduler(Actor):
             return None
         return self.now("replay", self._now_replay, name, plan, bound, standing)
 
-    def _now_replay(self, name: str, plan: Any, bound: Any, standing: Plan) -> Any:
+    def _now_replay(self, name: str, plan: GraphPlan, bound: Bound, standing: Plan) -> Finished:
         t0 = time.perf_counter()
         self.now_hits += 1
         self._taken_from_udp(bound.program)
-        result = standing.worker.now("run_plan", standing)
+        result = standing.worker.now(RunPlan(standing))
+        assert result is not None  # (now_stands said it would run)
         self._hit(probe(bound.program), standing, result)
         return self._replayed(name, plan, standing.worker, bound, result, t0)
 
-    def _replayed(self, name: str, plan: Any, worker: ActorRef, bound: Any, result: RunResult, t0: float) -> Any:
+    def _replayed(self, name: str, plan: GraphPlan, worker: ActorRef[OpWorker], bound: Bound, result: RunResult,
+                  t0: float) -> Finished:
         """on_replay's answer from the worker's: a coroutine to await where the replay failed (its temporaries are
         deleted, the error told of the graph's instructions)."""
         self.busy_s += time.perf_counter() - t0
@@ -1045,25 +1085,26 @@ class Scheduler(Actor):
         result.done = len(plan.record.instrs)
         return result
 
-    async def _replay_failed(self, name: str, plan: Any, worker: ActorRef, bound: Any,
+    async def _replay_failed(self, name: str, plan: GraphPlan, worker: ActorRef[OpWorker], bound: Bound,
                              result: RunResult) -> RunResult:
         from deepxd.compiler.pipeline import original_error
 
-        rows = await worker.ask("tensors")
+        rows = await worker.ask(WorkerTensors())
         outs = set(bound.outputs)
         junk = [r["name"] for r in rows if r["name"].startswith(f"{name}.") or r["name"] in outs]
         if junk:
-            await worker.ask("run", program=[Instr("deltensor", (), (Param.tensor(n),)) for n in junk])
+            await worker.ask(RunProgram(program=[Instr("deltensor", (), (Param.tensor(n),)) for n in junk]))
         k = result.error_index
         result.error = f"replay of graph {name!r}: {original_error(result.error, plan.origins)}"
         result.error_index = plan.origins[k] if 0 <= k < len(plan.origins) else k
         return result
 
-    async def _replay_checked(self, name: str, worker: ActorRef, bound: Any, fetch: Sequence[str]) -> RunResult:
+    async def _replay_checked(self, name: str, worker: ActorRef[OpWorker], bound: Bound,
+                              fetch: Sequence[str]) -> RunResult:
         """A replay's inputs checked against the tensors they name (a clear error for one that is missing or of
         another shape), the ones given as data put, then the run."""
         if bound.bound_inputs:
-            have = await worker.ask("metas", names=sorted(bound.bound_inputs))
+            have = await worker.ask(Metas(names=sorted(bound.bound_inputs)))
             for n, (dtype, shape) in bound.bound_inputs.items():
                 m = have.get(n)
                 if m is None:
@@ -1073,11 +1114,11 @@ class Scheduler(Actor):
                                      f"the graph needs {dtype}{list(shape)}")
         for k, (n, dt, dims, buf) in enumerate(bound.puts):
             try:
-                await worker.ask("put", name=n, dtype=dt, shape=dims, data=buf)
+                await worker.ask(Put(name=n, dtype=dt, shape=dims, data=buf))
             except DeepxError as e:  # the inputs put before this one are freed: a refused replay leaves nothing
                 if k:
-                    await worker.ask("run", program=[Instr("deltensor", (), (Param.tensor(p[0]),))
-                                                     for p in bound.puts[:k]])
+                    await worker.ask(RunProgram(program=[Instr("deltensor", (), (Param.tensor(p[0]),))
+                                                     for p in bound.puts[:k]]))
                 raise DeepxError(f"replay of graph {name!r}: {e}") from None
         # by a plan: made once for these bindings (the graph's binding memo gives the same program; one that puts
         # data deletes its inputs after it, the same program every time too)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,10 +23,14 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef, Envelope
+from deepxd.actors.messages import ArrayOf, Attach, Create, Fetch, Info, Put, Release, RunPlan, RunProgram
 from deepxd.actors.plan import Plan, Prepared
 from deepxd.compiler.analysis import named_tensors
 from deepxd.kernels.cpu import check_instruction, dtype_name
 from deepxd.kernels.cpu.life import refused_heap_replace
+
+if TYPE_CHECKING:
+    from deepxd.actors.heapmem import HeapMemory
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +215,7 @@ class OpWorker(Actor):
     ex: Any
     heap: HeapViews  # heap tensor name -> its array (memory heapmem allocated)
     heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
-    heapmem: ActorRef | None
+    heapmem: ActorRef[HeapMemory] | None
     op_stats: dict[str, OpStat]
     output_log: bool
     _output: list[str]
@@ -250,15 +254,15 @@ class OpWorker(Actor):
         candidate = False
 
         def names_of(env: Envelope) -> set[str] | None:
-            kw = env.kwargs
-            if env.name == "run":
-                return small_tensor_names(kw.get("program", ()), kw.get("fetch", ()))
-            if env.name == "run_plan" and isinstance(kw.get("plan"), Plan):
-                return small_tensor_names(kw["plan"].sent, kw["plan"].fetch)
-            if env.name == "fetch" and all(type(n) is str for n in kw.get("names", (None,))):
-                return set(kw["names"])
-            if env.name == "put" and type(kw.get("name")) is str:
-                return {kw["name"]}
+            m = env.message
+            if isinstance(m, RunProgram):
+                return small_tensor_names(m.program, m.fetch)
+            if isinstance(m, RunPlan) and isinstance(m.plan, Plan):
+                return small_tensor_names(m.plan.sent, m.plan.fetch)
+            if isinstance(m, Fetch) and all(type(n) is str for n in m.names):
+                return set(m.names)
+            if isinstance(m, Put) and type(m.name) is str:
+                return {m.name}
             return None
 
         ran = 0
@@ -359,7 +363,7 @@ class OpWorker(Actor):
             return False
         return self._stands(plan) is True
 
-    def now_run_plan(self, plan: Plan) -> RunResult:
+    def now_run_plan(self, plan: Plan, cancel: Callable[[], bool] | None = None) -> RunResult:
         """`ref.now("run_plan", plan)`, right after now_stands said yes: run_prepared answered as message `run_plan`
         on the caller's thread (counted and marked busy as an ask is; see Actor.now)."""
         result: RunResult = self.now("run_plan", self.run_prepared, plan)
@@ -497,7 +501,7 @@ class OpWorker(Actor):
         if self.heap.pop(name, None) is not None and name in self.heap_held and self.heapmem is not None:
             self.heap_held.discard(name)
             try:
-                await self.heapmem.ask("release", name=name, holder=self.name)
+                await self.heapmem.ask(Release(name=name, holder=self.name))
             except DeepxError as e:
                 log.warning("releasing heap tensor '%s': %s", name, e)
 
@@ -527,19 +531,19 @@ class OpWorker(Actor):
             return view
         if name in self.ex.tensors:
             raise DeepxError(f"put: '{name}' exists as a stack tensor; delete it before making it heap")
-        have = await self.heapmem.ask("info", name=name, missing_ok=True)  # another worker's or process's here
+        have = await self.heapmem.ask(Info(name=name, missing_ok=True))  # another worker's or process's here
         if have is None or have["state"] == "lost":
-            await self.heapmem.ask("create", name=name, shape=list(shape), dtype=dtype, owner=owner or self.name,
-                                   zero=False, replace_lost=True)
+            await self.heapmem.ask(Create(name=name, shape=list(shape), dtype=dtype, owner=owner or self.name,
+                                   zero=False, replace_lost=True))
             if not owner or owner == self.name:
                 self.heap_held.add(name)
         else:
             if tuple(have["shape"]) != tuple(shape) or have["dtype"] != dtype:
                 raise DeepxError(f"put: heap tensor '{name}' is {have['dtype']}{have['shape']}; it cannot take "
                                  f"{dtype}{list(shape)}")
-            await self.heapmem.ask("attach", name=name, holder=self.name)
+            await self.heapmem.ask(Attach(name=name, holder=self.name))
             self.heap_held.add(name)
-        view = self.heap[name] = await self.heapmem.ask("array", name=name)
+        view = self.heap[name] = await self.heapmem.ask(ArrayOf(name=name))
         return view
 
     def _prepare(self, plan: Plan, bounds: list[Bound], begun: int, heavy: bool = False,

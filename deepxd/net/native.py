@@ -33,6 +33,8 @@ from deepx_core.ir.text import is_name
 from deepx_core.ir.wire import instr_from_obj, instr_to_obj, unpack_instr, unpack_instr_cached
 from deepx_core.paths import check_socket_dir, tcp_address
 from deepxd import groups
+from deepxd.actors.messages import ADMIN as ADMIN_QUERIES
+from deepxd.actors.messages import Backward, DeleteTensor, Explain, Fetch, ListTensors, Put, Relabel, Run
 from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ADMIN = ("tensors", "ops", "nodes", "actors", "memory", "graphs", "caches")
+ADMIN = tuple(ADMIN_QUERIES)  # the registry's queries a client may ask by name
 LONG_FRAME = 1 << 20  # a frame at least this long is unpacked on a thread
 #: a token listener's first frame is the answer to its challenge: this small, this soon (also TLS's handshake)
 AUTH_FRAME_MAX = 4096
@@ -391,11 +393,11 @@ class NativeServer:
             with contextlib.suppress(DeepxError):
                 await graph_drop(self.node, name)
         try:
-            rows = await self.node.ref("registry").ask("tensors")
+            rows = await self.node.ref("registry").ask(ListTensors())
             mine = [Instr("deltensor", (), (Param.tensor(str(r["name"]), str(r["dtype"])),)) for r in rows
                     if str(r.get("name", "")).startswith(prefix) and r.get("node") == self.node.config.node_id]
             if mine:
-                result: RunResult = await self.node.ref("scheduler").ask("run", program=mine, fetch=[])
+                result: RunResult = await self.node.ref("scheduler").ask(Run(program=mine, fetch=[]))
                 log.info("native: a session's connection ended without its close: deleted %d of its tensors (%s*)%s",
                          result.done, prefix, f"; {result.error}" if result.error else "")
         except Exception as e:  # in a connection's end: logged, never raised
@@ -447,7 +449,7 @@ class NativeServer:
     async def _op_label(self, req: dict[str, Any]) -> dict[str, Any]:
         names = list(req.get("tensors") or ())  # recorded for the connection's session by _handle
         if names and "heapmem" in self.node.refs:  # a heap tensor's record in the plane carries them too
-            await self.node.ref("heapmem").ask("relabel", names=names)
+            await self.node.ref("heapmem").ask(Relabel(names=names))
         return {"labelled": len(names)}
 
     async def _op_hello(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -475,8 +477,8 @@ class NativeServer:
                 for i, b in enumerate(backwards):
                     _names(b.get("names"), f"run: backwards[{i}]")
                 backwards = [{**b, "forward": _instrs(b.get("forward"), "backwards")} for b in backwards]
-            result: RunResult = await self.node.ref("scheduler").ask("run", program=program, fetch=fetch,
-                                                                     backwards=backwards, cancel=gone)
+            result: RunResult = await self.node.ref("scheduler").ask(Run(program=program, fetch=fetch,
+                                                                     backwards=backwards, cancel=gone))
             out = (encode_result(result) if result.done <= REMEMBER_MAX
                    else await asyncio.to_thread(encode_result, result))
             ok = out.pop("ok")
@@ -490,11 +492,11 @@ class NativeServer:
         if not isinstance(loss, str) or not isinstance(wrt, list) or not all(isinstance(w, str) for w in wrt):
             raise DeepxError("backward: 'loss' must be a tensor name and 'wrt' a list of tensor names")
         grad_loss = req.get("grad_loss")
-        out = await self.node.ref("scheduler").ask("backward", forward=forward, loss=loss, wrt=wrt,
+        out = await self.node.ref("scheduler").ask(Backward(forward=forward, loss=loss, wrt=wrt,
                                                    grad_loss=grad_loss if isinstance(grad_loss, str) else None,
                                                    prefix=str(req.get("prefix") or "g_"),
                                                    capture=bool(req.get("capture", False)),
-                                                   names=_names(req.get("names")))
+                                                   names=_names(req.get("names"))))
         if "program" in out:
             out["program"] = [instr_to_obj(i) for i in out["program"]]
         return dict(out)
@@ -534,7 +536,7 @@ class NativeServer:
             raise DeepxError("explain: give 'graph' (a stored graph's name) or 'program' (a list of instructions)")
         program = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
         fetch = _tensor_names(req.get("fetch"), "explain")
-        return dict(await self.node.ref("scheduler").ask("explain", program=program, fetch=fetch))
+        return dict(await self.node.ref("scheduler").ask(Explain(program=program, fetch=fetch)))
 
     # -- process groups (deepx_sdk.distributed; deepxd/groups.py)
     async def _op_group_join(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -560,7 +562,7 @@ class NativeServer:
         names = req.get("names")
         if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
             raise DeepxError("fetch: 'names' must be a list of tensor names")
-        arrays = await self.node.worker().ask("fetch", names=names)
+        arrays = await self.node.worker().ask(Fetch(names=names))
         return {"tensors": {k: encode_tensor(v) for k, v in arrays.items()}}
 
     async def _op_put(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -588,8 +590,8 @@ class NativeServer:
             raise DeepxError(f"put of '{name}': 'owner' must be a string (who holds the tensor), got {_shown(owner)}")
         if self.node.udp_scope is not None:  # before it is written: a UDP line must not come between
             self.node.udp_scope.taken_back([name])
-        info = await self.node.worker().ask("put", name=name, dtype=dtype, shape=shape, data=data, heap=heap,
-                                            owner=owner)
+        info = await self.node.worker().ask(Put(name=name, dtype=dtype, shape=shape, data=data, heap=heap,
+                                            owner=owner))
         return {"tensor": info}
 
     async def _op_udp_share(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -616,7 +618,7 @@ class NativeServer:
             return {"result": self.node.config.shown()}  # never a password (docs/storage.md)
         if what not in ADMIN:
             raise DeepxError(f"admin: unknown query {what!r}; known: {', '.join((*ADMIN, 'config'))}")
-        return {"result": await self.node.ref("registry").ask(what)}
+        return {"result": await self.node.ref("registry").ask(ADMIN_QUERIES[what]())}
 
 
     async def _op_delete(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -626,7 +628,7 @@ class NativeServer:
         force = req.get("force", False)
         if not isinstance(force, bool):  # never coerced: bool("no") is True
             raise DeepxError(f"delete of '{name}': 'force' must be true or false, got {_shown(force)}")
-        info = await self.node.ref("registry").ask("delete", name=name, force=force)
+        info = await self.node.ref("registry").ask(DeleteTensor(name=name, force=force))
         if self.node.udp_scope is not None:
             self.node.udp_scope.deleted([name])
         return {"tensor": info}

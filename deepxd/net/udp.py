@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import request_id
 from deepx_core.ir.text import parse_line
+from deepxd.actors.messages import Run
 from deepxd.actors.worker import RunResult
 from deepxd.net.reply import format_reply
 
@@ -187,7 +188,7 @@ class UdpServer(asyncio.DatagramProtocol):
             return
         rid = instr.id
         try:  # origin udp: the scheduler checks what the line may name (deepxd/access.py) as it runs it
-            result: RunResult = await self.node.ref("scheduler").ask("run", program=[instr], fetch=[], origin="udp")
+            result: RunResult = await self.node.ref("scheduler").ask(Run(program=[instr], fetch=[], origin="udp"))
         except DeepxError as e:
             self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
             return

@@ -8,6 +8,7 @@ from typing import Any
 
 from deepx_core.ir import parse_text
 from deepxd.actors.base import ActorRef
+from deepxd.actors.messages import RunProgram
 
 
 async def product_chain(worker: ActorRef, seconds: float, at_least: int) -> list[Any]:
@@ -19,7 +20,7 @@ async def product_chain(worker: ActorRef, seconds: float, at_least: int) -> list
     timed = []
     for _ in range(4):
         t0 = time.perf_counter()
-        assert not (await worker.ask("run", program=parse_text(one), fetch=[])).error
+        assert not (await worker.ask(RunProgram(program=parse_text(one), fetch=[]))).error
         timed.append(time.perf_counter() - t0)
     links = max(at_least, math.ceil(seconds / min(timed[1:])))
     return parse_text("\n".join(

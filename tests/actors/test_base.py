@@ -4,11 +4,52 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
 from deepx_core.errors import DeepxError
-from deepxd.actors.base import Actor, ActorCrash, ActorStopped, RestartPolicy, Supervisor
+from deepxd.actors.base import Actor, ActorCrash, ActorStopped, Message, RestartPolicy, Supervisor
+
+
+@dataclass(slots=True)
+class Add(Message["Counter", int]):
+    message: ClassVar[str] = "add"
+    n: int
+
+
+@dataclass(slots=True)
+class Slow(Message["Counter", str]):
+    message: ClassVar[str] = "slow"
+
+
+@dataclass(slots=True)
+class Bad(Message["Counter", None]):
+    message: ClassVar[str] = "bad"
+
+
+@dataclass(slots=True)
+class Bug(Message["Counter", None]):
+    message: ClassVar[str] = "bug"
+
+
+@dataclass(slots=True)
+class Crash(Message["Counter", None]):
+    message: ClassVar[str] = "crash"
+
+
+@dataclass(slots=True)
+class Nope(Message["Counter", None]):
+    """A message the Counter has no handler for."""
+
+    message: ClassVar[str] = "nope"
+
+
+@dataclass(slots=True)
+class Long(Message["Nesting", "list[int]"]):
+    message: ClassVar[str] = "long"
+    skip: int
 
 
 class Counter(Actor):
@@ -48,9 +89,9 @@ class Counter(Actor):
 async def test_tell_and_ask_run_in_order():
     a = Counter()
     ref = a.start()
-    ref.tell("add", n=2)
-    ref.tell("add", n=3)
-    assert await ref.ask("add", n=0) == 5
+    ref.tell(Add(2))
+    ref.tell(Add(3))
+    assert await ref.ask(Add(0)) == 5
     assert a.stats.handled == 3
     await a.stop()
 
@@ -59,12 +100,12 @@ async def test_a_failing_handler_answers_with_its_error_and_the_actor_keeps_serv
     a = Counter()
     ref = a.start()
     with pytest.raises(DeepxError, match="bad input"):
-        await ref.ask("bad")
+        await ref.ask(Bad())
     with pytest.raises(ZeroDivisionError):
-        await ref.ask("bug")
+        await ref.ask(Bug())
     with pytest.raises(DeepxError, match="unknown message 'nope'"):
-        await ref.ask("nope")
-    assert await ref.ask("add", n=1) == 1
+        await ref.ask(Nope())
+    assert await ref.ask(Add(1)) == 1
     assert a.stats.errors == 3
     await a.stop()
 
@@ -72,23 +113,23 @@ async def test_a_failing_handler_answers_with_its_error_and_the_actor_keeps_serv
 async def test_stopping_fails_every_pending_ask_with_stopped():
     a = Counter()
     ref = a.start()
-    slow = ref.ask_future("slow")
-    queued = [ref.ask_future("add", n=1) for _ in range(3)]
+    slow = ref.ask_future(Slow())
+    queued = [ref.ask_future(Add(1)) for _ in range(3)]
     await asyncio.sleep(0.01)
     await a.stop(drain=False)
     for f in [slow, *queued]:
         with pytest.raises(ActorStopped, match="stopped"):
             await f
     with pytest.raises(ActorStopped):
-        await ref.ask("add", n=1)
+        await ref.ask(Add(1))
     with pytest.raises(ActorStopped):
-        ref.tell("add", n=1)
+        ref.tell(Add(1))
 
 
 async def test_a_graceful_stop_drains_the_mailbox_first():
     a = Counter()
     ref = a.start()
-    futures = [ref.ask_future("add", n=1) for _ in range(5)]
+    futures = [ref.ask_future(Add(1)) for _ in range(5)]
     await a.stop(drain=True)
     assert [f.result() for f in futures] == [1, 2, 3, 4, 5]
     assert a.state == "stopped"
@@ -98,11 +139,11 @@ async def test_the_supervisor_restarts_a_crashed_actor_and_logs_it(caplog):
     sup = Supervisor(RestartPolicy(max_restarts=2, window=60))
     a = Counter()
     ref = sup.start(a)
-    await ref.ask("add", n=5)
+    await ref.ask(Add(5))
     with caplog.at_level(logging.WARNING):
         with pytest.raises(ActorCrash):
-            await ref.ask("crash")
-        assert await ref.ask("add", n=1) == 6  # the mailbox and the state survive the restart
+            await ref.ask(Crash())
+        assert await ref.ask(Add(1)) == 6  # the mailbox and the state survive the restart
     assert a.starts == 2 and a.stats.restarts == 1
     assert a.failures == ["state corrupted"]
     assert "actor 'counter' crashed" in caplog.text and "restarting" in caplog.text
@@ -116,10 +157,10 @@ async def test_the_supervisor_gives_up_past_its_policy(caplog):
     a = Counter()
     ref = sup.start(a)
     with pytest.raises(ActorCrash):
-        await ref.ask("crash")
+        await ref.ask(Crash())
     with caplog.at_level(logging.ERROR):
         with pytest.raises(ActorCrash):
-            await ref.ask("crash")
+            await ref.ask(Crash())
         for _ in range(50):
             if a.state == "stopped":
                 break
@@ -128,7 +169,7 @@ async def test_the_supervisor_gives_up_past_its_policy(caplog):
     assert gave_up == ["counter"]
     assert "giving up" in caplog.text
     with pytest.raises(ActorStopped):
-        await ref.ask("add", n=1)
+        await ref.ask(Add(1))
     await sup.stop_all()
 
 
@@ -136,7 +177,7 @@ async def test_an_ask_with_a_timeout_says_which_actor_and_message():
     a = Counter()
     ref = a.start()
     with pytest.raises(DeepxError, match=r"actor .counter. did not answer .slow. within 0\.05 s"):
-        await ref.ask("slow", timeout=0.05)
+        await ref.ask(Slow(), timeout=0.05)
     a.release.set()
     await a.stop()
 
@@ -180,15 +221,15 @@ async def test_an_ask_its_asker_gave_up_on_is_not_handled_and_doing_says_what_ru
     it is skipped. `doing` names the message being handled (what `deepxctl actors ls` shows)."""
     a = Counter()
     ref = a.start()
-    slow = asyncio.ensure_future(ref.ask("slow"))
+    slow = asyncio.ensure_future(ref.ask(Slow()))
     await asyncio.sleep(0.01)
     assert a.doing == "slow"
     with pytest.raises(DeepxError, match=r"did not answer 'add' within 0\.05 s"):
-        await ref.ask("add", timeout=0.05, n=5)
+        await ref.ask(Add(5), timeout=0.05)
     handled = a.stats.handled
     a.release.set()
     assert await slow == "done"
-    assert await ref.ask("add", n=1) == 1  # the 5 was never added
+    assert await ref.ask(Add(1)) == 1  # the 5 was never added
     assert a.stats.handled == handled + 2 and a.doing == ""
     await a.stop()
 
@@ -199,12 +240,13 @@ class Nesting(Counter):
     async def on_long(self, skip: int) -> list[int]:
         seen = []
         while not self.release.is_set():
-            env = self.take_next(lambda e: e.name == "add" and e.kwargs["n"] != skip,
-                                 lambda e: e.name == "add")  # past the skipped adds, never past anything else
+            env = self.take_next(lambda e: isinstance(e.message, Add) and e.message.n != skip,
+                                 lambda e: isinstance(e.message, Add))  # past the skipped adds, never past others
             if env is None:
                 await asyncio.sleep(0.01)
                 continue
-            seen.append(env.kwargs["n"])
+            assert isinstance(env.message, Add)
+            seen.append(env.message.n)
             await self.handle_nested(env)
         return seen
 
@@ -214,11 +256,11 @@ async def test_take_next_takes_what_it_accepts_in_order_passing_only_what_it_may
     their order and are handled after it; every ask is answered once."""
     a = Nesting()
     ref = a.start()
-    long = asyncio.ensure_future(ref.ask("long", skip=5))
+    long = asyncio.ensure_future(ref.ask(Long(5)))
     await asyncio.sleep(0.02)
-    asks = [asyncio.ensure_future(ref.ask("add", n=n)) for n in (1, 5, 2)]
-    stop_here = asyncio.ensure_future(ref.ask("slow"))  # not an add: nothing after it is taken
-    late = asyncio.ensure_future(ref.ask("add", n=7))
+    asks = [asyncio.ensure_future(ref.ask(Add(n))) for n in (1, 5, 2)]
+    stop_here = asyncio.ensure_future(ref.ask(Slow()))  # not an add: nothing after it is taken
+    late = asyncio.ensure_future(ref.ask(Add(7)))
     await asyncio.sleep(0.1)
     assert [f.done() for f in asks] == [True, False, True] and not late.done()
     assert asks[0].result() == 1 and asks[2].result() == 3

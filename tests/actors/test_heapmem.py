@@ -21,6 +21,7 @@ import pytest
 
 from deepx_core.errors import DeepxError
 from deepxd.actors.heapmem import LIFECYCLE, HeapMemory, size_class
+from deepxd.actors.messages import ArrayOf, Attach, Create, HeapDelete, HeapList, HeapStats, Info, Release
 from deepxd.kv.base import open_kv
 from deepxd.shm import list_segments, segment_exists, unlink_segment
 
@@ -63,8 +64,12 @@ async def heap(kv, node):
     await actor.stop()
 
 
+#: heapmem's messages by name (deepxd/actors/messages.py), for the tests' short `ask(heap, "create", ...)`
+MESSAGES = {m.message: m for m in (Create, Attach, Release, HeapDelete, ArrayOf, Info, HeapList, HeapStats)}
+
+
 async def ask(actor: HeapMemory, message: str, **kwargs: Any) -> Any:
-    return await actor.ref.ask(message, timeout=10, **kwargs)
+    return await actor.ref.ask(MESSAGES[message](**kwargs), timeout=10)
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 30.0) -> None:

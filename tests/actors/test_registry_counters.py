@@ -9,6 +9,7 @@ import asyncio
 
 import numpy as np
 
+from deepxd.actors.messages import Put, RunProgram
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.registry import Registry
 from deepxd.kv.memory import MemoryKV
@@ -25,17 +26,17 @@ async def test_counters_reach_the_plane_while_programs_run_back_to_back() -> Non
     worker.start()
     try:
         a = np.full((1024, 1024), 1 / 1024, np.float32)
-        await worker.ref.ask("put", name="a", dtype="float32", shape=list(a.shape), data=a.tobytes())
+        await worker.ref.ask(Put(name="a", dtype="float32", shape=list(a.shape), data=a.tobytes()))
         # each program about ten heartbeats long on this machine
         long_run = await product_chain(worker.ref, 10 * heartbeat, at_least=4)
         links = len(long_run)
-        first = asyncio.ensure_future(worker.ref.ask("run", program=long_run, fetch=[]))
+        first = asyncio.ensure_future(worker.ref.ask(RunProgram(program=long_run, fetch=[])))
         await asyncio.sleep(0.01)
         await registry.flush()  # op-cpu busy: answered between its slices, or late
         assert not first.done()
         assert not (await first).error
         # the next program is sent at once, ahead of anything the registry asks next
-        second = asyncio.ensure_future(worker.ref.ask("run", program=long_run, fetch=[]))
+        second = asyncio.ensure_future(worker.ref.ask(RunProgram(program=long_run, fetch=[])))
         await asyncio.sleep(0.01)
         assert not second.done()
         await registry.flush()  # an answer of between slices, or one that came late: the counters as they stood

@@ -10,6 +10,7 @@ import numpy as np
 
 from deepx_core.graphrecord import GraphRecord
 from deepx_core.ir import parse_text
+from deepxd.actors.messages import Put, Run, StoreGraph
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.registry import Registry
 from deepxd.actors.scheduler import Scheduler
@@ -39,17 +40,17 @@ async def test_graphs_come_back_only_where_missing_and_after_a_busy_scheduler() 
     try:
         for name, scale in (("g1", 2.0), ("g2", 3.0)):
             await kv.set(f"graph:{name}", record(name, scale))
-            await scheduler.ref.ask("store_graph", name=name, data=record(name, scale))
+            await scheduler.ref.ask(StoreGraph(name=name, data=record(name, scale)))
         await registry.flush()
         for key in await kv.keys("*"):  # the plane restarted empty...
             await kv.delete(key)
         await kv.set("graph:g2", record("g2", 5.0))  # ...and g2 was stored again, newer, before the heartbeat
         a = np.full((1536, 1536), 1 / 1536, np.float32)
-        await worker.ref.ask("put", name="a", dtype="float32", shape=list(a.shape), data=a.tobytes())
+        await worker.ref.ask(Put(name="a", dtype="float32", shape=list(a.shape), data=a.tobytes()))
         # dependent products far longer than a heartbeat on this machine: a fixed twelve took 0.85 s on one machine
         # and would end inside the flush on one that computes them 15 times as fast
         long_run = await product_chain(worker.ref, LONG_RUN_S, at_least=12)
-        busy = asyncio.ensure_future(scheduler.ref.ask("run", program=long_run, fetch=[]))
+        busy = asyncio.ensure_future(scheduler.ref.ask(Run(program=long_run, fetch=[])))
         await asyncio.sleep(0.01)
         await registry.flush()  # the record is lost; the scheduler, busy, does not answer within the heartbeat
         assert not busy.done()

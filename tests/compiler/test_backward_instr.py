@@ -12,6 +12,7 @@ import pytest
 
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.text import parse_text
+from deepxd.actors.messages import Backward, Fetch, Put, Run
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.scheduler import Scheduler
 from deepxd.config import Config
@@ -37,7 +38,7 @@ class Node:
         self.x = rng.standard_normal((4, 3))
         self.w = rng.standard_normal((3, 2))
         for name, a in (("x", self.x), ("w", self.w), ("buf", np.zeros((3, 2)))):
-            await self.worker.ref.ask("put", name=name, dtype="float64", shape=list(a.shape), data=a.tobytes())
+            await self.worker.ref.ask(Put(name=name, dtype="float64", shape=list(a.shape), data=a.tobytes()))
         return self
 
     async def stop(self) -> None:
@@ -71,7 +72,7 @@ def _expected_grad(n: Node) -> np.ndarray:
 
 async def test_a_backward_instruction_runs_forward_backward_and_update_as_one_program(node: Node) -> None:
     program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"}), *parse_text(UPDATE)]
-    r = await node.scheduler.ref.ask("run", program=program, fetch=["loss", "gw"], backwards=[_spec(3)])
+    r = await node.scheduler.ref.ask(Run(program=program, fetch=["loss", "gw"], backwards=[_spec(3)]))
     assert not r.error and r.done == len(program)
     np.testing.assert_allclose(r.tensors["gw"], _expected_grad(node), rtol=1e-12)
     np.testing.assert_allclose(r.tensors["loss"], np.tanh(node.x @ node.w).sum(), rtol=1e-12)
@@ -85,18 +86,18 @@ async def test_the_expansion_of_a_repeated_program_is_remembered(node: Node) -> 
     program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"}), *parse_text(UPDATE),
                *parse_text("deltensor () -> (tensor<float64>:gw)")]
     for k in range(4):  # the first run makes h, t and loss: the second sees other tensors, the third the same
-        r = await node.scheduler.ref.ask("run", program=program, fetch=[], backwards=[_spec(3)])
+        r = await node.scheduler.ref.ask(Run(program=program, fetch=[], backwards=[_spec(3)]))
         assert not r.error
         # from the third run on, by the plan of the second (see test_fast_path.py)
         assert node.scheduler.plan_hits == max(0, k - 1)
     # the same program against tensors of another shape expands again, and still matches numpy
     x = np.ones((5, 3))
-    await node.worker.ref.ask("put", name="x", dtype="float64", shape=[5, 3], data=x.tobytes())
-    await node.scheduler.ref.ask("run", program=parse_text("\n".join(
-        f"deltensor () -> (tensor<float64>:{n})" for n in ("h", "t", "loss"))))
+    await node.worker.ref.ask(Put(name="x", dtype="float64", shape=[5, 3], data=x.tobytes()))
+    await node.scheduler.ref.ask(Run(program=parse_text("\n".join(
+        f"deltensor () -> (tensor<float64>:{n})" for n in ("h", "t", "loss")))))
     hits = node.scheduler.plan_hits
     w = node.worker.ex.get("w").copy()
-    r = await node.scheduler.ref.ask("run", program=program[:4], fetch=["gw"], backwards=[_spec(3)])
+    r = await node.scheduler.ref.ask(Run(program=program[:4], fetch=["gw"], backwards=[_spec(3)]))
     assert not r.error and node.scheduler.plan_hits == hits
     np.testing.assert_allclose(r.tensors["gw"], x.T @ (1 - np.tanh(x @ w) ** 2), rtol=1e-12)
 
@@ -107,7 +108,7 @@ async def test_a_backward_that_cannot_be_derived_fails_at_its_instruction_after_
     spec = _spec(3)  # a forward graph through argmax, which has no gradient
     spec["forward"] = [*forward[:2], *parse_text(
         "argmax (tensor<float64>:t, var<int32>:1, var<bool>:false) -> (tensor<int64>:loss)")]
-    r = await node.scheduler.ref.ask("run", program=program, fetch=[], backwards=[spec])
+    r = await node.scheduler.ref.ask(Run(program=program, fetch=[], backwards=[spec]))
     assert r.error_index == 3 and r.done == 3
     assert r.error.startswith("instruction 4: backward: ") and "loss" in r.error
     assert "loss" in node.worker.ex.tensors and "gw" not in node.worker.ex.tensors  # the forward ran, not the update
@@ -117,7 +118,7 @@ async def test_a_backward_that_cannot_be_derived_fails_at_its_instruction_after_
 async def test_a_forward_refused_before_the_backward_fails_where_it_is_refused(node: Node) -> None:
     program = [*parse_text("matmul (tensor<float64>:x, tensor<float64>:x) -> (tensor<float64>:h)"),
                _marker({"w": "gw"})]
-    r = await node.scheduler.ref.ask("run", program=program, fetch=[], backwards=[_spec(1)])
+    r = await node.scheduler.ref.ask(Run(program=program, fetch=[], backwards=[_spec(1)]))
     assert r.error_index == 0 and "matmul" in r.error and "gw" not in node.worker.ex.tensors
 
 
@@ -131,7 +132,7 @@ async def test_a_forward_refused_before_the_backward_fails_where_it_is_refused(n
 async def test_malformed_backward_requests_are_refused_and_nothing_runs(node: Node, index: int, over: dict,
                                                                        message: str) -> None:
     program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"})]
-    r = await node.scheduler.ref.ask("run", program=program, fetch=[], backwards=[_spec(index, **over)])
+    r = await node.scheduler.ref.ask(Run(program=program, fetch=[], backwards=[_spec(index, **over)]))
     assert message in r.error
     if index == 3:
         assert r.error_index == 3 and r.done == 3  # the forward before it ran
@@ -141,7 +142,7 @@ async def test_malformed_backward_requests_are_refused_and_nothing_runs(node: No
 
 async def test_a_backward_instruction_without_its_request_is_an_unknown_op(node: Node) -> None:
     program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"})]
-    r = await node.scheduler.ref.ask("run", program=program, fetch=[])
+    r = await node.scheduler.ref.ask(Run(program=program, fetch=[]))
     assert r.error == "instruction 4: op 'backward' not found" and r.error_index == 3
 
 
@@ -159,15 +160,15 @@ async def test_a_forward_that_reads_a_variable_by_name_has_its_backward(node: No
     in a backward instruction; a new value of alpha gives a new backward, not a remembered one (found open in an
     earlier session: the derivation knew no variables)."""
     forward = parse_text(SCALED.replace("VALUE", "1.5").strip())[1:]
-    await node.scheduler.ref.ask("run", program=parse_text(SCALED.replace("VALUE", "1.5").strip()), fetch=[])
-    out = await node.scheduler.ref.ask("backward", forward=forward, loss="loss", wrt=["w"], prefix="gb_")
-    grad = (await node.worker.ref.ask("fetch", names=[out["grads"]["w"]]))[out["grads"]["w"]]
+    await node.scheduler.ref.ask(Run(program=parse_text(SCALED.replace("VALUE", "1.5").strip()), fetch=[]))
+    out = await node.scheduler.ref.ask(Backward(forward=forward, loss="loss", wrt=["w"], prefix="gb_"))
+    grad = (await node.worker.ref.ask(Fetch(names=[out["grads"]["w"]])))[out["grads"]["w"]]
     np.testing.assert_allclose(grad, 1.5 * node.x.T @ np.ones((4, 2)), rtol=1e-12)
     for value in (1.5, 1.5, -2.0):  # the same program twice, then alpha changed by the program itself
         program = [*parse_text(SCALED.replace("VALUE", str(value)).strip()), _marker({"w": "gw"}),
                    *parse_text("deltensor () -> (tensor<float64>:h)\ndeltensor () -> (tensor<float64>:s)")]
         spec = _spec(len(program) - 3, forward=forward)
-        r = await node.scheduler.ref.ask("run", program=program, fetch=["gw"], backwards=[spec])
+        r = await node.scheduler.ref.ask(Run(program=program, fetch=["gw"], backwards=[spec]))
         assert not r.error, r.error
         np.testing.assert_allclose(r.tensors["gw"], value * node.x.T @ np.ones((4, 2)), rtol=1e-12)
 
@@ -178,7 +179,7 @@ async def test_a_variable_its_forward_read_set_again_before_the_backward_is_refu
     forward = parse_text(SCALED.replace("VALUE", "1.5").strip())[1:]
     program = [*parse_text(SCALED.replace("VALUE", "1.5").strip()),
                *parse_text("argset (var<float64>:-2.0) -> (var<string>:alpha)"), _marker({"w": "gw"})]
-    r = await node.scheduler.ref.ask("run", program=program, fetch=[], backwards=[_spec(5, forward=forward)])
+    r = await node.scheduler.ref.ask(Run(program=program, fetch=[], backwards=[_spec(5, forward=forward)]))
     assert r.error and "instruction 6: backward: variable 'alpha', which its forward reads by name, is set again" \
         in r.error
     assert r.done == 5
@@ -188,8 +189,8 @@ async def test_a_variable_its_forward_read_set_again_before_the_backward_is_refu
 async def test_a_program_that_reads_a_variable_by_name_is_expanded_afresh(node: Node) -> None:
     """Its expansion was remembered by the metas before it alone (found in review): a later vecset of the shape it
     reshapes by got the backward derived for the old shape."""
-    await node.worker.ref.ask("put", name="xr", dtype="float64", shape=[6], data=np.arange(6.0).tobytes())
-    await node.worker.ref.ask("put", name="w6", dtype="float64", shape=[6], data=np.ones(6).tobytes())
+    await node.worker.ref.ask(Put(name="xr", dtype="float64", shape=[6], data=np.arange(6.0).tobytes()))
+    await node.worker.ref.ask(Put(name="w6", dtype="float64", shape=[6], data=np.ones(6).tobytes()))
     body = ("reshape (tensor<float64>:xr, vector<int32>:shp) -> (tensor<float64>:xs)\n"
             "mul (tensor<float64>:xs, tensor<float64>:w6) -> (tensor<float64>:hs)\n"
             "sum (tensor<float64>:hs, vector<int32>:[], var<bool>:false) -> (tensor<float64>:ls)")
@@ -198,13 +199,13 @@ async def test_a_program_that_reads_a_variable_by_name_is_expanded_afresh(node: 
     tail = parse_text("deltensor () -> (tensor<float64>:xs)\ndeltensor () -> (tensor<float64>:hs)\n"
                       "deltensor () -> (tensor<float64>:ls)\ndeltensor () -> (tensor<float64>:gw6)")
     for shp in ("[6]", "[1 6]", "[1 6]", "[6]"):
-        await node.scheduler.ref.ask("run", program=parse_text(f"vecset (vector<int32>:{shp}) -> (vector:shp)"))
+        await node.scheduler.ref.ask(Run(program=parse_text(f"vecset (vector<int32>:{shp}) -> (vector:shp)")))
         program = [*parse_text(body), marker, *tail]
         spec = {"index": 3, "forward": forward, "loss": "ls", "wrt": ["w6"], "grad_loss": None, "prefix": "g_",
                 "names": {"w6": "gw6"}}
-        r = await node.scheduler.ref.ask("run", program=program[:4], fetch=["gw6"], backwards=[spec])
+        r = await node.scheduler.ref.ask(Run(program=program[:4], fetch=["gw6"], backwards=[spec]))
         assert not r.error, r.error
         assert r.tensors["gw6"].shape == (6,)
         np.testing.assert_allclose(r.tensors["gw6"], np.arange(6.0), rtol=1e-12)
-        await node.scheduler.ref.ask("run", program=tail)
+        await node.scheduler.ref.ask(Run(program=tail))
     assert not any(plan.backwards for bucket in node.scheduler.plans.values() for plan in bucket)  # none kept

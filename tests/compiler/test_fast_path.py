@@ -17,6 +17,7 @@ import pytest
 
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import parse_text
+from deepxd.actors.messages import Put, Run, RunPlan, RunProgram, SchedulerStats, WorkerTensors
 from deepxd.actors.plan import Plan
 from deepxd.actors.worker import RunResult
 from tests.compiler.test_backward_instr import FORWARD, UPDATE, _marker, _spec
@@ -60,7 +61,7 @@ async def test_a_step_sent_again_takes_the_fast_path_and_gives_what_the_whole_pa
     assert looped.scheduler.plan_hits == 6 and reference.scheduler.plan_hits == 0
     assert (looped.scheduler.plan_misses, looped.scheduler.stale) == (2, 1)
     assert sorted(looped.worker.ex.tensors) == ["s", "w", "x"]
-    stats = await looped.scheduler.ref.ask("stats")
+    stats = await looped.scheduler.ref.ask(SchedulerStats())
     assert (stats["plan_hits"], stats["plan_misses"]) == (6, 2)
 
 
@@ -100,7 +101,7 @@ async def test_the_worker_runs_a_plan_only_on_the_state_it_read(nodes):
     program = fresh("addscalar (tensor<float32>:w, var<float32>:1.0) -> (tensor<float32>:v)")
 
     async def run(plan: Plan) -> RunResult | None:
-        return await node.worker.ref.ask("run_plan", plan=plan)
+        return await node.worker.ref.ask(RunPlan(plan=plan))
 
     first = Plan(program, ("v",), (), node.worker.ref, program)
     r = await run(first)
@@ -173,7 +174,7 @@ async def test_a_training_step_with_its_backward_on_the_fast_path_matches_numpy(
                *parse_text("deltensor () -> (tensor<float64>:gw)")]
     w = node.w.copy()
     for _ in range(6):
-        r = await node.scheduler.ref.ask("run", program=list(program), fetch=["loss"], backwards=[_spec(3)])
+        r = await node.scheduler.ref.ask(Run(program=list(program), fetch=["loss"], backwards=[_spec(3)]))
         assert not r.error and r.done == len(program) and len(r.times_us) == 2 * len(program)
         np.testing.assert_allclose(r.tensors["loss"], np.tanh(node.x @ w).sum(), rtol=1e-12)
         w = w - 0.1 * (node.x.T @ (1 - np.tanh(node.x @ w) ** 2))
@@ -181,9 +182,9 @@ async def test_a_training_step_with_its_backward_on_the_fast_path_matches_numpy(
     assert node.scheduler.plan_hits == 4  # from the third run on (the first made h, t and loss)
     # another loss (a different backward) is not the last program: the whole way, with its own gradient
     other = _spec(3, wrt=["x"], names={"x": "gw"})
-    r = await node.scheduler.ref.ask("run", program=[*parse_text(FORWARD.strip()), _marker({"x": "gw"}),
+    r = await node.scheduler.ref.ask(Run(program=[*parse_text(FORWARD.strip()), _marker({"x": "gw"}),
                                                      *parse_text("deltensor () -> (tensor<float64>:gw)")],
-                                     fetch=[], backwards=[other])
+                                     fetch=[], backwards=[other]))
     assert not r.error and node.scheduler.plan_hits == 4
 
 
@@ -192,13 +193,13 @@ async def test_a_backward_spec_the_whole_path_refuses_is_refused_after_a_fast_ru
     program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"}), *parse_text(UPDATE),
                *parse_text("deltensor () -> (tensor<float64>:gw)")]
     for _ in range(4):
-        assert not (await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[_spec(3)])).error
+        assert not (await node.scheduler.ref.ask(Run(program=list(program), fetch=[], backwards=[_spec(3)]))).error
     assert node.scheduler.plan_hits == 2
     for index in (3.0, True, np.int64(3)):  # equal to 3, and not an instruction's index
-        r = await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[_spec(index)])
+        r = await node.scheduler.ref.ask(Run(program=list(program), fetch=[], backwards=[_spec(index)]))
         assert r.error == f"backward: index {index!r} is not a backward instruction of the program" and r.done == 0
     forward = [tuple(i) for i in parse_text(FORWARD.strip())]  # instructions as plain tuples (equal to them)
-    r = await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[_spec(3, forward=forward)])
+    r = await node.scheduler.ref.ask(Run(program=list(program), fetch=[], backwards=[_spec(3, forward=forward)]))
     assert "malformed request" in r.error and node.scheduler.plan_hits == 2
 
 
@@ -282,18 +283,18 @@ async def test_a_plan_made_from_a_state_the_run_does_not_find_never_runs(rng):
             "grad_loss": None, "prefix": "g0_", "names": {"b": "gb"}}
 
     async def put(n: RacedNode, name: str, a: np.ndarray) -> None:
-        await n.worker.ref.ask("put", name=name, dtype=str(a.dtype), shape=list(a.shape), data=a.tobytes())
+        await n.worker.ref.ask(Put(name=name, dtype=str(a.dtype), shape=list(a.shape), data=a.tobytes()))
 
     async def step(n: RacedNode) -> RunResult:
-        return await n.scheduler.ref.ask("run", program=list(program), fetch=["gb"], backwards=[spec])
+        return await n.scheduler.ref.ask(Run(program=list(program), fetch=["gb"], backwards=[spec]))
 
     async def raced(n: RacedNode) -> RunResult:
-        busy = asyncio.create_task(n.worker.ref.ask("run", program=parse_text(
-            "add (tensor<float64>:x, tensor<float64>:x) -> (tensor<float64>:junk)"), fetch=[]))
+        busy = asyncio.create_task(n.worker.ref.ask(RunProgram(program=parse_text(
+            "add (tensor<float64>:x, tensor<float64>:x) -> (tensor<float64>:junk)"), fetch=[])))
         stepped = asyncio.create_task(step(n))
         await asyncio.sleep(0)
         assert n.worker._busy and n.worker.mailbox.qsize() == 1  # the scheduler's ask, queued behind it
-        put_b = n.worker.ref.ask_future("put", name="b", dtype="float64", shape=[3], data=np.full(3, 0.5).tobytes())
+        put_b = n.worker.ref.ask_future(Put(name="b", dtype="float64", shape=[3], data=np.full(3, 0.5).tobytes()))
         await busy
         await put_b
         return await stepped
@@ -314,7 +315,7 @@ def state(n: Node) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
 
 
 async def run_spec(n: Node, program: list[Instr], fetch: list[str], spec: dict) -> RunResult:
-    return await n.scheduler.ref.ask("run", program=program, fetch=fetch, backwards=[spec])
+    return await n.scheduler.ref.ask(Run(program=program, fetch=fetch, backwards=[spec]))
 
 
 async def test_a_wrt_outside_the_forward_is_part_of_what_the_fast_path_expects(nodes):
@@ -395,11 +396,11 @@ async def test_a_spec_edited_in_place_and_sent_again_is_another_spec(grad_node: 
     spec = _spec(3)
     program = [*parse_text(FORWARD.strip()), _marker({"w": "gw"}), *parse_text("deltensor () -> (tensor<float64>:gw)")]
     for _ in range(4):
-        assert not (await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[spec])).error
+        assert not (await node.scheduler.ref.ask(Run(program=list(program), fetch=[], backwards=[spec]))).error
     assert node.scheduler.plan_hits == 2
     spec["wrt"].append("x")  # the same objects, now asking for x's gradient too
     spec["names"]["x"] = "gx"
-    r = await node.scheduler.ref.ask("run", program=list(program), fetch=[], backwards=[spec])
+    r = await node.scheduler.ref.ask(Run(program=list(program), fetch=[], backwards=[spec]))
     assert not r.error and node.scheduler.plan_hits == 2
     np.testing.assert_allclose(node.worker.ex.get("gx"), (1 - np.tanh(node.x @ node.w) ** 2) @ node.w.T, rtol=1e-12)
 
@@ -411,8 +412,8 @@ async def test_a_rename_before_a_backward_instruction_is_seen_by_its_derivation(
     forward = FORWARD.replace("tensor<float64>:x,", "tensor<float64>:x2,")
     program = [Instr("renametensor", (Param.var("x2", "string"),), (Param.tensor("x", "float64"),)),
                *parse_text(forward.strip()), _marker({"w": "gw"})]
-    r = await node.scheduler.ref.ask("run", program=program, fetch=["gw"],
-                                     backwards=[_spec(4, forward=parse_text(forward.strip()))])
+    r = await node.scheduler.ref.ask(Run(program=program, fetch=["gw"],
+                                     backwards=[_spec(4, forward=parse_text(forward.strip()))]))
     assert not r.error
     np.testing.assert_allclose(r.tensors["gw"], node.x.T @ (1 - np.tanh(node.x @ node.w) ** 2), rtol=1e-12)
 
@@ -445,7 +446,7 @@ async def test_run_now_gives_what_the_whole_path_gives(nodes, passes):
         assert len(got.times_us) == 2 * got.done
     # as the ask runs a plan from the cache: from the third run on (the first made s: another state)
     assert ways == ["ask"] * 2 + ["now"] * 6
-    stats = await looped.scheduler.ref.ask("stats")
+    stats = await looped.scheduler.ref.ask(SchedulerStats())
     assert stats["plan_hits"] == stats["now_hits"] == 6 and stats["programs"] == 8
     assert looped.worker.stats.by_message["run_plan"] == 8 + looped.scheduler.stale  # (one stale, which ran nothing)
     assert looped.worker.prepared_runs == 6
@@ -501,11 +502,11 @@ async def test_run_now_leaves_a_busy_actor_and_a_heap_tensor_to_the_ask(nodes):
     for _ in range(4):
         await now_or_ask(node, fresh(STEP), ["s"])
     x = node.worker.ex.get("x").copy()
-    waiting = node.worker.ref.ask_future("tensors")
+    waiting = node.worker.ref.ask_future(WorkerTensors())
     assert node.scheduler.now_run(fresh(STEP), ["s"]) is None
     np.testing.assert_array_equal(node.worker.ex.get("x"), x)  # nothing ran
     assert {r["name"] for r in await waiting} >= {"x", "w"}
-    waiting = node.scheduler.ref.ask_future("stats")
+    waiting = node.scheduler.ref.ask_future(SchedulerStats())
     assert node.scheduler.now_run(fresh(STEP), ["s"]) is None
     await waiting
     r, way = await now_or_ask(node, fresh(STEP), ["s"])

@@ -9,6 +9,7 @@ import numpy as np
 
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.text import parse_text
+from deepxd.actors.messages import OpStats, Put, Run
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.scheduler import Scheduler
 from deepxd.compiler import DEFAULT_PASSES
@@ -77,12 +78,12 @@ async def train(passes: list[str], start: dict[str, np.ndarray], steps: int) -> 
     try:
         for name, a in start.items():
             a32 = a.astype(np.float32)
-            await worker.ref.ask("put", name=name, dtype="float32", shape=list(a.shape), data=a32.tobytes())
+            await worker.ref.ask(Put(name=name, dtype="float32", shape=list(a.shape), data=a32.tobytes()))
         program, backwards = step_program()
         for _ in range(steps):
-            r = await scheduler.ref.ask("run", program=program, fetch=["loss"], backwards=backwards)
+            r = await scheduler.ref.ask(Run(program=program, fetch=["loss"], backwards=backwards))
             assert not r.error, r.error
-        stats = await worker.ref.ask("op_stats")
+        stats = await worker.ref.ask(OpStats())
         return {p: worker.ex.get(p).copy() for p in PARAMS}, stats
     finally:
         await scheduler.stop()

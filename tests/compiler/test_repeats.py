@@ -9,6 +9,7 @@ import pytest
 
 from deepx_core.ir.instr import Instr, Param, same_program, scalar_kinds
 from deepx_core.ir.text import parse_text
+from deepxd.actors.messages import Put, Run
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.scheduler import Scheduler
 from deepxd.actors.worker import RunResult
@@ -40,10 +41,10 @@ class Node:
         return self
 
     async def put(self, name: str, a: np.ndarray) -> None:
-        await self.worker.ref.ask("put", name=name, dtype=str(a.dtype), shape=list(a.shape), data=a.tobytes())
+        await self.worker.ref.ask(Put(name=name, dtype=str(a.dtype), shape=list(a.shape), data=a.tobytes()))
 
     async def run(self, program: list[Instr], fetch: list[str]) -> RunResult:
-        return await self.scheduler.ref.ask("run", program=program, fetch=fetch)
+        return await self.scheduler.ref.ask(Run(program=program, fetch=fetch))
 
     async def stop(self) -> None:
         await self.scheduler.stop()

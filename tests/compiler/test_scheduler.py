@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from deepxd.actors.base import ActorRef
+from deepxd.actors.messages import Explain, Put, Run, SchedulerStats
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.actors.scheduler import Scheduler
 from deepxd.config import Config
@@ -35,7 +36,7 @@ class Node:
         self.scheduler.start()
         x = np.linspace(0.5, 2.0, 12, dtype=np.float32).reshape(4, 3)
         for name, a in (("x", x), ("i", index)):
-            await self.worker.ref.ask("put", name=name, dtype=str(a.dtype), shape=list(a.shape), data=a.tobytes())
+            await self.worker.ref.ask(Put(name=name, dtype=str(a.dtype), shape=list(a.shape), data=a.tobytes()))
         return self
 
     @property
@@ -60,22 +61,22 @@ async def pair(nodes: list[Node], index: list[int]) -> tuple[Node, Node]:
 async def test_a_rewritten_program_replies_as_the_program_sent(nodes):
     fast, ref = await pair(nodes, [0, 3, 1])
     prog = program(CHAIN)
-    got = await fast.ref.ask("run", program=prog, fetch=["y"])
-    want = await ref.ref.ask("run", program=prog, fetch=["y"])
+    got = await fast.ref.ask(Run(program=prog, fetch=["y"]))
+    want = await ref.ref.ask(Run(program=prog, fetch=["y"]))
     assert not got.error and got.done == want.done == len(prog)
     assert len(got.times_us) == len(want.times_us) == 2 * len(prog)
     np.testing.assert_allclose(got.tensors["y"], want.tensors["y"], rtol=1e-6)
     assert sorted(fast.tensors()) == sorted(ref.tensors()) == ["a", "i", "s", "x", "y"]
-    stats = await fast.ref.ask("stats")
+    stats = await fast.ref.ask(SchedulerStats())
     assert stats["rewritten"] == 1 and stats["eliminated"] == 6 and stats["instructions"] == len(prog)
-    assert (await ref.ref.ask("stats"))["rewritten"] == 0
+    assert (await ref.ref.ask(SchedulerStats()))["rewritten"] == 0
 
 
 async def test_a_failure_part_way_leaves_what_the_program_sent_would_have(nodes):
     fast, ref = await pair(nodes, [0, 7, 1])  # 7 is out of range: indexselect fails at run time
     prog = program(CHAIN)
-    got = await fast.ref.ask("run", program=prog, fetch=[])
-    want = await ref.ref.ask("run", program=prog, fetch=[])
+    got = await fast.ref.ask(Run(program=prog, fetch=[]))
+    want = await ref.ref.ask(Run(program=prog, fetch=[]))
     assert want.error.startswith("instruction 4: indexselect: index 7 out of range")
     assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done) == (want.error, 3, 3)
     assert len(got.times_us) == 2 * got.done
@@ -85,7 +86,7 @@ async def test_a_failure_part_way_leaves_what_the_program_sent_would_have(nodes)
     # a client sends again the deletions that did not run: they succeed on both
     rest = prog[4:5] + prog[7:8]
     for node in (fast, ref):
-        again = await node.ref.ask("run", program=rest, fetch=[])
+        again = await node.ref.ask(Run(program=rest, fetch=[]))
         assert not again.error, again.error
     assert sorted(fast.tensors()) == sorted(ref.tensors()) == ["a", "i", "x"]
 
@@ -93,15 +94,15 @@ async def test_a_failure_part_way_leaves_what_the_program_sent_would_have(nodes)
 async def test_a_refused_program_gets_the_exact_refusal(nodes):
     fast, ref = await pair(nodes, [0, 1])
     prog = program(CHAIN.replace("tensor<float32>:x, tensor<float32>:x", "tensor<float32>:x, tensor<float32>:zz"))
-    got = await fast.ref.ask("run", program=prog, fetch=[])
-    want = await ref.ref.ask("run", program=prog, fetch=[])
+    got = await fast.ref.ask(Run(program=prog, fetch=[]))
+    want = await ref.ref.ask(Run(program=prog, fetch=[]))
     assert (got.error, got.error_index, got.done) == (want.error, want.error_index, 0)
     assert "tensor 'zz' not found" in got.error
 
 
 async def test_explain_shows_the_program_before_and_after(nodes):
     fast, _ = await pair(nodes, [0, 1])
-    out = await fast.ref.ask("explain", program=program(CHAIN), fetch=["y"])
+    out = await fast.ref.ask(Explain(program=program(CHAIN), fetch=["y"]))
     assert out["passes"] == ["simplify", "cse", "dce", "fuse"]
     assert len(out["before"].splitlines()) == 9
     assert out["after"].splitlines() == [
@@ -127,8 +128,8 @@ async def test_a_client_that_reuses_names(nodes, index):
     same tensors exist with the same shapes (the values of names whose values had ended are not reproduced)."""
     fast, ref = await pair(nodes, index)
     prog = program(POOLED)
-    got = await fast.ref.ask("run", program=prog, fetch=[] if index[1] == 7 else ["y"])
-    want = await ref.ref.ask("run", program=prog, fetch=[] if index[1] == 7 else ["y"])
+    got = await fast.ref.ask(Run(program=prog, fetch=[] if index[1] == 7 else ["y"]))
+    want = await ref.ref.ask(Run(program=prog, fetch=[] if index[1] == 7 else ["y"]))
     assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
     have, expect = fast.tensors(), ref.tensors()
     assert {n: (a.shape, a.dtype) for n, a in have.items()} == {n: (a.shape, a.dtype) for n, a in expect.items()}
@@ -136,7 +137,8 @@ async def test_a_client_that_reuses_names(nodes, index):
         np.testing.assert_allclose(got.tensors["y"], want.tensors["y"], rtol=1e-6)
         for name in ("p3", "p4", "s"):
             np.testing.assert_allclose(have[name], expect[name], rtol=1e-6)
-        assert (await fast.ref.ask("stats"))["eliminated"] == 2  # mul and exp join sqrt; p3, p4 keep last values
+        # mul and exp join sqrt; p3, p4 keep last values
+        assert (await fast.ref.ask(SchedulerStats()))["eliminated"] == 2
 
 
 def test_only_a_string_where_a_value_goes_makes_the_scheduler_read_the_variables():
@@ -178,23 +180,23 @@ async def test_a_failure_after_a_folded_transpose_leaves_its_name_as_the_program
     prog = program(FOLDED)
     for repeats in (0, 3):
         for node in (fast, ref):
-            await node.worker.ref.ask("put", name="w", dtype="float32", shape=[5, 3], data=w.tobytes())
-            await node.worker.ref.ask("put", name="i", dtype="int32", shape=[2], data=i.tobytes())
+            await node.worker.ref.ask(Put(name="w", dtype="float32", shape=[5, 3], data=w.tobytes()))
+            await node.worker.ref.ask(Put(name="i", dtype="int32", shape=[2], data=i.tobytes()))
             for _ in range(repeats):  # a step that repeats: the worker knows it and runs its prepared calls
-                ok = await node.ref.ask("run", program=prog, fetch=["y"])
+                ok = await node.ref.ask(Run(program=prog, fetch=["y"]))
                 assert not ok.error, ok.error
-            await node.worker.ref.ask("put", name="i", dtype="int32", shape=[2], data=bad.tobytes())
-        explained = await fast.ref.ask("explain", program=prog, fetch=[])
+            await node.worker.ref.ask(Put(name="i", dtype="int32", shape=[2], data=bad.tobytes()))
+        explained = await fast.ref.ask(Explain(program=prog, fetch=[]))
         assert [line.split(" ")[0] for line in explained["after"].splitlines()] == ["indexselect", "matmultransposed"]
-        got = await fast.ref.ask("run", program=prog, fetch=[])
-        want = await ref.ref.ask("run", program=prog, fetch=[])
+        got = await fast.ref.ask(Run(program=prog, fetch=[]))
+        want = await ref.ref.ask(Run(program=prog, fetch=[]))
         assert want.error.startswith("instruction 2: indexselect: index 7 out of range")
         assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
         have, expect = fast.tensors(), ref.tensors()
         assert "wt" in expect
         assert {n: (a.shape, a.dtype) for n, a in have.items()} == {n: (a.shape, a.dtype) for n, a in expect.items()}
         for node in (fast, ref):
-            again = await node.ref.ask("run", program=prog[3:], fetch=[])
+            again = await node.ref.ask(Run(program=prog[3:], fetch=[]))
             assert not again.error, again.error
         assert sorted(fast.tensors()) == sorted(ref.tensors())
         assert "wt" not in fast.tensors()

@@ -50,6 +50,9 @@ def test_buckets_count_items_and_drop_the_oldest() -> None:
     c.hit()
     c.miss()
     assert (c.hits, c.misses) == (1, 1)
+    c.add("p", 11)
+    c.hit("m")  # a hit in m's bucket: m is now the most recently used, n the least
+    assert list(c) == ["n", "p", "m"] and c.hits == 2
 
 
 def test_a_key_that_does_not_hash_finds_and_keeps_nothing() -> None:

@@ -18,6 +18,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir import parse_text
 from deepx_core.ir.wire import instr_to_obj
 from deepx_sdk.client import DeepxTimeoutError, NativeClient
+from deepxd.actors.messages import Put, RunProgram
 from deepxd.kernels.cpu import MAX_REPEAT
 from deepxd.net.reply import MAX_DATAGRAM, TRUNCATED
 from tests.compiler.helpers import execute_threads
@@ -97,10 +98,10 @@ async def test_a_repeated_small_instruction_is_heavy_work_and_leaves_the_event_l
     worker = CpuWorker(output_log=False)
     worker.start()
     try:
-        await worker.ref.ask("put", name="small", dtype="float32", shape=[16], data=np.ones(16, np.float32).tobytes())
+        await worker.ref.ask(Put(name="small", dtype="float32", shape=[16], data=np.ones(16, np.float32).tobytes()))
         threads = execute_threads(worker)
         prog = parse_text(f"addscalar (tensor:small, var:1) -> (tensor:small) // benchmark.repeat={repeat}")
-        r = await worker.ref.ask("run", program=prog, fetch=["small"])
+        r = await worker.ref.ask(RunProgram(program=prog, fetch=["small"]))
         assert not r.error
         np.testing.assert_array_equal(r.tensors["small"], np.full(16, 1 + repeat, np.float32))
         assert (threads != {threading.current_thread().name}) == heavy, threads

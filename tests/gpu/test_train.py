@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("pycuda.driver", reason="PyCUDA is not installed: training on op-cuda needs an NVIDIA GPU "
                     "(pip install -e '.[cuda]' there: docs/cuda.md)")
+from deepxd.actors.messages import ListTensors
 from deepxd.config import cuda_available
 
 if not cuda_available():
@@ -56,7 +57,7 @@ def _train(roles: list[str] | None, optimizer: str, steps: int = STEPS, now: boo
             losses.append(loss.item())
         final = {k: v.numpy() for k, v in model.state_dict().items()}
         node = s.transport.node
-        rows = s.transport._call(node.ref("registry").ask("tensors"))
+        rows = s.transport._call(node.ref("registry").ask(ListTensors()))
         return losses, final, rows, sched.now_hits
     finally:
         dx.disconnect()

@@ -15,6 +15,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir import parse_text
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import SymbolicEnv, TensorMeta, check_program
+from deepxd.actors.messages import Run
 from deepxd.actors.opcpu import CpuWorker
 from deepxd.compiler.analysis import PassContext
 from deepxd.compiler.pipeline import run_passes
@@ -163,7 +164,7 @@ def test_the_op_worker_runs_two_scripts_that_name_their_tensors_alike():
         try:
             for _ in range(3):
                 for prog, want in ((a, want_a), (b, want_b)):
-                    r = await sched.ref.ask("run", program=prog, fetch=["2"])
+                    r = await sched.ref.ask(Run(program=prog, fetch=["2"]))
                     assert not r.error, r.error
                     np.testing.assert_array_equal(r.tensors["2"], want)
                     assert r.tensors["2"].dtype == want.dtype

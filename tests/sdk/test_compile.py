@@ -13,6 +13,7 @@ import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_core.errors import DeepxError
 from deepx_core.graphrecord import GraphRecord
+from deepxd.actors.messages import WorkerTensors
 from tests.daemon.conftest import Daemon
 
 
@@ -492,7 +493,7 @@ def test_a_replays_large_output_is_deleted_after_a_later_program_fails():
     s, rng, x, f = _a_replayed_function()
 
     def count() -> int:
-        return len(s.transport._call(s.transport.node.ref("op-cpu").ask("tensors")))
+        return len(s.transport._call(s.transport.node.ref("op-cpu").ask(WorkerTensors())))
 
     for _ in range(3):
         y = f(x)
@@ -540,7 +541,7 @@ def test_a_replays_new_output_name_is_deleted_after_a_later_program_fails():
     del y, loss
     gc.collect()
     s.sync()
-    held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
+    held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask(WorkerTensors()))}
     assert name not in held or any(name in v for v in s.names.pool.values())  # deleted, or pooled for reuse
     del keep
 
@@ -609,7 +610,7 @@ def test_a_replay_after_a_failed_early_program_leaks_no_tensor() -> None:
     gc.collect()
     dx.empty_cache()
     dx.sync()
-    held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))}
+    held = {r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask(WorkerTensors()))}
     assert name not in held
     dx.disconnect()
 
@@ -682,7 +683,7 @@ def test_replays_run_now_in_the_embedded_daemon_and_a_failing_one_reads_as_by_th
         step(x, y).item()
     assert f"replay of graph '{step.graph_names[-1]}'" in str(e.value) and "label 7" in str(e.value)
     assert sched.now_hits == (hits + 1 if now else 0)  # the failing one went that way too
-    left = {r["name"] for r in t._call(t.node.worker().ask("tensors"))}
+    left = {r["name"] for r in t._call(t.node.worker().ask(WorkerTensors()))}
     assert not any(n.startswith(f"{step.graph_names[-1]}.") for n in left)
     assert not sched._busy and sched.stats.by_message.get("replay", 0) == sched.replays
     assert (sched.replays, sched.failed) == (7, 1)
@@ -884,7 +885,7 @@ def test_a_collected_compiled_function_lets_go_of_its_graphs() -> None:
     def counts() -> tuple[int, int]:
         dx.sync()
         node = s.transport.node
-        return len(s.transport._call(node.worker().ask("tensors"))), len(node.ref("scheduler")._actor.graphs)
+        return len(s.transport._call(node.worker().ask(WorkerTensors()))), len(node.ref("scheduler")._actor.graphs)
 
     x, y = np.ones((16, 32), np.float32), np.zeros(16, np.int64)
     seen = []

@@ -16,6 +16,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_core.errors import DeepxError
+from deepxd.actors.messages import ListTensors
 
 TOL = {"float32": dict(rtol=1e-5, atol=1e-6), "float64": dict(rtol=1e-10, atol=1e-12)}
 TORCH = {"float32": torch.float32, "float64": torch.float64}
@@ -46,7 +47,7 @@ def check(got: dx.Tensor, want: torch.Tensor, dtype: str = "float32") -> None:
 def heap_names() -> set[str]:
     s = dx.session()
     s.sync()
-    rows = s.transport._call(s.transport.node.ref("registry").ask("tensors"))
+    rows = s.transport._call(s.transport.node.ref("registry").ask(ListTensors()))
     return {r["name"] for r in rows if r.get("kind") == "heap"}
 
 

@@ -18,6 +18,7 @@ import pytest
 import deepx_sdk as dx
 import deepx_sdk.nn.functional as F
 from deepx_sdk.client import NativeClient
+from deepxd.actors.messages import Fetch, SchedulerStats, WorkerTensors
 from tests.compiler.test_fast_path import REWRITTEN_DIVIDE
 from tests.daemon.conftest import Daemon
 from tests.sdk.conftest import current_session
@@ -41,7 +42,7 @@ def user_lines(exc: BaseException) -> list[int]:
 
 def embedded_tensor_count() -> int:
     s = dx.session()
-    return len(s.transport._call(s.transport.node.ref("op-cpu").ask("tensors")))
+    return len(s.transport._call(s.transport.node.ref("op-cpu").ask(WorkerTensors())))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,7 @@ def test_training_steps_run_now_in_the_embedded_daemon_as_over_a_socket(deepxd):
     same steps against a deepxd go through its actors' asks: the same bits."""
     dx.disconnect()
     embedded = training()
-    stats = dx.session().transport._call(dx.session().transport.node.ref("scheduler").ask("stats"))
+    stats = dx.session().transport._call(dx.session().transport.node.ref("scheduler").ask(SchedulerStats()))
     # (a plan hit by an ask comes only before the loop settles: a backward sent on its own)
     assert stats["now_hits"] >= 4 and stats["plan_hits"] - stats["now_hits"] <= 2
     dx.connect(deepxd.address)
@@ -206,7 +207,7 @@ def test_run_now_repairs_a_failed_step_and_leaves_heap_deletes_to_the_ask():
     # the first three instructions ran (x + w twice, their product), the division did not: d and x as they were;
     # a and b exist, as the step left them before its deletes (b, which the rewrite never made, made as zeros:
     # pipeline.repair)
-    got = t._call(t.node.worker().ask("fetch", names=["d", "x", "p", "a", "b"]))
+    got = t._call(t.node.worker().ask(Fetch(names=["d", "x", "p", "a", "b"])))
     np.testing.assert_array_equal(got["d"], [0, 0])
     np.testing.assert_array_equal(got["x"], np.full((3, 4), 5, np.float32))
     np.testing.assert_array_equal(got["p"], np.full((3, 4), 36, np.float32))
@@ -475,7 +476,7 @@ def test_collecting_a_tensor_in_another_thread_never_blocks():
         assert collected.is_set(), "gc.collect() in another thread blocked on the session"
     dx.empty_cache()  # the collected name may have been pooled for reuse rather than deleted
     dx.sync()
-    names = [r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask("tensors"))]
+    names = [r["name"] for r in s.transport._call(s.transport.node.ref("op-cpu").ask(WorkerTensors()))]
     assert name not in names
 
 

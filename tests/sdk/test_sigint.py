@@ -23,6 +23,7 @@ CHILD = textwrap.dedent("""
     import deepx_sdk.nn as nn
     import deepx_sdk.nn.functional as F
     from deepx_sdk.optim import SGD
+    from deepxd.actors.messages import SchedulerStats
 
     if sys.argv[1] == "own":
         signal.signal(signal.SIGINT, lambda signum, frame: None)  # a script's own Ctrl-C handler (a checkpoint)
@@ -38,7 +39,7 @@ CHILD = textwrap.dedent("""
         opt.step()
         losses.append(loss.item())
     t = dx.session().transport
-    stats = t._call(t.node.ref("scheduler").ask("stats"))
+    stats = t._call(t.node.ref("scheduler").ask(SchedulerStats()))
     print(json.dumps({"sigint": repr(signal.getsignal(signal.SIGINT)), "now_hits": stats["now_hits"],
                       "plan_hits": stats["plan_hits"], "first": losses[0], "last": losses[-1]}))
 """)

@@ -14,6 +14,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_core.errors import DeepxError
+from deepxd.actors.messages import WorkerTensors
 
 
 def _values(rng, *shape):
@@ -144,7 +145,7 @@ def test_a_data_handle_taken_before_a_cast_keeps_the_old_values_as_in_torch():
 
     def held() -> set[str]:
         dx.session().sync()
-        return {r["name"] for r in s.transport._call(s.transport.node.worker().ask("tensors"))}
+        return {r["name"] for r in s.transport._call(s.transport.node.worker().ask(WorkerTensors()))}
 
     assert old in held()
     del dd, d
@@ -488,7 +489,7 @@ def test_a_failed_programs_stale_results_are_deleted_and_the_fast_paths_come_bac
     x = dx.tensor(np.arange(6, dtype=np.float32))
 
     def count() -> int:
-        return len(s.transport._call(s.transport.node.worker().ask("tensors")))
+        return len(s.transport._call(s.transport.node.worker().ask(WorkerTensors())))
 
     for _ in range(3):
         (x * 3).sum().item()
