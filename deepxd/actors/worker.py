@@ -238,7 +238,7 @@ class OpWorker(Actor):
         return long is None or long.now is None or long.now.isdisjoint(names)
 
     def now_interleaves(self, names: AbstractSet[str]) -> bool:
-        """`ref.now("interleaves", names)`: whether a small program naming `names` sent now would run before the end
+        """`ref.now(Interleaves(names))`: whether a small program naming `names` sent now would run before the end
         of the long program running here (True where none runs or its names are not known yet): the scheduler
         sends on only those, so that one that must wait holds up no other."""
         return self._may_interleave(names)
@@ -349,7 +349,7 @@ class OpWorker(Actor):
         prepared.steps.clear()
 
     def now_stands(self, plan: Plan) -> bool:
-        """`ref.now("stands", plan)`: whether on_run_plan would run this plan as prepared with no coroutine, were it
+        """`ref.now(Stands(plan))`: whether on_run_plan would run this plan as prepared with no coroutine, were it
         asked now: this worker idle, the plan prepared and standing (_stands), not one for a thread (_now_ok), and
         deleting no heap tensor (heapmem would be told). Nothing runs; the scheduler's look before it commits to a
         run on its caller's thread (now_run_plan)."""
@@ -364,7 +364,7 @@ class OpWorker(Actor):
         return self._stands(plan) is True
 
     def now_run_plan(self, plan: Plan, cancel: Callable[[], bool] | None = None) -> RunResult:
-        """`ref.now("run_plan", plan)`, right after now_stands said yes: run_prepared answered as message `run_plan`
+        """`ref.now(RunPlan(plan))`, right after now_stands said yes: run_prepared answered as message `run_plan`
         on the caller's thread (counted and marked busy as an ask is; see Actor.now)."""
         result: RunResult = self.now("run_plan", self.run_prepared, plan)
         return result

@@ -81,8 +81,8 @@ def test_an_mlp_trained_on_the_gpu_matches_the_same_mlp_trained_on_the_cpu(optim
 def test_repeated_steps_on_the_gpu_run_now_as_by_the_ask(monkeypatch):
     monkeypatch.delenv("DEEPX_ADDRESS", raising=False)
     monkeypatch.delenv("DEEPX_ROLES", raising=False)
-    """op-cuda's known steps with no event loop step (CudaWorker.run_known, on its CUDA thread) give what the ask's
-    way gives."""
+    """op-cuda's repeated steps with no event loop step (CudaWorker.run_prepared, on its CUDA thread) give what the
+    ask's way gives."""
     now_losses, now_weights, _, hits = _train(["heapmem", "op-cuda"], "sgd", steps=12)
     ask_losses, ask_weights, _, none = _train(["heapmem", "op-cuda"], "sgd", steps=12, now=False)
     assert hits >= 4 and none == 0
