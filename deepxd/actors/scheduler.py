@@ -453,6 +453,11 @@ class Scheduler(Actor):
         else:
             raise AssertionError("a plan made on no state always runs")  # (loose: its check decides)
         if keep and not result.error and plan.prepared is not None and plan.runs == 1:
+            if plan.ctx is not None:  # what a repair reads (the metas before) of the tensors the plan reads only:
+                # the passes' context holds every tensor's meta and their work on the program
+                p = plan.prepared
+                plan.ctx = new_context({n: m for n, m in zip(p.names, p.metas) if m is not None}, fetch=plan.fetch,
+                                       keep=[n for n, h in zip(p.names, p.heaped) if h], cache=self.binds)
             self.plans.add(probe(program), plan)
         return result
 
