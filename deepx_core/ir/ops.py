@@ -501,6 +501,14 @@ def _crossentropygrad(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(logits.shape, logits.dtype)]
 
 
+def _gelugrad(c: Call) -> list[TensorMeta | None]:
+    a, g = c.args[0], c.args[1]
+    if g.shape != a.shape or g.dtype != a.dtype:
+        raise DeepxError(f"gelugrad: the upstream gradient '{c.names[1]}' is {g.dtype}{list(g.shape)}; expected "
+                         f"{a.dtype}{list(a.shape)}, as gelu's input '{c.names[0]}'")
+    return [TensorMeta(a.shape, a.dtype)]
+
+
 def _mse(c: Call) -> list[TensorMeta | None]:
     a, b = c.args[0], c.args[1]
     dt = _dtype_match(c, 0, 1)
@@ -892,8 +900,10 @@ op("tanh", "nn", [_A], [_C], _F, same(0), "tanh(A)", grad=lambda g, y: g * (1 - 
 op("gelu", "nn", [_A, v("approximate", "str", "none")], [_C], _F, same(0),
    "A * Phi(A) (approximate='none', exact erf) or its tanh form (approximate='tanh')", grad=True, deepxir=False,
    alias_safe=True)
-op("erf", "nn", [_A], [_C], _F, same(0), "the Gauss error function erf(A) (gelu's gradient needs it)", grad=True,
-   deepxir=False)
+op("gelugrad", "nn", [_A, t("g"), v("approximate", "str", "none")], [_C], _F, _gelugrad,
+   "gelu's gradient for upstream gradient g: g (Phi(A) + A phi(A)), or the tanh form's derivative; what autograd "
+   "emits", deepxir=False, alias_safe=True)
+op("erf", "nn", [_A], [_C], _F, same(0), "the Gauss error function erf(A)", grad=True, deepxir=False)
 op("silu", "nn", [_A], [_C], _F, same(0), "A * sigmoid(A)", grad=True, deepxir=False, expr=f"A * ({_SIGMOID})",
    alias_safe=True)
 # -- rounding to whole numbers (a step: its gradient is zero, as torch's) and log/exp accurate near 0

@@ -10,7 +10,7 @@ Each connection's requests are read and answered by a task of its own (`_serve`,
 that arrives whole, in one read, while that task waits for the next frame with nothing unread, is answered in the
 transport's callback instead (`_Connection.data_received`), where the scheduler can run it at once as it ran it
 before (`Scheduler.now_run`: a program sent again, the actors idle): no task wakes, no actor is asked, no frame is
-copied into the stream's buffer. Anything else goes to the task as before (docs/decisions/0033-round-trips.md).
+copied into the stream's buffer. Anything else goes to the task as before (docs/decisions/0033-round-trips-and-gelu.md).
 """
 
 from __future__ import annotations

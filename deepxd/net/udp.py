@@ -19,10 +19,11 @@ senders.
 A line is answered as its datagram arrives, in the transport's callback, where nothing waits before it (no sender's
 backlog, no turn under way) and it needs no await: it names only what UDP may reach, and the scheduler runs it at
 once as it ran it before (`Scheduler.now_run`: an instruction sent again, the actors idle). Any other line, and what
-follows it in its datagram, goes to the backlog and its turn (docs/decisions/0033-round-trips.md). The sender's own
-metadata (`id`, `created_at`, `sent_at`, `author`) is read for the reply and dropped before the line runs, so that a
-line sent again with a new id and time is the same instruction to the scheduler and the worker (their caches of
-programs run before); the keys that change what runs (`benchmark.repeat`, `kind`, `exists`, and any other) stay.
+follows it in its datagram, goes to the backlog and its turn (docs/decisions/0033-round-trips-and-gelu.md). The
+sender's own metadata (`id`, `created_at`, `sent_at`, `author`) is read for the reply and dropped before the line
+runs, so that a line sent again with a new id and time is the same instruction to the scheduler and the worker (their
+caches of programs run before); the keys that change what runs (`benchmark.repeat`, `kind`, `exists`, and any other)
+stay.
 """
 
 from __future__ import annotations

@@ -228,6 +228,16 @@ for _op, _lo, _hi in [("sqrt", 0.0, 9.0), ("log", 0.01, 9.0), ("exp", -5.0, 5.0)
     CASES[_op] = _make_unary(_op, _lo, _hi)
 
 
+@case("gelugrad")
+def _gelugrad(rng, dt):
+    """gelu's gradient, both forms, over its tails (-6 to 6) too."""
+    out = []
+    for shape in ((7, 9), (1031,)):
+        a, g = r(rng, dt, shape, -6.0, 6.0), r(rng, dt, shape, -2.0, 2.0)
+        out += [one("gelugrad", {"A": a, "G": g}, [T("A"), T("G"), *extra]) for extra in ([], [V("tanh")])]
+    return out
+
+
 @case("todtype")
 def _todtype(rng, dt):
     if dt == "bool":

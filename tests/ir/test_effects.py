@@ -264,6 +264,12 @@ def _gelu(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(str(rng.choice(["none", "tanh"])), "string")], None
 
 
+def _gelugrad(rng: np.random.Generator, name: str) -> Built:
+    dt, s = fdtype(rng), shape2(rng)
+    return ({"a": rand(rng, s, dt), "g": rand(rng, s, dt)},
+            [T("a"), T("g"), V(str(rng.choice(["none", "tanh"])), "string")], None)
+
+
 def _crossentropy(rng: np.random.Generator, name: str) -> Built:
     b, c = shape2(rng)
     dt = fdtype(rng)
@@ -362,7 +368,7 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "invert": _invert, "todtype": _todtype, "switch": _switch, "matmul": _matmul, "reshape": _reshape,
     "transpose": _transpose, "concat": _concat, "broadcastTo": _broadcast_to, "indexselect": _indexselect,
     "repeat": _repeat, "argmax": _argreduce, "argmin": _argreduce, "softmax": _softmax, "logsoftmax": _softmax,
-    "gelu": _gelu, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
+    "gelu": _gelu, "gelugrad": _gelugrad, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,

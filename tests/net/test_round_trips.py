@@ -1,8 +1,9 @@
-"""Round trips answered in the transports' callbacks (docs/decisions/0033-round-trips.md): a UDP line, or a native
-`run` frame, that the scheduler runs at once as it ran it before (Scheduler.now_run) is answered as it arrives,
-with no task woken and no actor asked. Such an answer must be the one the whole path gives, in its order among the
-sender's other requests; whatever needs more (a check of UDP's scope, a program not run before, a malformed
-request, a rewritten program that fails part-way) takes the whole path, with its error, and the daemon serves on.
+"""Round trips answered in the transports' callbacks (docs/decisions/0033-round-trips-and-gelu.md): a UDP line, or a
+native `run` frame, that the scheduler runs at once as it ran it before (Scheduler.now_run) is answered as it
+arrives, with no task woken and no actor asked. Such an answer must be the one the whole path gives, in its order
+among the sender's other requests; whatever needs more (a check of UDP's scope, a program not run before, a
+malformed request, a rewritten program that fails part-way) takes the whole path, with its error, and the daemon
+serves on.
 
 A node runs in the test's loop with its real sockets; the clients are blocking ones, on a thread."""
 

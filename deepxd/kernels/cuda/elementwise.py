@@ -36,6 +36,7 @@ _FLOAT: dict[str, tuple[str, str]] = {
     "gelu": ("u", "(A)0.5 * x * ((A)1 + erf(x * (A)0.70710678118654752440))"),
     "gelu_tanh": ("u", "(A)0.5 * x * ((A)1 + tanh((A)0.79788456080286535588 * (x + (A)0.044715 * x * x * x)))"),
     "silu": ("u", "x * sigm(x)"),
+    "gelugrad": ("b", "y * gelugrad_exact<A>(x)"), "gelugrad_tanh": ("b", "y * gelugrad_tanh<A>(x)"),
     "less": ("b", "x < y"), "greater": ("b", "x > y"),
     "lessscalar": ("s", "x < S"), "greaterscalar": ("s", "x > S"),
     "equal": ("b", "(s1 == 0 ? x == y : fabs((double)x - (double)y) <= s1)"),
@@ -88,6 +89,16 @@ _BOOL_OUT = frozenset({"less", "greater", "lessscalar", "greaterscalar", "equal"
                        "notequalscalar"})
 
 _EXTRA = r"""
+// gelu's gradient (gelugrad: x is A, y the upstream gradient): Phi(x) + x phi(x), Phi from erfc (no cancellation in
+// the negative tail); the tanh form's derivative
+template <typename A> __device__ __forceinline__ A gelugrad_exact(A x) {
+    return (A)0.5 * erfc(x * (A)-0.70710678118654752440) + x * (A)0.39894228040143267794 * exp((A)-0.5 * x * x);
+}
+template <typename A> __device__ __forceinline__ A gelugrad_tanh(A x) {
+    const A k = (A)0.79788456080286535588;
+    A t = tanh(k * (x + (A)0.044715 * x * x * x));
+    return (A)0.5 * ((A)1 + t) + (A)0.5 * x * ((A)1 - t * t) * k * ((A)1 + (A)0.134145 * x * x);
+}
 __device__ __forceinline__ ll flag(int* err) { atomicExch(err, 1); return 0; }
 __device__ __forceinline__ ll idiv(ll x, ll y, int* err) { return y == 0 ? flag(err) : x / y; }
 """
@@ -160,8 +171,12 @@ def _table(dtype: str) -> dict[str, tuple[str, str]]:
     return {}
 
 
+#: kernels that are another form of an op (its `approximate`): the op they belong to
+_FORMS = {"gelu_tanh": "gelu", "gelugrad_tanh": "gelugrad"}
+
+
 def _claims(op: str, dtype: str) -> bool:
-    base = "gelu" if op == "gelu_tanh" else op
+    base = _FORMS.get(op, op)
     return base in OPS and dtype in OPS[base].dtypes
 
 
@@ -208,7 +223,7 @@ def _supported() -> dict[str, frozenset[str]]:
     for dtype in CTYPES:
         for op in _table(dtype):
             if _claims(op, dtype):
-                sup.setdefault("gelu" if op == "gelu_tanh" else op, set()).add(dtype)
+                sup.setdefault(_FORMS.get(op, op), set()).add(dtype)
     sup["todtype"] = set(CTYPES)
     return {k: frozenset(v) for k, v in sup.items()}
 
@@ -355,6 +370,12 @@ def gelu(ex: CudaExecutor, a: DeviceTensor, approximate: str, out: DeviceTensor)
     if approximate not in ("none", "tanh"):
         raise DeepxError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return launch(ex, "gelu", "gelu" if approximate == "none" else "gelu_tanh", a.dname, out, a)
+
+
+def gelugrad(ex: CudaExecutor, a: DeviceTensor, g: DeviceTensor, approximate: str, out: DeviceTensor) -> bool:
+    if approximate not in ("none", "tanh"):
+        raise DeepxError(f"gelugrad: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return launch(ex, "gelugrad", "gelugrad" if approximate == "none" else "gelugrad_tanh", a.dname, out, a, g)
 
 
 def equal(ex: CudaExecutor, a: DeviceTensor, b: DeviceTensor, eps: Any, out: DeviceTensor) -> bool:

@@ -4,7 +4,7 @@ float64 tensors) like the CPU kernels.
 Rows of up to 16384 elements (8192 for float64) are held in registers, a warp per row up to 1024 elements and a block
 per row beyond (`row_plan`), so each is read and written once, in 16-byte packs where the row length and pointers
 allow. Longer rows, rows along a non-last dim and crossentropy use the online softmax (one pass keeps the running max
-and sum of exponentials). The activations (relu, sigmoid, tanh, gelu, silu, erf) are elementwise kernels
+and sum of exponentials). The activations (relu, sigmoid, tanh, gelu, silu, erf) and gelugrad are elementwise kernels
 (elementwise.py).
 """
 
@@ -422,8 +422,9 @@ extern "C" __global__ void partial_total(T* out, const A* partial, int parts, ll
 _NN = ("softmax", "logsoftmax", "layernorm", "rmsnorm", "crossentropy", "crossentropygrad", "mse")
 SUPPORT = {op: frozenset(FLOATS) for op in _NN}
 # the activations live in elementwise.py; the executor finds their kernels there
-SUPPORT.update({op: ew.SUPPORT[op] for op in ("relu", "sigmoid", "tanh", "gelu", "silu", "erf") if op in ew.SUPPORT})
-relu, sigmoid, tanh, gelu, silu, erf = ew.relu, ew.sigmoid, ew.tanh, ew.gelu, ew.silu, ew.erf
+SUPPORT.update({op: ew.SUPPORT[op] for op in ("relu", "sigmoid", "tanh", "gelu", "gelugrad", "silu", "erf")
+                if op in ew.SUPPORT})
+relu, sigmoid, tanh, gelu, gelugrad, silu, erf = ew.relu, ew.sigmoid, ew.tanh, ew.gelu, ew.gelugrad, ew.silu, ew.erf
 
 
 #: elements per thread of the register-row kernels: a warp per row up to 32 x 32 elements, a block of up to
