@@ -59,6 +59,7 @@ BACKLOG_BYTES = 8 << 20  # a sender's datagrams waiting beyond this are dropped 
 TOTAL_BACKLOG_BYTES = 64 << 20  # and all senders' together: memory stays bounded however many ports send
 #: metadata that speaks of the sending, not of what runs: read for the reply, dropped before the line runs
 SENDER_META = frozenset(("id", "created_at", "sent_at", "author"))
+SEEN_MAX = 1024  # distinct instructions remembered as one object each (forgotten all at once past this)
 
 _new = tuple.__new__
 
@@ -119,6 +120,7 @@ class UdpServer(asyncio.DatagramProtocol):
         self.transport: asyncio.DatagramTransport | None = None
         self.worker: asyncio.Task[None] | None = None
         self.turning = False  # a turn is under way (its sender's datagrams are out of the backlog meanwhile)
+        self._seen: dict[Instr, Instr] = {}  # the instructions of recent lines (_parsed), each one object
         self.lines = 0
         self.answered_now = 0  # lines answered in the transport's callback, as their datagram arrived
         self.dropped = 0  # datagrams dropped for a sender's backlog over BACKLOG_BYTES
@@ -257,7 +259,16 @@ class UdpServer(asyncio.DatagramProtocol):
         except DeepxError as e:
             self._send(format_reply(_request_id(line), False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
             return None
-        return _bare(instr), instr.id
+        rid, bare = instr.id, _bare(instr)
+        try:  # the instruction of the last lines that were this one (their caches compare it by identity first)
+            known = self._seen.get(bare)
+        except TypeError:  # a value that does not hash: nothing to share
+            return bare, rid
+        if known is None:
+            if len(self._seen) >= SEEN_MAX:
+                self._seen.clear()
+            known = self._seen[bare] = bare
+        return known, rid
 
     def _run_now(self, instr: Instr, rid: int, addr: tuple[str, int], recv: float) -> Any:
         """Answer the line without an await where it can be: it names only what UDP may reach (so the scope's check
