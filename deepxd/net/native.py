@@ -522,14 +522,19 @@ class NativeServer:
             return False
         if scope:
             scope.written_by_another(program)
+        rid = req.get("id")
         try:
             done = node.ref("scheduler").now("run", program, fetch, backwards)
-        except Exception:  # (the ask's path says what went wrong)
-            return False
+        except Exception as e:  # it may have begun: answered with the error, never run again by the task
+            self.requests += 1
+            if not isinstance(e, DeepxError):
+                log.exception("request failed")
+            self._write(conn, rid, None, {"id": rid, "ok": False, "error": str(e) if isinstance(e, DeepxError) else
+                                          f"internal error: {type(e).__name__}: {e}"})
+            return True
         if done is None:
             return False
         self.requests += 1
-        rid = req.get("id")
         if type(done) is CoroutineType:
             conn.pending = asyncio.get_running_loop().create_task(self._finish(conn, rid, done))
         else:

@@ -277,7 +277,15 @@ class UdpServer(asyncio.DatagramProtocol):
         scope = self.node.udp_scope
         if scope is None or not scope.reaches(instr):
             return None
-        done = self.node.ref("scheduler").now("run", [instr], ())
+        try:
+            done = self.node.ref("scheduler").now("run", [instr], ())
+        except Exception as e:  # it may have begun: answered with the error, never run again by the ask
+            if not isinstance(e, DeepxError):
+                log.exception("udp: a line from %s failed", addr)
+            self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()),
+                                    str(e) if isinstance(e, DeepxError) else
+                                    f"internal error: {type(e).__name__}: {e}"), addr)
+            return True
         if done is None or type(done) is CoroutineType:
             return done
         self.answered_now += 1

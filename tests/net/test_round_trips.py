@@ -283,3 +283,47 @@ async def test_a_run_that_fails_part_way_on_the_quick_way_reads_as_on_the_whole_
     np.testing.assert_array_equal(np.frombuffer(t["x"]["data"], np.float32), [4.0, 4.0])
     # as the whole path leaves them: the program as sent ran up to its division (a and b made, not yet deleted)
     assert sorted(node.supervisor.actors["op-cpu"].ex.tensors) == ["a", "b", "d", "i", "p", "q", "w", "x"]
+
+
+async def test_a_failure_on_the_quick_way_is_answered_once_and_the_daemon_serves_on(node: Node, monkeypatch) -> None:
+    """A run that raises after it began (here the worker's run of a known program, made to raise once) is answered
+    with its error, not run again the whole way; the next one runs."""
+    port = udp_port(node)
+    worker = node.supervisor.actors["op-cpu"]
+    setup = ["newtensor (vector<int32>:[3]) -> (tensor<float32>:u) // id=1",
+             "constant (var<float32>:1) -> (tensor<float32>:u) // id=2"]
+    await asyncio.to_thread(udp_lines, port, setup, 2)
+    await asyncio.to_thread(udp_lines, port, [LINE.format(3 + i, 0) for i in range(4)], 4)
+    calls = []
+    run_known = worker.run_known
+
+    def failing(known, fetch):
+        calls.append(known)
+        if len(calls) == 1:
+            raise RuntimeError("the kernel's machine caught fire")
+        return run_known(known, fetch)
+
+    monkeypatch.setattr(worker, "run_known", failing)
+    replies = await asyncio.to_thread(udp_lines, port, [LINE.format(10, 0), LINE.format(11, 0)], 2)
+    assert status(replies[0]) == (10, "error") and "internal error: RuntimeError: the kernel's machine" in replies[0]
+    assert status(replies[1]) == (11, "ok") and len(calls) == 2  # each once
+    # the native socket the same way
+    run = [instr_to_obj(i) for i in parse_text("mulscalar (tensor<float32>:x, var<float32>:1) -> (tensor<float32>:y)")]
+    calls.clear()
+
+    def client() -> list[dict]:
+        with connect(node) as s:
+            put(s, "x", np.ones(3, np.float32), 1)
+            out = []
+            for k in range(6):
+                s.sendall(frame({"id": 20 + k, "op": "run", "program": run, "fetch": []}))
+                out += read_frames(s, 1)
+            return out
+
+    replies_n = await asyncio.to_thread(client)
+    failed = [r for r in replies_n if not r["ok"]]
+    assert len(failed) == 1 and "internal error: RuntimeError" in failed[0]["error"]
+    assert [r["id"] for r in replies_n] == list(range(20, 26)) and replies_n[-1]["ok"]
+    # the failed run reached the worker once; each run after it once more (the quick way is taken again)
+    after = replies_n[replies_n.index(failed[0]) + 1:]
+    assert len(calls) == 1 + len(after)
