@@ -7,7 +7,7 @@ import os
 import socket
 import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ class Config:
     fuse_min_elements: int = 0  # fuse only ops whose result has this many elements (0: measured best, docs/compiler.md)
     cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
     cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)
+    cuda_warm: int = 1  # 1: op-cuda compiles its kernel modules not yet on disk in background threads at start
     native_kernels: int = 1  # 1: op-cpu compiles some kernels with the machine's C compiler, where there is one
     blas: str = "auto"  # op-cpu's matmul: auto (MKL where installed, else numpy's BLAS), mkl or numpy (blas.py)
 
@@ -275,6 +276,17 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None, **fl
         raise DeepxError("token and token_file are both set (in the config file, DEEPX_TOKEN, DEEPX_TOKEN_FILE or "
                          "--token-file): give the token once")
     return Config(**values)
+
+
+def environment_settings(keys: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The DEEPX_<NAME> values of these settings that are set, checked."""
+    environ: Mapping[str, str] = os.environ if env is None else env
+    out: dict[str, Any] = {}
+    for key in keys:
+        raw = environ.get(f"DEEPX_{key.upper()}")
+        if raw:
+            out[key] = _coerce(key, raw, f"DEEPX_{key.upper()}")
+    return out
 
 
 def _has_password(url: str) -> bool:

@@ -190,7 +190,8 @@ class Node:
                              "start without op-cuda")
         from deepxd.actors.opcuda import CudaWorker
 
-        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32))
+        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32),
+                            warm=bool(c.cuda_warm))
         self.refs["op-cuda"] = self.supervisor.start(worker)
         try:
             await self.refs["op-cuda"].ask("sync")

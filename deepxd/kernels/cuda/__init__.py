@@ -83,6 +83,17 @@ def all_sources() -> list[tuple[str, str]]:
     return out
 
 
+#: the dtypes whose modules `CudaExecutor.warm` compiles first, in this order; the rest follow
+WARM_ORDER = ("float32", "int64", "bool", "int32", "float64", "float16", "bfloat16")
+
+
+def _warm_rank(source: tuple[str, str]) -> int:
+    what = source[1]
+    dtype = what[what.find("(") + 1:-1] if what.endswith(")") else ""
+    rank = WARM_ORDER.index(dtype) if dtype in WARM_ORDER else (-1 if not dtype else len(WARM_ORDER))
+    return rank
+
+
 class DeviceTensor:
     """A contiguous tensor in device memory: `ptr` (device address), `shape`, `dtype` (numpy), `dname` (deepx
     dtype name). `buf` keeps the allocation alive (a pooled allocation, an IPC mapping, or another tensor's)."""
@@ -115,11 +126,12 @@ class CudaExecutor:
 
     device: the CUDA device ordinal. cache_dir: where compiled modules are kept (default
     $DEEPX_CUDA_CACHE or $XDG_CACHE_HOME/deepx/cuda). tf32: float32 matmul on TF32 tensor cores (off: IEEE float32).
+    compiler: "nvrtc" or "nvcc" (default: $DEEPX_CUDA_COMPILER, else NVRTC where it loads).
     """
 
     def __init__(self, *, device: int = 0, io_roots: Iterable[str | os.PathLike[str]] | None = None,
                  output: Callable[[str], None] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-                 tf32: bool = False) -> None:
+                 tf32: bool = False, compiler: str | None = None) -> None:
         try:
             import pycuda.driver as cuda
         except ImportError as e:
@@ -150,7 +162,7 @@ class CudaExecutor:
         self.arch = f"sm_{major}{minor}"
         self.sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         self.max_blocks = self.sm_count * 32
-        self.modules = ModuleCache(Compiler(self.arch, cache_dir))
+        self.modules = ModuleCache(Compiler(self.arch, cache_dir, compiler=compiler))
         # name -> DeviceTensor; the CPU's table keeps `metas` beside it (it reads only .shape and .dtype)
         self.tensors: Any = TensorTable()
         self.meta: Callable[[str], TensorMeta | None] = self.tensors.metas.get
@@ -291,9 +303,15 @@ class CudaExecutor:
             raise DeepxError(f"{op}: {message}")
 
     def precompile(self, workers: int | None = None) -> int:
-        """Compile every kernel module into the disk cache (nvcc processes in parallel); returns how many were
-        compiled (0 when all were cached)."""
+        """Compile every kernel module into the disk cache, in parallel; returns how many were compiled (0 when all
+        were cached)."""
         return self.modules.precompile(all_sources(), workers)
+
+    def warm(self, workers: int | None = None) -> threading.Thread:
+        """Compile the kernel modules not yet on disk in background threads while this executor works, the dtypes
+        models use first (`WARM_ORDER`): a fresh machine's first step finds its modules compiled or in flight
+        instead of compiling them one after another. Returns the thread."""
+        return self.modules.warm(sorted(all_sources(), key=_warm_rank), workers)
 
     # -- running
     def run(self, instr: Instr) -> None:

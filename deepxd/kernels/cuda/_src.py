@@ -56,6 +56,16 @@ HEADER = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+// NVRTC has no C library headers: the limits and INFINITY the kernels use, defined for both compilers
+#ifndef LLONG_MAX
+#define LLONG_MAX 9223372036854775807LL
+#endif
+#ifndef LLONG_MIN
+#define LLONG_MIN (-LLONG_MAX - 1LL)
+#endif
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 typedef long long ll;
 typedef unsigned long long ull;
 #define MAXD 8
