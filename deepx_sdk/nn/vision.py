@@ -13,6 +13,8 @@ from typing import Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.ops import conv2d_geometry
+from deepx_sdk.amp import lower, upper
+from deepx_sdk.amp import state as _amp
 from deepx_sdk.tensor import Tensor, _tp, _vec, _vp, stack
 
 __all__ = ["adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "conv1d", "conv2d", "conv_transpose2d", "dropout2d",
@@ -54,6 +56,8 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
            dilation: Any = 1, groups: int = 1) -> Tensor:
     """torch.nn.functional.conv2d: input (N, C, H, W) or (C, H, W), weight (O, C / groups, kh, kw); padding an int,
     a pair, 'valid' or 'same' (stride 1)."""
+    if _amp.dtype is not None:
+        input, weight, bias = lower(input, weight, bias)
     if input.ndim == 3:
         return conv2d(input.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     if input.ndim != 4 or weight.ndim != 4:
@@ -104,6 +108,8 @@ def _conv2d_taps(input: Tensor, weight: Tensor, n: int, c: int, o: int, cg: int,
 def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
     """torch.nn.functional.conv1d: conv2d over a height of one."""
+    if _amp.dtype is not None:
+        input, weight, bias = lower(input, weight, bias)
     if input.ndim == 2:
         return conv1d(input.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     if input.ndim != 3 or weight.ndim != 3:
@@ -134,6 +140,8 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, 
     """torch.nn.functional.conv_transpose2d (weight (C, O / groups, kh, kw)): the gradient of a convolution, made as
     one: the input spread by the stride, then a stride-1 convolution with the kernel flipped and in and out swapped,
     padded by dilation * (k - 1) - padding (and output_padding more at the end)."""
+    if _amp.dtype is not None:
+        input, weight, bias = lower(input, weight, bias)
     from deepx_sdk.nn.functional import pad
 
     if input.ndim == 3:
@@ -364,6 +372,8 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
 def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
     """Normalise each group of channels of each sample by its own mean and (biased) variance."""
+    if _amp.dtype is not None:
+        input, weight, bias = upper(input), upper(weight), upper(bias)
     n, c = input.shape[0], input.shape[1]
     if c % num_groups:
         raise DeepxError(f"group_norm: {c} channels do not split into {num_groups} groups")
