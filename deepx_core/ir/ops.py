@@ -572,6 +572,47 @@ def _conv2dgrad(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(shape, dt)]
 
 
+def pool2d_geometry(what: str, a: Shape, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]
+                    ) -> tuple[int, int]:
+    """The output's spatial size (Hout, Wout) of a pooling window over an input of shape `a` (N, C, H, W), already
+    padded; DeepxError naming what does not fit."""
+    if len(a) != 4:
+        raise DeepxError(f"{what}: the input must be 4-D (N, C, H, W), got {a}")
+    for name, pair in (("kernel", kernel), ("stride", stride), ("dilation", dilation)):
+        if len(pair) != 2 or any(int(p) < 1 for p in pair):
+            raise DeepxError(f"{what}: {name} must be two ints of at least 1, got {list(pair)}")
+    out = []
+    for k in range(2):
+        n = (a[2 + k] - int(dilation[k]) * (int(kernel[k]) - 1) - 1) // int(stride[k]) + 1
+        if n < 1:
+            raise DeepxError(f"{what}: the input's spatial size {a[2 + k]} is smaller than the window "
+                             f"({kernel[k]}, dilation {dilation[k]})")
+        out.append(n)
+    return out[0], out[1]
+
+
+def _pool2d(c: Call) -> list[TensorMeta | None]:
+    a = c.args[0]
+    oh, ow = pool2d_geometry(c.op.name, a.shape, c.args[1], c.args[2], c.args[3])
+    return [TensorMeta((a.shape[0], a.shape[1], oh, ow), a.dtype)]
+
+
+def _pool2dgrad(shape_arg: int) -> Callable[[Call], list[TensorMeta | None]]:
+    """maxpool2dgrad (A, G, ...): dA has A's shape; sumpool2dgrad (G, input_shape, ...): input_shape. G must have
+    the pooling's result shape."""
+    def rule(c: Call) -> list[TensorMeta | None]:
+        g = c.args[1] if shape_arg == 0 else c.args[0]
+        shape = c.args[0].shape if shape_arg == 0 else tuple(int(d) for d in c.args[1])
+        if shape_arg == 0:
+            _dtype_match(c, 0, 1)
+        oh, ow = pool2d_geometry(c.op.name, shape, c.args[2], c.args[3], c.args[4])
+        if g.shape != (shape[0], shape[1], oh, ow):
+            raise DeepxError(f"{c.op.name}: the gradient '{c.names[1 if shape_arg == 0 else 0]}' has shape "
+                             f"{g.shape}, the pooling's result has {(shape[0], shape[1], oh, ow)}")
+        return [TensorMeta(shape, g.dtype)]
+    return rule
+
+
 def _slices(c: Call) -> tuple[Shape, tuple[slice, ...]]:
     a, starts, ends, steps = c.args[0], c.args[1], c.args[2], c.args[3]
     n = len(a.shape)
@@ -968,6 +1009,19 @@ op("scatter", "shape", [t("A", _ANY), t("index", INDEX), t("src", _ANY), v("dim"
 op("scatteradd", "shape", [t("A"), t("index", INDEX), t("src"), v("dim", "int")], [t("C")], NUMERIC, _scatter,
    "C = A, then C[index[i][j]][j] += src[i][j] for dim 0 (src has index's shape; repeated indices accumulate)",
    grad=True, deepxir=False)
+_POOL = [vec("kernel"), vec("stride"), vec("dilation")]
+op("maxpool2d", "conv", [_A, *_POOL], [_C], _F, _pool2d,
+   "C[n, c, y, x] = the maximum of A[n, c, y*stride + i*dilation, x*stride + j*dilation] over the window (i, j) "
+   "(NaN wins); A is padded already (by -inf: the SDK's max_pool2d)", grad=True, deepxir=False)
+op("maxpool2dgrad", "conv", [_A, t("G"), *_POOL], [t("dA")], _F, _pool2dgrad(0),
+   "maxpool2d's gradient: each window's G goes to the first position (row by row) holding its maximum",
+   deepxir=False)
+op("sumpool2d", "conv", [_A, *_POOL], [_C], _F, _pool2d,
+   "C[n, c, y, x] = the sum of A[n, c, y*stride + i*dilation, x*stride + j*dilation] over the window (i, j) "
+   "(float32 sums for 16-bit floats); the SDK's avg_pool2d divides it by the window's count", grad=True,
+   deepxir=False)
+op("sumpool2dgrad", "conv", [t("G"), vec("input_shape"), *_POOL], [t("dA")], _F, _pool2dgrad(1),
+   "sumpool2d's gradient: each input position gets the sum of G over the windows that read it", deepxir=False)
 op("sgd", "optim", [t("param"), t("grad"), t("momentum_buffer"), v("lr"), v("momentum", default=0.0),
                     v("dampening", default=0.0), v("weight_decay", default=0.0), v("nesterov", "bool", False),
                     v("step", "int", 1)],

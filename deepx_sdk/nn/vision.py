@@ -273,6 +273,13 @@ def _spatial(x: Tensor, what: str) -> tuple[Tensor, bool]:
     return x, False
 
 
+def _pool_op(op: str, x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+             oh: int, ow: int) -> Tensor:
+    """maxpool2d or sumpool2d over x, padded already: one op (its gradient op, maxpool2dgrad or sumpool2dgrad)."""
+    params = (_tp(x), _vec(kernel), _vec(stride), _vec(dilation))
+    return x._op(op, params, (x.shape[0], x.shape[1], oh, ow), x.dtype, [x])
+
+
 def max_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
                ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
     """The maximum over each window (padding counts as -inf, so it is never the maximum)."""
@@ -283,7 +290,7 @@ def max_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any
     oh, over_h = _pool_size("max_pool2d", x.shape[2], kh, sh, ph, dh, ceil_mode)
     ow, over_w = _pool_size("max_pool2d", x.shape[3], kw, sw, pw, dw, ceil_mode)
     padded = _pool_padded(x, ph, pw, over_h, over_w, -math.inf)
-    out = stack(_taps(padded, kh, kw, sh, sw, dh, dw, oh, ow), 0).amax(0)
+    out = _pool_op("maxpool2d", padded, (kh, kw), (sh, sw), (dh, dw), oh, ow)
     return out.squeeze(0) if one else out
 
 
@@ -296,7 +303,7 @@ def avg_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any
     kh, kw, sh, sw, ph, pw, _, _ = _pool_args("avg_pool2d", kernel_size, stride, padding, 1)
     oh, over_h = _pool_size("avg_pool2d", x.shape[2], kh, sh, ph, 1, ceil_mode)
     ow, over_w = _pool_size("avg_pool2d", x.shape[3], kw, sw, pw, 1, ceil_mode)
-    total = stack(_taps(_pool_padded(x, ph, pw, over_h, over_w, 0.0), kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
+    total = _pool_op("sumpool2d", _pool_padded(x, ph, pw, over_h, over_w, 0.0), (kh, kw), (sh, sw), (1, 1), oh, ow)
     if divisor_override is not None:
         out = total / float(divisor_override)
     elif not (over_h or over_w) and (count_include_pad or not (ph or pw)):
@@ -307,7 +314,7 @@ def avg_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any
                                   over_h, over_w, 0.0)
         else:
             inside = _pool_padded(ones(1, 1, x.shape[2], x.shape[3], dtype=x.dtype), ph, pw, over_h, over_w, 0.0)
-        count = stack(_taps(inside, kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
+        count = _pool_op("sumpool2d", inside, (kh, kw), (sh, sw), (1, 1), oh, ow)
         out = total / count
     return out.squeeze(0) if one else out
 

@@ -1191,6 +1191,18 @@ def _conv2d(gr: Grad, g: str) -> dict[int, str]:
     return out
 
 
+
+@rule("maxpool2d")
+def _maxpool2d(gr: Grad, g: str) -> dict[int, str]:
+    """dA = maxpool2dgrad(A, g): each window's g to its first maximum"""
+    return {0: gr.emit("maxpool2dgrad", gr.x(0), g, gr.arg(1), gr.arg(2), gr.arg(3))}
+
+
+@rule("sumpool2d")
+def _sumpool2d(gr: Grad, g: str) -> dict[int, str]:
+    """dA = sumpool2dgrad(g): each input position gets g summed over the windows that read it"""
+    return {0: gr.emit("sumpool2dgrad", g, gr.meta(0).shape, gr.arg(1), gr.arg(2), gr.arg(3))}
+
 @rule("rmsnorm")
 def _rmsnorm(gr: Grad, g: str) -> dict[int, str]:
     """with r = 1 / sqrt(mean(A^2) + eps) over weight's dims and d = g weight: dA = r (d - A r mean(d A r));

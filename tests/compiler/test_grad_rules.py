@@ -289,6 +289,14 @@ CASES: dict[str, list[Case]] = {
                                                                           dilation=d, groups=g))
                for a, w, s, p, d, g in [((2, 3, 6, 5), (4, 3, 3, 2), (1, 1), (1, 0), (1, 1), 1),
                                         ((1, 4, 7, 7), (4, 2, 3, 3), (2, 1), (1, 1), (1, 2), 2)]],
+    "maxpool2d": [c(f"maxpool2d (tensor<T>:a, {vecs(k, st, d)}) -> (tensor<T>:y)", {"a": r(*a)}, "a",
+                    lambda t, k=k, st=st, d=d: torch.nn.functional.max_pool2d(t["a"], k, st, 0, d))
+                  for a, k, st, d in [((2, 3, 7, 6), (3, 2), (2, 1), (1, 2)), ((1, 2, 6, 6), (2, 2), (2, 2), (1, 1)),
+                                      ((2, 1, 5, 5), (3, 3), (1, 1), (1, 1))]],
+    "sumpool2d": [c(f"sumpool2d (tensor<T>:a, {vecs(k, st, d)}) -> (tensor<T>:y)", {"a": r(*a)}, "a",
+                    lambda t, k=k, st=st, d=d, ch=a[1]: torch.nn.functional.conv2d(
+                        t["a"], torch.ones((ch, 1, *k), dtype=t["a"].dtype), stride=st, dilation=d, groups=ch))
+                  for a, k, st, d in [((2, 3, 7, 6), (3, 2), (2, 1), (1, 2)), ((1, 2, 6, 6), (2, 2), (2, 2), (1, 1))]],
     "rmsnorm": [c("rmsnorm (tensor<T>:a, tensor<T>:w, var<float64>:1e-6) -> (tensor<T>:y)",
                   {"a": r(*a, lo=-2, hi=2), "w": r(*w)}, "a w", _norm_ref("rmsnorm", 1e-6, len(w)))
                 for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]],
