@@ -556,6 +556,21 @@ class NativeServer:
         return await groups.leave(self.node, req.get("group"), req.get("gen"), req.get("rank"),
                                   req.get("delete") or [], req.get("forget") or [])
 
+    # -- peer links: another deepxd's requests (deepxd/peers.py)
+    async def _op_peer_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_ping(req)
+
+    async def _op_peer_hold(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_hold(req)
+
+    async def _op_peer_read(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_read(req)
+
+    def _peers(self) -> Any:
+        if self.node.peers is None:
+            raise DeepxError("this deepxd is not started: it has no peer links")
+        return self.node.peers
+
     async def _op_fetch(self, req: dict[str, Any]) -> dict[str, Any]:
         names = req.get("names")
         if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
