@@ -36,6 +36,7 @@ from deepxd import groups
 from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
+from deepxd.net.peerlink import SLICE_BYTES, split_frame
 from deepxd.owners import Owners, session_of_hello
 
 if TYPE_CHECKING:
@@ -403,8 +404,16 @@ class NativeServer:
 
     async def _reply(self, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
         try:
-            writer.write(pack_frame(reply))
-            await writer.drain()
+            split = split_frame(reply)  # a chunk for a peer: its bytes written as they are, slice by slice
+            if split is None:
+                writer.write(pack_frame(reply))
+                await writer.drain()
+                return
+            head, data = split
+            writer.write(head)
+            for i in range(0, len(data), SLICE_BYTES):
+                writer.write(data[i:i + SLICE_BYTES])
+                await writer.drain()
         except (ConnectionError, BrokenPipeError):
             pass
 

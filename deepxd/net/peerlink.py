@@ -41,6 +41,35 @@ def bin_header(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
+#: a reply whose last field is a buffer this large goes out without being packed into its frame (split_frame)
+LARGE_BIN = 1 << 16
+#: ... in slices this large, each sent (or buffered) before the next: Python 3.11's transport, which sends from the
+#: front of one buffer and deletes what went, moved the rest of a 4 MiB buffer after every send
+SLICE_BYTES = 256 << 10
+
+
+def split_frame(reply: dict[str, Any]) -> tuple[bytes, memoryview] | None:
+    """A reply whose last value (followed into the last value of a map, as a fetch's `tensors` and their `data`) is
+    a buffer of LARGE_BIN bytes or more, as its frame's head (the length, what comes before the buffer, the bin's
+    header) and that buffer, to be written one after the other: the frame is the same as pack_frame's, without the
+    copy into it. None for any other reply."""
+    path: list[tuple[dict[str, Any], Any]] = []
+    value: Any = reply
+    while isinstance(value, dict) and value:
+        key = next(reversed(value))
+        path.append((value, key))
+        value = value[key]
+    if not isinstance(value, (bytes, bytearray, memoryview)) or len(value) < LARGE_BIN:
+        return None
+    view = memoryview(value).cast("B")
+    emptied: Any = b""
+    for mapping, key in reversed(path):  # the same maps, the buffer replaced by an empty bin
+        emptied = {**mapping, key: emptied}
+    fields = msgpack.packb(emptied, use_bin_type=True)  # (ends with the empty bin: c4 00)
+    header = bin_header(len(view))
+    return HEADER.pack(len(fields) - 2 + len(header) + len(view)) + fields[:-2] + header, view
+
+
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
     got, n = 0, len(view)
     while got < n:
