@@ -254,7 +254,7 @@ class Node(Schema):
     link: str = field(default="", metadata=col(detail=True))
     host: str = field(default="", metadata=col(detail=True))
     link_age_s: float | None = field(default=None, metadata=col("LINK AGE", detail=True, render=seconds, right=True))
-    link_error: str = field(default="", metadata=col(detail=True))
+    link_error: str = field(default="", metadata=col("LINK ERROR", detail=True))
     pid: int | None = field(default=None, metadata=col(detail=True, right=True))
     started: float = field(default=0.0, metadata=col(detail=True, render=timestamp))
     blas: str = field(default="", metadata=col("BLAS", detail=True))  # op-cpu's matmul: "mkl 2026.2" or "numpy"

@@ -232,9 +232,8 @@ class Peers:
     async def _pinger(self, node: str, link: _Link) -> None:
         while not self._stopped:
             try:
-                record = await self.kv.hgetall(f"node:{node}")
                 if link.client is None:
-                    address, link.kind = self.address(node, record)
+                    address, link.kind = self.address(node, await self.kv.hgetall(f"node:{node}"))
                     link.client = await self._run(self._connect, address, link.kind)
                 reply = await self._run(functools.partial(link.client.request, "peer_ping", node=self.node_id))
                 if reply.get("node") != node:

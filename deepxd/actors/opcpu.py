@@ -3,7 +3,9 @@
 A program is checked whole against this worker's tensors before any of it runs (a bad program changes nothing).
 Small programs run inline on the event loop (a thread hop costs more than they do); a program with a heavy
 instruction runs on this worker's single thread, so control traffic keeps flowing and order is kept.
-Heap tensors (held by heapmem) appear here as zero-copy views of their shared-memory segments.
+Heap tensors (held by heapmem) appear here as zero-copy views of their shared-memory segments; other nodes' heap
+tensors as views of their segments (same host) or as copies streamed for one program (another host: read only;
+deepxd/peers.py).
 """
 
 from __future__ import annotations
