@@ -155,12 +155,19 @@ class Node:
 
     async def _refuse_a_live_namesake(self) -> None:
         """Stop start-up where a deepxd of this node id runs on this machine (its process alive and its socket
-        answering): two daemons of one id on one plane overwrite each other's node record, and the one left running
-        was then listed stopped, at the other's address. A record left by a daemon that died is taken over."""
-        assert self.kv is not None
+        answering), or on another host (its heartbeat fresh): two daemons of one id on one plane overwrite each
+        other's node record, and the one left running was then listed stopped, at the other's address. A record left
+        by a daemon that died is taken over."""
+        assert self.kv is not None and self.peers is not None
         record = await self.kv.hgetall(f"node:{self.config.node_id}")
         if not record or record.get("state") != "running":
             return
+        if not self.peers.same_host(record):  # another host's: alive while its heartbeat is fresh
+            if await self.peers.why_dead(self.config.node_id, record) is None:
+                raise DeepxError(f"node id '{self.config.node_id}' is in use by a running deepxd on host "
+                                 f"{record.get('host', '?')} (pid {record.get('pid', '?')}) on this storage plane: "
+                                 "give this daemon another one (--node-id, DEEPX_NODE_ID)")
+            return  # its heartbeat stopped: its record is this daemon's now
         try:
             pid = int(record.get("pid", 0))
             address = str(json.loads(record.get("addresses", "{}")).get("unix", ""))

@@ -61,7 +61,10 @@ def split_frame(reply: dict[str, Any]) -> tuple[bytes, memoryview] | None:
         value = value[key]
     if not isinstance(value, (bytes, bytearray, memoryview)) or len(value) < LARGE_BIN:
         return None
-    view = memoryview(value).cast("B")
+    view = memoryview(value)
+    if not view.c_contiguous:
+        return None
+    view = view.cast("B")
     emptied: Any = b""
     for mapping, key in reversed(path):  # the same maps, the buffer replaced by an empty bin
         emptied = {**mapping, key: emptied}

@@ -18,7 +18,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir import parse_text
 from tests.daemon.conftest import DEEPXD, Daemon, eventually
 from tests.daemon.test_cluster import Cluster
-from tests.daemon.test_tcp import TOKEN, token_file
+from tests.daemon.test_tcp import TOKEN, self_signed, token_file
 
 #: quick heartbeats, and a node dead after 4 s of silence (a loaded machine's heartbeats come late)
 QUICK = {"DEEPX_HEARTBEAT_S": "0.5", "DEEPX_PEER_TIMEOUT_S": "4"}
@@ -101,15 +101,28 @@ def test_a_node_started_again_gives_back_what_its_last_daemon_held(cluster: Clus
 
 
 def hosts(cluster: Cluster, tmp: Path, *names: str, token: str = TOKEN, env: dict[str, str] | None = None,
-          first: int = 1) -> list[Daemon]:
+          first: int = 1, extra: list[str] | None = None) -> list[Daemon]:
     """Daemons that say they run on hosts `names`: they reach each other over TCP, with the token."""
     out = []
     for k, host in enumerate(names, start=first):
         folder = tmp / f"t{k}"
         folder.mkdir(exist_ok=True)
         out.append(cluster.start(k, {"DEEPX_HOST": host, **QUICK, **(env or {})},
-                                 ["--listen", "tcp://127.0.0.1:0", "--token-file", str(token_file(folder, token))]))
+                                 ["--listen", "tcp://127.0.0.1:0", "--token-file", str(token_file(folder, token)),
+                                  *(extra or [])]))
     return out
+
+
+def test_peer_links_to_a_tls_listener_speak_tls(cluster: Cluster, tmp_path: Path) -> None:
+    """Nodes that share one certificate (for 127.0.0.1) link over TLS, checking it against their own tls_cert."""
+    cert, key = self_signed(tmp_path)
+    d1, d2 = hosts(cluster, tmp_path, "host-a", "host-b", extra=["--tls-cert", str(cert), "--tls-key", str(key)])
+    w = np.arange(100_000, dtype=np.float64)
+    with d1.client() as c1, d2.client() as c2:
+        c1.put("w", w, heap=True)
+        np.testing.assert_array_equal(c2.fetch("w")["w"], w)
+    assert cluster.hash(f"node:{d1.node_id}")["tls"] == "1"
+    eventually(lambda: nodes(d2)[d1.node_id]["link"] == "tls", what="node 2 linked to node 1 over TLS")
 
 
 def test_another_hosts_heap_tensor_is_streamed_over_the_peer_link(cluster: Cluster, tmp_path: Path) -> None:
@@ -192,3 +205,18 @@ def test_peer_timeout_is_a_setting_and_a_flag(tmp_path: Path) -> None:
                              capture_output=True, text=True, env={**env, "DEEPX_HEARTBEAT_S": "2"}, timeout=60)
     assert refused.returncode == 2
     assert "peer_timeout_s: 1.0 s is less than two heartbeats (heartbeat_s = 2.0)" in refused.stderr
+
+
+def test_a_node_id_in_use_on_another_host_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    (d1,) = hosts(cluster, tmp_path, "host-a")
+    folder = tmp_path / "twin"
+    folder.mkdir()
+    twin = Daemon(folder, kv=cluster.url, node_id=d1.node_id, udp=False,
+                  env={"DEEPX_KV_PREFIX": cluster.prefix, "DEEPX_HOST": "host-b", **QUICK})
+    done = subprocess.run(twin.args, env=twin.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert (f"node id '{d1.node_id}' is in use by a running deepxd on host host-a (pid {d1.proc.pid if d1.proc else 0})"
+            in done.stderr), done.stderr
+    assert cluster.hash(f"node:{d1.node_id}")["host"] == "host-a"  # the running one's record untouched
+    with d1.client() as c1:
+        c1.ping()
