@@ -288,9 +288,11 @@ class Peers:
         link = self._links.get(node)
         if link is None:
             return {"link": ""}
-        return {"link": "down" if link.error or link.heard is None else link.kind,
-                "link_age_s": round(time.time() - link.heard, 3) if link.heard else None,
-                "link_error": link.error}
+        age = time.time() - (link.heard or link.since)
+        silent = age > self.timeout_s
+        return {"link": "down" if link.error or link.heard is None or silent else link.kind,
+                "link_age_s": round(age, 3) if link.heard else None,
+                "link_error": link.error or (f"silent for {age:.1f} s" if silent else "")}
 
     # -- requests
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -228,3 +228,30 @@ def test_a_node_killed_with_9_is_found_dead_and_the_others_go_on(two_hosts: TwoH
         np.testing.assert_array_equal(ca.run(uses_b, fetch=["o"]).raise_for_error().tensors["o"], [10, 10, 10])
     for d in (b, c, a):
         assert d.stop() == 0, d.output()
+
+
+def test_a_link_cut_and_restored(two_hosts: TwoHosts) -> None:
+    """The veth pair down: the node on the other host falls silent (its link, and its heartbeat, which no longer
+    reaches Redis) and is found dead; up again, it is alive again and its tensors are read as before."""
+    a, b = two_hosts.here(1), two_hosts.there(2)
+    uses_b = parse_text("mulscalar (tensor<float32>:wb, var<float32>:3.0) -> (tensor<float32>:o)")
+    with a.client() as ca, b.client() as cb:
+        cb.put("wb", np.arange(4, dtype=np.float32), heap=True)
+        np.testing.assert_array_equal(ca.run(uses_b, fetch=["o"]).raise_for_error().tensors["o"], [0, 3, 6, 9])
+    eventually(lambda: nodes(a)[b.node_id]["link"] == "tcp", what="a linked to b")
+    assert _ip("link", "set", two_hosts.ns.outside, "down").returncode == 0
+    try:
+        eventually(lambda: (n := nodes(a)[b.node_id])["state"] == "dead" and n["link"] == "down",
+                   what="a found b dead, its link down")
+        with a.client() as ca:
+            cut = ca.run(uses_b)
+            assert not cut.ok and "'wb'" in cut.error and b.node_id in cut.error, cut.error
+            ca.put("still", np.ones(2, np.float32))  # a goes on
+    finally:
+        assert _ip("link", "set", two_hosts.ns.outside, "up").returncode == 0
+    eventually(lambda: (n := nodes(a)[b.node_id])["state"] == "running" and n["link"] == "tcp", timeout=90,
+               what="b alive again for a")
+    with a.client() as ca:
+        np.testing.assert_array_equal(ca.run(uses_b, fetch=["o"]).raise_for_error().tensors["o"], [0, 3, 6, 9])
+    for d in (b, a):
+        assert d.stop() == 0, d.output()
