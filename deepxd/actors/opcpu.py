@@ -196,13 +196,14 @@ class CpuWorker(OpWorker):
         outer = live is not None and self._long is None
         if outer:  # from its check on (see _interleave)
             self._long = running
+        streamed = set(self.copies)  # (a long program's, where this one runs between its slices)
         try:
             return await self._run_new(program, fetch, cancel, result, live, running)
         finally:
             if outer:
                 self._long = None
-            if self.copies:
-                self._drop_copies()
+            if len(self.copies) > len(streamed):
+                self._drop_copies(keep=streamed)
 
     async def _run_new(self, program: Sequence[Instr], fetch: Sequence[str], cancel: Callable[[], bool] | None,
                        result: RunResult, live: set[str] | None, running: LongNames) -> RunResult:
@@ -523,13 +524,14 @@ class CpuWorker(OpWorker):
             self.ex.tensors[name] = copy
         return self._view_mapped(reached.views) or bool(reached.copies)
 
-    def _drop_copies(self) -> None:
-        """The program that read other hosts' tensors ended: their copies go (the next one reads them again)."""
-        for name in self.copies:
+    def _drop_copies(self, keep: set[str]) -> None:
+        """The program that read other hosts' tensors ended: the copies streamed for it go (the next one reads them
+        again); those of `keep`, a program's it ran between the slices of, stay until that one ends."""
+        for name in [n for n in self.copies if n not in keep]:
+            del self.copies[name]
             copy = self.heap.pop(name, None)
             if copy is not None and self.ex.tensors.get(name) is copy:
                 self.ex.tensors.pop(name)
-        self.copies.clear()
 
     def _view_mapped(self, views: dict[str, np.ndarray]) -> bool:
         """Other nodes' heap tensors heapmem mapped (on_remote), seen here as heap tensors this worker does not

@@ -141,6 +141,10 @@ def test_another_hosts_heap_tensor_is_streamed_over_the_peer_link(cluster: Clust
         np.testing.assert_array_equal(r.tensors["d"], big * 2)
         np.testing.assert_array_equal(r.tensors["e"], ints * 2)
         assert holders(cluster, "wbig") == ["op-cpu"]  # streamed, not mapped: node 2 holds nothing
+        c2.put("proj", np.ones((2000, 3), np.float32))  # a heavy program, on node 2's worker thread
+        heavy = c2.run(parse_text("matmul (tensor<float32>:wbig, tensor<float32>:proj) -> (tensor<float32>:p)"),
+                       fetch=["p"]).raise_for_error()
+        np.testing.assert_allclose(heavy.tensors["p"], big @ np.ones((2000, 3), np.float32), rtol=1e-4, atol=1e-3)
         c1.put("wi", ints + 100, heap=True)  # read as it is when each program runs
         np.testing.assert_array_equal(c2.run(two, fetch=["e"]).raise_for_error().tensors["e"], (ints + 100) * 2)
 
