@@ -40,7 +40,7 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.text import is_name
 from deepxd.actors.heapmem import node_lifecycle
 from deepxd.actors.worker import RunResult
-from deepxd.peers import DEAD_HEARTBEATS, unreachable
+from deepxd.peers import Peers
 
 if TYPE_CHECKING:
     from deepxd.node import Node
@@ -177,8 +177,8 @@ async def _dead(node: Node, record: dict[str, str], ranks: Sequence[int]) -> lis
             continue
         gone = process_gone(m)
         if gone is None and m.get("node") and m["node"] != node.config.node_id:
-            why = unreachable(await node.kv.hgetall(f"node:{m['node']}"), m["node"],
-                              DEAD_HEARTBEATS * node.config.heartbeat_s)
+            peers = node.peers or Peers(node.kv, node.config.node_id, timeout_s=node.config.peer_timeout_s)
+            why = await peers.why_dead(m["node"])
             gone = f"lost its deepxd: node {m['node']} {why}" if why else None
         if gone is not None:
             out.append(f"{_who(rank, m)} {gone}")
