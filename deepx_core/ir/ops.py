@@ -660,7 +660,8 @@ def lst(name: str, dtypes: frozenset[str] | None = None) -> Arg:
 
 #: the functions a fused expression may call, and how many arguments each takes
 FUSED_FUNCTIONS: dict[str, int] = {"sqrt": 1, "exp": 1, "log": 1, "sin": 1, "cos": 1, "tan": 1, "tanh": 1, "abs": 1,
-                                   "maximum": 2, "minimum": 2}
+                                   "maximum": 2, "minimum": 2, "floor": 1, "ceil": 1, "round": 1, "trunc": 1,
+                                   "log1p": 1, "expm1": 1}
 
 _A, _B, _C = t("A"), t("B"), t("C")
 _BOOL_OUT = t("C", frozenset({"bool"}))
@@ -837,10 +838,10 @@ op("todtype", "elementwise", [t("A", _ANY)], [t("C", _ANY)], _ANY, _todtype,
    "cast A into C's dtype (a gradient flows between float dtypes only)", grad=True, reads_returns=True)
 
 # -- comparisons, to a bool tensor; eps 0 means exact
-op("less", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A < B")
-op("greater", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A > B")
-op("lessscalar", "compare", [_A, v("s")], [_BOOL_OUT], NUMERIC, same_as(0, "bool"), "A < s")
-op("greaterscalar", "compare", [_A, v("s")], [_BOOL_OUT], NUMERIC, same_as(0, "bool"), "A > s")
+op("less", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A < B", expr="A < B")
+op("greater", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A > B", expr="A > B")
+op("lessscalar", "compare", [_A, v("s")], [_BOOL_OUT], NUMERIC, same_as(0, "bool"), "A < s", expr="A < s")
+op("greaterscalar", "compare", [_A, v("s")], [_BOOL_OUT], NUMERIC, same_as(0, "bool"), "A > s", expr="A > s")
 op("equal", "compare", [_A, _B, v("eps", default=0)], [_BOOL_OUT], ALL, elementwise(0, 1, dtype="bool"),
    "|A - B| <= eps")
 op("notequal", "compare", [_A, _B, v("eps", default=0)], [_BOOL_OUT], ALL, elementwise(0, 1, dtype="bool"),
@@ -900,11 +901,11 @@ op("silu", "nn", [_A], [_C], _F, same(0), "A * sigmoid(A)", grad=True, deepxir=F
 for _n, _d in [("floor", "the largest whole number <= A"), ("ceil", "the smallest whole number >= A"),
                ("round", "A rounded to the nearest whole number, halves to even (torch.round)"),
                ("trunc", "A rounded toward zero")]:
-    op(_n, "elementwise", [_A], [_C], _F, same(0), _d, grad=True, deepxir=False)
+    op(_n, "elementwise", [_A], [_C], _F, same(0), _d, grad=True, deepxir=False, expr=f"{_n}(A)")
 op("log1p", "elementwise", [_A], [_C], _F, same(0), "log(1 + A), accurate near 0", grad=lambda g, A: g / (1 + A),
-   deepxir=False)
+   deepxir=False, expr="log1p(A)")
 op("expm1", "elementwise", [_A], [_C], _F, same(0), "exp(A) - 1, accurate near 0", grad=lambda g, y: g * (y + 1),
-   deepxir=False)
+   deepxir=False, expr="expm1(A)")
 op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _along_dim, "exp(A) / sum(exp(A)) along dim, stable",
    grad=True, deepxir=False)
 op("logsoftmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _along_dim, "A - logsumexp(A) along dim, stable",
@@ -1062,8 +1063,8 @@ def _fusedcolsum(c: Call) -> list[TensorMeta | None]:
 op("fused", "fused", [lst("inputs"), v("expr", "str")], [_C], _F, _fused,
    "C = expr over the inputs in0, in1, ... (broadcast; one float dtype, float16 and bfloat16 computed in float32); "
    "expr is a numexpr expression of numbers, + - * / **, unary -, one comparison at a time (1 where it holds, 0 "
-   "where not), sqrt exp log sin cos tan tanh abs maximum minimum; made by the fuse pass from a chain or tree of "
-   "elementwise ops", grad=True, deepxir=False)
+   "where not), sqrt exp log sin cos tan tanh abs maximum minimum floor ceil round (halves to even) trunc log1p "
+   "expm1; made by the fuse pass from a chain or tree of elementwise ops", grad=True, deepxir=False)
 op("fusedcolsum", "fused", [lst("inputs"), v("expr", "str"), v("keepdims", "bool", False)], [_C, t("S")],
    frozenset({"float32", "float64"}), _fusedcolsum,
    "C = expr over the inputs, as fused computes it, and S = C summed over axis 0 (its rows), in one pass; what the "

@@ -1221,6 +1221,17 @@ _CONST_OPS: dict[type, Callable[[float, float], float]] = {
     ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b}
 
 
+def _whole(fn: Callable[[float], Any]) -> Callable[[float], float]:
+    """A rounding to a whole number that keeps infinities and nan, as numpy's does (Python's raises)."""
+    return lambda a: float(fn(a)) if math.isfinite(a) else a
+
+
+# the functions of the fused language where Python's math has none of that name or meaning (round: halves to even)
+_CONST_CALLS: dict[str, Callable[[float], float]] = {"abs": math.fabs, "floor": _whole(math.floor),
+                                                     "ceil": _whole(math.ceil), "trunc": _whole(math.trunc),
+                                                     "round": _whole(round)}
+
+
 def _constant(fn: Callable[..., float], *args: float) -> float:
     """A part of a fused expression made of numbers alone, folded (as numexpr would compute it: nan, not an error)."""
     try:
@@ -1305,7 +1316,7 @@ def unfuse(expr: str, inputs: Sequence[str], dtype: str, fresh: Callable[[], str
             return emit(both, a, b)
         (a,) = args
         if isinstance(a, float):
-            return _constant(getattr(math, "fabs" if name == "abs" else name), a)
+            return _constant(_CONST_CALLS.get(name) or getattr(math, name), a)
         return emit(name, a)
 
     return prog, walk(tree)

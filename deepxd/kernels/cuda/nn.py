@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS, to_numpy
-from deepxd.kernels.cuda import elementwise as ew
 from deepxd.kernels.cuda._src import HEADER, ctype
 
 if TYPE_CHECKING:
@@ -421,9 +420,6 @@ extern "C" __global__ void partial_total(T* out, const A* partial, int parts, ll
 
 _NN = ("softmax", "logsoftmax", "layernorm", "rmsnorm", "crossentropy", "crossentropygrad", "mse")
 SUPPORT = {op: frozenset(FLOATS) for op in _NN}
-# the activations live in elementwise.py; the executor finds their kernels there
-SUPPORT.update({op: ew.SUPPORT[op] for op in ("relu", "sigmoid", "tanh", "gelu", "silu", "erf") if op in ew.SUPPORT})
-relu, sigmoid, tanh, gelu, silu, erf = ew.relu, ew.sigmoid, ew.tanh, ew.gelu, ew.silu, ew.erf
 
 
 #: elements per thread of the register-row kernels: a warp per row up to 32 x 32 elements, a block of up to
