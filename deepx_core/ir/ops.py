@@ -1,9 +1,9 @@
 """The op catalogue: one entry per operator, the single place where an op's facts live.
 
 An entry (`OpDef`) gives the op's signature (`args`, `returns`), the stored dtypes its kernels handle, its shape
-and dtype rule (`infer`), whether it is differentiable, its effect on the set of tensors (`effect`, followed by
-`effects.apply_effect`), whether it has effects beyond writing its returns, and the kernel family that implements
-it: the CPU kernel of op `x` in family `f` is `deepxd.kernels.cpu.<f>.<x>`.
+and dtype rule (`infer`), whether it is differentiable, its effect on the set of tensors and beyond (`effect`,
+followed by `effects.apply_effect`; `effect.pure` where it only writes its returns), and the kernel family that
+implements it: the CPU kernel of op `x` in family `f` is `deepxd.kernels.cpu.<f>.<x>`.
 
 `bind(instr, env)` checks one instruction against its entry and the tensors that exist (`env`), resolving named
 variables and untyped params, and returns the shapes and dtypes of its outputs; `check_program` does it for a whole
@@ -96,7 +96,6 @@ class OpDef:
     infer: Infer
     doc: str
     differentiable: bool = False
-    effects: bool = False  # does more than write its returns: I/O, tensor life, variables
     deepxir: bool = True  # one of the 60 operators of the existing deepxIR
     min_args: int = 0  # required args (the rest have defaults)
     min_returns: int = 0
@@ -109,8 +108,9 @@ class OpDef:
     grad_rule: Callable[..., Any] | None = None
     # each output element depends only on the input elements at its index: an output may share an input's buffer
     alias_safe: bool = False
-    # what it does to the set of tensors: makes, fills, deletes or renames its returns, only reads its args
-    # (deepx_core/ir/effects.py; `op(..., effect=KIND)`, or derived from the family and the returns)
+    # what it does to the set of tensors: makes, fills, deletes or renames its returns, only reads its args, and
+    # whether it touches files or the output (deepx_core/ir/effects.py; `op(..., effect=KIND)`, or derived from the
+    # family and the returns); `effect.pure`: it does nothing but write its returns
     effect: Effect = _WRITES
 
     def signature(self) -> str:
@@ -675,7 +675,7 @@ ALIAS_SAFE_FAMILIES = frozenset({"elementwise", "compare", "optim", "fused", "ex
 
 
 def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtypes: frozenset[str], infer: Infer,
-       doc: str, *, grad: bool | Callable[..., Any] = False, effects: bool = False, deepxir: bool = True,
+       doc: str, *, grad: bool | Callable[..., Any] = False, deepxir: bool = True,
        expr: str = "", alias_safe: bool = False, effect: str | None = None, reads_returns: bool = False) -> OpDef:
     """Add an op to the catalogue. `grad`: True where autograd's GRAD_RULES has the op's rule, or the rule itself
     written on value handles (see OpDef.grad_rule). Family "expr" needs no kernel: its CPU and CUDA kernels evaluate
@@ -688,7 +688,7 @@ def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtyp
         check_expr(name, expr, args)
     elif family == "expr":
         raise ValueError(f"op {name}: family 'expr' needs an expression")
-    d = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, bool(grad), effects, deepxir,
+    d = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, bool(grad), deepxir,
               sum(a.required for a in args), sum(a.required for a in returns), expr,
               grad if callable(grad) else None, alias_safe or family in ALIAS_SAFE_FAMILIES,
               declare(effect, family, args, returns, reads_returns))
@@ -785,16 +785,16 @@ def expr_template(op: OpDef) -> str:
 op("newtensor", "life", [Arg("shape", "shape")], [t("t", _ANY)], _ANY, _newtensor,
    "create t (zeros) with the given shape; its dtype is the return's precision (float32 when absent). An existing t "
    "of that shape and dtype is kept, values and all (with a warning); one of another shape or dtype is replaced, "
-   "except a heap tensor, which is refused", effects=True, effect=CREATES)
+   "except a heap tensor, which is refused", effect=CREATES)
 op("copytensor", "life", [t("src")], [t("dst")], _ANY, _copytensor, "copy src into dst (same shape and dtype)",
    grad=True)
-op("deltensor", "life", [], [t("t")], _ANY, _deltensor, "free t", effects=True, effect=DELETES)
-op("renametensor", "life", [v("new_name", "str")], [t("t")], _ANY, _renametensor, "give t a new name", effects=True,
+op("deltensor", "life", [], [t("t")], _ANY, _deltensor, "free t", effect=DELETES)
+op("renametensor", "life", [v("new_name", "str")], [t("t")], _ANY, _renametensor, "give t a new name",
    effect=RENAMES)
 # -- variables: named scalars and vectors that later var/vector params may name
-op("argset", "life", [v("value", "any")], [v("name", "str")], _ANY, nothing, "store a named scalar", effects=True,
+op("argset", "life", [v("value", "any")], [v("name", "str")], _ANY, nothing, "store a named scalar",
    effect=SETS)
-op("vecset", "life", [vec("value")], [Arg("name", "vector")], _ANY, nothing, "store a named vector", effects=True,
+op("vecset", "life", [vec("value")], [Arg("name", "vector")], _ANY, nothing, "store a named vector",
    effect=SETS)
 
 # -- init: fill existing tensors
@@ -809,14 +809,13 @@ op("dropout", "init", [v("p"), v("seed", "int")], [t("A")], FLOATS, _dropout,
 
 # -- io: print to the executor's output, tensor files (docs/deepxir.md section 5)
 op("print", "io", [t("t", _ANY), v("format", "str", "")], [], _ANY, nothing,
-   "write t to the executor's output, elements in a printf format", effects=True)
-op("save", "io", [t("t", _ANY), v("path", "str")], [], _ANY, nothing, "write path.shape and path.data",
-   effects=True)
+   "write t to the executor's output, elements in a printf format")
+op("save", "io", [t("t", _ANY), v("path", "str")], [], _ANY, nothing, "write path.shape and path.data")
 op("load", "io", [v("path", "str")], [Arg("t", "tensor", _ANY, default=None)], _ANY, nothing,
    "create a tensor from path.shape and path.data, named after the file's whole base name (or the return, "
-   "when given)", effects=True, effect=LOADS)
+   "when given)", effect=LOADS)
 op("loadtensordata", "io", [v("path", "str")], [t("t", _ANY)], _ANY, existing,
-   "read raw bytes from exactly path into the existing t", effects=True, effect=FILLS)
+   "read raw bytes from exactly path into the existing t", effect=FILLS)
 
 # -- elementwise arithmetic; binary forms broadcast (numpy rules), dtypes must match, output dtype = input dtype
 for _n, _d, _e in [("add", "A + B", "A + B"), ("sub", "A - B", "A - B"), ("mul", "A * B", "A * B"),
@@ -1371,7 +1370,7 @@ class ProgramCheck:
 def _cacheable(b: Bound) -> bool:
     """A checked instruction whose outcome depends only on the metas of its tensors (no named variables, no
     change to the set of tensors), so that it can be reused while those metas hold."""
-    if b.op.effects or b.op.family == "life":
+    if not b.op.effect.pure or b.op.family == "life":
         return False
     for a, p in zip(b.op.args, b.instr.args):
         if a.kind in ("var", "vector", "shape") and a.vtype not in ("str", "any") and isinstance(p.value, str):
