@@ -310,7 +310,7 @@ def _matmul(c: Call) -> list[TensorMeta | None]:
         raise DeepxError(
             f"{op}: operands need rank >= 2, got {a.shape} ('{c.names[0]}') and {b.shape} ('{c.names[1]}')"
         )
-    flags = (bool(c.args[2]), bool(c.args[3])) if op == "matmultransposed" else (False, False)
+    flags = (bool(c.args[2]), bool(c.args[3])) if len(c.args) > 2 else (False, False)  # matmultransposed's
     sa, sb = ((*m.shape[:-2], m.shape[-1], m.shape[-2]) if t else m.shape for m, t in zip((a, b), flags))
     if sa[-1] != sb[-2]:
         shown = [f"{m.shape} ('{n}'{', transposed' if t else ''})" for m, n, t in zip((a, b), c.names, flags)]
@@ -431,12 +431,17 @@ def _repeat(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(tuple(s * r for s, r in zip(shape, reps)), a.dtype)]
 
 
-def _reduce(c: Call) -> list[TensorMeta | None]:
-    a = c.args[0]
-    dims = norm_dims(c.op.name, c.args[1], len(a.shape))
-    if c.op.name in ("reducemax", "reducemin") and any(a.shape[d] == 0 for d in dims):
-        raise DeepxError(f"{c.op.name}: cannot reduce the empty dim of '{c.names[0]}' (shape {a.shape})")
-    return [TensorMeta(reduced(a.shape, dims, bool(c.args[2])), a.dtype)]
+def _reduce(empty: bool) -> Infer:
+    """A reduction over dims; `empty`: it has a value over no elements (a sum, a product), unlike a maximum."""
+
+    def rule(c: Call) -> list[TensorMeta | None]:
+        a = c.args[0]
+        dims = norm_dims(c.op.name, c.args[1], len(a.shape))
+        if not empty and any(a.shape[d] == 0 for d in dims):
+            raise DeepxError(f"{c.op.name}: cannot reduce the empty dim of '{c.names[0]}' (shape {a.shape})")
+        return [TensorMeta(reduced(a.shape, dims, bool(c.args[2])), a.dtype)]
+
+    return rule
 
 
 def _argreduce(c: Call) -> list[TensorMeta | None]:
@@ -519,9 +524,10 @@ def _norm(c: Call) -> list[TensorMeta | None]:
             f"'{c.names[0]}' {a.shape}"
         )
     tensors = [0, 1]
-    if c.op.name == "layernorm":
+    if c.op.args[2].kind == "tensor":  # layernorm's bias
         if c.args[2].shape != w.shape:
-            raise DeepxError(f"layernorm: bias '{c.names[2]}' of shape {c.args[2].shape} must match weight {w.shape}")
+            raise DeepxError(f"{c.op.name}: bias '{c.names[2]}' of shape {c.args[2].shape} must match weight "
+                             f"{w.shape}")
         tensors.append(2)
     _dtype_match(c, *tensors)
     return [TensorMeta(a.shape, a.dtype)]
@@ -558,18 +564,21 @@ def _conv2d(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta((a.shape[0], w.shape[0], oh, ow), dt)]
 
 
-def _conv2dgrad(c: Call) -> list[TensorMeta | None]:
+def _conv2dgrad(by_input: bool) -> Infer:
     """conv2dgradinput (G, weight, input_shape, ...) and conv2dgradweight (A, G, weight_shape, ...)."""
-    by_input = c.op.name == "conv2dgradinput"
-    dt = _dtype_match(c, 0, 1)
-    shape = tuple(int(d) for d in c.args[2])
-    a, w = (shape, c.args[1].shape) if by_input else (c.args[0].shape, shape)
-    g = c.args[0].shape if by_input else c.args[1].shape
-    oh, ow = conv2d_geometry(c.op.name, a, w, c.args[3], c.args[4], c.args[5], int(c.args[6]))
-    if g != (a[0], w[0], oh, ow):
-        raise DeepxError(f"{c.op.name}: the gradient '{c.names[0 if by_input else 1]}' has shape {g}, the conv2d's "
-                         f"result has {(a[0], w[0], oh, ow)}")
-    return [TensorMeta(shape, dt)]
+
+    def rule(c: Call) -> list[TensorMeta | None]:
+        dt = _dtype_match(c, 0, 1)
+        shape = tuple(int(d) for d in c.args[2])
+        a, w = (shape, c.args[1].shape) if by_input else (c.args[0].shape, shape)
+        g = c.args[0].shape if by_input else c.args[1].shape
+        oh, ow = conv2d_geometry(c.op.name, a, w, c.args[3], c.args[4], c.args[5], int(c.args[6]))
+        if g != (a[0], w[0], oh, ow):
+            raise DeepxError(f"{c.op.name}: the gradient '{c.names[0 if by_input else 1]}' has shape {g}, the "
+                             f"conv2d's result has {(a[0], w[0], oh, ow)}")
+        return [TensorMeta(shape, dt)]
+
+    return rule
 
 
 def _slices(c: Call) -> tuple[Shape, tuple[slice, ...]]:
@@ -872,8 +881,9 @@ op("indexselect", "shape", [t("A", _ANY), t("index", INDEX), v("axis", "int")], 
 op("repeat", "shape", [t("A", _ANY), vec("repeats")], [t("B", _ANY)], _ANY, _repeat, "tile A", grad=True)
 
 # -- reduce over dims (empty dims: every dim)
-for _n, _d in [("sum", "sum"), ("prod", "product"), ("reducemax", "maximum"), ("reducemin", "minimum")]:
-    op(_n, "reduce", [_A, vec("dims"), v("keepdims", "bool", False)], [t("B")], NUMERIC, _reduce,
+for _n, _d, _empty in [("sum", "sum", True), ("prod", "product", True), ("reducemax", "maximum", False),
+                       ("reducemin", "minimum", False)]:
+    op(_n, "reduce", [_A, vec("dims"), v("keepdims", "bool", False)], [t("B")], NUMERIC, _reduce(_empty),
        f"{_d} over dims", grad=True)
 
 # ---------------------------------------------------------------- beyond deepxIR: what training needs
@@ -929,9 +939,9 @@ op("conv2d", "conv", [_A, t("weight"), *_CONV], [_C], _F, _conv2d,
    "C[n, o] = sum over c (of o's group), i, j of weight[o, c, i, j] A_padded[n, c, y*stride + i*dilation, ...]: "
    "A (N, C, H, W), weight (O, C / groups, kh, kw), C (N, O, Hout, Wout), as torch's conv2d without its bias",
    grad=True, deepxir=False)
-op("conv2dgradinput", "conv", [t("G"), t("weight"), vec("input_shape"), *_CONV], [t("dA")], _F, _conv2dgrad,
+op("conv2dgradinput", "conv", [t("G"), t("weight"), vec("input_shape"), *_CONV], [t("dA")], _F, _conv2dgrad(True),
    "conv2d's gradient for its input A (of shape input_shape) from the gradient G of its result", deepxir=False)
-op("conv2dgradweight", "conv", [_A, t("G"), vec("weight_shape"), *_CONV], [t("dweight")], _F, _conv2dgrad,
+op("conv2dgradweight", "conv", [_A, t("G"), vec("weight_shape"), *_CONV], [t("dweight")], _F, _conv2dgrad(False),
    "conv2d's gradient for its weight (of shape weight_shape) from its input A and the gradient G of its result",
    deepxir=False)
 op("argmax", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,

@@ -25,7 +25,7 @@ from typing import Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
-from deepx_core.ir.effects import DELETES
+from deepx_core.ir.effects import DELETES, FILLS
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, UNKNOWN, Bound, Env, PerOp, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
 
@@ -367,7 +367,7 @@ class _Builder:
                 else:
                     ins.append(None)
                     in_metas.append(None)
-            if b.op.name == "dropout":  # reads the tensor it writes
+            if b.op.differentiable and b.op.effect.kind is FILLS:  # dropout: reads the tensor it writes
                 ins.append((b.out_names[0], self.version.get(b.out_names[0], 0)))
                 in_metas.append(self.sym.meta(b.out_names[0]))
             lists: dict[int, int] = {}

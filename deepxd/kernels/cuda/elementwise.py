@@ -405,7 +405,7 @@ def todtype(ex: CudaExecutor, a: DeviceTensor, out: DeviceTensor) -> bool:
 
 
 #: op -> its kernel here: by its signature (x, y, S), or by hand where the scalars are more than one number
-KERNELS: dict[str, Callable[..., bool]] = {name: kernel_of(OPS[name]) for name in SUPPORT if name != "todtype"}
+KERNELS: dict[str, Callable[..., bool]] = {name: kernel_of(OPS[name]) for name in _SHARED}
 KERNELS.update(gelu=gelu, equal=equal, notequal=notequal, equalscalar=equalscalar, notequalscalar=notequalscalar,
                todtype=todtype)
 
