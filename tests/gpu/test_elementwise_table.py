@@ -23,7 +23,7 @@ from deepx_core.ir.ops import v as varg
 from deepxd.kernels.cpu import CpuExecutor
 from deepxd.kernels.cuda import elementwise as ew
 from tests.gpu.test_kernels import compare
-from tests.kernels.kernel_ref import T, V, instr, ordered
+from tests.kernels.kernel_ref import L, T, V, instr, ordered
 
 OPS_HERE = sorted(name for name in ew.SUPPORT if name != "todtype")
 N = 1031  # four-element packs and a tail of three
@@ -230,3 +230,26 @@ def test_an_op_added_in_one_entry_runs_as_its_own_kernel(gx, lerp, dtype):
         want = a.astype(np.float64) + w * (bb.astype(np.float64) - a.astype(np.float64))
         tol = {"float64": 1e-12, "float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
         np.testing.assert_allclose(gx.get("C").astype(np.float64), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_the_functions_the_fused_language_gained_run_fused_on_the_device(gx, dtype):
+    """floor, ceil, round (halves to even), trunc, log1p and expm1 in a fused expression, against the CPU's fused
+    kernel on the same inputs (halves and signed zeros among them)."""
+    rng = np.random.default_rng(9)
+    a = np.concatenate([np.arange(-20, 21) / 2, [-0.0, 0.25, -0.25], rng.uniform(-4, 4, 400)]).astype(to_numpy(dtype))
+    b = rng.uniform(-0.9, 4, a.shape).astype(to_numpy(dtype))
+    ins = instr("fused", [L(["a", "b"]), V("floor(in0) + ceil(in1) * 2 - round(in0) * trunc(in1) + log1p(in1) "
+                                         "- expm1(in0 * 0.25)")], [T("y")])
+    cpu = CpuExecutor()
+    for n, x in (("a", a), ("b", b)):
+        cpu.put(n, x)
+        gx.put(n, x)
+    cpu.run(ins)
+    gx.run(ins)
+    compare(gx.get("y"), cpu.get("y"), dtype, "elem", f"fused [{dtype}]")
+    r = instr("fused", [L(["a"]), V("round(in0)")], [T("r")])
+    cpu.run(r)
+    gx.run(r)
+    np.testing.assert_array_equal(gx.get("r"), cpu.get("r"))  # exact: halves to even on both
+    assert not gx.fallbacks
