@@ -25,7 +25,7 @@ from typing import Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
-from deepx_core.ir.effects import DELETES
+from deepx_core.ir.effects import DELETES, FILLS
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, UNKNOWN, Bound, Env, PerOp, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
 
@@ -367,7 +367,7 @@ class _Builder:
                 else:
                     ins.append(None)
                     in_metas.append(None)
-            if b.op.name == "dropout":  # reads the tensor it writes
+            if b.op.differentiable and b.op.effect.kind is FILLS:  # dropout: reads the tensor it writes
                 ins.append((b.out_names[0], self.version.get(b.out_names[0], 0)))
                 in_metas.append(self.sym.meta(b.out_names[0]))
             lists: dict[int, int] = {}
@@ -1233,6 +1233,17 @@ _CONST_OPS: dict[type, Callable[[float, float], float]] = {
     ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b}
 
 
+def _whole(fn: Callable[[float], Any]) -> Callable[[float], float]:
+    """A rounding to a whole number that keeps infinities and nan, as numpy's does (Python's raises)."""
+    return lambda a: float(fn(a)) if math.isfinite(a) else a
+
+
+# the functions of the fused language where Python's math has none of that name or meaning (round: halves to even)
+_CONST_CALLS: dict[str, Callable[[float], float]] = {"abs": math.fabs, "floor": _whole(math.floor),
+                                                     "ceil": _whole(math.ceil), "trunc": _whole(math.trunc),
+                                                     "round": _whole(round)}
+
+
 def _constant(fn: Callable[..., float], *args: float) -> float:
     """A part of a fused expression made of numbers alone, folded (as numexpr would compute it: nan, not an error)."""
     try:
@@ -1317,7 +1328,7 @@ def unfuse(expr: str, inputs: Sequence[str], dtype: str, fresh: Callable[[], str
             return emit(both, a, b)
         (a,) = args
         if isinstance(a, float):
-            return _constant(getattr(math, "fabs" if name == "abs" else name), a)
+            return _constant(_CONST_CALLS.get(name) or getattr(math, name), a)
         return emit(name, a)
 
     return prog, walk(tree)

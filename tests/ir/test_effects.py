@@ -570,6 +570,16 @@ def test_effects_are_declared_or_derived_from_the_family_and_the_returns():
         declare("moves", "elementwise", [], [])
 
 
+def test_pure_ops_only_write_their_returns():
+    """`effect.pure`, what dce drops, cse merges and a check remembers: every op but those that change the set of
+    tensors or variables and those that touch files or the output (the io family)."""
+    impure = {n for n, o in OPS.items() if not o.effect.pure}
+    assert impure == {"newtensor", "deltensor", "renametensor", "argset", "vecset", "print", "save", "load",
+                      "loadtensordata"}
+    assert {n for n, o in OPS.items() if o.effect.io} == {"print", "save", "load", "loadtensordata"}
+    assert OPS["copytensor"].effect.pure and OPS["uniform"].effect.pure and OPS["sgd"].effect.pure
+
+
 def test_an_op_added_at_run_time_gets_its_effect():
     added = op("twice_effect", "expr", [t("A")], [t("C")], frozenset({"float32"}), same(0), "2 A", expr="A + A")
     try:

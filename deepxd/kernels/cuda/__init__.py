@@ -46,8 +46,9 @@ def _load() -> tuple[dict[str, Callable[..., Any]], dict[str, frozenset[str]]]:
     support: dict[str, frozenset[str]] = {}
     for mod_name in MODULES:
         mod = importlib.import_module(f"deepxd.kernels.cuda.{mod_name}")
+        table = getattr(mod, "KERNELS", None)  # a module whose kernels are made from the catalogue lists them
         for op, dtypes in mod.SUPPORT.items():
-            kernels[op] = getattr(mod, op)
+            kernels[op] = table[op] if table is not None else getattr(mod, op)
             support[op] = support.get(op, frozenset()) | dtypes
     return kernels, support
 
@@ -56,8 +57,8 @@ _MODULE_KERNELS, _MODULE_SUPPORT = _load()
 
 
 def _kernel(op: OpDef) -> Callable[..., Any] | None:
-    if op.family == "expr":  # no kernel of its own: its expression, run as a fused one
-        from deepxd.kernels.cuda.fused import expr_kernel
+    if op.family == "expr":  # no kernel module: its expression, rendered by the elementwise templates
+        from deepxd.kernels.cuda.elementwise import expr_kernel
 
         return expr_kernel(op)
     return _MODULE_KERNELS.get(op.name)

@@ -137,14 +137,6 @@ __device__ __forceinline__ ll ipow(ll b, ll e) {
     while (e > 0) { if (e & 1) r *= b; b *= b; e >>= 1; }
     return r;
 }
-__device__ __forceinline__ float sigm(float x) {
-    float e = expf(-fabsf(x)), r = 1.0f / (1.0f + e);
-    return x >= 0 ? r : e * r;
-}
-__device__ __forceinline__ double sigm(double x) {
-    double e = exp(-fabs(x)), r = 1.0 / (1.0 + e);
-    return x >= 0 ? r : e * r;
-}
 
 // the offset of linear index i of a row-major `shape` in a tensor with element strides `st`
 __device__ __forceinline__ ll offset_of(ll i, int nd, const Dims& shape, const Dims& st) {
