@@ -100,7 +100,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode, (framework, env) in MODES.items():
             cache = Path(tmp) / ("shared" if "warm" in mode or "full" in mode else mode.replace(" ", "-"))
-            full = {**os.environ, **env, "DEEPX_CUDA_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+            full = {**os.environ, **env, "DEEPX_CUDA_CACHE": str(cache), "PYTHONPATH": path}
             out = subprocess.run([sys.executable, __file__, "--child", framework, "--steps", str(steps)],
                                  env=full, capture_output=True, text=True, cwd=ROOT)
             if out.returncode:

@@ -133,7 +133,7 @@ __device__ __forceinline__ int pool_argmax(const T* xp, int W, int oy, int ox, i
     return best;
 }
 
-extern "C" __global__ void maxpool2d_forward(T* out, const T* x, ll total, PGEOM) {
+extern "C" __global__ void maxpool2d_forward(T* out, const T* x, const T* unused, ll total, PGEOM) {
     for (ll idx = blockIdx.x * (ll)blockDim.x + threadIdx.x; idx < total; idx += (ll)gridDim.x * blockDim.x) {
         const int ox = (int)(idx % OW);
         const ll r = idx / OW;
@@ -173,7 +173,7 @@ extern "C" __global__ void maxpool2d_grad(T* dx, const T* x, const T* gy, ll tot
     }
 }
 
-extern "C" __global__ void sumpool2d_forward(T* out, const T* x, ll total, PGEOM) {
+extern "C" __global__ void sumpool2d_forward(T* out, const T* x, const T* unused, ll total, PGEOM) {
     for (ll idx = blockIdx.x * (ll)blockDim.x + threadIdx.x; idx < total; idx += (ll)gridDim.x * blockDim.x) {
         const int ox = (int)(idx % OW);
         const ll r = idx / OW;
