@@ -27,6 +27,7 @@ import numpy as np
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS, to_numpy
+from deepx_core.ir.effects import DELETES, LOADS, SETS
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, BindCache, Bound, OpDef, PerOp, TensorMeta
 from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name, repeat_count, worded
@@ -179,6 +180,7 @@ class CudaExecutor:
         self._flag = self.alloc(4, "executor", "error flag")
         self.flag_ptr = int(self._flag)
         self._flag_host = np.zeros(1, np.int32)
+        self._capturing: _Capture | None = None  # a CUDA graph capture in progress (capture())
         self.closed = False
 
     # -- configuration
@@ -229,9 +231,17 @@ class CudaExecutor:
 
     def empty(self, shape: Sequence[int], dtype: str | np.dtype, op: str = "alloc", name: str = "") -> DeviceTensor:
         dt = to_numpy(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        cap = self._capturing
+        if cap is not None:  # the memory a deleted tensor of this name had: the graph's addresses stay fixed
+            old = cap.freed.pop(name, None)
+            if old is not None and old.shape == tuple(shape) and old.dtype == dt:
+                return old
         nbytes = math.prod(shape) * dt.itemsize
         buf = self.alloc(nbytes, op, name)
-        return DeviceTensor(buf, int(buf), shape, dt)
+        t = DeviceTensor(buf, int(buf), shape, dt)
+        if cap is not None:
+            cap.keep.append(t)
+        return t
 
     def zeros(self, shape: Sequence[int], dtype: str | np.dtype, op: str = "alloc", name: str = "") -> DeviceTensor:
         t = self.empty(shape, dtype, op, name)
@@ -244,6 +254,7 @@ class CudaExecutor:
             self.cuda.memcpy_dtod_async(dst.ptr, src.ptr, src.nbytes, self.stream)
 
     def to_device(self, array: np.ndarray, op: str = "put", name: str = "") -> DeviceTensor:
+        self._not_capturing(op, "copies host memory to the device")
         a = np.asarray(array)
         if not a.flags.c_contiguous:
             a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into shape (1,)
@@ -253,6 +264,7 @@ class CudaExecutor:
         return t
 
     def to_host(self, t: DeviceTensor) -> np.ndarray:
+        self._not_capturing("get", "copies device memory to the host")
         host = np.empty(t.shape, t.dtype)
         if t.nbytes:
             try:
@@ -264,6 +276,7 @@ class CudaExecutor:
 
     def write(self, t: DeviceTensor, array: np.ndarray) -> None:
         """Copy host `array` (same number of elements and dtype) into device tensor `t`."""
+        self._not_capturing("write", "copies host memory to the device")
         a = np.asarray(array, dtype=t.dtype)
         if not a.flags.c_contiguous:
             a = a.copy(order="C")
@@ -273,6 +286,7 @@ class CudaExecutor:
             self.cuda.memcpy_htod_async(t.ptr, a.reshape(-1).view(np.uint8), self.stream)
 
     def synchronize(self) -> None:
+        self._not_capturing("synchronize", "waits for the device")
         try:
             self.stream.synchronize()
         except self.cuda.Error as e:
@@ -297,7 +311,11 @@ class CudaExecutor:
         self.cuda.memset_d32_async(self.flag_ptr, 0, 1, self.stream)
 
     def raise_flag(self, op: str, message: str) -> None:
-        """Raise DeepxError(op: message) when a kernel since clear_flag set the error flag (waits for it)."""
+        """Raise DeepxError(op: message) when a kernel since clear_flag set the error flag (waits for it). In a
+        capture the check is kept for after each replay of the graph."""
+        if self._capturing is not None:
+            self._capturing.checks.append((op, message))
+            return
         self.cuda.memcpy_dtoh_async(self._flag_host, self.flag_ptr, self.stream)
         self.synchronize()
         if self._flag_host[0]:
@@ -330,6 +348,13 @@ class CudaExecutor:
             if b.op.family in HOST_FAMILIES:
                 from deepxd.kernels.cuda import host
 
+                cap = self._capturing
+                if cap is not None and b.op.effect.kind == DELETES:
+                    for n in b.out_names:
+                        t = self.tensors.get(str(n))
+                        if t is not None:
+                            cap.freed[str(n)] = t
+                            cap.keep.append(t)
                 getattr(host, name)(self, b)
                 return
             if name == "reshape":
@@ -397,6 +422,7 @@ class CudaExecutor:
     def _fallback(self, b: Bound) -> None:
         """Run the CPU kernel on host copies of the instruction's tensors and copy the outputs back."""
         name = b.op.name
+        self._not_capturing(name, "runs its CPU kernel")
         self.fallbacks[name] += 1
         cpu = CpuExecutor(io_roots=self.io_roots, output=self.output)
         cpu.variables = self.variables
@@ -427,8 +453,13 @@ class CudaExecutor:
     def put(self, name: str, array: np.ndarray) -> None:
         """Copy `array` (any dtype deepx knows) to the device as tensor `name`."""
         self._own()
-        dtype_name(np.asarray(array).dtype)
-        self.tensors[name] = self.to_device(np.asarray(array), "put", name)
+        a = np.asarray(array)
+        dtype_name(a.dtype)
+        t = self.tensors.get(name)
+        if t is not None and t.shape == a.shape and t.dtype == a.dtype:
+            self.write(t, a)  # the same memory: a CUDA graph that reads this tensor stays valid (a batch a step)
+            return
+        self.tensors[name] = self.to_device(a, "put", name)
 
     def get(self, name: str) -> np.ndarray:
         """Tensor `name` copied to the host (waits for the kernels before it)."""
@@ -438,6 +469,136 @@ class CudaExecutor:
         except KeyError:
             raise DeepxError(f"tensor '{name}' not found") from None
         return self.to_host(t)
+
+    # -- CUDA graphs
+    def _not_capturing(self, op: str, what: str) -> None:
+        if self._capturing is not None:
+            from deepxd.kernels.cuda.graphs import NotCapturable
+
+            raise NotCapturable(f"{op}: {what}, which a CUDA graph cannot hold")
+
+    def capturable(self, bounds: Sequence[Bound]) -> str | None:
+        """Why these checked instructions cannot run as one CUDA graph (files, output, variables, an op or dtype
+        without a CUDA kernel), or None. Some reasons show only while capturing (a kernel that waits for the
+        device): `capture` returns None for those."""
+        for b in bounds:
+            eff = b.op.effect
+            if eff.io or eff.kind in (SETS, LOADS):
+                return f"{b.op.name} touches the host (files, output or variables)"
+            if b.op.family in HOST_FAMILIES or b.op.name == "reshape":
+                continue
+            if KERNELS.get(b.op.name) is None:
+                return f"{b.op.name} has no CUDA kernel"
+        return None
+
+    def capture(self, bounds: Sequence[Bound]) -> Any:
+        """Run these checked instructions once, recording their launches as CUDA graphs, then launch them (this
+        run's work); returns the `graphs.Captured` to `replay`, or None where an instruction needs the host mid-way
+        (the tensor table is then as before and the caller runs the program as usual). A program is cut into
+        segments after each instruction whose kernel may set the error flag, which is read between them as an
+        instruction-by-instruction run reads it. Tensors deleted and made again under one name keep their memory,
+        so that each replay finds the addresses it recorded. A kernel error raises DeepxError with `.index`."""
+        from deepxd.kernels.cuda import graphs
+
+        self._own()
+        tensors = self.tensors
+        touched: dict[str, None] = {}
+        reads: dict[str, int] = {}
+        written: set[str] = set()
+        for b in bounds:
+            ins = [n for k, n in zip(_ARG_KINDS[b.op.name], b.names) if k == 1]
+            for k, n in zip(_ARG_KINDS[b.op.name], b.names):
+                if k == 2:
+                    ins.extend(n)
+            outs = [str(n) for n in b.out_names if n is not None]
+            if b.op.effect.reads_returns:
+                ins.extend(outs)
+            for n in ins:
+                touched[n] = None
+                if n not in written and n not in reads:
+                    t = tensors.get(n)
+                    if t is None:
+                        return None  # checked against another state
+                    reads[n] = t.ptr
+            for n in outs:
+                touched[n] = None
+                written.add(n)
+        before = {n: tensors.get(n) for n in touched}
+        cap = self._capturing = _Capture()
+        cap.keep.extend(t for t in before.values() if t is not None)
+        stream = self.stream.handle
+        segments: list[Any] = []
+        graph = 0
+        try:
+            at = 0
+            while at < len(bounds):
+                graphs.begin(stream)
+                check = None
+                try:
+                    self.clear_flag()
+                    while at < len(bounds):
+                        n_checks = len(cap.checks)
+                        self.execute(bounds[at])
+                        at += 1
+                        if len(cap.checks) > n_checks:  # read the flag before the next instruction runs
+                            op, message = cap.checks[-1]
+                            check = (at - 1, op, message)
+                            break
+                finally:
+                    graph = graphs.end(stream)
+                segments.append(graphs.Segment(graph, 0, check, {n: tensors.get(n) for n in touched}))
+                graph = 0
+            for seg in segments:
+                seg.exe = graphs.instantiate(seg.graph)
+        except DeepxError as e:
+            graphs.destroy_graph(graph)
+            graphs.Captured(segments, {}, []).destroy()
+            for n, t in before.items():  # the host side ran, the device side did not: as before
+                if t is None:
+                    tensors.pop(n, None)
+                elif tensors.get(n) is not t:
+                    tensors[n] = t
+            log.debug("cuda: no graph for this program: %s", e)
+            return None
+        finally:
+            self._capturing = None
+        captured = graphs.Captured(segments, reads, cap.keep)
+        # the table holds what the whole program leaves; a failure part-way puts back that segment's state
+        self._launch(captured)
+        return captured
+
+    def replay(self, captured: Any) -> bool:
+        """Run a captured program again, one launch per segment, where the tensors it reads first are the memory it
+        recorded (False, nothing run, where not); the tensor table then holds what the program leaves. A kernel
+        error raises DeepxError whose `.index` is the failing instruction's (those after it did not run)."""
+        self._own()
+        if not captured.valid(self.tensors):
+            return False
+        self._launch(captured)
+        captured.replays += 1
+        return True
+
+    def _launch(self, captured: Any) -> None:
+        from deepxd.kernels.cuda import graphs
+
+        tensors = self.tensors
+        for seg in captured.segments:
+            graphs.launch(seg.exe, self.stream.handle)
+            failed = False
+            if seg.check is not None:
+                self.cuda.memcpy_dtoh_async(self._flag_host, self.flag_ptr, self.stream)
+                self.synchronize()
+                failed = bool(self._flag_host[0])
+            for n, t in seg.after.items():
+                if t is None:
+                    tensors.pop(n, None)
+                elif tensors.get(n) is not t:
+                    tensors[n] = t
+            if failed:
+                index, op, message = seg.check
+                err = DeepxError(f"{op}: {message}")
+                err.index = index  # type: ignore[attr-defined]
+                raise err
 
     def close(self) -> None:
         """Free every tensor and the pool, and release the context (on the owning thread)."""
@@ -465,6 +626,16 @@ class CudaExecutor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Capture:
+    """A capture in progress: tensors deleted by name (their memory kept for the next of that name), every tensor
+    the graph uses, the error-flag checks its kernels deferred."""
+
+    def __init__(self) -> None:
+        self.freed: dict[str, DeviceTensor] = {}
+        self.keep: list[DeviceTensor] = []
+        self.checks: list[tuple[str, str]] = []
 
 
 def _dtype_of(b: Bound, metas: dict[str, TensorMeta]) -> str:
