@@ -171,3 +171,46 @@ mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
         assert ex.replay(captured)
         np.testing.assert_allclose(ex.get("l2"), 2 * np.log(4.0), rtol=1e-6)
         captured.destroy()
+
+
+def _adam_step(k: int, lr: float):
+    return parse_text(f"""
+mul (tensor<float32>:w, tensor<float32>:x) -> (tensor<float32>:g)
+adamw (tensor<float32>:w, tensor<float32>:g, tensor<float32>:m, tensor<float32>:v, var<float64>:{lr}, var<float64>:0.9, var<float64>:0.999, var<float64>:1e-8, var<float64>:0.01, var<int32>:{k}) -> (tensor<float32>:w, tensor<float32>:m, tensor<float32>:v)
+deltensor () -> (tensor<float32>:g)
+""")  # noqa: E501
+
+
+def test_an_optimizer_update_takes_new_numbers_each_step_without_a_new_graph(tmp_path):
+    """AdamW's step count and a schedule's learning rate change every step: the captured update reads them from a
+    slot that refresh() rewrites, and the replays match the runs instruction by instruction."""
+    from deepxd.kernels.cuda import CudaExecutor
+
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal(1000).astype(np.float32)
+    with CudaExecutor(cache_dir=tmp_path) as eager, CudaExecutor(cache_dir=tmp_path) as graphed:
+        for ex in (eager, graphed):
+            ex.put("w", w0)
+            ex.put("m", np.zeros(1000, np.float32))
+            ex.put("v", np.zeros(1000, np.float32))
+        captured = None
+        for k in range(1, 7):
+            lr = 0.1 / k
+            x = rng.standard_normal(1000).astype(np.float32)
+            eager.put("x", x)
+            _eager(eager, _adam_step(k, lr))
+            graphed.put("x", x)
+            bounds = check_program(_adam_step(k, lr), graphed, graphed.plans)
+            if k == 1:
+                _eager(graphed, _adam_step(k, lr))
+            elif captured is None:
+                captured = graphed.capture(bounds)
+                assert captured is not None and list(captured.slots) == [1]
+            else:
+                assert graphed.refresh(captured, 1, bounds[1])
+                assert not graphed.refresh(captured, 0, bounds[0])  # not an update: its numbers are the graph's
+                assert graphed.replay(captured)
+            np.testing.assert_array_equal(graphed.get("w"), eager.get("w"), err_msg=f"step {k}")
+        np.testing.assert_array_equal(graphed.get("m"), eager.get("m"))
+        np.testing.assert_array_equal(graphed.get("v"), eager.get("v"))
+        captured.destroy()

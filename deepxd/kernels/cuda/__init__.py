@@ -181,6 +181,7 @@ class CudaExecutor:
         self.flag_ptr = int(self._flag)
         self._flag_host = np.zeros(1, np.int32)
         self._capturing: _Capture | None = None  # a CUDA graph capture in progress (capture())
+        self._refreshing: tuple[Any, int] | None = None  # (captured, slot) whose numbers refresh() writes
         self.closed = False
 
     # -- configuration
@@ -477,6 +478,37 @@ class CudaExecutor:
 
             raise NotCapturable(f"{op}: {what}, which a CUDA graph cannot hold")
 
+    def numbers(self, values: Sequence[float]) -> int | None:
+        """Where an optimizer update of a program being captured reads its numbers (the device address of its slot,
+        written with `values`); 0 while refresh() rewrites a captured update's slot (launch nothing); None
+        otherwise (pass them as arguments)."""
+        refreshing = self._refreshing
+        if refreshing is not None:
+            captured, offset = refreshing
+            captured.numbers_host[offset:offset + len(values)] = values
+            return 0
+        cap = self._capturing
+        if cap is None or cap.numbers_dev is None:
+            return None
+        offset = cap.slot_width * len(cap.slots)
+        cap.slots[cap.index] = offset
+        cap.numbers_host[offset:offset + len(values)] = values
+        return int(cap.numbers_dev) + 8 * offset
+
+    def refresh(self, captured: Any, index: int, bound: Bound) -> bool:
+        """Give instruction `index` of a captured program its new numbers (an optimizer update's step and learning
+        rate, bound again): written into its slot, read by the next replay. False where that instruction's numbers
+        are part of the graph (not an optimizer update): the graph no longer stands for the program."""
+        offset = captured.slots.get(index)
+        if offset is None:
+            return False
+        self._refreshing = (captured, offset)
+        try:
+            self.execute(bound)
+        finally:
+            self._refreshing = None
+        return True
+
     def capturable(self, bounds: Sequence[Bound]) -> str | None:
         """Why these checked instructions cannot run as one CUDA graph (files, output, variables, an op or dtype
         without a CUDA kernel), or None. Some reasons show only while capturing (a kernel that waits for the
@@ -524,8 +556,13 @@ class CudaExecutor:
                 touched[n] = None
                 written.add(n)
         before = {n: tensors.get(n) for n in touched}
-        cap = self._capturing = _Capture()
+        cap = _Capture()
+        updates = sum(1 for b in bounds if b.op.family == "optim")
+        if updates:  # the optimizer updates read their numbers from here (numbers())
+            cap.numbers_dev = self.alloc(8 * cap.slot_width * updates, "capture", "optimizer numbers")
+            cap.numbers_host = np.zeros(cap.slot_width * updates, np.float64)
         cap.keep.extend(t for t in before.values() if t is not None)
+        self._capturing = cap
         stream = self.stream.handle
         segments: list[Any] = []
         graph = 0
@@ -538,6 +575,7 @@ class CudaExecutor:
                     self.clear_flag()
                     while at < len(bounds):
                         n_checks = len(cap.checks)
+                        cap.index = at
                         self.execute(bounds[at])
                         at += 1
                         if len(cap.checks) > n_checks:  # read the flag before the next instruction runs
@@ -562,7 +600,8 @@ class CudaExecutor:
             return None
         finally:
             self._capturing = None
-        captured = graphs.Captured(segments, reads, cap.keep)
+        captured = graphs.Captured(segments, reads, cap.keep, numbers_dev=cap.numbers_dev,
+                                   numbers_host=cap.numbers_host, slots=cap.slots)
         # the table holds what the whole program leaves; a failure part-way puts back that segment's state
         self._launch(captured)
         return captured
@@ -582,6 +621,8 @@ class CudaExecutor:
         from deepxd.kernels.cuda import graphs
 
         tensors = self.tensors
+        if captured.numbers_dev is not None:  # the updates' numbers of this step (a pageable copy: done at once)
+            self.cuda.memcpy_htod_async(int(captured.numbers_dev), captured.numbers_host, self.stream)
         for seg in captured.segments:
             graphs.launch(seg.exe, self.stream.handle)
             failed = False
@@ -632,10 +673,16 @@ class _Capture:
     """A capture in progress: tensors deleted by name (their memory kept for the next of that name), every tensor
     the graph uses, the error-flag checks its kernels deferred."""
 
+    slot_width = 16  # numbers per optimizer update
+
     def __init__(self) -> None:
         self.freed: dict[str, DeviceTensor] = {}
         self.keep: list[DeviceTensor] = []
         self.checks: list[tuple[str, str]] = []
+        self.index = 0  # the instruction being captured
+        self.slots: dict[int, int] = {}  # instruction index -> offset of its numbers
+        self.numbers_dev: Any = None
+        self.numbers_host: np.ndarray = np.zeros(0, np.float64)
 
 
 def _dtype_of(b: Bound, metas: dict[str, TensorMeta]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepx_core.errors import DeepxError
@@ -101,6 +101,9 @@ class Captured:
     reads: dict[str, int]
     keep: list[Any]
     replays: int = 0
+    numbers_dev: Any = None  # the optimizer updates' numbers, read by their kernels (None: no update)
+    numbers_host: Any = None  # what is copied there before each launch
+    slots: dict[int, int] = field(default_factory=dict)  # instruction index -> offset in numbers_host
 
     @property
     def checks(self) -> list[tuple[int, str, str]]:
@@ -122,6 +125,7 @@ class Captured:
                 _driver().cuGraphDestroy(ctypes.c_void_p(seg.graph))
                 seg.graph = 0
         self.keep.clear()
+        self.numbers_dev = None
 
 
 def destroy_graph(graph: int) -> None:
