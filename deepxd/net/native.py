@@ -43,6 +43,7 @@ from deepxd import groups
 from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
+from deepxd.net.peerlink import SLICE_BYTES, split_frame
 from deepxd.owners import Owners, session_of_hello
 
 if TYPE_CHECKING:
@@ -489,8 +490,16 @@ class NativeServer:
 
     async def _reply(self, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
         try:
-            writer.write(pack_frame(reply))
-            await writer.drain()
+            split = split_frame(reply)  # a chunk for a peer: its bytes written as they are, slice by slice
+            if split is None:
+                writer.write(pack_frame(reply))
+                await writer.drain()
+                return
+            head, data = split
+            writer.write(head)
+            for i in range(0, len(data), SLICE_BYTES):
+                writer.write(data[i:i + SLICE_BYTES])
+                await writer.drain()
         except (ConnectionError, BrokenPipeError):
             pass
 
@@ -705,6 +714,21 @@ class NativeServer:
     async def _op_group_leave(self, req: dict[str, Any]) -> dict[str, Any]:
         return await groups.leave(self.node, req.get("group"), req.get("gen"), req.get("rank"),
                                   req.get("delete") or [], req.get("forget") or [])
+
+    # -- peer links: another deepxd's requests (deepxd/peers.py)
+    async def _op_peer_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_ping(req)
+
+    async def _op_peer_hold(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_hold(req)
+
+    async def _op_peer_read(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_read(req)
+
+    def _peers(self) -> Any:
+        if self.node.peers is None:
+            raise DeepxError("this deepxd is not started: it has no peer links")
+        return self.node.peers
 
     async def _op_fetch(self, req: dict[str, Any]) -> dict[str, Any]:
         names = req.get("names")

@@ -533,6 +533,22 @@ def _conv(rng, dt):
     return out
 
 
+@case("maxpool2d", "maxpool2dgrad", "sumpool2d", "sumpool2dgrad")
+def _pool(rng, dt):
+    """Each of the four on a few windows (stride, dilation, overlapping), against the CPU kernels."""
+    out = []
+    for (n, c, h, w, kh, kw, s, d) in [(2, 3, 7, 6, 3, 2, (2, 1), (1, 2)), (2, 1, 5, 5, 3, 3, (1, 1), (1, 1)),
+                                       (1, 4, 8, 8, 2, 2, (2, 2), (1, 1))]:
+        oh, ow = (h - d[0] * (kh - 1) - 1) // s[0] + 1, (w - d[1] * (kw - 1) - 1) // s[1] + 1
+        x, gy = r(rng, dt, (n, c, h, w)), r(rng, dt, (n, c, oh, ow))
+        geometry = [VEC((kh, kw)), VEC(s), VEC(d)]
+        out += [one("maxpool2d", {"x": x}, [T("x"), *geometry]),
+                one("maxpool2dgrad", {"x": x, "g": gy}, [T("x"), T("g"), *geometry], scale="max"),
+                one("sumpool2d", {"x": x}, [T("x"), *geometry], scale="max"),
+                one("sumpool2dgrad", {"g": gy}, [T("g"), VEC(x.shape), *geometry], scale="max")]
+    return out
+
+
 @case("rmsnorm")
 def _rmsnorm(rng, dt):
     a = r(rng, dt, (3, 4, 8))
