@@ -1,6 +1,7 @@
 """The CUDA executor's kernels against torch on the same GPU, in one run; every figure is a ratio against torch.
 
-1. float32 add at 256M elements (bandwidth), one instruction with benchmark.repeat, against torch.add(out=).
+1. float32 add at 256M elements (bandwidth), one instruction with benchmark.repeat, against torch.add(out=); sigmoid
+   (its kernel rendered from the op table's expression) in float32 and float16, against torch.sigmoid(out=).
 2. GEMM 8192^3 float32 (IEEE) and TF32 through cuBLAS, against torch.mm(out=) with the same TF32 setting.
 3. A 6-op elementwise chain on 64M float32 elements as one `fused` instruction, against torch eager (6 kernels).
 4. softmax over rows of 4096 (64K rows) and a sum over the last dim, against torch.
@@ -64,6 +65,22 @@ def main() -> None:
     t_t = timed(tadd, tsync, reps)
     rows.append(("add f32 256M: TB/s", 12 * n / t_dx / 1e12, 12 * n / t_t / 1e12))
     ex.tensors.clear()
+
+    # 1b. sigmoid: the kernel rendered from the op table's stable-sigmoid expression, in float32 and float16
+    for dt, tdt, size in (("float32", torch.float32, 4), ("float16", torch.float16, 2)):
+        s = np.random.default_rng(2).uniform(-8, 8, n).astype(dt)
+        ex.put("s", s)
+        t_dx = timed(lambda: ex.run(ins("sigmoid", [T("s")], [T("o")], reps)), ex.synchronize, reps)
+        ts = torch.from_numpy(s).cuda()
+        to = torch.empty_like(ts, dtype=tdt)
+
+        def tsig():
+            for _ in range(reps):
+                torch.sigmoid(ts, out=to)
+
+        t_t = timed(tsig, tsync, reps)
+        rows.append((f"sigmoid {dt} 256M: TB/s", 2 * size * n / t_dx / 1e12, 2 * size * n / t_t / 1e12))
+        ex.tensors.clear()
 
     # 2. GEMM
     m = 4096 if args.quick else 8192

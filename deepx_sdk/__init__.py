@@ -104,8 +104,10 @@ def _lazy(name: str) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("nn", "optim", "io", "utils", "distributed"):
+    if name in ("nn", "optim", "io", "utils", "distributed", "amp"):
         return _lazy(name)
+    if name in ("autocast", "GradScaler", "is_autocast_enabled", "get_autocast_dtype"):
+        return getattr(_lazy("amp"), name)
     if name == "Generator":
         return _lazy("utils.data").Generator
     if name in ("device", "cuda"):

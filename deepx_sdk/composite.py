@@ -159,6 +159,10 @@ def lerp(start: Tensor, end: Any, weight: Any) -> Tensor:
 
 
 def addmm(input: Tensor, mat1: Tensor, mat2: Tensor, *, beta: Any = 1, alpha: Any = 1) -> Tensor:
+    from deepx_sdk.amp import lower, state
+
+    if state.dtype is not None:  # one op of autocast's lower list in torch: the input added in the lower dtype too
+        input, mat1, mat2 = lower(input, mat1, mat2)
     prod = mat1 @ mat2
     prod = prod if alpha == 1 else prod * alpha
     return prod if beta == 0 else (input if beta == 1 else input * beta) + prod

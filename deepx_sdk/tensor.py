@@ -23,6 +23,8 @@ from deepx_core.ir.dtypes import from_numpy as precision_of
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, Call, TensorMeta
 from deepx_core.ir.shapes import broadcast, norm_dim, numel
+from deepx_sdk.amp import lower as _amp_lower
+from deepx_sdk.amp import state as _amp
 from deepx_sdk.recorder import _IN_SDK, origin
 from deepx_sdk.session import Session, session
 from deepx_sdk.tape import graph_of
@@ -309,11 +311,20 @@ def _arith(op: str, scalar_op: str, rscalar_op: str | None = None, reverse: bool
     return method
 
 
+#: elementwise methods that autocast runs in float32 (torch's CUDA list), and the dtypes it casts up for them
+_AMP_FLOAT32 = frozenset({"exp", "log", "log1p", "expm1", "tan", "reciprocal"})
+_HALF = frozenset({"bfloat16", "float16"})
+
+
 def _float_unary(op: str) -> Any:
     """A float elementwise method (x.exp(), x.relu(), ...): a float tensor that requires no grad recorded straight
     away, the rest by Tensor._unary (an integer tensor is cast to float first, as torch does)."""
 
+    up = op in _AMP_FLOAT32  # autocast runs it in float32
+
     def method(self: Tensor) -> Tensor:
+        if up and _amp.dtype is not None and self.dtype in _HALF:
+            return getattr(self.type_as_dtype("float32"), op)()
         if self.dtype in _FLOAT_RANK and not self.requires_grad:
             return _emit(self._s, op, (self._p or _tp(self),), self.shape, self.dtype, 2)
         return self._unary(op)
@@ -950,6 +961,8 @@ class Tensor:
     sqrt = _float_unary("sqrt")
 
     def rsqrt(self) -> Tensor:
+        if _amp.dtype is not None and self.dtype in _HALF:
+            return self.type_as_dtype("float32").rsqrt()
         return 1.0 / self.sqrt()
 
     sin = _float_unary("sin")
@@ -1008,6 +1021,8 @@ class Tensor:
         return self * self
 
     def pow(self, e: Any) -> Tensor:
+        if _amp.dtype is not None and self.dtype in _HALF:
+            return self.type_as_dtype("float32") ** e
         return self ** e
 
     def clamp(self, min: Any = None, max: Any = None) -> Tensor:  # torch's names, shadowing builtins
@@ -1031,11 +1046,15 @@ class Tensor:
 
     def softmax(self, dim: _int = -1) -> Tensor:
         a = self._unary_cast()
+        if _amp.dtype is not None and a.dtype in _HALF:
+            a = a.type_as_dtype("float32")
         norm_dim("softmax", dim, a.ndim, scalar_ok=True)
         return a._op("softmax", (_tp(a), _vp(int(dim))), a.shape, a.dtype, [a])
 
     def log_softmax(self, dim: _int = -1) -> Tensor:
         a = self._unary_cast()
+        if _amp.dtype is not None and a.dtype in _HALF:
+            a = a.type_as_dtype("float32")
         norm_dim("log_softmax", dim, a.ndim, scalar_ok=True)
         return a._op("logsoftmax", (_tp(a), _vp(int(dim))), a.shape, a.dtype, [a])
 
@@ -1069,6 +1088,8 @@ class Tensor:
         return a._op(op, (_tp(a), pdims, pkeep), shape, dt, (a,))
 
     def sum(self, dim: Any = None, keepdim: _bool = False, dtype: Any = None) -> Tensor:
+        if _amp.dtype is not None and self.dtype in _HALF and dtype is None:
+            return self.type_as_dtype("float32").sum(dim, keepdim)
         if dtype is None and (dim is None or type(dim) is int) and not self.requires_grad:
             known = _REDUCTIONS.get(("sum", self.shape, self.dtype, dim, keepdim))  # as _reduce remembered it
             if known is not None:
@@ -1076,6 +1097,8 @@ class Tensor:
         return self._reduce("sum", dim, keepdim, dtype_name(dtype) if dtype is not None else None)
 
     def prod(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
+        if _amp.dtype is not None and self.dtype in _HALF:
+            return self.type_as_dtype("float32").prod(dim, keepdim)
         return self._reduce("prod", dim, keepdim)
 
     def mean(self, dim: Any = None, keepdim: _bool = False) -> Tensor:
@@ -1125,6 +1148,8 @@ class Tensor:
     def cumsum(self, dim: _int, *, dtype: Any = None) -> Tensor:
         """Running sums along dim; integer and bool tensors sum in int64, as torch's (`dtype`: cast first)."""
         a = self.type_as_dtype(dtype_name(dtype)) if dtype is not None else self
+        if _amp.dtype is not None and a.dtype in _HALF:
+            a = a.type_as_dtype("float32")
         if a.dtype in ("bool", "int8", "int16", "int32"):
             a = a.type_as_dtype("int64")
         meta = a._infer("cumsum", [TensorMeta(a.shape, a.dtype), dim, False], [a.name, None, None])
@@ -2026,6 +2051,8 @@ _MATMUL_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16"})
 
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
+    if _amp.dtype is not None:
+        a, b = _amp_lower(a, b)
     sa, sb = a.shape, b.shape
     if len(sa) == 2 and len(sb) == 2 and sa[1] == sb[0] and a.dtype is b.dtype and a.dtype in _MATMUL_DTYPES:
         # two matrices of one dtype (a Linear layer's): what the general path below works out, without its steps

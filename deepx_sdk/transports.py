@@ -70,6 +70,7 @@ class NativeTransport(Transport):
 
         self.client = NativeClient(address, client="deepx_sdk", name=name, **remote)
         self.address = address
+        self.remote = remote  # token, TLS: how another process of this program connects (DataLoader workers)
 
     takes_backwards = True
 

@@ -154,7 +154,8 @@ async def plane_nodes(kv: Readable) -> list[dict[str, Any]]:
         rows.append({"node": key.split(":", 1)[1], "roles": h.get("roles", ""), "pid": h.get("pid", ""),
                      "state": h.get("state", ""), "addresses": addresses, "devices": h.get("devices", ""),
                      "heartbeat_age_s": round(now - hb, 3) if hb else None, "started": h.get("started", 0),
-                     "blas": h.get("blas", "")})
+                     "blas": h.get("blas", ""), "host": h.get("host", ""), "heartbeat_s": h.get("heartbeat_s"),
+                     "peer_timeout_s": h.get("peer_timeout_s")})
     return rows
 
 

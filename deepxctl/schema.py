@@ -234,8 +234,8 @@ class CacheRow(Schema):
         return c
 
 
-#: a running node whose heartbeat is older than this many of its heartbeats (heartbeat_s, 2 s by default) is shown
-#: as dead (deepxd.peers.DEAD_HEARTBEATS: the daemons' own rule)
+#: a running node whose heartbeat is older than its peer_timeout_s (its record's), or where the record has none this
+#: many of its heartbeats (heartbeat_s, 2 s by default), is shown as dead (deepxd/peers.py: the daemons' own rule)
 STALE_BEATS = 5
 DEFAULT_HEARTBEAT_S = 2.0
 
@@ -250,6 +250,11 @@ class Node(Schema):
     addresses: dict[str, str] = field(default_factory=dict, metadata=col(render=urls, whole=True))
     heartbeat_age_s: float | None = field(default=None, metadata=col("HEARTBEAT AGE", render=seconds, right=True))
     devices: list[str] = field(default_factory=list, metadata=col(render=words, whole=True))
+    # the peer link of the daemon asked to it: unix, tcp, tls, down (link_error says why), self; "" read from the plane
+    link: str = field(default="", metadata=col(detail=True))
+    host: str = field(default="", metadata=col(detail=True))
+    link_age_s: float | None = field(default=None, metadata=col("LINK AGE", detail=True, render=seconds, right=True))
+    link_error: str = field(default="", metadata=col("LINK ERROR", detail=True))
     pid: int | None = field(default=None, metadata=col(detail=True, right=True))
     started: float = field(default=0.0, metadata=col(detail=True, render=timestamp))
     blas: str = field(default="", metadata=col("BLAS", detail=True))  # op-cpu's matmul: "mkl 2026.2" or "numpy"
@@ -261,7 +266,8 @@ class Node(Schema):
         n.pid = _int(raw["pid"]) if raw.get("pid") not in (None, "") else None
         n.started = _float(n.started)
         beat = _float(raw.get("heartbeat_s") or DEFAULT_HEARTBEAT_S)
-        if n.state == "running" and n.heartbeat_age_s is not None and n.heartbeat_age_s > STALE_BEATS * beat:
+        timeout = _float(raw.get("peer_timeout_s") or STALE_BEATS * beat)
+        if n.state == "running" and n.heartbeat_age_s is not None and n.heartbeat_age_s > timeout:
             n.state = "dead"  # it stopped without saying so (killed, or its host gone): its records are left over
         return n
 

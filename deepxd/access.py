@@ -44,6 +44,16 @@ class UdpScope:
     def __contains__(self, name: str) -> bool:
         return name in self.made or name in self.shared
 
+    def reaches(self, instr: Instr) -> bool:
+        """Whether every tensor `instr` names is UDP's (made over UDP, or shared): refuse() would let it run without
+        looking anything up. False says only that refuse() must be asked."""
+        change = apply_effect(instr)
+        for group in (change.reads, change.created, change.written, change.deleted):
+            for n in group:
+                if n not in self.made and n not in self.shared:
+                    return False
+        return all(old in self for old, _ in change.renamed)
+
     async def refuse(self, instr: Instr) -> str | None:
         """Why `instr` may not run for a UDP sender, None when it may."""
         reads, writes = tensor_names(instr)

@@ -48,6 +48,9 @@ _options = [
     click.option("--config", "config_path", type=click.Path(dir_okay=False),
                  help="TOML config file (default: $DEEPX_CONFIG, else ./config/deepxd.toml if present)."),
     click.option("--node-id", help="This node's id in the storage plane (default: the host name)."),
+    click.option("--peer-timeout", "peer_timeout_s", type=float, default=None, metavar="SECONDS",
+                 help="Another node silent this long (no heartbeat in the plane, none over its peer link) is dead: "
+                 "its heap tensors unreachable, its holds released (default 10)."),
     click.option("--io-root", "io_roots", multiple=True,
                  help="A directory save/load may touch (repeatable; default: the working and temp directories)."),
     click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None),

@@ -7,7 +7,7 @@ import os
 import socket
 import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,10 @@ class Config:
     io_roots: list[str] = field(default_factory=list)  # default: the working directory and the temp directory
     max_frame_bytes: int = 1 << 30
     heartbeat_s: float = 2.0
+    # another node silent this long (no heartbeat in the plane, nothing over its peer link) is dead (docs/cluster.md)
+    peer_timeout_s: float = 10.0
+    host: str = ""  # the host this node says it runs on (default: the host name); nodes of one host map each other
+    tls_cafile: str = ""  # PEM CA certificates that sign other nodes' TLS listeners (default: tls_cert, else system's)
     inline_elements: int = 1 << 16  # programs writing more elements than this run off the event loop; -1: none
     heap_pool_bytes: int = -1  # freed segments kept for reuse; -1: heap_pool_default() of /dev/shm's size
     restart_max: int = 3
@@ -51,6 +55,7 @@ class Config:
     fuse_min_elements: int = 0  # fuse only ops whose result has this many elements (0: measured best, docs/compiler.md)
     cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
     cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)
+    cuda_warm: int = 1  # 1: op-cuda compiles its kernel modules not yet on disk in background threads at start
     native_kernels: int = 1  # 1: op-cpu compiles some kernels with the machine's C compiler, where there is one
     blas: str = "auto"  # op-cpu's matmul: auto (MKL where installed, else numpy's BLAS), mkl or numpy (blas.py)
 
@@ -58,6 +63,7 @@ class Config:
         """A copy with every default filled in and every value checked."""
         c = dataclasses.replace(self)
         c.node_id = c.node_id or socket.gethostname()
+        c.host = c.host or socket.gethostname()
         if c.kv_password_file and not c.kv_password:
             from deepxd.kv.base import read_password_file
 
@@ -101,6 +107,11 @@ class Config:
             from deepxd.shm import shm_total_bytes
 
             c.heap_pool_bytes = heap_pool_default(shm_total_bytes())
+        if c.heartbeat_s <= 0:
+            raise DeepxError(f"heartbeat_s: {c.heartbeat_s} must be > 0")
+        if c.peer_timeout_s < 2 * c.heartbeat_s:
+            raise DeepxError(f"peer_timeout_s: {c.peer_timeout_s} s is less than two heartbeats (heartbeat_s = "
+                             f"{c.heartbeat_s}): a live node would be taken for dead between two of its heartbeats")
         if c.max_frame_bytes < 1024:
             raise DeepxError(f"max_frame_bytes: {c.max_frame_bytes} is too small (at least 1024)")
         c.blas = c.blas.strip().lower()
@@ -275,6 +286,17 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None, **fl
         raise DeepxError("token and token_file are both set (in the config file, DEEPX_TOKEN, DEEPX_TOKEN_FILE or "
                          "--token-file): give the token once")
     return Config(**values)
+
+
+def environment_settings(keys: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The DEEPX_<NAME> values of these settings that are set, checked."""
+    environ: Mapping[str, str] = os.environ if env is None else env
+    out: dict[str, Any] = {}
+    for key in keys:
+        raw = environ.get(f"DEEPX_{key.upper()}")
+        if raw:
+            out[key] = _coerce(key, raw, f"DEEPX_{key.upper()}")
+    return out
 
 
 def _has_password(url: str) -> bool:

@@ -21,13 +21,15 @@ from deepx_core.ir.instr import Instr
 from deepxd import groups
 from deepxd.actors.messages import Backward, ListGraphs, Put, Relabel, Replay, Run
 from deepxd.actors.worker import RunResult
-from deepxd.config import Config, with_needed_roles
+from deepxd.config import Config, environment_settings, with_needed_roles
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_store, replay_graph
 from deepxd.node import Node
 from deepxd.owners import Session
 
 #: the roles of an embedded node when neither the caller nor DEEPX_ROLES names them
 DEFAULT_ROLES = ("registry", "heapmem", "scheduler", "op-cpu")
+#: settings an embedded node takes from DEEPX_<NAME> variables, as deepxd does (the GPU's)
+FROM_ENVIRONMENT = ("cuda_device", "cuda_tf32", "cuda_warm")
 
 
 class EmbeddedNode:
@@ -39,7 +41,8 @@ class EmbeddedNode:
         # own thread sleeps: no thread hand-off for a program the actors answer at once
         self.config = Config(listen=[f"unix://{socket_path}"], udp="off",
                              roles=with_needed_roles(list(roles or DEFAULT_ROLES)), node_id=node_id,
-                             log_level="warning", inline_elements=-1, blas=blas, native_kernels=int(native_kernels))
+                             log_level="warning", inline_elements=-1, blas=blas, native_kernels=int(native_kernels),
+                             **environment_settings(FROM_ENVIRONMENT))
         self.node = Node(self.config)
         # the session that owns what the SDK makes here: this process (`name`: the program's, by default)
         me = this_process(name)

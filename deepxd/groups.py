@@ -41,7 +41,7 @@ from deepx_core.ir.text import is_name
 from deepxd.actors.heapmem import node_lifecycle
 from deepxd.actors.messages import ForgetRemote, Run
 from deepxd.actors.worker import RunResult
-from deepxd.peers import DEAD_HEARTBEATS, unreachable
+from deepxd.peers import Peers
 
 if TYPE_CHECKING:
     from deepxd.node import Node
@@ -178,8 +178,8 @@ async def _dead(node: Node, record: dict[str, str], ranks: Sequence[int]) -> lis
             continue
         gone = process_gone(m)
         if gone is None and m.get("node") and m["node"] != node.config.node_id:
-            why = unreachable(await node.kv.hgetall(f"node:{m['node']}"), m["node"],
-                              DEAD_HEARTBEATS * node.config.heartbeat_s)
+            peers = node.peers or Peers(node.kv, node.config.node_id, timeout_s=node.config.peer_timeout_s)
+            why = await peers.why_dead(m["node"])
             gone = f"lost its deepxd: node {m['node']} {why}" if why else None
         if gone is not None:
             out.append(f"{_who(rank, m)} {gone}")
@@ -303,16 +303,23 @@ async def barrier(node: Node, group: Any, gen: Any, rank: Any, seq: Any, timeout
                                  "init_process_group or destroy_process_group)")
             world = int(record.get("world_size") or 0)
             waiting_for: list[int] = []
+            left: int | None = None
             for r in range(world):
                 at = _reached(record.get(f"b{r}"), gen)
                 if leaving:
                     if (at is None or not at[1]) and _member(record, r) is not None:
                         waiting_for.append(r)
                 elif (at is not None and at[1] and at[0] <= seq) or (_member(record, r) is None and r != rank):
-                    raise DeepxError(f"{said}: {_who(r, _member(record, r))} left the group (destroy_process_group, "
-                                     "or its script ended) before it reached this one")
+                    left = r if left is None else left
                 elif at is None or at[0] < seq:
                     waiting_for.append(r)
+            if left is not None:
+                # a rank that left after a death (its collective failed first) is not the cause: name the dead one
+                dead = await _dead(node, record, waiting_for)
+                if dead:
+                    raise DeepxError(f"{said}: {'; '.join(dead)}, before it reached this {what}")
+                raise DeepxError(f"{said}: {_who(left, _member(record, left))} left the group (destroy_process_group, "
+                                 "or its script ended) before it reached this one")
             if not waiting_for:
                 break
             now = time.monotonic()

@@ -23,7 +23,7 @@ from deepxd.actors.messages import Flush, Sync
 from deepxd.config import Config, is_loopback, udp_address
 from deepxd.kv.base import KV, open_kv, redact
 from deepxd.owners import Owners
-from deepxd.peers import DEAD_HEARTBEATS
+from deepxd.peers import Peers
 
 if TYPE_CHECKING:
     from deepxd.actors.worker import OpWorker
@@ -46,6 +46,7 @@ class Node:
         self.addresses: dict[str, str] = {}  # where it listens, as the registry records it
         self.udp_scope: Any = None  # what UDP senders may name (deepxd/access.py), when it is on
         self.owners = Owners()  # who made which tensor, and the labels clients gave (deepxd/owners.py)
+        self.peers: Peers | None = None  # the other nodes and the links to them (deepxd/peers.py), once started
         self.stopping = asyncio.Event()
         self._signals = 0
         self.started = asyncio.Event()
@@ -58,10 +59,14 @@ class Node:
         else:
             self.kv = open_kv(c.kv, prefix=c.kv_prefix, password=c.kv_password or None)
         await self.kv.connect()
+        self.peers = Peers(self.kv, c.node_id, host=c.host, token=c.token, tls_cafile=c.tls_cafile or c.tls_cert,
+                           heartbeat_s=c.heartbeat_s, timeout_s=c.peer_timeout_s)
         try:
             await self._refuse_a_live_namesake()
             await self._start_actors()
             await self._start_transports()
+            if not c.kv.startswith("memory"):  # a plane others can share: ping them (an embedded node has none)
+                await self.peers.start()
         except BaseException:
             await self.shutdown()
             raise
@@ -77,7 +82,7 @@ class Node:
         from deepxd.actors.scheduler import Scheduler
 
         c = self.config
-        assert self.kv is not None
+        assert self.kv is not None and self.peers is not None
         roles = set(c.roles)
         workers: dict[str, ActorRef[OpWorker]] = {}
         cpu_blas = ""  # the library op-cpu's matmul runs on, for the node record
@@ -89,8 +94,8 @@ class Node:
 
             heapmem = HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
                                  device=cuda.device_heap if cuda is not None else None,  # with op-cuda: on the GPU
-                                 dead_after_s=DEAD_HEARTBEATS * c.heartbeat_s, owners=self.owners)
-            self.refs["heapmem"] = self.supervisor.start(heapmem)
+                                 peers=self.peers, owners=self.owners)
+            self.refs["heapmem"] = self.peers.heapmem = self.supervisor.start(heapmem)
             if cuda is not None:
                 cuda.heapmem = self.refs["heapmem"]
         if "op-cpu" in roles:
@@ -105,7 +110,7 @@ class Node:
                      else "off (native_kernels = 0)" if not c.native_kernels else "off (no C compiler found)")
             workers["op-cpu"] = self.refs["op-cpu"] = self.supervisor.start(
                 CpuWorker(heapmem=self.refs.get("heapmem") if cuda is None else None, io_roots=c.io_roots,
-                          inline_elements=c.inline_elements))
+                          inline_elements=c.inline_elements, peers=self.peers))
         if "heapmem" in roles:
             heapmem.viewers = list(workers.values())  # told when a heap tensor they may view is freed
         if "scheduler" in roles:
@@ -126,7 +131,8 @@ class Node:
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
-                blas=cpu_blas, scheduler=self.refs.get("scheduler"), owners=self.owners))
+                blas=cpu_blas, scheduler=self.refs.get("scheduler"), owners=self.owners, peers=self.peers,
+                tls=bool(c.tls_cert)))
             await self._until_started()
             await self.refs["registry"].ask(Flush())  # fails start-up now if the plane cannot be written
 
@@ -153,12 +159,19 @@ class Node:
 
     async def _refuse_a_live_namesake(self) -> None:
         """Stop start-up where a deepxd of this node id runs on this machine (its process alive and its socket
-        answering): two daemons of one id on one plane overwrite each other's node record, and the one left running
-        was then listed stopped, at the other's address. A record left by a daemon that died is taken over."""
-        assert self.kv is not None
+        answering), or on another host (its heartbeat fresh): two daemons of one id on one plane overwrite each
+        other's node record, and the one left running was then listed stopped, at the other's address. A record left
+        by a daemon that died is taken over."""
+        assert self.kv is not None and self.peers is not None
         record = await self.kv.hgetall(f"node:{self.config.node_id}")
         if not record or record.get("state") != "running":
             return
+        if not self.peers.same_host(record):  # another host's: alive while its heartbeat is fresh
+            if await self.peers.why_dead(self.config.node_id, record) is None:
+                raise DeepxError(f"node id '{self.config.node_id}' is in use by a running deepxd on host "
+                                 f"{record.get('host', '?')} (pid {record.get('pid', '?')}) on this storage plane: "
+                                 "give this daemon another one (--node-id, DEEPX_NODE_ID)")
+            return  # its heartbeat stopped: its record is this daemon's now
         try:
             pid = int(record.get("pid", 0))
             address = str(json.loads(record.get("addresses", "{}")).get("unix", ""))
@@ -194,7 +207,8 @@ class Node:
                              "start without op-cuda")
         from deepxd.actors.opcuda import CudaWorker
 
-        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32))
+        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32),
+                            warm=bool(c.cuda_warm))
         self.refs["op-cuda"] = self.supervisor.start(worker)
         try:
             await self.refs["op-cuda"].ask(Sync())
@@ -343,6 +357,8 @@ class Node:
         for s in self.servers:
             await s.close()
         await self.supervisor.stop_all(drain=True)
+        if self.peers is not None:
+            await self.peers.stop()
         if self.kv is not None:
             await self.kv.close()
         log.info("deepxd node %s stopped", self.config.node_id)

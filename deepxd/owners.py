@@ -156,18 +156,23 @@ class Owners:
         """Before a connection's `put` or `run`: what it makes is `session`'s (known before heapmem writes a heap
         tensor's record). A run's tensors are looked for only where the connection gave no prefix (an SDK session's
         are its by their names: nothing per program). What a refused request named is dropped at the next listing."""
+        if not self.made_now(op, req, session, prefixed):  # off the loop, as the daemon unpacks a long program
+            self.made(await asyncio.to_thread(written_by, req["program"]), session)
+
+    def made_now(self, op: str, req: Mapping[str, Any], session: Session, prefixed: bool) -> bool:
+        """made_by without an await where it needs none (all but a run of more than LONG_PROGRAM instructions, whose
+        names are looked for on a thread): whether it was done."""
         if op == "put":
             if isinstance(req.get("name"), str):
                 self.made([req["name"]], session)
-            return
+            return True
         program = req.get("program")
         if prefixed or not isinstance(program, list) or not program:
-            return
-        if len(program) <= LONG_PROGRAM:  # (a loop's repeated instructions decode from the wire's cache)
-            names = written_by(program, cached=True)
-        else:  # off the loop, as the daemon unpacks a long program
-            names = await asyncio.to_thread(written_by, program)
-        self.made(names, session)
+            return True
+        if len(program) > LONG_PROGRAM:
+            return False
+        self.made(written_by(program, cached=True), session)  # (a loop's instructions decode from the wire's cache)
+        return True
 
     def fields(self, name: str) -> dict[str, str]:
         """What is known of tensor `name`: its session's fields (by name, else by the longest prefix) and labels."""

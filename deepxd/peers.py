@@ -1,63 +1,453 @@
-"""Other nodes of this plane, as one node sees them: whether a node is alive (its `node:<id>` record's state and
-heartbeat), and a request to its native socket where it runs on this host (a peer link over its Unix socket; links
-to other hosts come with TCP listeners)."""
+"""Other nodes of this plane, as one node sees them, and the peer links that reach them.
+
+- A link is a native connection (deepx_core.client.NativeClient) to the address in the peer's `node:<id>` record:
+  its Unix socket where it runs on this host (the same `host` and /dev/shm), else its TCP listener, where both sides
+  prove the shared token (deepx_core/auth.py: the HMAC challenge each way), over TLS where it listens so.
+- Every `heartbeat_s` each running peer is pinged over a link of its own (`peer_ping`, which tells the peer that
+  this node is alive too). A peer is dead once it has been silent `timeout_s` (peer_timeout_s, 10 s by default):
+  no heartbeat in the plane, or nothing over its link. Its heap tensors are then unreachable, and the holds it took
+  on this node's are released (HeapMemory.on_release_dead).
+- A program here that names another node's heap tensor reaches it (`reach`): on this host, the owner records this
+  node's hold over the link first, then the segment is mapped (no copy); on another host, its bytes are streamed
+  over the link in bounded chunks (deepxd/net/peerlink.py) into a copy that lives for one program.
+- Requests are blocking clients run on a small thread pool of this object's: a slow or vanished peer holds a thread
+  of its own, never the event loop or another peer's link.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
+import os
 import socket
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from deepx_core.errors import DeepxError
+from deepx_core.ir.dtypes import to_numpy
+from deepx_core.paths import tcp_address
+from deepxd.actors.messages import Hold, Map, Read, Remote
 from deepxd.kv.base import KV
 
-#: a node is dead when its last heartbeat is older than this many of its heartbeats (deepxctl nodes ls: `stale`)
-DEAD_HEARTBEATS = 5
+if TYPE_CHECKING:
+    from deepx_core.client import NativeClient
+    from deepxd.actors.base import ActorRef
+    from deepxd.actors.heapmem import HeapMemory
+
+log = logging.getLogger(__name__)
+
+#: the default of peer_timeout_s: a node silent this long is dead
+PEER_TIMEOUT_S = 10.0
+#: a holder that is another node (its heap tensors mapped there): `node:<id>`
+REMOTE_HOLDER = "node:"
+#: idle connections kept per peer for requests and reads
+IDLE_LINKS = 2
+#: threads that run the blocking requests of all peer links
+LINK_THREADS = 8
 
 
 def unreachable(record: dict[str, str], node: str, dead_after_s: float) -> str | None:
-    """Why node `node` (its `node:<id>` record) cannot be reached now, in words that follow "node X"; None where it
-    is alive."""
+    """Why node `node` (its `node:<id>` record) cannot be reached now by what the plane says, in words that follow
+    "node X"; None where it is alive there."""
     if not record:
         return "is not in the storage plane"
     state = record.get("state")
     if state != "running":
         return f"is {state or 'in an unknown state'}"
-    age = time.time() - float(record.get("heartbeat") or 0)
+    try:
+        beat = float(record.get("heartbeat") or 0)
+    except ValueError:
+        beat = 0.0
+    age = time.time() - beat
     if age > dead_after_s:
-        return f"is dead (its last heartbeat was {age:.1f} s ago)"
+        return f"is dead (its last heartbeat in the storage plane was {age:.1f} s ago)"
     return None
 
 
-def on_this_host(record: dict[str, str]) -> bool:
-    return record.get("host", socket.gethostname()) == socket.gethostname()
-
-
-async def ask_node(kv: KV, node: str, op: str, dead_after_s: float, timeout: float = 30.0,
-                   **fields: Any) -> dict[str, Any]:
-    """The reply of node `node` to native request `op` (DeepxError with its error, or why it cannot be reached)."""
-    from deepx_core.client import NativeClient
-
-    record = await kv.hgetall(f"node:{node}")
-    why = unreachable(record, node, dead_after_s)
-    if why is not None:
-        raise DeepxError(f"node {node} {why}")
-    if not on_this_host(record):
-        raise DeepxError(f"node {node} runs on host {record.get('host')}: nodes on other hosts are reached over "
-                         "peer links, which deepx does not have yet (docs/storage.md)")
+def shm_identity() -> str:
+    """Which /dev/shm this process sees: the kernel's boot id and the device of the mount. Two nodes that share it
+    can map each other's segments (containers, or namespaces, with a /dev/shm of their own cannot)."""
     try:
-        address = json.loads(record.get("addresses") or "{}").get("unix", "")
-    except json.JSONDecodeError:
-        address = ""
-    if not address:
-        raise DeepxError(f"node {node} publishes no Unix socket address in node:{node}")
-    if not address.startswith("unix://"):
-        address = "unix://" + address
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/dev/shm').st_dev}"
+    except OSError:
+        return ""
 
-    def call() -> dict[str, Any]:
-        with NativeClient(address, timeout=timeout, client=f"deepxd peer of {node}") as c:
-            return c.request(op, **fields)
 
-    return await asyncio.to_thread(call)
+@dataclass(frozen=True)
+class Far:
+    """Another node's heap tensor, as its `tensor:<name>` record says."""
+
+    name: str
+    node: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    handle: str  # its segment's name
+    ctime: str  # when it was made (the record's text): with the handle, which tensor this is
+    state: str
+    device: str
+    holders: tuple[str, ...] = ()
+
+
+@dataclass
+class Reached:
+    """Other nodes' heap tensors a program here names: `views` mapped from segments of this host (no copy), `copies`
+    streamed from other hosts (for one program), `nodes` the node of each copy."""
+
+    views: dict[str, Any] = field(default_factory=dict)
+    copies: dict[str, np.ndarray] = field(default_factory=dict)
+    nodes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Link:
+    """A peer as the pings over its link found it."""
+
+    since: float  # when this node began to ping it
+    kind: str  # unix, tcp or tls: how it is reached
+    heard: float | None = None  # its last answer, or its last ping to this node
+    error: str = ""  # why the last ping failed
+    client: NativeClient | None = None
+    task: asyncio.Task[None] | None = None
+
+
+class Peers:
+    """This node's view of the other nodes and its links to them (see the module's docstring). Without `start()`, no
+    pings: liveness is then what the plane says, and links are made when a request needs one."""
+
+    def __init__(self, kv: KV, node_id: str, *, host: str = "", token: str = "", tls_cafile: str = "",
+                 heartbeat_s: float = 2.0, timeout_s: float = PEER_TIMEOUT_S) -> None:
+        self.kv = kv
+        self.node_id = node_id
+        self.host = host or socket.gethostname()
+        self.shm = shm_identity()
+        self.token = token
+        self.tls_cafile = tls_cafile
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        # this node's heapmem: what peers' holds and reads are served from
+        self.heapmem: ActorRef[HeapMemory] | None = None
+        self._links: dict[str, _Link] = {}  # the peers pinged, by node id
+        self._idle: dict[str, list[tuple[str, NativeClient]]] = {}  # (address, connection) free for a request
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    # -- where a peer is
+    def same_host(self, record: dict[str, str]) -> bool:
+        """Whether the node of `record` runs on this host: the same `host`, and the same /dev/shm where both say."""
+        if record.get("host", self.host) != self.host:
+            return False
+        other = record.get("shm")
+        return not other or not self.shm or other == self.shm
+
+    def address(self, node: str, record: dict[str, str]) -> tuple[str, str]:
+        """The address a link to `node` uses, and its kind (unix, tcp, tls); DeepxError where it publishes none."""
+        try:
+            addresses = json.loads(record.get("addresses") or "{}")
+        except json.JSONDecodeError:
+            addresses = {}
+        if self.same_host(record):
+            unix = str(addresses.get("unix") or "")
+            if not unix:
+                raise DeepxError(f"node {node} publishes no Unix socket address in node:{node}")
+            return (unix if unix.startswith("unix://") else f"unix://{unix}"), "unix"
+        tcp = str(addresses.get("tcp") or "")
+        if not tcp:
+            raise DeepxError(f"node {node} runs on host {record.get('host', '?')} and listens on no TCP address, so "
+                             "this node cannot reach it: start it with --listen tcp://HOST:PORT and the cluster's "
+                             "token (docs/cluster.md)")
+        host, port = tcp_address(tcp)
+        if host in ("0.0.0.0", "::", ""):  # every interface: reached by its host's name
+            name = record.get("host", host)
+            tcp = f"tcp://{f'[{name}]' if ':' in name else name}:{port}"
+        return tcp, "tls" if record.get("tls") == "1" else "tcp"
+
+    # -- liveness
+    async def start(self) -> None:
+        """Ping the running peers every heartbeat_s, until stop()."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch(), name="peers:watch")
+
+    async def stop(self) -> None:
+        self._stopped = True
+        tasks = [t for t in (self._task, *(link.task for link in self._links.values())) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for link in self._links.values():
+            if link.client is not None:
+                link.client.close()
+        self._links.clear()
+        for idle in self._idle.values():
+            for _, client in idle:
+                client.close()
+        self._idle.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _watch(self) -> None:
+        """Every heartbeat: a pinger for each running peer of the plane, none for the others."""
+        while not self._stopped:
+            try:
+                running = set()
+                for key in await self.kv.keys("node:*"):
+                    node = key.split(":", 1)[1]
+                    if node == self.node_id:
+                        continue
+                    record = await self.kv.hgetall(key)
+                    if record.get("state") != "running":
+                        continue
+                    try:
+                        _, kind = self.address(node, record)
+                    except DeepxError:
+                        continue  # no address to reach it at: the plane alone says whether it lives
+                    running.add(node)
+                    link = self._links.get(node)
+                    if link is None:
+                        link = self._links[node] = _Link(since=time.time(), kind=kind)
+                    link.kind = kind
+                    if link.task is None or link.task.done():
+                        link.task = asyncio.get_running_loop().create_task(self._pinger(node, link),
+                                                                           name=f"peers:ping:{node}")
+                for node in [n for n in self._links if n not in running]:
+                    self._drop_link(node)
+            except Exception as e:  # a lost plane must not end the watch
+                log.warning("peers: could not read the nodes of the storage plane: %s", e)
+            await asyncio.sleep(self.heartbeat_s)
+
+    def _drop_link(self, node: str) -> None:
+        link = self._links.pop(node)
+        if link.task is not None:
+            link.task.cancel()
+        if link.client is not None:
+            link.client.close()
+
+    async def _pinger(self, node: str, link: _Link) -> None:
+        while not self._stopped:
+            try:
+                if link.client is None:
+                    address, link.kind = self.address(node, await self.kv.hgetall(f"node:{node}"))
+                    link.client = await self._run(self._connect, address, link.kind)
+                reply = await self._run(functools.partial(link.client.request, "peer_ping", node=self.node_id))
+                if reply.get("node") != node:
+                    raise DeepxError(f"its address is answered by node {reply.get('node')!r}")
+                if link.heard is None or link.error:
+                    log.info("peers: linked to node %s over %s", node, link.client.address)
+                link.heard, link.error = time.time(), ""
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if not link.error:  # (a node just started may not listen yet: said only once it was linked)
+                    log.log(logging.WARNING if link.heard else logging.DEBUG,
+                            "peers: node %s does not answer over its peer link: %s", node, e)
+                link.error = str(e) or type(e).__name__
+                if link.client is not None:
+                    link.client.close()
+                    link.client = None
+            await asyncio.sleep(self.heartbeat_s)
+
+    def heard_from(self, node: str) -> None:
+        """A peer pinged this node: it is alive."""
+        link = self._links.get(node)
+        if link is not None:
+            link.heard = time.time()
+
+    async def why_dead(self, node: str, record: dict[str, str] | None = None) -> str | None:
+        """Why node `node` cannot be reached now, in words that follow "node X": its record says so, its heartbeat in
+        the plane or its peer link has been silent timeout_s; None where it is alive."""
+        if record is None:
+            record = await self.kv.hgetall(f"node:{node}")
+        why = unreachable(record, node, self.timeout_s)
+        if why is not None:
+            return why
+        link = self._links.get(node)
+        if link is not None:
+            age = time.time() - (link.heard or link.since)
+            if age > self.timeout_s:
+                return (f"is dead (nothing over its peer link for {age:.1f} s"
+                        f"{f': {link.error}' if link.error else ''})")
+        return None
+
+    async def dead_for_sure(self, node: str) -> str | None:
+        """why_dead, where its record is in the plane (a plane that lost the records says nothing of who lives)."""
+        record = await self.kv.hgetall(f"node:{node}")
+        return await self.why_dead(node, record) if record else None
+
+    def link_row(self, node: str) -> dict[str, Any]:
+        """What `deepxctl nodes ls` shows of the link to `node`: its kind, or `down` and why; seconds since it was
+        last heard."""
+        if node == self.node_id:
+            return {"link": "self"}
+        link = self._links.get(node)
+        if link is None:
+            return {"link": ""}
+        age = time.time() - (link.heard or link.since)
+        silent = age > self.timeout_s
+        return {"link": "down" if link.error or link.heard is None or silent else link.kind,
+                "link_age_s": round(age, 3) if link.heard else None,
+                "link_error": link.error or (f"silent for {age:.1f} s" if silent else "")}
+
+    # -- requests
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=LINK_THREADS, thread_name_prefix="deepx-peer")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _connect(self, address: str, kind: str) -> NativeClient:
+        from deepx_core.client import NativeClient
+
+        me = f"deepxd {self.node_id}"
+        if kind == "unix":
+            return NativeClient(address, timeout=self.timeout_s, client=me, peer_uid=os.geteuid())
+        tls = kind == "tls"
+        return NativeClient(address, timeout=self.timeout_s, client=me, token=self.token or None, tls=tls,
+                            cafile=(self.tls_cafile or None) if tls else None)
+
+    async def _client(self, node: str, record: dict[str, str]) -> NativeClient:
+        address, kind = self.address(node, record)
+        idle = self._idle.get(node)
+        while idle:
+            was, kept = idle.pop()
+            if was == address:
+                return kept
+            kept.close()
+        try:
+            client: NativeClient = await self._run(self._connect, address, kind)
+        except DeepxError as e:
+            raise DeepxError(f"node {node} does not answer over its peer link: {e}") from None
+        return client
+
+    def _give_back(self, node: str, client: NativeClient) -> None:
+        idle = self._idle.setdefault(node, [])
+        if len(idle) < IDLE_LINKS and not self._stopped:
+            idle.append((client.address, client))
+        else:
+            client.close()
+
+    async def _alive(self, node: str) -> dict[str, str]:
+        """`node`'s record; DeepxError naming the node where it is not alive."""
+        record = await self.kv.hgetall(f"node:{node}")
+        why = await self.why_dead(node, record)
+        if why is not None:
+            raise DeepxError(f"node {node} {why}")
+        return record
+
+    async def ask(self, node: str, op: str, **fields: Any) -> dict[str, Any]:
+        """Node `node`'s reply to native request `op`, over a link (DeepxError with its error, or why it cannot be
+        reached)."""
+        record = await self._alive(node)
+        client = await self._client(node, record)
+        try:
+            reply: dict[str, Any] = await self._run(functools.partial(client.request, op, **fields))
+        except BaseException:
+            client.close()  # (a refusal leaves the connection usable, a lost one does not: a new one is cheap)
+            raise
+        self._give_back(node, client)
+        return reply
+
+    async def read(self, far: Far, record: dict[str, str]) -> np.ndarray:
+        """A copy of another node's heap tensor, streamed over a link in chunks (deepxd/net/peerlink.py)."""
+        from deepxd.net.peerlink import read_chunks
+
+        out = np.empty(far.shape, to_numpy(far.dtype))
+        if out.nbytes != far.nbytes:
+            raise DeepxError(f"tensor '{far.name}' of node {far.node}: its record says {far.nbytes} bytes, and "
+                             f"{far.dtype}{list(far.shape)} is {out.nbytes}")
+        if not out.nbytes:
+            return out
+        client = await self._client(far.node, record)
+        t0 = time.perf_counter()
+        try:
+            await self._run(read_chunks, client, far.name, far.handle, far.ctime, out.reshape(-1).view(np.uint8))
+        except DeepxError as e:
+            client.close()
+            raise DeepxError(f"tensor '{far.name}' of node {far.node} could not be read over the peer link: {e}") \
+                from None
+        except BaseException:
+            client.close()
+            raise
+        self._give_back(far.node, client)
+        log.debug("peers: read tensor '%s' of node %s (%d bytes) in %.3f s", far.name, far.node, far.nbytes,
+                  time.perf_counter() - t0)
+        return out
+
+    async def reach(self, names: Sequence[str]) -> Reached:
+        """Other nodes' heap tensors among `names` (those this node's heapmem finds in the plane; the rest are left
+        out), for a program or a fetch here: mapped where their node runs on this host, after it recorded this
+        node's hold; streamed where it runs on another. DeepxError naming the tensor and its node where one cannot
+        be reached (its node dead, the tensor lost, in GPU memory)."""
+        out = Reached()
+        if self.heapmem is None:
+            return out
+        views, far = await self.heapmem.ask(Remote(names=list(dict.fromkeys(names))))
+        out.views.update(views)
+        for t in far:
+            record = await self.kv.hgetall(f"node:{t.node}")
+            why = await self.why_dead(t.node, record)
+            if why is not None:
+                raise DeepxError(f"tensor '{t.name}' is a heap tensor of node {t.node}, which {why}: unreachable")
+            if t.state != "live":
+                raise DeepxError(f"tensor '{t.name}' is a heap tensor of node {t.node}, {t.state} there: unreachable")
+            if t.device != "cpu":
+                raise DeepxError(f"tensor '{t.name}' is a heap tensor in GPU memory of node {t.node} ({t.device}): "
+                                 "another node cannot use it yet (docs/cluster.md)")
+            if self.same_host(record):
+                try:  # the hold recorded before the mapping: the owner cannot free the segment under it
+                    await self.ask(t.node, "peer_hold", name=t.name, holder=REMOTE_HOLDER + self.node_id,
+                                   handle=t.handle, ctime=t.ctime)
+                except DeepxError as e:
+                    raise DeepxError(f"tensor '{t.name}' is a heap tensor of node {t.node}, which could not record "
+                                     f"this node's hold on it: {e}") from None
+                out.views[t.name] = await self.heapmem.ask(Map(far=t))
+            else:
+                out.copies[t.name] = await self.read(t, record)
+                out.nodes[t.name] = t.node
+        return out
+
+    # -- what peers ask of this node (native requests peer_*)
+    def _heapmem(self) -> ActorRef[HeapMemory]:
+        if self.heapmem is None:
+            raise DeepxError(f"node {self.node_id} runs no heapmem: it has no heap tensors to serve")
+        return self.heapmem
+
+    async def serve_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        node = req.get("node")
+        if isinstance(node, str) and node:
+            self.heard_from(node)
+        return {"node": self.node_id}
+
+    async def serve_hold(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A peer on this host is about to map a heap tensor: its hold, recorded now (HeapMemory.on_hold)."""
+        name, holder, handle, ctime = _strings(req, ("name", "holder", "handle", "ctime"), "peer_hold")
+        info = await self._heapmem().ask(Hold(name=name, holder=holder, handle=handle, ctime=ctime))
+        return {"tensor": info}
+
+    async def serve_read(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A chunk of a heap tensor's bytes, for a peer on another host (deepxd/net/peerlink.py); `data` last."""
+        from deepxd.net.peerlink import CHUNK_MAX
+
+        name, handle, ctime = _strings(req, ("name", "handle", "ctime"), "peer_read")
+        offset, length = req.get("offset"), req.get("length")
+        if type(offset) is not int or type(length) is not int or offset < 0 or not 0 <= length <= CHUNK_MAX:
+            raise DeepxError(f"peer_read of '{name}': 'offset' and 'length' must be whole numbers, length at most "
+                             f"{CHUNK_MAX}")
+        data = await self._heapmem().ask(Read(name=name, handle=handle, ctime=ctime, offset=offset, length=length))
+        return {"offset": offset, "data": data}
+
+
+def _strings(req: dict[str, Any], keys: Sequence[str], what: str) -> list[str]:
+    """The fields `keys` of a peer's request, each a string, else DeepxError naming them."""
+    values = [v for v in (req.get(k) for k in keys) if isinstance(v, str)]
+    if len(values) != len(keys):
+        raise DeepxError(f"{what}: {', '.join(repr(k) for k in keys[:-1])} and {keys[-1]!r} must be strings")
+    return values

@@ -1,6 +1,6 @@
 """Train a small character-level transformer on a Shakespeare excerpt with deepx, then sample text from a prompt.
 
-    python examples/train_transformer.py [--steps 600] [--prompt "MENENIUS:"] [--address unix:///path/deepxd.sock]
+    python examples/train_transformer.py [--steps 600] [--prompt "MENENIUS:"] [--bf16] [--address unix:///path/deepxd.sock]
 
 With no address the SDK starts an embedded deepxd inside this process. The model is a GPT-style decoder: token and
 position embeddings, pre-norm blocks of causal multi-head self-attention and a GELU MLP with residuals, a final
@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--prompt", default="MENENIUS:\n")
     ap.add_argument("--sample", type=int, default=200, help="characters to generate after training")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    ap.add_argument("--bf16", action="store_true",
+                    help="mixed precision: matmuls in bfloat16 (tensor cores on a GPU), the rest in float32")
     ap.add_argument("--address", default=None, help="a running deepxd (unix:///...); default: embedded")
     opts = ap.parse_args()
 
@@ -159,8 +161,9 @@ def main() -> None:
             window = np.stack([data[s:s + opts.context + 1] for s in starts])
             x, y = dx.tensor(window[:, :-1]), dx.tensor(window[:, 1:])
             opt.zero_grad()
-            logits = model(x)
-            loss = F.cross_entropy(logits.view(-1, len(tok)), y.view(-1))
+            with dx.autocast(dtype="bfloat16", enabled=opts.bf16):
+                logits = model(x)
+                loss = F.cross_entropy(logits.view(-1, len(tok)), y.view(-1))
             loss.backward()
             opt.step()
             schedule.step()

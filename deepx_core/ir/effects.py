@@ -33,17 +33,26 @@ KINDS = (WRITES, FILLS, CREATES, DELETES, RENAMES, LOADS, READS, SETS)
 class Effect(NamedTuple):
     """What an op does to the set of tensors: `kind` (above) for its returns; `reads`, the positions of its tensor
     and tensor-list args, which it only reads; `reads_returns`: its result depends on a return as it was (that it
-    exists, its value, or its meta), so that a return is read as well as written."""
+    exists, its value, or its meta), so that a return is read as well as written; `io`: it touches what lies outside
+    the tensors (files, the executor's output)."""
 
     kind: str
     reads: tuple[int, ...] = ()
     reads_returns: bool = False
+    io: bool = False
+
+    @property
+    def pure(self) -> bool:
+        """It only writes (or fills) its returns from its args: no file or output, no change to the set of tensors
+        or variables. What a pass may remove where its result is not used, and a check may remember."""
+        return (self.kind is WRITES or self.kind is FILLS) and not self.io
 
 
 def declare(kind: str | None, family: str, args: Sequence[Arg], returns: Sequence[Arg],
             reads_returns: bool = False) -> Effect:
     """The effect of an entry: its declared kind, or, where it declares none, FILLS for the init and optim families
-    (they write existing tensors in place), READS for an op with no tensor returns, and WRITES for the rest."""
+    (they write existing tensors in place), READS for an op with no tensor returns, and WRITES for the rest; the io
+    family (print, save, load, loadtensordata) touches files or the output."""
     if kind is None:
         kind = (FILLS if family in ("init", "optim") else
                 READS if not any(a.kind == "tensor" for a in returns) else WRITES)
@@ -51,7 +60,7 @@ def declare(kind: str | None, family: str, args: Sequence[Arg], returns: Sequenc
         raise ValueError(f"effect {kind!r} is not one of {', '.join(KINDS)}")
     kind = KINDS[KINDS.index(kind)]  # the very string: apply_effect compares kinds by identity
     return Effect(kind, tuple(i for i, a in enumerate(args) if a.kind in ("tensor", "listtensor")),
-                  reads_returns or kind in (FILLS, CREATES))
+                  reads_returns or kind in (FILLS, CREATES), family == "io")
 
 
 _NONE: tuple[Any, ...] = ()

@@ -1,9 +1,9 @@
 """The op catalogue: one entry per operator, the single place where an op's facts live.
 
 An entry (`OpDef`) gives the op's signature (`args`, `returns`), the stored dtypes its kernels handle, its shape
-and dtype rule (`infer`), whether it is differentiable, its effect on the set of tensors (`effect`, followed by
-`effects.apply_effect`), whether it has effects beyond writing its returns, and the kernel family that implements
-it: the CPU kernel of op `x` in family `f` is `deepxd.kernels.cpu.<f>.<x>`.
+and dtype rule (`infer`), whether it is differentiable, its effect on the set of tensors and beyond (`effect`,
+followed by `effects.apply_effect`; `effect.pure` where it only writes its returns), and the kernel family that
+implements it: the CPU kernel of op `x` in family `f` is `deepxd.kernels.cpu.<f>.<x>`.
 
 `bind(instr, env)` checks one instruction against its entry and the tensors that exist (`env`), resolving named
 variables and untyped params, and returns the shapes and dtypes of its outputs; `check_program` does it for a whole
@@ -96,7 +96,6 @@ class OpDef:
     infer: Infer
     doc: str
     differentiable: bool = False
-    effects: bool = False  # does more than write its returns: I/O, tensor life, variables
     deepxir: bool = True  # one of the 60 operators of the existing deepxIR
     min_args: int = 0  # required args (the rest have defaults)
     min_returns: int = 0
@@ -109,8 +108,9 @@ class OpDef:
     grad_rule: Callable[..., Any] | None = None
     # each output element depends only on the input elements at its index: an output may share an input's buffer
     alias_safe: bool = False
-    # what it does to the set of tensors: makes, fills, deletes or renames its returns, only reads its args
-    # (deepx_core/ir/effects.py; `op(..., effect=KIND)`, or derived from the family and the returns)
+    # what it does to the set of tensors: makes, fills, deletes or renames its returns, only reads its args, and
+    # whether it touches files or the output (deepx_core/ir/effects.py; `op(..., effect=KIND)`, or derived from the
+    # family and the returns); `effect.pure`: it does nothing but write its returns
     effect: Effect = _WRITES
 
     def signature(self) -> str:
@@ -310,7 +310,7 @@ def _matmul(c: Call) -> list[TensorMeta | None]:
         raise DeepxError(
             f"{op}: operands need rank >= 2, got {a.shape} ('{c.names[0]}') and {b.shape} ('{c.names[1]}')"
         )
-    flags = (bool(c.args[2]), bool(c.args[3])) if op == "matmultransposed" else (False, False)
+    flags = (bool(c.args[2]), bool(c.args[3])) if len(c.args) > 2 else (False, False)  # matmultransposed's
     sa, sb = ((*m.shape[:-2], m.shape[-1], m.shape[-2]) if t else m.shape for m, t in zip((a, b), flags))
     if sa[-1] != sb[-2]:
         shown = [f"{m.shape} ('{n}'{', transposed' if t else ''})" for m, n, t in zip((a, b), c.names, flags)]
@@ -431,12 +431,17 @@ def _repeat(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(tuple(s * r for s, r in zip(shape, reps)), a.dtype)]
 
 
-def _reduce(c: Call) -> list[TensorMeta | None]:
-    a = c.args[0]
-    dims = norm_dims(c.op.name, c.args[1], len(a.shape))
-    if c.op.name in ("reducemax", "reducemin") and any(a.shape[d] == 0 for d in dims):
-        raise DeepxError(f"{c.op.name}: cannot reduce the empty dim of '{c.names[0]}' (shape {a.shape})")
-    return [TensorMeta(reduced(a.shape, dims, bool(c.args[2])), a.dtype)]
+def _reduce(empty: bool) -> Infer:
+    """A reduction over dims; `empty`: it has a value over no elements (a sum, a product), unlike a maximum."""
+
+    def rule(c: Call) -> list[TensorMeta | None]:
+        a = c.args[0]
+        dims = norm_dims(c.op.name, c.args[1], len(a.shape))
+        if not empty and any(a.shape[d] == 0 for d in dims):
+            raise DeepxError(f"{c.op.name}: cannot reduce the empty dim of '{c.names[0]}' (shape {a.shape})")
+        return [TensorMeta(reduced(a.shape, dims, bool(c.args[2])), a.dtype)]
+
+    return rule
 
 
 def _argreduce(c: Call) -> list[TensorMeta | None]:
@@ -501,6 +506,14 @@ def _crossentropygrad(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(logits.shape, logits.dtype)]
 
 
+def _gelugrad(c: Call) -> list[TensorMeta | None]:
+    a, g = c.args[0], c.args[1]
+    if g.shape != a.shape or g.dtype != a.dtype:
+        raise DeepxError(f"gelugrad: the upstream gradient '{c.names[1]}' is {g.dtype}{list(g.shape)}; expected "
+                         f"{a.dtype}{list(a.shape)}, as gelu's input '{c.names[0]}'")
+    return [TensorMeta(a.shape, a.dtype)]
+
+
 def _mse(c: Call) -> list[TensorMeta | None]:
     a, b = c.args[0], c.args[1]
     dt = _dtype_match(c, 0, 1)
@@ -519,9 +532,10 @@ def _norm(c: Call) -> list[TensorMeta | None]:
             f"'{c.names[0]}' {a.shape}"
         )
     tensors = [0, 1]
-    if c.op.name == "layernorm":
+    if c.op.args[2].kind == "tensor":  # layernorm's bias
         if c.args[2].shape != w.shape:
-            raise DeepxError(f"layernorm: bias '{c.names[2]}' of shape {c.args[2].shape} must match weight {w.shape}")
+            raise DeepxError(f"{c.op.name}: bias '{c.names[2]}' of shape {c.args[2].shape} must match weight "
+                             f"{w.shape}")
         tensors.append(2)
     _dtype_match(c, *tensors)
     return [TensorMeta(a.shape, a.dtype)]
@@ -558,18 +572,62 @@ def _conv2d(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta((a.shape[0], w.shape[0], oh, ow), dt)]
 
 
-def _conv2dgrad(c: Call) -> list[TensorMeta | None]:
+def _conv2dgrad(by_input: bool) -> Infer:
     """conv2dgradinput (G, weight, input_shape, ...) and conv2dgradweight (A, G, weight_shape, ...)."""
-    by_input = c.op.name == "conv2dgradinput"
-    dt = _dtype_match(c, 0, 1)
-    shape = tuple(int(d) for d in c.args[2])
-    a, w = (shape, c.args[1].shape) if by_input else (c.args[0].shape, shape)
-    g = c.args[0].shape if by_input else c.args[1].shape
-    oh, ow = conv2d_geometry(c.op.name, a, w, c.args[3], c.args[4], c.args[5], int(c.args[6]))
-    if g != (a[0], w[0], oh, ow):
-        raise DeepxError(f"{c.op.name}: the gradient '{c.names[0 if by_input else 1]}' has shape {g}, the conv2d's "
-                         f"result has {(a[0], w[0], oh, ow)}")
-    return [TensorMeta(shape, dt)]
+
+    def rule(c: Call) -> list[TensorMeta | None]:
+        dt = _dtype_match(c, 0, 1)
+        shape = tuple(int(d) for d in c.args[2])
+        a, w = (shape, c.args[1].shape) if by_input else (c.args[0].shape, shape)
+        g = c.args[0].shape if by_input else c.args[1].shape
+        oh, ow = conv2d_geometry(c.op.name, a, w, c.args[3], c.args[4], c.args[5], int(c.args[6]))
+        if g != (a[0], w[0], oh, ow):
+            raise DeepxError(f"{c.op.name}: the gradient '{c.names[0 if by_input else 1]}' has shape {g}, the "
+                             f"conv2d's result has {(a[0], w[0], oh, ow)}")
+        return [TensorMeta(shape, dt)]
+
+    return rule
+
+
+def pool2d_geometry(what: str, a: Shape, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]
+                    ) -> tuple[int, int]:
+    """The output's spatial size (Hout, Wout) of a pooling window over an input of shape `a` (N, C, H, W), already
+    padded; DeepxError naming what does not fit."""
+    if len(a) != 4:
+        raise DeepxError(f"{what}: the input must be 4-D (N, C, H, W), got {a}")
+    for name, pair in (("kernel", kernel), ("stride", stride), ("dilation", dilation)):
+        if len(pair) != 2 or any(int(p) < 1 for p in pair):
+            raise DeepxError(f"{what}: {name} must be two ints of at least 1, got {list(pair)}")
+    out = []
+    for k in range(2):
+        n = (a[2 + k] - int(dilation[k]) * (int(kernel[k]) - 1) - 1) // int(stride[k]) + 1
+        if n < 1:
+            raise DeepxError(f"{what}: the input's spatial size {a[2 + k]} is smaller than the window "
+                             f"({kernel[k]}, dilation {dilation[k]})")
+        out.append(n)
+    return out[0], out[1]
+
+
+def _pool2d(c: Call) -> list[TensorMeta | None]:
+    a = c.args[0]
+    oh, ow = pool2d_geometry(c.op.name, a.shape, c.args[1], c.args[2], c.args[3])
+    return [TensorMeta((a.shape[0], a.shape[1], oh, ow), a.dtype)]
+
+
+def _pool2dgrad(shape_arg: int) -> Callable[[Call], list[TensorMeta | None]]:
+    """maxpool2dgrad (A, G, ...): dA has A's shape; sumpool2dgrad (G, input_shape, ...): input_shape. G must have
+    the pooling's result shape."""
+    def rule(c: Call) -> list[TensorMeta | None]:
+        g = c.args[1] if shape_arg == 0 else c.args[0]
+        shape = c.args[0].shape if shape_arg == 0 else tuple(int(d) for d in c.args[1])
+        if shape_arg == 0:
+            _dtype_match(c, 0, 1)
+        oh, ow = pool2d_geometry(c.op.name, shape, c.args[2], c.args[3], c.args[4])
+        if g.shape != (shape[0], shape[1], oh, ow):
+            raise DeepxError(f"{c.op.name}: the gradient '{c.names[1 if shape_arg == 0 else 0]}' has shape "
+                             f"{g.shape}, the pooling's result has {(shape[0], shape[1], oh, ow)}")
+        return [TensorMeta(shape, g.dtype)]
+    return rule
 
 
 def _slices(c: Call) -> tuple[Shape, tuple[slice, ...]]:
@@ -660,7 +718,8 @@ def lst(name: str, dtypes: frozenset[str] | None = None) -> Arg:
 
 #: the functions a fused expression may call, and how many arguments each takes
 FUSED_FUNCTIONS: dict[str, int] = {"sqrt": 1, "exp": 1, "log": 1, "sin": 1, "cos": 1, "tan": 1, "tanh": 1, "abs": 1,
-                                   "maximum": 2, "minimum": 2}
+                                   "maximum": 2, "minimum": 2, "floor": 1, "ceil": 1, "round": 1, "trunc": 1,
+                                   "log1p": 1, "expm1": 1}
 
 _A, _B, _C = t("A"), t("B"), t("C")
 _BOOL_OUT = t("C", frozenset({"bool"}))
@@ -674,7 +733,7 @@ ALIAS_SAFE_FAMILIES = frozenset({"elementwise", "compare", "optim", "fused", "ex
 
 
 def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtypes: frozenset[str], infer: Infer,
-       doc: str, *, grad: bool | Callable[..., Any] = False, effects: bool = False, deepxir: bool = True,
+       doc: str, *, grad: bool | Callable[..., Any] = False, deepxir: bool = True,
        expr: str = "", alias_safe: bool = False, effect: str | None = None, reads_returns: bool = False) -> OpDef:
     """Add an op to the catalogue. `grad`: True where autograd's GRAD_RULES has the op's rule, or the rule itself
     written on value handles (see OpDef.grad_rule). Family "expr" needs no kernel: its CPU and CUDA kernels evaluate
@@ -687,7 +746,7 @@ def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtyp
         check_expr(name, expr, args)
     elif family == "expr":
         raise ValueError(f"op {name}: family 'expr' needs an expression")
-    d = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, bool(grad), effects, deepxir,
+    d = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, bool(grad), deepxir,
               sum(a.required for a in args), sum(a.required for a in returns), expr,
               grad if callable(grad) else None, alias_safe or family in ALIAS_SAFE_FAMILIES,
               declare(effect, family, args, returns, reads_returns))
@@ -784,16 +843,16 @@ def expr_template(op: OpDef) -> str:
 op("newtensor", "life", [Arg("shape", "shape")], [t("t", _ANY)], _ANY, _newtensor,
    "create t (zeros) with the given shape; its dtype is the return's precision (float32 when absent). An existing t "
    "of that shape and dtype is kept, values and all (with a warning); one of another shape or dtype is replaced, "
-   "except a heap tensor, which is refused", effects=True, effect=CREATES)
+   "except a heap tensor, which is refused", effect=CREATES)
 op("copytensor", "life", [t("src")], [t("dst")], _ANY, _copytensor, "copy src into dst (same shape and dtype)",
    grad=True)
-op("deltensor", "life", [], [t("t")], _ANY, _deltensor, "free t", effects=True, effect=DELETES)
-op("renametensor", "life", [v("new_name", "str")], [t("t")], _ANY, _renametensor, "give t a new name", effects=True,
+op("deltensor", "life", [], [t("t")], _ANY, _deltensor, "free t", effect=DELETES)
+op("renametensor", "life", [v("new_name", "str")], [t("t")], _ANY, _renametensor, "give t a new name",
    effect=RENAMES)
 # -- variables: named scalars and vectors that later var/vector params may name
-op("argset", "life", [v("value", "any")], [v("name", "str")], _ANY, nothing, "store a named scalar", effects=True,
+op("argset", "life", [v("value", "any")], [v("name", "str")], _ANY, nothing, "store a named scalar",
    effect=SETS)
-op("vecset", "life", [vec("value")], [Arg("name", "vector")], _ANY, nothing, "store a named vector", effects=True,
+op("vecset", "life", [vec("value")], [Arg("name", "vector")], _ANY, nothing, "store a named vector",
    effect=SETS)
 
 # -- init: fill existing tensors
@@ -808,14 +867,13 @@ op("dropout", "init", [v("p"), v("seed", "int")], [t("A")], FLOATS, _dropout,
 
 # -- io: print to the executor's output, tensor files (docs/deepxir.md section 5)
 op("print", "io", [t("t", _ANY), v("format", "str", "")], [], _ANY, nothing,
-   "write t to the executor's output, elements in a printf format", effects=True)
-op("save", "io", [t("t", _ANY), v("path", "str")], [], _ANY, nothing, "write path.shape and path.data",
-   effects=True)
+   "write t to the executor's output, elements in a printf format")
+op("save", "io", [t("t", _ANY), v("path", "str")], [], _ANY, nothing, "write path.shape and path.data")
 op("load", "io", [v("path", "str")], [Arg("t", "tensor", _ANY, default=None)], _ANY, nothing,
    "create a tensor from path.shape and path.data, named after the file's whole base name (or the return, "
-   "when given)", effects=True, effect=LOADS)
+   "when given)", effect=LOADS)
 op("loadtensordata", "io", [v("path", "str")], [t("t", _ANY)], _ANY, existing,
-   "read raw bytes from exactly path into the existing t", effects=True, effect=FILLS)
+   "read raw bytes from exactly path into the existing t", effect=FILLS)
 
 # -- elementwise arithmetic; binary forms broadcast (numpy rules), dtypes must match, output dtype = input dtype
 for _n, _d, _e in [("add", "A + B", "A + B"), ("sub", "A - B", "A - B"), ("mul", "A * B", "A * B"),
@@ -837,10 +895,10 @@ op("todtype", "elementwise", [t("A", _ANY)], [t("C", _ANY)], _ANY, _todtype,
    "cast A into C's dtype (a gradient flows between float dtypes only)", grad=True, reads_returns=True)
 
 # -- comparisons, to a bool tensor; eps 0 means exact
-op("less", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A < B")
-op("greater", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A > B")
-op("lessscalar", "compare", [_A, v("s")], [_BOOL_OUT], NUMERIC, same_as(0, "bool"), "A < s")
-op("greaterscalar", "compare", [_A, v("s")], [_BOOL_OUT], NUMERIC, same_as(0, "bool"), "A > s")
+op("less", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A < B", expr="A < B")
+op("greater", "compare", [_A, _B], [_BOOL_OUT], NUMERIC, elementwise(0, 1, dtype="bool"), "A > B", expr="A > B")
+op("lessscalar", "compare", [_A, v("s")], [_BOOL_OUT], NUMERIC, same_as(0, "bool"), "A < s", expr="A < s")
+op("greaterscalar", "compare", [_A, v("s")], [_BOOL_OUT], NUMERIC, same_as(0, "bool"), "A > s", expr="A > s")
 op("equal", "compare", [_A, _B, v("eps", default=0)], [_BOOL_OUT], ALL, elementwise(0, 1, dtype="bool"),
    "|A - B| <= eps")
 op("notequal", "compare", [_A, _B, v("eps", default=0)], [_BOOL_OUT], ALL, elementwise(0, 1, dtype="bool"),
@@ -872,8 +930,9 @@ op("indexselect", "shape", [t("A", _ANY), t("index", INDEX), v("axis", "int")], 
 op("repeat", "shape", [t("A", _ANY), vec("repeats")], [t("B", _ANY)], _ANY, _repeat, "tile A", grad=True)
 
 # -- reduce over dims (empty dims: every dim)
-for _n, _d in [("sum", "sum"), ("prod", "product"), ("reducemax", "maximum"), ("reducemin", "minimum")]:
-    op(_n, "reduce", [_A, vec("dims"), v("keepdims", "bool", False)], [t("B")], NUMERIC, _reduce,
+for _n, _d, _empty in [("sum", "sum", True), ("prod", "product", True), ("reducemax", "maximum", False),
+                       ("reducemin", "minimum", False)]:
+    op(_n, "reduce", [_A, vec("dims"), v("keepdims", "bool", False)], [t("B")], NUMERIC, _reduce(_empty),
        f"{_d} over dims", grad=True)
 
 # ---------------------------------------------------------------- beyond deepxIR: what training needs
@@ -892,19 +951,21 @@ op("tanh", "nn", [_A], [_C], _F, same(0), "tanh(A)", grad=lambda g, y: g * (1 - 
 op("gelu", "nn", [_A, v("approximate", "str", "none")], [_C], _F, same(0),
    "A * Phi(A) (approximate='none', exact erf) or its tanh form (approximate='tanh')", grad=True, deepxir=False,
    alias_safe=True)
-op("erf", "nn", [_A], [_C], _F, same(0), "the Gauss error function erf(A) (gelu's gradient needs it)", grad=True,
-   deepxir=False)
+op("gelugrad", "nn", [_A, t("g"), v("approximate", "str", "none")], [_C], _F, _gelugrad,
+   "gelu's gradient for upstream gradient g: g (Phi(A) + A phi(A)), or the tanh form's derivative; what autograd "
+   "emits", deepxir=False, alias_safe=True)
+op("erf", "nn", [_A], [_C], _F, same(0), "the Gauss error function erf(A)", grad=True, deepxir=False)
 op("silu", "nn", [_A], [_C], _F, same(0), "A * sigmoid(A)", grad=True, deepxir=False, expr=f"A * ({_SIGMOID})",
    alias_safe=True)
 # -- rounding to whole numbers (a step: its gradient is zero, as torch's) and log/exp accurate near 0
 for _n, _d in [("floor", "the largest whole number <= A"), ("ceil", "the smallest whole number >= A"),
                ("round", "A rounded to the nearest whole number, halves to even (torch.round)"),
                ("trunc", "A rounded toward zero")]:
-    op(_n, "elementwise", [_A], [_C], _F, same(0), _d, grad=True, deepxir=False)
+    op(_n, "elementwise", [_A], [_C], _F, same(0), _d, grad=True, deepxir=False, expr=f"{_n}(A)")
 op("log1p", "elementwise", [_A], [_C], _F, same(0), "log(1 + A), accurate near 0", grad=lambda g, A: g / (1 + A),
-   deepxir=False)
+   deepxir=False, expr="log1p(A)")
 op("expm1", "elementwise", [_A], [_C], _F, same(0), "exp(A) - 1, accurate near 0", grad=lambda g, y: g * (y + 1),
-   deepxir=False)
+   deepxir=False, expr="expm1(A)")
 op("softmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _along_dim, "exp(A) / sum(exp(A)) along dim, stable",
    grad=True, deepxir=False)
 op("logsoftmax", "nn", [_A, v("dim", "int", -1)], [_C], _F, _along_dim, "A - logsumexp(A) along dim, stable",
@@ -929,9 +990,9 @@ op("conv2d", "conv", [_A, t("weight"), *_CONV], [_C], _F, _conv2d,
    "C[n, o] = sum over c (of o's group), i, j of weight[o, c, i, j] A_padded[n, c, y*stride + i*dilation, ...]: "
    "A (N, C, H, W), weight (O, C / groups, kh, kw), C (N, O, Hout, Wout), as torch's conv2d without its bias",
    grad=True, deepxir=False)
-op("conv2dgradinput", "conv", [t("G"), t("weight"), vec("input_shape"), *_CONV], [t("dA")], _F, _conv2dgrad,
+op("conv2dgradinput", "conv", [t("G"), t("weight"), vec("input_shape"), *_CONV], [t("dA")], _F, _conv2dgrad(True),
    "conv2d's gradient for its input A (of shape input_shape) from the gradient G of its result", deepxir=False)
-op("conv2dgradweight", "conv", [_A, t("G"), vec("weight_shape"), *_CONV], [t("dweight")], _F, _conv2dgrad,
+op("conv2dgradweight", "conv", [_A, t("G"), vec("weight_shape"), *_CONV], [t("dweight")], _F, _conv2dgrad(False),
    "conv2d's gradient for its weight (of shape weight_shape) from its input A and the gradient G of its result",
    deepxir=False)
 op("argmax", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("B", frozenset({"int64"}))], NUMERIC,
@@ -968,6 +1029,19 @@ op("scatter", "shape", [t("A", _ANY), t("index", INDEX), t("src", _ANY), v("dim"
 op("scatteradd", "shape", [t("A"), t("index", INDEX), t("src"), v("dim", "int")], [t("C")], NUMERIC, _scatter,
    "C = A, then C[index[i][j]][j] += src[i][j] for dim 0 (src has index's shape; repeated indices accumulate)",
    grad=True, deepxir=False)
+_POOL = [vec("kernel"), vec("stride"), vec("dilation")]
+op("maxpool2d", "conv", [_A, *_POOL], [_C], _F, _pool2d,
+   "C[n, c, y, x] = the maximum of A[n, c, y*stride + i*dilation, x*stride + j*dilation] over the window (i, j) "
+   "(NaN wins); A is padded already (by -inf: the SDK's max_pool2d)", grad=True, deepxir=False)
+op("maxpool2dgrad", "conv", [_A, t("G"), *_POOL], [t("dA")], _F, _pool2dgrad(0),
+   "maxpool2d's gradient: each window's G goes to the first position (row by row) holding its maximum",
+   deepxir=False)
+op("sumpool2d", "conv", [_A, *_POOL], [_C], _F, _pool2d,
+   "C[n, c, y, x] = the sum of A[n, c, y*stride + i*dilation, x*stride + j*dilation] over the window (i, j) "
+   "(float32 sums for 16-bit floats); the SDK's avg_pool2d divides it by the window's count", grad=True,
+   deepxir=False)
+op("sumpool2dgrad", "conv", [t("G"), vec("input_shape"), *_POOL], [t("dA")], _F, _pool2dgrad(1),
+   "sumpool2d's gradient: each input position gets the sum of G over the windows that read it", deepxir=False)
 op("sgd", "optim", [t("param"), t("grad"), t("momentum_buffer"), v("lr"), v("momentum", default=0.0),
                     v("dampening", default=0.0), v("weight_decay", default=0.0), v("nesterov", "bool", False),
                     v("step", "int", 1)],
@@ -1062,8 +1136,8 @@ def _fusedcolsum(c: Call) -> list[TensorMeta | None]:
 op("fused", "fused", [lst("inputs"), v("expr", "str")], [_C], _F, _fused,
    "C = expr over the inputs in0, in1, ... (broadcast; one float dtype, float16 and bfloat16 computed in float32); "
    "expr is a numexpr expression of numbers, + - * / **, unary -, one comparison at a time (1 where it holds, 0 "
-   "where not), sqrt exp log sin cos tan tanh abs maximum minimum; made by the fuse pass from a chain or tree of "
-   "elementwise ops", grad=True, deepxir=False)
+   "where not), sqrt exp log sin cos tan tanh abs maximum minimum floor ceil round (halves to even) trunc log1p "
+   "expm1; made by the fuse pass from a chain or tree of elementwise ops", grad=True, deepxir=False)
 op("fusedcolsum", "fused", [lst("inputs"), v("expr", "str"), v("keepdims", "bool", False)], [_C, t("S")],
    frozenset({"float32", "float64"}), _fusedcolsum,
    "C = expr over the inputs, as fused computes it, and S = C summed over axis 0 (its rows), in one pass; what the "
@@ -1370,7 +1444,7 @@ class ProgramCheck:
 def _cacheable(b: Bound) -> bool:
     """A checked instruction whose outcome depends only on the metas of its tensors (no named variables, no
     change to the set of tensors), so that it can be reused while those metas hold."""
-    if b.op.effects or b.op.family == "life":
+    if not b.op.effect.pure or b.op.family == "life":
         return False
     for a, p in zip(b.op.args, b.instr.args):
         if a.kind in ("var", "vector", "shape") and a.vtype not in ("str", "any") and isinstance(p.value, str):

@@ -3,13 +3,17 @@ stable ops of the catalogue where one exists)."""
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
 from deepx_core.ir.instr import Param
 from deepx_core.ir.shapes import broadcast, norm_dim
+from deepx_sdk.amp import lower, upper
+from deepx_sdk.amp import state as _amp
 from deepx_sdk.nn.vision import adaptive_avg_pool2d as adaptive_avg_pool2d
 from deepx_sdk.nn.vision import avg_pool2d as avg_pool2d
 from deepx_sdk.nn.vision import batch_norm as batch_norm
@@ -35,9 +39,23 @@ from deepx_sdk.tensor import (
     where,
 )
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 def _float(x: Tensor) -> Tensor:
     return x if x.dtype in FLOATS else x.type_as_dtype(DEFAULT_FLOAT)
+
+
+def _float32_in_autocast(fn: _F) -> _F:
+    """An op of autocast's float32 list: under autocast its half tensor arguments are cast to float32 first."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if _amp.dtype is not None:
+            args = tuple(upper(a) if isinstance(a, Tensor) else a for a in args)
+            kwargs = {k: upper(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        return fn(*args, **kwargs)
+
+    return wrapped  # type: ignore[return-value]
 
 
 def _write_back(x: Tensor, y: Tensor, inplace: bool) -> Tensor:
@@ -91,6 +109,8 @@ def log_softmax(x: Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: 
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if _amp.dtype is not None:
+        x, weight, bias = lower(x, weight, bias)
     y = matmul(x, weight.t() if weight.ndim == 2 else weight)
     if bias is None:
         return y
@@ -165,6 +185,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         from deepx_sdk.composite import repeat_interleave
 
         key, value = repeat_interleave(key, hq // hk, -3), repeat_interleave(value, hq // hk, -3)
+    if _amp.dtype is not None:
+        query, key, value = lower(query, key, value)
     if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
         raise DeepxError(f"scaled_dot_product_attention: query, key and value need (..., L, E) shapes, got "
                          f"{query.shape}, {key.shape}, {value.shape}")
@@ -216,6 +238,7 @@ def _torch_loss_args(what: str, weight: Any, size_average: Any, reduce: Any, red
     return _legacy_reduction(size_average, reduce, reduction)
 
 
+@_float32_in_autocast
 def cross_entropy(logits: Tensor, target: Tensor, weight: Any = None, size_average: Any = None,
                   ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> Tensor:
@@ -235,6 +258,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Any = None, size_avera
                       logits.dtype, [logits, target])
 
 
+@_float32_in_autocast
 def nll_loss(logp: Tensor, target: Tensor, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
              reduce: Any = None, reduction: str = "mean") -> Tensor:
     """-input[i, target[i]], averaged over the targets that are not ignore_index (for any input: log-probabilities
@@ -269,6 +293,7 @@ def nll_loss(logp: Tensor, target: Tensor, weight: Any = None, size_average: Any
     return loss.sum() / where(none, 1, count).type_as_dtype(loss.dtype) + nan
 
 
+@_float32_in_autocast
 def mse_loss(x: Tensor, y: Tensor, size_average: Any = None, reduce: Any = None, reduction: str = "mean",
              weight: Any = None) -> Tensor:
     red = _reduction(_torch_loss_args("mse_loss", weight, size_average, reduce, reduction))
@@ -286,6 +311,7 @@ def mse_loss(x: Tensor, y: Tensor, size_average: Any = None, reduce: Any = None,
     return x._op("mse", (_tp(x), _tp(y), _vp(red)), shape, x.dtype, [x, y])
 
 
+@_float32_in_autocast
 def layer_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
     x = _float(x)
@@ -297,6 +323,7 @@ def layer_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, b
     return x._op("layernorm", (_tp(x), _tp(w), _tp(b), _vp(float(eps))), x.shape, x.dtype, [x, w, b])
 
 
+@_float32_in_autocast
 def rms_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
     x = _float(x)
     ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
@@ -323,6 +350,7 @@ def pad(x: Tensor, pad: Any, mode: str = "constant", value: float = 0.0) -> Tens
     return x._op("pad", (_tp(x), _vec(pads), _vp(value)), shape, x.dtype, [x])
 
 
+@_float32_in_autocast
 def normalize(x: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Tensor:
     if p != 2.0:
         raise DeepxError("normalize: only p=2 is supported")
@@ -390,6 +418,7 @@ def _reduced(loss: Tensor, reduction: str, what: str) -> Tensor:
     return loss
 
 
+@_float32_in_autocast
 def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: Any = None,
                          reduce: Any = None, reduction: str = "mean") -> Tensor:
     """-(t log x + (1 - t) log(1 - x)), each log clamped at -100 as torch's; `weight` multiplies elementwise."""
@@ -402,6 +431,7 @@ def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = 
     return _reduced(loss, _legacy_reduction(size_average, reduce, reduction), "binary_cross_entropy")
 
 
+@_float32_in_autocast
 def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None,
                                      size_average: Any = None, reduce: Any = None, reduction: str = "mean",
                                      pos_weight: Tensor | None = None) -> Tensor:
@@ -417,6 +447,7 @@ def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tens
     return _reduced(loss, _legacy_reduction(size_average, reduce, reduction), "binary_cross_entropy_with_logits")
 
 
+@_float32_in_autocast
 def l1_loss(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any = None,
             reduction: str = "mean") -> Tensor:
     from deepx_sdk.nn.loss import _legacy_reduction
@@ -425,6 +456,7 @@ def l1_loss(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any
     return _reduced((x - t).abs(), _legacy_reduction(size_average, reduce, reduction), "l1_loss")
 
 
+@_float32_in_autocast
 def smooth_l1_loss(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any = None,
                    reduction: str = "mean", beta: float = 1.0) -> Tensor:
     """0.5 d^2 / beta where |d| < beta, else |d| - 0.5 beta (beta 0: the L1 loss)."""
@@ -438,6 +470,7 @@ def smooth_l1_loss(input: Tensor, target: Tensor, size_average: Any = None, redu
     return _reduced(loss, _legacy_reduction(size_average, reduce, reduction), "smooth_l1_loss")
 
 
+@_float32_in_autocast
 def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean", delta: float = 1.0) -> Tensor:
     """0.5 d^2 where |d| < delta, else delta (|d| - 0.5 delta)."""
     if delta <= 0:
@@ -447,6 +480,7 @@ def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean", delta: fl
     return _reduced(where(d < delta, d * d * 0.5, (d - 0.5 * delta) * delta), reduction, "huber_loss")
 
 
+@_float32_in_autocast
 def kl_div(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any = None, reduction: str = "mean",
            log_target: bool = False) -> Tensor:
     """target (log target - input) pointwise, 0 where target is 0 (input holds log-probabilities; log_target: so
@@ -463,6 +497,7 @@ def kl_div(input: Tensor, target: Tensor, size_average: Any = None, reduce: Any 
     return _reduced(loss, _legacy_reduction(size_average, reduce, reduction), "kl_div")
 
 
+@_float32_in_autocast
 def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
     """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold, as torch."""
     x = _float(x)

@@ -13,6 +13,8 @@ from typing import Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.ops import conv2d_geometry
+from deepx_sdk.amp import lower, upper
+from deepx_sdk.amp import state as _amp
 from deepx_sdk.tensor import Tensor, _tp, _vec, _vp, stack
 
 __all__ = ["adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "conv1d", "conv2d", "conv_transpose2d", "dropout2d",
@@ -54,6 +56,8 @@ def conv2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: An
            dilation: Any = 1, groups: int = 1) -> Tensor:
     """torch.nn.functional.conv2d: input (N, C, H, W) or (C, H, W), weight (O, C / groups, kh, kw); padding an int,
     a pair, 'valid' or 'same' (stride 1)."""
+    if _amp.dtype is not None:
+        input, weight, bias = lower(input, weight, bias)
     if input.ndim == 3:
         return conv2d(input.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     if input.ndim != 4 or weight.ndim != 4:
@@ -104,6 +108,8 @@ def _conv2d_taps(input: Tensor, weight: Tensor, n: int, c: int, o: int, cg: int,
 def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
     """torch.nn.functional.conv1d: conv2d over a height of one."""
+    if _amp.dtype is not None:
+        input, weight, bias = lower(input, weight, bias)
     if input.ndim == 2:
         return conv1d(input.unsqueeze(0), weight, bias, stride, padding, dilation, groups).squeeze(0)
     if input.ndim != 3 or weight.ndim != 3:
@@ -134,6 +140,8 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, 
     """torch.nn.functional.conv_transpose2d (weight (C, O / groups, kh, kw)): the gradient of a convolution, made as
     one: the input spread by the stride, then a stride-1 convolution with the kernel flipped and in and out swapped,
     padded by dilation * (k - 1) - padding (and output_padding more at the end)."""
+    if _amp.dtype is not None:
+        input, weight, bias = lower(input, weight, bias)
     from deepx_sdk.nn.functional import pad
 
     if input.ndim == 3:
@@ -265,6 +273,13 @@ def _spatial(x: Tensor, what: str) -> tuple[Tensor, bool]:
     return x, False
 
 
+def _pool_op(op: str, x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+             oh: int, ow: int) -> Tensor:
+    """maxpool2d or sumpool2d over x, padded already: one op (its gradient op, maxpool2dgrad or sumpool2dgrad)."""
+    params = (_tp(x), _vec(kernel), _vec(stride), _vec(dilation))
+    return x._op(op, params, (x.shape[0], x.shape[1], oh, ow), x.dtype, [x])
+
+
 def max_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
                ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
     """The maximum over each window (padding counts as -inf, so it is never the maximum)."""
@@ -275,7 +290,7 @@ def max_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any
     oh, over_h = _pool_size("max_pool2d", x.shape[2], kh, sh, ph, dh, ceil_mode)
     ow, over_w = _pool_size("max_pool2d", x.shape[3], kw, sw, pw, dw, ceil_mode)
     padded = _pool_padded(x, ph, pw, over_h, over_w, -math.inf)
-    out = stack(_taps(padded, kh, kw, sh, sw, dh, dw, oh, ow), 0).amax(0)
+    out = _pool_op("maxpool2d", padded, (kh, kw), (sh, sw), (dh, dw), oh, ow)
     return out.squeeze(0) if one else out
 
 
@@ -288,7 +303,7 @@ def avg_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any
     kh, kw, sh, sw, ph, pw, _, _ = _pool_args("avg_pool2d", kernel_size, stride, padding, 1)
     oh, over_h = _pool_size("avg_pool2d", x.shape[2], kh, sh, ph, 1, ceil_mode)
     ow, over_w = _pool_size("avg_pool2d", x.shape[3], kw, sw, pw, 1, ceil_mode)
-    total = stack(_taps(_pool_padded(x, ph, pw, over_h, over_w, 0.0), kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
+    total = _pool_op("sumpool2d", _pool_padded(x, ph, pw, over_h, over_w, 0.0), (kh, kw), (sh, sw), (1, 1), oh, ow)
     if divisor_override is not None:
         out = total / float(divisor_override)
     elif not (over_h or over_w) and (count_include_pad or not (ph or pw)):
@@ -299,7 +314,7 @@ def avg_pool2d(input: Tensor, kernel_size: Any, stride: Any = None, padding: Any
                                   over_h, over_w, 0.0)
         else:
             inside = _pool_padded(ones(1, 1, x.shape[2], x.shape[3], dtype=x.dtype), ph, pw, over_h, over_w, 0.0)
-        count = stack(_taps(inside, kh, kw, sh, sw, 1, 1, oh, ow), 0).sum(0)
+        count = _pool_op("sumpool2d", inside, (kh, kw), (sh, sw), (1, 1), oh, ow)
         out = total / count
     return out.squeeze(0) if one else out
 
@@ -364,6 +379,8 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
 def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
     """Normalise each group of channels of each sample by its own mean and (biased) variance."""
+    if _amp.dtype is not None:
+        input, weight, bias = upper(input), upper(weight), upper(bias)
     n, c = input.shape[0], input.shape[1]
     if c % num_groups:
         raise DeepxError(f"group_norm: {c} channels do not split into {num_groups} groups")

@@ -2,7 +2,8 @@
 
 A batch is one tensor per field, made on the daemon: from a TensorDataset by one gather (`x[indices]`, one
 `indexselect` instruction per field, whatever the batch size), from any other dataset by stacking its items on the
-host (numpy arrays and numbers) and sending the batch once. The order is the sampler's: in order, or shuffled by a
+host (numpy arrays and numbers) and sending the batch once, or, with `num_workers`, in worker processes that put it
+on the daemon as heap tensors ahead of the loop (`_workers.py`). The order is the sampler's: in order, or shuffled by a
 generator (`Generator().manual_seed(s)` as torch writes it, a numpy Generator, or, by default, one seeded from
 `dx.manual_seed` where it was called), so that a seeded run sees the same batches every time.
 """
@@ -159,18 +160,37 @@ class DataLoader:
     batch_size: samples per batch (None: samples one by one, uncollated). shuffle: a new order each epoch (each
     `iter`), from `generator`. drop_last: leave out a last, smaller batch. collate_fn: samples -> batch (default:
     `default_collate`; a TensorDataset or a Subset of one is gathered on the daemon instead, one instruction per
-    field). num_workers is accepted for torch's scripts and must be 0: batches are made in the calling thread."""
+    field, whatever num_workers says).
+
+    num_workers > 0: batches are made ahead of the loop by that many worker processes (forked: the dataset is
+    inherited, never pickled), `prefetch_factor` batches per worker in flight; each worker collates with numpy (or
+    `collate_fn`, which must then give numpy arrays) and registers the batch's arrays as heap tensors on the
+    daemon, so the training loop gets them by name with no copy through its own process. The dataset must give
+    numpy arrays and numbers. `worker_init_fn(worker_id)` runs first in each worker; numpy's and `random`'s global
+    generators are seeded per worker. `timeout` (seconds, 0: none) bounds the wait for one batch;
+    `persistent_workers` keeps the processes across epochs. A worker's exception is raised here with its
+    traceback; a worker that dies is named. pin_memory is accepted and means nothing (the daemon owns memory)."""
 
     def __init__(self, dataset: Dataset, batch_size: int | None = 1, shuffle: bool = False, *, drop_last: bool = False,
-                 generator: Any = None, collate_fn: Any = None, num_workers: int = 0, pin_memory: bool = False) -> None:
+                 generator: Any = None, collate_fn: Any = None, num_workers: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False, worker_init_fn: Any = None,
+                 timeout: float = 0) -> None:
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise DeepxError(f"DataLoader: batch_size must be a positive integer or None, got {batch_size!r}")
-        if num_workers != 0:
-            raise DeepxError("DataLoader: num_workers must be 0 (batches are made in the calling thread; the daemon "
-                             "does the work)")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise DeepxError(f"DataLoader: num_workers must be a non-negative integer, got {num_workers!r}")
+        if num_workers == 0 and (prefetch_factor is not None or persistent_workers):
+            raise DeepxError("DataLoader: prefetch_factor and persistent_workers need num_workers > 0 (as in torch)")
+        if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
+            raise DeepxError(f"DataLoader: prefetch_factor must be a positive integer, got {prefetch_factor!r}")
+        if timeout < 0:
+            raise DeepxError(f"DataLoader: timeout must be >= 0, got {timeout!r}")
         self.dataset, self.batch_size, self.shuffle, self.drop_last = dataset, batch_size, bool(shuffle), drop_last
         self.generator, self.collate_fn = generator, collate_fn
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor or 2
+        self.persistent_workers, self.worker_init_fn, self.timeout = persistent_workers, worker_init_fn, timeout
         self._rng = _rng(generator) if shuffle else None
+        self._pool: Any = None
 
     def __len__(self) -> int:
         n = len(self.dataset)
@@ -182,22 +202,80 @@ class DataLoader:
         n = len(self.dataset)
         return self._rng.permutation(n) if self._rng is not None else np.arange(n)
 
+    def _gathered(self) -> Any:
+        """The dataset's rows(indices) where batches are gathered on the daemon, else None."""
+        if self.collate_fn is not None or self.batch_size is None:
+            return None
+        if isinstance(self.dataset, Subset) and not hasattr(self.dataset.dataset, "rows"):
+            return None
+        return getattr(self.dataset, "rows", None)
+
+    def _chosen(self, order: np.ndarray) -> list[np.ndarray]:
+        if self.batch_size is None:
+            return [order[i:i + 1] for i in range(len(order))]
+        bs = self.batch_size
+        out = [order[at:at + bs] for at in range(0, len(order), bs)]
+        if out and len(out[-1]) < bs and self.drop_last:
+            out.pop()
+        return out
+
     def __iter__(self) -> Iterator[Any]:
         order = self._order()
+        rows = self._gathered()
+        if self.num_workers > 0 and rows is None:
+            yield from self._from_workers(self._chosen(order))
+            return
         if self.batch_size is None:
             for i in order:
                 yield self.dataset[int(i)]
             return
-        rows = getattr(self.dataset, "rows", None) if self.collate_fn is None else None
-        if isinstance(self.dataset, Subset) and not hasattr(self.dataset.dataset, "rows"):
-            rows = None
-        bs = self.batch_size
-        for at in range(0, len(order), bs):
-            chosen = order[at:at + bs]
-            if len(chosen) < bs and self.drop_last:
-                return
+        for chosen in self._chosen(order):
             if rows is not None:
                 yield rows(chosen)
             else:
                 collate = self.collate_fn or default_collate
                 yield collate([self.dataset[int(i)] for i in chosen])
+
+    def _from_workers(self, chosen: list[np.ndarray]) -> Iterator[Any]:
+        from deepx_sdk.session import session
+        from deepx_sdk.tensor import Tensor
+        from deepx_sdk.utils._workers import WorkerPool, numpy_collate
+
+        s = session()
+
+        def wrap(name: str, dtype: str, shape: tuple[int, ...]) -> Tensor:
+            t = Tensor(name, shape, dtype, s)
+            t._k = None  # a heap tensor the worker made: deleted when collected, its name never pooled
+            return t
+
+        pool = self._pool
+        if pool is None or pool.closed:
+            if self.batch_size is None:  # one sample at a time, uncollated
+                collate = self.collate_fn or (lambda samples: samples[0])
+            else:
+                collate = self.collate_fn or numpy_collate
+            seed = int(np.random.default_rng(self._seed_source()).integers(2**31))
+            pool = WorkerPool(self.dataset, collate, self.num_workers, self.prefetch_factor, float(self.timeout),
+                              self.worker_init_fn, seed)
+            if self.persistent_workers:
+                self._pool = pool
+        try:
+            yield from pool.batches(chosen, wrap)
+        finally:
+            if not self.persistent_workers:
+                pool.close()
+
+    def _seed_source(self) -> Any:
+        if isinstance(self.generator, Generator):
+            return self.generator.initial_seed()
+        if self._rng is not None:
+            return self._rng.integers(2**31)
+        return None
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            try:
+                pool.close()
+            except Exception:  # interpreter shutdown
+                pass

@@ -298,6 +298,9 @@ class Actor:
         finally:
             self._end(name, t0)
         if type(value) is CoroutineType:
+            # busy from now, not from the rest's first step: a caller on the loop's own thread (a transport's
+            # callback) starts that step a loop turn later, and no ask may be answered in between
+            self._begin(name)
             return self._direct(name, (), lambda: value, count=False)
         return value
 

@@ -21,6 +21,11 @@
   instead: the record carries `device` and `ipc_handle` (hex of the CUDA IPC handle another process opens with
   `deepxd.ipc.open_tensor`), refcount zero frees the memory, and GPU memory never outlives its daemon (a restart
   finds such tensors `lost`).
+- Other nodes' heap tensors (deepxd/peers.py): a node of this host holds one (`node:<id>` among its holders, recorded
+  by `hold` over the peer link before it maps the segment) and gives the hold back through the owner's lifecycle
+  list; a node of another host reads its bytes (`read`) over the link. The holds of a node found dead are released
+  (`release_dead`, every check_s), and a node's start gives back the holds that a daemon of its id took before it
+  died.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import json
 import logging
 import math
 import operator
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,11 +47,11 @@ import numpy as np
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
 from deepxd.actors.base import Actor, ActorRef, ActorStopped, end_task
-from deepxd.actors.messages import CheckRemote, HeapGone, Lifecycle, Republish
+from deepxd.actors.messages import CheckRemote, HeapGone, Lifecycle, ReleaseDead, Republish
 from deepxd.kv.base import KV, Batch
 from deepxd.owners import FIELDS as OWNER_FIELDS
 from deepxd.owners import Owners
-from deepxd.peers import on_this_host, unreachable
+from deepxd.peers import REMOTE_HOLDER, Far, Peers
 from deepxd.shm import (
     OutOfSharedMemory,
     Segment,
@@ -67,7 +71,6 @@ log = logging.getLogger(__name__)
 
 LIFECYCLE = "tensor_lifecycle"
 CHECK_S = 2.0  # how often heapmem checks that the plane still has its tensors' records
-REMOTE_HOLDER = "node:"  # a holder that is another node of this host, which mapped the segment (on_remote)
 MIN_CLASS = 4096  # the smallest segment: one page
 REUSE_CLASSES = 3  # a pooled segment up to 4x the needed class is reused rather than a fresh one made
 TICK_BATCH = 100  # lifecycle commands popped per tick
@@ -206,17 +209,19 @@ class HeapMemory(Actor):
     """Heap tensors of one node in shared memory, their refcounts, and their metadata in the storage plane.
 
     Messages (all answer through `ask`; refusals are DeepxError naming the tensor): create, attach, release,
-    delete, array, info, list, stats, relabel (deepxd/owners.py), and lifecycle (the commands that the tick popped
-    from `tensor_lifecycle`).
+    delete, array, info, list, stats, relabel (deepxd/owners.py), lifecycle (the commands that the tick popped
+    from `tensor_lifecycle`), and, for other nodes' tensors and other nodes' holds and reads: remote, map, mapped,
+    unmap, forget_remote, check_remote, hold, read, release_dead.
     """
 
     role = "heapmem"
 
     def __init__(self, kv: KV, node_id: str, *, pool_bytes: int = 256 << 20, poll_s: float = 0.05,
                  check_s: float = CHECK_S, name: str | None = None, device: Any = None,
-                 dead_after_s: float = 10.0, owners: Owners | None = None) -> None:
+                 peers: Peers | None = None, owners: Owners | None = None) -> None:
         super().__init__(name)
-        self.dead_after_s = dead_after_s  # a node whose heartbeat is older is dead: its tensors are unreachable
+        # other nodes, and whether they live (a dead one's tensors are unreachable, its holds here released)
+        self.peers = peers if peers is not None else Peers(kv, node_id)
         # heap tensors of other nodes of this host that programs here use: name -> (segment, node, handle)
         self._remote: dict[str, tuple[Segment, str, str]] = {}
         self.owners = owners  # who made the tensors, and their labels: written into their records
@@ -293,6 +298,11 @@ class HeapMemory(Actor):
             f = await self.kv.hgetall(key)
             if f.get("kind") == "heap" and f.get("handle"):
                 keep.add(f["handle"])  # any node's record: its segment is no orphan
+            if f.get("kind") == "heap" and f.get("node") not in (None, self.node):
+                # holds a daemon of this node took before it died: this one maps nothing yet
+                for _ in range(f.get("holders", "").split(",").count(REMOTE_HOLDER + self.node)):
+                    await self._give_back_hold(name, f["node"])
+                continue
             if f.get("kind") != "heap" or f.get("node") != self.node:
                 continue
             try:
@@ -382,8 +392,8 @@ class HeapMemory(Actor):
             task.result()  # a store's refusal: the tick's retry handles it
 
     async def _checker(self) -> None:
-        """Every check_s: have the plane's records of this node's tensors written again where it lost them, and
-        forget the other nodes' tensors mapped here that went (_check_remote)."""
+        """Every check_s: have the plane's records of this node's tensors written again where it lost them, forget
+        the other nodes' tensors mapped here that went (_check_remote), and release dead nodes' holds here."""
         while self.alive:
             await asyncio.sleep(self.check_s)
             if not self._tensors and not self._remote:
@@ -393,6 +403,8 @@ class HeapMemory(Actor):
                     await self.ref.ask(CheckRemote())
                 if self._tensors:
                     await self.ref.ask(Republish())
+                if any(h.startswith(REMOTE_HOLDER) for t in self._tensors.values() for h in t.holders):
+                    await self.ref.ask(ReleaseDead())
             except ActorStopped:
                 return
             except Exception as e:
@@ -453,15 +465,14 @@ class HeapMemory(Actor):
             t.view = t.segment.array(t.shape, t.dtype)
         return t.view
 
-    async def on_remote(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        """Heap tensors of other nodes that a program here names: those of a live node of this host, mapped from
-        their segments (no copy: both nodes read and write the same bytes), this node a holder of each (the
-        holder `node:<this node>`, through the owner's lifecycle list: it keeps the tensor from being freed
-        under the mapping). A name the plane has no heap tensor for is left out (the program's own check says it
-        is not found); one of a dead node, of another host, or in GPU memory is refused, naming the tensor and the
-        node."""
-        out: dict[str, np.ndarray] = {}
-        here = socket.gethostname()
+    async def on_remote(self, names: Sequence[str]) -> tuple[dict[str, np.ndarray], list[Far]]:
+        """Heap tensors of other nodes that a program here names (Peers.reach): the views of those mapped here
+        already (their records unchanged), and the records of the others, to be held and mapped, or streamed. A
+        name the plane has no other node's heap tensor for is left out (the program's own check says it is not
+        found). Reads the plane only: never waits for a peer (a heapmem waiting for another node's, which waits
+        for this one's, would stop both)."""
+        views: dict[str, np.ndarray] = {}
+        far: list[Far] = []
         for name in names:
             if name in self._tensors:
                 continue
@@ -469,9 +480,9 @@ class HeapMemory(Actor):
             if name in self._remote:
                 seg, held_on, handle = self._remote[name]
                 if f.get("handle") == handle and f.get("node") == held_on:
-                    out[name] = seg.array(json.loads(f["shape"]), to_numpy(f["dtype"]))
+                    views[name] = seg.array(json.loads(f["shape"]), to_numpy(f["dtype"]))
                     continue
-                await self._forget_remote(name)
+                await self._forget_remote(name, release=False)  # another tensor now, or none: that one's hold went
             node = f.get("node")
             if f.get("kind") != "heap" or not node or node == self.node:
                 continue
@@ -480,46 +491,49 @@ class HeapMemory(Actor):
             except ValueError as e:
                 raise DeepxError(f"tensor '{name}' of node {node}: its record in the storage plane is malformed: "
                                  f"{e}") from None
-            n = await self.kv.hgetall(f"node:{node}")
-            why = unreachable(n, node, self.dead_after_s)
-            if why is not None:
-                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, which {why}: unreachable")
-            if t.state != "live" or not t.handle:
-                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, {t.state} there: unreachable")
-            if not on_this_host(n):
-                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node} on host {n.get('host')}, and this "
-                                 f"node runs on {here}: tensors travel between hosts over peer links, which deepx "
-                                 "does not have yet (docs/storage.md)")
-            if t.device != "cpu":
-                raise DeepxError(f"tensor '{name}' is a heap tensor in GPU memory of node {node} ({t.device}): "
-                                 "another node cannot use it yet (docs/storage.md)")
-            try:
-                seg = Segment.attach(t.handle)
-            except (OSError, DeepxError) as e:
-                raise DeepxError(f"tensor '{name}' is a heap tensor of node {node}, whose segment {t.handle} could "
-                                 f"not be mapped: {e}") from None
-            if REMOTE_HOLDER + self.node not in t.holders:  # (held already: a daemon of this node before a restart)
-                await self.kv.rpush(node_lifecycle(node), msgpack.packb(
-                    {"cmd": "get", "name": name, "holder": REMOTE_HOLDER + self.node}))
-            self._remote[name] = (seg, node, t.handle)
-            out[name] = seg.array(t.shape, to_numpy(t.dtype))
-            log.info("%s: maps heap tensor '%s' of node %s (%s%s), no copy", self.name, name, node, t.dtype,
-                     list(t.shape))
-        return out
+            far.append(Far(name=name, node=node, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes, handle=t.handle,
+                           ctime=f.get("ctime", ""), state=t.state, device=t.device, holders=tuple(t.holders)))
+        return views, far
 
-    async def _forget_remote(self, name: str) -> None:
-        """Drop the mapping of another node's tensor: this node's workers are told (heap_gone), and its hold on the
-        tensor is given back through the owner's lifecycle list."""
-        seg, node, _ = self._remote.pop(name)
-        for viewer in self.viewers:
-            with contextlib.suppress(ActorStopped):
-                viewer.tell(HeapGone(name=name))
-        seg.close()
+    async def on_map(self, far: Far) -> np.ndarray:
+        """Map another node's heap tensor on this host, whose owner recorded this node's hold on it (Peers.reach):
+        no copy, both nodes read and write the same bytes. Where it is mapped already (a second worker asked at
+        once), the view of that mapping, and the extra hold given back."""
+        held = self._remote.get(far.name)
+        if held is not None and held[1] == far.node and held[2] == far.handle:
+            await self._give_back_hold(far.name, far.node)
+            return held[0].array(far.shape, to_numpy(far.dtype))
+        if held is not None:
+            await self._forget_remote(far.name, release=False)
+        try:
+            seg = Segment.attach(far.handle)
+        except (OSError, DeepxError) as e:
+            await self._give_back_hold(far.name, far.node)
+            raise DeepxError(f"tensor '{far.name}' is a heap tensor of node {far.node}, whose segment {far.handle} "
+                             f"could not be mapped: {e}") from None
+        self._remote[far.name] = (seg, far.node, far.handle)
+        log.info("%s: maps heap tensor '%s' of node %s (%s%s), no copy", self.name, far.name, far.node, far.dtype,
+                 list(far.shape))
+        return seg.array(far.shape, to_numpy(far.dtype))
+
+    async def _give_back_hold(self, name: str, node: str) -> None:
+        """This node's hold on node `node`'s tensor `name`, given back through that node's lifecycle list."""
         try:
             await self.kv.rpush(node_lifecycle(node), msgpack.packb(
                 {"cmd": "delete", "name": name, "holder": REMOTE_HOLDER + self.node}))
         except Exception as e:  # a lost plane: the owner keeps a hold that nothing gives back (logged)
             log.warning("%s: could not give back the hold on heap tensor '%s' of node %s: %s", self.name, name, node, e)
+
+    async def _forget_remote(self, name: str, release: bool = True) -> None:
+        """Drop the mapping of another node's tensor: this node's workers are told (heap_gone), and, with `release`,
+        its hold on the tensor is given back (not where the owner dropped it already, or the tensor went)."""
+        seg, node, _ = self._remote.pop(name)
+        for viewer in self.viewers:
+            with contextlib.suppress(ActorStopped):
+                viewer.tell(HeapGone(name=name))
+        seg.close()
+        if release:
+            await self._give_back_hold(name, node)
 
     def on_mapped(self, name: str) -> str | None:
         """The node whose heap tensor `name` is mapped here (on_remote), else None."""
@@ -545,15 +559,71 @@ class HeapMemory(Actor):
         await self._check_remote()
 
     async def _check_remote(self) -> None:
-        """The other nodes' tensors mapped here: one whose record changed or went, or whose node died, is
-        forgotten (its views here go)."""
+        """The other nodes' tensors mapped here: one whose record changed or went, whose owner no longer counts this
+        node's hold (it took this node for dead), or whose node died, is forgotten (its views here go)."""
         for name, (_, node, handle) in list(self._remote.items()):
             f = await self.kv.hgetall(_key(name))
-            n = await self.kv.hgetall(f"node:{node}") if f.get("handle") == handle else {}
-            if f.get("node") != node or unreachable(n, node, self.dead_after_s) is not None:
-                log.info("%s: heap tensor '%s' of node %s is gone or unreachable: its mapping here goes", self.name,
-                         name, node)
-                await self._forget_remote(name)
+            same = f.get("node") == node and f.get("handle") == handle
+            held = same and REMOTE_HOLDER + self.node in f.get("holders", "").split(",")
+            dead = await self.peers.why_dead(node) if held else None
+            if not held or dead is not None:
+                log.info("%s: heap tensor '%s' of node %s is %s: its mapping here goes", self.name, name, node,
+                         "gone" if not same else "no longer held by this node" if not held else f"unreachable "
+                         f"(node {node} {dead})")
+                # a dead owner applies the release when it starts again and adopts the tensor
+                await self._forget_remote(name, release=held)
+
+    async def on_hold(self, name: str, holder: str, handle: str, ctime: str) -> dict[str, Any]:
+        """Another node of this host is about to map heap tensor `name` (its segment `handle`, made at `ctime`): one
+        more reference, held by `holder` (`node:<id>`), recorded now, before it maps. The segment is never pooled
+        after that (see _drop)."""
+        t = self._live(name, "hold")
+        if t.block is not None or t.handle != handle or repr(t.ctime) != ctime:
+            raise DeepxError(f"heapmem: heap tensor {name!r} of node {self.node} is another one than the one asked "
+                             "for (made again, or moved): look it up again")
+        return await self.on_attach(name, holder)
+
+    def on_read(self, name: str, handle: str, ctime: str, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length) of heap tensor `name` (its segment `handle`, made at `ctime`), in place:
+        a chunk for a node of another host (Peers.serve_read)."""
+        t = self._live(name, "read")
+        if t.segment is None or t.handle != handle or repr(t.ctime) != ctime:
+            raise DeepxError(f"heapmem: heap tensor {name!r} of node {self.node} changed while it was read (freed, "
+                             "made again, or it is in GPU memory): read it again")
+        if offset + length > t.nbytes:
+            raise DeepxError(f"heapmem: heap tensor {name!r} holds {t.nbytes} bytes; bytes {offset} to "
+                             f"{offset + length} were asked for")
+        if t.view is None:
+            t.view = t.segment.array(t.shape, t.dtype)
+        flat: np.ndarray = t.view.reshape(-1).view(np.uint8)
+        return flat[offset:offset + length].data
+
+    async def on_release_dead(self) -> int:
+        """Release the holds that dead nodes took on this node's tensors (a node killed with -9 never gives back
+        its own): each `node:<id>` holder whose node is dead, as Peers says with its record in the plane. A tensor
+        freed so goes as any other (its segment unlinked, never pooled: see _drop). Returns how many."""
+        nodes = {h[len(REMOTE_HOLDER):] for t in self._tensors.values() for h in t.holders
+                 if h.startswith(REMOTE_HOLDER)}
+        dead: dict[str, str] = {}
+        for node in nodes:
+            why = await self.peers.dead_for_sure(node)
+            if why is not None:
+                dead[node] = why
+        if not dead:
+            return 0
+        w = _Writes(self.kv)
+        released = 0
+        for t in list(self._tensors.values()):
+            for holder in [h for h in t.holders if h.startswith(REMOTE_HOLDER) and h[len(REMOTE_HOLDER):] in dead]:
+                node = holder[len(REMOTE_HOLDER):]
+                left = self._release(w, t.name, holder)
+                released += 1
+                log.warning("%s: released node %s's hold on heap tensor '%s' (node %s %s)%s", self.name, node, t.name,
+                            node, dead[node], "; it is freed" if left == 0 else "")
+                if left == 0:
+                    break
+        await w.execute()
+        return released
 
     def on_info(self, name: str, missing_ok: bool = False) -> dict[str, Any] | None:
         """The record of heap tensor `name`; None where there is none and `missing_ok` (a lookup that expects a miss

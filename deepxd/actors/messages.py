@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # (the names in quotes below are these: type arguments, which
     from deepxd.actors.registry import Registry
     from deepxd.actors.scheduler import Scheduler  # noqa: F401
     from deepxd.actors.worker import OpWorker, RunResult  # noqa: F401
+    from deepxd.peers import Far
 
 Rows = list[dict[str, Any]]
 Fields = dict[str, Any]
@@ -275,9 +276,49 @@ class ArrayOf(Message["HeapMemory", Any]):
 
 
 @dataclass(slots=True)
-class Remote(Message["HeapMemory", "dict[str, np.ndarray]"]):
+class Remote(Message["HeapMemory", "tuple[dict[str, np.ndarray], list[Far]]"]):
+    """Other nodes' heap tensors among `names`: the views of those mapped here, the records of the rest."""
+
     message: ClassVar[str] = "remote"
     names: Sequence[str]
+
+
+@dataclass(slots=True)
+class Map(Message["HeapMemory", "np.ndarray"]):
+    """Map another node's heap tensor of this host, its hold recorded by its owner first (Peers.reach)."""
+
+    message: ClassVar[str] = "map"
+    far: Far
+
+
+@dataclass(slots=True)
+class Hold(Message["HeapMemory", Fields]):
+    """A node of this host is about to map heap tensor `name`: its hold, recorded now (a peer's `peer_hold`)."""
+
+    message: ClassVar[str] = "hold"
+    name: str
+    holder: str
+    handle: str
+    ctime: str
+
+
+@dataclass(slots=True)
+class Read(Message["HeapMemory", memoryview]):
+    """Bytes [offset, offset + length) of heap tensor `name`, in place (a peer's `peer_read`)."""
+
+    message: ClassVar[str] = "read"
+    name: str
+    handle: str
+    ctime: str
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class ReleaseDead(Message["HeapMemory", int]):
+    """Release the holds that dead nodes took on this node's tensors: how many."""
+
+    message: ClassVar[str] = "release_dead"
 
 
 @dataclass(slots=True)
@@ -402,6 +443,6 @@ ALL: tuple[type[Message[Any, Any]], ...] = (
     Run, Explain, Backward, StoreGraph, DropGraph, GraphRecords, ExplainGraph, Replay, SchedulerStats,
     RunProgram, RunPlan, Stands, Interleaves, Fetch, Put, AttachHeap, WorkerTensors, Metas, Variables, State, OpStats,
     HeapGone, HeapFree, Sync, Tf32, Kernels,
-    Create, Attach, Release, HeapDelete, ArrayOf, Remote, Mapped, Unmap, ForgetRemote, CheckRemote, Info, HeapList,
-    HeapStats, Lifecycle, Republish, Relabel, Adopted,
+    Create, Attach, Release, HeapDelete, ArrayOf, Remote, Map, Hold, Read, ReleaseDead, Mapped, Unmap, ForgetRemote,
+    CheckRemote, Info, HeapList, HeapStats, Lifecycle, Republish, Relabel, Adopted,
     Flush, ListTensors, ListOps, ListCaches, ListNodes, ListActors, Memory, ListGraphs, DeleteTensor)

@@ -3,7 +3,9 @@
 A program is checked whole against this worker's tensors before any of it runs (a bad program changes nothing).
 Small programs run inline on the event loop (a thread hop costs more than they do); a program with a heavy
 instruction runs on this worker's single thread, so control traffic keeps flowing and order is kept.
-Heap tensors (held by heapmem) appear here as zero-copy views of their shared-memory segments.
+Heap tensors (held by heapmem) appear here as zero-copy views of their shared-memory segments; other nodes' heap
+tensors as views of their segments (same host) or as copies streamed for one program (another host: read only;
+deepxd/peers.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deepx_core.errors import DeepxError
-from deepx_core.ir.effects import heap_made
+from deepx_core.ir.effects import apply_effect, heap_made
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import Bound, ProgramCheck, ProgramError, check_program
 from deepx_core.ir.shapes import numel
@@ -45,6 +47,7 @@ from deepxd.actors.worker import (
 )
 from deepxd.compiler.analysis import named_tensors, read_tensors
 from deepxd.kernels.cpu import CpuExecutor, dtype_name, repeat_count, transient_transposes, worded
+from deepxd.peers import Peers, Reached
 
 if TYPE_CHECKING:
     from deepxd.actors.heapmem import HeapMemory
@@ -66,8 +69,10 @@ class CpuWorker(OpWorker):
 
     def __init__(self, name: str = "op-cpu", *, heapmem: ActorRef[HeapMemory] | None = None,
                  io_roots: Sequence[str] | None = None, inline_elements: int = 1 << 16,
-                 output_log: bool = True) -> None:
+                 output_log: bool = True, peers: Peers | None = None) -> None:
         super().__init__(name)
+        self.peers = peers  # other nodes: their heap tensors, mapped or streamed (deepxd/peers.py)
+        self.copies: dict[str, str] = {}  # other hosts' heap tensors streamed for the program running: name -> node
         self._output: list[str] = []
         self.ex = CpuExecutor(io_roots=io_roots, output=self._print)
         self.heapmem = heapmem
@@ -209,11 +214,14 @@ class CpuWorker(OpWorker):
         outer = live is not None and self._long is None
         if outer:  # from its check on (see _interleave)
             self._long = running
+        streamed = set(self.copies)  # (a long program's, where this one runs between its slices)
         try:
             return await self._run_new(program, fetch, cancel, result, live, running, plan, begun)
         finally:
             if outer:
                 self._long = None
+            if len(self.copies) > len(streamed):
+                self._drop_copies(keep=streamed)
 
     async def _run_new(self, program: Sequence[Instr], fetch: Sequence[str], cancel: Callable[[], bool] | None,
                        result: RunResult, live: set[str] | None, running: LongNames, plan: Plan | None = None,
@@ -244,8 +252,8 @@ class CpuWorker(OpWorker):
         heap_new = (await self._heap_tensors_to_create(bounds)
                     if any(b.instr.meta and heap_made(b) for b in bounds) else {})
         self.ex.transient = transient
-        if plan is not None and not heap_new and len(program) <= REMEMBER_MAX:
-            self._prepare(plan, bounds, begun, heavy, transient)
+        if plan is not None and not heap_new and not self.copies and len(program) <= REMEMBER_MAX:
+            self._prepare(plan, bounds, begun, heavy, transient)  # (copies: read again next time)
         if heavy:
             if not await self._sliced(self._execute, bounds, result, heap_new, cancel=cancel,
                                       running=running):
@@ -319,6 +327,22 @@ class CpuWorker(OpWorker):
         """The program checked whole against the tensors here (ProgramError at the first refusal): its bound
         instructions, whether it is heavy (_heavy) and its transient transposes."""
         return self._check_rest(check_program(program, self.ex, self.ex.plans), fetch, len(program))
+
+    def _checked(self, bounds: list[Bound], fetch: Sequence[str], length: int) -> list[Bound]:
+        """OpWorker's checks, after this one: a program here may read another host's heap tensor (a copy, streamed
+        for it), never write, delete or rename it (docs/decisions/0034-tensors-across-hosts.md)."""
+        if self.copies:
+            for i, b in enumerate(bounds):
+                change = apply_effect(b)
+                for name in (*change.writes, *change.gone):
+                    node = self.copies.get(name)
+                    if node is not None:
+                        raise ProgramError(
+                            f"instruction {i + 1}: {b.op.name}: tensor '{name}' is a heap tensor of node {node}, on "
+                            "another host: this program reads a copy of it, streamed over the peer link, and cannot "
+                            f"write, delete or rename it; run that on node {node}, or write another name here and "
+                            "put it there (docs/cluster.md)", i)
+        return super()._checked(bounds, fetch, length)
 
     def _check_rest(self, bounds: list[Bound], fetch: Sequence[str],
                     length: int) -> tuple[list[Bound], bool, set[int]]:
@@ -470,9 +494,15 @@ class CpuWorker(OpWorker):
         return {name: self.ex.get(name).copy() for name in names}
 
     async def _fetch_mapped(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        assert self.heapmem is not None
-        self._view_mapped(await self.heapmem.ask(Remote(names=[n for n in names if n not in self.ex.tensors])))
-        return {name: self.ex.get(name).copy() for name in names}
+        reached = await self._reach([n for n in names if n not in self.ex.tensors])
+        self._view_mapped(reached.views)
+        return {name: reached.copies[name] if name in reached.copies else self.ex.get(name).copy() for name in names}
+
+    async def _reach(self, names: Sequence[str]) -> Reached:
+        """Other nodes' heap tensors among `names`: mapped (this host) or streamed (another host; Peers.reach)."""
+        if self.peers is None or self.heapmem is None or not names:
+            return Reached()
+        return await self.peers.reach(names)
 
     async def on_put(self, name: str, dtype: str, shape: Sequence[int], data: bytes | memoryview,
                      heap: bool = False, owner: str = "") -> dict[str, Any]:
@@ -491,15 +521,37 @@ class CpuWorker(OpWorker):
 
     async def _map_remote(self, program: Sequence[Instr], index: int) -> bool:
         """The tensors that instruction `index` reads and that neither this worker nor an instruction before it
-        names, mapped where they are heap tensors of other nodes of this host (HeapMemory.on_remote: DeepxError where
-        one is unreachable); whether any was. They are viewed here as heap tensors this worker does not hold."""
+        names, where they are heap tensors of other nodes: mapped from this host's segments, or streamed from other
+        hosts for this program (Peers.reach: DeepxError where one is unreachable); whether any was. They are viewed
+        here as heap tensors this worker does not hold."""
         if self.heapmem is None or index >= len(program):
             return False
         made = {n for instr in program[:index] for n in named_tensors(instr)}  # (returns, a rename's new name)
+        gone = [n for n in apply_effect(program[index]).gone if n not in self.ex.tensors and n not in made]
+        if gone:
+            _, far = await self.heapmem.ask(Remote(names=gone))
+            if far:
+                raise DeepxError(f"{program[index].name}: tensor '{far[0].name}' is a heap tensor of node "
+                                 f"{far[0].node}: a program here cannot delete or rename it; `deepxctl tensors rm "
+                                 f"{far[0].name}` on any node frees it (docs/cluster.md)")
         names = [n for n in read_tensors(program[index]) if n not in self.ex.tensors and n not in made]
         if not names:
             return False
-        return self._view_mapped(await self.heapmem.ask(Remote(names=names)))
+        reached = await self._reach(names)
+        for name, copy in reached.copies.items():
+            self.copies[name] = reached.nodes[name]
+            self.heap[name] = copy
+            self.ex.tensors[name] = copy
+        return self._view_mapped(reached.views) or bool(reached.copies)
+
+    def _drop_copies(self, keep: set[str]) -> None:
+        """The program that read other hosts' tensors ended: the copies streamed for it go (the next one reads them
+        again); those of `keep`, a program's it ran between the slices of, stay until that one ends."""
+        for name in [n for n in self.copies if n not in keep]:
+            del self.copies[name]
+            copy = self.heap.pop(name, None)
+            if copy is not None and self.ex.tensors.get(name) is copy:
+                self.ex.tensors.pop(name)
 
     def _view_mapped(self, views: dict[str, np.ndarray]) -> bool:
         """Other nodes' heap tensors heapmem mapped (on_remote), seen here as heap tensors this worker does not

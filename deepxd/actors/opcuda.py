@@ -99,13 +99,14 @@ class CudaWorker(OpWorker):
 
     def __init__(self, name: str = "op-cuda", *, heapmem: ActorRef[HeapMemory] | None = None,
                  io_roots: Sequence[str] | None = None, device: int = 0, tf32: bool = False,
-                 output_log: bool = True) -> None:
+                 output_log: bool = True, warm: bool = False) -> None:
         super().__init__(name)
         self._output: list[str] = []
         self.ex: Any = None  # the CudaExecutor, made on the thread by the first call
         self.device_index = device
         self.device = f"cuda:{device}"
         self.tf32 = tf32
+        self.warm = warm  # compile the kernel modules not on disk in background threads when the executor opens
         self.io_roots = io_roots
         self.heapmem = heapmem
         self.heap = HeapViews()  # heap tensor name -> its device array (memory heapmem allocated)
@@ -121,7 +122,10 @@ class CudaWorker(OpWorker):
         from deepxd.kernels.cuda import CudaExecutor
 
         self.ex = CudaExecutor(io_roots=self.io_roots, output=self._print, device=self.device_index, tf32=self.tf32)
-        log.info("%s: CUDA executor up on %s (%s)", self.name, self.device, self.ex.device.name())
+        log.info("%s: CUDA executor up on %s (%s), kernels compiled by %s", self.name, self.device,
+                 self.ex.device.name(), self.ex.modules.compiler.kind)
+        if self.warm:
+            self.ex.warm()
 
     def _job(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         if self.ex is None:

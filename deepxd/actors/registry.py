@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,7 @@ from deepxd.actors.messages import (
 )
 from deepxd.kv.base import KV, Batch
 from deepxd.owners import Owners, shown
-from deepxd.peers import DEAD_HEARTBEATS, ask_node, unreachable
+from deepxd.peers import Peers
 
 if TYPE_CHECKING:
     from deepxd.actors.heapmem import HeapMemory
@@ -57,8 +56,11 @@ class Registry(Actor):
                  workers: dict[str, ActorRef[OpWorker]] | None = None, heapmem: ActorRef[HeapMemory] | None = None,
                  actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
                  devices: list[str] | None = None, name: str = "registry", blas: str = "",
-                 scheduler: ActorRef[Scheduler] | None = None, owners: Owners | None = None) -> None:
+                 scheduler: ActorRef[Scheduler] | None = None, owners: Owners | None = None,
+                 peers: Peers | None = None, tls: bool = False) -> None:
         super().__init__(name)
+        self.peers = peers if peers is not None else Peers(kv, node_id, heartbeat_s=heartbeat_s)  # who else lives
+        self.tls = tls  # the TCP listener speaks TLS: peer links to it do too
         self.owners = owners or Owners()  # who made this node's tensors, and their labels (deepxd/owners.py)
         self.kv = kv
         self.node_id = node_id
@@ -68,7 +70,6 @@ class Registry(Actor):
         self.heapmem = heapmem
         self.actors_view = actors
         self.heartbeat_s = heartbeat_s
-        self.dead_after_s = DEAD_HEARTBEATS * heartbeat_s  # another node silent longer is dead
         self.devices = ["cpu"] if devices is None else devices  # where this node's op workers compute
         self.blas = blas  # the library op-cpu's matmul runs on ("" without op-cpu)
         self.scheduler = scheduler  # its planned graphs are written back where the plane lost them
@@ -105,7 +106,9 @@ class Registry(Actor):
         """This node's whole `node:<id>` record, as running now."""
         return {"addresses": json.dumps(self.addresses), "roles": ",".join(self.roles), "pid": os.getpid(),
                 "devices": ",".join(self.devices), "started": self.started, "heartbeat": time.time(),
-                "state": "running", "blas": self.blas, "host": socket.gethostname()}
+                "state": "running", "blas": self.blas, "host": self.peers.host, "shm": self.peers.shm,
+                "tls": "1" if self.tls else "", "heartbeat_s": self.heartbeat_s,
+                "peer_timeout_s": self.peers.timeout_s}
 
     def _signatures(self, b: Batch) -> None:
         for worker in self.workers:
@@ -221,7 +224,7 @@ class Registry(Actor):
             node = row.get("node")
             if row.get("state") == "live" and isinstance(node, str):
                 if node not in alive:
-                    alive[node] = unreachable(await self.kv.hgetall(f"node:{node}"), node, self.dead_after_s) is None
+                    alive[node] = await self.peers.why_dead(node) is None
                 if not alive[node]:
                     row["state"] = "unreachable"
         for worker, ref in self.workers.items():
@@ -268,10 +271,15 @@ class Registry(Actor):
         for key in await self.kv.keys("node:*"):
             h = await self.kv.hgetall(key)
             hb = float(h.get("heartbeat", 0) or 0)
-            rows.append({"node": key.split(":", 1)[1], "roles": h.get("roles", ""), "pid": h.get("pid", ""),
-                         "state": h.get("state", ""), "addresses": json.loads(h.get("addresses", "{}") or "{}"),
+            node = key.split(":", 1)[1]
+            state = h.get("state", "")
+            if state == "running" and node != self.node_id and await self.peers.why_dead(node, h) is not None:
+                state = "dead"  # silent for peer_timeout_s: in the plane, or over its peer link
+            rows.append({"node": node, "roles": h.get("roles", ""), "pid": h.get("pid", ""),
+                         "state": state, "addresses": json.loads(h.get("addresses", "{}") or "{}"),
                          "devices": h.get("devices", ""), "heartbeat_age_s": round(now - hb, 3) if hb else None,
-                         "started": float(h.get("started", 0) or 0), "blas": h.get("blas", "")})
+                         "started": float(h.get("started", 0) or 0), "blas": h.get("blas", ""),
+                         "host": h.get("host", ""), **self.peers.link_row(node)})
         return sorted(rows, key=lambda r: r["node"])
 
     def on_actors(self) -> list[dict[str, Any]]:
@@ -309,8 +317,8 @@ class Registry(Actor):
 
     async def _delete_elsewhere(self, name: str, node: str, force: bool) -> dict[str, Any]:
         """Delete heap tensor `name` of node `node`: this node lets go of its mapping first (its hold would refuse
-        the delete, so the release is waited for), then asks that node over its socket (deepxd/peers.py). A tensor
-        of this node by that name (a stack tensor) is deleted here instead: on_delete looks here first."""
+        the delete, so the release is waited for), then asks that node over the peer link (deepxd/peers.py). A
+        tensor of this node by that name (a stack tensor) is deleted here instead: on_delete looks here first."""
         assert self.heapmem is not None
         if await self.heapmem.ask(Unmap(name=name)):  # its release goes through the owner's lifecycle list
             holder = f"node:{self.node_id}"
@@ -319,7 +327,7 @@ class Registry(Actor):
                     break
                 await asyncio.sleep(0.05)
         try:
-            reply = await ask_node(self.kv, node, "delete", self.dead_after_s, name=name, force=force)
+            reply = await self.peers.ask(node, "delete", name=name, force=force)
         except DeepxError as e:
             raise DeepxError(f"delete: heap tensor {name!r} of node {node}: {e}") from None
         info: dict[str, Any] = reply["tensor"]

@@ -546,13 +546,19 @@ class Scheduler(Actor):
         with nothing run and nothing counted, where on_run must answer: this scheduler or the worker busy or with
         messages waiting, no plan that matches and stands, a plan the worker cannot run inline (OpWorker.now_stands).
         Else on_run's answer, or a coroutine that finishes it (a rewritten program that failed part-way: its tensors
-        are set straight). A UDP sender's program, or one that may be cancelled, is on_run's."""
-        if not self.plans or not self.idle() or origin or cancel is not None:
+        are set straight). A program that may be cancelled is on_run's; so is a UDP sender's (`origin` "udp") that
+        names anything UDP's scope must look up (UdpScope.reaches): one that names only UDP's tensors runs here, and
+        its transport tells the scope what it did (the UDP server's quick way)."""
+        if not self.plans or not self.idle() or cancel is not None:
             return None
+        if origin:
+            scope = self.udp_scope
+            if origin != "udp" or scope is None or backwards or not all(map(scope.reaches, program)):
+                return None
         plan = self._standing(program, fetch, backwards)
         if plan is None:
             return None
-        return self.now("run", self._now_run, plan, program)
+        return self.now("run", self._now_run, plan, program, origin)
 
     def _standing(self, program: Sequence[Instr], fetch: Sequence[str],
                   backwards: Sequence[dict[str, Any]] | None) -> Plan | None:
@@ -568,10 +574,11 @@ class Scheduler(Actor):
                 return plan
         return None
 
-    def _now_run(self, plan: Plan, program: Sequence[Instr]) -> Finished:
+    def _now_run(self, plan: Plan, program: Sequence[Instr], origin: str) -> Finished:
         t0 = time.perf_counter()
         self.now_hits += 1
-        self._taken_from_udp(program)
+        if not origin:  # (a UDP sender's names only UDP's tensors, and stays so)
+            self._taken_from_udp(program)
         if plan.expanded is not None:
             self._taken_from_udp(plan.expanded)
         result = plan.worker.now(RunPlan(plan))

@@ -25,7 +25,7 @@ from typing import Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
-from deepx_core.ir.effects import DELETES
+from deepx_core.ir.effects import DELETES, FILLS
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, UNKNOWN, Bound, Env, PerOp, SymbolicEnv, TensorMeta, bind, check_program, parse_fused
 
@@ -367,7 +367,7 @@ class _Builder:
                 else:
                     ins.append(None)
                     in_metas.append(None)
-            if b.op.name == "dropout":  # reads the tensor it writes
+            if b.op.differentiable and b.op.effect.kind is FILLS:  # dropout: reads the tensor it writes
                 ins.append((b.out_names[0], self.version.get(b.out_names[0], 0)))
                 in_metas.append(self.sym.meta(b.out_names[0]))
             lists: dict[int, int] = {}
@@ -838,11 +838,6 @@ def _silu(gr: Grad, g: str) -> dict[int, str]:
     return {0: gr.emit("mul", g, gr.emit("mul", s, inner))}
 
 
-_SQRT1_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_TANH_K = math.sqrt(2.0 / math.pi)
-_TANH_C = 0.044715
-
 
 @rule("erf")
 def _erf(gr: Grad, g: str) -> dict[int, str]:
@@ -855,24 +850,9 @@ def _erf(gr: Grad, g: str) -> dict[int, str]:
 @rule("gelu")
 def _gelu(gr: Grad, g: str) -> dict[int, str]:
     """dA = g (Phi(A) + A phi(A)), Phi(A) = (1 + erf(A/sqrt 2))/2; approximate='tanh': the derivative of its tanh
-    form, with t = tanh(sqrt(2/pi) (A + 0.044715 A^3)): g ((1 + t)/2 + A/2 (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 A^2))"""
-    dt = gr.meta(0).dtype
-    a, gw = _up(gr, gr.x(0)), _up(gr, g)
-    a2 = gr.emit("mul", a, a)
-    if gr.arg(1) == "tanh":
-        u = gr.emit("mulscalar", gr.emit("mul", a, gr.emit("addscalar", gr.emit("mulscalar", a2, _TANH_C), 1.0)),
-                    _TANH_K)
-        t = gr.emit("tanh", u)
-        first = gr.emit("mulscalar", gr.emit("addscalar", t, 1.0), 0.5)
-        sech2 = gr.emit("rsubscalar", 1.0, gr.emit("mul", t, t))
-        du = gr.emit("addscalar", gr.emit("mulscalar", a2, 3.0 * _TANH_C), 1.0)
-        second = gr.emit("mul", gr.emit("mulscalar", a, 0.5 * _TANH_K), gr.emit("mul", sech2, du))
-        d = gr.emit("add", first, second)
-    else:
-        cdf = gr.emit("mulscalar", gr.emit("addscalar", gr.emit("erf", gr.emit("mulscalar", a, _SQRT1_2)), 1.0), 0.5)
-        pdf = gr.emit("mulscalar", gr.emit("exp", gr.emit("mulscalar", a2, -0.5)), _INV_SQRT_2PI)
-        d = gr.emit("add", cdf, gr.emit("mul", a, pdf))
-    return {0: _down(gr, gr.emit("mul", gw, d), dt)}
+    form, with t = tanh(sqrt(2/pi) (A + 0.044715 A^3)): g ((1 + t)/2 + A/2 (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 A^2)).
+    One instruction, `gelugrad` (its kernels compute the 16-bit floats in float32 and round once)"""
+    return {0: gr.emit("gelugrad", gr.x(0), g, Param.var(gr.arg(1)))}
 
 
 def _swap_last(rank: int) -> tuple[int, ...]:
@@ -1191,6 +1171,18 @@ def _conv2d(gr: Grad, g: str) -> dict[int, str]:
     return out
 
 
+
+@rule("maxpool2d")
+def _maxpool2d(gr: Grad, g: str) -> dict[int, str]:
+    """dA = maxpool2dgrad(A, g): each window's g to its first maximum"""
+    return {0: gr.emit("maxpool2dgrad", gr.x(0), g, gr.arg(1), gr.arg(2), gr.arg(3))}
+
+
+@rule("sumpool2d")
+def _sumpool2d(gr: Grad, g: str) -> dict[int, str]:
+    """dA = sumpool2dgrad(g): each input position gets g summed over the windows that read it"""
+    return {0: gr.emit("sumpool2dgrad", g, gr.meta(0).shape, gr.arg(1), gr.arg(2), gr.arg(3))}
+
 @rule("rmsnorm")
 def _rmsnorm(gr: Grad, g: str) -> dict[int, str]:
     """with r = 1 / sqrt(mean(A^2) + eps) over weight's dims and d = g weight: dA = r (d - A r mean(d A r));
@@ -1219,6 +1211,17 @@ _FUSED_CALLS = {"maximum": ("max", "maxscalar", max), "minimum": ("min", "minsca
 _CONST_OPS: dict[type, Callable[[float, float], float]] = {
     ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
     ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b}
+
+
+def _whole(fn: Callable[[float], Any]) -> Callable[[float], float]:
+    """A rounding to a whole number that keeps infinities and nan, as numpy's does (Python's raises)."""
+    return lambda a: float(fn(a)) if math.isfinite(a) else a
+
+
+# the functions of the fused language where Python's math has none of that name or meaning (round: halves to even)
+_CONST_CALLS: dict[str, Callable[[float], float]] = {"abs": math.fabs, "floor": _whole(math.floor),
+                                                     "ceil": _whole(math.ceil), "trunc": _whole(math.trunc),
+                                                     "round": _whole(round)}
 
 
 def _constant(fn: Callable[..., float], *args: float) -> float:
@@ -1305,7 +1308,7 @@ def unfuse(expr: str, inputs: Sequence[str], dtype: str, fresh: Callable[[], str
             return emit(both, a, b)
         (a,) = args
         if isinstance(a, float):
-            return _constant(getattr(math, "fabs" if name == "abs" else name), a)
+            return _constant(_CONST_CALLS.get(name) or getattr(math, name), a)
         return emit(name, a)
 
     return prog, walk(tree)

@@ -33,7 +33,7 @@ def _value_key(v: Any) -> Any:
 
 def _candidate(b: Bound) -> bool:
     op = b.op
-    if op.effects or op.family in _NEVER or len(b.outs) != 1 or len(b.out_names) != 1:
+    if not op.effect.pure or op.family in _NEVER or len(b.outs) != 1 or len(b.out_names) != 1:
         return False
     out = b.outs[0]
     return out is not None and out is not UNKNOWN and b.out_names[0] not in tensor_reads(b)

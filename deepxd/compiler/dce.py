@@ -1,9 +1,9 @@
 """Dead-code elimination: drop an instruction whose every output is deleted or overwritten before anything reads it.
 
-Only instructions without effects qualify (`OpDef.effects` False: no I/O, no change to the set of tensors or
-variables); one that writes in place (an output that is also an input), or writes a fetched or heap tensor, stays.
-The deltensor of an output that no longer comes to exist goes with it. Scanning backwards removes whole dead chains
-in one pass: once the last use of a value is gone, the instruction that made it is dead too.
+Only pure instructions qualify (`OpDef.effect.pure`: no I/O, no change to the set of tensors or variables); one
+that writes in place (an output that is also an input), or writes a fetched or heap tensor, stays. The deltensor of
+an output that no longer comes to exist goes with it. Scanning backwards removes whole dead chains in one pass: once
+the last use of a value is gone, the instruction that made it is dead too.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _dead(b: Bound, ctx: PassContext, next_kind: dict[str, int]) -> bool:
     """Whether every output of the instruction is deleted or overwritten next (next_kind: among the instructions
     kept after it) and nothing else makes it stay."""
     op = b.op
-    if op.effects or (op.family in ("life", "io") and op.name != "copytensor"):
+    if not op.effect.pure:
         return False
     outs = tensor_writes(b)
     if not outs:

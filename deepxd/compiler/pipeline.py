@@ -15,9 +15,9 @@ from typing import Any
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
-from deepx_core.ir.effects import CREATES, DELETES, kind_of
+from deepx_core.ir.effects import CREATES, DELETES, WRITES, apply_effect, kind_of
 from deepx_core.ir.instr import NUMBERED_OPS, Instr, Param
-from deepx_core.ir.ops import UNKNOWN, PerOp, TensorMeta
+from deepx_core.ir.ops import OPS, UNKNOWN, PerOp, TensorMeta
 from deepx_core.ir.text import format_text
 from deepxd.compiler.analysis import BindMemo, PassContext, deltensor, existing_after, has_ends
 from deepxd.compiler.colsum import fuse_colsum
@@ -294,25 +294,92 @@ def repair(original: Sequence[Instr], rewritten: Sequence[Instr], origins: Seque
            ctx: PassContext) -> tuple[int, list[Instr]]:
     """The rewritten program stopped after `ran` instructions. Returns how many of the original's count as done
     (the index of the failing one), and a program that makes the set of tensors what those would have left: the
-    client then knows exactly which tensors exist. It deletes tensors the rewrite kept longer and creates (zeroed)
-    the temporaries the rewrite never made; the client only ever deletes those."""
+    client then knows exactly which tensors exist. It makes the tensors the rewrite never made (a folded transpose,
+    a fused chain's temporaries), each by its instruction of the original where that gives the value the original
+    had (`_remake`), else zeroed, and then deletes the tensors the rewrite kept longer."""
     done = origins[ran] if ran < len(origins) else len(original)
     before = ctx.metas
     want = existing_after(original[:done], before)
     have = existing_after(rewritten[:ran], before)
-    fix: list[Instr] = []
+    make: list[str] = []
+    drop: list[str] = []
     for name in sorted(set(want) | set(have)):
         w = want.get(name, name in before)
         h = have.get(name, name in before)
         if h and not w:
-            fix.append(deltensor(name))
+            drop.append(name)
         elif w and not h:
-            meta = _meta_after(original[:done], name, ctx)
-            if meta is None or meta is UNKNOWN:
-                log.warning("cannot recreate '%s' after a failed rewritten program: its shape is unknown", name)
-                continue
-            fix.append(Instr("newtensor", (Param.vector(meta.shape),), (Param.tensor(name, meta.dtype),)))
-    return done, fix
+            make.append(name)
+    fix = _remake(original[:done], rewritten[:ran], origins[:ran], make, ctx,
+                  lambda n: have.get(n, n in before)) if make else []
+    return done, fix + [deltensor(n) for n in drop]
+
+
+def _writers(program: Sequence[Instr]) -> dict[str, list[int]]:
+    """name -> the positions that give it a value (a rename gives both names one), in order."""
+    out: dict[str, list[int]] = {}
+    for k, instr in enumerate(program):
+        change = apply_effect(instr)
+        for n in (*change.writes, *(x for pair in change.renamed for x in pair)):
+            out.setdefault(n, []).append(k)
+    return out
+
+
+def _remake(prefix: Sequence[Instr], ran: Sequence[Instr], ran_origins: Sequence[int], names: Sequence[str],
+            ctx: PassContext, exists: Callable[[str], bool]) -> list[Instr]:
+    """Instructions that make `names`, which `prefix` (the original's part that counts as done) made and the
+    rewritten program's first instructions (`ran`) did not, in the original's order. A name's last writer in the
+    prefix runs again where it only writes its returns, all of them among `names`, and each tensor it reads holds
+    now the value it had there: made again here, or untouched since before the program on both sides, or last
+    written by the very instruction on both sides (a pass keeps an instruction only where it reads the values it
+    read). Else the name is made zeroed (a client only ever deletes such a name)."""
+    wanted = set(names)
+    orig = _writers(prefix)
+    new = _writers(ran)
+    remade: dict[str, int] = {}  # name -> the position in the prefix of the instruction that made it again
+    before = ctx.metas
+
+    def holds(n: str, k: int) -> bool:
+        """Whether tensor n holds now, or once made again, the value it had at position k of the prefix."""
+        last = max((p for p in orig.get(n, ()) if p < k), default=-1)
+        if n in remade:
+            return remade[n] == last
+        if n in wanted or not exists(n):
+            return False
+        writes = new.get(n, [])
+        if last < 0:
+            return not writes and n in before
+        return bool(writes) and ran_origins[writes[-1]] == last and ran[writes[-1]] == prefix[last]
+
+    def again(k: int) -> bool:
+        instr = prefix[k]
+        op = OPS.get(instr.name)
+        if op is None or not op.effect.pure or op.effect.kind is not WRITES or op.effect.reads_returns:
+            return False
+        for a, p in zip(op.args, instr.args):
+            if a.kind in ("var", "vector", "shape") and a.vtype not in ("str", "any") and isinstance(p.value, str):
+                return False  # a named variable, which may have changed since
+        change = apply_effect(instr)
+        if not change.writes or set(change.reads) & set(change.writes):
+            return False
+        return (all(w in wanted and orig[w][-1] == k for w in change.writes)
+                and all(holds(n, k) for n in change.reads))
+
+    fix: list[Instr] = []
+    for name in sorted(names, key=lambda n: (orig[n][-1] if n in orig else -1, n)):
+        if name in remade:
+            continue  # made with another return of its instruction
+        k = orig[name][-1] if name in orig else -1
+        if k >= 0 and again(k):
+            fix.append(prefix[k])
+            remade.update(dict.fromkeys(apply_effect(prefix[k]).writes, k))
+            continue
+        meta = _meta_after(prefix, name, ctx)
+        if meta is None or meta is UNKNOWN:
+            log.warning("cannot recreate '%s' after a failed rewritten program: its shape is unknown", name)
+            continue
+        fix.append(Instr("newtensor", (Param.vector(meta.shape),), (Param.tensor(name, meta.dtype),)))
+    return fix
 
 
 def _meta_after(program: Sequence[Instr], name: str, ctx: PassContext) -> TensorMeta | None:

@@ -5,6 +5,12 @@ Requests on one connection are answered one at a time, in order, exactly one rep
 limit is answered with an error and the connection closed (its bytes cannot be trusted); a frame that ends early
 (the peer half-closed) is answered with an error; a body that is not msgpack is answered with an error and the
 connection keeps serving.
+
+Each connection's requests are read and answered by a task of its own (`_serve`, on asyncio's streams). A `run`
+that arrives whole, in one read, while that task waits for the next frame with nothing unread, is answered in the
+transport's callback instead (`_Connection.data_received`), where the scheduler can run it at once as it ran it
+before (`Scheduler.now_run`: a program sent again, the actors idle): no task wakes, no actor is asked, no frame is
+copied into the stream's buffer. Anything else goes to the task as before (docs/decisions/0033-round-trips-and-gelu.md).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +45,7 @@ from deepxd.actors.messages import Backward, DeleteTensor, Explain, Fetch, ListT
 from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
+from deepxd.net.peerlink import SLICE_BYTES, split_frame
 from deepxd.owners import Owners, session_of_hello
 
 if TYPE_CHECKING:
@@ -47,6 +55,7 @@ log = logging.getLogger(__name__)
 
 ADMIN = tuple(ADMIN_QUERIES)  # the registry's queries a client may ask by name
 LONG_FRAME = 1 << 20  # a frame at least this long is unpacked on a thread
+STREAM_LIMIT = 1 << 20  # a connection's stream buffers this much before it stops reading from the socket
 #: a token listener's first frame is the answer to its challenge: this small, this soon (also TLS's handshake)
 AUTH_FRAME_MAX = 4096
 AUTH_TIMEOUT_S = 10.0
@@ -165,6 +174,70 @@ def _bind(bound: dict[str, Any], op: str, req: dict[str, Any], owners: Owners) -
             bound.setdefault("prefixes", set()).add(f"{req['name']}.")
 
 
+class _Connection(asyncio.StreamReaderProtocol):
+    """A native connection's protocol: asyncio's stream protocol (the connection's task, `_serve`, reads its
+    frames), which answers a `run` that it can answer at once itself, as its frame arrives (NativeServer._now).
+
+    The task says when it waits for a frame's header (`idle`); what went to its stream and what it read of it
+    (`fed`, `taken`) say whether anything is left unread there. A run is answered here only then, arriving whole in
+    one read: its reply goes before that of any later request, as the task's would. `pending`: the rest of an
+    answer begun here that needs an await (the task awaits it before it handles the next request)."""
+
+    def __init__(self, server: NativeServer, limit: int) -> None:
+        loop = asyncio.get_running_loop()
+        super().__init__(asyncio.StreamReader(limit=limit, loop=loop), self._connected, loop=loop)
+        self.server = server
+        self.bound: dict[str, Any] = {}  # what a session bound to this connection (release_on_close, hello, ...)
+        self.ready = False  # greeted (a token listener's challenge answered): requests may be answered
+        self.idle = False
+        self.fed = 0
+        self.taken = 0
+        self.blocked = False  # replies wait in the transport (the peer does not read them)
+        self.pending: asyncio.Task[None] | None = None
+        self.out: asyncio.BaseTransport | None = None
+
+    def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        return self.server._serve(reader, writer, self)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.out = transport
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if (self.idle and self.fed == self.taken and self.pending is None and not self.blocked
+                and self.server._now(self, data)):
+            return
+        self.fed += len(data)
+        super().data_received(data)
+
+    def pause_writing(self) -> None:
+        self.blocked = True
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self.blocked = False
+        super().resume_writing()
+
+
+def _program(prog: list[Any]) -> list[Instr]:
+    """A run's instructions as sent (each msgpack-packed, or as lists); a training step's repeated ones come from the
+    wire's cache."""
+    return [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
+
+
+def _run_fields(req: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]] | None]:
+    """A run request's `fetch` and `backwards` (each with its forward decoded), checked."""
+    fetch = _tensor_names(req.get("fetch"), "run")
+    backwards = req.get("backwards")
+    if backwards is not None:
+        if not isinstance(backwards, list) or not all(isinstance(b, dict) for b in backwards):
+            raise DeepxError("run: 'backwards' must be a list of backward requests")
+        for i, b in enumerate(backwards):
+            _names(b.get("names"), f"run: backwards[{i}]")
+        backwards = [{**b, "forward": _instrs(b.get("forward"), "backwards")} for b in backwards]
+    return fetch, backwards
+
+
 def _instrs(objs: Any, what: str) -> list[Instr]:
     if not isinstance(objs, list):
         raise DeepxError(f"{what}: 'forward' must be a list of instructions")
@@ -242,7 +315,8 @@ class NativeServer:
         check_socket_free(self.path)
         old = os.umask(0o177)
         try:
-            self.server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 20)
+            self.server = await asyncio.get_running_loop().create_unix_server(
+                lambda: _Connection(self, STREAM_LIMIT), path=self.path)
         except OSError as e:
             raise DeepxError(f"cannot listen on unix://{self.path}: {e.strerror or e}") from None
         finally:
@@ -254,7 +328,8 @@ class NativeServer:
         context = tls_context(*self.tls) if self.tls else None
         tls_args: dict[str, Any] = {"ssl": context, "ssl_handshake_timeout": AUTH_TIMEOUT_S} if context else {}
         try:
-            self.server = await asyncio.start_server(self._serve, host, port, limit=1 << 20, **tls_args)
+            self.server = await asyncio.get_running_loop().create_server(
+                lambda: _Connection(self, STREAM_LIMIT), host, port, **tls_args)
         except OSError as e:
             hint = (": the port is in use (another deepxd, or another program); choose another port, or 0 for a "
                     "free one" if e.errno == errno.EADDRINUSE else "")
@@ -282,16 +357,18 @@ class NativeServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Connection) -> None:
         self.connections.add(writer)
-        bound: dict[str, Any] = {}  # what a session bound to this connection (release_on_close), released at its end
+        bound = conn.bound  # what a session bound to this connection (release_on_close), released at its end
         gone = _peer_gone(reader, writer)  # asked by a run between its slices
         try:
             if not self.path:
                 _keep_alive(writer)
                 if not await self._greet(reader, writer):
                     return
+            conn.ready = True
             while True:
+                conn.idle = True  # (a run arriving now may be answered as it arrives)
                 try:
                     header = await reader.readexactly(HEADER.size)
                 except asyncio.IncompleteReadError as e:
@@ -299,6 +376,9 @@ class NativeServer:
                         await self._reply(writer, {"id": None, "ok": False,
                                                    "error": f"truncated frame: {len(e.partial)} of 4 header bytes"})
                     return
+                finally:
+                    conn.idle = False
+                conn.taken += HEADER.size
                 (n,) = HEADER.unpack(header)
                 if n > self.max_frame:
                     await self._reply(writer, {"id": None, "ok": False, "error":
@@ -311,6 +391,9 @@ class NativeServer:
                     await self._reply(writer, {"id": None, "ok": False, "error":
                                                f"truncated frame: expected {n} bytes, got {len(e.partial)}"})
                     return
+                conn.taken += n
+                if conn.pending is not None:  # an answer begun as its frame arrived goes out first
+                    await conn.pending
                 reply = await self._handle(body, bound, gone)
                 await self._reply(writer, reply)
         except (ConnectionError, BrokenPipeError):
@@ -320,8 +403,12 @@ class NativeServer:
         except Exception:
             log.exception("native connection failed")
         finally:
+            conn.ready = False
             self.connections.discard(writer)
             writer.close()
+            if conn.pending is not None:  # (it answers nobody now, but finishes what it began)
+                with contextlib.suppress(Exception):
+                    await conn.pending
             released = bool(bound.get("prefix")) and not self.node.stopping.is_set()
             if released:
                 await self._release(bound["prefix"], sorted(bound.get("graphs", ())))
@@ -405,10 +492,84 @@ class NativeServer:
 
     async def _reply(self, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
         try:
-            writer.write(pack_frame(reply))
-            await writer.drain()
+            split = split_frame(reply)  # a chunk for a peer: its bytes written as they are, slice by slice
+            if split is None:
+                writer.write(pack_frame(reply))
+                await writer.drain()
+                return
+            head, data = split
+            writer.write(head)
+            for i in range(0, len(data), SLICE_BYTES):
+                writer.write(data[i:i + SLICE_BYTES])
+                await writer.drain()
         except (ConnectionError, BrokenPipeError):
             pass
+
+    def _now(self, conn: _Connection, data: bytes) -> bool:
+        """Answer `data` here, in the transport's callback, where it is one whole `run` frame that the scheduler runs
+        at once (Scheduler.now_run); False, with nothing done, where the connection's task must handle it (any other
+        request, a program the scheduler must plan or check, one of more than LONG_PROGRAM instructions, and any
+        malformed request, which the task answers with its error)."""
+        if not conn.ready or len(data) <= HEADER.size:
+            return False
+        (n,) = HEADER.unpack_from(data)
+        if n != len(data) - HEADER.size or n >= LONG_FRAME:
+            return False
+        try:
+            req = unpack_body(data[HEADER.size:])
+            prog = req.get("program")
+            if req.get("op") != "run" or type(prog) is not list or len(prog) > LONG_PROGRAM:
+                return False
+            program = _program(prog)
+            fetch, backwards = _run_fields(req)
+        except Exception:  # the task says what is wrong
+            return False
+        node = self.node  # (what it writes is taken back from UDP's scope by the scheduler: Scheduler._now_run)
+        session = conn.bound.get("session")
+        if session is not None and not node.owners.made_now("run", req, session, bool(conn.bound.get("prefixes"))):
+            return False
+        rid = req.get("id")
+        try:
+            done = node.ref("scheduler").now(Run(program, fetch, backwards))
+        except Exception as e:  # it may have begun: answered with the error, never run again by the task
+            self.requests += 1
+            if not isinstance(e, DeepxError):
+                log.exception("request failed")
+            self._write(conn, rid, None, {"id": rid, "ok": False, "error": str(e) if isinstance(e, DeepxError) else
+                                          f"internal error: {type(e).__name__}: {e}"})
+            return True
+        if done is None:
+            return False
+        self.requests += 1
+        if type(done) is CoroutineType:
+            conn.pending = asyncio.get_running_loop().create_task(self._finish(conn, rid, done))
+        else:
+            self._write(conn, rid, done)
+        return True
+
+    async def _finish(self, conn: _Connection, rid: Any, rest: Any) -> None:
+        """The reply to a run begun as its frame arrived, whose answer needed an await."""
+        try:
+            result = await rest
+        except DeepxError as e:
+            self._write(conn, rid, None, {"id": rid, "ok": False, "error": str(e)})
+        except Exception as e:
+            log.exception("request failed")
+            self._write(conn, rid, None, {"id": rid, "ok": False, "error": f"internal error: {type(e).__name__}: {e}"})
+        else:
+            self._write(conn, rid, result)
+        finally:
+            conn.pending = None
+
+    @staticmethod
+    def _write(conn: _Connection, rid: Any, result: RunResult | None, reply: dict[str, Any] | None = None) -> None:
+        if reply is None:
+            assert result is not None
+            out = encode_result(result)
+            reply = {"id": rid, "ok": out.pop("ok"), **out}
+        out_transport = conn.out
+        if out_transport is not None and not out_transport.is_closing():
+            out_transport.write(pack_frame(reply))  # type: ignore[attr-defined]
 
     async def _handle(self, body: bytes, bound: dict[str, Any] | None = None,
                       gone: Callable[[], bool] | None = None) -> dict[str, Any]:
@@ -468,15 +629,8 @@ class NativeServer:
             if len(prog) > REMEMBER_MAX:  # O(n): off the loop, and not through the cache of repeated instructions
                 program = await asyncio.to_thread(_long_program, prog)
             else:  # (a training step's, again and again: its instructions cached)
-                program = [unpack_instr_cached(o) if type(o) is bytes else instr_from_obj(o) for o in prog]
-            fetch = _tensor_names(req.get("fetch"), "run")
-            backwards = req.get("backwards")
-            if backwards is not None:
-                if not isinstance(backwards, list) or not all(isinstance(b, dict) for b in backwards):
-                    raise DeepxError("run: 'backwards' must be a list of backward requests")
-                for i, b in enumerate(backwards):
-                    _names(b.get("names"), f"run: backwards[{i}]")
-                backwards = [{**b, "forward": _instrs(b.get("forward"), "backwards")} for b in backwards]
+                program = _program(prog)
+            fetch, backwards = _run_fields(req)
             result: RunResult = await self.node.ref("scheduler").ask(Run(program=program, fetch=fetch,
                                                                      backwards=backwards, cancel=gone))
             out = (encode_result(result) if result.done <= REMEMBER_MAX
@@ -557,6 +711,21 @@ class NativeServer:
     async def _op_group_leave(self, req: dict[str, Any]) -> dict[str, Any]:
         return await groups.leave(self.node, req.get("group"), req.get("gen"), req.get("rank"),
                                   req.get("delete") or [], req.get("forget") or [])
+
+    # -- peer links: another deepxd's requests (deepxd/peers.py)
+    async def _op_peer_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_ping(req)
+
+    async def _op_peer_hold(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_hold(req)
+
+    async def _op_peer_read(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._peers().serve_read(req)
+
+    def _peers(self) -> Any:
+        if self.node.peers is None:
+            raise DeepxError("this deepxd is not started: it has no peer links")
+        return self.node.peers
 
     async def _op_fetch(self, req: dict[str, Any]) -> dict[str, Any]:
         names = req.get("names")

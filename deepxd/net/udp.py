@@ -15,6 +15,15 @@ scheduler checks each line against deepxd/access.py's UdpScope (docs/daemon.md, 
 budgeted: a turn of the loop runs at most TURN_LINES lines or TURN_S seconds of one sender's datagrams, senders take
 turns, and backlogs are capped (per sender and in all), so that a flood never starves the native socket or the other
 senders.
+
+A line is answered as its datagram arrives, in the transport's callback, where nothing waits before it (no sender's
+backlog, no turn under way) and it needs no await: it names only what UDP may reach, and the scheduler runs it at
+once as it ran it before (`Scheduler.now_run`: an instruction sent again, the actors idle). Any other line, and what
+follows it in its datagram, goes to the backlog and its turn (docs/decisions/0033-round-trips-and-gelu.md). The
+sender's own metadata (`id`, `created_at`, `sent_at`, `author`) is read for the reply and dropped before the line
+runs, so that a line sent again with a new id and time is the same instruction to the scheduler and the worker (their
+caches of programs run before); the keys that change what runs (`benchmark.repeat`, `kind`, `exists`, and any other)
+stay.
 """
 
 from __future__ import annotations
@@ -22,15 +31,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import logging
 import re
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from types import CoroutineType
+from typing import TYPE_CHECKING, Any
 
 from deepx_core.errors import DeepxError
-from deepx_core.ir.instr import request_id
+from deepx_core.ir.instr import Instr, request_id
 from deepx_core.ir.text import parse_line
 from deepxd.actors.messages import Run
 from deepxd.actors.worker import RunResult
@@ -47,6 +58,11 @@ TURN_LINES = 64  # lines of one sender run in one turn of the event loop, at mos
 TURN_S = 0.002  # and at most this long, before the loop serves others (the native socket, other senders)
 BACKLOG_BYTES = 8 << 20  # a sender's datagrams waiting beyond this are dropped (as a full socket buffer would)
 TOTAL_BACKLOG_BYTES = 64 << 20  # and all senders' together: memory stays bounded however many ports send
+#: metadata that speaks of the sending, not of what runs: read for the reply, dropped before the line runs
+SENDER_META = frozenset(("id", "created_at", "sent_at", "author"))
+SEEN_MAX = 1024  # distinct instructions remembered as one object each (forgotten all at once past this)
+
+_new = tuple.__new__
 
 
 def _request_id(line: str) -> int:
@@ -62,15 +78,27 @@ def _ms(t: float) -> int:
 
 
 class _Datagram:
-    """One received datagram, run a turn's worth of lines at a time."""
+    """One received datagram, run a turn's worth of lines at a time. `held`: its next line, parsed, where it was
+    begun as the datagram arrived and must go on in a turn: (instruction, request id, and None, or the coroutine
+    that finishes the scheduler's answer)."""
 
-    __slots__ = ("addr", "lines", "recv", "size")
+    __slots__ = ("addr", "held", "lines", "recv", "size")
 
     def __init__(self, data: bytes, addr: tuple[str, int], recv: float) -> None:
         self.addr = addr
         self.recv = recv
         self.size = len(data)
         self.lines = _split(data)
+        self.held: tuple[Instr, int, Any] | None = None
+
+
+def _bare(instr: Instr) -> Instr:
+    """`instr` without the sender's metadata (SENDER_META)."""
+    meta = instr.meta
+    if not meta:
+        return instr
+    kept = tuple(kv for kv in meta if kv[0] not in SENDER_META)
+    return instr if len(kept) == len(meta) else _new(Instr, (instr.name, instr.args, instr.returns, kept))
 
 
 def _split(data: bytes) -> Iterator[tuple[int, int, bytes]]:
@@ -92,7 +120,10 @@ class UdpServer(asyncio.DatagramProtocol):
         self.writable.set()
         self.transport: asyncio.DatagramTransport | None = None
         self.worker: asyncio.Task[None] | None = None
+        self.turning = False  # a turn is under way (its sender's datagrams are out of the backlog meanwhile)
+        self._seen: dict[Instr, Instr] = {}  # the instructions of recent lines (_parsed), each one object
         self.lines = 0
+        self.answered_now = 0  # lines answered in the transport's callback, as their datagram arrived
         self.dropped = 0  # datagrams dropped for a sender's backlog over BACKLOG_BYTES
         self._dropped_said = 0.0
         self.accepting = True
@@ -105,6 +136,12 @@ class UdpServer(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if not self.accepting:
             return
+        if not self.backlog and not self.turning and self.writable.is_set():
+            item = _Datagram(data, addr, time.time())
+            if self._now(item):
+                return
+            self._queue(item, addr)
+            return
         held = self.backlog_bytes.get(addr, 0)
         if held + len(data) > BACKLOG_BYTES or self.waiting + len(data) > TOTAL_BACKLOG_BYTES:
             self.dropped += 1
@@ -115,10 +152,31 @@ class UdpServer(asyncio.DatagramProtocol):
                             "sender may have %d MiB waiting, all senders %d MiB)", addr, self.dropped,
                             BACKLOG_BYTES >> 20, TOTAL_BACKLOG_BYTES >> 20)
             return
-        self.backlog.setdefault(addr, deque()).append(_Datagram(data, addr, time.time()))
-        self.backlog_bytes[addr] = held + len(data)
-        self.waiting += len(data)
+        self._queue(_Datagram(data, addr, time.time()), addr)
+
+    def _queue(self, item: _Datagram, addr: tuple[str, int]) -> None:
+        self.backlog.setdefault(addr, deque()).append(item)
+        self.backlog_bytes[addr] = self.backlog_bytes.get(addr, 0) + item.size
+        self.waiting += item.size
         self.wake.set()
+
+    def _now(self, item: _Datagram) -> bool:
+        """Answer the datagram's lines here, in the transport's callback, up to a turn's budget and while each needs
+        no await; True where all were answered. Else the line that needs one is left parsed in `held`."""
+        deadline = time.perf_counter() + TURN_S
+        recv, addr = item.recv, item.addr
+        for n, line in enumerate(item.lines, 1):
+            if n > TURN_LINES or (n > 1 and time.perf_counter() > deadline):  # the rest in turns
+                item.lines = itertools.chain((line,), item.lines)
+                return False
+            parsed = self._parsed(*line, addr, recv)
+            if parsed is not None:
+                instr, rid = parsed
+                answer = self._run_now(instr, rid, addr, recv)
+                if answer is not True:  # None: the line takes the ask; a coroutine: the rest of its answer
+                    item.held = (instr, rid, answer)
+                    return False
+        return True
 
     def error_received(self, exc: Exception) -> None:
         if isinstance(exc, ConnectionRefusedError):  # a sender that left before its reply (ICMP port unreachable)
@@ -144,11 +202,14 @@ class UdpServer(asyncio.DatagramProtocol):
             addr = next(iter(self.backlog))
             queue = self.backlog.pop(addr)  # popped and put back at the end: senders take turns
             item = queue[0]
+            self.turning = True
             try:
                 finished = await self._turn(item)
             except Exception:
                 log.exception("udp: datagram from %s failed", item.addr)
                 finished = True
+            finally:
+                self.turning = False
             if finished:
                 queue.popleft()
                 self.backlog_bytes[addr] -= item.size
@@ -162,13 +223,26 @@ class UdpServer(asyncio.DatagramProtocol):
     async def _turn(self, item: _Datagram) -> bool:
         """Run up to a turn's budget of the datagram's lines; True once it has no lines left."""
         deadline = time.perf_counter() + TURN_S
-        for n, (lineno, start, raw) in enumerate(item.lines, 1):
+        first = 1
+        if item.held is not None:
+            (instr, rid, rest), item.held = item.held, None
+            await self._run(instr, rid, item.addr, item.recv, rest)
+            first = 2
+        for n, (lineno, start, raw) in enumerate(item.lines, first):
             await self._line(lineno, start, raw, item.addr, item.recv)
             if n >= TURN_LINES or time.perf_counter() > deadline:
                 return False
         return True
 
     async def _line(self, lineno: int, start: int, raw: bytes, addr: tuple[str, int], recv: float) -> None:
+        parsed = self._parsed(lineno, start, raw, addr, recv)
+        if parsed is not None:
+            await self._run(*parsed, addr, recv)
+
+    def _parsed(self, lineno: int, start: int, raw: bytes, addr: tuple[str, int],
+                recv: float) -> tuple[Instr, int] | None:
+        """The line's instruction, without the sender's metadata, and its request id; None where there is nothing
+        to run: a blank line, or one answered here (not UTF-8, not an instruction)."""
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:  # this line's reply; the others run
@@ -177,21 +251,70 @@ class UdpServer(asyncio.DatagramProtocol):
             self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()),
                                     f"line {lineno} is not UTF-8 text: byte {e.start} of the line (byte "
                                     f"{start + e.start} of the datagram) is {raw[e.start]:#04x}"), addr)
-            return
+            return None
         if not line.strip():
-            return
+            return None
         self.lines += 1
         try:
             instr = parse_line(line.rstrip("\r"), lineno)
         except DeepxError as e:
             self._send(format_reply(_request_id(line), False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
-            return
-        rid = instr.id
-        try:  # origin udp: the scheduler checks what the line may name (deepxd/access.py) as it runs it
-            result: RunResult = await self.node.ref("scheduler").ask(Run(program=[instr], fetch=[], origin="udp"))
+            return None
+        rid, bare = instr.id, _bare(instr)
+        try:  # the instruction of the last lines that were this one (their caches compare it by identity first)
+            known = self._seen.get(bare)
+        except TypeError:  # a value that does not hash: nothing to share
+            return bare, rid
+        if known is None:
+            if len(self._seen) >= SEEN_MAX:
+                self._seen.clear()
+            known = self._seen[bare] = bare
+        return known, rid
+
+    def _run_now(self, instr: Instr, rid: int, addr: tuple[str, int], recv: float) -> Any:
+        """Answer the line without an await where it can be: it names only what UDP may reach (so the scope's check
+        needs nothing looked up) and the scheduler runs it at once (now_run, which looks at both). True where it was
+        answered; None where it takes the ask (nothing ran); or a coroutine that finishes the scheduler's answer (to
+        await in a turn)."""
+        try:
+            done = self.node.ref("scheduler").now(Run([instr], (), origin="udp"))
+        except Exception as e:  # it may have begun: answered with the error, never run again by the ask
+            if not isinstance(e, DeepxError):
+                log.exception("udp: a line from %s failed", addr)
+            self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()),
+                                    str(e) if isinstance(e, DeepxError) else
+                                    f"internal error: {type(e).__name__}: {e}"), addr)
+            return True
+        if done is None or type(done) is CoroutineType:
+            return done
+        self.answered_now += 1
+        self._ran(instr, rid, addr, recv, done)
+        return True
+
+    async def _run(self, instr: Instr, rid: int, addr: tuple[str, int], recv: float, rest: Any = None) -> None:
+        """Run the line through the scheduler's ask (`rest`: or finish the answer the scheduler began), and reply."""
+        try:
+            if rest is not None:
+                result: RunResult = await rest
+            else:  # origin udp: the scheduler checks what the line may name (deepxd/access.py) as it runs it
+                result = await self.node.ref("scheduler").ask(Run(program=[instr], fetch=[], origin="udp"))
         except DeepxError as e:
             self._send(format_reply(rid, False, _ms(recv), 0, _ms(time.time()), str(e)), addr)
             return
+        if rest is not None:
+            self._ran(instr, rid, addr, recv, result)
+        else:
+            self._reply(rid, addr, recv, result)
+
+    def _ran(self, instr: Instr, rid: int, addr: tuple[str, int], recv: float, result: RunResult) -> None:
+        """A line the scheduler ran at once (no check of its scope was due: it named only UDP's): what it did to
+        the set of tensors told to the scope, as on_run does for a UDP program, and the reply."""
+        scope = self.node.udp_scope
+        if result.done and scope is not None:
+            scope.ran(instr)
+        self._reply(rid, addr, recv, result)
+
+    def _reply(self, rid: int, addr: tuple[str, int], recv: float, result: RunResult) -> None:
         if result.times_us:
             begin = _ms(result.t0 + result.times_us[0] / 1e6)
             finish = _ms(result.t0 + result.times_us[-1] / 1e6)

@@ -9,6 +9,7 @@ catalogue: an op flagged differentiable without a case here fails.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -126,7 +127,8 @@ def _fused_ref(expr: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     def fn(t: dict[str, torch.Tensor]) -> torch.Tensor:
         names = {f"in{i}": t[n] for i, n in enumerate("abc") if n in t}
         ns = {**names, "sqrt": torch.sqrt, "exp": torch.exp, "log": torch.log, "sin": torch.sin, "cos": torch.cos,
-              "tan": torch.tan, "tanh": torch.tanh, "abs": torch.abs,
+              "tan": torch.tan, "tanh": torch.tanh, "abs": torch.abs, "floor": torch.floor, "ceil": torch.ceil,
+              "round": torch.round, "trunc": torch.trunc, "log1p": torch.log1p, "expm1": torch.expm1,
               "maximum": lambda x, y: torch.maximum(torch.as_tensor(x, dtype=torch.float64),
                                                     torch.as_tensor(y, dtype=torch.float64)),
               "minimum": lambda x, y: torch.minimum(torch.as_tensor(x, dtype=torch.float64),
@@ -289,6 +291,14 @@ CASES: dict[str, list[Case]] = {
                                                                           dilation=d, groups=g))
                for a, w, s, p, d, g in [((2, 3, 6, 5), (4, 3, 3, 2), (1, 1), (1, 0), (1, 1), 1),
                                         ((1, 4, 7, 7), (4, 2, 3, 3), (2, 1), (1, 1), (1, 2), 2)]],
+    "maxpool2d": [c(f"maxpool2d (tensor<T>:a, {vecs(k, st, d)}) -> (tensor<T>:y)", {"a": r(*a)}, "a",
+                    lambda t, k=k, st=st, d=d: torch.nn.functional.max_pool2d(t["a"], k, st, 0, d))
+                  for a, k, st, d in [((2, 3, 7, 6), (3, 2), (2, 1), (1, 2)), ((1, 2, 6, 6), (2, 2), (2, 2), (1, 1)),
+                                      ((2, 1, 5, 5), (3, 3), (1, 1), (1, 1))]],
+    "sumpool2d": [c(f"sumpool2d (tensor<T>:a, {vecs(k, st, d)}) -> (tensor<T>:y)", {"a": r(*a)}, "a",
+                    lambda t, k=k, st=st, d=d, ch=a[1]: torch.nn.functional.conv2d(
+                        t["a"], torch.ones((ch, 1, *k), dtype=t["a"].dtype), stride=st, dilation=d, groups=ch))
+                  for a, k, st, d in [((2, 3, 7, 6), (3, 2), (2, 1), (1, 2)), ((1, 2, 6, 6), (2, 2), (2, 2), (1, 1))]],
     "rmsnorm": [c("rmsnorm (tensor<T>:a, tensor<T>:w, var<float64>:1e-6) -> (tensor<T>:y)",
                   {"a": r(*a, lo=-2, hi=2), "w": r(*w)}, "a w", _norm_ref("rmsnorm", 1e-6, len(w)))
                 for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]],
@@ -300,6 +310,9 @@ CASES: dict[str, list[Case]] = {
                " + in0 ** in2 - (1 - in1) / (2 + 3) + +in2",
                {"a": r(5, lo=0.5, hi=1.5), "b": r(5), "c": r(5, lo=0.5, hi=2)}, "a b c"),
         _fused("in0 * in0 - in0", {"a": r(3), "b": r(2, 1)}, "a b"),
+        # the rounding steps pass no gradient; log1p and expm1 do
+        _fused("log1p(in0) * floor(in1 * 3) + expm1(in2) * in1 - ceil(in0) * round(in1) + trunc(in2 * 2) * in0",
+               {"a": r(3, 4, lo=0.1, hi=2), "b": r(4), "c": r(3, 1)}, "a b c"),
         # comparisons are masks (what the relu and clamp rules emit): they pass no gradient themselves
         _fused("in0 * (in1 > 0.25) + (in2 <= in0) * in1 - (in0 != 0.1) * in2 + (in2 == in2) * in0 * (0.5 < in1)"
                " + in1 * (in0 >= in2) - in2 * (-0.5 > in0) + (in1 < in0)", {"a": r(3, 4), "b": r(4), "c": r(3, 1)},
@@ -443,6 +456,10 @@ def test_fused_rule_unfuses_the_expression():
     assert ops == ["maxscalar", "rsubscalar", "mul", "rpowscalar", "div", "neg", "mulscalar", "add"]
     assert root == "t7"
     assert unfuse("1.0 + 2.0 * 3.0", ["x"], "float64", lambda: next(names)) == ([], 7.0)
+    # round's halves go to even, as numpy's and numexpr's do; the steps keep an infinity
+    whole = "floor(2.7) + round(2.5) * 10 + trunc(-1.5) * 100 + ceil(0.2) * 1000 + log1p(0) + expm1(0)"
+    assert unfuse(whole, ["x"], "float64", lambda: next(names)) == ([], 922.0)
+    assert unfuse("floor(1e999)", ["x"], "float64", lambda: next(names)) == ([], math.inf)
 
 
 def test_fused_of_numbers_alone_gives_no_gradient(rng):

@@ -100,12 +100,33 @@ def test_repair_gives_the_tensors_the_original_prefix_would_have_left():
     ctx = PassContext(metas=metas)
     rewritten = run_passes(original, ctx, ["fuse"])
     assert [i.name for i in rewritten] == ["indexselect", "fused"]
-    # the indexselect fails at run time: the original got as far as making t and u, which the rewrite never made
+    # the indexselect fails at run time: the original got as far as making t and u, which the rewrite never made;
+    # their instructions make them again, with the values they had (x is as it was, t is made again first)
     done, fix = repair(original, rewritten, ctx.origins, 0, ctx)
     assert done == 2
-    assert lines(fix) == ["newtensor (vector<int32>:[16 8]) -> (tensor<float32>:t)",
-                          "newtensor (vector<int32>:[16 8]) -> (tensor<float32>:u)"]
+    assert fix == original[:2]
     assert existing_after(original[:done], metas) == {"t": True, "u": True}
+
+
+def test_repair_makes_zeros_where_the_values_are_gone():
+    """A value made again needs its inputs as they were: x written since (or a named variable, which may have
+    changed) leaves the name zeroed, as the only thing a client does with it is delete it."""
+    original = program("""
+        exp (tensor<float32>:x) -> (tensor<float32>:t)
+        mulscalar (tensor<float32>:x, var<float32>:2.0) -> (tensor<float32>:x)
+        mulscalar (tensor<float32>:w, var<float32>:alpha) -> (tensor<float32>:v)
+        indexselect (tensor<float32>:x, tensor<int32>:i, var<int32>:0) -> (tensor<float32>:s)
+    """)
+    rewritten = [original[1], original[3]]  # as if a pass had dropped t and v, whose values end after the failure
+    metas = {**METAS, "i": TensorMeta((3,), "int32")}
+    ctx = PassContext(metas=metas, variables={"alpha": 3.0})
+    done, fix = repair(original, rewritten, [1, 3], 1, ctx)
+    assert done == 3
+    assert lines(fix) == ["newtensor (vector<int32>:[16 8]) -> (tensor<float32>:t)",
+                          "newtensor (vector<int32>:[8]) -> (tensor<float32>:v)"]
+    # x untouched on both sides: t is made again
+    done, fix = repair(original[:1] + original[2:], original[3:], [2], 0, ctx)
+    assert done == 2 and lines(fix)[0] == "exp (tensor<float32>:x) -> (tensor<float32>:t)"
 
 
 def renamed(prog: list, suffix: str, keep: frozenset[str] = frozenset({"x", "w"})) -> list:

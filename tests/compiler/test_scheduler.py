@@ -82,7 +82,8 @@ async def test_a_failure_part_way_leaves_what_the_program_sent_would_have(nodes)
     assert len(got.times_us) == 2 * got.done
     have, expect = fast.tensors(), ref.tensors()
     assert {n: (a.shape, a.dtype) for n, a in have.items()} == {n: (a.shape, a.dtype) for n, a in expect.items()}
-    np.testing.assert_array_equal(have["a"], expect["a"])
+    for name in ("a", "t", "u"):  # t and u, which the fused program never made, made again with their values
+        np.testing.assert_array_equal(have[name], expect[name])
     # a client sends again the deletions that did not run: they succeed on both
     rest = prog[4:5] + prog[7:8]
     for node in (fast, ref):
@@ -168,8 +169,9 @@ FOLDED = """
 
 async def test_a_failure_after_a_folded_transpose_leaves_its_name_as_the_program_sent_would_have(nodes):
     """fold_transpose never makes wt: when the program stops between the transpose and its deletion (the indexselect
-    fails), repair makes wt, so that the same tensors exist as with the passes off, and the client's deletion of
-    wt, sent again, succeeds on both. The first run, and a run of the program the worker knows (prepared calls)."""
+    fails), repair makes wt, value and all, so that the same tensors exist as with the passes off, and the client's
+    deletion of wt, sent again, succeeds on both. The first run, and a run of the program the worker knows (prepared
+    calls)."""
     from deepxd.compiler import DEFAULT_PASSES
 
     i = np.array([0, 2], dtype=np.int32)
@@ -195,9 +197,51 @@ async def test_a_failure_after_a_folded_transpose_leaves_its_name_as_the_program
         have, expect = fast.tensors(), ref.tensors()
         assert "wt" in expect
         assert {n: (a.shape, a.dtype) for n, a in have.items()} == {n: (a.shape, a.dtype) for n, a in expect.items()}
+        np.testing.assert_array_equal(have["wt"], w.T)
+        np.testing.assert_array_equal(have["wt"], expect["wt"])
         for node in (fast, ref):
             again = await node.ref.ask(Run(program=prog[3:], fetch=[]))
             assert not again.error, again.error
         assert sorted(fast.tensors()) == sorted(ref.tensors())
         assert "wt" not in fast.tensors()
     assert fast.worker.prepared_runs > 0  # the repeats ran as a program the worker knew
+
+
+FOLDED_LATE = """
+    copytensor (tensor<float32>:w) -> (tensor<float32>:v)
+    transpose (tensor<float32>:v, vector<int32>:[1 0]) -> (tensor<float32>:vt)
+    deltensor () -> (tensor<float32>:v)
+    matmul (tensor<float32>:x, tensor<float32>:vt) -> (tensor<float32>:y)
+    indexselect (tensor<float32>:x, tensor<int32>:i, var<int32>:0) -> (tensor<float32>:xs)
+    deltensor () -> (tensor<float32>:vt)
+"""
+
+
+async def test_a_failure_after_the_folded_product_still_finds_the_transposed_value(nodes):
+    """The transpose's operand v is deleted before the product reads vt; folded, the product reads v, whose deletion
+    moves to where vt's value ends. A failure after the product (the indexselect) leaves vt to make again: v is still
+    there, as it was, and goes after."""
+    from deepxd.compiler import DEFAULT_PASSES
+
+    i = np.array([0, 2], dtype=np.int32)
+    nodes += [await Node(list(DEFAULT_PASSES)).start(i), await Node(["off"]).start(i)]
+    fast, ref = nodes[-2], nodes[-1]
+    w = np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3)
+    bad = np.array([0, 9], dtype=np.int32)
+    prog = program(FOLDED_LATE)
+    for node in (fast, ref):
+        await node.worker.ref.ask(Put(name="w", dtype="float32", shape=[5, 3], data=w.tobytes()))
+        await node.worker.ref.ask(Put(name="i", dtype="int32", shape=[2], data=bad.tobytes()))
+    explained = await fast.ref.ask(Explain(program=prog, fetch=[]))
+    assert [line.split(" ")[0] for line in explained["after"].splitlines()] == [
+        "copytensor", "matmultransposed", "indexselect", "deltensor"]
+    got = await fast.ref.ask(Run(program=prog, fetch=[]))
+    want = await ref.ref.ask(Run(program=prog, fetch=[]))
+    assert want.error.startswith("instruction 5: indexselect: index 9 out of range")
+    assert (got.error, got.error_index, got.done) == (want.error, want.error_index, want.done)
+    have, expect = fast.tensors(), ref.tensors()
+    assert sorted(have) == sorted(expect) == ["i", "vt", "w", "x", "y"]
+    for name in ("vt", "w", "x", "i"):
+        np.testing.assert_array_equal(have[name], expect[name])
+    np.testing.assert_allclose(have["y"], expect["y"], rtol=1e-6)  # BLAS may sum a transposed operand otherwise
+    np.testing.assert_array_equal(have["vt"], w.T)

@@ -62,11 +62,11 @@ class Cluster:
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.daemons: dict[str, Daemon] = {}
 
-    def start(self, n: int, env: dict[str, str] | None = None) -> Daemon:
+    def start(self, n: int, env: dict[str, str] | None = None, extra: list[str] | None = None) -> Daemon:
         folder = self.tmp / f"n{n}"
         folder.mkdir(exist_ok=True)
         d = Daemon(folder, kv=self.url, node_id=f"{self.tag}n{n}", env={"DEEPX_KV_PREFIX": self.prefix, **(env or {})},
-                   udp=False)
+                   udp=False, extra=extra)
         self.daemons[d.node_id] = d
         return d.start()
 
@@ -238,7 +238,7 @@ def test_a_program_on_one_node_uses_another_nodes_heap_tensor_on_the_same_host(c
     """Node 2 runs a program that names node 1's heap tensor: mapped from node 1's segment, no copy (a write on
     either node is seen by the other), node 2 a holder of it (so node 1 frees it only after node 2 lets go); a
     tensor of a node killed with -9 fails a program at once, naming the tensor and the node."""
-    quick = {"DEEPX_HEARTBEAT_S": "1"}  # dead after 5 heartbeats: 5 s (a loaded machine's heartbeats come late)
+    quick = {"DEEPX_HEARTBEAT_S": "1", "DEEPX_PEER_TIMEOUT_S": "5"}  # (a loaded machine's heartbeats come late)
     d1, d2 = cluster.start(1, quick), cluster.start(2, quick)
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     with d1.client() as c1, d2.client() as c2:
@@ -278,10 +278,13 @@ def test_a_program_on_one_node_uses_another_nodes_heap_tensor_on_the_same_host(c
     assert d1.proc is not None
     d1.proc.kill()  # kill -9: its heartbeat stops
     d1.proc.wait()
+    uses = parse_text("addscalar (tensor<float32>:wother, var<float32>:1.0) -> (tensor<float32>:o2)")
     with d2.client() as c2:
-        dead = eventually(lambda: (r := c2.run(parse_text(
-            "addscalar (tensor<float32>:wother, var<float32>:1.0) -> (tensor<float32>:o2)"))).error and r,
-            timeout=30, what="node 1 dead")
+        at_once = c2.run(uses)  # before it is found dead: its socket refuses the hold
+        assert not at_once.ok and "wother" in at_once.error and d1.node_id in at_once.error, at_once.error
+        eventually(lambda: {n["node"]: n["state"] for n in c2.admin("nodes")}[d1.node_id] == "dead", timeout=30,
+                   what="node 1 dead")
+        dead = c2.run(uses)
         assert "wother" in dead.error and d1.node_id in dead.error and "dead" in dead.error, dead.error
         assert {t["name"]: t["state"] for t in c2.admin("tensors")}["wother"] == "unreachable"
     assert d2.stop() == 0, d2.output()

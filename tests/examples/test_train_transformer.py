@@ -46,6 +46,14 @@ def test_short_run_halves_the_loss_and_samples(tmp_path):
     assert set(sample) <= vocabulary, set(sample) - vocabulary
 
 
+def test_bf16_mixed_precision_trains(tmp_path):
+    out = run_example(tmp_path, "--chars", "500", "--steps", "60", "--batch", "16", "--context", "16", "--d-model",
+                      "32", "--heads", "2", "--layers", "1", "--lr", "2e-2", "--sample", "5", "--bf16")
+    m = re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", out)
+    assert m, out
+    assert float(m.group(2)) < float(m.group(1)) * 0.75, out
+
+
 def test_greedy_sampling_is_deterministic(tmp_path):
     args = ("--chars", "500", "--steps", "3", "--d-model", "16", "--heads", "2", "--layers", "1", "--context", "8",
             "--prompt", "MENENIUS:", "--sample", "25", "--temperature", "0")

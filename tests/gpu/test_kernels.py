@@ -228,6 +228,16 @@ for _op, _lo, _hi in [("sqrt", 0.0, 9.0), ("log", 0.01, 9.0), ("exp", -5.0, 5.0)
     CASES[_op] = _make_unary(_op, _lo, _hi)
 
 
+@case("gelugrad")
+def _gelugrad(rng, dt):
+    """gelu's gradient, both forms, over its tails (-6 to 6) too."""
+    out = []
+    for shape in ((7, 9), (1031,)):
+        a, g = r(rng, dt, shape, -6.0, 6.0), r(rng, dt, shape, -2.0, 2.0)
+        out += [one("gelugrad", {"A": a, "G": g}, [T("A"), T("G"), *extra]) for extra in ([], [V("tanh")])]
+    return out
+
+
 @case("todtype")
 def _todtype(rng, dt):
     if dt == "bool":
@@ -520,6 +530,22 @@ def _conv(rng, dt):
         out += [one("conv2d", {"x": x, "w": wt}, [T("x"), T("w"), *geometry], scale="max"),
                 one("conv2dgradinput", {"g": gy, "w": wt}, [T("g"), T("w"), VEC(x.shape), *geometry], scale="max"),
                 one("conv2dgradweight", {"x": x, "g": gy}, [T("x"), T("g"), VEC(wt.shape), *geometry], scale="max")]
+    return out
+
+
+@case("maxpool2d", "maxpool2dgrad", "sumpool2d", "sumpool2dgrad")
+def _pool(rng, dt):
+    """Each of the four on a few windows (stride, dilation, overlapping), against the CPU kernels."""
+    out = []
+    for (n, c, h, w, kh, kw, s, d) in [(2, 3, 7, 6, 3, 2, (2, 1), (1, 2)), (2, 1, 5, 5, 3, 3, (1, 1), (1, 1)),
+                                       (1, 4, 8, 8, 2, 2, (2, 2), (1, 1))]:
+        oh, ow = (h - d[0] * (kh - 1) - 1) // s[0] + 1, (w - d[1] * (kw - 1) - 1) // s[1] + 1
+        x, gy = r(rng, dt, (n, c, h, w)), r(rng, dt, (n, c, oh, ow))
+        geometry = [VEC((kh, kw)), VEC(s), VEC(d)]
+        out += [one("maxpool2d", {"x": x}, [T("x"), *geometry]),
+                one("maxpool2dgrad", {"x": x, "g": gy}, [T("x"), T("g"), *geometry], scale="max"),
+                one("sumpool2d", {"x": x}, [T("x"), *geometry], scale="max"),
+                one("sumpool2dgrad", {"g": gy}, [T("g"), VEC(x.shape), *geometry], scale="max")]
     return out
 
 

@@ -1,6 +1,7 @@
 """The op that tests/compiler/test_new_op.py adds in the test alone (one catalogue entry: an expression and a
-gradient rule), on the GPU: its CUDA kernel is its expression, compiled as a fused one, with no CPU fallback; fused
-with its neighbours it runs as one kernel; its backward program runs on the device as well."""
+gradient rule), on the GPU: its CUDA kernel is its expression, rendered into the elementwise kernels' templates (a
+module of its own), with no CPU fallback; fused with its neighbours it runs as one kernel; its backward program runs
+on the device as well."""
 
 from __future__ import annotations
 

@@ -264,6 +264,12 @@ def _gelu(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(str(rng.choice(["none", "tanh"])), "string")], None
 
 
+def _gelugrad(rng: np.random.Generator, name: str) -> Built:
+    dt, s = fdtype(rng), shape2(rng)
+    return ({"a": rand(rng, s, dt), "g": rand(rng, s, dt)},
+            [T("a"), T("g"), V(str(rng.choice(["none", "tanh"])), "string")], None)
+
+
 def _crossentropy(rng: np.random.Generator, name: str) -> Built:
     b, c = shape2(rng)
     dt = fdtype(rng)
@@ -345,6 +351,18 @@ def _conv(rng: np.random.Generator, name: str) -> Built:
     return {"x": x, "gy": gy}, [T("x"), T("gy"), VEC(w.shape), *geometry], None
 
 
+def _pool(rng: np.random.Generator, name: str) -> Built:
+    """maxpool2d, sumpool2d and their gradient ops on (2, 3, 5, 4), a 3x2 window of stride 1 (result (2, 3, 3, 3))."""
+    dt = fdtype(rng)
+    x, gy = rand(rng, (2, 3, 5, 4), dt), rand(rng, (2, 3, 3, 3), dt)
+    geometry = [VEC((3, 2)), VEC((1, 1)), VEC((1, 1))]
+    if name in ("maxpool2d", "sumpool2d"):
+        return {"x": x}, [T("x"), *geometry], None
+    if name == "maxpool2dgrad":
+        return {"x": x, "gy": gy}, [T("x"), T("gy"), *geometry], None
+    return {"gy": gy}, [T("gy"), VEC(x.shape), *geometry], None
+
+
 def _fusedcolsum(rng: np.random.Generator, name: str) -> Built:
     s, dt = shape2(rng), ("float32", "float64")[int(rng.integers(0, 2))]
     return ({"a": rand(rng, s, dt), "b": rand(rng, s, dt)}, [L(["a", "b"]), V("in0 * in1 + 1", "string"), V(False)],
@@ -362,12 +380,13 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "invert": _invert, "todtype": _todtype, "switch": _switch, "matmul": _matmul, "reshape": _reshape,
     "transpose": _transpose, "concat": _concat, "broadcastTo": _broadcast_to, "indexselect": _indexselect,
     "repeat": _repeat, "argmax": _argreduce, "argmin": _argreduce, "softmax": _softmax, "logsoftmax": _softmax,
-    "gelu": _gelu, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
+    "gelu": _gelu, "gelugrad": _gelugrad, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
     "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,
     "conv2d": _conv, "conv2dgradinput": _conv, "conv2dgradweight": _conv,
+    "maxpool2d": _pool, "maxpool2dgrad": _pool, "sumpool2d": _pool, "sumpool2dgrad": _pool,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary
@@ -555,6 +574,16 @@ def test_effects_are_declared_or_derived_from_the_family_and_the_returns():
     assert OPS["switch"].effect.reads == (0, 1) and OPS["deltensor"].effect.reads == ()
     with pytest.raises(ValueError, match="is not one of"):
         declare("moves", "elementwise", [], [])
+
+
+def test_pure_ops_only_write_their_returns():
+    """`effect.pure`, what dce drops, cse merges and a check remembers: every op but those that change the set of
+    tensors or variables and those that touch files or the output (the io family)."""
+    impure = {n for n, o in OPS.items() if not o.effect.pure}
+    assert impure == {"newtensor", "deltensor", "renametensor", "argset", "vecset", "print", "save", "load",
+                      "loadtensordata"}
+    assert {n for n, o in OPS.items() if o.effect.io} == {"print", "save", "load", "loadtensordata"}
+    assert OPS["copytensor"].effect.pure and OPS["uniform"].effect.pure and OPS["sgd"].effect.pure
 
 
 def test_an_op_added_at_run_time_gets_its_effect():

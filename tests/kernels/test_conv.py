@@ -74,3 +74,62 @@ def test_conv2d_gradient_ops_refuse_a_gradient_of_the_wrong_shape(rng):
     with pytest.raises(DeepxError, match="conv2dgradinput: the gradient 'gy' has shape"):
         run(ex, "conv2dgradinput", [T("gy", "float32"), T("w", "float32"), VEC((2, 3, 6, 6)), VEC((1, 1)),
                                     VEC((0, 0)), VEC((1, 1)), V(1)], [T("dx", "float32")])
+
+
+POOLS = [  # (N, C, H, W, kh, kw, stride, dilation)
+    (2, 3, 7, 6, 3, 2, (2, 1), (1, 2)),
+    (1, 2, 6, 6, 2, 2, (2, 2), (1, 1)),
+    (2, 1, 5, 5, 3, 3, (1, 1), (1, 1)),  # overlapping windows
+    (3, 2, 9, 4, 1, 1, (3, 2), (1, 1)),
+]
+
+
+def _pool_out(geo: tuple) -> tuple[int, ...]:
+    n, c, h, w, kh, kw, (sh, sw), (dh, dw) = geo
+    return n, c, (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+
+
+@pytest.mark.parametrize("dtype", ordered(OPS["maxpool2d"].dtypes))
+@pytest.mark.parametrize("geo", POOLS)
+def test_pooling_ops_and_their_gradients_match_torch(rng, dtype, geo):
+    n, c, h, w, kh, kw, stride, dilation = geo
+    x = rand(rng, dtype, (n, c, h, w), -1, 1)
+    gy = rand(rng, dtype, _pool_out(geo), -1, 1)
+    xt = torch.tensor(f64(x), requires_grad=True)
+    y_max = torch.nn.functional.max_pool2d(xt, (kh, kw), stride, 0, dilation)
+    (dx_max,) = torch.autograd.grad(y_max, xt, torch.tensor(f64(gy)))
+    ones = torch.ones((c, 1, kh, kw), dtype=torch.float64)
+    y_sum = torch.nn.functional.conv2d(xt, ones, stride=stride, dilation=dilation, groups=c)
+    (dx_sum,) = torch.autograd.grad(y_sum, xt, torch.tensor(f64(gy)))
+    ex = executor(x=x, gy=gy)
+    geometry = [VEC((kh, kw)), VEC(stride), VEC(dilation)]
+    run(ex, "maxpool2d", [T("x", dtype), *geometry], [T("ymax", dtype)])
+    run(ex, "maxpool2dgrad", [T("x", dtype), T("gy", dtype), *geometry], [T("dmax", dtype)])
+    run(ex, "sumpool2d", [T("x", dtype), *geometry], [T("ysum", dtype)])
+    run(ex, "sumpool2dgrad", [T("gy", dtype), VEC(x.shape), *geometry], [T("dsum", dtype)])
+    np.testing.assert_array_equal(f64(ex.get("ymax")), y_max.detach().numpy())  # a maximum is one of the values
+    assert_close(ex.get("dmax"), dx_max.numpy(), dtype, scale=np.full(x.shape, kh * kw), what="maxpool2dgrad")
+    assert_close(ex.get("ysum"), y_sum.detach().numpy(), dtype, scale=np.full(gy.shape, kh * kw), what="sumpool2d")
+    assert_close(ex.get("dsum"), dx_sum.numpy(), dtype, scale=np.full(x.shape, kh * kw), what="sumpool2dgrad")
+
+
+def test_maxpool2d_propagates_nan_and_its_gradient_goes_to_the_first_maximum():
+    x = np.array([[[[1.0, 3.0, 3.0], [np.nan, 0.0, 2.0]]]], np.float32)
+    ex = executor(x=x, gy=np.array([[[[10.0, 20.0]]]], np.float32))
+    run(ex, "maxpool2d", [T("x", "float32"), VEC((2, 2)), VEC((1, 1)), VEC((1, 1))], [T("y", "float32")])
+    run(ex, "maxpool2dgrad", [T("x", "float32"), T("gy", "float32"), VEC((2, 2)), VEC((1, 1)), VEC((1, 1))],
+        [T("dx", "float32")])
+    y = ex.get("y")
+    assert np.isnan(y[0, 0, 0, 0]) and y[0, 0, 0, 1] == 3.0
+    np.testing.assert_array_equal(ex.get("dx"), [[[[0.0, 20.0, 0.0], [10.0, 0.0, 0.0]]]])
+
+
+def test_pooling_refuses_what_does_not_fit():
+    ex = executor(x=np.zeros((1, 1, 2, 2), np.float32), gy=np.zeros((1, 1, 2, 2), np.float32))
+    with pytest.raises(DeepxError, match="maxpool2d: the input's spatial size 2 is smaller than the window"):
+        run(ex, "maxpool2d", [T("x", "float32"), VEC((3, 3)), VEC((1, 1)), VEC((1, 1))], [T("y", "float32")])
+    with pytest.raises(DeepxError, match=r"sumpool2dgrad: the gradient 'gy' has shape \(1, 1, 2, 2\)"):
+        run(ex, "sumpool2dgrad", [T("gy", "float32"), VEC((1, 1, 2, 2)), VEC((2, 2)), VEC((1, 1)), VEC((1, 1))],
+            [T("dx", "float32")])
+    with pytest.raises(DeepxError, match="stride must be two ints of at least 1"):
+        run(ex, "sumpool2d", [T("x", "float32"), VEC((1, 1)), VEC((0, 1)), VEC((1, 1))], [T("y", "float32")])

@@ -15,7 +15,8 @@ BACKENDS = list(fused_kernel.BACKENDS)
 DTYPES = ordered(OPS["fused"].dtypes)
 
 _REF = {"sqrt": np.sqrt, "exp": np.exp, "log": np.log, "sin": np.sin, "cos": np.cos, "tan": np.tan, "tanh": np.tanh,
-        "abs": np.abs, "maximum": np.maximum, "minimum": np.minimum}
+        "abs": np.abs, "maximum": np.maximum, "minimum": np.minimum, "floor": np.floor, "ceil": np.ceil,
+        "round": np.rint, "trunc": np.trunc, "log1p": np.log1p, "expm1": np.expm1}
 assert set(_REF) == set(FUSED_FUNCTIONS)
 
 # (expression, input value range): every function and operator, with inputs where the result is well-conditioned
@@ -26,6 +27,8 @@ EXPRESSIONS = [
     ("sin(in0) * cos(in1) + tan(in2 * 0.25) - tanh(-in0)", (-1.0, 1.0)),
     ("minimum(in0, in1) + maximum(in1, 2.5) - (-in2)", (-4.0, 4.0)),
     ("in0 / (1 + exp(-in1)) + 2 ** in2 + 1e-05", (-2.0, 2.0)),
+    # rounding of the inputs themselves (exact in every dtype; round's halves go to even), log1p and expm1
+    ("floor(in0) + ceil(in1) - round(in2) * trunc(in0) + log1p(abs(in1)) - expm1(in2 * 0.5)", (-4.0, 4.0)),
     # comparisons are 1 where they hold, 0 where not (gradient masks: relu's is in0 * (in1 > 0.0))
     ("in0 * (in1 > 0.25) + (in2 <= in0) * in1 - (in1 != in2) * 0.5 + (in0 == in0) - (in1 < -0.5) + (in2 >= 0)",
      (-1.0, 1.0)),
@@ -112,7 +115,7 @@ def test_scalars_and_bare_operands(backend):
 @pytest.mark.parametrize("expr,message", [
     ("in0 + in3", "unknown name 'in3'"),
     ("in0 + x", "unknown name 'x'"),
-    ("floor(in0)", "call 'floor(in0)'"),
+    ("erf(in0)", "call 'erf(in0)'"),
     ("maximum(in0)", "call 'maximum(in0)'"),
     ("in0 % 2", "Mod"),
     ("in0 < in1 < 1", "chains comparisons"),

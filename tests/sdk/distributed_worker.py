@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from deepx_sdk.optim import SGD, Adam
 
 STEPS, BATCH, FEATURES, CLASSES = 4, 12, 5, 3
 WORLDS = 1  # how many ranks share each batch: the world, or for the reference (world 1) the ranks' (argv)
+OUT_DIR = Path(".")  # where the ranks' results go (argv), and the killed scenario's marks
 
 
 def inputs(rank: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -136,6 +138,7 @@ def killed(world: int, rank: int, timeout: float) -> dict[str, np.ndarray]:
         print(f"failed after {took:.2f} s: {e}", flush=True)
         assert f"rank {world - 1}" in str(e), e
         assert took < timeout, took
+        (OUT_DIR / f"failed-{rank}").touch()
         try:
             dist.all_reduce(t)
         except dist.DistBackendError as again:
@@ -145,6 +148,9 @@ def killed(world: int, rank: int, timeout: float) -> dict[str, np.ndarray]:
     else:
         raise AssertionError("all_reduce succeeded without the killed rank")
     dist.destroy_process_group()
+    if rank == 0:  # form the group again only once every survivor saw the death (else it sees the new formation)
+        while not all((OUT_DIR / f"failed-{r}").exists() for r in range(world - 1)):
+            time.sleep(0.01)
     dist.init_process_group(world_size=world, rank=rank, timeout=timeout * 4)
     return rejoined(world, rank)
 
@@ -157,8 +163,9 @@ def rejoined(world: int, rank: int) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    global WORLDS
+    global WORLDS, OUT_DIR
     scenario, address, world, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    OUT_DIR = Path(out).parent
     timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 20.0
     WORLDS = int(sys.argv[7]) if world == 1 and len(sys.argv) > 7 else world
     dx.connect(address)

@@ -89,3 +89,15 @@ def test_a_model_moved_to_a_device_trains_unchanged():
         opt.step()
         first = first if first is not None else float(loss)
     assert float(loss) < first and next(model.parameters()).device == device_
+
+
+def test_an_embedded_node_takes_the_gpu_settings_from_the_environment(monkeypatch, tmp_path):
+    from deepxd.embedded import EmbeddedNode
+
+    monkeypatch.setenv("DEEPX_CUDA_WARM", "0")
+    monkeypatch.setenv("DEEPX_CUDA_TF32", "1")
+    node = EmbeddedNode(str(tmp_path / "d.sock"), "envnode")
+    assert (node.config.cuda_warm, node.config.cuda_tf32, node.config.cuda_device) == (0, 1, 0)
+    monkeypatch.setenv("DEEPX_CUDA_DEVICE", "minus one")
+    with pytest.raises(DeepxError, match="DEEPX_CUDA_DEVICE"):
+        EmbeddedNode(str(tmp_path / "e.sock"), "envnode2")

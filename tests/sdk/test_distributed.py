@@ -182,3 +182,21 @@ def test_post_accumulate_grad_hooks_run_after_each_backward() -> None:
     assert seen == [[3.0, 3.0], [5.0, 5.0]]
     with pytest.raises(DeepxError, match="only leaf tensors"):
         (w * 2).register_post_accumulate_grad_hook(print)
+
+
+def test_two_ranks_on_two_hosts_reduce_over_the_peer_links(redis_server, tmp_path: Path) -> None:
+    """Each rank's daemon says it runs on a host of its own: the other rank's buffers are not mapped but streamed
+    over the peer link (TCP, with the token), and the ranks still train as one process."""
+    from tests.daemon.test_cluster import Cluster
+    from tests.daemon.test_peers import hosts
+
+    cluster = Cluster(tmp_path, redis_server.url)
+    try:
+        daemons = hosts(cluster, tmp_path, "host-a", "host-b")
+        train_on(tmp_path, [d.address for d in daemons])
+        for d, other in zip(daemons, daemons[::-1]):
+            assert f"linked to node {other.node_id} over tcp://" in d.output(), d.output()
+            assert "maps heap tensor" not in d.output()  # nothing shared by memory: another host's tensors stream
+            assert "Traceback" not in d.output(), d.output()
+    finally:
+        cluster.stop()

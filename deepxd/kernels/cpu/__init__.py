@@ -22,7 +22,7 @@ import numpy as np
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import from_numpy, to_numpy
-from deepx_core.ir.effects import RENAMES, apply_effect
+from deepx_core.ir.effects import CREATES, DELETES, RENAMES, apply_effect
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import BindCache, Bound, OpDef, PerOp, TensorMeta
 from deepx_core.ir.shapes import numel
@@ -306,7 +306,7 @@ class CpuExecutor:
             run_colsum = self._prepare_fusedcolsum(b)
             if run_colsum is not None:
                 return run_colsum
-        if name in ("deltensor", "reshape", "newtensor") and not b.instr.meta:
+        if (b.op.effect.kind in (DELETES, CREATES) or name == "reshape") and not b.instr.meta:
             quick = self._prepare_bookkeeping(b)
             if quick is not None:
                 return quick
@@ -481,7 +481,8 @@ class CpuExecutor:
         of every view) and, for newtensor, not there yet; execute's way otherwise."""
         tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
         out = str(b.out_names[0])
-        if b.op.name == "deltensor":
+        kind = b.op.effect.kind
+        if kind is DELETES:
 
             def run_delete() -> None:
                 if out in shared:
@@ -490,7 +491,7 @@ class CpuExecutor:
                     del tensors[out]
 
             return run_delete
-        if b.op.name == "newtensor":  # (a backward's seed, every step)
+        if kind is CREATES:  # newtensor (a backward's seed, every step)
             made = b.outs[0]
             if made is None:
                 return None
@@ -819,7 +820,7 @@ def transient_transposes(bounds: Sequence[Bound]) -> set[int]:
     dying: set[Any] = set()
     out: set[int] = set()
     for b in reversed(bounds):
-        if b.op.name == "deltensor":
+        if b.op.effect.kind is DELETES:
             dying.add(b.out_names[0])
             continue
         if b.op.name == "transpose" and b.out_names and b.out_names[0] in dying:

@@ -72,3 +72,55 @@ def conv2dgradinput(g, weight, input_shape, stride, padding, dilation, groups, o
                 h0, w0 = i * dh, j * dw
                 chans[:, :, h0:h0 + sh * (oh - 1) + 1:sh, w0:w0 + sw * (ow - 1) + 1:sw] += cols[:, :, i, j]
     out[...] = grad[:, :, ph:ph + h, pw:pw + wd]
+
+
+# -- pooling: windows over an input already padded (the SDK pads max_pool2d's input with -inf, avg_pool2d's with 0)
+
+def _windows(a: np.ndarray, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
+             oh: int, ow: int) -> np.ndarray:
+    return _taps(a, int(kernel[0]), int(kernel[1]), [int(s) for s in stride], [int(d) for d in dilation], oh, ow)
+
+
+def maxpool2d(a, kernel, stride, dilation, out):
+    x = _work(a)
+    oh, ow = out.shape[2:]
+    out[...] = _windows(x, kernel, stride, dilation, oh, ow).max(axis=(2, 3))  # NaN propagates, as torch's
+
+
+def maxpool2dgrad(a, g, kernel, stride, dilation, out):
+    """Each window's gradient to its first maximum (row by row; a NaN counts as the maximum), added where windows
+    overlap, one kernel tap at a time (no two windows of one tap share a position)."""
+    x, gy = _work(a), _work(g)
+    kh, kw = int(kernel[0]), int(kernel[1])
+    sh, sw = int(stride[0]), int(stride[1])
+    dh, dw = int(dilation[0]), int(dilation[1])
+    oh, ow = gy.shape[2:]
+    win = _windows(x, kernel, stride, dilation, oh, ow)
+    n, c = x.shape[:2]
+    first = np.argmax(win.transpose(0, 1, 4, 5, 2, 3).reshape(n, c, oh, ow, kh * kw), axis=-1)
+    grad = np.zeros(x.shape, dtype=gy.dtype)
+    for t in range(kh * kw):
+        i, j = divmod(t, kw)
+        h0, w0 = i * dh, j * dw
+        grad[:, :, h0:h0 + sh * (oh - 1) + 1:sh, w0:w0 + sw * (ow - 1) + 1:sw] += np.where(first == t, gy, 0)
+    out[...] = grad
+
+
+def sumpool2d(a, kernel, stride, dilation, out):
+    x = _work(a)
+    oh, ow = out.shape[2:]
+    out[...] = _windows(x, kernel, stride, dilation, oh, ow).sum(axis=(2, 3))
+
+
+def sumpool2dgrad(g, input_shape, kernel, stride, dilation, out):
+    gy = _work(g)
+    kh, kw = int(kernel[0]), int(kernel[1])
+    sh, sw = int(stride[0]), int(stride[1])
+    dh, dw = int(dilation[0]), int(dilation[1])
+    oh, ow = gy.shape[2:]
+    grad = np.zeros(tuple(int(d) for d in input_shape), dtype=gy.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            h0, w0 = i * dh, j * dw
+            grad[:, :, h0:h0 + sh * (oh - 1) + 1:sh, w0:w0 + sw * (ow - 1) + 1:sw] += gy
+    out[...] = grad

@@ -44,7 +44,8 @@ _COMPARE: dict[type, np.ufunc] = {ast.Gt: np.greater, ast.Lt: np.less, ast.GtE: 
                                   ast.LtE: np.less_equal, ast.Eq: np.equal, ast.NotEq: np.not_equal}
 _CALLS: dict[str, np.ufunc] = {"sqrt": np.sqrt, "exp": np.exp, "log": np.log, "sin": np.sin, "cos": np.cos,
                                "tan": np.tan, "tanh": np.tanh, "abs": np.absolute, "maximum": np.maximum,
-                               "minimum": np.minimum}
+                               "minimum": np.minimum, "floor": np.floor, "ceil": np.ceil, "round": np.rint,
+                               "trunc": np.trunc, "log1p": np.log1p, "expm1": np.expm1}
 
 # an operand of a tape step: (0, k) input k, (1, k) constant k, (2, k) block register k
 Ref = tuple[int, int]

@@ -11,7 +11,8 @@ numpy's).
 
 What is here:
 
-- a fixed library (`CORE`): relu, and the sgd, adam and adamw updates, for float32 and float64;
+- a fixed library (`CORE`): relu, the sgd, adam and adamw updates, and erf, gelu and gelu's gradient (`SPECIAL`:
+  vectorised with their own exp, not numpy's bits), for float32 and float64;
 - fused expressions (the `fused` op) without transcendental calls, generated per structure (the expression with
   its numbers lifted out and passed in at run time, the compute dtype, and how each input is laid out: the output's
   shape, one element, the output's trailing dimensions as a bias is, or its leading ones as a column). exp, log,
@@ -81,6 +82,8 @@ SGD_CALL_MIN = 256
 COLSUM_MIN = 1 << 11
 #: elements per thread below which a kernel runs on the calling thread alone (Python's thread pool, without MKL)
 THREAD_MIN = 1 << 18
+#: ...for erf and gelu, which compute far longer per element than they take to read (about 0.5 ns a float32)
+SPECIAL_THREAD_MIN = 1 << 16
 #: with MKL's OpenMP runtime (blas.py), elements from which a loop is split across its threads: the worker a GEMM
 #: leaves spinning takes its half at once (docs/decisions/0016-mkl-by-measurement.md)
 OMP_MIN = 1 << 15
@@ -481,6 +484,267 @@ CEPREP(float, f32) CEPREP(double, f64)
 CESUMS(float, f32) CESUMS(double, f64)
 CEREDUCE(float, f32) CEREDUCE(double, f64)
 COLSUM(float, f32) COLSUM(double, f64)
+""" + r"""
+/* erf, gelu (exact and tanh forms) and gelu's gradient (docs/decisions/0033-round-trips-and-gelu.md).
+
+   float32 evaluates in float32 (each lane of a vector every form, then a select: the loops vectorize), with
+   polynomials fitted for these kernels: erf(x)/x in x^2 below 0.9, and erfc(y) = exp(-y^2) t G(t), t = 1/(1 + y/2),
+   G fitted over y in [0, 10] to 2e-8 relative. float64 evaluates W. J. Cody's rational approximations, as the numpy
+   code of deepxd/kernels/cpu/nn.py does (the tail form, y > 4, only in blocks that hold such a value). Both take
+   exp(-y^2) with y^2 split exactly into its rounded value and the rounding's error (a fused multiply-add), so that
+   gelu's negative tail keeps its relative precision, and both write gelu's tail as (x e) h, which stays normal on
+   the way to a normal result. */
+/* DX_SQLO(x, h): x*x - h exactly, h = x*x rounded (a fused multiply-add, else Dekker's split) */
+#ifdef FP_FAST_FMAF
+#define DX_FMAF(a, b, c) fmaf(a, b, c)
+#define DX_SQLOF(x, h) fmaf(x, x, -(h))
+#else
+#define DX_FMAF(a, b, c) ((a) * (b) + (c))
+static inline float dx_sqlof(float x, float h) {
+    float c = 4097.0f * x, hi = c - (c - x), lo = x - hi;
+    return ((hi * hi - h) + 2.0f * hi * lo) + lo * lo;
+}
+#define DX_SQLOF(x, h) dx_sqlof(x, h)
+#endif
+#ifdef FP_FAST_FMA
+#define DX_FMA(a, b, c) fma(a, b, c)
+#define DX_SQLO(x, h) fma(x, x, -(h))
+#else
+#define DX_FMA(a, b, c) ((a) * (b) + (c))
+static inline double dx_sqlo(double x, double h) {
+    double c = 134217729.0 * x, hi = c - (c - x), lo = x - hi;
+    return ((hi * hi - h) + 2.0 * hi * lo) + lo * lo;
+}
+#define DX_SQLO(x, h) dx_sqlo(x, h)
+#endif
+#define DX_SQRT1_2 0.70710678118654752440
+#define DX_INV_SQRT_2PI 0.39894228040143267794
+#define DX_TANH_K 0.79788456080286535588
+/* exp(x + y) 2^24 for x <= 0 and a tiny y (a correction to x), about 1 ulp, scaled so that it stays normal down to
+   exp(x) = 2^-149; below -103 some value (the callers select 0), and a nan gives some value (their other terms
+   carry the nan) */
+static inline float dx_expneg24f(float x, float y) {
+    float km = DX_FMAF(x, 1.44269504088896341f, 12582912.0f), kf = km - 12582912.0f;  /* k = rint(x/ln 2) */
+    float r = DX_FMAF(kf, -0.693359375f, x);
+    r = DX_FMAF(kf, 2.12194440e-4f, r) + y;
+    float p = 1.3824834455940576e-03f;
+    p = DX_FMAF(p, r, 8.371556263811612e-03f); p = DX_FMAF(p, r, 4.166823520386102e-02f);
+    p = DX_FMAF(p, r, 1.666646063088236e-01f); p = DX_FMAF(p, r, 4.9999993061015097e-01f);
+    p = DX_FMAF(p, r, 1.0000000269215064f); p = DX_FMAF(p, r, 1.0000000004124192f);
+    unsigned kb, pb;
+    memcpy(&kb, &km, 4);
+    memcpy(&pb, &p, 4);
+    pb += (kb << 23) + (24u << 23);  /* k sits in km's low bits: p 2^(k + 24) */
+    float e;
+    memcpy(&e, &pb, 4);
+    return e;
+}
+/* exp(-c a^2) 2^24 for a >= 0 (0 where exp(-c a^2) < 2^-149, a = inf too); where `exact`, of a^2 = h + l exactly
+   (h rounded, l its rounding error): exp(-c h - c l) */
+static inline float dx_gauss24f(float a, float c, int exact) {
+    float h = a * a, x = -(h * c);
+    float e = dx_expneg24f(x, exact ? -c * DX_SQLOF(a, h) : 0.0f);
+    return x < -103.0f ? 0.0f : e;
+}
+#define DX_2M24 5.9604644775390625e-08f
+#define DX_2M25 2.98023223876953125e-08f
+/* erf(x)/x for |x| < 0.9, in x^2 */
+static inline float dx_erfsmallf(float s) {
+    float p = 8.553019515534142e-05f;
+    p = DX_FMAF(p, s, -8.1859284176890082e-04f); p = DX_FMAF(p, s, 5.2048708033637118e-03f);
+    p = DX_FMAF(p, s, -2.6860979209723457e-02f); p = DX_FMAF(p, s, 1.1283725399975141e-01f);
+    p = DX_FMAF(p, s, -3.7612635900461006e-01f); p = DX_FMAF(p, s, 1.1283791669548651f);
+    return p;
+}
+/* erfc(y) exp(y^2) = t G(t), t = 1/(1 + w), w = y/2 */
+static inline float dx_erfcxf(float w) {
+    float t = 1.0f / (1.0f + w), u = DX_FMAF(t, 2.4f, -1.4f);
+    float g = 5.1232533156e-06f;
+    g = DX_FMAF(g, u, -5.3197340550e-05f); g = DX_FMAF(g, u, 8.1653802275e-06f);
+    g = DX_FMAF(g, u, 5.8522005695e-04f); g = DX_FMAF(g, u, -6.2225046853e-04f);
+    g = DX_FMAF(g, u, -6.1503756615e-03f); g = DX_FMAF(g, u, 5.9635313310e-03f);
+    g = DX_FMAF(g, u, 1.0202933556e-01f); g = DX_FMAF(g, u, 3.2622244817e-01f);
+    g = DX_FMAF(g, u, 5.7201198407e-01f);
+    return t * g;
+}
+/* erf: 1 - erfc needs erfc only to an absolute precision there, so exp(-x^2) of the rounded square */
+void erf_f32(long n, const float *x, float *o) {
+    IVDEP for (long i = 0; i < n; i++) {
+        float v = x[i], a = fabsf(v);
+        float small = v * dx_erfsmallf(v * v);
+        float big = copysignf(1.0f - (dx_gauss24f(a, 1.0f, 0) * DX_2M24) * dx_erfcxf(0.5f * a), v);
+        o[i] = a < 0.9f ? small : big;
+    }
+}
+/* gelu(x) = x Phi(x), Phi(x) = erfc(-x/sqrt 2)/2: e h below 0, 1 - e h above, with e = exp(-x^2/2) and
+   h = erfc(|x|/sqrt 2)/(2e) */
+void gelu_f32(long n, const float *x, float *o) {
+    IVDEP for (long i = 0; i < n; i++) {
+        float v = x[i], a = fabsf(v);
+        float E = dx_gauss24f(a, 0.5f, 1), t = dx_erfcxf((float)(0.5 * DX_SQRT1_2) * a);  /* e h = E t 2^-25 */
+        o[i] = v > 0 ? v * (1.0f - (E * DX_2M25) * t) : ((v * E) * t) * DX_2M25;  /* (inf: inf) */
+    }
+}
+/* d gelu = g (Phi(x) + x phi(x)), phi(x) = e/sqrt(2 pi): below 0 as e (h + x/sqrt(2 pi)) */
+void gelugrad_f32(long n, const float *x, const float *g, float *o) {
+    IVDEP for (long i = 0; i < n; i++) {
+        float v = x[i], a = fabsf(v), q = v * (float)DX_INV_SQRT_2PI;
+        float E = dx_gauss24f(a, 0.5f, 1), e = E * DX_2M24, h = 0.5f * dx_erfcxf((float)(0.5 * DX_SQRT1_2) * a);
+        o[i] = g[i] * (v > 0 ? DX_FMAF(q, e, DX_FMAF(-e, h, 1.0f)) : (E * (h + q)) * DX_2M24);
+    }
+}
+/* the tanh form: x (1 + tanh(u))/2 = x s, s = 1/(1 + exp(-2u)) = 1/(1 + w) above 0 and w/(1 + w) below, with
+   w = exp(-2|u|) <= 1: no cancellation, no overflow; u = sqrt(2/pi) (x + 0.044715 x^3) */
+#define DX_TANH_PARTS(v2) \
+    float u = (float)DX_TANH_K * DX_FMAF(0.044715f * v, v2, v); \
+    float x2 = -2.0f * fabsf(u), W = x2 < -103.0f ? 0.0f : dx_expneg24f(x2, 0.0f), w = W * DX_2M24; \
+    float d = 1.0f / (1.0f + w);
+void gelutanh_f32(long n, const float *x, float *o) {
+    IVDEP for (long i = 0; i < n; i++) {
+        float v = x[i];
+        DX_TANH_PARTS(v * v)
+        o[i] = u >= 0 ? v * d : ((v * W) * d) * DX_2M24;
+    }
+}
+/* its gradient: s + 2 x u' s (1 - s), u' = sqrt(2/pi) (1 + 3 0.044715 x^2), s (1 - s) = w d^2: d (1 + 2 x u' w d)
+   above 0, w d (1 + 2 x u' d) below (w scaled: no subnormal on the way); the term with u' 0 where w is (no inf * 0;
+   a nan stays one) */
+void gelutanhgrad_f32(long n, const float *x, const float *g, float *o) {
+    IVDEP for (long i = 0; i < n; i++) {
+        float v = x[i], v2 = v * v;
+        DX_TANH_PARTS(v2)
+        float vdu = (2.0f * v) * ((float)DX_TANH_K * DX_FMAF(3.0f * 0.044715f, v2, 1.0f));
+        float above = d * DX_FMAF(vdu, w == 0.0f ? 0.0f * v : w * d, 1.0f);
+        float below = ((W * d) * DX_FMAF(vdu, W == 0.0f ? 0.0f * v : d, 1.0f)) * DX_2M24;
+        o[i] = g[i] * (u >= 0 ? above : below);
+    }
+}
+/* float64: exp(x) to about 1 ulp (nan: nan), 2^k as two factors */
+static inline double dx_exp(double x) {
+    x = x < -746.0 ? -746.0 : x;
+    x = x > 710.0 ? 710.0 : x;
+    double kf = rint(x * 1.44269504088896338700);
+    double r = DX_FMA(kf, -6.93147180369123816490e-01, x);
+    r = DX_FMA(kf, -1.90821492927058770002e-10, r);
+    double p = 1.0 / 6227020800.0;
+    p = DX_FMA(p, r, 1.0 / 479001600.0); p = DX_FMA(p, r, 1.0 / 39916800.0); p = DX_FMA(p, r, 1.0 / 3628800.0);
+    p = DX_FMA(p, r, 1.0 / 362880.0); p = DX_FMA(p, r, 1.0 / 40320.0); p = DX_FMA(p, r, 1.0 / 5040.0);
+    p = DX_FMA(p, r, 1.0 / 720.0); p = DX_FMA(p, r, 1.0 / 120.0); p = DX_FMA(p, r, 1.0 / 24.0);
+    p = DX_FMA(p, r, 1.0 / 6.0); p = DX_FMA(p, r, 0.5); p = DX_FMA(p, r, 1.0); p = DX_FMA(p, r, 1.0);
+    int k = (int)kf, k1 = k / 2, k2 = k - k1;
+    unsigned long long b1 = (unsigned long long)(k1 + 1023) << 52, b2 = (unsigned long long)(k2 + 1023) << 52;
+    double s1, s2;
+    memcpy(&s1, &b1, 8);
+    memcpy(&s2, &b2, 8);
+    return p * s1 * s2;
+}
+/* exp(-c a^2), a >= 0 (inf: 0) */
+static inline double dx_gauss(double a, double c) {
+    a = a > 64.0 ? 64.0 : a;
+    double h = a * a, l = DX_SQLO(a, h);
+    return dx_exp(-(h * c)) * DX_FMA(-c, l, 1.0);
+}
+/* Cody's ratios, n/d: erf(y)/y in s = y^2 below 0.46875 (SMALL), erfc(y) exp(y^2) up to 4 (MID), and for the tail
+   (TAIL, t = 1/y^2) erfc(y) exp(y^2) = (1/sqrt(pi) - t n/d)/y */
+#define DX_SMALL(s) \
+    double ns = 0.18577770618460315, ds = s + 23.601290952344122; \
+    ns = DX_FMA(ns, s, 3.1611237438705655); \
+    ns = DX_FMA(ns, s, 113.86415415105016); ds = DX_FMA(ds, s, 244.02463793444417); \
+    ns = DX_FMA(ns, s, 377.485237685302); ds = DX_FMA(ds, s, 1282.6165260773723); \
+    ns = DX_FMA(ns, s, 3209.3775891384694); ds = DX_FMA(ds, s, 2844.236833439171);
+#define DX_MID(y) \
+    double nm = 2.1531153547440383e-08, dm = y + 15.744926110709835; \
+    nm = DX_FMA(nm, y, 0.5641884969886701); \
+    nm = DX_FMA(nm, y, 8.883149794388377); dm = DX_FMA(dm, y, 117.6939508913125); \
+    nm = DX_FMA(nm, y, 66.11919063714163); dm = DX_FMA(dm, y, 537.1811018620099); \
+    nm = DX_FMA(nm, y, 298.6351381974001); dm = DX_FMA(dm, y, 1621.3895745666903); \
+    nm = DX_FMA(nm, y, 881.952221241769); dm = DX_FMA(dm, y, 3290.7992357334597); \
+    nm = DX_FMA(nm, y, 1712.0476126340707); dm = DX_FMA(dm, y, 4362.619090143247); \
+    nm = DX_FMA(nm, y, 2051.0783778260716); dm = DX_FMA(dm, y, 3439.3676741437216); \
+    nm = DX_FMA(nm, y, 1230.3393547979972); dm = DX_FMA(dm, y, 1230.3393548037495);
+#define DX_TAIL(y) \
+    double tt = 1.0 / (y * y); \
+    double nt = 0.016315387137302097, dt = tt + 2.568520192289822; \
+    nt = DX_FMA(nt, tt, 0.30532663496123236); \
+    nt = DX_FMA(nt, tt, 0.36034489994980445); dt = DX_FMA(dt, tt, 1.8729528499234673); \
+    nt = DX_FMA(nt, tt, 0.12578172611122926); dt = DX_FMA(dt, tt, 0.5279051029514285); \
+    nt = DX_FMA(nt, tt, 0.016083785148742275); dt = DX_FMA(dt, tt, 0.06051834131244132); \
+    nt = DX_FMA(nt, tt, 0.0006587491615298378); dt = DX_FMA(dt, tt, 0.0023352049762686918); \
+    double tail = (0.56418958354775628695 - tt * (nt / dt)) / y;
+/* the ratio r of SMALL (where y < 0.46875) or else of MID, and c = erfc(y) exp(y^2) (TAIL's where `tails` and
+   y > 4) */
+static inline double dx_cody(double y, int tails, double *c) {
+    double s = y * y;
+    DX_SMALL(s)
+    DX_MID(y)
+    int small = y < 0.46875;
+    double r = (small ? ns : nm) / (small ? ds : dm);
+    *c = r;
+    if (tails) {
+        DX_TAIL(y)
+        *c = y > 4.0 ? tail : r;
+    }
+    return r;
+}
+static inline double dx_erf1(double v, int tails) {
+    double a = fabs(v), c, r = dx_cody(a, tails, &c);
+    double big = copysign(1.0 - dx_gauss(a, 1.0) * c, v);
+    return a < 0.46875 ? v * r : big;
+}
+/* gelu: Phi = 1/2 + z r/2 where |z| < 0.46875 (z = x/sqrt 2), else e h below 0 and 1 - e h above, e = exp(-x^2/2),
+   h = erfc(|z|) exp(z^2)/2 */
+#define DX_GELU_PARTS \
+    double a = fabs(v), z = v * DX_SQRT1_2, c, r = dx_cody(a * DX_SQRT1_2, tails, &c); \
+    double e = dx_gauss(a, 0.5), h = 0.5 * c, ps = DX_FMA(0.5 * z, r, 0.5); \
+    int small = a < 0.46875 / DX_SQRT1_2;
+static inline double dx_gelu1(double v, int tails) {
+    DX_GELU_PARTS
+    double big = v > 0 ? v * (1.0 - e * h) : (v * e) * h;
+    return small ? v * ps : big;
+}
+static inline double dx_gelugrad1(double v, double g, int tails) {
+    DX_GELU_PARTS
+    double q = v * DX_INV_SQRT_2PI;
+    double big = v > 0 ? DX_FMA(q, e, DX_FMA(-e, h, 1.0)) : e * (h + q);
+    return g * (small ? DX_FMA(q, e, ps) : big);
+}
+#define DX_TAIL_BLOCK 512
+/* over blocks of DX_TAIL_BLOCK, the tail form only in those with a value beyond `lim` (nan: not) */
+#define DX_BLOCKED(NAME, LIM, BODY) \
+void NAME(long n, const double *x, const double *g, double *o) { \
+    for (long b = 0; b < n; b += DX_TAIL_BLOCK) { \
+        long m = n - b < DX_TAIL_BLOCK ? n - b : DX_TAIL_BLOCK; \
+        const double *xb = x + b, *gb = g ? g + b : x + b; \
+        double *ob = o + b; \
+        int tails = 0; \
+        for (long i = 0; i < m; i++) tails |= fabs(xb[i]) > LIM; \
+        if (tails) { IVDEP for (long i = 0; i < m; i++) ob[i] = BODY(1); } \
+        else { IVDEP for (long i = 0; i < m; i++) ob[i] = BODY(0); } \
+    } \
+}
+#define DX_ERF_BODY(T) dx_erf1(xb[i], T)
+#define DX_GELU_BODY(T) dx_gelu1(xb[i], T)
+#define DX_GELUGRAD_BODY(T) dx_gelugrad1(xb[i], gb[i], T)
+DX_BLOCKED(erf_f64_, 4.0, DX_ERF_BODY)
+DX_BLOCKED(gelu_f64_, 4.0 / DX_SQRT1_2, DX_GELU_BODY)
+DX_BLOCKED(gelugrad_f64, 4.0 / DX_SQRT1_2, DX_GELUGRAD_BODY)
+void erf_f64(long n, const double *x, double *o) { erf_f64_(n, x, 0, o); }
+void gelu_f64(long n, const double *x, double *o) { gelu_f64_(n, x, 0, o); }
+void gelutanh_f64(long n, const double *x, double *o) {
+    IVDEP for (long i = 0; i < n; i++) {
+        double v = x[i], u = DX_TANH_K * DX_FMA(0.044715 * v, v * v, v);
+        o[i] = v / (1.0 + dx_exp(-2.0 * u));
+    }
+}
+void gelutanhgrad_f64(long n, const double *x, const double *g, double *o) {
+    IVDEP for (long i = 0; i < n; i++) {
+        double v = x[i], v2 = v * v, u = DX_TANH_K * DX_FMA(0.044715 * v, v2, v);
+        double E = dx_exp(-2.0 * u), s = 1.0 / (1.0 + E), c = E < 1.0 ? E * s : 1.0 - s;
+        double du = DX_TANH_K * DX_FMA(3.0 * 0.044715, v2, 1.0);
+        double second = c == 0.0 ? 0.0 * v : ((2.0 * v) * du) * (s * c);
+        o[i] = g[i] * (s + second);
+    }
+}
 """
 
 #: with MKL's OpenMP runtime: the elementwise kernels again, each thread running the serial loop on its share
@@ -518,6 +782,18 @@ void padam_##S(long n, const T *p, const T *g, const T *m, const T *v, T *po, T 
 PRELU(float, f32) PRELU(double, f64)
 PSGD(float, f32) PSGD(double, f64)
 PADAM(float, f32) PADAM(double, f64)
+#define PSPECIAL1(NAME, T) \
+void p##NAME(long n, const T *x, T *o) { \
+    _Pragma("omp parallel") { long lo, c; deepx_share(n, &lo, &c); NAME(c, x + lo, o + lo); } \
+}
+#define PSPECIAL2(NAME, T) \
+void p##NAME(long n, const T *x, const T *g, T *o) { \
+    _Pragma("omp parallel") { long lo, c; deepx_share(n, &lo, &c); NAME(c, x + lo, g + lo, o + lo); } \
+}
+PSPECIAL1(erf_f32, float) PSPECIAL1(gelu_f32, float) PSPECIAL1(gelutanh_f32, float)
+PSPECIAL2(gelugrad_f32, float) PSPECIAL2(gelutanhgrad_f32, float)
+PSPECIAL1(erf_f64, double) PSPECIAL1(gelu_f64, double) PSPECIAL1(gelutanh_f64, double)
+PSPECIAL2(gelugrad_f64, double) PSPECIAL2(gelutanhgrad_f64, double)
 """ + r"""
 /* Skinny products (native.SKINNY): out = a @ b, row-major m x n, where one of m, n, k is at most 16, which MKL
    makes at a fifth of its speed on square ones (a classifier's logits and their gradients). Each output element is
@@ -714,6 +990,11 @@ def _build_core() -> dict[str, Any] | None:
         f = getattr(lib, f"colsum_{s}")
         f.argtypes, f.restype = [_LONG, _LONG, _PTR, _PTR], None
         fns[f"colsum_{s}"] = f
+        for name in SPECIAL:
+            for split in ("p", "") if omp else ("",):
+                f = getattr(lib, f"{split}{name}_{s}")
+                f.argtypes, f.restype = [_LONG, *[_PTR] * (3 if name.endswith("grad") else 2)], None
+                fns[f"{split}{name}_{s}"] = f
         if omp:  # the split versions of the elementwise kernels, with their serial ones' arguments
             for name in ("relu", "sgd", "adam"):
                 f = getattr(lib, f"p{name}_{s}")
@@ -768,31 +1049,31 @@ def fits(arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray], dt: np.dtype,
     return where
 
 
-def _parts(n: int) -> int:
-    """How many threads share a loop over n elements."""
-    return max(1, min(MAX_THREADS, n // THREAD_MIN))
+def _parts(n: int, per_thread: int = THREAD_MIN) -> int:
+    """How many threads share a loop over n elements (at least `per_thread` each)."""
+    return max(1, min(MAX_THREADS, n // per_thread))
 
 
-def _pieces(n: int) -> list[tuple[int, int]]:
-    parts = _parts(n)
+def _pieces(n: int, per_thread: int = THREAD_MIN) -> list[tuple[int, int]]:
+    parts = _parts(n, per_thread)
     edges = [n * k // parts for k in range(parts + 1)]
     return [(edges[k], edges[k + 1]) for k in range(parts) if edges[k + 1] > edges[k]]
 
 
 def _split_call(fns: dict[str, Any], name: str, n: int, base: Sequence[int], rest: Sequence[Any],
-                itemsize: int) -> None:
+                itemsize: int, per_thread: int = THREAD_MIN) -> None:
     """Kernel `name` (count, *pointers, *rest) over n elements: from OMP_MIN elements on MKL's OpenMP threads where
-    the library has them ("p" + name), else in pieces on the fused kernels' threads when n is large."""
+    the library has them ("p" + name), else in pieces of at least `per_thread` on the fused kernels' threads."""
     if n >= OMP_MIN and _split_on:
         split = fns.get("p" + name)
         if split is not None:
             split(n, *base, *rest)
             return
     fn = fns[name]
-    if n < 2 * THREAD_MIN or MAX_THREADS == 1:
+    if n < 2 * per_thread or MAX_THREADS == 1:
         fn(n, *base, *rest)
         return
-    pieces = _pieces(n)
+    pieces = _pieces(n, per_thread)
     from deepxd.kernels.cpu.fused import _threads
 
     futures = [_threads().submit(fn, hi - lo, *[b + lo * itemsize for b in base], *rest) for lo, hi in pieces[1:]]
@@ -861,6 +1142,27 @@ def small_product(a: np.ndarray, b: np.ndarray, out: np.ndarray, ta: bool, lda: 
         fn(m, n, k, _address(a), lda, _address(bt), ldb if tb else k, _address(out))
     else:
         fn(m, n, k, _address(a), 1 if ta else lda, lda if ta else 1, _address(b), ldb, _address(out))
+    return True
+
+
+#: the special functions of the fixed library: erf, gelu and its tanh form, and their gradients (x, then g)
+SPECIAL = ("erf", "gelu", "gelutanh", "gelugrad", "gelutanhgrad")
+
+
+def special(name: str, ins: Sequence[np.ndarray], out: np.ndarray) -> bool:
+    """out = `name` (one of SPECIAL) of ins, float32 or float64, in one pass; False where the caller must use numpy.
+
+    These give other bits than the numpy code they replace (float32 evaluates in float32: docs/compiler.md, "erf and
+    gelu"), so the library is built (or loaded from the cache) on the spot the first time, as for small_product: a
+    kernel never changes its bits because a build has finished meanwhile."""
+    dt = out.dtype
+    if dt not in SUFFIX or not _enabled:
+        return False
+    fns = _core_fns if _core_fns is not None else _build_core()
+    where = fits(ins, (out,), dt, out.size) if fns is not None else None
+    if fns is None or where is None:
+        return False
+    _split_call(fns, f"{name}_{SUFFIX[dt]}", out.size, where, (), dt.itemsize, SPECIAL_THREAD_MIN)
     return True
 
 

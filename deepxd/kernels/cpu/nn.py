@@ -1,5 +1,7 @@
-"""Activations, softmax, losses and norms: numerically stable, computed in float32 (float64 for float64 inputs);
-erf and exact gelu evaluate in float64 for every dtype and round once into the output."""
+"""Activations, softmax, losses and norms: numerically stable, computed in float32 (float64 for float64 inputs).
+erf, gelu and gelu's gradient run on native vectorised kernels where they are built (native.special: float32
+evaluates in float32, to a few units in the last place; docs/compiler.md, "erf and gelu"), else on the numpy code
+below, which evaluates in float64 for every dtype and rounds once into the output."""
 
 from __future__ import annotations
 
@@ -200,18 +202,68 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _special(name: str, ins: tuple[np.ndarray, ...], out: np.ndarray) -> bool:
+    """native.special's kernel `name` of `ins` into `out`: float32 and float64 as they are, the 16-bit floats through
+    float32 (rounded once into `out`); False where it does not run (numpy must)."""
+    if not native.enabled():
+        return False
+    dt = F64 if out.dtype == F64 else F32
+    if out.dtype != dt and out.dtype not in LOW:
+        return False
+    xs = tuple(np.ascontiguousarray(a, dtype=dt).reshape(-1) for a in ins)
+    o = out if out.dtype == dt and out.flags.c_contiguous else np.empty(out.shape, dt)
+    if not native.special(name, xs, o.reshape(-1)):
+        return False
+    if o is not out:
+        out[...] = o
+    return True
+
+
+def _approximation(op: str, approximate: str) -> bool:
+    """Whether gelu's `approximate` is its tanh form ('tanh') or exact ('none'); DeepxError for anything else."""
+    if approximate not in ("none", "tanh"):
+        raise DeepxError(f"{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return approximate == "tanh"
+
+
 def gelu(a, approximate, out):
-    if approximate == "tanh":
+    tanh_form = _approximation("gelu", approximate)
+    if _special("gelutanh" if tanh_form else "gelu", (a,), out):
+        return
+    if tanh_form:  # x (1 + tanh(u))/2 as x / (1 + exp(-2u)): no cancellation below 0
         x = _work(a)
-        out[...] = 0.5 * x * (1.0 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
-    elif approximate == "none":
-        _erf_kernel(a, out, True)
+        with np.errstate(over="ignore"):
+            out[...] = x / (1.0 + np.exp(-2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
     else:
-        raise DeepxError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        _erf_kernel(a, out, True)
+
+
+def gelugrad(a, g, approximate, out):
+    """dA = g (Phi(A) + A phi(A)) for gelu's A and the gradient g of its output (the tanh form's derivative for
+    'tanh'). On numpy: Phi(A) as gelu(A)/A (gelu's erfc form keeps the negative tail's precision), in float64 for
+    every dtype, rounded once."""
+    tanh_form = _approximation("gelugrad", approximate)
+    if _special("gelutanhgrad" if tanh_form else "gelugrad", (a, g), out):
+        return
+    x = np.asarray(a, dtype=F64)
+    with np.errstate(all="ignore"):
+        if tanh_form:  # s + 2 x u' s (1 - s), s = (1 + tanh(u))/2 = 1/(1 + E), E = exp(-2u), 1 - s = E s
+            k = math.sqrt(2 / math.pi)
+            e = np.exp(-2 * k * (x + 0.044715 * x ** 3))
+            s = 1.0 / (1.0 + e)
+            c = np.where(e < 1, e * s, 1.0 - s)
+            d = s + np.where(c == 0, 0.0 * x, 2 * x * k * (1.0 + 3 * 0.044715 * x * x) * s * c)
+        else:
+            y = np.empty_like(x)
+            _erf_kernel(x, y, True)
+            cdf = np.where(x == 0, 0.5, y / np.where(x == 0, 1.0, x))
+            d = cdf + x * np.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+        out[...] = np.asarray(g, dtype=F64) * d
 
 
 def erf(a, out):
-    _erf_kernel(a, out, False)
+    if not _special("erf", (a,), out):
+        _erf_kernel(a, out, False)
 
 
 def silu(a, out):

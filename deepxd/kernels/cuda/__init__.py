@@ -27,6 +27,7 @@ import numpy as np
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS, to_numpy
+from deepx_core.ir.effects import DELETES, LOADS, SETS
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, BindCache, Bound, OpDef, PerOp, TensorMeta
 from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name, repeat_count, worded
@@ -46,8 +47,9 @@ def _load() -> tuple[dict[str, Callable[..., Any]], dict[str, frozenset[str]]]:
     support: dict[str, frozenset[str]] = {}
     for mod_name in MODULES:
         mod = importlib.import_module(f"deepxd.kernels.cuda.{mod_name}")
+        table = getattr(mod, "KERNELS", None)  # a module whose kernels are made from the catalogue lists them
         for op, dtypes in mod.SUPPORT.items():
-            kernels[op] = getattr(mod, op)
+            kernels[op] = table[op] if table is not None else getattr(mod, op)
             support[op] = support.get(op, frozenset()) | dtypes
     return kernels, support
 
@@ -56,8 +58,8 @@ _MODULE_KERNELS, _MODULE_SUPPORT = _load()
 
 
 def _kernel(op: OpDef) -> Callable[..., Any] | None:
-    if op.family == "expr":  # no kernel of its own: its expression, run as a fused one
-        from deepxd.kernels.cuda.fused import expr_kernel
+    if op.family == "expr":  # no kernel module: its expression, rendered by the elementwise templates
+        from deepxd.kernels.cuda.elementwise import expr_kernel
 
         return expr_kernel(op)
     return _MODULE_KERNELS.get(op.name)
@@ -81,6 +83,17 @@ def all_sources() -> list[tuple[str, str]]:
         mod = importlib.import_module(f"deepxd.kernels.cuda.{mod_name}")
         out.extend(mod.sources())
     return out
+
+
+#: the dtypes whose modules `CudaExecutor.warm` compiles first, in this order; the rest follow
+WARM_ORDER = ("float32", "int64", "bool", "int32", "float64", "float16", "bfloat16")
+
+
+def _warm_rank(source: tuple[str, str]) -> int:
+    what = source[1]
+    dtype = what[what.find("(") + 1:-1] if what.endswith(")") else ""
+    rank = WARM_ORDER.index(dtype) if dtype in WARM_ORDER else (-1 if not dtype else len(WARM_ORDER))
+    return rank
 
 
 class DeviceTensor:
@@ -115,11 +128,12 @@ class CudaExecutor:
 
     device: the CUDA device ordinal. cache_dir: where compiled modules are kept (default
     $DEEPX_CUDA_CACHE or $XDG_CACHE_HOME/deepx/cuda). tf32: float32 matmul on TF32 tensor cores (off: IEEE float32).
+    compiler: "nvrtc" or "nvcc" (default: $DEEPX_CUDA_COMPILER, else NVRTC where it loads).
     """
 
     def __init__(self, *, device: int = 0, io_roots: Iterable[str | os.PathLike[str]] | None = None,
                  output: Callable[[str], None] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-                 tf32: bool = False) -> None:
+                 tf32: bool = False, compiler: str | None = None) -> None:
         try:
             import pycuda.driver as cuda
         except ImportError as e:
@@ -150,7 +164,7 @@ class CudaExecutor:
         self.arch = f"sm_{major}{minor}"
         self.sm_count = self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         self.max_blocks = self.sm_count * 32
-        self.modules = ModuleCache(Compiler(self.arch, cache_dir))
+        self.modules = ModuleCache(Compiler(self.arch, cache_dir, compiler=compiler))
         # name -> DeviceTensor; the CPU's table keeps `metas` beside it (it reads only .shape and .dtype)
         self.tensors: Any = TensorTable()
         self.meta: Callable[[str], TensorMeta | None] = self.tensors.metas.get
@@ -166,6 +180,8 @@ class CudaExecutor:
         self._flag = self.alloc(4, "executor", "error flag")
         self.flag_ptr = int(self._flag)
         self._flag_host = np.zeros(1, np.int32)
+        self._capturing: _Capture | None = None  # a CUDA graph capture in progress (capture())
+        self._refreshing: tuple[Any, int] | None = None  # (captured, slot) whose numbers refresh() writes
         self.closed = False
 
     # -- configuration
@@ -216,9 +232,17 @@ class CudaExecutor:
 
     def empty(self, shape: Sequence[int], dtype: str | np.dtype, op: str = "alloc", name: str = "") -> DeviceTensor:
         dt = to_numpy(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        cap = self._capturing
+        if cap is not None:  # the memory a deleted tensor of this name had: the graph's addresses stay fixed
+            old = cap.freed.pop(name, None)
+            if old is not None and old.shape == tuple(shape) and old.dtype == dt:
+                return old
         nbytes = math.prod(shape) * dt.itemsize
         buf = self.alloc(nbytes, op, name)
-        return DeviceTensor(buf, int(buf), shape, dt)
+        t = DeviceTensor(buf, int(buf), shape, dt)
+        if cap is not None:
+            cap.keep.append(t)
+        return t
 
     def zeros(self, shape: Sequence[int], dtype: str | np.dtype, op: str = "alloc", name: str = "") -> DeviceTensor:
         t = self.empty(shape, dtype, op, name)
@@ -231,6 +255,7 @@ class CudaExecutor:
             self.cuda.memcpy_dtod_async(dst.ptr, src.ptr, src.nbytes, self.stream)
 
     def to_device(self, array: np.ndarray, op: str = "put", name: str = "") -> DeviceTensor:
+        self._not_capturing(op, "copies host memory to the device")
         a = np.asarray(array)
         if not a.flags.c_contiguous:
             a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into shape (1,)
@@ -240,6 +265,7 @@ class CudaExecutor:
         return t
 
     def to_host(self, t: DeviceTensor) -> np.ndarray:
+        self._not_capturing("get", "copies device memory to the host")
         host = np.empty(t.shape, t.dtype)
         if t.nbytes:
             try:
@@ -251,6 +277,7 @@ class CudaExecutor:
 
     def write(self, t: DeviceTensor, array: np.ndarray) -> None:
         """Copy host `array` (same number of elements and dtype) into device tensor `t`."""
+        self._not_capturing("write", "copies host memory to the device")
         a = np.asarray(array, dtype=t.dtype)
         if not a.flags.c_contiguous:
             a = a.copy(order="C")
@@ -260,6 +287,7 @@ class CudaExecutor:
             self.cuda.memcpy_htod_async(t.ptr, a.reshape(-1).view(np.uint8), self.stream)
 
     def synchronize(self) -> None:
+        self._not_capturing("synchronize", "waits for the device")
         try:
             self.stream.synchronize()
         except self.cuda.Error as e:
@@ -284,16 +312,26 @@ class CudaExecutor:
         self.cuda.memset_d32_async(self.flag_ptr, 0, 1, self.stream)
 
     def raise_flag(self, op: str, message: str) -> None:
-        """Raise DeepxError(op: message) when a kernel since clear_flag set the error flag (waits for it)."""
+        """Raise DeepxError(op: message) when a kernel since clear_flag set the error flag (waits for it). In a
+        capture the check is kept for after each replay of the graph."""
+        if self._capturing is not None:
+            self._capturing.checks.append((op, message))
+            return
         self.cuda.memcpy_dtoh_async(self._flag_host, self.flag_ptr, self.stream)
         self.synchronize()
         if self._flag_host[0]:
             raise DeepxError(f"{op}: {message}")
 
     def precompile(self, workers: int | None = None) -> int:
-        """Compile every kernel module into the disk cache (nvcc processes in parallel); returns how many were
-        compiled (0 when all were cached)."""
+        """Compile every kernel module into the disk cache, in parallel; returns how many were compiled (0 when all
+        were cached)."""
         return self.modules.precompile(all_sources(), workers)
+
+    def warm(self, workers: int | None = None) -> threading.Thread:
+        """Compile the kernel modules not yet on disk in background threads while this executor works, the dtypes
+        models use first (`WARM_ORDER`): a fresh machine's first step finds its modules compiled or in flight
+        instead of compiling them one after another. Returns the thread."""
+        return self.modules.warm(sorted(all_sources(), key=_warm_rank), workers)
 
     # -- running
     def run(self, instr: Instr) -> None:
@@ -311,6 +349,13 @@ class CudaExecutor:
             if b.op.family in HOST_FAMILIES:
                 from deepxd.kernels.cuda import host
 
+                cap = self._capturing
+                if cap is not None and b.op.effect.kind == DELETES:
+                    for n in b.out_names:
+                        t = self.tensors.get(str(n))
+                        if t is not None:
+                            cap.freed[str(n)] = t
+                            cap.keep.append(t)
                 getattr(host, name)(self, b)
                 return
             if name == "reshape":
@@ -378,6 +423,7 @@ class CudaExecutor:
     def _fallback(self, b: Bound) -> None:
         """Run the CPU kernel on host copies of the instruction's tensors and copy the outputs back."""
         name = b.op.name
+        self._not_capturing(name, "runs its CPU kernel")
         self.fallbacks[name] += 1
         cpu = CpuExecutor(io_roots=self.io_roots, output=self.output)
         cpu.variables = self.variables
@@ -408,8 +454,13 @@ class CudaExecutor:
     def put(self, name: str, array: np.ndarray) -> None:
         """Copy `array` (any dtype deepx knows) to the device as tensor `name`."""
         self._own()
-        dtype_name(np.asarray(array).dtype)
-        self.tensors[name] = self.to_device(np.asarray(array), "put", name)
+        a = np.asarray(array)
+        dtype_name(a.dtype)
+        t = self.tensors.get(name)
+        if t is not None and t.shape == a.shape and t.dtype == a.dtype:
+            self.write(t, a)  # the same memory: a CUDA graph that reads this tensor stays valid (a batch a step)
+            return
+        self.tensors[name] = self.to_device(a, "put", name)
 
     def get(self, name: str) -> np.ndarray:
         """Tensor `name` copied to the host (waits for the kernels before it)."""
@@ -419,6 +470,176 @@ class CudaExecutor:
         except KeyError:
             raise DeepxError(f"tensor '{name}' not found") from None
         return self.to_host(t)
+
+    # -- CUDA graphs
+    def _not_capturing(self, op: str, what: str) -> None:
+        if self._capturing is not None:
+            from deepxd.kernels.cuda.graphs import NotCapturable
+
+            raise NotCapturable(f"{op}: {what}, which a CUDA graph cannot hold")
+
+    def numbers(self, values: Sequence[float]) -> int | None:
+        """Where an optimizer update of a program being captured reads its numbers (the device address of its slot,
+        written with `values`); 0 while refresh() rewrites a captured update's slot (launch nothing); None
+        otherwise (pass them as arguments)."""
+        refreshing = self._refreshing
+        if refreshing is not None:
+            captured, offset = refreshing
+            captured.numbers_host[offset:offset + len(values)] = values
+            return 0
+        cap = self._capturing
+        if cap is None or cap.numbers_dev is None:
+            return None
+        offset = cap.slot_width * len(cap.slots)
+        cap.slots[cap.index] = offset
+        cap.numbers_host[offset:offset + len(values)] = values
+        return int(cap.numbers_dev) + 8 * offset
+
+    def refresh(self, captured: Any, index: int, bound: Bound) -> bool:
+        """Give instruction `index` of a captured program its new numbers (an optimizer update's step and learning
+        rate, bound again): written into its slot, read by the next replay. False where that instruction's numbers
+        are part of the graph (not an optimizer update): the graph no longer stands for the program."""
+        offset = captured.slots.get(index)
+        if offset is None:
+            return False
+        self._refreshing = (captured, offset)
+        try:
+            self.execute(bound)
+        finally:
+            self._refreshing = None
+        return True
+
+    def capturable(self, bounds: Sequence[Bound]) -> str | None:
+        """Why these checked instructions cannot run as one CUDA graph (files, output, variables, an op or dtype
+        without a CUDA kernel), or None. Some reasons show only while capturing (a kernel that waits for the
+        device): `capture` returns None for those."""
+        for b in bounds:
+            eff = b.op.effect
+            if eff.io or eff.kind in (SETS, LOADS):
+                return f"{b.op.name} touches the host (files, output or variables)"
+            if b.op.family in HOST_FAMILIES or b.op.name == "reshape":
+                continue
+            if KERNELS.get(b.op.name) is None:
+                return f"{b.op.name} has no CUDA kernel"
+        return None
+
+    def capture(self, bounds: Sequence[Bound]) -> Any:
+        """Run these checked instructions once, recording their launches as CUDA graphs, then launch them (this
+        run's work); returns the `graphs.Captured` to `replay`, or None where an instruction needs the host mid-way
+        (the tensor table is then as before and the caller runs the program as usual). A program is cut into
+        segments after each instruction whose kernel may set the error flag, which is read between them as an
+        instruction-by-instruction run reads it. Tensors deleted and made again under one name keep their memory,
+        so that each replay finds the addresses it recorded. A kernel error raises DeepxError with `.index`."""
+        from deepxd.kernels.cuda import graphs
+
+        self._own()
+        tensors = self.tensors
+        touched: dict[str, None] = {}
+        reads: dict[str, int] = {}
+        written: set[str] = set()
+        for b in bounds:
+            ins = [n for k, n in zip(_ARG_KINDS[b.op.name], b.names) if k == 1]
+            for k, n in zip(_ARG_KINDS[b.op.name], b.names):
+                if k == 2:
+                    ins.extend(n)
+            outs = [str(n) for n in b.out_names if n is not None]
+            if b.op.effect.reads_returns:
+                ins.extend(outs)
+            for n in ins:
+                touched[n] = None
+                if n not in written and n not in reads:
+                    t = tensors.get(n)
+                    if t is None:
+                        return None  # checked against another state
+                    reads[n] = t.ptr
+            for n in outs:
+                touched[n] = None
+                written.add(n)
+        before = {n: tensors.get(n) for n in touched}
+        cap = _Capture()
+        updates = sum(1 for b in bounds if b.op.family == "optim")
+        if updates:  # the optimizer updates read their numbers from here (numbers())
+            cap.numbers_dev = self.alloc(8 * cap.slot_width * updates, "capture", "optimizer numbers")
+            cap.numbers_host = np.zeros(cap.slot_width * updates, np.float64)
+        cap.keep.extend(t for t in before.values() if t is not None)
+        self._capturing = cap
+        stream = self.stream.handle
+        segments: list[Any] = []
+        graph = 0
+        try:
+            at = 0
+            while at < len(bounds):
+                graphs.begin(stream)
+                check = None
+                try:
+                    self.clear_flag()
+                    while at < len(bounds):
+                        n_checks = len(cap.checks)
+                        cap.index = at
+                        self.execute(bounds[at])
+                        at += 1
+                        if len(cap.checks) > n_checks:  # read the flag before the next instruction runs
+                            op, message = cap.checks[-1]
+                            check = (at - 1, op, message)
+                            break
+                finally:
+                    graph = graphs.end(stream)
+                segments.append(graphs.Segment(graph, 0, check, {n: tensors.get(n) for n in touched}))
+                graph = 0
+            for seg in segments:
+                seg.exe = graphs.instantiate(seg.graph)
+        except DeepxError as e:
+            graphs.destroy_graph(graph)
+            graphs.Captured(segments, {}, []).destroy()
+            for n, t in before.items():  # the host side ran, the device side did not: as before
+                if t is None:
+                    tensors.pop(n, None)
+                elif tensors.get(n) is not t:
+                    tensors[n] = t
+            log.debug("cuda: no graph for this program: %s", e)
+            return None
+        finally:
+            self._capturing = None
+        captured = graphs.Captured(segments, reads, cap.keep, numbers_dev=cap.numbers_dev,
+                                   numbers_host=cap.numbers_host, slots=cap.slots)
+        # the table holds what the whole program leaves; a failure part-way puts back that segment's state
+        self._launch(captured)
+        return captured
+
+    def replay(self, captured: Any) -> bool:
+        """Run a captured program again, one launch per segment, where the tensors it reads first are the memory it
+        recorded (False, nothing run, where not); the tensor table then holds what the program leaves. A kernel
+        error raises DeepxError whose `.index` is the failing instruction's (those after it did not run)."""
+        self._own()
+        if not captured.valid(self.tensors):
+            return False
+        self._launch(captured)
+        captured.replays += 1
+        return True
+
+    def _launch(self, captured: Any) -> None:
+        from deepxd.kernels.cuda import graphs
+
+        tensors = self.tensors
+        if captured.numbers_dev is not None:  # the updates' numbers of this step (a pageable copy: done at once)
+            self.cuda.memcpy_htod_async(int(captured.numbers_dev), captured.numbers_host, self.stream)
+        for seg in captured.segments:
+            graphs.launch(seg.exe, self.stream.handle)
+            failed = False
+            if seg.check is not None:
+                self.cuda.memcpy_dtoh_async(self._flag_host, self.flag_ptr, self.stream)
+                self.synchronize()
+                failed = bool(self._flag_host[0])
+            for n, t in seg.after.items():
+                if t is None:
+                    tensors.pop(n, None)
+                elif tensors.get(n) is not t:
+                    tensors[n] = t
+            if failed:
+                index, op, message = seg.check
+                err = DeepxError(f"{op}: {message}")
+                err.index = index  # type: ignore[attr-defined]
+                raise err
 
     def close(self) -> None:
         """Free every tensor and the pool, and release the context (on the owning thread)."""
@@ -446,6 +667,22 @@ class CudaExecutor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Capture:
+    """A capture in progress: tensors deleted by name (their memory kept for the next of that name), every tensor
+    the graph uses, the error-flag checks its kernels deferred."""
+
+    slot_width = 16  # numbers per optimizer update
+
+    def __init__(self) -> None:
+        self.freed: dict[str, DeviceTensor] = {}
+        self.keep: list[DeviceTensor] = []
+        self.checks: list[tuple[str, str]] = []
+        self.index = 0  # the instruction being captured
+        self.slots: dict[int, int] = {}  # instruction index -> offset of its numbers
+        self.numbers_dev: Any = None
+        self.numbers_host: np.ndarray = np.zeros(0, np.float64)
 
 
 def _dtype_of(b: Bound, metas: dict[str, TensorMeta]) -> str:

@@ -1,13 +1,14 @@
-"""Compiling CUDA sources with PyCUDA's compiler and caching the results, in memory and on disk.
+"""Compiling CUDA sources to cubins and caching them, in memory and on disk.
 
-`pycuda.compiler.compile` runs nvcc; its own disk cache keys a source that has `#include`s by nvcc's preprocessed
-output, which costs an nvcc run on every lookup. Our sources all include the same toolkit headers, so the key here is
-the source text, the options, the target architecture and the nvcc version (read once): a hit is one file read. The
-cubins live in `cache_dir` (default `$DEEPX_CUDA_CACHE`, else `$XDG_CACHE_HOME/deepx/cuda`, else
-`~/.cache/deepx/cuda`), so a restarted daemon loads them without compiling.
+Two compilers: NVRTC (`nvrtc.py`, in-process, the default where libnvrtc loads) and nvcc through PyCUDA (a process
+per module: `DEEPX_CUDA_COMPILER=nvcc`, or where NVRTC is missing). The cache key is the source text, the options,
+the target architecture and the compiler's version: a hit is one file read. The cubins live in `cache_dir` (default
+`$DEEPX_CUDA_CACHE`, else `$XDG_CACHE_HOME/deepx/cuda`, else `~/.cache/deepx/cuda`), so a restarted daemon loads
+them without compiling.
 
-Compiling needs no context (the architecture is given), so `precompile` runs several nvcc processes in threads;
-loading a module (`cuModuleLoadData`) happens on the executor's thread.
+Compiling needs no context (the architecture is given), so `precompile` and `warm` compile several modules at once in
+threads (NVRTC and the nvcc processes both run without the GIL), and a module the executor asks for while a thread
+compiles it is waited for, not compiled twice; loading a module (`cuModuleLoadData`) happens on the executor's thread.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import subprocess
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # no --use_fast_math: it turns exp/log/sin/division into approximate forms, and the kernels keep IEEE results
 OPTIONS = ("-O3", "-std=c++17")
+# NVRTC optimises by default; unannotated helpers are device code, as nvcc's sources declare them
+NVRTC_OPTIONS = ("-std=c++17", "--device-as-default-execution-space")
 
 _nvcc_version: str | None = None
 _version_lock = threading.Lock()
@@ -53,43 +57,109 @@ def nvcc_version(nvcc: str = "nvcc") -> str:
         return _nvcc_version
 
 
-class Compiler:
-    """Source -> cubin bytes, through pycuda.compiler.compile, with a disk cache keyed by the source."""
+def choose_compiler(name: str | None = None) -> str:
+    """"nvrtc" or "nvcc": `name`, else $DEEPX_CUDA_COMPILER, else NVRTC where libnvrtc loads."""
+    from deepxd.kernels.cuda import nvrtc
 
-    def __init__(self, arch: str, cache_dir: str | os.PathLike[str] | None = None) -> None:
+    name = (name or os.environ.get("DEEPX_CUDA_COMPILER") or "").strip().lower()
+    if name not in ("", "nvrtc", "nvcc"):
+        raise DeepxError(f"cuda: unknown compiler {name!r} (DEEPX_CUDA_COMPILER is nvrtc or nvcc)")
+    if name == "nvrtc":
+        nvrtc.library()  # a clear error where it is missing
+        return "nvrtc"
+    if name == "nvcc":
+        return "nvcc"
+    return "nvrtc" if nvrtc.available() else "nvcc"
+
+
+class Compiler:
+    """Source -> cubin bytes, through NVRTC or nvcc, with a disk cache keyed by the source.
+
+    Thread-safe: `cubin` may be called from several threads; one source is compiled once, the other callers wait.
+    """
+
+    def __init__(self, arch: str, cache_dir: str | os.PathLike[str] | None = None, *,
+                 compiler: str | None = None) -> None:
         self.arch = arch
+        self.kind = choose_compiler(compiler)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             log.warning("cuda: cache dir %s is not usable (%s); compiled kernels are kept in memory only",
                         self.cache_dir, e)
-        self.compiled = 0  # nvcc runs in this process (cache misses), for tests and statistics
+        self.compiled = 0  # compiler runs in this process (cache misses), for tests and statistics
         self.loaded_from_disk = 0
+        self.compile_seconds = 0.0
+        self._lock = threading.Lock()
+        self._inflight: dict[str, threading.Event] = {}
+        self.writable = os.access(self.cache_dir, os.W_OK)
+        self._version = self._compiler_version()
+
+    def _compiler_version(self) -> str:
+        if self.kind == "nvrtc":
+            from deepxd.kernels.cuda import nvrtc
+
+            return "nvrtc " + ".".join(map(str, nvrtc.version()))
+        return nvcc_version()
 
     def key(self, source: str) -> str:
         h = hashlib.sha256()
-        for part in (source, " ".join(OPTIONS), self.arch, nvcc_version()):
+        options = NVRTC_OPTIONS if self.kind == "nvrtc" else OPTIONS
+        for part in (source, " ".join(options), self.arch, self._version):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:40]
 
+    def cached(self, source: str) -> bool:
+        return (self.cache_dir / f"{self.key(source)}.cubin").exists()
+
     def cubin(self, source: str, what: str) -> bytes:
-        path = self.cache_dir / f"{self.key(source)}.cubin"
+        key = self.key(source)
+        while True:
+            with self._lock:
+                event = self._inflight.get(key)
+                if event is None:
+                    event = self._inflight[key] = threading.Event()
+                    break
+            event.wait()  # another thread compiles it into the disk cache, where _read_or_compile finds it
+        try:
+            data = self._read_or_compile(key, source, what)
+        finally:
+            with self._lock:
+                del self._inflight[key]
+            event.set()
+        return data
+
+    def compile_ahead(self, source: str, what: str) -> None:
+        """Compile into the disk cache, unless it is there or being compiled."""
+        key = self.key(source)
+        with self._lock:
+            if key in self._inflight or (self.cache_dir / f"{key}.cubin").exists():
+                return
+            event = self._inflight[key] = threading.Event()
+        try:
+            self._read_or_compile(key, source, what)
+        except DeepxError as e:
+            log.warning("%s", e)
+        finally:
+            with self._lock:
+                del self._inflight[key]
+            event.set()
+
+    def _read_or_compile(self, key: str, source: str, what: str) -> bytes:
+        path = self.cache_dir / f"{key}.cubin"
         try:
             data = path.read_bytes()
             self.loaded_from_disk += 1
             return data
         except OSError:
             pass
-        from pycuda.compiler import compile
-        from pycuda.driver import CompileError
-
-        try:
-            data = compile(source, options=list(OPTIONS), no_extern_c=True, arch=self.arch, cache_dir=False)
-        except CompileError as e:
-            raise DeepxError(f"cuda: compiling the kernels of {what} failed: {str(e)[-4000:]}") from None
-        self.compiled += 1
+        t0 = time.perf_counter()
+        data = self._nvrtc(source, what) if self.kind == "nvrtc" else self._nvcc(source, what)
+        with self._lock:
+            self.compiled += 1
+            self.compile_seconds += time.perf_counter() - t0
         try:
             tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
             tmp.write_bytes(data)
@@ -97,6 +167,23 @@ class Compiler:
         except OSError as e:
             log.warning("cuda: cannot write %s: %s", path, e)
         return data
+
+    def _nvrtc(self, source: str, what: str) -> bytes:
+        from deepxd.kernels.cuda import nvrtc
+
+        try:
+            return nvrtc.compile_cubin(source, what.replace(" ", "_") + ".cu", self.arch, NVRTC_OPTIONS)
+        except DeepxError as e:
+            raise DeepxError(f"cuda: compiling the kernels of {what} failed: {e}") from None
+
+    def _nvcc(self, source: str, what: str) -> bytes:
+        from pycuda.compiler import compile
+        from pycuda.driver import CompileError
+
+        try:
+            return compile(source, options=list(OPTIONS), no_extern_c=True, arch=self.arch, cache_dir=False)
+        except CompileError as e:
+            raise DeepxError(f"cuda: compiling the kernels of {what} failed: {str(e)[-4000:]}") from None
 
 
 class ModuleCache:
@@ -106,6 +193,7 @@ class ModuleCache:
         self.compiler = compiler
         self.modules: dict[str, Any] = {}
         self.functions: dict[tuple[str, str], Any] = {}
+        self._warming: threading.Thread | None = None
 
     def module(self, key: str, source: str, what: str) -> Any:
         mod = self.modules.get(key)
@@ -129,10 +217,24 @@ class ModuleCache:
 
     def precompile(self, sources: Iterable[tuple[str, str]], workers: int | None = None) -> int:
         """Compile (source, what) pairs into the disk cache in parallel; returns how many were compiled."""
-        todo = [(s, w) for s, w in sources if not (self.compiler.cache_dir / f"{self.compiler.key(s)}.cubin").exists()]
+        todo = [(s, w) for s, w in sources if not self.compiler.cached(s)]
         if not todo:
             return 0
         workers = workers or max(1, min(16, (os.cpu_count() or 2)))
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda sw: self.compiler.cubin(*sw), todo))
         return len(todo)
+
+    def warm(self, sources: Iterable[tuple[str, str]], workers: int | None = None) -> threading.Thread:
+        """Compile `sources` not yet on disk, in order, in background threads, while the executor goes on: the
+        modules a first step needs are ready (or in flight) when it asks for them. Returns the thread."""
+        todo = [(s, w) for s, w in sources if not self.compiler.cached(s)] if self.compiler.writable else []
+        workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
+
+        def run() -> None:
+            with ThreadPoolExecutor(workers, thread_name_prefix="deepx-cuda-compile") as pool:
+                list(pool.map(lambda sw: self.compiler.compile_ahead(*sw), todo))
+
+        self._warming = threading.Thread(target=run, name="deepx-cuda-warm", daemon=True)
+        self._warming.start()
+        return self._warming

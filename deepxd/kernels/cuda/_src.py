@@ -56,6 +56,16 @@ HEADER = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+// NVRTC has no C library headers: the limits and INFINITY the kernels use, defined for both compilers
+#ifndef LLONG_MAX
+#define LLONG_MAX 9223372036854775807LL
+#endif
+#ifndef LLONG_MIN
+#define LLONG_MIN (-LLONG_MAX - 1LL)
+#endif
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 typedef long long ll;
 typedef unsigned long long ull;
 #define MAXD 8
@@ -126,14 +136,6 @@ __device__ __forceinline__ ll ipow(ll b, ll e) {
     ll r = 1;
     while (e > 0) { if (e & 1) r *= b; b *= b; e >>= 1; }
     return r;
-}
-__device__ __forceinline__ float sigm(float x) {
-    float e = expf(-fabsf(x)), r = 1.0f / (1.0f + e);
-    return x >= 0 ? r : e * r;
-}
-__device__ __forceinline__ double sigm(double x) {
-    double e = exp(-fabs(x)), r = 1.0 / (1.0 + e);
-    return x >= 0 ? r : e * r;
 }
 
 // the offset of linear index i of a row-major `shape` in a tensor with element strides `st`

@@ -114,6 +114,103 @@ extern "C" __global__ void conv2d_grad_weight(T* dw_, const T* x, const T* gy, l
         dw_[idx] = st<T>(acc);
     }
 }
+
+#define PGEOM int C, int H, int W, int OH, int OW, int KH, int KW, int sh, int sw, int dh, int dw
+
+// the first position (tap i * KW + j, row by row) of window (oy, ox) holding its maximum; a NaN counts as it
+__device__ __forceinline__ int pool_argmax(const T* xp, int W, int oy, int ox, int KH, int KW, int sh, int sw,
+                                           int dh, int dw, A* value) {
+    int best = 0;
+    A m = ld(xp[(ll)(oy * sh) * W + ox * sw]);
+    if (m != m) { *value = m; return 0; }
+    for (int i = 0; i < KH; ++i)
+        for (int j = 0; j < KW; ++j) {
+            const A v = ld(xp[(ll)(oy * sh + i * dh) * W + ox * sw + j * dw]);
+            if (v != v) { *value = v; return i * KW + j; }
+            if (v > m) { m = v; best = i * KW + j; }
+        }
+    *value = m;
+    return best;
+}
+
+extern "C" __global__ void maxpool2d_forward(T* out, const T* x, const T* unused, ll total, PGEOM) {
+    for (ll idx = blockIdx.x * (ll)blockDim.x + threadIdx.x; idx < total; idx += (ll)gridDim.x * blockDim.x) {
+        const int ox = (int)(idx % OW);
+        const ll r = idx / OW;
+        const int oy = (int)(r % OH);
+        const ll plane = r / OH;  // n * C + c
+        A m;
+        pool_argmax(x + plane * H * W, W, oy, ox, KH, KW, sh, sw, dh, dw, &m);
+        out[idx] = st<T>(m);
+    }
+}
+
+// dx[n, c, y, x]: the sum of g over the windows whose first maximum is at (y, x)
+extern "C" __global__ void maxpool2d_grad(T* dx, const T* x, const T* gy, ll total, PGEOM) {
+    for (ll idx = blockIdx.x * (ll)blockDim.x + threadIdx.x; idx < total; idx += (ll)gridDim.x * blockDim.x) {
+        const int xx = (int)(idx % W);
+        const ll r = idx / W;
+        const int y = (int)(r % H);
+        const ll plane = r / H;
+        const T* xp = x + plane * H * W;
+        const T* gp = gy + plane * OH * OW;
+        A acc = (A)0, m;
+        for (int i = 0; i < KH; ++i) {
+            const int ty = y - i * dh;
+            if (ty < 0 || ty % sh) continue;
+            const int oy = ty / sh;
+            if (oy >= OH) continue;
+            for (int j = 0; j < KW; ++j) {
+                const int tx = xx - j * dw;
+                if (tx < 0 || tx % sw) continue;
+                const int ox = tx / sw;
+                if (ox >= OW) continue;
+                if (pool_argmax(xp, W, oy, ox, KH, KW, sh, sw, dh, dw, &m) == i * KW + j)
+                    acc += ld(gp[(ll)oy * OW + ox]);
+            }
+        }
+        dx[idx] = st<T>(acc);
+    }
+}
+
+extern "C" __global__ void sumpool2d_forward(T* out, const T* x, const T* unused, ll total, PGEOM) {
+    for (ll idx = blockIdx.x * (ll)blockDim.x + threadIdx.x; idx < total; idx += (ll)gridDim.x * blockDim.x) {
+        const int ox = (int)(idx % OW);
+        const ll r = idx / OW;
+        const int oy = (int)(r % OH);
+        const T* xp = x + (r / OH) * H * W;
+        A acc = (A)0;
+        for (int i = 0; i < KH; ++i)
+            for (int j = 0; j < KW; ++j)
+                acc += ld(xp[(ll)(oy * sh + i * dh) * W + ox * sw + j * dw]);
+        out[idx] = st<T>(acc);
+    }
+}
+
+// dx[n, c, y, x]: the sum of g over the windows that read (y, x)
+extern "C" __global__ void sumpool2d_grad(T* dx, const T* unused, const T* gy, ll total, PGEOM) {
+    for (ll idx = blockIdx.x * (ll)blockDim.x + threadIdx.x; idx < total; idx += (ll)gridDim.x * blockDim.x) {
+        const int xx = (int)(idx % W);
+        const ll r = idx / W;
+        const int y = (int)(r % H);
+        const T* gp = gy + (r / H) * OH * OW;
+        A acc = (A)0;
+        for (int i = 0; i < KH; ++i) {
+            const int ty = y - i * dh;
+            if (ty < 0 || ty % sh) continue;
+            const int oy = ty / sh;
+            if (oy >= OH) continue;
+            for (int j = 0; j < KW; ++j) {
+                const int tx = xx - j * dw;
+                if (tx < 0 || tx % sw) continue;
+                const int ox = tx / sw;
+                if (ox >= OW) continue;
+                acc += ld(gp[(ll)oy * OW + ox]);
+            }
+        }
+        dx[idx] = st<T>(acc);
+    }
+}
 """
 
 _FMT = "PPPq" + "i" * 16
@@ -128,7 +225,8 @@ def sources() -> list[tuple[str, str]]:
     return [(source(d), f"conv ({d})") for d in sorted(FLOATS)]
 
 
-SUPPORT = {op: frozenset(FLOATS) for op in ("conv2d", "conv2dgradinput", "conv2dgradweight")}
+SUPPORT = {op: frozenset(FLOATS) for op in ("conv2d", "conv2dgradinput", "conv2dgradweight", "maxpool2d",
+                                            "maxpool2dgrad", "sumpool2d", "sumpool2dgrad")}
 
 
 def _run(ex: CudaExecutor, op: str, kernel: str, out: DeviceTensor, first: DeviceTensor, second: DeviceTensor,
@@ -159,3 +257,36 @@ def conv2dgradweight(ex: CudaExecutor, a: DeviceTensor, g: DeviceTensor, weight_
                      padding: Any, dilation: Any, groups: int, out: DeviceTensor) -> bool:
     return _run(ex, "conv2dgradweight", "conv2d_grad_weight", out, a, g, a.shape, out.shape, g.shape, stride,
                 padding, dilation, groups)
+
+
+_PFMT = "PPPq" + "i" * 11
+
+
+def _pool(ex: CudaExecutor, op: str, kernel: str, out: DeviceTensor, x: DeviceTensor | None, g: DeviceTensor | None,
+          xs: tuple[int, ...], gs: tuple[int, ...], window: Any, stride: Any, dilation: Any) -> bool:
+    n = out.size
+    if n:
+        f = ex.function(f"conv_{out.dname}", source(out.dname), kernel, _PFMT, op)
+        x_ptr = x.ptr if x is not None else 0
+        g_ptr = g.ptr if g is not None else 0
+        ex.launch(op, f, ex.grid(n), (256, 1, 1), out.ptr, x_ptr, g_ptr, n, xs[1], xs[2], xs[3], gs[2], gs[3],
+                  int(window[0]), int(window[1]), int(stride[0]), int(stride[1]), int(dilation[0]), int(dilation[1]))
+    return True
+
+
+def maxpool2d(ex: CudaExecutor, a: DeviceTensor, kernel: Any, stride: Any, dilation: Any, out: DeviceTensor) -> bool:
+    return _pool(ex, "maxpool2d", "maxpool2d_forward", out, a, None, a.shape, out.shape, kernel, stride, dilation)
+
+
+def maxpool2dgrad(ex: CudaExecutor, a: DeviceTensor, g: DeviceTensor, kernel: Any, stride: Any, dilation: Any,
+                  out: DeviceTensor) -> bool:
+    return _pool(ex, "maxpool2dgrad", "maxpool2d_grad", out, a, g, a.shape, g.shape, kernel, stride, dilation)
+
+
+def sumpool2d(ex: CudaExecutor, a: DeviceTensor, kernel: Any, stride: Any, dilation: Any, out: DeviceTensor) -> bool:
+    return _pool(ex, "sumpool2d", "sumpool2d_forward", out, a, None, a.shape, out.shape, kernel, stride, dilation)
+
+
+def sumpool2dgrad(ex: CudaExecutor, g: DeviceTensor, input_shape: Any, kernel: Any, stride: Any, dilation: Any,
+                  out: DeviceTensor) -> bool:
+    return _pool(ex, "sumpool2dgrad", "sumpool2d_grad", out, None, g, out.shape, g.shape, kernel, stride, dilation)

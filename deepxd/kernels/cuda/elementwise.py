@@ -1,103 +1,138 @@
 """Elementwise kernels: arithmetic, rounding, comparisons, activations and todtype, one CUDA module per dtype.
 
-Every op is a C expression over `x` (A's value in the compute type: float for the 16-bit floats, long long for
-integers and bool), `y` (B's value), the scalar `S` and `err` (a flag set on integer division by zero). Each op has
-a contiguous kernel (4 elements per thread in 16-byte packs where the pointers allow, grid-stride) and, for the
-binary forms, a strided kernel that broadcasts through per-input strides. The results follow the CPU kernels: the
-16-bit floats compute in float32 and round once, integers wrap, integer division truncates, a Python float scalar
-with an integer tensor computes in float64.
+An op's kernel is its catalogue expression (`OpDef.expr`) rendered as C (`_cexpr.render`) over `x` (its first
+tensor's value in the compute type A: float for the 16-bit floats, long long for integers and bool), `y` (its second
+tensor's) and `S` (its scalar). The few ops the fused language cannot say have a C form here (`_SPECIAL`). Each op has
+a contiguous kernel (4 elements per thread in 16-byte packs where the pointers allow, grid-stride) and, with two
+tensors, a strided kernel that broadcasts through per-input strides. The results follow the CPU kernels: the 16-bit
+floats compute in float32 and round once, integers wrap, integer division truncates and refuses a zero divisor, and a
+Python float scalar with an integer tensor computes in float64 (the `_f` kernels).
+
+The catalogue's ops share their dtype's module (its ops are read when this module is imported: an op with a family
+other than "expr" has kernels in some module, so it is there by then); an op of family "expr", whose entry is all
+there is of it, gets a module of its own per dtype on first use, from the same templates.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import ast
+import hashlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
-from deepx_core.ir.ops import OPS
+from deepx_core.ir.ops import OPS, OpDef
+from deepxd.kernels.cuda._cexpr import FLOAT, HELPERS, INT, MIXED, CExpr, render
 from deepxd.kernels.cuda._src import CTYPES, FLOAT_TYPES, HEADER, INT_TYPES, MAXD, ctype, dims, dims_format
 
 if TYPE_CHECKING:
     from deepxd.kernels.cuda import CudaExecutor, DeviceTensor
 
-# kind: u unary, b binary, s scalar (A op s), r reversed scalar (s op A)
-_FLOAT: dict[str, tuple[str, str]] = {
-    "add": ("b", "x + y"), "sub": ("b", "x - y"), "mul": ("b", "x * y"), "div": ("b", "x / y"),
-    "max": ("b", "mx(x, y)"), "min": ("b", "mn(x, y)"), "pow": ("b", "pow(x, y)"),
-    "addscalar": ("s", "x + S"), "subscalar": ("s", "x - S"), "mulscalar": ("s", "x * S"),
-    "divscalar": ("s", "x / S"), "powscalar": ("s", "pow(x, S)"), "maxscalar": ("s", "mx(x, S)"),
-    "minscalar": ("s", "mn(x, S)"), "rsubscalar": ("r", "S - x"), "rdivscalar": ("r", "S / x"),
-    "rpowscalar": ("r", "pow(S, x)"),
-    "sqrt": ("u", "sqrt(x)"), "exp": ("u", "exp(x)"), "log": ("u", "log(x)"), "sin": ("u", "sin(x)"),
-    "erf": ("u", "erf(x)"), "floor": ("u", "floor(x)"), "ceil": ("u", "ceil(x)"), "round": ("u", "rint(x)"),
-    "trunc": ("u", "trunc(x)"), "log1p": ("u", "log1p(x)"), "expm1": ("u", "expm1(x)"),
-    "cos": ("u", "cos(x)"), "tan": ("u", "tan(x)"), "neg": ("u", "-x"), "abs": ("u", "fabs(x)"),
-    "relu": ("u", "mx(x, (A)0)"), "sigmoid": ("u", "sigm(x)"), "tanh": ("u", "tanh(x)"),
-    "gelu": ("u", "(A)0.5 * x * ((A)1 + erf(x * (A)0.70710678118654752440))"),
-    "gelu_tanh": ("u", "(A)0.5 * x * ((A)1 + tanh((A)0.79788456080286535588 * (x + (A)0.044715 * x * x * x)))"),
-    "silu": ("u", "x * sigm(x)"),
-    "less": ("b", "x < y"), "greater": ("b", "x > y"),
-    "lessscalar": ("s", "x < S"), "greaterscalar": ("s", "x > S"),
-    "equal": ("b", "(s1 == 0 ? x == y : fabs((double)x - (double)y) <= s1)"),
-    "notequal": ("b", "!(s1 == 0 ? x == y : fabs((double)x - (double)y) <= s1)"),
-    "equalscalar": ("s", "(s1 == 0 ? x == S : fabs((double)x - s0) <= s1)"),
-    "notequalscalar": ("s", "!(s1 == 0 ? x == S : fabs((double)x - s0) <= s1)"),
+BOOL = "bool"
+
+# what the fused language cannot say, as C over x, y, S and the launch's doubles s0 (the scalar) and s1 (eps), per
+# domain (BOOL for bool tensors): erf, exact gelu and its gradient (numpy and numexpr, which run the CPU's fused
+# kernels, have no erf), gelu's tanh forms (a string argument picks the form), bitwise not, and comparisons within
+# eps (two scalars)
+_CLOSE = "(s1 == 0 ? x == y : fabs((double)x - (double)y) <= s1)"
+_CLOSE_S = "(s1 == 0 ? x == S : fabs((double)x - (double)S) <= s1)"
+_CLOSE_F = "(s1 == 0 ? x == S : fabs((double)x - s0) <= s1)"
+_CLOSE_MIXED = "(s1 == 0 ? (double)x == s0 : fabs((double)x - s0) <= s1)"
+_SPECIAL: dict[str, dict[str, str]] = {
+    "erf": {FLOAT: "erf(x)"},
+    "gelu": {FLOAT: "(A)0.5 * x * ((A)1 + erf(x * (A)0.70710678118654752440))"},
+    "gelu_tanh": {FLOAT: "(A)0.5 * x * ((A)1 + tanh((A)0.79788456080286535588 * (x + (A)0.044715 * x * x * x)))"},
+    "gelugrad": {FLOAT: "y * gelugrad_exact<A>(x)"},
+    "gelugrad_tanh": {FLOAT: "y * gelugrad_tanh<A>(x)"},
+    "invert": {INT: "~x", BOOL: "!x"},
+    "equal": {FLOAT: _CLOSE, INT: _CLOSE, BOOL: _CLOSE},
+    "notequal": {FLOAT: f"!{_CLOSE}", INT: f"!{_CLOSE}", BOOL: f"!{_CLOSE}"},
+    "equalscalar": {FLOAT: _CLOSE_F, INT: _CLOSE_S, BOOL: _CLOSE_S, MIXED: _CLOSE_MIXED},
+    "notequalscalar": {FLOAT: f"!{_CLOSE_F}", INT: f"!{_CLOSE_S}", BOOL: f"!{_CLOSE_S}", MIXED: f"!{_CLOSE_MIXED}"},
 }
-
-# integers (x, y long long); S is the scalar as long long for a Python int scalar
-_INT: dict[str, tuple[str, str]] = {
-    "add": ("b", "x + y"), "sub": ("b", "x - y"), "mul": ("b", "x * y"), "div": ("b", "idiv(x, y, err)"),
-    "max": ("b", "mx(x, y)"), "min": ("b", "mn(x, y)"),
-    "pow": ("b", "(y >= 0 ? ipow(x, y) : (ll)pow((double)x, (double)y))"),
-    "addscalar": ("s", "x + S"), "subscalar": ("s", "x - S"), "mulscalar": ("s", "x * S"),
-    "divscalar": ("s", "idiv(x, S, err)"),
-    "powscalar": ("s", "(S >= 0 ? ipow(x, S) : (ll)pow((double)x, (double)S))"),
-    "maxscalar": ("s", "mx(x, S)"), "minscalar": ("s", "mn(x, S)"), "rsubscalar": ("r", "S - x"),
-    "rdivscalar": ("r", "idiv(S, x, err)"),
-    "rpowscalar": ("r", "(x >= 0 ? ipow(S, x) : (ll)pow((double)S, (double)x))"),
-    "neg": ("u", "-x"), "abs": ("u", "(x < 0 ? -x : x)"), "invert": ("u", "~x"),
-    "less": ("b", "x < y"), "greater": ("b", "x > y"),
-    "lessscalar": ("s", "x < S"), "greaterscalar": ("s", "x > S"),
-    "equal": ("b", "(s1 == 0 ? x == y : fabs((double)x - (double)y) <= s1)"),
-    "notequal": ("b", "!(s1 == 0 ? x == y : fabs((double)x - (double)y) <= s1)"),
-    "equalscalar": ("s", "(s1 == 0 ? x == S : fabs((double)x - (double)S) <= s1)"),
-    "notequalscalar": ("s", "!(s1 == 0 ? x == S : fabs((double)x - (double)S) <= s1)"),
+#: a special form's op, where the form is not named after it
+_FORM_OF = {"gelu_tanh": "gelu", "gelugrad_tanh": "gelugrad"}
+#: the functions the special forms call: gelu's gradient for gelu's input x (gelugrad: y is the upstream gradient),
+#: written as the CPU's kernels are (deepxd/kernels/cpu/native.py): Phi(x) from erfc, no cancellation in the negative
+#: tail; the tanh form with s = (1 + tanh(u))/2 = 1/(1 + w) or w/(1 + w), w = exp(-2|u|), and s (1 - s) = w d^2,
+#: d = 1/(1 + w), so that 1 + tanh(u) is never formed (it loses every digit below -4 in float32)
+_SPECIAL_C = r"""
+template <typename A> __device__ __forceinline__ A gelugrad_exact(A x) {
+    return (A)0.5 * erfc(x * (A)-0.70710678118654752440) + x * (A)0.39894228040143267794 * exp((A)-0.5 * x * x);
 }
-
-# integers with a Python float scalar: computed in float64 (numpy promotes), then cast
-_INT_FLOAT_SCALAR: dict[str, tuple[str, str]] = {
-    "addscalar": ("s", "(double)x + s0"), "subscalar": ("s", "(double)x - s0"), "mulscalar": ("s", "(double)x * s0"),
-    "divscalar": ("s", "(double)x / s0"), "powscalar": ("s", "pow((double)x, s0)"),
-    "maxscalar": ("s", "mx((double)x, s0)"), "minscalar": ("s", "mn((double)x, s0)"),
-    "rsubscalar": ("r", "s0 - (double)x"), "rdivscalar": ("r", "(x == 0 ? (double)flag(err) : s0 / (double)x)"),
-    "rpowscalar": ("r", "pow(s0, (double)x)"),
-    "lessscalar": ("s", "(double)x < s0"), "greaterscalar": ("s", "(double)x > s0"),
-    "equalscalar": ("s", "(s1 == 0 ? (double)x == s0 : fabs((double)x - s0) <= s1)"),
-    "notequalscalar": ("s", "!(s1 == 0 ? (double)x == s0 : fabs((double)x - s0) <= s1)"),
+template <typename A> __device__ __forceinline__ A gelugrad_tanh(A x) {
+    const A k = (A)0.79788456080286535588;
+    A x2 = x * x, u = k * (x + (A)0.044715 * x * x2);
+    A w = exp((A)-2 * fabs(u)), d = (A)1 / ((A)1 + w);
+    A vdu = (A)2 * x * k * ((A)1 + (A)0.134145 * x2), z = (A)0 * x;  // 2 x u'; z: 0, nan for an infinite x
+    return u >= (A)0 ? d * ((A)1 + vdu * (w == (A)0 ? z : w * d)) : w * d * ((A)1 + vdu * (w == (A)0 ? z : d));
 }
-
-_BOOL: dict[str, tuple[str, str]] = {
-    "invert": ("u", "!x"),
-    "equal": ("b", "(s1 == 0 ? x == y : fabs((double)x - (double)y) <= s1)"),
-    "notequal": ("b", "!(s1 == 0 ? x == y : fabs((double)x - (double)y) <= s1)"),
-    "equalscalar": ("s", "(s1 == 0 ? x == S : fabs((double)x - (double)S) <= s1)"),
-    "notequalscalar": ("s", "!(s1 == 0 ? x == S : fabs((double)x - (double)S) <= s1)"),
-}
-
-_BOOL_OUT = frozenset({"less", "greater", "lessscalar", "greaterscalar", "equal", "notequal", "equalscalar",
-                       "notequalscalar"})
-
-_EXTRA = r"""
-__device__ __forceinline__ ll flag(int* err) { atomicExch(err, 1); return 0; }
-__device__ __forceinline__ ll idiv(ll x, ll y, int* err) { return y == 0 ? flag(err) : x / y; }
 """
+
+
+class Form(NamedTuple):
+    """One kernel of an op for one dtype: its name in the module, its C, whether it computes in double (an integer
+    tensor with a float scalar), and whether it reads two tensors."""
+
+    name: str
+    code: CExpr
+    mixed: bool
+    binary: bool
+
+
+def _kind(dtype: str) -> str:
+    return FLOAT if dtype in FLOAT_TYPES else INT if dtype in INT_TYPES else BOOL if dtype == "bool" else ""
+
+
+@memoize("kernels.cuda.elementwise.tree", 1024)
+def _tree(expr: str) -> ast.Expression:
+    return ast.parse(expr, mode="eval")
+
+
+def forms(op: OpDef, dtype: str) -> dict[str, Form]:
+    """The kernels of `op` for A's dtype `dtype`, by name: its expression rendered for that dtype (and, for an
+    integer dtype and an op with a scalar, once more for a float scalar: `<op>_f`), or its special forms. Empty where
+    it has none (the op then runs its CPU kernel there)."""
+    kind = _kind(dtype)
+    tensors = [a.name for a in op.args if a.kind == "tensor"]
+    if not kind or dtype not in op.dtypes or not 1 <= len(tensors) <= 2:
+        return {}
+    binary = len(tensors) == 2
+    out: dict[str, Form] = {}
+    specials = [name for name in _SPECIAL if _FORM_OF.get(name, name) == op.name]
+    if specials:
+        for name in specials:
+            texts = _SPECIAL[name]
+            if kind in texts:
+                out[name] = Form(name, CExpr(texts[kind]), False, binary)
+            if kind == INT and MIXED in texts:
+                out[name + "_f"] = Form(name + "_f", CExpr(texts[MIXED]), True, binary)
+        return out
+    if not op.expr:
+        return {}
+    var = next((a.name for a in op.args if a.kind == "var"), "")
+    names = dict(zip(tensors, ("x", "y")))
+    if var:
+        names[var] = "S"
+    tree = _tree(op.expr)
+    try:
+        out[op.name] = Form(op.name, render(tree, names, domain=FLOAT if kind == FLOAT else INT, scalar=var), False,
+                            binary)
+        if kind != FLOAT and var:
+            code = render(tree, names, domain=MIXED, integer=tensors, scalar=var)
+            out[op.name + "_f"] = Form(op.name + "_f", code, True, binary)
+    except DeepxError:
+        return {}
+    return out
+
 
 _CONTIG = r"""
 extern "C" __global__ void {name}_c(TC* c, const TA* a, const TA* b, ll n, double s0, double s1, ll si, int* err,
                                      int vec) {{
-    typedef typename Acc<TA>::type A;
+    typedef {acc} A;
     const {stype} S = {sval};
-    (void)S; (void)b; (void)si;
+    (void)S; (void)b; (void)si; (void)s1; (void)err;
     ll nv = vec ? (n >> 2) : 0;
     const Pack<TA, 4>* av = (const Pack<TA, 4>*)a;
     Pack<TC, 4>* cv = (Pack<TC, 4>*)c;
@@ -124,9 +159,9 @@ extern "C" __global__ void {name}_c(TC* c, const TA* a, const TA* b, ll n, doubl
 _STRIDED = r"""
 extern "C" __global__ void {name}_s(TC* c, const TA* a, const TA* b, ll n, double s0, double s1, ll si, int* err,
                                      int nd, Dims shape, Dims sa, Dims sb) {{
-    typedef typename Acc<TA>::type A;
+    typedef {acc} A;
     const {stype} S = {sval};
-    (void)S; (void)si;
+    (void)S; (void)si; (void)s1; (void)err;
     GRID_STRIDE(i, n) {{
         ll r = i, oa = 0, ob = 0;
         for (int d = nd - 1; d >= 0; --d) {{
@@ -150,53 +185,50 @@ CONTIG_FMT = "PPPqddqPi"
 STRIDED_FMT = "PPPqddqPi" + dims_format(3)
 
 
-def _table(dtype: str) -> dict[str, tuple[str, str]]:
-    if dtype in FLOAT_TYPES:
-        return _FLOAT
-    if dtype in INT_TYPES:
-        return _INT
-    if dtype == "bool":
-        return _BOOL
-    return {}
+def _kernels(op: OpDef, dtype: str) -> str:
+    """The C of `op`'s kernels in a module whose TA is `dtype`'s storage type."""
+    bool_out = op.returns[0].dtypes == frozenset({"bool"})
+    parts = []
+    for form in forms(op, dtype).values():
+        # the scalar: in the compute type for floats and the float-scalar kernels, as long long for integers
+        acc, stype, sval = (("double", "A", "(A)s0") if form.mixed else
+                            ("typename Acc<TA>::type", "A", "(A)s0") if dtype in FLOAT_TYPES else
+                            ("typename Acc<TA>::type", "ll", "si"))
+        b = form.binary
+        text = "#define TC " + ("bool" if bool_out else "TA") + "\n"
+        text += _CONTIG.format(name=form.name, acc=acc, stype=stype, sval=sval, expr=form.code.text,
+                               loadb_vec="Pack<TA, 4> pb = ((const Pack<TA, 4>*)b)[j];" if b else "",
+                               y_vec="A y = ld(pb.v[k]); (void)y;" if b else "",
+                               y_one="A y = ld(b[j]); (void)y;" if b else "")
+        if b:
+            text += _STRIDED.format(name=form.name, acc=acc, stype=stype, sval=sval, expr=form.code.text)
+        parts.append(text + "#undef TC\n")
+    return "".join(parts)
 
 
-def _claims(op: str, dtype: str) -> bool:
-    base = "gelu" if op == "gelu_tanh" else op
-    return base in OPS and dtype in OPS[base].dtypes
+def _shared(op: OpDef) -> bool:
+    """Whether the op's kernels are in its dtype's module (the others: family "expr", a module each)."""
+    return op.family != "expr" and (bool(op.expr) or any(_FORM_OF.get(n, n) == op.name for n in _SPECIAL))
 
 
-def _kernel(name: str, kind: str, expr: str, tc: str, scalar: str) -> str:
-    """One op's kernels for the module's TA; scalar is 'acc' (S in A), 'int' (S = si) or 'float' (S = s0)."""
-    stype, sval = {"acc": ("A", "(A)s0"), "int": ("ll", "si"), "float": ("double", "s0")}[scalar]
-    binary = kind == "b"
-    text = "#define TC " + tc + "\n"
-    text += _CONTIG.format(name=name, stype=stype, sval=sval, expr=expr,
-                           loadb_vec="Pack<TA, 4> pb = ((const Pack<TA, 4>*)b)[j];" if binary else "",
-                           y_vec="A y = ld(pb.v[k]); (void)y;" if binary else "",
-                           y_one="A y = ld(b[j]); (void)y;" if binary else "")
-    if binary:
-        text += _STRIDED.format(name=name, stype=stype, sval=sval, expr=expr)
-    return text + "#undef TC\n"
+#: the ops of the dtype modules, as the catalogue has them when this module is imported
+_SHARED = tuple(name for name, op in OPS.items() if _shared(op))
 
 
 @memoize("kernels.cuda.elementwise.source", 64)
 def source(dtype: str) -> str:
-    """The module of every elementwise kernel of `dtype` (as A's dtype)."""
-    ta = ctype(dtype)
-    parts = [HEADER, _EXTRA, f"typedef {ta} TA;\n"]
-    for op, (kind, expr) in _table(dtype).items():
-        if not _claims(op, dtype):
-            continue
-        tc = "bool" if op in _BOOL_OUT else ta
-        parts.append(_kernel(op, kind, expr, tc, "int" if dtype not in FLOAT_TYPES else "acc"))
-    if dtype in INT_TYPES:
-        for op, (kind, expr) in _INT_FLOAT_SCALAR.items():
-            if _claims(op, dtype):
-                tc = "bool" if op in _BOOL_OUT else ta
-                parts.append(_kernel(op + "_f", kind, expr, tc, "float"))
+    """The module of every shared elementwise kernel of `dtype` (as A's dtype), and todtype from it."""
+    parts = [HEADER, HELPERS, _SPECIAL_C, f"typedef {ctype(dtype)} TA;\n"]
+    parts += [_kernels(OPS[name], dtype) for name in _SHARED if name in OPS]
     for dst, (td, _) in CTYPES.items():
         parts.append(f"#define TD {td}\n" + _TODTYPE.format(dst=dst) + "#undef TD\n")
     return "".join(parts)
+
+
+@memoize("kernels.cuda.elementwise.own_source", 256)
+def own_source(name: str, expr: str, dtype: str) -> str:
+    """The module of one op's kernels for `dtype` (an op of family "expr"; its expression is part of the key)."""
+    return HEADER + HELPERS + f"typedef {ctype(dtype)} TA;\n" + _kernels(OPS[name], dtype)
 
 
 def sources() -> list[tuple[str, str]]:
@@ -204,13 +236,9 @@ def sources() -> list[tuple[str, str]]:
 
 
 def _supported() -> dict[str, frozenset[str]]:
-    sup: dict[str, set[str]] = {}
-    for dtype in CTYPES:
-        for op in _table(dtype):
-            if _claims(op, dtype):
-                sup.setdefault("gelu" if op == "gelu_tanh" else op, set()).add(dtype)
-    sup["todtype"] = set(CTYPES)
-    return {k: frozenset(v) for k, v in sup.items()}
+    sup = {name: frozenset(d for d in CTYPES if forms(OPS[name], d)) for name in _SHARED}
+    sup["todtype"] = frozenset(CTYPES)
+    return {k: v for k, v in sup.items() if v}
 
 
 #: op -> dtypes with a CUDA kernel here (the op's A dtype)
@@ -258,16 +286,18 @@ def _vec_ok(*ts: DeviceTensor) -> int:
 
 
 def launch(ex: CudaExecutor, op: str, kname: str, dtype: str, out: DeviceTensor, a: DeviceTensor,
-           b: DeviceTensor | None = None, s0: float = 0.0, s1: float = 0.0, si: int = 0, flagged: str = "") -> bool:
-    """Run kernel `kname` of module `dtype`; False when the broadcast needs more dims than the indexer has."""
+           b: DeviceTensor | None = None, s0: float = 0.0, s1: float = 0.0, si: int = 0, flagged: str = "",
+           module: tuple[str, str] | None = None) -> bool:
+    """Run kernel `kname` of module `dtype` (or of `module`, a (key, source) pair); False when the broadcast needs
+    more dims than the indexer has."""
     n = out.size
     if n == 0:
         return True
-    src = source(dtype)
+    key, src = module or (f"ew:{dtype}", source(dtype))
     if flagged:
         ex.clear_flag()
     if b is None or (a.shape == out.shape and b.shape == out.shape):
-        f = ex.function(f"ew:{dtype}", src, kname + "_c", CONTIG_FMT, op)
+        f = ex.function(key, src, kname + "_c", CONTIG_FMT, op)
         vec = _vec_ok(out, a, b) if b is not None else _vec_ok(out, a)
         ex.launch(op, f, ex.grid(n, 4 if vec else 1), (256, 1, 1), out.ptr, a.ptr, (b or a).ptr, n, float(s0),
                   float(s1), si, ex.flag_ptr, vec)
@@ -275,7 +305,7 @@ def launch(ex: CudaExecutor, op: str, kname: str, dtype: str, out: DeviceTensor,
         shape, (sa, sb) = collapse(out.shape, _strides(a.shape, out.shape), _strides(b.shape, out.shape))
         if len(shape) > MAXD:
             return False
-        f = ex.function(f"ew:{dtype}", src, kname + "_s", STRIDED_FMT, op)
+        f = ex.function(key, src, kname + "_s", STRIDED_FMT, op)
         ex.launch(op, f, ex.grid(n), (256, 1, 1), out.ptr, a.ptr, b.ptr, n, float(s0), float(s1), si,
                   ex.flag_ptr, len(shape), *dims(shape), *dims(sa), *dims(sb))
     if flagged:
@@ -283,78 +313,81 @@ def launch(ex: CudaExecutor, op: str, kname: str, dtype: str, out: DeviceTensor,
     return True
 
 
-def _binary(op: str) -> Any:
-    def kernel(ex: CudaExecutor, a: DeviceTensor, b: DeviceTensor, out: DeviceTensor) -> bool:
-        return launch(ex, op, op, a.dname, out, a, b,
-                      flagged="integer division by zero" if op == "div" and a.dname in INT_TYPES else "")
-
-    kernel.__name__ = op
-    return kernel
-
-
 def _int_scalar(s: Any) -> bool:
     return type(s) is int or (hasattr(s, "dtype") and s.dtype.kind in "iu")
 
 
-def _scalar(op: str) -> Any:
-    def kernel(ex: CudaExecutor, a: DeviceTensor, s: Any, out: DeviceTensor) -> bool:
+def kernel_of(op: OpDef) -> Callable[..., bool]:
+    """The CUDA kernel of an op with an expression of one or two tensors and at most one scalar: called with the
+    resolved args in the op's order, then the output."""
+    tensors = tuple(i for i, a in enumerate(op.args) if a.kind == "tensor")
+    var = next((i for i, a in enumerate(op.args) if a.kind == "var"), -1)
+    own = not _shared(op)
+    name = op.name
+    found: dict[tuple[str, str], tuple[Form, tuple[str, str] | None] | None] = {}
+
+    def find(dtype: str, kname: str) -> tuple[Form, tuple[str, str] | None] | None:
+        form = forms(OPS[name], dtype).get(kname)
+        if form is None:
+            return None
+        if not own:
+            return form, None
+        src = own_source(name, OPS[name].expr, dtype)
+        return form, ("ew:" + hashlib.sha1(src.encode()).hexdigest()[:20], src)
+
+    def kernel(ex: CudaExecutor, *values: Any) -> bool:
+        a = values[tensors[0]]
+        b = values[tensors[1]] if len(tensors) > 1 else None
         dt = a.dname
-        if dt in INT_TYPES:
-            if op == "divscalar" and s == 0:
-                raise DeepxError("divscalar: integer division by zero")
-            if _int_scalar(s):
+        kname, s0, si, s = name, 0.0, 0, None
+        if var >= 0:
+            s = values[var]
+            if dt in FLOAT_TYPES:
+                s0 = float(s)
+            elif _int_scalar(s):
                 si = int(s)
                 if not -(2**63) <= si < 2**63:
                     return False  # beyond int64: the CPU kernel's Python integers
-                return launch(ex, op, op, dt, out, a, si=si)
-            return launch(ex, op, op + "_f", dt, out, a, s0=float(s))
-        return launch(ex, op, op, dt, out, a, s0=float(s))
+                s0 = float(si)
+            else:
+                kname += "_f"
+                s0 = float(s)
+        key = (dt, kname)
+        if key not in found:
+            found[key] = find(dt, kname)
+        plan = found[key]
+        if plan is None:
+            return False
+        form, module = plan
+        if form.code.scalar_divisor and dt not in FLOAT_TYPES and s == 0:
+            raise DeepxError(f"{name}: integer division by zero")
+        return launch(ex, name, kname, dt, values[-1], a, b, s0=s0, si=si, module=module,
+                      flagged="integer division by zero" if form.code.flags else "")
 
-    kernel.__name__ = op
+    kernel.__name__ = name
     return kernel
 
 
-def _rscalar(op: str) -> Any:
-    def kernel(ex: CudaExecutor, s: Any, a: DeviceTensor, out: DeviceTensor) -> bool:
-        dt = a.dname
-        flagged = "integer division by zero" if op == "rdivscalar" and dt in INT_TYPES else ""
-        if dt in INT_TYPES:
-            if _int_scalar(s):
-                si = int(s)
-                if not -(2**63) <= si < 2**63:
-                    return False
-                return launch(ex, op, op, dt, out, a, si=si, flagged=flagged)
-            return launch(ex, op, op + "_f", dt, out, a, s0=float(s), flagged=flagged)
-        return launch(ex, op, op, dt, out, a, s0=float(s))
+def expr_kernel(op: OpDef) -> Callable[..., bool]:
+    """The CUDA kernel of an op of family "expr": its own elementwise kernel, or, with more than two tensors, its
+    expression run as a fused kernel."""
+    if sum(a.kind == "tensor" for a in op.args) <= 2:
+        return kernel_of(op)
+    from deepxd.kernels.cuda.fused import expr_kernel as fused_kernel
 
-    kernel.__name__ = op
-    return kernel
-
-
-def _unary(op: str) -> Any:
-    def kernel(ex: CudaExecutor, a: DeviceTensor, out: DeviceTensor) -> bool:
-        return launch(ex, op, op, a.dname, out, a)
-
-    kernel.__name__ = op
-    return kernel
-
-
-add, sub, mul, div, max, min, pow = (_binary(n) for n in ("add", "sub", "mul", "div", "max", "min", "pow"))
-addscalar, subscalar, mulscalar, divscalar, powscalar, maxscalar, minscalar = (
-    _scalar(n) for n in ("addscalar", "subscalar", "mulscalar", "divscalar", "powscalar", "maxscalar", "minscalar"))
-rsubscalar, rdivscalar, rpowscalar = (_rscalar(n) for n in ("rsubscalar", "rdivscalar", "rpowscalar"))
-sqrt, exp, log, sin, cos, tan, neg, abs, invert = (
-    _unary(n) for n in ("sqrt", "exp", "log", "sin", "cos", "tan", "neg", "abs", "invert"))
-relu, sigmoid, tanh, silu, erf = (_unary(n) for n in ("relu", "sigmoid", "tanh", "silu", "erf"))
-floor, ceil, round, trunc, log1p, expm1 = (_unary(n) for n in ("floor", "ceil", "round", "trunc", "log1p", "expm1"))
-less, greater = _binary("less"), _binary("greater")
-lessscalar, greaterscalar = _scalar("lessscalar"), _scalar("greaterscalar")
+    return fused_kernel(op)
 
 
 def gelu(ex: CudaExecutor, a: DeviceTensor, approximate: str, out: DeviceTensor) -> bool:
     if approximate not in ("none", "tanh"):
         raise DeepxError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return launch(ex, "gelu", "gelu" if approximate == "none" else "gelu_tanh", a.dname, out, a)
+
+
+def gelugrad(ex: CudaExecutor, a: DeviceTensor, g: DeviceTensor, approximate: str, out: DeviceTensor) -> bool:
+    if approximate not in ("none", "tanh"):
+        raise DeepxError(f"gelugrad: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return launch(ex, "gelugrad", "gelugrad" if approximate == "none" else "gelugrad_tanh", a.dname, out, a, g)
 
 
 def equal(ex: CudaExecutor, a: DeviceTensor, b: DeviceTensor, eps: Any, out: DeviceTensor) -> bool:
@@ -396,4 +429,9 @@ def todtype(ex: CudaExecutor, a: DeviceTensor, out: DeviceTensor) -> bool:
     return True
 
 
-__all__ = ["SUPPORT", "collapse", "launch", "source", "sources"]
+#: op -> its kernel here: by its signature (x, y, S), or by hand where the scalars are more than one number
+KERNELS: dict[str, Callable[..., bool]] = {name: kernel_of(OPS[name]) for name in _SHARED}
+KERNELS.update(gelu=gelu, gelugrad=gelugrad, equal=equal, notequal=notequal, equalscalar=equalscalar,
+               notequalscalar=notequalscalar, todtype=todtype)
+
+__all__ = ["KERNELS", "SUPPORT", "collapse", "expr_kernel", "forms", "kernel_of", "launch", "source", "sources"]

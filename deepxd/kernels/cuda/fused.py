@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from deepx_core.cache import memoize
-from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS
 from deepx_core.ir.ops import OpDef, expr_instance, parse_fused
+from deepxd.kernels.cuda._cexpr import render
 from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format
 from deepxd.kernels.cuda.elementwise import _strides, collapse
 
@@ -27,11 +27,6 @@ if TYPE_CHECKING:
 
 MAX_INPUTS = 16
 MAX_CONSTANTS = 32
-
-_BIN = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
-_CMP = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
-_CALLS = {"sqrt": "sqrt", "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "tan": "tan", "tanh": "tanh",
-          "abs": "fabs", "maximum": "mx", "minimum": "mn"}
 
 SUPPORT = {"fused": frozenset(FLOATS), "fusedcolsum": frozenset({"float32", "float64"})}
 
@@ -49,37 +44,22 @@ class Structure:
 
 @memoize("kernels.cuda.fused.lower", 4096)
 def lower(expr: str, n_inputs: int) -> Structure:
-    """The C form of a fused expression (cached by expression)."""
+    """The C form of a fused expression (cached by expression): rendered as the elementwise kernels' expressions
+    are, over x0, x1, ... with its numbers lifted into c.v[k]."""
     tree = parse_fused(expr, n_inputs)
     constants: list[float] = []
     index: dict[tuple[type, Any], int] = {}
-    used: set[int] = set()
 
-    def c(node: ast.expr) -> str:
-        if isinstance(node, ast.Constant):
-            k = index.setdefault((type(node.value), node.value), len(constants))
-            if k == len(constants):
-                constants.append(float(node.value))  # type: ignore[arg-type]
-            return f"(A)c.v[{k}]"
-        if isinstance(node, ast.Name):
-            i = int(node.id[2:])
-            used.add(i)
-            return f"x{i}"
-        if isinstance(node, ast.BinOp):
-            if isinstance(node.op, ast.Pow):
-                return f"pow({c(node.left)}, {c(node.right)})"
-            return f"({c(node.left)} {_BIN[type(node.op)]} {c(node.right)})"
-        if isinstance(node, ast.UnaryOp):
-            return f"(-{c(node.operand)})" if isinstance(node.op, ast.USub) else c(node.operand)
-        if isinstance(node, ast.Compare):  # 1 where it holds, 0 where not, in the compute type A
-            return f"((A)({c(node.left)} {_CMP[type(node.ops[0])]} {c(node.comparators[0])}))"
-        if isinstance(node, ast.Call):
-            assert isinstance(node.func, ast.Name)
-            return f"{_CALLS[node.func.id]}({', '.join(c(a) for a in node.args)})"
-        raise DeepxError(f"fused: cannot compile {ast.unparse(node)!r}")
+    def lift(value: float) -> str:
+        k = index.setdefault((type(value), value), len(constants))
+        if k == len(constants):
+            constants.append(float(value))
+        return f"(A)c.v[{k}]"
 
-    text = c(tree.body)
-    return Structure(text, tuple(constants), n_inputs, tuple(sorted(used)))
+    used = sorted({int(n.id[2:]) for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id.startswith("in")})
+    names = {f"in{i}": f"x{i}" for i in used}
+    text = render(tree, names, constant=lift).text
+    return Structure(text, tuple(constants), n_inputs, tuple(used))
 
 
 _CONSTS = f"struct Consts {{ double v[{MAX_CONSTANTS}]; }};\n"

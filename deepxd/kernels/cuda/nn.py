@@ -4,7 +4,7 @@ float64 tensors) like the CPU kernels.
 Rows of up to 16384 elements (8192 for float64) are held in registers, a warp per row up to 1024 elements and a block
 per row beyond (`row_plan`), so each is read and written once, in 16-byte packs where the row length and pointers
 allow. Longer rows, rows along a non-last dim and crossentropy use the online softmax (one pass keeps the running max
-and sum of exponentials). The activations (relu, sigmoid, tanh, gelu, silu, erf) are elementwise kernels
+and sum of exponentials). The activations (relu, sigmoid, tanh, gelu, silu, erf) and gelugrad are elementwise kernels
 (elementwise.py).
 """
 
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS, to_numpy
-from deepxd.kernels.cuda import elementwise as ew
 from deepxd.kernels.cuda._src import HEADER, ctype
 
 if TYPE_CHECKING:
@@ -421,9 +420,6 @@ extern "C" __global__ void partial_total(T* out, const A* partial, int parts, ll
 
 _NN = ("softmax", "logsoftmax", "layernorm", "rmsnorm", "crossentropy", "crossentropygrad", "mse")
 SUPPORT = {op: frozenset(FLOATS) for op in _NN}
-# the activations live in elementwise.py; the executor finds their kernels there
-SUPPORT.update({op: ew.SUPPORT[op] for op in ("relu", "sigmoid", "tanh", "gelu", "silu", "erf") if op in ew.SUPPORT})
-relu, sigmoid, tanh, gelu, silu, erf = ew.relu, ew.sigmoid, ew.tanh, ew.gelu, ew.silu, ew.erf
 
 
 #: elements per thread of the register-row kernels: a warp per row up to 32 x 32 elements, a block of up to
@@ -495,11 +491,11 @@ def _launch_rows(ex: CudaExecutor, op: str, f: Any, rows: int, plan: tuple[str, 
     ex.launch(op, f, (min(-(-rows // per_block), 1 << 20), 1, 1), (threads, 1, 1), *args)
 
 
-def _softmax(op: str, ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTensor) -> bool:
+def _softmax(op: str, ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTensor, log: bool) -> bool:
     if a.ndim == 0:
         from deepxd.kernels.cuda.init import fill_bytes
 
-        fill_bytes(ex, op, out, 1 if op == "softmax" else 0)
+        fill_bytes(ex, op, out, 0 if log else 1)
         return True
     dim %= a.ndim
     size = a.shape[dim]
@@ -509,7 +505,7 @@ def _softmax(op: str, ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTe
     rows = a.size // size if size else 0
     if rows == 0 or size == 0:
         return True
-    lg = 1 if op == "logsoftmax" else 0
+    lg = 1 if log else 0
     plan = row_plan(size, a.dname, (a.ptr, out.ptr)) if inner == 1 else None
     if plan is not None:
         f = _fn(ex, a.dname, f"softmax_{plan[0]}", "PPqqi", op)
@@ -525,11 +521,11 @@ def _softmax(op: str, ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTe
 
 
 def softmax(ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTensor) -> bool:
-    return _softmax("softmax", ex, a, dim, out)
+    return _softmax("softmax", ex, a, dim, out, False)
 
 
 def logsoftmax(ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTensor) -> bool:
-    return _softmax("logsoftmax", ex, a, dim, out)
+    return _softmax("logsoftmax", ex, a, dim, out, True)
 
 
 def layernorm(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, b: DeviceTensor, eps: Any,

@@ -328,7 +328,7 @@ _FMT = "PPPqqqii" + dims_format(2) + "i" + dims_format(2)
 
 @memoize("kernels.cuda.reduce.source", 64)
 def source(dtype: str) -> str:
-    return HEADER + "#include <climits>\n" + f"typedef {ctype(dtype)} T;\n" + _SRC
+    return HEADER + f"typedef {ctype(dtype)} T;\n" + _SRC
 
 
 def sources() -> list[tuple[str, str]]:

@@ -122,7 +122,7 @@ extern "C" __global__ void sort_take(ll* out, const ll* pos, ll lines, ll n, ll 
 
 @memoize("kernels.cuda.sort.source", 64)
 def source(dtype: str) -> str:
-    return HEADER + "#include <climits>\n" + f"typedef {ctype(dtype)} T;\n" + _SRC
+    return HEADER + f"typedef {ctype(dtype)} T;\n" + _SRC
 
 
 def sources() -> list[tuple[str, str]]:

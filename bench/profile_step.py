@@ -1,0 +1,90 @@
+"""Where a training step's time goes: the character transformer of examples/train_transformer.py, warm steps
+profiled with yappi across every thread (the SDK's, the event loop's, op-cuda's device thread), the functions that
+cost most printed per thread. Not a benchmark (no peer): the map for making one faster.
+
+    pip install yappi; python bench/profile_step.py [--roles heapmem,op-cuda] [--steps 30] [--top 40]
+
+Writes the text to $OUT/profile_step.txt when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from coldstart import load_example  # noqa: E402  (bench/coldstart.py, beside this file)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--roles", default="heapmem,op-cuda", help="the embedded daemon's roles")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    opts = ap.parse_args()
+    import numpy as np
+    import yappi
+
+    ex = load_example("deepx")
+    dx, F = ex["dx"], ex["F"]
+    dx.connect(roles=opts.roles.split(","))
+    dx.manual_seed(0)
+    text = ex["DATA"].read_text(encoding="utf-8")
+    tok = ex["CharTokenizer"](text)
+    data = tok.encode(text)
+    model = ex["CharTransformer"](len(tok), opts.context, opts.d_model, 4, opts.layers)
+    opt = ex["AdamW"](model.parameters(), lr=4e-3)
+    rng = np.random.default_rng(0)
+
+    def step() -> None:
+        starts = rng.integers(0, len(data) - opts.context - 1, opts.batch)
+        window = np.stack([data[s:s + opts.context + 1] for s in starts])
+        x, y = dx.tensor(window[:, :-1]), dx.tensor(window[:, 1:])
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).view(-1, len(tok)), y.view(-1))
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    for _ in range(opts.warmup):
+        step()
+    yappi.set_clock_type("wall")
+    yappi.start(builtins=True, profile_threads=True)
+    t0 = time.perf_counter()
+    for _ in range(opts.steps):
+        step()
+    wall = time.perf_counter() - t0
+    yappi.stop()
+    out = io.StringIO()
+    out.write(f"{opts.steps} warm steps, {1e3 * wall / opts.steps:.2f} ms per step (roles {opts.roles})\n")
+    threads = {t.id: t.name for t in yappi.get_thread_stats()}
+    for tid, name in threads.items():
+        stats = yappi.get_func_stats(filter_callback=lambda f, tid=tid: f.ctx_id == tid)
+        stats.sort("tsub")
+        rows = list(stats)[:opts.top]
+        if not rows or sum(f.tsub for f in rows) < 0.01 * wall:
+            continue
+        out.write(f"\n== thread {name} (ctx {tid}): top {len(rows)} by own time, ms per step\n")
+        for f in rows:
+            where = f"{Path(f.module).name}:{f.lineno}" if f.module else ""
+            out.write(f"{1e3 * f.tsub / opts.steps:9.3f} own {1e3 * f.ttot / opts.steps:9.3f} total "
+                      f"{f.ncall / opts.steps:8.1f} calls  {f.name}  {where}\n")
+    text_out = out.getvalue()
+    sys.stdout.write(text_out)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "profile_step.txt").write_text(text_out)
+
+
+if __name__ == "__main__":
+    main()
