@@ -266,11 +266,20 @@ class NativeClient:
             if len(first) < 4:
                 first += bytes(self._recv_exact(4 - len(first)))
             (n,) = _HEADER.unpack_from(first)
-            body = first[4:]
-            if len(body) < n:
-                body += bytes(self._recv_exact(n - len(body)))
-            elif len(body) > n:
+            have = len(first) - 4
+            if have > n:
                 raise DeepxError("deepxd sent more than one reply for one request")
+            if have == n:
+                return msgpack.unpackb(memoryview(first)[4:], raw=False, strict_map_key=False)
+            # a large reply (tensor data): one buffer of its size, the rest read straight into it
+            body = bytearray(n)
+            view = memoryview(body)
+            view[:have] = memoryview(first)[4:]
+            while have < n:
+                k = self.sock.recv_into(view[have:], n - have)
+                if k == 0:
+                    raise DeepxError(f"deepxd at {self.address} closed the connection")
+                have += k
             return msgpack.unpackb(body, raw=False, strict_map_key=False)
         except TimeoutError:
             raise self._timed_out() from None

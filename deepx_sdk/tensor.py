@@ -872,13 +872,25 @@ class Tensor:
         return matmul(o, self)
 
     def __floordiv__(self, o: Any) -> Tensor:
-        raise DeepxError(_NO_FLOOR_DIVISION.format("// (floor division)"))
+        return _int_divmod("// (floor division)", self, o)[0]
+
+    def __rfloordiv__(self, o: Any) -> Tensor:
+        return _int_divmod("// (floor division)", o, self)[0]
 
     def __mod__(self, o: Any) -> Tensor:
-        raise DeepxError(_NO_FLOOR_DIVISION.format("% (remainder)"))
+        return _int_divmod("% (remainder)", self, o)[1]
 
-    __rfloordiv__ = __floordiv__
-    __rmod__ = __mod__
+    def __rmod__(self, o: Any) -> Tensor:
+        return _int_divmod("% (remainder)", o, self)[1]
+
+    def floor_divide(self, o: Any) -> Tensor:
+        return _int_divmod("floor_divide", self, o)[0]
+
+    def remainder(self, o: Any) -> Tensor:
+        return _int_divmod("remainder", self, o)[1]
+
+    def fmod(self, o: Any) -> Tensor:
+        return _int_divmod("fmod", self, o, floor=False)[1]
 
     # -- comparisons
     def _compare(self, op: str, other: Any, scalar_op: str) -> Tensor:
@@ -1688,7 +1700,7 @@ class _ValuesIndices(tuple):
 
 #: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
-    "sign", "fmod", "remainder", "log2", "log10", "cumprod", "kthvalue", "median", "mode",
+    "sign", "log2", "log10", "cumprod", "kthvalue", "median", "mode",
     "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm", "baddbmm",
     "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr", "pin_memory", "cuda",
     "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff", "flip", "roll", "rot90",
@@ -2105,13 +2117,34 @@ def div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Tensor:
         q = x._binary("div", y, "divscalar", "rdivscalar", reverse)  # the integer kernels truncate toward zero
         return q.trunc() if q.dtype in _FLOAT_RANK else q
     if rounding_mode == "floor":
-        raise DeepxError(_NO_FLOOR_DIVISION.format("div(rounding_mode='floor')"))
+        return _int_divmod("div(rounding_mode='floor')", a, b)[0]
     raise DeepxError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}")
 
 
-_NO_FLOOR_DIVISION = ("{} is not supported by deepx: torch computes floor division and remainders through fmod, "
-                      "which the op catalogue lacks; (a / b).floor() is close, and differs where a / b rounds up to "
-                      "a whole number")
+_NO_FLOOR_DIVISION = ("{} of floating-point tensors is not supported by deepx: torch computes it through an exact "
+                      "fmod, which the op catalogue lacks; (a / b).floor() is close, and differs where a / b rounds up "
+                      "to a whole number (integer tensors are supported)")
+
+
+def _int_divmod(what: str, a: Any, b: Any, floor: _bool = True) -> tuple[Tensor, Tensor]:
+    """Integer a // b and a % b as torch's (rounded toward minus infinity, the remainder taking b's sign), exact:
+    the kernels' division truncates, and where the remainder is non-zero and its sign differs from b's, the
+    quotient steps down and the remainder gains b. floor=False: C's truncated pair (fmod). Floats are refused."""
+    for x in (a, b):
+        dt = x.dtype if isinstance(x, Tensor) else ("int64" if isinstance(x, int) else "float64")
+        if dt not in INTS and dt != "bool":
+            raise DeepxError(_NO_FLOOR_DIVISION.format(what))
+    if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+        raise DeepxError(f"{what}: one of its operands must be a Tensor")
+    q = div(a, b, rounding_mode="trunc")
+    r = a - q * b
+    if not floor:
+        return q, r
+    if isinstance(b, Tensor):
+        off = (r != 0).logical_and((r < 0).logical_xor(b < 0))
+        return q - off.type_as_dtype(q.dtype), r + where(off, b, 0).type_as_dtype(r.dtype)
+    off = r < 0 if b > 0 else r > 0  # b a Python int (zero: the division above refused it)
+    return q - off.type_as_dtype(q.dtype), r + off.type_as_dtype(r.dtype) * b
 
 
 def pow(a: Any, b: Any) -> Tensor:

@@ -243,11 +243,30 @@ def test_div_rounding_mode_trunc_as_torch(a, b):
     np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
-def test_floor_division_and_remainder_say_why_they_are_missing():
+def test_floor_division_and_remainder_of_floats_say_why_they_are_missing():
     x = dx.tensor([1.0, 2.0])
-    for f in (lambda: x // 2, lambda: x % 2, lambda: x.div(x, rounding_mode="floor")):
-        with pytest.raises(dx.DeepxError, match="torch computes floor division and remainders through fmod"):
+    for f in (lambda: x // 2, lambda: x % 2, lambda: x.div(x, rounding_mode="floor"), lambda: 3 // x,
+              lambda: dx.tensor([3, 4]) % 1.5):
+        with pytest.raises(dx.DeepxError, match="of floating-point tensors is not supported by deepx: torch computes "
+                                                "it through an exact fmod"):
             f()
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "int16", "int8"])
+def test_integer_floor_division_and_remainders_match_torch(rng, dtype):
+    a = rng.integers(-50, 50, 40).astype(dtype)
+    b = rng.integers(-7, 8, 40).astype(dtype)
+    b[b == 0] = 3
+    x, y, ta, tb = dx.tensor(a), dx.tensor(b), torch.from_numpy(a), torch.from_numpy(b)
+    cases = [(x // y, ta // tb), (x % y, ta % tb), (x.fmod(y), torch.fmod(ta, tb)),
+             (x.remainder(y), torch.remainder(ta, tb)), (x.floor_divide(y), torch.floor_divide(ta, tb)),
+             (dx.div(x, y, rounding_mode="floor"), torch.div(ta, tb, rounding_mode="floor")),
+             (x // 3, ta // 3), (x % -3, ta % -3), (17 // y, 17 // tb), (17 % y, 17 % tb)]
+    for ours, theirs in cases:
+        assert ours.dtype == str(theirs.dtype).removeprefix("torch."), (ours.dtype, theirs.dtype)
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+    with pytest.raises(dx.DeepxError, match="divi"):
+        (x // dx.zeros_like(x)).numpy()
 
 
 def test_a_torch_function_deepx_lacks_raises_a_deepx_error_from_the_module_too():

@@ -12,9 +12,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 
 from deepx_core.errors import DeepxError
+from deepxd.kernels.cuda._libs import load
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +37,13 @@ _lib: ctypes.CDLL | None = None
 def library() -> ctypes.CDLL:
     """libcublas, found by name: $DEEPX_CUBLAS, then libcublas.so.13/.12, then whatever the loader finds."""
     global _lib
-    if _lib is not None:
-        return _lib
-    names = [os.environ.get("DEEPX_CUBLAS", ""), "libcublas.so.13", "libcublas.so.12", "libcublas.so",
-             ctypes.util.find_library("cublas") or ""]
-    errors = []
-    for name in names:
-        if not name:
-            continue
+    if _lib is None:
         try:
-            lib = ctypes.CDLL(name)
-        except OSError as e:
-            errors.append(f"{name}: {e}")
-            continue
-        _declare(lib)
-        _lib = lib
-        log.info("cuda: cuBLAS from %s", name)
-        return lib
-    raise DeepxError("matmul: libcublas.so not found (" + "; ".join(errors) + "); set DEEPX_CUBLAS to its path")
+            _lib = load("DEEPX_CUBLAS", ("libcublas.so.13", "libcublas.so.12", "libcublas.so"), "cublas", _declare,
+                        "cuBLAS")
+        except DeepxError as e:
+            raise DeepxError(f"matmul: {e}") from None
+    return _lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:

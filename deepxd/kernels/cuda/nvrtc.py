@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from deepx_core.errors import DeepxError
+from deepxd.kernels.cuda._libs import load
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +38,13 @@ def library() -> ctypes.CDLL:
             return _lib
         if _lib_error is not None:
             raise DeepxError(_lib_error)
-        names = [os.environ.get("DEEPX_NVRTC", ""), "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so",
-                 ctypes.util.find_library("nvrtc") or ""]
-        errors = []
-        for name in names:
-            if not name:
-                continue
-            try:
-                lib = ctypes.CDLL(name)
-            except OSError as e:
-                errors.append(f"{name}: {e}")
-                continue
-            _declare(lib)
-            _lib = lib
-            log.info("cuda: NVRTC %s from %s", ".".join(map(str, version(lib))), name)
-            return lib
-        _lib_error = "cuda: libnvrtc.so not found (" + "; ".join(errors) + "); set DEEPX_NVRTC to its path"
-        raise DeepxError(_lib_error)
+        try:
+            _lib = load("DEEPX_NVRTC", ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"), "nvrtc", _declare,
+                        "NVRTC")
+        except DeepxError as e:
+            _lib_error = f"cuda: {e}"
+            raise DeepxError(_lib_error) from None
+        return _lib
 
 
 def available() -> bool:
