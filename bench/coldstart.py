@@ -1,6 +1,6 @@
 """Cold start on the GPU: the character transformer of examples/train_transformer.py, its first step and its first N
 steps in a fresh process on an empty kernel cache, deepx (nvcc, NVRTC, NVRTC with the background warm-up, and NVRTC
-again on the now full cache) against torch eager on the same GPU (issue 25, item 4; aim: first step under 3 s).
+again on the cache that run filled) against torch eager on the same GPU (issue 25, item 4; aim: first step under 3 s).
 
     python bench/coldstart.py [--steps 200] [--quick]
 
@@ -32,7 +32,7 @@ MODES: dict[str, tuple[str, dict[str, str]]] = {
     "deepx nvcc": ("deepx", {"DEEPX_CUDA_COMPILER": "nvcc", "DEEPX_CUDA_WARM": "0"}),
     "deepx nvrtc": ("deepx", {"DEEPX_CUDA_COMPILER": "nvrtc", "DEEPX_CUDA_WARM": "0"}),
     "deepx nvrtc + warm": ("deepx", {"DEEPX_CUDA_COMPILER": "nvrtc", "DEEPX_CUDA_WARM": "1"}),
-    "deepx, cache full": ("deepx", {"DEEPX_CUDA_COMPILER": "nvrtc", "DEEPX_CUDA_WARM": "1"}),
+    "deepx, cache after a warm run": ("deepx", {"DEEPX_CUDA_COMPILER": "nvrtc", "DEEPX_CUDA_WARM": "1"}),
     "torch eager": ("torch", {}),
 }
 
@@ -99,7 +99,7 @@ def main() -> None:
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, (framework, env) in MODES.items():
-            cache = Path(tmp) / ("shared" if "warm" in mode or "full" in mode else mode.replace(" ", "-"))
+            cache = Path(tmp) / ("shared" if "warm" in mode else mode.replace(" ", "-").replace(",", ""))
             path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
             full = {**os.environ, **env, "DEEPX_CUDA_CACHE": str(cache), "PYTHONPATH": path}
             out = subprocess.run([sys.executable, __file__, "--child", framework, "--steps", str(steps)],

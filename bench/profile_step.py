@@ -36,6 +36,8 @@ def main() -> None:
     import numpy as np
     import yappi
 
+    os.environ.setdefault("DEEPX_CUDA_WARM", "0")  # no background compilation during the profiled steps
+
     ex = load_example("deepx")
     dx, F = ex["dx"], ex["F"]
     dx.connect(roles=opts.roles.split(","))

@@ -61,12 +61,23 @@ def _read(fd: int) -> Any:
     return None if body is None else msgpack.unpackb(body, raw=False)
 
 
+def _max_fd() -> int:
+    try:
+        return int(os.sysconf("SC_OPEN_MAX"))
+    except (ValueError, OSError):
+        return 65536
+
+
 def numpy_collate(samples: list[Any]) -> Any:
     """A batch from samples, on the host: arrays and numbers stacked (Python floats as float64, ints as int64, as
     torch's default_collate), tuples, lists and dicts field by field, strings as lists."""
     first = samples[0]
     if isinstance(first, (np.ndarray, np.generic, int, float, bool)):
-        return np.stack([np.asarray(s) for s in samples])
+        out = np.stack([np.asarray(s) for s in samples])
+        if out.dtype == object:
+            raise DeepxError(f"DataLoader workers: samples of types {sorted({type(s).__name__ for s in samples})} "
+                             "cannot be batched on the host into one array")
+        return out
     if isinstance(first, str):
         return list(samples)
     if isinstance(first, dict):
@@ -119,8 +130,14 @@ def _worker(wid: int, dataset: Any, collate: Callable[[list[Any]], Any], address
             tasks: int, results: int, others: list[int], seed: int, init_fn: Callable[[int], None] | None) -> None:
     """A worker process's life (forked): connect, then batches until told to stop or the loader goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training loop's to handle; it stops us
-    for fd in others:  # the other workers' pipe ends: a loader that goes must reach each worker as end of file
-        os.close(fd)
+    del others
+    # every descriptor the loader's process had (its daemon connection, other workers' pipes, an embedded daemon's
+    # sockets) but this worker's two pipes and the standard streams: a loader that goes reaches each worker as end of
+    # file, and nothing of the parent's is written to from here
+    keep = sorted((tasks, results))
+    os.closerange(3, keep[0])
+    os.closerange(keep[0] + 1, keep[1])
+    os.closerange(keep[1] + 1, _max_fd())
     from deepx_core.client import NativeClient
 
     np.random.seed((seed + wid) % 2**32)
@@ -132,11 +149,11 @@ def _worker(wid: int, dataset: Any, collate: Callable[[list[Any]], Any], address
         task = _read(tasks)
         if task is None or task.get("stop"):
             break
+        specs: list[list[Any]] = []
         try:
             batch = collate([dataset[int(i)] for i in task["indices"]])
             leaves: list[np.ndarray] = []
             tree = _flatten(batch, leaves)
-            specs = []
             for k, arr in enumerate(leaves):
                 name = f"{task['base']}f{k}"
                 client.put(name, arr, heap=True)
@@ -144,7 +161,7 @@ def _worker(wid: int, dataset: Any, collate: Callable[[list[Any]], Any], address
             _write(results, {"batch": task["batch"], "tree": tree, "leaves": specs})
         except Exception as e:
             _write(results, {"batch": task["batch"], "error": f"{type(e).__name__}: {e}",
-                             "trace": traceback.format_exc()})
+                             "trace": traceback.format_exc(), "leaves": specs})  # those put: the loader deletes them
     client.close()
 
 
@@ -214,10 +231,15 @@ class WorkerPool:
             for k in range(len(chosen)):
                 msg = self._receive((base + k) % n)
                 received += 1
+                if msg.get("batch") != base + k:
+                    raise DeepxError(f"DataLoader worker {(base + k) % n} answered batch {msg.get('batch')} for batch "
+                                     f"{base + k}: the pool is out of step")
                 if ahead < len(chosen):
                     send(ahead)
                     ahead += 1
                 if "error" in msg:
+                    for name, dtype, shape in msg.get("leaves", ()):
+                        wrap(name, dtype, tuple(shape))  # put before the failure: let go, so deleted
                     raise DeepxError(f"DataLoader worker {(base + k) % n} failed on batch {k}: {msg['error']}\n"
                                      f"{msg['trace']}")
                 leaves = [wrap(name, dtype, tuple(shape)) for name, dtype, shape in msg["leaves"]]
@@ -225,11 +247,16 @@ class WorkerPool:
         finally:
             # batches sent but not read (a loop left early): read them, so the pipes stay in step, and let their
             # handles go (which deletes their heap tensors)
+            gone: set[int] = set()
             for k in range(received, ahead):
+                wid = (base + k) % n
+                if wid in gone:
+                    continue
                 try:
-                    msg = self._receive((base + k) % n)
-                except DeepxError:
-                    break
+                    msg = self._receive(wid)
+                except DeepxError:  # a dead worker: the others' batches are still read, and deleted
+                    gone.add(wid)
+                    continue
                 for name, dtype, shape in msg.get("leaves", ()):
                     wrap(name, dtype, tuple(shape))
 

@@ -223,7 +223,8 @@ class DataLoader:
         order = self._order()
         rows = self._gathered()
         if self.num_workers > 0 and rows is None:
-            yield from self._from_workers(self._chosen(order))
+            # the workers' seeds, after the order: an epoch's batches are those of num_workers=0
+            yield from self._from_workers(self._chosen(order), self._seed_source())
             return
         if self.batch_size is None:
             for i in order:
@@ -236,7 +237,7 @@ class DataLoader:
                 collate = self.collate_fn or default_collate
                 yield collate([self.dataset[int(i)] for i in chosen])
 
-    def _from_workers(self, chosen: list[np.ndarray]) -> Iterator[Any]:
+    def _from_workers(self, chosen: list[np.ndarray], seed_source: Any) -> Iterator[Any]:
         from deepx_sdk.session import session
         from deepx_sdk.tensor import Tensor
         from deepx_sdk.utils._workers import WorkerPool, numpy_collate
@@ -254,20 +255,28 @@ class DataLoader:
                 collate = self.collate_fn or (lambda samples: samples[0])
             else:
                 collate = self.collate_fn or numpy_collate
-            seed = int(np.random.default_rng(self._seed_source()).integers(2**31))
+            seed = int(np.random.default_rng(seed_source).integers(2**31))
             pool = WorkerPool(self.dataset, collate, self.num_workers, self.prefetch_factor, float(self.timeout),
                               self.worker_init_fn, seed)
             if self.persistent_workers:
                 self._pool = pool
         try:
             yield from pool.batches(chosen, wrap)
+        except Exception:  # a failed or dead worker: the pool's pipes cannot be trusted for another epoch
+            pool.close()
+            self._pool = None
+            raise
         finally:
             if not self.persistent_workers:
                 pool.close()
 
     def _seed_source(self) -> Any:
+        """The workers' base seed for this epoch: drawn from the generator (reproducible, new each epoch), as
+        torch's DataLoader draws it."""
         if isinstance(self.generator, Generator):
-            return self.generator.initial_seed()
+            return self.generator._rng.integers(2**31)
+        if isinstance(self.generator, np.random.Generator):
+            return self.generator.integers(2**31)
         if self._rng is not None:
             return self._rng.integers(2**31)
         return None

@@ -146,6 +146,8 @@ class Dying(Samples):
 def test_a_worker_that_dies_is_named():
     with pytest.raises(DeepxError, match=r"DataLoader worker \d \(pid \d+\) exited unexpectedly \(exit code -9\)"):
         _drain(DataLoader(Dying(), batch_size=4, num_workers=2))
+    _settle()
+    assert _heap_batches() == []  # the live worker's batches made ahead were read and deleted
 
 
 def test_uncollated_samples_and_a_collate_fn():
@@ -187,3 +189,33 @@ def test_refusals():
         DataLoader(Samples(), prefetch_factor=2)
     with pytest.raises(DeepxError, match="timeout must be >= 0"):
         DataLoader(Samples(), num_workers=1, timeout=-1)
+
+
+class Noisy(Samples):
+    """A sample with random augmentation from the worker's global generators (numpy's), as datasets do."""
+
+    def __getitem__(self, i: int):
+        return np.random.random(2).astype(np.float32)
+
+
+def test_workers_random_state_is_reproducible_and_new_each_epoch():
+    def epochs(seed):
+        loader = DataLoader(Noisy(8), batch_size=4, num_workers=2, shuffle=True,
+                            generator=Generator().manual_seed(seed))
+        return [np.concatenate([b.numpy() for b in loader]) for _ in range(2)]
+
+    first, again = epochs(3), epochs(3)
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1], again[1])
+    assert not np.array_equal(first[0], first[1])  # a new draw each epoch, as torch's base seed
+
+
+def test_a_worker_that_fails_part_way_through_a_batch_leaves_no_tensor():
+    class HalfPut(Samples):
+        def __getitem__(self, i: int):
+            return np.zeros(3, np.float32), object() if i == 5 else 1  # the second field cannot be batched
+
+    with pytest.raises(DeepxError, match="cannot be batched"):
+        _drain(DataLoader(HalfPut(8), batch_size=4, num_workers=2, persistent_workers=True))
+    _settle()
+    assert _heap_batches() == []

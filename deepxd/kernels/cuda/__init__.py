@@ -27,7 +27,7 @@ import numpy as np
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import FLOATS, to_numpy
-from deepx_core.ir.effects import DELETES, LOADS, SETS
+from deepx_core.ir.effects import DELETES, LOADS, RENAMES, SETS
 from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, BindCache, Bound, OpDef, PerOp, TensorMeta
 from deepxd.kernels.cpu import CpuExecutor, TensorTable, dtype_name, repeat_count, worded
@@ -224,7 +224,10 @@ class CudaExecutor:
 
     def alloc(self, nbytes: int, op: str, name: str) -> Any:
         try:
-            return self.pool.allocate(max(int(nbytes), 1))
+            buf = self.pool.allocate(max(int(nbytes), 1))
+            if self._capturing is not None:  # scratch a graph writes: never back to the pool while it lives
+                self._capturing.keep.append(buf)
+            return buf
         except self.cuda.MemoryError:
             free, total = self.cuda.mem_get_info()
             raise DeepxError(f"{op}: out of device memory allocating {nbytes} bytes for '{name}' ({free} of "
@@ -238,11 +241,8 @@ class CudaExecutor:
             if old is not None and old.shape == tuple(shape) and old.dtype == dt:
                 return old
         nbytes = math.prod(shape) * dt.itemsize
-        buf = self.alloc(nbytes, op, name)
-        t = DeviceTensor(buf, int(buf), shape, dt)
-        if cap is not None:
-            cap.keep.append(t)
-        return t
+        buf = self.alloc(nbytes, op, name)  # (kept by alloc during a capture)
+        return DeviceTensor(buf, int(buf), shape, dt)
 
     def zeros(self, shape: Sequence[int], dtype: str | np.dtype, op: str = "alloc", name: str = "") -> DeviceTensor:
         t = self.empty(shape, dtype, op, name)
@@ -314,8 +314,14 @@ class CudaExecutor:
     def raise_flag(self, op: str, message: str) -> None:
         """Raise DeepxError(op: message) when a kernel since clear_flag set the error flag (waits for it). In a
         capture the check is kept for after each replay of the graph."""
-        if self._capturing is not None:
-            self._capturing.checks.append((op, message))
+        cap = self._capturing
+        if cap is not None:  # cut the capture: the flag is read before anything after this launches
+            from deepxd.kernels.cuda import graphs
+
+            stream = self.stream.handle
+            after = {n: self.tensors.get(n) for n in cap.touched}  # the instruction's outputs are not bound yet
+            cap.segments.append(graphs.Segment(graphs.end(stream), 0, (cap.index, op, message), after))
+            graphs.begin(stream)
             return
         self.cuda.memcpy_dtoh_async(self._flag_host, self.flag_ptr, self.stream)
         self.synchronize()
@@ -327,11 +333,13 @@ class CudaExecutor:
         were cached)."""
         return self.modules.precompile(all_sources(), workers)
 
-    def warm(self, workers: int | None = None) -> threading.Thread:
-        """Compile the kernel modules not yet on disk in background threads while this executor works, the dtypes
-        models use first (`WARM_ORDER`): a fresh machine's first step finds its modules compiled or in flight
-        instead of compiling them one after another. Returns the thread."""
-        return self.modules.warm(sorted(all_sources(), key=_warm_rank), workers)
+    def warm(self, workers: int | None = None) -> Any:
+        """Compile the kernel modules of the dtypes models use (`WARM_ORDER`, in that order) not yet on disk, in
+        background threads while this executor works: a fresh machine's first step finds its modules compiled or in
+        flight instead of compiling them one after another. The others compile on first use. Returns the
+        `_build.Warming` (join, stop); close() stops it."""
+        chosen = [s for s in all_sources() if _warm_rank(s) < len(WARM_ORDER)]
+        return self.modules.warm(sorted(chosen, key=_warm_rank), workers)
 
     # -- running
     def run(self, instr: Instr) -> None:
@@ -490,8 +498,9 @@ class CudaExecutor:
         cap = self._capturing
         if cap is None or cap.numbers_dev is None:
             return None
-        offset = cap.slot_width * len(cap.slots)
-        cap.slots[cap.index] = offset
+        got = cap.slots.get(cap.index)
+        offset = cap.slot_width * len(cap.slots) if got is None else got
+        cap.slots[cap.index] = offset  # (a repeated instruction's later updates read the same numbers)
         cap.numbers_host[offset:offset + len(values)] = values
         return int(cap.numbers_dev) + 8 * offset
 
@@ -517,6 +526,8 @@ class CudaExecutor:
             eff = b.op.effect
             if eff.io or eff.kind in (SETS, LOADS):
                 return f"{b.op.name} touches the host (files, output or variables)"
+            if eff.kind == RENAMES:
+                return f"{b.op.name} gives a tensor another name, which a graph's table of names cannot follow"
             if b.op.family in HOST_FAMILIES or b.op.name == "reshape":
                 continue
             if KERNELS.get(b.op.name) is None:
@@ -526,8 +537,8 @@ class CudaExecutor:
     def capture(self, bounds: Sequence[Bound]) -> Any:
         """Run these checked instructions once, recording their launches as CUDA graphs, then launch them (this
         run's work); returns the `graphs.Captured` to `replay`, or None where an instruction needs the host mid-way
-        (the tensor table is then as before and the caller runs the program as usual). A program is cut into
-        segments after each instruction whose kernel may set the error flag, which is read between them as an
+        (the tensor table is then as before and the caller runs the program as usual). Where a kernel may set the
+        error flag (raise_flag), the capture is cut: the flag is read before anything after it runs, as an
         instruction-by-instruction run reads it. Tensors deleted and made again under one name keep their memory,
         so that each replay finds the addresses it recorded. A kernel error raises DeepxError with `.index`."""
         from deepxd.kernels.cuda import graphs
@@ -535,7 +546,7 @@ class CudaExecutor:
         self._own()
         tensors = self.tensors
         touched: dict[str, None] = {}
-        reads: dict[str, int] = {}
+        reads: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
         written: set[str] = set()
         for b in bounds:
             ins = [n for k, n in zip(_ARG_KINDS[b.op.name], b.names) if k == 1]
@@ -551,59 +562,59 @@ class CudaExecutor:
                     t = tensors.get(n)
                     if t is None:
                         return None  # checked against another state
-                    reads[n] = t.ptr
+                    reads[n] = (t.ptr, t.shape, t.dtype)
             for n in outs:
                 touched[n] = None
                 written.add(n)
         before = {n: tensors.get(n) for n in touched}
         cap = _Capture()
-        updates = sum(1 for b in bounds if b.op.family == "optim")
+        cap.touched = touched
+        updates = sum(max(1, repeat_count(b.instr) if b.instr.meta else 1) for b in bounds if b.op.family == "optim")
         if updates:  # the optimizer updates read their numbers from here (numbers())
             cap.numbers_dev = self.alloc(8 * cap.slot_width * updates, "capture", "optimizer numbers")
             cap.numbers_host = np.zeros(cap.slot_width * updates, np.float64)
         cap.keep.extend(t for t in before.values() if t is not None)
         self._capturing = cap
         stream = self.stream.handle
-        segments: list[Any] = []
-        graph = 0
+        begun = False
         try:
-            at = 0
-            while at < len(bounds):
-                graphs.begin(stream)
-                check = None
-                try:
-                    self.clear_flag()
-                    while at < len(bounds):
-                        n_checks = len(cap.checks)
-                        cap.index = at
-                        self.execute(bounds[at])
-                        at += 1
-                        if len(cap.checks) > n_checks:  # read the flag before the next instruction runs
-                            op, message = cap.checks[-1]
-                            check = (at - 1, op, message)
-                            break
-                finally:
-                    graph = graphs.end(stream)
-                segments.append(graphs.Segment(graph, 0, check, {n: tensors.get(n) for n in touched}))
-                graph = 0
-            for seg in segments:
+            graphs.begin(stream)
+            begun = True
+            self.clear_flag()
+            for at, b in enumerate(bounds):
+                cap.index = at
+                self.execute(b)
+            begun = False
+            cap.segments.append(graphs.Segment(graphs.end(stream), 0, None, {n: tensors.get(n) for n in touched}))
+            for seg in cap.segments:
                 seg.exe = graphs.instantiate(seg.graph)
-        except DeepxError as e:
-            graphs.destroy_graph(graph)
-            graphs.Captured(segments, {}, []).destroy()
+        except Exception as e:  # whatever stopped it, the table goes back and the caller runs eagerly
+            if begun:
+                try:
+                    graphs.destroy_graph(graphs.end(stream))
+                except DeepxError:
+                    pass
+            graphs.Captured(cap.segments, {}, []).destroy()
             for n, t in before.items():  # the host side ran, the device side did not: as before
                 if t is None:
                     tensors.pop(n, None)
                 elif tensors.get(n) is not t:
                     tensors[n] = t
-            log.debug("cuda: no graph for this program: %s", e)
+            log.debug("cuda: no graph for this program: %s: %s", type(e).__name__, e)
             return None
         finally:
             self._capturing = None
-        captured = graphs.Captured(segments, reads, cap.keep, numbers_dev=cap.numbers_dev,
+        captured = graphs.Captured(cap.segments, reads, cap.keep, numbers_dev=cap.numbers_dev,
                                    numbers_host=cap.numbers_host, slots=cap.slots)
-        # the table holds what the whole program leaves; a failure part-way puts back that segment's state
-        self._launch(captured)
+        try:
+            self._launch(captured)
+        except BaseException:
+            try:
+                self.synchronize()
+            except DeepxError:
+                pass
+            captured.destroy()
+            raise
         return captured
 
     def replay(self, captured: Any) -> bool:
@@ -646,6 +657,7 @@ class CudaExecutor:
         if self.closed:
             return
         self._own()
+        self.modules.stop_warming()
         try:
             self.stream.synchronize()
         except self.cuda.Error as e:
@@ -671,15 +683,16 @@ class CudaExecutor:
 
 class _Capture:
     """A capture in progress: tensors deleted by name (their memory kept for the next of that name), every tensor
-    the graph uses, the error-flag checks its kernels deferred."""
+    the graph uses, the segments cut so far."""
 
     slot_width = 16  # numbers per optimizer update
 
     def __init__(self) -> None:
         self.freed: dict[str, DeviceTensor] = {}
-        self.keep: list[DeviceTensor] = []
-        self.checks: list[tuple[str, str]] = []
+        self.keep: list[Any] = []  # tensors and scratch buffers
         self.index = 0  # the instruction being captured
+        self.touched: dict[str, None] = {}  # the names the program reads or writes
+        self.segments: list[Any] = []  # graphs.Segment, cut where a kernel's error flag is read
         self.slots: dict[int, int] = {}  # instruction index -> offset of its numbers
         self.numbers_dev: Any = None
         self.numbers_host: np.ndarray = np.zeros(0, np.float64)

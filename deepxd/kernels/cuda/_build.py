@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import subprocess
 import threading
 import time
@@ -193,7 +194,7 @@ class ModuleCache:
         self.compiler = compiler
         self.modules: dict[str, Any] = {}
         self.functions: dict[tuple[str, str], Any] = {}
-        self._warming: threading.Thread | None = None
+        self._warming: Warming | None = None
 
     def module(self, key: str, source: str, what: str) -> Any:
         mod = self.modules.get(key)
@@ -225,16 +226,45 @@ class ModuleCache:
             list(pool.map(lambda sw: self.compiler.cubin(*sw), todo))
         return len(todo)
 
-    def warm(self, sources: Iterable[tuple[str, str]], workers: int | None = None) -> threading.Thread:
-        """Compile `sources` not yet on disk, in order, in background threads, while the executor goes on: the
-        modules a first step needs are ready (or in flight) when it asks for them. Returns the thread."""
+    def warm(self, sources: Iterable[tuple[str, str]], workers: int | None = None) -> Warming:
+        """Compile `sources` not yet on disk, in order, in background daemon threads, while the executor goes on:
+        the modules a first step needs are ready (or in flight) when it asks for them. The threads never hold up the
+        process's exit (a module half compiled is not written), and `stop()` ends them after their current one."""
         todo = [(s, w) for s, w in sources if not self.compiler.cached(s)] if self.compiler.writable else []
         workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
-
-        def run() -> None:
-            with ThreadPoolExecutor(workers, thread_name_prefix="deepx-cuda-compile") as pool:
-                list(pool.map(lambda sw: self.compiler.compile_ahead(*sw), todo))
-
-        self._warming = threading.Thread(target=run, name="deepx-cuda-warm", daemon=True)
-        self._warming.start()
+        self._warming = Warming(self.compiler, todo, workers)
         return self._warming
+
+    def stop_warming(self) -> None:
+        if self._warming is not None:
+            self._warming.stop()
+
+
+class Warming:
+    """The background compilation of `ModuleCache.warm`: daemon threads that take sources from a queue in order."""
+
+    def __init__(self, compiler: Compiler, todo: list[tuple[str, str]], workers: int) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        for item in todo:
+            self._queue.put(item)
+        self._stopped = threading.Event()
+        self._compiler = compiler
+        self.threads = [threading.Thread(target=self._run, name=f"deepx-cuda-warm-{k}", daemon=True)
+                        for k in range(min(workers, len(todo)))]
+        for t in self.threads:
+            t.start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                source, what = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._compiler.compile_ahead(source, what)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in self.threads:
+            t.join(timeout)

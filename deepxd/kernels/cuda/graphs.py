@@ -94,11 +94,11 @@ class Segment:
 
 @dataclass(eq=False)
 class Captured:
-    """One program's graphs: `reads` (name -> device address) must hold for a replay; `keep` pins every tensor the
-    graphs use."""
+    """One program's graphs: `reads` (the tensors read before written, as recorded) must hold for a replay; `keep`
+    pins every tensor and scratch buffer the graphs use."""
 
     segments: list[Segment]
-    reads: dict[str, int]
+    reads: dict[str, tuple[int, tuple[int, ...], Any]]  # name -> (address, shape, dtype) it is read at
     keep: list[Any]
     replays: int = 0
     numbers_dev: Any = None  # the optimizer updates' numbers, read by their kernels (None: no update)
@@ -110,9 +110,9 @@ class Captured:
         return [s.check for s in self.segments if s.check is not None]
 
     def valid(self, tensors: Any) -> bool:
-        for name, ptr in self.reads.items():
+        for name, (ptr, shape, dtype) in self.reads.items():
             t = tensors.get(name)
-            if t is None or t.ptr != ptr:
+            if t is None or t.ptr != ptr or t.shape != shape or t.dtype != dtype:
                 return False
         return all(s.exe for s in self.segments)
 
