@@ -214,3 +214,56 @@ def test_an_optimizer_update_takes_new_numbers_each_step_without_a_new_graph(tmp
         np.testing.assert_array_equal(graphed.get("m"), eager.get("m"))
         np.testing.assert_array_equal(graphed.get("v"), eager.get("v"))
         captured.destroy()
+
+
+def test_scratch_memory_a_graph_writes_is_not_handed_out_under_it(tmp_path):
+    """crossentropy and a split reduction allocate scratch inside their kernels: a tensor made and filled between two
+    replays must not share it (both keep their values)."""
+    from deepxd.kernels.cuda import CudaExecutor
+
+    program = parse_text("""
+crossentropy (tensor<float32>:z, tensor<int64>:k, var<int32>:-100, var<string>:mean) -> (tensor<float32>:l)
+sum (tensor<float32>:big, vector<int32>:[0], var<bool>:false) -> (tensor<float32>:s)
+""")
+    rng = np.random.default_rng(9)
+    z = rng.standard_normal((64, 10)).astype(np.float32)
+    big = rng.standard_normal(1 << 20).astype(np.float32)
+    with CudaExecutor(cache_dir=tmp_path) as ex:
+        ex.put("z", z)
+        ex.put("k", rng.integers(0, 10, 64))
+        ex.put("big", big)
+        captured = ex.capture(check_program(program, ex, ex.plans))
+        assert captured is not None
+        l0, s0 = ex.get("l"), ex.get("s")
+        fillers = [rng.standard_normal(1 << 16).astype(np.float32) for _ in range(8)]
+        for i, f in enumerate(fillers):  # new tensors from the pool between the replays
+            ex.put(f"fill{i}", f)
+        assert ex.replay(captured)
+        np.testing.assert_array_equal(ex.get("l"), l0)
+        np.testing.assert_array_equal(ex.get("s"), s0)
+        for i, f in enumerate(fillers):
+            np.testing.assert_array_equal(ex.get(f"fill{i}"), f)
+        captured.destroy()
+
+
+def test_an_index_out_of_range_stops_a_replay_before_the_gather(tmp_path):
+    from deepxd.kernels.cuda import CudaExecutor
+
+    program = parse_text("""
+indexselect (tensor<float32>:w, tensor<int64>:i, var<int32>:0) -> (tensor<float32>:e)
+mulscalar (tensor<float32>:e, var<float32>:2.0) -> (tensor<float32>:e2)
+""")
+    with CudaExecutor(cache_dir=tmp_path) as ex:
+        ex.put("w", np.arange(12, dtype=np.float32).reshape(4, 3))
+        ex.put("i", np.array([0, 3], np.int64))
+        captured = ex.capture(check_program(program, ex, ex.plans))
+        if captured is None:
+            pytest.skip("indexselect is not captured on this build")
+        ex.put("i", np.array([0, 99], np.int64))
+        with pytest.raises(DeepxError) as e:
+            ex.replay(captured)
+        assert e.value.index == 0
+        ex.put("i", np.array([1, 2], np.int64))
+        assert ex.replay(captured)  # the context is still usable
+        np.testing.assert_array_equal(ex.get("e2"), 2 * np.arange(12, dtype=np.float32).reshape(4, 3)[[1, 2]])
+        captured.destroy()
