@@ -1356,6 +1356,24 @@ def bind(instr: Instr, env: Env) -> Bound:
     return Bound(op, instr, args, names, inferred, out_names, _nbytes(op, inferred, out_names))
 
 
+def rebind_numbers(old: Bound, instr: Instr) -> Bound:
+    """`old` for `instr`, the same instruction but for its numbers (an optimizer update's step count, a schedule's
+    learning rate): its scalar arguments read and checked as `bind` reads them, and the op's rule run on them with
+    the metas `old` holds, without looking its tensors up again. DeepxError as `bind` raises it; a number given as a
+    variable's name is refused here (the caller binds such an instruction whole)."""
+    op = old.op
+    params = instr.args
+    args = list(old.args)
+    for i, a in enumerate(op.args):
+        if a.kind in ("var", "") and i < len(params):
+            args[i] = _var(op, a, params[i], None)
+    if args == old.args:
+        return old._replace(instr=instr)
+    out_dtypes = [p.dtype for p in instr.returns]
+    inferred = op.infer(Call(op, args, old.names, list(old.outs), out_dtypes, old.out_names, instr.meta))
+    return Bound(op, instr, args, old.names, inferred, old.out_names, _nbytes(op, inferred, old.out_names))
+
+
 class SymbolicEnv:
     """Tensor metas and variables as a program would leave them: checks a program without running it."""
 

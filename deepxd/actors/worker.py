@@ -20,7 +20,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
 from deepx_core.ir.effects import CREATES, DELETES, RENAMES, SETS, apply_effect
 from deepx_core.ir.instr import Instr
-from deepx_core.ir.ops import OPS, Bound, ProgramError, SymbolicEnv, TensorMeta, bind, check_program
+from deepx_core.ir.ops import OPS, Bound, ProgramError, TensorMeta, check_program, rebind_numbers
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef, Envelope
 from deepxd.actors.messages import ArrayOf, Attach, Create, Fetch, Info, Put, Release, RunPlan, RunProgram
@@ -334,10 +334,8 @@ class OpWorker(Actor):
         redo = sorted(set(plan.redo))
         plan.redo.clear()
         for i in redo:
-            old = bounds[i]
-            metas = {str(p.value): m for p, m in zip(old.instr.args, old.args) if p.category == "tensor"}
             try:
-                bounds[i] = bind(plan.sent[i], SymbolicEnv(metas))
+                bounds[i] = rebind_numbers(bounds[i], plan.sent[i])
             except DeepxError:
                 return False
         self._prepare_again(prepared, redo)
