@@ -7,7 +7,7 @@ import os
 import socket
 import tempfile
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -268,11 +268,7 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None, **fl
             if key not in _FIELDS:
                 raise DeepxError(f"config file {path}: unknown setting {k!r}")
             values[key] = _coerce(key, v, f"config file {path}")
-    environ: Mapping[str, str] = os.environ if env is None else env
-    for key in _FIELDS:
-        raw = environ.get(f"DEEPX_{key.upper()}")
-        if raw is not None and raw != "":
-            values[key] = _coerce(key, raw, f"DEEPX_{key.upper()}")
+    values.update(environment_settings(_FIELDS, env))
     for key, v in flags.items():
         if key == "kv" and isinstance(v, str) and _has_password(v):
             raise DeepxError("--kv: the URL carries a password, which every local user can read in "
@@ -288,7 +284,7 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None, **fl
     return Config(**values)
 
 
-def environment_settings(keys: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def environment_settings(keys: Iterable[str], env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The DEEPX_<NAME> values of these settings that are set, checked."""
     environ: Mapping[str, str] = os.environ if env is None else env
     out: dict[str, Any] = {}

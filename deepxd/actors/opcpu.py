@@ -28,7 +28,7 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import Bound, ProgramCheck, ProgramError, check_program
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef
-from deepxd.actors.messages import Adopted, ArrayOf, Attach, Create, HeapDelete, Info, Remote
+from deepxd.actors.messages import Adopted, ArrayOf, Create, HeapDelete, Remote
 from deepxd.actors.worker import (
     BETWEEN_SLICES,
     LONG_PROGRAM,
@@ -565,18 +565,7 @@ class CpuWorker(OpWorker):
         """Make an existing heap tensor visible to programs here, with a reference of this worker's; hold=False:
         without a new one (this worker holds it already where it is among the holders: a tensor adopted from a
         daemon of this node that died, whose worker had put it)."""
-        if self.heapmem is None:
-            raise DeepxError("no heapmem role runs on this node")
-        info: dict[str, Any] | None
-        if hold:
-            info = await self.heapmem.ask(Attach(name=name, holder=self.name))
-            self.heap_held.add(name)
-        else:
-            info = await self.heapmem.ask(Info(name=name))
-            assert info is not None  # (missing_ok=False: a missing one raised)
-            if self.name in info["holders"]:
-                self.heap_held.add(name)
-        view = await self.heapmem.ask(ArrayOf(name=name))
+        info, view = await self._heap_reference(name, hold)
         if name in self.ex.shared:
             self.ex.unshare(name)
         self.heap[name] = view

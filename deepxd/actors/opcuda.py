@@ -33,7 +33,7 @@ from deepx_core.ir.instr import Instr
 from deepx_core.ir.ops import OPS, Bound, ProgramError
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
-from deepxd.actors.messages import ArrayOf, Attach, Create, HeapDelete, HeapFree, Info
+from deepxd.actors.messages import ArrayOf, Create, HeapDelete, HeapFree
 from deepxd.actors.worker import HeapViews, OpStat, OpWorker, Plan, RunResult, deletions
 from deepxd.kernels.cpu import dtype_name
 
@@ -389,18 +389,7 @@ class CudaWorker(OpWorker):
     async def on_attach_heap(self, name: str, hold: bool = True) -> dict[str, Any]:
         """Make an existing heap tensor visible to programs here, with a reference of this worker's; hold=False:
         without a new one (as op-cpu's: where this worker is among its holders already, it holds it)."""
-        if self.heapmem is None:
-            raise DeepxError("no heapmem role runs on this node")
-        info: dict[str, Any] | None
-        if hold:
-            info = await self.heapmem.ask(Attach(name=name, holder=self.name))
-            self.heap_held.add(name)
-        else:
-            info = await self.heapmem.ask(Info(name=name))
-            assert info is not None  # (missing_ok=False: a missing one raised)
-            if self.name in info["holders"]:
-                self.heap_held.add(name)
-        view = await self.heapmem.ask(ArrayOf(name=name))
+        info, view = await self._heap_reference(name, hold)
         self.heap[name] = view
         await self._ready()
         self.ex.tensors[name] = view

@@ -515,6 +515,23 @@ class OpWorker(Actor):
             raise DeepxError(f"put: '{name}' is {dtype}{list(shape)}, which needs {want} bytes; got {len(data)}")
         return np.frombuffer(data, dtype=npdt).reshape(shape)
 
+    async def _heap_reference(self, name: str, hold: bool) -> tuple[dict[str, Any], Any]:
+        """attach_heap's part common to the workers: heap tensor `name`'s record and its view, with a reference of
+        this worker's (hold=False: none new; it holds one already where it is among the holders)."""
+        if self.heapmem is None:
+            raise DeepxError("no heapmem role runs on this node")
+        info: dict[str, Any] | None
+        if hold:
+            info = await self.heapmem.ask(Attach(name=name, holder=self.name))
+            self.heap_held.add(name)
+        else:
+            info = await self.heapmem.ask(Info(name=name))
+            assert info is not None  # (missing_ok=False: a missing one raised)
+            if self.name in info["holders"]:
+                self.heap_held.add(name)
+        view = await self.heapmem.ask(ArrayOf(name=name))
+        return info, view
+
     async def _heap_for_put(self, name: str, dtype: str, shape: tuple[int, ...], owner: str) -> Any:
         """The heap tensor a put writes into: the one this worker views, else another worker's or process's of that
         name on this node, attached once it is known to fit, else a new one (which replaces a lost one of that name;
