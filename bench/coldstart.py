@@ -21,6 +21,7 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -53,34 +54,47 @@ def load_example(framework: str) -> dict[str, Any]:
     return ns
 
 
-def child(framework: str, steps: int) -> dict[str, float]:
+def trainer(ex: dict[str, Any], context: int = 32, d_model: int = 64, layers: int = 2, batch: int = 16,
+            **adamw: Any) -> Callable[[], None]:
+    """One training step of the example's model, as its script takes one (a random batch of windows, AdamW at lr
+    4e-3 and `adamw`), on the framework `ex` was loaded for (load_example)."""
     import numpy as np
 
-    ex = load_example(framework)
     dx, F = ex["dx"], ex["F"]
-    if framework == "deepx":
-        dx.connect(roles=["heapmem", "op-cuda"])
-    else:
-        dx.set_default_device("cuda")  # the example's tensors and the model's parameters, as deepx places them
-        dx.zeros(1)  # the context, as deepx's connect makes it
-    t_ready = time.perf_counter()
     dx.manual_seed(0)
     text = ex["DATA"].read_text(encoding="utf-8")
     tok = ex["CharTokenizer"](text)
     data = tok.encode(text)
-    model = ex["CharTransformer"](len(tok), 32, 64, 4, 2)
-    opt = ex["AdamW"](model.parameters(), lr=4e-3, betas=(0.9, 0.99), weight_decay=0.01)
+    model = ex["CharTransformer"](len(tok), context, d_model, 4, layers)
+    opt = ex["AdamW"](model.parameters(), lr=4e-3, **adamw)
     rng = np.random.default_rng(0)
-    marks = []
-    for _ in range(steps):
-        starts = rng.integers(0, len(data) - 33, 16)
-        window = np.stack([data[s:s + 33] for s in starts])
+
+    def step() -> None:
+        starts = rng.integers(0, len(data) - context - 1, batch)
+        window = np.stack([data[s:s + context + 1] for s in starts])
         x, y = dx.tensor(window[:, :-1]), dx.tensor(window[:, 1:])
         opt.zero_grad()
         loss = F.cross_entropy(model(x).view(-1, len(tok)), y.view(-1))
         loss.backward()
         opt.step()
         loss.item()
+
+    return step
+
+
+def child(framework: str, steps: int) -> dict[str, float]:
+    ex = load_example(framework)
+    dx = ex["dx"]
+    if framework == "deepx":
+        dx.connect(roles=["heapmem", "op-cuda"])
+    else:
+        dx.set_default_device("cuda")  # the example's tensors and the model's parameters, as deepx places them
+        dx.zeros(1)  # the context, as deepx's connect makes it
+    t_ready = time.perf_counter()
+    step = trainer(ex, betas=(0.9, 0.99), weight_decay=0.01)
+    marks = []
+    for _ in range(steps):
+        step()
         marks.append(time.perf_counter())
     return {"ready_s": t_ready - T_START, "first_step_s": marks[0] - T_START, "steps_s": marks[-1] - T_START,
             "warm_step_ms": 1e3 * (marks[-1] - marks[len(marks) // 2]) / max(1, len(marks) - 1 - len(marks) // 2)}

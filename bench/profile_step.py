@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from coldstart import load_example  # noqa: E402  (bench/coldstart.py, beside this file)
+from coldstart import load_example, trainer  # noqa: E402  (bench/coldstart.py, beside this file)
 
 
 def main() -> None:
@@ -33,31 +33,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
     opts = ap.parse_args()
-    import numpy as np
     import yappi
 
     os.environ.setdefault("DEEPX_CUDA_WARM", "0")  # no background compilation during the profiled steps
 
     ex = load_example("deepx")
-    dx, F = ex["dx"], ex["F"]
-    dx.connect(roles=opts.roles.split(","))
-    dx.manual_seed(0)
-    text = ex["DATA"].read_text(encoding="utf-8")
-    tok = ex["CharTokenizer"](text)
-    data = tok.encode(text)
-    model = ex["CharTransformer"](len(tok), opts.context, opts.d_model, 4, opts.layers)
-    opt = ex["AdamW"](model.parameters(), lr=4e-3)
-    rng = np.random.default_rng(0)
-
-    def step() -> None:
-        starts = rng.integers(0, len(data) - opts.context - 1, opts.batch)
-        window = np.stack([data[s:s + opts.context + 1] for s in starts])
-        x, y = dx.tensor(window[:, :-1]), dx.tensor(window[:, 1:])
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).view(-1, len(tok)), y.view(-1))
-        loss.backward()
-        opt.step()
-        loss.item()
+    ex["dx"].connect(roles=opts.roles.split(","))
+    step = trainer(ex, opts.context, opts.d_model, opts.layers, opts.batch)
 
     for _ in range(opts.warmup):
         step()

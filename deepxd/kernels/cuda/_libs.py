@@ -18,7 +18,10 @@ def load(env: str, names: Sequence[str], short: str, declare: Callable[[ctypes.C
     """The first of `$env`, `names`, then whatever the loader finds for `short`, that loads; `declare` sets its
     functions' types. DeepxError naming every place tried where none loads."""
     errors = []
-    for name in [os.environ.get(env, ""), *names, ctypes.util.find_library(short) or ""]:
+    # the loader's own search runs ldconfig: only where the usual names did not load
+    for name in [os.environ.get(env, ""), *names, None]:
+        if name is None:
+            name = ctypes.util.find_library(short) or ""
         if not name:
             continue
         try:

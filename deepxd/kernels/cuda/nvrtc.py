@@ -10,7 +10,7 @@ found through `include_dirs()`.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import glob
 import logging
 import os
@@ -82,9 +82,10 @@ def version(lib: ctypes.CDLL | None = None) -> tuple[int, int]:
     return major.value, minor.value
 
 
-def include_dirs() -> list[str]:
+@functools.cache
+def include_dirs() -> tuple[str, ...]:
     """Directories holding cuda_fp16.h: $DEEPX_CUDA_INCLUDE, $CUDA_HOME/$CUDA_PATH, beside nvcc, /usr/local/cuda,
-    and the include folders of NVIDIA's wheels (nvidia/cuda_runtime, nvidia/cu13) on sys.path."""
+    and the include folders of NVIDIA's wheels (nvidia/cuda_runtime, nvidia/cu13) on sys.path; looked for once."""
     found: list[str] = []
     candidates = [os.environ.get("DEEPX_CUDA_INCLUDE", "")]
     for env in ("CUDA_HOME", "CUDA_PATH"):
@@ -99,7 +100,7 @@ def include_dirs() -> list[str]:
     for c in candidates:
         if c and os.path.isfile(os.path.join(c, "cuda_fp16.h")) and c not in found:
             found.append(c)
-    return found
+    return tuple(found)
 
 
 def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> bytes:
