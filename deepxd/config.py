@@ -56,6 +56,7 @@ class Config:
     cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
     cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)
     cuda_warm: int = 1  # 1: op-cuda compiles its kernel modules not yet on disk in background threads at start
+    cuda_graphs: int = 1  # 1: op-cuda replays a program that repeats as CUDA graphs (one launch, not one per op)
     native_kernels: int = 1  # 1: op-cpu compiles some kernels with the machine's C compiler, where there is one
     blas: str = "auto"  # op-cpu's matmul: auto (MKL where installed, else numpy's BLAS), mkl or numpy (blas.py)
 

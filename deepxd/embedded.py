@@ -29,7 +29,7 @@ from deepxd.owners import Session
 #: the roles of an embedded node when neither the caller nor DEEPX_ROLES names them
 DEFAULT_ROLES = ("registry", "heapmem", "scheduler", "op-cpu")
 #: settings an embedded node takes from DEEPX_<NAME> variables, as deepxd does (the GPU's)
-FROM_ENVIRONMENT = ("cuda_device", "cuda_tf32", "cuda_warm")
+FROM_ENVIRONMENT = ("cuda_device", "cuda_tf32", "cuda_warm", "cuda_graphs")
 
 
 class EmbeddedNode:

@@ -208,7 +208,7 @@ class Node:
         from deepxd.actors.opcuda import CudaWorker
 
         worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32),
-                            warm=bool(c.cuda_warm))
+                            warm=bool(c.cuda_warm), graphs=bool(c.cuda_graphs))
         self.refs["op-cuda"] = self.supervisor.start(worker)
         try:
             await self.refs["op-cuda"].ask(Sync())

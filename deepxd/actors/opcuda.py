@@ -12,6 +12,12 @@
 
 Op stats count host time per instruction (kernel launches are asynchronous): the sum over a program is its real
 time because each program ends with its results fetched or the stream synchronised before the reply.
+
+A plan that runs again as prepared is captured as CUDA graphs at its second prepared run (`GraphSlot`, config
+`cuda_graphs`) and replayed from then on: one graph launch per segment instead of a launch (and Python) per
+instruction. Its optimizer updates' new numbers are written into the graph's slots; a replay whose tensors moved, or
+whose other numbers changed, drops the graph and runs the instructions as before. Replays are counted in the op
+stats under `cudagraph`, not per op.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +41,7 @@ from deepx_core.ir.ops import OPS, Bound, ProgramError
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import ActorRef, ActorStopped
 from deepxd.actors.messages import ArrayOf, Create, HeapDelete, HeapFree
+from deepxd.actors.plan import Prepared
 from deepxd.actors.worker import HeapViews, OpStat, OpWorker, Plan, RunResult, deletions
 from deepxd.kernels.cpu import dtype_name
 
@@ -43,6 +51,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FALLBACK = " (cpu fallback)"  # op stats of an op that ran on the CPU kernel: "<op> (cpu fallback)"
+GRAPH_STAT = "cudagraph"  # op stats of the programs replayed as CUDA graphs
+#: prepared runs of a plan before it is captured (a program run twice never is)
+GRAPH_AFTER = 1
+#: times a plan's graph may be dropped (its tensors moved, numbers the graph holds changed) before it runs without one
+GRAPH_MISSES = 3
+
+
+class GraphSlot:
+    """op-cuda's CUDA graph of one prepared plan (`Prepared.graph`): the executor's `graphs.Captured` once captured;
+    the prepared runs so far; the updates whose numbers changed since the last replay (`redo`: refreshed on the
+    CUDA thread before the next); why the plan runs without a graph (`off`, "" while it may have one)."""
+
+    __slots__ = ("captured", "misses", "off", "redo", "runs")
+
+    def __init__(self) -> None:
+        self.captured: Any = None
+        self.runs = 0
+        self.misses = 0
+        self.redo: list[int] = []
+        self.off = ""
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -99,7 +127,7 @@ class CudaWorker(OpWorker):
 
     def __init__(self, name: str = "op-cuda", *, heapmem: ActorRef[HeapMemory] | None = None,
                  io_roots: Sequence[str] | None = None, device: int = 0, tf32: bool = False,
-                 output_log: bool = True, warm: bool = False) -> None:
+                 output_log: bool = True, warm: bool = False, graphs: bool = True) -> None:
         super().__init__(name)
         self._output: list[str] = []
         self.ex: Any = None  # the CudaExecutor, made on the thread by the first call
@@ -107,6 +135,8 @@ class CudaWorker(OpWorker):
         self.device = f"cuda:{device}"
         self.tf32 = tf32
         self.warm = warm  # compile the kernel modules not on disk in background threads when the executor opens
+        self.graphs = graphs  # replay plans that repeat as CUDA graphs (GraphSlot)
+        self._captured: weakref.WeakSet[Any] = weakref.WeakSet()  # the graphs alive, destroyed at close at the latest
         self.io_roots = io_roots
         self.heapmem = heapmem
         self.heap = HeapViews()  # heap tensor name -> its device array (memory heapmem allocated)
@@ -155,6 +185,8 @@ class CudaWorker(OpWorker):
     async def on_stop(self) -> None:
         def close() -> None:
             self.heap.clear()
+            for captured in list(self._captured):
+                captured.destroy()
             if self.ex is not None:
                 self.ex.tensors.clear()
                 closer = getattr(self.ex, "close", None)
@@ -217,7 +249,7 @@ class CudaWorker(OpWorker):
         prepared = plan.prepared
         assert prepared is not None
         result = self._begin_prepared(prepared)
-        await self.call(self._run_on_device, prepared.bounds, result, {}, list(plan.fetch))
+        await self.call(self._run_on_device, prepared.bounds, result, {}, list(plan.fetch), prepared)
         if prepared.deletes and self.heap:
             await self._forget_deleted(prepared, result.done)
         return self._end_prepared(plan, result)
@@ -259,7 +291,8 @@ class CudaWorker(OpWorker):
         prepared = plan.prepared
         assert prepared is not None
         result = self._begin_prepared(prepared)
-        self._thread.submit(self._job, self._run_on_device, (prepared.bounds, result, {}, list(plan.fetch))).result()
+        self._thread.submit(self._job, self._run_on_device,
+                            (prepared.bounds, result, {}, list(plan.fetch), prepared)).result()
         return self._end_prepared(plan, result)
 
     async def _create_heap(self, bounds: list[Bound], out: dict[int, Any]) -> tuple[str, int] | None:
@@ -290,8 +323,9 @@ class CudaWorker(OpWorker):
             await self.heapmem.ask(HeapDelete(name=name, force=True))
 
     def _run_on_device(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any],
-                       fetch: list[str]) -> None:
-        self._execute(bounds, result, heap_new)
+                       fetch: list[str], prepared: Prepared | None = None) -> None:
+        if prepared is None or not self.graphs or not self._run_graph(prepared, result):
+            self._execute(bounds, result, heap_new)
         if not result.error:
             result.tensors = {name: self.ex.get(name) for name in fetch}
         heap = self.heap
@@ -335,6 +369,89 @@ class CudaWorker(OpWorker):
             s.calls += 1
             s.seconds += t1 - t0
             s.bytes += b.nbytes
+
+    # -- CUDA graphs (on the thread)
+    def _prepare_again(self, prepared: Prepared, changed: list[int]) -> None:
+        """Updates bound again with new numbers (OpWorker._rebind): a captured graph takes them before its next
+        replay (GraphSlot.redo)."""
+        super()._prepare_again(prepared, changed)
+        slot = prepared.graph
+        if slot is not None and slot.captured is not None:
+            slot.redo.extend(changed)
+
+    def _run_graph(self, prepared: Prepared, result: RunResult) -> bool:
+        """Run a prepared plan as its CUDA graph: replayed, or captured now at its run after GRAPH_AFTER (the
+        capture runs the program too). False, with nothing run, where it runs instruction by instruction."""
+        slot = prepared.graph
+        if slot is None:
+            slot = prepared.graph = GraphSlot()
+        if slot.off:
+            return False
+        ex = self.ex
+        captured = slot.captured
+        start = time.perf_counter()
+        if captured is None:
+            slot.runs += 1
+            if slot.runs <= GRAPH_AFTER:
+                return False
+            why = ex.capturable(prepared.bounds)
+            if why is not None:
+                slot.off = why
+                log.debug("%s: a plan runs without a CUDA graph: %s", self.name, why)
+                return False
+            try:
+                captured = ex.capture(prepared.bounds)
+            except DeepxError as e:  # it was captured, and its first launch failed in a kernel
+                slot.off = "its capture failed"
+                return self._graph_failed(result, e, start)
+            if captured is None:
+                slot.off = "an instruction needs the host mid-program"
+                return False
+            slot.captured = captured
+            self._captured.add(captured)
+            weakref.finalize(prepared, self.submit, captured.destroy)
+        else:
+            if slot.redo:
+                redo = sorted(set(slot.redo))
+                slot.redo.clear()
+                if not all(ex.refresh(captured, i, prepared.bounds[i]) for i in redo):
+                    return self._drop_graph(slot, "numbers the graph holds changed")
+            try:
+                if not ex.replay(captured):
+                    return self._drop_graph(slot, "a tensor it reads is other memory now")
+            except DeepxError as e:
+                return self._graph_failed(result, e, start)
+        end = time.perf_counter()
+        n = len(prepared.bounds)
+        result.done = n
+        result.clock = (start, [end] * n)  # one launch: the first instruction holds its time
+        s = self.op_stats.get(GRAPH_STAT)
+        if s is None:
+            s = self.op_stats[GRAPH_STAT] = OpStat()
+        s.calls += 1
+        s.seconds += end - start
+        return True
+
+    def _drop_graph(self, slot: GraphSlot, why: str) -> bool:
+        """Forget a plan's graph (captured again at its next run, or never after GRAPH_MISSES); False: run the
+        instructions this time."""
+        slot.captured.destroy()
+        slot.captured = None
+        slot.runs = GRAPH_AFTER
+        slot.misses += 1
+        if slot.misses >= GRAPH_MISSES:
+            slot.off = why
+        log.debug("%s: a plan's CUDA graph dropped: %s", self.name, why)
+        return False
+
+    @staticmethod
+    def _graph_failed(result: RunResult, e: DeepxError, start: float) -> bool:
+        """A kernel of a graph set the error flag: the instructions before the failing one ran."""
+        index = int(getattr(e, "index", 0))
+        result.error, result.error_index, result.done = f"instruction {index + 1}: {e}", index, index
+        result.failed_at = 0.0
+        result.clock = (start, [start] * index)
+        return True
 
     def _describe(self, b: Bound, e: Exception) -> str:
         """A CUDA failure of one instruction as a sentence naming the op and its outputs."""
