@@ -55,9 +55,9 @@ def load_example(framework: str) -> dict[str, Any]:
 
 
 def trainer(ex: dict[str, Any], context: int = 32, d_model: int = 64, layers: int = 2, batch: int = 16,
-            **adamw: Any) -> Callable[[], None]:
+            compiled: bool = False, **adamw: Any) -> Callable[[], None]:
     """One training step of the example's model, as its script takes one (a random batch of windows, AdamW at lr
-    4e-3 and `adamw`), on the framework `ex` was loaded for (load_example)."""
+    4e-3 and `adamw`), on the framework `ex` was loaded for (load_example); `compiled`: the step under dx.compile."""
     import numpy as np
 
     dx, F = ex["dx"], ex["F"]
@@ -69,15 +69,19 @@ def trainer(ex: dict[str, Any], context: int = 32, d_model: int = 64, layers: in
     opt = ex["AdamW"](model.parameters(), lr=4e-3, **adamw)
     rng = np.random.default_rng(0)
 
-    def step() -> None:
-        starts = rng.integers(0, len(data) - context - 1, batch)
-        window = np.stack([data[s:s + context + 1] for s in starts])
-        x, y = dx.tensor(window[:, :-1]), dx.tensor(window[:, 1:])
+    def core(x: Any, y: Any) -> Any:
         opt.zero_grad()
         loss = F.cross_entropy(model(x).view(-1, len(tok)), y.view(-1))
         loss.backward()
         opt.step()
-        loss.item()
+        return loss
+
+    run = dx.compile(core) if compiled else core
+
+    def step() -> None:
+        starts = rng.integers(0, len(data) - context - 1, batch)
+        window = np.stack([data[s:s + context + 1] for s in starts])
+        run(dx.tensor(window[:, :-1]), dx.tensor(window[:, 1:])).item()
 
     return step
 

@@ -10,8 +10,11 @@
 4. Batched tiny-op dispatch: one program of 10,000 instructions on 1K-element tensors, sent over the daemon's Unix
    socket, run and synchronised; microseconds per instruction, against the same 10,000 torch eager ops on the GPU.
    Aim: at most 20 us per instruction.
-5. The MLP training step of bench/train.py (784-512-512-10, batch 256, SGD with momentum) through the SDK on op-cuda,
-   against torch eager on the GPU.
+5. The MLP training step of bench/train.py (784-512-512-10, batch 256, SGD with momentum) through the SDK on op-cuda:
+   eager and under dx.compile, each with op-cuda's CUDA graphs (`cuda_graphs`, on by default) and without, against
+   torch eager on the GPU and against torch's own CUDA-graph replay of the step (`torch.cuda.CUDAGraph`, the ceiling).
+6. The character transformer of examples/train_transformer.py (its size, and d_model 256, 4 layers, context 128,
+   batch 32): a warm step as its script takes one, eager and under dx.compile, graphs on and off, against torch eager.
 
 deepx runs in an embedded daemon with op-cuda (`dx.connect(roles=["heapmem", "op-cuda"])`). Prints a markdown table
 and saves it (and the numbers as JSON) under $OUT, else bench/results/.
@@ -76,6 +79,10 @@ class Deepx:
 
     def delete(self, *names: str) -> None:
         self.run([Instr("deltensor", (), (T(n),)) for n in names])
+
+    def graphs(self, on: bool) -> None:
+        """op-cuda's CUDA graphs on or off from here (the `cuda_graphs` setting; plans captured stay captured)."""
+        self.node.ref("op-cuda")._actor.graphs = on
 
     def fallbacks(self) -> dict[str, int]:
         stats = self.ask(OpStats())
@@ -292,16 +299,82 @@ def bench_mlp(dx: Deepx, torch: Any, steps: int) -> dict[str, float]:
         topt.step()
         return float(loss.item())
 
+    # torch's whole-step CUDA graph, as its documentation captures one (warm-up on a side stream, static inputs)
+    gmodel = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                 torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+    gopt = torch.optim.SGD(gmodel.parameters(), lr=0.01, momentum=0.9)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            gopt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(gmodel(tx), ty).backward()
+            gopt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gopt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = torch.nn.functional.cross_entropy(gmodel(tx), ty)
+        static_loss.backward()
+        gopt.step()
+
+    def torch_graph_step() -> float:
+        graph.replay()
+        return float(static_loss.item())
+
     out = {}
-    for name, step in (("deepx", dx_step), ("compiled", dx_compiled_step), ("torch", torch_step)):
+    for name, step, graphs in (("deepx", dx_step, True), ("compiled", dx_compiled_step, True),
+                               ("deepx_nographs", dx_step, False), ("compiled_nographs", dx_compiled_step, False),
+                               ("torch", torch_step, False), ("torch_graph", torch_graph_step, False)):
+        dx.graphs(graphs)
         try:
             for _ in range(3):
                 step()
             out[name] = best(step, steps)
-        except Exception as e:  # the compiled row is extra: its failure must not cost the others
-            if name != "compiled":
+        except Exception as e:  # the compiled rows are extra: their failure must not cost the others
+            if name == "deepx" or name == "torch":
                 raise
-            print(f"  dx.compile step: FAILED: {type(e).__name__}: {e}", flush=True)
+            print(f"  {name} step: FAILED: {type(e).__name__}: {e}", flush=True)
+    dx.graphs(True)
+    return out
+
+
+def bench_transformer(dx: Deepx, torch: Any, size: tuple[int, int, int, int], steps: int) -> dict[str, float]:
+    """Median ms per warm step of the example's transformer (bench/coldstart.py's trainer), deepx eager and compiled,
+    graphs on and off, and torch eager."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from coldstart import load_example, trainer
+
+    def timed(step: Callable[[], None]) -> float:
+        for _ in range(5):
+            step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    out = {}
+    ex = load_example("deepx")
+    for name, compiled, graphs in (("deepx", False, True), ("compiled", True, True), ("deepx_nographs", False, False),
+                                   ("compiled_nographs", True, False)):
+        dx.graphs(graphs)
+        try:
+            out[name] = timed(trainer(ex, *size, compiled=compiled))
+        except Exception as e:
+            if name == "deepx":
+                raise
+            print(f"  {name} step: FAILED: {type(e).__name__}: {e}", flush=True)
+    dx.graphs(True)
+    tex = load_example("torch")
+    torch.set_default_device("cuda")
+    try:
+        out["torch"] = timed(trainer(tex, *size))
+    finally:
+        torch.set_default_device("cpu")
     return out
 
 
@@ -337,6 +410,8 @@ def main() -> None:
         ("chain", lambda: _chain(dx, torch, q, record)),
         ("dispatch", lambda: _dispatch(dx, torch, q, record)),
         ("mlp", lambda: _mlp(dx, torch, q, record)),
+        ("transformer", lambda: _transformer(dx, torch, q, record, (32, 64, 2, 16), "example")),
+        ("transformer_mid", lambda: _transformer(dx, torch, q, record, (128, 256, 4, 32), "d256x4 ctx128")),
     ]
     for key, step in steps:
         try:
@@ -374,11 +449,31 @@ def _chain(dx: Deepx, torch: Any, q: bool, record: Callable[..., None]) -> None:
 
 def _mlp(dx: Deepx, torch: Any, q: bool, record: Callable[..., None]) -> None:
     r = {k: v * 1e3 for k, v in bench_mlp(dx, torch, 5 if q else 30).items()}
-    record("mlp_step", "MLP 784-512-512-10 SGD step", {"deepx": r["deepx"], "torch": r["torch"]}, "ms", False,
-           "report")
-    if "compiled" in r:
-        record("mlp_step_compiled", "the same step, dx.compile (replayed)", {"deepx": r["compiled"],
-                                                                           "torch": r["torch"]}, "ms", False, "report")
+    rows = (("deepx", "MLP 784-512-512-10 SGD step, eager", ">= 1.0x"),
+            ("compiled", "the same step, dx.compile", ">= 1.0x"),
+            ("deepx_nographs", "the same step, eager, cuda_graphs 0", "report"),
+            ("compiled_nographs", "the same step, dx.compile, cuda_graphs 0", "report"))
+    for key, figure, aim in rows:
+        if key in r:
+            record(f"mlp_{key}", figure, {"deepx": r[key], "torch": r["torch"]}, "ms", False, aim)
+    if "torch_graph" in r:
+        for key, figure in (("deepx", "MLP step eager vs torch's CUDA graph"),
+                            ("compiled", "MLP step dx.compile vs torch's CUDA graph")):
+            if key in r:
+                record(f"mlp_{key}_vs_torch_graph", figure, {"deepx": r[key], "torch": r["torch_graph"]}, "ms",
+                       False, ">= 0.67x (within 1.5x)")
+
+
+def _transformer(dx: Deepx, torch: Any, q: bool, record: Callable[..., None], size: tuple[int, int, int, int],
+                 label: str) -> None:
+    r = {k: v * 1e3 for k, v in bench_transformer(dx, torch, size, 10 if q else 30).items()}
+    for key, how, aim in (("deepx", "eager", ">= 1.5x"), ("compiled", "dx.compile", ">= 1.5x"),
+                          ("deepx_nographs", "eager, cuda_graphs 0", "report"),
+                          ("compiled_nographs", "dx.compile, cuda_graphs 0", "report")):
+        if key in r:
+            record(f"transformer_{label}_{key}", f"transformer {label} step, {how}", {"deepx": r[key],
+                                                                                    "torch": r["torch"]},
+                   "ms", False, aim)
 
 
 def _dispatch(dx: Deepx, torch: Any, q: bool, record: Callable[..., None]) -> None:
