@@ -177,11 +177,11 @@ class CudaExecutor:
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self._tf32 = tf32
         self._blas: Any = None
+        self._capturing: _Capture | None = None  # a CUDA graph capture in progress (capture())
+        self._refreshing: tuple[Any, int] | None = None  # (captured, slot) whose numbers refresh() writes
         self._flag = self.alloc(4, "executor", "error flag")
         self.flag_ptr = int(self._flag)
         self._flag_host = np.zeros(1, np.int32)
-        self._capturing: _Capture | None = None  # a CUDA graph capture in progress (capture())
-        self._refreshing: tuple[Any, int] | None = None  # (captured, slot) whose numbers refresh() writes
         self.closed = False
 
     # -- configuration
@@ -319,7 +319,9 @@ class CudaExecutor:
             from deepxd.kernels.cuda import graphs
 
             stream = self.stream.handle
-            after = {n: self.tensors.get(n) for n in cap.touched}  # the instruction's outputs are not bound yet
+            # what the instructions before this one left (its own outputs are not bound yet); the names later
+            # instructions make are left as a replay finds them, as a run stopped here leaves them
+            after = {n: self.tensors.get(n) for n in cap.done}
             cap.segments.append(graphs.Segment(graphs.end(stream), 0, (cap.index, op, message), after))
             graphs.begin(stream)
             return
@@ -377,6 +379,9 @@ class CudaExecutor:
             args = [tensors[n] if k == 1 else value if k == 0 else [tensors[x] for x in n]
                     for k, value, n in zip(_ARG_KINDS[name], b.args, b.names)]
             outs, fresh = self._outputs(b)
+            cap = self._capturing
+            if cap is not None and b.op.family == "optim":  # refresh() calls its kernel with these again
+                cap.calls[cap.index] = (args, outs)
             repeat = repeat_count(b.instr) if b.instr.meta else 1  # bounded (MAX_REPEAT), as op-cpu's
             for _ in range(repeat):
                 if kernel(self, *args, *outs) is False:
@@ -509,11 +514,17 @@ class CudaExecutor:
         rate, bound again): written into its slot, read by the next replay. False where that instruction's numbers
         are part of the graph (not an optimizer update): the graph no longer stands for the program."""
         offset = captured.slots.get(index)
-        if offset is None:
+        call = captured.calls.get(index)
+        if offset is None or call is None:
             return False
+        name = bound.op.name
+        tensors, outs = call  # its tensors as captured (a gradient may be gone by now), its new numbers
+        args = [value if k == 0 else t for k, value, t in zip(_ARG_KINDS[name], bound.args, tensors)]
         self._refreshing = (captured, offset)
         try:
-            self.execute(bound)
+            KERNELS[name](self, *args, *outs)
+        except DeepxError as e:
+            raise worded(bound, e) from None
         finally:
             self._refreshing = None
         return True
@@ -554,13 +565,16 @@ class CudaExecutor:
                 if k == 2:
                     ins.extend(n)
             outs = [str(n) for n in b.out_names if n is not None]
+            given = len(ins)
             if b.op.effect.reads_returns:
                 ins.extend(outs)
-            for n in ins:
+            for at, n in enumerate(ins):
                 touched[n] = None
                 if n not in written and n not in reads:
                     t = tensors.get(n)
                     if t is None:
+                        if at >= given:  # an output it would read where it exists (todtype's): made here
+                            continue
                         return None  # checked against another state
                     reads[n] = (t.ptr, t.shape, t.dtype)
             for n in outs:
@@ -584,8 +598,9 @@ class CudaExecutor:
             for at, b in enumerate(bounds):
                 cap.index = at
                 self.execute(b)
+                cap.done.update((str(n), None) for n in b.out_names if n is not None)
             begun = False
-            cap.segments.append(graphs.Segment(graphs.end(stream), 0, None, {n: tensors.get(n) for n in touched}))
+            cap.segments.append(graphs.Segment(graphs.end(stream), 0, None, {n: tensors.get(n) for n in cap.done}))
             for seg in cap.segments:
                 seg.exe = graphs.instantiate(seg.graph)
         except Exception as e:  # whatever stopped it, the table goes back and the caller runs eagerly
@@ -605,7 +620,7 @@ class CudaExecutor:
         finally:
             self._capturing = None
         captured = graphs.Captured(cap.segments, reads, cap.keep, numbers_dev=cap.numbers_dev,
-                                   numbers_host=cap.numbers_host, slots=cap.slots)
+                                   numbers_host=cap.numbers_host, slots=cap.slots, calls=cap.calls)
         try:
             self._launch(captured)
         except BaseException:
@@ -692,6 +707,8 @@ class _Capture:
         self.keep: list[Any] = []  # tensors and scratch buffers
         self.index = 0  # the instruction being captured
         self.touched: dict[str, None] = {}  # the names the program reads or writes
+        self.done: dict[str, None] = {}  # the names the instructions captured so far wrote or deleted
+        self.calls: dict[int, tuple[list[Any], list[Any]]] = {}  # optimizer update index -> its arguments, outputs
         self.segments: list[Any] = []  # graphs.Segment, cut where a kernel's error flag is read
         self.slots: dict[int, int] = {}  # instruction index -> offset of its numbers
         self.numbers_dev: Any = None

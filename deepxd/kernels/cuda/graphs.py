@@ -104,6 +104,7 @@ class Captured:
     numbers_dev: Any = None  # the optimizer updates' numbers, read by their kernels (None: no update)
     numbers_host: Any = None  # what is copied there before each launch
     slots: dict[int, int] = field(default_factory=dict)  # instruction index -> offset in numbers_host
+    calls: dict[int, Any] = field(default_factory=dict)  # instruction index -> (its arguments, outputs): refresh()
 
     @property
     def checks(self) -> list[tuple[int, str, str]]:
@@ -125,6 +126,7 @@ class Captured:
                 _driver().cuGraphDestroy(ctypes.c_void_p(seg.graph))
                 seg.graph = 0
         self.keep.clear()
+        self.calls.clear()
         self.numbers_dev = None
 
 
