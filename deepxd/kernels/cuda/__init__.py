@@ -498,6 +498,9 @@ class CudaExecutor:
         refreshing = self._refreshing
         if refreshing is not None:
             captured, offset = refreshing
+            if captured.copied is not None:  # the last replay's copy of these numbers has left the host buffer
+                captured.copied.synchronize()
+                captured.copied = None
             captured.numbers_host[offset:offset + len(values)] = values
             return 0
         cap = self._capturing
@@ -586,7 +589,7 @@ class CudaExecutor:
         updates = sum(max(1, repeat_count(b.instr) if b.instr.meta else 1) for b in bounds if b.op.family == "optim")
         if updates:  # the optimizer updates read their numbers from here (numbers())
             cap.numbers_dev = self.alloc(8 * cap.slot_width * updates, "capture", "optimizer numbers")
-            cap.numbers_host = np.zeros(cap.slot_width * updates, np.float64)
+            cap.numbers_host = self.cuda.pagelocked_zeros(cap.slot_width * updates, np.float64)
         cap.keep.extend(t for t in before.values() if t is not None)
         self._capturing = cap
         stream = self.stream.handle
@@ -647,8 +650,10 @@ class CudaExecutor:
         from deepxd.kernels.cuda import graphs
 
         tensors = self.tensors
-        if captured.numbers_dev is not None:  # the updates' numbers of this step (a pageable copy: done at once)
+        if captured.numbers_dev is not None:  # the updates' numbers of this step, from page-locked memory
             self.cuda.memcpy_htod_async(int(captured.numbers_dev), captured.numbers_host, self.stream)
+            captured.copied = self.cuda.Event()
+            captured.copied.record(self.stream)
         for seg in captured.segments:
             graphs.launch(seg.exe, self.stream.handle)
             failed = False

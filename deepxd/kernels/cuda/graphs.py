@@ -102,7 +102,8 @@ class Captured:
     keep: list[Any]
     replays: int = 0
     numbers_dev: Any = None  # the optimizer updates' numbers, read by their kernels (None: no update)
-    numbers_host: Any = None  # what is copied there before each launch
+    numbers_host: Any = None  # what is copied there before each launch (page-locked)
+    copied: Any = None  # the event of that copy, waited for before refresh() writes the buffer again
     slots: dict[int, int] = field(default_factory=dict)  # instruction index -> offset in numbers_host
     calls: dict[int, Any] = field(default_factory=dict)  # instruction index -> (its arguments, outputs): refresh()
 
@@ -128,6 +129,7 @@ class Captured:
         self.keep.clear()
         self.calls.clear()
         self.numbers_dev = None
+        self.copied = None
 
 
 def destroy_graph(graph: int) -> None:
