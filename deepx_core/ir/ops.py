@@ -523,6 +523,22 @@ def _mse(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(a.shape if shape else (), dt)]
 
 
+def _normgrad(c: Call) -> list[TensorMeta | None]:
+    """layernormgrad's and rmsnormgrad's: weight over A's trailing dims, G of A's shape; dA and the normalised A."""
+    a, w, g = c.args[0], c.args[1], c.args[2]
+    k = len(w.shape)
+    if k == 0 or a.shape[len(a.shape) - k:] != w.shape:
+        raise DeepxError(
+            f"{c.op.name}: weight '{c.names[1]}' of shape {w.shape} must match the last dims of "
+            f"'{c.names[0]}' {a.shape}"
+        )
+    if g.shape != a.shape:
+        raise DeepxError(f"{c.op.name}: the gradient '{c.names[2]}' {list(g.shape)} must have the shape of "
+                         f"'{c.names[0]}' {list(a.shape)}")
+    _dtype_match(c, 0, 1, 2)
+    return [TensorMeta(a.shape, a.dtype), TensorMeta(a.shape, a.dtype)]
+
+
 def _norm(c: Call) -> list[TensorMeta | None]:
     a, w = c.args[0], c.args[1]
     k = len(w.shape)
@@ -985,6 +1001,14 @@ op("layernorm", "nn", [_A, t("weight"), t("bias"), v("eps", default=1e-5)], [_C]
    "normalize over the trailing dims of weight's shape, then * weight + bias", grad=True, deepxir=False)
 op("rmsnorm", "nn", [_A, t("weight"), v("eps", default=1e-6)], [_C], _F, _norm,
    "A / sqrt(mean(A^2) + eps) * weight over the trailing dims of weight's shape", grad=True, deepxir=False)
+op("layernormgrad", "nn", [_A, t("weight"), t("G"), v("eps", default=1e-5)], [t("dA"), t("xhat")], _F, _normgrad,
+   "layernorm's gradient for A from the gradient G of its result, one pass per row: with xhat = (A - mean) rstd "
+   "over weight's trailing dims and d = G weight, dA = rstd (d - mean(d) - xhat mean(d xhat)); xhat too (weight's "
+   "gradient is sum(G xhat)); what autograd emits", deepxir=False)
+op("rmsnormgrad", "nn", [_A, t("weight"), t("G"), v("eps", default=1e-6)], [t("dA"), t("xr")], _F, _normgrad,
+   "rmsnorm's gradient for A from the gradient G of its result, one pass per row: with r = 1 / sqrt(mean(A^2) + "
+   "eps) over weight's trailing dims, xr = A r and d = G weight, dA = r (d - xr mean(d xr)); xr too (weight's "
+   "gradient is sum(G xr)); what autograd emits", deepxir=False)
 _CONV = [vec("stride"), vec("padding"), vec("dilation"), v("groups", "int", 1)]
 op("conv2d", "conv", [_A, t("weight"), *_CONV], [_C], _F, _conv2d,
    "C[n, o] = sum over c (of o's group), i, j of weight[o, c, i, j] A_padded[n, c, y*stride + i*dilation, ...]: "

@@ -116,6 +116,10 @@ class Grad:
         fresh output's name."""
         return self._builder.emit(op, args, dtype=dtype)
 
+    def emit_all(self, op: str, *args: Any) -> list[str]:
+        """As emit, for an op of several results: their fresh names, in order."""
+        return self._builder.emit_all(op, args)
+
     def unbroadcast(self, g: str, meta: TensorMeta) -> str:
         return self._builder.unbroadcast(g, meta)
 
@@ -455,6 +459,15 @@ class _Builder:
         self.append(Instr(op, params, (Param.tensor(name, dtype),)))
         self.created.add(name)
         return name
+
+    def emit_all(self, op: str, args: Sequence[Any]) -> list[str]:
+        params = tuple(self._param(a) for a in args)
+        names = [self.fresh() for _ in OPS[op].returns]
+        probe = bind(Instr(op, params, tuple(Param.tensor(n) for n in names)), self.sym)
+        self.append(Instr(op, params, tuple(Param.tensor(n, m.dtype)  # type: ignore[union-attr]
+                                            for n, m in zip(names, probe.outs))))
+        self.created.update(names)
+        return names
 
     def filled(self, meta: TensorMeta, value: float) -> str:
         name = self.fresh()
@@ -1135,26 +1148,18 @@ def _norm_dims(gr: Grad) -> tuple[tuple[int, ...], int]:
 @rule("layernorm")
 def _layernorm(gr: Grad, g: str) -> dict[int, str]:
     """with xh = (A - mean) / sqrt(var + eps) over weight's dims and d = g weight: dA = (d - mean(d) - xh mean(d xh))
-    / sqrt(var + eps); dweight = sum(g xh); dbias = sum(g) (over the leading dims)"""
+    / sqrt(var + eps), one layernormgrad; dweight = sum(g xh); dbias = sum(g) (over the leading dims)"""
     dt = gr.meta(0).dtype
     out = {}
     if gr.needs(2):
         out[2] = gr.unbroadcast(g, gr.meta(2))
     if not (gr.needs(0) or gr.needs(1)):
         return out
-    dims, n = _norm_dims(gr)
-    x, gw = _up(gr, gr.x(0)), _up(gr, g)
-    xc = gr.emit("sub", x, _mean(gr, x, dims, n))
-    var = _mean(gr, gr.emit("mul", xc, xc), dims, n)
-    rstd = gr.emit("powscalar", gr.emit("addscalar", var, float(gr.arg(3))), -0.5)
-    xh = gr.emit("mul", xc, rstd)
+    da, xh = gr.emit_all("layernormgrad", gr.x(0), gr.x(1), g, float(gr.arg(3)))
     if gr.needs(1):
-        out[1] = _down(gr, gr.unbroadcast(gr.emit("mul", gw, xh), gr.meta(1)), dt)
+        out[1] = _down(gr, gr.unbroadcast(gr.emit("mul", _up(gr, g), _up(gr, xh)), gr.meta(1)), dt)
     if gr.needs(0):
-        d = gr.emit("mul", gw, _up(gr, gr.x(1)))
-        centred = gr.emit("sub", d, _mean(gr, d, dims, n))
-        along = gr.emit("mul", xh, _mean(gr, gr.emit("mul", d, xh), dims, n))
-        out[0] = _down(gr, gr.emit("mul", gr.emit("sub", centred, along), rstd), dt)
+        out[0] = da
     return out
 
 
@@ -1185,20 +1190,15 @@ def _sumpool2d(gr: Grad, g: str) -> dict[int, str]:
 
 @rule("rmsnorm")
 def _rmsnorm(gr: Grad, g: str) -> dict[int, str]:
-    """with r = 1 / sqrt(mean(A^2) + eps) over weight's dims and d = g weight: dA = r (d - A r mean(d A r));
-    dweight = sum(g A r) (over the leading dims)"""
+    """with r = 1 / sqrt(mean(A^2) + eps) over weight's dims and d = g weight: dA = r (d - A r mean(d A r)), one
+    rmsnormgrad; dweight = sum(g A r) (over the leading dims)"""
     dt = gr.meta(0).dtype
-    dims, n = _norm_dims(gr)
-    x, gw = _up(gr, gr.x(0)), _up(gr, g)
-    r = gr.emit("powscalar", gr.emit("addscalar", _mean(gr, gr.emit("mul", x, x), dims, n), float(gr.arg(2))), -0.5)
-    xr = gr.emit("mul", x, r)
+    da, xr = gr.emit_all("rmsnormgrad", gr.x(0), gr.x(1), g, float(gr.arg(2)))
     out = {}
     if gr.needs(1):
-        out[1] = _down(gr, gr.unbroadcast(gr.emit("mul", gw, xr), gr.meta(1)), dt)
+        out[1] = _down(gr, gr.unbroadcast(gr.emit("mul", _up(gr, g), _up(gr, xr)), gr.meta(1)), dt)
     if gr.needs(0):
-        d = gr.emit("mul", gw, _up(gr, gr.x(1)))
-        m = _mean(gr, gr.emit("mul", d, xr), dims, n)
-        out[0] = _down(gr, gr.emit("mul", gr.emit("sub", d, gr.emit("mul", xr, m)), r), dt)
+        out[0] = da
     return out
 
 

@@ -517,6 +517,18 @@ def _layernorm(rng, dt):
                 [T("A"), T("w"), T("b")])]
 
 
+@case("layernormgrad", "rmsnormgrad")
+def _normgrad(rng, dt):
+    """Both outputs (dA and the normalised A), rows a warp holds and rows a block walks, against the CPU kernels."""
+    out = []
+    for op in ("layernormgrad", "rmsnormgrad"):
+        for shape, ws in (((3, 4, 8), (8,)), ((3, 4, 8), (4, 8)), ((5, 1000), (1000,)), ((2, 5000), (5000,))):
+            prog = [instr(op, [T("A"), T("w"), T("g"), V(1e-5)], [T("dA"), T("xn")])]
+            out.append(Case({"A": r(rng, dt, shape), "w": r(rng, dt, ws, 0.5, 1.5), "g": r(rng, dt, shape, -1, 1)},
+                            prog, ["dA", "xn"], scale="max"))
+    return out
+
+
 @case("conv2d", "conv2dgradinput", "conv2dgradweight")
 def _conv(rng, dt):
     """Each of the three on a few geometries (stride, padding, dilation, groups), against the CPU kernels."""

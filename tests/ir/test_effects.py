@@ -295,6 +295,9 @@ def _norm(rng: np.random.Generator, name: str) -> Built:
     if name == "layernorm":
         tensors["bias"] = rand(rng, (n,), dt)
         args.append(T("bias"))
+    if name.endswith("grad"):  # layernormgrad, rmsnormgrad: the gradient of the result in, dA and xhat out
+        tensors["g"] = rand(rng, (m, n), dt)
+        return tensors, [*args, T("g"), V(1e-5)], [T("da"), T("xn")]
     return tensors, [*args, V(1e-5)], None
 
 
@@ -381,7 +384,7 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "transpose": _transpose, "concat": _concat, "broadcastTo": _broadcast_to, "indexselect": _indexselect,
     "repeat": _repeat, "argmax": _argreduce, "argmin": _argreduce, "softmax": _softmax, "logsoftmax": _softmax,
     "gelu": _gelu, "gelugrad": _gelugrad, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
-    "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
+    "layernorm": _norm, "rmsnorm": _norm, "layernormgrad": _norm, "rmsnormgrad": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
     "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,

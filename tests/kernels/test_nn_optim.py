@@ -249,6 +249,33 @@ def test_rmsnorm(dtype, eps, rng):
         assert_close(got, tn(want), dtype, what=f"rmsnorm {xs} over {ws} eps={eps}")
 
 
+@pytest.mark.parametrize("op", ["layernormgrad", "rmsnormgrad"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_norm_gradients(op, dtype, rng):
+    """layernormgrad / rmsnormgrad against torch's autograd of layer_norm / rms_norm (float64): dA, and the
+    normalised A whose product with G sums to weight's gradient."""
+    eps = 1e-5
+    for xs, ws in NORM_CASES:
+        x, w, g = rand(rng, dtype, xs, -3, 5), rand(rng, dtype, ws, 0.5, 1.5), rand(rng, dtype, xs, -1, 1)
+        ex = executor(x=x, w=w, g=g)
+        run(ex, op, [T("x", dtype), T("w", dtype), T("g", dtype), V(eps)], [T("da", dtype), T("xn", dtype)])
+        tx, tw = tt(x).double().requires_grad_(), tt(w).double().requires_grad_()
+        y = (F.layer_norm(tx, ws, tw, None, eps) if op == "layernormgrad" else F.rms_norm(tx, ws, tw, eps))
+        y.backward(tt(g).double())
+        what = f"{op} {xs} over {ws}"
+        assert_close(ex.get("da"), tn(tx.grad), dtype, scale=np.abs(tn(tx.grad)).max(initial=1.0), what=what)
+        lead = tuple(range(len(xs) - len(ws)))
+        dw = (tt(g).double() * tt(ex.get("xn")).double()).sum(lead) if lead else tt(g).double() * tt(ex.get("xn"))
+        assert_close(tn(dw).astype(to_numpy(dtype)), tn(tw.grad), dtype, scale=np.abs(tn(tw.grad)).max(initial=1.0),
+                     what=what + " weight")
+
+
+def test_norm_gradients_refuse_a_gradient_of_another_shape():
+    with pytest.raises(DeepxError, match="layernormgrad: the gradient 'g'"):
+        ex = executor(x=np.zeros((2, 3)), w=np.ones(3), g=np.zeros((3, 3)))
+        run(ex, "layernormgrad", [T("x"), T("w"), T("g")], [T("da"), T("xn")])
+
+
 def test_norm_weight_must_match_trailing_dims():
     with pytest.raises(DeepxError, match="last dims"):
         run_op("rmsnorm", {"x": np.zeros((2, 3)), "w": np.ones(2)}, [T("x"), T("w")])

@@ -403,3 +403,28 @@ def rmsnorm(a, weight, eps, out):
     axes = _axes(a, weight)
     ms = np.mean(x * x, axis=axes, keepdims=True)
     out[...] = x * (1.0 / np.sqrt(ms + eps)) * _work(weight)
+
+
+def layernormgrad(a, weight, g, eps, da, xhat):
+    x = _work(a)
+    axes = _axes(a, weight)
+    xc = x - np.mean(x, axis=axes, keepdims=True)
+    rstd = 1.0 / np.sqrt(np.mean(xc * xc, axis=axes, keepdims=True) + eps)
+    xh = xc * rstd
+    d = _work(g) * _work(weight)
+    dx = d - np.mean(d, axis=axes, keepdims=True) - xh * np.mean(d * xh, axis=axes, keepdims=True)
+    dx *= rstd
+    da[...] = dx
+    xhat[...] = xh
+
+
+def rmsnormgrad(a, weight, g, eps, da, xr):
+    x = _work(a)
+    axes = _axes(a, weight)
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + eps)
+    xn = x * r
+    d = _work(g) * _work(weight)
+    dx = d - xn * np.mean(d * xn, axis=axes, keepdims=True)
+    dx *= r
+    da[...] = dx
+    xr[...] = xn

@@ -319,6 +319,49 @@ template <bool WARP> __device__ __forceinline__ void row_max_sum(const T* x, ll 
     }
 }
 
+// layernorm's (rms = 0) and rmsnorm's (rms = 1) gradient for A, a warp or a block per row, in three passes over it:
+// the row's statistics, the sums of d = G w and d xhat, then dA = rstd (d - mean(d) - xhat mean(d xhat)) (rmsnorm:
+// no mean(d), xhat = A r) and xhat itself, for weight's gradient
+template <bool WARP> __device__ __forceinline__ void normgrad_rows(T* da, T* xn, const T* a, const T* w, const T* g,
+                                                                   ll rows, ll n, double eps, int rms) {
+    FOR_ROWS(WARP, row, rows, t, G) {
+        const T* x = a + row * n;
+        const T* gr = g + row * n;
+        A mean = 0;
+        if (!rms) {
+            A s = 0;
+            for (ll i = t; i < n; i += G) s += ld(x[i]);
+            mean = group_sum<WARP>(s) / (A)n;
+        }
+        A v = 0;
+        for (ll i = t; i < n; i += G) { A d = ld(x[i]) - mean; v += d * d; }
+        A rstd = (A)1 / sqrt(group_sum<WARP>(v) / (A)n + (A)eps);
+        A s1 = 0, s2 = 0;
+        for (ll i = t; i < n; i += G) {
+            A d = ld(gr[i]) * ld(w[i]);
+            s1 += d;
+            s2 += d * ((ld(x[i]) - mean) * rstd);
+        }
+        s1 = rms ? (A)0 : group_sum<WARP>(s1) / (A)n;
+        s2 = group_sum<WARP>(s2) / (A)n;
+        T* o = da + row * n;
+        T* h = xn + row * n;
+        for (ll i = t; i < n; i += G) {
+            A xh = (ld(x[i]) - mean) * rstd;
+            o[i] = st<T>(rstd * (ld(gr[i]) * ld(w[i]) - s1 - xh * s2));
+            h[i] = st<T>(xh);
+        }
+    }
+}
+extern "C" __global__ void normgrad_w(T* da, T* xn, const T* a, const T* w, const T* g, ll rows, ll n, double eps,
+                                      int rms) {
+    normgrad_rows<true>(da, xn, a, w, g, rows, n, eps, rms);
+}
+extern "C" __global__ void __launch_bounds__(1024) normgrad_b(T* da, T* xn, const T* a, const T* w, const T* g,
+                                                               ll rows, ll n, double eps, int rms) {
+    normgrad_rows<false>(da, xn, a, w, g, rows, n, eps, rms);
+}
+
 // crossentropy, per row: -log_softmax(logits)[label] (0 where ignored) into loss[row]; keep[row] = 1 if counted.
 // One pass of the online softmax per row, by a warp (short rows) or a block.
 template <bool WARP, class TL> __device__ void ce_rows(A* loss, A* keep, const T* logits, const TL* labels, ll n,
@@ -418,7 +461,8 @@ extern "C" __global__ void partial_total(T* out, const A* partial, int parts, ll
 }
 """
 
-_NN = ("softmax", "logsoftmax", "layernorm", "rmsnorm", "crossentropy", "crossentropygrad", "mse")
+_NN = ("softmax", "logsoftmax", "layernorm", "rmsnorm", "layernormgrad", "rmsnormgrad", "crossentropy",
+       "crossentropygrad", "mse")
 SUPPORT = {op: frozenset(FLOATS) for op in _NN}
 
 
@@ -561,6 +605,34 @@ def rmsnorm(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, eps: Any, out: D
             ex.launch("rmsnorm", f, (min(rows, 1 << 20), 1, 1), (1024, 1, 1), out.ptr, a.ptr, w.ptr, rows, n,
                       float(eps))
     return True
+
+
+def _normgrad(op: str, ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, g: DeviceTensor, eps: Any,
+              da: DeviceTensor, xn: DeviceTensor) -> bool:
+    n = w.size
+    if n == 0:
+        return False
+    rows = a.size // n
+    if rows:
+        args = (da.ptr, xn.ptr, a.ptr, w.ptr, g.ptr, rows, n, float(eps), int(op == "rmsnormgrad"))
+        if n <= 1024:  # a warp per row, _WARPS rows per block
+            f = _fn(ex, a.dname, "normgrad_w", "PPPPPqqdi", op)
+            ex.launch(op, f, (min(-(-rows // _WARPS), 1 << 20), 1, 1), (32 * _WARPS, 1, 1), *args)
+        else:
+            f = _fn(ex, a.dname, "normgrad_b", "PPPPPqqdi", op)
+            threads = min(1024, -(-n // 128) * 32)
+            ex.launch(op, f, (min(rows, 1 << 20), 1, 1), (threads, 1, 1), *args)
+    return True
+
+
+def layernormgrad(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, g: DeviceTensor, eps: Any, da: DeviceTensor,
+                  xn: DeviceTensor) -> bool:
+    return _normgrad("layernormgrad", ex, a, w, g, eps, da, xn)
+
+
+def rmsnormgrad(ex: CudaExecutor, a: DeviceTensor, w: DeviceTensor, g: DeviceTensor, eps: Any, da: DeviceTensor,
+                xn: DeviceTensor) -> bool:
+    return _normgrad("rmsnormgrad", ex, a, w, g, eps, da, xn)
 
 
 def _ce_rows_launch(ex: CudaExecutor, dt: str, kernel: str, ldt: str, fmt: str, op: str, n: int, c: int
