@@ -70,19 +70,22 @@ def test_attention_and_its_gradient_op_match_torch(rng, dtype, shapes, causal):
 def test_blocks_of_rows_and_batch_items_give_the_same_values(rng, causal, monkeypatch):
     """A block smaller than the sequence (a few rows, then one batch item's rows in several blocks): what a long
     sequence does to keep its scores O(T x block)."""
+    monkeypatch.setattr(attention_kernels, "CAUSAL_ROWS", 16)
     for block in (64, 7 * 40, 3 * 2 * 40 * 40):
         monkeypatch.setattr(attention_kernels, "BLOCK", block)
         _check(rng, "float64", (3, 2, 37, 5), (3, 2, 40, 5), 4, causal)
         _check(rng, "float32", (2, 4, 23, 8), (2, 2, 19, 8), 6, causal, scale=0.9)
 
 
-def test_blocks_bound_the_scores_held_at_once():
-    for b, g, tq, tk in [(64, 1, 4096, 4096), (1, 8, 100000, 100000), (4096, 4, 1, 512)]:
-        blocks = list(attention_kernels._blocks(b, g, tq, tk))
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_bound_the_scores_held_at_once(causal):
+    for b, g, tq, tk in [(64, 1, 4096, 4096), (1, 8, 100000, 100000), (4096, 4, 1, 512), (32, 1, 128, 128)]:
+        blocks = list(attention_kernels._blocks(b, g, tq, tk, causal))
         rows = max(i1 - i0 for _, i0, i1 in blocks)
         items = max(s.stop - s.start for s, _, _ in blocks)
         assert items * rows * g * tk <= max(attention_kernels.BLOCK, g * tk)
         assert sum((s.stop - s.start) * (i1 - i0) for s, i0, i1 in blocks) == b * tq  # every row once
+        assert rows <= attention_kernels.CAUSAL_ROWS or not causal
 
 
 def test_no_keys_attend_to_nothing(rng):
