@@ -142,3 +142,32 @@ def test_a_transformer_trains_on_the_op_as_on_the_composite():
     assert fused_losses[-1] < fused_losses[0]
     for name, w in weights.items():
         np.testing.assert_allclose(fused_weights[name], w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_compiled_step_with_the_op_replays_as_the_eager_step():
+    """dx.compile captures the op, its gradient op and the logsumexp between them, and replays them."""
+
+    def run(compiled: bool) -> list[float]:
+        dx.manual_seed(0)
+        emb, qkv, head = dx.nn.Embedding(11, 16), dx.nn.Linear(16, 48, bias=False), dx.nn.Linear(16, 11)
+        params = [*emb.parameters(), *qkv.parameters(), *head.parameters()]
+        opt = dx.optim.Adam(params, lr=1e-2)
+
+        def step(x, y):  # type: ignore[no-untyped-def]
+            opt.zero_grad()
+            b, t = x.shape
+            q, k, v = qkv(emb(x)).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 16)
+            loss = F.cross_entropy(head(out).reshape(-1, 11), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            return loss
+
+        fn = dx.compile(step) if compiled else step
+        data = np.random.default_rng(0).integers(0, 11, (4, 9))
+        x, y = dx.tensor(data[:, :-1]), dx.tensor(data[:, 1:])
+        return [fn(x, y).item() for _ in range(5)]
+
+    eager, compiled = run(False), run(True)
+    np.testing.assert_array_equal(compiled, eager)
+    assert eager[-1] < eager[0]
