@@ -67,7 +67,7 @@ def test_a_mask_dropout_or_mismatched_operands_take_the_composite(rng):
                                F.scaled_dot_product_attention(q, k, v, is_causal=True).numpy(), rtol=1e-6, atol=1e-7)
 
 
-def test_without_grad_the_logsumexp_is_let_go(rng):
+def test_the_graph_holds_the_logsumexp_and_no_grad_makes_no_graph(rng):
     (q, k, v), _ = _pairs(rng, "float32", (2, 5, 4), (2, 5, 4), (2, 5, 4))
     with dx.no_grad():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

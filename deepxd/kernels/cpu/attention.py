@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, n
             _compute(v).reshape(b, tk, v.shape[-1]))
 
 
-def _blocks(b: int, g: int, tq: int, tk: int, causal: bool):  # type: ignore[no-untyped-def]
+def _blocks(b: int, g: int, tq: int, tk: int, causal: bool) -> Iterator[tuple[slice, int, int]]:
     """(batch slice, first row, end row) of each block: as many rows of one batch item as keep its scores under
     BLOCK (at most CAUSAL_ROWS where causal, so that a block reads only the keys up to its last row), then as many
     batch items as still do."""
