@@ -73,12 +73,13 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
                 self.k_cache[:, :, pos:pos + n] = k
                 self.v_cache[:, :, pos:pos + n] = v
                 k, v = self.k_cache[:, :, :pos + n], self.v_cache[:, :, :pos + n]
-            k = k.repeat_interleave(cfg.heads // cfg.kv_heads, dim=1)
-            v = v.repeat_interleave(cfg.heads // cfg.kv_heads, dim=1)
-            mask = None
-            if n > 1:  # query i (at pos + i) sees keys 0 .. pos + i
+            # query i (at pos + i) sees keys 0 .. pos + i: is_causal where the keys start with the queries (a prompt,
+            # or no cache), a mask where the cache holds keys before them; a single query sees every key
+            causal, mask = n > 1 and k.shape[2] == n, None
+            if n > 1 and not causal:
                 mask = torch.arange(k.shape[2]) <= (torch.arange(n) + pos).unsqueeze(-1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            # grouped-query heads: each key/value head serves heads // kv_heads query heads
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
             return self.wo(out.transpose(1, 2).reshape(b, n, cfg.heads * self.head_dim))
 
     class FeedForward(nn.Module):

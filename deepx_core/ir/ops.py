@@ -646,6 +646,56 @@ def _pool2dgrad(shape_arg: int) -> Callable[[Call], list[TensorMeta | None]]:
     return rule
 
 
+def attention_heads(what: str, q: Shape, k: Shape, v: Shape, names: Sequence[Any] = ("q", "k", "v")) -> int:
+    """How many query heads read each key/value head: 1, or Hq / Hk where k and v have fewer heads (dim -3) than q
+    (grouped-query attention, torch's enable_gqa). DeepxError naming the shapes that do not fit
+    (q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv))."""
+    nq, nk, nv = (f"'{n}'" for n in names)
+    if len(q) < 2 or len(k) != len(q) or len(v) != len(q):
+        raise DeepxError(f"{what}: q {nq} {list(q)}, k {nk} {list(k)} and v {nv} {list(v)} must be (..., T, E) "
+                         "tensors of one rank (at least 2)")
+    if q[-1] != k[-1]:
+        raise DeepxError(f"{what}: q {nq} {list(q)} and k {nk} {list(k)} differ in their last dim ({q[-1]} != "
+                         f"{k[-1]}); they share the head size")
+    if k[:-1] != v[:-1]:
+        raise DeepxError(f"{what}: k {nk} {list(k)} and v {nv} {list(v)} differ outside their last dim; they "
+                         "share every dim but the value size")
+    if q[:-2] == k[:-2]:
+        return 1
+    if len(q) >= 3 and q[:-3] == k[:-3] and k[-3] > 0 and q[-3] % k[-3] == 0:
+        return q[-3] // k[-3]
+    raise DeepxError(f"{what}: q {nq} {list(q)} and k {nk} {list(k)} differ in their leading dims; they must "
+                     "match, but for k and v having fewer heads (dim -3) than q, a divisor of q's (grouped-query "
+                     "attention)")
+
+
+def lse_dtype(dtype: str) -> str:
+    """The dtype of attention's row logsumexp for inputs of `dtype`: the compute dtype (float64 for float64)."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def _attention(c: Call) -> list[TensorMeta | None]:
+    q, k, v = c.args[0], c.args[1], c.args[2]
+    dt = _dtype_match(c, 0, 1, 2)
+    attention_heads(c.op.name, q.shape, k.shape, v.shape, c.names[:3])
+    return [TensorMeta((*q.shape[:-1], v.shape[-1]), dt), TensorMeta(q.shape[:-1], lse_dtype(dt))]
+
+
+def _attentiongrad(c: Call) -> list[TensorMeta | None]:
+    q, k, v, lse = c.args[0], c.args[1], c.args[2], c.args[4]
+    dt = _dtype_match(c, 0, 1, 2, 3, 5)
+    attention_heads(c.op.name, q.shape, k.shape, v.shape, c.names[:3])
+    want = (*q.shape[:-1], v.shape[-1])
+    for i in (3, 5):
+        if c.args[i].shape != want:
+            raise DeepxError(f"{c.op.name}: '{c.names[i]}' has shape {list(c.args[i].shape)}; attention's result "
+                             f"has {list(want)}")
+    if lse.shape != q.shape[:-1] or lse.dtype != lse_dtype(dt):
+        raise DeepxError(f"{c.op.name}: the logsumexp '{c.names[4]}' is {lse.dtype}{list(lse.shape)}; attention "
+                         f"gives {lse_dtype(dt)}{list(q.shape[:-1])}")
+    return [TensorMeta(q.shape, dt), TensorMeta(k.shape, dt), TensorMeta(v.shape, dt)]
+
+
 def _slices(c: Call) -> tuple[Shape, tuple[slice, ...]]:
     a, starts, ends, steps = c.args[0], c.args[1], c.args[2], c.args[3]
     n = len(a.shape)
@@ -1009,6 +1059,20 @@ op("rmsnormgrad", "nn", [_A, t("weight"), t("G"), v("eps", default=1e-6)], [t("d
    "rmsnorm's gradient for A from the gradient G of its result, one pass per row: with r = 1 / sqrt(mean(A^2) + "
    "eps) over weight's trailing dims, xr = A r and d = G weight, dA = r (d - xr mean(d xr)); xr too (weight's "
    "gradient is sum(G xr)); what autograd emits", deepxir=False)
+_LSE = frozenset({"float32", "float64"})
+op("attention", "attention", [t("q"), t("k"), t("v"), v("scale"), v("causal", "bool", False)], [_C, t("lse", _LSE)],
+   _F, _attention,
+   "scaled dot-product attention in one op: C = softmax(q k^T * scale) v over the last two dims, and each row's "
+   "logsumexp lse = log(sum(exp(q k^T * scale))) (float32, float64 for float64); q (..., Tq, D), k (..., Tk, D), v "
+   "(..., Tk, Dv); causal: query i sees keys j <= i (torch's is_causal, aligned top-left); k and v may have fewer "
+   "heads (dim -3) than q, a divisor (query head h reads head h // (Hq / Hk): torch's enable_gqa)",
+   grad=True, deepxir=False)
+op("attentiongrad", "attention", [t("q"), t("k"), t("v"), t("C"), t("lse", _LSE), t("g"), v("scale"),
+                                  v("causal", "bool", False)], [t("dq"), t("dk"), t("dv")], _F, _attentiongrad,
+   "attention's gradients for upstream gradient g of its result C, from the probabilities recomputed with lse "
+   "(FlashAttention-2's scheme): with P = exp(q k^T * scale - lse) and D = rowsum(g C), dv = P^T g, "
+   "dS = P (g v^T - D), dq = dS k * scale, dk = dS^T q * scale (summed over a key head's query heads); what "
+   "autograd emits", deepxir=False)
 _CONV = [vec("stride"), vec("padding"), vec("dilation"), v("groups", "int", 1)]
 op("conv2d", "conv", [_A, t("weight"), *_CONV], [_C], _F, _conv2d,
    "C[n, o] = sum over c (of o's group), i, j of weight[o, c, i, j] A_padded[n, c, y*stride + i*dilation, ...]: "

@@ -176,17 +176,26 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False) -> Tensor:
     """softmax(query @ key^T * scale + mask) @ value over the last two dims, as torch's: a bool attn_mask keeps the
-    True positions, a float one is added; is_causal masks the upper triangle (aligned top-left)."""
-    if enable_gqa and query.ndim >= 3 and key.ndim >= 3 and key.shape[-3] != query.shape[-3]:
+    True positions, a float one is added; is_causal masks the upper triangle (aligned top-left).
+
+    Without attn_mask and dropout, one `attention` op (a fused kernel: no (L, S) scores in memory) when query, key and
+    value share a float dtype and their leading dims (or, with enable_gqa, key and value have fewer heads); else the
+    composite of matmuls, masks and softmax."""
+    grouped = enable_gqa and query.ndim >= 3 and key.ndim >= 3 and key.shape[-3] != query.shape[-3]
+    if grouped:
         hq, hk = query.shape[-3], key.shape[-3]
         if hq % hk or value.shape[-3] != hk:
             raise DeepxError(f"scaled_dot_product_attention: enable_gqa needs the query's {hq} heads to be a multiple "
                              f"of the key's and value's ({hk} and {value.shape[-3]})")
+    if _amp.dtype is not None:
+        query, key, value = lower(query, key, value)
+    if attn_mask is None and dropout_p == 0.0 and _fits_attention(query, key, value, grouped):
+        return _attention(query, key, value, scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
+                          is_causal)
+    if grouped:
         from deepx_sdk.composite import repeat_interleave
 
         key, value = repeat_interleave(key, hq // hk, -3), repeat_interleave(value, hq // hk, -3)
-    if _amp.dtype is not None:
-        query, key, value = lower(query, key, value)
     if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
         raise DeepxError(f"scaled_dot_product_attention: query, key and value need (..., L, E) shapes, got "
                          f"{query.shape}, {key.shape}, {value.shape}")
@@ -220,6 +229,33 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if dropout_p > 0.0:
         attn = dropout(attn, dropout_p)
     return matmul(attn, value)
+
+
+def _fits_attention(q: Tensor, k: Tensor, v: Tensor, grouped: bool) -> bool:
+    """Whether the attention op takes these operands as they are: one float dtype, ranks of at least 2, and the same
+    leading dims (or grouped heads) and sizes where they meet; the composite handles (or refuses) the rest."""
+    if q.dtype not in FLOATS or k.dtype != q.dtype or v.dtype != q.dtype or not 2 <= q.ndim == k.ndim == v.ndim:
+        return False
+    if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1]:
+        return False
+    return q.shape[:-2] == k.shape[:-2] or (grouped and q.shape[:-3] == k.shape[:-3])
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
+    """One attention op: the result, and each row's logsumexp, which the gradient reads (held by the result's graph
+    node, with the inputs, for as long as the graph lives)."""
+    from deepx_core.ir.instr import Instr
+    from deepx_core.ir.ops import lse_dtype
+
+    out = q._new((*q.shape[:-1], v.shape[-1]), q.dtype)
+    lse = q._new(q.shape[:-1], lse_dtype(q.dtype))
+    instr = Instr("attention", (_tp(q), _tp(k), _tp(v), _vp(float(scale)), _vp(bool(causal))), (_tp(out), _tp(lse)))
+    s = q._s
+    s.recorder.record(instr)
+    if s.grad_enabled and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out.requires_grad = True
+        s.tape.append((instr, out, (q, k, v, lse)))
+    return out
 
 
 def _reduction(reduction: str) -> str:

@@ -117,7 +117,8 @@ class Grad:
         return self._builder.emit(op, args, dtype=dtype)
 
     def emit_all(self, op: str, *args: Any) -> list[str]:
-        """As emit, for an op of several results: their fresh names, in order."""
+        """Append `op (args) -> (fresh, fresh, ...)`, an op with several returns; their names, in order (the
+        caller uses what it needs: the rest are deleted after it)."""
         return self._builder.emit_all(op, args)
 
     def unbroadcast(self, g: str, meta: TensorMeta) -> str:
@@ -464,8 +465,8 @@ class _Builder:
         params = tuple(self._param(a) for a in args)
         names = [self.fresh() for _ in OPS[op].returns]
         probe = bind(Instr(op, params, tuple(Param.tensor(n) for n in names)), self.sym)
-        self.append(Instr(op, params, tuple(Param.tensor(n, m.dtype)  # type: ignore[union-attr]
-                                            for n, m in zip(names, probe.outs))))
+        self.append(Instr(op, params, tuple(Param.tensor(n, m.dtype) for n, m in zip(names, probe.outs)
+                                            if m is not None)))
         self.created.update(names)
         return names
 
@@ -557,6 +558,10 @@ def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, g
         if fn is None:
             raise DeepxError(f"autograd: op '{name}' has no gradient rule, and it lies between {sorted(wrt)} and the "
                              f"loss '{loss}'")
+        if outs_with_grad != [0]:  # a rule turns the gradient of the first result; no other carries one
+            other = next(i for i in outs_with_grad if i)
+            raise DeepxError(f"autograd: {name}'s gradient flows from its first result only, but its result "
+                             f"'{node.b.out_names[other]}' lies between {sorted(wrt)} and the loss '{loss}'")
         g = grads[node.outs[0]]  # type: ignore[index]
         result = fn(Grad(bld, node), g)
         for i, gi in result.items():
@@ -1118,6 +1123,15 @@ def _crossentropy(gr: Grad, g: str) -> dict[int, str]:
     if gr.needs(1):
         raise DeepxError("autograd: crossentropy labels cannot take a gradient")
     return {0: gr.emit("crossentropygrad", gr.x(0), gr.x(1), g, int(gr.arg(2)), Param.var(gr.arg(3)))}
+
+
+@rule("attention")
+def _attention(gr: Grad, g: str) -> dict[int, str]:
+    """dq, dk, dv = attentiongrad(q, k, v, y, lse, g): with P = exp(q k^T * scale - lse) and D = rowsum(g y),
+    dv = P^T g, dS = P (g v^T - D), dq = dS k * scale, dk = dS^T q * scale (no gradient flows through lse)"""
+    grads = gr.emit_all("attentiongrad", gr.x(0), gr.x(1), gr.x(2), gr.y(0), gr.y(1), g, float(gr.arg(3)),
+                        bool(gr.arg(4)))
+    return {i: grads[i] for i in range(3) if gr.needs(i)}
 
 
 @rule("mse")

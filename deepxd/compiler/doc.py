@@ -28,6 +28,7 @@ _FAMILY_TITLES = {
     "sort": "Sort",
     "nn": "Neural-network ops",
     "conv": "Convolution",
+    "attention": "Attention",
     "optim": "Optimizer updates",
     "fused": "Fused elementwise (made by the compiler)",
 }

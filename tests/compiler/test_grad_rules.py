@@ -299,6 +299,15 @@ CASES: dict[str, list[Case]] = {
                     lambda t, k=k, st=st, d=d, ch=a[1]: torch.nn.functional.conv2d(
                         t["a"], torch.ones((ch, 1, *k), dtype=t["a"].dtype), stride=st, dilation=d, groups=ch))
                   for a, k, st, d in [((2, 3, 7, 6), (3, 2), (2, 1), (1, 2)), ((1, 2, 6, 6), (2, 2), (2, 2), (1, 1))]],
+    "attention": [c(f"attention (tensor<T>:q, tensor<T>:k, tensor<T>:v, var<float64>:{sc}, var<bool>:{str(cz).lower()})"
+                    " -> (tensor<T>:y, tensor:lse)", {"q": r(*qs), "k": r(*ks), "v": r(*vs)}, wrt,
+                    lambda t, sc=sc, cz=cz, gqa=qs[:-2] != ks[:-2]: TF.scaled_dot_product_attention(
+                        t["q"], t["k"], t["v"], is_causal=cz, scale=sc, enable_gqa=gqa))
+                  for qs, ks, vs, sc, cz, wrt in [((2, 5, 4), (2, 5, 4), (2, 5, 3), 0.5, True, "q k v"),
+                                                  ((2, 3, 6, 4), (2, 3, 4, 4), (2, 3, 4, 5), 0.7, True, "q k v"),
+                                                  ((1, 4, 3, 4), (1, 2, 7, 4), (1, 2, 7, 4), 0.3, False, "q k v"),
+                                                  ((3, 4), (5, 4), (5, 2), 1.0, False, "k"),
+                                                  ((3, 4), (5, 4), (5, 2), 1.0, True, "q v")]],
     "rmsnorm": [c("rmsnorm (tensor<T>:a, tensor<T>:w, var<float64>:1e-6) -> (tensor<T>:y)",
                   {"a": r(*a, lo=-2, hi=2), "w": r(*w)}, "a w", _norm_ref("rmsnorm", 1e-6, len(w)))
                 for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]],
@@ -483,6 +492,27 @@ def test_crossentropy_labels_take_no_gradient_and_say_so(rng):
     ex.run_all(fwd)
     ex.run_all(back)
     np.testing.assert_array_equal(ex.get(names["f"]), np.zeros(3))
+
+
+def test_attention_s_gradient_flows_from_its_result_only(rng):
+    """A loss that reads attention's logsumexp is refused by name (the rule turns the result's gradient only); one
+    that reads only the result leaves the unused gradients deleted."""
+    attend = "attention (tensor<float64>:q, tensor<float64>:q, tensor<float64>:q, var<float64>:0.5)"
+    fwd = program(attend + """ -> (tensor<float64>:y, tensor<float64>:lse)
+        sum (tensor<float64>:lse, vector<int32>:[]) -> (tensor<float64>:s)
+        sum (tensor<float64>:y, vector<int32>:[]) -> (tensor<float64>:t)
+        add (tensor<float64>:s, tensor<float64>:t) -> (tensor<float64>:loss)
+    """)
+    ex = executor({"q": rng.uniform(-1, 1, (3, 4))})
+    with pytest.raises(DeepxError, match="attention's gradient flows from its first result only, but its result "
+                                         "'lse' lies between \\['q'\\] and the loss 'loss'"):
+        grad_program(fwd, "loss", ["q"], ex)
+    back, names = grad_program(fwd[:1] + fwd[2:3], "t", ["q"], ex)
+    assert [i.name for i in back if i.name != "deltensor"] == ["newtensor", "constant", "reshape", "broadcastTo",
+                                                                "attentiongrad", "add", "add"]
+    ex.run_all(fwd[:1] + fwd[2:3])
+    ex.run_all(back)
+    assert set(ex.tensors) == {"q", "y", "lse", "t", names["q"]}
 
 
 def test_a_rule_that_needs_an_overwritten_input_names_it(rng):

@@ -561,6 +561,25 @@ def _pool(rng, dt):
     return out
 
 
+@case("attention", "attentiongrad")
+def _attention(rng, dt):
+    """The forward and the backward kernels on head sizes 32, 64 and 128 and odd ones, causal or not, Tq != Tk both
+    ways, several tiles of rows and keys, grouped-query heads: result, logsumexp and the three gradients."""
+    out = []
+    lse = "float64" if dt == "float64" else "float32"
+    for qs, ks, dv, causal in [((2, 3, 70, 64), (2, 3, 70, 64), 64, True), ((1, 2, 33, 32), (1, 2, 100, 32), 32, False),
+                               ((2, 1, 130, 128), (2, 1, 45, 128), 128, True), ((3, 37, 5), (3, 29, 5), 7, False),
+                               ((1, 4, 66, 80), (1, 2, 66, 80), 80, True), ((2, 17, 40), (2, 17, 40), 24, True)]:
+        ins = {"q": r(rng, dt, qs, -2, 2), "k": r(rng, dt, ks, -2, 2), "v": r(rng, dt, (*ks[:-1], dv), -2, 2),
+               "g": r(rng, dt, (*qs[:-1], dv), -1, 1)}
+        attend = [T("q"), T("k"), T("v"), V(1.0 / qs[-1] ** 0.5), V(causal)]
+        program = [instr("attention", attend, [T("y"), T("lse", lse)]),
+                   instr("attentiongrad", [*attend[:3], T("y"), T("lse"), T("g"), *attend[3:]],
+                         [T("dq"), T("dk"), T("dv")])]
+        out.append(Case(ins, program, ["y", "lse", "dq", "dk", "dv"], scale="max"))
+    return out
+
+
 @case("rmsnorm")
 def _rmsnorm(rng, dt):
     a = r(rng, dt, (3, 4, 8))

@@ -372,6 +372,19 @@ def _fusedcolsum(rng: np.random.Generator, name: str) -> Built:
             [T("out"), T("sums")])  # two results: both fresh
 
 
+def _attention(rng: np.random.Generator, name: str) -> Built:
+    """attention on (2, 3, 4) queries and (2, 5, 4) keys, and its gradient op; both fresh or written over an input."""
+    dt = fdtype(rng)
+    tensors = {"q": rand(rng, (2, 3, 4), dt), "k": rand(rng, (2, 5, 4), dt), "v": rand(rng, (2, 5, 4), dt),
+               "y": rand(rng, (2, 3, 4), dt), "lse": rand(rng, (2, 3), dt), "g": rand(rng, (2, 3, 4), dt)}
+    over = bool(rng.integers(0, 2))
+    if name == "attention":
+        return tensors, [T("q"), T("k"), T("v"), V(0.5), V(bool(rng.integers(0, 2)))], [
+            T("y" if over else "out"), T("lse" if over else "lse_out")]
+    args = [T("q"), T("k"), T("v"), T("y"), T("lse"), T("g"), V(0.5), V(True)]
+    return tensors, args, [T("g" if over else "dq"), T("dk"), T("v" if over else "dv")]
+
+
 BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "newtensor": _newtensor, "copytensor": _copytensor, "deltensor": _deltensor, "renametensor": _renametensor,
     "argset": _argset, "vecset": _vecset,
@@ -384,12 +397,14 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "transpose": _transpose, "concat": _concat, "broadcastTo": _broadcast_to, "indexselect": _indexselect,
     "repeat": _repeat, "argmax": _argreduce, "argmin": _argreduce, "softmax": _softmax, "logsoftmax": _softmax,
     "gelu": _gelu, "gelugrad": _gelugrad, "crossentropy": _crossentropy, "crossentropygrad": _crossentropy, "mse": _mse,
-    "layernorm": _norm, "rmsnorm": _norm, "layernormgrad": _norm, "rmsnormgrad": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
+    "layernorm": _norm, "rmsnorm": _norm, "layernormgrad": _norm, "rmsnormgrad": _norm, "slice": _slice,
+    "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
     "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,
     "conv2d": _conv, "conv2dgradinput": _conv, "conv2dgradweight": _conv,
     "maxpool2d": _pool, "maxpool2dgrad": _pool, "sumpool2d": _pool, "sumpool2dgrad": _pool,
+    "attention": _attention, "attentiongrad": _attention,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary
