@@ -36,7 +36,8 @@ class Prepared:
     read: per tensor name the plan touches or was planned on (`names`), its meta before the program (None: absent)
     and whether it was a heap tensor. While those hold, the program checks the same way."""
 
-    __slots__ = ("after", "bounds", "deletes", "heaped", "heavy", "metas", "names", "slots", "steps", "transient")
+    __slots__ = ("after", "bounds", "deletes", "heaped", "heavy", "launches", "metas", "names", "slots", "steps",
+                 "transient")
 
     def __init__(self, names: tuple[str, ...], metas: list[TensorMeta | None], heaped: list[bool],
                  bounds: list[Bound], heavy: bool, deletes: tuple[tuple[int, str], ...], transient: set[int]) -> None:
@@ -48,6 +49,8 @@ class Prepared:
         self.deletes = deletes  # (index, name) of each deltensor
         self.transient = transient  # the transposes that become views
         self.after: list[bool] = []  # [whether a run leaves the metas of `names` as `metas`], worked out once
+        # where its collectives start (deepxd/comm.py, early_launches), set with `steps` where it has any
+        self.launches: dict[int, list[list[int]]] = {}
 
 
 class Plan:

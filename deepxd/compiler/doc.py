@@ -29,6 +29,7 @@ _FAMILY_TITLES = {
     "nn": "Neural-network ops",
     "conv": "Convolution",
     "optim": "Optimizer updates",
+    "collective": "Collectives (process groups: deepx_sdk.distributed, deepxd/comm.py)",
     "fused": "Fused elementwise (made by the compiler)",
 }
 
