@@ -129,7 +129,10 @@ class Work:
         if self.error:
             raise DeepxError(self.error)
         if self.future is not None:
-            self.future.result()
+            try:
+                self.future.result()
+            except concurrent.futures.CancelledError:
+                raise DeepxError("the collective was cancelled: its daemon stops") from None
 
     def settle(self) -> None:
         """Wait, whatever the outcome (a program that stopped before the collective's place: its arrays must not be
@@ -137,7 +140,7 @@ class Work:
         if self.future is not None:
             try:
                 self.future.result()
-            except Exception as e:
+            except (Exception, concurrent.futures.CancelledError) as e:
                 log.debug("a collective of a program that stopped before it: %s", e)
 
 
@@ -395,7 +398,7 @@ class Collectives:
         if self.loop is None:
             return ""
         try:
-            return asyncio.run_coroutine_threadsafe(self._why_dead(f, rank), self.loop).result(f.timeout)
+            return asyncio.run_coroutine_threadsafe(self._why_dead(f, rank), self.loop).result(min(f.timeout, 5.0))
         except concurrent.futures.TimeoutError:
             return ""
 
@@ -449,12 +452,14 @@ class Collectives:
             if now >= deadline:
                 raise DeepxError(f"{f.who(f.rank)} did not reach collective #{seq} within {f.timeout:g} s (the "
                                  "group's timeout)")
-            f.event.clear()
-            if f.exchange is ex and (ex is None or ex.published <= unit) and f.broken is None:
-                try:
-                    await asyncio.wait_for(f.event.wait(), min(LIVENESS_S, max(0.0, deadline - now)))
-                except TimeoutError:
-                    pass
+            f.event.clear()  # (set by every publish and every change of exchange: look again after it)
+            if f.exchange is not ex or f.broken is not None or (ex is not None and ex.seq == seq
+                                                                 and ex.published > unit):
+                continue
+            try:
+                await asyncio.wait_for(f.event.wait(), min(LIVENESS_S, max(0.0, deadline - now)))
+            except TimeoutError:
+                pass
 
     async def _formation_of(self, name: str, gen: str, deadline: float) -> Formation:
         """This rank's formation `gen` of group `name`, waiting for it to be formed here (the reader's join may end

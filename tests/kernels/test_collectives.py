@@ -159,7 +159,8 @@ def test_bad_collectives_are_refused_naming_the_op_and_the_problem() -> None:
     ex.put("a", np.ones((4, 3), np.float32))
     ex.put("n", np.ones(3, np.int64))
     cases = {
-        "allreduce (tensor:n, var<string>:mean) -> (tensor:x)": "allreduce: the mean of 'n' \\(int64\\) is not an integer",
+        "allreduce (tensor:n, var<string>:mean) -> (tensor:x)":
+            "allreduce: the mean of 'n' \\(int64\\) is not an integer",
         "allreduce (tensor:a, var<string>:avg) -> (tensor:x)": "allreduce: op 'avg' is not one of sum, mean",
         "allgather (tensor:a, var<int32>:2, var<string>:default) -> (tensor:x)":
             "allgather: world 2 is not the size of process group 'default' \\(1\\)",
