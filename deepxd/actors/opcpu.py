@@ -345,6 +345,9 @@ class CpuWorker(OpWorker):
                 work: Any = self.comm.start(self.ex, chosen)
             except DeepxError as e:
                 work = Work(error=str(e))
+            except Exception as e:  # (a bug, said at the collective's place rather than taking the worker down)
+                log.exception("%s: starting a collective failed", self.name)
+                work = Work(error=f"{chosen[0].op.name}: could not start: {type(e).__name__}: {e}")
             for b in chosen:
                 launched[id(b)] = work
 
