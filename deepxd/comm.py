@@ -203,7 +203,9 @@ class Collectives:
         self.loop = asyncio.get_running_loop() if node is not None else None
         self.formations: dict[str, Formation] = {}
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-collective")
-        self.runs = 0  # buckets run over the ring
+        self.started = 0  # buckets started
+        self.early = 0  # ...of which before the instruction just before them: overlapping the program
+        self.runs = 0  # ...of which run over the ring
 
     # -- formations (deepxd/groups.py)
     def formed(self, name: str, gen: str, rank: int, members: Sequence[dict[str, Any]], timeout: float) -> bool:
@@ -261,11 +263,14 @@ class Collectives:
                              f"{f.world})")
         return f
 
-    def start(self, ex: Any, bounds: Sequence[Bound]) -> Work:
+    def start(self, ex: Any, bounds: Sequence[Bound], early: bool = False) -> Work:
         """Begin the bucket `bounds` on executor `ex`'s tensors (on the worker's thread: the arrays are made and
-        filled here, the ring runs on this object's thread). A group of one rank is done at once."""
+        filled here, the ring runs on this object's thread). A group of one rank is done at once. `early`: started
+        before the instruction just before it ran (counted)."""
         b0 = bounds[0]
         f = self._formation(b0)
+        self.started += 1
+        self.early += early
         op = b0.op.name
         pairs = [arrays_of(ex, b) for b in bounds]
         how = str(b0.args[1]) if op == "allreduce" else str(b0.args[2]) if op == "reducescatter" else ""

@@ -328,21 +328,22 @@ class CpuWorker(OpWorker):
 
         def run() -> None:
             if before:
-                self._launch(bounds, before)
+                self._launch(bounds, before, -1)
             step()
             if after:
-                self._launch(bounds, after)
+                self._launch(bounds, after, i)
 
         return run
 
-    def _launch(self, bounds: Sequence[Bound], buckets: list[list[int]]) -> None:
-        """Start these buckets of collectives; a bucket that cannot start fails at its first collective's place."""
+    def _launch(self, bounds: Sequence[Bound], buckets: list[list[int]], at: int) -> None:
+        """Start these buckets of collectives, after instruction `at`; a bucket that cannot start fails at its first
+        collective's place."""
         assert self.comm is not None
         launched = self.ex.launched
         for members in buckets:
             chosen = [bounds[m] for m in members]
             try:
-                work: Any = self.comm.start(self.ex, chosen)
+                work: Any = self.comm.start(self.ex, chosen, at < members[0] - 1)
             except DeepxError as e:
                 work = Work(error=str(e))
             except Exception as e:  # (a bug, said at the collective's place rather than taking the worker down)
@@ -433,7 +434,7 @@ class CpuWorker(OpWorker):
         if not result.done:
             result.started = time.perf_counter()
             if launches and -1 in launches:
-                self._launch(bounds, launches[-1])
+                self._launch(bounds, launches[-1], -1)
         start = result.started
         for i in range(result.done, len(bounds)):
             b = bounds[i]
@@ -449,7 +450,7 @@ class CpuWorker(OpWorker):
                 else:
                     self.ex.execute(b)
                 if launches and i in launches:
-                    self._launch(bounds, launches[i])
+                    self._launch(bounds, launches[i], i)
             except DeepxError as e:
                 result.error, result.error_index = f"instruction {i + 1}: {e}", i
                 result.failed_at = (t0 - start) * 1e6

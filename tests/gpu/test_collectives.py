@@ -13,7 +13,7 @@ from deepx_core.ir import parse_text
 
 def test_a_collective_on_op_cuda_says_nccl_is_not_wired(gx) -> None:
     gx.put("a", np.ones((2, 3), np.float32))
-    with pytest.raises(DeepxError, match="allreduce: this executor runs no collectives.*NCCL is not wired"):
+    with pytest.raises(DeepxError, match=r"allreduce: this executor runs no collectives.*NCCL is not wired"):
         gx.run_all(parse_text("allreduce (tensor<float32>:a, var<string>:sum, var<string>:default) -> "
                               "(tensor<float32>:a)"))
     np.testing.assert_array_equal(gx.get("a"), np.ones((2, 3), np.float32))  # unchanged

@@ -200,6 +200,22 @@ def test_a_group_of_one_rank_on_the_embedded_daemon(group: None) -> None:
     assert model.module.weight.grad is not None
 
 
+def test_a_collective_starts_as_soon_as_its_tensor_is_ready(group: None) -> None:
+    """The daemon's op worker starts an all-reduce right after the instruction that made its tensor, ahead of its
+    place in the program (the instructions between run meanwhile), checked whole and then prepared."""
+    comm = dx.session().transport.embedded.node.comm
+    before = comm.early
+    x = dx.tensor(np.arange(6.0))
+    for _ in range(4):  # the same program: checked whole, then run as prepared
+        g = x * 3.0
+        y = (x + 1.0).exp().sum()  # between g and its all-reduce: nothing of g
+        dist.all_reduce(g, op=dist.ReduceOp.AVG, async_op=True)
+        z = g * 2.0
+        np.testing.assert_allclose(z.numpy(), np.arange(6.0) * 6)
+        assert np.isclose(y.item(), np.exp(np.arange(6.0) + 1).sum())
+    assert comm.early - before == 4
+
+
 def test_distributed_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(DeepxError, match="has not been initialized"):
         dist.all_reduce(dx.tensor([1.0]))

@@ -26,9 +26,9 @@ class Work(Protocol):
 
 class Collectives(Protocol):
     """What runs collectives for an executor: start(ex, bounds) begins the collectives `bounds` (one bucket: the same
-    op, group and dtype) on the executor's tensors."""
+    op, group and dtype) on the executor's tensors (`early`: ahead of their place in the program)."""
 
-    def start(self, ex: Any, bounds: Sequence[Bound]) -> Work: ...
+    def start(self, ex: Any, bounds: Sequence[Bound], early: bool = False) -> Work: ...
 
 
 def arrays_of(ex: Any, b: Bound) -> tuple[np.ndarray, np.ndarray]:
