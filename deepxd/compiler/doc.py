@@ -29,7 +29,7 @@ _FAMILY_TITLES = {
     "nn": "Neural-network ops",
     "conv": "Convolution",
     "optim": "Optimizer updates",
-    "collective": "Collectives (process groups: deepx_sdk.distributed, deepxd/comm.py)",
+    "collective": "Collectives (process groups: docs/distributed.md)",
     "fused": "Fused elementwise (made by the compiler)",
 }
 
