@@ -1,12 +1,16 @@
-"""Data-parallel figures on one host: deepx_sdk.distributed's all_reduce of 1 MiB and 64 MiB float32 across 2 ranks,
-against the same bytes moved through numpy shared memory (multiprocessing.shared_memory) between 2 processes by
-the same algorithm; and training samples/s of an MLP 784-512-512-10 (batch 256 a rank, SGD) under
-DistributedDataParallel on 2 ranks against 1. Prints ms and ratios; writes bench/results/ddp.json.
+"""Data-parallel figures on one host, 2 ranks, one deepxd each on a redis-server (examples/train_ddp.py's daemons):
 
-    python bench/ddp.py [--daemons per-rank|shared] [--iters 20] [--steps 20] [--rounds 3]
+- all_reduce of 1 MiB and 64 MiB float32 by the ring (collectives as instructions, over the peer links) against a
+  bare socket copy of the same bytes (two processes on a Unix socket pair, each sending and receiving what a rank
+  of the ring sends and receives: 2 (N-1)/N of the tensor), and against the plane path (backend 'heap': buffers
+  met at a barrier in the storage plane), and numpy shared memory running the plane path's algorithm;
+- training samples/s of an MLP 784-512-512-10 (batch 256 a rank, SGD) under DistributedDataParallel on 2 ranks
+  against 1: by the ring with torch's buckets (overlapped with the backward), by the ring with one bucket (all
+  gradients after the backward), and by the plane path.
 
-The daemons are examples/train_ddp.py's: one deepxd per rank on a redis-server of its own (per-rank, the default
-where redis-server is on PATH), or one deepxd for both ranks (shared).
+Prints ms and ratios; writes bench/results/ddp.json.
+
+    python bench/ddp.py [--iters 20] [--steps 20] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing import Barrier, Process, Queue, shared_memory
 from pathlib import Path
@@ -30,6 +36,9 @@ os.environ["DEEPX_NATIVE_BACKGROUND"] = "0"  # a benchmark times the steady stat
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"1 MiB": 1 << 18, "64 MiB": 1 << 24}  # float32 elements
+WORLD = 2
+#: training variants: the backend, and DDP's bucket_cap_mb (None: torch's 25 MB with a first bucket of 1 MiB)
+TRAIN = {"ring, buckets": ("ring", None), "ring, one bucket": ("ring", 1e6), "plane": ("heap", None)}
 
 
 def _launcher() -> Any:
@@ -41,12 +50,13 @@ def _launcher() -> Any:
 
 
 # -- deepx: one process per rank (this script with --worker)
-def worker(kind: str, address: str, world: int, rank: int, iters: int, steps: int) -> None:
+def worker(kind: str, backend: str, cap: str, address: str, world: int, rank: int, iters: int, steps: int) -> None:
     import deepx_sdk as dx
     import deepx_sdk.distributed as dist
 
     dx.connect(address)
-    dist.init_process_group(world_size=world, rank=rank, timeout=120, group_name=f"bench{world}")
+    dist.init_process_group(backend if world > 1 else None, world_size=world, rank=rank, timeout=120,
+                            group_name=f"bench{world}")
     out: dict[str, float] = {}
     if kind == "allreduce":
         for label, n in SIZES.items():
@@ -61,13 +71,13 @@ def worker(kind: str, address: str, world: int, rank: int, iters: int, steps: in
                 times.append(time.perf_counter() - start)
             out[label] = float(np.median(times))
     else:
-        out["samples/s"] = _train(dx, dist, world, rank, steps)
+        out["samples/s"] = _train(dx, dist, world, rank, steps, None if cap == "-" else float(cap))
     dist.destroy_process_group()
     if rank == 0:
         print(json.dumps(out), flush=True)
 
 
-def _train(dx: Any, dist: Any, world: int, rank: int, steps: int) -> float:
+def _train(dx: Any, dist: Any, world: int, rank: int, steps: int, cap: float | None) -> float:
     import deepx_sdk.nn as nn
     import deepx_sdk.nn.functional as F
     from deepx_sdk.nn.parallel import DistributedDataParallel
@@ -77,7 +87,7 @@ def _train(dx: Any, dist: Any, world: int, rank: int, steps: int) -> float:
     x, y = dx.tensor(rng.standard_normal((256, 784)).astype(np.float32)), dx.tensor(rng.integers(0, 10, 256))
     model: Any = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
     if world > 1:
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, bucket_cap_mb=cap)
     opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step() -> float:
@@ -97,17 +107,57 @@ def _train(dx: Any, dist: Any, world: int, rank: int, steps: int) -> float:
     return 256 * world * steps / (time.perf_counter() - start)
 
 
-def run_ranks(kind: str, addresses: list[str], iters: int, steps: int) -> dict[str, float]:
+def run_ranks(kind: str, backend: str, cap: float | None, addresses: list[str], iters: int, steps: int
+              ) -> dict[str, float]:
     world = len(addresses)
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", kind, addresses[r], str(world), str(r),
-                               str(iters), str(steps)], stdout=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", kind, backend, "-" if cap is None else str(cap),
+                               addresses[r], str(world), str(r), str(iters), str(steps)], stdout=subprocess.PIPE,
+                              text=True) for r in range(world)]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
-        raise SystemExit(f"a {kind} rank failed: {[p.returncode for p in procs]}")
+        raise SystemExit(f"a {kind} rank ({backend}) failed: {[p.returncode for p in procs]}")
     return dict(json.loads(outs[0].strip().splitlines()[-1]))
 
 
-# -- the baseline: numpy arrays in shared memory, the same algorithm (copy in, meet, sum the peer's into one's own)
+# -- a bare socket copy: what the ring's bytes cost on the wire alone
+def _socket_rank(sock: socket.socket, nbytes: int, iters: int, barrier: Any, q: Queue, rank: int) -> None:
+    out = np.ones(nbytes, np.uint8)
+    into = np.empty(nbytes, np.uint8)
+    view = memoryview(into)
+    times = []
+    for _ in range(iters + 3):
+        barrier.wait()
+        start = time.perf_counter()
+        sender = threading.Thread(target=sock.sendall, args=(memoryview(out),))
+        sender.start()
+        got = 0
+        while got < nbytes:
+            got += sock.recv_into(view[got:], nbytes - got)
+        sender.join()
+        times.append(time.perf_counter() - start)
+    q.put((rank, float(np.median(times[3:]))))
+
+
+def socket_baseline(iters: int) -> dict[str, float]:
+    """Each of 2 processes sends and receives 2 (N-1)/N of the tensor's bytes at once over a Unix socket pair."""
+    out = {}
+    for label, n in SIZES.items():
+        nbytes = 2 * (WORLD - 1) * n * 4 // WORLD
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        barrier, q = Barrier(2), Queue()  # type: ignore[var-annotated]
+        procs = [Process(target=_socket_rank, args=(s, nbytes, iters, barrier, q, r)) for r, s in enumerate((a, b))]
+        for p in procs:
+            p.start()
+        results = dict(q.get() for _ in procs)
+        for p in procs:
+            p.join()
+        a.close()
+        b.close()
+        out[label] = max(results.values())
+    return out
+
+
+# -- numpy arrays in shared memory, the plane path's algorithm (copy in, meet, sum the peer's into one's own)
 def _shm_rank(rank: int, n: int, iters: int, names: list[list[str]], barrier: Any, q: Queue) -> None:
     segs = [[shared_memory.SharedMemory(name=nm) for nm in pair] for pair in names]
     bufs = [[np.ndarray(n, np.float32, buffer=s.buf) for s in pair] for pair in segs]
@@ -150,44 +200,61 @@ def shm_baseline(iters: int) -> dict[str, float]:
     return out
 
 
+def _best(side: dict[str, float], got: dict[str, float], better: Any = min) -> None:
+    for label, value in got.items():
+        side[label] = better(side.get(label, value), value)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--daemons", choices=["per-rank", "shared"], default=None)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.worker:
-        kind, address, world, rank, iters, steps = opts.worker
-        worker(kind, address, int(world), int(rank), int(iters), int(steps))
+        kind, backend, cap, address, world, rank, iters, steps = opts.worker
+        worker(kind, backend, cap, address, int(world), int(rank), int(iters), int(steps))
         return
-    mode = opts.daemons or ("per-rank" if shutil.which("redis-server") else "shared")
+    if shutil.which("redis-server") is None:
+        raise SystemExit("bench/ddp.py needs redis-server on PATH: one deepxd per rank on one plane")
     launcher = _launcher()
-    results: dict[str, Any] = {"daemons": mode, "cpus": os.cpu_count(), "rounds": opts.rounds}
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "rounds": opts.rounds}
     # the sides take turns, round after round, and each keeps its best round: on a shared machine whose speed drifts
     # over seconds, a slow spell then falls on every side instead of on one
-    base: dict[str, float] = {}
-    ours: dict[str, float] = {}
-    one = two = 0.0
+    ring: dict[str, float] = {}
+    plane: dict[str, float] = {}
+    wire: dict[str, float] = {}
+    shm: dict[str, float] = {}
+    one = 0.0
+    two: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="deepx-bench-ddp-") as tmp:
-        with launcher.daemons(2, mode, Path(tmp)) as addresses:
+        with launcher.daemons(WORLD, "per-rank", Path(tmp)) as addresses:
             for _ in range(opts.rounds):
-                for side, got in ((base, shm_baseline(opts.iters)),
-                                  (ours, run_ranks("allreduce", addresses, opts.iters, opts.steps))):
-                    for label, seconds in got.items():
-                        side[label] = min(side.get(label, seconds), seconds)
-                one = max(one, run_ranks("train", addresses[:1], opts.iters, opts.steps)["samples/s"])
-                two = max(two, run_ranks("train", addresses, opts.iters, opts.steps)["samples/s"])
-    print(f"daemons: {mode}; {os.cpu_count()} CPUs; the best of {opts.rounds} rounds, each the median of its calls")
-    print(f"{'all_reduce, 2 ranks':24} {'deepx ms':>10} {'numpy shm ms':>14} {'ratio':>7}")
+                _best(wire, socket_baseline(opts.iters))
+                _best(ring, run_ranks("allreduce", "ring", None, addresses, opts.iters, opts.steps))
+                _best(plane, run_ranks("allreduce", "heap", None, addresses, opts.iters, opts.steps))
+                _best(shm, shm_baseline(opts.iters))
+                one = max(one, run_ranks("train", "ring", None, addresses[:1], opts.iters, opts.steps)["samples/s"])
+                for label, (backend, cap) in TRAIN.items():
+                    got = run_ranks("train", backend, cap, addresses, opts.iters, opts.steps)["samples/s"]
+                    _best(two, {label: got}, max)
+    print(f"{os.cpu_count()} CPUs; 2 ranks, a deepxd each; the best of {opts.rounds} rounds, each the median of its "
+          "calls")
+    print(f"{'all_reduce float32':20} {'ring ms':>9} {'socket ms':>10} {'ring/socket':>12} {'plane ms':>9} "
+          f"{'plane/ring':>11} {'numpy shm ms':>13} {'plane/shm':>10}")
     for label in SIZES:
-        print(f"{label:24} {ours[label] * 1e3:10.2f} {base[label] * 1e3:14.2f} {ours[label] / base[label]:6.2f}x")
-        results[f"all_reduce {label}"] = {"deepx_s": ours[label], "numpy_shm_s": base[label],
-                                          "ratio": ours[label] / base[label]}
-    print(f"training MLP 784-512-512-10, batch 256 a rank: 1 rank {one:.0f} samples/s, 2 ranks {two:.0f} samples/s: "
-          f"{two / one:.2f}x")
-    results["training"] = {"one_rank_samples_s": one, "two_ranks_samples_s": two, "ratio": two / one}
+        print(f"{label:20} {ring[label] * 1e3:9.2f} {wire[label] * 1e3:10.2f} {ring[label] / wire[label]:11.2f}x "
+              f"{plane[label] * 1e3:9.2f} {plane[label] / ring[label]:10.2f}x {shm[label] * 1e3:13.2f} "
+              f"{plane[label] / shm[label]:9.2f}x")
+        results[f"all_reduce {label}"] = {"ring_s": ring[label], "socket_s": wire[label], "plane_s": plane[label],
+                                          "numpy_shm_s": shm[label], "ring_over_socket": ring[label] / wire[label],
+                                          "plane_over_ring": plane[label] / ring[label]}
+    print(f"training MLP 784-512-512-10, batch 256 a rank: 1 rank {one:.0f} samples/s; 2 ranks:")
+    results["training"] = {"one_rank_samples_s": one}
+    for label, value in two.items():
+        print(f"  {label:18} {value:8.0f} samples/s  {value / one:5.2f}x of 1 rank")
+        results["training"][label] = {"samples_s": value, "over_one_rank": value / one}
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / "ddp.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -1,10 +1,11 @@
-"""The collectives as deepxIR: the reductions a rank runs over the ranks' heap tensors, and their names.
+"""The collectives as deepxIR where ranks share a daemon: the reductions a rank runs over the ranks' heap tensors,
+and their names; and the reductions' names in the collective instructions.
 
-A collective (deepx_sdk.distributed) is: each rank writes its contribution into a heap tensor of its own (a
-buffer), the ranks meet at a barrier, and each then runs a program that reads the buffers it needs, which the
-daemons map without a copy (docs/distributed.md). This module is the part of that which is only deepxIR: what the
-programs are. It is here, in the base, so that the daemon can run the same programs itself when collectives become
-instructions of the catalogue.
+Where ranks share a daemon, a collective (deepx_sdk.distributed) is: each rank writes its contribution into a heap
+tensor of its own (a buffer), the ranks meet at a barrier, and each then runs a program that reads the buffers it
+needs, which the daemons map without a copy (docs/distributed.md). This module is the part of that which is only
+deepxIR: what the programs are. Where each rank has a daemon, collectives are instructions of the catalogue
+(allreduce, broadcast, allgather, reducescatter), run by the daemons (deepxd/comm.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class ReduceOp(enum.Enum):
 #: the elementwise op of each reduction, applied pairwise (AVG: the SUM, then divided by the number of ranks)
 PAIRWISE = {ReduceOp.SUM: "add", ReduceOp.AVG: "add", ReduceOp.PRODUCT: "mul", ReduceOp.MIN: "min",
             ReduceOp.MAX: "max"}
+#: each reduction as the collective instructions name it (their `op` arg: deepx_core/ir/ops.py, REDUCE_OPS)
+IR_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "mean", ReduceOp.PRODUCT: "product", ReduceOp.MIN: "min",
+          ReduceOp.MAX: "max"}
+
+
+def check_reduce(op: ReduceOp, dtype: str) -> None:
+    """Refuse a reduction a tensor of `dtype` has none of (the mean of integers)."""
+    if op is ReduceOp.AVG and dtype not in FLOATS:
+        raise DeepxError(f"ReduceOp.AVG of a {dtype} tensor: the mean of integers is not one; use ReduceOp.SUM")
 
 
 def buffer_name(gen: str, rank: int, key: str, parity: int) -> str:
@@ -68,8 +78,7 @@ def buffer_key(dtype: str, shape: Sequence[int], slot: int = 0) -> str:
 def reduce_into(op: ReduceOp, sources: Sequence[str], out: str, dtype: str, world: int) -> list[Instr]:
     """Instructions that write `op` over the tensors `sources` (all of `dtype`) into `out`, which may be one of
     them; AVG divides the sum by `world`."""
-    if op is ReduceOp.AVG and dtype not in FLOATS:
-        raise DeepxError(f"ReduceOp.AVG of a {dtype} tensor: the mean of integers is not one; use ReduceOp.SUM")
+    check_reduce(op, dtype)
     if not sources:
         raise DeepxError("a reduction needs at least one tensor")
     o = Param.tensor(out, dtype)

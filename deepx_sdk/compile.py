@@ -26,6 +26,7 @@ import hashlib
 import logging
 import math
 import re
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -553,6 +554,12 @@ class CompiledFunction:
         # train() and eval() trace apart, and so do settings a module holds outside its parameters (Dropout's p,
         # a layer's eps): what its extra_repr shows (two lambdas of one code over two Dropouts are two graphs)
         parts.append([(type(mm).__qualname__, mm.training, mm.extra_repr()) for m in mods for mm in m.structure()[1]])
+        # the process group a collective in it names, and this rank of it (the graphs of the ranks of one job, and of
+        # two jobs, are told apart in the plane they share)
+        dist = sys.modules.get("deepx_sdk.distributed")
+        if dist is not None and dist.is_initialized():
+            g = dist._default(None, "dx.compile")
+            parts.append(("group", g.name, g.gen, g.rank, g.world_size))
         return parts
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

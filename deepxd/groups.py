@@ -147,7 +147,7 @@ def _wake(node: Node, group: str) -> None:
         event.set()
 
 
-def _member(record: dict[str, str], rank: int) -> dict[str, Any] | None:
+def member(record: dict[str, str], rank: int) -> dict[str, Any] | None:
     raw = record.get(f"m{rank}")
     if not raw:
         return None
@@ -158,7 +158,7 @@ def _member(record: dict[str, str], rank: int) -> dict[str, Any] | None:
     return m if isinstance(m, dict) else None
 
 
-def _who(rank: int, m: dict[str, Any] | None) -> str:
+def who(rank: int, m: dict[str, Any] | None) -> str:
     if not m:
         return f"rank {rank}"
     return f"rank {rank} (pid {m.get('pid')} on node {m.get('node')})"
@@ -168,12 +168,12 @@ def _same_process(m: dict[str, Any], pid: int, host: str, start: str) -> bool:
     return int(m.get("pid") or 0) == pid and m.get("host") == host and m.get("start", "") == start
 
 
-async def _dead(node: Node, record: dict[str, str], ranks: Sequence[int]) -> list[str]:
+async def dead_ranks(node: Node, record: dict[str, str], ranks: Sequence[int]) -> list[str]:
     """Those of `ranks` whose process ended, or whose node is dead, in words naming them."""
     assert node.kv is not None
     out: list[str] = []
     for rank in ranks:
-        m = _member(record, rank)
+        m = member(record, rank)
         if m is None:
             continue
         gone = process_gone(m)
@@ -182,15 +182,17 @@ async def _dead(node: Node, record: dict[str, str], ranks: Sequence[int]) -> lis
             why = await peers.why_dead(m["node"])
             gone = f"lost its deepxd: node {m['node']} {why}" if why else None
         if gone is not None:
-            out.append(f"{_who(rank, m)} {gone}")
+            out.append(f"{who(rank, m)} {gone}")
     return out
 
 
 async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, host: Any, timeout: Any
                ) -> dict[str, Any]:
-    """Join group `group` as `rank` of `world_size`; answers once every rank has joined this formation: `gen` and
-    `members` (rank -> {pid, host, node}). Rank 0 forms it afresh (a new gen); the others join the
-    formation rank 0 made, and again when it makes another (a group formed again after a rank died)."""
+    """Join group `group` as `rank` of `world_size`; answers once every rank has joined this formation: `gen`,
+    `members` (rank -> {pid, host, node}) and `ring`: whether its collectives run in programs, this node's
+    deepxd/comm.py running them (one rank per node), or are requests meeting in the plane. Rank 0 forms it afresh
+    (a new gen); the others join the formation rank 0 made, and again when it makes another (a group formed again
+    after a rank died)."""
     group = check_group_name(group)
     world_size = _whole(world_size, "world_size", 1)
     rank = _whole(rank, "rank")
@@ -209,7 +211,7 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
           "worker": node.worker().name}
     if rank == 0:
         record = await kv.hgetall(key)
-        m0 = _member(record, 0)
+        m0 = member(record, 0)
         if m0 is not None and not _same_process(m0, pid, host, start) and process_gone(m0) is None \
                 and host == m0.get("host"):
             raise DeepxError(f"process group {group!r} is in use: its rank 0 is pid {m0.get('pid')} on node "
@@ -226,9 +228,9 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
             if gen and record.get("world_size") != str(world_size):
                 raise DeepxError(f"process group {group!r}: rank 0 formed it with world_size "
                                  f"{record.get('world_size')}, and this rank asks for {world_size}")
-            leader = _member(record, 0)
+            leader = member(record, 0)
             if gen and leader is not None and process_gone(leader) is None:
-                mine = _member(record, rank)
+                mine = member(record, rank)
                 if mine is None or mine.get("gen") != gen or mine.get("token") != token:
                     if (rank and mine is not None and mine.get("gen") == gen
                             and not _same_process(mine, pid, host, start) and process_gone(mine) is None):
@@ -237,7 +239,7 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
                     await kv.hset(key, {f"m{rank}": json.dumps({**me, "gen": gen})})
                     _wake(node, group)
                     continue
-                members = [_member(record, r) for r in range(world_size)]
+                members = [member(record, r) for r in range(world_size)]
                 if all(m is not None and m.get("gen") == gen for m in members):
                     whole = hashlib.sha1((gen + "".join(str(m["token"]) for m in members if m)).encode()
                                          ).hexdigest()[:16]
@@ -246,12 +248,16 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
                         _wake(node, group)
                         continue
                     if all(record.get(f"a{r}") == whole for r in range(world_size)):
-                        return {"gen": gen, "members": {str(r): {k: m[k] for k in ("pid", "host", "node")}
-                                                        for r, m in enumerate(members) if m}}
+                        whole_members = [m for m in members if m]
+                        comm = node.comm
+                        ring = comm is not None and comm.formed(group, gen, rank, whole_members, _seconds(timeout))
+                        return {"gen": gen, "ring": ring,
+                                "members": {str(r): {k: m[k] for k in ("pid", "host", "node")}
+                                            for r, m in enumerate(members) if m}}
             if time.monotonic() >= deadline:
                 if not gen or leader is None:
                     raise DeepxError(f"process group {group!r}: rank 0 did not form it within {timeout} s")
-                missing = [r for r in range(world_size) if (_member(record, r) or {}).get("gen") != gen] or [
+                missing = [r for r in range(world_size) if (member(record, r) or {}).get("gen") != gen] or [
                     r for r in range(world_size) if record.get(f"a{r}") is None]  # joined, and went again
                 raise DeepxError(f"process group {group!r}: ranks {', '.join(map(str, missing))} of {world_size} did "
                                  f"not join within {timeout} s")
@@ -307,36 +313,36 @@ async def barrier(node: Node, group: Any, gen: Any, rank: Any, seq: Any, timeout
             for r in range(world):
                 at = _reached(record.get(f"b{r}"), gen)
                 if leaving:
-                    if (at is None or not at[1]) and _member(record, r) is not None:
+                    if (at is None or not at[1]) and member(record, r) is not None:
                         waiting_for.append(r)
-                elif (at is not None and at[1] and at[0] <= seq) or (_member(record, r) is None and r != rank):
+                elif (at is not None and at[1] and at[0] <= seq) or (member(record, r) is None and r != rank):
                     left = r if left is None else left
                 elif at is None or at[0] < seq:
                     waiting_for.append(r)
             if left is not None:
                 # a rank that left after a death (its collective failed first) is not the cause: name the dead one
-                dead = await _dead(node, record, waiting_for)
+                dead = await dead_ranks(node, record, waiting_for)
                 if dead:
                     raise DeepxError(f"{said}: {'; '.join(dead)}, before it reached this {what}")
-                raise DeepxError(f"{said}: {_who(left, _member(record, left))} left the group (destroy_process_group, "
+                raise DeepxError(f"{said}: {who(left, member(record, left))} left the group (destroy_process_group, "
                                  "or its script ended) before it reached this one")
             if not waiting_for:
                 break
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + LIVENESS_S
-                dead = await _dead(node, record, waiting_for)
+                dead = await dead_ranks(node, record, waiting_for)
                 if dead:
                     raise DeepxError(f"{said}: {'; '.join(dead)}, before it reached this {what}")
             if now >= deadline:
-                ranks = ", ".join(_who(r, _member(record, r)) for r in waiting_for)
+                ranks = ", ".join(who(r, member(record, r)) for r in waiting_for)
                 raise DeepxError(f"{said}: {ranks} did not reach it within {limit:g} s (the group's timeout)")
             await waiter.wait(deadline)
     if not then:
         return {"done": 0}
     result: RunResult = await node.ref("scheduler").ask(Run(program=list(then), fetch=[]))
     if result.error:
-        dead = await _dead(node, await kv.hgetall(key), [r for r in range(int(record.get("world_size") or 0))
+        dead = await dead_ranks(node, await kv.hgetall(key), [r for r in range(int(record.get("world_size") or 0))
                                                          if r != rank])
         cause = f" ({'; '.join(dead)})" if dead else ""
         raise DeepxError(f"{said}: the reduction failed{cause}: {result.error}")
@@ -359,6 +365,8 @@ async def leave(node: Node, group: Any, gen: Any, rank: Any, delete: Any = (), f
             raise DeepxError(f"process group: '{field}' must be a list of tensor names")
     kv, key = node.kv, _key(group)
     assert kv is not None
+    if node.comm is not None:
+        node.comm.left(group, gen)
     record = await kv.hgetall(key)
     releases: dict[tuple[str, str], list[str]] = {}  # (node, holder) -> names
     if delete:
@@ -366,7 +374,7 @@ async def leave(node: Node, group: Any, gen: Any, rank: Any, delete: Any = (), f
     if record.get("gen") == gen:
         await kv.hdel(key, f"m{rank}", f"a{rank}")  # b<rank> stays (leaving), for the ranks still leaving
         members = {r: m for r in range(int(record.get("world_size") or 0)) if r != rank
-                   and (m := _member(record, r)) is not None}
+                   and (m := member(record, r)) is not None}
         dead = {r: m for r, m in members.items() if process_gone(m) is not None}
         for r, m in dead.items():
             if await kv.set_if_absent(f"{key}:{gen}:released:{r}", b"1"):

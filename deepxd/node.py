@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from deepx_core.errors import DeepxError
 from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
 from deepxd.actors.messages import Flush, Sync
+from deepxd.comm import Collectives
 from deepxd.config import Config, is_loopback, udp_address
 from deepxd.kv.base import KV, open_kv, redact
 from deepxd.owners import Owners
@@ -47,6 +48,7 @@ class Node:
         self.udp_scope: Any = None  # what UDP senders may name (deepxd/access.py), when it is on
         self.owners = Owners()  # who made which tensor, and the labels clients gave (deepxd/owners.py)
         self.peers: Peers | None = None  # the other nodes and the links to them (deepxd/peers.py), once started
+        self.comm: Collectives | None = None  # the collectives of process groups' programs (deepxd/comm.py)
         self.stopping = asyncio.Event()
         self._signals = 0
         self.started = asyncio.Event()
@@ -61,6 +63,7 @@ class Node:
         await self.kv.connect()
         self.peers = Peers(self.kv, c.node_id, host=c.host, token=c.token, tls_cafile=c.tls_cafile or c.tls_cert,
                            heartbeat_s=c.heartbeat_s, timeout_s=c.peer_timeout_s)
+        self.comm = Collectives(self)
         try:
             await self._refuse_a_live_namesake()
             await self._start_actors()
@@ -110,7 +113,7 @@ class Node:
                      else "off (native_kernels = 0)" if not c.native_kernels else "off (no C compiler found)")
             workers["op-cpu"] = self.refs["op-cpu"] = self.supervisor.start(
                 CpuWorker(heapmem=self.refs.get("heapmem") if cuda is None else None, io_roots=c.io_roots,
-                          inline_elements=c.inline_elements, peers=self.peers))
+                          inline_elements=c.inline_elements, peers=self.peers, comm=self.comm))
         if "heapmem" in roles:
             heapmem.viewers = list(workers.values())  # told when a heap tensor they may view is freed
         if "scheduler" in roles:
@@ -357,6 +360,8 @@ class Node:
         for s in self.servers:
             await s.close()
         await self.supervisor.stop_all(drain=True)
+        if self.comm is not None:
+            await self.comm.stop()
         if self.peers is not None:
             await self.peers.stop()
         if self.kv is not None:

@@ -355,6 +355,17 @@ class Peers:
         self._give_back(node, client)
         return reply
 
+    async def open_link(self, node: str) -> NativeClient:
+        """A connection of its own to node `node`, outside the pool (a process group's ring reads over it, one
+        request after another, for as long as the group lasts): DeepxError naming the node where it cannot be made."""
+        record = await self._alive(node)
+        address, kind = self.address(node, record)
+        try:
+            client: NativeClient = await self._run(self._connect, address, kind)
+        except DeepxError as e:
+            raise DeepxError(f"node {node} does not answer over its peer link: {e}") from None
+        return client
+
     async def read(self, far: Far, record: dict[str, str]) -> np.ndarray:
         """A copy of another node's heap tensor, streamed over a link in chunks (deepxd/net/peerlink.py)."""
         from deepxd.net.peerlink import read_chunks

@@ -28,13 +28,15 @@ LOADS = "loads"  # made from a file, of a shape known when it runs: named by its
 READS = "reads"  # no tensor returns: it only reads (print, save)
 SETS = "sets"  # its return names a variable (argset) or a vector (vecset), not a tensor
 KINDS = (WRITES, FILLS, CREATES, DELETES, RENAMES, LOADS, READS, SETS)
+#: families whose ops touch what lies outside the tensors: files and the output (io), the other ranks (collective)
+IO_FAMILIES = frozenset({"io", "collective"})
 
 
 class Effect(NamedTuple):
     """What an op does to the set of tensors: `kind` (above) for its returns; `reads`, the positions of its tensor
     and tensor-list args, which it only reads; `reads_returns`: its result depends on a return as it was (that it
     exists, its value, or its meta), so that a return is read as well as written; `io`: it touches what lies outside
-    the tensors (files, the executor's output)."""
+    the tensors (files, the executor's output, the other ranks of a process group)."""
 
     kind: str
     reads: tuple[int, ...] = ()
@@ -52,7 +54,8 @@ def declare(kind: str | None, family: str, args: Sequence[Arg], returns: Sequenc
             reads_returns: bool = False) -> Effect:
     """The effect of an entry: its declared kind, or, where it declares none, FILLS for the init and optim families
     (they write existing tensors in place), READS for an op with no tensor returns, and WRITES for the rest; the io
-    family (print, save, load, loadtensordata) touches files or the output."""
+    family (print, save, load, loadtensordata) touches files or the output, and the collective family the other
+    ranks of a process group (so that no pass drops, merges or moves one)."""
     if kind is None:
         kind = (FILLS if family in ("init", "optim") else
                 READS if not any(a.kind == "tensor" for a in returns) else WRITES)
@@ -60,7 +63,7 @@ def declare(kind: str | None, family: str, args: Sequence[Arg], returns: Sequenc
         raise ValueError(f"effect {kind!r} is not one of {', '.join(KINDS)}")
     kind = KINDS[KINDS.index(kind)]  # the very string: apply_effect compares kinds by identity
     return Effect(kind, tuple(i for i, a in enumerate(args) if a.kind in ("tensor", "listtensor")),
-                  reads_returns or kind in (FILLS, CREATES), family == "io")
+                  reads_returns or kind in (FILLS, CREATES), family in IO_FAMILIES)
 
 
 _NONE: tuple[Any, ...] = ()

@@ -1144,6 +1144,86 @@ for _n, _d in [("adam", "torch.optim.Adam's update (L2 weight decay), in place; 
        [t("param"), t("exp_avg"), t("exp_avg_sq")], _F, _update(2), _d, deepxir=False)
 
 
+# -- collectives: the ranks of a process group combine their tensors (deepx_sdk.distributed; docs/distributed.md).
+# `group` names a process group this rank joined through its daemon; every rank runs the same collectives in the
+# same order. The daemon runs them (deepxd/comm.py: a ring over the peer links); `world` is the group's size, given
+# so that the result's shape is known when the program is checked.
+
+#: how all_reduce and reduce_scatter combine the ranks' tensors (torch.distributed.ReduceOp's, `mean` for AVG)
+REDUCE_OPS = ("sum", "mean", "max", "min", "product")
+
+
+def _group_arg(c: Call, i: int) -> str:
+    group = c.args[i]
+    if not group or any(ch.isspace() or ch in ":,()[]" for ch in group):
+        raise DeepxError(f"{c.op.name}: group {group!r} is not a process group's name (a non-empty string without "
+                         "whitespace, ':', ',', brackets or parentheses)")
+    return str(group)
+
+
+def _reduce_arg(c: Call, i: int, dtype: str) -> str:
+    how = c.args[i]
+    if how not in REDUCE_OPS:
+        raise DeepxError(f"{c.op.name}: op {how!r} is not one of {', '.join(REDUCE_OPS)}")
+    if how == "mean" and dtype not in FLOATS:
+        raise DeepxError(f"{c.op.name}: the mean of '{c.names[0]}' ({dtype}) is not an integer; use op sum")
+    return str(how)
+
+
+def _world_arg(c: Call, i: int) -> int:
+    world = c.args[i]
+    if world < 1:
+        raise DeepxError(f"{c.op.name}: world {world} must be the group's size, at least 1")
+    return int(world)
+
+
+def _allreduce(c: Call) -> list[TensorMeta | None]:
+    a = c.args[0]
+    _reduce_arg(c, 1, a.dtype)
+    _group_arg(c, 2)
+    return [TensorMeta(a.shape, a.dtype)]
+
+
+def _broadcast(c: Call) -> list[TensorMeta | None]:
+    if c.args[1] < 0:
+        raise DeepxError(f"{c.op.name}: src {c.args[1]} is not a rank")
+    _group_arg(c, 2)
+    return [TensorMeta(c.args[0].shape, c.args[0].dtype)]
+
+
+def _allgather(c: Call) -> list[TensorMeta | None]:
+    a = c.args[0]
+    world = _world_arg(c, 1)
+    _group_arg(c, 2)
+    if not a.shape:
+        raise DeepxError(f"allgather: '{c.names[0]}' is 0-d; the ranks' tensors are joined along dim 0 (reshape "
+                         "it to [1])")
+    return [TensorMeta((a.shape[0] * world, *a.shape[1:]), a.dtype)]
+
+
+def _reducescatter(c: Call) -> list[TensorMeta | None]:
+    a = c.args[0]
+    world = _world_arg(c, 1)
+    _reduce_arg(c, 2, a.dtype)
+    _group_arg(c, 3)
+    if not a.shape or a.shape[0] % world:
+        raise DeepxError(f"reducescatter: '{c.names[0]}' of shape {list(a.shape)} cannot be split into {world} "
+                         "equal blocks along dim 0")
+    return [TensorMeta((a.shape[0] // world, *a.shape[1:]), a.dtype)]
+
+
+_GROUP = v("group", "str", "default")
+op("allreduce", "collective", [_A, v("op", "str", "sum"), _GROUP], [_C], NUMERIC, _allreduce,
+   "C = the ranks' A combined elementwise by op (sum, mean, max, min, product): the same C on every rank",
+   grad=True, deepxir=False)
+op("broadcast", "collective", [_A, v("src", "int"), _GROUP], [_C], NUMERIC, _broadcast,
+   "C = rank src's A, on every rank", deepxir=False)
+op("allgather", "collective", [_A, v("world", "int"), _GROUP], [_C], NUMERIC, _allgather,
+   "C = the ranks' A joined along dim 0 in rank order (world: the group's size)", grad=True, deepxir=False)
+op("reducescatter", "collective", [_A, v("world", "int"), v("op", "str", "sum"), _GROUP], [_C], NUMERIC,
+   _reducescatter, "C on rank r = block r (of world, along dim 0) of the ranks' A combined by op", grad=True,
+   deepxir=False)
+
 # -- fused: what the compiler's fuse pass makes of a chain or tree of elementwise ops (deepxd/compiler/fuse.py)
 
 _FUSED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Call, ast.Name, ast.Constant, ast.Load, ast.Add, ast.Sub,

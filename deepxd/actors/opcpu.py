@@ -45,6 +45,7 @@ from deepxd.actors.worker import (
     program_tensor_names,
     touched_names,
 )
+from deepxd.comm import Collectives, Work, early_launches
 from deepxd.compiler.analysis import named_tensors, read_tensors
 from deepxd.kernels.cpu import CpuExecutor, dtype_name, repeat_count, transient_transposes, worded
 from deepxd.peers import Peers, Reached
@@ -53,6 +54,13 @@ if TYPE_CHECKING:
     from deepxd.actors.heapmem import HeapMemory
 
 log = logging.getLogger(__name__)
+
+
+def _collective(bounds: Sequence[Bound]) -> bool:
+    for b in bounds:
+        if b.op.family == "collective":
+            return True
+    return False
 
 
 def _check_step(checking: ProgramCheck, names: set[str], until: float) -> bool:
@@ -69,12 +77,14 @@ class CpuWorker(OpWorker):
 
     def __init__(self, name: str = "op-cpu", *, heapmem: ActorRef[HeapMemory] | None = None,
                  io_roots: Sequence[str] | None = None, inline_elements: int = 1 << 16,
-                 output_log: bool = True, peers: Peers | None = None) -> None:
+                 output_log: bool = True, peers: Peers | None = None, comm: Collectives | None = None) -> None:
         super().__init__(name)
         self.peers = peers  # other nodes: their heap tensors, mapped or streamed (deepxd/peers.py)
+        self.comm = comm  # process groups: what runs the collective family (deepxd/comm.py)
         self.copies: dict[str, str] = {}  # other hosts' heap tensors streamed for the program running: name -> node
         self._output: list[str] = []
         self.ex = CpuExecutor(io_roots=io_roots, output=self._print)
+        self.ex.collectives = comm
         self.heapmem = heapmem
         self.heap = HeapViews()  # heap tensor name -> its shared-memory view
         self.heap_held: set[str] = set()  # heap tensors this worker holds a reference to (others only view)
@@ -197,6 +207,7 @@ class CpuWorker(OpWorker):
             if not await self._sliced(self._execute_prepared, prepared, result, cancel=cancel,
                                       running=self._names_of(plan.sent, prepared, plan.fetch)):
                 self._stop_prepared(prepared, self._cancelled(result))
+                await self._offload(self._settle)
         else:
             self._execute_prepared(prepared, result)
         if prepared.deletes and self.heap:
@@ -254,12 +265,14 @@ class CpuWorker(OpWorker):
         self.ex.transient = transient
         if plan is not None and not heap_new and not self.copies and len(program) <= REMEMBER_MAX:
             self._prepare(plan, bounds, begun, heavy, transient)  # (copies: read again next time)
+        launches = early_launches(bounds) if self.comm is not None and _collective(bounds) else None
         if heavy:
-            if not await self._sliced(self._execute, bounds, result, heap_new, cancel=cancel,
+            if not await self._sliced(self._execute, bounds, result, heap_new, launches, cancel=cancel,
                                       running=running):
                 self._cancelled(result)
+                await self._offload(self._settle)
         else:
-            self._execute(bounds, result, heap_new)
+            self._execute(bounds, result, heap_new, launches)
         for name in (str(bounds[i].out_names[0]) for i in heap_new if i >= result.done):
             self.heap.pop(name, None)
             self.heap_held.discard(name)  # never reached: give the segment back
@@ -290,15 +303,62 @@ class CpuWorker(OpWorker):
         """The prepared steps of the instructions bound again."""
         if prepared.steps:
             for i in changed:
-                prepared.steps[i] = self.ex.prepare(prepared.bounds[i])
+                prepared.steps[i] = self._launching(prepared, i, self.ex.prepare(prepared.bounds[i]))
 
     def _begin_prepared(self, prepared: Prepared) -> RunResult:
         """As OpWorker's, with the plan's steps prepared the first time."""
         result = super()._begin_prepared(prepared)
         if not prepared.steps:
             prepared.steps.extend(map(self.ex.prepare, prepared.bounds))
+            if self.comm is not None and _collective(prepared.bounds):
+                prepared.launches = early_launches(prepared.bounds)
+                for i in {max(k, 0) for k in prepared.launches}:
+                    prepared.steps[i] = self._launching(prepared, i, prepared.steps[i])
         self.ex.transient = prepared.transient
         return result
+
+    # -- collectives (deepxd/comm.py): each bucket started as early as its tensors allow, waited for in its place
+    def _launching(self, prepared: Prepared, i: int, step: Callable[[], None]) -> Callable[[], None]:
+        """Step i, starting the buckets of collectives due before it (only before the first step: those that read
+        nothing the program writes first) and after it."""
+        before, after = (prepared.launches.get(-1) if i == 0 else None), prepared.launches.get(i)
+        if not before and not after:
+            return step
+        bounds = prepared.bounds
+
+        def run() -> None:
+            if before:
+                self._launch(bounds, before, -1)
+            step()
+            if after:
+                self._launch(bounds, after, i)
+
+        return run
+
+    def _launch(self, bounds: Sequence[Bound], buckets: list[list[int]], at: int) -> None:
+        """Start these buckets of collectives, after instruction `at`; a bucket that cannot start fails at its first
+        collective's place."""
+        assert self.comm is not None
+        launched = self.ex.launched
+        for members in buckets:
+            chosen = [bounds[m] for m in members]
+            try:
+                work: Any = self.comm.start(self.ex, chosen, at < members[0] - 1)
+            except DeepxError as e:
+                work = Work(error=str(e))
+            except Exception as e:  # (a bug, said at the collective's place rather than taking the worker down)
+                log.exception("%s: starting a collective failed", self.name)
+                work = Work(error=f"{chosen[0].op.name}: could not start: {type(e).__name__}: {e}")
+            for b in chosen:
+                launched[id(b)] = work
+
+    def _settle(self) -> None:
+        """The collectives started by a program that stopped before their place: waited for, whatever their outcome
+        (their arrays must not change under the next program)."""
+        launched = self.ex.launched
+        for work in {id(w): w for w in launched.values()}.values():
+            work.settle()
+        launched.clear()
 
     def _fetched(self, result: RunResult, fetch: Sequence[str]) -> RunResult:
         if not result.error:
@@ -352,13 +412,29 @@ class CpuWorker(OpWorker):
         return bounds, heavy, transient_transposes(bounds)
 
     def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, np.ndarray] | None = None,
-                 until: float = math.inf) -> bool:
+                 launches: dict[int, list[list[int]]] | None = None, until: float = math.inf) -> bool:
         """Run the program's instructions from `result.done` on, until the perf_counter passes `until` (the end of
-        a slice, after an instruction) or the program ends or fails; whether it ended."""
+        a slice, after an instruction) or the program ends or fails; whether it ended. `launches`: where its
+        collectives start (early_launches)."""
+        if launches is None:
+            return self._execute_all(bounds, result, heap_new, None, until)
+        try:
+            ended = self._execute_all(bounds, result, heap_new, launches, until)
+        except BaseException:
+            self._settle()
+            raise
+        if ended and self.ex.launched:
+            self._settle()
+        return ended
+
+    def _execute_all(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, np.ndarray] | None,
+                     launches: dict[int, list[list[int]]] | None, until: float) -> bool:
         times = result.raw_times
         stats = self.op_stats
         if not result.done:
             result.started = time.perf_counter()
+            if launches and -1 in launches:
+                self._launch(bounds, launches[-1], -1)
         start = result.started
         for i in range(result.done, len(bounds)):
             b = bounds[i]
@@ -373,6 +449,8 @@ class CpuWorker(OpWorker):
                     self.ex.tensors[name] = view
                 else:
                     self.ex.execute(b)
+                if launches and i in launches:
+                    self._launch(bounds, launches[i], i)
             except DeepxError as e:
                 result.error, result.error_index = f"instruction {i + 1}: {e}", i
                 result.failed_at = (t0 - start) * 1e6
@@ -438,6 +516,8 @@ class CpuWorker(OpWorker):
             result.done = i
             if i < len(steps) and not paused:  # stopped part-way: when the failing step began
                 result.failed_at = ((ends[-1] if ends else start) - start) * 1e6
+            if not paused and self.ex.launched:
+                self._settle()
         if paused:
             return False
         self._count_prepared(prepared, start, ends)
@@ -470,7 +550,7 @@ class CpuWorker(OpWorker):
             return False
         total = 0
         for b in bounds:
-            if b.op.family == "io":
+            if b.op.family == "io" or b.op.family == "collective":  # (a collective waits for the other ranks)
                 return True
             repeat = repeat_count(b.instr) if b.instr.meta else 1  # checked already (check_instruction)
             if b.op.family == "matmul":  # m * k * n multiply-adds, for either operand read transposed

@@ -36,8 +36,8 @@ class Prepared:
     read: per tensor name the plan touches or was planned on (`names`), its meta before the program (None: absent)
     and whether it was a heap tensor. While those hold, the program checks the same way."""
 
-    __slots__ = ("__weakref__", "after", "bounds", "deletes", "graph", "heaped", "heavy", "metas", "names", "slots",
-                 "steps", "transient")
+    __slots__ = ("__weakref__", "after", "bounds", "deletes", "graph", "heaped", "heavy", "launches", "metas", "names",
+                 "slots", "steps", "transient")
 
     def __init__(self, names: tuple[str, ...], metas: list[TensorMeta | None], heaped: list[bool],
                  bounds: list[Bound], heavy: bool, deletes: tuple[tuple[int, str], ...], transient: set[int]) -> None:
@@ -50,6 +50,8 @@ class Prepared:
         self.transient = transient  # the transposes that become views
         self.after: list[bool] = []  # [whether a run leaves the metas of `names` as `metas`], worked out once
         self.graph: Any = None  # the executor's own record of the plan (op-cuda: its CUDA graph, opcuda.GraphSlot)
+        # where its collectives start (deepxd/comm.py, early_launches), set with `steps` where it has any
+        self.launches: dict[int, list[list[int]]] = {}
 
 
 class Plan:

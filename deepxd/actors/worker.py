@@ -292,6 +292,9 @@ class OpWorker(Actor):
                 await running.get()
                 continue
             output, transient = self._output, getattr(self.ex, "transient", None)
+            launched = getattr(self.ex, "launched", None)  # the long program's collectives under way
+            if launched is not None:
+                self.ex.launched = {}
             self._nested = True
             try:
                 await self.handle_nested(env)
@@ -300,6 +303,8 @@ class OpWorker(Actor):
                 self._output = output
                 if transient is not None:
                     self.ex.transient = transient
+                if launched is not None:
+                    self.ex.launched = launched
             ran += 1
 
     def _print(self, text: str) -> None:

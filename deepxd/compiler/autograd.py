@@ -956,6 +956,32 @@ def _broadcast_to(gr: Grad, g: str) -> dict[int, str]:
     return {0: gr.unbroadcast(g, gr.meta(0))}
 
 
+@rule("allreduce")
+def _allreduce(gr: Grad, g: str) -> dict[int, str]:
+    """dA = allreduce(g) with the same op (sum, mean): every rank's loss took every rank's A; max, min and product
+    have none"""
+    how, group = gr.arg(1), gr.arg(2)
+    if how not in ("sum", "mean"):
+        raise DeepxError(f"autograd: allreduce with op {how} has no gradient (op sum and mean have)")
+    return {0: gr.emit("allreduce", g, Param.var(how), Param.var(group))}
+
+
+@rule("allgather")
+def _allgather(gr: Grad, g: str) -> dict[int, str]:
+    """dA = reducescatter(g, sum): rank r's block of g summed over the ranks"""
+    return {0: gr.emit("reducescatter", g, Param.var(gr.arg(1)), Param.var("sum"), Param.var(gr.arg(2)))}
+
+
+@rule("reducescatter")
+def _reducescatter(gr: Grad, g: str) -> dict[int, str]:
+    """dA = allgather(g) (divided by world for op mean); max, min and product have none"""
+    world, how, group = gr.arg(1), gr.arg(2), gr.arg(3)
+    if how not in ("sum", "mean"):
+        raise DeepxError(f"autograd: reducescatter with op {how} has no gradient (op sum and mean have)")
+    out = gr.emit("allgather", g, Param.var(world), Param.var(group))
+    return {0: gr.emit("divscalar", out, float(world)) if how == "mean" else out}
+
+
 @rule("concat")
 def _concat(gr: Grad, g: str) -> dict[int, str]:
     """d tensors[k] = the slice of g along dim that tensors[k] filled"""

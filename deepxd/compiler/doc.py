@@ -30,6 +30,7 @@ _FAMILY_TITLES = {
     "conv": "Convolution",
     "attention": "Attention",
     "optim": "Optimizer updates",
+    "collective": "Collectives (process groups: docs/distributed.md)",
     "fused": "Fused elementwise (made by the compiler)",
 }
 

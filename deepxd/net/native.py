@@ -722,6 +722,12 @@ class NativeServer:
     async def _op_peer_read(self, req: dict[str, Any]) -> dict[str, Any]:
         return await self._peers().serve_read(req)
 
+    async def _op_coll_read(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A unit of a collective, for the next rank of a process group (deepxd/comm.py)."""
+        if self.node.comm is None:
+            raise DeepxError("this deepxd is not started: it runs no collectives")
+        return await self.node.comm.serve_read(req)
+
     def _peers(self) -> Any:
         if self.node.peers is None:
             raise DeepxError("this deepxd is not started: it has no peer links")

@@ -3,7 +3,7 @@
 flight, each reply's bytes received straight into the destination array.
 
     -> {id, op: "peer_read", name, handle, ctime, offset, length}     (length <= CHUNK_MAX)
-    <- {id, ok: true, offset, data: <length bytes>}                   (`data` last: see _recv_chunk)
+    <- {id, ok: true, offset, data: <length bytes>}                   (`data` last: see recv_chunk)
 
 The receiver checks each reply's fields and reads its bytes into place without a copy of its own; a reply that is
 not the expected chunk is read whole and unpacked (an error, or a peer that packed it otherwise).
@@ -82,7 +82,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def _recv_chunk(sock: socket.socket, dest: memoryview, rid: int, offset: int) -> None:
+def recv_chunk(sock: socket.socket, dest: memoryview, rid: int, offset: int) -> None:
     """One chunk reply into `dest`: its fields read and checked, then its bytes straight into place."""
     head = bytearray(HEADER.size)
     _recv_into(sock, memoryview(head))
@@ -143,7 +143,7 @@ def read_chunks(client: NativeClient, name: str, handle: str, ctime: str, dest: 
                                    "offset": offset, "length": length})
                 pending.append((sent, offset, length))
             rid, offset, length = pending.popleft()
-            _recv_chunk(client.sock, view[offset:offset + length], rid, offset)
+            recv_chunk(client.sock, view[offset:offset + length], rid, offset)
     except TimeoutError:
         raise DeepxError(f"{client.address} sent nothing for {client.sock.gettimeout()} s in the middle of the "
                          "transfer") from None

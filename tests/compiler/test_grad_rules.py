@@ -20,6 +20,7 @@ import torch
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
 from deepx_core.ir.ops import OPS
+from deepxd.comm import Collectives
 from deepxd.compiler.autograd import GRAD_RULES, grad_program, grad_rule, rule_formula, unfuse
 from tests.compiler.helpers import executor, program
 
@@ -329,7 +330,19 @@ CASES: dict[str, list[Case]] = {
         _fused("in1", {"a": r(2, 3), "b": r(3)}, "a b"),
     ],
     "dropout": [],  # checked apart: test_dropout_gradient_is_the_mask_scaled
+    # collectives, in a process group of one rank (SOLO): the identity, and so their gradients; their gradients over
+    # several ranks are checked against one process in tests/sdk/test_distributed.py
+    "allreduce": [c(f"allreduce (tensor<T>:a, var<string>:{how}, var<string>:default) -> (tensor<T>:y)",
+                    {"a": r(3, 4)}, "a", lambda t: t["a"].clone()) for how in ("sum", "mean")],
+    "allgather": [c("allgather (tensor<T>:a, var<int32>:1, var<string>:default) -> (tensor<T>:y)", {"a": r(2, 3)}, "a",
+                    lambda t: t["a"].clone())],
+    "reducescatter": [c(f"reducescatter (tensor<T>:a, var<int32>:1, var<string>:{how}, var<string>:default) -> "
+                        "(tensor<T>:y)", {"a": r(2, 3)}, "a", lambda t: t["a"].clone()) for how in ("sum", "mean")],
 }
+
+#: a process group of one rank, "default", as a daemon holds it (deepxd/comm.py)
+SOLO = Collectives()
+SOLO.formed("default", "solo", 0, [{"node": "here"}], 5.0)
 
 
 def _sliceassign_ref(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -358,6 +371,7 @@ def check(case: Case, dtype: str, rng: np.random.Generator) -> None:
             inputs[name] = spec.value
     fwd = program(case.text.replace("<T>", f"<{dtype}>"))
     ex = executor(inputs)
+    ex.collectives = SOLO
     ex.run_all(fwd)
     y = ex.get("y")
     up = rng.uniform(-1, 1, y.shape).astype(y.dtype)

@@ -11,7 +11,7 @@ import pytest
 
 from deepx_core.errors import DeepxError
 from deepxd.net.frames import pack_frame
-from deepxd.net.peerlink import LARGE_BIN, _recv_chunk, split_frame
+from deepxd.net.peerlink import LARGE_BIN, recv_chunk, split_frame
 
 
 def test_a_split_frame_is_the_packed_frame() -> None:
@@ -36,7 +36,7 @@ def received(reply: dict, want: int, rid: int = 1, offset: int = 0) -> np.ndarra
     sender = threading.Thread(target=a.sendall, args=(pack_frame(reply),))
     sender.start()
     try:
-        _recv_chunk(b, memoryview(dest.data).cast("B"), rid, offset)
+        recv_chunk(b, memoryview(dest.data).cast("B"), rid, offset)
     finally:
         sender.join()
         a.close()

@@ -697,16 +697,23 @@ def _fusedcolsum(rng, dt):
 # ---------------------------------------------------------------- checking
 
 
+#: ops with no CUDA kernel by design: the collectives run on op-cpu's ring (NCCL, their CUDA side, is not wired:
+#: docs/distributed.md, "Not yet")
+NO_CUDA = frozenset(name for name, d in OPS.items() if d.family == "collective")
+
+
 def _params() -> list[Any]:
     out = []
     for op in OPS:
+        if op in NO_CUDA:
+            continue
         for dt in ordered(OPS[op].dtypes):
             out.append(pytest.param(op, dt, id=f"{op}-{dt}"))
     return out
 
 
 def test_every_op_has_a_case():
-    missing = sorted(set(OPS) - set(CASES))
+    missing = sorted(set(OPS) - set(CASES) - NO_CUDA)
     assert not missing, f"ops with no CUDA test case in tests/gpu/test_kernels.py: {missing}"
 
 
@@ -714,7 +721,8 @@ def test_every_claimed_dtype_runs_on_the_device():
     """The catalogue's dtypes all have CUDA kernels (no op needs the CPU fallback for a dtype it claims)."""
     from deepxd.kernels.cuda import has_kernel, kernel_dtypes
 
-    lacking = {op: sorted(OPS[op].dtypes - kernel_dtypes(op)) for op in OPS if not has_kernel(op)}
+    lacking = {op: sorted(OPS[op].dtypes - kernel_dtypes(op)) for op in OPS if not has_kernel(op)
+               and op not in NO_CUDA}
     assert not lacking, f"claimed dtypes without a CUDA kernel: {lacking}"
 
 

@@ -32,6 +32,7 @@ from deepx_core.ir.effects import (
 )
 from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, UNKNOWN, SymbolicEnv, TensorMeta, bind, check_program, op, remove_op, same, t
+from deepxd.comm import Collectives
 from deepxd.kernels.cpu import CpuExecutor, check_instruction
 
 T, V, VEC, L = Param.tensor, Param.var, Param.vector, Param.listtensor
@@ -334,6 +335,13 @@ def _fused(rng: np.random.Generator, name: str) -> Built:
     return ({"a": rand(rng, s, dt), "b": rand(rng, s, dt)}, [L(["a", "b"]), V("in0 * in1 + 1", "string")], None)
 
 
+def _collective(rng: np.random.Generator, name: str) -> Built:
+    """A collective in SOLO, a process group of one rank (the identity)."""
+    how = V(str(rng.choice(["sum", "mean", "max", "min", "product"])), "string")
+    extra = {"allreduce": [how], "broadcast": [V(0)], "allgather": [V(1)], "reducescatter": [V(1), how]}[name]
+    return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), *extra, V("default", "string")], None
+
+
 def _matmultransposed(rng: np.random.Generator, name: str) -> Built:
     m, k, n = (int(x) for x in rng.integers(2, 5, 3))
     dt = fdtype(rng)
@@ -423,10 +431,17 @@ for _n in ("equal", "notequal"):
     BUILDERS[_n] = _compare2
 for _n in ("sum", "prod", "reducemax", "reducemin"):
     BUILDERS[_n] = _reduce
+for _n in ("allreduce", "broadcast", "allgather", "reducescatter"):
+    BUILDERS[_n] = _collective
+
+#: a process group of one rank, "default", as a daemon holds it: the executors' collectives
+SOLO = Collectives()
+SOLO.formed("default", "solo", 0, [{"node": "here"}], 5.0)
 
 
 def _executor(root: str, tensors: Tensors) -> CpuExecutor:
     ex = CpuExecutor(io_roots=[root], output=lambda text: None)
+    ex.collectives = SOLO
     for name, a in tensors.items():
         ex.put(name, a)
     return ex
@@ -461,7 +476,8 @@ def _returns(rng: np.random.Generator, root: str, name: str, tensors: Tensors, a
     if mode == 1:
         tensors["o"] = _changed_by(result)
         return [T("o")]
-    if mode == 2 and inputs and name not in ("copytensor", "todtype"):  # a copy onto itself writes nothing
+    if mode == 2 and inputs and name not in ("copytensor", "todtype") and OPS[name].family != "collective":
+        # (a copy onto itself writes nothing, nor does a collective of one rank)
         return [T(str(rng.choice(inputs)))]
     return [T("out", dtype)]
 
@@ -596,11 +612,12 @@ def test_effects_are_declared_or_derived_from_the_family_and_the_returns():
 
 def test_pure_ops_only_write_their_returns():
     """`effect.pure`, what dce drops, cse merges and a check remembers: every op but those that change the set of
-    tensors or variables and those that touch files or the output (the io family)."""
+    tensors or variables and those that touch files or the output (the io family) or the other ranks of a process
+    group (the collective family)."""
     impure = {n for n, o in OPS.items() if not o.effect.pure}
-    assert impure == {"newtensor", "deltensor", "renametensor", "argset", "vecset", "print", "save", "load",
-                      "loadtensordata"}
-    assert {n for n, o in OPS.items() if o.effect.io} == {"print", "save", "load", "loadtensordata"}
+    outside = {"print", "save", "load", "loadtensordata", "allreduce", "broadcast", "allgather", "reducescatter"}
+    assert impure == {"newtensor", "deltensor", "renametensor", "argset", "vecset", *outside}
+    assert {n for n, o in OPS.items() if o.effect.io} == outside
     assert OPS["copytensor"].effect.pure and OPS["uniform"].effect.pure and OPS["sgd"].effect.pure
 
 

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 # filter costs nothing per call, where np.errstate costs microseconds.
 warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"deepxd\.kernels\.cpu")
 
-#: families whose kernels take (executor, bound instruction)
-STORE_FAMILIES = frozenset({"life", "io"})
+#: families whose kernels take (executor, bound instruction): tensor life and files, and the collectives (which hand
+#: the instruction to the executor's `collectives`)
+STORE_FAMILIES = frozenset({"life", "io", "collective"})
 
 
 def _kernel(op: OpDef) -> Callable[..., None]:
@@ -274,6 +275,10 @@ class CpuExecutor:
         self.vectors: dict[str, tuple[Any, ...]] = {}
         self.io_roots = None if io_roots is None else [Path(r).resolve() for r in io_roots]
         self.output: Callable[[str], None] = output or (lambda text: log.info("%s", text))
+        # what runs the collective family (deepxd/comm.py, set by the op worker; None: none here), and the
+        # collectives the worker started ahead of their place in the program running, by id() of their instruction
+        self.collectives: Any = None
+        self.launched: dict[int, Any] = {}
 
     # -- the Env that instructions are checked against
     def var(self, name: str) -> Any:

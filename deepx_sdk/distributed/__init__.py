@@ -1,14 +1,16 @@
-"""deepx_sdk.distributed: torch.distributed's collectives for ranks on one host (docs/distributed.md).
+"""deepx_sdk.distributed: torch.distributed's collectives for CPU ranks (docs/distributed.md).
 
     import deepx_sdk.distributed as dist
     dist.init_process_group(world_size=2, rank=r)   # or WORLD_SIZE and RANK from the environment (torchrun's)
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
 
-The ranks meet through the storage plane of the daemons their sessions are connected to: one deepxd for every rank,
-or one deepxd each on one Redis. A collective is one request after the rank's pending program: each rank writes its
-contribution into a heap tensor of its own (made once and reused), the ranks meet at a barrier in the plane, and each
-rank's daemon then runs the reduction, a deepxIR program that names the other ranks' heap tensors, mapped without a
-copy (deepx_core/collectives.py, deepxd/groups.py).
+The ranks meet through the storage plane of the daemons their sessions are connected to. Where each rank has a
+daemon of its own (several deepxd on one Redis, on one host or several), a collective is an instruction of the
+catalogue (`allreduce`, `broadcast`, `allgather`, `reducescatter`) recorded into the rank's program like any op: the
+daemon runs it over a ring of peer links (deepxd/comm.py), autograd differentiates it, and dx.compile captures and
+replays it. Where ranks share a daemon, a collective is a request after the pending program: each rank writes its
+contribution into a heap tensor of its own, the ranks meet at a barrier in the plane, and each rank's daemon then
+runs the reduction over the others' heap tensors (deepx_core/collectives.py, deepxd/groups.py).
 """
 
 from __future__ import annotations
@@ -22,17 +24,27 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from deepx_core.collectives import ReduceOp, buffer_key, buffer_name, copy, heap_buffer, reduce_into
+from deepx_core.collectives import (
+    IR_OPS,
+    ReduceOp,
+    buffer_key,
+    buffer_name,
+    check_reduce,
+    copy,
+    heap_buffer,
+    reduce_into,
+)
 from deepx_core.errors import DeepxError
 from deepx_core.ir.instr import Instr, Param
 from deepx_sdk.session import Session, session
-from deepx_sdk.tensor import Tensor
+from deepx_sdk.tensor import Tensor, _tp
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Backend", "DistBackendError", "DistError", "ProcessGroup", "ReduceOp", "Work", "all_gather",
            "all_gather_into_tensor", "all_reduce", "barrier", "broadcast", "destroy_process_group", "get_backend",
-           "get_rank", "get_world_size", "init_process_group", "is_available", "is_initialized", "reduce_scatter"]
+           "get_rank", "get_world_size", "init_process_group", "is_available", "is_initialized", "reduce_scatter",
+           "reduce_scatter_tensor"]
 
 #: torch's default for CPU groups (gloo): a collective waits this long for the slowest rank
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -48,24 +60,35 @@ class DistBackendError(DistError):
 
 
 class Backend:
-    """The backends: `heap` (CPU ranks on one host, through heap tensors in shared memory). `gloo`, torch's CPU
-    backend, is accepted as its name in ported scripts."""
+    """The backends: `gloo` (torch's CPU backend's name, the default) picks `ring` where every rank has a deepxd of
+    its own, else `heap`; `ring` (collectives as instructions, over a ring of peer links between the ranks'
+    daemons) and `heap` (collectives as requests, meeting through heap tensors and a barrier in the storage plane)
+    ask for one."""
 
-    HEAP = "heap"
     GLOO = "gloo"
+    RING = "ring"
+    HEAP = "heap"
 
 
 class Work:
-    """What an `async_op=True` collective returns: deepx runs collectives when called, so it is complete."""
+    """What an `async_op=True` collective returns. A collective as a request runs when called (complete at once);
+    one as an instruction is in the rank's program, and wait() sends what is pending and raises its error."""
+
+    def __init__(self, group: ProcessGroup | None = None, what: str = "") -> None:
+        self.group, self.what, self.done = group, what, group is None
 
     def wait(self, timeout: Any = None) -> bool:
+        if not self.done:
+            self.done = True
+            assert self.group is not None
+            self.group.run_now(self.what)
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self.done
 
     def is_success(self) -> bool:
-        return True
+        return self.done
 
 
 class ProcessGroup:
@@ -73,9 +96,11 @@ class ProcessGroup:
     (every rank calls the same collectives in the same order, as in torch), and the buffers it made and read."""
 
     def __init__(self, s: Session, name: str, rank: int, world_size: int, timeout: float, gen: str,
-                 members: dict[int, dict[str, Any]]) -> None:
+                 members: dict[int, dict[str, Any]], instructions: bool = False) -> None:
         self.session, self.name, self.rank, self.world_size = s, name, rank, world_size
         self.timeout, self.gen, self.members = timeout, gen, members
+        # collectives as instructions of the rank's programs (its daemon runs them: the ring), else as requests
+        self.instructions = instructions
         self.seq = 0
         self.made: dict[str, None] = {}  # this rank's heap buffers (made once each)
         self.making: list[str] = []  # those the collective about to run makes
@@ -143,10 +168,47 @@ class ProcessGroup:
         if s.closed or s is not session():
             raise DistError(f"{what}: the session of process group {self.name!r} was closed or replaced "
                             "(dx.connect or dx.disconnect after init_process_group)")
-        if s.recorder.capture is not None:
-            raise DistError(f"{what} inside dx.compile: collectives are requests to the daemon, not instructions "
-                            "of the catalogue yet, so a captured step cannot replay them (docs/distributed.md)")
+        if s.recorder.capture is not None and not self.instructions:
+            raise DistError(f"{what} inside dx.compile: this group's ranks share a deepxd, so its collectives are "
+                            "requests to the daemon, not instructions of the program, and a captured step could "
+                            "not replay them; give each rank a deepxd of its own (docs/distributed.md)")
         return s
+
+    # -- collectives as instructions
+    def record(self, what: str, instrs: Sequence[Instr], written: Sequence[Tensor], async_op: bool = False
+               ) -> Work | None:
+        """Record a collective's instructions into the pending program (each writes a tensor of `written` in place,
+        outside autograd, as torch's collectives do); then, unless async_op or inside dx.compile, send what is
+        pending, so that the collective has run when this returns (and its failure raises here)."""
+        s = self.usable(what)
+        for t in written:
+            t._check_write(what)
+        rec = s.recorder
+        for instr in instrs:
+            rec.record(instr)
+        for t in written:
+            s.tape.wrote(t)
+        if async_op:
+            return Work(self, what)
+        if rec.capture is None:
+            self.run_now(what)
+        return None
+
+    def run_now(self, what: str) -> None:
+        """Send what is pending; a collective's failure there breaks the group (DistBackendError)."""
+        try:
+            self.session.sync()
+        except DeepxError as e:
+            if f"process group {self.name!r}" not in str(e):
+                raise
+            self.broken = str(e)
+            raise DistBackendError(str(e)) from None
+
+    def instr(self, op: str, src: Tensor, out: Tensor, *args: Any, bucket: int | None = None) -> Instr:
+        """The instruction `op (src, args..., group) -> (out)`."""
+        params = tuple(Param.var(a) for a in (*args, self.name))
+        meta = (("bucket", str(bucket)),) if bucket is not None else ()
+        return Instr(op, (_tp(src), *params), (_tp(out),), meta)
 
     def leave(self) -> None:
         """Meet the other ranks as they leave (unless the group is broken), then leave: this rank's buffers are
@@ -154,6 +216,11 @@ class ProcessGroup:
         s = self.session
         if s.closed:
             return
+        if self.instructions and self.broken is None:  # its last collectives may be pending: they run first
+            try:
+                self.run_now("destroy_process_group")
+            except DeepxError as e:
+                log.warning("destroy_process_group: %s", e)
         if self.broken is None and self.world_size > 1:
             try:
                 s.transport.group("barrier", {"group": self.name, "gen": self.gen, "rank": self.rank,
@@ -207,11 +274,12 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     """Join the default process group as `rank` of `world_size` (-1: RANK and WORLD_SIZE from the environment),
     through the current session's daemon; returns once every rank has joined (or raises after `timeout`, a
     timedelta or seconds: 30 minutes unless given, which also bounds each collective's wait for the slowest rank).
-    Rank 0 forms the group: a group formed again after a rank died is formed anew by rank 0 calling this again."""
+    Rank 0 forms the group: a group formed again after a rank died is formed anew by rank 0 calling this again.
+    `backend`: see Backend (None and "gloo" pick)."""
     global _group
-    if backend not in (None, Backend.HEAP, Backend.GLOO, "cpu:gloo", "cpu"):
-        raise DistError(f"init_process_group: backend {backend!r} is not available; deepx has 'heap' (CPU ranks on "
-                        "one host; 'gloo' is taken as its name): NCCL and GPU ranks are not supported yet "
+    if backend not in (None, Backend.GLOO, Backend.RING, Backend.HEAP, "cpu:gloo", "cpu"):
+        raise DistError(f"init_process_group: backend {backend!r} is not available; deepx has 'ring' and 'heap' for "
+                        "CPU ranks ('gloo' or none picks one): NCCL and GPU ranks are not supported yet "
                         "(docs/distributed.md)")
     if (init_method not in (None, "env://")) or store is not None:
         raise DistError("init_process_group: ranks meet through their daemons' storage plane; init_method and store "
@@ -231,8 +299,18 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         reply = s.transport.group("join", {"group": group_name, "world_size": world_size, "rank": rank,
                                            "pid": os.getpid(), "host": socket.gethostname(), "timeout": limit})
         members = {int(r): dict(m) for r, m in reply["members"].items()}
-        _group = ProcessGroup(s, group_name, rank, world_size, limit, str(reply["gen"]), members)
-        log.info("process group %r formed: rank %d of %d (gen %s)", group_name, rank, world_size, _group.gen)
+        ring = bool(reply.get("ring"))
+        if backend == Backend.RING and not ring:
+            nodes = [str(m.get("node")) for _, m in sorted(members.items())]
+            with contextlib.suppress(DeepxError):
+                s.transport.group("leave", {"group": group_name, "gen": str(reply["gen"]), "rank": rank})
+            raise DistError(f"init_process_group(backend='ring'): ranks share a deepxd (nodes {', '.join(nodes)}); "
+                            "the ring needs one deepxd per rank (backend='heap' or none for this layout)")
+        instructions = ring and backend != Backend.HEAP
+        _group = ProcessGroup(s, group_name, rank, world_size, limit, str(reply["gen"]), members, instructions)
+        log.info("process group %r formed: rank %d of %d (gen %s); collectives %s", group_name, rank, world_size,
+                 _group.gen, "as instructions, run by the daemons over a ring of peer links" if instructions else
+                 "as requests, meeting through heap tensors in the storage plane")
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
@@ -273,8 +351,7 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
-    _default(group, "get_backend")
-    return Backend.HEAP
+    return Backend.RING if _default(group, "get_backend").instructions else Backend.HEAP
 
 
 def _same(what: str, tensors: Sequence[Tensor], like: Tensor) -> None:
@@ -292,15 +369,21 @@ def all_reduce(tensor: Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | Non
                ) -> Work | None:
     """Reduce `tensor` over the ranks, in place on every rank."""
     g = _begin(group, "all_reduce")
-    all_reduce_coalesced([tensor], op, g)
-    return _done(async_op)
+    return all_reduce_coalesced([tensor], op, g, async_op)
 
 
 def all_reduce_coalesced(tensors: Sequence[Tensor], op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
-                         async_op: bool = False) -> Work | None:
-    """all_reduce of each of `tensors`, at one barrier (DistributedDataParallel's gradients, a step's all at once)."""
+                         async_op: bool = False, bucket: int | None = None) -> Work | None:
+    """all_reduce of each of `tensors`, in one go (DistributedDataParallel's gradients): as instructions, one ring
+    pass over them all (one bucket: `bucket`, or a mark of their own, tells the daemon so), else at one barrier."""
     g = _begin(group, "all_reduce")
     reduce = ReduceOp.of(op)
+    if g.instructions:
+        for t in tensors:
+            check_reduce(reduce, t.dtype)
+        mark = bucket if bucket is not None or len(tensors) < 2 else -1
+        instrs = [g.instr("allreduce", t, t, IR_OPS[reduce], bucket=mark) for t in tensors]
+        return g.record("all_reduce", instrs, tensors, async_op)
     if g.world_size == 1:
         for t in tensors:
             reduce_into(reduce, [t.name], t.name, t.dtype, 1)  # refuses what it would refuse with more ranks
@@ -317,17 +400,21 @@ def all_reduce_coalesced(tensors: Sequence[Tensor], op: Any = ReduceOp.SUM, grou
 
 def broadcast(tensor: Tensor, src: int, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Every rank's `tensor` takes rank `src`'s values."""
-    broadcast_coalesced([tensor], src, group)
-    return _done(async_op)
+    return broadcast_coalesced([tensor], src, group, async_op)
 
 
-def broadcast_coalesced(tensors: Sequence[Tensor], src: int, group: ProcessGroup | None = None) -> None:
-    """broadcast of each of `tensors` from rank `src`, at one barrier (DistributedDataParallel's parameters)."""
+def broadcast_coalesced(tensors: Sequence[Tensor], src: int, group: ProcessGroup | None = None,
+                        async_op: bool = False) -> Work | None:
+    """broadcast of each of `tensors` from rank `src`, in one go (DistributedDataParallel's parameters)."""
     g = _begin(group, "broadcast")
     if not 0 <= src < g.world_size:
         raise DistError(f"broadcast: src {src} is not a rank of the group (world_size {g.world_size})")
+    if g.instructions:
+        mark = -1 if len(tensors) > 1 else None
+        return g.record("broadcast", [g.instr("broadcast", t, t, int(src), bucket=mark) for t in tensors], tensors,
+                        async_op)
     if g.world_size == 1:
-        return
+        return None
     before: list[Instr] = []
     then: list[Instr] = []
     for slot, t in enumerate(tensors):
@@ -337,6 +424,7 @@ def broadcast_coalesced(tensors: Sequence[Tensor], src: int, group: ProcessGroup
         else:
             then.append(copy(g.buffer(src, key), t.name, t.dtype))
     g.meet("broadcast", before, then, tensors if g.rank != src else ())
+    return _done(async_op)
 
 
 def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: ProcessGroup | None = None, async_op: bool = False
@@ -346,6 +434,14 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: ProcessGroup | 
     if len(tensor_list) != g.world_size:
         raise DistError(f"all_gather: tensor_list has {len(tensor_list)} tensors; the group has {g.world_size} ranks")
     _same("all_gather", tensor_list, tensor)
+    if g.instructions:  # gathered along a new first dim, then one tensor each
+        s = g.usable("all_gather")
+        joined = _gathered(g, tensor.reshape(1, *tensor.shape))
+        for r, t in enumerate(tensor_list):
+            t._check_write("all_gather")
+            s.recorder.record(Instr("copytensor", (_tp(joined[r]),), (_tp(t),)))
+            s.tape.wrote(t)
+        return g.record("all_gather", [], [], async_op)
     key = buffer_key(tensor.dtype, tensor.shape)
     own = [copy(tensor.name, tensor_list[g.rank].name, tensor.dtype)] if tensor_list[g.rank] is not tensor else []
     if g.world_size == 1:
@@ -368,6 +464,9 @@ def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: P
                         f" it must be {t.dtype}{list(want)}")
     if not t.shape:
         raise DistError("all_gather_into_tensor: input_tensor is 0-d; give it a dimension (t.reshape(1))")
+    if g.instructions:
+        return g.record("all_gather_into_tensor", [g.instr("allgather", t, output_tensor, g.world_size)],
+                        [output_tensor], async_op)
     if g.world_size == 1:
         g.usable("all_gather_into_tensor").recorder.record(copy(t.name, output_tensor.name, t.dtype))
         return _done(async_op)
@@ -389,6 +488,17 @@ def reduce_scatter(output: Tensor, input_list: list[Tensor], op: Any = ReduceOp.
         raise DistError(f"reduce_scatter: input_list has {len(input_list)} tensors; the group has {g.world_size} "
                         "ranks")
     _same("reduce_scatter", input_list, output)
+    if g.instructions:
+        check_reduce(reduce, output.dtype)
+        s = g.usable("reduce_scatter")
+        from deepx_sdk.tensor import stack
+
+        joined = stack(list(input_list)) if output.shape else stack([t.reshape(1) for t in input_list])
+        one = _scattered(g, joined, reduce)
+        output._check_write("reduce_scatter")
+        s.recorder.record(Instr("copytensor", (_tp(one.reshape(output.shape)),), (_tp(output),)))
+        s.tape.wrote(output)
+        return g.record("reduce_scatter", [], [], async_op)
     if g.world_size == 1:
         for instr in reduce_into(reduce, [input_list[0].name], output.name, output.dtype, 1):
             g.usable("reduce_scatter").recorder.record(instr)
@@ -401,6 +511,41 @@ def reduce_scatter(output: Tensor, input_list: list[Tensor], op: Any = ReduceOp.
     sources = [input_list[g.rank].name if r == g.rank else g.buffer(r, key) for r in range(g.world_size)]
     g.meet("reduce_scatter", before, reduce_into(reduce, sources, output.name, output.dtype, g.world_size), [output])
     return _done(async_op)
+
+
+def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+    """`output` on rank r takes block r (along dim 0, of world_size) of the ranks' `input` reduced (torch's)."""
+    g = _begin(group, "reduce_scatter_tensor")
+    reduce = ReduceOp.of(op)
+    check_reduce(reduce, input.dtype)
+    want = ((input.shape[0] if input.shape else 1) // g.world_size, *input.shape[1:])
+    if not input.shape or input.shape[0] % g.world_size or output.shape != want or output.dtype != input.dtype:
+        raise DistError(f"reduce_scatter_tensor: input is {input.dtype}{list(input.shape)}: its first dim must "
+                        f"split into {g.world_size} blocks, and output ({output.dtype}{list(output.shape)}) be one")
+    if g.instructions:
+        return g.record("reduce_scatter_tensor",
+                        [g.instr("reducescatter", input, output, g.world_size, IR_OPS[reduce])], [output], async_op)
+    return reduce_scatter(output, [input[r * want[0]:(r + 1) * want[0]] for r in range(g.world_size)], reduce, g,
+                          async_op)
+
+
+def _gathered(g: ProcessGroup, t: Tensor) -> Tensor:
+    """A new tensor: the ranks' `t` joined along dim 0 (the allgather instruction)."""
+    from deepx_sdk.tensor import _emit
+
+    s = g.usable("all_gather")
+    return _emit(s, "allgather", (_tp(t), Param.var(g.world_size), Param.var(g.name)),
+                 (t.shape[0] * g.world_size, *t.shape[1:]), t.dtype, 3)
+
+
+def _scattered(g: ProcessGroup, t: Tensor, reduce: ReduceOp) -> Tensor:
+    """A new tensor: this rank's block of the ranks' `t` reduced (the reducescatter instruction)."""
+    from deepx_sdk.tensor import _emit
+
+    s = g.usable("reduce_scatter")
+    return _emit(s, "reducescatter", (_tp(t), Param.var(g.world_size), Param.var(IR_OPS[reduce]),
+                                      Param.var(g.name)), (t.shape[0] // g.world_size, *t.shape[1:]), t.dtype, 3)
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
