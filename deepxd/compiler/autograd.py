@@ -116,6 +116,11 @@ class Grad:
         fresh output's name."""
         return self._builder.emit(op, args, dtype=dtype)
 
+    def emit_all(self, op: str, *args: Any) -> list[str]:
+        """Append `op (args) -> (fresh, fresh, ...)`, one fresh name for each of the op's returns (a gradient op that
+        gives several gradients at once); returns their names."""
+        return self._builder.emit_all(op, args)
+
     def unbroadcast(self, g: str, meta: TensorMeta) -> str:
         return self._builder.unbroadcast(g, meta)
 
@@ -456,6 +461,15 @@ class _Builder:
         self.created.add(name)
         return name
 
+    def emit_all(self, op: str, args: Sequence[Any]) -> list[str]:
+        params = tuple(self._param(a) for a in args)
+        names = [self.fresh() for _ in OPS[op].returns]
+        probe = bind(Instr(op, params, tuple(Param.tensor(n) for n in names)), self.sym)
+        self.append(Instr(op, params, tuple(Param.tensor(n, m.dtype) for n, m in zip(names, probe.outs)
+                                            if m is not None)))
+        self.created.update(names)
+        return names
+
     def filled(self, meta: TensorMeta, value: float) -> str:
         name = self.fresh()
         out = (Param.tensor(name, meta.dtype),)
@@ -544,6 +558,10 @@ def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, g
         if fn is None:
             raise DeepxError(f"autograd: op '{name}' has no gradient rule, and it lies between {sorted(wrt)} and the "
                              f"loss '{loss}'")
+        if node.outs[0] not in grads:  # a norm's statistics: only the first result carries a gradient
+            held = node.b.out_names[outs_with_grad[0]]
+            raise DeepxError(f"autograd: the loss '{loss}' depends on result '{held}' of {name}, which carries no "
+                             "gradient (only its first result does)")
         g = grads[node.outs[0]]  # type: ignore[index]
         result = fn(Grad(bld, node), g)
         for i, gi in result.items():
@@ -1182,6 +1200,41 @@ def _maxpool2d(gr: Grad, g: str) -> dict[int, str]:
 def _sumpool2d(gr: Grad, g: str) -> dict[int, str]:
     """dA = sumpool2dgrad(g): each input position gets g summed over the windows that read it"""
     return {0: gr.emit("sumpool2dgrad", g, gr.meta(0).shape, gr.arg(1), gr.arg(2), gr.arg(3))}
+
+@rule("batchnorm")
+def _batchnorm(gr: Grad, g: str) -> dict[int, str]:
+    """dA, dweight, dbias = batchnormgrad(A, g, weight, mean, var) from the forward's statistics: with xh = (A - mean)
+    / sqrt(var + eps), dbias = sum(g), dweight = sum(g xh) (over all but dim 1), dA = weight / sqrt(var + eps)
+    (g - dbias / n - xh dweight / n)"""
+    return _norm_grads(gr, gr.emit_all("batchnormgrad", gr.x(0), g, gr.x(1), gr.y(1), gr.y(2), float(gr.arg(3))))
+
+
+@rule("groupnorm")
+def _groupnorm(gr: Grad, g: str) -> dict[int, str]:
+    """dA, dweight, dbias = groupnormgrad(A, g, weight, mean, var) from the forward's statistics: with xh = (A - mean)
+    / sqrt(var + eps) and d = g weight, dA = (d - mean(d) - xh mean(d xh)) / sqrt(var + eps) over each group;
+    dweight = sum(g xh), dbias = sum(g)"""
+    return _norm_grads(gr, gr.emit_all("groupnormgrad", gr.x(0), g, gr.x(1), gr.y(1), gr.y(2), int(gr.arg(3)),
+                                       float(gr.arg(4))))
+
+
+def _norm_grads(gr: Grad, grads: list[str]) -> dict[int, str]:
+    """The gradients of a norm's A, weight and bias (those that need one) from its gradient op's three results."""
+    return {i: name for i, name in enumerate(grads) if gr.needs(i)}
+
+
+@rule("interpnearest")
+def _interpnearest(gr: Grad, g: str) -> dict[int, str]:
+    """dA = interpnearestgrad(g): each input position gets g summed over the outputs that read it"""
+    return {0: gr.emit("interpnearestgrad", g, gr.meta(0).shape, float(gr.arg(2)), float(gr.arg(3)))}
+
+
+@rule("interpbilinear")
+def _interpbilinear(gr: Grad, g: str) -> dict[int, str]:
+    """dA = interpbilineargrad(g): each output's g scattered to its 2 x 2 source neighbours with their weights"""
+    return {0: gr.emit("interpbilineargrad", g, gr.meta(0).shape, bool(gr.arg(2)), float(gr.arg(3)),
+                       float(gr.arg(4)))}
+
 
 @rule("rmsnorm")
 def _rmsnorm(gr: Grad, g: str) -> dict[int, str]:

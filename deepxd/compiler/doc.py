@@ -28,6 +28,8 @@ _FAMILY_TITLES = {
     "sort": "Sort",
     "nn": "Neural-network ops",
     "conv": "Convolution",
+    "norm": "Batch and group norm",
+    "resize": "Resizing (interpolate)",
     "optim": "Optimizer updates",
     "fused": "Fused elementwise (made by the compiler)",
 }

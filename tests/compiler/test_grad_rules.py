@@ -299,6 +299,32 @@ CASES: dict[str, list[Case]] = {
                     lambda t, k=k, st=st, d=d, ch=a[1]: torch.nn.functional.conv2d(
                         t["a"], torch.ones((ch, 1, *k), dtype=t["a"].dtype), stride=st, dilation=d, groups=ch))
                   for a, k, st, d in [((2, 3, 7, 6), (3, 2), (2, 1), (1, 2)), ((1, 2, 6, 6), (2, 2), (2, 2), (1, 1))]],
+    "batchnorm": [c("batchnorm (tensor<T>:a, tensor<T>:w, tensor<T>:b, var<float64>:1e-5) -> (tensor<T>:y, tensor:m, "
+                    "tensor:v)", {"a": r(*a, lo=-2, hi=3), "w": r(a[1]), "b": r(a[1])}, wrt,
+                    lambda t: TF.batch_norm(t["a"], None, None, t["w"], t["b"], training=True))
+                  for a, wrt in [((4, 3, 5, 6), "a w b"), ((7, 5), "a w b"), ((2, 6, 9), "a"),
+                                 ((3, 2, 3, 1, 2), "w b")]],
+    "groupnorm": [c(f"groupnorm (tensor<T>:a, tensor<T>:w, tensor<T>:b, var<int32>:{k}, var<float64>:1e-5) -> "
+                    "(tensor<T>:y, tensor:m, tensor:v)", {"a": r(*a, lo=-2, hi=3), "w": r(a[1]), "b": r(a[1])}, wrt,
+                    lambda t, k=k: TF.group_norm(t["a"], k, t["w"], t["b"]))
+                  for a, k, wrt in [((3, 6, 5, 4), 2, "a w b"), ((2, 4, 7), 4, "a w b"), ((5, 3, 2, 3), 1, "a"),
+                                    ((2, 6, 3), 3, "w b")]],
+    "interpnearest": [c(f"interpnearest (tensor<T>:a, {vecs(size)}, var<float64>:{sh}, var<float64>:{sw}) -> "
+                        "(tensor<T>:y)", {"a": r(*a)}, "a",
+                        lambda t, size=size, sh=sh, sw=sw: TF.interpolate(
+                            t["a"], **({"size": size} if not sh else {"scale_factor": (sh, sw)}), mode="nearest"))
+                      for a, size, sh, sw in [((2, 3, 5, 7), (9, 4), 0, 0), ((1, 2, 4, 3), (10, 7), 2.5, 2.5),
+                                              ((2, 1, 6, 6), (3, 12), 0.5, 2.0)]],
+    "interpbilinear": [c(f"interpbilinear (tensor<T>:a, {vecs(size)}, var<bool>:{str(ac).lower()}, var<float64>:{sh}, "
+                         f"var<float64>:{sw}) -> (tensor<T>:y)", {"a": r(*a)}, "a",
+                         lambda t, size=size, sh=sh, sw=sw, ac=ac: TF.interpolate(
+                             t["a"], **({"size": size} if not sh else {"scale_factor": (sh, sw)}), mode="bilinear",
+                             align_corners=ac))
+                       for a, size, ac, sh, sw in [((2, 3, 5, 7), (9, 4), False, 0, 0),
+                                                   ((2, 3, 5, 7), (9, 4), True, 0, 0),
+                                                   ((1, 2, 4, 3), (10, 7), False, 2.5, 2.5),
+                                                   ((2, 1, 6, 6), (3, 12), False, 0.5, 2.0),
+                                                   ((1, 1, 1, 5), (1, 8), True, 0, 0)]],
     "rmsnorm": [c("rmsnorm (tensor<T>:a, tensor<T>:w, var<float64>:1e-6) -> (tensor<T>:y)",
                   {"a": r(*a, lo=-2, hi=2), "w": r(*w)}, "a w", _norm_ref("rmsnorm", 1e-6, len(w)))
                 for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]],
@@ -496,3 +522,14 @@ def test_a_rule_that_needs_an_overwritten_input_names_it(rng):
         with pytest.raises(DeepxError, match="layernorm needs the value of 'a', which the forward program overwrites"):
             grad_program(fwd, "y", wrt, ex, grad_loss="up")
     grad_program(fwd, "y", ["b"], ex, grad_loss="up")  # the bias's does not
+
+
+def test_a_norm_s_statistics_carry_no_gradient_and_say_so(rng):
+    fwd = program("""
+        batchnorm (tensor<float64>:a, tensor<float64>:w, tensor<float64>:b) -> (tensor<float64>:y, tensor:m, tensor:v)
+        sum (tensor<float64>:m, vector<int32>:[]) -> (tensor<float64>:loss)
+    """)
+    ex = executor({"a": rng.uniform(-1, 1, (4, 3)), "w": np.ones(3), "b": np.zeros(3)})
+    ex.run_all(fwd)
+    with pytest.raises(DeepxError, match="depends on result 'm' of batchnorm, which carries no gradient"):
+        grad_program(fwd, "loss", ["a"], ex)
