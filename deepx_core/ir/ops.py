@@ -1187,7 +1187,7 @@ op("batchnormupdate", "norm", [t("running_mean"), t("running_var"), t("mean", _S
    [t("running_mean"), t("running_var")], _F, _batchnormupdate,
    "the running statistics, in place, as torch's training batch norm updates them: running_mean = momentum * mean + "
    "(1 - momentum) * running_mean, running_var likewise with var * count / (count - 1) (the unbiased variance of "
-   "count values per channel); computed in float64, rounded once", deepxir=False, effect=FILLS)
+   "count values per channel); computed in float64, rounded once", deepxir=False, effect=FILLS, alias_safe=True)
 op("groupnorm", "norm", [_A, t("weight"), t("bias"), v("groups", "int"), v("eps", default=1e-5)],
    [_C, t("mean", _STATS), t("var", _STATS)], _F, _groupnorm,
    "A (N, C, ...) normalised over each sample's group of C / groups channels (and the spatial dims), then * weight + "

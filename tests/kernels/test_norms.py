@@ -5,7 +5,10 @@ and their refusals."""
 
 from __future__ import annotations
 
+import importlib
 import math
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -201,3 +204,21 @@ def test_batch_statistics_of_an_empty_batch_are_nan():
     run(ex, "batchnorm", [T("x"), T("w"), T("b")], [T("y"), T("m"), T("v")])
     assert ex.get("y").shape == (0, 3, 2)
     assert all(math.isnan(v) for v in ex.get("m"))
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the modules are compiled on a GPU machine")
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+@pytest.mark.parametrize("module", ["norm", "resize"])
+def test_the_cuda_modules_compile(module, dtype, tmp_path):
+    """The CUDA kernels of these ops (deepxd/kernels/cuda/norm.py, resize.py) compile for sm_90 as the executor
+    compiles them; tests/gpu/test_kernels.py runs them against these CPU kernels."""
+    mod = importlib.import_module(f"deepxd.kernels.cuda.{module}")
+    path = tmp_path / f"{module}.cu"
+    path.write_text(mod.source(dtype))
+    done = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-o", str(tmp_path / "m.cubin"),
+                           str(path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert OPS["batchnorm"].family == "norm" and OPS["interpbilinear"].family == "resize"
