@@ -1,8 +1,8 @@
 """Resizing as torch's interpolate on the CPU: nearest and bilinear over the last two dims of (N, C, H, W), one dim at
 a time (both are separable). The source positions and weights are torch's, in its arithmetic: float32 for every dtype
 but float64 (nearest: always float32), `index_weights`. The gradients add each output's gradient back to its sources:
-the source indices never decrease along a dim, so the outputs that share one are neighbours and one
-`np.add.reduceat` per dim sums them.
+the source indices never decrease along a dim, so the outputs that share one are neighbours, gathered a run's k-th
+at a time (`_add_back`).
 """
 
 from __future__ import annotations
@@ -61,26 +61,36 @@ def _shape(w: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _add_back(g: np.ndarray, index: np.ndarray, weight: np.ndarray | None, axis: int, n_in: int) -> np.ndarray:
-    """The sum, for each source index along `axis`, of g (times its weight) over the outputs that read it."""
-    shape = list(g.shape)
-    shape[axis] = n_in
-    out = np.zeros(shape, g.dtype)
-    if g.size == 0:
-        return out
+    """The sum, for each source index along `axis`, of g (times its weight) over the outputs that read it. The
+    outputs of one source are a run of neighbours (the indices never decrease): the k-th of every run is gathered at
+    once (np.take), for k up to the longest run, and added in the outputs' order."""
     parts = g if weight is None else g * _shape(weight, axis)
-    starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
-    sums = np.add.reduceat(parts, starts, axis=axis)
-    where: list[slice | np.ndarray] = [slice(None)] * 4
-    where[axis] = index[starts]
-    out[tuple(where)] += sums
+    sources = np.arange(n_in)
+    starts = np.searchsorted(index, sources, "left")
+    counts = np.searchsorted(index, sources, "right") - starts
+    shape = [1, 1, 1, 1]
+    shape[axis] = n_in
+    out: np.ndarray | None = None
+    for k in range(int(counts.max(initial=0))):
+        have = counts > k
+        part = np.take(parts, np.where(have, starts + k, 0), axis=axis)
+        if not have.all():
+            part = np.where(have.reshape(shape), part, parts.dtype.type(0))
+        if out is None:
+            out = part
+        else:
+            out += part
+    if out is None:
+        full = list(g.shape)
+        full[axis] = n_in
+        return np.zeros(full, g.dtype)
     return out
 
 
 def interpnearest(a, size, scale_h, scale_w, out):
     h, w = a.shape[2:]
-    rows = nearest_index(h, int(size[0]), scale_h)
-    cols = nearest_index(w, int(size[1]), scale_w)
-    out[...] = a[:, :, rows[:, None], cols[None, :]]
+    rows = np.take(a, nearest_index(w, int(size[1]), scale_w), axis=3)
+    np.take(rows, nearest_index(h, int(size[0]), scale_h), axis=2, out=out)
 
 
 def interpnearestgrad(g, input_shape, scale_h, scale_w, out):
@@ -100,12 +110,20 @@ def interpbilinear(a, size, align_corners, scale_h, scale_w, out):
     dt = _compute(a.dtype)
     x = _work(a).astype(dt, copy=False)
     lo, hi, wlo, whi = linear_weights(w, int(size[1]), bool(align_corners), scale_w, dt)
-    t = x[:, :, :, lo] * wlo
-    t += x[:, :, :, hi] * whi
+    t = np.take(x, lo, axis=3)
+    t *= wlo
+    far = np.take(x, hi, axis=3)
+    far *= whi
+    t += far
     lo, hi, wlo, whi = linear_weights(h, int(size[0]), bool(align_corners), scale_h, dt)
-    y = t[:, :, lo] * wlo[:, None]
-    y += t[:, :, hi] * whi[:, None]
-    out[...] = y
+    y = out if out.dtype == dt else np.empty(out.shape, dt)
+    np.take(t, lo, axis=2, out=y)
+    y *= wlo[:, None]
+    far = np.take(t, hi, axis=2)
+    far *= whi[:, None]
+    y += far
+    if y is not out:
+        out[...] = y
 
 
 def interpbilineargrad(g, input_shape, align_corners, scale_h, scale_w, out):
