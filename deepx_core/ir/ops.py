@@ -459,6 +459,15 @@ def _along_dim(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(a.shape, a.dtype)]
 
 
+def _cumprodgrad(c: Call) -> list[TensorMeta | None]:
+    a, g = c.args[0], c.args[1]
+    norm_dim(c.op.name, c.args[2], len(a.shape), scalar_ok=True)
+    if g.shape != a.shape or g.dtype != a.dtype:
+        raise DeepxError(f"cumprodgrad: the gradient '{c.names[1]}' is {g.dtype}{list(g.shape)}; expected "
+                         f"{a.dtype}{list(a.shape)}, as '{c.names[0]}'")
+    return [TensorMeta(a.shape, a.dtype)]
+
+
 def _argsort(c: Call) -> list[TensorMeta | None]:
     a = c.args[0]
     norm_dim(c.op.name, c.args[1], len(a.shape), scalar_ok=True)
@@ -1126,6 +1135,12 @@ op("argmax", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("
 op("cumsum", "reduce", [_A, v("dim", "int"), v("reverse", "bool", False)], [_C], NUMERIC, _along_dim,
    "running sums along dim, from the end where reverse (low-precision floats add in float32, float32 in float64, "
    "integers in int64, then round into C)", grad=True, deepxir=False)
+op("cumprod", "reduce", [_A, v("dim", "int")], [_C], NUMERIC, _along_dim,
+   "running products along dim (low-precision floats multiply in float32, float32 in float64, integers in int64, "
+   "then round into C)", grad=True, deepxir=False)
+op("cumprodgrad", "reduce", [_A, t("G"), v("dim", "int")], [t("dA")], FLOATS, _cumprodgrad,
+   "cumprod's gradient for its input A from the gradient G of its result: dA[i] = the sum over j >= i of G[j] times "
+   "the product of A[k] for k <= j, k != i (along dim; right where A holds zeros, as torch's)", deepxir=False)
 op("argsort", "sort", [_A, v("dim", "int", -1), v("descending", "bool", False)], [t("B", frozenset({"int64"}))],
    NUMERIC, _argsort, "the indices that sort A along dim, ascending or descending; stable (ties keep their order) "
    "with nan the largest and -0.0 equal to 0.0, as torch.sort(stable=True)", deepxir=False)

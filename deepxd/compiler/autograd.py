@@ -921,6 +921,12 @@ def _cumsum(gr: Grad, g: str) -> dict[int, str]:
     return {0: gr.emit("cumsum", g, int(gr.arg(1)), not gr.arg(2))}
 
 
+@rule("cumprod")
+def _cumprod(gr: Grad, g: str) -> dict[int, str]:
+    """dA = cumprodgrad(A, g): dA[i] = the sum over j >= i of g[j] prod(A[k], k <= j, k != i)"""
+    return {0: gr.emit("cumprodgrad", gr.x(0), g, int(gr.arg(1)))}
+
+
 @rule("reducemax", "reducemin")
 def _reducemaxmin(gr: Grad, g: str) -> dict[int, str]:
     """dA = g shared evenly between the elements equal to the result (as torch.amax and amin do)"""

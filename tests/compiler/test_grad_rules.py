@@ -215,6 +215,11 @@ CASES: dict[str, list[Case]] = {
                  lambda t, d=d, rev=rev: t["a"].flip(d).cumsum(d).flip(d) if rev == "true" else t["a"].cumsum(d))
                for s, d, rev in [((3, 4), 1, "false"), ((2, 3, 4), -2, "true"), ((5,), 0, "false"),
                                  ((2, 6), -1, "true")]],
+    "cumprod": [c(f"cumprod (tensor<T>:a, var<int32>:{d}) -> (tensor<T>:y)", {"a": a}, "a",
+                  lambda t, d=d: t["a"].cumprod(d))
+                for a, d in [(r(3, 4, lo=0.5, hi=1.5), 1), (r(2, 3, 4), -2), (r(5), 0),
+                             (Fixed(np.array([[0.5, 0.0, 1.5, -0.7, 0.0], [1.2, 0.9, 0.0, 1.1, 0.8]])), 1),
+                             (Fixed(np.array([[0.0, 0.5], [1.5, 0.0], [0.7, 2.0]])), 0)]],
     "reshape": [c(f"reshape (tensor<T>:a, {vecs(s)}) -> (tensor<T>:y)", {"a": r(2, 3, 4)}, "a",
                   lambda t, s=s: t["a"].reshape(s)) for s in [(6, 4), (24,), (4, -1, 2)]],
     "transpose": [c(f"transpose (tensor<T>:a, {vecs(p)}) -> (tensor<T>:y)", {"a": r(2, 3, 4)}, "a",

@@ -424,6 +424,22 @@ def _cumsum(rng, dt):
                  scale="max")]
 
 
+@case("cumprod", "cumprodgrad")
+def _cumprod(rng, dt):
+    """Rows, columns and a middle dim; zeros in the gradient's input (the first zero of a column is special)."""
+    out = []
+    for shape, dim in [((3, 700), 1), ((40, 20), -1), ((4, 6, 5), 1), ((0, 7), 0)]:
+        lo, hi = (0, 2) if is_int(dt) else (0.8, 1.25)  # products that stay in range
+        a = r(rng, dt, shape, lo, hi)
+        if not is_int(dt) and a.size:
+            a.reshape(-1)[rng.integers(0, a.size, max(1, a.size // 50))] = 0
+        out.append(one("cumprod", {"A": a}, [T("A"), V(dim)], scale="max"))
+        if not is_int(dt):
+            out.append(one("cumprodgrad", {"A": a, "G": r(rng, dt, shape, -1, 1)}, [T("A"), T("G"), V(dim)],
+                           scale="max"))
+    return out
+
+
 def _sortable(rng, dt, shape):
     """Many ties (a small range), and for floats nan, infinities and both zeros among them."""
     a = r(rng, dt, shape, -3, 3)

@@ -256,6 +256,16 @@ def _cumsum(rng: np.random.Generator, name: str) -> Built:
                                                          V(bool(rng.random() < 0.5))], None)
 
 
+def _cumprod(rng: np.random.Generator, name: str) -> Built:
+    s, dt = shape2(rng), fdtype(rng)
+    tensors = {"a": rand(rng, s, dt)}
+    args = [T("a")]
+    if name == "cumprodgrad":
+        tensors["g"] = rand(rng, s, dt)
+        args.append(T("g"))
+    return tensors, [*args, V(int(rng.integers(-2, 2)))], None
+
+
 def _softmax(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(int(rng.integers(0, 2)))], None
 
@@ -411,6 +421,7 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "layernorm": _norm, "rmsnorm": _norm, "slice": _slice, "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
+    "cumprod": _cumprod, "cumprodgrad": _cumprod,
     "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,
     "conv2d": _conv, "conv2dgradinput": _conv, "conv2dgradweight": _conv,
     "maxpool2d": _pool, "maxpool2dgrad": _pool, "sumpool2d": _pool, "sumpool2dgrad": _pool,
