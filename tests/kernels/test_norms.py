@@ -222,3 +222,22 @@ def test_the_cuda_modules_compile(module, dtype, tmp_path):
                            str(path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert OPS["batchnorm"].family == "norm" and OPS["interpbilinear"].family == "resize"
+
+
+@pytest.mark.parametrize("name", ["batchnorm", "groupnorm"])
+def test_results_written_over_their_inputs_are_right(rng, name):
+    """A result named as an input (the kernels compute in their output's buffer): the same values as fresh names."""
+    x, gy = rand(rng, "float64", (3, 4, 5), -2, 2), rand(rng, "float64", (3, 4, 5), -1, 1)
+    w, b = rand(rng, "float64", (4,), 0.5, 1.5), rand(rng, "float64", (4,), -1, 1)
+    extra = [V(2)] if name == "groupnorm" else []
+    fresh = executor(x=x, w=w, b=b, gy=gy)
+    run(fresh, name, [T("x"), T("w"), T("b"), *extra], [T("y"), T("m"), T("v")])
+    run(fresh, f"{name}grad", [T("x"), T("gy"), T("w"), T("m"), T("v"), *extra], [T("dx"), T("dw"), T("db")])
+    over = executor(x=x, w=w, b=b, gy=gy, x2=x)
+    run(over, name, [T("x"), T("w"), T("b"), *extra], [T("x"), T("m"), T("v")])
+    np.testing.assert_array_equal(over.get("x"), fresh.get("y"))
+    for target in ("gy", "x2"):  # dA over the gradient (read after dA is first written), or over the input
+        ex = executor(x=x, w=w, b=b, gy=gy, x2=x)
+        run(ex, name, [T("x"), T("w"), T("b"), *extra], [T("y"), T("m"), T("v")])
+        run(ex, f"{name}grad", [T("x2"), T("gy"), T("w"), T("m"), T("v"), *extra], [T(target), T("dw"), T("db")])
+        np.testing.assert_allclose(ex.get(target), fresh.get("dx"), rtol=1e-12, atol=1e-14)

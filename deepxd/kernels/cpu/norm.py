@@ -2,6 +2,9 @@
 (N, G, K), batch norm with its statistics over N and K per channel (G = C, K the spatial size), group norm over K per
 sample and group (K = C / groups times the spatial size). The 16-bit floats compute in float32 (the statistics stay
 float32) and round once into their results; the running statistics update in float64.
+
+The kernels work in their output's buffer where they can (`_target`): an activation-sized temporary is fresh memory
+every step, and its page faults cost more than the arithmetic.
 """
 
 from __future__ import annotations
@@ -24,99 +27,108 @@ def _view(a: np.ndarray, g: int) -> np.ndarray:
     return _work(a).reshape(a.shape[0], g, math.prod(a.shape[1:]) // g).astype(_compute(a), copy=False)
 
 
-def _stats(x: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The mean and biased variance of x over axes (two passes: the variance of the centred values), and x centred."""
-    count = x.dtype.type(np.prod([x.shape[d] for d in axes]))  # none: the mean and variance are nan
-    mean = np.add.reduce(x, axis=axes, keepdims=True) / count
-    xc = x - mean
-    var = np.einsum("ijk,ijk->j" if axes == (0, 2) else "ijk,ijk->ij", xc, xc) / count
-    return mean, var, xc
+def _target(out: np.ndarray, like: np.ndarray, *avoid: np.ndarray) -> np.ndarray:
+    """`out` viewed as `like` where the kernel can compute in it (its dtype, contiguous, sharing no memory with the
+    arrays still to be read after it is first written), else a new array."""
+    if out.dtype == like.dtype and out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in avoid):
+        return out.reshape(like.shape)
+    return np.empty(like.shape, like.dtype)
 
 
-def _normalise(x: np.ndarray, xc: np.ndarray, var: np.ndarray, eps: float, weight: np.ndarray, bias: np.ndarray,
-               n: int, c: int, out: np.ndarray, per_channel: bool) -> None:
-    """out = xc / sqrt(var + eps) * weight + bias, with the scale folded per channel where it can be (batch norm)."""
+def _finish(y: np.ndarray, out: np.ndarray) -> None:
+    if not np.may_share_memory(y, out):
+        out[...] = y.reshape(out.shape)
+
+
+def _param(p: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """A weight or bias in the compute dtype, copied (C values): a statistic written first may be its buffer."""
+    return _work(p).astype(dt, copy=True)
+
+
+def _forward(a: np.ndarray, weight: np.ndarray, bias: np.ndarray, groups: int | None, eps: float, out: np.ndarray,
+             mean: np.ndarray, var: np.ndarray) -> None:
+    """batchnorm (groups None) and groupnorm: y = (x - mean) / sqrt(var + eps) * weight + bias, the statistics by
+    two passes (the variance of the centred values), the centred values written into y."""
+    n, c = a.shape[:2]
+    x = _view(a, groups or c)
+    axes = (0, 2) if groups is None else (2,)
     dt = x.dtype
-    invstd = 1.0 / np.sqrt(var + dt.type(eps))
-    w, b = _work(weight).astype(dt, copy=False), _work(bias).astype(dt, copy=False)
-    if per_channel:
-        y = xc
+    w, b = _param(weight, dt), _param(bias, dt)
+    count = dt.type(math.prod(x.shape[d] for d in axes))  # none: the mean and variance are nan
+    m = np.add.reduce(x, axis=axes) / count
+    y = _target(out, x)  # out may be a: it is read only by the subtraction that writes it
+    np.subtract(x, m[None, :, None] if groups is None else m[:, :, None], out=y)
+    v = np.einsum("ijk,ijk->j" if groups is None else "ijk,ijk->ij", y, y) / count
+    mean[...] = m
+    var[...] = v
+    invstd = 1.0 / np.sqrt(v + dt.type(eps))
+    if groups is None:
         y *= (invstd * w)[None, :, None]
-        y += b[None, :, None]
     else:
-        y = xc
         y *= invstd[:, :, None]
         y = y.reshape(n, c, math.prod(out.shape[2:]))
         y *= w[None, :, None]
-        y += b[None, :, None]
-    out[...] = y.reshape(out.shape)
+    y += b[None, :, None]
+    _finish(y, out)
 
 
 def batchnorm(a, weight, bias, eps, out, mean, var):
-    n, c = a.shape[:2]
-    x = _view(a, c)
-    m, v, xc = _stats(x, (0, 2))
-    mean[...] = m.reshape(c)
-    var[...] = v
-    _normalise(x, xc, v, eps, weight, bias, n, c, out, True)
+    _forward(a, weight, bias, None, eps, out, mean, var)
 
 
 def groupnorm(a, weight, bias, groups, eps, out, mean, var):
+    _forward(a, weight, bias, groups, eps, out, mean, var)
+
+
+def _backward(a: np.ndarray, g: np.ndarray, weight: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float,
+              groups: int | None, da: np.ndarray, dweight: np.ndarray, dbias: np.ndarray) -> None:
+    """batchnormgrad (groups None) and groupnormgrad, with xh = (x - mean) / sqrt(var + eps) written into dA's
+    buffer (where it shares none with G, read after)."""
     n, c = a.shape[:2]
-    x = _view(a, groups)
-    m, v, xc = _stats(x, (2,))
-    mean[...] = m.reshape(n, groups)
-    var[...] = v
-    _normalise(x, xc, v, eps, weight, bias, n, c, out, False)
-
-
-def _grads(x: np.ndarray, g: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float, weight: np.ndarray,
-           groups: int | None, da: np.ndarray, dweight: np.ndarray, dbias: np.ndarray) -> None:
-    """batchnormgrad (groups None) and groupnormgrad: x and g (N, C, K) in the compute dtype."""
-    n, c, k = x.shape
+    x, g3 = _view(a, c), _view(g, c)
+    k = x.shape[2]
     dt = x.dtype
-    w = _work(weight).astype(dt, copy=False)
+    w = _param(weight, dt)
+    inv = 1.0 / np.sqrt(var.astype(dt) + dt.type(eps))
+    xh = _target(da, x, g)
     if groups is None:
-        invstd = (1.0 / np.sqrt(var.astype(dt) + dt.type(eps)))[None, :, None]
-        xh = x - mean.astype(dt)[None, :, None]
-        xh *= invstd
-        db = np.add.reduce(g, axis=(0, 2))
-        dw = np.einsum("ijk,ijk->j", g, xh)
+        np.subtract(x, mean.astype(dt)[None, :, None], out=xh)
+        xh *= inv[None, :, None]
+        db = np.add.reduce(g3, axis=(0, 2))
+        dw = np.einsum("ijk,ijk->j", g3, xh)
         count = dt.type(n * k)
-        # dA = w invstd (g - db / n - xh dw / n)
+        # dA = (g - xh dw / n - db / n) w invstd
         xh *= (dw / count)[None, :, None]
-        d = g - xh
-        d -= (db / count)[None, :, None]
-        d *= (w * invstd[0, :, 0])[None, :, None]
+        np.subtract(g3, xh, out=xh)
+        xh -= (db / count)[None, :, None]
+        xh *= (w * inv)[None, :, None]
     else:
         cg = c // groups
-        invstd = (1.0 / np.sqrt(var.astype(dt) + dt.type(eps)))[:, :, None]
-        xg = x.reshape(n, groups, cg * k)
-        xh = (xg - mean.astype(dt)[:, :, None]) * invstd
-        xh4 = xh.reshape(n, c, k)
-        db = np.add.reduce(g, axis=(0, 2))
-        dw = np.einsum("ijk,ijk->j", g, xh4)
-        gw = (g * w[None, :, None]).reshape(n, groups, cg * k)
+        xg = xh.reshape(n, groups, cg * k)
+        np.subtract(x.reshape(n, groups, cg * k), mean.astype(dt)[:, :, None], out=xg)
+        xg *= inv[:, :, None]
+        per_g = np.add.reduce(g3, axis=2)  # (N, C): the sums behind dbias, and behind mean(d) per group
+        per_gx = np.einsum("ijk,ijk->ij", g3, xh)
+        db, dw = np.add.reduce(per_g, axis=0), np.add.reduce(per_gx, axis=0)
         count = dt.type(cg * k)
-        mean_d = np.add.reduce(gw, axis=2, keepdims=True) / count
-        mean_dx = np.einsum("ijk,ijk->ij", gw, xh)[:, :, None] / count
-        xh *= mean_dx
-        d = gw - mean_d
-        d -= xh
-        d *= invstd
-    da[...] = d.reshape(da.shape)
+        # with d = g w: dA = (d - mean(d) - xh mean(d xh)) invstd, the means over each sample's group
+        mean_d = (per_g * w).reshape(n, groups, cg).sum(axis=2) / count
+        mean_dx = (per_gx * w).reshape(n, groups, cg).sum(axis=2) / count
+        xg *= mean_dx[:, :, None]
+        xh -= g3 * w[None, :, None]
+        xg += mean_d[:, :, None]
+        xg *= (-inv)[:, :, None]
+    _finish(xh, da)
     dweight[...] = dw
     dbias[...] = db
 
 
 def batchnormgrad(a, g, weight, mean, var, eps, da, dweight, dbias):
-    c = a.shape[1]
-    _grads(_view(a, c), _view(g, c), mean, var, eps, weight, None, da, dweight, dbias)
+    _backward(a, g, weight, mean, var, eps, None, da, dweight, dbias)
 
 
 def groupnormgrad(a, g, weight, mean, var, groups, eps, da, dweight, dbias):
-    c = a.shape[1]
-    _grads(_view(a, c), _view(g, c), mean, var, eps, weight, groups, da, dweight, dbias)
+    _backward(a, g, weight, mean, var, eps, groups, da, dweight, dbias)
 
 
 def batchnormupdate(running_mean, running_var, mean, var, momentum, count, out_mean, out_var):
@@ -124,4 +136,3 @@ def batchnormupdate(running_mean, running_var, mean, var, momentum, count, out_m
     unbiased = var.astype(F64) * count / (count - 1)
     out_mean[...] = m * mean.astype(F64) + (1 - m) * running_mean.astype(F64)
     out_var[...] = m * unbiased + (1 - m) * running_var.astype(F64)
-
