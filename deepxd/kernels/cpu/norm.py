@@ -15,6 +15,7 @@ import numpy as np
 
 from deepxd.kernels.cpu._util import F32, F64
 from deepxd.kernels.cpu._util import work as _work
+from deepxd.kernels.cpu.fused import fused
 
 
 def _compute(a: np.ndarray) -> np.dtype:
@@ -82,16 +83,16 @@ def groupnorm(a, weight, bias, groups, eps, out, mean, var):
 
 def _backward(a: np.ndarray, g: np.ndarray, weight: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float,
               groups: int | None, da: np.ndarray, dweight: np.ndarray, dbias: np.ndarray) -> None:
-    """batchnormgrad (groups None) and groupnormgrad, with xh = (x - mean) / sqrt(var + eps) written into dA's
-    buffer (where it shares none with G, read after)."""
+    """batchnormgrad (groups None), with xh = (x - mean) / sqrt(var + eps) written into dA's buffer (where it shares
+    none with G, read after), and groupnormgrad, whose dA is one fused pass over G and A."""
     n, c = a.shape[:2]
     x, g3 = _view(a, c), _view(g, c)
     k = x.shape[2]
     dt = x.dtype
     w = _param(weight, dt)
     inv = 1.0 / np.sqrt(var.astype(dt) + dt.type(eps))
-    xh = _target(da, x, g)
     if groups is None:
+        xh = _target(da, x, g)
         np.subtract(x, mean.astype(dt)[None, :, None], out=xh)
         xh *= inv[None, :, None]
         db = np.add.reduce(g3, axis=(0, 2))
@@ -102,23 +103,20 @@ def _backward(a: np.ndarray, g: np.ndarray, weight: np.ndarray, mean: np.ndarray
         np.subtract(g3, xh, out=xh)
         xh -= (db / count)[None, :, None]
         xh *= (w * inv)[None, :, None]
-    else:
+        _finish(xh, da)
+    else:  # torch's way: per-(sample, channel) sums of g and g x, then dA = g A + x B + C in one fused pass
         cg = c // groups
-        xg = xh.reshape(n, groups, cg * k)
-        np.subtract(x.reshape(n, groups, cg * k), mean.astype(dt)[:, :, None], out=xg)
-        xg *= inv[:, :, None]
-        per_g = np.add.reduce(g3, axis=2)  # (N, C): the sums behind dbias, and behind mean(d) per group
-        per_gx = np.einsum("ijk,ijk->ij", g3, xh)
+        m_nc, inv_nc = (np.repeat(t.astype(dt), cg, axis=1) for t in (mean, inv))  # (N, C): of each one's group
+        per_g = np.add.reduce(g3, axis=2)
+        per_gx = inv_nc * (np.einsum("ijk,ijk->ij", g3, x) - m_nc * per_g)  # the sums of g xh
         db, dw = np.add.reduce(per_g, axis=0), np.add.reduce(per_gx, axis=0)
         count = dt.type(cg * k)
         # with d = g w: dA = (d - mean(d) - xh mean(d xh)) invstd, the means over each sample's group
-        mean_d = (per_g * w).reshape(n, groups, cg).sum(axis=2) / count
-        mean_dx = (per_gx * w).reshape(n, groups, cg).sum(axis=2) / count
-        xg *= mean_dx[:, :, None]
-        xh -= g3 * w[None, :, None]
-        xg += mean_d[:, :, None]
-        xg *= (-inv)[:, :, None]
-    _finish(xh, da)
+        mean_d = np.repeat((per_g * w).reshape(n, groups, cg).sum(axis=2) / count, cg, axis=1)
+        mean_dx = np.repeat((per_gx * w).reshape(n, groups, cg).sum(axis=2) / count, cg, axis=1)
+        coeff = [(inv_nc * w)[:, :, None], (-inv_nc * inv_nc * mean_dx)[:, :, None],
+                 (inv_nc * (inv_nc * mean_dx * m_nc - mean_d))[:, :, None]]
+        fused([g3, coeff[0], x, coeff[1], coeff[2]], "in0 * in1 + in2 * in3 + in4", da.reshape(x.shape))
     dweight[...] = dw
     dbias[...] = db
 
