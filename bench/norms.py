@@ -5,8 +5,8 @@ run:
     composite  the same written with the small ops they replaced (means, centring, gathers: the SDK's code before)
     torch      torch.nn.functional on the CPU, eager (the peer)
 
-for a few layer shapes. Each figure is the median of the timed steps of y = f(x); (y * w).sum().backward(); reading
-the input's gradient back (batch norm in eval: the forward alone). Prints a table of milliseconds and the ratios
+for a few layer shapes, the inputs made once. Each figure is the median of the timed steps of y = f(x);
+y.sum().backward(); reading the input's gradient back (batch norm in eval: the forward alone, read back). Prints a table of milliseconds and the ratios
 op/torch and composite/op; writes bench/results/norms.json (norms_cuda.json with --cuda).
 
     python bench/norms.py [--steps N] [--cuda]     # --cuda: deepx on op-cuda, torch on the GPU
@@ -158,9 +158,11 @@ def main() -> None:
                 return tf.group_norm(xt, kw["groups"], wt, bt)
             return tf.interpolate(xt, **kw)
 
+        xd = dx.tensor(x, requires_grad=train)
+        wd, bd = dx.tensor(w, requires_grad=train), dx.tensor(b, requires_grad=train)
+
         def deepx_step(kind: str) -> None:
-            xd = dx.tensor(x, requires_grad=train)
-            wd, bd = dx.tensor(w, requires_grad=train), dx.tensor(b, requires_grad=train)
+            xd.grad = wd.grad = bd.grad = None
             y = deepx_fn(kind, xd, wd, bd)
             if train:
                 y.sum().backward()
@@ -173,7 +175,7 @@ def main() -> None:
         bt = torch.tensor(b, requires_grad=train, device=device)
 
         def torch_step() -> None:
-            xt.grad = None
+            xt.grad = wt.grad = bt.grad = None
             y = torch_fn(xt, wt, bt)
             if train:
                 y.sum().backward()
