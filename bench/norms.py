@@ -1,13 +1,15 @@
 """Batch norm, group norm and interpolate, forward and backward, through the SDK's embedded daemon on the CPU, in one
 run:
 
-    op         the ops (batchnorm + batchnormupdate, groupnorm, interpnearest, interpbilinear; their gradient ops)
+    op         the ops (batchnorm + batchnormupdate, batchnormeval, groupnorm, interpnearest, interpbilinear; their
+               gradient ops)
     composite  the same written with the small ops they replaced (means, centring, gathers: the SDK's code before)
     torch      torch.nn.functional on the CPU, eager (the peer)
 
 for a few layer shapes, the inputs made once. Each figure is the median of the timed steps of y = f(x);
-y.sum().backward(); reading the input's gradient back (batch norm in eval: the forward alone, read back). Prints a table of milliseconds and the ratios
-op/torch and composite/op; writes bench/results/norms.json (norms_cuda.json with --cuda).
+y.sum().backward(); reading the input's gradient back (batch norm in eval: the forward alone, read back). Prints a
+table of milliseconds and the ratios op/torch and composite/op; writes bench/results/norms.json (norms_cuda.json with
+--cuda).
 
     python bench/norms.py [--steps N] [--cuda]     # --cuda: deepx on op-cuda, torch on the GPU
 """

@@ -751,6 +751,15 @@ def _norm_grad(c: Call, stats: Shape) -> list[TensorMeta | None]:
     return [TensorMeta(a.shape, a.dtype), TensorMeta(ch, a.dtype), TensorMeta(ch, a.dtype)]
 
 
+def _batchnormeval(c: Call) -> list[TensorMeta | None]:
+    """batchnormeval (A, weight, bias, mean, var, eps) -> (C): everything per channel."""
+    a = _channels(c)
+    ch = (a.shape[1],)
+    _per_channel(c, a, (1, 2), ch, a.dtype)
+    _per_channel(c, a, (3, 4), ch, stats_dtype(a.dtype))
+    return [TensorMeta(a.shape, a.dtype)]
+
+
 def _batchnormgrad(c: Call) -> list[TensorMeta | None]:
     return _norm_grad(c, (_channels(c).shape[1],))
 
@@ -1192,11 +1201,17 @@ op("batchnorm", "norm", [_A, t("weight"), t("bias"), v("eps", default=1e-5)],
    "A (N, C, ...) normalised per channel by the batch's statistics over N and the spatial dims, then * weight + bias "
    "(weight and bias (C,)); mean and var (the biased variance) are those statistics (C,), as torch's training batch "
    "norm", grad=True, deepxir=False)
-op("batchnormgrad", "norm", [_A, t("G"), t("weight"), t("mean", _STATS), t("var", _STATS), v("eps", default=1e-5)],
+op("batchnormeval", "norm", [_A, t("weight"), t("bias"), t("mean", _STATS), t("var", _STATS),
+                             v("eps", default=1e-5)], [_C], _F, _batchnormeval,
+   "A (N, C, ...) normalised per channel by given statistics (the running ones: torch's batch norm in eval), "
+   "(A - mean) / sqrt(var + eps) * weight + bias", grad=True, deepxir=False)
+op("batchnormgrad", "norm", [_A, t("G"), t("weight"), t("mean", _STATS), t("var", _STATS), v("eps", default=1e-5),
+                             v("batch", "bool", True)],
    [t("dA"), t("dweight"), t("dbias")], _F, _batchnormgrad,
    "batchnorm's gradients from the gradient G of its result and its statistics: with xh = (A - mean) / "
    "sqrt(var + eps), dbias = sum(G), dweight = sum(G xh) (over all but dim 1), dA = weight / sqrt(var + eps) (G - "
-   "dbias / n - xh dweight / n), n the values per channel", deepxir=False)
+   "dbias / n - xh dweight / n), n the values per channel; batchnormeval's (batch false: the statistics are given, "
+   "not the batch's), dA = G weight / sqrt(var + eps)", deepxir=False)
 op("batchnormupdate", "norm", [t("running_mean"), t("running_var"), t("mean", _STATS), t("var", _STATS),
                                v("momentum"), v("count", "int")],
    [t("running_mean"), t("running_var")], _F, _batchnormupdate,

@@ -4,7 +4,7 @@ A convolution is the `conv2d` op (on the CPU im2col as a strided view and one GE
 deepxd/kernels/cpu/conv.py; on op-cuda a direct kernel, deepxd/kernels/cuda/conv.py), its gradient the ops
 conv2dgradinput and conv2dgradweight. Pooling pads the input and runs `maxpool2d` or `sumpool2d`. Batch norm in
 training and group norm are the `batchnorm` and `groupnorm` ops, which also return the statistics their gradient ops
-read (and batchnormupdate folds into the running ones); batch norm in eval is an affine map per channel.
+read (and batchnormupdate folds into the running ones); batch norm in eval is `batchnormeval`.
 `interpolate` is `interpnearest` or `interpbilinear`, on torch's source positions.
 """
 
@@ -360,11 +360,7 @@ def _norm_op(name: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, p
     """`name` (batchnorm or groupnorm) of x: its result and its statistics (mean and biased variance, of shape
     `stats`). A missing weight is ones, a missing bias zeros; both are cast to x's dtype. The statistics are held by
     the result's autograd node, whose backward reads them (batchnormgrad, groupnormgrad)."""
-    from deepx_sdk.tensor import full
-
-    c = x.shape[1]
-    w = full((c,), 1.0, dtype=x.dtype) if weight is None else weight.type_as_dtype(x.dtype)
-    b = full((c,), 0.0, dtype=x.dtype) if bias is None else bias.type_as_dtype(x.dtype)
+    w, b = _affine(x, weight, bias)
     st = stats_dtype(x.dtype)
     out, mean, var = x._new(x.shape, x.dtype), x._new(stats, st), x._new(stats, st)
     instr = Instr(name, (_tp(x), _tp(w), _tp(b), *params), (_tp(out), _tp(mean), _tp(var)))
@@ -374,6 +370,16 @@ def _norm_op(name: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, p
         out.requires_grad = True
         s.tape.append((instr, out, (x, w, b, mean, var)))
     return out, mean, var
+
+
+def _affine(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A norm's weight and bias in x's dtype: ones and zeros where there are none (affine=False)."""
+    from deepx_sdk.tensor import full
+
+    c = x.shape[1]
+    w = full((c,), 1.0, dtype=x.dtype) if weight is None else weight.type_as_dtype(x.dtype)
+    b = full((c,), 0.0, dtype=x.dtype) if bias is None else bias.type_as_dtype(x.dtype)
+    return w, b
 
 
 def _channels(what: str, input: Tensor) -> int:
@@ -387,7 +393,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
                eps: float = 1e-5) -> Tensor:
     """Normalise each channel (dim 1) by the batch's statistics (training: the batchnorm op, then batchnormupdate
     folds them into the running ones in place with `momentum`, the variance unbiased, as torch) or by the running
-    ones (an affine map per channel, x * scale + shift, which the fuse pass makes one pass)."""
+    ones (batchnormeval)."""
     c = _channels("batch_norm", input)
     if training:
         count = input.numel() // c if c else 0
@@ -408,13 +414,14 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
         if t is not None and t.shape != (c,):
             raise DeepxError(f"batch_norm: {name} of shape {list(t.shape)} does not fit {c} channels (dim 1 of "
                              f"{list(input.shape)})")
-    scale = (running_var.type_as_dtype(input.dtype) + eps).rsqrt()
-    if weight is not None:
-        scale = scale * weight.type_as_dtype(input.dtype)
-    shift = -running_mean.type_as_dtype(input.dtype) * scale
-    if bias is not None:
-        shift = shift + bias.type_as_dtype(input.dtype)
-    return input * _per_channel(scale, input.ndim) + _per_channel(shift, input.ndim)
+    if input._s.grad_enabled and (running_mean.requires_grad or running_var.requires_grad):
+        raise DeepxError("batch_norm: running_mean and running_var take no gradient (torch refuses them too); pass "
+                         "them detached")
+    st = stats_dtype(input.dtype)
+    w, b = _affine(input, weight, bias)
+    rm, rv = running_mean.type_as_dtype(st), running_var.type_as_dtype(st)
+    return input._op("batchnormeval", (_tp(input), _tp(w), _tp(b), _tp(rm), _tp(rv), _vp(float(eps))), input.shape,
+                     input.dtype, [input, w, b, rm, rv])
 
 
 def _update_running(running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, momentum: float,

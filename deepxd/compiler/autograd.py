@@ -1215,6 +1215,14 @@ def _batchnorm(gr: Grad, g: str) -> dict[int, str]:
     return _norm_grads(gr, gr.emit_all("batchnormgrad", gr.x(0), g, gr.x(1), gr.y(1), gr.y(2), float(gr.arg(3))))
 
 
+@rule("batchnormeval")
+def _batchnormeval(gr: Grad, g: str) -> dict[int, str]:
+    """dA, dweight, dbias = batchnormgrad(A, g, weight, mean, var, batch=false): dA = g weight / sqrt(var + eps),
+    dweight = sum(g xh), dbias = sum(g); the given statistics take none (torch's running ones take none)"""
+    return _norm_grads(gr, gr.emit_all("batchnormgrad", gr.x(0), g, gr.x(1), gr.x(3), gr.x(4), float(gr.arg(5)),
+                                       False))
+
+
 @rule("groupnorm")
 def _groupnorm(gr: Grad, g: str) -> dict[int, str]:
     """dA, dweight, dbias = groupnormgrad(A, g, weight, mean, var) from the forward's statistics: with xh = (A - mean)

@@ -19,7 +19,7 @@ import torch
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
-from deepx_core.ir.ops import OPS
+from deepx_core.ir.ops import OPS, stats_dtype
 from deepxd.compiler.autograd import GRAD_RULES, grad_program, grad_rule, rule_formula, unfuse
 from tests.compiler.helpers import executor, program
 
@@ -56,7 +56,7 @@ class Case:
     wrt: list[str]
     ref: Callable[[dict[str, torch.Tensor]], torch.Tensor]
     dtypes: tuple[str, ...] = ORDER  # the dtypes this case runs in (of those the op claims)
-    extra: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, str] = field(default_factory=dict)  # input name -> "stats": of the norm statistics' dtype
 
 
 def c(text: str, inputs: Mapping[str, R | Fixed], wrt: str, ref: Callable[[dict[str, torch.Tensor]], torch.Tensor],
@@ -309,6 +309,13 @@ CASES: dict[str, list[Case]] = {
                     lambda t: TF.batch_norm(t["a"], None, None, t["w"], t["b"], training=True))
                   for a, wrt in [((4, 3, 5, 6), "a w b"), ((7, 5), "a w b"), ((2, 6, 9), "a"),
                                  ((3, 2, 3, 1, 2), "w b")]],
+    "batchnormeval": [Case("batchnormeval (tensor<T>:a, tensor<T>:w, tensor<T>:b, tensor<S>:m, tensor<S>:v, "
+                           "var<float64>:1e-3) -> (tensor<T>:y)",
+                           {"a": r(*a, lo=-2, hi=3), "w": r(a[1]), "b": r(a[1]), "m": r(a[1]), "v": r(a[1], lo=0.5,
+                                                                                                     hi=2)},
+                           wrt.split(), lambda t: TF.batch_norm(t["a"], t["m"], t["v"], t["w"], t["b"], eps=1e-3),
+                           extra={"m": "stats", "v": "stats"})
+                      for a, wrt in [((4, 3, 5, 6), "a w b"), ((7, 5), "a w b"), ((2, 6, 9), "a")]],
     "groupnorm": [c(f"groupnorm (tensor<T>:a, tensor<T>:w, tensor<T>:b, var<int32>:{k}, var<float64>:1e-5) -> "
                     "(tensor<T>:y, tensor:m, tensor:v)", {"a": r(*a, lo=-2, hi=3), "w": r(a[1]), "b": r(a[1])}, wrt,
                     lambda t, k=k: TF.group_norm(t["a"], k, t["w"], t["b"]))
@@ -369,16 +376,16 @@ def _param(op: str) -> list:
 
 
 def check(case: Case, dtype: str, rng: np.random.Generator) -> None:
-    np_dt = to_numpy(dtype)
     inputs: dict[str, np.ndarray] = {}
     for name, spec in case.inputs.items():
+        np_dt = to_numpy(stats_dtype(dtype) if case.extra.get(name) == "stats" else dtype)
         if isinstance(spec, R):
             inputs[name] = rng.uniform(spec.lo, spec.hi, spec.shape).astype(np_dt)
         elif spec.value.dtype.kind == "f":
             inputs[name] = spec.value.astype(np_dt)
         else:
             inputs[name] = spec.value
-    fwd = program(case.text.replace("<T>", f"<{dtype}>"))
+    fwd = program(case.text.replace("<T>", f"<{dtype}>").replace("<S>", f"<{stats_dtype(dtype)}>"))
     ex = executor(inputs)
     ex.run_all(fwd)
     y = ex.get("y")

@@ -584,6 +584,24 @@ def _norms(rng, dt):
     return out
 
 
+@case("batchnormeval")
+def _batchnormeval(rng, dt):
+    """Given (running) statistics, then batchnormgrad on them with batch false (dA = g w / sqrt(var + eps))."""
+    from deepx_core.ir.ops import stats_dtype
+
+    st = stats_dtype(dt)
+    out = []
+    for shape in [(4, 3, 5, 7), (7, 6), (64, 4, 33, 35)]:
+        c = shape[1]
+        ins = {"x": r(rng, dt, shape, -2, 3), "w": r(rng, dt, (c,)), "b": r(rng, dt, (c,)), "g": r(rng, dt, shape),
+               "m": r(rng, st, (c,)), "v": r(rng, st, (c,), 0.5, 2)}
+        out.append(Case(ins, [
+            instr("batchnormeval", [T("x"), T("w"), T("b"), T("m"), T("v"), V(1e-3)], [T("y", dt)]),
+            instr("batchnormgrad", [T("x"), T("g"), T("w"), T("m"), T("v"), V(1e-3), V(False)],
+                  [T("dx", dt), T("dw", dt), T("db", dt)])], ["y", "dx", "dw", "db"], scale="max"))
+    return out
+
+
 @case("batchnormupdate")
 def _batchnormupdate(rng, dt):
     from deepx_core.ir.ops import stats_dtype

@@ -384,11 +384,15 @@ def _norms(rng: np.random.Generator, name: str) -> Built:
         return {"x": x, "w": w, "b": b}, [T("x"), T("w"), T("b"), V(1e-5)], three
     if name == "groupnorm":
         return {"x": x, "w": w, "b": b}, [T("x"), T("w"), T("b"), V(2), V(1e-5)], three
+    if name == "batchnormeval":
+        return {"x": x, "w": w, "b": b, "m": m, "v": v}, [T("x"), T("w"), T("b"), T("m"), T("v"), V(1e-5)], None
     if name == "batchnormupdate":
         return ({"rm": rand(rng, (4,), dt), "rv": rand(rng, (4,), dt), "m": m, "v": v},
                 [T("rm"), T("rv"), T("m"), T("v"), V(0.1), V(12)], [T("rm"), T("rv")])
-    groups = [V(2)] if name == "groupnormgrad" else []
-    return {"x": x, "g": g, "w": w, "m": m, "v": v}, [T("x"), T("g"), T("w"), T("m"), T("v"), *groups, V(1e-5)], three
+    groups = [V(2)] if name == "groupnormgrad" else [V(1e-5), V(bool(rng.random() < 0.5))]
+    if name == "groupnormgrad":
+        groups.append(V(1e-5))
+    return {"x": x, "g": g, "w": w, "m": m, "v": v}, [T("x"), T("g"), T("w"), T("m"), T("v"), *groups], three
 
 
 def _interp(rng: np.random.Generator, name: str) -> Built:
@@ -425,9 +429,9 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,
     "conv2d": _conv, "conv2dgradinput": _conv, "conv2dgradweight": _conv,
     "maxpool2d": _pool, "maxpool2dgrad": _pool, "sumpool2d": _pool, "sumpool2dgrad": _pool,
-    "batchnorm": _norms, "batchnormgrad": _norms, "batchnormupdate": _norms, "groupnorm": _norms,
-    "groupnormgrad": _norms, "interpnearest": _interp, "interpnearestgrad": _interp, "interpbilinear": _interp,
-    "interpbilineargrad": _interp,
+    "batchnorm": _norms, "batchnormeval": _norms, "batchnormgrad": _norms, "batchnormupdate": _norms,
+    "groupnorm": _norms, "groupnormgrad": _norms, "interpnearest": _interp, "interpnearestgrad": _interp,
+    "interpbilinear": _interp, "interpbilineargrad": _interp,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary

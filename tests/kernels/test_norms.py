@@ -70,6 +70,29 @@ def test_batchnorm_and_batchnormgrad_match_torch(rng, dtype, shape):
     _check_norm("batchnorm", "batchnormgrad", dtype, shape, rng)
 
 
+@pytest.mark.parametrize("dtype", ordered(OPS["batchnormeval"].dtypes))
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_batchnormeval_and_its_gradient_match_torch_s_eval_batch_norm(rng, dtype, shape):
+    """Given statistics (torch's running ones, in eval); batchnormgrad with batch false gives its gradients."""
+    c = shape[1]
+    st = stats_dtype(dtype)
+    x, gy = rand(rng, dtype, shape, -2, 3), rand(rng, dtype, shape, -1, 1)
+    w, b = rand(rng, dtype, (c,), -1.5, 1.5), rand(rng, dtype, (c,), -1, 1)
+    m, v = rand(rng, st, (c,), -1, 1), rand(rng, st, (c,), 0.3, 2)
+    xt, wt, bt = _torch(x, w, b)
+    y = TF.batch_norm(xt, torch.tensor(f64(m)), torch.tensor(f64(v)), wt, bt, training=False, eps=1e-3)
+    y.backward(torch.tensor(f64(gy)))
+    ex = executor(x=x, w=w, b=b, m=m, v=v, gy=gy)
+    stats = [T("m", st), T("v", st), V(1e-3)]
+    run(ex, "batchnormeval", [T("x", dtype), T("w", dtype), T("b", dtype), *stats], [T("y", dtype)])
+    assert_close(ex.get("y"), y.detach().numpy(), dtype, scale=np.ones(shape), what="batchnormeval")
+    run(ex, "batchnormgrad", [T("x", dtype), T("gy", dtype), T("w", dtype), *stats, V(False)],
+        [T("dx", dtype), T("dw", dtype), T("db", dtype)])
+    for got, want, what in [("dx", xt.grad, "dA"), ("dw", wt.grad, "dweight"), ("db", bt.grad, "dbias")]:
+        want = want.numpy()
+        assert_close(ex.get(got), want, dtype, scale=_scale(want), what=f"batchnormgrad batch=false {what}")
+
+
 @pytest.mark.parametrize("dtype", ordered(OPS["groupnorm"].dtypes))
 @pytest.mark.parametrize(("shape", "groups"), [((4, 6, 5, 7), 3), ((3, 5, 9), 5), ((2, 4, 3, 1, 2), 1),
                                                ((5, 6), 2), ((1, 8, 11, 3), 4)])

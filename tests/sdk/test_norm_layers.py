@@ -162,6 +162,21 @@ def test_training_batch_norm_is_one_op_and_its_backward_one_gradient_op():
     assert x.grad is not None and m.weight.grad is not None
 
 
+def test_eval_batch_norm_is_one_op_and_refuses_running_statistics_that_require_grad():
+    s = dx.session()
+    m = nn.BatchNorm2d(3).eval()
+    x = dx.tensor(np.random.default_rng(6).standard_normal((2, 3, 4, 4)).astype(np.float32), requires_grad=True)
+    gc.collect()
+    dx.sync()
+    y = m(x)
+    names = [i.name for i in s.pending if i.name not in ("deltensor", "newtensor", "constant", "copytensor")]
+    assert names == ["batchnormeval"], names
+    y.sum().backward()
+    assert x.grad is not None and m.weight.grad is not None
+    with pytest.raises(DeepxError, match="running_mean and running_var take no gradient"):
+        F.batch_norm(x, dx.zeros(3, requires_grad=True), dx.ones(3), training=False)
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize(("groups", "channels", "affine"), [(2, 6, True), (1, 4, True), (5, 5, False), (3, 6, False)])
 def test_group_norm_follows_torch(dtype, groups, channels, affine):

@@ -81,8 +81,19 @@ def groupnorm(a, weight, bias, groups, eps, out, mean, var):
     _forward(a, weight, bias, groups, eps, out, mean, var)
 
 
+def batchnormeval(a, weight, bias, mean, var, eps, out):
+    """y = x * alpha + beta per channel, alpha = weight / sqrt(var + eps) and beta = bias - mean * alpha (torch's CPU
+    arithmetic), in one fused pass."""
+    c = a.shape[1]
+    x = _view(a, c)
+    dt = x.dtype
+    alpha = _param(weight, dt) / np.sqrt(var.astype(dt) + dt.type(eps))
+    beta = _param(bias, dt) - mean.astype(dt) * alpha
+    fused([x, alpha[None, :, None], beta[None, :, None]], "in0 * in1 + in2", out.reshape(x.shape))
+
+
 def _backward(a: np.ndarray, g: np.ndarray, weight: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float,
-              groups: int | None, da: np.ndarray, dweight: np.ndarray, dbias: np.ndarray) -> None:
+              groups: int | None, da: np.ndarray, dweight: np.ndarray, dbias: np.ndarray, batch: bool = True) -> None:
     """batchnormgrad (groups None), with xh = (x - mean) / sqrt(var + eps) written into dA's buffer (where it shares
     none with G, read after), and groupnormgrad, whose dA is one fused pass over G and A."""
     n, c = a.shape[:2]
@@ -98,11 +109,13 @@ def _backward(a: np.ndarray, g: np.ndarray, weight: np.ndarray, mean: np.ndarray
         db = np.add.reduce(g3, axis=(0, 2))
         dw = np.einsum("ijk,ijk->j", g3, xh)
         count = dt.type(n * k)
-        # dA = (g - xh dw / n - db / n) w invstd
-        xh *= (dw / count)[None, :, None]
-        np.subtract(g3, xh, out=xh)
-        xh -= (db / count)[None, :, None]
-        xh *= (w * inv)[None, :, None]
+        if batch:  # dA = (g - xh dw / n - db / n) w invstd
+            xh *= (dw / count)[None, :, None]
+            np.subtract(g3, xh, out=xh)
+            xh -= (db / count)[None, :, None]
+            xh *= (w * inv)[None, :, None]
+        else:  # given statistics: dA = g w invstd
+            np.multiply(g3, (w * inv)[None, :, None], out=xh)
         _finish(xh, da)
     else:  # torch's way: per-(sample, channel) sums of g and g x, then dA = g A + x B + C in one fused pass
         cg = c // groups
@@ -121,8 +134,8 @@ def _backward(a: np.ndarray, g: np.ndarray, weight: np.ndarray, mean: np.ndarray
     dbias[...] = db
 
 
-def batchnormgrad(a, g, weight, mean, var, eps, da, dweight, dbias):
-    _backward(a, g, weight, mean, var, eps, None, da, dweight, dbias)
+def batchnormgrad(a, g, weight, mean, var, eps, batch, da, dweight, dbias):
+    _backward(a, g, weight, mean, var, eps, None, da, dweight, dbias, bool(batch))
 
 
 def groupnormgrad(a, g, weight, mean, var, groups, eps, da, dweight, dbias):

@@ -1,4 +1,4 @@
-"""batchnorm, groupnorm, their gradient ops and batchnormupdate on the device, with the arithmetic of
+"""batchnorm, batchnormeval, groupnorm, their gradient ops and batchnormupdate on the device, with the arithmetic of
 deepxd/kernels/cpu/norm.py (float32 for the 16-bit floats, float64 for float64; the statistics in that type).
 
 A norm's statistics are reductions over "rows" made of segments: batch norm's row is a channel, its segments the
@@ -181,11 +181,11 @@ extern "C" __global__ void grad_finish(A* s1, A* s2, T* db, T* dw, const A* part
     }
 }
 
-// batch norm (G = 0): dx = (g - xh * dw / n - db / n) * (w * inv); group norm: dx = (g w - s1 / n - xh * s2 / n) * inv
-// with the sums of its group
+// batch norm (G = 0): dx = (g - xh * dw / n - db / n) * (w * inv), or g * (w * inv) for given statistics (batch 0);
+// group norm: dx = (g w - s1 / n - xh * s2 / n) * inv with the sums of its group
 template <class I> __device__ __forceinline__ void grad_apply_t(T* dx, const T* x, const T* g, const T* w,
                                                                const A* mean, const A* inv, const A* s1, const A* s2,
-                                                               I total, I C, I S, I G, A n) {
+                                                               I total, I C, I S, I G, A n, int batch) {
     const I cg = G ? C / G : 1;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)gridDim.x * blockDim.x) {
         const I ns = i / S, c = ns % C;
@@ -193,18 +193,19 @@ template <class I> __device__ __forceinline__ void grad_apply_t(T* dx, const T* 
         const A xh = (ld(x[i]) - mean[r]) * inv[r];
         A v;
         if (G) v = (ld(g[i]) * ld(w[c]) - s1[r] / n - xh * (s2[r] / n)) * inv[r];
-        else v = (ld(g[i]) - xh * (s2[r] / n) - s1[r] / n) * (ld(w[c]) * inv[r]);
+        else if (batch) v = (ld(g[i]) - xh * (s2[r] / n) - s1[r] / n) * (ld(w[c]) * inv[r]);
+        else v = ld(g[i]) * (ld(w[c]) * inv[r]);
         dx[i] = st<T>(v);
     }
 }
 extern "C" __global__ void grad_apply(T* dx, const T* x, const T* g, const T* w, const A* mean, const A* inv,
-                                      const A* s1, const A* s2, ll total, ll C, ll S, ll G, double n) {
-    grad_apply_t<ll>(dx, x, g, w, mean, inv, s1, s2, total, C, S, G, (A)n);
+                                      const A* s1, const A* s2, ll total, ll C, ll S, ll G, double n, int batch) {
+    grad_apply_t<ll>(dx, x, g, w, mean, inv, s1, s2, total, C, S, G, (A)n, batch);
 }
 extern "C" __global__ void grad_apply32(T* dx, const T* x, const T* g, const T* w, const A* mean, const A* inv,
-                                        const A* s1, const A* s2, ll total, ll C, ll S, ll G, double n) {
+                                        const A* s1, const A* s2, ll total, ll C, ll S, ll G, double n, int batch) {
     grad_apply_t<unsigned int>(dx, x, g, w, mean, inv, s1, s2, (unsigned int)total, (unsigned int)C,
-                               (unsigned int)S, (unsigned int)G, (A)n);
+                               (unsigned int)S, (unsigned int)G, (A)n, batch);
 }
 
 // the inverse standard deviation of given statistics (the backward's), as stats_finish makes it
@@ -244,8 +245,8 @@ def sources() -> list[tuple[str, str]]:
     return [(source(d), f"norm ({d})") for d in sorted(FLOATS)]
 
 
-SUPPORT = {op: frozenset(FLOATS) for op in ("batchnorm", "batchnormgrad", "batchnormupdate", "groupnorm",
-                                            "groupnormgrad")}
+SUPPORT = {op: frozenset(FLOATS) for op in ("batchnorm", "batchnormeval", "batchnormgrad", "batchnormupdate",
+                                            "groupnorm", "groupnormgrad")}
 
 _BLOCK = 256
 
@@ -321,6 +322,25 @@ def groupnorm(ex: CudaExecutor, a: DeviceTensor, weight: DeviceTensor, bias: Dev
     return _forward(ex, "groupnorm", a, weight, bias, int(groups), float(eps), out, mean, var)
 
 
+def _inv_of(ex: CudaExecutor, op: str, var: DeviceTensor, eps: float, dtype: str) -> Any:
+    """1 / sqrt(var + eps) of given statistics, into scratch."""
+    inv = ex.alloc(var.size * _acc(dtype), op, "(inverse standard deviations)")
+    if var.size:
+        f = _fn(ex, dtype, "inv_of", "PPqd", op)
+        ex.launch(op, f, ex.grid(var.size), (_BLOCK, 1, 1), int(inv), var.ptr, var.size, float(eps))
+    return inv
+
+
+def batchnormeval(ex: CudaExecutor, a: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor, mean: DeviceTensor,
+                  var: DeviceTensor, eps: Any, out: DeviceTensor) -> bool:
+    c = a.shape[1]
+    inv = _inv_of(ex, "batchnormeval", var, float(eps), a.dname)
+    if a.size:
+        _elementwise(ex, a.dname, "norm_apply", "PPPPPPqqqq", "batchnormeval", a.size, out.ptr, a.ptr, mean.ptr,
+                     int(inv), weight.ptr, bias.ptr, a.size, c, math.prod(a.shape[2:]), 0)
+    return True
+
+
 def _sums(ex: CudaExecutor, op: str, a: DeviceTensor, g: DeviceTensor, w: DeviceTensor, mean: DeviceTensor,
           inv: Any, rows: _Rows, groups: int, mode: int, db: int, dw: int) -> tuple[Any, Any]:
     """Per row, the sums of d and d * xh (grad_partial's mode), into scratch; dbias and dweight where given."""
@@ -342,15 +362,11 @@ def _sums(ex: CudaExecutor, op: str, a: DeviceTensor, g: DeviceTensor, w: Device
 
 def _backward(ex: CudaExecutor, op: str, a: DeviceTensor, g: DeviceTensor, w: DeviceTensor, mean: DeviceTensor,
               var: DeviceTensor, groups: int, eps: float, da: DeviceTensor, dweight: DeviceTensor,
-              dbias: DeviceTensor) -> bool:
+              dbias: DeviceTensor, batch: bool = True) -> bool:
     n, c = a.shape[:2]
     s = math.prod(a.shape[2:])
     dt = a.dname
-    stats = mean.size
-    inv = ex.alloc(stats * _acc(dt), op, "(inverse standard deviations)")
-    if stats:
-        f = _fn(ex, dt, "inv_of", "PPqd", op)
-        ex.launch(op, f, ex.grid(stats), (_BLOCK, 1, 1), int(inv), var.ptr, stats, float(eps))
+    inv = _inv_of(ex, op, var, eps, dt)
     channels = _Rows(ex, c, n, s, s, c * s)
     s1, s2 = _sums(ex, op, a, g, w, mean, inv, channels, groups, 1 if groups else 0, dbias.ptr, dweight.ptr)
     count = n * s
@@ -359,14 +375,15 @@ def _backward(ex: CudaExecutor, op: str, a: DeviceTensor, g: DeviceTensor, w: De
         s1, s2 = _sums(ex, op, a, g, w, mean, inv, _Rows(ex, n * groups, cg, s, cg * s, s), groups, 2, 0, 0)
         count = cg * s
     if a.size:
-        _elementwise(ex, dt, "grad_apply", "PPPPPPPPqqqqd", op, a.size, da.ptr, a.ptr, g.ptr, w.ptr, mean.ptr,
-                     int(inv), int(s1), int(s2), a.size, c, s, groups, float(count))
+        _elementwise(ex, dt, "grad_apply", "PPPPPPPPqqqqdi", op, a.size, da.ptr, a.ptr, g.ptr, w.ptr, mean.ptr,
+                     int(inv), int(s1), int(s2), a.size, c, s, groups, float(count), int(batch))
     return True
 
 
 def batchnormgrad(ex: CudaExecutor, a: DeviceTensor, g: DeviceTensor, weight: DeviceTensor, mean: DeviceTensor,
-                  var: DeviceTensor, eps: Any, da: DeviceTensor, dweight: DeviceTensor, dbias: DeviceTensor) -> bool:
-    return _backward(ex, "batchnormgrad", a, g, weight, mean, var, 0, float(eps), da, dweight, dbias)
+                  var: DeviceTensor, eps: Any, batch: Any, da: DeviceTensor, dweight: DeviceTensor,
+                  dbias: DeviceTensor) -> bool:
+    return _backward(ex, "batchnormgrad", a, g, weight, mean, var, 0, float(eps), da, dweight, dbias, bool(batch))
 
 
 def groupnormgrad(ex: CudaExecutor, a: DeviceTensor, g: DeviceTensor, weight: DeviceTensor, mean: DeviceTensor,
