@@ -264,3 +264,15 @@ def test_results_written_over_their_inputs_are_right(rng, name):
         run(ex, name, [T("x"), T("w"), T("b"), *extra], [T("y"), T("m"), T("v")])
         run(ex, f"{name}grad", [T("x2"), T("gy"), T("w"), T("m"), T("v"), *extra], [T(target), T("dw"), T("db")])
         np.testing.assert_allclose(ex.get(target), fresh.get("dx"), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["interpnearestgrad", "interpbilineargrad"])
+def test_an_interpolation_gradient_written_over_its_gradient_is_right(rng, name):
+    """dA named as G (a resize that keeps the size: the same shape), as computed under a fresh name."""
+    gy = rand(rng, "float32", (2, 3, 5, 6), -1, 1)
+    args = [VEC((2, 3, 5, 6)), *([V(True)] if "bilinear" in name else []), V(1.2), V(0.0)]
+    fresh = executor(gy=gy)
+    run(fresh, name, [T("gy"), *args], [T("dx")])
+    over = executor(gy=gy)
+    run(over, name, [T("gy"), *args], [T("gy")])
+    np.testing.assert_array_equal(over.get("gy"), fresh.get("dx"))

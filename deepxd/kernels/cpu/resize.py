@@ -60,30 +60,48 @@ def _shape(w: np.ndarray, axis: int) -> np.ndarray:
     return w.reshape((-1, 1) if axis == 2 else (-1,))
 
 
-def _add_back(g: np.ndarray, index: np.ndarray, weight: np.ndarray | None, axis: int, n_in: int) -> np.ndarray:
-    """The sum, for each source index along `axis`, of g (times its weight) over the outputs that read it. The
-    outputs of one source are a run of neighbours (the indices never decrease): the k-th of every run is gathered at
-    once (np.take), for k up to the longest run, and added in the outputs' order."""
-    parts = g if weight is None else g * _shape(weight, axis)
+def _add_back(g: np.ndarray, reads: list[tuple[np.ndarray, np.ndarray | None]], axis: int, n_in: int,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """For each source index along `axis`, the sum of g (times its weight) over the outputs that read it, for each
+    (index, weight) read (bilinear's lo and hi), into `out` (or a new array). The outputs of one source are a run of
+    neighbours (the indices never decrease): the k-th of every run is gathered at once (np.take), for k up to the
+    longest run, and added in the outputs' order; a source with fewer reads the zero slot past g's end. Three
+    buffers in all: an activation-sized temporary is fresh memory every step, whose page faults cost the most."""
+    n_out = g.shape[axis]
+    padded = list(g.shape)
+    padded[axis] = n_out + 1
+    ext = np.empty(padded, g.dtype)
+    cut = [slice(None)] * 4
+    cut[axis] = slice(0, n_out)
+    body = ext[tuple(cut)]
+    cut[axis] = slice(n_out, n_out + 1)
+    ext[tuple(cut)] = 0
+    full = list(g.shape)
+    full[axis] = n_in
     sources = np.arange(n_in)
-    starts = np.searchsorted(index, sources, "left")
-    counts = np.searchsorted(index, sources, "right") - starts
-    shape = [1, 1, 1, 1]
-    shape[axis] = n_in
-    out: np.ndarray | None = None
-    for k in range(int(counts.max(initial=0))):
-        have = counts > k
-        part = np.take(parts, np.where(have, starts + k, 0), axis=axis)
-        if not have.all():
-            part = np.where(have.reshape(shape), part, parts.dtype.type(0))
-        if out is None:
-            out = part
+    tmp: np.ndarray | None = None
+    started = False
+    for index, weight in reads:
+        if weight is None:
+            body[...] = g
         else:
-            out += part
+            np.multiply(g, _shape(weight, axis), out=body)
+        starts = np.searchsorted(index, sources, "left")
+        counts = np.searchsorted(index, sources, "right") - starts
+        for k in range(int(counts.max(initial=0))):
+            at = np.where(counts > k, starts + k, n_out)
+            if not started:
+                out = np.empty(full, g.dtype) if out is None else out
+                np.take(ext, at, axis=axis, out=out)
+                started = True
+            else:
+                tmp = np.empty(full, g.dtype) if tmp is None else tmp
+                np.take(ext, at, axis=axis, out=tmp)
+                out += tmp  # type: ignore[operator]
     if out is None:
-        full = list(g.shape)
-        full[axis] = n_in
         return np.zeros(full, g.dtype)
+    if not started:
+        out[...] = 0
     return out
 
 
@@ -96,9 +114,12 @@ def interpnearest(a, size, scale_h, scale_w, out):
 def interpnearestgrad(g, input_shape, scale_h, scale_w, out):
     h, w = (int(d) for d in input_shape[2:])
     oh, ow = g.shape[2:]
-    gw = _work(g)
-    part = _add_back(gw, nearest_index(w, ow, scale_w), None, 3, w)
-    out[...] = _add_back(part, nearest_index(h, oh, scale_h), None, 2, h)
+    dt = _compute(g.dtype)
+    gw = _work(g).astype(dt, copy=False)
+    part = _add_back(gw, [(nearest_index(w, ow, scale_w), None)], 3, w)
+    grad = _add_back(part, [(nearest_index(h, oh, scale_h), None)], 2, h, out if out.dtype == dt else None)
+    if grad is not out:
+        out[...] = grad
 
 
 def _compute(dtype: np.dtype) -> np.dtype:
@@ -132,10 +153,9 @@ def interpbilineargrad(g, input_shape, align_corners, scale_h, scale_w, out):
     dt = _compute(g.dtype)
     gw = _work(g).astype(dt, copy=False)
     lo, hi, wlo, whi = linear_weights(h, oh, bool(align_corners), scale_h, dt)
-    part = _add_back(gw, lo, wlo, 2, h)
-    part += _add_back(gw, hi, whi, 2, h)
+    part = _add_back(gw, [(lo, wlo), (hi, whi)], 2, h)
     lo, hi, wlo, whi = linear_weights(w, ow, bool(align_corners), scale_w, dt)
-    grad = _add_back(part, lo, wlo, 3, w)
-    grad += _add_back(part, hi, whi, 3, w)
-    out[...] = grad
+    grad = _add_back(part, [(lo, wlo), (hi, whi)], 3, w, out if out.dtype == dt else None)
+    if grad is not out:
+        out[...] = grad
 
