@@ -234,10 +234,10 @@ NVCC = shutil.which("nvcc")
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the modules are compiled on a GPU machine")
 @pytest.mark.parametrize("dtype", ["float16", "float64"])
-@pytest.mark.parametrize("module", ["norm", "resize"])
+@pytest.mark.parametrize("module", ["norm", "resize", "reduce"])
 def test_the_cuda_modules_compile(module, dtype, tmp_path):
-    """The CUDA kernels of these ops (deepxd/kernels/cuda/norm.py, resize.py) compile for sm_90 as the executor
-    compiles them; tests/gpu/test_kernels.py runs them against these CPU kernels."""
+    """The CUDA kernels of these ops (deepxd/kernels/cuda/norm.py, resize.py; cumprod's in reduce.py) compile for
+    sm_90 as the executor compiles them; tests/gpu/test_kernels.py runs them against the CPU kernels."""
     mod = importlib.import_module(f"deepxd.kernels.cuda.{module}")
     path = tmp_path / f"{module}.cu"
     path.write_text(mod.source(dtype))
