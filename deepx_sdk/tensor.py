@@ -1167,6 +1167,61 @@ class Tensor:
         meta = a._infer("cumsum", [TensorMeta(a.shape, a.dtype), dim, False], [a.name, None, None])
         return a._op("cumsum", (_tp(a), _vp(int(dim))), meta.shape, meta.dtype, (a,))
 
+    def cumprod(self, dim: _int, *, dtype: Any = None) -> Tensor:
+        """Running products along dim; integer and bool tensors multiply in int64, as torch's (`dtype`: cast
+        first)."""
+        a = self.type_as_dtype(dtype_name(dtype)) if dtype is not None else self
+        if _amp.dtype is not None and a.dtype in _HALF:
+            a = a.type_as_dtype("float32")
+        if a.dtype in ("bool", "int8", "int16", "int32"):
+            a = a.type_as_dtype("int64")
+        meta = a._infer("cumprod", [TensorMeta(a.shape, a.dtype), dim], [a.name, None])
+        return a._op("cumprod", (_tp(a), _vp(int(dim))), meta.shape, meta.dtype, (a,))
+
+    def kthvalue(self, k: _int, dim: _int = -1, keepdim: _bool = False) -> Any:
+        """(values, indices) of the k-th smallest along dim, as torch.kthvalue's (nan the largest; among equal values
+        the first in order, where torch may name any of them)."""
+        if self.ndim == 0:
+            if k != 1:
+                raise DeepxError(f"kthvalue: k ({k}) out of range for a tensor of one element")
+            return _ValuesIndices(self.clone(), full((), 0, dtype="int64"))
+        d = norm_dim("kthvalue", dim, self.ndim)
+        if not 1 <= k <= self.shape[d]:
+            raise DeepxError(f"kthvalue: k ({k}) out of range: dim {dim} of '{self.name}' has {self.shape[d]} "
+                             "elements")
+        at = tuple(slice(k - 1, k) if i == d else slice(None) for i in range(self.ndim))
+        return self._selected(self._argtopk(k, d, False)[at], d, keepdim)
+
+    def median(self, dim: Any = None, keepdim: _bool = False) -> Any:
+        """The lower median (the ((n - 1) // 2 + 1)-th smallest) as torch.median: of every element (a 0-d tensor)
+        or (values, indices) along dim; nan where a nan is among the values (its index, the first's)."""
+        if dim is None:
+            flat = self.reshape(-1)
+            if flat.numel() == 0:
+                raise DeepxError("median: the input is empty; median() of no values is undefined, as in torch")
+            return flat.median(0).values
+        d = norm_dim("median", dim, max(self.ndim, 1))
+        if self.ndim == 0:
+            return self.kthvalue(1, 0, keepdim)
+        n = self.shape[d]
+        if n == 0:
+            raise DeepxError(f"median: dim {dim} of '{self.name}' is empty")
+        at = tuple(slice((n - 1) // 2, (n - 1) // 2 + 1) if i == d else slice(None) for i in range(self.ndim))
+        index = self._argtopk((n - 1) // 2 + 1, d, False)[at]
+        if self.dtype in FLOATS:
+            nan = self.isnan()
+            first_nan = nan.type_as_dtype("int8").argmax(d, keepdim=True)
+            index = where(nan.any(d, keepdim=True), first_nan, index)
+        return self._selected(index, d, keepdim)
+
+    def _selected(self, index: Tensor, dim: _int, keepdim: _bool) -> Any:
+        """(values, indices) of one index per slice along dim (index of size 1 there), its gradient to the element
+        picked."""
+        values = self.gather(dim, index)
+        if not keepdim:
+            values, index = values.squeeze(dim), index.squeeze(dim)
+        return _ValuesIndices(values, index)
+
     def argsort(self, dim: _int = -1, descending: _bool = False, stable: _bool = False) -> Tensor:
         """The indices that sort along dim; always stable (ties keep their order, as torch's stable=True), nan the
         largest."""
@@ -1700,7 +1755,7 @@ class _ValuesIndices(tuple):
 
 #: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
-    "sign", "log2", "log10", "cumprod", "kthvalue", "median", "mode",
+    "sign", "log2", "log10", "mode",
     "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm", "baddbmm",
     "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr", "pin_memory", "cuda",
     "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff", "flip", "roll", "rot90",

@@ -459,6 +459,15 @@ def _along_dim(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(a.shape, a.dtype)]
 
 
+def _cumprodgrad(c: Call) -> list[TensorMeta | None]:
+    a, g = c.args[0], c.args[1]
+    norm_dim(c.op.name, c.args[2], len(a.shape), scalar_ok=True)
+    if g.shape != a.shape or g.dtype != a.dtype:
+        raise DeepxError(f"cumprodgrad: the gradient '{c.names[1]}' is {g.dtype}{list(g.shape)}; expected "
+                         f"{a.dtype}{list(a.shape)}, as '{c.names[0]}'")
+    return [TensorMeta(a.shape, a.dtype)]
+
+
 def _argsort(c: Call) -> list[TensorMeta | None]:
     a = c.args[0]
     norm_dim(c.op.name, c.args[1], len(a.shape), scalar_ok=True)
@@ -762,6 +771,141 @@ def _update(n_state: int) -> Infer:
         return list(outs)
 
     return rule
+
+
+def stats_dtype(dtype: str) -> str:
+    """The dtype of a norm's batch statistics (batchnorm's, groupnorm's mean and var): what its kernels compute in,
+    float64 for float64 and float32 for the rest (a 16-bit mean would be rounded before the backward reads it)."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def _per_channel(c: Call, a: TensorMeta, idx: Sequence[int], want: Shape, dtype: str) -> None:
+    """The tensors idx are of shape `want` and dtype `dtype` (a norm's weight, bias or statistics)."""
+    for i in idx:
+        m = c.args[i]
+        if m.shape != want or m.dtype != dtype:
+            raise DeepxError(f"{c.op.name}: '{c.names[i]}' is {m.dtype}{list(m.shape)}; expected {dtype}{list(want)} "
+                             f"for '{c.names[0]}' {a.dtype}{list(a.shape)}")
+
+
+def _channels(c: Call) -> TensorMeta:
+    a = c.args[0]
+    if len(a.shape) < 2:
+        raise DeepxError(f"{c.op.name}: '{c.names[0]}' of shape {list(a.shape)} needs at least 2 dims (N, C, ...)")
+    return a  # type: ignore[no-any-return]
+
+
+def _batchnorm(c: Call) -> list[TensorMeta | None]:
+    """batchnorm (A, weight, bias, eps) -> (C, mean, var): weight and bias per channel (dim 1)."""
+    a = _channels(c)
+    ch = (a.shape[1],)
+    _per_channel(c, a, (1, 2), ch, a.dtype)
+    st = stats_dtype(a.dtype)
+    return [TensorMeta(a.shape, a.dtype), TensorMeta(ch, st), TensorMeta(ch, st)]
+
+
+def _norm_grad(c: Call, stats: Shape) -> list[TensorMeta | None]:
+    """batchnormgrad and groupnormgrad (A, G, weight, mean, var, ...) -> (dA, dweight, dbias)."""
+    a = _channels(c)
+    g = c.args[1]
+    if g.shape != a.shape or g.dtype != a.dtype:
+        raise DeepxError(f"{c.op.name}: the gradient '{c.names[1]}' is {g.dtype}{list(g.shape)}; expected "
+                         f"{a.dtype}{list(a.shape)}, as '{c.names[0]}'")
+    ch = (a.shape[1],)
+    _per_channel(c, a, (2,), ch, a.dtype)
+    _per_channel(c, a, (3, 4), stats, stats_dtype(a.dtype))
+    return [TensorMeta(a.shape, a.dtype), TensorMeta(ch, a.dtype), TensorMeta(ch, a.dtype)]
+
+
+def _batchnormeval(c: Call) -> list[TensorMeta | None]:
+    """batchnormeval (A, weight, bias, mean, var, eps) -> (C): everything per channel."""
+    a = _channels(c)
+    ch = (a.shape[1],)
+    _per_channel(c, a, (1, 2), ch, a.dtype)
+    _per_channel(c, a, (3, 4), ch, stats_dtype(a.dtype))
+    return [TensorMeta(a.shape, a.dtype)]
+
+
+def _batchnormgrad(c: Call) -> list[TensorMeta | None]:
+    return _norm_grad(c, (_channels(c).shape[1],))
+
+
+def _groups(c: Call, arg: int) -> int:
+    a, groups = _channels(c), int(c.args[arg])
+    if groups < 1 or a.shape[1] % groups:
+        raise DeepxError(f"{c.op.name}: {a.shape[1]} channels of '{c.names[0]}' do not split into groups={groups}")
+    return groups
+
+
+def _groupnorm(c: Call) -> list[TensorMeta | None]:
+    """groupnorm (A, weight, bias, groups, eps) -> (C, mean, var): statistics per sample and group."""
+    a = _channels(c)
+    groups = _groups(c, 3)
+    _per_channel(c, a, (1, 2), (a.shape[1],), a.dtype)
+    st = stats_dtype(a.dtype)
+    return [TensorMeta(a.shape, a.dtype), TensorMeta((a.shape[0], groups), st), TensorMeta((a.shape[0], groups), st)]
+
+
+def _groupnormgrad(c: Call) -> list[TensorMeta | None]:
+    return _norm_grad(c, (_channels(c).shape[0], _groups(c, 5)))
+
+
+def _batchnormupdate(c: Call) -> list[TensorMeta | None]:
+    """batchnormupdate (running_mean, running_var, mean, var, momentum, count) -> (running_mean, running_var)."""
+    rm, mean = c.args[0], c.args[2]
+    if len(rm.shape) != 1:
+        raise DeepxError(f"batchnormupdate: running_mean '{c.names[0]}' must be 1-D (one value per channel), got "
+                         f"{list(rm.shape)}")
+    _per_channel(c, rm, (1,), rm.shape, rm.dtype)
+    _per_channel(c, rm, (3,), rm.shape, mean.dtype)
+    if mean.shape != rm.shape:
+        raise DeepxError(f"batchnormupdate: mean '{c.names[2]}' has shape {list(mean.shape)}, the running "
+                         f"statistics {list(rm.shape)}")
+    momentum, count = c.args[4], c.args[5]
+    if not 0.0 <= momentum <= 1.0:
+        raise DeepxError(f"batchnormupdate: momentum={momentum} must be in [0, 1]")
+    if count < 2:
+        raise DeepxError(f"batchnormupdate: count={count} values per channel; the unbiased variance needs at least 2")
+    for name, want in zip(c.out_names, c.names[:2]):
+        if name != want:
+            raise DeepxError(f"batchnormupdate: updates in place; return '{name}' should be '{want}'")
+    return [TensorMeta(rm.shape, rm.dtype), TensorMeta(rm.shape, rm.dtype)]
+
+
+def _scales(c: Call, first: int) -> None:
+    for k in (first, first + 1):
+        s = c.args[k]
+        if not (s >= 0.0 and math.isfinite(s)):
+            raise DeepxError(f"{c.op.name}: {c.op.args[k].name}={s} must be a finite scale factor >= 0 (0: none, "
+                             "the sizes' ratio is used)")
+
+
+def _spatial4(c: Call, what: str, shape: Shape, size: Sequence[int]) -> None:
+    if len(shape) != 4 or len(size) != 2:
+        raise DeepxError(f"{c.op.name}: {what} must be 4-D (N, C, H, W) with an output size of 2 (OH, OW), got "
+                         f"{list(shape)} and {list(size)}")
+    if any(d < 1 for d in (*shape[2:], *size)):
+        raise DeepxError(f"{c.op.name}: input and output sizes should be greater than 0, got input "
+                         f"{list(shape[2:])} and output {list(size)}")
+
+
+def _interp(c: Call) -> list[TensorMeta | None]:
+    """interpnearest and interpbilinear (A, size, ...) -> (C) of shape (N, C, *size)."""
+    a, size = c.args[0], tuple(int(d) for d in c.args[1])
+    _spatial4(c, f"'{c.names[0]}'", a.shape, size)
+    _scales(c, len(c.args) - 2)
+    return [TensorMeta((*a.shape[:2], *size), a.dtype)]
+
+
+def _interpgrad(c: Call) -> list[TensorMeta | None]:
+    """interpnearestgrad and interpbilineargrad (G, input_shape, ...) -> (dA) of shape input_shape."""
+    g, shape = c.args[0], tuple(int(d) for d in c.args[1])
+    _spatial4(c, "input_shape", shape, g.shape[2:])
+    if len(g.shape) != 4 or g.shape[:2] != shape[:2]:
+        raise DeepxError(f"{c.op.name}: the gradient '{c.names[0]}' has shape {list(g.shape)}, the input "
+                         f"{list(shape)}: they must agree in N and C")
+    _scales(c, len(c.args) - 2)
+    return [TensorMeta(shape, g.dtype)]
 
 
 # ---------------------------------------------------------------- the table
@@ -1088,6 +1232,12 @@ op("argmax", "reduce", [_A, v("dim", "int"), v("keepdims", "bool", False)], [t("
 op("cumsum", "reduce", [_A, v("dim", "int"), v("reverse", "bool", False)], [_C], NUMERIC, _along_dim,
    "running sums along dim, from the end where reverse (low-precision floats add in float32, float32 in float64, "
    "integers in int64, then round into C)", grad=True, deepxir=False)
+op("cumprod", "reduce", [_A, v("dim", "int")], [_C], NUMERIC, _along_dim,
+   "running products along dim (low-precision floats multiply in float32, float32 in float64, integers in int64, "
+   "then round into C)", grad=True, deepxir=False)
+op("cumprodgrad", "reduce", [_A, t("G"), v("dim", "int")], [t("dA")], FLOATS, _cumprodgrad,
+   "cumprod's gradient for its input A from the gradient G of its result: dA[i] = the sum over j >= i of G[j] times "
+   "the product of A[k] for k <= j, k != i (along dim; right where A holds zeros, as torch's)", deepxir=False)
 op("argsort", "sort", [_A, v("dim", "int", -1), v("descending", "bool", False)], [t("B", frozenset({"int64"}))],
    NUMERIC, _argsort, "the indices that sort A along dim, ascending or descending; stable (ties keep their order) "
    "with nan the largest and -0.0 equal to 0.0, as torch.sort(stable=True)", deepxir=False)
@@ -1130,6 +1280,59 @@ op("sumpool2d", "conv", [_A, *_POOL], [_C], _F, _pool2d,
    deepxir=False)
 op("sumpool2dgrad", "conv", [t("G"), vec("input_shape"), *_POOL], [t("dA")], _F, _pool2dgrad(1),
    "sumpool2d's gradient: each input position gets the sum of G over the windows that read it", deepxir=False)
+# -- norms over channels with their statistics (deepxd/kernels/cpu/norm.py): the forward returns the mean and the
+# biased variance its backward reads (in stats_dtype: float32 for the 16-bit floats), batchnormupdate folds them into
+# the running statistics as torch does
+_STATS = frozenset({"float32", "float64"})
+op("batchnorm", "norm", [_A, t("weight"), t("bias"), v("eps", default=1e-5)],
+   [_C, t("mean", _STATS), t("var", _STATS)], _F, _batchnorm,
+   "A (N, C, ...) normalised per channel by the batch's statistics over N and the spatial dims, then * weight + bias "
+   "(weight and bias (C,)); mean and var (the biased variance) are those statistics (C,), as torch's training batch "
+   "norm", grad=True, deepxir=False)
+op("batchnormeval", "norm", [_A, t("weight"), t("bias"), t("mean", _STATS), t("var", _STATS),
+                             v("eps", default=1e-5)], [_C], _F, _batchnormeval,
+   "A (N, C, ...) normalised per channel by given statistics (the running ones: torch's batch norm in eval), "
+   "(A - mean) / sqrt(var + eps) * weight + bias", grad=True, deepxir=False)
+op("batchnormgrad", "norm", [_A, t("G"), t("weight"), t("mean", _STATS), t("var", _STATS), v("eps", default=1e-5),
+                             v("batch", "bool", True)],
+   [t("dA"), t("dweight"), t("dbias")], _F, _batchnormgrad,
+   "batchnorm's gradients from the gradient G of its result and its statistics: with xh = (A - mean) / "
+   "sqrt(var + eps), dbias = sum(G), dweight = sum(G xh) (over all but dim 1), dA = weight / sqrt(var + eps) (G - "
+   "dbias / n - xh dweight / n), n the values per channel; batchnormeval's (batch false: the statistics are given, "
+   "not the batch's), dA = G weight / sqrt(var + eps)", deepxir=False)
+op("batchnormupdate", "norm", [t("running_mean"), t("running_var"), t("mean", _STATS), t("var", _STATS),
+                               v("momentum"), v("count", "int")],
+   [t("running_mean"), t("running_var")], _F, _batchnormupdate,
+   "the running statistics, in place, as torch's training batch norm updates them: running_mean = momentum * mean + "
+   "(1 - momentum) * running_mean, running_var likewise with var * count / (count - 1) (the unbiased variance of "
+   "count values per channel); computed in float64, rounded once", deepxir=False, effect=FILLS, alias_safe=True)
+op("groupnorm", "norm", [_A, t("weight"), t("bias"), v("groups", "int"), v("eps", default=1e-5)],
+   [_C, t("mean", _STATS), t("var", _STATS)], _F, _groupnorm,
+   "A (N, C, ...) normalised over each sample's group of C / groups channels (and the spatial dims), then * weight + "
+   "bias per channel; mean and var (the biased variance) are the statistics (N, groups), as torch's group_norm",
+   grad=True, deepxir=False)
+op("groupnormgrad", "norm", [_A, t("G"), t("weight"), t("mean", _STATS), t("var", _STATS), v("groups", "int"),
+                             v("eps", default=1e-5)],
+   [t("dA"), t("dweight"), t("dbias")], _F, _groupnormgrad,
+   "groupnorm's gradients from the gradient G of its result and its statistics: with xh = (A - mean) / sqrt(var + "
+   "eps) and d = G weight, dA = (d - mean(d) - xh mean(d xh)) / sqrt(var + eps) (means over each sample's group), "
+   "dweight = sum(G xh), dbias = sum(G) (over all but dim 1)", deepxir=False)
+# -- resizing the spatial dims as torch's interpolate (deepxd/kernels/cpu/resize.py); scale_h and scale_w are the
+# scale factors interpolate was given (0: none), which torch's source positions follow
+_SCALES = [v("scale_h", default=0.0), v("scale_w", default=0.0)]
+op("interpnearest", "resize", [_A, vec("size"), *_SCALES], [_C], _F, _interp,
+   "C[n, c, y, x] = A[n, c, min(floor(y * sh), H - 1), min(floor(x * sw), W - 1)] for A (N, C, H, W) and C (N, C, "
+   "*size), sh = 1 / scale_h (H / OH where 0) in float32 as torch's mode='nearest'", grad=True, deepxir=False)
+op("interpnearestgrad", "resize", [t("G"), vec("input_shape"), *_SCALES], [t("dA")], _F, _interpgrad,
+   "interpnearest's gradient: each input position gets the sum of G over the outputs that read it", deepxir=False)
+op("interpbilinear", "resize", [_A, vec("size"), v("align_corners", "bool", False), *_SCALES], [_C], _F, _interp,
+   "bilinear resize of A (N, C, H, W) to (N, C, *size) as torch's interpolate(mode='bilinear'): each output the "
+   "weighted sum of its 2 x 2 neighbours at source position y * (H - 1) / (OH - 1) (align_corners) or (y + 0.5) sh "
+   "- 0.5 clamped at 0, sh = 1 / scale_h (H / OH where 0)", grad=True, deepxir=False)
+op("interpbilineargrad", "resize", [t("G"), vec("input_shape"), v("align_corners", "bool", False), *_SCALES],
+   [t("dA")], _F, _interpgrad,
+   "interpbilinear's gradient: each output's G scattered to its 2 x 2 neighbours with their weights, added",
+   deepxir=False)
 op("sgd", "optim", [t("param"), t("grad"), t("momentum_buffer"), v("lr"), v("momentum", default=0.0),
                     v("dampening", default=0.0), v("weight_decay", default=0.0), v("nesterov", "bool", False),
                     v("step", "int", 1)],

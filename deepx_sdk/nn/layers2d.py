@@ -188,7 +188,10 @@ class _BatchNorm(Module):
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
-        self._tracked = 0  # num_batches_tracked as Python knows it (momentum=None averages over it)
+        # num_batches_tracked as Python knows it (momentum=None averages over it), and the write of the tensor it was
+        # read from: another write (a state_dict loaded) makes it read again
+        self._tracked = 0
+        self._seen: int | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim not in self._ndims:
@@ -198,15 +201,20 @@ class _BatchNorm(Module):
             raise DeepxError(f"{type(self).__name__}: expected {self.num_features} channels (dim 1), got "
                              f"{x.shape[1]}")
         momentum = self.momentum
-        batch_stats = self.training or self.running_mean is None
         if self.training and self.track_running_stats:
+            tracked = self.num_batches_tracked
+            if momentum is None and getattr(tracked, "_w", None) != self._seen:
+                self._tracked = int(tracked.item())
             self._tracked += 1
-            self.num_batches_tracked.add_(1)
+            tracked.add_(1)
+            self._seen = getattr(tracked, "_w", None)
             if momentum is None:
                 momentum = 1.0 / self._tracked
-        return V.batch_norm(x, self.running_mean if not batch_stats or self.training else None,
-                            self.running_var if not batch_stats or self.training else None, self.weight, self.bias,
-                            batch_stats, 0.0 if momentum is None else momentum, self.eps)
+        # as torch's: batch statistics in training and where none are kept; the running ones updated where kept
+        batch_stats = self.training or self.running_mean is None
+        keep = not self.training or self.track_running_stats
+        return V.batch_norm(x, self.running_mean if keep else None, self.running_var if keep else None, self.weight,
+                            self.bias, batch_stats, 0.0 if momentum is None else momentum, self.eps)
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "

@@ -1,9 +1,11 @@
-"""Convolution, pooling and batch statistics for convolutional nets, written with the ops deepx has.
+"""Convolution, pooling, normalisation and resizing for convolutional nets, on the ops of the catalogue.
 
 A convolution is the `conv2d` op (on the CPU im2col as a strided view and one GEMM per group,
 deepxd/kernels/cpu/conv.py; on op-cuda a direct kernel, deepxd/kernels/cuda/conv.py), its gradient the ops
-conv2dgradinput and conv2dgradweight. Pooling takes strided slices of the padded input, one per tap of the window
-(its stride the pooling's, its start the tap's offset times the dilation), and reduces them (`amax`, `sum`).
+conv2dgradinput and conv2dgradweight. Pooling pads the input and runs `maxpool2d` or `sumpool2d`. Batch norm in
+training and group norm are the `batchnorm` and `groupnorm` ops, which also return the statistics their gradient ops
+read (and batchnormupdate folds into the running ones); batch norm in eval is `batchnormeval`.
+`interpolate` is `interpnearest` or `interpbilinear`, on torch's source positions.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import math
 from typing import Any
 
 from deepx_core.errors import DeepxError
-from deepx_core.ir.ops import conv2d_geometry
+from deepx_core.ir.instr import Instr
+from deepx_core.ir.ops import conv2d_geometry, stats_dtype
 from deepx_sdk.amp import lower, upper
 from deepx_sdk.amp import state as _amp
 from deepx_sdk.tensor import Tensor, _tp, _vec, _vp, stack
@@ -178,15 +181,25 @@ def conv_transpose2d(input: Tensor, weight: Tensor, bias: Tensor | None = None, 
     return out if bias is None else out + bias.reshape(1, -1, 1, 1)
 
 
+def _nearest_1d(n_in: int, n_out: int, factor: float) -> list[int] | None:
+    """torch's 1-D nearest source indices where they differ from the interpnearest op's (which copies a size that
+    stays and halves one that doubles, as torch's 2-D kernel does, whatever the scale factor); None where they do
+    not differ."""
+    if factor <= 0 or n_out not in (n_in, 2 * n_in):
+        return None
+    import numpy as np
+
+    scale = np.float32(1.0 / factor)
+    src = [min(int(np.floor(np.float32(i) * scale)), n_in - 1) for i in range(n_out)]
+    return None if src == [i if n_out == n_in else i >> 1 for i in range(n_out)] else src
+
+
 def interpolate(input: Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
                 align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
                 antialias: bool = False) -> Tensor:
-    """Resize the spatial dims of (N, C, H, W) (or (N, C, L)): mode 'nearest' (torch's floor rule) or 'bilinear'
-    ('linear' for 3-D), with align_corners as torch; gathers with indices and weights worked out on the host."""
-    import numpy as np
-
-    from deepx_sdk.tensor import tensor
-
+    """Resize the spatial dims of (N, C, H, W) (or (N, C, L)) as torch's interpolate: mode 'nearest' or 'bilinear'
+    ('linear' for 3-D), align_corners as torch; the ops interpnearest and interpbilinear, which follow torch's
+    source positions (a 3-D input runs as (N, C, 1, L))."""
     if antialias:
         raise DeepxError("interpolate: antialias=True is not supported by deepx")
     if input.ndim not in (3, 4):
@@ -197,14 +210,20 @@ def interpolate(input: Tensor, size: Any = None, scale_factor: Any = None, mode:
         raise DeepxError("interpolate: give exactly one of size and scale_factor")
     if size is not None:
         out_sizes = [int(v) for v in (size if isinstance(size, (tuple, list)) else [size] * k)]
-        scales = [s / o for s, o in zip(spatial, out_sizes)]
+        factors = [0.0] * k
     else:
         factors = [float(v) for v in (scale_factor if isinstance(scale_factor, (tuple, list)) else
                                       [scale_factor] * k)]
+        if len(factors) != k:
+            raise DeepxError(f"interpolate: {len(factors)} scale factors for {k} spatial dims")
         out_sizes = [math.floor(s * f) for s, f in zip(spatial, factors)]
-        scales = [1.0 / f if not recompute_scale_factor else s / o for s, f, o in zip(spatial, factors, out_sizes)]
+        if recompute_scale_factor:  # torch's: the sizes' ratio, not the factor, sets the positions
+            factors = [0.0] * k
     if len(out_sizes) != k:
         raise DeepxError(f"interpolate: {len(out_sizes)} sizes for {k} spatial dims")
+    if any(o < 1 for o in out_sizes) or any(s < 1 for s in spatial):
+        raise DeepxError(f"interpolate: input and output sizes should be greater than 0, got input {list(spatial)} "
+                         f"and output {out_sizes}")
     linear = {3: "linear", 4: "bilinear"}[input.ndim]
     if mode not in ("nearest", linear):
         raise DeepxError(f"interpolate: mode {mode!r} is not supported for a {input.ndim}-D input by deepx (nearest, "
@@ -212,25 +231,22 @@ def interpolate(input: Tensor, size: Any = None, scale_factor: Any = None, mode:
     if mode == "nearest" and align_corners is not None:
         raise DeepxError("interpolate: align_corners applies to the linear modes only")
     x = input
-    for axis, (n_in, n_out, scale) in enumerate(zip(spatial, out_sizes, scales)):
-        dim = 2 + axis
-        head = (slice(None),) * dim
-        dst = np.arange(n_out, dtype=np.float64)
+    if k == 1:
         if mode == "nearest":
-            src = np.minimum(np.floor(dst * scale).astype(np.int64), n_in - 1)
-            x = x[(*head, tensor(src))]
-            continue
-        if align_corners:
-            pos = dst * ((n_in - 1) / (n_out - 1)) if n_out > 1 else np.zeros(n_out)
-        else:
-            pos = np.maximum((dst + 0.5) * scale - 0.5, 0.0)
-        lo = np.minimum(np.floor(pos).astype(np.int64), n_in - 1)
-        hi = np.minimum(lo + 1, n_in - 1)
-        frac = (pos - lo).reshape(-1, *([1] * (x.ndim - dim - 1)))
-        wt = tensor(frac.astype(np.float32 if x.dtype == "float32" else np.float64)).to(x.dtype)
-        a, b = x[(*head, tensor(lo))], x[(*head, tensor(hi))]
-        x = a + (b - a) * wt
-    return x
+            src = _nearest_1d(spatial[0], out_sizes[0], factors[0])
+            if src is not None:  # torch's 1-D kernel has no shortcut for a size kept or doubled
+                from deepx_sdk.tensor import tensor
+
+                return x[:, :, tensor(src)]
+        x = x.unsqueeze(2)
+        out_sizes, factors = [1, *out_sizes], [0.0, *factors]
+    size_p, sh, sw = _vec(tuple(out_sizes)), _vp(float(factors[0])), _vp(float(factors[1]))
+    shape = (*x.shape[:2], *out_sizes)
+    if mode == "nearest":
+        out = x._op("interpnearest", (_tp(x), size_p, sh, sw), shape, x.dtype, [x])
+    else:
+        out = x._op("interpbilinear", (_tp(x), size_p, _vp(bool(align_corners)), sh, sw), shape, x.dtype, [x])
+    return out.squeeze(2) if k == 1 else out
 
 
 def _pool_args(what: str, kernel_size: Any, stride: Any, padding: Any, dilation: Any
@@ -339,61 +355,106 @@ def _per_channel(t: Tensor, ndim: int) -> Tensor:
     return t.reshape(1, t.shape[0], *([1] * (ndim - 2)))
 
 
+def _norm_op(name: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: tuple[Any, ...],
+             stats: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """`name` (batchnorm or groupnorm) of x: its result and its statistics (mean and biased variance, of shape
+    `stats`). A missing weight is ones, a missing bias zeros; both are cast to x's dtype. The statistics are held by
+    the result's autograd node, whose backward reads them (batchnormgrad, groupnormgrad)."""
+    w, b = _affine(x, weight, bias)
+    st = stats_dtype(x.dtype)
+    out, mean, var = x._new(x.shape, x.dtype), x._new(stats, st), x._new(stats, st)
+    instr = Instr(name, (_tp(x), _tp(w), _tp(b), *params), (_tp(out), _tp(mean), _tp(var)))
+    s = x._s
+    s.recorder.record(instr)
+    if s.grad_enabled and (x.requires_grad or w.requires_grad or b.requires_grad):
+        out.requires_grad = True
+        s.tape.append((instr, out, (x, w, b, mean, var)))
+    return out, mean, var
+
+
+def _affine(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A norm's weight and bias in x's dtype: ones and zeros where there are none (affine=False)."""
+    from deepx_sdk.tensor import full
+
+    c = x.shape[1]
+    w = full((c,), 1.0, dtype=x.dtype) if weight is None else weight.type_as_dtype(x.dtype)
+    b = full((c,), 0.0, dtype=x.dtype) if bias is None else bias.type_as_dtype(x.dtype)
+    return w, b
+
+
+def _channels(what: str, input: Tensor) -> int:
+    if input.ndim < 2:
+        raise DeepxError(f"{what}: expected an input of at least 2 dims (N, C, ...), got {list(input.shape)}")
+    return input.shape[1]
+
+
 def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None = None,
                bias: Tensor | None = None, training: bool = False, momentum: float | None = 0.1,
                eps: float = 1e-5) -> Tensor:
-    """Normalise each channel (dim 1) by the batch's statistics (training, updating the running ones in place with
-    `momentum`, the variance unbiased as torch keeps it) or by the running ones."""
-    from deepx_sdk.grad_mode import no_grad
-
-    if input.ndim < 2:
-        raise DeepxError(f"batch_norm: expected an input of at least 2 dims (N, C, ...), got {list(input.shape)}")
-    dims = [0, *range(2, input.ndim)]
+    """Normalise each channel (dim 1) by the batch's statistics (training: the batchnorm op, then batchnormupdate
+    folds them into the running ones in place with `momentum`, the variance unbiased, as torch) or by the running
+    ones (batchnormeval)."""
+    c = _channels("batch_norm", input)
     if training:
-        count = input.numel() // input.shape[1]
+        count = input.numel() // c if c else 0
         if count < 2:
             raise DeepxError(f"batch_norm: expected more than 1 value per channel when training, got input of shape "
                              f"{list(input.shape)}")
-        mean = input.mean(dims, keepdim=True)
-        centered = input - mean
-        var = (centered * centered).mean(dims, keepdim=True)
-        if running_mean is not None and running_var is not None:
-            m = 0.1 if momentum is None else float(momentum)
-            with no_grad():
-                flat_mean = mean.detach().reshape(-1)
-                unbiased = var.detach().reshape(-1) * (count / (count - 1))
-                running_mean.copy_(running_mean * (1 - m) + flat_mean * m)
-                running_var.copy_(running_var * (1 - m) + unbiased * m)
-        out = centered / (var + eps).sqrt()
-    else:
-        if running_mean is None or running_var is None:
-            raise DeepxError("batch_norm: running statistics are needed when not training")
-        out = (input - _per_channel(running_mean, input.ndim)) / (_per_channel(running_var, input.ndim) + eps).sqrt()
-    if weight is not None:
-        out = out * _per_channel(weight, input.ndim)
-    if bias is not None:
-        out = out + _per_channel(bias, input.ndim)
-    return out
+        out, mean, var = _norm_op("batchnorm", input, weight, bias, (_vp(float(eps)),), (c,))
+        if running_mean is not None or running_var is not None:
+            if running_mean is None or running_var is None:
+                raise DeepxError("batch_norm: give both running_mean and running_var, or neither")
+            _update_running(running_mean, running_var, mean, var, 0.1 if momentum is None else float(momentum),
+                            count)
+        return out
+    if running_mean is None or running_var is None:
+        raise DeepxError("batch_norm: running statistics are needed when not training")
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
+                    ("bias", bias)):
+        if t is not None and t.shape != (c,):
+            raise DeepxError(f"batch_norm: {name} of shape {list(t.shape)} does not fit {c} channels (dim 1 of "
+                             f"{list(input.shape)})")
+    if input._s.grad_enabled and (running_mean.requires_grad or running_var.requires_grad):
+        raise DeepxError("batch_norm: running_mean and running_var take no gradient (torch refuses them too); pass "
+                         "them detached")
+    st = stats_dtype(input.dtype)
+    w, b = _affine(input, weight, bias)
+    rm, rv = running_mean.type_as_dtype(st), running_var.type_as_dtype(st)
+    return input._op("batchnormeval", (_tp(input), _tp(w), _tp(b), _tp(rm), _tp(rv), _vp(float(eps))), input.shape,
+                     input.dtype, [input, w, b, rm, rv])
+
+
+def _update_running(running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, momentum: float,
+                    count: int) -> None:
+    """batchnormupdate: the running statistics, in place (no gradient, as torch's buffers)."""
+    if running_mean.shape != mean.shape or running_var.shape != var.shape:
+        raise DeepxError(f"batch_norm: running statistics of shapes {list(running_mean.shape)} and "
+                         f"{list(running_var.shape)} do not fit {mean.shape[0]} channels")
+    if running_var.dtype != running_mean.dtype:
+        raise DeepxError(f"batch_norm: running_mean is {running_mean.dtype} but running_var {running_var.dtype}")
+    for t in (running_mean, running_var):
+        t._check_write("batch_norm's running statistics")
+    s = mean._s
+    s.recorder.record(Instr("batchnormupdate", (_tp(running_mean), _tp(running_var), _tp(mean), _tp(var),
+                                                _vp(float(momentum)), _vp(int(count))),
+                            (_tp(running_mean), _tp(running_var))))
+    s.tape.wrote(running_mean)  # a graph that read the old values must not take the new ones for them
+    s.tape.wrote(running_var)
 
 
 def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
-    """Normalise each group of channels of each sample by its own mean and (biased) variance."""
+    """Normalise each group of channels of each sample by its own mean and (biased) variance: the groupnorm op."""
     if _amp.dtype is not None:
         input, weight, bias = upper(input), upper(weight), upper(bias)
-    n, c = input.shape[0], input.shape[1]
-    if c % num_groups:
+    c = _channels("group_norm", input)
+    if not isinstance(num_groups, int) or num_groups < 1 or c % num_groups:
         raise DeepxError(f"group_norm: {c} channels do not split into {num_groups} groups")
-    g = input.reshape(n, num_groups, -1)
-    mean = g.mean(2, keepdim=True)
-    centered = g - mean
-    var = (centered * centered).mean(2, keepdim=True)
-    out = (centered / (var + eps).sqrt()).reshape(input.shape)
-    if weight is not None:
-        out = out * _per_channel(weight, input.ndim)
-    if bias is not None:
-        out = out + _per_channel(bias, input.ndim)
-    return out
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.shape != (c,):
+            raise DeepxError(f"group_norm: {name} of shape {list(t.shape)} does not fit {c} channels")
+    return _norm_op("groupnorm", input, weight, bias, (_vp(int(num_groups)), _vp(float(eps))),
+                    (input.shape[0], num_groups))[0]
 
 
 def dropout2d(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:

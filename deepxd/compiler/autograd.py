@@ -559,9 +559,10 @@ def grad_program(forward: list[Instr], loss: str, wrt: list[str], env: Env, *, g
             raise DeepxError(f"autograd: op '{name}' has no gradient rule, and it lies between {sorted(wrt)} and the "
                              f"loss '{loss}'")
         if outs_with_grad != [0]:  # a rule turns the gradient of the first result; no other carries one
-            other = next(i for i in outs_with_grad if i)
-            raise DeepxError(f"autograd: {name}'s gradient flows from its first result only, but its result "
-                             f"'{node.b.out_names[other]}' lies between {sorted(wrt)} and the loss '{loss}'")
+            held = node.b.out_names[next(i for i in outs_with_grad if i)]
+            raise DeepxError(f"autograd: the loss '{loss}' depends on result '{held}' of {name}, which carries no "
+                             f"gradient ({name}'s gradient flows from its first result only, but '{held}' lies "
+                             f"between {sorted(wrt)} and the loss)")
         g = grads[node.outs[0]]  # type: ignore[index]
         result = fn(Grad(bld, node), g)
         for i, gi in result.items():
@@ -921,6 +922,12 @@ def _cumsum(gr: Grad, g: str) -> dict[int, str]:
     return {0: gr.emit("cumsum", g, int(gr.arg(1)), not gr.arg(2))}
 
 
+@rule("cumprod")
+def _cumprod(gr: Grad, g: str) -> dict[int, str]:
+    """dA = cumprodgrad(A, g): dA[i] = the sum over j >= i of g[j] prod(A[k], k <= j, k != i)"""
+    return {0: gr.emit("cumprodgrad", gr.x(0), g, int(gr.arg(1)))}
+
+
 @rule("reducemax", "reducemin")
 def _reducemaxmin(gr: Grad, g: str) -> dict[int, str]:
     """dA = g shared evenly between the elements equal to the result (as torch.amax and amin do)"""
@@ -1227,6 +1234,49 @@ def _maxpool2d(gr: Grad, g: str) -> dict[int, str]:
 def _sumpool2d(gr: Grad, g: str) -> dict[int, str]:
     """dA = sumpool2dgrad(g): each input position gets g summed over the windows that read it"""
     return {0: gr.emit("sumpool2dgrad", g, gr.meta(0).shape, gr.arg(1), gr.arg(2), gr.arg(3))}
+
+@rule("batchnorm")
+def _batchnorm(gr: Grad, g: str) -> dict[int, str]:
+    """dA, dweight, dbias = batchnormgrad(A, g, weight, mean, var) from the forward's statistics: with xh = (A - mean)
+    / sqrt(var + eps), dbias = sum(g), dweight = sum(g xh) (over all but dim 1), dA = weight / sqrt(var + eps)
+    (g - dbias / n - xh dweight / n)"""
+    return _norm_grads(gr, gr.emit_all("batchnormgrad", gr.x(0), g, gr.x(1), gr.y(1), gr.y(2), float(gr.arg(3))))
+
+
+@rule("batchnormeval")
+def _batchnormeval(gr: Grad, g: str) -> dict[int, str]:
+    """dA, dweight, dbias = batchnormgrad(A, g, weight, mean, var, batch=false): dA = g weight / sqrt(var + eps),
+    dweight = sum(g xh), dbias = sum(g); the given statistics take none (torch's running ones take none)"""
+    return _norm_grads(gr, gr.emit_all("batchnormgrad", gr.x(0), g, gr.x(1), gr.x(3), gr.x(4), float(gr.arg(5)),
+                                       False))
+
+
+@rule("groupnorm")
+def _groupnorm(gr: Grad, g: str) -> dict[int, str]:
+    """dA, dweight, dbias = groupnormgrad(A, g, weight, mean, var) from the forward's statistics: with xh = (A - mean)
+    / sqrt(var + eps) and d = g weight, dA = (d - mean(d) - xh mean(d xh)) / sqrt(var + eps) over each group;
+    dweight = sum(g xh), dbias = sum(g)"""
+    return _norm_grads(gr, gr.emit_all("groupnormgrad", gr.x(0), g, gr.x(1), gr.y(1), gr.y(2), int(gr.arg(3)),
+                                       float(gr.arg(4))))
+
+
+def _norm_grads(gr: Grad, grads: list[str]) -> dict[int, str]:
+    """The gradients of a norm's A, weight and bias (those that need one) from its gradient op's three results."""
+    return {i: name for i, name in enumerate(grads) if gr.needs(i)}
+
+
+@rule("interpnearest")
+def _interpnearest(gr: Grad, g: str) -> dict[int, str]:
+    """dA = interpnearestgrad(g): each input position gets g summed over the outputs that read it"""
+    return {0: gr.emit("interpnearestgrad", g, gr.meta(0).shape, float(gr.arg(2)), float(gr.arg(3)))}
+
+
+@rule("interpbilinear")
+def _interpbilinear(gr: Grad, g: str) -> dict[int, str]:
+    """dA = interpbilineargrad(g): each output's g scattered to its 2 x 2 source neighbours with their weights"""
+    return {0: gr.emit("interpbilineargrad", g, gr.meta(0).shape, bool(gr.arg(2)), float(gr.arg(3)),
+                       float(gr.arg(4)))}
+
 
 @rule("rmsnorm")
 def _rmsnorm(gr: Grad, g: str) -> dict[int, str]:

@@ -29,6 +29,8 @@ _FAMILY_TITLES = {
     "nn": "Neural-network ops",
     "conv": "Convolution",
     "attention": "Attention",
+    "norm": "Batch and group norm",
+    "resize": "Resizing (interpolate)",
     "optim": "Optimizer updates",
     "collective": "Collectives (process groups: docs/distributed.md)",
     "fused": "Fused elementwise (made by the compiler)",

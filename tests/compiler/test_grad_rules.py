@@ -19,7 +19,7 @@ import torch
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import to_numpy
-from deepx_core.ir.ops import OPS
+from deepx_core.ir.ops import OPS, stats_dtype
 from deepxd.comm import Collectives
 from deepxd.compiler.autograd import GRAD_RULES, grad_program, grad_rule, rule_formula, unfuse
 from tests.compiler.helpers import executor, program
@@ -57,7 +57,7 @@ class Case:
     wrt: list[str]
     ref: Callable[[dict[str, torch.Tensor]], torch.Tensor]
     dtypes: tuple[str, ...] = ORDER  # the dtypes this case runs in (of those the op claims)
-    extra: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, str] = field(default_factory=dict)  # input name -> "stats": of the norm statistics' dtype
 
 
 def c(text: str, inputs: Mapping[str, R | Fixed], wrt: str, ref: Callable[[dict[str, torch.Tensor]], torch.Tensor],
@@ -216,6 +216,11 @@ CASES: dict[str, list[Case]] = {
                  lambda t, d=d, rev=rev: t["a"].flip(d).cumsum(d).flip(d) if rev == "true" else t["a"].cumsum(d))
                for s, d, rev in [((3, 4), 1, "false"), ((2, 3, 4), -2, "true"), ((5,), 0, "false"),
                                  ((2, 6), -1, "true")]],
+    "cumprod": [c(f"cumprod (tensor<T>:a, var<int32>:{d}) -> (tensor<T>:y)", {"a": a}, "a",
+                  lambda t, d=d: t["a"].cumprod(d))
+                for a, d in [(r(3, 4, lo=0.5, hi=1.5), 1), (r(2, 3, 4), -2), (r(5), 0),
+                             (Fixed(np.array([[0.5, 0.0, 1.5, -0.7, 0.0], [1.2, 0.9, 0.0, 1.1, 0.8]])), 1),
+                             (Fixed(np.array([[0.0, 0.5], [1.5, 0.0], [0.7, 2.0]])), 0)]],
     "reshape": [c(f"reshape (tensor<T>:a, {vecs(s)}) -> (tensor<T>:y)", {"a": r(2, 3, 4)}, "a",
                   lambda t, s=s: t["a"].reshape(s)) for s in [(6, 4), (24,), (4, -1, 2)]],
     "transpose": [c(f"transpose (tensor<T>:a, {vecs(p)}) -> (tensor<T>:y)", {"a": r(2, 3, 4)}, "a",
@@ -309,6 +314,39 @@ CASES: dict[str, list[Case]] = {
                                                   ((1, 4, 3, 4), (1, 2, 7, 4), (1, 2, 7, 4), 0.3, False, "q k v"),
                                                   ((3, 4), (5, 4), (5, 2), 1.0, False, "k"),
                                                   ((3, 4), (5, 4), (5, 2), 1.0, True, "q v")]],
+    "batchnorm": [c("batchnorm (tensor<T>:a, tensor<T>:w, tensor<T>:b, var<float64>:1e-5) -> (tensor<T>:y, tensor:m, "
+                    "tensor:v)", {"a": r(*a, lo=-2, hi=3), "w": r(a[1]), "b": r(a[1])}, wrt,
+                    lambda t: TF.batch_norm(t["a"], None, None, t["w"], t["b"], training=True))
+                  for a, wrt in [((4, 3, 5, 6), "a w b"), ((7, 5), "a w b"), ((2, 6, 9), "a"),
+                                 ((3, 2, 3, 1, 2), "w b")]],
+    "batchnormeval": [Case("batchnormeval (tensor<T>:a, tensor<T>:w, tensor<T>:b, tensor<S>:m, tensor<S>:v, "
+                           "var<float64>:1e-3) -> (tensor<T>:y)",
+                           {"a": r(*a, lo=-2, hi=3), "w": r(a[1]), "b": r(a[1]), "m": r(a[1]), "v": r(a[1], lo=0.5,
+                                                                                                     hi=2)},
+                           wrt.split(), lambda t: TF.batch_norm(t["a"], t["m"], t["v"], t["w"], t["b"], eps=1e-3),
+                           extra={"m": "stats", "v": "stats"})
+                      for a, wrt in [((4, 3, 5, 6), "a w b"), ((7, 5), "a w b"), ((2, 6, 9), "a")]],
+    "groupnorm": [c(f"groupnorm (tensor<T>:a, tensor<T>:w, tensor<T>:b, var<int32>:{k}, var<float64>:1e-5) -> "
+                    "(tensor<T>:y, tensor:m, tensor:v)", {"a": r(*a, lo=-2, hi=3), "w": r(a[1]), "b": r(a[1])}, wrt,
+                    lambda t, k=k: TF.group_norm(t["a"], k, t["w"], t["b"]))
+                  for a, k, wrt in [((3, 6, 5, 4), 2, "a w b"), ((2, 4, 7), 4, "a w b"), ((5, 3, 2, 3), 1, "a"),
+                                    ((2, 6, 3), 3, "w b")]],
+    "interpnearest": [c(f"interpnearest (tensor<T>:a, {vecs(size)}, var<float64>:{sh}, var<float64>:{sw}) -> "
+                        "(tensor<T>:y)", {"a": r(*a)}, "a",
+                        lambda t, size=size, sh=sh, sw=sw: TF.interpolate(
+                            t["a"], **({"size": size} if not sh else {"scale_factor": (sh, sw)}), mode="nearest"))
+                      for a, size, sh, sw in [((2, 3, 5, 7), (9, 4), 0, 0), ((1, 2, 4, 3), (10, 7), 2.5, 2.5),
+                                              ((2, 1, 6, 6), (3, 12), 0.5, 2.0)]],
+    "interpbilinear": [c(f"interpbilinear (tensor<T>:a, {vecs(size)}, var<bool>:{str(ac).lower()}, var<float64>:{sh}, "
+                         f"var<float64>:{sw}) -> (tensor<T>:y)", {"a": r(*a)}, "a",
+                         lambda t, size=size, sh=sh, sw=sw, ac=ac: TF.interpolate(
+                             t["a"], **({"size": size} if not sh else {"scale_factor": (sh, sw)}), mode="bilinear",
+                             align_corners=ac))
+                       for a, size, ac, sh, sw in [((2, 3, 5, 7), (9, 4), False, 0, 0),
+                                                   ((2, 3, 5, 7), (9, 4), True, 0, 0),
+                                                   ((1, 2, 4, 3), (10, 7), False, 2.5, 2.5),
+                                                   ((2, 1, 6, 6), (3, 12), False, 0.5, 2.0),
+                                                   ((1, 1, 1, 5), (1, 8), True, 0, 0)]],
     "rmsnorm": [c("rmsnorm (tensor<T>:a, tensor<T>:w, var<float64>:1e-6) -> (tensor<T>:y)",
                   {"a": r(*a, lo=-2, hi=2), "w": r(*w)}, "a w", _norm_ref("rmsnorm", 1e-6, len(w)))
                 for a, w in [((4, 6), (6,)), ((2, 3, 5), (5,)), ((2, 3, 4), (3, 4))]],
@@ -360,16 +398,16 @@ def _param(op: str) -> list:
 
 
 def check(case: Case, dtype: str, rng: np.random.Generator) -> None:
-    np_dt = to_numpy(dtype)
     inputs: dict[str, np.ndarray] = {}
     for name, spec in case.inputs.items():
+        np_dt = to_numpy(stats_dtype(dtype) if case.extra.get(name) == "stats" else dtype)
         if isinstance(spec, R):
             inputs[name] = rng.uniform(spec.lo, spec.hi, spec.shape).astype(np_dt)
         elif spec.value.dtype.kind == "f":
             inputs[name] = spec.value.astype(np_dt)
         else:
             inputs[name] = spec.value
-    fwd = program(case.text.replace("<T>", f"<{dtype}>"))
+    fwd = program(case.text.replace("<T>", f"<{dtype}>").replace("<S>", f"<{stats_dtype(dtype)}>"))
     ex = executor(inputs)
     ex.collectives = SOLO
     ex.run_all(fwd)
@@ -518,8 +556,9 @@ def test_attention_s_gradient_flows_from_its_result_only(rng):
         add (tensor<float64>:s, tensor<float64>:t) -> (tensor<float64>:loss)
     """)
     ex = executor({"q": rng.uniform(-1, 1, (3, 4))})
-    with pytest.raises(DeepxError, match="attention's gradient flows from its first result only, but its result "
-                                         "'lse' lies between \\['q'\\] and the loss 'loss'"):
+    with pytest.raises(DeepxError, match="depends on result 'lse' of attention, which carries no gradient "
+                                         "\\(attention's gradient flows from its first result only, but 'lse' lies "
+                                         "between \\['q'\\]"):
         grad_program(fwd, "loss", ["q"], ex)
     back, names = grad_program(fwd[:1] + fwd[2:3], "t", ["q"], ex)
     assert [i.name for i in back if i.name != "deltensor"] == ["newtensor", "constant", "reshape", "broadcastTo",
@@ -540,3 +579,14 @@ def test_a_rule_that_needs_an_overwritten_input_names_it(rng):
         with pytest.raises(DeepxError, match="layernorm needs the value of 'a', which the forward program overwrites"):
             grad_program(fwd, "y", wrt, ex, grad_loss="up")
     grad_program(fwd, "y", ["b"], ex, grad_loss="up")  # the bias's does not
+
+
+def test_a_norm_s_statistics_carry_no_gradient_and_say_so(rng):
+    fwd = program("""
+        batchnorm (tensor<float64>:a, tensor<float64>:w, tensor<float64>:b) -> (tensor<float64>:y, tensor:m, tensor:v)
+        sum (tensor<float64>:m, vector<int32>:[]) -> (tensor<float64>:loss)
+    """)
+    ex = executor({"a": rng.uniform(-1, 1, (4, 3)), "w": np.ones(3), "b": np.zeros(3)})
+    ex.run_all(fwd)
+    with pytest.raises(DeepxError, match="depends on result 'm' of batchnorm, which carries no gradient"):
+        grad_program(fwd, "loss", ["a"], ex)

@@ -424,6 +424,22 @@ def _cumsum(rng, dt):
                  scale="max")]
 
 
+@case("cumprod", "cumprodgrad")
+def _cumprod(rng, dt):
+    """Rows, columns and a middle dim; zeros in the gradient's input (the first zero of a column is special)."""
+    out = []
+    for shape, dim in [((3, 700), 1), ((40, 20), -1), ((4, 6, 5), 1), ((0, 7), 0)]:
+        lo, hi = (0, 2) if is_int(dt) else (0.8, 1.25)  # products that stay in range
+        a = r(rng, dt, shape, lo, hi)
+        if not is_int(dt) and a.size:
+            a.reshape(-1)[rng.integers(0, a.size, max(1, a.size // 50))] = 0
+        out.append(one("cumprod", {"A": a}, [T("A"), V(dim)], scale="max"))
+        if not is_int(dt):
+            out.append(one("cumprodgrad", {"A": a, "G": r(rng, dt, shape, -1, 1)}, [T("A"), T("G"), V(dim)],
+                           scale="max"))
+    return out
+
+
 def _sortable(rng, dt, shape):
     """Many ties (a small range), and for floats nan, infinities and both zeros among them."""
     a = r(rng, dt, shape, -3, 3)
@@ -577,6 +593,68 @@ def _attention(rng, dt):
                    instr("attentiongrad", [*attend[:3], T("y"), T("lse"), T("g"), *attend[3:]],
                          [T("dq"), T("dk"), T("dv")])]
         out.append(Case(ins, program, ["y", "lse", "dq", "dk", "dv"], scale="max"))
+@case("batchnorm", "batchnormgrad", "groupnorm", "groupnormgrad")
+def _norms(rng, dt):
+    """batchnorm and groupnorm with their statistics, then their gradient ops on those statistics, on shapes from a
+    vector's (N, C) to images whose channels hold many values (the statistics split across blocks)."""
+    from deepx_core.ir.ops import stats_dtype
+
+    st = stats_dtype(dt)
+    out = []
+    for shape, groups in [((4, 3, 5, 7), 3), ((7, 6), 2), ((2, 8, 9), 4), ((64, 4, 33, 35), 1), ((1, 2, 13, 3), 2)]:
+        c = shape[1]
+        ins = {"x": r(rng, dt, shape, -2, 3), "w": r(rng, dt, (c,)), "b": r(rng, dt, (c,)), "g": r(rng, dt, shape)}
+        for name, extra in (("batchnorm", []), ("groupnorm", [V(groups)])):
+            out.append(Case(ins, [
+                instr(name, [T("x"), T("w"), T("b"), *extra, V(1e-5)], [T("y", dt), T("m", st), T("v", st)]),
+                instr(f"{name}grad", [T("x"), T("g"), T("w"), T("m"), T("v"), *extra, V(1e-5)],
+                      [T("dx", dt), T("dw", dt), T("db", dt)])], ["y", "m", "v", "dx", "dw", "db"], scale="max"))
+    return out
+
+
+@case("batchnormeval")
+def _batchnormeval(rng, dt):
+    """Given (running) statistics, then batchnormgrad on them with batch false (dA = g w / sqrt(var + eps))."""
+    from deepx_core.ir.ops import stats_dtype
+
+    st = stats_dtype(dt)
+    out = []
+    for shape in [(4, 3, 5, 7), (7, 6), (64, 4, 33, 35)]:
+        c = shape[1]
+        ins = {"x": r(rng, dt, shape, -2, 3), "w": r(rng, dt, (c,)), "b": r(rng, dt, (c,)), "g": r(rng, dt, shape),
+               "m": r(rng, st, (c,)), "v": r(rng, st, (c,), 0.5, 2)}
+        out.append(Case(ins, [
+            instr("batchnormeval", [T("x"), T("w"), T("b"), T("m"), T("v"), V(1e-3)], [T("y", dt)]),
+            instr("batchnormgrad", [T("x"), T("g"), T("w"), T("m"), T("v"), V(1e-3), V(False)],
+                  [T("dx", dt), T("dw", dt), T("db", dt)])], ["y", "dx", "dw", "db"], scale="max"))
+    return out
+
+
+@case("batchnormupdate")
+def _batchnormupdate(rng, dt):
+    from deepx_core.ir.ops import stats_dtype
+
+    st = stats_dtype(dt)
+    ins = {"rm": r(rng, dt, (37,)), "rv": r(rng, dt, (37,), 0.5, 2), "m": r(rng, st, (37,)),
+           "v": r(rng, st, (37,), 0.1, 3)}
+    return [Case(ins, [instr("batchnormupdate", [T("rm"), T("rv"), T("m"), T("v"), V(mom), V(n)], [T("rm"), T("rv")])],
+                 ["rm", "rv"]) for mom, n in [(0.1, 12), (1 / 3, 2), (1.0, 1000)]]
+
+
+@case("interpnearest", "interpnearestgrad", "interpbilinear", "interpbilineargrad")
+def _interp(rng, dt):
+    """Each of the four on sizes up and down, with scale factors and without, both align_corners."""
+    out = []
+    for shape, size, scales in [((2, 3, 5, 7), (9, 4), (0.0, 0.0)), ((1, 2, 4, 3), (10, 7), (2.5, 2.5)),
+                                ((2, 1, 6, 6), (3, 12), (0.5, 2.0)), ((2, 2, 7, 9), (9, 11), (1.3, 1.3)),
+                                ((3, 5, 1, 5), (1, 13), (0.0, 0.0)), ((2, 4, 32, 32), (64, 64), (0.0, 0.0))]:
+        x, gy = r(rng, dt, shape), r(rng, dt, (*shape[:2], *size))
+        sh, sw = V(scales[0]), V(scales[1])
+        out += [one("interpnearest", {"x": x}, [T("x"), VEC(size), sh, sw]),
+                one("interpnearestgrad", {"g": gy}, [T("g"), VEC(shape), sh, sw], scale="max")]
+        for ac in (False, True):
+            out += [one("interpbilinear", {"x": x}, [T("x"), VEC(size), V(ac), sh, sw]),
+                    one("interpbilineargrad", {"g": gy}, [T("g"), VEC(shape), V(ac), sh, sw], scale="max")]
     return out
 
 

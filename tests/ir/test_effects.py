@@ -257,6 +257,16 @@ def _cumsum(rng: np.random.Generator, name: str) -> Built:
                                                          V(bool(rng.random() < 0.5))], None)
 
 
+def _cumprod(rng: np.random.Generator, name: str) -> Built:
+    s, dt = shape2(rng), fdtype(rng)
+    tensors = {"a": rand(rng, s, dt)}
+    args = [T("a")]
+    if name == "cumprodgrad":
+        tensors["g"] = rand(rng, s, dt)
+        args.append(T("g"))
+    return tensors, [*args, V(int(rng.integers(-2, 2)))], None
+
+
 def _softmax(rng: np.random.Generator, name: str) -> Built:
     return {"a": rand(rng, shape2(rng), fdtype(rng))}, [T("a"), V(int(rng.integers(0, 2)))], None
 
@@ -374,6 +384,37 @@ def _pool(rng: np.random.Generator, name: str) -> Built:
     return {"gy": gy}, [T("gy"), VEC(x.shape), *geometry], None
 
 
+def _norms(rng: np.random.Generator, name: str) -> Built:
+    """batchnorm, groupnorm (three fresh results) and their gradient ops on (2, 4, 3, 2); batchnormupdate in place."""
+    dt = fdtype(rng)
+    x, g, w, b = rand(rng, (2, 4, 3, 2), dt), rand(rng, (2, 4, 3, 2), dt), rand(rng, (4,), dt), rand(rng, (4,), dt)
+    stats = (2, 2) if name.startswith("group") else (4,)
+    m, v = rand(rng, stats, dt), rand(rng, stats, dt)
+    three = [T("r0"), T("r1"), T("r2")]
+    if name == "batchnorm":
+        return {"x": x, "w": w, "b": b}, [T("x"), T("w"), T("b"), V(1e-5)], three
+    if name == "groupnorm":
+        return {"x": x, "w": w, "b": b}, [T("x"), T("w"), T("b"), V(2), V(1e-5)], three
+    if name == "batchnormeval":
+        return {"x": x, "w": w, "b": b, "m": m, "v": v}, [T("x"), T("w"), T("b"), T("m"), T("v"), V(1e-5)], None
+    if name == "batchnormupdate":
+        return ({"rm": rand(rng, (4,), dt), "rv": rand(rng, (4,), dt), "m": m, "v": v},
+                [T("rm"), T("rv"), T("m"), T("v"), V(0.1), V(12)], [T("rm"), T("rv")])
+    groups = [V(2)] if name == "groupnormgrad" else [V(1e-5), V(bool(rng.random() < 0.5))]
+    if name == "groupnormgrad":
+        groups.append(V(1e-5))
+    return {"x": x, "g": g, "w": w, "m": m, "v": v}, [T("x"), T("g"), T("w"), T("m"), T("v"), *groups], three
+
+
+def _interp(rng: np.random.Generator, name: str) -> Built:
+    """interpnearest and interpbilinear of (2, 3, 4, 5) to (6, 3), and their gradients."""
+    dt = fdtype(rng)
+    flags = [V(bool(rng.random() < 0.5))] if "bilinear" in name else []
+    if name.endswith("grad"):
+        return {"g": rand(rng, (2, 3, 6, 3), dt)}, [T("g"), VEC((2, 3, 4, 5)), *flags, V(0.0), V(0.0)], None
+    return {"x": rand(rng, (2, 3, 4, 5), dt)}, [T("x"), VEC((6, 3)), *flags, V(0.0), V(0.0)], None
+
+
 def _fusedcolsum(rng: np.random.Generator, name: str) -> Built:
     s, dt = shape2(rng), ("float32", "float64")[int(rng.integers(0, 2))]
     return ({"a": rand(rng, s, dt), "b": rand(rng, s, dt)}, [L(["a", "b"]), V("in0 * in1 + 1", "string"), V(False)],
@@ -409,10 +450,14 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "sliceassign": _slice, "pad": _pad,
     "indexadd": _indexadd, "sgd": _update(1), "adam": _update(2), "adamw": _update(2), "fused": _fused,
     "matmultransposed": _matmultransposed, "fusedcolsum": _fusedcolsum, "cumsum": _cumsum,
+    "cumprod": _cumprod, "cumprodgrad": _cumprod,
     "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,
     "conv2d": _conv, "conv2dgradinput": _conv, "conv2dgradweight": _conv,
     "maxpool2d": _pool, "maxpool2dgrad": _pool, "sumpool2d": _pool, "sumpool2dgrad": _pool,
     "attention": _attention, "attentiongrad": _attention,
+    "batchnorm": _norms, "batchnormeval": _norms, "batchnormgrad": _norms, "batchnormupdate": _norms,
+    "groupnorm": _norms, "groupnormgrad": _norms, "interpnearest": _interp, "interpnearestgrad": _interp,
+    "interpbilinear": _interp, "interpbilineargrad": _interp,
 }
 for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
     BUILDERS[_n] = _binary
@@ -600,7 +645,7 @@ def test_a_rename_onto_an_existing_name_is_refused():
 def test_effects_are_declared_or_derived_from_the_family_and_the_returns():
     kinds = {n: o.effect.kind for n, o in OPS.items()}
     assert {n for n, k in kinds.items() if k == FILLS} == {"constant", "arange", "uniform", "normal", "dropout",
-                                                           "loadtensordata", "sgd", "adam", "adamw"}
+                                                           "loadtensordata", "sgd", "adam", "adamw", "batchnormupdate"}
     assert (kinds["newtensor"], kinds["deltensor"], kinds["renametensor"], kinds["load"]) == (
         CREATES, DELETES, RENAMES, LOADS)
     assert kinds["argset"] == kinds["vecset"] == SETS and kinds["print"] == kinds["save"] == READS

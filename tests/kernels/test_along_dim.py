@@ -63,6 +63,45 @@ def test_cumsum_of_float32_adds_in_float64_as_torch():
     assert got[-1] > 1.00009
 
 
+# ---------------------------------------------------------------- cumprod
+
+
+@pytest.mark.parametrize("dtype", dtypes_of("cumprod"))
+def test_cumprod(dtype, rng):
+    for shape in [*SHAPES, ()]:
+        for dim in range(-max(len(shape), 1), max(len(shape), 1)):
+            a = rand(rng, dtype, shape, -2, 2) if is_int(dtype) else rand(rng, dtype, shape, -1.3, 1.3)
+            got = run_op("cumprod", {"a": a}, [T("a", dtype), V(dim)])
+            t = _torch(a)
+            ref = t.numpy() if a.ndim == 0 else t.cumprod(dim).numpy()
+            scale = None if is_int(dtype) else np.maximum(np.abs(ref), 1e-3)
+            assert_close(got, ref, dtype, scale=scale, what=f"cumprod {shape} dim={dim}")
+
+
+@pytest.mark.parametrize("dtype", dtypes_of("cumprodgrad"))
+@pytest.mark.parametrize("zeros", [0, 1, 3])
+def test_cumprodgrad_matches_torch_with_and_without_zeros(dtype, zeros, rng):
+    """torch's gradient of cumprod, zeros in the input included (the first of a slice gets its own formula)."""
+    for shape, dim in [((7,), 0), ((3, 6), 1), ((4, 3, 5), 0), ((2, 9, 3), -2), ((), 0)]:
+        a = rand(rng, dtype, shape, -1.5, 1.5)
+        if zeros and a.size:
+            a.reshape(-1)[rng.integers(0, a.size, zeros)] = 0
+        g = rand(rng, dtype, shape, -1, 1)
+        xt = torch.tensor(f64(a), requires_grad=True)
+        (xt.cumprod(dim) if a.ndim else xt * 1).backward(torch.tensor(f64(g)))
+        ex = executor(a=a, g=g)
+        run(ex, "cumprodgrad", [T("a", dtype), T("g", dtype), V(dim)], [T("d", dtype)])
+        want = xt.grad.numpy()
+        assert_close(ex.get("d"), want, dtype, scale=np.full(want.shape, np.abs(want).max(initial=1.0)),
+                     what=f"cumprodgrad {shape} dim={dim}")
+
+
+def test_cumprod_of_float32_multiplies_in_float64_as_torch():
+    a = np.full(2000, 1 + 1e-7, dtype=np.float32)
+    got = run_op("cumprod", {"a": a}, [T("a"), V(0)])
+    np.testing.assert_array_equal(got, torch.from_numpy(a).cumprod(0).numpy())
+
+
 # ---------------------------------------------------------------- gather, scatter, scatteradd
 
 

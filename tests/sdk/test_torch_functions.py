@@ -270,7 +270,7 @@ def test_integer_floor_division_and_remainders_match_torch(rng, dtype):
 
 
 def test_a_torch_function_deepx_lacks_raises_a_deepx_error_from_the_module_too():
-    for name in ("median", "kthvalue", "cumprod"):
+    for name in ("mode", "nonzero", "unique"):
         with pytest.raises(dx.DeepxError, match=f"deepx_sdk.{name} is not supported by deepx"):
             getattr(dx, name)
         assert not hasattr(dx, name)
@@ -288,3 +288,48 @@ def test_multinomial_without_replacement_draws_distinct_categories_by_weight():
     assert all(len(set(row)) == 3 for row in draws.tolist())
     assert set(np.unique(draws)) == {1, 2, 3}
     assert (draws[:, 0] == 2).mean() > 0.7
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])
+def test_cumprod_follows_torch_and_its_gradient_zeros_included(dtype):
+    rng = np.random.default_rng(11)
+    a = rng.uniform(-1.5, 1.5, (3, 6)).astype(dtype) if dtype != "int64" else rng.integers(-3, 4, (3, 6))
+    if dtype != "int64":
+        a[0, 2] = a[1, 0] = a[1, 4] = 0  # the first zero of a row has a gradient of its own
+    x, tx = dx.tensor(a, requires_grad=dtype != "int64"), torch.tensor(a, requires_grad=dtype != "int64")
+    for dim in (1, 0, -1):
+        y, ty = x.cumprod(dim), tx.cumprod(dim)
+        assert y.dtype == str(ty.dtype).removeprefix("torch.")
+        np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=1e-6)
+    assert dx.cumprod(x, 1).shape == (3, 6)
+    assert dx.tensor([1, 2, 3], dtype=dx.int32).cumprod(0).dtype == "int64"  # as torch's: integers in int64
+    if dtype != "int64":
+        x.cumprod(1).sum().backward()
+        tx.cumprod(1).sum().backward()
+        np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_kthvalue_and_median_follow_torch():
+    """Values as torch's; indices as torch's where the k-th value is not tied (torch names any of tied ones); nan the
+    largest for kthvalue, and median nan where a row holds one (the first nan's index); gradients to the picked
+    element."""
+    nan = float("nan")
+    a = np.array([[3.0, 1.0, 2.0, 0.5, 5.0, nan], [2.5, 2.0, 7.0, 1.0, nan, nan], [4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    x, tx = dx.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)
+    for k in (1, 2, 4, 6):
+        got, want = x.kthvalue(k, 1), tx.kthvalue(k, 1)
+        np.testing.assert_array_equal(got.values.numpy(), want.values.detach().numpy())
+        np.testing.assert_array_equal(got.indices.numpy(), want.indices.numpy())
+    got, want = dx.median(x, 1, keepdim=True), torch.median(tx, 1, keepdim=True)
+    np.testing.assert_array_equal(got.values.numpy(), want.values.detach().numpy())
+    np.testing.assert_array_equal(got.indices.numpy(), want.indices.numpy())
+    got, want = x.kthvalue(3, 0), tx.kthvalue(3, 0)
+    np.testing.assert_array_equal(got.values.numpy(), want.values.detach().numpy())
+    (x.kthvalue(2, 1).values.sum() + x[2].median() * 3).backward()
+    (tx.kthvalue(2, 1).values.sum() + tx[2].median() * 3).backward()
+    np.testing.assert_array_equal(x.grad.numpy(), tx.grad.numpy())
+    assert np.isnan(x.median().item()) and np.isnan(torch.median(tx).item())
+    ints = dx.tensor([5, 3, 3, 1])
+    assert ints.median().item() == 3 and ints.median(0).indices.dtype == "int64"
+    with pytest.raises(dx.DeepxError, match="kthvalue: k \\(7\\) out of range"):
+        x.kthvalue(7, 1)

@@ -98,3 +98,37 @@ def cumsum(a, dim, reverse, out):
     x = np.flip(a, dim) if reverse else a
     sums = np.cumsum(x, axis=dim, dtype=_scan_acc(a))
     np.copyto(out, np.flip(sums, dim) if reverse else sums, casting="unsafe")
+
+
+def cumprod(a, dim, out):
+    if a.ndim == 0:
+        out[...] = a
+        return
+    np.copyto(out, np.cumprod(a, axis=dim % a.ndim, dtype=_scan_acc(a)), casting="unsafe")
+
+
+def cumprodgrad(a, g, dim, out):
+    """torch's formula: with P the running products, dA[i] = (the sum over j >= i of g[j] P[j]) / A[i] before the
+    first zero z of a slice; at z, P[z - 1] times the sum over j >= z of g[j] Q[j], Q the running products of the
+    values after z; 0 after z."""
+    if a.ndim == 0 or a.size == 0:
+        out[...] = g
+        return
+    dim %= a.ndim
+    acc = _scan_acc(a)
+    x, gw = a.astype(acc), g.astype(acc)
+    n = x.shape[dim]
+    at = np.arange(n).reshape([n if d == dim else 1 for d in range(x.ndim)])
+    zero = x == 0
+    z = np.where(zero.any(axis=dim, keepdims=True), np.argmax(zero, axis=dim, keepdims=True), n)
+    p = np.cumprod(x, axis=dim)
+    tail = np.flip(np.cumsum(np.flip(gw * p, dim), axis=dim), dim)
+    before = at < z
+    grad = np.where(before, tail / np.where(before, x, 1), 0)
+    if zero.any():
+        q = np.cumprod(np.where(at <= z, 1, x), axis=dim)
+        first = np.sum(np.where(at >= z, gw * q, 0), axis=dim, keepdims=True)
+        lead = np.take_along_axis(p, np.maximum(z - 1, 0), axis=dim)
+        lead = np.where(z > 0, lead, 1)
+        grad = np.where(at == z, first * lead, grad)
+    np.copyto(out, grad, casting="unsafe")

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 HOST_FAMILIES = frozenset({"life", "io"})
 
 #: CUDA kernel modules, in the order their SUPPORT tables are merged
-MODULES = ("elementwise", "matmul", "shape", "reduce", "sort", "nn", "conv", "attention", "init", "optim", "fused")
+MODULES = ("elementwise", "matmul", "shape", "reduce", "sort", "nn", "conv", "attention", "norm", "resize", "init",
+           "optim", "fused")
 
 
 

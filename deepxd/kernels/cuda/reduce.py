@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from deepx_core.cache import memoize
-from deepx_core.ir.dtypes import NUMERIC
+from deepx_core.ir.dtypes import FLOATS, NUMERIC
 from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format
 from deepxd.kernels.cuda.elementwise import collapse
 from deepxd.kernels.cuda.shape import contiguous_strides
@@ -319,9 +319,57 @@ extern "C" __global__ void cumsum_cols(T* out, const T* a, ll outer, ll n, ll in
         }
     }
 }
+
+// cumprod: one thread per column, the running products in W, each rounded into the output
+extern "C" __global__ void cumprod_cols(T* out, const T* a, ll outer, ll n, ll inner) {
+    GRID_STRIDE(c, outer * inner) {
+        ll o = c / inner, i = c - o * inner;
+        const T* p = a + o * n * inner + i;
+        T* q = out + o * n * inner + i;
+        W s = (W)1;
+        for (ll j = 0; j < n; ++j) {
+            s *= (W)ld(p[j * inner]);
+            q[j * inner] = st<T>(s);
+        }
+    }
+}
+// cumprod's gradient, one thread per column, as the CPU kernel computes it: the running products P (kept in `prods`),
+// then from the end tail += g P and dA = tail / A before the first zero z, 0 after it, and at z P[z - 1] times the sum
+// over j >= z of g[j] times the running products of the values after z
+extern "C" __global__ void cumprodgrad_cols(T* out, const T* a, const T* g, W* prods, ll outer, ll n, ll inner) {
+    GRID_STRIDE(c, outer * inner) {
+        ll o = c / inner, i = c - o * inner;
+        const ll base = o * n * inner + i;
+        ll z = n;
+        W p = (W)1;
+        for (ll j = 0; j < n; ++j) {
+            const W x = (W)ld(a[base + j * inner]);
+            if (x == (W)0 && z == n) z = j;
+            p *= x;
+            prods[base + j * inner] = p;
+        }
+        W tail = (W)0;
+        for (ll j = n - 1; j >= 0; --j) {
+            const ll at = base + j * inner;
+            tail += (W)ld(g[at]) * prods[at];
+            out[at] = st<T>(j < z ? tail / (W)ld(a[at]) : (W)0);
+        }
+        if (z < n) {
+            W q = (W)1, s = (W)ld(g[base + z * inner]);
+            for (ll j = z + 1; j < n; ++j) {
+                q *= (W)ld(a[base + j * inner]);
+                s += (W)ld(g[base + j * inner]) * q;
+            }
+            const W lead = z > 0 ? prods[base + (z - 1) * inner] : (W)1;
+            out[base + z * inner] = st<T>(s * lead);
+        }
+    }
+}
 """
 
-SUPPORT = {op: frozenset(NUMERIC) for op in ("sum", "prod", "reducemax", "reducemin", "argmax", "argmin", "cumsum")}
+SUPPORT = {op: frozenset(NUMERIC) for op in ("sum", "prod", "reducemax", "reducemin", "argmax", "argmin", "cumsum",
+                                             "cumprod")}
+SUPPORT["cumprodgrad"] = frozenset(FLOATS)
 
 _FMT = "PPPqqqii" + dims_format(2) + "i" + dims_format(2)
 
@@ -464,4 +512,35 @@ def cumsum(ex: CudaExecutor, a: DeviceTensor, dim: int, reverse: bool, out: Devi
     else:
         f = ex.function(f"reduce:{a.dname}", src, "cumsum_cols", "PPqqqi", "cumsum")
         ex.launch("cumsum", f, ex.grid(outer * inner), (256, 1, 1), out.ptr, a.ptr, outer, n, inner, int(reverse))
+    return True
+
+
+def _columns(a: DeviceTensor, dim: int) -> tuple[int, int, int]:
+    dim %= a.ndim
+    return math.prod(a.shape[:dim]), a.shape[dim], math.prod(a.shape[dim + 1:])
+
+
+def cumprod(ex: CudaExecutor, a: DeviceTensor, dim: int, out: DeviceTensor) -> bool:
+    if a.size == 0:
+        return True
+    if a.ndim == 0:
+        ex.copy(out, a)
+        return True
+    outer, n, inner = _columns(a, dim)
+    f = ex.function(f"reduce:{a.dname}", source(a.dname), "cumprod_cols", "PPqqq", "cumprod")
+    ex.launch("cumprod", f, ex.grid(outer * inner), (256, 1, 1), out.ptr, a.ptr, outer, n, inner)
+    return True
+
+
+def cumprodgrad(ex: CudaExecutor, a: DeviceTensor, g: DeviceTensor, dim: int, out: DeviceTensor) -> bool:
+    if a.size == 0:
+        return True
+    if a.ndim == 0:
+        ex.copy(out, g)
+        return True
+    outer, n, inner = _columns(a, dim)
+    prods = ex.alloc(a.size * 8, "cumprodgrad", "(running products)")
+    f = ex.function(f"reduce:{a.dname}", source(a.dname), "cumprodgrad_cols", "PPPPqqq", "cumprodgrad")
+    ex.launch("cumprodgrad", f, ex.grid(outer * inner), (256, 1, 1), out.ptr, a.ptr, g.ptr, int(prods), outer, n,
+              inner)
     return True
