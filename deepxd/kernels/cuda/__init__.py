@@ -74,6 +74,8 @@ SUPPORT: PerOp = PerOp(lambda op: frozenset(FLOATS) & op.dtypes if op.family == 
 
 _ARG_KINDS: PerOp = PerOp(lambda op: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0
                                             for a in op.args))
+#: op -> the position of its `seed` argument (the random ops; seed 0 draws a fresh one at each launch), or None
+_SEED_AT: PerOp = PerOp(lambda op: next((i for i, a in enumerate(op.args) if a.name == "seed"), None))
 
 
 def all_sources() -> list[tuple[str, str]]:
@@ -532,11 +534,15 @@ class CudaExecutor:
             self._refreshing = None
         return True
 
-    def capturable(self, bounds: Sequence[Bound]) -> str | None:
-        """Why these checked instructions cannot run as one CUDA graph (files, output, variables, an op or dtype
-        without a CUDA kernel), or None. Some reasons show only while capturing (a kernel that waits for the
-        device): `capture` returns None for those."""
+    @staticmethod
+    def capturable(bounds: Sequence[Bound]) -> str | None:
+        """Why these checked instructions cannot run as one CUDA graph (files, output, variables, a random op that
+        draws a fresh seed each run, an op without a CUDA kernel), or None. Some reasons show only while capturing (a
+        kernel that waits for the device): `capture` returns None for those."""
         for b in bounds:
+            seed = _SEED_AT[b.op.name]
+            if seed is not None and not b.args[seed]:  # a replay would draw what the capture drew, every time
+                return f"{b.op.name} draws a fresh seed at each run (seed 0), which a graph would replay"
             eff = b.op.effect
             if eff.io or eff.kind in (SETS, LOADS):
                 return f"{b.op.name} touches the host (files, output or variables)"
