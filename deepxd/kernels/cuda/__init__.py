@@ -619,17 +619,16 @@ class CudaExecutor:
                 except DeepxError:
                     pass
             graphs.Captured(cap.segments, {}, []).destroy()
-            for n, t in before.items():  # the host side ran, the device side did not: as before
-                if t is None:
-                    tensors.pop(n, None)
-                elif tensors.get(n) is not t:
-                    tensors[n] = t
+            _set_names(tensors, before)  # the host side ran, the device side did not: as before
             log.debug("cuda: no graph for this program: %s: %s", type(e).__name__, e)
             return None
         finally:
             self._capturing = None
         captured = graphs.Captured(cap.segments, reads, cap.keep, numbers_dev=cap.numbers_dev,
                                    numbers_host=cap.numbers_host, slots=cap.slots, calls=cap.calls)
+        # the host side ran the whole program: the table goes back to where it began and the launch takes it on
+        # segment by segment, so that a kernel error leaves it as a run stopped at that instruction leaves it
+        _set_names(tensors, before)
         try:
             self._launch(captured)
         except BaseException:
@@ -667,11 +666,7 @@ class CudaExecutor:
                 self.cuda.memcpy_dtoh_async(self._flag_host, self.flag_ptr, self.stream)
                 self.synchronize()
                 failed = bool(self._flag_host[0])
-            for n, t in seg.after.items():
-                if t is None:
-                    tensors.pop(n, None)
-                elif tensors.get(n) is not t:
-                    tensors[n] = t
+            _set_names(tensors, seg.after)
             if failed:
                 index, op, message = seg.check
                 err = DeepxError(f"{op}: {message}")
@@ -724,6 +719,15 @@ class _Capture:
         self.slots: dict[int, int] = {}  # instruction index -> offset of its numbers
         self.numbers_dev: Any = None
         self.numbers_host: np.ndarray = np.zeros(0, np.float64)
+
+
+def _set_names(tensors: Any, state: dict[str, Any]) -> None:
+    """Make each name of `state` in the tensor table what `state` says (None: absent)."""
+    for n, t in state.items():
+        if t is None:
+            tensors.pop(n, None)
+        elif tensors.get(n) is not t:
+            tensors[n] = t
 
 
 def _dtype_of(b: Bound, metas: dict[str, TensorMeta]) -> str:
