@@ -117,3 +117,25 @@ def test_a_bad_label_in_a_replayed_step_fails_as_op_by_op_and_the_daemon_goes_on
         assert worker.op_stats["cudagraph"].calls > replays  # the failed replay did not take the graph away
     finally:
         dx.disconnect()
+
+
+def test_dropout_without_a_seed_draws_a_new_mask_each_step_with_graphs_on(monkeypatch):
+    """Seed 0 (no dx.manual_seed) draws a fresh seed at each launch: a graph would replay the capture's, the same
+    mask every step. With lr 0 and one batch, only the masks change the loss from step to step."""
+    monkeypatch.setenv("DEEPX_CUDA_GRAPHS", "1")
+    monkeypatch.delenv("DEEPX_ADDRESS", raising=False)
+    dx.connect(roles=["heapmem", "op-cuda"])
+    try:
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
+        opt = SGD(model.parameters(), lr=0.0)
+        x, y = _data(0)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(dx.tensor(x)), dx.tensor(y))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.item()))
+        assert len(set(losses)) == STEPS, f"steps repeated a dropout mask: {losses}"
+    finally:
+        dx.disconnect()

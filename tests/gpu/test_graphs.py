@@ -173,6 +173,38 @@ mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
         captured.destroy()
 
 
+def test_a_kernel_error_in_the_captures_own_run_leaves_the_table_as_a_run_stopped_there(tmp_path):
+    """The capture runs the host side of the whole program before its first launch: where that launch stops at a
+    flagged kernel, the names of the instructions after it are as they were (a tensor made later absent, one deleted
+    later still there with its value), as instruction by instruction."""
+    from deepxd.kernels.cuda import CudaExecutor
+
+    program = parse_text("""
+exp (tensor<float32>:z) -> (tensor<float32>:ez)
+crossentropy (tensor<float32>:ez, tensor<int64>:k, var<int32>:-100, var<string>:mean) -> (tensor<float32>:l)
+mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
+deltensor () -> (tensor<float32>:old)
+""")
+    names = {}
+    for graphed in (False, True):
+        with CudaExecutor(cache_dir=tmp_path) as ex:
+            ex.put("z", np.zeros((3, 4), np.float32))
+            ex.put("k", np.array([0, 9, 2], np.int64))  # 9: out of range for 4 classes
+            ex.put("old", np.arange(5, dtype=np.float32))
+            bounds = check_program(program, ex, ex.plans)
+            with pytest.raises(DeepxError, match="label is out of range") as e:
+                if graphed:
+                    ex.capture(bounds)
+                else:
+                    _eager(ex, program)
+            if graphed:
+                assert e.value.index == 1
+            names[graphed] = set(ex.tensors)
+            np.testing.assert_array_equal(ex.get("old"), np.arange(5, dtype=np.float32))
+            np.testing.assert_allclose(ex.get("ez"), np.ones((3, 4), np.float32))
+    assert names[True] == names[False] == {"z", "k", "old", "ez"}
+
+
 def _adam_step(k: int, lr: float):
     return parse_text(f"""
 mul (tensor<float32>:w, tensor<float32>:x) -> (tensor<float32>:g)

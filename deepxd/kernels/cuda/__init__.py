@@ -75,6 +75,8 @@ SUPPORT: PerOp = PerOp(lambda op: frozenset(FLOATS) & op.dtypes if op.family == 
 
 _ARG_KINDS: PerOp = PerOp(lambda op: tuple(1 if a.kind == "tensor" else 2 if a.kind == "listtensor" else 0
                                             for a in op.args))
+#: op -> the position of its `seed` argument (the random ops; seed 0 draws a fresh one at each launch), or None
+_SEED_AT: PerOp = PerOp(lambda op: next((i for i, a in enumerate(op.args) if a.name == "seed"), None))
 
 
 def all_sources() -> list[tuple[str, str]]:
@@ -533,11 +535,15 @@ class CudaExecutor:
             self._refreshing = None
         return True
 
-    def capturable(self, bounds: Sequence[Bound]) -> str | None:
-        """Why these checked instructions cannot run as one CUDA graph (files, output, variables, an op or dtype
-        without a CUDA kernel), or None. Some reasons show only while capturing (a kernel that waits for the
-        device): `capture` returns None for those."""
+    @staticmethod
+    def capturable(bounds: Sequence[Bound]) -> str | None:
+        """Why these checked instructions cannot run as one CUDA graph (files, output, variables, a random op that
+        draws a fresh seed each run, an op without a CUDA kernel), or None. Some reasons show only while capturing (a
+        kernel that waits for the device): `capture` returns None for those."""
         for b in bounds:
+            seed = _SEED_AT[b.op.name]
+            if seed is not None and not b.args[seed]:  # a replay would draw what the capture drew, every time
+                return f"{b.op.name} draws a fresh seed at each run (seed 0), which a graph would replay"
             eff = b.op.effect
             if eff.io or eff.kind in (SETS, LOADS):
                 return f"{b.op.name} touches the host (files, output or variables)"
@@ -614,17 +620,16 @@ class CudaExecutor:
                 except DeepxError:
                     pass
             graphs.Captured(cap.segments, {}, []).destroy()
-            for n, t in before.items():  # the host side ran, the device side did not: as before
-                if t is None:
-                    tensors.pop(n, None)
-                elif tensors.get(n) is not t:
-                    tensors[n] = t
+            _set_names(tensors, before)  # the host side ran, the device side did not: as before
             log.debug("cuda: no graph for this program: %s: %s", type(e).__name__, e)
             return None
         finally:
             self._capturing = None
         captured = graphs.Captured(cap.segments, reads, cap.keep, numbers_dev=cap.numbers_dev,
                                    numbers_host=cap.numbers_host, slots=cap.slots, calls=cap.calls)
+        # the host side ran the whole program: the table goes back to where it began and the launch takes it on
+        # segment by segment, so that a kernel error leaves it as a run stopped at that instruction leaves it
+        _set_names(tensors, before)
         try:
             self._launch(captured)
         except BaseException:
@@ -662,11 +667,7 @@ class CudaExecutor:
                 self.cuda.memcpy_dtoh_async(self._flag_host, self.flag_ptr, self.stream)
                 self.synchronize()
                 failed = bool(self._flag_host[0])
-            for n, t in seg.after.items():
-                if t is None:
-                    tensors.pop(n, None)
-                elif tensors.get(n) is not t:
-                    tensors[n] = t
+            _set_names(tensors, seg.after)
             if failed:
                 index, op, message = seg.check
                 err = DeepxError(f"{op}: {message}")
@@ -719,6 +720,15 @@ class _Capture:
         self.slots: dict[int, int] = {}  # instruction index -> offset of its numbers
         self.numbers_dev: Any = None
         self.numbers_host: np.ndarray = np.zeros(0, np.float64)
+
+
+def _set_names(tensors: Any, state: dict[str, Any]) -> None:
+    """Make each name of `state` in the tensor table what `state` says (None: absent)."""
+    for n, t in state.items():
+        if t is None:
+            tensors.pop(n, None)
+        elif tensors.get(n) is not t:
+            tensors[n] = t
 
 
 def _dtype_of(b: Bound, metas: dict[str, TensorMeta]) -> str:

@@ -119,6 +119,8 @@ class Captured:
         return all(s.exe for s in self.segments)
 
     def destroy(self) -> None:
+        """Free the graphs and let go of every tensor they held, the tables of names included (a dropped graph may
+        outlive this while its plan lives); on the executor's thread, whose context frees the page-locked numbers."""
         for seg in self.segments:
             if seg.exe:
                 _driver().cuGraphExecDestroy(ctypes.c_void_p(seg.exe))
@@ -126,10 +128,17 @@ class Captured:
             if seg.graph:
                 _driver().cuGraphDestroy(ctypes.c_void_p(seg.graph))
                 seg.graph = 0
+            seg.after = {}
         self.keep.clear()
         self.calls.clear()
         self.numbers_dev = None
-        self.copied = None
+        if self.copied is not None:  # the last launch's copy reads numbers_host until it is done
+            self.copied.synchronize()
+            self.copied = None
+        free = getattr(getattr(self.numbers_host, "base", None), "free", None)  # pycuda's PagelockedHostAllocation
+        if free is not None:
+            free()
+        self.numbers_host = None
 
 
 def destroy_graph(graph: int) -> None:
