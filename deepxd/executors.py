@@ -257,14 +257,14 @@ class Link:
     peer: str = ""  # where it connected from (the listener's address and the peer's)
     attach: bool = False  # it maps this host's shared memory: heap tensors go by their segment's name
     since: float = field(default_factory=time.time)
-    pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    pending: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # calls waited for
+    # calls it has not answered yet (a call whose asker went away too): id -> (op, since), the oldest first
+    running: dict[int, tuple[str, float]] = field(default_factory=dict)
     ids: Any = field(default_factory=lambda: itertools.count(1))
     counts: dict[str, OpCount] = field(default_factory=dict)
     calls: int = 0
     errors: int = 0
     busy_s: float = 0.0
-    doing: str = ""
-    doing_since: float = 0.0
     last_error: str = ""
     gone: str = ""  # why it went (its connection closed): set once
 
@@ -280,14 +280,17 @@ class Link:
         offer = self.offers[op_name]
         return math.inf if offer.cost_us is None else offer.cost_us
 
-    async def request(self, frame: dict[str, Any], cancel: Callable[[], bool] | None) -> dict[str, Any] | None:
-        """Send `frame` (with an id of this link's) and wait for its reply; None where `cancel()` said the asker went
-        away first (the reply, when it comes, is dropped). DeepxError where the executor is or goes away."""
+    async def request(self, frame: dict[str, Any], cancel: Callable[[], bool] | None, what: str = ""
+                      ) -> dict[str, Any] | None:
+        """Send `frame` (with an id of this link's; `what`: the op it runs) and wait for its reply; None where
+        `cancel()` said the asker went away first (the reply, when it comes, is dropped). ExecutorGone where the
+        executor is or goes away."""
         if self.gone:
             raise ExecutorGone(f"{self.who()} went away ({self.gone})")
         rid = next(self.ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
+        self.running[rid] = (what, time.perf_counter())
         try:
             body = _pack({**frame, "id": rid})
             if len(body) < 1 << 16:
@@ -313,6 +316,7 @@ class Link:
         if self.gone:
             return
         self.gone = why
+        self.running.clear()
         for fut in self.pending.values():
             if not fut.done():
                 fut.set_exception(ExecutorGone(f"{self.who()} went away while running it ({why})"))
@@ -421,6 +425,7 @@ class Executors:
                     why = f"it sent a frame of {n} bytes, over the limit of {self.max_frame} (max_frame_bytes)"
                     break
                 reply = unpack_body(await reader.readexactly(n))
+                link.running.pop(reply.get("id"), None)  # type: ignore[arg-type]
                 fut = link.pending.get(reply.get("id"))  # type: ignore[arg-type]
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
@@ -539,10 +544,9 @@ class Executors:
         returns = [{"tensor": n, "dtype": m.dtype, "shape": list(m.shape)} if m is not None and m is not UNKNOWN
                    else {"tensor": n} for n, m in zip(b.out_names, b.outs)]
         began = (time.perf_counter() - start) * 1e6
-        link.doing, link.doing_since = instr.name, time.perf_counter()
         try:
             reply = await link.request({"op": "execute", "instr": instr_to_obj(instr), "text": format_text(instr),
-                                        "args": args, "returns": returns}, cancel)
+                                        "args": args, "returns": returns}, cancel, instr.name)
             if reply is None:
                 result.error, result.error_index, result.cancelled = (
                     f"instruction 1: {instr.name}: cancelled: the client's connection ended while {link.who()} ran "
@@ -561,8 +565,6 @@ class Executors:
             result.error, result.error_index = f"instruction 1: {message}", 0
             result.failed_at = began
             return result
-        finally:
-            link.doing = ""
         end = time.perf_counter()
         count = link.counts.setdefault(instr.name, OpCount())
         count.calls += 1
@@ -641,10 +643,14 @@ class Executors:
     def rows(self) -> list[dict[str, Any]]:
         """`deepxctl actors ls`: each executor as an op worker of the node."""
         now = time.perf_counter()
-        return [{"name": k.name, "role": "executor", "state": "running", "doing": k.doing,
-                 "doing_s": round(now - k.doing_since, 6) if k.doing else None, "mailbox": len(k.pending),
-                 "handled": k.calls, "errors": k.errors, "restarts": 0, "busy_s": round(k.busy_s, 6),
-                 "last_error": k.last_error} for k in self.links.values()]
+        rows = []
+        for k in self.links.values():
+            doing, since = next(iter(k.running.values()), ("", now))
+            rows.append({"name": k.name, "role": "executor", "state": "running", "doing": doing,
+                         "doing_s": round(now - since, 6) if doing else None, "mailbox": len(k.running),
+                         "handled": k.calls, "errors": k.errors, "restarts": 0, "busy_s": round(k.busy_s, 6),
+                         "last_error": k.last_error})
+        return rows
 
     def listing(self) -> list[dict[str, Any]]:
         """`deepxctl executors ls`: each executor, who it is and the ops it serves with their costs."""

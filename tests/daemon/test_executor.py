@@ -13,6 +13,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 
 from deepx_core.client import NativeClient
+from deepx_core.errors import DeepxError
 from deepx_core.ir import parse_text
 from tests.daemon.conftest import DEEPXCTL, Daemon, eventually
 from tests.daemon.test_tcp import tcp_daemon, token_file
@@ -195,8 +197,6 @@ def test_an_executor_killed_mid_program_fails_it_at_once_and_the_node_goes_on(se
             """)
             result["s"] = time.monotonic() - t0
 
-    import threading
-
     t = threading.Thread(target=long_program)
     t.start()
     eventually(lambda: (ex.marker / "slow-began").exists(), 30, "the executor runs slowcopy")
@@ -350,8 +350,6 @@ def test_an_executor_written_against_the_protocol_alone(tmp_path):
         reg = _receive(sock)
         assert reg["ok"] and reg["ops"] == ["twice"] and reg["node"] == d.node_id, reg
         c.put("r", np.array([1.0, 2.5], np.float32))
-        import threading
-
         replies: list[Any] = []
         program = "twice (tensor<float32>:r) -> (tensor<float32>:r2)"
         t = threading.Thread(target=lambda: replies.append(run(c, program, ["r2"])))
@@ -393,3 +391,51 @@ def test_an_executor_written_against_the_protocol_alone(tmp_path):
     c.close()
     assert d.stop() == 0, d.output()
 
+
+
+def test_a_client_that_leaves_while_the_executor_runs_stops_waiting(served):
+    """The node stops waiting for an executor's call once the client that asked for it has gone: its program is
+    cancelled, the scheduler is free (the executor is still busy with the call, whose answer is dropped)."""
+    d, c, ex = served.daemon, served.client, served.executor
+    c.put("z", np.ones(3, np.float32))
+    leaving = NativeClient(d.address, timeout=120)
+    said: list[str] = []
+
+    def ask() -> None:
+        try:
+            run(leaving, "slowcopy (tensor<float32>:z, var<float32>:600) -> (tensor<float32>:z2)")
+        except DeepxError as e:  # (its connection ended under it)
+            said.append(str(e))
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    eventually(lambda: (ex.marker / "slow-began").exists(), 30, "the executor runs slowcopy")
+    leaving.sock.shutdown(socket.SHUT_RDWR)  # its connection ends
+    t.join(30)
+    assert len(said) == 1 and ("closed the connection" in said[0] or "lost the connection" in said[0]), said
+
+    def doing() -> dict[str, str]:
+        return {a["name"]: a["doing"] for a in c.admin("actors")}
+
+    eventually(lambda: doing()["scheduler"] == "", 30, "the scheduler stops waiting")
+    assert doing()["numpy-extra"] == "slowcopy"
+    assert "z2" not in {x["name"] for x in c.admin("tensors")}
+    leaving.close()
+
+
+def test_a_new_op_is_declared_alike_by_every_executor_that_serves_it(served):
+    d, c = served.daemon, served.client
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(d.sock)
+        _send(sock, {"id": 1, "op": "executor_register", "name": "other",
+                     "ops": [{"name": "cumprod", "args": ["tensor A"], "returns": ["tensor C"],
+                              "results": {"C": "like A"}}]})
+        reply = _receive(sock)
+        assert not reply["ok"]
+        assert "op 'cumprod' is declared otherwise by the executors serving it now ('numpy-extra')" in reply["error"]
+        _send(sock, {"id": 2, "op": "ping"})  # refused, the connection is a client's still
+        assert _receive(sock)["ok"]
+    finally:
+        sock.close()
+    assert names(c) == ["numpy-extra"]
