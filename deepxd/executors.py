@@ -299,6 +299,8 @@ class Link:
                 self.writer.write(HEADER.pack(len(body)))
                 self.writer.write(body)
             await self.writer.drain()
+            if cancel is None:
+                return await fut
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=POLL_S)
                 if done:
@@ -666,6 +668,10 @@ class Executors:
                          "attach": k.attach, "since": k.since, "calls": k.calls, "errors": k.errors,
                          "ops": ops})
         return rows
+
+    def registered(self) -> dict[str, float]:
+        """Each executor's name and when it registered (one registered again under its name is another)."""
+        return {k.name: k.since for k in self.links.values()}
 
     def op_stats(self) -> dict[str, dict[str, dict[str, float]]]:
         """Per executor, each op's calls, seconds and bytes (the registry writes them as a worker's: ops:NODE:NAME)."""

@@ -78,7 +78,8 @@ class Registry(Actor):
         self._graphs_lost = False  # the plane lost this node's record: its graphs to write back (until it works)
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
-        self._executors: set[str] = set()  # the executors whose ops:NODE:NAME hash this registry wrote
+        # the executors whose ops:NODE:NAME hash this registry wrote: name -> when that one registered
+        self._executors: dict[str, float] = {}
         self._tick: asyncio.Task[None] | None = None
         self._asked: dict[tuple[str, str], asyncio.Future[Any]] = {}  # (actor, message): an ask not yet answered
 
@@ -144,8 +145,9 @@ class Registry(Actor):
                 stats[worker] = await self._ask_once(ref, OpStats(), self.heartbeat_s, late=True)
             except DeepxError as e:
                 log.debug("registry: no op stats from %s: %s", worker, e)
-        executors = self.executors.op_stats() if self.executors is not None else {}
-        stats.update(executors)
+        executors = self.executors.registered() if self.executors is not None else {}
+        if self.executors is not None:
+            stats.update(self.executors.op_stats())
         key = f"node:{self.node_id}"
         lost = await self.kv.hget(key, "roles") is None  # its first field: none means the record is gone
         if lost:
@@ -156,8 +158,8 @@ class Registry(Actor):
             b.hset(key, self._record() if lost else {"heartbeat": time.time()})
             if lost:
                 self._signatures(b)
-                self._executors = set()
-            self._executors_written(b, set(executors))
+                self._executors = {}
+            self._executors_written(b, executors)
             for worker, ops in stats.items():
                 before = self._written_stats.get(worker, {})
                 changed = {f"{op}.{k}": v for op, s in ops.items() if s != before.get(op) for k, v in s.items()}
@@ -190,21 +192,21 @@ class Registry(Actor):
             log.warning("registry: the storage plane had lost %d stored graphs planned here; wrote them again: %s",
                         len(written), ", ".join(sorted(written)))
 
-    def _executors_written(self, b: Batch, now: set[str]) -> None:
+    def _executors_written(self, b: Batch, now: dict[str, float]) -> None:
         """The ops of the executors registered now, as a worker's (`ops:NODE:NAME`: signature and cost, then the
-        counters), and those of the executors gone deleted."""
-        gone = self._executors - now
+        counters), those of the executors gone deleted, and those of an executor registered again under its name
+        written afresh."""
+        gone = [name for name, since in self._executors.items() if now.get(name) != since]
         if gone:
             b.delete(*(f"ops:{self.node_id}:{name}" for name in gone))
             for name in gone:
                 self._written_stats.pop(name, None)
-        if now - self._executors and self.executors is not None:
+        new = [name for name, since in now.items() if self._executors.get(name) != since]
+        if new and self.executors is not None:
             signatures = self.executors.signatures()
-            for name in now - self._executors:
-                b.delete(f"ops:{self.node_id}:{name}")  # (an executor of that name before: its counters go)
+            for name in new:
                 b.hset(f"ops:{self.node_id}:{name}", signatures.get(name, {}))
-                self._written_stats.pop(name, None)
-        self._executors = now
+        self._executors = dict(now)
 
     def on_flush(self) -> Any:
         return self.flush()

@@ -26,7 +26,7 @@ import pytest
 from deepx_core.client import NativeClient
 from deepx_core.errors import DeepxError
 from deepx_core.ir import parse_text
-from tests.daemon.conftest import DEEPXCTL, Daemon, eventually
+from tests.daemon.conftest import DEEPXCTL, Daemon, eventually, udp_exchange
 from tests.daemon.test_tcp import tcp_daemon, token_file
 
 HELPER = Path(__file__).with_name("numpy_executor.py")
@@ -439,3 +439,23 @@ def test_a_new_op_is_declared_alike_by_every_executor_that_serves_it(served):
     finally:
         sock.close()
     assert names(c) == ["numpy-extra"]
+
+
+def test_deepxir_over_udp_reaches_an_executor(tmp_path):
+    """A UDP sender's line of an executor's op runs there, on tensors UDP made, and gets its one reply."""
+    d = Daemon(tmp_path).start()
+    c = d.client()
+    ex = Executor(d.address, tmp_path, check=c)
+    try:
+        lines = ["newtensor (vector<int32>:[4]) -> (tensor<float32>:u) // id=1",
+                 "arange (var<int32>:1, var<int32>:1) -> (tensor<float32>:u) // id=2",
+                 "cumprod (tensor<float32>:u, var<int32>:0) -> (tensor<float32>:v) // id=3",
+                 "cumprod (tensor<float32>:u, var<int32>:3) -> (tensor<float32>:v) // id=4"]
+        replies = udp_exchange(d.udp_port, "\n".join(lines), 4)
+        assert [r.split("//")[0] for r in replies] == ["1 ok", "2 ok", "3 ok", "4 error"], replies
+        assert "cumprod: executor 'numpy-extra'" in replies[3] and "AxisError" in replies[3], replies[3]
+        assert np.array_equal(c.fetch("v")["v"], [1, 2, 6, 24])
+    finally:
+        ex.stop()
+        c.close()
+        assert d.stop() == 0, d.output()
