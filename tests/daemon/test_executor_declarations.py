@@ -8,7 +8,7 @@ import pytest
 
 from deepx_core.errors import DeepxError
 from deepx_core.ir import parse_text
-from deepx_core.ir.ops import OPS, SymbolicEnv, TensorMeta, bind
+from deepx_core.ir.ops import OPS, SymbolicEnv, TensorMeta, bind, op, remove_op
 from deepxd.executors import declared_op, parse_offer
 
 ENV = SymbolicEnv({"a": TensorMeta((2, 3), "float32"), "b": TensorMeta((4,), "float32"),
@@ -18,11 +18,11 @@ ENV = SymbolicEnv({"a": TensorMeta((2, 3), "float32"), "b": TensorMeta((4,), "fl
 def infer(spec: dict, line: str) -> list[TensorMeta | None]:
     """The metas of the returns of `line`, checked against ENV by the op `spec` declares (named `newop`)."""
     d = declared_op("newop", spec, "test")
-    OPS["newop"] = d
+    op(d.name, d.family, d.args, d.returns, d.dtypes, d.infer, d.doc, deepxir=False)
     try:
         return bind(parse_text(line)[0], ENV).outs
     finally:
-        del OPS["newop"]
+        remove_op("newop")
 
 
 def test_results_like_an_arg_or_shaped_by_dims_values_and_vectors():
