@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from deepxctl import actors, caches, graphs, ir, memory, nodes, ops, tensors, top
+from deepxctl import actors, caches, executors, graphs, ir, memory, nodes, ops, tensors, top
 from deepxctl.context import Ctl
 from deepxctl.term import CtlError
 
@@ -108,8 +108,8 @@ def cli(ctx: click.Context, address: str | None, token_file: str | None, tls: bo
                   tls=tls, tls_cafile=tls_cafile)
 
 
-for group in (tensors.tensors, memory.memory, ops.ops, nodes.nodes, actors.actors, graphs.graphs, caches.caches,
-              top.top, ir.ir):
+for group in (tensors.tensors, memory.memory, ops.ops, nodes.nodes, actors.actors, executors.executors, graphs.graphs,
+              caches.caches, top.top, ir.ir):
     cli.add_command(group)
 
 

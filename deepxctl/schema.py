@@ -305,6 +305,33 @@ class Actor(Schema):
     last_error: str = field(default="", metadata=col(detail=True))
 
 
+def offered(v: Any) -> str:
+    """An executor's ops, each with its cost: `cumprod 40us, mul` (no cost given: placed there only when named)."""
+    if not isinstance(v, list | tuple):
+        return str(v)
+    return ", ".join(f"{o.get('op')} {o['cost_us']:g}us" if isinstance(o, Mapping) and o.get("cost_us") is not None
+                     else str(o.get("op") if isinstance(o, Mapping) else o) for o in v)
+
+
+@dataclasses.dataclass
+class ExecutorRow(Schema):
+    """An executor of another process registered with the daemon (docs/executor.md)."""
+
+    object_name: ClassVar[str] = "executors"
+
+    name: str = field(metadata=col())
+    node: str = field(default="", metadata=col())
+    pid: int | None = field(default=None, metadata=col(right=True))
+    # the ops it serves: each {op, signature, declared (a new op), cost_us, calls, mean_us}
+    ops: list[dict[str, Any]] = field(default_factory=list, metadata=col(render=offered))
+    calls: int = field(default=0, metadata=col(right=True))
+    errors: int = field(default=0, metadata=col(right=True))
+    peer: str = field(default="", metadata=col("CONNECTED", detail=True))  # the listener, and where from
+    host: str = field(default="", metadata=col(detail=True))
+    attach: bool = field(default=False, metadata=col(detail=True))  # it maps this host's shared memory
+    since: float = field(default=0.0, metadata=col(detail=True, render=timestamp))
+
+
 @dataclasses.dataclass
 class Graph(Schema):
     object_name: ClassVar[str] = "graphs"

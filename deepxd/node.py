@@ -18,10 +18,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from deepx_core.errors import DeepxError
+from deepx_core.identity import shm_identity
 from deepxd.actors.base import Actor, ActorRef, RestartPolicy, Supervisor
 from deepxd.actors.messages import Flush, Sync
 from deepxd.comm import Collectives
 from deepxd.config import Config, is_loopback, udp_address
+from deepxd.executors import Executors
 from deepxd.kv.base import KV, open_kv, redact
 from deepxd.owners import Owners
 from deepxd.peers import Peers
@@ -49,6 +51,8 @@ class Node:
         self.owners = Owners()  # who made which tensor, and the labels clients gave (deepxd/owners.py)
         self.peers: Peers | None = None  # the other nodes and the links to them (deepxd/peers.py), once started
         self.comm: Collectives | None = None  # the collectives of process groups' programs (deepxd/comm.py)
+        # executors of other processes registered here (deepxd/executors.py)
+        self.executors = Executors(self.config.node_id, shm=shm_identity(), max_frame=self.config.max_frame_bytes)
         self.stopping = asyncio.Event()
         self._signals = 0
         self.started = asyncio.Event()
@@ -121,7 +125,9 @@ class Node:
                 from deepxd.access import UdpScope
 
                 self.udp_scope = UdpScope(self.worker, self.kv)
-            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c, udp_scope=self.udp_scope))
+            self.executors.heapmem = self.refs.get("heapmem")
+            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c, udp_scope=self.udp_scope,
+                                                                     executors=self.executors))
         # the others first: the registry's start writes the node record `running`, which a second daemon of this id
         # reads as this one's (its socket opened a moment later), and heapmem's start can take seconds
         await self._until_started()
@@ -135,7 +141,7 @@ class Node:
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
                          *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
                 blas=cpu_blas, scheduler=self.refs.get("scheduler"), owners=self.owners, peers=self.peers,
-                tls=bool(c.tls_cert)))
+                tls=bool(c.tls_cert), executors=self.executors))
             await self._until_started()
             await self.refs["registry"].ask(Flush())  # fails start-up now if the plane cannot be written
 
@@ -292,7 +298,7 @@ class Node:
                          "mailbox": a_.mailbox.qsize(),
                          "handled": a_.stats.handled, "errors": a_.stats.errors, "restarts": a_.stats.restarts,
                          "busy_s": round(a_.stats.busy_s, 6), "last_error": a_.stats.last_error})
-        return rows
+        return rows + self.executors.rows()
 
     # -- run until asked to stop
     async def serve(self) -> None:
@@ -359,6 +365,7 @@ class Node:
                             self.config.drain_timeout_s)
         for s in self.servers:
             await s.close()
+        await self.executors.close()
         await self.supervisor.stop_all(drain=True)
         if self.comm is not None:
             await self.comm.stop()

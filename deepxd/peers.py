@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deepx_core.errors import DeepxError
+from deepx_core.identity import shm_identity
 from deepx_core.ir.dtypes import to_numpy
 from deepx_core.paths import tcp_address
 from deepxd.actors.messages import Hold, Map, Read, Remote
@@ -69,17 +70,6 @@ def unreachable(record: dict[str, str], node: str, dead_after_s: float) -> str |
     if age > dead_after_s:
         return f"is dead (its last heartbeat in the storage plane was {age:.1f} s ago)"
     return None
-
-
-def shm_identity() -> str:
-    """Which /dev/shm this process sees: the kernel's boot id and the device of the mount. Two nodes that share it
-    can map each other's segments (containers, or namespaces, with a /dev/shm of their own cannot)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}:{os.stat('/dev/shm').st_dev}"
-    except OSError:
-        return ""
 
 
 @dataclass(frozen=True)

@@ -418,6 +418,11 @@ class ListActors(Message["Registry", Rows]):
 
 
 @dataclass(slots=True)
+class ListExecutors(Message["Registry", Rows]):
+    message: ClassVar[str] = "executors"
+
+
+@dataclass(slots=True)
 class Memory(Message["Registry", Fields]):
     message: ClassVar[str] = "memory"
 
@@ -436,7 +441,7 @@ class DeleteTensor(Message["Registry", Fields]):
 
 #: the registry's queries by the name a client asks (the native `admin` request, deepxctl)
 ADMIN: dict[str, Callable[[], Message[Registry, Any]]] = {
-    m.message: m for m in (ListTensors, ListOps, ListNodes, ListActors, ListCaches, Memory, ListGraphs)}
+    m.message: m for m in (ListTensors, ListOps, ListNodes, ListActors, ListExecutors, ListCaches, Memory, ListGraphs)}
 
 #: every message an actor of any role may be sent (the shape of a test that holds them to their handlers)
 ALL: tuple[type[Message[Any, Any]], ...] = (
@@ -445,4 +450,4 @@ ALL: tuple[type[Message[Any, Any]], ...] = (
     HeapGone, HeapFree, Sync, Tf32, Kernels,
     Create, Attach, Release, HeapDelete, ArrayOf, Remote, Map, Hold, Read, ReleaseDead, Mapped, Unmap, ForgetRemote,
     CheckRemote, Info, HeapList, HeapStats, Lifecycle, Republish, Relabel, Adopted,
-    Flush, ListTensors, ListOps, ListCaches, ListNodes, ListActors, Memory, ListGraphs, DeleteTensor)
+    Flush, ListTensors, ListOps, ListCaches, ListNodes, ListActors, ListExecutors, Memory, ListGraphs, DeleteTensor)

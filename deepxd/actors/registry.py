@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from deepxd.actors.heapmem import HeapMemory
     from deepxd.actors.scheduler import Scheduler
     from deepxd.actors.worker import OpWorker
+    from deepxd.executors import Executors
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ class Registry(Actor):
                  actors: Callable[[], list[dict[str, Any]]] | None = None, heartbeat_s: float = 2.0,
                  devices: list[str] | None = None, name: str = "registry", blas: str = "",
                  scheduler: ActorRef[Scheduler] | None = None, owners: Owners | None = None,
-                 peers: Peers | None = None, tls: bool = False) -> None:
+                 peers: Peers | None = None, tls: bool = False, executors: Executors | None = None) -> None:
         super().__init__(name)
+        self.executors = executors  # executors of other processes registered here: their ops as a worker's
         self.peers = peers if peers is not None else Peers(kv, node_id, heartbeat_s=heartbeat_s)  # who else lives
         self.tls = tls  # the TCP listener speaks TLS: peer links to it do too
         self.owners = owners or Owners()  # who made this node's tensors, and their labels (deepxd/owners.py)
@@ -76,6 +78,8 @@ class Registry(Actor):
         self._graphs_lost = False  # the plane lost this node's record: its graphs to write back (until it works)
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
+        # the executors whose ops:NODE:NAME hash this registry wrote: name -> when that one registered
+        self._executors: dict[str, float] = {}
         self._tick: asyncio.Task[None] | None = None
         self._asked: dict[tuple[str, str], asyncio.Future[Any]] = {}  # (actor, message): an ask not yet answered
 
@@ -141,6 +145,9 @@ class Registry(Actor):
                 stats[worker] = await self._ask_once(ref, OpStats(), self.heartbeat_s, late=True)
             except DeepxError as e:
                 log.debug("registry: no op stats from %s: %s", worker, e)
+        executors = self.executors.registered() if self.executors is not None else {}
+        if self.executors is not None:
+            stats.update(self.executors.op_stats())
         key = f"node:{self.node_id}"
         lost = await self.kv.hget(key, "roles") is None  # its first field: none means the record is gone
         if lost:
@@ -151,6 +158,8 @@ class Registry(Actor):
             b.hset(key, self._record() if lost else {"heartbeat": time.time()})
             if lost:
                 self._signatures(b)
+                self._executors = {}
+            self._executors_written(b, executors)
             for worker, ops in stats.items():
                 before = self._written_stats.get(worker, {})
                 changed = {f"{op}.{k}": v for op, s in ops.items() if s != before.get(op) for k, v in s.items()}
@@ -182,6 +191,22 @@ class Registry(Actor):
         if written:
             log.warning("registry: the storage plane had lost %d stored graphs planned here; wrote them again: %s",
                         len(written), ", ".join(sorted(written)))
+
+    def _executors_written(self, b: Batch, now: dict[str, float]) -> None:
+        """The ops of the executors registered now, as a worker's (`ops:NODE:NAME`: signature and cost, then the
+        counters), those of the executors gone deleted, and those of an executor registered again under its name
+        written afresh."""
+        gone = [name for name, since in self._executors.items() if now.get(name) != since]
+        if gone:
+            b.delete(*(f"ops:{self.node_id}:{name}" for name in gone))
+            for name in gone:
+                self._written_stats.pop(name, None)
+        new = [name for name, since in now.items() if self._executors.get(name) != since]
+        if new and self.executors is not None:
+            signatures = self.executors.signatures()
+            for name in new:
+                b.hset(f"ops:{self.node_id}:{name}", signatures.get(name, {}))
+        self._executors = dict(now)
 
     def on_flush(self) -> Any:
         return self.flush()
@@ -284,6 +309,9 @@ class Registry(Actor):
 
     def on_actors(self) -> list[dict[str, Any]]:
         return self.actors_view() if self.actors_view is not None else []
+
+    def on_executors(self) -> list[dict[str, Any]]:
+        return self.executors.listing() if self.executors is not None else []
 
     async def on_memory(self) -> dict[str, Any]:
         tensors = await self.on_tensors()

@@ -2,7 +2,8 @@
 expanded, the compiler passes run: deepxd/actors/plan.py), places it on an op worker and answers with what
 happened; a program that comes again runs by its plan. Programs run one at a time, in arrival order, so that each is
 checked against the state the one before it left. Placement: with op-cuda running every program goes to op-cuda,
-else to op-cpu (placement across several workers and nodes builds on this).
+else to op-cpu; an instruction of an op that only executors of other processes serve, or that names one, goes to
+one, the rest of its program in parts around it (_run_placed; deepxd/executors.py).
 
 The passes see the tensors that exist on the worker (asked once per program, and only for a program in which a
 value can end, by a deltensor or a second write to a name: without one every pass is a no-op) and the names the
@@ -24,9 +25,10 @@ from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.effects import SETS, apply_effect, kind_of
 from deepx_core.ir.instr import Instr, Param, probe, scalar_kinds
-from deepx_core.ir.ops import OPS, TensorMeta
+from deepx_core.ir.ops import OPS, ProgramError, TensorMeta
 from deepxd.actors.base import Actor, ActorRef, Envelope
 from deepxd.actors.messages import (
+    Fetch,
     Interleaves,
     Metas,
     Put,
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from deepxd.access import UdpScope
     from deepxd.actors.worker import OpWorker
     from deepxd.compiler.graphs import Bound, GraphPlan
+    from deepxd.executors import Executors, Link
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +246,10 @@ class Scheduler(Actor):
     role = "scheduler"
 
     def __init__(self, workers: dict[str, ActorRef[OpWorker]], name: str = "scheduler", *, config: Config | None = None,
-                 udp_scope: UdpScope | None = None) -> None:
+                 udp_scope: UdpScope | None = None, executors: Executors | None = None) -> None:
         super().__init__(name)
         self.workers = workers
+        self.executors = executors  # executors of other processes, which instructions may go to (_run_placed)
         self.udp_scope = udp_scope  # what deepxIR over UDP may name (deepxd/access.py); None: UDP is off
         self.passes: list[str] = check_passes(config.passes) if config is not None else list(DEFAULT_PASSES)
         self.fuse_min_elements = config.fuse_min_elements if config is not None else 0
@@ -336,9 +340,18 @@ class Scheduler(Actor):
             return _cancelled_unrun()
         self._cancel = cancel  # what the run sites below pass on (each on_run sets its own)
         t0 = time.perf_counter()
-        hit = await self._run_cached(program, fetch, backwards)
-        if hit is not None:
-            return self._counted(hit, t0)
+        executors = self.executors
+        places: list[Link | None] | None = None
+        if executors and executors.claims(program):  # an instruction goes to an executor of another process
+            try:
+                places = executors.placement(program)
+            except ProgramError as e:
+                self.failed += 1
+                return RunResult(error=str(e), error_index=e.index, t0=time.time())
+        if places is None:
+            hit = await self._run_cached(program, fetch, backwards)
+            if hit is not None:
+                return self._counted(hit, t0)
         marks = {}
         for spec in backwards or ():
             k = spec.get("index")
@@ -350,11 +363,18 @@ class Scheduler(Actor):
         for i, instr in enumerate(program):
             if instr.name not in OPS and i not in marks:
                 self.failed += 1
-                return RunResult(error=f"instruction {i + 1}: op '{instr.name}' not found", error_index=i,
+                gone = executors.missing(instr.name) if executors is not None else ""
+                return RunResult(error=f"instruction {i + 1}: op '{instr.name}' not found{gone}", error_index=i,
                                  t0=time.time())
+        refused = executors.refused(program) if executors is not None and not executors else None
+        if refused is not None:  # it names an executor, and none is registered
+            self.failed += 1
+            return RunResult(error=str(refused), error_index=refused.index, t0=time.time())
         worker = self._place(program)
         t0 = time.perf_counter()
-        if marks and self._apart(marks):
+        if places is not None:
+            result = await self._run_placed(worker, program, fetch, marks, places)
+        elif marks and self._apart(marks):
             result = await self._run_apart(worker, program, fetch, marks)
         else:
             result = await self._run_new(worker, program, fetch, marks)
@@ -551,6 +571,8 @@ class Scheduler(Actor):
         its transport tells the scope what it did (the UDP server's quick way)."""
         if not self.plans or not self.idle() or cancel is not None:
             return None
+        if self.executors and self.executors.claims(program):  # (on_run places it)
+            return None
         if origin:
             scope = self.udp_scope
             if origin != "udp" or scope is None or backwards or not all(map(scope.reaches, program)):
@@ -691,6 +713,49 @@ class Scheduler(Actor):
         if result.error:  # told of the one instruction it stands for
             result.error = original_error(result.error, [0] * len(derived))
         return result, hit
+
+    # -- instructions placed on executors of other processes (deepxd/executors.py, docs/executor.md)
+    async def _run_placed(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str],
+                          marks: dict[int, dict[str, Any]], places: list[Link | None]) -> RunResult:
+        """`program`, of which the instructions at `places` go to executors: checked whole first (Executors.check),
+        then run in parts, one after another: the instructions between two placed ones on the worker, each part by
+        its plan; each placed one on its executor, its inputs taken from the worker and its results put there (small
+        programs that name none of this one's tensors are served meanwhile); each backward as _run_apart runs it.
+        The result speaks of `program`."""
+        assert self.executors is not None
+        refused = await self.executors.check(program, fetch, min(marks, default=len(program)), worker)
+        if refused is not None:
+            return refused
+        parts = _Parts()
+        avoid = program_tensor_names(program, fetch)
+        start, end = 0, len(program)
+        for i in [*(k for k in range(end) if places[k] is not None or k in marks), end]:
+            if i > start:
+                result, _ = await self._run_part(worker, program[start:i], ())
+                if not parts.add(result, start, i - start):
+                    return parts.result
+            if i == end:
+                break
+            if self._cancel is not None and self._cancel():
+                parts.add(self._cancelled(), i, 1)
+                return parts.result
+            link = places[i]
+            if link is None:
+                result, _ = await self._run_backward(worker, program, i, marks[i], ())
+            else:
+                result = await self._serving(self.executors.run(link, program[i], worker, self._cancel), worker,
+                                             avoid)
+            if not parts.add(result, i, 1, one=True):
+                return parts.result
+            start = i + 1
+        out = parts.result
+        out.done = end
+        if fetch:
+            try:
+                out.tensors = await worker.ask(Fetch(names=list(fetch)))
+            except DeepxError as e:
+                out.error, out.error_index = f"fetch: {e}", end
+        return out
 
     async def _ask_run(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str] = (),
                        cancel: Callable[[], bool] | None = None) -> RunResult:

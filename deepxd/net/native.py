@@ -394,8 +394,12 @@ class NativeServer:
                 conn.taken += n
                 if conn.pending is not None:  # an answer begun as its frame arrived goes out first
                     await conn.pending
-                reply = await self._handle(body, bound, gone)
+                reply = await self._handle(body, bound, gone, writer)
                 await self._reply(writer, reply)
+                link = bound.pop("executor", None)
+                if link is not None:  # an executor registered: from now on what it sends answers this node's calls
+                    await self.node.executors.serve(link, reader)
+                    return
         except (ConnectionError, BrokenPipeError):
             pass
         except asyncio.CancelledError:
@@ -572,8 +576,10 @@ class NativeServer:
             out_transport.write(pack_frame(reply))  # type: ignore[attr-defined]
 
     async def _handle(self, body: bytes, bound: dict[str, Any] | None = None,
-                      gone: Callable[[], bool] | None = None) -> dict[str, Any]:
-        """The reply to one request. `gone`: whether the connection's peer has gone (a run then stops)."""
+                      gone: Callable[[], bool] | None = None,
+                      writer: asyncio.StreamWriter | None = None) -> dict[str, Any]:
+        """The reply to one request. `gone`: whether the connection's peer has gone (a run then stops); `writer`:
+        the connection's (an executor registers on it)."""
         self.requests += 1
         rid = None
         try:
@@ -592,7 +598,12 @@ class NativeServer:
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise DeepxError(f"unknown request op {op!r}; known: {', '.join(sorted(self._ops))}")
-            out = await (handler(req, gone) if op == "run" else handler(req))
+            if op == "run":
+                out = await handler(req, gone)
+            elif op == "executor_register":
+                out = await handler(req, bound, writer)
+            else:
+                out = await handler(req)
             return {"id": rid, "ok": True, **out}
         except DeepxError as e:
             return {"id": rid, "ok": False, "error": str(e)}
@@ -711,6 +722,24 @@ class NativeServer:
     async def _op_group_leave(self, req: dict[str, Any]) -> dict[str, Any]:
         return await groups.leave(self.node, req.get("group"), req.get("gen"), req.get("rank"),
                                   req.get("delete") or [], req.get("forget") or [])
+
+    # -- executors of other processes (deepxd/executors.py, docs/executor.md)
+    async def _op_executor_register(self, req: dict[str, Any], bound: dict[str, Any] | None = None,
+                                    writer: asyncio.StreamWriter | None = None) -> dict[str, Any]:
+        """This connection's process becomes an executor of the node: the node sends it instructions from now on,
+        and what it sends answers them."""
+        if bound is None or writer is None:
+            raise DeepxError("executor_register: only a connection can register as an executor")
+        if "scheduler" not in self.node.refs:
+            raise DeepxError(f"executor_register: node {self.node.config.node_id} runs no scheduler (roles: "
+                             f"{','.join(self.node.config.roles)}), which is what places instructions on executors")
+        session = bound.get("session")
+        client = {"pid": session.pid, "host": session.host} if session is not None else None
+        peer = self.address if self.path else f"{self.address} from {_peer(writer)}"
+        link = self.node.executors.register(req, writer, peer, client)
+        bound["executor"] = link
+        return {"node": self.node.config.node_id, "executor": link.name, "ops": sorted(link.offers),
+                "attach": link.attach}
 
     # -- peer links: another deepxd's requests (deepxd/peers.py)
     async def _op_peer_ping(self, req: dict[str, Any]) -> dict[str, Any]:
