@@ -16,8 +16,9 @@ time because each program ends with its results fetched or the stream synchronis
 A plan that runs again as prepared is captured as CUDA graphs at its second prepared run (`GraphSlot`, config
 `cuda_graphs`) and replayed from then on: one graph launch per segment instead of a launch (and Python) per
 instruction. Its optimizer updates' new numbers are written into the graph's slots; a replay whose tensors moved, or
-whose other numbers changed, drops the graph and runs the instructions as before. Replays are counted in the op
-stats under `cudagraph`, not per op.
+whose other numbers changed, drops the graph and runs the instructions as before. At most GRAPHS_MAX graphs live at
+once (each keeps its program's temporaries), the least recently run given back first, and all of them when an
+op-by-op run finds the GPU out of memory. Replays are counted in the op stats under `cudagraph`, not per op.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,6 +58,8 @@ GRAPH_STAT = "cudagraph"  # op stats of the programs replayed as CUDA graphs
 GRAPH_AFTER = 1
 #: times a plan's graph may be dropped (its tensors moved, numbers the graph holds changed) before it runs without one
 GRAPH_MISSES = 3
+#: graphs alive at once per worker (each keeps its program's temporaries): the least recently run goes first
+GRAPHS_MAX = 16
 
 
 class GraphSlot:
@@ -136,7 +140,8 @@ class CudaWorker(OpWorker):
         self.tf32 = tf32
         self.warm = warm  # compile the kernel modules not on disk in background threads when the executor opens
         self.graphs = graphs  # replay plans that repeat as CUDA graphs (GraphSlot)
-        self._captured: weakref.WeakSet[Any] = weakref.WeakSet()  # the graphs alive, destroyed at close at the latest
+        # the plans with a graph alive, least recently run first (touched on the CUDA thread only)
+        self._live: OrderedDict[GraphSlot, None] = OrderedDict()
         self.io_roots = io_roots
         self.heapmem = heapmem
         self.heap = HeapViews()  # heap tensor name -> its device array (memory heapmem allocated)
@@ -185,8 +190,8 @@ class CudaWorker(OpWorker):
     async def on_stop(self) -> None:
         def close() -> None:
             self.heap.clear()
-            for captured in list(self._captured):
-                captured.destroy()
+            for slot in list(self._live):
+                self._release(slot)
             if self.ex is not None:
                 self.ex.tensors.clear()
                 closer = getattr(self.ex, "close", None)
@@ -326,6 +331,9 @@ class CudaWorker(OpWorker):
                        fetch: list[str], prepared: Prepared | None = None) -> None:
         if prepared is None or not self.graphs or not self._run_graph(prepared, result):
             self._execute(bounds, result, heap_new)
+            if "out of GPU memory" in result.error and self._live:
+                n = self._release_all()
+                result.error += f" (op-cuda gave back the memory of {n} CUDA graphs: running it again may fit)"
         if not result.error:
             result.tensors = {name: self.ex.get(name) for name in fetch}
         heap = self.heap
@@ -399,27 +407,32 @@ class CudaWorker(OpWorker):
                 slot.off = why
                 log.debug("%s: a plan runs without a CUDA graph: %s", self.name, why)
                 return False
+            while len(self._live) >= GRAPHS_MAX:  # room for this one: the least recently run graph goes
+                self._release(next(iter(self._live)))
             try:
                 captured = ex.capture(prepared.bounds)
-            except DeepxError as e:  # it was captured, and its first launch failed in a kernel
-                slot.off = "its capture failed"
+            except Exception as e:  # it was captured, and its first launch failed (a kernel's flag, a fault)
+                self._miss(slot, "its capture's launch failed")
                 return self._graph_failed(result, e, start)
             if captured is None:
                 slot.off = "an instruction needs the host mid-program"
                 return False
             slot.captured = captured
-            self._captured.add(captured)
-            weakref.finalize(prepared, self.submit, captured.destroy)
+            self._live[slot] = None
+            weakref.finalize(prepared, self.submit, self._release, slot)
         else:
-            if slot.redo:
-                redo = sorted(set(slot.redo))
-                slot.redo.clear()
-                if not all(ex.refresh(captured, i, prepared.bounds[i]) for i in redo):
-                    return self._drop_graph(slot, "numbers the graph holds changed")
+            self._live.move_to_end(slot)
             try:
+                if slot.redo:
+                    redo = sorted(set(slot.redo))
+                    slot.redo.clear()
+                    if not all(ex.refresh(captured, i, prepared.bounds[i]) for i in redo):
+                        return self._drop_graph(slot, "numbers the graph holds changed")
                 if not ex.replay(captured):
                     return self._drop_graph(slot, "a tensor it reads is other memory now")
-            except DeepxError as e:
+            except Exception as e:
+                if not isinstance(e, DeepxError) or not hasattr(e, "index"):  # not a kernel's flag: a fault
+                    self._drop_graph(slot, f"its replay failed: {type(e).__name__}")
                 return self._graph_failed(result, e, start)
         end = time.perf_counter()
         n = len(prepared.bounds)
@@ -435,22 +448,46 @@ class CudaWorker(OpWorker):
     def _drop_graph(self, slot: GraphSlot, why: str) -> bool:
         """Forget a plan's graph (captured again at its next run, or never after GRAPH_MISSES); False: run the
         instructions this time."""
-        slot.captured.destroy()
-        slot.captured = None
-        slot.runs = GRAPH_AFTER
-        slot.misses += 1
-        if slot.misses >= GRAPH_MISSES:
-            slot.off = why
+        self._release(slot)
+        self._miss(slot, why)
         log.debug("%s: a plan's CUDA graph dropped: %s", self.name, why)
         return False
 
     @staticmethod
-    def _graph_failed(result: RunResult, e: DeepxError, start: float) -> bool:
-        """A kernel of a graph set the error flag: the instructions before the failing one ran."""
-        index = int(getattr(e, "index", 0))
-        result.error, result.error_index, result.done = f"instruction {index + 1}: {e}", index, index
+    def _miss(slot: GraphSlot, why: str) -> None:
+        slot.runs = GRAPH_AFTER
+        slot.misses += 1
+        if slot.misses >= GRAPH_MISSES:
+            slot.off = why
+
+    def _release(self, slot: GraphSlot) -> None:
+        """Destroy a plan's graph and give its memory back (on the CUDA thread: evicted, dropped, its plan gone, or
+        the worker stopping); its plan may capture again."""
+        self._live.pop(slot, None)
+        if slot.captured is not None:
+            slot.captured.destroy()
+            slot.captured = None
+            slot.runs = GRAPH_AFTER
+
+    def _release_all(self) -> int:
+        """Every graph's memory back (out of GPU memory): how many there were."""
+        n = len(self._live)
+        for slot in list(self._live):
+            self._release(slot)
+        return n
+
+    @staticmethod
+    def _graph_failed(result: RunResult, e: Exception, start: float) -> bool:
+        """A graph's launch failed: at a kernel's error flag (`e.index`: the instructions before it ran), or, without
+        an index, a fault the device reported (where it stopped is not known)."""
+        index = getattr(e, "index", None)
+        if isinstance(e, DeepxError) and index is not None:
+            result.error, result.error_index, result.done = f"instruction {index + 1}: {e}", index, index
+            result.clock = (start, [start] * index)
+        else:
+            result.error, result.error_index = f"a CUDA graph of this program failed: {type(e).__name__}: {e}", 0
+            result.clock = (start, [])
         result.failed_at = 0.0
-        result.clock = (start, [start] * index)
         return True
 
     def _describe(self, b: Bound, e: Exception) -> str:

@@ -16,6 +16,7 @@ import deepx_sdk as dx  # noqa: E402
 import deepx_sdk.nn as nn  # noqa: E402
 import deepx_sdk.nn.functional as F  # noqa: E402
 from deepx_sdk.optim import SGD, AdamW  # noqa: E402
+from deepxd.actors import opcuda  # noqa: E402
 
 STEPS = 16
 #: a loop's step alternates between two programs (the names of one step's tensors are in use while the next is
@@ -54,6 +55,7 @@ def _train(monkeypatch: pytest.MonkeyPatch, graphs: bool, optimizer: str, fresh:
         weights = {k: v.numpy() for k, v in model.state_dict().items()}
         worker = s.transport.node.ref("op-cuda")._actor
         stat = worker.op_stats.get("cudagraph")
+        assert len(worker._live) <= opcuda.GRAPHS_MAX
         return losses, weights, stat.calls if stat is not None else 0
     finally:
         dx.disconnect()
@@ -70,6 +72,17 @@ def test_a_training_loop_replayed_as_graphs_equals_the_loop_run_op_by_op(monkeyp
     for k in eager_weights:
         np.testing.assert_allclose(weights[k], eager_weights[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert losses[-1] < losses[0]
+
+
+def test_at_most_graphs_max_graphs_live_and_the_loop_still_trains_as_op_by_op(monkeypatch):
+    """One graph alive at a time: a loop alternating between two programs gives one back at each capture of the
+    other (they capture again and again) and still trains as the op-by-op loop does."""
+    monkeypatch.setattr(opcuda, "GRAPHS_MAX", 1)
+    eager_losses, eager_weights, _ = _train(monkeypatch, False, "adamw", True)
+    losses, weights, _ = _train(monkeypatch, True, "adamw", True)
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
+    for k in eager_weights:
+        np.testing.assert_allclose(weights[k], eager_weights[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_a_compiled_step_replays_as_graphs(monkeypatch):
