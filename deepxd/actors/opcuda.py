@@ -67,10 +67,11 @@ class GraphSlot:
     the prepared runs so far; the updates whose numbers changed since the last replay (`redo`: refreshed on the
     CUDA thread before the next); why the plan runs without a graph (`off`, "" while it may have one)."""
 
-    __slots__ = ("captured", "misses", "off", "redo", "runs")
+    __slots__ = ("captured", "heap", "misses", "off", "redo", "runs")
 
     def __init__(self) -> None:
         self.captured: Any = None
+        self.heap: tuple[tuple[str, int], ...] = ()  # the heap tensors the plan touches, and their memory
         self.runs = 0
         self.misses = 0
         self.redo: list[int] = []
@@ -403,6 +404,8 @@ class CudaWorker(OpWorker):
             if slot.runs <= GRAPH_AFTER:
                 return False
             why = ex.capturable(prepared.bounds)
+            if why is None and any(name in self.heap for _, name in prepared.deletes):
+                why = "it deletes a heap tensor (heapmem would free memory the graph writes)"
             if why is not None:
                 slot.off = why
                 log.debug("%s: a plan runs without a CUDA graph: %s", self.name, why)
@@ -418,9 +421,16 @@ class CudaWorker(OpWorker):
                 slot.off = "an instruction needs the host mid-program"
                 return False
             slot.captured = captured
+            heap = self.heap
+            slot.heap = tuple((n, heap[n].ptr) for n in prepared.names if n in heap)
             self._live[slot] = None
             weakref.finalize(prepared, self.submit, self._release, slot)
         else:
+            heap = self.heap
+            for n, ptr in slot.heap:  # a heap tensor made again elsewhere: the graph would write the old memory
+                t = heap.get(n)
+                if t is None or t.ptr != ptr:
+                    return self._drop_graph(slot, f"heap tensor '{n}' is other memory now")
             self._live.move_to_end(slot)
             try:
                 if slot.redo:
