@@ -593,6 +593,9 @@ def _attention(rng, dt):
                    instr("attentiongrad", [*attend[:3], T("y"), T("lse"), T("g"), *attend[3:]],
                          [T("dq"), T("dk"), T("dv")])]
         out.append(Case(ins, program, ["y", "lse", "dq", "dk", "dv"], scale="max"))
+    return out
+
+
 @case("batchnorm", "batchnormgrad", "groupnorm", "groupnormgrad")
 def _norms(rng, dt):
     """batchnorm and groupnorm with their statistics, then their gradient ops on those statistics, on shapes from a
