@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
+from _timing import median_ms  # bench/_timing.py, beside this file
 
 SHAPES = [  # (batch, heads, T, head size, causal)
     (16, 4, 32, 16, True),  # examples/train_transformer.py
@@ -34,15 +33,6 @@ SHAPES = [  # (batch, heads, T, head size, causal)
 ]
 CUDA_SHAPES = [*SHAPES, (8, 16, 2048, 64, True), (4, 16, 4096, 128, True), (16, 32, 1024, 128, False)]
 
-
-def _time(step, steps: int) -> float:  # type: ignore[no-untyped-def]
-    step()  # warm: kernels, plans, known programs
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -102,9 +92,9 @@ def main() -> None:
 
         row: dict = {"shape": [b, h, t, d], "causal": causal, "dtype": args.dtype}
         for part, backward in (("fwd", False), ("fwd_bwd", True)):
-            op = _time(lambda backward=backward: deepx_step(True, backward), args.steps)
-            comp = _time(lambda backward=backward: deepx_step(False, backward), args.steps)
-            ref = _time(lambda backward=backward: torch_step(backward), args.steps)
+            op = median_ms(lambda backward=backward: deepx_step(True, backward), args.steps)
+            comp = median_ms(lambda backward=backward: deepx_step(False, backward), args.steps)
+            ref = median_ms(lambda backward=backward: torch_step(backward), args.steps)
             row.update({f"{part}_op_ms": op, f"{part}_composite_ms": comp, f"{part}_torch_ms": ref,
                         f"{part}_torch_over_op": ref / op, f"{part}_composite_over_op": comp / op})
         rows.append(row)

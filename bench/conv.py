@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
+from _timing import median_ms  # bench/_timing.py, beside this file
 
 SHAPES = [  # (N, C, H, W, O, k, stride, padding)
     (64, 1, 8, 8, 16, 3, 1, 1),  # examples/train_cnn.py's first layer (digits)
@@ -28,15 +27,6 @@ SHAPES = [  # (N, C, H, W, O, k, stride, padding)
     (8, 32, 28, 28, 32, 5, 1, 2),
 ]
 
-
-def _time(step, steps: int) -> float:
-    step()  # warm: kernels, plans, known programs
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -82,9 +72,9 @@ def main() -> None:
             xt.grad.cpu()  # read back, as the deepx step reads its gradients
             wtt.grad.cpu()
 
-        op = _time(lambda: deepx_step(False), args.steps)
-        taps = _time(lambda: deepx_step(True), args.steps)
-        ref = _time(torch_step, args.steps)
+        op = median_ms(lambda: deepx_step(False), args.steps)
+        taps = median_ms(lambda: deepx_step(True), args.steps)
+        ref = median_ms(torch_step, args.steps)
         rows.append({"shape": [n, c, h, w, o, k, s, p], "op_ms": op, "taps_ms": taps, "torch_ms": ref,
                      "torch_over_op": ref / op, "taps_over_op": taps / op})
     print("| N, C, H, W -> O, k, stride, pad | op ms | taps ms | torch ms | op speed / torch | op speed / taps |")

@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _timing import median_ms  # bench/_timing.py, beside this file
 
 CASES = [  # (name, input shape, what)
     ("batch_norm train", (32, 16, 32, 32), {}),
@@ -107,15 +105,6 @@ def interpolate_composite(x: Any, size: Any = None, scale_factor: Any = None, mo
     return x
 
 
-def _time(step: Callable[[], None], steps: int) -> float:
-    step()  # warm: kernels, plans, known programs
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -185,9 +174,9 @@ def main() -> None:
             else:
                 y.detach().cpu()
 
-        op = _time(lambda: deepx_step("op"), args.steps)
-        composite = _time(lambda: deepx_step("composite"), args.steps)
-        ref = _time(torch_step, args.steps)
+        op = median_ms(lambda: deepx_step("op"), args.steps)
+        composite = median_ms(lambda: deepx_step("composite"), args.steps)
+        ref = median_ms(torch_step, args.steps)
         rows.append({"case": name, "shape": list(shape), "op_ms": op, "composite_ms": composite, "torch_ms": ref,
                      "torch_over_op": ref / op, "composite_over_op": composite / op})
     print("| case | shape | op ms | composite ms | torch ms | op speed / torch | op speed / composite |")
