@@ -304,12 +304,13 @@ class Recorder:
             self._flush((), raise_now=False)
 
     def sync(self, fetch: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        """Send what is pending (with `fetch` read back); raise the first error since the last sync."""
-        if fetch and self.capture is not None:
-            raise self.capture.refuse_read(fetch)
-        if fetch and self.names.lost:
-            self._refuse_lost(fetch)
+        """Send what is pending (with `fetch` read back); raise the first error since the last sync. Another thread's
+        read waits here while a dx.compile capture holds the lock; the capturing thread's own is refused."""
         with self.lock:
+            if fetch and self.capture is not None:
+                raise self.capture.refuse_read(fetch)
+            if fetch and self.names.lost:
+                self._refuse_lost(fetch)
             try:
                 out = self._flush(fetch, raise_now=True)
             except DeepxError:
