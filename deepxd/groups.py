@@ -380,8 +380,12 @@ async def leave(node: Node, group: Any, gen: Any, rank: Any, delete: Any = (), f
             if await kv.set_if_absent(f"{key}:{gen}:released:{r}", b"1"):
                 names = [n for n in forget if buffer_rank(n, gen) == r]
                 releases.setdefault((str(m.get("node")), str(m.get("worker"))), []).extend(names)
-        if len(dead) == len(members):  # the last live member: the group's record goes
-            await kv.delete(key, *[f"{key}:{gen}:released:{r}" for r in range(int(record.get("world_size") or 0))])
+        if len(dead) == len(members):  # the last live member: the group's record goes, unless formed again since
+            released = [f"{key}:{gen}:released:{r}" for r in range(int(record.get("world_size") or 0))]
+            if await kv.hget(key, "gen") == gen:
+                await kv.delete(key, *released)
+            else:
+                await kv.delete(*released)
         _wake(node, group)
     heapmem = node.refs.get("heapmem")
     if forget and heapmem is not None:

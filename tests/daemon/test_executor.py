@@ -223,7 +223,8 @@ def test_an_executor_killed_mid_program_fails_it_at_once_and_the_node_goes_on(se
     try:
         r = run(c, "cummax (tensor<float32>:k1, var<int32>:0) -> (tensor<float32>:k6)", ["k6"])
         assert r.ok, r.error
-        np.testing.assert_allclose(r.tensors["k6"], np.maximum.accumulate(np.arange(6, dtype=np.float32) + 1), rtol=1e-6)
+        np.testing.assert_allclose(r.tensors["k6"], np.maximum.accumulate(np.arange(6, dtype=np.float32) + 1),
+                                   rtol=1e-6)
         (row,) = c.admin("executors")
         assert row["pid"] == again.proc.pid
     finally:
@@ -266,7 +267,8 @@ def test_a_heap_tensor_goes_by_its_segment_on_the_same_host(served):
     """, ["n0", "n1", "hc"])
     assert r.ok, r.error
     assert int(r.tensors["n0"]) == 0 and int(r.tensors["n1"]) == 1
-    np.testing.assert_allclose(r.tensors["hc"], np.maximum.accumulate(np.arange(12, dtype=np.float32).reshape(3, 4), axis=1))
+    np.testing.assert_allclose(r.tensors["hc"],
+                               np.maximum.accumulate(np.arange(12, dtype=np.float32).reshape(3, 4), axis=1))
 
 
 def test_a_backward_and_an_executor_op_in_one_program(served):

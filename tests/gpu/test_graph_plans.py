@@ -71,7 +71,8 @@ def test_a_training_loop_replayed_as_graphs_equals_the_loop_run_op_by_op(monkeyp
     np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
     for k in eager_weights:
         np.testing.assert_allclose(weights[k], eager_weights[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    assert losses[-1] < losses[0]
+    if not fresh:  # (a new batch of random labels each step need not lower the loss)
+        assert losses[-1] < losses[0]
 
 
 def test_at_most_graphs_max_graphs_live_and_the_loop_still_trains_as_op_by_op(monkeypatch):

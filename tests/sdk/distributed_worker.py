@@ -201,7 +201,6 @@ def killed(world: int, rank: int, timeout: float) -> dict[str, np.ndarray]:
         print(f"failed after {took:.2f} s: {e}", flush=True)
         assert f"rank {world - 1}" in str(e), e
         assert took < timeout, took
-        (OUT_DIR / f"failed-{rank}").touch()
         try:
             dist.all_reduce(t)
         except dist.DistBackendError as again:
@@ -211,7 +210,8 @@ def killed(world: int, rank: int, timeout: float) -> dict[str, np.ndarray]:
     else:
         raise AssertionError("all_reduce succeeded without the killed rank")
     dist.destroy_process_group()
-    if rank == 0:  # form the group again only once every survivor saw the death (else it sees the new formation)
+    (OUT_DIR / f"failed-{rank}").touch()  # saw the death and left
+    if rank == 0:  # form the group again only once every survivor saw the death and left (else it sees the new one)
         while not all((OUT_DIR / f"failed-{r}").exists() for r in range(world - 1)):
             time.sleep(0.01)
     dist.init_process_group(os.environ.get("DEEPX_TEST_BACKEND"), world_size=world, rank=rank, timeout=timeout * 4)

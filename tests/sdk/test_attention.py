@@ -122,6 +122,10 @@ def _transformer(seed: int, fused: bool) -> tuple[list[float], dict[str, np.ndar
             return x + self.mlp(self.ln2(x))
 
     model = nn.Sequential(nn.Embedding(vocab, d), Block(), Block(), nn.LayerNorm(d), nn.Linear(d, vocab))
+    start = np.random.default_rng(seed + 100)  # the same start on every worker (a daemon's RNG is its own)
+    with dx.no_grad():
+        for p in model.parameters():
+            p.copy_(dx.tensor((start.standard_normal(p.shape) * 0.3).astype(np.float32)))
     opt = dx.optim.AdamW(model.parameters(), lr=3e-2)
     data = np.random.default_rng(seed).integers(0, vocab, (4, t + 1))
     x, y = dx.tensor(data[:, :-1]), dx.tensor(data[:, 1:])
