@@ -1,5 +1,5 @@
-"""The timing helper the benchmarks share (each script runs as `python bench/NAME.py`, so this folder is on sys.path).
-"""
+"""The timing helper the benchmarks share (a benchmark runs as a script of this folder, which puts the folder on
+sys.path)."""
 
 from __future__ import annotations
 
