@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 import numpy as np
-from _timing import median_ms  # bench/_timing.py, beside this file
+from _common import deepx_then_torch, median_ms  # bench/_common.py, beside this file
 
 SHAPES = [  # (batch, heads, T, head size, causal)
     (16, 4, 32, 16, True),  # examples/train_transformer.py
@@ -34,7 +34,6 @@ SHAPES = [  # (batch, heads, T, head size, causal)
 CUDA_SHAPES = [*SHAPES, (8, 16, 2048, 64, True), (4, 16, 4096, 128, True), (16, 32, 1024, 128, False)]
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -42,15 +41,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     args = ap.parse_args()
 
-    import deepx_sdk as dx
+    dx, torch, device = deepx_then_torch(args.cuda)
     from deepx_sdk.nn import functional as F
-
-    if args.cuda:
-        dx.connect(roles=["heapmem", "op-cuda"])
-    dx.session()  # the embedded daemon before torch: torch's OpenMP runtime must not come first (MKL)
-    import torch
-
-    device = "cuda" if args.cuda else "cpu"
     sync = torch.cuda.synchronize if args.cuda else (lambda: None)
     tdtype = getattr(torch, args.dtype)
 

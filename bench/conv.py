@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from _timing import median_ms  # bench/_timing.py, beside this file
+from _common import deepx_then_torch, median_ms  # bench/_common.py, beside this file
 
 SHAPES = [  # (N, C, H, W, O, k, stride, padding)
     (64, 1, 8, 8, 16, 3, 1, 1),  # examples/train_cnn.py's first layer (digits)
@@ -28,22 +28,14 @@ SHAPES = [  # (N, C, H, W, O, k, stride, padding)
 ]
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cuda", action="store_true", help="deepx on op-cuda and torch on the GPU")
     args = ap.parse_args()
 
-    import deepx_sdk as dx
+    dx, torch, device = deepx_then_torch(args.cuda)
     from deepx_sdk.nn import vision
-
-    if args.cuda:
-        dx.connect(roles=["heapmem", "op-cuda"])
-    dx.session()  # the embedded daemon before torch: torch's OpenMP runtime must not come first (MKL)
-    import torch
-
-    device = "cuda" if args.cuda else "cpu"
 
     rng = np.random.default_rng(0)
     rows = []

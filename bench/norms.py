@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _timing import median_ms  # bench/_timing.py, beside this file
+from _common import deepx_then_torch, median_ms  # bench/_common.py, beside this file
 
 CASES = [  # (name, input shape, what)
     ("batch_norm train", (32, 16, 32, 32), {}),
@@ -105,22 +105,14 @@ def interpolate_composite(x: Any, size: Any = None, scale_factor: Any = None, mo
     return x
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cuda", action="store_true", help="deepx on op-cuda and torch on the GPU")
     args = ap.parse_args()
 
-    import deepx_sdk as dx
+    dx, torch, device = deepx_then_torch(args.cuda)
     import deepx_sdk.nn.functional as F
-
-    if args.cuda:
-        dx.connect(roles=["heapmem", "op-cuda"])
-    dx.session()  # the embedded daemon before torch: torch's OpenMP runtime must not come first (MKL)
-    import torch
-
-    device = "cuda" if args.cuda else "cpu"
     tf = torch.nn.functional
     rng = np.random.default_rng(0)
     rows = []
