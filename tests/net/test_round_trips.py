@@ -25,6 +25,7 @@ from deepx_core.ir.text import parse_text
 from deepx_core.ir.wire import instr_to_obj
 from deepxd.config import Config
 from deepxd.node import Node
+from tests.compiler.test_fast_path import REWRITTEN_DIVIDE as REWRITTEN_DIVIDE_TEXT
 
 
 def free_udp_port() -> int:
@@ -240,16 +241,7 @@ async def test_requests_sent_together_are_answered_in_order(node: Node) -> None:
 # DIVIDE after work that the passes rewrite (a and b are one sum, both deleted): the fifth run fails part-way on the
 # rewritten program, which the scheduler repairs after now_run has handed on a coroutine: the reply must wait for it,
 # and a request arriving meanwhile must be answered after it
-REWRITTEN_DIVIDE = [instr_to_obj(i) for i in parse_text("""
-    add (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:a)
-    add (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:b)
-    mul (tensor<float32>:a, tensor<float32>:b) -> (tensor<float32>:p)
-    div (tensor<int32>:i, tensor<int32>:d) -> (tensor<int32>:q)
-    subscalar (tensor<int32>:d, var<int32>:1) -> (tensor<int32>:d)
-    addscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:x)
-    deltensor () -> (tensor<float32>:a)
-    deltensor () -> (tensor<float32>:b)
-""")]
+REWRITTEN_DIVIDE = [instr_to_obj(i) for i in parse_text(REWRITTEN_DIVIDE_TEXT)]  # the fast path tests' own
 
 
 async def test_a_run_that_fails_part_way_on_the_quick_way_reads_as_on_the_whole_path(node: Node) -> None:
