@@ -1,7 +1,10 @@
-"""One training step of an MLP 784-512-512-10, batch 256, float32: deepx (embedded daemon) against torch eager on
-the CPU, in one run. Prints ms per step and the ratio; writes bench/results/train.json.
+"""One training step of an MLP, float32: deepx (embedded daemon) against torch eager on the CPU, in one run. Prints ms
+per step and the ratio; writes bench/results/train.json (train_digits.json with --model digits).
 
-    python bench/train.py [--steps 10] [--rounds 6]
+    python bench/train.py [--steps 10] [--rounds 6] [--model mnist|digits]
+
+    mnist   784-512-512-10, batch 256, SGD with momentum: a step where the kernels dominate
+    digits  64-128-64-10, batch 64, Adam: a small model whose step is host work (issue 25's item 7)
 
 The three steps take turns, in rounds of `steps` timed steps each (after 3 untimed), with a short pause between
 turns: on a shared machine whose speed drifts over seconds, a slow spell then falls on every side instead of on
@@ -11,10 +14,13 @@ one. Each row is its best step over all rounds; the ratio of the medians of the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,18 +34,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--model", choices=("mnist", "digits"), default="mnist")
     opts = ap.parse_args()
+    sizes, batch = ((784, 512, 512, 10), 256) if opts.model == "mnist" else ((64, 128, 64, 10), 64)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 784)).astype(np.float32)
-    y = rng.integers(0, 10, 256)
+    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
+    y = rng.integers(0, 10, batch)
 
     import deepx_sdk as dx
     import deepx_sdk.nn as nn
     import deepx_sdk.nn.functional as F
-    from deepx_sdk.optim import SGD
+    import deepx_sdk.optim
 
-    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+    def mlp(nn: Any) -> Any:
+        layers: list[Any] = []
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+            layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
+        return nn.Sequential(*layers)
+
+    def optimizer(optim: Any, params: Any) -> Any:
+        if opts.model == "mnist":
+            return optim.SGD(params, lr=0.01, momentum=0.9)
+        return optim.Adam(params, lr=1e-3)
+
+    model = mlp(nn)
+    opt = optimizer(sys.modules["deepx_sdk.optim"], model.parameters())
     dxx, dxy = dx.tensor(x), dx.tensor(y)
 
     def dx_step() -> float:
@@ -51,8 +70,8 @@ def main() -> None:
 
     # the same step as a stored graph (dx.compile): captured once, then replayed by name; its own model and
     # optimizer, so that the two deepx rows train independently
-    cmodel = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    copt = SGD(cmodel.parameters(), lr=0.01, momentum=0.9)
+    cmodel = mlp(nn)
+    copt = optimizer(sys.modules["deepx_sdk.optim"], cmodel.parameters())
 
     @dx.compile
     def train_step(x: dx.Tensor, y: dx.Tensor) -> dx.Tensor:
@@ -67,9 +86,8 @@ def main() -> None:
 
     import torch
 
-    tmodel = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                                 torch.nn.ReLU(), torch.nn.Linear(512, 10))
-    topt = torch.optim.SGD(tmodel.parameters(), lr=0.01, momentum=0.9)
+    tmodel = mlp(torch.nn)
+    topt = optimizer(torch.optim, tmodel.parameters())
     tx, ty = torch.from_numpy(x), torch.from_numpy(y)
 
     def torch_step() -> float:
@@ -95,7 +113,9 @@ def main() -> None:
     results = {name: min(v) for name, v in rounds.items()}
     from deepxd.kernels.cpu import blas
 
-    print(f"MLP 784-512-512-10, batch 256, one SGD step (best of {opts.rounds} rounds x {opts.steps} steps, "
+    name = "-".join(map(str, sizes))
+    print(f"MLP {name}, batch {batch}, one {type(opt).__name__} step (best of {opts.rounds} rounds x "
+          f"{opts.steps} steps, "
           f"the sides taking turns); deepx's matmul on {blas.describe()}")
     ratio = results["deepx"] / results["torch"]
     cratio = results["deepx compiled"] / results["torch"]
@@ -111,7 +131,7 @@ def main() -> None:
           f"the op worker's kernels {split['kernels'] * 1e3:.2f} ms and the rest (recording, the hand-off to the "
           f"daemon's thread and back, the scheduler) {(split['step'] - split['kernels']) * 1e3:.2f} ms")
     results["split"] = split
-    out = Path(__file__).parent / "results" / "train.json"
+    out = Path(__file__).parent / "results" / ("train.json" if opts.model == "mnist" else "train_digits.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({**results, "rounds": rounds, "blas": blas.describe()}, indent=2))
 
