@@ -6,6 +6,9 @@
 3. A 6-op elementwise chain on 64M float32 elements as one `fused` instruction, against torch eager (6 kernels).
 4. softmax over rows of 4096 (64K rows) and a sum over the last dim, against torch.
 5. The same tensor summed over its first dim (columns), argmax over rows, layernorm; softmax over 1M rows of 256.
+6. The small kernels of a transformer step (bench/gpu_kernels.py's map: batch 32, context 128, d_model 256, 4 heads):
+   the head split (a strided copy), a bias broadcast add, a column sum (a bias's gradient), each timed by its GPU
+   time (CUPTI, through torch's profiler: launches excluded), against torch's kernels for the same work.
 
 Runs the executor directly (no daemon): `python bench/cuda_kernels.py [--quick]`.
 """
@@ -181,6 +184,8 @@ def main() -> None:
             torch.softmax(th, -1)
 
     rows.append(("softmax 1M rows of 256: ms", t_dx * 1e3, timed(tshort, tsync, reps) * 1e3))
+    ex.tensors.clear()
+    rows += small_kernels(ex)
     ex.close()
 
     print("| figure | deepx cuda | torch | ratio (deepx/torch; ms rows: torch/deepx) |")
@@ -188,6 +193,52 @@ def main() -> None:
     for name, d, t in rows:
         ratio = t / d if "ms" in name else d / t
         print(f"| {name} | {d:.3f} | {t:.3f} | {ratio:.2f}x |")
+
+
+def gpu_ms(fn, reps: int) -> float:
+    """Milliseconds of GPU time per call of fn: the kernels' durations as CUPTI records them (launch costs left
+    out), summed over `reps` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type.name == "CUDA")
+    return us / reps / 1e3
+
+
+def small_kernels(ex) -> list[tuple[str, float, float]]:
+    """Section 6: the transformer step's small kernels, by GPU time."""
+    rng = np.random.default_rng(6)
+    b, t, h, d = 32, 128, 4, 64
+    x = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    ex.put("x", x)
+    tx = torch.from_numpy(x).cuda()
+    out = []
+    split = ins("transpose", [T("x"), Param.vector([0, 2, 1, 3])], [T("xt")])
+    out.append(("head split (32,128,4,64) -> (32,4,128,64): ms", gpu_ms(lambda: ex.run(split), 20),
+                gpu_ms(lambda: tx.transpose(1, 2).contiguous(), 20)))
+    y = rng.standard_normal((b * t, h * d)).astype(np.float32)
+    bias = rng.standard_normal(h * d).astype(np.float32)
+    ex.put("y", y)
+    ex.put("bias", bias)
+    ty, tbias = torch.from_numpy(y).cuda(), torch.from_numpy(bias).cuda()
+    add = ins("add", [T("y"), T("bias")], [T("yb")])
+    out.append(("bias add (4096,256) + (256): ms", gpu_ms(lambda: ex.run(add), 20), gpu_ms(lambda: ty + tbias, 20)))
+    col = ins("sum", [T("y"), Param.vector([0])], [T("ys")])
+    out.append(("column sum (4096,256) -> (256): ms", gpu_ms(lambda: ex.run(col), 20),
+                gpu_ms(lambda: ty.sum(0), 20)))
+    wide = rng.standard_normal((b * t, 4 * h * d)).astype(np.float32)
+    ex.put("w", wide)
+    tw = torch.from_numpy(wide).cuda()
+    colw = ins("sum", [T("w"), Param.vector([0])], [T("ws")])
+    out.append(("column sum (4096,1024) -> (1024): ms", gpu_ms(lambda: ex.run(colw), 20),
+                gpu_ms(lambda: tw.sum(0), 20)))
+    ex.tensors.clear()
+    return out
 
 
 if __name__ == "__main__":

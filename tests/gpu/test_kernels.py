@@ -348,8 +348,12 @@ def _reshape(rng, dt):
 
 @case("transpose")
 def _transpose(rng, dt):
+    # a head split (inner rows of 16 items: copied in 16- or 8-byte items), odd inner rows (item by item), five dims
     return [one("transpose", {"A": r(rng, dt, (2, 3, 4))}, [T("A"), VEC((2, 0, 1))]),
-            Case({"A": r(rng, dt, (5, 5))}, [instr("transpose", [T("A"), VEC((1, 0))], [T("A")])], ["A"])]
+            Case({"A": r(rng, dt, (5, 5))}, [instr("transpose", [T("A"), VEC((1, 0))], [T("A")])], ["A"]),
+            one("transpose", {"A": r(rng, dt, (3, 7, 4, 16))}, [T("A"), VEC((0, 2, 1, 3))]),
+            one("transpose", {"A": r(rng, dt, (3, 7, 4, 5))}, [T("A"), VEC((0, 2, 1, 3))]),
+            one("transpose", {"A": r(rng, dt, (2, 3, 4, 5, 6))}, [T("A"), VEC((4, 2, 0, 3, 1))])]
 
 
 @case("concat")

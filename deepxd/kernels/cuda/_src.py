@@ -52,6 +52,24 @@ def dims(values: Sequence[int]) -> list[int]:
     return [int(v) for v in values] + [0] * (MAXD - len(values))
 
 
+#: below this many elements an indexer divides by magic numbers (32-bit arithmetic; see FOR_COORDS)
+NARROW_LIMIT = 1 << 31
+
+
+def divisors(shape: Sequence[int], n: int) -> list[int]:
+    """The `div` Dims of FOR_COORDS for a row-major `shape` of n elements: per dim, magic | shift << 32 such that
+    q = (umulhi(r, magic) + r) >> shift is r // size for every r < 2^31 (torch's IntDivider); zeros when n reaches
+    2^31 (the kernel divides in 64 bits)."""
+    if n >= NARROW_LIMIT or any(s >= NARROW_LIMIT for s in shape):
+        return [0] * MAXD
+    out = []
+    for size in shape:
+        shift = max(0, (int(size) - 1).bit_length())
+        magic = ((1 << 32) * ((1 << shift) - size)) // size + 1
+        out.append(magic | shift << 32)
+    return dims(out)
+
+
 HEADER = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -138,17 +156,50 @@ __device__ __forceinline__ ll ipow(ll b, ll e) {
     return r;
 }
 
+// The indexers' loops over dims run over MAXD with constant indices, skipping d >= nd: a Dims argument indexed by a
+// runtime d is copied to every thread's stack in local memory (64 bytes a Dims), which cost a strided copy most of
+// its time.
+
 // the offset of linear index i of a row-major `shape` in a tensor with element strides `st`
 __device__ __forceinline__ ll offset_of(ll i, int nd, const Dims& shape, const Dims& st) {
     ll off = 0;
-    for (int d = nd - 1; d >= 0; --d) {
-        ll s = shape.v[d];
-        ll c = i % s;
-        i /= s;
-        off += c * st.v[d];
+    #pragma unroll
+    for (int d = MAXD - 1; d >= 0; --d) {
+        if (d < nd) {
+            const ll s = shape.v[d], q = i / s;
+            off += (i - q * s) * st.v[d];
+            i = q;
+        }
     }
     return off;
 }
+
+// BODY (the macro's last arguments) for each dim d of a row-major `shape` of nd dims, innermost first, with k the
+// coordinate of linear index i along d. `div` holds each dim's division by a magic number (divisors() on the host:
+// a multiply-high, an add and a shift instead of a 64-bit division's ~70 instructions), or zeros where an index may
+// reach 2^31, which then divides in 64 bits.
+#define FOR_COORDS(i, nd, shape, div, ...)                                                                  \
+    if ((div).v[0] != 0) {                                                                                  \
+        unsigned r_ = (unsigned)(i);                                                                        \
+        _Pragma("unroll") for (int d = MAXD - 1; d >= 0; --d) {                                             \
+            if (d < (nd)) {                                                                                 \
+                const ull m_ = (ull)(div).v[d];                                                             \
+                const unsigned q_ = (__umulhi(r_, (unsigned)m_) + r_) >> (unsigned)(m_ >> 32);              \
+                const ll k = (ll)(r_ - q_ * (unsigned)(shape).v[d]);                                        \
+                r_ = q_;                                                                                    \
+                __VA_ARGS__                                                                                 \
+            }                                                                                               \
+        }                                                                                                   \
+    } else {                                                                                                \
+        ll r_ = (i);                                                                                        \
+        _Pragma("unroll") for (int d = MAXD - 1; d >= 0; --d) {                                             \
+            if (d < (nd)) {                                                                                 \
+                const ll q_ = r_ / (shape).v[d], k = r_ - q_ * (shape).v[d];                                \
+                r_ = q_;                                                                                    \
+                __VA_ARGS__                                                                                 \
+            }                                                                                               \
+        }                                                                                                   \
+    }
 
 #define GRID_STRIDE(i, n) \
     for (ll i = (ll)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (ll)gridDim.x * blockDim.x)

@@ -24,7 +24,7 @@ from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.ops import OPS, OpDef
 from deepxd.kernels.cuda._cexpr import FLOAT, HELPERS, INT, MIXED, CExpr, render
-from deepxd.kernels.cuda._src import CTYPES, FLOAT_TYPES, HEADER, INT_TYPES, MAXD, ctype, dims, dims_format
+from deepxd.kernels.cuda._src import CTYPES, FLOAT_TYPES, HEADER, INT_TYPES, MAXD, ctype, dims, dims_format, divisors
 
 if TYPE_CHECKING:
     from deepxd.kernels.cuda import CudaExecutor, DeviceTensor
@@ -158,16 +158,13 @@ extern "C" __global__ void {name}_c(TC* c, const TA* a, const TA* b, ll n, doubl
 
 _STRIDED = r"""
 extern "C" __global__ void {name}_s(TC* c, const TA* a, const TA* b, ll n, double s0, double s1, ll si, int* err,
-                                     int nd, Dims shape, Dims sa, Dims sb) {{
+                                     int nd, Dims shape, Dims div, Dims sa, Dims sb) {{
     typedef {acc} A;
     const {stype} S = {sval};
     (void)S; (void)si; (void)s1; (void)err;
     GRID_STRIDE(i, n) {{
-        ll r = i, oa = 0, ob = 0;
-        for (int d = nd - 1; d >= 0; --d) {{
-            ll q = r / shape.v[d], k = r - q * shape.v[d];
-            r = q; oa += k * sa.v[d]; ob += k * sb.v[d];
-        }}
+        ll oa = 0, ob = 0;
+        FOR_COORDS(i, nd, shape, div, oa += k * sa.v[d]; ob += k * sb.v[d];)
         A x = ld(a[oa]);
         A y = ld(b[ob]);
         c[i] = st<TC>({expr});
@@ -182,7 +179,7 @@ extern "C" __global__ void todtype_{dst}(TD* c, const TA* a, ll n) {{
 """
 
 CONTIG_FMT = "PPPqddqPi"
-STRIDED_FMT = "PPPqddqPi" + dims_format(3)
+STRIDED_FMT = "PPPqddqPi" + dims_format(4)
 
 
 def _kernels(op: OpDef, dtype: str) -> str:
@@ -307,7 +304,7 @@ def launch(ex: CudaExecutor, op: str, kname: str, dtype: str, out: DeviceTensor,
             return False
         f = ex.function(key, src, kname + "_s", STRIDED_FMT, op)
         ex.launch(op, f, ex.grid(n), (256, 1, 1), out.ptr, a.ptr, b.ptr, n, float(s0), float(s1), si,
-                  ex.flag_ptr, len(shape), *dims(shape), *dims(sa), *dims(sb))
+                  ex.flag_ptr, len(shape), *dims(shape), *divisors(shape, n), *dims(sa), *dims(sb))
     if flagged:
         ex.raise_flag(op, flagged)
     return True

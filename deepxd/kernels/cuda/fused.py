@@ -19,7 +19,7 @@ from deepx_core.cache import memoize
 from deepx_core.ir.dtypes import FLOATS
 from deepx_core.ir.ops import OpDef, expr_instance, parse_fused
 from deepxd.kernels.cuda._cexpr import render
-from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format
+from deepxd.kernels.cuda._src import HEADER, MAXD, ctype, dims, dims_format, divisors
 from deepxd.kernels.cuda.elementwise import _strides, collapse
 
 if TYPE_CHECKING:
@@ -74,16 +74,15 @@ def source(key: str, text: str, n: int, used: tuple[int, ...], dtype: str) -> st
     loads_c = "".join(f"        A x{i} = ld(in{i}[i]);\n" for i in used)
     loads_s = "".join(f"        A x{i} = ld(in{i}[o{i}]);\n" for i in used)
     offs = "".join(f"ll o{i} = 0; " for i in used)
-    step = "".join(f"o{i} += k * sts.d[{i}].v[d]; " for i in used)
+    step = "".join(f"o{i} += k * sts.d[{i}].v[d]; " for i in used) or "(void)k;"
     return (HEADER + f"typedef {ctype(dtype)} T;\ntypedef typename Acc<T>::type A;\n" + _CONSTS +
             f"struct DimsN {{ Dims d[{max(n, 1)}]; }};\n"
             f'extern "C" __global__ void fused_c(T* out, {_params(n)}, ll n, Consts c) {{\n'
             f"    GRID_STRIDE(i, n) {{\n{loads_c}        out[i] = st<T>({text});\n    }}\n}}\n"
             f'extern "C" __global__ void fused_s(T* out, {_params(n)}, ll n, Consts c, int nd, Dims shape, '
-            f"DimsN sts) {{\n"
-            f"    GRID_STRIDE(i, n) {{\n        ll r = i; {offs}\n"
-            f"        for (int d = nd - 1; d >= 0; --d) {{\n"
-            f"            ll q = r / shape.v[d], k = r - q * shape.v[d];\n            r = q; {step}\n        }}\n"
+            f"Dims div, DimsN sts) {{\n"
+            f"    GRID_STRIDE(i, n) {{\n        {offs}\n"
+            f"        FOR_COORDS(i, nd, shape, div, {step})\n"
             f"{loads_s}        out[i] = st<T>({text});\n    }}\n}}\n")
 
 
@@ -113,12 +112,13 @@ def fused(ex: CudaExecutor, inputs: list[DeviceTensor], expr: str, out: DeviceTe
     shape, sts = collapse(out.shape, *(_strides(t.shape, out.shape) for t in inputs))
     if len(shape) > MAXD:
         return False
-    f = ex.function(key, src, "fused_s", "P" + "P" * n_in + "q" + f"{MAX_CONSTANTS}d" + "i" + dims_format(1 + n_in),
+    f = ex.function(key, src, "fused_s", "P" + "P" * n_in + "q" + f"{MAX_CONSTANTS}d" + "i" + dims_format(2 + n_in),
                     "fused")
     flat: list[int] = []
     for s in sts:
         flat += dims(s)
-    ex.launch("fused", f, ex.grid(n), (256, 1, 1), out.ptr, *ptrs, n, *consts, len(shape), *dims(shape), *flat)
+    ex.launch("fused", f, ex.grid(n), (256, 1, 1), out.ptr, *ptrs, n, *consts, len(shape), *dims(shape),
+              *divisors(shape, n), *flat)
     return True
 
 

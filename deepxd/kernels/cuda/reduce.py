@@ -426,7 +426,7 @@ def _reduce(op: str, ex: CudaExecutor, a: DeviceTensor, dims_: Any, out: DeviceT
                   int(partial) if partial is not None else 0, out.ptr, a.ptr, n_out, total, chunk, split)
     elif len(rs) == 1 and ks and kst[-1] == 1:  # columns: neighbouring outputs are neighbours in memory
         blocks = -(-n_out // 32)
-        split = _split(ex, blocks, total, 256)
+        split = _split(ex, blocks, total, 64)  # 8 rows a thread: a short chain of loads each, the GPU filled
         chunk = -(-total // split)
         partial = ex.alloc(n_out * split * _acc_itemsize(dt), op, "(partial results)") if split > 1 else None
         f = ex.function(f"reduce:{dt}", src, op + "_cols", "PPPqqqqii" + dims_format(2), op)

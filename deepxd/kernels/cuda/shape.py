@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from deepx_core.cache import memoize
 from deepx_core.errors import DeepxError
 from deepx_core.ir.dtypes import NUMERIC, STORABLE
-from deepxd.kernels.cuda._src import BYTES_TYPE, HEADER, MAXD, ctype, dims, dims_format
+from deepxd.kernels.cuda._src import BYTES_TYPE, HEADER, MAXD, ctype, dims, dims_format, divisors
 from deepxd.kernels.cuda.elementwise import _strides, collapse
 
 if TYPE_CHECKING:
@@ -26,24 +26,24 @@ _ALONG_OFFSET = r"""
 // every dim but `dim`, where its value says; `st` are the element strides of A (gather's source, scatter's output)
 __device__ __forceinline__ ll along_offset(ll i, ll at, int nd, int dim, const Dims& shape, const Dims& st) {
     ll r = i, off = 0;
-    for (int d = nd - 1; d >= 0; --d) {
-        ll q = r / shape.v[d], k = r - q * shape.v[d];
-        r = q;
-        off += (d == dim ? at : k) * st.v[d];
+    #pragma unroll
+    for (int d = MAXD - 1; d >= 0; --d) {
+        if (d < nd) {
+            ll q = r / shape.v[d], k = r - q * shape.v[d];
+            r = q;
+            off += (d == dim ? at : k) * st.v[d];
+        }
     }
     return off;
 }
 """
 
 _MOVE = _ALONG_OFFSET + r"""
-template <class T> __device__ void scopy(T* dst, const T* src, ll n, int nd, const Dims& shape, const Dims& sd,
-                                         const Dims& ss) {
+template <class T> __device__ void scopy(T* dst, const T* src, ll n, int nd, const Dims& shape, const Dims& div,
+                                         const Dims& sd, const Dims& ss) {
     GRID_STRIDE(i, n) {
-        ll r = i, od = 0, os = 0;
-        for (int d = nd - 1; d >= 0; --d) {
-            ll q = r / shape.v[d], k = r - q * shape.v[d];
-            r = q; od += k * sd.v[d]; os += k * ss.v[d];
-        }
+        ll od = 0, os = 0;
+        FOR_COORDS(i, nd, shape, div, od += k * sd.v[d]; os += k * ss.v[d];)
         dst[od] = src[os];
     }
 }
@@ -72,13 +72,18 @@ template <class T, class TC> __device__ void select(T* out, const TC* cases, ll 
     GRID_STRIDE(i, n) {
         ll r = i, oc = 0;
         ll k_[MAXD];
-        for (int d = nd - 1; d >= 0; --d) {
-            ll q = r / shape.v[d], k = r - q * shape.v[d];
-            r = q; k_[d] = k; oc += k * sc.v[d];
+        #pragma unroll
+        for (int d = MAXD - 1; d >= 0; --d) {
+            k_[d] = 0;
+            if (d < nd) {
+                ll q = r / shape.v[d], k = r - q * shape.v[d];
+                r = q; k_[d] = k; oc += k * sc.v[d];
+            }
         }
         int t = (int)(ll)cases[oc];
         ll off = 0;
-        for (int d = 0; d < nd; ++d) off += k_[d] * st.d[t].v[d];
+        #pragma unroll
+        for (int d = 0; d < MAXD; ++d) off += k_[d] * st.d[t].v[d];
         out[i] = ((const T*)ps.p[t])[off];
     }
 }
@@ -92,7 +97,7 @@ def _move_source() -> str:
     parts = [HEADER, _MOVE]
     for size, t in BYTES_TYPE.items():
         parts.append(f'extern "C" __global__ void scopy{size}({t}* dst, const {t}* src, ll n, int nd, Dims shape, '
-                     f"Dims sd, Dims ss) {{ scopy(dst, src, n, nd, shape, sd, ss); }}\n")
+                     f"Dims div, Dims sd, Dims ss) {{ scopy(dst, src, n, nd, shape, div, sd, ss); }}\n")
         for iname, it in _INDEX_TYPES.items():
             parts.append(f'extern "C" __global__ void gather{size}_{iname}({t}* out, const {t}* a, const {it}* idx, '
                          f"ll n, ll nidx, ll dim, ll inner) {{ gather(out, a, idx, n, nidx, dim, inner); }}\n")
@@ -104,6 +109,8 @@ def _move_source() -> str:
             parts.append(f'extern "C" __global__ void select{size}_{cname}({t}* out, const {ct}* cases, ll n, int nd, '
                          "Dims shape, Dims sc, Ptrs ps, Dims8 st) "
                          "{ select(out, cases, n, nd, shape, sc, ps, st); }\n")
+    parts.append('extern "C" __global__ void scopy16(uint4* dst, const uint4* src, ll n, int nd, Dims shape, Dims div, '
+                 "Dims sd, Dims ss) { scopy(dst, src, n, nd, shape, div, sd, ss); }\n")  # _widened's 16-byte items
     for cname, ct in _CASE_TYPES.items():
         parts.append(f'extern "C" __global__ void check_{cname}(const {ct}* idx, ll n, ll hi, int* err) '
                      "{ check(idx, n, hi, err); }\n")
@@ -173,7 +180,7 @@ SUPPORT = {"transpose": _ANY, "concat": _ANY, "broadcastTo": _ANY, "slice": _ANY
            "repeat": _ANY, "indexselect": _ANY, "indexadd": frozenset(NUMERIC), "switch": _ANY, "gather": _ANY,
            "scatter": _ANY, "scatteradd": frozenset(NUMERIC)}
 
-_COPY_FMT = "PPqi" + dims_format(3)
+_COPY_FMT = "PPqi" + dims_format(4)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> list[int]:
@@ -198,9 +205,29 @@ def strided_copy(ex: CudaExecutor, op: str, dst: int, src: int, itemsize: int, s
     if len(sh) <= 1 and (not sh or (sd[0] == 1 and ss[0] == 1)):
         ex.cuda.memcpy_dtod_async(dst, src, n * itemsize, ex.stream)
         return True
+    itemsize, sh, sd, ss = _widened(itemsize, sh, sd, ss, dst, src)
+    n = math.prod(sh)
     f = ex.function("shape", MOVE_SOURCE, f"scopy{itemsize}", _COPY_FMT, op)
-    ex.launch(op, f, ex.grid(n), (256, 1, 1), dst, src, n, len(sh), *dims(sh), *dims(sd), *dims(ss))
+    ex.launch(op, f, ex.grid(n), (256, 1, 1), dst, src, n, len(sh), *dims(sh), *divisors(sh, n), *dims(sd),
+              *dims(ss))
     return True
+
+
+def _widened(itemsize: int, shape: list[int], sd: list[int], ss: list[int], dst: int, src: int
+             ) -> tuple[int, list[int], list[int], list[int]]:
+    """The same copy in the widest items (up to 16 bytes) that the innermost dim, contiguous on both sides, splits
+    into, where both pointers and every stride allow: a head split (..., 64 floats) moves 16 floats a thread."""
+    if sd[-1] != 1 or ss[-1] != 1:
+        return itemsize, shape, sd, ss
+    for wide in (16, 8):
+        if wide <= itemsize:
+            break
+        f = wide // itemsize
+        if (shape[-1] % f or dst % wide or src % wide
+                or any(s % f for s in sd[:-1]) or any(s % f for s in ss[:-1])):
+            continue
+        return wide, [*shape[:-1], shape[-1] // f], [*(s // f for s in sd[:-1]), 1], [*(s // f for s in ss[:-1]), 1]
+    return itemsize, shape, sd, ss
 
 
 def expand(ex: CudaExecutor, op: str, t: DeviceTensor, shape: tuple[int, ...]) -> DeviceTensor:
