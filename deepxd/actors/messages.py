@@ -232,6 +232,13 @@ class Kernels(Message["CudaWorker", "list[str]"]):
     message: ClassVar[str] = "kernels"
 
 
+@dataclass(slots=True)
+class DeviceInfo(Message["CudaWorker", Fields]):
+    """The worker's GPU as a process group needs it: device, PCI bus id, whether NCCL loads (deepxd/groups.py)."""
+
+    message: ClassVar[str] = "device_info"
+
+
 # ---------------------------------------------------------------- heapmem (deepxd/actors/heapmem.py)
 
 
