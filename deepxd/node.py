@@ -344,8 +344,8 @@ class Node:
         for a in self.supervisor.actors.values():
             a_: Actor = a
             doing = a_.doing
-            rows.append({"name": a_.name, "role": a_.role, "device": getattr(a_, "device", ""), "state": a_.state,
-                         "doing": doing,
+            device = getattr(a_, "device", "") if a_.role in ("op-cpu", "op-cuda") else ""  # an op worker's
+            rows.append({"name": a_.name, "role": a_.role, "device": device, "state": a_.state, "doing": doing,
                          "doing_s": round(now - a_.doing_since, 6) if doing else None,
                          "mailbox": a_.mailbox.qsize(),
                          "handled": a_.stats.handled, "errors": a_.stats.errors, "restarts": a_.stats.restarts,

