@@ -272,7 +272,7 @@ class Collectives:
         if f.nccl is not None:
             from deepxd.comm_gpu import close_communicator
 
-            close_communicator(f, abort=broken)
+            close_communicator(f, abort=broken or why != "its rank left")  # (finalized only on a clean leave)
 
     async def stop(self) -> None:
         for f in list(self.formations.values()):

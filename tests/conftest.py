@@ -43,7 +43,9 @@ def bundled_redis_server() -> str | None:
         return None
     for folder in (spec.submodule_search_locations or []) if spec is not None else []:
         binary = Path(folder) / "bin" / "redis-server"
-        if binary.exists() and os.access(binary, os.X_OK):
+        if binary.exists():
+            if not os.access(binary, os.X_OK):  # (an install that dropped the mode bits)
+                binary.chmod(binary.stat().st_mode | 0o111)
             return str(binary)
     return None
 

@@ -305,6 +305,11 @@ class CudaWorker(OpWorker):
             self._ran(plan, result)
         return result
 
+    def _now_ok(self, prepared: Prepared) -> bool:
+        """Not a plan with a collective: it waits for the other ranks, which the event loop serves (a ring's reads,
+        the liveness looks), so it must not run with the loop waiting on it."""
+        return not any(b.op.family == "collective" for b in prepared.bounds)
+
     def run_prepared(self, plan: Plan) -> RunResult:
         """on_run_plan for a plan that stands (now_run_plan): on the CUDA thread, this thread waiting for it (with
         the loop borrowed: LoopThread.now)."""

@@ -420,7 +420,11 @@ class NativeServer:
                     await conn.pending
             released = bool(bound.get("prefix")) and not self.node.stopping.is_set()
             if released:
-                await self._release(bound["prefix"], sorted(bound.get("graphs", ())))
+                placed = PLACED.set(bound.get("worker", ""))  # its tensors live on its GPU's worker
+                try:
+                    await self._release(bound["prefix"], sorted(bound.get("graphs", ())))
+                finally:
+                    PLACED.reset(placed)
             self.node.owners.ended(bound.get("prefixes", ()), released)
 
     async def _greet(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
