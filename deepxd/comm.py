@@ -479,8 +479,9 @@ class Collectives:
         """Until `done()` (polled: a GPU rank's NCCL call or its kernels), or raise DeepxError, naming the rank,
         where another rank of `f` died or left, the group broke, or the group's timeout passed (each LIVENESS_S
         looked at). `what`: the collective, for the error."""
-        deadline = time.monotonic() + f.timeout
-        next_look = time.monotonic() + LIVENESS_S
+        start = time.monotonic()
+        deadline = start + f.timeout
+        next_look = start + LIVENESS_S
         pause = 0.0
         while not done():
             if f.broken is not None:
@@ -496,7 +497,9 @@ class Collectives:
                 raise DeepxError(f"{others or 'the other ranks'} did not reach {what} within {f.timeout:g} s (the "
                                  "group's timeout)")
             time.sleep(pause)
-            pause = min(pause * 2 or 2e-5, 1e-3)
+            # a few microseconds at first (a collective of some MiB ends within a millisecond: the wait must not
+            # add one), up to a millisecond once it has lasted a while
+            pause = min(pause * 2 or 2e-6, 5e-5 if now - start < 0.05 else 1e-3)
 
     # -- the serving side: rank r+1's reads (native `coll_read`, on the event loop)
     async def serve_read(self, req: dict[str, Any]) -> dict[str, Any]:
