@@ -11,6 +11,16 @@
 Prints ms and ratios; writes bench/results/ddp.json.
 
     python bench/ddp.py [--iters 20] [--steps 20] [--rounds 3]
+
+`--gpu` (the GPU machine, 2 GPUs; with fewer it prints why and stops): one deepxd with op-cuda on both GPUs (a worker
+per GPU, each rank placed on its own), 2 ranks:
+
+- all_reduce of 256 MiB float32 through NCCL, against torch.distributed's NCCL all_reduce of the same tensor on the
+  same GPUs (algorithm bandwidth, and deepx's time over torch's);
+- training samples/s of the example's character transformer (bench/coldstart.py's trainer model, batch 64 a rank,
+  AdamW) under DistributedDataParallel on 2 GPUs against 1 GPU.
+
+    python bench/ddp.py --gpu [--iters 20] [--steps 20] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -205,16 +215,206 @@ def _best(side: dict[str, float], got: dict[str, float], better: Any = min) -> N
         side[label] = better(side.get(label, value), value)
 
 
+# -- GPUs (--gpu): NCCL against torch's, and the transformer on 2 GPUs against 1
+GPU_ELEMENTS = 1 << 26  # 256 MiB of float32
+GPU_BATCH = 64
+
+
+def gpu_count() -> int:
+    try:
+        import pycuda.driver as drv
+
+        drv.init()
+        return int(drv.Device.count())
+    except Exception:
+        return 0
+
+
+def gpu_worker(kind: str, address: str, world: int, rank: int, iters: int, steps: int) -> None:
+    """One rank on the multi-GPU deepxd at `address`: placed on GPU `rank` by init_process_group."""
+    import deepx_sdk as dx
+    import deepx_sdk.distributed as dist
+
+    dx.connect(address)
+    dist.init_process_group(None, world_size=world, rank=rank, timeout=300, group_name=f"gpubench{world}{kind}")
+    assert world == 1 or dist.get_backend() == "nccl", dist.get_backend()
+    out: dict[str, float] = {}
+    if kind == "allreduce":
+        t = dx.tensor(np.full(GPU_ELEMENTS, rank + 1.0, np.float32))
+        for _ in range(3):
+            dist.all_reduce(t)
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)  # (has run on the device when it returns)
+            times.append(time.perf_counter() - start)
+        out["s"] = float(np.median(times))
+        assert float(t[0].item()) == 3.0 * 2 ** (iters + 3 - 1), "all_reduce sums"
+    else:
+        out["samples/s"] = _train_transformer(dx, dist, world, steps)
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+
+
+def _train_transformer(dx: Any, dist: Any, world: int, steps: int) -> float:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from coldstart import load_example
+
+    from deepx_sdk.nn.parallel import DistributedDataParallel
+
+    ex = load_example("deepx")
+    F = ex["F"]
+    text = ex["DATA"].read_text(encoding="utf-8")
+    tok = ex["CharTokenizer"](text)
+    data = tok.encode(text)
+    context = 64
+    model = ex["CharTransformer"](len(tok), context, 256, 4, 4)
+    wrapped = DistributedDataParallel(model) if world > 1 else model
+    opt = ex["AdamW"](model.parameters(), lr=4e-3)
+    rng = np.random.default_rng(dist.get_rank())
+
+    def step() -> None:
+        starts = rng.integers(0, len(data) - context - 1, GPU_BATCH)
+        window = np.stack([data[s:s + context + 1] for s in starts])
+        x, y = dx.tensor(window[:, :-1]), dx.tensor(window[:, 1:])
+        opt.zero_grad()
+        F.cross_entropy(wrapped(x).view(-1, len(tok)), y.view(-1)).backward()
+        opt.step()
+
+    for _ in range(5):
+        step()
+    dx.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dx.cuda.synchronize()
+    dist.barrier()
+    return GPU_BATCH * world * steps / (time.perf_counter() - start)
+
+
+def torch_rank(rank: int, port: int, iters: int, q: Queue) -> None:
+    """torch.distributed's NCCL all_reduce of the same 256 MiB on GPU `rank` (the peer of deepx's)."""
+    import torch
+    import torch.distributed as tdist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    tdist.init_process_group("nccl", world_size=2, rank=rank)
+    t = torch.full((GPU_ELEMENTS,), rank + 1.0, device="cuda")
+    for _ in range(3):
+        tdist.all_reduce(t)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        tdist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        tdist.all_reduce(t)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    tdist.destroy_process_group()
+    q.put((rank, float(np.median(times))))
+
+
+def torch_allreduce(iters: int) -> float:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # (CUDA in forked children: not once the parent touched it)
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=torch_rank, args=(r, port, iters, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    return max(results.values())
+
+
+def run_gpu_ranks(kind: str, address: str, world: int, iters: int, steps: int) -> dict[str, float]:
+    procs = [subprocess.Popen([sys.executable, __file__, "--gpu-worker", kind, address, str(world), str(r),
+                               str(iters), str(steps)], stdout=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a GPU {kind} rank failed: {[p.returncode for p in procs]}")
+    return dict(json.loads(outs[0].strip().splitlines()[-1]))
+
+
+def gpu_main(opts: Any) -> None:
+    n = gpu_count()
+    if n < 2:
+        print(f"bench/ddp.py --gpu: skipped: {n} GPU visible here; NCCL takes one rank per GPU, so the NCCL "
+              "all_reduce against torch's and 2-GPU training against 1 need a machine with 2 GPUs")
+        return
+    from deepxd.kernels.cuda.nccl import available, version
+
+    if why := available():
+        print(f"bench/ddp.py --gpu: skipped: {why}")
+        return
+    results: dict[str, Any] = {"gpus": n, "nccl": version(), "rounds": opts.rounds}
+    deepx_s = torch_s = float("inf")
+    one = two = 0.0
+    with tempfile.TemporaryDirectory(prefix="deepx-bench-ddp-gpu-") as tmp:
+        sock = f"{tmp}/deepxd.sock"
+        env = {**os.environ, "DEEPX_ROLES": "registry,heapmem,scheduler,op-cuda", "DEEPX_CUDA_DEVICES": "0,1"}
+        with open(f"{tmp}/deepxd.log", "wb") as logf:
+            daemon = subprocess.Popen([sys.executable, "-m", "deepxd", "start", "--listen", f"unix://{sock}",
+                                       "--kv", "memory", "--udp", "off", "--node-id", f"gpubench{os.getpid()}"],
+                                      stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        try:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(sock):
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("deepxd did not start:\n" + Path(f"{tmp}/deepxd.log").read_text())
+                time.sleep(0.1)
+            address = f"unix://{sock}"
+            for _ in range(opts.rounds):
+                deepx_s = min(deepx_s, run_gpu_ranks("allreduce", address, 2, opts.iters, opts.steps)["s"])
+                torch_s = min(torch_s, torch_allreduce(opts.iters))
+                one = max(one, run_gpu_ranks("train", address, 1, opts.iters, opts.steps)["samples/s"])
+                two = max(two, run_gpu_ranks("train", address, 2, opts.iters, opts.steps)["samples/s"])
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+    nbytes = GPU_ELEMENTS * 4
+    print(f"{n} GPUs, NCCL {results['nccl']}; 2 ranks on one deepxd (a worker per GPU); the best of {opts.rounds} "
+          "rounds, each the median of its calls")
+    print(f"all_reduce 256 MiB float32: deepx {deepx_s * 1e3:.2f} ms ({nbytes / deepx_s / 1e9:.1f} GB/s algbw), "
+          f"torch NCCL {torch_s * 1e3:.2f} ms ({nbytes / torch_s / 1e9:.1f} GB/s): "
+          f"torch/deepx {torch_s / deepx_s:.2f}x")
+    print(f"training the character transformer (d 256, 4 layers, context 64, batch {GPU_BATCH} a GPU): 1 GPU "
+          f"{one:.0f} samples/s, 2 GPUs {two:.0f} samples/s: {two / one:.2f}x")
+    results["all_reduce 256 MiB"] = {"deepx_s": deepx_s, "torch_s": torch_s, "torch_over_deepx": torch_s / deepx_s}
+    results["training"] = {"one_gpu_samples_s": one, "two_gpus_samples_s": two, "two_over_one": two / one}
+    out = ROOT / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "ddp_gpu.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gpu", action="store_true", help="NCCL and 2-GPU training (the GPU machine, 2 GPUs)")
     ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
+    ap.add_argument("--gpu-worker", nargs=6, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.worker:
         kind, backend, cap, address, world, rank, iters, steps = opts.worker
         worker(kind, backend, cap, address, int(world), int(rank), int(iters), int(steps))
+        return
+    if opts.gpu_worker:
+        kind, address, world, rank, iters, steps = opts.gpu_worker
+        gpu_worker(kind, address, int(world), int(rank), int(iters), int(steps))
+        return
+    if opts.gpu:
+        gpu_main(opts)
         return
     if shutil.which("redis-server") is None:
         raise SystemExit("bench/ddp.py needs redis-server on PATH: one deepxd per rank on one plane")

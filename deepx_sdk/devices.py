@@ -90,8 +90,15 @@ def session_device(s: Any) -> device:
     """Where the daemon of session `s` keeps its tensors."""
     found = _PLACED.get(s)
     if found is None:
-        found = _PLACED[s] = device("cuda", 0) if "op-cuda" in _roles(s.transport) else device("cpu")
+        placed = getattr(s.transport, "placed", "")  # a GPU the daemon placed it on (dx.connect(device=...))
+        found = _PLACED[s] = (device(placed) if placed else device("cuda", 0) if "op-cuda" in _roles(s.transport)
+                              else device("cpu"))
     return found
+
+
+def placed_again(s: Any) -> None:
+    """Session `s` was placed on another GPU (init_process_group): its device is asked again."""
+    _PLACED.pop(s, None)
 
 
 class _Cuda:

@@ -47,6 +47,7 @@ class Session:
         self.explicit_broadcast = transport.explicit_broadcast
         self._grad_mode = threading.local()  # grad_enabled, per thread as torch's (no_grad in one thread is its own)
         self.seed_counter = itertools.count(1)
+        self.device_chosen = False  # dx.connect(device=...) placed it: init_process_group does not move it
         self.base_seed: int | None = None
         self._pid = os.getpid()  # a forked child inherits the session: its exit must not close the parent's
         # on a running deepxd, close() (and the interpreter's exit) deletes what the session made (dx.connect(...,
@@ -125,21 +126,31 @@ _current_lock = threading.Lock()
 
 def connect(address: str | None = None, *, max_pending: int = 4096, roles: Sequence[str] | None = None,
             release: bool = True, token: str | None = None, tls: bool | None = None, cafile: str | None = None,
-            name: str | None = None) -> Session:
+            name: str | None = None, device: str | None = None) -> Session:
     """Connect to deepx: `address` None (and no DEEPX_ADDRESS) starts an embedded daemon in this process (with
     `roles`, else DEEPX_ROLES, else the CPU roles: `roles=["op-cuda"]` runs it on the GPU); `unix:///path` reaches a
     running deepxd; `tcp://host:port` one on another machine (`token`, else DEEPX_TOKEN or DEEPX_TOKEN_FILE; `tls`
     or `cafile` for its TLS listener); `udp://host:port` speaks deepxIR text to any deepx executor. `release`: on a
     running deepxd, closing the session (or the interpreter's exit) deletes the tensors it made and lets go of its
     compiled graphs' plans; False leaves them there (for `deepxctl tensors ls` after the script). `name`: the
-    session's name where deepxctl shows who owns a tensor (default: the program's file name)."""
+    session's name where deepxctl shows who owns a tensor (default: the program's file name). `device` (else
+    DEEPX_DEVICE): the GPU ("cuda:1") of a deepxd with several that this session's tensors live on (default: its
+    first; init_process_group picks one by LOCAL_RANK where none was chosen: docs/distributed.md)."""
     global _current
+    device = device or os.environ.get("DEEPX_DEVICE") or None
     with _current_lock:
         if _current is not None:
             _current.close()
-        _current = Session(open_transport(address, roles, name, token=token, tls=tls, cafile=cafile),
-                           max_pending=max_pending)
+        transport = open_transport(address, roles, name, token=token, tls=tls, cafile=cafile)
+        if device is not None:
+            try:
+                transport.place(str(device))
+            except BaseException:
+                transport.close()
+                raise
+        _current = Session(transport, max_pending=max_pending)
         _current.release_on_close = release
+        _current.device_chosen = device is not None
         return _current
 
 

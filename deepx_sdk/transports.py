@@ -57,6 +57,15 @@ class Transport:
         """A process-group request of deepx_sdk.distributed (`join`, `barrier`, `leave`: deepxd/groups.py)."""
         raise DeepxError(f"{type(self).__name__} cannot form process groups: they need a deepxd (unix:// or embedded)")
 
+    #: the device the session's tensors live on where the daemon said (`place`); "" where it did not
+    placed = ""
+
+    def place(self, device: str, local_rank: int | None = None) -> str:
+        """Run this session on `device` ("cuda:N") of a daemon with several GPUs, or "auto": the GPU of
+        `local_rank` (init_process_group's choice, taken only before the session made anything). The device."""
+        raise DeepxError(f"device={device!r}: {type(self).__name__} runs where its daemon runs (a running deepxd "
+                         "places sessions on its GPUs)")
+
     def close(self) -> None:
         pass
 
@@ -106,6 +115,13 @@ class NativeTransport(Transport):
                 fields = {**fields, program: [pack_instr_cached(i) for i in fields[program]]}
         reply = self.client.request(f"group_{op}", **fields)
         return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    def place(self, device: str, local_rank: int | None = None) -> str:
+        fields: dict[str, Any] = {"device": device}
+        if local_rank is not None:
+            fields["local_rank"] = local_rank
+        self.placed = str(self.client.request("place", **fields)["device"])
+        return self.placed
 
     def close(self) -> None:
         self.client.close()
@@ -195,6 +211,15 @@ class EmbeddedTransport(Transport):
 
     def group(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         return dict(self._call(self.embedded.group(op, fields)))
+
+    def place(self, device: str, local_rank: int | None = None) -> str:
+        """An embedded daemon drives one GPU (DEEPX_CUDA_DEVICE's): "auto" and that one are taken, another refused."""
+        c = self.embedded.config
+        mine = f"cuda:{c.cuda_device}" if "op-cuda" in c.roles else "cpu"
+        if device not in ("auto", mine, mine.removeprefix("cuda:")):
+            raise DeepxError(f"device={device!r}: this session's daemon is embedded and runs on {mine}; choose its GPU "
+                             "with DEEPX_CUDA_DEVICE (and roles=['op-cuda']), or connect to a deepxd with several")
+        return mine
 
     def close(self) -> None:
         if self.runner.alive():

@@ -294,6 +294,7 @@ class Actor(Schema):
 
     name: str = field(metadata=col())
     role: str = field(default="", metadata=col())
+    device: str = field(default="", metadata=col())  # an op worker's: cpu, or its GPU (one op-cuda worker per GPU)
     state: str = field(default="", metadata=col())
     doing: str = field(default="", metadata=col())  # the message being handled now
     doing_s: float | None = field(default=None, metadata=col("FOR", render=seconds, right=True))  # since when

@@ -20,8 +20,14 @@ allgather, reducescatter) for the rank of a process group whose session it serve
   bounds the rest. The group is then broken here: its later collectives fail at once, and so do the reads of the
   rank after this one, with the same cause, which so goes round the ring.
 
-NCCL goes here when it comes: a formation of ranks on op-cuda workers would run the same instructions through a
-communicator of the GPU's stream instead of the ring (the kernels only call `start`).
+- **GPU ranks** (deepxd/comm_gpu.py): where a rank's programs run on op-cuda, `start` hands the bucket to
+  deepxd/comm_gpu.py: through NCCL on the worker's stream where the formation's backend is `nccl` (every rank on
+  op-cuda, each on a GPU of its own, NCCL loadable on every daemon: `backend_of`), else staged through host memory
+  over the same ring. The kernels only call `start`.
+
+A node may serve several ranks of one group (one per op worker: several GPUs in one daemon), so formations are kept
+by (group, rank), the worker side finds its own by the executor's `worker_name`, and a ring read names the rank it
+reads from.
 """
 
 from __future__ import annotations
@@ -97,7 +103,9 @@ class Exchange:
 
 @dataclass
 class Formation:
-    """This daemon's rank of one formation of a process group."""
+    """This daemon's rank of one formation of a process group. `backend`: `ring` (the peer links; GPU ranks staged
+    through host memory) or `nccl` (deepxd/comm_gpu.py: `nccl_id` is rank 0's ncclUniqueId, `nccl` this rank's
+    communicator once made, on the worker's thread)."""
 
     name: str
     gen: str
@@ -106,6 +114,11 @@ class Formation:
     nodes: list[str]
     members: list[dict[str, Any]]
     timeout: float
+    worker: str = ""
+    backend: str = "ring"
+    nccl_id: bytes | None = None
+    nccl: Any = None
+    nccl_close: Callable[[Callable[[], None]], None] | None = None  # runs a call on the communicator's thread
     seq: int = 0  # collectives started
     done: int = 0  # the last one that ended here
     broken: str | None = None
@@ -201,56 +214,82 @@ class Collectives:
         """`node`: the daemon's (started: on its event loop); None: groups of one rank only (a bare executor's)."""
         self.node = node
         self.loop = asyncio.get_running_loop() if node is not None else None
-        self.formations: dict[str, Formation] = {}
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepx-collective")
+        self.formations: dict[tuple[str, int], Formation] = {}
+        # one thread per rank formed here runs its collectives in order (ranks of one group on several workers of
+        # this node each wait for the others on their own)
+        self._threads: dict[tuple[str, int], ThreadPoolExecutor] = {}
         self.started = 0  # buckets started
         self.early = 0  # ...of which before the instruction just before them: overlapping the program
         self.runs = 0  # ...of which run over the ring
 
     # -- formations (deepxd/groups.py)
-    def formed(self, name: str, gen: str, rank: int, members: Sequence[dict[str, Any]], timeout: float) -> bool:
+    def formed(self, name: str, gen: str, rank: int, members: Sequence[dict[str, Any]], timeout: float,
+               nccl_id: bytes | None = None) -> str:
         """Rank `rank` of formation `gen` of group `name` joined through this node (members: every rank's record in
-        the plane). Whether its collectives run here, in programs (one rank per node); else they are requests."""
-        nodes = [str(m.get("node")) for m in members]
+        the plane: node, worker, and for a rank on op-cuda its GPU and whether NCCL loads there). How its
+        collectives run: "ring" or "nccl" (instructions of its programs, run here: `backend_of`), or "" where ranks
+        share an op worker (requests meeting in the plane)."""
         world = len(members)
-        old = self.formations.pop(name, None)
-        if old is not None:
-            self._drop(old, "it was formed again")
-        if len(set(nodes)) != world:
-            shared = sorted({n for n in nodes if nodes.count(n) > 1})
-            log.info("process group %r: ranks share node %s: its collectives are requests that meet in the storage "
-                     "plane (the ring needs a deepxd per rank)", name, ", ".join(shared))
-            return False
-        self.formations[name] = Formation(name, gen, rank, world, nodes, [dict(m) for m in members], timeout)
+        for key, old in list(self.formations.items()):
+            if key[0] == name and (old.gen != gen or key[1] == rank):
+                del self.formations[key]
+                self._drop(old, "it was formed again")
+        backend = backend_of(members)
+        if not backend:
+            places = [_place(m) for m in members]
+            shared = sorted({p for p in places if places.count(p) > 1})
+            log.info("process group %r: ranks share op worker %s: its collectives are requests that meet in the "
+                     "storage plane (the ring needs a worker per rank)", name, ", ".join(shared))
+            return ""
+        me = members[rank] if rank < world else {}
+        self.formations[name, rank] = Formation(name, gen, rank, world, [str(m.get("node")) for m in members],
+                                                [dict(m) for m in members], timeout, worker=str(me.get("worker", "")),
+                                                backend=backend, nccl_id=nccl_id)
         if world > 1:
-            log.info("process group %r: rank %d of %d; collectives run in programs, over a ring of peer links (reads "
-                     "from node %s, read by node %s)", name, rank, world, nodes[(rank - 1) % world],
-                     nodes[(rank + 1) % world])
-        return True
+            if backend == "nccl":
+                log.info("process group %r: rank %d of %d; collectives run in programs, through NCCL on %s",
+                         name, rank, world, me.get("device") or "the GPU")
+            else:
+                log.info("process group %r: rank %d of %d; collectives run in programs, over a ring of peer links "
+                         "(reads from node %s, read by node %s)%s", name, rank, world, members[(rank - 1) % world].get(
+                             "node"), members[(rank + 1) % world].get("node"),
+                         ", staged through host memory on this GPU rank" if me.get("gpu") else "")
+        return backend
 
-    def left(self, name: str, gen: str) -> None:
-        f = self.formations.get(name)
-        if f is not None and f.gen == gen:
-            del self.formations[name]
-            self._drop(f, "its rank left")
+    def left(self, name: str, gen: str, rank: int | None = None) -> None:
+        for key, f in list(self.formations.items()):
+            if key[0] == name and f.gen == gen and (rank is None or key[1] == rank):
+                del self.formations[key]
+                self._drop(f, "its rank left")
 
     def _drop(self, f: Formation, why: str) -> None:
+        broken = f.broken is not None
         f.broken = f.broken or f"process group {f.name!r}: {why}"
         self._wake(f)
         link, f.link = f.link, None
         if link is not None:
-            self._thread.submit(link.close)  # after the collective running, if any
+            self._thread_of(f).submit(link.close)  # after the collective running, if any
+        if f.nccl is not None:
+            from deepxd.comm_gpu import close_communicator
+
+            close_communicator(f, abort=broken or why != "its rank left")  # (finalized only on a clean leave)
 
     async def stop(self) -> None:
         for f in list(self.formations.values()):
             self._drop(f, "its daemon stops")
         self.formations.clear()
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        for pool in self._threads.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.clear()
 
     # -- the worker's side (its thread)
-    def _formation(self, b: Bound) -> Formation:
+    def _formation(self, b: Bound, ex: Any = None) -> Formation:
         group = str(b.args[-1])
-        f = self.formations.get(group)
+        mine = [f for (name, _), f in self.formations.items() if name == group]
+        if len(mine) > 1:  # ranks of this group on several workers of this node: the executor's own
+            worker = getattr(ex, "worker_name", "")
+            mine = [f for f in mine if f.worker == worker]
+        f = mine[0] if mine else None
         if f is None:
             raise DeepxError(f"{b.op.name}: no process group {group!r} on this daemon: init_process_group() through "
                              "this deepxd first (or its ranks share a deepxd: then collectives are requests, not "
@@ -267,10 +306,18 @@ class Collectives:
         """Begin the bucket `bounds` on executor `ex`'s tensors (on the worker's thread: the arrays are made and
         filled here, the ring runs on this object's thread). A group of one rank is done at once. `early`: started
         before the instruction just before it ran (counted)."""
-        b0 = bounds[0]
-        f = self._formation(b0)
+        f = self._formation(bounds[0], ex)
         self.started += 1
         self.early += early
+        if getattr(ex, "device_collectives", False):  # op-cuda's executor: NCCL, or staged through host memory
+            from deepxd.comm_gpu import start_on_gpu
+
+            return start_on_gpu(self, ex, f, bounds)
+        return self.start_host(ex, f, bounds)
+
+    def start_host(self, ex: Any, f: Formation, bounds: Sequence[Bound]) -> Work:
+        """`start` on the host arrays of executor `ex` (op-cpu's, or a GPU rank's copies), over the ring."""
+        b0 = bounds[0]
         op = b0.op.name
         pairs = [arrays_of(ex, b) for b in bounds]
         how = str(b0.args[1]) if op == "allreduce" else str(b0.args[2]) if op == "reducescatter" else ""
@@ -316,7 +363,14 @@ class Collectives:
         f.seq += 1
         said = f"{op}: collective #{f.seq} of process group {f.name!r}"
         combine = ring.COMBINE.get(how)
-        return Work(self._thread.submit(self._run, f, f.seq, said, sched, arrays, combine, finish))
+        return Work(self._thread_of(f).submit(self._run, f, f.seq, said, sched, arrays, combine, finish))
+
+    def _thread_of(self, f: Formation) -> ThreadPoolExecutor:
+        pool = self._threads.get((f.name, f.rank))
+        if pool is None:
+            pool = self._threads[f.name, f.rank] = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"deepx-collective-{f.name}-{f.rank}")
+        return pool
 
     # -- this object's thread
     def _run(self, f: Formation, seq: int, said: str, sched: ring.Schedule, arrays: list[np.ndarray],
@@ -330,7 +384,8 @@ class Collectives:
         try:
             link = self._link(f) if sched.recvs else None
             ring.run(sched, arrays, combine, link,
-                     {"op": "coll_read", "group": f.name, "gen": f.gen, "seq": seq, "timeout": f.timeout},
+                     {"op": "coll_read", "group": f.name, "gen": f.gen, "seq": seq, "timeout": f.timeout,
+                      "rank": (f.rank - 1) % f.world},
                      lambda n: self._published(f, ex, n), lambda n: self._wait_served(f, ex, n, seq))
             if finish is not None:
                 finish()
@@ -397,9 +452,9 @@ class Collectives:
                 raise DeepxError(f"{f.who(succ)} did not take this rank's part of collective #{seq} within "
                                  f"{f.timeout:g} s (the group's timeout)")
 
-    def _dead(self, f: Formation, rank: int) -> str:
-        """Why rank `rank` no longer runs (its process ended, its daemon is dead, it left), in words naming it; ""
-        while it runs."""
+    def _dead(self, f: Formation, rank: int | None) -> str:
+        """Why rank `rank` (None: any other rank) no longer runs (its process ended, its daemon is dead, it left),
+        in words naming it; "" while it runs."""
         if self.loop is None:
             return ""
         try:
@@ -407,15 +462,44 @@ class Collectives:
         except concurrent.futures.TimeoutError:
             return ""
 
-    async def _why_dead(self, f: Formation, rank: int) -> str:
+    async def _why_dead(self, f: Formation, rank: int | None) -> str:
         assert self.node is not None and self.node.kv is not None
         kv = self.node.kv
         record = await kv.hgetall(f"group:{f.name}")
+        ranks = [rank] if rank is not None else [r for r in range(f.world) if r != f.rank]
         if record.get("gen") != f.gen:
-            return f"process group {f.name!r} was formed again or destroyed meanwhile, so {f.who(rank)} is gone"
-        if not record.get(f"m{rank}"):
-            return f"{f.who(rank)} left the group (destroy_process_group, or its script ended)"
-        return "; ".join(await dead_ranks(self.node, record, [rank]))
+            return (f"process group {f.name!r} was formed again or destroyed meanwhile, so "
+                    f"{f.who(ranks[0]) if len(ranks) == 1 else 'the other ranks are'} gone")
+        for r in ranks:
+            if not record.get(f"m{r}"):
+                return f"{f.who(r)} left the group (destroy_process_group, or its script ended)"
+        return "; ".join(await dead_ranks(self.node, record, ranks))
+
+    def wait_until(self, f: Formation, done: Callable[[], bool], what: str) -> None:
+        """Until `done()` (polled: a GPU rank's NCCL call or its kernels), or raise DeepxError, naming the rank,
+        where another rank of `f` died or left, the group broke, or the group's timeout passed (each LIVENESS_S
+        looked at). `what`: the collective, for the error."""
+        start = time.monotonic()
+        deadline = start + f.timeout
+        next_look = start + LIVENESS_S
+        pause = 0.0
+        while not done():
+            if f.broken is not None:
+                raise DeepxError(f.broken)
+            now = time.monotonic()
+            if now >= next_look:
+                dead = self._dead(f, None)
+                if dead:
+                    raise DeepxError(f"{dead} before it reached {what}")
+                next_look = time.monotonic() + LIVENESS_S
+            if now >= deadline:
+                others = ", ".join(f.who(r) for r in range(f.world) if r != f.rank)
+                raise DeepxError(f"{others or 'the other ranks'} did not reach {what} within {f.timeout:g} s (the "
+                                 "group's timeout)")
+            time.sleep(pause)
+            # a few microseconds at first (a collective of some MiB ends within a millisecond: the wait must not
+            # add one), up to a millisecond once it has lasted a while
+            pause = min(pause * 2 or 2e-6, 5e-5 if now - start < 0.05 else 1e-3)
 
     # -- the serving side: rank r+1's reads (native `coll_read`, on the event loop)
     async def serve_read(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -423,12 +507,14 @@ class Collectives:
         one past the last says the reader has all of them. DeepxError, naming the rank, where this rank died, broke
         or did not come within the group's timeout."""
         name, gen, seq, unit, timeout = (req.get(k) for k in ("group", "gen", "seq", "unit", "timeout"))
+        rank = req.get("rank")
         if (not isinstance(name, str) or not isinstance(gen, str) or type(seq) is not int or type(unit) is not int
-                or unit < 0 or not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0):
-            raise DeepxError("coll_read: 'group' and 'gen' must be strings, 'seq' and 'unit' whole numbers, "
+                or unit < 0 or not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0
+                or not (rank is None or type(rank) is int)):
+            raise DeepxError("coll_read: 'group' and 'gen' must be strings, 'seq', 'unit' and 'rank' whole numbers, "
                              "'timeout' seconds")
         deadline = time.monotonic() + float(timeout)
-        f = await self._formation_of(name, gen, deadline)
+        f = await self._formation_of(name, gen, deadline, rank)
         next_look = time.monotonic() + LIVENESS_S
         while True:
             ex = f.exchange
@@ -466,15 +552,49 @@ class Collectives:
             except TimeoutError:
                 pass
 
-    async def _formation_of(self, name: str, gen: str, deadline: float) -> Formation:
-        """This rank's formation `gen` of group `name`, waiting for it to be formed here (the reader's join may end
-        before this one's)."""
+    async def _formation_of(self, name: str, gen: str, deadline: float, rank: int | None = None) -> Formation:
+        """This node's rank `rank` (None: its one rank) of formation `gen` of group `name`, waiting for it to be
+        formed here (the reader's join may end before this one's)."""
         while True:
-            f = self.formations.get(name)
-            if f is not None and f.gen == gen:
-                return f
+            for (n, r), f in self.formations.items():
+                if n == name and f.gen == gen and (rank is None or r == rank):
+                    return f
             if time.monotonic() >= deadline:
                 node = self.node.config.node_id if self.node is not None else "?"
                 raise DeepxError(f"process group {name!r} (formation {gen}) has no rank on node {node} (host "
                                  f"{socket.gethostname()})")
             await asyncio.sleep(0.005)
+
+
+def _place(m: dict[str, Any]) -> str:
+    """Where a member's programs run: its node and op worker."""
+    return f"{m.get('node')}/{m.get('worker') or 'op-cpu'}"
+
+
+def backend_of(members: Sequence[dict[str, Any]]) -> str:
+    """How a formation's collectives run, the same on every rank (from the same records): "" where two ranks share
+    an op worker (requests meeting in the plane: a worker runs one program at a time); "nccl" where rank 0 did not
+    ask for the ring and every rank runs on op-cuda, on a GPU of its own, with NCCL loadable (`why_not_nccl`);
+    else "ring"."""
+    places = [_place(m) for m in members]
+    if len(set(places)) != len(places):
+        return ""
+    want = str(members[0].get("backend") or "") if members else ""
+    return "nccl" if want != "ring" and not why_not_nccl(members) else "ring"
+
+
+def why_not_nccl(members: Sequence[dict[str, Any]]) -> str:
+    """Why these ranks cannot run their collectives through NCCL, in words; "" where they can."""
+    for r, m in enumerate(members):
+        if not m.get("gpu"):
+            return f"rank {r} runs on {m.get('worker') or 'op-cpu'} of node {m.get('node')}, not on a GPU"
+        if not m.get("nccl"):
+            return f"NCCL does not load on node {m.get('node')} (rank {r}): {m.get('nccl_why') or 'libnccl.so.2'}"
+    seen: dict[tuple[str, str], int] = {}
+    for r, m in enumerate(members):
+        key = (str(m.get("host")), str(m.get("gpu")))
+        if key in seen:
+            return (f"ranks {seen[key]} and {r} share GPU {m.get('device') or m.get('gpu')} of host {key[0]} (NCCL "
+                    "takes one rank per GPU)")
+        seen[key] = r
+    return ""

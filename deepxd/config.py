@@ -53,7 +53,10 @@ class Config:
     passes: list[str] = field(default_factory=lambda: ["transpose_products", "simplify", "cse", "dce", "fuse",
                                                        "fuse_colsum", "fold_transpose"])
     fuse_min_elements: int = 0  # fuse only ops whose result has this many elements (0: measured best, docs/compiler.md)
-    cuda_device: int = 0  # the GPU that op-cuda runs on (its heap tensors too)
+    cuda_device: int = -1  # one GPU for op-cuda (as cuda_devices = [N]); -1: not set
+    # the GPUs op-cuda runs on, one worker each ("0,1"; the first also holds the heap tensors); empty: cuda_device
+    # where set, else every visible GPU (docs/distributed.md, "Several GPUs in one daemon")
+    cuda_devices: list[str] = field(default_factory=list)
     cuda_tf32: int = 0  # 1: op-cuda runs float32 matmul on TF32 tensor cores (faster, 10-bit mantissa products)
     cuda_warm: int = 1  # 1: op-cuda compiles its kernel modules not yet on disk in background threads at start
     cuda_graphs: int = 1  # 1: op-cuda replays a program that repeats as CUDA graphs (one launch, not one per op)
@@ -93,8 +96,19 @@ class Config:
         if bad:
             raise DeepxError(f"unknown role {', '.join(bad)}; roles are {', '.join(ALL_ROLES)}")
         c.roles = with_needed_roles(c.roles)
-        if c.cuda_device < 0:
+        if c.cuda_device < -1:
             raise DeepxError(f"cuda_device: {c.cuda_device} must be >= 0")
+        devices: list[int] = []
+        for d in c.cuda_devices:
+            text = str(d).strip().removeprefix("cuda:")
+            if not text.isdigit():
+                raise DeepxError(f"cuda_devices: {d!r} is not a GPU's ordinal (give them as 0,1 or cuda:0,cuda:1)")
+            if int(text) in devices:
+                raise DeepxError(f"cuda_devices: GPU {text} is named twice")
+            devices.append(int(text))
+        if not devices and c.cuda_device >= 0:
+            devices = [c.cuda_device]
+        c.cuda_devices = [str(d) for d in devices]
         if c.kv_fsync not in ("always", "everysec", "no"):
             raise DeepxError(f"kv_fsync: {c.kv_fsync!r} must be always, everysec or no")
         if c.udp != "off":
@@ -186,6 +200,17 @@ def cuda_available() -> bool:
         return drv.Device.count() > 0
     except Exception:
         return False
+
+
+def cuda_count() -> int:
+    """How many CUDA devices this process sees (0 where none answers)."""
+    try:
+        import pycuda.driver as drv
+
+        drv.init()
+        return int(drv.Device.count())
+    except Exception:
+        return 0
 
 
 def default_roles() -> list[str]:

@@ -43,6 +43,8 @@ class EmbeddedNode:
                              roles=with_needed_roles(list(roles or DEFAULT_ROLES)), node_id=node_id,
                              log_level="warning", inline_elements=-1, blas=blas, native_kernels=int(native_kernels),
                              **environment_settings(FROM_ENVIRONMENT))
+        if self.config.cuda_device < 0:  # an embedded node drives one GPU: DEEPX_CUDA_DEVICE's, else the first
+            self.config.cuda_device = 0
         self.node = Node(self.config)
         # the session that owns what the SDK makes here: this process (`name`: the program's, by default)
         me = this_process(name)

@@ -8,7 +8,9 @@ The plane holds one hash per group, `group:<name>`:
 | --- | --- |
 | `gen` | the formation's id: rank 0 writes a fresh one each time it forms the group |
 | `world_size` | how many ranks |
-| `m<rank>` | the member, JSON: gen, token (fresh each join), pid, host, start (its process's start), node, worker |
+| `m<rank>` | the member, JSON: gen, token (fresh each join), pid, host, start (its process's start), node, worker, |
+| | backend (the one asked for); on op-cuda: device, gpu (PCI bus id), nccl (whether NCCL loads there) |
+| `nccl` | rank 0's ncclUniqueId (hex), made with the formation where rank 0 is on op-cuda with NCCL (comm_gpu.py) |
 | `a<rank>` | the formation this member saw whole: gen and its members' tokens, hashed |
 | `b<rank>` | the last barrier it reached, `<gen>:<seq>`; `<gen>:<seq>:leave`: it leaves after `seq` collectives |
 
@@ -186,17 +188,21 @@ async def dead_ranks(node: Node, record: dict[str, str], ranks: Sequence[int]) -
     return out
 
 
-async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, host: Any, timeout: Any
-               ) -> dict[str, Any]:
+async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, host: Any, timeout: Any,
+               backend: Any = None) -> dict[str, Any]:
     """Join group `group` as `rank` of `world_size`; answers once every rank has joined this formation: `gen`,
-    `members` (rank -> {pid, host, node}) and `ring`: whether its collectives run in programs, this node's
-    deepxd/comm.py running them (one rank per node), or are requests meeting in the plane. Rank 0 forms it afresh
-    (a new gen); the others join the formation rank 0 made, and again when it makes another (a group formed again
-    after a rank died)."""
+    `members` (rank -> {pid, host, node}), `backend` ("nccl" or "ring": its collectives run in programs, this
+    node's deepxd/comm.py running them; "": requests meeting in the plane, where ranks share an op worker), `ring`
+    (backend not "") and `nccl_refused` (why NCCL cannot serve these ranks; "" where it can). `backend` asked:
+    "ring" keeps GPU ranks off NCCL (rank 0's choice holds for the group). Rank 0 forms it afresh (a new gen); the
+    others join the formation rank 0 made, and again when it makes another (a group formed again after a rank
+    died)."""
     group = check_group_name(group)
     world_size = _whole(world_size, "world_size", 1)
     rank = _whole(rank, "rank")
     pid = _whole(pid, "pid", 1)
+    if backend not in (None, "", "ring", "nccl"):
+        raise DeepxError(f"process group: 'backend' must be 'ring', 'nccl' or none, got {backend!r}")
     deadline = time.monotonic() + _seconds(timeout)
     if rank >= world_size:
         raise DeepxError(f"process group {group!r}: rank {rank} is out of range for world_size {world_size}")
@@ -206,9 +212,10 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
     assert kv is not None
     start = process_start(pid) if host == socket.gethostname() else ""
     token = secrets.token_hex(8)
-    # worker: the holder of the heap tensors this rank's programs make (see leave)
+    # worker: the holder of the heap tensors this rank's programs make (see leave), and where its collectives run
+    worker = node.worker().name
     me = {"token": token, "pid": pid, "host": host, "start": start, "node": node.config.node_id,
-          "worker": node.worker().name}
+          "worker": worker, **node.gpus.get(worker, {}), "backend": backend or ""}
     if rank == 0:
         record = await kv.hgetall(key)
         m0 = member(record, 0)
@@ -217,9 +224,14 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
             raise DeepxError(f"process group {group!r} is in use: its rank 0 is pid {m0.get('pid')} on node "
                              f"{m0.get('node')}, which still runs; choose another group_name, or end that job")
         gen = secrets.token_hex(4)
+        formation: dict[str, Any] = {"gen": gen, "world_size": world_size, "m0": json.dumps({**me, "gen": gen})}
+        if me.get("nccl") and backend != "ring":  # the others' communicators join the one this id names
+            from deepxd.kernels.cuda.nccl import unique_id
+
+            formation["nccl"] = (await asyncio.to_thread(unique_id)).hex()
         async with kv.batch() as b:
             b.delete(key)
-            b.hset(key, {"gen": gen, "world_size": world_size, "m0": json.dumps({**me, "gen": gen})})
+            b.hset(key, formation)
         _wake(node, group)
     with _Waiter(node, group) as waiter:
         while True:
@@ -250,9 +262,16 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
                     if all(record.get(f"a{r}") == whole for r in range(world_size)):
                         whole_members = [m for m in members if m]
                         comm = node.comm
-                        ring = comm is not None and comm.formed(group, gen, rank, whole_members, _seconds(timeout))
-                        return {"gen": gen, "ring": ring,
-                                "members": {str(r): {k: m[k] for k in ("pid", "host", "node")}
+                        nccl_id = bytes.fromhex(record["nccl"]) if record.get("nccl") else None
+                        how = (comm.formed(group, gen, rank, whole_members, _seconds(timeout), nccl_id)
+                               if comm is not None else "")
+                        from deepxd.comm import why_not_nccl
+
+                        refused = why_not_nccl(whole_members) or ("rank 0 asked for the ring" if str(
+                            whole_members[0].get("backend")) == "ring" else "")
+                        return {"gen": gen, "ring": bool(how), "backend": how, "nccl_refused": refused,
+                                "device": me.get("device", "cpu"),
+                                "members": {str(r): {k: m.get(k) for k in ("pid", "host", "node", "device")}
                                             for r, m in enumerate(members) if m}}
             if time.monotonic() >= deadline:
                 if not gen or leader is None:
@@ -366,7 +385,7 @@ async def leave(node: Node, group: Any, gen: Any, rank: Any, delete: Any = (), f
     kv, key = node.kv, _key(group)
     assert kv is not None
     if node.comm is not None:
-        node.comm.left(group, gen)
+        node.comm.left(group, gen, rank)
     record = await kv.hgetall(key)
     releases: dict[tuple[str, str], list[str]] = {}  # (node, holder) -> names
     if delete:

@@ -8,6 +8,7 @@ file is removed. The first SIGINT/SIGTERM starts that; a second forces the exit.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import json
 import logging
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: the op-cuda worker of the session whose request runs now, where it chose one of several GPUs (its connection's
+#: `place`: deepxd/net/native.py sets it for each of that connection's requests); "": the node's first worker
+PLACED: contextvars.ContextVar[str] = contextvars.ContextVar("deepx_placed", default="")
+
 #: how often a start that waits for an actor's start (heapmem's recovery of many heap records) says so in the log
 STARTING_LOG_S = 10.0
 
@@ -51,6 +56,9 @@ class Node:
         self.owners = Owners()  # who made which tensor, and the labels clients gave (deepxd/owners.py)
         self.peers: Peers | None = None  # the other nodes and the links to them (deepxd/peers.py), once started
         self.comm: Collectives | None = None  # the collectives of process groups' programs (deepxd/comm.py)
+        # op-cuda's workers, one per GPU, the first (named op-cuda) the default; each with a scheduler of its own
+        self.cuda_workers: dict[str, ActorRef[Any]] = {}
+        self.gpus: dict[str, dict[str, Any]] = {}  # worker name -> its device, PCI bus id, whether NCCL loads
         # executors of other processes registered here (deepxd/executors.py)
         self.executors = Executors(self.config.node_id, shm=shm_identity(), max_frame=self.config.max_frame_bytes)
         self.stopping = asyncio.Event()
@@ -93,9 +101,10 @@ class Node:
         roles = set(c.roles)
         workers: dict[str, ActorRef[OpWorker]] = {}
         cpu_blas = ""  # the library op-cpu's matmul runs on, for the node record
-        cuda = await self._start_cuda() if "op-cuda" in roles else None  # before heapmem, so it stops after it
+        cudas = await self._start_cuda() if "op-cuda" in roles else []  # before heapmem, so it stops after it
+        cuda = cudas[0] if cudas else None
         if cuda is not None:
-            workers["op-cuda"] = self.refs["op-cuda"]
+            workers.update(self.cuda_workers)
         if "heapmem" in roles:
             from deepxd.actors.heapmem import HeapMemory
 
@@ -103,8 +112,8 @@ class Node:
                                  device=cuda.device_heap if cuda is not None else None,  # with op-cuda: on the GPU
                                  peers=self.peers, owners=self.owners)
             self.refs["heapmem"] = self.peers.heapmem = self.supervisor.start(heapmem)
-            if cuda is not None:
-                cuda.heapmem = self.refs["heapmem"]
+            for w in cudas:  # (heap tensors live on the first GPU: docs/distributed.md, "Several GPUs")
+                w.heapmem = self.refs["heapmem"]
         if "op-cpu" in roles:
             from deepxd.kernels.cpu import blas, native
 
@@ -126,8 +135,14 @@ class Node:
 
                 self.udp_scope = UdpScope(self.worker, self.kv)
             self.executors.heapmem = self.refs.get("heapmem")
-            self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c, udp_scope=self.udp_scope,
-                                                                     executors=self.executors))
+            cpu_only = {k: v for k, v in workers.items() if k == "op-cpu"}
+            for i, (wname, wref) in enumerate(self.cuda_workers.items() or [("", None)]):
+                # one scheduler per GPU: a session placed on another GPU sends its programs to that one's
+                mine = {**cpu_only, "op-cuda": wref} if wref is not None else workers
+                sname = "scheduler" if i == 0 else f"scheduler:{wname.partition(':')[2]}"
+                self.refs[sname] = self.supervisor.start(Scheduler(mine, name=sname, config=c,
+                                                                   udp_scope=self.udp_scope if i == 0 else None,
+                                                                   executors=self.executors))
         # the others first: the registry's start writes the node record `running`, which a second daemon of this id
         # reads as this one's (its socket opened a moment later), and heapmem's start can take seconds
         await self._until_started()
@@ -139,7 +154,7 @@ class Node:
                 self.kv, c.node_id, roles=c.roles, addresses=addresses, workers=workers,
                 heapmem=self.refs.get("heapmem"), actors=self.actor_rows, heartbeat_s=c.heartbeat_s,
                 devices=[*(["cpu"] if "op-cpu" in workers else []),
-                         *([f"cuda:{c.cuda_device}"] if "op-cuda" in workers else [])],
+                         *(str(g["device"]) for g in self.gpus.values())],
                 blas=cpu_blas, scheduler=self.refs.get("scheduler"), owners=self.owners, peers=self.peers,
                 tls=bool(c.tls_cert), executors=self.executors))
             await self._until_started()
@@ -205,33 +220,66 @@ class Node:
                          f"{address}) on this storage plane: give this daemon another one (--node-id, "
                          "DEEPX_NODE_ID)")
 
-    async def _start_cuda(self) -> Any:
-        """The op-cuda worker, its executor made (and the GPU asked) now, so that a GPU that does not answer stops
-        start-up with one line."""
-        from deepxd.config import cuda_available
+    async def _start_cuda(self) -> list[Any]:
+        """op-cuda's workers, one per GPU (`cuda_devices`, else every visible one), each executor made (and its GPU
+        asked) now, so that a GPU that does not answer stops start-up with one line. The first is `op-cuda`, the
+        others `op-cuda:<ordinal>`: on one GPU, one worker named as always."""
+        from deepxd.config import cuda_available, cuda_count
 
         c = self.config
         if not cuda_available():
             raise DeepxError("op-cuda: no usable CUDA GPU here (PyCUDA is not installed, or no device answers); "
                              "start without op-cuda")
+        from deepxd.actors.messages import DeviceInfo
         from deepxd.actors.opcuda import CudaWorker
 
-        worker = CudaWorker(io_roots=c.io_roots, device=c.cuda_device, tf32=bool(c.cuda_tf32),
-                            warm=bool(c.cuda_warm), graphs=bool(c.cuda_graphs))
-        self.refs["op-cuda"] = self.supervisor.start(worker)
-        try:
-            await self.refs["op-cuda"].ask(Sync())
-        except DeepxError as e:
-            raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{c.cuda_device}: {e}") from None
-        except Exception as e:
-            raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{c.cuda_device}: "
-                             f"{type(e).__name__}: {e}") from None
-        return worker
+        devices = [int(d) for d in c.cuda_devices] or list(range(cuda_count()))
+        out = []
+        for i, device in enumerate(devices):
+            name = "op-cuda" if i == 0 else f"op-cuda:{device}"
+            worker = CudaWorker(name, io_roots=c.io_roots, device=device, tf32=bool(c.cuda_tf32),
+                                warm=bool(c.cuda_warm) and i == 0, graphs=bool(c.cuda_graphs), comm=self.comm)
+            ref = self.refs[name] = self.cuda_workers[name] = self.supervisor.start(worker)
+            try:
+                await ref.ask(Sync())
+                self.gpus[name] = await ref.ask(DeviceInfo())
+            except DeepxError as e:
+                raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{device}: {e}") from None
+            except Exception as e:
+                raise DeepxError(f"op-cuda: the CUDA worker could not start on cuda:{device}: "
+                                 f"{type(e).__name__}: {e}") from None
+            out.append(worker)
+        if len(out) > 1:
+            log.info("op-cuda: %d workers, one per GPU (%s); a session runs on the first unless it chooses another "
+                     "(dx.connect(device=...), or init_process_group by its local rank)", len(out),
+                     ", ".join(f"{n} on {g['device']}" for n, g in self.gpus.items()))
+        return out
+
+    def place(self, device: Any, local_rank: Any = None) -> str:
+        """The op-cuda worker a session asks for: `device` "cuda:N" (or N), or "auto" with `local_rank` (the GPU of
+        that index among this node's, modulo their number). DeepxError naming the GPUs there are."""
+        names = list(self.cuda_workers)
+        if device == "auto":
+            if not names:
+                return ""
+            if type(local_rank) is not int or local_rank < 0:
+                raise DeepxError(f"place: 'local_rank' must be a whole number >= 0, got {local_rank!r}")
+            return names[local_rank % len(names)]
+        text = str(device)
+        for name, g in self.gpus.items():
+            if text in (g["device"], g["device"].removeprefix("cuda:")):
+                return name
+        if text == "cpu" and "op-cpu" in self.refs and not names:
+            return ""
+        have = ", ".join(g["device"] for g in self.gpus.values()) or "none (no op-cuda here)"
+        raise DeepxError(f"place: device {text!r} is not one of this daemon's GPUs ({have}); start it with "
+                         "--role op-cuda, or name the GPUs with cuda_devices")
 
     def worker(self) -> ActorRef[OpWorker]:
-        """The op worker that holds this node's tensors: op-cuda when it runs, else op-cpu (as the scheduler
-        places programs)."""
-        r = self.refs.get("op-cuda") or self.refs.get("op-cpu")
+        """The op worker that holds the tensors of the session whose request runs now: its GPU's where it chose one
+        of several (PLACED), else op-cuda when it runs, else op-cpu (as the scheduler places programs)."""
+        placed = PLACED.get()
+        r = (self.refs.get(placed) if placed else None) or self.refs.get("op-cuda") or self.refs.get("op-cpu")
         if r is None:
             raise DeepxError(f"no op worker runs on node {self.config.node_id} (roles: {','.join(self.config.roles)})")
         return r
@@ -281,6 +329,9 @@ class Node:
 
     # -- what transports call
     def ref(self, role: str) -> ActorRef[Any]:
+        placed = PLACED.get()
+        if placed and role in ("scheduler", "op-cuda"):  # a session on another GPU: its scheduler, its worker
+            role = placed if role == "op-cuda" else f"scheduler:{placed.partition(':')[2]}"
         r = self.refs.get(role)
         if r is None:
             raise DeepxError(f"role '{role}' does not run on node {self.config.node_id} (roles: "
@@ -293,7 +344,8 @@ class Node:
         for a in self.supervisor.actors.values():
             a_: Actor = a
             doing = a_.doing
-            rows.append({"name": a_.name, "role": a_.role, "state": a_.state, "doing": doing,
+            device = getattr(a_, "device", "") if a_.role in ("op-cpu", "op-cuda") else ""  # an op worker's
+            rows.append({"name": a_.name, "role": a_.role, "device": device, "state": a_.state, "doing": doing,
                          "doing_s": round(now - a_.doing_since, 6) if doing else None,
                          "mailbox": a_.mailbox.qsize(),
                          "handled": a_.stats.handled, "errors": a_.stats.errors, "restarts": a_.stats.restarts,
@@ -356,10 +408,11 @@ class Node:
         self._shut = True
         for s in self.servers:
             await s.stop_accepting()
-        sched = self.supervisor.actors.get("scheduler")
-        if sched is not None:
+        scheds = [a for a in self.supervisor.actors.values() if a.role == "scheduler"]
+        if scheds:
             try:
-                await asyncio.wait_for(sched.stop(drain=True), self.config.drain_timeout_s)
+                await asyncio.wait_for(asyncio.gather(*(a.stop(drain=True) for a in scheds)),
+                                       self.config.drain_timeout_s)
             except TimeoutError:
                 log.warning("in-flight programs did not finish within %.0f s; stopping anyway",
                             self.config.drain_timeout_s)

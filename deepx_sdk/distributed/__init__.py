@@ -1,4 +1,4 @@
-"""deepx_sdk.distributed: torch.distributed's collectives for CPU ranks (docs/distributed.md).
+"""deepx_sdk.distributed: torch.distributed's collectives for CPU and GPU ranks (docs/distributed.md).
 
     import deepx_sdk.distributed as dist
     dist.init_process_group(world_size=2, rank=r)   # or WORLD_SIZE and RANK from the environment (torchrun's)
@@ -60,12 +60,15 @@ class DistBackendError(DistError):
 
 
 class Backend:
-    """The backends: `gloo` (torch's CPU backend's name, the default) picks `ring` where every rank has a deepxd of
-    its own, else `heap`; `ring` (collectives as instructions, over a ring of peer links between the ranks'
-    daemons) and `heap` (collectives as requests, meeting through heap tensors and a barrier in the storage plane)
-    ask for one."""
+    """The backends: none (or `gloo`, torch's CPU backend's name) picks `nccl` where every rank runs on op-cuda, on
+    a GPU of its own, with NCCL on its daemon; else `ring` where every rank has an op worker of its own (a deepxd
+    each, or a GPU each of one deepxd); else `heap`. `nccl` (collectives as instructions, through NCCL on the GPUs'
+    streams), `ring` (collectives as instructions, over a ring of peer links between the ranks' daemons; GPU ranks
+    stage through host memory) and `heap` (collectives as requests, meeting through heap tensors and a barrier in
+    the storage plane) ask for one."""
 
     GLOO = "gloo"
+    NCCL = "nccl"
     RING = "ring"
     HEAP = "heap"
 
@@ -96,11 +99,13 @@ class ProcessGroup:
     (every rank calls the same collectives in the same order, as in torch), and the buffers it made and read."""
 
     def __init__(self, s: Session, name: str, rank: int, world_size: int, timeout: float, gen: str,
-                 members: dict[int, dict[str, Any]], instructions: bool = False) -> None:
+                 members: dict[int, dict[str, Any]], instructions: bool = False, backend: str = "") -> None:
         self.session, self.name, self.rank, self.world_size = s, name, rank, world_size
         self.timeout, self.gen, self.members = timeout, gen, members
-        # collectives as instructions of the rank's programs (its daemon runs them: the ring), else as requests
+        # collectives as instructions of the rank's programs (its daemon runs them: the ring or NCCL), else as
+        # requests; `backend`: which runs them (Backend)
         self.instructions = instructions
+        self.backend = backend or (Backend.RING if instructions else Backend.HEAP)
         self.seq = 0
         self.made: dict[str, None] = {}  # this rank's heap buffers (made once each)
         self.making: list[str] = []  # those the collective about to run makes
@@ -277,10 +282,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     Rank 0 forms the group: a group formed again after a rank died is formed anew by rank 0 calling this again.
     `backend`: see Backend (None and "gloo" pick)."""
     global _group
-    if backend not in (None, Backend.GLOO, Backend.RING, Backend.HEAP, "cpu:gloo", "cpu"):
-        raise DistError(f"init_process_group: backend {backend!r} is not available; deepx has 'ring' and 'heap' for "
-                        "CPU ranks ('gloo' or none picks one): NCCL and GPU ranks are not supported yet "
-                        "(docs/distributed.md)")
+    if isinstance(backend, str) and backend in ("cuda:nccl", "cpu:gloo,cuda:nccl"):
+        backend = Backend.NCCL if backend == "cuda:nccl" else None
+    if backend not in (None, Backend.GLOO, Backend.NCCL, Backend.RING, Backend.HEAP, "cpu:gloo", "cpu"):
+        raise DistError(f"init_process_group: backend {backend!r} is not available; deepx has 'nccl' (GPU ranks), "
+                        "'ring' and 'heap' (none or 'gloo' picks one: docs/distributed.md)")
     if (init_method not in (None, "env://")) or store is not None:
         raise DistError("init_process_group: ranks meet through their daemons' storage plane; init_method and store "
                         "are not used (connect every rank to one deepxd, or to deepxds sharing one Redis)")
@@ -296,10 +302,27 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                             "deepxd (dx.connect('unix:///...') or DEEPX_ADDRESS), one for all of them or one each "
                             "on one Redis plane; this session's daemon is embedded in the process, with a plane of "
                             "its own (examples/train_ddp.py starts what it needs)")
+        if not getattr(s, "device_chosen", False) and type(s.transport).__name__ == "NativeTransport":
+            # a deepxd with several GPUs puts each rank of this host on its own (LOCAL_RANK, as torchrun sets it),
+            # where the session has made nothing yet
+            from deepx_sdk.devices import placed_again
+
+            local = os.environ.get("LOCAL_RANK", "")
+            s.transport.place("auto", int(local) if local.isdigit() else rank)
+            placed_again(s)
+        asked = backend if backend in (Backend.RING, Backend.NCCL) else None
         reply = s.transport.group("join", {"group": group_name, "world_size": world_size, "rank": rank,
-                                           "pid": os.getpid(), "host": socket.gethostname(), "timeout": limit})
+                                           "pid": os.getpid(), "host": socket.gethostname(), "timeout": limit,
+                                           "backend": asked})
         members = {int(r): dict(m) for r, m in reply["members"].items()}
         ring = bool(reply.get("ring"))
+        how = str(reply.get("backend", Backend.RING if ring else ""))
+        if backend == Backend.NCCL and how != Backend.NCCL:
+            with contextlib.suppress(DeepxError):
+                s.transport.group("leave", {"group": group_name, "gen": str(reply["gen"]), "rank": rank})
+            raise DistError(f"init_process_group(backend='nccl'): NCCL cannot serve these ranks: "
+                            f"{reply.get('nccl_refused') or 'their daemons run no collectives in programs'} (none or "
+                            "'ring' runs them over the ring: docs/distributed.md)")
         if backend == Backend.RING and not ring:
             nodes = [str(m.get("node")) for _, m in sorted(members.items())]
             with contextlib.suppress(DeepxError):
@@ -307,9 +330,12 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             raise DistError(f"init_process_group(backend='ring'): ranks share a deepxd (nodes {', '.join(nodes)}); "
                             "the ring needs one deepxd per rank (backend='heap' or none for this layout)")
         instructions = ring and backend != Backend.HEAP
-        _group = ProcessGroup(s, group_name, rank, world_size, limit, str(reply["gen"]), members, instructions)
-        log.info("process group %r formed: rank %d of %d (gen %s); collectives %s", group_name, rank, world_size,
-                 _group.gen, "as instructions, run by the daemons over a ring of peer links" if instructions else
+        _group = ProcessGroup(s, group_name, rank, world_size, limit, str(reply["gen"]), members, instructions,
+                              (how or Backend.RING) if instructions else Backend.HEAP)
+        log.info("process group %r formed: rank %d of %d (gen %s) on %s; collectives %s", group_name, rank,
+                 world_size, _group.gen, reply.get("device", "?"),
+                 "as instructions, run through NCCL on the GPUs" if _group.backend == Backend.NCCL else
+                 "as instructions, run by the daemons over a ring of peer links" if instructions else
                  "as requests, meeting through heap tensors in the storage plane")
 
 
@@ -351,7 +377,7 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
-    return Backend.RING if _default(group, "get_backend").instructions else Backend.HEAP
+    return _default(group, "get_backend").backend
 
 
 def _same(what: str, tensors: Sequence[Tensor], like: Tensor) -> None:

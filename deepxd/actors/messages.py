@@ -232,6 +232,13 @@ class Kernels(Message["CudaWorker", "list[str]"]):
     message: ClassVar[str] = "kernels"
 
 
+@dataclass(slots=True)
+class DeviceInfo(Message["CudaWorker", Fields]):
+    """The worker's GPU as a process group needs it: device, PCI bus id, whether NCCL loads (deepxd/groups.py)."""
+
+    message: ClassVar[str] = "device_info"
+
+
 # ---------------------------------------------------------------- heapmem (deepxd/actors/heapmem.py)
 
 
@@ -447,7 +454,7 @@ ADMIN: dict[str, Callable[[], Message[Registry, Any]]] = {
 ALL: tuple[type[Message[Any, Any]], ...] = (
     Run, Explain, Backward, StoreGraph, DropGraph, GraphRecords, ExplainGraph, Replay, SchedulerStats,
     RunProgram, RunPlan, Stands, Interleaves, Fetch, Put, AttachHeap, WorkerTensors, Metas, Variables, State, OpStats,
-    HeapGone, HeapFree, Sync, Tf32, Kernels,
+    HeapGone, HeapFree, Sync, Tf32, Kernels, DeviceInfo,
     Create, Attach, Release, HeapDelete, ArrayOf, Remote, Map, Hold, Read, ReleaseDead, Mapped, Unmap, ForgetRemote,
     CheckRemote, Info, HeapList, HeapStats, Lifecycle, Republish, Relabel, Adopted,
     Flush, ListTensors, ListOps, ListCaches, ListNodes, ListActors, ListExecutors, Memory, ListGraphs, DeleteTensor)

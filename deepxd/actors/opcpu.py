@@ -74,6 +74,7 @@ def _check_step(checking: ProgramCheck, names: set[str], until: float) -> bool:
 
 class CpuWorker(OpWorker):
     role = "op-cpu"
+    device = "cpu"
 
     def __init__(self, name: str = "op-cpu", *, heapmem: ActorRef[HeapMemory] | None = None,
                  io_roots: Sequence[str] | None = None, inline_elements: int = 1 << 16,

@@ -10,6 +10,11 @@
 - Heap tensors live in GPU memory that heapmem allocates through this worker's `DeviceHeap` (on the same thread), with
   a CUDA IPC handle in their `tensor:<name>` record, so another process opens them (`deepxd.ipc`).
 
+A collective instruction (deepxd/comm.py, comm_gpu.py) runs through NCCL on this worker's stream where its process
+group's ranks each have a GPU of their own, else over the ring on host copies; its bucket (consecutive collectives
+marked alike: DistributedDataParallel's gradients) starts at its first collective's place, and the op stats name
+the way it ran: `allreduce (nccl)`, `allreduce (ring, via host)`.
+
 Op stats count host time per instruction (kernel launches are asynchronous): the sum over a program is its real
 time because each program ends with its results fetched or the stream synchronised before the reply.
 
@@ -132,8 +137,10 @@ class CudaWorker(OpWorker):
 
     def __init__(self, name: str = "op-cuda", *, heapmem: ActorRef[HeapMemory] | None = None,
                  io_roots: Sequence[str] | None = None, device: int = 0, tf32: bool = False,
-                 output_log: bool = True, warm: bool = False, graphs: bool = True) -> None:
+                 output_log: bool = True, warm: bool = False, graphs: bool = True, comm: Any = None) -> None:
         super().__init__(name)
+        self.comm = comm  # process groups: what runs the collective family (deepxd/comm.py)
+        self.gpu = ""  # the GPU's PCI bus id (two workers of one host on one GPU share it), once the executor opens
         self._output: list[str] = []
         self.ex: Any = None  # the CudaExecutor, made on the thread by the first call
         self.device_index = device
@@ -158,6 +165,13 @@ class CudaWorker(OpWorker):
         from deepxd.kernels.cuda import CudaExecutor
 
         self.ex = CudaExecutor(io_roots=self.io_roots, output=self._print, device=self.device_index, tf32=self.tf32)
+        self.ex.collectives = self.comm
+        self.ex.worker_name = self.name
+        self.ex.defer = self.submit
+        try:
+            self.gpu = str(self.ex.device.pci_bus_id())
+        except Exception:  # (a driver that cannot say: the ordinal, which tells GPUs of one daemon apart)
+            self.gpu = self.device
         log.info("%s: CUDA executor up on %s (%s), kernels compiled by %s", self.name, self.device,
                  self.ex.device.name(), self.ex.modules.compiler.kind)
         if self.warm:
@@ -291,6 +305,11 @@ class CudaWorker(OpWorker):
             self._ran(plan, result)
         return result
 
+    def _now_ok(self, prepared: Prepared) -> bool:
+        """Not a plan with a collective: it waits for the other ranks, which the event loop serves (a ring's reads,
+        the liveness looks), so it must not run with the loop waiting on it."""
+        return not any(b.op.family == "collective" for b in prepared.bounds)
+
     def run_prepared(self, plan: Plan) -> RunResult:
         """on_run_plan for a plan that stands (now_run_plan): on the CUDA thread, this thread waiting for it (with
         the loop borrowed: LoopThread.now)."""
@@ -342,6 +361,34 @@ class CudaWorker(OpWorker):
             self.ex.synchronize()  # a heap tensor changed: other processes see it once the reply arrives
 
     def _execute(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any] | None = None) -> None:
+        try:
+            self._execute_all(bounds, result, heap_new)
+        finally:
+            if self.ex.launched:
+                self.ex.settle_collectives()
+
+    def _launch(self, bounds: list[Bound], i: int) -> None:
+        """Start the bucket of collectives beginning at instruction i (consecutive ones marked alike: deepxd/comm.py)
+        in one go; each of its instructions then waits for it at its place. A bucket that cannot start fails at its
+        first collective."""
+        from deepxd.comm import _bucket_key
+        from deepxd.comm_gpu import Failed
+
+        key = _bucket_key(bounds[i])
+        members = [bounds[i]]
+        while key is not None and i + len(members) < len(bounds) and _bucket_key(bounds[i + len(members)]) == key:
+            members.append(bounds[i + len(members)])
+        try:
+            work: Any = self.comm.start(self.ex, members)
+        except DeepxError as e:
+            work = Failed(str(e))
+        except Exception as e:  # (a bug, said at the collective's place rather than taking the worker down)
+            log.exception("%s: starting a collective failed", self.name)
+            work = Failed(f"{members[0].op.name}: could not start: {type(e).__name__}: {e}")
+        for b in members:
+            self.ex.launched[id(b)] = work
+
+    def _execute_all(self, bounds: list[Bound], result: RunResult, heap_new: dict[int, Any] | None) -> None:
         ex = self.ex
         times = result.times_us
         stats = self.op_stats
@@ -358,6 +405,8 @@ class CudaWorker(OpWorker):
                     self.heap[name] = view
                     ex.tensors[name] = view
                 else:
+                    if b.op.family == "collective" and self.comm is not None and id(b) not in ex.launched:
+                        self._launch(bounds, i)
                     ex.execute(b)
             except DeepxError as e:
                 result.error, result.error_index = f"instruction {i + 1}: {e}", i
@@ -371,7 +420,8 @@ class CudaWorker(OpWorker):
             times.append((t0 - start) * 1e6)
             times.append((t1 - start) * 1e6)
             result.done = i + 1
-            key = op if fallbacks.get(op, 0) == before else op + FALLBACK
+            key = (op if fallbacks.get(op, 0) == before else op + FALLBACK) if b.op.family != "collective" else \
+                f"{op} ({ex.via})"
             s = stats.get(key)
             if s is None:
                 s = stats[key] = OpStat()
@@ -589,6 +639,15 @@ class CudaWorker(OpWorker):
             return before
         before: bool = await self.call(flip)
         return before
+
+    async def on_device_info(self) -> dict[str, Any]:
+        """What a process group asks of this worker's GPU: its device, its PCI bus id, and whether NCCL loads here
+        (`nccl_why` where not)."""
+        from deepxd.kernels.cuda.nccl import available
+
+        await self._ready()
+        why = available()
+        return {"device": self.device, "gpu": self.gpu, "nccl": why is None, "nccl_why": why or ""}
 
     async def on_kernels(self) -> list[str]:
         """The ops that run on a CUDA kernel here (every other op falls back to its CPU kernel)."""

@@ -46,6 +46,7 @@ from deepxd.actors.worker import LONG_PROGRAM, REMEMBER_MAX, RunResult
 from deepxd.graphstore import explain_graph, graph_drop, graph_get, graph_remove, graph_store, replay_graph
 from deepxd.net.frames import HEADER, PROTOCOL_VERSION, pack_frame, unpack_body
 from deepxd.net.peerlink import SLICE_BYTES, split_frame
+from deepxd.node import PLACED
 from deepxd.owners import Owners, session_of_hello
 
 if TYPE_CHECKING:
@@ -152,6 +153,10 @@ def check_socket_free(path: str) -> None:
     finally:
         probe.close()
     raise DeepxError(f"socket {path} is in use by another deepxd; stop it or choose --listen unix:///other/path")
+
+
+#: requests that make or read a session's tensors: after one, `place` "auto" keeps the session where it is
+_USES = frozenset({"run", "put", "fetch", "backward", "replay"})
 
 
 def _bind(bound: dict[str, Any], op: str, req: dict[str, Any], owners: Owners) -> None:
@@ -415,7 +420,11 @@ class NativeServer:
                     await conn.pending
             released = bool(bound.get("prefix")) and not self.node.stopping.is_set()
             if released:
-                await self._release(bound["prefix"], sorted(bound.get("graphs", ())))
+                placed = PLACED.set(bound.get("worker", ""))  # its tensors live on its GPU's worker
+                try:
+                    await self._release(bound["prefix"], sorted(bound.get("graphs", ())))
+                finally:
+                    PLACED.reset(placed)
             self.node.owners.ended(bound.get("prefixes", ()), released)
 
     async def _greet(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -533,6 +542,15 @@ class NativeServer:
         if session is not None and not node.owners.made_now("run", req, session, bool(conn.bound.get("prefixes"))):
             return False
         rid = req.get("id")
+        conn.bound["used"] = True
+        placed = PLACED.set(conn.bound.get("worker", ""))  # (the task made for the rest copies it)
+        try:
+            return self._now_run(conn, rid, program, fetch, backwards)
+        finally:
+            PLACED.reset(placed)
+
+    def _now_run(self, conn: _Connection, rid: Any, program: Any, fetch: Any, backwards: Any) -> bool:
+        node = self.node
         try:
             done = node.ref("scheduler").now(Run(program, fetch, backwards))
         except Exception as e:  # it may have begun: answered with the error, never run again by the task
@@ -582,6 +600,7 @@ class NativeServer:
         the connection's (an executor registers on it)."""
         self.requests += 1
         rid = None
+        placed = PLACED.set(bound.get("worker", "") if bound else "")  # the session's GPU (`place`)
         try:
             # a long program's frame is unpacked off the loop: other connections are served meanwhile
             if len(body) < LONG_FRAME:
@@ -598,9 +617,11 @@ class NativeServer:
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise DeepxError(f"unknown request op {op!r}; known: {', '.join(sorted(self._ops))}")
+            if bound is not None and op in _USES:
+                bound["used"] = True
             if op == "run":
                 out = await handler(req, gone)
-            elif op == "executor_register":
+            elif op in ("executor_register", "place"):
                 out = await handler(req, bound, writer)
             else:
                 out = await handler(req)
@@ -610,6 +631,8 @@ class NativeServer:
         except Exception as e:
             log.exception("request failed")
             return {"id": rid, "ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
+        finally:
+            PLACED.reset(placed)
 
     # -- requests
     async def _op_ping(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -703,10 +726,27 @@ class NativeServer:
         fetch = _tensor_names(req.get("fetch"), "explain")
         return dict(await self.node.ref("scheduler").ask(Explain(program=program, fetch=fetch)))
 
+    async def _op_place(self, req: dict[str, Any], bound: dict[str, Any] | None = None,
+                        writer: Any = None) -> dict[str, Any]:
+        """Which GPU this connection's session runs on, where the daemon has several (op-cuda's workers, one per
+        GPU): `device` "cuda:N", or "auto" with `local_rank` (init_process_group's choice, taken only while the
+        session has run nothing: its tensors live on one worker). Answers the device it runs on."""
+        if bound is None:
+            raise DeepxError("place: a session's request, over its own connection")
+        device = req.get("device")
+        chosen = self.node.place(device, req.get("local_rank"))
+        if device == "auto" and bound.get("used"):
+            chosen = bound.get("worker", "")  # it made tensors on its GPU already: it stays there
+        if chosen == next(iter(self.node.cuda_workers), ""):
+            chosen = ""  # the first GPU's worker: the default
+        bound["worker"] = chosen
+        first = next(iter(self.node.gpus.values()), {"device": "cpu"})
+        return {"device": self.node.gpus[chosen]["device"] if chosen else first["device"]}
+
     # -- process groups (deepx_sdk.distributed; deepxd/groups.py)
     async def _op_group_join(self, req: dict[str, Any]) -> dict[str, Any]:
         return await groups.join(self.node, req.get("group"), req.get("world_size"), req.get("rank"), req.get("pid"),
-                                 req.get("host"), req.get("timeout"))
+                                 req.get("host"), req.get("timeout"), req.get("backend"))
 
     async def _op_group_barrier(self, req: dict[str, Any]) -> dict[str, Any]:
         programs = {}

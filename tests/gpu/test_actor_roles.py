@@ -23,8 +23,19 @@ def test_a_worker_role_brings_the_roles_that_reach_it():
     assert load_config(None, env={}, roles="heapmem,op-cuda").resolved().roles == [
         "heapmem", "op-cuda", "registry", "scheduler"]
     assert load_config(None, env={"DEEPX_CUDA_DEVICE": "1"}).cuda_device == 1
-    with pytest.raises(DeepxError, match="cuda_device: -1 must be >= 0"):
-        load_config(None, env={}, cuda_device=-1).resolved()
+    with pytest.raises(DeepxError, match="cuda_device: -2 must be >= 0"):
+        load_config(None, env={}, cuda_device=-2).resolved()
+
+
+def test_cuda_devices_name_the_gpus_of_op_cuda_one_worker_each():
+    """Empty: every visible GPU (cuda_device where set, as before); else those named, checked."""
+    assert load_config(None, env={}).resolved().cuda_devices == []
+    assert load_config(None, env={"DEEPX_CUDA_DEVICE": "1"}).resolved().cuda_devices == ["1"]
+    assert load_config(None, env={"DEEPX_CUDA_DEVICES": "0,cuda:2"}).resolved().cuda_devices == ["0", "2"]
+    with pytest.raises(DeepxError, match="cuda_devices: 'gpu1' is not a GPU's ordinal"):
+        load_config(None, env={"DEEPX_CUDA_DEVICES": "gpu1"}).resolved()
+    with pytest.raises(DeepxError, match="cuda_devices: GPU 1 is named twice"):
+        load_config(None, env={}, cuda_devices=["1", "cuda:1"]).resolved()
 
 
 def test_default_roles_name_op_cuda_only_where_a_gpu_answers():

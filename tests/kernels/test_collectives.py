@@ -204,3 +204,23 @@ def test_collectives_start_once_their_tensors_are_ready() -> None:
     # bucket 0 (g2, g1) after g2 is made; bucket 1 (g3) after g3; `a` only read before: at the first of it, but
     # after bucket 1 (the order every rank starts them in); y once made
     assert early_launches(bounds) == {1: [[5, 6]], 2: [[7], [8]], 9: [[10]]}
+
+
+def test_the_formation_picks_nccl_only_where_every_rank_has_a_gpu_of_its_own_with_nccl() -> None:
+    """backend_of: the same answer on every rank (it reads the same records); NCCL takes one rank per GPU."""
+    from deepxd.comm import backend_of, why_not_nccl
+
+    def m(node: str, gpu: str | None = None, worker: str = "op-cuda", **more: object) -> dict[str, object]:
+        return {"node": node, "worker": worker, "host": "h", **({"gpu": gpu, "nccl": True} if gpu else {}), **more}
+
+    assert backend_of([m("a", "g0"), m("b", "g1")]) == "nccl"
+    assert backend_of([m("a", "g0"), m("a", "g1", worker="op-cuda:1")]) == "nccl"  # two GPUs of one daemon
+    assert backend_of([m("a", "g0", backend="ring"), m("b", "g1")]) == "ring"  # rank 0 asked for the ring
+    assert backend_of([m("a", "g0"), m("b", "g0")]) == "ring"  # one GPU: staged through host memory
+    assert why_not_nccl([m("a", "g0"), m("b", "g0")]) == ("ranks 0 and 1 share GPU g0 of host h (NCCL takes one "
+                                                          "rank per GPU)")
+    assert backend_of([m("a", "g0"), m("b", worker="op-cpu")]) == "ring"  # a mixed group
+    assert "rank 1 runs on op-cpu of node b, not on a GPU" in why_not_nccl([m("a", "g0"), m("b", worker="op-cpu")])
+    assert "NCCL does not load on node b" in why_not_nccl([m("a", "g0"), {**m("b", "g1"), "nccl": False}])
+    assert backend_of([m("a"), m("a")]) == ""  # one worker for both: requests meeting in the plane
+    assert backend_of([{"node": "here"}]) == "ring"

@@ -77,7 +77,7 @@ def collectives(world: int, rank: int) -> dict[str, np.ndarray]:
     work = dist.reduce_scatter_tensor(mine, dx.tensor(whole[rank]), op=dist.ReduceOp.MAX, async_op=True)
     assert work is not None and work.wait()
     np.testing.assert_array_equal(mine.numpy(), whole.max(axis=0)[rank * 2:(rank + 1) * 2])
-    if dist.get_backend() == "ring":  # collectives are instructions: dx.compile captures them, and they replay
+    if dist.get_backend() in ("ring", "nccl"):  # collectives are instructions: dx.compile captures and replays them
         @dx.compile
         def doubled_sum(x: dx.Tensor) -> dx.Tensor:
             y = x * 1.0
@@ -159,7 +159,7 @@ def ddp(world: int, rank: int) -> dict[str, np.ndarray]:
     ys = data.integers(0, CLASSES, (STEPS, BATCH))
     sgd = ("float64", lambda p: SGD(p, lr=0.3, momentum=0.5), False)
     runs = [sgd, ("float32", lambda p: Adam(p, 0.05), False)]
-    if world == 1 or dist.get_backend() == "ring":  # (ranks sharing a deepxd: collectives are requests)
+    if world == 1 or dist.get_backend() in ("ring", "nccl"):  # (ranks sharing a deepxd: collectives are requests)
         runs.append((*sgd[:2], True))
     for dtype, make_opt, compiled in runs:
         net = model(dtype, seed=rank if world > 1 else 0)

@@ -53,15 +53,15 @@ class Rank:
             return dict(f)
 
 
-def train_on(tmp: Path, addresses: list[str], backend: str | None = None) -> None:
+def train_on(tmp: Path, addresses: list[str], backend: str | None = None, wait: float = 90.0) -> None:
     """Each rank (on its address) runs every collective against numpy, then DDP, eager and under dx.compile; a
     reference process of one rank trains on the whole batches beside them: every rank ends with the same
     parameters, and with the reference's."""
     world = len(addresses)
     ranks = [Rank(tmp, "train", a, world, r, backend=backend) for r, a in enumerate(addresses)]
     reference = Rank(tmp, "train", addresses[0], 1, 0, worlds=world)
-    results = [r.result() for r in ranks]
-    ref = reference.result()
+    results = [r.result(wait) for r in ranks]
+    ref = reference.result(wait)
     compiled = backend != "heap" and len(set(addresses)) == world  # a step under dx.compile: one deepxd per rank
     params = [k for k in ref if not k.startswith("rank") and (compiled or not k.startswith("compiled."))]
     assert len(params) == (12 if compiled else 8)
@@ -76,16 +76,17 @@ def train_on(tmp: Path, addresses: list[str], backend: str | None = None) -> Non
     assert [list(r["rank"]) for r in results] == [[r, world] for r in range(world)]
 
 
-def daemons_on(redis_url: str, tmp: Path, n: int) -> list[Daemon]:
-    """n deepxd on one redis-server (a key prefix of their own), each a node of its own, started."""
+def daemons_on(redis_url: str, tmp: Path, n: int, envs: list[dict[str, str]] | None = None) -> list[Daemon]:
+    """n deepxd on one redis-server (a key prefix of their own), each a node of its own, started (`envs`: each
+    one's own settings, tests/gpu's roles and GPUs)."""
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     daemons = [Daemon(tmp / f"n{i}", kv=redis_url, node_id=f"{prefix[:-1]}n{i}", udp=False,
-                      env={"DEEPX_KV_PREFIX": prefix}) for i in range(n)]
+                      env={"DEEPX_KV_PREFIX": prefix, **(envs[i] if envs else {})}) for i in range(n)]
     for d in daemons:
         d.tmp.mkdir()
         d.start(wait=False)
     for d in daemons:
-        d.wait_ready()
+        d.wait_ready(60)  # (a GPU daemon opens its device first)
     return daemons
 
 
@@ -95,6 +96,17 @@ def one_deepxd(tmp_path: Path) -> Iterator[Daemon]:
     yield d
     assert d.stop() == 0, d.output()
     assert "Traceback" not in d.output(), d.output()
+
+
+def test_a_session_asks_for_a_gpu_the_daemon_has_not(one_deepxd: Daemon) -> None:
+    """dx.connect(device=...) places a session on a GPU of a deepxd with several; a CPU daemon has none."""
+    with pytest.raises(DeepxError, match=r"place: device 'cuda:1' is not one of this daemon's GPUs \(none"):
+        dx.connect(one_deepxd.address, device="cuda:1")
+    s = dx.connect(one_deepxd.address, device="cpu")
+    try:
+        assert s.transport.placed == "cpu" and (dx.tensor([1.0]) * 2).numpy().tolist() == [2.0]
+    finally:
+        dx.disconnect()
 
 
 def test_three_ranks_on_one_deepxd_reduce_as_numpy_and_train_as_one_process(one_deepxd: Daemon,
@@ -219,8 +231,11 @@ def test_a_collective_starts_as_soon_as_its_tensor_is_ready(group: None) -> None
 def test_distributed_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(DeepxError, match="has not been initialized"):
         dist.all_reduce(dx.tensor([1.0]))
-    with pytest.raises(DeepxError, match="backend 'nccl' is not available"):
-        dist.init_process_group("nccl", world_size=1, rank=0)
+    with pytest.raises(DeepxError, match="NCCL cannot serve these ranks: rank 0 runs on op-cpu"):
+        dist.init_process_group("nccl", world_size=1, rank=0)  # (an embedded session of the CPU roles)
+    assert not dist.is_initialized()
+    with pytest.raises(DeepxError, match="backend 'mpi' is not available"):
+        dist.init_process_group("mpi", world_size=1, rank=0)
     with pytest.raises(DeepxError, match="world_size 2 needs the ranks' sessions on a running deepxd"):
         dist.init_process_group(world_size=2, rank=0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -1,5 +1,6 @@
 """The collective family's kernels (allreduce, broadcast, allgather, reducescatter): each hands its instruction to
-the executor's `collectives` (the daemon's, deepxd/comm.py: a ring over the peer links) and waits for it.
+the executor's `collectives` (the daemon's, deepxd/comm.py: a ring over the peer links) and waits for it. op-cuda's
+executor runs the family itself (deepxd/kernels/cuda/__init__.py, `_collective`: NCCL or staged, deepxd/comm_gpu.py).
 
 The op worker starts a program's collectives as early as their tensors allow (deepxd/comm.py, early_launches), so
 that the communication runs while the instructions before each one's place go on; the kernel, reached at that
@@ -58,7 +59,7 @@ def _run(ex: Any, b: Bound) -> None:
         comm = ex.collectives
         if comm is None:
             raise DeepxError(f"{b.op.name}: this executor runs no collectives: a process group lives on a deepxd's "
-                             "op-cpu worker (op-cuda has none yet: NCCL is not wired; docs/distributed.md)")
+                             "op worker (init_process_group() through it: docs/distributed.md)")
         work = comm.start(ex, [b])
     work.wait()
 

@@ -185,6 +185,18 @@ class CudaExecutor:
         self._flag = self.alloc(4, "executor", "error flag")
         self.flag_ptr = int(self._flag)
         self._flag_host = np.zeros(1, np.int32)
+        # the collective family (deepxd/comm.py and comm_gpu.py, set by the op worker; None: none here): what runs
+        # them, the buckets started at their first collective's place (by id() of each instruction), how the last
+        # one ran (NCCL or staged: op-cuda's op stats say it), the worker whose formations they are, a way to run a
+        # call on this thread later (a communicator's end) and the NCCL communicators made here (ended at close())
+        self.collectives: Any = None
+        self.device_collectives = True
+        self.launched: dict[int, Any] = {}
+        self.via = ""
+        self.worker_name = ""
+        self.defer: Callable[[Callable[[], None]], None] | None = None
+        self.communicators: dict[int, Any] = {}
+        self.device_name = f"cuda:{device}"
         self.closed = False
 
     # -- configuration
@@ -359,6 +371,9 @@ class CudaExecutor:
         self._own()
         name = b.op.name
         try:
+            if b.op.family == "collective":
+                self._collective(b)
+                return
             if b.op.family in HOST_FAMILIES:
                 from deepxd.kernels.cuda import host
 
@@ -419,6 +434,31 @@ class CudaExecutor:
                 outs.append(self.empty(meta.shape, meta.dtype, b.op.name, n))
                 fresh = True
         return outs, fresh
+
+    def _collective(self, b: Bound) -> None:
+        """A collective instruction: its bucket started by the worker at the bucket's first place (else started here
+        alone), waited for (deepxd/comm_gpu.py: NCCL on this stream, or the ring on host copies)."""
+        self._not_capturing(b.op.name, "waits for the other ranks of its process group")
+        work = self.launched.pop(id(b), None) if self.launched else None
+        if work is None:
+            comm = self.collectives
+            if comm is None:
+                raise DeepxError(f"{b.op.name}: this executor runs no collectives: a process group lives on a "
+                                 "deepxd's op worker (init_process_group() through a running deepxd, or an "
+                                 "embedded session: docs/distributed.md)")
+            work = comm.start(self, [b])
+        self.via = getattr(work, "via", "") or self.via
+        work.wait()
+
+    def settle_collectives(self) -> None:
+        """The buckets started by a program that stopped before their place: waited for, whatever their outcome
+        (their memory must not change under the next program)."""
+        launched = self.launched
+        for work in {id(w): w for w in launched.values()}.values():
+            settle = getattr(work, "settle", None)
+            if settle is not None:
+                settle()
+        launched.clear()
 
     def _reshape(self, b: Bound) -> None:
         src = self.tensors[b.names[0]]
@@ -549,6 +589,8 @@ class CudaExecutor:
                 return f"{b.op.name} touches the host (files, output or variables)"
             if eff.kind == RENAMES:
                 return f"{b.op.name} gives a tensor another name, which a graph's table of names cannot follow"
+            if b.op.family == "collective":
+                return f"{b.op.name} waits for the other ranks of its process group, which a graph cannot hold"
             if b.op.family in HOST_FAMILIES or b.op.name == "reshape":
                 continue
             if KERNELS.get(b.op.name) is None:
@@ -687,6 +729,10 @@ class CudaExecutor:
         if self._blas is not None:
             self._blas.close()
             self._blas = None
+        for c in list(self.communicators.values()):  # process groups still formed: the daemon stops
+            if not c.closed:
+                c.abort()
+        self.communicators.clear()
         self.tensors.clear()
         self._flag = None
         self.modules.functions.clear()
