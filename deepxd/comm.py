@@ -269,7 +269,7 @@ class Collectives:
         link, f.link = f.link, None
         if link is not None:
             self._thread_of(f).submit(link.close)  # after the collective running, if any
-        if f.nccl is not None:
+        if f.nccl is not None or f.nccl_close is not None:  # (made, or being made on its worker's thread)
             from deepxd.comm_gpu import close_communicator
 
             close_communicator(f, abort=broken or why != "its rank left")  # (finalized only on a clean leave)

@@ -193,6 +193,8 @@ def _communicator(comm: Collectives, ex: Any, f: Formation) -> Any:
     if f.nccl_id is None:
         raise DeepxError("the group's record carries no NCCL id from rank 0 (its daemon could not make one); form "
                          "the group again")
+    # known before the communicator is: a formation dropped from the event loop meanwhile ends it on this thread
+    f.nccl_close = getattr(ex, "defer", None)
     c = nccl.Communicator(f.world, f.nccl_id, f.rank)
     f.nccl = c
     owned = getattr(ex, "communicators", None)
@@ -200,7 +202,6 @@ def _communicator(comm: Collectives, ex: Any, f: Formation) -> Any:
         for k in [k for k, old in owned.items() if old.closed]:
             del owned[k]
         owned[id(c)] = c
-    f.nccl_close = getattr(ex, "defer", None)
     _guarded(comm, f, "its NCCL communicator (made at the group's first collective)",
              lambda: c.ready("ncclCommInitRankConfig"))
     log.info("process group %r: rank %d of %d: NCCL %s communicator ready on %s", f.name, f.rank, f.world,
@@ -227,14 +228,19 @@ def _fail(f: Formation, cause: str) -> None:
 
 
 def close_communicator(f: Formation, abort: bool) -> None:
-    """The formation ended (left, formed again, the daemon stops): its communicator destroyed on its own thread
-    (aborted where the group broke), after whatever runs there now."""
-    c, f.nccl = f.nccl, None
-    if c is None:
-        return
-    end = c.abort if abort else c.destroy
+    """The formation ended (left, formed again, the daemon stops; called on the event loop): its communicator
+    destroyed (aborted where the group broke) on its own thread, after whatever runs there now. The formation keeps
+    it until then, so that a collective of it waiting there now (for a rank that is gone) still finds it to abort
+    (`_fail`): taken from the loop, the wait would fail without aborting it, its kernels would hold the stream, and
+    the worker's next wait for the stream would never end."""
+
+    def end() -> None:
+        c, f.nccl = f.nccl, None
+        if c is not None:
+            (c.abort if abort else c.destroy)()
+
     run = f.nccl_close
-    if run is None:
+    if run is None:  # (a bare executor's formation: no worker thread to hand it to)
         end()
         return
     run(end)
