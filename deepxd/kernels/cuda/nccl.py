@@ -197,8 +197,15 @@ class Communicator:
     def ptr(self) -> int:
         return int(self.handle.value or 0)
 
+    def _live(self, what: str) -> None:
+        """DeepxError where the communicator was ended: NCCL freed it, so no call may be given its handle."""
+        if self.closed:
+            raise DeepxError(f"NCCL: {what}: rank {self.rank}'s communicator of {self.world} ranks was ended "
+                             "(aborted or destroyed: the group broke or was left)")
+
     def state(self) -> int:
         """ncclCommGetAsyncError: SUCCESS, IN_PROGRESS (the last call is still going through), or an error."""
+        self._live("ncclCommGetAsyncError")
         err = ctypes.c_int()
         st = self.lib.ncclCommGetAsyncError(self.handle, ctypes.byref(err))
         if st != SUCCESS:
@@ -216,20 +223,24 @@ class Communicator:
 
     # -- collectives (device pointers; `stream`: a CUstream handle)
     def all_reduce(self, send: int, recv: int, count: int, dtype: str, op: str, stream: int) -> None:
+        self._live("ncclAllReduce")
         _check(self.lib.ncclAllReduce(_p(send), _p(recv), count, DTYPES[dtype], OPS[op], self.handle, _p(stream)),
                "ncclAllReduce", self.ptr)
 
     def broadcast(self, send: int, recv: int, nbytes: int, root: int, stream: int) -> None:
+        self._live("ncclBroadcast")
         _check(self.lib.ncclBroadcast(_p(send), _p(recv), nbytes, BYTES, root, self.handle, _p(stream)),
                "ncclBroadcast", self.ptr)
 
     def all_gather(self, send: int, recv: int, nbytes: int, stream: int) -> None:
         """Each rank's `nbytes` from `send` into block r of `recv` (world * nbytes)."""
+        self._live("ncclAllGather")
         _check(self.lib.ncclAllGather(_p(send), _p(recv), nbytes, BYTES, self.handle, _p(stream)),
                "ncclAllGather", self.ptr)
 
     def reduce_scatter(self, send: int, recv: int, count: int, dtype: str, op: str, stream: int) -> None:
         """Block r (of `count` elements) of the ranks' `send` (world * count) reduced, into `recv`."""
+        self._live("ncclReduceScatter")
         _check(self.lib.ncclReduceScatter(_p(send), _p(recv), count, DTYPES[dtype], OPS[op], self.handle,
                                           _p(stream)), "ncclReduceScatter", self.ptr)
 
