@@ -103,7 +103,7 @@ def test_one_daemon_runs_a_worker_per_gpu_and_places_each_rank_on_its_own(tmp_pa
     try:
         d.wait_ready(120)
         listing = subprocess.run([sys.executable, "-m", "deepxctl", "--address", d.address, "actors", "ls",
-                                  "--format", "json"], capture_output=True, text=True, timeout=60)
+                                  "--format", "json", "--detail"], capture_output=True, text=True, timeout=60)
         assert listing.returncode == 0, listing.stderr
         devices = {a["name"]: a["device"] for a in json.loads(listing.stdout) if a["role"] == "op-cuda"}
         assert devices["op-cuda"] == "cuda:0" and devices["op-cuda:1"] == "cuda:1", devices
