@@ -101,7 +101,19 @@ def library() -> ctypes.CDLL:
     return _lib
 
 
+#: what deepx calls, each in every NCCL since 2.14 (non-blocking communicators, ncclCommFinalize)
+REQUIRED = ("ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRankConfig", "ncclCommGetAsyncError", "ncclCommAbort",
+            "ncclCommFinalize", "ncclCommDestroy", "ncclAllReduce", "ncclBroadcast", "ncclAllGather",
+            "ncclReduceScatter", "ncclGroupStart", "ncclGroupEnd", "ncclGetErrorString")
+
+
 def _declare(lib: ctypes.CDLL) -> None:
+    """The functions' types; DeepxError where the library lacks one (an NCCL before 2.14, or not NCCL), so that it
+    counts as NCCL not loading (a GPU daemon then starts, its groups on the ring) rather than failing op-cuda."""
+    missing = [name for name in REQUIRED if not hasattr(lib, name)]
+    if missing:
+        raise DeepxError(f"{getattr(lib, '_name', 'the library')} lacks {', '.join(missing)}: deepx needs NCCL 2.14 "
+                         "or later")
     vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     lib.ncclGetVersion.argtypes = [ctypes.POINTER(i)]
     lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
@@ -118,12 +130,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ncclGroupEnd.argtypes = []
     lib.ncclGetErrorString.argtypes = [i]
     lib.ncclGetErrorString.restype = ctypes.c_char_p
-    lib.ncclGetLastError.argtypes = [vp]
-    lib.ncclGetLastError.restype = ctypes.c_char_p
-    for name in ("ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRankConfig", "ncclCommGetAsyncError",
-                 "ncclCommAbort", "ncclCommFinalize", "ncclCommDestroy", "ncclAllReduce", "ncclBroadcast",
-                 "ncclAllGather", "ncclReduceScatter", "ncclGroupStart", "ncclGroupEnd"):
-        getattr(lib, name).restype = ctypes.c_int
+    if hasattr(lib, "ncclGetLastError"):  # (2.13 on; describe() does without)
+        lib.ncclGetLastError.argtypes = [vp]
+        lib.ncclGetLastError.restype = ctypes.c_char_p
+    for name in REQUIRED:
+        if name != "ncclGetErrorString":
+            getattr(lib, name).restype = ctypes.c_int
 
 
 def available() -> str | None:
