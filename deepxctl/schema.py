@@ -294,7 +294,9 @@ class Actor(Schema):
 
     name: str = field(metadata=col())
     role: str = field(default="", metadata=col())
-    device: str = field(default="", metadata=col())  # an op worker's: cpu, or its GPU (one op-cuda worker per GPU)
+    # an op worker's: cpu, or its GPU (one op-cuda worker per GPU); --detail only, so that the default listing of a
+    # daemon on one GPU or none is the one it always was (the names op-cuda:<ordinal> tell the GPUs apart)
+    device: str = field(default="", metadata=col(detail=True))
     state: str = field(default="", metadata=col())
     doing: str = field(default="", metadata=col())  # the message being handled now
     doing_s: float | None = field(default=None, metadata=col("FOR", render=seconds, right=True))  # since when

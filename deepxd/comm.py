@@ -269,7 +269,7 @@ class Collectives:
         link, f.link = f.link, None
         if link is not None:
             self._thread_of(f).submit(link.close)  # after the collective running, if any
-        if f.nccl is not None:
+        if f.nccl is not None or f.nccl_close is not None:  # (made, or being made on its worker's thread)
             from deepxd.comm_gpu import close_communicator
 
             close_communicator(f, abort=broken or why != "its rank left")  # (finalized only on a clean leave)
@@ -453,8 +453,8 @@ class Collectives:
                                  f"{f.timeout:g} s (the group's timeout)")
 
     def _dead(self, f: Formation, rank: int | None) -> str:
-        """Why rank `rank` (None: any other rank) no longer runs (its process ended, its daemon is dead, it left),
-        in words naming it; "" while it runs."""
+        """Why rank `rank` (None: any rank, this one's own too) no longer runs (its process ended, its daemon is
+        dead, it left), in words naming it; "" while it runs."""
         if self.loop is None:
             return ""
         try:
@@ -466,7 +466,10 @@ class Collectives:
         assert self.node is not None and self.node.kv is not None
         kv = self.node.kv
         record = await kv.hgetall(f"group:{f.name}")
-        ranks = [rank] if rank is not None else [r for r in range(f.world) if r != f.rank]
+        # (this rank's own process too: a script killed while its daemon waits in a collective for it leaves
+        # nobody to read the result, and the wait, its kernels on the GPU, would hold the worker until the others
+        # left or the group's timeout)
+        ranks = [rank] if rank is not None else [*(r for r in range(f.world) if r != f.rank), f.rank]
         if record.get("gen") != f.gen:
             return (f"process group {f.name!r} was formed again or destroyed meanwhile, so "
                     f"{f.who(ranks[0]) if len(ranks) == 1 else 'the other ranks are'} gone")

@@ -64,21 +64,28 @@ class Staged:
 
 
 class Enqueued:
-    """A bucket enqueued through NCCL on the worker's stream; wait() polls its event until the device has run it
-    (or the group failed: then the communicator is aborted and DeepxError names the rank)."""
+    """A bucket enqueued through NCCL on the worker's stream; wait() polls its event until the device has run it,
+    and the communicator's state (ncclCommGetAsyncError) all the while: NCCL reports a failure there (a peer's
+    connection lost, ncclRemoteError) and leaves it to the caller to abort, its kernels waiting meanwhile, so the
+    event alone would wait for the group's timeout where the peer's process still runs. Where the group failed,
+    the communicator is aborted and DeepxError names the rank."""
 
     via = NCCL_VIA
 
-    def __init__(self, comm: Collectives, f: Formation, seq: int, event: Any, said: str) -> None:
+    def __init__(self, comm: Collectives, f: Formation, seq: int, event: Any, said: str, c: Any, op: str) -> None:
         self.comm, self.f, self.seq, self.event, self.said = comm, f, seq, event, said
+        self.c, self.op = c, op
         self.done = False
+
+    def _arrived(self) -> bool:
+        return self.c.ready(f"nccl {self.op}") and bool(self.event.query())
 
     def wait(self) -> None:
         if self.done:
             return
         self.done = True
         try:
-            _guarded(self.comm, self.f, f"collective #{self.seq}", lambda: bool(self.event.query()))
+            _guarded(self.comm, self.f, f"collective #{self.seq}", self._arrived)
         except DeepxError as e:
             raise DeepxError(f"{self.said}: {e}") from None
 
@@ -174,13 +181,14 @@ def _start_nccl(comm: Collectives, ex: Any, f: Formation, bounds: Sequence[Bound
             if group:
                 c.group_end()
         _guarded(comm, f, f"collective #{seq}", lambda: c.ready(f"nccl {op}"))
-    except DeepxError as e:
-        _fail(f, str(e))
-        raise DeepxError(f"{said}: {e}") from None
+    except Exception as e:  # (whatever stopped it, a group half enqueued must not stay: the others would wait)
+        cause = str(e) if isinstance(e, DeepxError) else f"{type(e).__name__}: {e}"
+        _fail(f, cause)
+        raise DeepxError(f"{said}: {cause}") from None
     event = ex.cuda.Event()
     event.record(ex.stream)
     comm.runs += 1
-    return Enqueued(comm, f, seq, event, said)
+    return Enqueued(comm, f, seq, event, said, c, op)
 
 
 def _communicator(comm: Collectives, ex: Any, f: Formation) -> Any:
@@ -193,6 +201,8 @@ def _communicator(comm: Collectives, ex: Any, f: Formation) -> Any:
     if f.nccl_id is None:
         raise DeepxError("the group's record carries no NCCL id from rank 0 (its daemon could not make one); form "
                          "the group again")
+    # known before the communicator is: a formation dropped from the event loop meanwhile ends it on this thread
+    f.nccl_close = getattr(ex, "defer", None)
     c = nccl.Communicator(f.world, f.nccl_id, f.rank)
     f.nccl = c
     owned = getattr(ex, "communicators", None)
@@ -200,7 +210,6 @@ def _communicator(comm: Collectives, ex: Any, f: Formation) -> Any:
         for k in [k for k, old in owned.items() if old.closed]:
             del owned[k]
         owned[id(c)] = c
-    f.nccl_close = getattr(ex, "defer", None)
     _guarded(comm, f, "its NCCL communicator (made at the group's first collective)",
              lambda: c.ready("ncclCommInitRankConfig"))
     log.info("process group %r: rank %d of %d: NCCL %s communicator ready on %s", f.name, f.rank, f.world,
@@ -209,12 +218,17 @@ def _communicator(comm: Collectives, ex: Any, f: Formation) -> Any:
 
 
 def _guarded(comm: Collectives, f: Formation, what: str, done: Any) -> None:
-    """comm.wait_until, aborting the communicator where it fails (a dead rank's peers would wait on the device)."""
+    """comm.wait_until, aborting the communicator where it fails (a dead rank's peers would wait on the device),
+    whatever the failure: a look at the plane that raised (Redis gone) leaves NCCL's kernels waiting all the same."""
     try:
         comm.wait_until(f, done, what)
     except DeepxError as e:
         _fail(f, str(e))
         raise
+    except Exception as e:
+        cause = f"waiting for {what} failed: {type(e).__name__}: {e}"
+        _fail(f, cause)
+        raise DeepxError(cause) from None
 
 
 def _fail(f: Formation, cause: str) -> None:
@@ -227,14 +241,19 @@ def _fail(f: Formation, cause: str) -> None:
 
 
 def close_communicator(f: Formation, abort: bool) -> None:
-    """The formation ended (left, formed again, the daemon stops): its communicator destroyed on its own thread
-    (aborted where the group broke), after whatever runs there now."""
-    c, f.nccl = f.nccl, None
-    if c is None:
-        return
-    end = c.abort if abort else c.destroy
+    """The formation ended (left, formed again, the daemon stops; called on the event loop): its communicator
+    destroyed (aborted where the group broke) on its own thread, after whatever runs there now. The formation keeps
+    it until then, so that a collective of it waiting there now (for a rank that is gone) still finds it to abort
+    (`_fail`): taken from the loop, the wait would fail without aborting it, its kernels would hold the stream, and
+    the worker's next wait for the stream would never end."""
+
+    def end() -> None:
+        c, f.nccl = f.nccl, None
+        if c is not None:
+            (c.abort if abort else c.destroy)()
+
     run = f.nccl_close
-    if run is None:
+    if run is None:  # (a bare executor's formation: no worker thread to hand it to)
         end()
         return
     run(end)

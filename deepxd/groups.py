@@ -10,7 +10,8 @@ The plane holds one hash per group, `group:<name>`:
 | `world_size` | how many ranks |
 | `m<rank>` | the member, JSON: gen, token (fresh each join), pid, host, start (its process's start), node, worker, |
 | | backend (the one asked for); on op-cuda: device, gpu (PCI bus id), nccl (whether NCCL loads there) |
-| `nccl` | rank 0's ncclUniqueId (hex), made with the formation where rank 0 is on op-cuda with NCCL (comm_gpu.py) |
+| `nccl` | `<gen>:<ncclUniqueId, hex>`, made by rank 0's daemon once the formation is whole and runs on NCCL |
+| | (comm_gpu.py); `<gen>:!<why>` where it could not make one |
 | `a<rank>` | the formation this member saw whole: gen and its members' tokens, hashed |
 | `b<rank>` | the last barrier it reached, `<gen>:<seq>`; `<gen>:<seq>:leave`: it leaves after `seq` collectives |
 
@@ -225,16 +226,13 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
                              f"{m0.get('node')}, which still runs; choose another group_name, or end that job")
         gen = secrets.token_hex(4)
         formation: dict[str, Any] = {"gen": gen, "world_size": world_size, "m0": json.dumps({**me, "gen": gen})}
-        if me.get("nccl") and backend != "ring":  # the others' communicators join the one this id names
-            from deepxd.kernels.cuda.nccl import unique_id
-
-            formation["nccl"] = (await asyncio.to_thread(unique_id)).hex()
         async with kv.batch() as b:
             b.delete(key)
             b.hset(key, formation)
         _wake(node, group)
     with _Waiter(node, group) as waiter:
         while True:
+            waiting_id = False  # the formation is whole, and waits for rank 0's NCCL id
             record = await kv.hgetall(key)
             gen = record.get("gen", "")
             if gen and record.get("world_size") != str(world_size):
@@ -259,10 +257,13 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
                         await kv.hset(key, {f"a{rank}": whole})
                         _wake(node, group)
                         continue
-                    if all(record.get(f"a{r}") == whole for r in range(world_size)):
-                        whole_members = [m for m in members if m]
+                    whole_members = [m for m in members if m]
+                    seen_whole = all(record.get(f"a{r}") == whole for r in range(world_size))
+                    waiting_id = seen_whole and not await _nccl_id_known(node, key, group, gen, rank, record,
+                                                                         whole_members)
+                    if seen_whole and not waiting_id:
                         comm = node.comm
-                        nccl_id = bytes.fromhex(record["nccl"]) if record.get("nccl") else None
+                        nccl_id = _nccl_id(record, gen)
                         how = (comm.formed(group, gen, rank, whole_members, _seconds(timeout), nccl_id)
                                if comm is not None else "")
                         from deepxd.comm import why_not_nccl
@@ -276,11 +277,51 @@ async def join(node: Node, group: Any, world_size: Any, rank: Any, pid: Any, hos
             if time.monotonic() >= deadline:
                 if not gen or leader is None:
                     raise DeepxError(f"process group {group!r}: rank 0 did not form it within {timeout} s")
+                if waiting_id:
+                    raise DeepxError(f"process group {group!r}: rank 0's daemon (node {leader.get('node')}) did not "
+                                     f"give it NCCL's unique id within {timeout} s")
                 missing = [r for r in range(world_size) if (member(record, r) or {}).get("gen") != gen] or [
                     r for r in range(world_size) if record.get(f"a{r}") is None]  # joined, and went again
                 raise DeepxError(f"process group {group!r}: ranks {', '.join(map(str, missing))} of {world_size} did "
                                  f"not join within {timeout} s")
             await waiter.wait(deadline)
+
+
+def _nccl_id(record: dict[str, str], gen: str) -> bytes | None:
+    """Formation `gen`'s ncclUniqueId from its record (`nccl`: `<gen>:<hex>`), None where it has none."""
+    g, _, value = record.get("nccl", "").partition(":")
+    return bytes.fromhex(value) if g == gen and value and not value.startswith("!") else None
+
+
+async def _nccl_id_known(node: Node, key: str, group: str, gen: str, rank: int, record: dict[str, str],
+                         members: list[dict[str, Any]]) -> bool:
+    """Whether the whole formation `gen` has what its ranks need to answer: NCCL's unique id where its collectives
+    run on NCCL. Rank 0's daemon makes the id only now (making one starts NCCL's bootstrap root in that daemon, a
+    thread that waits for the ranks' communicators without end: made for a group that runs over the ring, or
+    whose rank 0 is on op-cuda while another rank is not, it would wait there for ever) and writes it with its gen;
+    the others wait for it. DeepxError where rank 0 could not make it."""
+    from deepxd.comm import backend_of
+
+    if backend_of(members) != "nccl":
+        return True
+    g, _, value = record.get("nccl", "").partition(":")
+    if g == gen and value.startswith("!"):
+        raise DeepxError(f"process group {group!r}: rank 0's daemon could not make NCCL's unique id: {value[1:]}")
+    if g == gen:
+        return True
+    if rank != 0:
+        return False
+    from deepxd.kernels.cuda.nccl import unique_id
+
+    try:
+        made = f"{gen}:{(await asyncio.to_thread(unique_id)).hex()}"
+    except DeepxError as e:
+        made = f"{gen}:!{e}"
+    assert node.kv is not None
+    await node.kv.hset(key, {"nccl": made})
+    _wake(node, group)
+    record["nccl"] = made
+    return await _nccl_id_known(node, key, group, gen, rank, record, members)
 
 
 def _reached(value: str | None, gen: str) -> tuple[int, bool] | None:

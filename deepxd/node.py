@@ -110,9 +110,10 @@ class Node:
 
             heapmem = HeapMemory(self.kv, c.node_id, pool_bytes=c.heap_pool_bytes,
                                  device=cuda.device_heap if cuda is not None else None,  # with op-cuda: on the GPU
+                                 devices={w.device: w.device_heap for w in cudas},  # each worker's on its own
                                  peers=self.peers, owners=self.owners)
             self.refs["heapmem"] = self.peers.heapmem = self.supervisor.start(heapmem)
-            for w in cudas:  # (heap tensors live on the first GPU: docs/distributed.md, "Several GPUs")
+            for w in cudas:  # (each worker's heap tensors on its own GPU: docs/distributed.md, "Several GPUs")
                 w.heapmem = self.refs["heapmem"]
         if "op-cpu" in roles:
             from deepxd.kernels.cpu import blas, native

@@ -218,7 +218,8 @@ class HeapMemory(Actor):
 
     def __init__(self, kv: KV, node_id: str, *, pool_bytes: int = 256 << 20, poll_s: float = 0.05,
                  check_s: float = CHECK_S, name: str | None = None, device: Any = None,
-                 peers: Peers | None = None, owners: Owners | None = None) -> None:
+                 devices: dict[str, Any] | None = None, peers: Peers | None = None,
+                 owners: Owners | None = None) -> None:
         super().__init__(name)
         # other nodes, and whether they live (a dead one's tensors are unreachable, its holds here released)
         self.peers = peers if peers is not None else Peers(kv, node_id)
@@ -227,6 +228,9 @@ class HeapMemory(Actor):
         self.owners = owners  # who made the tensors, and their labels: written into their records
         self.kv = kv
         self.device = device  # a DeviceHeap (deepxd.actors.opcuda): heap tensors then live in its GPU memory
+        # every GPU's DeviceHeap by its device (cuda:N), where op-cuda has a worker per GPU: a worker's heap tensors
+        # go on its own GPU (its kernels cannot read another's memory); `device` serves the rest
+        self.devices: dict[str, Any] = dict(devices or {})
         self.node = node_id
         self.pool_bytes = pool_bytes
         self.poll_s = poll_s
@@ -272,7 +276,7 @@ class HeapMemory(Actor):
             for t in live:
                 t.state, t.view = "stopped", None
                 if t.block is not None:
-                    self.device.free(t.block)
+                    self._gpu(t.device).free(t.block)
                     t.block = None
                     continue
                 assert t.segment is not None
@@ -422,11 +426,12 @@ class HeapMemory(Actor):
 
     # -- handlers
     async def on_create(self, name: str, shape: Sequence[int], dtype: str, owner: str = "",
-                        zero: bool = True, replace_lost: bool = False) -> dict[str, Any]:
+                        zero: bool = True, replace_lost: bool = False, device: str = "") -> dict[str, Any]:
         """A new heap tensor (refcount 1, held by `owner` if given); its memory is zeroed unless zero=False.
-        replace_lost: a lost tensor of that name is replaced (a put), rather than refused."""
+        replace_lost: a lost tensor of that name is replaced (a put), rather than refused. `device`: the asking
+        worker's, whose GPU it goes on (the first where it is not a GPU of this node)."""
         w = _Writes(self.kv)
-        t = await self._create(w, name, shape, dtype, owner, zero, replace_lost)
+        t = await self._create(w, name, shape, dtype, owner, zero, replace_lost, device)
         try:
             await w.execute()
         except Exception as e:
@@ -454,12 +459,16 @@ class HeapMemory(Actor):
         self._delete(w, name, force)
         await w.execute()
 
-    async def on_array(self, name: str) -> Any:
+    async def on_array(self, name: str, device: str = "") -> Any:
         """The tensor's memory as an array, in place (zero-copy): writes are seen by every process. A GPU tensor's
-        is a device array."""
+        is a device array, refused to a worker on another GPU (`device`: its kernels would fault on it)."""
         t = self._live(name, "view")
+        if t.block is not None and device.startswith("cuda") and device != t.device:
+            raise DeepxError(f"heapmem: heap tensor {name!r} lives on {t.device}, and the session asking for it runs "
+                             f"on {device}, whose kernels cannot read another GPU's memory (a session's heap "
+                             "tensors live on its own GPU; docs/distributed.md, \"Several GPUs in one daemon\")")
         if t.view is None and t.block is not None:
-            t.view = await self.device.view(t.block, t.shape, t.dtype)
+            t.view = await self._gpu(t.device).view(t.block, t.shape, t.dtype)
         if t.view is None:
             assert t.segment is not None
             t.view = t.segment.array(t.shape, t.dtype)
@@ -725,8 +734,12 @@ class HeapMemory(Actor):
                 if n in self._tensors and self._tensors[n].present]
 
     # -- the work
+    def _gpu(self, device: Any) -> Any:
+        """The DeviceHeap of GPU `device` (cuda:N) where op-cuda runs a worker on it, else the first GPU's."""
+        return (self.devices.get(device) or self.device) if isinstance(device, str) else self.device
+
     async def _create(self, w: _Writes, name: Any, shape: Any, dtype: Any, owner: Any, zero: bool,
-                      replace_lost: bool = False) -> _Heap:
+                      replace_lost: bool = False, device: str = "") -> _Heap:
         if not isinstance(name, str) or not name:
             raise DeepxError(f"heapmem: a heap tensor needs a non-empty string name, not {name!r}")
         what = f"heapmem: cannot create heap tensor {name!r}"
@@ -759,7 +772,7 @@ class HeapMemory(Actor):
         nbytes = math.prod(dims) * itemsize
         labels = self.owners.fields(name) if self.owners is not None else {}
         if self.device is not None:
-            block = await self.device.alloc(name, nbytes, zero)
+            block = await self._gpu(device).alloc(name, nbytes, zero)
             t = _Heap(name=name, dtype=dtype, shape=dims, nbytes=nbytes, node=self.node, owner=owner,
                       holders=[owner] if owner else [], refcount=1, handle="", ctime=time.time(),
                       device=block.device, ipc_handle=block.ipc_handle.hex(), block=block, labels=labels)
@@ -960,7 +973,7 @@ class HeapMemory(Actor):
                 viewed = True
         if t.block is not None:
             # told after heap_gone, into the CUDA worker's mailbox: freed after every program queued before it
-            self.device.free(t.block)
+            self._gpu(t.device).free(t.block)
             t.block, t.view = None, None
             return
         seg, t.segment, t.view = t.segment, None, None

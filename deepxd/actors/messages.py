@@ -251,6 +251,7 @@ class Create(Message["HeapMemory", Fields]):
     owner: str = ""
     zero: bool = True
     replace_lost: bool = False
+    device: str = ""  # the asking worker's (cuda:N): a GPU heap tensor goes on that GPU; "": heapmem's first
 
 
 @dataclass(slots=True)
@@ -280,6 +281,7 @@ class ArrayOf(Message["HeapMemory", Any]):
 
     message: ClassVar[str] = "array"
     name: str
+    device: str = ""  # the asking worker's (cuda:N): a tensor in another GPU's memory is refused
 
 
 @dataclass(slots=True)

@@ -333,11 +333,11 @@ class CudaWorker(OpWorker):
                     continue
                 try:
                     await self.heapmem.ask(Create(name=name, shape=list(meta.shape), dtype=meta.dtype,
-                                           owner=self.name, zero=True))
+                                           owner=self.name, zero=True, device=self.device))
                 except DeepxError as e:
                     return f"instruction {i + 1}: newtensor: {e}", i
                 self.heap_held.add(name)
-                out[i] = await self.heapmem.ask(ArrayOf(name=name))
+                out[i] = await self.heapmem.ask(ArrayOf(name=name, device=self.device))
         return None
 
     async def _give_back(self, bounds: list[Bound], heap_new: dict[int, Any], done: int) -> None:

@@ -213,6 +213,7 @@ class OpWorker(Actor):
     until it exists) whose `tensors` table has `metas`."""
 
     ex: Any
+    device: str  # where it computes: cpu, or its GPU (cuda:N), whose memory its heap tensors are in
     heap: HeapViews  # heap tensor name -> its array (memory heapmem allocated)
     heap_held: set[str]  # heap tensors this worker holds a reference to (others only view)
     heapmem: ActorRef[HeapMemory] | None
@@ -534,7 +535,7 @@ class OpWorker(Actor):
             assert info is not None  # (missing_ok=False: a missing one raised)
             if self.name in info["holders"]:
                 self.heap_held.add(name)
-        view = await self.heapmem.ask(ArrayOf(name=name))
+        view = await self.heapmem.ask(ArrayOf(name=name, device=self.device))
         return info, view
 
     async def _heap_for_put(self, name: str, dtype: str, shape: tuple[int, ...], owner: str) -> Any:
@@ -554,7 +555,7 @@ class OpWorker(Actor):
         have = await self.heapmem.ask(Info(name=name, missing_ok=True))  # another worker's or process's here
         if have is None or have["state"] == "lost":
             await self.heapmem.ask(Create(name=name, shape=list(shape), dtype=dtype, owner=owner or self.name,
-                                   zero=False, replace_lost=True))
+                                   zero=False, replace_lost=True, device=self.device))
             if not owner or owner == self.name:
                 self.heap_held.add(name)
         else:
@@ -563,7 +564,7 @@ class OpWorker(Actor):
                                  f"{dtype}{list(shape)}")
             await self.heapmem.ask(Attach(name=name, holder=self.name))
             self.heap_held.add(name)
-        view = self.heap[name] = await self.heapmem.ask(ArrayOf(name=name))
+        view = self.heap[name] = await self.heapmem.ask(ArrayOf(name=name, device=self.device))
         return view
 
     def _prepare(self, plan: Plan, bounds: list[Bound], begun: int, heavy: bool = False,

@@ -486,3 +486,50 @@ async def test_a_restart_adopts_segments_that_outlived_a_dead_daemon_and_unlinks
     finally:
         await heap.stop()
     assert segments(node) == [] and (await kv.hgetall("tensor:w"))["state"] == "stopped"
+
+
+class _GpuMemory:
+    """What heapmem asks of one GPU's memory (deepxd/actors/opcuda.py's DeviceHeap: alloc, view, free), over host
+    arrays: no GPU here, and this test is about which GPU's memory heapmem goes to, not about CUDA."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.live: dict[str, np.ndarray] = {}
+
+    async def alloc(self, name: str, nbytes: int, zero: bool) -> Any:
+        from deepxd.actors.opcuda import DeviceBlock
+
+        self.live[name] = np.zeros(nbytes, np.uint8)
+        return DeviceBlock(self.live[name], nbytes, name.encode().ljust(64, b"\0"), self.device)
+
+    async def view(self, block: Any, shape: Any, dtype: str) -> np.ndarray:
+        assert any(a is block.allocation for a in self.live.values()), "viewed through another GPU's heap"
+        return block.allocation.view(dtype).reshape(shape)
+
+    def free(self, block: Any) -> None:
+        name = next(n for n, a in self.live.items() if a is block.allocation)  # (StopIteration: another GPU's)
+        del self.live[name]
+
+
+async def test_each_gpu_worker_s_heap_tensors_live_on_its_own_gpu(kv, node) -> None:
+    """With a worker per GPU, heapmem allocates, views and frees a heap tensor through the GPU of the worker that
+    asks (a module's parameters are heap tensors; a kernel cannot read another GPU's memory), the first GPU's where
+    none is said; a worker on another GPU asking for its view is refused, naming both."""
+    gpus = {d: _GpuMemory(d) for d in ("cuda:0", "cuda:1")}
+    actor = HeapMemory(kv, node, poll_s=0.01, device=gpus["cuda:0"], devices=dict(gpus))
+    actor.start()
+    try:
+        await ask(actor, "create", name="w1", shape=[2, 3], dtype="float32", owner="op-cuda:1", device="cuda:1")
+        await ask(actor, "create", name="w0", shape=[4], dtype="float32", owner="op-cuda", device="cuda:0")
+        await ask(actor, "create", name="p", shape=[1], dtype="float32", owner="plane")  # no device: the first
+        assert sorted(gpus["cuda:1"].live) == ["w1"] and sorted(gpus["cuda:0"].live) == ["p", "w0"]
+        assert (await ask(actor, "info", name="w1"))["device"] == "cuda:1"
+        assert (await ask(actor, "array", name="w1", device="cuda:1")).shape == (2, 3)
+        with pytest.raises(DeepxError, match=r"heap tensor 'w1' lives on cuda:1, and the session asking for it runs "
+                                             r"on cuda:0"):
+            await ask(actor, "array", name="w1", device="cuda:0")
+        await ask(actor, "delete", name="w1", force=True)
+        await eventually(lambda: not gpus["cuda:1"].live)  # freed through its own GPU's heap
+        assert sorted(gpus["cuda:0"].live) == ["p", "w0"]
+    finally:
+        await actor.stop()

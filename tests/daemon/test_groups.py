@@ -55,3 +55,51 @@ def test_group_requests_fail_naming_who_did_not_come(daemon: Daemon) -> None:
         b.request("group_leave", group="g5", gen=gen, rank=1)
         with pytest.raises(DeepxError, match=r"rank 1 left the group .* before it reached this one"):
             a.request("group_barrier", group="g5", gen=gen, rank=0, seq=1, timeout=5, what="barrier #1")
+
+
+async def test_rank_0_makes_the_nccl_id_only_where_the_whole_formation_runs_on_nccl() -> None:
+    """Making an ncclUniqueId starts NCCL's bootstrap root in rank 0's daemon, a thread that waits for the ranks'
+    communicators without end: it is made once the formation is whole and its backend is NCCL, never for one that
+    runs over the ring; the others wait for it, and take only their formation's. Where NCCL does not load on rank
+    0's daemon (this machine, unless DEEPX_NCCL names a libnccl), the ranks are told why."""
+    from deepxd.groups import _nccl_id, _nccl_id_known
+    from deepxd.kernels.cuda.nccl import available
+    from deepxd.kv.base import open_kv
+
+    kv = open_kv("memory")
+    await kv.connect()
+    try:
+        class Plane:  # what _nccl_id_known uses of the daemon's Node: its storage plane (and it as a key)
+            def __init__(self) -> None:
+                self.kv = kv
+
+        node: Any = Plane()
+
+        def gpu(n: str, **more: object) -> dict[str, Any]:
+            return {"node": n, "worker": "op-cuda", "host": "h", "gpu": f"bus-{n}", "nccl": True, **more}
+
+        ring = [gpu("a"), {"node": "b", "worker": "op-cpu", "host": "h"}]  # a mixed group: the ring
+        for rank in (0, 1):
+            assert await _nccl_id_known(node, "group:g", "g", "gen1", rank, {}, ring)
+        assert await kv.hgetall("group:g") == {}  # no id made
+        on_nccl = [gpu("a"), gpu("b")]
+        stale = {"nccl": "gen0:" + "ab" * 128}  # an earlier formation's
+        assert not await _nccl_id_known(node, "group:g", "g", "gen1", 1, dict(stale), on_nccl)  # waits for rank 0
+        record = dict(stale)
+        if available() is None:
+            assert await _nccl_id_known(node, "group:g", "g", "gen1", 0, record, on_nccl)
+            made = await kv.hgetall("group:g")
+            assert made["nccl"].startswith("gen1:") and record == made
+            nid = _nccl_id(made, "gen1")
+            assert nid is not None and len(nid) == 128 and _nccl_id(made, "gen0") is None
+            assert await _nccl_id_known(node, "group:g", "g", "gen1", 1, made, on_nccl)
+        else:
+            with pytest.raises(DeepxError, match=r"process group 'g': rank 0's daemon could not make NCCL's unique "
+                                                  r"id: NCCL: libnccl.so not found"):
+                await _nccl_id_known(node, "group:g", "g", "gen1", 0, record, on_nccl)
+            made = await kv.hgetall("group:g")
+            with pytest.raises(DeepxError, match="rank 0's daemon could not make NCCL's unique id"):
+                await _nccl_id_known(node, "group:g", "g", "gen1", 1, made, on_nccl)  # told, not left waiting
+            assert _nccl_id(made, "gen1") is None
+    finally:
+        await kv.close()

@@ -56,13 +56,14 @@ def test_actors_ls_json(live: Live) -> None:
     assert set(rows) == {"registry", "heapmem", "scheduler", "op-cpu"}
     for name, a in rows.items():
         assert (a["role"], a["state"], a["restarts"]) == (name, "running", 0)
-        assert a["device"] == ("cpu" if name == "op-cpu" else "")  # an op worker's: where it computes
+        assert a["device"] == ("cpu" if name == "op-cpu" else "")  # an op worker's, with --detail: where it computes
         assert a["mailbox"] >= 0 and a["errors"] >= 0 and a["busy_s"] >= 0
     assert rows["op-cpu"]["handled"] >= MATMULS
     running = json.loads(live.ctl("actors", "ls", "--format", "json", "--filter", "state!=running").stdout)
     assert running == []
     assert live.ctl("actors", "ls").stdout.splitlines()[0].split() == [
-        "NAME", "ROLE", "DEVICE", "STATE", "DOING", "FOR", "MAILBOX", "HANDLED", "ERRORS", "RESTARTS"]
+        "NAME", "ROLE", "STATE", "DOING", "FOR", "MAILBOX", "HANDLED", "ERRORS", "RESTARTS"]
+    assert "device" not in json.loads(live.ctl("actors", "ls", "--format", "json").stdout)[0]  # (--detail's)
     # what each actor is handling now: the registry answers this very query; the others are idle (heapmem checks
     # the plane's records of its tensors every 2 s, a round trip to Redis that one listing may come in the middle
     # of: a later one finds it done)

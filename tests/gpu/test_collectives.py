@@ -173,8 +173,11 @@ def test_an_embedded_op_cuda_session_forms_a_group_of_one_rank_through_nccl() ->
         assert not [k for k in stats if k.startswith("allreduce") and k != "allreduce (nccl)"], sorted(stats)
         formation = next(iter(s.transport.node.comm.formations.values()))
         assert formation.backend == "nccl" and formation.nccl is not None
+        c = formation.nccl
         dist.destroy_process_group()
-        assert formation.nccl is None  # the communicator went with the group
+        worker = s.transport.node.ref("op-cuda")._actor
+        worker._thread.submit(lambda: None).result(30)  # the communicator ends on the worker's thread, queued
+        assert formation.nccl is None and c.closed  # the communicator went with the group
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -103,7 +103,7 @@ def test_one_daemon_runs_a_worker_per_gpu_and_places_each_rank_on_its_own(tmp_pa
     try:
         d.wait_ready(120)
         listing = subprocess.run([sys.executable, "-m", "deepxctl", "--address", d.address, "actors", "ls",
-                                  "--format", "json"], capture_output=True, text=True, timeout=60)
+                                  "--format", "json", "--detail"], capture_output=True, text=True, timeout=60)
         assert listing.returncode == 0, listing.stderr
         devices = {a["name"]: a["device"] for a in json.loads(listing.stdout) if a["role"] == "op-cuda"}
         assert devices["op-cuda"] == "cuda:0" and devices["op-cuda:1"] == "cuda:1", devices
@@ -121,5 +121,35 @@ def test_one_daemon_runs_a_worker_per_gpu_and_places_each_rank_on_its_own(tmp_pa
         assert "through NCCL on cuda:0" in out and "through NCCL on cuda:1" in out, out
         assert ops_of(d, "op-cuda:1") == {"allreduce (nccl)"}
         assert "Traceback" not in out, out
+    finally:
+        assert d.stop() == 0, d.output()
+
+
+def test_a_session_on_the_second_gpu_keeps_its_heap_tensors_on_that_gpu(tmp_path: Path) -> None:
+    """A module's parameters are heap tensors: heapmem makes them on the GPU of the worker that asks (its kernels
+    cannot read the first GPU's memory), and the forward and backward on them equal numpy's."""
+    import deepx_sdk as dx
+    import deepx_sdk.nn as nn
+
+    d = Daemon(tmp_path, udp=False, env=gpu_daemon_env(tmp_path, None)).start(wait=False)
+    try:
+        d.wait_ready(120)
+        dx.connect(d.address, device="cuda:1")
+        try:
+            model = nn.Linear(4, 3)
+            x = np.arange(8, dtype=np.float32).reshape(2, 4)
+            out = model(dx.tensor(x))
+            out.sum().backward()
+            w, b = (p.numpy() for p in model.parameters())
+            np.testing.assert_allclose(out.numpy(), x @ w.T + b, rtol=1e-5)
+            np.testing.assert_allclose(model.weight.grad.numpy(), np.tile(x.sum(axis=0), (3, 1)), rtol=1e-5)
+            listing = subprocess.run([sys.executable, "-m", "deepxctl", "--address", d.address, "tensors", "ls",
+                                      "--format", "json", "--detail"], capture_output=True, text=True, timeout=60)
+            assert listing.returncode == 0, listing.stderr
+            heap = {t["name"]: t["device"] for t in json.loads(listing.stdout) if t["kind"] == "heap"}
+            assert heap and set(heap.values()) == {"cuda:1"}, heap
+        finally:
+            dx.disconnect()
+        assert "Traceback" not in d.output(), d.output()
     finally:
         assert d.stop() == 0, d.output()

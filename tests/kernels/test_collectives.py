@@ -224,3 +224,71 @@ def test_the_formation_picks_nccl_only_where_every_rank_has_a_gpu_of_its_own_wit
     assert "NCCL does not load on node b" in why_not_nccl([m("a", "g0"), {**m("b", "g1"), "nccl": False}])
     assert backend_of([m("a"), m("a")]) == ""  # one worker for both: requests meeting in the plane
     assert backend_of([{"node": "here"}]) == "ring"
+
+
+class _Ends:
+    """What deepxd/comm_gpu.py asks of an NCCL communicator when a formation ends (abort, destroy, closed), with the
+    thread of each call: NCCL does not load on this machine, and these tests are about who calls them, and where."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.calls: list[tuple[str, str]] = []
+
+    def abort(self) -> None:
+        import threading
+
+        if not self.closed:
+            self.closed = True
+            self.calls.append(("abort", threading.current_thread().name))
+
+    def destroy(self) -> None:
+        import threading
+
+        if not self.closed:
+            self.closed = True
+            self.calls.append(("destroy", threading.current_thread().name))
+
+
+@pytest.mark.parametrize("why", ["it was formed again", "its rank left"])
+def test_a_formation_dropped_from_the_loop_leaves_its_communicator_to_its_worker(why: str) -> None:
+    """_drop runs on the event loop while the worker's thread may wait in a collective of the formation (its peer
+    gone): the communicator stays with the formation until the worker's thread ends it, so that the failing wait
+    aborts it there (its kernels would otherwise hold the stream, and the deferred end would queue behind a wait for
+    that stream); the end handed to the worker then does nothing more. Left cleanly and idle: destroyed there."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepxd.comm import Formation
+    from deepxd.comm_gpu import _fail
+
+    comm = Collectives()
+    c = _Ends()
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker")
+    f = Formation("g", "gen1", 0, 2, ["a", "b"], [{}, {}], 5.0, backend="nccl", nccl=c,
+                  nccl_close=lambda fn: worker.submit(fn) and None)
+    comm.formations["g", 0] = f
+    waiting, release = threading.Event(), threading.Event()
+
+    def in_flight() -> None:  # the collective's wait on the worker's thread: the group breaks under it
+        waiting.set()
+        release.wait(10)
+        if f.broken is not None:
+            _fail(f, f.broken)
+
+    try:
+        if why == "it was formed again":
+            job = worker.submit(in_flight)
+            assert waiting.wait(10)
+        comm.left("g", "gen1") if why == "its rank left" else comm._drop(comm.formations.pop(("g", 0)), why)
+        assert f.broken is not None
+        if why == "it was formed again":
+            assert f.nccl is c and not c.closed  # not taken from the loop: the wait still finds it
+            release.set()
+            job.result(10)
+        worker.submit(lambda: None).result(10)  # the deferred end has run
+        assert f.nccl is None and c.closed
+        want = "abort" if why == "it was formed again" else "destroy"
+        assert [(what, thread.split("_")[0]) for what, thread in c.calls] == [(want, "worker")], c.calls
+    finally:
+        release.set()
+        worker.shutdown(wait=True)

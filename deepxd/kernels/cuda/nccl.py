@@ -101,7 +101,19 @@ def library() -> ctypes.CDLL:
     return _lib
 
 
+#: what deepx calls, each in every NCCL since 2.14 (non-blocking communicators, ncclCommFinalize)
+REQUIRED = ("ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRankConfig", "ncclCommGetAsyncError", "ncclCommAbort",
+            "ncclCommFinalize", "ncclCommDestroy", "ncclAllReduce", "ncclBroadcast", "ncclAllGather",
+            "ncclReduceScatter", "ncclGroupStart", "ncclGroupEnd", "ncclGetErrorString")
+
+
 def _declare(lib: ctypes.CDLL) -> None:
+    """The functions' types; DeepxError where the library lacks one (an NCCL before 2.14, or not NCCL), so that it
+    counts as NCCL not loading (a GPU daemon then starts, its groups on the ring) rather than failing op-cuda."""
+    missing = [name for name in REQUIRED if not hasattr(lib, name)]
+    if missing:
+        raise DeepxError(f"{getattr(lib, '_name', 'the library')} lacks {', '.join(missing)}: deepx needs NCCL 2.14 "
+                         "or later")
     vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     lib.ncclGetVersion.argtypes = [ctypes.POINTER(i)]
     lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
@@ -118,12 +130,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ncclGroupEnd.argtypes = []
     lib.ncclGetErrorString.argtypes = [i]
     lib.ncclGetErrorString.restype = ctypes.c_char_p
-    lib.ncclGetLastError.argtypes = [vp]
-    lib.ncclGetLastError.restype = ctypes.c_char_p
-    for name in ("ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRankConfig", "ncclCommGetAsyncError",
-                 "ncclCommAbort", "ncclCommFinalize", "ncclCommDestroy", "ncclAllReduce", "ncclBroadcast",
-                 "ncclAllGather", "ncclReduceScatter", "ncclGroupStart", "ncclGroupEnd"):
-        getattr(lib, name).restype = ctypes.c_int
+    if hasattr(lib, "ncclGetLastError"):  # (2.13 on; describe() does without)
+        lib.ncclGetLastError.argtypes = [vp]
+        lib.ncclGetLastError.restype = ctypes.c_char_p
+    for name in REQUIRED:
+        if name != "ncclGetErrorString":
+            getattr(lib, name).restype = ctypes.c_int
 
 
 def available() -> str | None:
@@ -197,8 +209,15 @@ class Communicator:
     def ptr(self) -> int:
         return int(self.handle.value or 0)
 
+    def _live(self, what: str) -> None:
+        """DeepxError where the communicator was ended: NCCL freed it, so no call may be given its handle."""
+        if self.closed:
+            raise DeepxError(f"NCCL: {what}: rank {self.rank}'s communicator of {self.world} ranks was ended "
+                             "(aborted or destroyed: the group broke or was left)")
+
     def state(self) -> int:
         """ncclCommGetAsyncError: SUCCESS, IN_PROGRESS (the last call is still going through), or an error."""
+        self._live("ncclCommGetAsyncError")
         err = ctypes.c_int()
         st = self.lib.ncclCommGetAsyncError(self.handle, ctypes.byref(err))
         if st != SUCCESS:
@@ -216,20 +235,24 @@ class Communicator:
 
     # -- collectives (device pointers; `stream`: a CUstream handle)
     def all_reduce(self, send: int, recv: int, count: int, dtype: str, op: str, stream: int) -> None:
+        self._live("ncclAllReduce")
         _check(self.lib.ncclAllReduce(_p(send), _p(recv), count, DTYPES[dtype], OPS[op], self.handle, _p(stream)),
                "ncclAllReduce", self.ptr)
 
     def broadcast(self, send: int, recv: int, nbytes: int, root: int, stream: int) -> None:
+        self._live("ncclBroadcast")
         _check(self.lib.ncclBroadcast(_p(send), _p(recv), nbytes, BYTES, root, self.handle, _p(stream)),
                "ncclBroadcast", self.ptr)
 
     def all_gather(self, send: int, recv: int, nbytes: int, stream: int) -> None:
         """Each rank's `nbytes` from `send` into block r of `recv` (world * nbytes)."""
+        self._live("ncclAllGather")
         _check(self.lib.ncclAllGather(_p(send), _p(recv), nbytes, BYTES, self.handle, _p(stream)),
                "ncclAllGather", self.ptr)
 
     def reduce_scatter(self, send: int, recv: int, count: int, dtype: str, op: str, stream: int) -> None:
         """Block r (of `count` elements) of the ranks' `send` (world * count) reduced, into `recv`."""
+        self._live("ncclReduceScatter")
         _check(self.lib.ncclReduceScatter(_p(send), _p(recv), count, DTYPES[dtype], OPS[op], self.handle,
                                           _p(stream)), "ncclReduceScatter", self.ptr)
 
