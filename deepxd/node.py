@@ -126,8 +126,16 @@ class Node:
 
                 self.udp_scope = UdpScope(self.worker, self.kv)
             self.executors.heapmem = self.refs.get("heapmem")
+            across = None
+            if not c.kv.startswith("memory") and c.placement == "cost" and workers:  # a plane others can share
+                from deepxd.placement import Across
+
+                across = Across(self.kv, self.peers, c.node_id, worker="op-cuda" if "op-cuda" in workers else "op-cpu",
+                                heapmem=self.refs.get("heapmem"), bytes_per_s=c.peer_bandwidth_mbs * 1e6,
+                                heartbeat_s=c.heartbeat_s)
             self.refs["scheduler"] = self.supervisor.start(Scheduler(workers, config=c, udp_scope=self.udp_scope,
-                                                                     executors=self.executors))
+                                                                     executors=self.executors, across=across,
+                                                                     node_id=c.node_id))
         # the others first: the registry's start writes the node record `running`, which a second daemon of this id
         # reads as this one's (its socket opened a moment later), and heapmem's start can take seconds
         await self._until_started()
