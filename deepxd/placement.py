@@ -184,12 +184,14 @@ def place(steps: Sequence[Step], here: str, nodes: Mapping[str, Node], held: Map
     where: dict[str, set[str]] = {name: {h.home} for name, h in held.items() if not h.heap}
     size: dict[str, int] = {name: h.nbytes for name, h in held.items()}
 
+    reached: set[tuple[str, str]] = set()  # (heap tensor, node of another host) streamed there already
+
     def move(t: str, n: str) -> tuple[float, Move | None]:
         nbytes = size.get(t, 0)
         if t in heap:
             home = heap[t]
-            if home == n or home not in nodes or nodes[home].host == nodes[n].host:
-                return 0.0, None  # mapped (or its home is gone: the program's run says so)
+            if home == n or home not in nodes or nodes[home].host == nodes[n].host or (t, n) in reached:
+                return 0.0, None  # mapped, or read there before (or its home is gone: the program's run says so)
             return nbytes / _bandwidth(nodes, home, n), Move(t, home, n, nbytes)
         holders = where.get(t)
         if not holders or n in holders:
@@ -205,7 +207,6 @@ def place(steps: Sequence[Step], here: str, nodes: Mapping[str, Node], held: Map
     moves: list[list[Move]] = []
     cost = 0.0
     here_s = 0.0  # every instruction here: the ops' times, and other hosts' heap tensors streamed once each
-    streamed: set[str] = set()
     prev = here
     for st in steps:
         candidates: list[str] = []
@@ -235,15 +236,18 @@ def place(steps: Sequence[Step], here: str, nodes: Mapping[str, Node], held: Map
         s, n, ms = best
         if st.here:
             here_s += _time(nodes, here, here, st.op)
-            for t in st.reads:
-                if t in heap and t not in streamed:
-                    streamed.add(t)
-                    here_s += move(t, here)[0]
+            for t in dict.fromkeys(st.reads):
+                if t in heap and (t, "") not in reached:
+                    reached.add((t, ""))  # ("": the program run here whole)
+                    c, _ = move(t, here)
+                    here_s += c
         else:
             here_s = math.inf
         cost += s
         for m in ms:
-            if m.tensor not in heap:
+            if m.tensor in heap:
+                reached.add((m.tensor, m.dst))
+            else:
                 where.setdefault(m.tensor, set()).update((m.dst, *((m.via,) if m.via else ())))
         for w, nbytes in st.writes:
             if w not in heap:
