@@ -12,9 +12,9 @@ node) or a `Placed`: where each instruction runs and what moves.
   tensors the program reads (the worker's metas, the plane's heap records) and writes (the ops' shape rules).
 - **The cost model** (`place`): instruction by instruction, each node that may run it costs the bytes its inputs
   must move there over the link (a heap tensor is free on its owner's host, where it is mapped), the op's mean time
-  there where it differs clearly (`CLEARLY`) from this node's, and a round trip where a segment begins there; the
-  cheapest wins, this node on a tie. The whole is taken only where it costs less than running every instruction
-  here, the results brought back included.
+  there where its worker is of another kind (op-cuda, op-cpu) and the means differ clearly (`CLEARLY`), and a round
+  trip where a segment begins there; the cheapest wins, this node on a tie. The whole is taken only where it costs
+  less than running every instruction here, the results brought back included.
 - **Segments** (`segments`): consecutive instructions placed on one peer go to it as one program over the peer link
   (`peer_run`): the tensors of this node it reads sent with it, under names of this node's own there
   (`_dx.<node>.<name>`), another node's heap tensors reached by name (mapped or streamed as any program does), the
@@ -22,7 +22,8 @@ node) or a `Placed`: where each instruction runs and what moves.
   temporaries kept there only until the last segment there that reads them.
 - **What may go**: an instruction that only writes its returns (effect `writes`, no files or output), reads no
   variable by name and writes no heap tensor; a `deltensor` of a result that lives only on a peer goes there. All
-  else runs here, and a program with a backward or a variable read by name stays here whole.
+  else runs here, and a program with a backward, a collective or a variable read by name stays here whole (a
+  collective's ranks are nodes that wait for each other: a segment sent to one of them would wait behind it).
 """
 
 from __future__ import annotations
@@ -162,13 +163,15 @@ def _bandwidth(nodes: Mapping[str, Node], a: str, b: str) -> float:
 
 
 def _time(nodes: Mapping[str, Node], here: str, n: str, op: str) -> float:
-    """The op's time on node n as placement counts it: its mean there where it differs clearly from this node's,
-    else this node's (0 where this node has none: no evidence, no difference)."""
+    """The op's time on node n as placement counts it: its mean there where its worker is of another kind than this
+    node's (op-cuda, op-cpu) and the means differ clearly, else this node's (0 where this node has none: no
+    evidence, no difference). Two workers of one kind run an op alike: what their means say apart is the load of
+    their machines when they ran it, which placement must not chase."""
     mine = nodes[here].mean_s.get(op)
     if n == here:
         return mine or 0.0
     theirs = nodes[n].mean_s.get(op)
-    if theirs is None or mine is None:
+    if theirs is None or mine is None or nodes[n].worker == nodes[here].worker:
         return mine or 0.0
     if theirs * CLEARLY <= mine or theirs >= mine * CLEARLY:
         return theirs
@@ -634,7 +637,13 @@ class Across:
         and no peer clearly faster at one of its ops."""
         if len(program) > MAX_PLACED:
             return None
-        unknown = any(instr.name not in OPS for instr in program)
+        unknown = False
+        for instr in program:
+            op = OPS.get(instr.name)
+            if op is None:
+                unknown = True
+            elif op.family == "collective":  # (the other ranks wait for this one: see the module's doc)
+                return None
         nodes = await self.nodes()
         if len(nodes) < 2:
             return None

@@ -14,10 +14,12 @@ A, B, C = "a", "b", "c"
 
 def cluster(*, same_host: bool = False, rtt: float = 1e-3, bw: float = 1e9,
             a_ops: frozenset[str] = frozenset({"sum", "mulscalar", "addscalar", "add", "deltensor", "npnorm"}),
-            b_mean: dict[str, float] | None = None, a_mean: dict[str, float] | None = None) -> dict[str, Node]:
+            b_mean: dict[str, float] | None = None, a_mean: dict[str, float] | None = None,
+            a_worker: str = "op-cpu") -> dict[str, Node]:
     """Node b (here) and node a, on one host or two."""
     return {B: Node(B, "hb", mean_s=b_mean or {}),
-            A: Node(A, "hb" if same_host else "ha", ops=a_ops, mean_s=a_mean or {}, rtt_s=rtt, bytes_per_s=bw)}
+            A: Node(A, "hb" if same_host else "ha", a_worker, ops=a_ops, mean_s=a_mean or {}, rtt_s=rtt,
+                    bytes_per_s=bw)}
 
 
 def steps_of(text: str, metas: dict[str, TensorMeta], heap: set[str]) -> list[Step]:
@@ -104,17 +106,20 @@ npnorm (tensor<float32>:y) -> (tensor<float32>:z)"""
     assert (last.ship, last.reuse, last.back, sorted(last.drop)) == ([], ["y"], ["z"], ["y", "z"])
 
 
-def test_a_peer_clearly_faster_at_an_op_gets_it_and_noise_does_not_count() -> None:
+def test_a_worker_of_another_kind_clearly_faster_at_an_op_gets_it_and_noise_does_not_count() -> None:
+    """a's op-cuda against b's op-cpu: its mean counts where it is clearly apart; two op-cpu workers' means never
+    (what sets them apart is their machines' load)."""
     text = "mul (tensor<float32>:x, tensor<float32>:x) -> (tensor<float32>:y)"
     steps = steps_of(text, {"x": TensorMeta((256,), F32)}, set())
     held = {"x": Held(1024, B)}
     ops = frozenset({"mul"})
-    fast = cluster(a_ops=ops, b_mean={"mul": 0.5}, a_mean={"mul": 0.01})
+    fast = cluster(a_ops=ops, b_mean={"mul": 0.5}, a_mean={"mul": 0.01}, a_worker="op-cuda")
     p = place(steps, B, fast, held)
     assert p is not None and p.nodes == [A]
-    close = cluster(a_ops=ops, b_mean={"mul": 0.5}, a_mean={"mul": 0.3})  # under 2x: noise, not a reason to move
+    assert place(steps, B, cluster(a_ops=ops, b_mean={"mul": 0.5}, a_mean={"mul": 0.01}), held) is None  # one kind
+    close = cluster(a_ops=ops, b_mean={"mul": 0.5}, a_mean={"mul": 0.3}, a_worker="op-cuda")  # under 2x: noise
     assert place(steps, B, close, held) is None
-    unknown = cluster(a_ops=ops, a_mean={"mul": 0.01})  # nothing known here: no evidence, no move
+    unknown = cluster(a_ops=ops, a_mean={"mul": 0.01}, a_worker="op-cuda")  # nothing known here: no evidence
     assert place(steps, B, unknown, held) is None
 
 

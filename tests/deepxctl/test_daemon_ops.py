@@ -99,8 +99,8 @@ def test_admin_graphs(live: Live) -> None:
 def test_unknown_request_op_lists_delete(live: Live) -> None:
     known = ("known: admin, backward, coll_read, delete, executor_register, explain, fetch, graph_drop, graph_get, "
              "graph_rm, "
-             "graph_store, group_barrier, group_join, group_leave, hello, label, peer_hold, peer_ping, peer_read, peer_run, "
-             "ping, put, release_on_close, replay, run, udp_share")
+             "graph_store, group_barrier, group_join, group_leave, hello, label, peer_hold, peer_ping, peer_read, "
+             "peer_run, ping, put, release_on_close, replay, run, udp_share")
     with live.daemon.client() as c, pytest.raises(DeepxError, match=known):
         c.request("frobnicate")
 
