@@ -5,8 +5,8 @@ checked against the state the one before it left. Placement: with op-cuda runnin
 else to op-cpu; an instruction of an op that only executors of other processes serve, or that names one, goes to
 one, the rest of its program in parts around it (_run_placed; deepxd/executors.py). Where other nodes are linked, a
 program whose plan is not cached may have instructions placed on their workers (an op only they serve, a small op
-on a large heap tensor of another host, an op they run clearly faster): the cost model of deepxd/placement.py, the
-program run in segments (_run_across).
+on a large heap tensor of another host, an op that their worker of another kind runs clearly faster): the cost
+model of deepxd/placement.py, the program run in segments (_run_across).
 
 The passes see the tensors that exist on the worker (asked once per program, and only for a program in which a
 value can end, by a deltensor or a second write to a name: without one every pass is a no-op) and the names the
