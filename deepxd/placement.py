@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from deepxd.actors.scheduler import Scheduler
     from deepxd.actors.worker import OpWorker, RunResult
     from deepxd.kv.base import KV
-    from deepxd.peers import Peers
+    from deepxd.peers import Far, Peers
 
 log = logging.getLogger(__name__)
 
@@ -555,6 +555,9 @@ class Across:
         self._nodes: dict[str, Node] = {}
         self._records: dict[str, dict[str, str]] = {}  # the nodes' records as read with _nodes
         self._read_at = -math.inf
+        # other nodes' heap tensors as their records said, and when read: kept a heartbeat (a segment reaches a
+        # tensor by name, so a record gone stale costs an estimate, never a wrong value)
+        self._far: dict[str, tuple[Far, float]] = {}
         self.placed = 0  # programs run across nodes
         self.segments = 0  # segments run on peers
         self.moved = 0  # bytes sent to and brought back from peers
@@ -655,10 +658,7 @@ class Across:
         missing = [n for n in names if n not in metas]
         if not unknown and not missing and not faster:
             return None
-        far = []
-        if missing and self.heapmem is not None:
-            _, records = await self.heapmem.ask(Remote(names=missing))
-            far = [f for f in records if f.state == "live" and f.device == "cpu"]
+        far = await self._far_records(missing)
         if len(far) < len(missing):  # not found, or another node's that cannot be reached: the check here says so
             return None
         _, heap_here, _ = await worker.ask(State())
@@ -680,6 +680,24 @@ class Across:
         frozen = frozenset(heap)
         return Placed(program, steps, placement, segments(steps, placement.nodes, self.node_id, frozen), frozen,
                       nodes, self.node_id)
+
+    async def _far_records(self, names: Sequence[str]) -> list[Far]:
+        """The live heap tensors of other nodes in host memory among `names` (the plane's records, read at most once
+        a heartbeat each)."""
+        if not names or self.heapmem is None:
+            return []
+        now = time.monotonic()
+        known = {n: f for n, (f, at) in ((n, self._far[n]) for n in names if n in self._far)
+                 if now - at < self.heartbeat_s}
+        ask = [n for n in names if n not in known]
+        if ask:
+            _, records = await self.heapmem.ask(Remote(names=ask))
+            if len(self._far) > 4096:
+                self._far.clear()
+            for f in records:
+                known[f.name] = f
+                self._far[f.name] = (f, now)
+        return [f for f in (known.get(n) for n in names) if f is not None and f.state == "live" and f.device == "cpu"]
 
     async def explain(self, program: Sequence[Instr], fetch: Sequence[str], worker: ActorRef[OpWorker]
                       ) -> dict[str, Any]:
