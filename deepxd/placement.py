@@ -808,10 +808,11 @@ def _nbytes(m: TensorMeta) -> int:
 
 
 async def serve_peer_run(scheduler: ActorRef[Scheduler], worker: ActorRef[OpWorker], req: dict[str, Any],
-                         program: list[Instr]) -> dict[str, Any]:
+                         program: list[Instr], gone: Callable[[], bool] | None = None) -> dict[str, Any]:
     """A segment of another node's program (`peer_run`): its tensors put here under its temporary names, the
-    program run (placed here: it goes no further), the results it asks for fetched, and its temporaries that no
-    later segment reads deleted; all of them where it failed, or where it asks (`clean`)."""
+    program run (placed here: it goes no further; `gone`: whether the asking node hung up, which stops it), the
+    results it asks for fetched, and its temporaries that no later segment reads deleted; all of them where it
+    failed, or where it asks (`clean`)."""
     from deepxd.net.native import encode_result
 
     prefix = req.get("prefix")
@@ -831,21 +832,38 @@ async def serve_peer_run(scheduler: ActorRef[Scheduler], worker: ActorRef[OpWork
         for p in puts:
             await worker.ask(Put(name=p["name"], dtype=p.get("dtype"), shape=p.get("shape") or [],
                                  data=p.get("data") or b""))
-        result = await scheduler.ask(Run(program=program, fetch=fetch, origin="peer"))
+        result = await scheduler.ask(Run(program=program, fetch=fetch, cancel=gone, origin="peer"))
         return {"result": encode_result(result)}
     finally:
-        every = result is None or bool(result.error) or bool(req.get("clean"))
-        gone = drop  # (what the segment put or wrote and does not delete: here)
-        if every:
-            gone = [r["name"] for r in await worker.ask(WorkerTensors()) if r["name"].startswith(prefix)]
-        if gone:
-            done = await worker.ask(RunProgram(program=[Instr("deltensor", (), (Param.tensor(n),)) for n in gone]))
-            if done.error and not every:  # one was not there after all: those that are
-                have = await worker.ask(Metas(names=list(gone)))
-                done = await worker.ask(RunProgram(program=[Instr("deltensor", (), (Param.tensor(n),))
-                                                            for n in gone if n in have]))
-            if done.error:
-                log.warning("placement: deleting node %s's temporaries here failed: %s", prefix, done.error)
+        await _delete_temporaries(worker, prefix, req, puts, program, drop, result)
+
+
+async def _delete_temporaries(worker: ActorRef[OpWorker], prefix: str, req: dict[str, Any], puts: list[Any],
+                              program: list[Instr], drop: list[str], result: RunResult | None) -> None:
+    """After a peer's segment: `drop`, the temporaries no later segment there reads; where the segment failed
+    (or was refused, or cancelled), every name it put or names under the prefix; where the node asks (`clean`, its
+    program stopped: it sends nothing else meanwhile), every one of its names here."""
+    from deepxd.compiler.analysis import named_tensors
+
+    gone = list(drop)
+    if req.get("clean"):
+        gone = [r["name"] for r in await worker.ask(WorkerTensors()) if r["name"].startswith(prefix)]
+    elif result is None or result.error:
+        mine = {p["name"] for p in puts} | set(drop)
+        for instr in program:
+            mine.update(n for n in (named_tensors(instr) if instr.name in OPS else _category_names(instr.returns))
+                        if n.startswith(prefix))
+        have = await worker.ask(Metas(names=sorted(mine)))
+        gone = [n for n in sorted(mine) if n in have]
+    if not gone:
+        return
+    done = await worker.ask(RunProgram(program=[Instr("deltensor", (), (Param.tensor(n),)) for n in gone]))
+    if done.error:  # one was not there after all: those that are
+        have = await worker.ask(Metas(names=list(gone)))
+        done = await worker.ask(RunProgram(program=[Instr("deltensor", (), (Param.tensor(n),))
+                                                    for n in gone if n in have]))
+    if done.error:
+        log.warning("placement: deleting node %s's temporaries here failed: %s", prefix, done.error)
 
 
 __all__ = ["Across", "Held", "Move", "Node", "Placed", "Placement", "Segment", "Step", "describe", "explained",

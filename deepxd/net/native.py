@@ -601,7 +601,7 @@ class NativeServer:
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise DeepxError(f"unknown request op {op!r}; known: {', '.join(sorted(self._ops))}")
-            if op == "run":
+            if op in ("run", "peer_run"):
                 out = await handler(req, gone)
             elif op == "executor_register":
                 out = await handler(req, bound, writer)
@@ -754,8 +754,9 @@ class NativeServer:
     async def _op_peer_read(self, req: dict[str, Any]) -> dict[str, Any]:
         return await self._peers().serve_read(req)
 
-    async def _op_peer_run(self, req: dict[str, Any]) -> dict[str, Any]:
-        """A segment of another node's program, placed here (deepxd/placement.py)."""
+    async def _op_peer_run(self, req: dict[str, Any], gone: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """A segment of another node's program, placed here (deepxd/placement.py); `gone`: whether that node hung
+        up (it stopped waiting: the segment stops as a run whose client went does)."""
         from deepxd.placement import serve_peer_run
 
         prog = req.get("program") or []
@@ -764,7 +765,7 @@ class NativeServer:
         node = req.get("node")
         if isinstance(node, str) and self.node.peers is not None:
             self.node.peers.heard_from(node)
-        return await serve_peer_run(self.node.ref("scheduler"), self.node.worker(), req, _program(prog))
+        return await serve_peer_run(self.node.ref("scheduler"), self.node.worker(), req, _program(prog), gone)
 
     async def _op_coll_read(self, req: dict[str, Any]) -> dict[str, Any]:
         """A unit of a collective, for the next rank of a process group (deepxd/comm.py)."""

@@ -240,3 +240,45 @@ def test_two_nodes_that_place_on_each_other_at_once_both_finish(cluster: Cluster
         assert float(r.tensors["ys"]) == pytest.approx(ys, rel=1e-3, abs=1e-1)
     for d in (b, a):
         assert d.stop() == 0, d.output()
+
+
+def test_a_client_that_leaves_while_a_peer_runs_its_segment_frees_both_nodes(cluster: Cluster, tmp_path: Path) -> None:
+    """b's client hangs up while a's executor runs b's segment (slowcopy, asked to sleep 600 s): b stops waiting and
+    hangs up on a, whose run of the segment stops as a run whose client went does; both nodes serve the next
+    program at once, and a keeps none of b's temporaries."""
+    a, b = cluster.start(1, QUICK), cluster.start(2, QUICK)
+    ca, cb = a.client(), b.client()
+    ex = Executor(a.address, tmp_path, check=ca)
+    try:
+        eventually(lambda: "slowcopy.signature" in cluster.hash(f"ops:{a.node_id}:numpy-extra"),
+                   what="a's registry wrote its executor's ops")
+        linked(b, a)
+        cb.put("k", np.arange(6, dtype=np.float32))
+        leaving = b.client()
+        errors: list[BaseException] = []
+
+        def program() -> None:
+            try:
+                run(leaving, "slowcopy (tensor<float32>:k, var<float32>:600) -> (tensor<float32>:k2)")
+            except BaseException as e:  # (its connection shut under it)
+                errors.append(e)
+
+        t = threading.Thread(target=program)
+        t.start()
+        eventually(lambda: (ex.marker / "slow-began").exists(), 30, "a's executor runs slowcopy")
+        leaving.sock.shutdown(2)
+        t.join(30)
+        assert not t.is_alive() and errors
+        ca.put("z", np.ones(3, np.float32))
+        r = run(ca, "addscalar (tensor<float32>:z, var<float32>:1.0) -> (tensor<float32>:z1)", ["z1"])
+        assert r.ok and r.tensors["z1"].tolist() == [2, 2, 2]  # a's scheduler is not held by the segment
+        mine = run(cb, "addscalar (tensor<float32>:k, var<float32>:1.0) -> (tensor<float32>:k1)", ["k1"])
+        assert mine.ok and mine.tensors["k1"].tolist() == list(range(1, 7))
+        eventually(lambda: temporaries(ca) == [], what="a deleted b's temporaries")
+    finally:
+        leaving.close()
+        ex.stop(signal.SIGKILL)
+        ca.close()
+        cb.close()
+    for d in (b, a):
+        assert d.stop() == 0, d.output()
