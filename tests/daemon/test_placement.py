@@ -88,6 +88,22 @@ def test_an_op_only_another_node_serves_runs_there(cluster: Cluster, tmp_path: P
         again = run(cb, CHAIN, ["e"])
         np.testing.assert_allclose(again.tensors["e"], want, rtol=1e-6)
 
+        # a result of a's read here (print runs where the output goes) and on a again: brought back, and kept on a
+        # for the later segment there, then deleted there
+        r = run(cb, """
+            cummax (tensor<float32>:x, var<int32>:1) -> (tensor<float32>:m)
+            print (tensor<float32>:m) -> ()
+            cummax (tensor<float32>:m, var<int32>:0) -> (tensor<float32>:m2)
+            addscalar (tensor<float32>:m2, var<float32>:1.0) -> (tensor<float32>:e2)
+        """, ["e2", "m"])
+        assert r.ok, r.error
+        m = np.maximum.accumulate(x, axis=1)
+        np.testing.assert_allclose(r.tensors["m"], m, rtol=1e-6)
+        np.testing.assert_allclose(r.tensors["e2"], np.maximum.accumulate(m, axis=0) + 1, rtol=1e-6)
+        where = [n for n, _ in placed(r)]
+        assert where[:3] == [a.node_id, b.node_id, a.node_id], where
+        assert r.output and "print" not in r.output[0]
+        assert temporaries(ca) == []
         # an error on a names the instruction, the node and the program's own tensor names
         bad = run(cb, "cummax (tensor<float32>:x, var<int32>:7) -> (tensor<float32>:m2)")
         assert not bad.ok and bad.error_index == 0 and bad.error.startswith("instruction 1: on node "), bad.error
@@ -280,5 +296,32 @@ def test_a_client_that_leaves_while_a_peer_runs_its_segment_frees_both_nodes(clu
         ex.stop(signal.SIGKILL)
         ca.close()
         cb.close()
+    for d in (b, a):
+        assert d.stop() == 0, d.output()
+
+
+def test_a_heap_tensor_of_b_goes_to_a_on_another_host_by_name(cluster: Cluster, tmp_path: Path) -> None:
+    """b's segment on a, on another host, reads b's heap tensor: a streams it from b by name as any program of a's
+    does (b's heapmem serves it while b's scheduler waits for the segment); b's stack tensor goes with the request."""
+    a, b = hosts(cluster, tmp_path, "host-a", "host-b")
+    with a.client() as ca, b.client() as cb:
+        ex = Executor(a.address, tmp_path, check=ca)
+        try:
+            eventually(lambda: "outer.signature" in cluster.hash(f"ops:{a.node_id}:numpy-extra"),
+                       what="a's registry wrote its executor's ops")
+            linked(b, a)
+            v, w = np.arange(3, dtype=np.float64), np.arange(4, dtype=np.float64) + 1
+            cb.put("v", v, heap=True)
+            cb.put("w", w)
+            r = run(cb, "outer (tensor<float64>:v, tensor<float64>:w) -> (tensor<float64>:o)", ["o"])
+            assert r.ok, r.error
+            np.testing.assert_array_equal(r.tensors["o"], np.outer(v, w))
+            (row,) = r.placement["instructions"]
+            assert (row["node"], row["worker"]) == (a.node_id, "numpy-extra")
+            assert sorted((m["tensor"], m["from"], m["to"], m["bytes"]) for m in row["moved"]) == [
+                ("v", b.node_id, a.node_id, 24), ("w", b.node_id, a.node_id, 32)]
+            assert temporaries(ca) == []
+        finally:
+            ex.stop()
     for d in (b, a):
         assert d.stop() == 0, d.output()
