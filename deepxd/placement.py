@@ -2,9 +2,9 @@
 
 A program sent to this node may have instructions that only another node serves (an op of an executor registered
 there), or that cost less there (a small op on a large heap tensor of another host, whose bytes would otherwise
-cross the link; an op that node's worker runs clearly faster). Where a program's plan is not in the scheduler's
-cache, and other nodes are linked, the scheduler asks `Across.plan`, which answers None (everything here, as on one
-node) or a `Placed`: where each instruction runs and what moves.
+cross the link; an op that node's worker, of another kind, runs clearly faster). Where a program's plan is not in
+the scheduler's cache, and other nodes are linked, the scheduler asks `Across.plan`, which answers None (everything
+here, as on one node) or a `Placed`: where each instruction runs and what moves.
 
 - **What is known**: the live nodes of the plane and the ops each serves, with their mean time per call
   (`ops:<node>:<worker>`: the registries' op statistics, read at most once per heartbeat), each peer link's round
