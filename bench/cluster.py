@@ -1,13 +1,16 @@
 """Heap tensors of another node, against their peers: a fetch of node a's 1 MiB and 64 MiB float32 heap tensors
 from a node of the same host (it maps a's segment) and from a node of another host (streamed over a TCP peer link
-with the token), each against a fetch from a itself; and a program on the other host's node that reads the tensor
-(a sum: the bytes cross the link, four bytes come back) against the same bytes sent over a bare loopback TCP socket.
+with the token), each against a fetch from a itself; a program on the other host's node that reads the tensor
+(a sum: the bytes cross the link, four bytes come back) against the same bytes sent over a bare loopback TCP socket;
+and the same one-instruction program sent to a node of the other host that places it on a (programs across nodes:
+the sum runs on a, only its result crosses back) against it run on a itself.
 Prints ms and ratios; writes bench/results/cluster.json.
 
     python bench/cluster.py [--iters 10] [--rounds 3]
 
-Three deepxd on one redis-server of the benchmark's own: a and b say they run on one host, c on another (the `host`
-setting), so c reaches a over TCP on loopback, as a node of another machine would over its network.
+Four deepxd on one redis-server of the benchmark's own: a and b say they run on one host, c and d on another (the
+`host` setting), so c and d reach a over TCP on loopback, as nodes of another machine would over its network. c
+runs with `placement = local` (it streams a's tensor and sums it itself), d with the default, `cost`.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _redis_answers(port: int) -> bool:
 
 @contextmanager
 def cluster(folder: Path) -> Iterator[dict[str, str]]:
-    """Node name -> its socket address: a and b on host `bench-1`, c on host `bench-2`."""
+    """Node name -> its socket address: a and b on host `bench-1`, c and d on host `bench-2` (c: placement local)."""
     redis = shutil.which("redis-server")
     if redis is None:
         raise SystemExit("bench/cluster.py needs redis-server on PATH (apt-get install redis-server)")
@@ -87,10 +90,11 @@ def cluster(folder: Path) -> Iterator[dict[str, str]]:
         procs.append((p, None))
         _wait(lambda: _redis_answers(port), "redis-server", p, folder / "redis.log")
         addresses = {}
-        for node, host in (("a", "bench-1"), ("b", "bench-1"), ("c", "bench-2")):
+        for node, host in (("a", "bench-1"), ("b", "bench-1"), ("c", "bench-2"), ("d", "bench-2")):
             address = f"unix://{folder / f'{node}.sock'}"
             env = {**os.environ, "DEEPX_ROLES": "registry,heapmem,scheduler,op-cpu", "DEEPX_HOST": host,
-                   "DEEPX_KV_PREFIX": f"benchcluster{os.getpid()}:", "DEEPX_NATIVE_BACKGROUND": "0"}
+                   "DEEPX_KV_PREFIX": f"benchcluster{os.getpid()}:", "DEEPX_NATIVE_BACKGROUND": "0",
+                   "DEEPX_PLACEMENT": "local" if node == "c" else "cost"}
             logf = open(folder / f"{node}.log", "wb")  # (closed with the process, below)
             proc = subprocess.Popen([sys.executable, "-m", "deepxd", "start", "--listen", address, "--listen",
                                      "tcp://127.0.0.1:0", "--token-file", str(token), "--udp", "off", "--kv",
@@ -155,6 +159,27 @@ def median_time(fn: Callable[[], Any], iters: int) -> float:
     return float(np.median(times))
 
 
+#: how many of node d's timed runs of each size it placed on another node (the rest it ran itself)
+PLACED: dict[str, list[int]] = {}
+
+
+def placed(r: Any, label: str) -> None:
+    """A run on node d, counted by where it ran: placed on another node, or run on d (where the cost model found the
+    link's round trip dearer than the bytes: a small tensor, a slow ping)."""
+    r.raise_for_error()
+    away = r.placement is not None and r.placement["instructions"][0]["node"] != r.placement["node"]
+    PLACED.setdefault(label, [0, 0])[0 if away else 1] += 1
+
+
+def linked(client: Any, to: str) -> None:
+    """Until `client`'s node answers over its peer link to node `to` (placement looks only at linked nodes)."""
+    deadline = time.monotonic() + 60
+    while not any(n["node"] == to and n.get("link") in ("tcp", "unix") for n in client.admin("nodes")):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no peer link to node {to} within 60 s")
+        time.sleep(0.1)
+
+
 def one_round(clients: dict[str, Any], iters: int) -> dict[str, dict[str, float]]:
     from deepx_core.ir import parse_text
 
@@ -168,6 +193,7 @@ def one_round(clients: dict[str, Any], iters: int) -> dict[str, dict[str, float]
             "streamed_fetch": median_time(lambda name=name: clients["c"].fetch(name), iters),  # type: ignore[misc]
             "local_program": median_time(lambda t=total: clients["a"].run(t).raise_for_error(), iters),  # type: ignore[misc]
             "streamed_program": median_time(lambda t=total: clients["c"].run(t).raise_for_error(), iters),  # type: ignore[misc]
+            "placed_program": median_time(lambda t=total, k=label: placed(clients["d"].run(t), k), iters),  # type: ignore[misc]
         }
         bare = BareSocket(n * 4)
         try:
@@ -191,6 +217,7 @@ def main() -> None:
         try:
             for n in SIZES.values():
                 clients["a"].put(f"t{n}", np.random.default_rng(n).standard_normal(n).astype(np.float32), heap=True)
+            linked(clients["d"], clients["a"].server["node"])
             # rounds in turn, each figure its best round: a slow spell of a shared machine falls on every figure
             for _ in range(opts.rounds):
                 for label, figures in one_round(clients, opts.iters).items():
@@ -218,7 +245,18 @@ def main() -> None:
               f"{f['bare_socket'] / max(moved, 1e-9):7.2f}x")
         results[label] = {**f, "mapped_vs_local": f["mapped_fetch"] / f["local_fetch"],
                           "streamed_vs_local": f["streamed_fetch"] / f["local_fetch"],
-                          "link_vs_bare_socket": f["bare_socket"] / max(moved, 1e-9)}
+                          "link_vs_bare_socket": f["bare_socket"] / max(moved, 1e-9),
+                          "placed_vs_local": f["placed_program"] / f["local_program"],
+                          "placed_vs_streamed": f["placed_program"] / f["streamed_program"]}
+    print(f"{'one-instruction program':24} {'on a ms':>9} {'placed ms':>10} {'ratio':>6} {'streamed ms':>12} "
+          f"{'placed/streamed':>16}")
+    for label, f in best.items():
+        away, here = PLACED.get(label, [0, 0])
+        results[label]["placed_runs"], results[label]["runs_on_d"] = away, here
+        print(f"{label:24} {f['local_program'] * 1e3:9.2f} {f['placed_program'] * 1e3:10.2f} "
+              f"{f['placed_program'] / f['local_program']:5.2f}x {f['streamed_program'] * 1e3:12.2f} "
+              f"{f['placed_program'] / f['streamed_program']:15.2f}x   (placed on a's host {away} times of "
+              f"{away + here})")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / "cluster.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -58,6 +58,8 @@ class RunReply:
     times: bytes  # float64 (start, end) per instruction that ran, microseconds after t0
     output: list[str] = field(default_factory=list)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    # a program run across nodes: each instruction's node and worker, what moved (docs/cluster.md); else None
+    placement: dict[str, Any] | None = None
 
     @property
     def times_us(self) -> np.ndarray:
@@ -332,7 +334,7 @@ class NativeClient:
         tensors = r.get("tensors")
         return RunReply(bool(r["ok"]), r["done"], r.get("error"), r.get("error_index", -1), r.get("t0", 0.0),
                         r.get("times", b""), r.get("output", []),
-                        {k: decode_tensor(v) for k, v in tensors.items()} if tensors else {})
+                        {k: decode_tensor(v) for k, v in tensors.items()} if tensors else {}, r.get("placement"))
 
     def fetch(self, *names: str) -> dict[str, np.ndarray]:
         r = self.request("fetch", names=list(names))

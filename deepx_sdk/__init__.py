@@ -18,7 +18,7 @@ from typing import Any
 
 from deepx_core import __version__
 from deepx_core.errors import DeepxAttributeError, DeepxError, DeepxParseError
-from deepx_sdk.compile import CompiledFunction, compile, explain, graphs
+from deepx_sdk.compile import CompiledFunction, Placed, compile, explain, graphs
 from deepx_sdk.grad_mode import enable_grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
 from deepx_sdk.io import load, save
 from deepx_sdk.session import Session, connect, disconnect, session
@@ -131,13 +131,13 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
            "median"):
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
-__all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Session", "Tensor", "__version__", "add", "arange",
-           "as_tensor", "cat", "compile", "concat", "connect", "disconnect", "div", "divide", "empty", "empty_cache",
-           "empty_like", "enable_grad", "explain", "from_numpy", "full", "full_like", "graphs", "inference_mode",
-           "is_grad_enabled", "linspace", "load", "manual_seed", "matmul", "maximum", "minimum", "mul", "multiply",
-           "no_grad", "ones", "ones_like", "pow", "rand", "rand_like", "randint", "randn", "randn_like", "rsub", "save",
-           "session", "set_grad_enabled", "stack", "sub", "subtract", "sync", "tensor", "true_divide", "where", "zeros",
-           "zeros_like"]
+__all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Placed", "Session", "Tensor", "__version__", "add",
+           "arange", "as_tensor", "cat", "compile", "concat", "connect", "disconnect", "div", "divide", "empty",
+           "empty_cache", "empty_like", "enable_grad", "explain", "from_numpy", "full", "full_like", "graphs",
+           "inference_mode", "is_grad_enabled", "linspace", "load", "manual_seed", "matmul", "maximum", "minimum",
+           "mul", "multiply", "no_grad", "ones", "ones_like", "pow", "rand", "rand_like", "randint", "randn",
+           "randn_like", "rsub", "save", "session", "set_grad_enabled", "stack", "sub", "subtract", "sync", "tensor",
+           "true_divide", "where", "zeros", "zeros_like"]
 
 
 multiply, subtract, divide, true_divide = mul, sub, div, div

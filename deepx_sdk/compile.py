@@ -30,7 +30,7 @@ import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -497,6 +497,48 @@ class Explained:
                 f"({', '.join(self.passes) or 'none'}) --\n{self.after}")
 
 
+@dataclass
+class Placed:
+    """Where a program ran (`dx.explain()`): the node it was sent to, each instruction's node and worker with what
+    moved for it ({tensor, from, to, bytes}), what was brought back to the node at the end, and the bytes moved in
+    all. A program placed on one node's worker alone moved nothing (docs/cluster.md, "Programs across nodes")."""
+
+    node: str
+    instructions: list[dict[str, Any]]
+    back: list[dict[str, Any]]
+    bytes: int
+
+    def __str__(self) -> str:
+        def moved(ms: list[dict[str, Any]]) -> str:
+            return ", ".join(f"{m['tensor']} {m['from']} -> {m['to']} ({m['bytes']} B"
+                             f"{', through ' + m['via'] if m.get('via') else ''})" for m in ms)
+
+        lines = [f"program on node {self.node}: {len(self.instructions)} instructions, {self.bytes} bytes moved"]
+        for r in self.instructions:
+            lines.append(f"{r['index'] + 1:>4}  {r['node']:<16} {r['worker']:<12} {r['instr']}"
+                         + (f"   moved: {moved(r['moved'])}" if r["moved"] else ""))
+        if self.back:
+            lines.append(f"      brought back: {moved(self.back)}")
+        return "\n".join(lines)
+
+
+def _placed(s: Session) -> Placed:
+    """Placed of the session's last program: from its reply where it ran across nodes, else all on the node's
+    worker."""
+    from deepx_core.ir.text import format_text
+
+    last = s.recorder.last_run
+    if last is None:
+        raise DeepxError("dx.explain(): this session has run no program yet (give a graph, or run something first)")
+    program, placement = last
+    if placement is not None:
+        return Placed(str(placement.get("node", "")), list(placement.get("instructions") or []),
+                      list(placement.get("back") or []), int(placement.get("bytes", 0)))
+    node, worker = s.transport.where()
+    return Placed(node, [{"index": i, "instr": format_text(instr), "node": node, "worker": worker, "moved": []}
+                         for i, instr in enumerate(program)], [], 0)
+
+
 def _drop_when_gone(made: list[tuple[Any, str]]) -> None:
     """A compiled function was collected (in any thread): its graphs go with the sessions' next programs."""
     for s, name in made:
@@ -940,14 +982,25 @@ def graphs() -> list[GraphInfo]:
     return sorted(out, key=lambda g: g.name)
 
 
-def explain(graph: str | CompiledFunction) -> Explained:
-    """A stored graph's program before and after the daemon's passes."""
+@overload
+def explain(graph: str | CompiledFunction) -> Explained: ...
+
+
+@overload
+def explain(graph: None = None) -> Placed: ...
+
+
+def explain(graph: str | CompiledFunction | None = None) -> Explained | Placed:
+    """A stored graph's program before and after the daemon's passes; with no graph, where the session's last
+    program ran: each instruction's node and worker, and what moved between nodes (`Placed`)."""
     if isinstance(graph, CompiledFunction):
         return graph.explain()
     s = session()
     s.sync()
+    if graph is None:
+        return _placed(s)
     r = _link(s.transport).explain(check_graph_name(graph))
     return Explained(graph, r["before"], r["after"], list(r["passes"]))
 
 
-__all__ = ["CompiledFunction", "Explained", "GraphInfo", "GraphRecord", "compile", "explain", "graphs"]
+__all__ = ["CompiledFunction", "Explained", "GraphInfo", "GraphRecord", "Placed", "compile", "explain", "graphs"]

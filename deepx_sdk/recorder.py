@@ -166,6 +166,9 @@ class Recorder:
         # programs, backward requests and graph replays sent so far: a value read back along with one of them
         # (Tensor._v, a replay's small outputs) is the tensor's value for as long as no other has been sent
         self.runs = 0
+        # the last program run and where its instructions ran (its reply's placement; None: all on the daemon's
+        # worker): what dx.explain() with no graph shows
+        self.last_run: tuple[list[Instr], dict[str, Any] | None] | None = None
         self.closed = False
 
     # -- recording
@@ -426,6 +429,7 @@ class Recorder:
             raise DeepxError(f"lost the connection to deepxd: {e}") from None
         for line in outcome.output:
             sys.stdout.write(line + "\n")
+        self.last_run = (program, outcome.placement)
         labels = self.labels
         if labels.all_sites and handout.taken:  # DEEPX_CALLSITES=1: every result's line
             labels.made(handout.taken, where)

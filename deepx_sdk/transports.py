@@ -32,6 +32,7 @@ class Outcome:
     error_index: int
     tensors: dict[str, np.ndarray]
     output: list[str]
+    placement: dict[str, Any] | None = None  # run across nodes: where each instruction ran, what moved
 
 
 class Transport:
@@ -69,6 +70,10 @@ class Transport:
     def close(self) -> None:
         pass
 
+    def where(self) -> tuple[str, str]:
+        """The node programs are sent to and the op worker that holds its tensors ("" where unknown: UDP)."""
+        return "", ""
+
     can_read = True
     explicit_broadcast = False
 
@@ -86,7 +91,11 @@ class NativeTransport(Transport):
     def run(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] = ()
             ) -> Outcome:
         r = self.client.run(program, fetch, backwards)
-        return Outcome(r.ok, r.done, r.error, r.error_index, r.tensors, r.output)
+        return Outcome(r.ok, r.done, r.error, r.error_index, r.tensors, r.output, r.placement)
+
+    def where(self) -> tuple[str, str]:
+        server = self.client.server
+        return str(server.get("node", "")), "op-cuda" if "op-cuda" in (server.get("roles") or ()) else "op-cpu"
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         self.client.put(name, array, heap=heap)
@@ -201,6 +210,10 @@ class EmbeddedTransport(Transport):
 
     def put(self, name: str, array: np.ndarray, heap: bool) -> None:
         self._call(self.embedded.put(name, array, heap))
+
+    def where(self) -> tuple[str, str]:
+        config = self.embedded.config
+        return config.node_id, "op-cuda" if "op-cuda" in config.roles else "op-cpu"
 
     def label(self, prefix: str | None, tensors: dict[str, dict[str, str]] | None) -> None:
         self._call(self.embedded.label(prefix, tensors))

@@ -51,6 +51,9 @@ _options = [
     click.option("--peer-timeout", "peer_timeout_s", type=float, default=None, metavar="SECONDS",
                  help="Another node silent this long (no heartbeat in the plane, none over its peer link) is dead: "
                  "its heap tensors unreachable, its holds released (default 10)."),
+    click.option("--placement", "placement", type=click.Choice(["cost", "local"]), default=None,
+                 help="cost: a program's instructions may run on other nodes' workers where the cost model says it "
+                 "pays (docs/cluster.md); local: all on this node's worker (default cost)."),
     click.option("--io-root", "io_roots", multiple=True,
                  help="A directory save/load may touch (repeatable; default: the working and temp directories)."),
     click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None),

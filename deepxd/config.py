@@ -42,6 +42,10 @@ class Config:
     # another node silent this long (no heartbeat in the plane, nothing over its peer link) is dead (docs/cluster.md)
     peer_timeout_s: float = 10.0
     host: str = ""  # the host this node says it runs on (default: the host name); nodes of one host map each other
+    # where a program's instructions run: cost (on other nodes' workers where the cost model says it pays, docs/
+    # cluster.md) or local (every instruction on this node's worker)
+    placement: str = "cost"
+    peer_bandwidth_mbs: float = 1000.0  # a peer link's bandwidth (MB/s) that placement assumes until it measures one
     tls_cafile: str = ""  # PEM CA certificates that sign other nodes' TLS listeners (default: tls_cert, else system's)
     inline_elements: int = 1 << 16  # programs writing more elements than this run off the event loop; -1: none
     heap_pool_bytes: int = -1  # freed segments kept for reuse; -1: heap_pool_default() of /dev/shm's size
@@ -127,6 +131,12 @@ class Config:
         if c.peer_timeout_s < 2 * c.heartbeat_s:
             raise DeepxError(f"peer_timeout_s: {c.peer_timeout_s} s is less than two heartbeats (heartbeat_s = "
                              f"{c.heartbeat_s}): a live node would be taken for dead between two of its heartbeats")
+        c.placement = c.placement.strip().lower()
+        if c.placement not in ("cost", "local"):
+            raise DeepxError(f"placement: {c.placement!r} must be cost (other nodes' workers where the cost model "
+                             "says it pays) or local (every instruction here)")
+        if not c.peer_bandwidth_mbs > 0:
+            raise DeepxError(f"peer_bandwidth_mbs: {c.peer_bandwidth_mbs} must be > 0 (MB/s)")
         if c.max_frame_bytes < 1024:
             raise DeepxError(f"max_frame_bytes: {c.max_frame_bytes} is too small (at least 1024)")
         c.blas = c.blas.strip().lower()

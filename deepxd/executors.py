@@ -538,7 +538,7 @@ class Executors:
         start = time.perf_counter()
         result = RunResult(t0=time.time())
         try:  # checked against the worker's tensors as they are now; nothing is sent where that refuses it
-            b = await self._bind(instr, worker)
+            b = await self._bind(instr, worker, self.heapmem)
             args = await self._inputs(link, b, worker)
         except DeepxError as e:
             result.error, result.error_index = f"instruction 1: {e}", 0
@@ -579,11 +579,17 @@ class Executors:
         return result
 
     @staticmethod
-    async def _bind(instr: Instr, worker: ActorRef[OpWorker]) -> Any:
-        """`instr` checked against the worker's tensors (and variables, where it names one) as they are now."""
-        from deepxd.compiler.analysis import named_tensors
+    async def _bind(instr: Instr, worker: ActorRef[OpWorker], heapmem: ActorRef[HeapMemory] | None = None) -> Any:
+        """`instr` checked against the worker's tensors (and variables, where it names one) as they are now, and
+        against other nodes' heap tensors that it reads and the worker does not have (their records in the plane:
+        the worker's fetch maps or streams them, as a program's check does)."""
+        from deepxd.compiler.analysis import named_tensors, read_tensors
 
         metas = await worker.ask(Metas(names=named_tensors(instr)))
+        missing = [n for n in read_tensors(instr) if n not in metas]
+        if missing and heapmem is not None:
+            _, far = await heapmem.ask(Remote(names=missing))
+            metas.update({f.name: TensorMeta(tuple(f.shape), f.dtype) for f in far})
         return bind(instr, SymbolicEnv(metas, *await _variables((instr,), worker)))
 
     async def _inputs(self, link: Link, b: Any, worker: ActorRef[OpWorker]) -> list[dict[str, Any]]:

@@ -136,14 +136,24 @@ class Node:
 
                 self.udp_scope = UdpScope(self.worker, self.kv)
             self.executors.heapmem = self.refs.get("heapmem")
+            across = None
+            if not c.kv.startswith("memory") and c.placement == "cost" and workers:  # a plane others can share
+                from deepxd.placement import Across
+
+                across = Across(self.kv, self.peers, c.node_id, worker="op-cuda" if "op-cuda" in workers else "op-cpu",
+                                heapmem=self.refs.get("heapmem"), bytes_per_s=c.peer_bandwidth_mbs * 1e6,
+                                heartbeat_s=c.heartbeat_s)
             cpu_only = {k: v for k, v in workers.items() if k == "op-cpu"}
             for i, (wname, wref) in enumerate(self.cuda_workers.items() or [("", None)]):
-                # one scheduler per GPU: a session placed on another GPU sends its programs to that one's
+                # one scheduler per GPU: a session placed on another GPU sends its programs to that one's; the first
+                # places programs across nodes and serves other nodes' segments
                 mine = {**cpu_only, "op-cuda": wref} if wref is not None else workers
                 sname = "scheduler" if i == 0 else f"scheduler:{wname.partition(':')[2]}"
                 self.refs[sname] = self.supervisor.start(Scheduler(mine, name=sname, config=c,
                                                                    udp_scope=self.udp_scope if i == 0 else None,
-                                                                   executors=self.executors))
+                                                                   executors=self.executors,
+                                                                   across=across if i == 0 else None,
+                                                                   node_id=c.node_id))
         # the others first: the registry's start writes the node record `running`, which a second daemon of this id
         # reads as this one's (its socket opened a moment later), and heapmem's start can take seconds
         await self._until_started()

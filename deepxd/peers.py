@@ -12,11 +12,14 @@
   over the link in bounded chunks (deepxd/net/peerlink.py) into a copy that lives for one program.
 - Requests are blocking clients run on a small thread pool of this object's: a slow or vanished peer holds a thread
   of its own, never the event loop or another peer's link.
+- What placement reads of a link (deepxd/placement.py): its round trip (the pings'), its bandwidth (the transfers
+  of a MiB or more over it), and `call`, a request that may run as long as the peer lives (a segment of a program).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -52,6 +55,10 @@ REMOTE_HOLDER = "node:"
 IDLE_LINKS = 2
 #: threads that run the blocking requests of all peer links
 LINK_THREADS = 8
+#: a link's round trip is the least of its last pings this many
+RTT_SAMPLES = 16
+#: a transfer this large or larger times a link's bandwidth (smaller ones are mostly round trips)
+BANDWIDTH_MIN_BYTES = 1 << 20
 
 
 def unreachable(record: dict[str, str], node: str, dead_after_s: float) -> str | None:
@@ -108,6 +115,8 @@ class _Link:
     error: str = ""  # why the last ping failed
     client: NativeClient | None = None
     task: asyncio.Task[None] | None = None
+    rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RTT_SAMPLES))
+    bytes_per_s: float | None = None  # measured by transfers (an average that leans to the latest)
 
 
 class Peers:
@@ -228,7 +237,9 @@ class Peers:
                 if link.client is None:
                     address, link.kind = self.address(node, await self.kv.hgetall(f"node:{node}"))
                     link.client = await self._run(self._connect, address, link.kind)
+                sent = time.perf_counter()
                 reply = await self._run(functools.partial(link.client.request, "peer_ping", node=self.node_id))
+                link.rtts.append(time.perf_counter() - sent)
                 if reply.get("node") != node:
                     raise DeepxError(f"its address is answered by node {reply.get('node')!r}")
                 if link.heard is None or link.error:
@@ -245,6 +256,31 @@ class Peers:
                     link.client.close()
                     link.client = None
             await asyncio.sleep(self.heartbeat_s)
+
+    def linked(self) -> bool:
+        """Whether a peer answers over its link now (no cost where there is none: one node, or an embedded one)."""
+        for link in self._links.values():
+            if link.heard is not None and not link.error:
+                return True
+        return False
+
+    def rtt_s(self, node: str) -> float | None:
+        """The round trip of the link to `node`: the least of its last pings (None before one answered)."""
+        link = self._links.get(node)
+        return min(link.rtts) if link is not None and link.rtts else None
+
+    def bandwidth(self, node: str) -> float | None:
+        """Bytes per second over the link to `node`, as its transfers of a MiB or more went (None before one)."""
+        link = self._links.get(node)
+        return link.bytes_per_s if link is not None else None
+
+    def note_transfer(self, node: str, nbytes: int, seconds: float) -> None:
+        """`nbytes` went over the link to `node` in `seconds` (a request's whole time: its round trip included)."""
+        link = self._links.get(node)
+        if link is None or nbytes < BANDWIDTH_MIN_BYTES or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        link.bytes_per_s = rate if link.bytes_per_s is None else 0.5 * link.bytes_per_s + 0.5 * rate
 
     def heard_from(self, node: str) -> None:
         """A peer pinged this node: it is alive."""
@@ -345,6 +381,53 @@ class Peers:
         self._give_back(node, client)
         return reply
 
+    async def call(self, peer: str, op: str, cancel: Callable[[], bool] | None = None,
+                   record: dict[str, str] | None = None, **fields: Any) -> dict[str, Any] | None:
+        """Node `peer`'s reply to request `op`, waited for as long as it takes while the node lives (a segment of a
+        program may run for minutes): DeepxError naming the node where it cannot be reached, went away (its
+        connection closed: at once), or was found dead meanwhile; None where `cancel()` said the asker went away
+        first (the connection is closed, and with it the request). `record`: its node record as read within a
+        heartbeat (else it is read now)."""
+        if record is None:
+            record = await self._alive(peer)
+        else:
+            why = await self.why_dead(peer, record)
+            if why is not None:
+                raise DeepxError(f"node {peer} {why}")
+        client = await self._client(peer, record)
+        client.sock.settimeout(None)
+        fut = asyncio.ensure_future(self._run(functools.partial(client.request, op, **fields)))
+        try:
+            looked = time.monotonic()
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=0.05 if cancel is not None else self.heartbeat_s)
+                if done:
+                    break
+                if cancel is not None and cancel():
+                    fut.add_done_callback(_quiet)
+                    _shut(client)
+                    return None
+                if time.monotonic() - looked >= self.heartbeat_s:
+                    looked = time.monotonic()
+                    why = await self.why_dead(peer)
+                    if why is not None:
+                        _shut(client)
+                        raise DeepxError(f"node {peer} {why}")
+            try:
+                reply: dict[str, Any] = fut.result()
+            except DeepxError as e:  # refused, or the connection ended (the node went away)
+                if _closed(client):
+                    raise DeepxError(f"node {peer} went away while it ran this ({e})") from None
+                raise DeepxError(f"node {peer}: {e}") from None
+        except BaseException:
+            if not fut.done():
+                fut.add_done_callback(_quiet)
+            client.close()
+            raise
+        client.sock.settimeout(self.timeout_s)
+        self._give_back(peer, client)
+        return reply
+
     async def open_link(self, node: str) -> NativeClient:
         """A connection of its own to node `node`, outside the pool (a process group's ring reads over it, one
         request after another, for as long as the group lasts): DeepxError naming the node where it cannot be made."""
@@ -378,6 +461,7 @@ class Peers:
             client.close()
             raise
         self._give_back(far.node, client)
+        self.note_transfer(far.node, far.nbytes, time.perf_counter() - t0)
         log.debug("peers: read tensor '%s' of node %s (%d bytes) in %.3f s", far.name, far.node, far.nbytes,
                   time.perf_counter() - t0)
         return out
@@ -444,6 +528,31 @@ class Peers:
                              f"{CHUNK_MAX}")
         data = await self._heapmem().ask(Read(name=name, handle=handle, ctime=ctime, offset=offset, length=length))
         return {"offset": offset, "data": data}
+
+
+def _quiet(fut: asyncio.Future[Any]) -> None:
+    """A request given up on: its error, when it comes, is read (not logged as lost)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _closed(client: NativeClient) -> bool:
+    """Whether the peer closed the connection (or it broke)."""
+    try:
+        return client.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _shut(client: NativeClient) -> None:
+    """End a connection that a thread of the pool waits on (its read returns at once, with an error)."""
+    try:
+        client.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    client.close()
 
 
 def _strings(req: dict[str, Any], keys: Sequence[str], what: str) -> list[str]:

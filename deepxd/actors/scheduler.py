@@ -3,7 +3,10 @@ expanded, the compiler passes run: deepxd/actors/plan.py), places it on an op wo
 happened; a program that comes again runs by its plan. Programs run one at a time, in arrival order, so that each is
 checked against the state the one before it left. Placement: with op-cuda running every program goes to op-cuda,
 else to op-cpu; an instruction of an op that only executors of other processes serve, or that names one, goes to
-one, the rest of its program in parts around it (_run_placed; deepxd/executors.py).
+one, the rest of its program in parts around it (_run_placed; deepxd/executors.py). Where other nodes are linked, a
+program whose plan is not cached may have instructions placed on their workers (an op only they serve, a small op
+on a large heap tensor of another host, an op that their worker of another kind runs clearly faster): the cost
+model of deepxd/placement.py, the program run in segments (_run_across).
 
 The passes see the tensors that exist on the worker (asked once per program, and only for a program in which a
 value can end, by a deltensor or a second write to a name: without one every pass is a no-op) and the names the
@@ -66,6 +69,7 @@ if TYPE_CHECKING:
     from deepxd.actors.worker import OpWorker
     from deepxd.compiler.graphs import Bound, GraphPlan
     from deepxd.executors import Executors, Link
+    from deepxd.placement import Across
 
 log = logging.getLogger(__name__)
 
@@ -246,10 +250,13 @@ class Scheduler(Actor):
     role = "scheduler"
 
     def __init__(self, workers: dict[str, ActorRef[OpWorker]], name: str = "scheduler", *, config: Config | None = None,
-                 udp_scope: UdpScope | None = None, executors: Executors | None = None) -> None:
+                 udp_scope: UdpScope | None = None, executors: Executors | None = None,
+                 across: Across | None = None, node_id: str = "") -> None:
         super().__init__(name)
         self.workers = workers
         self.executors = executors  # executors of other processes, which instructions may go to (_run_placed)
+        self.across = across  # other nodes' workers, which instructions may go to (_run_across); None: one node
+        self.node_id = node_id
         self.udp_scope = udp_scope  # what deepxIR over UDP may name (deepxd/access.py); None: UDP is off
         self.passes: list[str] = check_passes(config.passes) if config is not None else list(DEFAULT_PASSES)
         self.fuse_min_elements = config.fuse_min_elements if config is not None else 0
@@ -304,7 +311,8 @@ class Scheduler(Actor):
         scope = self.udp_scope
         if scope is None or origin != "udp":
             self._taken_from_udp(program)  # (its backwards expanded take back their gradients where expanded)
-            return await self._run_one(program, fetch, backwards, cancel)
+            # (a peer's segment is placed here: it goes no further)
+            return await self._run_one(program, fetch, backwards, cancel, across=origin != "peer")
         for i, instr in enumerate(program):
             try:
                 refused = await scope.refuse(instr)
@@ -327,14 +335,14 @@ class Scheduler(Actor):
 
     async def _run_one(self, program: Sequence[Instr], fetch: Sequence[str] = (),
                        backwards: Sequence[dict[str, Any]] | None = None,
-                       cancel: Callable[[], bool] | None = None) -> RunResult:
+                       cancel: Callable[[], bool] | None = None, across: bool = False) -> RunResult:
         """Run `program`: its plan from the cache where it stands, else a plan made for the worker's state as it is.
         `backwards`: the SDK's recorded `loss.backward()` calls, each a `backward` instruction of the program (at its
         `index`) with what on_backward takes: it is expanded there, in place, into the backward program derived from
         its forward graph, so that a training step (forward, backward, optimizer, the loss read back) is one program,
         through the passes as a whole. `cancel`: whether the asker went away (its client's connection ended): a
         program still queued then is dropped, a running one stops at an instruction boundary (the worker asks it
-        between slices)."""
+        between slices). `across`: it may be placed on other nodes' workers (_run_across)."""
         if cancel is not None and cancel():
             self.failed += 1
             return _cancelled_unrun()
@@ -352,6 +360,11 @@ class Scheduler(Actor):
             hit = await self._run_cached(program, fetch, backwards)
             if hit is not None:
                 return self._counted(hit, t0)
+            # other nodes linked: the program may go to them in part (a step of another's beside it: here)
+            if across and self.across is not None and not backwards and self._step is None and self.across.active():
+                placed = await self._run_across(program, fetch)
+                if placed is not None:
+                    return self._counted(placed, t0)
         marks = {}
         for spec in backwards or ():
             k = spec.get("index")
@@ -757,6 +770,52 @@ class Scheduler(Actor):
                 out.error, out.error_index = f"fetch: {e}", end
         return out
 
+    # -- instructions placed on other nodes' workers (deepxd/placement.py, docs/cluster.md)
+    async def _run_across(self, program: Sequence[Instr], fetch: Sequence[str]) -> RunResult | None:
+        """`program` where the cost model places some of it on other nodes (Across.plan), run in segments one after
+        another: this node's by their plans, as _run_apart runs parts; each peer's sent over its link, its results
+        brought back where read here or later (small programs that name none of this one's tensors are served
+        meanwhile). None, with nothing run, where everything stays here. The result speaks of `program`, with
+        `placement`: each instruction's node and worker, and what moved."""
+        assert self.across is not None
+        worker = self._place(program)
+        try:
+            placed = await self.across.plan(program, fetch, worker)
+        except DeepxError as e:  # (the plane, say, unreadable: here, as on one node)
+            log.warning("scheduler: could not place a program across nodes, running it here: %s", e)
+            return None
+        if placed is None:
+            return None
+        self.across.placed += 1
+        parts = _Parts()
+        avoid = program_tensor_names(program, fetch)
+        stopped = len(placed.segments)
+        for k, seg in enumerate(placed.segments):
+            if self._cancel is not None and self._cancel():
+                parts.add(self._cancelled(), seg.start, 1)
+                stopped = k
+                break
+            if seg.node == placed.here:
+                result, _ = await self._run_part(worker, program[seg.start:seg.end], ())
+            else:
+                result = await self._serving(self.across.run_segment(placed, seg, worker, self._cancel), worker,
+                                             avoid)
+            if not parts.add(result, seg.start, seg.end - seg.start):
+                stopped = k
+                break
+        out = parts.result
+        if out.error:  # what the peers kept for later segments goes (small programs served meanwhile)
+            await self._serving(self.across.clean(placed, stopped), worker)
+        else:
+            out.done = len(program)
+            if fetch:
+                try:
+                    out.tensors = await worker.ask(Fetch(names=list(fetch)))
+                except DeepxError as e:
+                    out.error, out.error_index = f"fetch: {e}", len(program)
+        out.placement = placed.rows()
+        return out
+
     async def _ask_run(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str] = (),
                        cancel: Callable[[], bool] | None = None) -> RunResult:
         """A program run once, unplanned (RunProgram), serving (_serving) meanwhile."""
@@ -800,8 +859,9 @@ class Scheduler(Actor):
                           worker: ActorRef[OpWorker]) -> None:
         """Until `ended`: handle the next message waiting that is a run of a small program (small_tensor_names) with
         no backward, that names nothing in `avoid` and that the worker would run now (OpWorker.now_interleaves), one
-        at a time. It may overtake small runs that must wait (they name a tensor of the long program) where it
-        shares no tensor with them; nothing else."""
+        at a time; or a segment of another node's program (deepxd/placement.py), which this step may be waiting for.
+        It may overtake small runs that must wait (they name a tensor of the long program) where it shares no tensor
+        with them; nothing else."""
         passed: set[str] = set()  # the names of the runs looked past, this look
 
         def small(env: Envelope) -> set[str] | None:
@@ -811,6 +871,12 @@ class Scheduler(Actor):
             return small_tensor_names(m.program, m.fetch)
 
         def accept(env: Envelope) -> bool:
+            m = env.message
+            if isinstance(m, Run) and m.origin == "peer" and not m.backwards:
+                # another node's segment, which may be what this step waits for (two nodes placing on each other
+                # at once): it names only its node's temporaries and reads heap tensors, so it commutes with
+                # this program and the runs waiting, whatever its length
+                return bool(worker.now(Interleaves(program_tensor_names(m.program, m.fetch))))
             names = small(env)
             return (names is not None and passed.isdisjoint(names) and (avoid is None or avoid.isdisjoint(names))
                     and bool(worker.now(Interleaves(names))))
@@ -978,11 +1044,20 @@ class Scheduler(Actor):
         return worker
 
     async def on_explain(self, program: Sequence[Instr], fetch: Sequence[str] = ()) -> dict[str, Any]:
-        """The program's text before and after the passes, against the worker's tensors as they are now."""
-        ctx, _ = await self._context(self._place(program), program, fetch)
+        """The program's text before and after the passes, against the worker's tensors as they are now, and where
+        each instruction would run and what would move (`placement`: deepxd/placement.py, explained)."""
+        from deepxd.placement import explained
+
+        worker = self._place(program)
+        ctx, _ = await self._context(worker, program, fetch)
         before, after = explain(program, ctx.metas, fetch, self.passes, keep=ctx.keep, variables=ctx.variables,
                                 vectors=ctx.vectors, fuse_min_elements=self.fuse_min_elements)
-        return {"before": before, "after": after, "passes": list(self.passes)}
+        if self.across is not None:
+            placement = await self.across.explain(program, fetch, worker)
+        else:
+            placement = explained(program, self.node_id, {}, None, "op-cuda" if "op-cuda" in self.workers
+                                  else "op-cpu")
+        return {"before": before, "after": after, "passes": list(self.passes), "placement": placement}
 
     async def on_backward(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None = None,
                           prefix: str = "g_", capture: bool = False, names: dict[str, str] | None = None
@@ -1210,4 +1285,6 @@ class Scheduler(Actor):
                 "plan_hits": self.plan_hits, "plan_misses": self.plan_misses, "stale": self.stale,
                 "now_hits": self.now_hits, "apart": self.apart, "rewrite_hits": self.rewrites.hits,
                 "graphs": len(self.graphs), "replays": self.replays, "beside": self.beside,
-                "backward_hits": self.backward_hits, "backward_misses": self.backward_misses}
+                "backward_hits": self.backward_hits, "backward_misses": self.backward_misses,
+                **({"placed": self.across.placed, "segments": self.across.segments, "moved": self.across.moved}
+                   if self.across is not None else {})}

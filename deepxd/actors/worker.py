@@ -72,6 +72,8 @@ class RunResult:
     # stopped at an instruction boundary because its asker went away (the client's connection ended)
     cancelled: bool = False
     started: float = 0.0  # perf_counter when the first instruction began (a program run in slices)
+    # a program run across nodes (deepxd/placement.py): each instruction's node and worker, what moved
+    placement: dict[str, Any] | None = None
 
     @property
     def times_us(self) -> list[float]:

@@ -132,9 +132,12 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
 
 
 def encode_result(r: RunResult) -> dict[str, Any]:
-    return {"ok": not r.error, "done": r.done, "error": r.error or None, "error_index": r.error_index,
-            "t0": r.t0, "times": array("d", r.times_us).tobytes(), "output": r.output,
-            "tensors": {k: encode_tensor(v) for k, v in r.tensors.items()}}
+    out = {"ok": not r.error, "done": r.done, "error": r.error or None, "error_index": r.error_index,
+           "t0": r.t0, "times": array("d", r.times_us).tobytes(), "output": r.output,
+           "tensors": {k: encode_tensor(v) for k, v in r.tensors.items()}}
+    if r.placement is not None:  # run across nodes: where each instruction ran, what moved
+        out["placement"] = r.placement
+    return out
 
 
 def check_socket_free(path: str) -> None:
@@ -619,7 +622,7 @@ class NativeServer:
                 raise DeepxError(f"unknown request op {op!r}; known: {', '.join(sorted(self._ops))}")
             if bound is not None and op in _USES:
                 bound["used"] = True
-            if op == "run":
+            if op in ("run", "peer_run"):
                 out = await handler(req, gone)
             elif op in ("executor_register", "place"):
                 out = await handler(req, bound, writer)
@@ -790,6 +793,19 @@ class NativeServer:
 
     async def _op_peer_read(self, req: dict[str, Any]) -> dict[str, Any]:
         return await self._peers().serve_read(req)
+
+    async def _op_peer_run(self, req: dict[str, Any], gone: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """A segment of another node's program, placed here (deepxd/placement.py); `gone`: whether that node hung
+        up (it stopped waiting: the segment stops as a run whose client went does)."""
+        from deepxd.placement import serve_peer_run
+
+        prog = req.get("program") or []
+        if not isinstance(prog, list):
+            raise DeepxError("peer_run: 'program' must be a list of instructions")
+        node = req.get("node")
+        if isinstance(node, str) and self.node.peers is not None:
+            self.node.peers.heard_from(node)
+        return await serve_peer_run(self.node.ref("scheduler"), self.node.worker(), req, _program(prog), gone)
 
     async def _op_coll_read(self, req: dict[str, Any]) -> dict[str, Any]:
         """A unit of a collective, for the next rank of a process group (deepxd/comm.py)."""

@@ -255,3 +255,29 @@ def test_a_link_cut_and_restored(two_hosts: TwoHosts) -> None:
         np.testing.assert_array_equal(ca.run(uses_b, fetch=["o"]).raise_for_error().tensors["o"], [0, 3, 6, 9])
     for d in (b, a):
         assert d.stop() == 0, d.output()
+
+
+def test_a_program_on_b_reading_a_large_tensor_of_a_runs_where_it_lies(two_hosts: TwoHosts) -> None:
+    """Programs across nodes (issue 23, item 5): a sum of a's 16 MiB heap tensor sent to b in the namespace runs on
+    a's host (on a, or on c, which maps a's segment: the link with the shorter round trip), and only the sum
+    crosses back over the veth pair; sent to c, it runs on c over a's segment, mapped (nothing moves); the values
+    are the same."""
+    a, c, b = two_hosts.here(1), two_hosts.here(3), two_hosts.there(2)
+    w = np.random.default_rng(3).standard_normal((2048, 2048)).astype(np.float32)
+    program = parse_text("sum (tensor<float32>:w, vector<int32>:[0 1], var<bool>:false) -> (tensor<float32>:s)")
+    with a.client() as ca, b.client() as cb, c.client() as cc:
+        ca.put("w", w, heap=True)
+        eventually(lambda: nodes(b)[a.node_id]["link"] == "tcp", what="b linked to a over TCP")
+        eventually(lambda: nodes(c)[a.node_id]["link"] == "unix", what="c linked to a over its Unix socket")
+        there = cb.run(program, fetch=["s"]).raise_for_error()
+        assert there.placement is not None
+        (row,) = there.placement["instructions"]
+        assert row["node"] in (a.node_id, c.node_id) and row["worker"] == "op-cpu" and not row["moved"], row
+        assert there.placement["bytes"] == 4
+        same = cc.run(program, fetch=["s"]).raise_for_error()
+        assert same.placement is None  # mapped: run on c, as on one node
+        want = float(w.sum(dtype=np.float64))
+        assert float(there.tensors["s"]) == pytest.approx(want, rel=1e-4)
+        assert float(same.tensors["s"]) == pytest.approx(want, rel=1e-4)
+    for d in (b, c, a):
+        assert d.stop() == 0, d.output()

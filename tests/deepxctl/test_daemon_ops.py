@@ -100,7 +100,7 @@ def test_unknown_request_op_lists_delete(live: Live) -> None:
     known = ("known: admin, backward, coll_read, delete, executor_register, explain, fetch, graph_drop, graph_get, "
              "graph_rm, "
              "graph_store, group_barrier, group_join, group_leave, hello, label, peer_hold, peer_ping, peer_read, "
-             "ping, place, put, release_on_close, replay, run, udp_share")
+             "peer_run, ping, place, put, release_on_close, replay, run, udp_share")
     with live.daemon.client() as c, pytest.raises(DeepxError, match=known):
         c.request("frobnicate")
 

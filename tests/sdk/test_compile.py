@@ -243,6 +243,31 @@ def test_explain_shows_before_and_after_the_passes() -> None:
         dx.explain("no_such_graph")
 
 
+def test_explain_without_a_graph_shows_where_the_last_program_ran(tmp_path) -> None:
+    """dx.explain(): the session's last program, each instruction on the node and worker it ran on and what moved
+    (nothing, on one node: docs/cluster.md shows programs across nodes), embedded and over the native socket."""
+    x = dx.tensor(np.arange(6, dtype=np.float32))
+    assert float((x * 2).sum().item()) == 30.0
+    p = dx.explain()
+    assert isinstance(p, dx.Placed) and p.bytes == 0 and not p.back
+    assert p.instructions and all(r["worker"] == "op-cpu" and r["node"] == p.node and not r["moved"]
+                                  for r in p.instructions)
+    assert any(r["instr"].startswith("sum ") for r in p.instructions)
+    assert f"program on node {p.node}:" in str(p) and "sum " in str(p)
+    d = Daemon(tmp_path).start()
+    try:
+        dx.connect(d.address)
+        with pytest.raises(dx.DeepxError, match="has run no program yet"):
+            dx.explain()
+        y = dx.tensor(np.ones(3, dtype=np.float32)) + 1
+        assert y.numpy().tolist() == [2, 2, 2]
+        p = dx.explain()
+        assert p.node == d.node_id and [r["node"] for r in p.instructions] == [d.node_id] * len(p.instructions)
+    finally:
+        dx.connect()
+        assert d.stop() == 0, d.output()
+
+
 def test_against_a_deepxd_subprocess(tmp_path) -> None:
     d = Daemon(tmp_path).start()
     try:
