@@ -101,7 +101,8 @@ class Config:
             raise DeepxError(f"unknown role {', '.join(bad)}; roles are {', '.join(ALL_ROLES)}")
         c.roles = with_needed_roles(c.roles)
         if c.cuda_device < -1:
-            raise DeepxError(f"cuda_device: {c.cuda_device} must be >= 0")
+            raise DeepxError(f"cuda_device: {c.cuda_device} is not a GPU's ordinal: give 0 or more, or -1 for every "
+                             "visible GPU (or name them with cuda_devices)")
         devices: list[int] = []
         for d in c.cuda_devices:
             text = str(d).strip().removeprefix("cuda:")

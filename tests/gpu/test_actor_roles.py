@@ -23,7 +23,7 @@ def test_a_worker_role_brings_the_roles_that_reach_it():
     assert load_config(None, env={}, roles="heapmem,op-cuda").resolved().roles == [
         "heapmem", "op-cuda", "registry", "scheduler"]
     assert load_config(None, env={"DEEPX_CUDA_DEVICE": "1"}).cuda_device == 1
-    with pytest.raises(DeepxError, match="cuda_device: -2 must be >= 0"):
+    with pytest.raises(DeepxError, match="cuda_device: -2 is not a GPU's ordinal"):
         load_config(None, env={}, cuda_device=-2).resolved()
 
 
