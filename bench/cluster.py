@@ -6,7 +6,7 @@ and the same one-instruction program sent to a node of the other host that place
 the sum runs on a, only its result crosses back) against it run on a itself.
 Prints ms and ratios; writes bench/results/cluster.json.
 
-    python bench/cluster.py [--iters 10] [--rounds 3]
+    python bench/cluster.py [--iters 10] [--rounds 3] [--big]     # --big: a 256 MiB tensor as well
 
 Four deepxd on one redis-server of the benchmark's own: a and b say they run on one host, c and d on another (the
 `host` setting), so c and d reach a over TCP on loopback, as nodes of another machine would over its network. c
@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,20 @@ def _redis_answers(port: int) -> bool:
         return False
 
 
+#: the benchmark's nodes: name, the host it says it runs on, its placement
+LAYOUT = (("a", "bench-1", "cost"), ("b", "bench-1", "cost"), ("c", "bench-2", "local"), ("d", "bench-2", "cost"))
+
+
+@dataclass
+class Running:
+    addresses: dict[str, str]  # node name -> its socket address
+    redis_port: int
+
+
 @contextmanager
-def cluster(folder: Path) -> Iterator[dict[str, str]]:
-    """Node name -> its socket address: a and b on host `bench-1`, c and d on host `bench-2` (c: placement local)."""
+def cluster(folder: Path, layout: tuple[tuple[str, str, str], ...] = LAYOUT) -> Iterator[Running]:
+    """deepxd for each node of `layout` (name, host, placement) on one redis-server of its own, until the block ends.
+    With the default layout, a and b say they run on host `bench-1`, c and d on `bench-2`, and c places nothing."""
     redis = shutil.which("redis-server")
     if redis is None:
         raise SystemExit("bench/cluster.py needs redis-server on PATH (apt-get install redis-server)")
@@ -90,20 +102,21 @@ def cluster(folder: Path) -> Iterator[dict[str, str]]:
         procs.append((p, None))
         _wait(lambda: _redis_answers(port), "redis-server", p, folder / "redis.log")
         addresses = {}
-        for node, host in (("a", "bench-1"), ("b", "bench-1"), ("c", "bench-2"), ("d", "bench-2")):
+        for node, host, placement in layout:  # started together, then waited for
             address = f"unix://{folder / f'{node}.sock'}"
             env = {**os.environ, "DEEPX_ROLES": "registry,heapmem,scheduler,op-cpu", "DEEPX_HOST": host,
                    "DEEPX_KV_PREFIX": f"benchcluster{os.getpid()}:", "DEEPX_NATIVE_BACKGROUND": "0",
-                   "DEEPX_PLACEMENT": "local" if node == "c" else "cost"}
+                   "DEEPX_PLACEMENT": placement}
             logf = open(folder / f"{node}.log", "wb")  # (closed with the process, below)
             proc = subprocess.Popen([sys.executable, "-m", "deepxd", "start", "--listen", address, "--listen",
                                      "tcp://127.0.0.1:0", "--token-file", str(token), "--udp", "off", "--kv",
                                      f"redis://127.0.0.1:{port}/0", "--node-id", f"bench{os.getpid()}{node}",
                                      "--log-level", "warning"], stdout=logf, stderr=subprocess.STDOUT, env=env)
             procs.append((proc, logf))
-            _wait(lambda a=address: _answers(a), f"deepxd {node}", proc, folder / f"{node}.log")  # type: ignore[misc]
             addresses[node] = address
-        yield addresses
+        for (proc, _), (node, address) in zip(procs[1:], addresses.items(), strict=True):
+            _wait(lambda a=address: _answers(a), f"deepxd {node}", proc, folder / f"{node}.log")  # type: ignore[misc]
+        yield Running(addresses, port)
     finally:
         for p, logf in reversed(procs):
             if p.poll() is None:
@@ -210,10 +223,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--big", action="store_true", help="a 256 MiB tensor too (about 2 GiB of memory in all)")
     opts = ap.parse_args()
+    if opts.big:
+        SIZES["256 MiB"] = 1 << 26
     best: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="deepx-bench-cluster-") as tmp, cluster(Path(tmp)) as addresses:
-        clients = {node: NativeClient(address, timeout=120) for node, address in addresses.items()}
+    with tempfile.TemporaryDirectory(prefix="deepx-bench-cluster-") as tmp, cluster(Path(tmp)) as running:
+        clients = {node: NativeClient(address, timeout=120) for node, address in running.addresses.items()}
         try:
             for n in SIZES.values():
                 clients["a"].put(f"t{n}", np.random.default_rng(n).standard_normal(n).astype(np.float32), heap=True)

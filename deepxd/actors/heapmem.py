@@ -74,6 +74,9 @@ CHECK_S = 2.0  # how often heapmem checks that the plane still has its tensors' 
 MIN_CLASS = 4096  # the smallest segment: one page
 REUSE_CLASSES = 3  # a pooled segment up to 4x the needed class is reused rather than a fresh one made
 TICK_BATCH = 100  # lifecycle commands popped per tick
+#: how long one wait for a lifecycle command lasts on a store that wakes its waiters on a push (a stop that meets a
+#: wait redis-py retried instead of cancelling waits this long at most)
+WAKE_WAIT_S = 1.0
 ZERO_IN_THREAD = 1 << 24  # reused segments this large are zeroed off the event loop
 
 
@@ -359,8 +362,9 @@ class HeapMemory(Actor):
 
     async def _poll(self) -> None:
         """The lifecycle tick: pop up to TICK_BATCH commands from this node's list and from the shared one, and apply
-        (or forward) them through the mailbox; then wait for more (every poll_s on Redis, until one is pushed on
-        the embedded store). Until the actor stops (not only until cancelled: see end_task)."""
+        (or forward) them through the mailbox; then wait until more are pushed (on a store that wakes waiters, as
+        Redis and the embedded one do; else every poll_s). Until the actor stops (not only until cancelled: see
+        end_task)."""
         while self.alive:
             try:
                 mine = await self.kv.lpop(self.own_list, TICK_BATCH)
@@ -385,7 +389,8 @@ class HeapMemory(Actor):
 
     async def _wait_push(self) -> None:
         """Until either lifecycle list may have items (wait_push of both; the first to return ends the wait)."""
-        waits = [asyncio.ensure_future(self.kv.wait_push(key, self.poll_s)) for key in (LIFECYCLE, self.own_list)]
+        wait = WAKE_WAIT_S if self.kv.wakes_on_push else self.poll_s
+        waits = [asyncio.ensure_future(self.kv.wait_push(key, wait)) for key in (LIFECYCLE, self.own_list)]
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:

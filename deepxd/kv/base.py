@@ -166,9 +166,13 @@ class KV(abc.ABC):
     async def llen(self, key: str) -> int: ...
 
     async def wait_push(self, key: str, timeout: float) -> None:
-        """Return when list `key` may have items to pop: here after `timeout` seconds (a poll). A store that sees
-        every push itself (the embedded one) returns as soon as there are items, and does not wake before."""
+        """Return when list `key` may have items to pop: here after `timeout` seconds (a poll). A store that is told
+        of every push (`wakes_on_push`) returns as soon as there are items, and sooner than `timeout` only then (the
+        embedded store waits without a timeout)."""
         await asyncio.sleep(timeout)
+
+    #: whether wait_push returns when an item comes, so that a waiter may wait long instead of polling
+    wakes_on_push = False
 
     # batches
     @abc.abstractmethod

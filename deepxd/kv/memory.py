@@ -138,6 +138,8 @@ class MemoryKV(KV):
         items = self._read("llen", key, deque)
         return 0 if items is None else len(items)
 
+    wakes_on_push = True
+
     async def wait_push(self, key: str, timeout: float) -> None:
         """Every push to this store is made here, on this loop: wait for one (however long) unless items wait."""
         self._check_open()

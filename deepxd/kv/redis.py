@@ -41,7 +41,7 @@ BACKOFF_CAP = 2.0
 MIN_VERSION = (6, 2)  # LPOP with a count
 
 # the type each command expects, for the WRONGTYPE message
-_EXPECTS = {"get": "string", "rpush": "list", "lpop": "list", "lrange": "list", "llen": "list"}
+_EXPECTS = {"get": "string", "rpush": "list", "lpop": "list", "lrange": "list", "llen": "list", "wait_push": "list"}
 
 
 class RedisKV(KV):
@@ -216,6 +216,16 @@ class RedisKV(KV):
     async def lpop(self, key: str, count: int = 1) -> list[bytes]:
         items = await self._run("lpop", key, "LPOP", self._k(key), check_count(count))
         return items or []
+
+    wakes_on_push = True
+
+    async def wait_push(self, key: str, timeout: float) -> None:
+        """Block in the server until list `key` has an item, or `timeout` seconds (at most half the socket timeout):
+        BLMOVE from the head to the head of the same list leaves it as it was, so a waiter cancelled at any point
+        (its connection is then dropped) takes nothing away."""
+        wait = max(0.01, min(float(timeout), self.socket_timeout / 2))
+        k = self._k(key)
+        await self._run("wait_push", key, "BLMOVE", k, k, "LEFT", "LEFT", wait)
 
     async def lrange(self, key: str, start: int, stop: int) -> list[bytes]:
         items: list[bytes] = await self._run("lrange", key, "LRANGE", self._k(key), int(start), int(stop))

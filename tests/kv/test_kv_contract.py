@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -225,8 +226,8 @@ async def test_rpush_llen_lrange(kv: KV) -> None:
 
 
 async def test_wait_push_returns_once_items_can_be_popped(kv: KV) -> None:
-    """A waiter for a list is back within its timeout once something is pushed (the embedded store at once, without
-    waking before; Redis at its next poll), and at once when items already wait."""
+    """A waiter for a list is back within its timeout once something is pushed (at once: both stores wake their
+    waiters on a push), and at once when items already wait."""
     await kv.rpush("q", b"early")
     await asyncio.wait_for(kv.wait_push("q", 0.01), 5)
     assert await kv.lpop("q") == [b"early"]
@@ -236,6 +237,26 @@ async def test_wait_push_returns_once_items_can_be_popped(kv: KV) -> None:
         b.rpush("q", b"late")
     await asyncio.wait_for(waiter, 5)
     assert await kv.lpop("q") == [b"late"]
+
+
+async def test_a_long_wait_ends_at_the_push_and_takes_nothing(kv: KV) -> None:
+    """A waiter with a long timeout returns when an item is pushed, not at its timeout; neither a wait nor a waiter
+    cancelled mid-wait takes an item away or reorders the list."""
+    assert kv.wakes_on_push
+    waiter = asyncio.ensure_future(kv.wait_push("q", 30))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    started = time.monotonic()
+    await kv.rpush("q", b"1", b"2")
+    await asyncio.wait_for(waiter, 5)
+    assert time.monotonic() - started < 5
+    await kv.wait_push("q", 30)  # items wait: at once
+    other = asyncio.ensure_future(kv.wait_push("empty", 30))
+    await asyncio.sleep(0.05)
+    other.cancel()
+    await asyncio.gather(other, return_exceptions=True)
+    assert await kv.lrange("q", 0, -1) == [b"1", b"2"]
+    assert await kv.lpop("q", 5) == [b"1", b"2"]
 
 
 async def test_lpop_counts(kv: KV) -> None:

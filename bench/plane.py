@@ -1,0 +1,134 @@
+"""What a cluster costs its storage plane: Redis commands per second of idle nodes, by the number of nodes, and
+per training step of the MLP on two nodes, counted by the redis-server itself (INFO commandstats).
+
+1. Idle: N deepxd (N = 2, 4, 8 by default), each saying it runs on a host of its own (peer links over TCP with the
+   token), on one redis-server of the benchmark's own: once every node is linked to every other, the commands the
+   plane serves per second, in all and by command, fitted to a + b N + c N^2 (per second); docs/cluster.md takes
+   the fit to 1,000 nodes.
+2. Training: the MLP of bench/ddp.py (784-512-512-10, batch 256 a rank, SGD with momentum) on one rank connected
+   to one of two nodes, and under DistributedDataParallel on two ranks, one per node (the ring over the peer
+   links): the commands of a run of S1 steps and of one of S2 steps, less the idle rate over each run's time; the
+   difference over S2 - S1 is the plane's cost of a step (the group's formation and the start-up cancel out).
+
+    python bench/plane.py [--nodes 2 4 8] [--seconds 10] [--steps 10 40]
+
+Prints the tables and writes bench/results/plane.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from cluster import ROOT, Running, cluster, linked  # bench/cluster.py, beside this file
+from ddp import run_ranks  # bench/ddp.py, beside this file
+
+
+def counts(r: Any) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT, as the server counts them."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+
+
+def less(a: dict[str, float], b: dict[str, float], scale: float = 1.0) -> dict[str, float]:
+    return {k: a.get(k, 0) - scale * b.get(k, 0) for k in set(a) | set(b)}
+
+
+def client(running: Running) -> Any:
+    import redis
+
+    return redis.Redis(host="127.0.0.1", port=running.redis_port)
+
+
+def all_linked(running: Running) -> None:
+    from deepx_core.client import NativeClient
+
+    nodes = list(running.addresses)
+    for node in nodes:
+        c = NativeClient(running.addresses[node], timeout=60)
+        try:
+            for other in nodes:
+                if other != node:
+                    linked(c, f"bench{os.getpid()}{other}")
+        finally:
+            c.close()
+
+
+def idle_rate(running: Running, seconds: float) -> dict[str, float]:
+    """Commands per second, by command, while the nodes do nothing but keep alive."""
+    r = client(running)
+    r.config_resetstat()
+    start = time.monotonic()
+    time.sleep(seconds)
+    got = counts(r)
+    spent = time.monotonic() - start
+    return {k: v / spent for k, v in got.items() if k not in ("info", "config|resetstat", "config")}
+
+
+def training_run(running: Running, kind: str, steps: int, idle: dict[str, float]) -> dict[str, float]:
+    """The commands of one training run of `steps` steps (the ranks' start included), less the idle nodes' own."""
+    r = client(running)
+    addresses = list(running.addresses.values())
+    r.config_resetstat()
+    start = time.monotonic()
+    run_ranks("train", "ring", None, addresses[:1] if kind == "one rank" else addresses, 1, steps)
+    spent = time.monotonic() - start
+    got = {k: float(v) for k, v in counts(r).items() if k not in ("info", "config|resetstat", "config")}
+    return less(got, idle, spent)
+
+
+def fit(ns: list[int], totals: list[float]) -> list[float]:
+    """a, b, c of a + b N + c N^2 (least squares; exact for three node counts)."""
+    degree = min(2, len(ns) - 1)
+    coeffs = np.polyfit(np.array(ns, float), np.array(totals, float), degree)[::-1]
+    return [float(x) for x in coeffs] + [0.0] * (2 - degree)
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--seconds", type=float, default=10.0, help="how long each idle count runs")
+    ap.add_argument("--steps", type=int, nargs=2, default=[10, 40], metavar=("S1", "S2"))
+    opts = ap.parse_args()
+    s1, s2 = opts.steps
+    if not 0 < s1 < s2:
+        raise SystemExit(f"--steps: give two step counts, the first smaller ({s1} {s2})")
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "idle": {}, "training": {}}
+    for n in opts.nodes:
+        layout = tuple((f"n{i}", f"bench-host-{i}", "cost") for i in range(n))
+        with tempfile.TemporaryDirectory(prefix="deepx-bench-plane-") as tmp, cluster(Path(tmp), layout) as running:
+            all_linked(running)
+            time.sleep(2 * 2.0)  # two heartbeats (heartbeat_s = 2): every node's watch has seen every other
+            idle = idle_rate(running, opts.seconds)
+            results["idle"][n] = idle
+            print(f"{n} nodes, idle: {sum(idle.values()):8.1f} commands/s  "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items(), key=lambda kv: -kv[1])), flush=True)
+            if n == 2:
+                for kind in ("one rank", "two ranks (DDP, ring)"):
+                    short, long = (training_run(running, kind, s, idle) for s in (s1, s2))
+                    per_step = {k: v / (s2 - s1) for k, v in less(long, short).items()}
+                    results["training"][kind] = {"per_step": per_step, "run_of_s1": short}
+                    print(f"MLP, {kind}: {sum(per_step.values()):6.1f} commands per step ("
+                          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])
+                                      if abs(v) >= 0.05)
+                          + f"); a run of {s1} steps with its start: {sum(short.values()):.0f}", flush=True)
+    ns = sorted(results["idle"])
+    if len(ns) >= 2:
+        a, b, c = fit(ns, [sum(results["idle"][n].values()) for n in ns])
+        results["fit"] = {"a": a, "b": b, "c": c}
+        print(f"idle commands/s ~ {a:.2f} + {b:.2f} N + {c:.3f} N^2: 100 nodes {a + 100 * b + 1e4 * c:,.0f}/s, "
+              f"1,000 nodes {a + 1e3 * b + 1e6 * c:,.0f}/s")
+    out = ROOT / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "plane.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
