@@ -41,7 +41,8 @@ MIN_COLS = 1024
 
 SOURCE = r"""
 #include <string.h>
-/* The columns of a chunk are the output rows r0 .. r1 - 1 of the batch (r = n * oh + y), ow positions each. A row
+/* Built with OpenMP where MKL's runtime is in use (native.load), the loops split across its threads when `split`.
+   The columns of a chunk are the output rows r0 .. r1 - 1 of the batch (r = n * oh + y), ow positions each. A row
    of col is one (channel c, kernel tap i, j) of channels c0 .. c0 + cn - 1; the columns of output x where the tap
    falls inside the input are lo .. hi - 1, the rest are padding. */
 #define CONV(T, S) \
@@ -53,10 +54,13 @@ static void span_##S(long w, long off, long sw, long ow, long *lo, long *hi) { \
     *lo = a; *hi = b; \
 } \
 void im2col_##S(const T *restrict x, T *restrict col, long c, long h, long w, long c0, long cn, long kh, long kw, \
-                long sh, long sw, long ph, long pw, long dh, long dw, long oh, long ow, long r0, long r1) { \
+                long sh, long sw, long ph, long pw, long dh, long dw, long oh, long ow, long r0, long r1, \
+                int split) { \
     long cols = (r1 - r0) * ow; \
-    for (long ch = 0; ch < cn; ch++) for (long i = 0; i < kh; i++) for (long j = 0; j < kw; j++) { \
-        T *restrict d = col + ((ch * kh + i) * kw + j) * cols; \
+    _Pragma("omp parallel for schedule(static) if(split)") \
+    for (long row = 0; row < cn * kh * kw; row++) { \
+        long ch = row / (kh * kw), i = row / kw % kh, j = row % kw; \
+        T *restrict d = col + row * cols; \
         long off = j * dw - pw, lo, hi; \
         span_##S(w, off, sw, ow, &lo, &hi); \
         for (long r = r0; r < r1; r++, d += ow) { \
@@ -71,8 +75,10 @@ void im2col_##S(const T *restrict x, T *restrict col, long c, long h, long w, lo
     } \
 } \
 void col2im_##S(const T *restrict col, T *restrict dx, long c, long h, long w, long c0, long cn, long kh, long kw, \
-                long sh, long sw, long ph, long pw, long dh, long dw, long oh, long ow, long r0, long r1) { \
+                long sh, long sw, long ph, long pw, long dh, long dw, long oh, long ow, long r0, long r1, \
+                int split) { \
     long cols = (r1 - r0) * ow; \
+    _Pragma("omp parallel for schedule(static) if(split)") /* a channel's taps on one thread: no two add at once */ \
     for (long ch = 0; ch < cn; ch++) for (long i = 0; i < kh; i++) for (long j = 0; j < kw; j++) { \
         const T *restrict s = col + ((ch * kh + i) * kw + j) * cols; \
         long off = j * dw - pw, lo, hi; \
@@ -98,14 +104,14 @@ def _native() -> dict[str, Any] | None:
     None where native kernels are off or cannot be built."""
     global _fns
     if _fns is None:
-        lib = native.load(SOURCE)
+        lib = native.load(SOURCE, openmp=True) or native.load(SOURCE)
         if lib is None:
             return None
         fns = {}
         for s in ("f32", "f64"):
             for name in ("im2col", "col2im"):
                 f = getattr(lib, f"{name}_{s}")
-                f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_void_p, *[_LONG] * 17], None
+                f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_void_p, *[_LONG] * 17, ctypes.c_int], None
                 fns[f"{name}_{s}"] = f
         _fns = fns
     return _fns if native.enabled() else None
@@ -129,8 +135,8 @@ class _Geometry:
         cols = max(MIN_COLS, CHUNK_BYTES // (self.k * itemsize))
         rows = max(1, cols // self.ow)
         total = self.n * self.oh
-        if rows >= self.oh:  # whole images
-            step = rows // self.oh * self.oh
+        if rows >= self.oh:  # whole images: one each where an image fills MIN_COLS (its result and gradient in place)
+            step = (1 if self.oh * self.ow >= MIN_COLS else rows // self.oh) * self.oh
             for r0 in range(0, total, step):
                 yield r0, min(r0 + step, total)
             return
@@ -141,7 +147,7 @@ class _Geometry:
 
     def args(self, r0: int, r1: int) -> tuple[int, ...]:
         return (self.c, self.h, self.w, 0, self.c, self.kh, self.kw, self.sh, self.sw, self.ph, self.pw, self.dh,
-                self.dw, self.oh, self.ow, r0, r1)
+                self.dw, self.oh, self.ow, r0, r1, native.split())
 
 
 def _taps(xp: np.ndarray, kh: int, kw: int, stride: Sequence[int], dilation: Sequence[int], oh: int,
@@ -225,34 +231,34 @@ def _grouped(g: _Geometry, w: np.ndarray) -> np.ndarray:
     return w.reshape(g.groups, g.o // g.groups, g.cg * g.kh * g.kw)
 
 
-def _result(out: np.ndarray, dt: np.dtype) -> np.ndarray:
-    """Where the kernel writes: out itself, or a float32 buffer for the 16-bit floats (rounded into out once)."""
-    return out if out.dtype == dt and out.flags.c_contiguous else np.empty(out.shape, dt)
+def _product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a @ b through the matmul kernel (MKL where in use: numpy's BLAS would wake its own threads), one
+    product, or one per group, when out is 3-D."""
+    if out.ndim == 3 and out.shape[0] == 1:
+        a, b, out = a[0], b[0], out[0]
+    _matmul(a, b, out)
 
 
 def conv2d(a, weight, stride, padding, dilation, groups, out):
     x, w = np.ascontiguousarray(_work(a)), np.ascontiguousarray(_work(weight))
     dt = x.dtype
     g = _Geometry(x.shape, w.shape, stride, padding, dilation, groups, *out.shape[2:])
-    y = _result(out, dt)
+    y = out if out.dtype == dt and out.flags.c_contiguous else np.empty(out.shape, dt)
     cols = _Cols(g, dt)
     wg = _grouped(g, w)
+    prod = np.empty((g.groups, g.o // g.groups, cols.col.size // g.k), dt)
     for r0, r1 in g.chunks(dt.itemsize):
         col = cols.im2col(x, r0, r1)
+        part = prod[:, :, :col.shape[1]]  # (groups, O / groups, positions)
         n0, y0 = divmod(r0, g.oh)
-        if r1 - r0 <= g.oh - y0:  # rows of one image: straight into the result
-            dest = y[n0].reshape(g.groups, g.o // g.groups, -1)[:, :, y0 * g.ow:(y0 + r1 - r0) * g.ow]
-            if g.groups == 1:
-                _matmul(wg[0], col, dest[0])
-            else:
-                np.matmul(wg, col.reshape(g.groups, -1, col.shape[1]), out=dest)
-        else:  # whole images: the product (O, images * positions), then each image's part into place
-            if g.groups == 1:
-                prod = np.empty((g.o, col.shape[1]), dt)
-                _matmul(wg[0], col, prod)
-            else:
-                prod = np.matmul(wg, col.reshape(g.groups, -1, col.shape[1]))
-            y[n0:r1 // g.oh] = prod.reshape(g.o, -1, g.oh, g.ow).transpose(1, 0, 2, 3)
+        if r1 - r0 == g.oh and g.groups == 1:  # one whole image: straight into the result
+            _matmul(wg[0], col, y[n0].reshape(g.o, -1))
+            continue
+        _product(wg, col.reshape(g.groups, -1, col.shape[1]), part)
+        if r1 - r0 <= g.oh - y0:  # rows of one image
+            y[n0].reshape(g.o, -1)[:, y0 * g.ow:(y0 + r1 - r0) * g.ow] = part.reshape(g.o, -1)
+        else:  # whole images: each image's part of the product (O, images * positions) into place
+            y[n0:r1 // g.oh] = part.reshape(g.o, -1, g.oh, g.ow).transpose(1, 0, 2, 3)
     if y is not out:
         out[...] = y
 
@@ -263,15 +269,12 @@ def conv2dgradweight(a, g, weight_shape, stride, padding, dilation, groups, out)
     geo = _Geometry(x.shape, [int(d) for d in weight_shape], stride, padding, dilation, groups, *gy.shape[2:])
     cols = _Cols(geo, dt)
     og, kg = geo.o // geo.groups, geo.cg * geo.kh * geo.kw
-    acc = np.zeros((geo.groups, kg, og), dt)  # dweight^T per group
+    acc = np.zeros((geo.groups, kg, og), dt)  # dweight^T per group, summed over the chunks
     part = np.empty_like(acc)
     for r0, r1 in geo.chunks(dt.itemsize):
         col = cols.im2col(x, r0, r1)
         gc = _rows(geo, gy, r0, r1)  # (O, positions)
-        if geo.groups == 1:
-            _matmul(col, gc.T, part[0])
-        else:
-            np.matmul(col.reshape(geo.groups, kg, -1), gc.reshape(geo.groups, og, -1).transpose(0, 2, 1), out=part)
+        _product(col.reshape(geo.groups, kg, -1), gc.reshape(geo.groups, og, -1).transpose(0, 2, 1), part)
         acc += part
     out[...] = acc.transpose(0, 2, 1).reshape(out.shape)
 
@@ -291,10 +294,7 @@ def conv2dgradinput(g, weight, input_shape, stride, padding, dilation, groups, o
     for r0, r1 in geo.chunks(dt.itemsize):
         gc = _rows(geo, gy, r0, r1)
         col = cols.buffer(r0, r1)
-        if geo.groups == 1:
-            _matmul(wt[0], gc, col)
-        else:
-            np.matmul(wt, gc.reshape(geo.groups, og, -1), out=col.reshape(geo.groups, -1, col.shape[1]))
+        _product(wt, gc.reshape(geo.groups, og, -1), col.reshape(geo.groups, -1, col.shape[1]))
         cols.col2im(col, grad, r0, r1)
     if cols.fns is None:
         out[...] = grad[:, :, geo.ph:geo.ph + geo.h, geo.pw:geo.pw + geo.w]
