@@ -1,6 +1,7 @@
 """conv2d, forward and backward, through the SDK's embedded daemon on the CPU, in one run:
 
-    op      the `conv2d` op (im2col as a strided view, one GEMM per group; its gradient ops likewise)
+    op      the `conv2d` op (im2col in cache-sized chunks of output rows, one GEMM per chunk; its gradient ops
+            likewise, the input's through col2im)
     taps    the same convolution written with slices and matmul (what op-cuda gets until it has a kernel)
     torch   torch.nn.functional.conv2d on the CPU, eager (the peer)
 

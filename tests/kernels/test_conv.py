@@ -38,6 +38,54 @@ def _out_shape(geo: tuple) -> tuple[int, ...]:
 @pytest.mark.parametrize("dtype", ordered(OPS["conv2d"].dtypes))
 @pytest.mark.parametrize("geo", GEOMETRIES)
 def test_conv2d_and_its_gradient_ops_match_torch(rng, dtype, geo):
+    _check(rng, dtype, geo)
+
+
+CHUNKED = [  # geometries of odd sizes, cut into chunks of several sizes below
+    (3, 3, 11, 9, 5, 3, 3, (1, 1), (1, 1), (1, 1), 1),
+    (3, 4, 10, 13, 6, 3, 2, (2, 3), (2, 1), (1, 2), 2),
+    (2, 6, 9, 7, 6, 2, 3, (1, 2), (0, 3), (3, 1), 3),  # padding wider than the kernel's reach
+    (5, 1, 8, 8, 4, 3, 3, (1, 1), (1, 1), (1, 1), 1),  # one input channel
+    (2, 4, 7, 7, 4, 3, 3, (2, 2), (1, 1), (1, 1), 4),  # depthwise
+]
+
+
+@pytest.mark.parametrize("native_loops", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("cols", [1, "half", "two", 1 << 20], ids=["row", "half-image", "two-images", "batch"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("geo", CHUNKED)
+def test_conv2d_chunks_match_torch(rng, monkeypatch, dtype, geo, cols, native_loops):
+    """Chunks of one row, of part of an image (uneven), of two images (the last one short) and of the whole batch,
+    on the native im2col and col2im and on numpy's: every boundary gives torch's result."""
+    from deepxd.kernels.cpu import conv, native
+
+    oh, ow = _out_shape(geo)[2:]
+    size = {"half": oh * ow // 2 + 1, "two": 2 * oh * ow}.get(cols, cols)
+    monkeypatch.setattr(conv, "CHUNK_BYTES", 0)
+    monkeypatch.setattr(conv, "MIN_COLS", size)
+    if not native_loops:
+        monkeypatch.setattr(native, "_enabled", False)
+    elif not native.available():
+        pytest.skip("no C compiler: native im2col cannot be built")
+    _check(rng, dtype, geo)
+
+
+@pytest.mark.parametrize(("min_cols", "want"), [
+    (1, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6)]),  # a row each
+    (6, [(0, 1), (1, 3), (3, 4), (4, 6)]),  # two rows fit: each image in two parts of about equal size
+    (9, [(0, 3), (3, 6)]),  # an image fills MIN_COLS: one each
+    (1 << 20, [(0, 6)]),  # the batch
+])
+def test_conv2d_chunks_cut_rows_or_whole_images(monkeypatch, min_cols, want):
+    from deepxd.kernels.cpu import conv
+
+    monkeypatch.setattr(conv, "CHUNK_BYTES", 0)
+    monkeypatch.setattr(conv, "MIN_COLS", min_cols)
+    g = conv._Geometry((2, 2, 3, 3), (4, 2, 1, 1), (1, 1), (0, 0), (1, 1), 1, 3, 3)  # 2 images of 3 rows of 3
+    assert list(g.chunks(8)) == want
+
+
+def _check(rng, dtype, geo):
     n, c, h, w, o, kh, kw, stride, padding, dilation, groups = geo
     x = rand(rng, dtype, (n, c, h, w), -1, 1)
     wt = rand(rng, dtype, (o, c // groups, kh, kw), -1, 1)

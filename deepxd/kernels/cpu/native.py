@@ -250,6 +250,11 @@ def set_split(on: bool) -> None:
     _split_on = bool(on)
 
 
+def split() -> bool:
+    """Whether loops built with OpenMP split across its threads now (set_split)."""
+    return _split_on
+
+
 def _omp() -> Path | None:
     """Where MKL's OpenMP runtime lies when native kernels split their loops on its threads (MKL in use), else
     None: then no kernel is built with OpenMP (a second runtime's idle threads would spin against OpenBLAS's)."""
