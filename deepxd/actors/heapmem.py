@@ -392,7 +392,10 @@ class HeapMemory(Actor):
         wait = WAKE_WAIT_S if self.kv.wakes_on_push else self.poll_s
         waits = [asyncio.ensure_future(self.kv.wait_push(key, wait)) for key in (LIFECYCLE, self.own_list)]
         try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if pending:  # both waits time out together: the other is about to end (a cancelled one drops its link)
+                more, _ = await asyncio.wait(pending, timeout=0.05)
+                done |= more
         finally:
             for task in waits:
                 task.cancel()
