@@ -17,12 +17,13 @@ Held in the daemon's memory; heapmem writes a heap tensor's into its plane recor
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deepx_core.errors import DeepxError
 from deepx_core.identity import NAME_MAX
+from deepx_core.ir.instr import Instr
 
 SESSION_FIELDS = ("session", "client", "pid", "host")  # who made a tensor
 LABEL_FIELDS = ("parameter", "call_site")  # what the SDK said of it
@@ -31,6 +32,7 @@ FIELDS = SESSION_FIELDS + LABEL_FIELDS
 WORKERS = frozenset(("op-cpu", "op-cuda"))
 LABEL_MAX = 1024  # characters of a label's value (a module path, a file:line)
 LONG_PROGRAM = 4096  # a program this long is looked through off the loop
+WRITES_MAX = 4096  # instructions whose written tensors are remembered (Owners._written)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,14 @@ class Session:
 
     def fields(self) -> dict[str, str]:
         return {"session": self.text, "client": self.name, "pid": str(self.pid), "host": self.host}
+
+    def _fields(self) -> dict[str, str]:
+        """fields(), made once (not to be changed: a copy goes into a tensor's record)."""
+        made = self.__dict__.get("_made_fields")
+        if made is None:
+            made = self.fields()
+            object.__setattr__(self, "_made_fields", made)
+        return made
 
 
 def session_of_hello(req: Mapping[str, Any]) -> Session | None:
@@ -82,6 +92,7 @@ class Owners:
     def __init__(self) -> None:
         self._prefixes: dict[str, _Prefix] = {}
         self._named: dict[str, dict[str, str]] = {}  # tensor name -> its fields (a session's, labels)
+        self._writes: dict[Instr, tuple[str, ...]] = {}  # an instruction -> the tensors it gives a value (_written)
 
     def bind(self, prefix: str, session: Session) -> None:
         """Tensors named `prefix...` are `session`'s."""
@@ -104,13 +115,14 @@ class Owners:
 
     def made(self, names: Iterable[str], session: Session) -> None:
         """`session` made (or put) these tensors."""
-        fields = session.fields()
+        fields = session._fields()
+        text = fields["session"]
         named = self._named
         for name in names:
             own = named.get(name)
             if own is None:
                 named[name] = dict(fields)
-            else:
+            elif own.get("session") != text:  # (the same text: the same fields already)
                 own.update(fields)
 
     def label(self, tensors: Any) -> list[str]:
@@ -159,9 +171,11 @@ class Owners:
         if not self.made_now(op, req, session, prefixed):  # off the loop, as the daemon unpacks a long program
             self.made(await asyncio.to_thread(written_by, req["program"]), session)
 
-    def made_now(self, op: str, req: Mapping[str, Any], session: Session, prefixed: bool) -> bool:
+    def made_now(self, op: str, req: Mapping[str, Any], session: Session, prefixed: bool,
+                 decoded: Sequence[Instr] | None = None) -> bool:
         """made_by without an await where it needs none (all but a run of more than LONG_PROGRAM instructions, whose
-        names are looked for on a thread): whether it was done."""
+        names are looked for on a thread): whether it was done. `decoded`: the run's program, decoded already (what
+        each of its instructions writes is remembered)."""
         if op == "put":
             if isinstance(req.get("name"), str):
                 self.made([req["name"]], session)
@@ -171,8 +185,32 @@ class Owners:
             return True
         if len(program) > LONG_PROGRAM:
             return False
-        self.made(written_by(program, cached=True), session)  # (a loop's instructions decode from the wire's cache)
+        if decoded is not None:
+            self.made(self._written(decoded), session)
+        else:  # (a loop's instructions decode from the wire's cache)
+            self.made(written_by(program, cached=True), session)
         return True
+
+    def _written(self, program: Sequence[Instr]) -> Iterable[str]:
+        """written_by for decoded instructions, what each writes remembered (a client's loop sends the same ones)."""
+        if len(program) == 1:
+            return self._writes_of(program[0])
+        names: dict[str, None] = {}
+        for instr in program:
+            names.update(dict.fromkeys(self._writes_of(instr)))
+        return names
+
+    def _writes_of(self, instr: Instr) -> Sequence[str]:
+        memo = self._writes
+        try:
+            names = memo.get(instr)
+        except TypeError:  # a value that does not hash
+            return writes_of(instr)
+        if names is None:
+            if len(memo) >= WRITES_MAX:
+                memo.clear()
+            names = memo[instr] = tuple(writes_of(instr))
+        return names
 
     def fields(self, name: str) -> dict[str, str]:
         """What is known of tensor `name`: its session's fields (by name, else by the longest prefix) and labels."""
@@ -201,33 +239,39 @@ class Owners:
 
 
 def written_by(program: list[Any], cached: bool = False) -> list[str]:
-    """The tensors a program as sent (instructions packed, or as lists) gives a value, from its ops' effects (read
-    from the catalogue only: safe on a thread, unless `cached`: packed instructions decoded through the wire's
-    cache, on the event loop). What does not decode is skipped: the run says so."""
-    from deepx_core.ir.effects import DELETES, READS, RENAMES, SETS
-    from deepx_core.ir.ops import OPS
+    """The tensors a program as sent (instructions packed, or as lists; or decoded) gives a value, from its ops'
+    effects (read from the catalogue only: safe on a thread, unless `cached`: packed instructions decoded through
+    the wire's cache, on the event loop). What does not decode is skipped: the run says so."""
     from deepx_core.ir.wire import instr_from_obj, unpack_instr, unpack_instr_cached
 
     unpack = unpack_instr_cached if cached else unpack_instr
     names: dict[str, None] = {}
     for obj in program:
         try:
-            instr = unpack(obj) if type(obj) is bytes else instr_from_obj(obj)
+            instr = obj if type(obj) is Instr else unpack(obj) if type(obj) is bytes else instr_from_obj(obj)
         except (DeepxError, ValueError, TypeError):
             continue
-        op = OPS.get(instr.name)
-        if op is None or op.effect.kind in (DELETES, READS, SETS):
-            continue
-        if op.effect.kind is RENAMES:  # the name its first arg gives
-            if instr.args:
-                names[str(instr.args[0].value)] = None
-            continue
-        for p in instr.returns:
-            if p.category == "tensor" and type(p.value) is str:
-                names[p.value] = None
-            elif p.category == "listtensor" and isinstance(p.value, tuple):
-                names.update((str(n), None) for n in p.value)
+        names.update(dict.fromkeys(writes_of(instr)))
     return list(names)
+
+
+def writes_of(instr: Instr) -> list[str]:
+    """The tensors one instruction gives a value (written_by's)."""
+    from deepx_core.ir.effects import DELETES, READS, RENAMES, SETS
+    from deepx_core.ir.ops import OPS
+
+    op = OPS.get(instr.name)
+    if op is None or op.effect.kind in (DELETES, READS, SETS):
+        return []
+    if op.effect.kind is RENAMES:  # the name its first arg gives
+        return [str(instr.args[0].value)] if instr.args else []
+    names: list[str] = []
+    for p in instr.returns:
+        if p.category == "tensor" and type(p.value) is str:
+            names.append(p.value)
+        elif p.category == "listtensor" and isinstance(p.value, tuple):
+            names.extend(str(n) for n in p.value)
+    return names
 
 
 def shown(row: dict[str, Any]) -> dict[str, Any]:

@@ -65,6 +65,7 @@ class Message(Generic[A_contra, R_co]):
 
 
 _ARGS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+_NOW: dict[str, str] = {}  # a message's name -> the name of the method that answers it with `ref.now`
 
 
 def _fields_getter(cls: type) -> Callable[[Any], tuple[Any, ...]]:
@@ -452,7 +453,10 @@ class ActorRef(Generic[A]):
         the actor offers one (a method `now_<message>`, taking the fields as `on_<message>` does) and can give it now;
         None, with nothing run, where it cannot: the caller asks instead. The embedded daemon's fast path, used while
         the caller borrows the actors' loop (deepx_sdk/loopthread.py); the only way past the mailbox."""
-        fn = getattr(self._actor, f"now_{message.message}", None)
+        name = _NOW.get(message.message)
+        if name is None:
+            name = _NOW[message.message] = f"now_{message.message}"
+        fn = getattr(self._actor, name, None)
         return None if fn is None else fn(*message.args())  # type: ignore[no-any-return]
 
     async def ask(self, message: Message[A, R], timeout: float | None = None) -> R:

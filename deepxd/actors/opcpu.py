@@ -298,7 +298,7 @@ class CpuWorker(OpWorker):
         assert prepared is not None
         result = self._begin_prepared(prepared)
         self._execute_prepared(prepared, result)
-        return self._end_prepared(plan, self._fetched(result, plan.fetch))
+        return self._end_prepared(plan, self._fetched(result, plan.fetch) if plan.fetch else result)
 
     def _prepare_again(self, prepared: Prepared, changed: list[int]) -> None:
         """The prepared steps of the instructions bound again."""

@@ -590,17 +590,18 @@ class Scheduler(Actor):
             scope = self.udp_scope
             if origin != "udp" or scope is None or backwards or not all(map(scope.reaches, program)):
                 return None
-        plan = self._standing(program, fetch, backwards)
+        key = probe(program)
+        plan = self._standing(program, fetch, backwards, key)
         if plan is None:
             return None
-        return self.now("run", self._now_run, plan, program, origin)
+        return self.now("run", self._now_run, plan, program, origin, key)
 
     def _standing(self, program: Sequence[Instr], fetch: Sequence[str],
-                  backwards: Sequence[dict[str, Any]] | None) -> Plan | None:
-        """The newest plan of `program` that its worker would run inline now (now_stands), found without running or
-        counting anything."""
+                  backwards: Sequence[dict[str, Any]] | None, key: Any = None) -> Plan | None:
+        """The newest plan of `program` (`key`: its probe, where known) that its worker would run inline now
+        (now_stands), found without running or counting anything."""
         worker = self._place(program)  # every plan's (a session's tensors live on one worker)
-        for plan in reversed(self.plans.bucket(probe(program))):
+        for plan in reversed(self.plans.bucket(probe(program) if key is None else key)):
             if plan.worker is not worker or not plan.matches(program, fetch, backwards):
                 continue
             if plan.pair_min is not None and plan.pair_min != default_pair_min():
@@ -609,19 +610,20 @@ class Scheduler(Actor):
                 return plan
         return None
 
-    def _now_run(self, plan: Plan, program: Sequence[Instr], origin: str) -> Finished:
+    def _now_run(self, plan: Plan, program: Sequence[Instr], origin: str, key: Any) -> Finished:
         t0 = time.perf_counter()
         self.now_hits += 1
-        if not origin:  # (a UDP sender's names only UDP's tensors, and stays so)
-            self._taken_from_udp(program)
-        if plan.expanded is not None:
-            self._taken_from_udp(plan.expanded)
+        if self.udp_scope:  # what it writes is no longer UDP's
+            if not origin:  # (a UDP sender's names only UDP's tensors, and stays so)
+                self._taken_from_udp(program)
+            if plan.expanded is not None:
+                self._taken_from_udp(plan.expanded)
         result = plan.worker.now(RunPlan(plan))
         assert result is not None  # (now_stands said it would run)
         done = self._plan_ran(plan, program, result)
         if not isinstance(done, RunResult):
             return self._finish_counted(done, t0, plan)
-        self._hit(probe(program), plan, done)
+        self._hit(key, plan, done)
         return self._counted(done, t0)
 
     async def _finish_counted(self, done: Coroutine[Any, Any, RunResult], t0: float, plan: Plan) -> RunResult:

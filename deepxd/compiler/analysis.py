@@ -285,10 +285,16 @@ FUSE_PAIR_MIN_ELEMENTS = 1 << 15
 
 def default_pair_min() -> int:
     """FUSE_PAIR_MIN_ELEMENTS where this process has native kernels, else 0 (pairs stay apart: numpy's tape runs a
-    fused pair slower than its two ops)."""
-    from deepxd.kernels.cpu import native
+    fused pair slower than its two ops). (Asked at every run of a plan: the module is imported once.)"""
+    native = _kernels[0]
+    if native is None:
+        from deepxd.kernels.cpu import native
 
+        _kernels[0] = native
     return FUSE_PAIR_MIN_ELEMENTS if native.available() else 0
+
+
+_kernels: list[Any] = [None]  # deepxd.kernels.cpu.native, once default_pair_min imported it
 
 
 @dataclass

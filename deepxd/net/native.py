@@ -131,10 +131,20 @@ def encode_tensor(a: np.ndarray) -> dict[str, Any]:
     return {"dtype": from_numpy(a.dtype), "shape": list(a.shape), "data": flat.view(np.uint8).data}
 
 
+_NO_ID = object()
+
+
 def encode_result(r: RunResult) -> dict[str, Any]:
-    out = {"ok": not r.error, "done": r.done, "error": r.error or None, "error_index": r.error_index,
+    return run_reply(r)
+
+
+def run_reply(r: RunResult, rid: Any = _NO_ID) -> dict[str, Any]:
+    """A run's reply: `id` (where given), `ok` and the result's fields, in one map."""
+    out = {"id": rid, "ok": not r.error, "done": r.done, "error": r.error or None, "error_index": r.error_index,
            "t0": r.t0, "times": array("d", r.times_us).tobytes(), "output": r.output,
-           "tensors": {k: encode_tensor(v) for k, v in r.tensors.items()}}
+           "tensors": {k: encode_tensor(v) for k, v in r.tensors.items()} if r.tensors else {}}
+    if rid is _NO_ID:
+        del out["id"]
     if r.placement is not None:  # run across nodes: where each instruction ran, what moved
         out["placement"] = r.placement
     return out
@@ -532,7 +542,7 @@ class NativeServer:
         if n != len(data) - HEADER.size or n >= LONG_FRAME:
             return False
         try:
-            req = unpack_body(data[HEADER.size:])
+            req = unpack_body(memoryview(data)[HEADER.size:])
             prog = req.get("program")
             if req.get("op") != "run" or type(prog) is not list or len(prog) > LONG_PROGRAM:
                 return False
@@ -540,13 +550,17 @@ class NativeServer:
             fetch, backwards = _run_fields(req)
         except Exception:  # the task says what is wrong
             return False
-        node = self.node  # (what it writes is taken back from UDP's scope by the scheduler: Scheduler._now_run)
-        session = conn.bound.get("session")
-        if session is not None and not node.owners.made_now("run", req, session, bool(conn.bound.get("prefixes"))):
+        bound = conn.bound  # (what it writes is taken back from UDP's scope by the scheduler: Scheduler._now_run)
+        session = bound.get("session")
+        if session is not None and not self.node.owners.made_now("run", req, session, bool(bound.get("prefixes")),
+                                                                 program):
             return False
         rid = req.get("id")
-        conn.bound["used"] = True
-        placed = PLACED.set(conn.bound.get("worker", ""))  # (the task made for the rest copies it)
+        bound["used"] = True
+        worker = bound.get("worker", "")
+        if worker == PLACED.get():  # (the first GPU's, or a session's own: nothing to set)
+            return self._now_run(conn, rid, program, fetch, backwards)
+        placed = PLACED.set(worker)  # (the task made for the rest copies it)
         try:
             return self._now_run(conn, rid, program, fetch, backwards)
         finally:
@@ -588,12 +602,12 @@ class NativeServer:
 
     @staticmethod
     def _write(conn: _Connection, rid: Any, result: RunResult | None, reply: dict[str, Any] | None = None) -> None:
-        if reply is None:
-            assert result is not None
-            out = encode_result(result)
-            reply = {"id": rid, "ok": out.pop("ok"), **out}
+        """The reply to a run answered in the transport's callback (`result`'s, else `reply`), packed once."""
         out_transport = conn.out
         if out_transport is not None and not out_transport.is_closing():
+            if reply is None:
+                assert result is not None
+                reply = run_reply(result, rid)
             out_transport.write(pack_frame(reply))  # type: ignore[attr-defined]
 
     async def _handle(self, body: bytes, bound: dict[str, Any] | None = None,
