@@ -2,7 +2,8 @@
 per training step of the MLP on two nodes, counted by the redis-server itself (INFO commandstats).
 
 1. Idle: N deepxd (N = 2, 4, 8 by default), each saying it runs on a host of its own (peer links over TCP with the
-   token), on one redis-server of the benchmark's own: once every node is linked to every other, the commands the
+   token) and holding 100 small heap tensors, on one redis-server of the benchmark's own: once every node is
+   linked to every other, the commands the
    plane serves per second, in all and by command, fitted to a + b N + c N^2 (per second); docs/cluster.md takes
    the fit to 1,000 nodes.
 2. Training: the MLP of bench/ddp.py (784-512-512-10, batch 256 a rank, SGD with momentum) on one rank connected
@@ -10,7 +11,7 @@ per training step of the MLP on two nodes, counted by the redis-server itself (I
    links): the commands of a run of S1 steps and of one of S2 steps, less the idle rate over each run's time; the
    difference over S2 - S1 is the plane's cost of a step (the group's formation and the start-up cancel out).
 
-    python bench/plane.py [--nodes 2 4 8] [--seconds 10] [--steps 10 40]
+    python bench/plane.py [--nodes 2 4 8] [--seconds 10] [--steps 10 40] [--tensors 100]
 
 Prints the tables and writes bench/results/plane.json.
 """
@@ -60,6 +61,19 @@ def all_linked(running: Running) -> None:
             c.close()
 
 
+def put_tensors(running: Running, count: int) -> None:
+    """`count` small heap tensors on each node: what the nodes' checks of their records read."""
+    from deepx_core.client import NativeClient
+
+    for node, address in running.addresses.items():
+        c = NativeClient(address, timeout=60)
+        try:
+            for i in range(count):
+                c.put(f"{node}_t{i}", np.zeros(4, np.float32), heap=True)
+        finally:
+            c.close()
+
+
 def idle_rate(running: Running, seconds: float) -> dict[str, float]:
     """Commands per second, by command, while the nodes do nothing but keep alive."""
     r = client(running)
@@ -96,6 +110,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--seconds", type=float, default=10.0, help="how long each idle count runs")
     ap.add_argument("--steps", type=int, nargs=2, default=[10, 40], metavar=("S1", "S2"))
+    ap.add_argument("--tensors", type=int, default=100, help="heap tensors put on each node before the idle count")
     opts = ap.parse_args()
     s1, s2 = opts.steps
     if not 0 < s1 < s2:
@@ -105,6 +120,7 @@ def main() -> None:
         layout = tuple((f"n{i}", f"bench-host-{i}", "cost") for i in range(n))
         with tempfile.TemporaryDirectory(prefix="deepx-bench-plane-") as tmp, cluster(Path(tmp), layout) as running:
             all_linked(running)
+            put_tensors(running, opts.tensors)
             time.sleep(2 * 2.0)  # two heartbeats (heartbeat_s = 2): every node's watch has seen every other
             idle = idle_rate(running, opts.seconds)
             results["idle"][n] = idle

@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 
 LIFECYCLE = "tensor_lifecycle"
 CHECK_S = 2.0  # how often heapmem checks that the plane still has its tensors' records
+WHOLE_CHECK = 15  # every record of the node's tensors read once in this many checks (one record in the others)
 MIN_CLASS = 4096  # the smallest segment: one page
 REUSE_CLASSES = 3  # a pooled segment up to 4x the needed class is reused rather than a fresh one made
 TICK_BATCH = 100  # lifecycle commands popped per tick
@@ -406,6 +407,7 @@ class HeapMemory(Actor):
     async def _checker(self) -> None:
         """Every check_s: have the plane's records of this node's tensors written again where it lost them, forget
         the other nodes' tensors mapped here that went (_check_remote), and release dead nodes' holds here."""
+        checks = 0
         while self.alive:
             await asyncio.sleep(self.check_s)
             if not self._tensors and not self._remote:
@@ -413,8 +415,9 @@ class HeapMemory(Actor):
             try:
                 if self._remote:
                     await self.ref.ask(CheckRemote())
-                if self._tensors:
-                    await self.ref.ask(Republish())
+                if self._tensors:  # every record once in WHOLE_CHECK checks, one record in the others
+                    checks += 1
+                    await self.ref.ask(Republish(whole=checks % WHOLE_CHECK == 0))
                 if any(h.startswith(REMOTE_HOLDER) for t in self._tensors.values() for h in t.holders):
                     await self.ref.ask(ReleaseDead())
             except ActorStopped:
@@ -691,17 +694,22 @@ class HeapMemory(Actor):
             log.warning("%s: could not write the metadata of %d lifecycle commands: %s", self.name, handled, e)
         return handled
 
-    async def on_republish(self) -> int:
+    async def on_republish(self, whole: bool = True) -> int:
         """Write again, whole, the records of this node's tensors that the plane lost (a Redis that restarted
-        empty, a FLUSHDB, a key deleted by hand). Returns how many were written."""
-        present = {key[len("tensor:"):] for key in await self.kv.keys("tensor:*")}
+        empty, a FLUSHDB, a key deleted by hand). Not `whole`: one record stands for all (a plane that lost its
+        keys lost that one too), and all are read only where it is gone. Returns how many were written."""
+        if not whole and self._tensors and not self._verify_next:
+            if not await self.kv.missing([_key(next(iter(self._tensors)))]):
+                return 0
+        # this node's records only (not a scan of every node's: the check's cost stays this node's tensors)
+        gone = {key[len("tensor:"):] for key in await self.kv.missing([_key(name) for name in self._tensors])}
         # whose record a name holds is read (one request each) only where the plane lost some of ours, in this check
         # or the last: only then can another node have made a name of ours meanwhile
-        lost = any(name not in present for name in self._tensors)
+        lost = bool(gone)
         verify, self._verify_next = lost or self._verify_next, lost
         w = _Writes(self.kv)
         for name, t in self._tensors.items():
-            if name not in present:
+            if name in gone:
                 w.hset(name, t.fields())
                 self._conflicts.discard(name)
                 continue

@@ -380,6 +380,7 @@ class Lifecycle(Message["HeapMemory", int]):
 @dataclass(slots=True)
 class Republish(Message["HeapMemory", int]):
     message: ClassVar[str] = "republish"
+    whole: bool = True  # every record of this node's tensors; else one of them, the whole only where it is gone
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deepx_core.auth import read_secret_file
@@ -135,6 +135,9 @@ class KV(abc.ABC):
         """Delete keys of any type; returns how many existed."""
     @abc.abstractmethod
     async def exists(self, key: str) -> bool: ...
+    @abc.abstractmethod
+    async def missing(self, keys: Sequence[str]) -> list[str]:
+        """Those of `keys` that do not exist, in their order: one round trip for many keys (no scan of the rest)."""
     @abc.abstractmethod
     async def keys(self, pattern: str = "*") -> list[str]:
         """Keys (without the prefix) matching a glob pattern (`*`, `?`, `[abc]`), sorted."""

@@ -22,7 +22,7 @@ import re
 import struct
 import zlib
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, localcontext
 from itertools import islice
 from typing import Any
@@ -110,6 +110,10 @@ class MemoryKV(KV):
     async def exists(self, key: str) -> bool:
         self._check_open()
         return self.prefix + check_key(key) in self._data
+
+    async def missing(self, keys: Sequence[str]) -> list[str]:
+        self._check_open()
+        return [k for k in keys if self.prefix + check_key(k) not in self._data]
 
     async def keys(self, pattern: str = "*") -> list[str]:
         self._check_open()

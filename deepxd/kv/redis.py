@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -160,6 +160,20 @@ class RedisKV(KV):
 
     async def exists(self, key: str) -> bool:
         return bool(await self._run("exists", key, "EXISTS", self._k(key)))
+
+    async def missing(self, keys: Sequence[str]) -> list[str]:
+        full = [self._k(k) for k in keys]
+        client = self._require()
+        found: list[Any] = []
+        try:
+            for at in range(0, len(full), 1000):  # a pipeline of EXISTS, a thousand keys a round trip
+                async with client.pipeline(transaction=False) as pipe:
+                    for k in full[at:at + 1000]:
+                        pipe.exists(k)
+                    found += await pipe.execute()
+        except rx.RedisError as e:
+            raise self._lost("missing", e) from e
+        return [k for k, there in zip(keys, found, strict=True) if not there]
 
     async def keys(self, pattern: str = "*") -> list[str]:
         match, n = escape_glob(self.prefix) + pattern, len(self.prefix)

@@ -533,3 +533,20 @@ async def test_each_gpu_worker_s_heap_tensors_live_on_its_own_gpu(kv, node) -> N
         assert sorted(gpus["cuda:0"].live) == ["p", "w0"]
     finally:
         await actor.stop()
+
+
+async def test_the_check_reads_one_record_and_every_record_where_that_one_is_gone(heap, kv):
+    """Republish(whole=False) reads one of the node's records (a plane that lost its keys lost that one too); the
+    whole check, and a light one that finds its record gone, write back every record the plane lost."""
+    from deepxd.actors.messages import Republish
+
+    for name in ("w0", "w1", "w2"):
+        await ask(heap, "create", name=name, shape=[2], dtype="float32", owner="alice")
+    before = await kv.hgetall("tensor:w2")
+    await kv.delete("tensor:w2")  # by hand, not the first: the light check does not see it
+    assert await heap.ref.ask(Republish(whole=False), timeout=10) == 0
+    assert await heap.ref.ask(Republish(whole=True), timeout=10) == 1
+    assert await kv.hgetall("tensor:w2") == before
+    await kv.delete("tensor:w0", "tensor:w1")  # as a flushed plane: the first is gone too
+    assert await heap.ref.ask(Republish(whole=False), timeout=10) == 2
+    assert not await kv.missing(["tensor:w0", "tensor:w1", "tensor:w2"])

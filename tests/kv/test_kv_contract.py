@@ -259,6 +259,20 @@ async def test_a_long_wait_ends_at_the_push_and_takes_nothing(kv: KV) -> None:
     assert await kv.lpop("q", 5) == [b"1", b"2"]
 
 
+async def test_missing_names_the_absent_keys_in_order(kv: KV) -> None:
+    await kv.hset("tensor:a", {"node": "n1"})
+    await kv.set("tensor:c", b"x")
+    await kv.rpush("tensor:e", b"1")
+    names = ["tensor:a", "tensor:b", "tensor:c", "tensor:d", "tensor:e"]
+    assert await kv.missing(names) == ["tensor:b", "tensor:d"]
+    assert await kv.missing([]) == []
+    many = [f"k{i}" for i in range(2500)]  # more than one round of the pipeline
+    async with kv.batch() as b:
+        for k in many[::2]:
+            b.set(k, b"1")
+    assert await kv.missing(many) == many[1::2]
+
+
 async def test_lpop_counts(kv: KV) -> None:
     assert await kv.lpop("q") == []
     assert await kv.lpop("q", 5) == []
