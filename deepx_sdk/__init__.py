@@ -32,6 +32,8 @@ from deepx_sdk.tensor import (
     div,
     empty,
     empty_like,
+    floor_divide,
+    fmod,
     from_numpy,
     full,
     full_like,
@@ -48,6 +50,7 @@ from deepx_sdk.tensor import (
     randint,
     randn,
     randn_like,
+    remainder,
     rsub,
     stack,
     sub,
@@ -133,11 +136,11 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
 
 __all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Placed", "Session", "Tensor", "__version__", "add",
            "arange", "as_tensor", "cat", "compile", "concat", "connect", "disconnect", "div", "divide", "empty",
-           "empty_cache", "empty_like", "enable_grad", "explain", "from_numpy", "full", "full_like", "graphs",
-           "inference_mode", "is_grad_enabled", "linspace", "load", "manual_seed", "matmul", "maximum", "minimum",
-           "mul", "multiply", "no_grad", "ones", "ones_like", "pow", "rand", "rand_like", "randint", "randn",
-           "randn_like", "rsub", "save", "session", "set_grad_enabled", "stack", "sub", "subtract", "sync", "tensor",
-           "true_divide", "where", "zeros", "zeros_like"]
+           "empty_cache", "empty_like", "enable_grad", "explain", "floor_divide", "fmod", "from_numpy", "full",
+           "full_like", "graphs", "inference_mode", "is_grad_enabled", "linspace", "load", "manual_seed", "matmul",
+           "maximum", "minimum", "mul", "multiply", "no_grad", "ones", "ones_like", "pow", "rand", "rand_like",
+           "randint", "randn", "randn_like", "remainder", "rsub", "save", "session", "set_grad_enabled", "stack",
+           "sub", "subtract", "sync", "tensor", "true_divide", "where", "zeros", "zeros_like"]
 
 
 multiply, subtract, divide, true_divide = mul, sub, div, div

@@ -142,6 +142,18 @@ def _mask(t: Tensor, mask: Tensor) -> Tensor:
     return flat[tensor(where.astype(np.int64))]
 
 
+def _index_text(index: Any) -> str:
+    """An index as Python writes it: `:, 1:3, ...`."""
+
+    def one(i: Any) -> str:
+        if isinstance(i, slice):
+            text = ":".join("" if v is None else str(v) for v in (i.start, i.stop))
+            return text + (f":{i.step}" if i.step is not None else "")
+        return "..." if i is Ellipsis else "None" if i is None else str(i)
+
+    return ", ".join(one(i) for i in (index if isinstance(index, tuple) else (index,)))
+
+
 def setitem(t: Tensor, index: Any, value: Any) -> None:
     from deepx_sdk.tensor import Tensor, _tp, _vec, full, tensor, where
 
@@ -170,6 +182,10 @@ def setitem(t: Tensor, index: Any, value: Any) -> None:
         lead = list(value.shape)
         while lead and lead[0] == 1 and len(lead) > len(view):
             lead.pop(0)
+        if len(lead) > len(view) or any(v not in (1, w) for v, w in zip(reversed(lead), reversed(view))):
+            raise DeepxError(f"setitem (sliceassign): value '{value.name}' of shape {list(value.shape)} does not fit "
+                             f"'{t.name}'[{_index_text(index)}] of shape {list(view)} (of {list(t.shape)}); it must "
+                             "broadcast to it")
         value = value.reshape(tuple(lead)) if tuple(lead) != value.shape else value
         value = value.expand(view)
     if value.shape != target:

@@ -872,25 +872,25 @@ class Tensor:
         return matmul(o, self)
 
     def __floordiv__(self, o: Any) -> Tensor:
-        return _int_divmod("// (floor division)", self, o)[0]
+        return _divmod("floordiv", self, o)
 
     def __rfloordiv__(self, o: Any) -> Tensor:
-        return _int_divmod("// (floor division)", o, self)[0]
+        return _divmod("floordiv", o, self)
 
     def __mod__(self, o: Any) -> Tensor:
-        return _int_divmod("% (remainder)", self, o)[1]
+        return _divmod("remainder", self, o)
 
     def __rmod__(self, o: Any) -> Tensor:
-        return _int_divmod("% (remainder)", o, self)[1]
+        return _divmod("remainder", o, self)
 
     def floor_divide(self, o: Any) -> Tensor:
-        return _int_divmod("floor_divide", self, o)[0]
+        return _divmod("floordiv", self, o)
 
     def remainder(self, o: Any) -> Tensor:
-        return _int_divmod("remainder", self, o)[1]
+        return _divmod("remainder", self, o)
 
     def fmod(self, o: Any) -> Tensor:
-        return _int_divmod("fmod", self, o, floor=False)[1]
+        return _divmod("fmod", self, o)
 
     # -- comparisons
     def _compare(self, op: str, other: Any, scalar_op: str) -> Tensor:
@@ -2172,25 +2172,44 @@ def div(a: Any, b: Any, *, rounding_mode: str | None = None) -> Tensor:
         q = x._binary("div", y, "divscalar", "rdivscalar", reverse)  # the integer kernels truncate toward zero
         return q.trunc() if q.dtype in _FLOAT_RANK else q
     if rounding_mode == "floor":
-        return _int_divmod("div(rounding_mode='floor')", a, b)[0]
+        return _divmod("floordiv", a, b)
     raise DeepxError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}")
 
 
-_NO_FLOOR_DIVISION = ("{} of floating-point tensors is not supported by deepx: torch computes it through an exact "
-                      "fmod, which the op catalogue lacks; (a / b).floor() is close, and differs where a / b rounds up "
-                      "to a whole number (integer tensors are supported)")
+def floor_divide(a: Any, b: Any) -> Tensor:
+    """a // b rounded toward minus infinity, as torch's (no gradient, as torch has none)."""
+    return _divmod("floordiv", a, b)
+
+
+def remainder(a: Any, b: Any) -> Tensor:
+    """a % b with the sign of b, as Python's and torch's."""
+    return _divmod("remainder", a, b)
+
+
+def fmod(a: Any, b: Any) -> Tensor:
+    """The remainder of a / b truncated toward zero (the sign of a), as C's fmod and torch's."""
+    return _divmod("fmod", a, b)
+
+
+_DIVMOD_NAMES = {"floordiv": "// (floor division)", "remainder": "% (remainder)", "fmod": "fmod"}
+
+
+def _divmod(op: str, a: Any, b: Any) -> Tensor:
+    """floordiv, remainder or fmod of a and b as torch's: where either is floating, the catalogue's op of that name
+    (exact, from C's fmod), of a scalar where one is a number; integers (and bools) through _int_divmod."""
+    if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+        raise DeepxError(f"{_DIVMOD_NAMES[op]}: one of its operands must be a Tensor")
+    if any(x.dtype in _FLOAT_RANK if isinstance(x, Tensor) else isinstance(x, (_float, np.floating)) for x in (a, b)):
+        t, o, reverse = (a, b, False) if isinstance(a, Tensor) else (b, a, True)
+        return t._binary(op, o, f"{op}scalar", f"r{op}scalar", reverse, floating=True)
+    q, r = _int_divmod(_DIVMOD_NAMES[op], a, b, floor=op != "fmod")
+    return q if op == "floordiv" else r
 
 
 def _int_divmod(what: str, a: Any, b: Any, floor: _bool = True) -> tuple[Tensor, Tensor]:
     """Integer a // b and a % b as torch's (rounded toward minus infinity, the remainder taking b's sign), exact:
     the kernels' division truncates, and where the remainder is non-zero and its sign differs from b's, the
-    quotient steps down and the remainder gains b. floor=False: C's truncated pair (fmod). Floats are refused."""
-    for x in (a, b):
-        dt = x.dtype if isinstance(x, Tensor) else ("int64" if isinstance(x, int) else "float64")
-        if dt not in INTS and dt != "bool":
-            raise DeepxError(_NO_FLOOR_DIVISION.format(what))
-    if not isinstance(a, Tensor) and not isinstance(b, Tensor):
-        raise DeepxError(f"{what}: one of its operands must be a Tensor")
+    quotient steps down and the remainder gains b. floor=False: C's truncated pair (fmod)."""
     q = div(a, b, rounding_mode="trunc")
     r = a - q * b
     if not floor:

@@ -6,9 +6,11 @@ PyTorch code, run with deepx, generating text with a key/value cache.
 `build(torch, nn, F)` defines the model for whichever framework it is handed: `build(dx, dx.nn, dx.nn.functional)`
 for deepx, `build(torch, torch.nn, torch.nn.functional)` for torch; the weights are a safetensors file either one
 wrote (without --weights, random weights from a seed: the output is noise, the mechanics are not). Bytes are the
-tokens (a vocabulary of 256). Decoding runs the prompt once, filling each layer's cache, then one token at a time,
-each step reading the cache instead of recomputing the prefix; `generate(..., use_cache=False)` recomputes the
-whole sequence every step, which gives the same tokens.
+tokens (a vocabulary of 256). Each attention layer keeps its keys and values in buffers (`register_buffer`, not
+saved with the weights): in deepx, heap tensors the daemon keeps, written in place one slice a step. Decoding runs
+the prompt once, filling each layer's cache, then one token at a time, each step reading the cache instead of
+recomputing the prefix; `generate(..., use_cache=False)` recomputes the whole sequence every step, which gives the
+same tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Config:
     kv_heads: int = 2
     hidden: int = 176
     max_len: int = 256
+    max_batch: int = 1  # the key/value cache's rows
     rope_theta: float = 10000.0
     eps: float = 1e-5
 
@@ -56,8 +59,9 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
             self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
             self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
-            self.k_cache: Any = None
-            self.v_cache: Any = None
+            shape = (cfg.max_batch, cfg.kv_heads, cfg.max_len, self.head_dim)
+            self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+            self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
 
         def forward(self, x: Any, pos: int, cos: Any, sin: Any, use_cache: bool) -> Any:
             b, n, _ = x.shape
@@ -66,13 +70,10 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             v = self.wv(x).view(b, n, cfg.kv_heads, self.head_dim).transpose(1, 2)
             c, s = cos[pos:pos + n], sin[pos:pos + n]
             q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
-            if use_cache:
-                if pos == 0 or self.k_cache is None:
-                    shape = (b, cfg.kv_heads, cfg.max_len, self.head_dim)
-                    self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
-                self.k_cache[:, :, pos:pos + n] = k
-                self.v_cache[:, :, pos:pos + n] = v
-                k, v = self.k_cache[:, :, :pos + n], self.v_cache[:, :, :pos + n]
+            if use_cache:  # positions pos .. pos + n - 1 written in place; the ones after them are never read
+                self.k_cache[:b, :, pos:pos + n] = k
+                self.v_cache[:b, :, pos:pos + n] = v
+                k, v = self.k_cache[:b, :, :pos + n], self.v_cache[:b, :, :pos + n]
             # query i (at pos + i) sees keys 0 .. pos + i: is_causal where the keys start with the queries (a prompt,
             # or no cache), a mask where the cache holds keys before them; a single query sees every key
             causal, mask = n > 1 and k.shape[2] == n, None

@@ -929,7 +929,7 @@ def lst(name: str, dtypes: frozenset[str] | None = None) -> Arg:
 #: the functions a fused expression may call, and how many arguments each takes
 FUSED_FUNCTIONS: dict[str, int] = {"sqrt": 1, "exp": 1, "log": 1, "sin": 1, "cos": 1, "tan": 1, "tanh": 1, "abs": 1,
                                    "maximum": 2, "minimum": 2, "floor": 1, "ceil": 1, "round": 1, "trunc": 1,
-                                   "log1p": 1, "expm1": 1}
+                                   "log1p": 1, "expm1": 1, "fmod": 2, "remainder": 2, "floordiv": 2}
 
 _A, _B, _C = t("A"), t("B"), t("C")
 _BOOL_OUT = t("C", frozenset({"bool"}))
@@ -1172,6 +1172,22 @@ for _n, _d in [("floor", "the largest whole number <= A"), ("ceil", "the smalles
                ("round", "A rounded to the nearest whole number, halves to even (torch.round)"),
                ("trunc", "A rounded toward zero")]:
     op(_n, "elementwise", [_A], [_C], _F, same(0), _d, grad=True, deepxir=False, expr=f"{_n}(A)")
+# -- division rounded to whole quotients, as torch's (and Python's) on floats: fmod truncates (C's fmod, exact),
+# remainder takes B's sign, floordiv is (A - fmod(A, B)) / B rounded down (x / 0 where B is 0); the SDK computes
+# integers' from div, which truncates. Their gradients are torch's: 1 for A, minus the whole quotient for B
+# (trunc(A / B), A // B); floordiv is a step (zero, as torch's div with rounding_mode='floor')
+for _n, _d, _g, _gs, _gr in [
+        ("fmod", "the remainder of A / B truncated toward zero (C's fmod; the sign of A)",
+         lambda g, A, B: (g, -g * (A / B).trunc()), lambda g: g, lambda g, s, A: -g * (s / A).trunc()),
+        ("remainder", "A - B * floor(A / B), exact: fmod(A, B), plus B where that is non-zero and its sign is not B's",
+         lambda g, A, B: (g, -g * (A // B)), lambda g: g, lambda g, s, A: -g * (s // A)),
+        ("floordiv", "A / B rounded toward minus infinity, from the exact fmod (Python's float //)", True, True,
+         True)]:
+    op(_n, "elementwise", [_A, _B], [_C], _F, elementwise(0, 1), _d, grad=_g, deepxir=False, expr=f"{_n}(A, B)")
+    op(f"{_n}scalar", "elementwise", [_A, v("s")], [_C], _F, same(0), f"{_n}(A, s)", grad=_gs, deepxir=False,
+       expr=f"{_n}(A, s)")
+    op(f"r{_n}scalar", "elementwise", [v("s"), _A], [_C], _F, same(1), f"{_n}(s, A)", grad=_gr, deepxir=False,
+       expr=f"{_n}(s, A)")
 op("log1p", "elementwise", [_A], [_C], _F, same(0), "log(1 + A), accurate near 0", grad=lambda g, A: g / (1 + A),
    deepxir=False, expr="log1p(A)")
 op("expm1", "elementwise", [_A], [_C], _F, same(0), "exp(A) - 1, accurate near 0", grad=lambda g, y: g * (y + 1),
@@ -1440,7 +1456,8 @@ _fused_parsed: Cache[tuple[str, int], ast.Expression] = Cache("ir.fused_parsed",
 def parse_fused(expr: str, n_inputs: int) -> ast.Expression:
     """The syntax tree of a fused expression, checked: numbers, the inputs in0..in<n-1>, + - * / ** and unary -,
     the calls of FUSED_FUNCTIONS, and one comparison (> < >= <= == !=) at a time, which is 1 where it holds and 0
-    where not (gradient masks: `in0 * (in1 > 0)`). It is also a numexpr expression with the same meaning."""
+    where not (gradient masks: `in0 * (in1 > 0)`). It is also a numexpr expression with the same meaning, but for
+    fmod, remainder and floordiv, which numexpr lacks."""
     key = (expr, n_inputs)
     tree = _fused_parsed.get(key)
     if tree is not None:
@@ -1508,7 +1525,8 @@ op("fused", "fused", [lst("inputs"), v("expr", "str")], [_C], _F, _fused,
    "C = expr over the inputs in0, in1, ... (broadcast; one float dtype, float16 and bfloat16 computed in float32); "
    "expr is a numexpr expression of numbers, + - * / **, unary -, one comparison at a time (1 where it holds, 0 "
    "where not), sqrt exp log sin cos tan tanh abs maximum minimum floor ceil round (halves to even) trunc log1p "
-   "expm1; made by the fuse pass from a chain or tree of elementwise ops", grad=True, deepxir=False)
+   "expm1, and fmod remainder floordiv (which numexpr lacks: the numpy backend runs them); made by the fuse pass "
+   "from a chain or tree of elementwise ops", grad=True, deepxir=False)
 op("fusedcolsum", "fused", [lst("inputs"), v("expr", "str"), v("keepdims", "bool", False)], [_C, t("S")],
    frozenset({"float32", "float64"}), _fusedcolsum,
    "C = expr over the inputs, as fused computes it, and S = C summed over axis 0 (its rows), in one pass; what the "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
@@ -20,6 +21,10 @@ _REGISTRIES = ("_parameters", "_buffers", "_modules")
 # moved on by every change to any module's parameters, buffers or submodules (their registries are _Registry):
 # what Module.structure() keys its cached walk on
 _EPOCH = [0]
+
+# the buffers made heap tensors (_to_heap), by id (a tensor's == is elementwise): a tensor registered again, or in
+# another module, keeps its heap tensor
+_HEAP_BUFFERS: dict[int, weakref.ref[Tensor]] = {}
 
 
 class _Registry(OrderedDict):  # type: ignore[type-arg]
@@ -139,7 +144,7 @@ class Module:
         if tensor is not None and not isinstance(tensor, Tensor):
             raise DeepxError(f"cannot assign '{type(tensor).__name__}' object to buffer '{name}' (dx.Tensor or None "
                              "required)")
-        buffers[name] = tensor
+        buffers[name] = _to_heap(tensor)
         if persistent:
             self._non_persistent.discard(name)
         else:
@@ -181,7 +186,7 @@ class Module:
             if value is not None and not isinstance(value, Tensor):
                 raise DeepxError(f"cannot assign '{type(value).__name__}' as buffer '{name}' (dx.Tensor or None "
                                  "expected)")
-            buffers[name] = value
+            buffers[name] = _to_heap(value)
         else:
             object.__setattr__(self, name, value)
 
@@ -425,9 +430,9 @@ class Module:
             for p in m._parameters.values():
                 if p is not None and p.dtype in _FLOAT_DTYPES and p.dtype != dtype:
                     _retype_heap(p, dtype)
-            for name, b in list(m._buffers.items()):
+            for b in m._buffers.values():
                 if b is not None and b.dtype in _FLOAT_DTYPES and b.dtype != dtype:
-                    m._buffers[name] = b.type_as_dtype(dtype)
+                    _retype_heap(b, dtype)
         return self
 
     def float(self: M) -> M:
@@ -483,15 +488,32 @@ def _label_parameters(module: Module) -> None:
             s.labels.parameter(p.name, path)
 
 
-def _retype_heap(p: Parameter, dtype: str) -> None:
-    """Give parameter `p` a new heap tensor of `dtype` holding its values; the Parameter object stays the same, so
-    references to it (an optimizer's) stay valid, as with torch's param.data swap."""
+def _to_heap(t: Tensor | None) -> Tensor | None:
+    """A buffer as torch users expect it: a tensor the daemon keeps for the module (a heap tensor, as parameters are,
+    decision 0009), written in place (`self.cache[:, pos] = k`) and shown by deepxctl. The handle given is moved
+    onto a new heap tensor holding its values, so that the caller's reference is the buffer, as in torch. A tensor
+    in an autograd graph (one with a grad_fn) stays where it is: its graph names it."""
+    if t is None or isinstance(t, Parameter) or t.grad_fn is not None or t._s is None:
+        return t
+    ref = _HEAP_BUFFERS.get(id(t))
+    if ref is not None and ref() is t:
+        return t
+    _retype_heap(t, t.dtype)
+    key = id(t)
+    _HEAP_BUFFERS[key] = weakref.ref(t, lambda r: _HEAP_BUFFERS.pop(key) if _HEAP_BUFFERS.get(key) is r else None)
+    return t
+
+
+def _retype_heap(p: Tensor, dtype: str) -> None:
+    """Give `p` (a parameter, or a buffer) a new heap tensor of `dtype` holding its values; the handle stays the
+    same, so references to it (an optimizer's, a caller's) stay valid, as with torch's param.data swap."""
     s = p._s
     new = s.names.new_name()
     s.recorder.made_here(new)
     _EPOCH[0] += 1  # the parameter's new tensor is labelled with its module path at the next call
     s.recorder.record(Instr("newtensor", (Param.vector(p.shape),), (Param.tensor(new, dtype),), (("kind", "heap"),)))
-    s.recorder.record(Instr("todtype", (Param.tensor(p.name, p.dtype),), (Param.tensor(new, dtype),)))
+    s.recorder.record(Instr("todtype" if dtype != p.dtype else "copytensor", (Param.tensor(p.name, p.dtype),),
+                            (Param.tensor(new, dtype),)))
     handles = data_handles(p)
     if handles:  # `d = p.data` before the cast: d keeps the old tensor, as torch's does, deleted when d goes
         keeper = Tensor(p.name, p.shape, p.dtype, s)

@@ -193,6 +193,12 @@ class Handle:
     def __rtruediv__(self, other: Any) -> Handle:
         return self._emit("rdivscalar", float(other), self.name)
 
+    def __floordiv__(self, other: Any) -> Handle:
+        return self._with(other, "floordiv", "floordivscalar")
+
+    def __rfloordiv__(self, other: Any) -> Handle:
+        return self._emit("rfloordivscalar", float(other), self.name)
+
     def __pow__(self, other: Any) -> Handle:
         return self._with(other, "pow", "powscalar")
 
@@ -226,6 +232,12 @@ class Handle:
 
     def sigmoid(self) -> Handle:
         return self._emit("sigmoid", self.name)
+
+    def floor(self) -> Handle:
+        return self._emit("floor", self.name)
+
+    def trunc(self) -> Handle:
+        return self._emit("trunc", self.name)
 
 
 def handle_rule(fn: Callable[..., Any]) -> Rule:
@@ -295,6 +307,12 @@ class _Sym:
 
     def __rtruediv__(self, o: Any) -> _Sym:
         return self._bin(o, "/", 60, True)
+
+    def __floordiv__(self, o: Any) -> _Sym:
+        return self._bin(o, "//", 60)
+
+    def __rfloordiv__(self, o: Any) -> _Sym:
+        return self._bin(o, "//", 60, True)
 
     def __pow__(self, o: Any) -> _Sym:
         return _Sym(f"{self._of(self, 100)}^{self._of(o, 100)}", 80)
@@ -842,7 +860,7 @@ def _tan(gr: Grad, g: str) -> dict[int, str]:
     return {0: gr.emit("mul", g, gr.emit("addscalar", gr.emit("mul", y, y), 1.0))}
 
 
-@rule("floor", "ceil", "round", "trunc")
+@rule("floor", "ceil", "round", "trunc", "floordiv", "floordivscalar", "rfloordivscalar")
 def _step(gr: Grad, g: str) -> dict[int, str]:
     """dA = 0 (a step function: nothing flows back, so nothing is emitted)"""
     return {}
@@ -1297,7 +1315,23 @@ def _rmsnorm(gr: Grad, g: str) -> dict[int, str]:
 _FUSED_BINARY = {ast.Add: ("add", "addscalar", "addscalar"), ast.Sub: ("sub", "subscalar", "rsubscalar"),
                  ast.Mult: ("mul", "mulscalar", "mulscalar"), ast.Div: ("div", "divscalar", "rdivscalar"),
                  ast.Pow: ("pow", "powscalar", "rpowscalar")}
-_FUSED_CALLS = {"maximum": ("max", "maxscalar", max), "minimum": ("min", "minscalar", min)}
+def _py_floordiv(a: float, b: float) -> float:
+    """Python's float //, and a / b (an infinity or nan) where b is 0, as the kernels give."""
+    if b == 0:
+        return math.copysign(math.inf, a) * math.copysign(1.0, b) if a == a and a != 0 else math.nan
+    return a // b
+
+
+def _py_remainder(a: float, b: float) -> float:
+    return a % b if b != 0 else math.nan
+
+
+# two-argument calls: (op of two tensors, of a tensor and a scalar, of a scalar and a tensor, of two numbers)
+_FUSED_CALLS: dict[str, tuple[str, str, str, Callable[[float, float], float]]] = {
+    "maximum": ("max", "maxscalar", "maxscalar", max), "minimum": ("min", "minscalar", "minscalar", min),
+    "fmod": ("fmod", "fmodscalar", "rfmodscalar", math.fmod),
+    "remainder": ("remainder", "remainderscalar", "rremainderscalar", _py_remainder),
+    "floordiv": ("floordiv", "floordivscalar", "rfloordivscalar", _py_floordiv)}
 _CONST_OPS: dict[type, Callable[[float, float], float]] = {
     ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
     ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b}
@@ -1388,13 +1422,14 @@ def unfuse(expr: str, inputs: Sequence[str], dtype: str, fresh: Callable[[], str
         assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
         name, args = node.func.id, [walk(x) for x in node.args]
         if name in _FUSED_CALLS:
-            both, scalar, const = _FUSED_CALLS[name]
+            both, scalar, rscalar, const = _FUSED_CALLS[name]
             a, b = args
             if isinstance(a, float) and isinstance(b, float):
                 return _constant(const, a, b)
-            if isinstance(a, float) or isinstance(b, float):
-                t, s = (b, a) if isinstance(a, float) else (a, b)
-                return emit(scalar, t, s)
+            if isinstance(b, float):
+                return emit(scalar, a, b)
+            if isinstance(a, float):  # maximum and minimum commute; the divisions have ops of the scalar first
+                return emit(rscalar, b, a) if rscalar == scalar else emit(rscalar, a, b)
             return emit(both, a, b)
         (a,) = args
         if isinstance(a, float):

@@ -171,6 +171,18 @@ CASES: dict[str, list[Case]] = {
     "rdivscalar": scalar("rdivscalar", 3.0, lambda a: 3.0 / a, lo=0.5, rev=True),
     "rpowscalar": [*scalar("rpowscalar", 2.0, lambda a: 2.0 ** a, rev=True),
                    *scalar("rpowscalar", 0.0, lambda a: torch.pow(0.0, a), lo=0.5, rev=True)],
+    # torch has no gradient for a number's remainder or for floor_divide: their tensor forms' and div's (zero)
+    "fmod": bin_("fmod", torch.fmod, blo=0.3),
+    "remainder": bin_("remainder", torch.remainder, blo=0.3),
+    "floordiv": bin_("floordiv", lambda a, b: torch.div(a, b, rounding_mode="floor"), blo=0.3),
+    "fmodscalar": scalar("fmodscalar", -0.7, lambda a: torch.fmod(a, -0.7)),
+    "remainderscalar": scalar("remainderscalar", -0.7, lambda a: torch.remainder(a, -0.7)),
+    "floordivscalar": scalar("floordivscalar", 0.3, lambda a: torch.div(a, 0.3, rounding_mode="floor")),
+    "rfmodscalar": scalar("rfmodscalar", -2.5, lambda a: torch.fmod(torch.full_like(a, -2.5), a), lo=0.5, rev=True),
+    "rremainderscalar": scalar("rremainderscalar", -2.5, lambda a: torch.remainder(torch.full_like(a, -2.5), a),
+                               lo=0.5, rev=True),
+    "rfloordivscalar": scalar("rfloordivscalar", 2.5, lambda a: torch.div(torch.full_like(a, 2.5), a,
+                                                                           rounding_mode="floor"), lo=0.5, rev=True),
     "sqrt": unary("sqrt", torch.sqrt, lo=0.5, hi=2.0),
     "exp": unary("exp", torch.exp),
     "log": unary("log", torch.log, lo=0.5, hi=2.0),
@@ -521,6 +533,14 @@ def test_fused_rule_unfuses_the_expression():
     whole = "floor(2.7) + round(2.5) * 10 + trunc(-1.5) * 100 + ceil(0.2) * 1000 + log1p(0) + expm1(0)"
     assert unfuse(whole, ["x"], "float64", lambda: next(names)) == ([], 922.0)
     assert unfuse("floor(1e999)", ["x"], "float64", lambda: next(names)) == ([], math.inf)
+    # the rounded divisions: a scalar first has ops of its own; numbers alone fold as Python's % and // do
+    prog, _ = unfuse("fmod(in0, in1) + remainder(2.5, in0) - floordiv(in1, -2) + fmod(-7, in1)", ["x", "y"],
+                     "float32", lambda: next(names))
+    assert [i.name for i in prog] == ["fmod", "rremainderscalar", "add", "floordivscalar", "sub", "rfmodscalar", "add"]
+    assert unfuse("remainder(-7, 2) + floordiv(-7, 2) * 10 + fmod(-7, 2) * 100", ["x"], "float64",
+                  lambda: next(names)) == ([], 1.0 - 40.0 - 100.0)
+    assert unfuse("floordiv(-1, 0)", ["x"], "float64", lambda: next(names)) == ([], -math.inf)  # x / 0, as numpy
+    assert math.isnan(unfuse("remainder(1, 0)", ["x"], "float64", lambda: next(names))[1])
 
 
 def test_fused_of_numbers_alone_gives_no_gradient(rng):

@@ -459,11 +459,12 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "groupnorm": _norms, "groupnormgrad": _norms, "interpnearest": _interp, "interpnearestgrad": _interp,
     "interpbilinear": _interp, "interpbilineargrad": _interp,
 }
-for _n in ("add", "sub", "mul", "div", "max", "min", "pow"):
+for _n in ("add", "sub", "mul", "div", "max", "min", "pow", "fmod", "remainder", "floordiv"):
     BUILDERS[_n] = _binary
-for _n in ("addscalar", "subscalar", "mulscalar", "divscalar", "powscalar", "maxscalar", "minscalar"):
+for _n in ("addscalar", "subscalar", "mulscalar", "divscalar", "powscalar", "maxscalar", "minscalar", "fmodscalar",
+           "remainderscalar", "floordivscalar"):
     BUILDERS[_n] = _scalar
-for _n in ("rsubscalar", "rdivscalar", "rpowscalar"):
+for _n in ("rsubscalar", "rdivscalar", "rpowscalar", "rfmodscalar", "rremainderscalar", "rfloordivscalar"):
     BUILDERS[_n] = _rscalar
 for _n in ("sqrt", "exp", "log", "sin", "cos", "tan", "neg", "abs", "relu", "sigmoid", "tanh", "erf", "silu", "floor",
            "ceil", "round", "trunc", "log1p", "expm1"):

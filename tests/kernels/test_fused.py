@@ -16,7 +16,8 @@ DTYPES = ordered(OPS["fused"].dtypes)
 
 _REF = {"sqrt": np.sqrt, "exp": np.exp, "log": np.log, "sin": np.sin, "cos": np.cos, "tan": np.tan, "tanh": np.tanh,
         "abs": np.abs, "maximum": np.maximum, "minimum": np.minimum, "floor": np.floor, "ceil": np.ceil,
-        "round": np.rint, "trunc": np.trunc, "log1p": np.log1p, "expm1": np.expm1}
+        "round": np.rint, "trunc": np.trunc, "log1p": np.log1p, "expm1": np.expm1, "fmod": np.fmod,
+        "remainder": np.remainder, "floordiv": np.floor_divide}
 assert set(_REF) == set(FUSED_FUNCTIONS)
 
 # (expression, input value range): every function and operator, with inputs where the result is well-conditioned
@@ -29,6 +30,9 @@ EXPRESSIONS = [
     ("in0 / (1 + exp(-in1)) + 2 ** in2 + 1e-05", (-2.0, 2.0)),
     # rounding of the inputs themselves (exact in every dtype; round's halves go to even), log1p and expm1
     ("floor(in0) + ceil(in1) - round(in2) * trunc(in0) + log1p(abs(in1)) - expm1(in2 * 0.5)", (-4.0, 4.0)),
+    # the rounded divisions of whole numbers (exact in every dtype)
+    ("fmod(floor(in0 * 8), floor(in1) + 0.5) + remainder(floor(in1 * 4), -2.5) * floordiv(floor(in2 * 8), 3)",
+     (-4.0, 4.0)),
     # comparisons are 1 where they hold, 0 where not (gradient masks: relu's is in0 * (in1 > 0.0))
     ("in0 * (in1 > 0.25) + (in2 <= in0) * in1 - (in1 != in2) * 0.5 + (in0 == in0) - (in1 < -0.5) + (in2 >= 0)",
      (-1.0, 1.0)),

@@ -243,13 +243,52 @@ def test_div_rounding_mode_trunc_as_torch(a, b):
     np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
-def test_floor_division_and_remainder_of_floats_say_why_they_are_missing():
-    x = dx.tensor([1.0, 2.0])
-    for f in (lambda: x // 2, lambda: x % 2, lambda: x.div(x, rounding_mode="floor"), lambda: 3 // x,
-              lambda: dx.tensor([3, 4]) % 1.5):
-        with pytest.raises(dx.DeepxError, match="of floating-point tensors is not supported by deepx: torch computes "
-                                                "it through an exact fmod"):
-            f()
+_DIVMOD_FORMS = {
+    "//": lambda m, a, b: a // b, "%": lambda m, a, b: a % b, "fmod": lambda m, a, b: m.fmod(a, b),
+    "remainder": lambda m, a, b: m.remainder(a, b), "floor_divide": lambda m, a, b: m.floor_divide(a, b),
+    "div floor": lambda m, a, b: m.div(a, b, rounding_mode="floor"), "% 2.5": lambda m, a, b: a % 2.5,
+    "fmod -1.5": lambda m, a, b: a.fmod(-1.5), "7 // b": lambda m, a, b: 7.0 // b, "-7 % b": lambda m, a, b: -7 % b,
+    "a.remainder(b)": lambda m, a, b: a.remainder(b), "a.fmod(b)": lambda m, a, b: a.fmod(b)}
+_NO_TORCH_GRADIENT = ("//", "floor_divide", "7 // b")  # deepx's is zero (torch's div with rounding_mode)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("form", list(_DIVMOD_FORMS))
+def test_float_floor_division_and_remainders_match_torch(rng, form, dtype):
+    """Negative operands, a broadcast (a column against a row), exact multiples; the values and the gradients (1 for
+    a, minus the whole quotient for b; zero for a floor division), where torch has them."""
+    a = rng.uniform(-9, 9, (6, 1)) * np.array([[1], [1], [1], [1], [0], [1]])
+    b = rng.uniform(0.5, 3, (1, 5)) * np.array([1, -1, 1, -1, 1])
+    a[3, 0] = 3 * b[0, 2]  # a whole quotient: the remainder is 0
+    a, b = a.astype(dtype), b.astype(dtype)
+    x, y = dx.tensor(a, requires_grad=True), dx.tensor(b, requires_grad=True)
+    ta, tb = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    ours, theirs = _DIVMOD_FORMS[form](dx, x, y), _DIVMOD_FORMS[form](torch, ta, tb)
+    assert ours.dtype == dtype and ours.shape == tuple(theirs.shape)
+    np.testing.assert_array_equal(ours.detach().numpy(), theirs.detach().numpy())
+    w = rng.standard_normal(theirs.shape).astype(dtype)
+    (ours * dx.tensor(w)).sum().backward()
+    if form in _NO_TORCH_GRADIENT:
+        with pytest.raises(RuntimeError, match="not implemented"):
+            (theirs * torch.tensor(w)).sum().backward()
+        assert all(g is None or not g.numpy().any() for g in (x.grad, y.grad))
+        return
+    if form == "-7 % b":  # torch has no gradient for a number's remainder: its tensor form's
+        theirs = torch.remainder(torch.full_like(tb, -7), tb)
+    (theirs * torch.tensor(w)).sum().backward()
+    for got, want in ((x.grad, ta.grad), (y.grad, tb.grad)):
+        if want is None or not want.any():
+            assert got is None or not got.numpy().any()
+        else:
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5 if dtype == "float32" else 1e-12)
+
+
+def test_mixed_integer_and_float_operands_divide_in_floats_as_torch():
+    i, f = dx.tensor([7, -7, 3]), dx.tensor([2.0, 2.0, -0.5])
+    ti, tf = torch.tensor([7, -7, 3]), torch.tensor([2.0, 2.0, -0.5])
+    for ours, theirs in ((i % 1.5, ti % 1.5), (i // f, ti // tf), (f.fmod(i), tf.fmod(ti)), (2.5 % i, 2.5 % ti)):
+        assert ours.dtype == str(theirs.dtype).removeprefix("torch.")
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
 @pytest.mark.parametrize("dtype", ["int64", "int32", "int16", "int8"])

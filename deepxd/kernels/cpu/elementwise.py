@@ -80,6 +80,43 @@ def max(a, b, out):
     _binary(np.maximum, a, b, out)
 
 
+# numpy's float fmod, remainder and floor_divide are C's fmod and Python's % and // (numpy's npy_divmod), as torch's
+def fmod(a, b, out):
+    _binary(np.fmod, a, b, out)
+
+
+def remainder(a, b, out):
+    _binary(np.remainder, a, b, out)
+
+
+def floordiv(a, b, out):
+    _binary(np.floor_divide, a, b, out)
+
+
+def fmodscalar(a, s, out):
+    _scalar(np.fmod, a, s, out)
+
+
+def remainderscalar(a, s, out):
+    _scalar(np.remainder, a, s, out)
+
+
+def floordivscalar(a, s, out):
+    _scalar(np.floor_divide, a, s, out)
+
+
+def rfmodscalar(s, a, out):
+    _rscalar(np.fmod, s, a, out)
+
+
+def rremainderscalar(s, a, out):
+    _rscalar(np.remainder, s, a, out)
+
+
+def rfloordivscalar(s, a, out):
+    _rscalar(np.floor_divide, s, a, out)
+
+
 def min(a, b, out):
     _binary(np.minimum, a, b, out)
 

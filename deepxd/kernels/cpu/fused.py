@@ -45,7 +45,10 @@ _COMPARE: dict[type, np.ufunc] = {ast.Gt: np.greater, ast.Lt: np.less, ast.GtE: 
 _CALLS: dict[str, np.ufunc] = {"sqrt": np.sqrt, "exp": np.exp, "log": np.log, "sin": np.sin, "cos": np.cos,
                                "tan": np.tan, "tanh": np.tanh, "abs": np.absolute, "maximum": np.maximum,
                                "minimum": np.minimum, "floor": np.floor, "ceil": np.ceil, "round": np.rint,
-                               "trunc": np.trunc, "log1p": np.log1p, "expm1": np.expm1}
+                               "trunc": np.trunc, "log1p": np.log1p, "expm1": np.expm1, "fmod": np.fmod,
+                               "remainder": np.remainder, "floordiv": np.floor_divide}
+#: the calls numexpr lacks (its % is not exact): expressions making them run on the numpy backend
+_NOT_NUMEXPR = ("fmod(", "remainder(", "floordiv(")
 
 # an operand of a tape step: (0, k) input k, (1, k) constant k, (2, k) block register k
 Ref = tuple[int, int]
@@ -315,6 +318,9 @@ def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
 def evaluate_numexpr(plan: Plan, inputs: Sequence[np.ndarray], out: np.ndarray, cdt: np.dtype) -> None:
     import numexpr
 
+    if any(call in plan.text for call in _NOT_NUMEXPR):
+        evaluate_numpy(plan, inputs, out, cdt)
+        return
     names: dict[str, Any] = {f"in{k}": (a if a.dtype == cdt else a.astype(cdt)) for k, a in enumerate(inputs)}
     names.update((f"c{k}", c) for k, c in enumerate(plan.typed.get(cdt) or [cdt.type(c) for c in plan.constants]))
     direct = out.dtype == cdt and not any(np.may_share_memory(a, out) for a in inputs)

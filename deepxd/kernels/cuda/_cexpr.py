@@ -31,7 +31,8 @@ _COMPARE = {ast.Gt: ">", ast.Lt: "<", ast.GtE: ">=", ast.LtE: "<=", ast.Eq: "=="
 CALLS: dict[str, dict[str, str]] = {
     FLOAT: {"sqrt": "sqrt", "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "tan": "tan", "tanh": "tanh",
             "abs": "fabs", "maximum": "mx", "minimum": "mn", "floor": "floor", "ceil": "ceil", "round": "rint",
-            "trunc": "trunc", "log1p": "log1p", "expm1": "expm1"},
+            "trunc": "trunc", "log1p": "log1p", "expm1": "expm1", "fmod": "fmod", "remainder": "pyrem",
+            "floordiv": "pyfloordiv"},
     INT: {"abs": "iabs", "maximum": "mx", "minimum": "mn"},
 }
 CALLS[MIXED] = CALLS[FLOAT]

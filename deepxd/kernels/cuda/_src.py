@@ -150,6 +150,21 @@ template <class T, class V> __device__ __forceinline__ T st(V v) { return St<T>:
 // maximum and minimum that propagate nan (numpy's maximum/minimum)
 template <class A> __device__ __forceinline__ A mx(A a, A b) { return (a != a || a > b) ? a : b; }
 template <class A> __device__ __forceinline__ A mn(A a, A b) { return (a != a || a < b) ? a : b; }
+// Python's (and torch's) float % and //, from the exact fmod: the remainder takes b's sign, the quotient is
+// (a - fmod(a, b)) / b stepped down where the remainder was moved, then rounded to the nearest whole number
+template <class A> __device__ __forceinline__ A pyrem(A a, A b) {
+    const A r = fmod(a, b);
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+template <class A> __device__ __forceinline__ A pyfloordiv(A a, A b) {
+    if (b == 0) return a / b;
+    const A r = fmod(a, b);
+    A d = (a - r) / b;
+    if (r != 0 && ((r < 0) != (b < 0))) d -= 1;
+    if (d == 0) return copysign((A)0, a / b);
+    const A f = floor(d);
+    return d - f > (A)0.5 ? f + 1 : f;
+}
 __device__ __forceinline__ ll ipow(ll b, ll e) {
     ll r = 1;
     while (e > 0) { if (e & 1) r *= b; b *= b; e >>= 1; }
