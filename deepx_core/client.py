@@ -346,8 +346,9 @@ class NativeClient:
         return self.request("put", name=name, dtype=from_numpy(a.dtype), shape=list(array.shape), data=data,
                             heap=heap, owner=owner)["tensor"]
 
-    def admin(self, what: str) -> Any:
-        return self.request("admin", what=what)["result"]
+    def admin(self, what: str, **fields: Any) -> Any:
+        """A registry query by name (`tensors`, `nodes`, `ops`, ...); `tensors` takes `prefix=`."""
+        return self.request("admin", what=what, **fields)["result"]
 
     def ping(self) -> None:
         self.request("ping")

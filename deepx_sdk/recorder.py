@@ -525,8 +525,8 @@ class Recorder:
         self.graph_drops.extend(sorted(self.graphs_made))
         self._drop_graphs()
         client = self.transport.client  # type: ignore[attr-defined]
-        rows = client.admin("tensors")
         prefix = self.names.prefix
+        rows = client.admin("tensors", prefix=prefix)
         mine = [(r["name"], r["dtype"]) for r in rows if str(r.get("name", "")).startswith(prefix)]
         if mine:
             r = client.run([_deletion(n, d) for n, d in mine])

@@ -405,6 +405,7 @@ class Flush(Message["Registry", None]):
 @dataclass(slots=True)
 class ListTensors(Message["Registry", Rows]):
     message: ClassVar[str] = "tensors"
+    prefix: str = ""  # only names that start so (the plane matches them: no record of another name is read)
 
 
 @dataclass(slots=True)

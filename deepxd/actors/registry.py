@@ -33,7 +33,7 @@ from deepxd.actors.messages import (
     Unmap,
     WorkerTensors,
 )
-from deepxd.kv.base import KV, Batch
+from deepxd.kv.base import KV, Batch, escape_glob
 from deepxd.owners import Owners, shown
 from deepxd.peers import Peers
 
@@ -224,10 +224,10 @@ class Registry(Actor):
         self._asked.clear()
 
     # -- operators' questions
-    async def on_tensors(self) -> list[dict[str, Any]]:
+    async def on_tensors(self, prefix: str = "") -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         heap_names: set[str] = set()
-        for key in await self.kv.keys("tensor:*"):
+        for key in await self.kv.keys(f"tensor:{escape_glob(prefix)}*"):
             h = await self.kv.hgetall(key)
             if not h:
                 continue
@@ -260,6 +260,8 @@ class Registry(Actor):
                                  f"{BUSY_WORKER_S:.0f} s (it answers between programs): try again later; the "
                                  "plane's records (heap tensors) are listed by deepxctl --kv URL tensors ls") from None
             for row in listed:
+                if not row["name"].startswith(prefix):
+                    continue
                 if row["kind"] == "stack" or row["name"] not in heap_names:
                     rows.append(shown({**row, "node": self.node_id, "state": "live",
                                        **self.owners.fields(row["name"])}))

@@ -506,7 +506,7 @@ class NativeServer:
             with contextlib.suppress(DeepxError):
                 await graph_drop(self.node, name)
         try:
-            rows = await self.node.ref("registry").ask(ListTensors())
+            rows = await self.node.ref("registry").ask(ListTensors(prefix=prefix))
             mine = [Instr("deltensor", (), (Param.tensor(str(r["name"]), str(r["dtype"])),)) for r in rows
                     if str(r.get("name", "")).startswith(prefix) and r.get("node") == self.node.config.node_id]
             if mine:
@@ -892,6 +892,11 @@ class NativeServer:
             return {"result": self.node.config.shown()}  # never a password (docs/storage.md)
         if what not in ADMIN:
             raise DeepxError(f"admin: unknown query {what!r}; known: {', '.join((*ADMIN, 'config'))}")
+        if what == "tensors":
+            prefix = req.get("prefix", "")
+            if not isinstance(prefix, str):
+                raise DeepxError(f"admin tensors: prefix must be a string, got {type(prefix).__name__}")
+            return {"result": await self.node.ref("registry").ask(ListTensors(prefix=prefix))}
         return {"result": await self.node.ref("registry").ask(ADMIN_QUERIES[what]())}
 
 

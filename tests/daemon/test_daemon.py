@@ -475,6 +475,13 @@ def test_admin_queries(daemon):
         assert c.admin("config")["node_id"] == daemon.node_id
         with pytest.raises(DeepxError, match="admin: unknown query 'bogus'"):
             c.admin("bogus")
+        c.put("pre?_h", np.ones(2, np.float32), heap=True)  # a glob's `?` in the prefix matches itself only
+        c.put("pre?_s", np.ones(2, np.float32))
+        c.put("prex_h", np.ones(2, np.float32), heap=True)
+        assert [t["name"] for t in c.admin("tensors", prefix="pre?")] == ["pre?_h", "pre?_s"]
+        assert {"pre?_h", "prex_h", "q"} <= {t["name"] for t in c.admin("tensors")}
+        with pytest.raises(DeepxError, match="admin tensors: prefix must be a string"):
+            c.admin("tensors", prefix=3)
 
 
 def test_start_up_failures_are_one_clear_line(tmp_path, daemon):
