@@ -138,7 +138,7 @@ def _files(rng, dt):
     return [Case({"a": r(rng, dt, (3, 4))}, [], [], check="files")]
 
 
-_BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
+_BINARY = ("add", "sub", "mul", "div", "max", "min", "pow", "fmod", "remainder", "floordiv")
 
 
 def _binary_inputs(rng, dt, op, sa, sb):
@@ -146,7 +146,7 @@ def _binary_inputs(rng, dt, op, sa, sb):
         if is_int(dt):
             return r(rng, dt, sa, -3, 3), r(rng, dt, sb, 0, 3)
         return r(rng, dt, sa, 0.5, 2.0), r(rng, dt, sb, -2.0, 2.0)
-    if op == "div":
+    if op in ("div", "fmod", "remainder", "floordiv"):  # (the last three: negative operands of either sign)
         return r(rng, dt, sa, -50 if is_int(dt) else -4, 50 if is_int(dt) else 4), r(rng, dt, sb, away=1.0)
     return r(rng, dt, sa), r(rng, dt, sb)
 
@@ -168,11 +168,12 @@ for _op in _BINARY:
     CASES[_op] = _make_binary(_op)
 
 _SCALAR = ("addscalar", "subscalar", "mulscalar", "divscalar", "powscalar", "maxscalar", "minscalar", "rsubscalar",
-           "rdivscalar", "rpowscalar")
+           "rdivscalar", "rpowscalar", "fmodscalar", "remainderscalar", "floordivscalar", "rfmodscalar",
+           "rremainderscalar", "rfloordivscalar")
 
 
 def _make_scalar(op):
-    rev = op.startswith("r")
+    rev = op.startswith("r") and op != "remainderscalar"  # the scalar comes first
 
     def build(rng, dt):
         shape = (6, 9)
@@ -182,9 +183,12 @@ def _make_scalar(op):
         elif op == "rpowscalar":
             a = r(rng, dt, shape, 0, 4) if is_int(dt) else r(rng, dt, shape, -2.0, 2.0)
             ss = [2, 3] if is_int(dt) else [1.5, 0.5]
-        elif op == "rdivscalar":
+        elif op in ("rdivscalar", "rfmodscalar", "rremainderscalar", "rfloordivscalar"):
             a = r(rng, dt, shape, away=1.0)
             ss = [7, -2.5] if is_int(dt) else [3.0, -1]
+        elif op in ("fmodscalar", "remainderscalar", "floordivscalar"):
+            a = r(rng, dt, shape)
+            ss = [1.5, -2, 0.75]
         else:
             a = r(rng, dt, shape, -50, 50) if is_int(dt) else r(rng, dt, shape)
             # integers out of the dtype's range compute in int64 and wrap (divscalar refuses them on the CPU)
