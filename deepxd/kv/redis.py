@@ -38,7 +38,7 @@ from deepxd.kv.base import (
 
 BACKOFF_BASE = 0.05  # seconds; the n-th retry waits min(cap, base * 2**n): 0.1, 0.2, 0.4, ... 2.0
 BACKOFF_CAP = 2.0
-MIN_VERSION = (6, 2)  # LPOP with a count
+MIN_VERSION = (6, 2)  # LPOP with a count, BLMOVE
 
 # the type each command expects, for the WRONGTYPE message
 _EXPECTS = {"get": "string", "rpush": "list", "lpop": "list", "lrange": "list", "llen": "list", "wait_push": "list"}
