@@ -27,7 +27,7 @@ from deepxd.config import Config, is_loopback, udp_address
 from deepxd.executors import Executors
 from deepxd.kv.base import KV, open_kv, redact
 from deepxd.owners import Owners
-from deepxd.peers import Peers
+from deepxd.peers import Peers, index_node
 
 if TYPE_CHECKING:
     from deepxd.actors.worker import OpWorker
@@ -336,7 +336,9 @@ class Node:
         """Where a listener given port 0 listens: in the registry's record (which shares this dict), written now."""
         self.addresses[kind] = address
         if "registry" in self.refs and self.kv is not None:
-            await self.kv.hset(f"node:{self.config.node_id}", {"addresses": json.dumps(self.addresses)})
+            async with self.kv.batch() as b:
+                b.hset(f"node:{self.config.node_id}", {"addresses": json.dumps(self.addresses)})
+                index_node(b, self.config.node_id)
 
     # -- what transports call
     def ref(self, role: str) -> ActorRef[Any]:

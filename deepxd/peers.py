@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from deepx_core.identity import shm_identity
 from deepx_core.ir.dtypes import to_numpy
 from deepx_core.paths import tcp_address
 from deepxd.actors.messages import Hold, Map, Read, Remote
-from deepxd.kv.base import KV
+from deepxd.kv.base import KV, Batch
 
 if TYPE_CHECKING:
     from deepx_core.client import NativeClient
@@ -51,6 +52,12 @@ log = logging.getLogger(__name__)
 PEER_TIMEOUT_S = 10.0
 #: a holder that is another node (its heap tensors mapped there): `node:<id>`
 REMOTE_HOLDER = "node:"
+#: the plane's index of nodes, a hash: a field per node id that started on the plane, and `version`, new whenever a
+#: node's record changed what the others read of it (its state, its addresses)
+NODES = "nodes"
+#: the index is trusted this many heartbeats (5 min at 2 s); then every record is read again, so that a plane edited
+#: by hand heals (one that lost its keys has no index: each node reads every record until they are written again)
+INDEX_TRUSTED = 150
 #: idle connections kept per peer for requests and reads
 IDLE_LINKS = 2
 #: threads that run the blocking requests of all peer links
@@ -119,6 +126,12 @@ class _Link:
     bytes_per_s: float | None = None  # measured by transfers (an average that leans to the latest)
 
 
+def index_node(b: Batch, node: str) -> None:
+    """In a batch that writes node `node`'s record: list it in the index, and tell every node to read the records
+    again (a version no one saw, not a counter: a plane that restarted empty would count up to an old one)."""
+    b.hset(NODES, {node: "1", "version": secrets.token_hex(8)})
+
+
 class Peers:
     """This node's view of the other nodes and its links to them (see the module's docstring). Without `start()`, no
     pings: liveness is then what the plane says, and links are made when a request needs one."""
@@ -136,6 +149,9 @@ class Peers:
         # this node's heapmem: what peers' holds and reads are served from
         self.heapmem: ActorRef[HeapMemory] | None = None
         self._links: dict[str, _Link] = {}  # the peers pinged, by node id
+        self._running: dict[str, str] = {}  # the running peers by the records last read, and how each is reached
+        self._seen: str | None = None  # the index's version when they were read
+        self._trusted = 0  # heartbeats the index is trusted for, before every record is read again
         self._idle: dict[str, list[tuple[str, NativeClient]]] = {}  # (address, connection) free for a request
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
@@ -194,23 +210,38 @@ class Peers:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
+    async def _running_peers(self) -> dict[str, str]:
+        """The running peers and how each is reached: the records read again only where the index's version
+        changed (a node started, stopped or moved) or has been trusted INDEX_TRUSTED heartbeats; where the plane has
+        no index, every `node:*` record, found by a scan."""
+        version = await self.kv.hget(NODES, "version")
+        self._trusted -= 1
+        if version is not None and version == self._seen and self._trusted > 0:
+            return self._running
+        if version is None:
+            nodes = [key.split(":", 1)[1] for key in await self.kv.keys("node:*")]
+        else:
+            nodes = [n for n in await self.kv.hgetall(NODES) if n != "version"]
+        running = {}
+        for node in nodes:
+            if node == self.node_id:
+                continue
+            record = await self.kv.hgetall(f"node:{node}")
+            if record.get("state") != "running":
+                continue
+            try:
+                _, running[node] = self.address(node, record)
+            except DeepxError:
+                continue  # no address to reach it at: the plane alone says whether it lives
+        self._running, self._seen, self._trusted = running, version, INDEX_TRUSTED
+        return running
+
     async def _watch(self) -> None:
         """Every heartbeat: a pinger for each running peer of the plane, none for the others."""
         while not self._stopped:
             try:
-                running = set()
-                for key in await self.kv.keys("node:*"):
-                    node = key.split(":", 1)[1]
-                    if node == self.node_id:
-                        continue
-                    record = await self.kv.hgetall(key)
-                    if record.get("state") != "running":
-                        continue
-                    try:
-                        _, kind = self.address(node, record)
-                    except DeepxError:
-                        continue  # no address to reach it at: the plane alone says whether it lives
-                    running.add(node)
+                running = await self._running_peers()
+                for node, kind in running.items():
                     link = self._links.get(node)
                     if link is None:
                         link = self._links[node] = _Link(since=time.time(), kind=kind)

@@ -35,7 +35,7 @@ from deepxd.actors.messages import (
 )
 from deepxd.kv.base import KV, Batch, escape_glob
 from deepxd.owners import Owners, shown
-from deepxd.peers import Peers
+from deepxd.peers import Peers, index_node
 
 if TYPE_CHECKING:
     from deepxd.actors.heapmem import HeapMemory
@@ -125,6 +125,7 @@ class Registry(Actor):
             # which those of ops not yet run again kept beside the new ones of the others
             b.delete(*(f"ops:{self.node_id}:{worker}" for worker in self.workers))
             self._signatures(b)
+            index_node(b, self.node_id)
         if self._tick is None:
             self._tick = asyncio.get_running_loop().create_task(self._ticker(), name="registry:tick")
 
@@ -158,6 +159,7 @@ class Registry(Actor):
             b.hset(key, self._record() if lost else {"heartbeat": time.time()})
             if lost:
                 self._signatures(b)
+                index_node(b, self.node_id)
                 self._executors = {}
             self._executors_written(b, executors)
             for worker, ops in stats.items():
@@ -216,7 +218,9 @@ class Registry(Actor):
             await end_task(self._tick, self.heartbeat_s + 5.0)
         try:
             await self.flush()
-            await self.kv.hset(f"node:{self.node_id}", {"state": "stopped", "heartbeat": time.time()})
+            async with self.kv.batch() as b:
+                b.hset(f"node:{self.node_id}", {"state": "stopped", "heartbeat": time.time()})
+                index_node(b, self.node_id)
         except Exception as e:
             log.warning("registry: could not mark node %s stopped: %s", self.node_id, e)
         for fut in self._asked.values():

@@ -224,3 +224,39 @@ def test_a_node_id_in_use_on_another_host_is_refused(cluster: Cluster, tmp_path:
     assert cluster.hash(f"node:{d1.node_id}")["host"] == "host-a"  # the running one's record untouched
     with d1.client() as c1:
         c1.ping()
+
+
+def test_nodes_read_the_index_not_every_record_each_heartbeat(tmp_path: Path, new_redis_server: Any) -> None:
+    """The plane's `nodes` index lists every node and changes its version when one starts or stops; a node reads the
+    others' records only then (and once in INDEX_TRUSTED heartbeats), not all of them every heartbeat."""
+    import time
+
+    import redis
+
+    from deepxd.peers import INDEX_TRUSTED
+
+    server = new_redis_server()
+    cluster = Cluster(tmp_path, server.url)
+    try:
+        ds = [cluster.start(i, QUICK) for i in (1, 2, 3)]
+        index = cluster.hash("nodes")
+        assert set(index) == {d.node_id for d in ds} | {"version"}
+        for d in ds:
+            others = {o.node_id for o in ds} - {d.node_id}
+            eventually(lambda d=d, others=others: all(nodes(d)[o].get("link") in ("tcp", "unix") for o in others),
+                       what="every node linked to the others")
+        r = redis.Redis.from_url(server.url, decode_responses=True)
+        r.config_resetstat()
+        start = time.monotonic()
+        time.sleep(3.0)  # six heartbeats of 0.5 s
+        beats = (time.monotonic() - start) / 0.5
+        reads = int(r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
+        every_record = 3 * 2 * beats  # what reading every other node's record each heartbeat costs
+        assert reads <= 3 * 2 * (beats / INDEX_TRUSTED + 1), (reads, every_record)
+        version = index["version"]
+        assert ds[2].stop() == 0, ds[2].output()
+        assert cluster.hash("nodes")["version"] != version
+        eventually(lambda: nodes(ds[0])[ds[2].node_id].get("link") not in ("tcp", "unix"),
+                   what="node 1 let go of its link to the stopped node 3")
+    finally:
+        cluster.stop()
