@@ -118,9 +118,11 @@ def __getattr__(name: str) -> Any:
     composite = _lazy("composite")
     if name in composite.__all__:
         return getattr(composite, name)
+    from deepx_sdk._torch_names import TENSOR
     from deepx_sdk.tensor import _TORCH_ONLY
 
-    if name in _TORCH_ONLY:  # as Tensor's: a DeepxError that is an AttributeError (hasattr answers False)
+    # as Tensor's: a DeepxError that is an AttributeError (hasattr answers False)
+    if name in _TORCH_ONLY or name in TENSOR:
         raise DeepxAttributeError(f"deepx_sdk.{name} is not supported by deepx (no op in its catalogue computes it); "
                                   "`deepxctl ops catalogue` lists the ops there are")
     raise AttributeError(f"module 'deepx_sdk' has no attribute {name!r}")

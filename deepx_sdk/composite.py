@@ -1,6 +1,7 @@
 """torch functions that plain models use, written with the tensor ops deepx has (no op of their own): flip, roll,
 repeat_interleave, outer, logsumexp, norm, sign, lerp, addmm, baddbmm, diff, isclose/allclose, einsum, randperm,
-and the logical and/or/xor of masks (`m1 & m2`, `m1 | m2`).
+the logical and/or/xor of masks (`m1 & m2`, `m1 | m2`), and sinh, cosh, log2, log10, exp2, logit, hypot, logaddexp,
+reciprocal, movedim, dot, clamp_min/clamp_max.
 
 Each is recorded as the ops it is made of, so it differentiates through their rules and the daemon's passes fuse what
 they can. The Tensor methods among them are set on Tensor by deepx_sdk.tensor (METHODS below); the functions are
@@ -23,8 +24,10 @@ from deepx_core.ir.shapes import norm_dim
 if TYPE_CHECKING:
     from deepx_sdk.tensor import Tensor
 
-__all__ = ["addmm", "allclose", "baddbmm", "diff", "einsum", "flip", "isclose", "lerp", "logical_and", "logical_or",
-           "logical_xor", "logsumexp", "norm", "outer", "randperm", "repeat_interleave", "roll", "rsqrt", "sign"]
+__all__ = ["addmm", "allclose", "baddbmm", "clamp_max", "clamp_min", "cosh", "diff", "dot", "einsum", "exp2", "flip",
+           "hypot", "isclose", "lerp", "log2", "log10", "logaddexp", "logical_and", "logical_or", "logical_xor",
+           "logit", "logsumexp", "movedim", "norm", "outer", "randperm", "reciprocal", "repeat_interleave", "roll",
+           "rsqrt", "sign", "sinh"]
 
 
 def _dims(what: str, dims: Any, ndim: int) -> list[int]:
@@ -348,8 +351,83 @@ def einsum(equation: str, *operands: Any) -> Tensor:
 
 
 #: the Tensor methods among these (set on Tensor by deepx_sdk.tensor), by torch's names
+def _float(x: Tensor) -> Tensor:
+    return x if x.is_floating_point() else x.float()
+
+
+def reciprocal(x: Tensor) -> Tensor:
+    return 1.0 / _float(x)
+
+
+def sinh(x: Tensor) -> Tensor:
+    x = _float(x)
+    return (x.exp() - (-x).exp()) * 0.5
+
+
+def cosh(x: Tensor) -> Tensor:
+    x = _float(x)
+    return (x.exp() + (-x).exp()) * 0.5
+
+
+def log2(x: Tensor) -> Tensor:
+    return _float(x).log() * (1.0 / math.log(2.0))
+
+
+def log10(x: Tensor) -> Tensor:
+    return _float(x).log() * (1.0 / math.log(10.0))
+
+
+def exp2(x: Tensor) -> Tensor:
+    return (_float(x) * math.log(2.0)).exp()
+
+
+def logit(x: Tensor, eps: float | None = None) -> Tensor:
+    """log(x / (1 - x)); with eps, x clamped to [eps, 1 - eps] first (torch's)."""
+    x = _float(x)
+    if eps is not None:
+        x = x.clamp(eps, 1.0 - eps)
+    return (x / (1.0 - x)).log()
+
+
+def hypot(x: Tensor, other: Tensor) -> Tensor:
+    return (x * x + other * other).sqrt()
+
+
+def logaddexp(x: Tensor, other: Tensor) -> Tensor:
+    """log(exp(x) + exp(other)) without overflow: max + log1p(exp(-|x - other|))."""
+    return x.maximum(other) + (-(x - other).abs()).exp().log1p()
+
+
+def movedim(x: Tensor, source: Any, destination: Any) -> Tensor:
+    """The dims `source` moved to `destination`, the others in their order (torch's movedim/moveaxis)."""
+    src, dst = _dims("movedim", source, x.ndim), _dims("movedim", destination, x.ndim)
+    if len(src) != len(dst):
+        raise DeepxError(f"movedim: source {source} and destination {destination} name different numbers of dims")
+    order = [d for d in range(x.ndim) if d not in src]
+    for d, s in sorted(zip(dst, src, strict=True)):
+        order.insert(d, s)
+    return x.permute(*order)
+
+
+def dot(x: Tensor, other: Tensor) -> Tensor:
+    if x.ndim != 1 or other.ndim != 1:
+        raise DeepxError(f"dot: 1-D tensors only, got shapes {tuple(x.shape)} and {tuple(other.shape)} (torch's)")
+    return (x * other).sum()
+
+
+def clamp_min(x: Tensor, min: Any) -> Tensor:  # torch's name
+    return x.clamp(min=min)
+
+
+def clamp_max(x: Tensor, max: Any) -> Tensor:  # torch's name
+    return x.clamp(max=max)
+
+
 METHODS = {"flip": flip, "roll": roll, "repeat_interleave": repeat_interleave, "outer": outer, "ger": outer,
            "logsumexp": logsumexp, "norm": norm, "sign": sign, "lerp": lerp, "addmm": addmm, "baddbmm": baddbmm,
            "diff": diff, "isclose": isclose, "allclose": allclose, "logical_and": logical_and,
            "logical_or": logical_or, "logical_xor": logical_xor, "__and__": logical_and, "__or__": logical_or,
-           "__xor__": logical_xor, "__rand__": logical_and, "__ror__": logical_or, "__rxor__": logical_xor}
+           "__xor__": logical_xor, "__rand__": logical_and, "__ror__": logical_or, "__rxor__": logical_xor,
+           "reciprocal": reciprocal, "sinh": sinh, "cosh": cosh, "log2": log2, "log10": log10, "exp2": exp2,
+           "logit": logit, "hypot": hypot, "logaddexp": logaddexp, "movedim": movedim, "moveaxis": movedim,
+           "dot": dot, "clamp_min": clamp_min, "clamp_max": clamp_max, "sgn": sign}

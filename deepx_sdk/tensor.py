@@ -8,9 +8,10 @@ Python collects sends `deltensor`, so temporaries do not pile up in the daemon.
 from __future__ import annotations
 
 import builtins
+import inspect
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 from weakref import ref as _weakref
 
@@ -1753,7 +1754,8 @@ class _ValuesIndices(tuple):
         return self[1]
 
 
-#: torch tensor methods deepx does not have: reading one raises DeepxAttributeError (see _torch_only)
+#: torch names deepx does not have beyond torch.Tensor's (deepx_sdk/_torch_names.py): reading one raises
+#: DeepxAttributeError (see _torch_only)
 _TORCH_ONLY = frozenset({
     "sign", "log2", "log10", "mode",
     "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm", "baddbmm",
@@ -1782,9 +1784,55 @@ def _set_composites() -> None:
 
 
 _set_composites()
-for _name in _TORCH_ONLY:
-    if not hasattr(Tensor, _name):
-        setattr(Tensor, _name, _torch_only(_name))
+
+#: torch's other names for methods deepx has
+_ALIASES = {"absolute": "abs", "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le",
+            "not_equal": "ne", "negative": "neg", "multiply": "mul", "subtract": "sub", "divide": "div",
+            "true_divide": "div", "swapaxes": "transpose", "swapdims": "transpose", "nelement": "numel",
+            "ndimension": "dim"}
+#: in-place forms torch has whose meaning is not "this tensor gets the method's result": left unsupported
+_NOT_IN_PLACE = frozenset({"as_strided_", "detach_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapaxes_",
+                           "swapdims_", "resize_", "set_", "share_memory_"})
+
+
+def _in_place(name: str) -> Callable[..., Tensor]:
+    base = name[:-1]
+
+    def method(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        self._check_write(name)
+        result = getattr(self, base)(*args, **kwargs)
+        if result.shape != self.shape:
+            raise DeepxError(f"{name}: the result's shape {tuple(result.shape)} is not '{self.name}''s "
+                             f"{tuple(self.shape)} (an in-place op keeps the tensor's shape)")
+        return self._update(result, name)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"In place: this tensor gets `{base}`'s result (torch's `{name}`)."
+    return method
+
+
+def _set_torch_names() -> None:
+    """torch's aliases of deepx's methods; `name_`, in place, for each method `name` whose result keeps the shape;
+    and for every other public name of torch.Tensor (deepx_sdk/_torch_names.py), a property that raises
+    DeepxAttributeError saying deepx lacks it (an AttributeError: hasattr answers False)."""
+    from deepx_sdk._torch_names import TENSOR
+
+    def method(n: str) -> _bool:
+        return inspect.isfunction(inspect.getattr_static(Tensor, n, None))
+
+    for alias, name in _ALIASES.items():
+        if not hasattr(Tensor, alias):
+            setattr(Tensor, alias, getattr(Tensor, name))
+    for name in sorted(TENSOR | _TORCH_ONLY):
+        if inspect.getattr_static(Tensor, name, None) is not None:
+            continue
+        if name.endswith("_") and name not in _NOT_IN_PLACE and method(name[:-1]):
+            setattr(Tensor, name, _in_place(name))
+        else:
+            setattr(Tensor, name, _torch_only(name))
+
+
+_set_torch_names()
 
 
 def _seed(s: Session) -> _int:
