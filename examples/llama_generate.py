@@ -7,10 +7,12 @@ PyTorch code, run with deepx, generating text with a key/value cache.
 for deepx, `build(torch, torch.nn, torch.nn.functional)` for torch; the weights are a safetensors file either one
 wrote (without --weights, random weights from a seed: the output is noise, the mechanics are not). Bytes are the
 tokens (a vocabulary of 256). Each attention layer keeps its keys and values in buffers (`register_buffer`, not
-saved with the weights): in deepx, heap tensors the daemon keeps, written in place one slice a step. Decoding runs
-the prompt once, filling each layer's cache, then one token at a time, each step reading the cache instead of
-recomputing the prefix; `generate(..., use_cache=False)` recomputes the whole sequence every step, which gives the
-same tokens.
+saved with the weights): in deepx, heap tensors the daemon keeps. The cache is static, as Hugging Face's
+StaticCache: each step writes its keys and values at its positions (`index_copy_`, in place) and attends to all
+`max_len` cached positions under a mask, so that every decoding step is the same program (deepx's daemon plans it
+once and replays the plan). Decoding runs the prompt once, filling each layer's cache, then one token at a time,
+each step reading the cache instead of recomputing the prefix; `generate(..., use_cache=False)` recomputes the
+whole sequence every step, which gives the same tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Config:
     kv_heads: int = 2
     hidden: int = 176
     max_len: int = 256
-    max_batch: int = 1  # the key/value cache's rows
+    max_batch: int = 1  # the key/value cache's rows: the largest batch decoded with the cache
     rope_theta: float = 10000.0
     eps: float = 1e-5
 
