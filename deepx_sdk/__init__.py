@@ -132,8 +132,8 @@ for _f in ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "sigmoid", "relu",
            "sum", "mean", "prod", "max", "min", "argmax", "argmin", "reshape", "flatten", "permute", "transpose",
            "squeeze", "unsqueeze", "clamp", "var", "std", "amax", "amin", "t", "tril", "triu", "masked_fill",
            "multinomial", "mm", "bmm", "neg", "floor", "ceil", "round", "trunc", "fix", "frac", "log1p", "expm1",
-           "erf", "cumsum", "cumprod", "gather", "scatter", "scatter_add", "sort", "argsort", "topk", "kthvalue",
-           "median"):
+           "erf", "cumsum", "cumprod", "gather", "scatter", "scatter_add", "index_copy", "index_add", "sort", "argsort",
+           "topk", "kthvalue", "median"):
     globals()[_f] = (lambda m: lambda x, *a, **k: getattr(x, m)(*a, **k))(_f)
 
 __all__ = ["CompiledFunction", "DeepxError", "DeepxParseError", "Placed", "Session", "Tensor", "__version__", "add",

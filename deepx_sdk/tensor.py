@@ -817,6 +817,43 @@ class Tensor:
         self._check_write("index_add_")
         return self._assign(self.index_add(dim, index, source, alpha=alpha), "index_add_")
 
+    def index_copy(self, dim: _int, index: Tensor, source: Tensor) -> Tensor:
+        """torch's: this tensor with source's slices written at `index` along `dim` (where indices repeat, one of the
+        writes is kept)."""
+        return self._op("indexcopy", self._index_copy_args(dim, index, source, "index_copy"), self.shape, self.dtype,
+                        [self, index, source])
+
+    def index_copy_(self, dim: _int, index: Tensor, source: Tensor) -> Tensor:
+        """In place: one instruction whose result is this tensor (a heap tensor's values change where they are)."""
+        self._check_write("index_copy_")
+        instr = Instr("indexcopy", self._index_copy_args(dim, index, source, "index_copy_"), (_tp(self),))
+        self._s.recorder.record(instr)
+        self._tape_in_place(instr, (self, source))
+        return self
+
+    def _index_copy_args(self, dim: _int, index: Tensor, source: Tensor, what: str) -> tuple[Param, ...]:
+        """indexcopy's arguments, checked as torch checks them: a 1-D (or 0-d) integer index, source of this
+        tensor's dtype and rank, shaped like it but for dim, where it has one slice per index."""
+        if not isinstance(index, Tensor) or index.dtype not in ("int64", "int32") or index.ndim > 1:
+            raise DeepxError(f"{what}: the index must be a 0-d or 1-D int64 (or int32) tensor, got "
+                             f"{getattr(index, 'dtype', type(index).__name__)} {list(getattr(index, 'shape', ()))}")
+        if not isinstance(source, Tensor) or source.dtype != self.dtype:  # as torch: no silent cast
+            raise DeepxError(f"{what}: source is {getattr(source, 'dtype', type(source).__name__)}, '{self.name}' "
+                             f"is {self.dtype}; they must match")
+        if self.ndim == 0:
+            raise DeepxError(f"{what}: '{self.name}' is 0-d; deepx copies slices along a dim of a tensor of rank 1 "
+                             "or more (reshape it to (1,))")
+        if source.ndim != self.ndim:
+            raise DeepxError(f"{what}: source of shape {list(source.shape)} and '{self.name}' of shape "
+                             f"{list(self.shape)} must have the same number of dims")
+        d = norm_dim(what, dim, self.ndim)
+        if index.ndim == 0:
+            index = index.reshape(1)
+        metas = [TensorMeta(self.shape, self.dtype), TensorMeta(index.shape, index.dtype),
+                 TensorMeta(source.shape, source.dtype), d]
+        self._infer("indexcopy", metas, [self.name, index.name, source.name, None])
+        return _tp(self), _tp(index), _tp(source), Param.var(d)
+
     def gather(self, dim: _int, index: Tensor, *, sparse_grad: _bool = False) -> Tensor:
         """torch's: out[i][j] = self[index[i][j]][j] for dim 0 (any rank); out has index's shape."""
         index = _index_of("gather", index)

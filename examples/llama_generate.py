@@ -7,10 +7,12 @@ PyTorch code, run with deepx, generating text with a key/value cache.
 for deepx, `build(torch, torch.nn, torch.nn.functional)` for torch; the weights are a safetensors file either one
 wrote (without --weights, random weights from a seed: the output is noise, the mechanics are not). Bytes are the
 tokens (a vocabulary of 256). Each attention layer keeps its keys and values in buffers (`register_buffer`, not
-saved with the weights): in deepx, heap tensors the daemon keeps, written in place one slice a step. Decoding runs
-the prompt once, filling each layer's cache, then one token at a time, each step reading the cache instead of
-recomputing the prefix; `generate(..., use_cache=False)` recomputes the whole sequence every step, which gives the
-same tokens.
+saved with the weights): in deepx, heap tensors the daemon keeps. The cache is static, as Hugging Face's
+StaticCache: each step writes its keys and values at its positions (`index_copy_`, in place) and attends to all
+`max_len` cached positions under a mask, so that every decoding step is the same program (deepx's daemon plans it
+once and replays the plan). Decoding runs the prompt once, filling each layer's cache, then one token at a time,
+each step reading the cache instead of recomputing the prefix; `generate(..., use_cache=False)` recomputes the
+whole sequence every step, which gives the same tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Config:
     kv_heads: int = 2
     hidden: int = 176
     max_len: int = 256
-    max_batch: int = 1  # the key/value cache's rows
+    max_batch: int = 1  # the key/value cache's rows: the largest batch decoded with the cache
     rope_theta: float = 10000.0
     eps: float = 1e-5
 
@@ -63,24 +65,22 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
             self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
 
-        def forward(self, x: Any, pos: int, cos: Any, sin: Any, use_cache: bool) -> Any:
+        def forward(self, x: Any, positions: Any, cos: Any, sin: Any, mask: Any) -> Any:
             b, n, _ = x.shape
             q = self.wq(x).view(b, n, cfg.heads, self.head_dim).transpose(1, 2)
             k = self.wk(x).view(b, n, cfg.kv_heads, self.head_dim).transpose(1, 2)
             v = self.wv(x).view(b, n, cfg.kv_heads, self.head_dim).transpose(1, 2)
-            c, s = cos[pos:pos + n], sin[pos:pos + n]
-            q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
-            if use_cache:  # positions pos .. pos + n - 1 written in place; the ones after them are never read
-                self.k_cache[:b, :, pos:pos + n] = k
-                self.v_cache[:b, :, pos:pos + n] = v
-                k, v = self.k_cache[:b, :, :pos + n], self.v_cache[:b, :, :pos + n]
-            # query i (at pos + i) sees keys 0 .. pos + i: is_causal where the keys start with the queries (a prompt,
-            # or no cache), a mask where the cache holds keys before them; a single query sees every key
-            causal, mask = n > 1 and k.shape[2] == n, None
-            if n > 1 and not causal:
-                mask = torch.arange(k.shape[2]) <= (torch.arange(n) + pos).unsqueeze(-1)
-            # grouped-query heads: each key/value head serves heads // kv_heads query heads
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            if mask is not None:  # the cache: keys and values written at their positions, every position read
+                if b < cfg.max_batch:  # rows past the batch get zeros, never read
+                    k, v = (F.pad(t, (0, 0, 0, 0, 0, 0, 0, cfg.max_batch - b)) for t in (k, v))
+                self.k_cache.index_copy_(2, positions, k)
+                self.v_cache.index_copy_(2, positions, v)
+                k, v = self.k_cache[:b], self.v_cache[:b]
+            # grouped-query heads: each key/value head serves heads // kv_heads query heads; without the cache the
+            # keys are the queries' own positions (causal), with it all max_len of them, masked
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1,
+                                                 enable_gqa=True)
             return self.wo(out.transpose(1, 2).reshape(b, n, cfg.heads * self.head_dim))
 
     class FeedForward(nn.Module):
@@ -101,8 +101,8 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             self.ffn_norm = RMSNorm(cfg.dim, cfg.eps)
             self.feed_forward = FeedForward()
 
-        def forward(self, x: Any, pos: int, cos: Any, sin: Any, use_cache: bool) -> Any:
-            h = x + self.attention(self.attention_norm(x), pos, cos, sin, use_cache)
+        def forward(self, x: Any, positions: Any, cos: Any, sin: Any, mask: Any) -> Any:
+            h = x + self.attention(self.attention_norm(x), positions, cos, sin, mask)
             return h + self.feed_forward(self.ffn_norm(h))
 
     class Llama(nn.Module):
@@ -117,11 +117,18 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             freqs = torch.outer(torch.arange(cfg.max_len).float(), inv)
             self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
             self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], dim=-1), persistent=False)
+            self.register_buffer("key_positions", torch.arange(cfg.max_len), persistent=False)
 
         def forward(self, tokens: Any, pos: int = 0, use_cache: bool = False) -> Any:
+            # the positions as a tensor, not as constants of slices: every decoding step is then the same program,
+            # which deepx's daemon plans once and replays (docs/decisions/0045)
+            positions = torch.tensor(list(range(pos, pos + tokens.shape[1])))
+            cos, sin = self.cos[positions], self.sin[positions]
+            # query i (at positions[i]) sees the cached keys at positions <= its own
+            mask = self.key_positions <= positions.unsqueeze(-1) if use_cache else None
             h = self.tok_embeddings(tokens)
             for layer in self.layers:
-                h = layer(h, pos, self.cos, self.sin, use_cache)
+                h = layer(h, positions, cos, sin, mask)
             return self.output(self.norm(h))
 
     return Llama

@@ -381,11 +381,14 @@ def _indexselect(c: Call) -> list[TensorMeta | None]:
 
 
 def _indexadd(c: Call) -> list[TensorMeta | None]:
+    """indexadd's and indexcopy's: src holds A's slices along axis, one per element of the index."""
     a, index, src = c.args[0], c.args[1], c.args[2]
-    axis = norm_dim("indexadd", c.args[3], len(a.shape), "axis")
+    op = c.op.name
+    axis = norm_dim(op, c.args[3], len(a.shape), "axis")
     want = (*a.shape[:axis], *index.shape, *a.shape[axis + 1:])
     if src.shape != want:
-        raise DeepxError(f"indexadd: source '{c.names[2]}' has shape {src.shape}, expected {want}")
+        raise DeepxError(f"{op}: source '{c.names[2]}' has shape {src.shape}, expected {want}: the shape of "
+                         f"'{c.names[0]}' {a.shape} with axis {axis} replaced by the index's {index.shape}")
     _dtype_match(c, 0, 2)
     return [TensorMeta(a.shape, a.dtype)]
 
@@ -1274,6 +1277,9 @@ op("pad", "shape", [t("A", _ANY), vec("pads"), v("value", default=0)], [t("B", _
 op("indexadd", "shape", [t("A"), t("index", INDEX), t("src"), v("axis", "int")], [t("C")], NUMERIC, _indexadd,
    "C = A, then C[.., index[j], ..] += src[.., j, ..] along axis (repeated indices accumulate)", grad=True,
    deepxir=False, alias_safe=True)
+op("indexcopy", "shape", [t("A", _ANY), t("index", INDEX), t("src", _ANY), v("axis", "int")], [t("C", _ANY)], _ANY,
+   _indexadd, "C = A, then C[.., index[j], ..] = src[.., j, ..] along axis (where indices repeat, one of the writes "
+   "is kept: the last on the CPU); in place when C is A", grad=True, deepxir=False, alias_safe=True)
 op("gather", "shape", [t("A", _ANY), t("index", INDEX), v("dim", "int")], [t("B", _ANY)], _ANY, _gather,
    "B[i][j] = A[index[i][j]][j] for dim 0 (any rank): B has index's shape, which may be smaller than A's outside dim",
    grad=True, deepxir=False)

@@ -1082,6 +1082,18 @@ def _indexadd(gr: Grad, g: str) -> dict[int, str]:
     return out
 
 
+@rule("indexcopy")
+def _indexcopy(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g, 0 where src was written (indexcopy of zeros); dsrc = g at the indices (indexselect)"""
+    out = {}
+    axis = int(gr.arg(3))
+    if gr.needs(0):
+        out[0] = gr.emit("indexcopy", g, gr.x(1), gr.filled(gr.meta(2), 0.0), axis)
+    if gr.needs(2):
+        out[2] = gr.emit("indexselect", g, gr.x(1), axis)
+    return out
+
+
 @rule("gather")
 def _gather(gr: Grad, g: str) -> dict[int, str]:
     """dA = zeros, then g added where each element was read from (scatteradd; repeats accumulate)"""

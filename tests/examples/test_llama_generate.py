@@ -71,3 +71,19 @@ def test_sampling_is_reproducible_with_and_without_the_cache(pair):
     dx.manual_seed(5)
     b = llama.generate(dx, ours, list(b"ab"), 10, temperature=0.8, use_cache=False)
     assert a == b and len(a) == 10 and all(0 <= t < 256 for t in a)
+
+
+def test_a_batch_smaller_than_the_cache_decodes_as_recomputation(pair):
+    """Two rows through a cache of three: the third row is written with zeros and never read."""
+    _, ours, theirs = pair
+    cfg = llama.Config(max_len=64, max_batch=3)
+    seq = np.random.default_rng(2).integers(0, 256, (2, 9))
+    for lib, model, state in ((torch, llama.build(torch, torch.nn, torch.nn.functional, cfg)(), theirs.state_dict()),
+                              (dx, llama.build(dx, dx.nn, dx.nn.functional, cfg)(), ours.state_dict())):
+        model.load_state_dict(state)
+        with lib.no_grad():
+            full = model(lib.tensor(seq)).numpy()
+            first = model(lib.tensor(seq[:, :6]), 0, True).numpy()
+            steps = [model(lib.tensor(seq[:, i:i + 1]), i, True).numpy() for i in range(6, 9)]
+        np.testing.assert_allclose(np.concatenate([first, *steps], axis=1), full, rtol=1e-4, atol=1e-5,
+                                   err_msg=lib.__name__)

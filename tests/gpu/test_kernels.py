@@ -739,6 +739,19 @@ def _indexadd(rng, dt):
             Case({"A": a, "i": idx, "s": src}, [instr("indexadd", [T("A"), T("i"), T("s"), V(0)], [T("A")])], ["A"])]
 
 
+@case("indexcopy")
+def _indexcopy(rng, dt):
+    a = r(rng, dt, (5, 3))
+    idx = np.array([4, 0, 2], np.int64)
+    src = r(rng, dt, (3, 3))
+    cache, k = r(rng, dt, (1, 2, 16, 8)), r(rng, dt, (1, 2, 1, 8))
+    return [one("indexcopy", {"A": a, "i": idx, "s": src}, [T("A"), T("i"), T("s"), V(0)]),
+            one("indexcopy", {"A": a, "i": np.array([2, 0], np.int32), "s": r(rng, dt, (5, 2))},
+                [T("A"), T("i"), T("s"), V(1)]),
+            Case({"A": cache, "i": np.array([7], np.int64), "s": k},
+                 [instr("indexcopy", [T("A"), T("i"), T("s"), V(2)], [T("A")])], ["A"])]
+
+
 @case("sgd")
 def _sgd(rng, dt):
     out = []

@@ -188,15 +188,16 @@ def test_indexselect(dtype, index_dtype, rng):
         assert_exact(got, want, f"indexselect {shape} index{ishape} axis={axis}")
 
 
-@pytest.mark.parametrize("op", ["indexselect", "indexadd"])
+@pytest.mark.parametrize("op", ["indexselect", "indexadd", "indexcopy"])
 def test_index_out_of_range_raises(op):
     a = np.zeros((4, 3), np.float32)
-    i = np.array([0, 4], np.int64)
-    with pytest.raises(DeepxError, match="out of range"):
-        if op == "indexselect":
-            run_op(op, {"a": a, "i": i}, [T("a"), T("i"), V(0)], out="b")
-        else:
-            run_op(op, {"a": a, "i": i, "s": np.ones((2, 3), np.float32)}, [T("a"), T("i"), T("s"), V(0)])
+    for bad in (4, -1):
+        i = np.array([0, bad], np.int64)
+        with pytest.raises(DeepxError, match=f"{op}: index {bad} out of range"):
+            if op == "indexselect":
+                run_op(op, {"a": a, "i": i}, [T("a"), T("i"), V(0)], out="b")
+            else:
+                run_op(op, {"a": a, "i": i, "s": np.ones((2, 3), np.float32)}, [T("a"), T("i"), T("s"), V(0)])
 
 
 INDEXADD_CASES = [((6, 4), (10,), 0), ((3, 5, 2), (7,), 1), ((3, 4), (2, 3), -1), ((5,), (9,), 0),
@@ -233,6 +234,38 @@ def test_indexadd(dtype, index_dtype, shape, ishape, axis, rng):
             assert_close(ex.get(out), ref, dtype, scale=mag, what=what)
             if not in_place:
                 assert_exact(ex.get("a"), a, "indexadd must not change A when C is another tensor")
+
+
+INDEXCOPY_CASES = [((6, 4), (3,), 0), ((3, 5, 2), (4,), 1), ((3, 4), (2,), -1), ((5,), (5,), 0), ((4, 3), (0,), 0),
+                   ((2, 3, 4), (1,), -1), ((1, 2, 8, 4), (1,), 2)]
+
+
+@pytest.mark.parametrize("shape,ishape,axis", INDEXCOPY_CASES, ids=[f"{c[0]}-index{c[1]}-axis{c[2]}".replace(" ", "")
+                                                                      for c in INDEXCOPY_CASES])
+@pytest.mark.parametrize("index_dtype", ordered(INDEX))
+@pytest.mark.parametrize("dtype", dtypes_of("indexcopy"))
+def test_indexcopy(dtype, index_dtype, shape, ishape, axis, rng):
+    """Distinct indices (which write wins on a repeat is unsaid): numpy's assignment through the index, exactly, in
+    place and into another tensor."""
+    ax = axis % len(shape)
+    for in_place in (False, True):
+        a = values(rng, dtype, shape)
+        index = rng.permutation(shape[ax])[:ishape[0]].astype(to_numpy(index_dtype))
+        src = values(rng, dtype, shape[:ax] + ishape + shape[ax + 1:])
+        want = a.copy()
+        want[(slice(None),) * ax + (index.astype(np.intp),)] = src
+        ex = executor(a=a.copy(), i=index, s=src)
+        out = "a" if in_place else "c"
+        run(ex, "indexcopy", [T("a", dtype), T("i", index_dtype), T("s", dtype), V(axis)], [T(out, dtype)])
+        assert_exact(ex.get(out), want, f"indexcopy {shape} index{ishape} axis={axis} {'in place' if in_place else ''}")
+        if not in_place:
+            assert_exact(ex.get("a"), a, "indexcopy must not change A when C is another tensor")
+
+
+def test_indexcopy_refuses_a_source_of_another_shape():
+    with pytest.raises(DeepxError, match=r"indexcopy: source 's' has shape \(2, 2\), expected \(2, 3\)"):
+        run_op("indexcopy", {"a": np.zeros((4, 3), np.float32), "i": np.array([0, 1]),
+                             "s": np.ones((2, 2), np.float32)}, [T("a"), T("i"), T("s"), V(0)])
 
 
 @pytest.mark.parametrize("case", ["indexadd-axis0", "indexadd-axis1", "sum", "matmul"])

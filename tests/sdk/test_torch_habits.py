@@ -338,6 +338,52 @@ def test_index_add_matches_torch_with_gradients(dim, shape):
         dx.zeros(5, 3).index_add(0, dx.tensor(idx), dx.ones(3, 3))
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dim, shape", [(0, (5, 3)), (-1, (2, 3, 5))])
+def test_index_copy_matches_torch_with_gradients(dim, shape, dtype):
+    """index_copy and index_copy_ (a static KV cache's write), forward and backward, against torch."""
+    rng = np.random.default_rng(1)
+    x0 = rng.standard_normal(shape).astype(dtype)
+    idx = np.array([4, 0, 2])
+    s0 = rng.standard_normal((*shape[:-1], 3) if dim == -1 else (3, *shape[1:])).astype(dtype)
+    res = []
+    for lib in (torch, dx):
+        x, src = lib.tensor(x0, requires_grad=True), lib.tensor(s0, requires_grad=True)
+        y = lib.index_copy(x * 1.0, dim, lib.tensor(idx), src * 2.0)
+        z = x * 1.0
+        z.index_copy_(dim, lib.tensor(idx), src)  # in place, on the tape: both gradients flow through it
+        ((y * y).sum() + (z * z * z).sum()).backward()
+        res.append([np.asarray(v.detach().numpy()) for v in (y, z, x.grad, src.grad)])
+        cache = lib.zeros(shape, dtype=getattr(lib, dtype))
+        with lib.no_grad():
+            cache.index_copy_(dim, lib.tensor(np.array(1)), lib.tensor(np.take(s0, [0], axis=dim)))
+        res[-1].append(np.asarray(cache.numpy()))
+    tol = 1e-12 if dtype == "float64" else 1e-6
+    for mine, ref in zip(res[1], res[0]):
+        assert mine.dtype == ref.dtype
+        np.testing.assert_allclose(mine, ref, rtol=tol, atol=tol)
+
+
+def test_index_copy_refuses_bad_indices_and_shapes_naming_the_op():
+    x = dx.zeros(5, 3)
+    with pytest.raises(DeepxError, match=r"index_copy_: the index must be a 0-d or 1-D int64"):
+        x.index_copy_(0, dx.tensor([[0, 1]]), dx.ones(2, 3))
+    with pytest.raises(DeepxError, match=r"index_copy: the index must be .* got float32"):
+        x.index_copy(0, dx.tensor([0.0]), dx.ones(1, 3))
+    with pytest.raises(DeepxError, match=r"index_copy_: source is float64, .* is float32"):
+        x.index_copy_(0, dx.tensor([0]), dx.ones(1, 3, dtype=dx.float64))
+    with pytest.raises(DeepxError, match=r"index_copy: source of shape \[3\] and .* same number of dims"):
+        x.index_copy(0, dx.tensor([0]), dx.ones(3))
+    with pytest.raises(DeepxError, match=r"indexcopy: source .* has shape \(2, 2\), expected \(2, 3\)"):
+        x.index_copy(0, dx.tensor([0, 1]), dx.ones(2, 2))
+    with pytest.raises(DeepxError, match="index_copy: dim 2 out of range"):
+        x.index_copy(2, dx.tensor([0]), dx.ones(5, 1))
+    with pytest.raises(DeepxError, match="indexcopy: index 5 out of range for axis 0 of size 5"):
+        x.index_copy_(0, dx.tensor([1, 5]), dx.ones(2, 3))
+        x.numpy()
+    np.testing.assert_array_equal(x.numpy(), np.zeros((5, 3), np.float32))  # nothing written by the refused copy
+
+
 # ---------------------------------------------------------------- views written in place
 
 

@@ -62,6 +62,16 @@ def indexadd(a, index, src, axis, out):
         out[...] = acc
 
 
+def indexcopy(a, index, src, axis, out):
+    axis %= a.ndim
+    _check_index("indexcopy", index, a.shape[axis], axis)
+    index, src = _apart(out, index, src)
+    if out is not a:
+        out[...] = a
+    flat = index.reshape(-1)
+    out[(builtins.slice(None),) * axis + (flat,)] = src.reshape(*a.shape[:axis], flat.size, *a.shape[axis + 1:])
+
+
 def _along(op: str, a: np.ndarray, index: np.ndarray, dim: int) -> tuple[np.ndarray, ...]:
     """The index tuple that picks, for every element of `index`, A's element at it along dim and at the element's own
     position in the other dims (A's 0-d: the one element). Refuses an index outside [0, size)."""

@@ -1,6 +1,6 @@
 """Shape ops on the device: transpose, concat, broadcastTo, slice, sliceassign, pad, repeat (one strided-copy
 kernel per item size: they only move bytes, so every storable dtype, float8 included, is handled), indexselect,
-gather and scatter (byte movers too; scatter's repeated indices: one write wins, which one unsaid), indexadd and
+gather, scatter and indexcopy (byte movers too; repeated indices: one write wins, which one unsaid), indexadd and
 scatteradd (atomic adds; float16/bfloat16 and int8/int16 accumulate in a float32/int32 buffer and round once, as the
 CPU does) and switch (select among up to 8 tensors by case). Index and case values are checked on the device before
 anything is written; a bad one raises DeepxError.
@@ -57,6 +57,13 @@ template <class T, class TI> __device__ void gather(T* out, const T* a, const TI
         out[i] = a[(o * dim + (ll)idx[j]) * inner + in_];
     }
 }
+template <class T, class TI> __device__ void index_copy(T* out, const T* src, const TI* idx, ll n, ll nidx, ll dim,
+                                                        ll inner) {
+    GRID_STRIDE(i, n) {
+        ll in_ = i % inner, r = i / inner, j = r % nidx, o = r / nidx;
+        out[(o * dim + (ll)idx[j]) * inner + in_] = src[i];
+    }
+}
 template <class T, class TI> __device__ void gather_dim(T* out, const T* a, const TI* idx, ll n, int nd, int dim,
                                                         const Dims& shape, const Dims& st) {
     GRID_STRIDE(i, n) out[i] = a[along_offset(i, (ll)idx[i], nd, dim, shape, st)];
@@ -101,6 +108,9 @@ def _move_source() -> str:
         for iname, it in _INDEX_TYPES.items():
             parts.append(f'extern "C" __global__ void gather{size}_{iname}({t}* out, const {t}* a, const {it}* idx, '
                          f"ll n, ll nidx, ll dim, ll inner) {{ gather(out, a, idx, n, nidx, dim, inner); }}\n")
+            parts.append(f'extern "C" __global__ void indexcopy{size}_{iname}({t}* out, const {t}* src, '
+                         f"const {it}* idx, ll n, ll nidx, ll dim, ll inner) "
+                         "{ index_copy(out, src, idx, n, nidx, dim, inner); }\n")
             for kind in ("gather", "scatter"):
                 parts.append(f'extern "C" __global__ void {kind}dim{size}_{iname}({t}* out, const {t}* a, '
                              f"const {it}* idx, ll n, int nd, int dim, Dims shape, Dims st) "
@@ -177,8 +187,8 @@ def sources() -> list[tuple[str, str]]:
 
 _ANY = frozenset(STORABLE)
 SUPPORT = {"transpose": _ANY, "concat": _ANY, "broadcastTo": _ANY, "slice": _ANY, "sliceassign": _ANY, "pad": _ANY,
-           "repeat": _ANY, "indexselect": _ANY, "indexadd": frozenset(NUMERIC), "switch": _ANY, "gather": _ANY,
-           "scatter": _ANY, "scatteradd": frozenset(NUMERIC)}
+           "repeat": _ANY, "indexselect": _ANY, "indexadd": frozenset(NUMERIC), "indexcopy": _ANY, "switch": _ANY,
+           "gather": _ANY, "scatter": _ANY, "scatteradd": frozenset(NUMERIC)}
 
 _COPY_FMT = "PPqi" + dims_format(4)
 
@@ -377,6 +387,25 @@ def indexadd(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, src: Device
         ex.launch("indexadd", f, ex.grid(n), (256, 1, 1), acc.ptr, src.ptr, index.ptr, n, index.size, dim, inner)
     if acc is not out:
         todtype(ex, acc, out)
+    return True
+
+
+def indexcopy(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, src: DeviceTensor, axis: int,
+              out: DeviceTensor) -> bool:
+    axis %= a.ndim
+    _outer, dim, inner = _split(a, axis)
+    check_range(ex, "indexcopy", index, dim, f"an index is out of range for axis {axis} of size {dim}")
+    if src.ptr == out.ptr:
+        copy = ex.empty(src.shape, src.dtype, "indexcopy", "(source copy)")
+        ex.copy(copy, src)
+        src = copy
+    if out.ptr != a.ptr:
+        ex.copy(out, a)
+    n = src.size
+    if n:
+        size = a.dtype.itemsize
+        f = ex.function("shape", MOVE_SOURCE, f"indexcopy{size}_{index.dname}", "PPPqqqq", "indexcopy")
+        ex.launch("indexcopy", f, ex.grid(n), (256, 1, 1), out.ptr, src.ptr, index.ptr, n, index.size, dim, inner)
     return True
 
 
