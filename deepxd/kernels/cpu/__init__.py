@@ -465,24 +465,37 @@ class CpuExecutor:
         if [n for n, _ in wanted] != [p, m, v]:  # (the op's rule makes them so)
             return None
         numbers = [x for _, x in spec[4:]]
-        lr, beta1, beta2, eps, weight_decay, step = numbers
-        call = native.adam_call(to_numpy(meta.dtype), numel(meta.shape), lr, beta1, beta2, eps, weight_decay, step,
-                                b.op.name == "adamw")
+        decoupled = b.op.name == "adamw"
+        call = native.adam_call(to_numpy(meta.dtype), numel(meta.shape), *numbers, decoupled)
         if call is None:
             return None
         tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
+        held = [b]  # the instruction as last renumbered: execute's way runs it
 
         def run_adam() -> None:
             if shared and (p in shared or m in shared or v in shared):
-                self.execute(b)
+                self.execute(held[0])
                 return
             if metas.get(p) != meta or metas.get(m) != meta or metas.get(v) != meta:
-                self.execute(b)
+                self.execute(held[0])
                 return
             pa, ga, ma, va = tensors[p], tensors[g], tensors[m], tensors[v]
             if not call(pa, ga, ma, va):
                 kernel(pa, ga, ma, va, *numbers, pa, ma, va)
 
+        names, op = b.names, b.op
+
+        def renumber(new: Bound) -> bool:
+            if new.op is not op or (new.names is not names and new.names != names):
+                return False
+            values = [x for x in new.args[4:]]
+            if not call.renumber(*values, decoupled):
+                return False
+            numbers[:] = values
+            held[0] = new
+            return True
+
+        run_adam.renumber = renumber  # type: ignore[attr-defined]  # (OpWorker._prepare_again: a step count)
         return run_adam
 
     def _prepare_outputs_held(self, b: Bound, kernel: Callable[..., None], kinds: tuple[int, ...]

@@ -1297,34 +1297,41 @@ def _adam_numbers(dt: np.dtype, lr: float, beta1: float, beta2: float, eps: floa
             int(bool(decoupled)))
 
 
-def adam_call(dt: np.dtype, n: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-              step: int, decoupled: bool) -> Callable[..., bool] | None:
-    """`adam` for one instruction of a program that runs again and again (n elements of dtype dt, these numbers), as
-    sgd_call: the loop and its converted numbers found once; each call(param, grad, m, v) updates the three in
-    place, or returns False where `adam` or numpy must decide (arrays that overlap or are not what was planned).
-    Any size: numpy's path makes ten passes and as many temporaries, which cost more than the call from a few
-    elements on. None where the native loop would not run at all."""
-    dt = np.dtype(dt)
-    if dt not in SUFFIX or n < ADAM_CALL_MIN or not available():
-        return None
-    name = f"adam_{SUFFIX[dt]}"
-    loops: list[Any] = []  # [split, serial], found at the first call after the fixed library is built
+class AdamCall:
+    """`adam` for one instruction of a program that runs again and again (n elements of dtype dt), as sgd_call: the
+    loop found once and its numbers converted once per set (`renumber`: an update's step count changes every step);
+    each call(param, grad, m, v) updates the three in place, or returns False where `adam` or numpy must decide
+    (arrays that overlap or are not what was planned). Made by adam_call."""
 
-    def found() -> bool:
+    __slots__ = ("args", "dt", "loops", "n", "size")
+
+    def __init__(self, dt: np.dtype, n: int) -> None:
+        self.dt, self.n, self.size = dt, n, n * dt.itemsize
+        self.args: tuple[Any, ...] = ()
+        self.loops: list[Any] = []  # [split, serial], found at the first call after the fixed library is built
+
+    def renumber(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                 decoupled: bool) -> bool:
+        """Take these numbers; False (and no call until numbers that convert) where they do not convert."""
+        try:
+            self.args = _adam_numbers(self.dt, lr, beta1, beta2, eps, weight_decay, step, decoupled)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError):  # the kernel words it
+            self.args = ()
+            return False
+        return True
+
+    def _found(self) -> bool:
         fns = _core()  # None while it builds in the background: numpy's path meanwhile
         if fns is None:
             return False
-        loops[:] = [fns.get("p" + name) if n >= OMP_MIN else None,
-                    fns[name] if n < 2 * THREAD_MIN or MAX_THREADS == 1 else None]  # else Python's threads: adam's
+        n, name = self.n, f"adam_{SUFFIX[self.dt]}"
+        self.loops[:] = [fns.get("p" + name) if n >= OMP_MIN else None,
+                         fns[name] if n < 2 * THREAD_MIN or MAX_THREADS == 1 else None]  # else Python's threads
         return True
-    try:
-        args = _adam_numbers(dt, lr, beta1, beta2, eps, weight_decay, step, decoupled)
-    except (TypeError, ValueError, OverflowError, ZeroDivisionError):  # the kernel words it
-        return None
-    size = n * dt.itemsize
 
-    def call(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray) -> bool:
-        if not _enabled or (not loops and not found()):
+    def __call__(self, param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray) -> bool:
+        args = self.args
+        if not _enabled or not args or (not self.loops and not self._found()):
             return False
         try:
             p = _addressof(_CHAR.from_buffer(param))  # type: ignore[arg-type]  # C-contiguous and writable
@@ -1335,20 +1342,31 @@ def adam_call(dt: np.dtype, n: int, lr: float, beta1: float, beta2: float, eps: 
         if not grad.flags.c_contiguous:
             return False
         g = grad.__array_interface__["data"][0]
+        n, dt, size = self.n, self.dt, self.size
         for x in (param, grad, m, v):
             if x.size != n or (x.dtype is not dt and x.dtype != dt):
                 return False
         for x, y in ((p, g), (p, a), (p, b), (g, a), (g, b), (a, b)):
             if x < y + size and y < x + size:
                 return False
-        split, serial = loops
+        split, serial = self.loops
         fn = split if split is not None and _split_on else serial
         if fn is None:
             return False
         fn(n, p, g, a, b, p, a, b, *args)
         return True
 
-    return call
+
+def adam_call(dt: np.dtype, n: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+              step: int, decoupled: bool) -> AdamCall | None:
+    """An AdamCall for n elements of dtype dt with these numbers. Any size from ADAM_CALL_MIN: numpy's path makes ten
+    passes and as many temporaries, which cost more than the call from a few elements on. None where the native
+    loop would not run at all, or the numbers do not convert (the kernel words them)."""
+    dt = np.dtype(dt)
+    if dt not in SUFFIX or n < ADAM_CALL_MIN or not available():
+        return None
+    call = AdamCall(dt, n)
+    return call if call.renumber(lr, beta1, beta2, eps, weight_decay, step, decoupled) else None
 
 
 def crossentropy_rows(logits: np.ndarray, labels: np.ndarray) -> np.ndarray | None:
