@@ -272,6 +272,19 @@ class Recorder:
             return name
         return names.take_freed(shape, dtype, len(self.pending))
 
+    def deleted_name(self, shape: Any, dtype: str) -> str:
+        """A name for a result deleted once collected (a transpose): a deleted one of this shape and dtype first,
+        then a pooled one, then a new one. Pooled first, a Linear's transposed weight would take the name its ReLU's
+        output had in the step before, the ReLU then the transpose's, and the steps alternate between two programs
+        (two plans in the daemon, each run on a state the other left)."""
+        if self.collected:
+            with self.lock:
+                self._drain()
+        names = self.names
+        if names.freed.get((shape, dtype)):
+            return names.take_freed(shape, dtype, len(self.pending))
+        return self.reuse_name(shape, dtype)
+
     def freed_name(self, shape: Any, dtype: str) -> str:
         """A name for a tensor made with newtensor: a deleted one of this shape and dtype where there is one (its
         tensor exists again once the pending program has run), else a new one."""

@@ -216,14 +216,17 @@ def _large(shape: Shape) -> bool:
     return n >= DELETE_MIN
 
 
-def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, depth: int) -> Tensor:
+def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, depth: int,
+          deleted: bool = False) -> Tensor:
     """Append `name(args) -> (a new tensor)` to the session's pending program: the recording hot path, one Python
     call for all of it. `depth`: how many frames up from here the user's code can first be (every frame on the
-    way is the SDK's); only that frame is looked at, and its line is worked out only if an error names it."""
+    way is the SDK's); only that frame is looked at, and its line is worked out only if an error names it.
+    `deleted`: the result is deleted once collected (a transpose, a view in the daemon), and named as such
+    (Recorder.deleted_name)."""
     rname = None
     collected = s.collected
     pending = s.pending
-    if collected and len(collected) == 1:
+    if collected and len(collected) == 1 and not deleted:
         names = s.names
         if not names.lost:
             # the handle this result replaces in a loop: its name, shape and dtype fit, so the result takes the name
@@ -242,12 +245,12 @@ def _emit(s: Session, name: str, args: tuple[Param, ...], shape: Shape, dtype: s
                 else:
                     collected.appendleft(item)
     if rname is None:
-        rname = s.recorder.reuse_name(shape, dtype)
+        rname = s.recorder.deleted_name(shape, dtype) if deleted else s.recorder.reuse_name(shape, dtype)
         out = _new_object(Tensor)
         # never a gradient's name: those are neither pooled nor numbered. A large result is deleted once collected
         # (its name is reused all the same, like a transpose's): the daemon then knows the value is dead where the
         # program ends, and its passes may fuse it away (a Linear's bias add into the ReLU after it)
-        out._k = (rname, dtype, shape, True) if _large(shape) else (rname, dtype, shape)
+        out._k = (rname, dtype, shape, True) if deleted or _large(shape) else (rname, dtype, shape)
     out.name = rname
     out.shape = shape
     out.dtype = dtype
@@ -495,12 +498,12 @@ class Tensor:
         return Tensor(self._s.recorder.reuse_name(shape, dtype), shape, dtype, self._s)
 
     def _op(self, name: str, args: tuple[Param, ...], shape: Shape, dtype: str, inputs: Sequence[Tensor],
-            depth: _int = 2) -> Tensor:
+            depth: _int = 2, deleted: _bool = False) -> Tensor:
         """Record `name(args) -> new tensor`. `depth`: how many frames up the user's code can first be (each frame
         on the way is the SDK's): 2, the caller's caller, as only the SDK calls this; looking there directly skips
-        materializing the frames in between."""
+        materializing the frames in between. `deleted`: as _emit's."""
         s = self._s
-        out = _emit(s, name, args, shape, dtype, depth + 1)
+        out = _emit(s, name, args, shape, dtype, depth + 1, deleted)
         for t in inputs:
             if t.requires_grad:
                 if s.grad_enabled and dtype in FLOATS:  # an integer or bool result has no gradient, as in torch
@@ -1416,10 +1419,10 @@ class Tensor:
         meta = self._infer("transpose", [TensorMeta(self.shape, self.dtype), tuple(dims)], [self.name, None])
         if tuple(d % builtins.max(self.ndim, 1) for d in dims) == tuple(range(self.ndim)):
             return self
-        out = self._op("transpose", (_tp(self), _vec(d % self.ndim for d in dims)), meta.shape, self.dtype, [self])
         # a transpose is a view in the daemon (deepxd/kernels/cpu): once collected its name is deleted as well as
         # pooled, so that it does not outlive, as a copy, the next in-place write of its operand (an optimizer's)
-        out._k = (out.name, out.dtype, out.shape, True)
+        out = self._op("transpose", (_tp(self), _vec(d % self.ndim for d in dims)), meta.shape, self.dtype, [self],
+                       deleted=True)
         return _viewed(out, self)
 
     def transpose(self, dim0: _int, dim1: _int) -> Tensor:
@@ -1431,8 +1434,8 @@ class Tensor:
     def t(self) -> Tensor:
         shape = self.shape
         if len(shape) == 2:  # every Linear's weight, every step: straight to the instruction
-            out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self])
-            out._k = (out.name, out.dtype, out.shape, True)  # a view in the daemon: see permute
+            out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self],
+                           deleted=True)  # a view in the daemon: see permute
             return _viewed(out, self)
         if self.ndim > 2:
             raise DeepxError(f"t(): '{self.name}' has {self.ndim} dims; use transpose or mT")

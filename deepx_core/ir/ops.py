@@ -1757,16 +1757,21 @@ def rebind_numbers(old: Bound, instr: Instr) -> Bound:
     the metas `old` holds, without looking its tensors up again. DeepxError as `bind` raises it; a number given as a
     variable's name is refused here (the caller binds such an instruction whole)."""
     op = old.op
-    params = instr.args
+    params, before = instr.args, old.instr.args
     args = list(old.args)
     for i, a in enumerate(op.args):
         if a.kind in ("var", "") and i < len(params):
-            args[i] = _var(op, a, params[i], None)
+            p = params[i]
+            # the very param old was bound from, a number (the SDK records an unchanged one as the same object)
+            if i < len(before) and p is before[i] and type(p.value) is not str:
+                continue
+            args[i] = _var(op, a, p, None)
     if args == old.args:
         return old._replace(instr=instr)
     out_dtypes = [p.dtype for p in instr.returns]
     inferred = op.infer(Call(op, args, old.names, list(old.outs), out_dtypes, old.out_names, instr.meta))
-    return Bound(op, instr, args, old.names, inferred, old.out_names, _nbytes(op, inferred, old.out_names))
+    nbytes = old.nbytes if inferred == old.outs else _nbytes(op, inferred, old.out_names)
+    return Bound(op, instr, args, old.names, inferred, old.out_names, nbytes)
 
 
 class SymbolicEnv:

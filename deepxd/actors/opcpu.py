@@ -301,10 +301,14 @@ class CpuWorker(OpWorker):
         return self._end_prepared(plan, self._fetched(result, plan.fetch) if plan.fetch else result)
 
     def _prepare_again(self, prepared: Prepared, changed: list[int]) -> None:
-        """The prepared steps of the instructions bound again."""
+        """The prepared steps of the instructions bound again; a step that can take its instruction's new numbers
+        (a prepared adam update's `renumber`: its step count changes every step) keeps itself."""
         if prepared.steps:
+            steps, bounds = prepared.steps, prepared.bounds
             for i in changed:
-                prepared.steps[i] = self._launching(prepared, i, self.ex.prepare(prepared.bounds[i]))
+                renumber = getattr(steps[i], "renumber", None)
+                if renumber is None or not renumber(bounds[i]):
+                    steps[i] = self._launching(prepared, i, self.ex.prepare(bounds[i]))
 
     def _begin_prepared(self, prepared: Prepared) -> RunResult:
         """As OpWorker's, with the plan's steps prepared the first time."""

@@ -746,6 +746,44 @@ def test_a_prepared_sgd_call_declines_what_sgd_must_decide():
     assert native.sgd_call(np.dtype(np.float16), n, 0.1, 0.9, 0.0, 0.0, False, False) is None
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("weight_decay, step, decoupled", [(0.0, 1, False), (0.01, 7, False), (0.01, 3, True)])
+@pytest.mark.parametrize("n", [native.ADAM_CALL_MIN, 10, 128, 3 * native.UPDATE_MIN + 5])
+def test_a_prepared_adam_call_gives_adams_bits(dtype, weight_decay, step, decoupled, n):
+    rng = np.random.default_rng(5)
+    p, g, m = (rng.standard_normal(n).astype(dtype) for _ in range(3))
+    v = np.abs(rng.standard_normal(n)).astype(dtype)
+    p[::7] = -0.0
+    call = native.adam_call(np.dtype(dtype), n, 1e-3, 0.9, 0.999, 1e-8, weight_decay, step, decoupled)
+    assert call is not None
+    p2, m2, v2 = p.copy(), m.copy(), v.copy()
+    assert call(p, g, m, v)
+    native.set_enabled(False)
+    try:  # numpy's
+        optim._adam(p2, g, m2, v2, 1e-3, 0.9, 0.999, 1e-8, weight_decay, step, decoupled, p2, m2, v2)
+    finally:
+        native.set_enabled(True)
+    same(p, p2)
+    same(m, m2)
+    same(v, v2)
+
+
+def test_a_prepared_adam_call_declines_what_adam_must_decide():
+    n = 64
+    p, g, m, v = (np.ones(n, np.float32) for _ in range(4))
+    call = native.adam_call(np.dtype(np.float32), n, 0.1, 0.9, 0.999, 1e-8, 0.0, 2, False)
+    assert call is not None
+    assert not call(p, p, m, v)  # the gradient is the parameter
+    assert not call(p, g, m, m)  # one buffer for both moments
+    assert not call(p, g.astype(np.float64), m, v)
+    assert not call(p, g[: n // 2], m, v)
+    assert not call(p, np.ones((n, 2), np.float32)[:, 0], m, v)  # a strided gradient
+    assert np.all(p == 1) and np.all(m == 1) and np.all(v == 1)
+    assert native.adam_call(np.dtype(np.float32), native.ADAM_CALL_MIN - 1, 0.1, 0.9, 0.999, 1e-8, 0.0, 2,
+                            False) is None  # numpy's size
+    assert native.adam_call(np.dtype(np.float16), n, 0.1, 0.9, 0.999, 1e-8, 0.0, 2, False) is None
+
+
 def test_the_fixed_library_compiles_in_the_background_while_numpy_runs(tmp_path):
     """Its first build on a machine takes about a second: by default the first kernel call starts it on a thread
     and numpy answers, with the same values, until it is loaded (a compiler made slow here, so that the build is

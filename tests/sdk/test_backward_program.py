@@ -290,6 +290,43 @@ def test_an_adam_step_is_one_program_though_its_numbers_change(rng):
     assert scheduler.plan_hits - fast >= 6 and worker.renumbered_runs - renumbered >= 6
 
 
+def test_an_mlp_step_with_transposed_weights_sends_one_program_every_step(rng):
+    """A Linear's transposed weight and its ReLU's output have one shape (64-128-64-10's first layer): the transpose
+    takes a deleted name before a pooled one, so the two keep their names from step to step. Pooled first, they
+    swapped names every step, and the steps alternated between two programs and two plans."""
+    dx.connect()
+    scheduler = dx.session().transport.node.ref("scheduler")._actor
+    from deepx_sdk.optim import Adam
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = Adam(model.parameters(), lr=1e-3)
+    x, y = dx.tensor(rng.standard_normal((8, 8)).astype(np.float32)), dx.tensor(rng.integers(0, 3, 8))
+    programs: list[list[Any]] = []
+    run = type(scheduler).now_run
+
+    def spy(self, program, *args, **kwargs):  # type: ignore[no-untyped-def]
+        programs.append([(i.name, i.returns) for i in program])
+        return run(self, program, *args, **kwargs)
+
+    def train_step() -> float:  # (a loss kept across steps would alternate between two names of its own)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    type(scheduler).now_run = spy  # type: ignore[method-assign]
+    try:
+        for step in range(10):
+            if step == 6:
+                misses = scheduler.plan_misses
+            train_step()
+    finally:
+        type(scheduler).now_run = run  # type: ignore[method-assign]
+    assert scheduler.plan_misses == misses
+    assert len(programs) >= 4 and all(p == programs[-1] for p in programs[-4:])
+
+
 def test_a_step_whose_numbers_change_runs_in_parts_in_the_daemon(rng):
     """A number that changes every step outside the optimizer's updates (here a monitor the step computes) makes a
     new program every step: the SDK still sends one program per step, its backward inside, and after two such steps

@@ -452,6 +452,52 @@ class CpuExecutor:
 
         return run_sgd
 
+    def _prepare_adam(self, b: Bound, spec: tuple[tuple[bool, Any], ...], wanted: list[tuple[str, Any]],
+                      kernel: Callable[..., None]) -> Callable[[], None] | None:
+        """An adam or adamw update in place on the native loop, its numbers converted once (native.adam_call), as
+        _prepare_sgd; the kernel where the loop declines. None where the loop would never run."""
+        from deepxd.kernels.cpu import native
+
+        meta = b.args[0]
+        if meta is None or any(m is None or m != meta for _, m in wanted):
+            return None
+        p, g, m, v = (x for _, x in spec[:4])
+        if [n for n, _ in wanted] != [p, m, v]:  # (the op's rule makes them so)
+            return None
+        numbers = [x for _, x in spec[4:]]
+        decoupled = b.op.name == "adamw"
+        call = native.adam_call(to_numpy(meta.dtype), numel(meta.shape), *numbers, decoupled)
+        if call is None:
+            return None
+        tensors, metas, shared = self.tensors, self.tensors.metas, self.shared
+        held = [b]  # the instruction as last renumbered: execute's way runs it
+
+        def run_adam() -> None:
+            if shared and (p in shared or m in shared or v in shared):
+                self.execute(held[0])
+                return
+            if metas.get(p) != meta or metas.get(m) != meta or metas.get(v) != meta:
+                self.execute(held[0])
+                return
+            pa, ga, ma, va = tensors[p], tensors[g], tensors[m], tensors[v]
+            if not call(pa, ga, ma, va):
+                kernel(pa, ga, ma, va, *numbers, pa, ma, va)
+
+        names, op = b.names, b.op
+
+        def renumber(new: Bound) -> bool:
+            if new.op is not op or (new.names is not names and new.names != names):
+                return False
+            values = [x for x in new.args[4:]]
+            if not call.renumber(*values, decoupled):
+                return False
+            numbers[:] = values
+            held[0] = new
+            return True
+
+        run_adam.renumber = renumber  # type: ignore[attr-defined]  # (OpWorker._prepare_again: a step count)
+        return run_adam
+
     def _prepare_outputs_held(self, b: Bound, kernel: Callable[..., None], kinds: tuple[int, ...]
                               ) -> Callable[[], None]:
         """An op with several outputs (the optimizer updates, written in place every step): the kernel called on
@@ -463,6 +509,10 @@ class CpuExecutor:
         spec = tuple((k == 1, n if k == 1 else v) for k, v, n in zip(kinds, b.args, b.names))
         if b.op.name == "sgd" and kinds[:3] == (1, 1, 1) and 1 not in kinds[3:]:
             quick = self._prepare_sgd(b, spec, wanted, kernel)
+            if quick is not None:
+                return quick
+        if b.op.name in ("adam", "adamw") and kinds[:4] == (1, 1, 1, 1) and 1 not in kinds[4:]:
+            quick = self._prepare_adam(b, spec, wanted, kernel)
             if quick is not None:
                 return quick
 

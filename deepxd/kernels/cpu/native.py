@@ -77,6 +77,9 @@ UPDATE_MIN = 1 << 15
 #: are made once, and inside the MLP step numpy's three passes over a cold bias of 512 took 11-26 us, the loop 2-3;
 #: on a few dozen elements (a tiny MLP's) numpy's passes cost less than the call
 SGD_CALL_MIN = 256
+#: ...and an adam step of such a program (adam_call) from this many: numpy's ten passes and temporaries cost more than
+#: the call on any tensor but a handful of elements (the digits MLP's bias of 10: 7.6 us on numpy, the loop about 2)
+ADAM_CALL_MIN = 8
 #: sums over leading axes (colsum) run on numpy below this many elements; a bias gradient of 256x10 (2560 values)
 #: took 17 us in C against 28-30 us on numpy inside the MLP step
 COLSUM_MIN = 1 << 11
@@ -1278,13 +1281,92 @@ def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: 
     where = fits((param, grad, m, v), (p_out, m_out, v_out), dt, param.size) if fns is not None else None
     if fns is None or where is None:
         return False
-    real = dt.type
-    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    args = (real(beta1), real(1 - beta1), real(beta2), real(1 - beta2), real(eps), real(weight_decay),
-            real(1 - lr * weight_decay), real(lr / bc1), real(math.sqrt(bc2)), int(bool(weight_decay)),
-            int(bool(decoupled)))
+    args = _adam_numbers(dt, lr, beta1, beta2, eps, weight_decay, step, decoupled)
     _split_call(fns, f"adam_{SUFFIX[dt]}", param.size, where, args, dt.itemsize)
     return True
+
+
+def _adam_numbers(dt: np.dtype, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                  decoupled: bool) -> tuple[Any, ...]:
+    """The adam loop's arguments after its pointers, in its dtype: b1, 1 - b1, b2, 1 - b2, eps, weight_decay, the
+    decoupled shrink, lr / bc1, sqrt(bc2), and the flags (decay, decoupled)."""
+    real = dt.type
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    return (real(beta1), real(1 - beta1), real(beta2), real(1 - beta2), real(eps), real(weight_decay),
+            real(1 - lr * weight_decay), real(lr / bc1), real(math.sqrt(bc2)), int(bool(weight_decay)),
+            int(bool(decoupled)))
+
+
+class AdamCall:
+    """`adam` for one instruction of a program that runs again and again (n elements of dtype dt), as sgd_call: the
+    loop found once and its numbers converted once per set (`renumber`: an update's step count changes every step);
+    each call(param, grad, m, v) updates the three in place, or returns False where `adam` or numpy must decide
+    (arrays that overlap or are not what was planned). Made by adam_call."""
+
+    __slots__ = ("args", "dt", "loops", "n", "size")
+
+    def __init__(self, dt: np.dtype, n: int) -> None:
+        self.dt, self.n, self.size = dt, n, n * dt.itemsize
+        self.args: tuple[Any, ...] = ()
+        self.loops: list[Any] = []  # [split, serial], found at the first call after the fixed library is built
+
+    def renumber(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                 decoupled: bool) -> bool:
+        """Take these numbers; False (and no call until numbers that convert) where they do not convert."""
+        try:
+            self.args = _adam_numbers(self.dt, lr, beta1, beta2, eps, weight_decay, step, decoupled)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError):  # the kernel words it
+            self.args = ()
+            return False
+        return True
+
+    def _found(self) -> bool:
+        fns = _core()  # None while it builds in the background: numpy's path meanwhile
+        if fns is None:
+            return False
+        n, name = self.n, f"adam_{SUFFIX[self.dt]}"
+        self.loops[:] = [fns.get("p" + name) if n >= OMP_MIN else None,
+                         fns[name] if n < 2 * THREAD_MIN or MAX_THREADS == 1 else None]  # else Python's threads
+        return True
+
+    def __call__(self, param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray) -> bool:
+        args = self.args
+        if not _enabled or not args or (not self.loops and not self._found()):
+            return False
+        try:
+            p = _addressof(_CHAR.from_buffer(param))  # type: ignore[arg-type]  # C-contiguous and writable
+            a = _addressof(_CHAR.from_buffer(m))  # type: ignore[arg-type]
+            b = _addressof(_CHAR.from_buffer(v))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
+        if not grad.flags.c_contiguous:
+            return False
+        g = grad.__array_interface__["data"][0]
+        n, dt, size = self.n, self.dt, self.size
+        for x in (param, grad, m, v):
+            if x.size != n or (x.dtype is not dt and x.dtype != dt):
+                return False
+        for x, y in ((p, g), (p, a), (p, b), (g, a), (g, b), (a, b)):
+            if x < y + size and y < x + size:
+                return False
+        split, serial = self.loops
+        fn = split if split is not None and _split_on else serial
+        if fn is None:
+            return False
+        fn(n, p, g, a, b, p, a, b, *args)
+        return True
+
+
+def adam_call(dt: np.dtype, n: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+              step: int, decoupled: bool) -> AdamCall | None:
+    """An AdamCall for n elements of dtype dt with these numbers. Any size from ADAM_CALL_MIN: numpy's path makes ten
+    passes and as many temporaries, which cost more than the call from a few elements on. None where the native
+    loop would not run at all, or the numbers do not convert (the kernel words them)."""
+    dt = np.dtype(dt)
+    if dt not in SUFFIX or n < ADAM_CALL_MIN or not available():
+        return None
+    call = AdamCall(dt, n)
+    return call if call.renumber(lr, beta1, beta2, eps, weight_decay, step, decoupled) else None
 
 
 def crossentropy_rows(logits: np.ndarray, labels: np.ndarray) -> np.ndarray | None:
