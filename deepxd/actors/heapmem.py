@@ -71,7 +71,10 @@ log = logging.getLogger(__name__)
 
 LIFECYCLE = "tensor_lifecycle"
 CHECK_S = 2.0  # how often heapmem checks that the plane still has its tensors' records
-WHOLE_CHECK = 15  # every record of the node's tensors read once in this many checks (one record in the others)
+WHOLE_CHECK = 15  # every record of the node's tensors read once in this many checks (one key in the others)
+#: `heap_checked:<node>`: a key that only the record check writes; the light check reads it alone (a plane that lost
+#: its keys lost it too, where a tensor's record may already be written again by a change to that tensor)
+CHECKED = "heap_checked"
 MIN_CLASS = 4096  # the smallest segment: one page
 REUSE_CLASSES = 3  # a pooled segment up to 4x the needed class is reused rather than a fresh one made
 TICK_BATCH = 100  # lifecycle commands popped per tick
@@ -240,6 +243,8 @@ class HeapMemory(Actor):
         self.poll_s = poll_s
         self.check_s = check_s
         self.own_list = node_lifecycle(node_id)  # this node's lifecycle list (commands forwarded to it)
+        self._checked = f"{CHECKED}:{node_id}"  # the record check's own key (on_republish)
+        self._checked_written = False  # deleted at stop where written
         self._adopted: set[str] = set()  # tensors adopted at start from a daemon of this node that died
         self._conflicts: set[str] = set()  # tensors whose plane record names another node (warned once)
         self._verify_next = False  # on_republish: the plane lost records of ours in the last check
@@ -270,10 +275,11 @@ class HeapMemory(Actor):
             await self._forget_remote(name)
         live = [t for t in self._tensors.values() if t.present]
         try:
-            if live:
-                async with self.kv.batch() as b:
-                    for t in live:
-                        b.hset(_key(t.name), {**t.fields(), "state": "stopped"})
+            async with self.kv.batch() as b:
+                if self._checked_written:
+                    b.delete(self._checked)
+                for t in live:
+                    b.hset(_key(t.name), {**t.fields(), "state": "stopped"})
         except Exception as e:
             log.warning("%s: could not mark %d heap tensors stopped in the storage plane: %s", self.name, len(live), e)
         finally:
@@ -696,11 +702,13 @@ class HeapMemory(Actor):
 
     async def on_republish(self, whole: bool = True) -> int:
         """Write again, whole, the records of this node's tensors that the plane lost (a Redis that restarted
-        empty, a FLUSHDB, a key deleted by hand). Not `whole`: one record stands for all (a plane that lost its
-        keys lost that one too), and all are read only where it is gone. Returns how many were written."""
-        if not whole and self._tensors and not self._verify_next:
-            if not await self.kv.missing([_key(next(iter(self._tensors)))]):
-                return 0
+        empty, a FLUSHDB, a key deleted by hand). Not `whole`: the check's own key stands for all (a plane that
+        lost its keys lost it too; no change to a tensor writes it again, as one writes that tensor's record), and
+        the records are read only where it is gone. Returns how many were written."""
+        if not whole and not self._verify_next and not await self.kv.missing([self._checked]):
+            return 0
+        await self.kv.set(self._checked, b"1")  # before the reads: a loss after them takes it, for the next check
+        self._checked_written = True
         # this node's records only (not a scan of every node's: the check's cost stays this node's tensors)
         gone = {key[len("tensor:"):] for key in await self.kv.missing([_key(name) for name in self._tensors])}
         # whose record a name holds is read (one request each) only where the plane lost some of ours, in this check
