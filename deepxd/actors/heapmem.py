@@ -253,6 +253,7 @@ class HeapMemory(Actor):
         self._pool: dict[int, list[Segment]] = {}  # size class -> free segments
         self._pooled_bytes = 0
         self._tick: asyncio.Task[None] | None = None
+        self._waits: dict[str, asyncio.Future[None]] = {}  # the lifecycle lists' waits, kept across ticks
         # op workers that view heap tensors (their arrays are this memory): told `heap_gone` when one is freed, so
         # that no later program of theirs touches memory that is gone or given to another tensor
         self.viewers: list[ActorRef[OpWorker]] = []
@@ -372,6 +373,12 @@ class HeapMemory(Actor):
         (or forward) them through the mailbox; then wait until more are pushed (on a store that wakes waiters, as
         Redis and the embedded one do; else every poll_s). Until the actor stops (not only until cancelled: see
         end_task)."""
+        try:
+            await self._tick_loop()
+        finally:
+            await self._end_waits()
+
+    async def _tick_loop(self) -> None:
         while self.alive:
             try:
                 mine = await self.kv.lpop(self.own_list, TICK_BATCH)
@@ -386,7 +393,7 @@ class HeapMemory(Actor):
                     await self.ref.ask(Lifecycle(commands=shared, mine=mine))
                 if len(mine) == TICK_BATCH or len(shared) == TICK_BATCH:
                     await asyncio.sleep(0)
-                else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled
+                else:  # until a command comes (no tick while idle; on a store that wakes no waiter, every poll_s)
                     await self._wait_push()
             except ActorStopped:
                 return
@@ -395,20 +402,25 @@ class HeapMemory(Actor):
                 await asyncio.sleep(self.poll_s)  # the store refuses: try again at a poll's pace
 
     async def _wait_push(self) -> None:
-        """Until either lifecycle list may have items (wait_push of both; the first to return ends the wait)."""
+        """Until either lifecycle list may have items (wait_push of both; the first to return ends the wait). The
+        other list's wait is kept for the next tick, not cancelled (a cancelled BLMOVE drops its connection): it
+        began before this tick's pops, so a push since ends it."""
         wait = WAKE_WAIT_S if self.kv.wakes_on_push else self.poll_s
-        waits = [asyncio.ensure_future(self.kv.wait_push(key, wait)) for key in (LIFECYCLE, self.own_list)]
-        try:
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if pending:  # both waits time out together: the other is about to end (a cancelled one drops its link)
-                more, _ = await asyncio.wait(pending, timeout=0.05)
-                done |= more
-        finally:
-            for task in waits:
-                task.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+        for key in (LIFECYCLE, self.own_list):
+            if key not in self._waits:
+                self._waits[key] = asyncio.ensure_future(self.kv.wait_push(key, wait))
+        done, _ = await asyncio.wait(self._waits.values(), return_when=asyncio.FIRST_COMPLETED)
+        for key, task in list(self._waits.items()):
+            if task in done:
+                del self._waits[key]
         for task in done:
             task.result()  # a store's refusal: the tick's retry handles it
+
+    async def _end_waits(self) -> None:
+        waits, self._waits = list(self._waits.values()), {}
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
     async def _checker(self) -> None:
         """Every check_s: have the plane's records of this node's tensors written again where it lost them, forget

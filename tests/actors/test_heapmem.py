@@ -571,3 +571,37 @@ async def test_a_lost_plane_is_seen_by_the_light_check_though_a_change_wrote_one
     await kv.delete("tensor:w1")  # by hand, one record: the whole check (once in WHOLE_CHECK) writes it again
     assert await heap.ref.ask(Republish(whole=False), timeout=10) == 0
     assert await heap.ref.ask(Republish(whole=True), timeout=10) == 1
+
+
+async def test_a_lifecycle_command_does_not_cost_the_other_wait_its_connection(redis_server, node):
+    """On Redis, a push to one lifecycle list ends that list's wait; the other list's wait goes on (a cancelled
+    BLMOVE drops its connection, and a new one is made for the next): commands one at a time, and waits that time
+    out together, make no connections."""
+    import redis
+
+    from deepxd.kv.redis import RedisKV
+
+    store = RedisKV(redis_server.url, prefix=f"hm{os.getpid()}{node}:")
+    await store.connect()
+    actor = HeapMemory(store, node)
+    actor.start()
+    r = redis.Redis.from_url(redis_server.url)
+    pack: Callable[[dict[str, Any]], bytes] = msgpack.packb  # type: ignore[assignment]
+    try:
+        await ask(actor, "list")
+        await asyncio.sleep(0.3)  # both waits blocked in the server
+        made = int(r.info("stats")["total_connections_received"])
+        for i in range(10):
+            await store.rpush(LIFECYCLE, pack({"cmd": "create", "name": f"v{i}", "shape": [1], "dtype": "float32"}))
+
+            async def applied(i: int = i) -> bool:
+                return f"v{i}" in [t["name"] for t in await ask(actor, "list")]
+
+            await eventually(applied, timeout=10)
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.5)  # idle: the waits end at their timeouts (WAKE_WAIT_S), often together
+        assert int(r.info("stats")["total_connections_received"]) - made <= 2
+    finally:
+        await actor.stop()
+        await store.close()
+        r.close()
