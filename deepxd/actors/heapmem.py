@@ -71,7 +71,10 @@ log = logging.getLogger(__name__)
 
 LIFECYCLE = "tensor_lifecycle"
 CHECK_S = 2.0  # how often heapmem checks that the plane still has its tensors' records
-WHOLE_CHECK = 15  # every record of the node's tensors read once in this many checks (one record in the others)
+WHOLE_CHECK = 15  # every record of the node's tensors read once in this many checks (one key in the others)
+#: `heap_checked:<node>`: a key that only the record check writes; the light check reads it alone (a plane that lost
+#: its keys lost it too, where a tensor's record may already be written again by a change to that tensor)
+CHECKED = "heap_checked"
 MIN_CLASS = 4096  # the smallest segment: one page
 REUSE_CLASSES = 3  # a pooled segment up to 4x the needed class is reused rather than a fresh one made
 TICK_BATCH = 100  # lifecycle commands popped per tick
@@ -240,6 +243,8 @@ class HeapMemory(Actor):
         self.poll_s = poll_s
         self.check_s = check_s
         self.own_list = node_lifecycle(node_id)  # this node's lifecycle list (commands forwarded to it)
+        self._checked = f"{CHECKED}:{node_id}"  # the record check's own key (on_republish)
+        self._checked_written = False  # deleted at stop where written
         self._adopted: set[str] = set()  # tensors adopted at start from a daemon of this node that died
         self._conflicts: set[str] = set()  # tensors whose plane record names another node (warned once)
         self._verify_next = False  # on_republish: the plane lost records of ours in the last check
@@ -248,6 +253,7 @@ class HeapMemory(Actor):
         self._pool: dict[int, list[Segment]] = {}  # size class -> free segments
         self._pooled_bytes = 0
         self._tick: asyncio.Task[None] | None = None
+        self._waits: dict[str, asyncio.Future[None]] = {}  # the lifecycle lists' waits, kept across ticks
         # op workers that view heap tensors (their arrays are this memory): told `heap_gone` when one is freed, so
         # that no later program of theirs touches memory that is gone or given to another tensor
         self.viewers: list[ActorRef[OpWorker]] = []
@@ -270,10 +276,11 @@ class HeapMemory(Actor):
             await self._forget_remote(name)
         live = [t for t in self._tensors.values() if t.present]
         try:
-            if live:
-                async with self.kv.batch() as b:
-                    for t in live:
-                        b.hset(_key(t.name), {**t.fields(), "state": "stopped"})
+            async with self.kv.batch() as b:
+                if self._checked_written:
+                    b.delete(self._checked)
+                for t in live:
+                    b.hset(_key(t.name), {**t.fields(), "state": "stopped"})
         except Exception as e:
             log.warning("%s: could not mark %d heap tensors stopped in the storage plane: %s", self.name, len(live), e)
         finally:
@@ -366,6 +373,12 @@ class HeapMemory(Actor):
         (or forward) them through the mailbox; then wait until more are pushed (on a store that wakes waiters, as
         Redis and the embedded one do; else every poll_s). Until the actor stops (not only until cancelled: see
         end_task)."""
+        try:
+            await self._tick_loop()
+        finally:
+            await self._end_waits()
+
+    async def _tick_loop(self) -> None:
         while self.alive:
             try:
                 mine = await self.kv.lpop(self.own_list, TICK_BATCH)
@@ -380,7 +393,7 @@ class HeapMemory(Actor):
                     await self.ref.ask(Lifecycle(commands=shared, mine=mine))
                 if len(mine) == TICK_BATCH or len(shared) == TICK_BATCH:
                     await asyncio.sleep(0)
-                else:  # the embedded store wakes this when a command comes (no tick while idle); Redis is polled
+                else:  # until a command comes (no tick while idle; on a store that wakes no waiter, every poll_s)
                     await self._wait_push()
             except ActorStopped:
                 return
@@ -389,20 +402,25 @@ class HeapMemory(Actor):
                 await asyncio.sleep(self.poll_s)  # the store refuses: try again at a poll's pace
 
     async def _wait_push(self) -> None:
-        """Until either lifecycle list may have items (wait_push of both; the first to return ends the wait)."""
+        """Until either lifecycle list may have items (wait_push of both; the first to return ends the wait). The
+        other list's wait is kept for the next tick, not cancelled (a cancelled BLMOVE drops its connection): it
+        began before this tick's pops, so a push since ends it."""
         wait = WAKE_WAIT_S if self.kv.wakes_on_push else self.poll_s
-        waits = [asyncio.ensure_future(self.kv.wait_push(key, wait)) for key in (LIFECYCLE, self.own_list)]
-        try:
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if pending:  # both waits time out together: the other is about to end (a cancelled one drops its link)
-                more, _ = await asyncio.wait(pending, timeout=0.05)
-                done |= more
-        finally:
-            for task in waits:
-                task.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+        for key in (LIFECYCLE, self.own_list):
+            if key not in self._waits:
+                self._waits[key] = asyncio.ensure_future(self.kv.wait_push(key, wait))
+        done, _ = await asyncio.wait(self._waits.values(), return_when=asyncio.FIRST_COMPLETED)
+        for key, task in list(self._waits.items()):
+            if task in done:
+                del self._waits[key]
         for task in done:
             task.result()  # a store's refusal: the tick's retry handles it
+
+    async def _end_waits(self) -> None:
+        waits, self._waits = list(self._waits.values()), {}
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
     async def _checker(self) -> None:
         """Every check_s: have the plane's records of this node's tensors written again where it lost them, forget
@@ -696,11 +714,13 @@ class HeapMemory(Actor):
 
     async def on_republish(self, whole: bool = True) -> int:
         """Write again, whole, the records of this node's tensors that the plane lost (a Redis that restarted
-        empty, a FLUSHDB, a key deleted by hand). Not `whole`: one record stands for all (a plane that lost its
-        keys lost that one too), and all are read only where it is gone. Returns how many were written."""
-        if not whole and self._tensors and not self._verify_next:
-            if not await self.kv.missing([_key(next(iter(self._tensors)))]):
-                return 0
+        empty, a FLUSHDB, a key deleted by hand). Not `whole`: the check's own key stands for all (a plane that
+        lost its keys lost it too; no change to a tensor writes it again, as one writes that tensor's record), and
+        the records are read only where it is gone. Returns how many were written."""
+        if not whole and not self._verify_next and not await self.kv.missing([self._checked]):
+            return 0
+        await self.kv.set(self._checked, b"1")  # before the reads: a loss after them takes it, for the next check
+        self._checked_written = True
         # this node's records only (not a scan of every node's: the check's cost stays this node's tensors)
         gone = {key[len("tensor:"):] for key in await self.kv.missing([_key(name) for name in self._tensors])}
         # whose record a name holds is read (one request each) only where the plane lost some of ours, in this check

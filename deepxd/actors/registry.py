@@ -119,8 +119,8 @@ class Registry(Actor):
             b.hset(f"ops:{self.node_id}:{worker}", {f"{name}.signature": op.signature() for name, op in OPS.items()})
 
     async def on_start(self) -> None:
-        await self.kv.hset(f"node:{self.node_id}", self._record())
-        async with self.kv.batch() as b:
+        async with self.kv.batch() as b:  # the record and its entry in the index together (peers.index_node)
+            b.hset(f"node:{self.node_id}", self._record())
             # the counters are this daemon's since it started: a restart on a persisted plane left the last run's,
             # which those of ops not yet run again kept beside the new ones of the others
             b.delete(*(f"ops:{self.node_id}:{worker}" for worker in self.workers))

@@ -536,12 +536,13 @@ async def test_each_gpu_worker_s_heap_tensors_live_on_its_own_gpu(kv, node) -> N
 
 
 async def test_the_check_reads_one_record_and_every_record_where_that_one_is_gone(heap, kv):
-    """Republish(whole=False) reads one of the node's records (a plane that lost its keys lost that one too); the
-    whole check, and a light one that finds its record gone, write back every record the plane lost."""
+    """Republish(whole=False) reads the check's own key (a plane that lost its keys lost that one too); the whole
+    check, and a light one that finds that key gone, write back every record the plane lost."""
     from deepxd.actors.messages import Republish
 
     for name in ("w0", "w1", "w2"):
         await ask(heap, "create", name=name, shape=[2], dtype="float32", owner="alice")
+    assert await heap.ref.ask(Republish(whole=False), timeout=10) == 0  # the first check reads every record
     before = await kv.hgetall("tensor:w2")
     await kv.delete("tensor:w2")  # by hand, not the first: the light check does not see it
     assert await heap.ref.ask(Republish(whole=False), timeout=10) == 0
@@ -550,3 +551,57 @@ async def test_the_check_reads_one_record_and_every_record_where_that_one_is_gon
     await kv.delete("tensor:w0", "tensor:w1")  # as a flushed plane: the first is gone too
     assert await heap.ref.ask(Republish(whole=False), timeout=10) == 2
     assert not await kv.missing(["tensor:w0", "tensor:w1", "tensor:w2"])
+
+
+async def test_a_lost_plane_is_seen_by_the_light_check_though_a_change_wrote_one_record_again(heap, kv):
+    """A plane that lost every key, where a change to one tensor (a hold, say) has written its record again before
+    the check: the light check still finds the loss, and writes back every record the plane lost."""
+    from deepxd.actors.messages import Republish
+
+    for name in ("w0", "w1", "w2"):
+        await ask(heap, "create", name=name, shape=[2], dtype="float32", owner="alice")
+    await heap.ref.ask(Republish(whole=True), timeout=10)  # the checks so far found nothing lost
+    names = ["tensor:w0", "tensor:w1", "tensor:w2"]
+    await kv.delete(*await kv.keys("*"))  # as a FLUSHDB
+    await ask(heap, "attach", name="w0", holder="bob")  # the first tensor's record, written whole again
+    assert await kv.missing(names) == ["tensor:w1", "tensor:w2"]
+    assert await heap.ref.ask(Republish(whole=False), timeout=10) == 2
+    assert not await kv.missing(names)
+    assert await heap.ref.ask(Republish(whole=False), timeout=10) == 0  # after a loss, the next check reads all too
+    await kv.delete("tensor:w1")  # by hand, one record: the whole check (once in WHOLE_CHECK) writes it again
+    assert await heap.ref.ask(Republish(whole=False), timeout=10) == 0
+    assert await heap.ref.ask(Republish(whole=True), timeout=10) == 1
+
+
+async def test_a_lifecycle_command_does_not_cost_the_other_wait_its_connection(redis_server, node):
+    """On Redis, a push to one lifecycle list ends that list's wait; the other list's wait goes on (a cancelled
+    BLMOVE drops its connection, and a new one is made for the next): commands one at a time, and waits that time
+    out together, make no connections."""
+    import redis
+
+    from deepxd.kv.redis import RedisKV
+
+    store = RedisKV(redis_server.url, prefix=f"hm{os.getpid()}{node}:")
+    await store.connect()
+    actor = HeapMemory(store, node)
+    actor.start()
+    r = redis.Redis.from_url(redis_server.url)
+    pack: Callable[[dict[str, Any]], bytes] = msgpack.packb  # type: ignore[assignment]
+    try:
+        await ask(actor, "list")
+        await asyncio.sleep(0.3)  # both waits blocked in the server
+        made = int(r.info("stats")["total_connections_received"])
+        for i in range(10):
+            await store.rpush(LIFECYCLE, pack({"cmd": "create", "name": f"v{i}", "shape": [1], "dtype": "float32"}))
+
+            async def applied(i: int = i) -> bool:
+                return f"v{i}" in [t["name"] for t in await ask(actor, "list")]
+
+            await eventually(applied, timeout=10)
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.5)  # idle: the waits end at their timeouts (WAKE_WAIT_S), often together
+        assert int(r.info("stats")["total_connections_received"]) - made <= 2
+    finally:
+        await actor.stop()
+        await store.close()
+        r.close()

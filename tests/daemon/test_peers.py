@@ -260,3 +260,48 @@ def test_nodes_read_the_index_not_every_record_each_heartbeat(tmp_path: Path, ne
                    what="node 1 let go of its link to the stopped node 3")
     finally:
         cluster.stop()
+
+
+def test_a_node_s_record_and_its_entry_in_the_index_are_written_in_one_transaction(tmp_path: Path,
+                                                                                     new_redis_server: Any) -> None:
+    """At start, `node:<id>` and the `nodes` index's entry and version are written in one MULTI: a plane that kept
+    one (a Redis restored from its last second of writes) kept the other, so no running record waits unread behind
+    a version the other nodes have seen."""
+    import threading
+
+    import redis
+
+    server = new_redis_server()
+    cluster = Cluster(tmp_path, server.url)
+    seen: list[tuple[str, str]] = []
+    watching = threading.Event()
+
+    def monitor() -> None:
+        r = redis.Redis.from_url(server.url, decode_responses=True)
+        with r.monitor() as m:
+            watching.set()
+            for x in m.listen():
+                seen.append((str(x["client_port"]), str(x["command"])))
+                if "stop-monitor" in x["command"]:
+                    return
+
+    t = threading.Thread(target=monitor, daemon=True)
+    t.start()
+    assert watching.wait(10)
+    try:
+        d = cluster.start(1, QUICK)
+        with d.client() as c:
+            c.ping()
+        redis.Redis.from_url(server.url).get("stop-monitor")
+        t.join(10)
+        record, index = f"HSET {cluster.prefix}node:{d.node_id} ", f"HSET {cluster.prefix}nodes "
+        at = next(i for i, (_, cmd) in enumerate(seen) if cmd.startswith(record) and " running" in cmd)
+        port = seen[at][0]
+        mine = [cmd for p, cmd in seen if p == port]
+        k = mine.index(seen[at][1])
+        start = max(i for i in range(k) if mine[i] in ("MULTI", "EXEC")) if "MULTI" in mine[:k] else -1
+        assert start >= 0 and mine[start] == "MULTI", mine[max(0, k - 3):k + 3]
+        end = mine.index("EXEC", k)
+        assert any(cmd.startswith(index) for cmd in mine[start:end]), mine[start:end + 1]
+    finally:
+        cluster.stop()
