@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 PEER_TIMEOUT_S = 10.0
 #: a holder that is another node (its heap tensors mapped there): `node:<id>`
 REMOTE_HOLDER = "node:"
-#: the plane's index of nodes, a hash: a field per node id that started on the plane, and `version`, new whenever a
-#: node's record changed what the others read of it (its state, its addresses)
+#: the plane's index of nodes, a hash: a field `node:<id>` per node that started on the plane (any id, `version`
+#: too), and `version`, new whenever a node's record changed what the others read of it (its state, its addresses)
 NODES = "nodes"
 #: the index is trusted this many heartbeats (5 min at 2 s); then every record is read again, so that a plane edited
 #: by hand heals (one that lost its keys has no index: each node reads every record until they are written again)
@@ -129,7 +129,7 @@ class _Link:
 def index_node(b: Batch, node: str) -> None:
     """In a batch that writes node `node`'s record: list it in the index, and tell every node to read the records
     again (a version no one saw, not a counter: a plane that restarted empty would count up to an old one)."""
-    b.hset(NODES, {node: "1", "version": secrets.token_hex(8)})
+    b.hset(NODES, {f"node:{node}": "1", "version": secrets.token_hex(8)})
 
 
 class Peers:
@@ -221,7 +221,7 @@ class Peers:
         if version is None:
             nodes = [key.split(":", 1)[1] for key in await self.kv.keys("node:*")]
         else:
-            nodes = [n for n in await self.kv.hgetall(NODES) if n != "version"]
+            nodes = [n[len("node:"):] for n in await self.kv.hgetall(NODES) if n.startswith("node:")]
         running = {}
         for node in nodes:
             if node == self.node_id:

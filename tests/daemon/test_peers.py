@@ -240,7 +240,7 @@ def test_nodes_read_the_index_not_every_record_each_heartbeat(tmp_path: Path, ne
     try:
         ds = [cluster.start(i, QUICK) for i in (1, 2, 3)]
         index = cluster.hash("nodes")
-        assert set(index) == {d.node_id for d in ds} | {"version"}
+        assert set(index) == {f"node:{d.node_id}" for d in ds} | {"version"}
         for d in ds:
             others = {o.node_id for o in ds} - {d.node_id}
             eventually(lambda d=d, others=others: all(nodes(d)[o].get("link") in ("tcp", "unix") for o in others),
