@@ -98,10 +98,13 @@ def training_run(running: Running, kind: str, steps: int, idle: dict[str, float]
 
 
 def fit(ns: list[int], totals: list[float]) -> list[float]:
-    """a, b, c of a + b N + c N^2 (least squares; exact for three node counts)."""
-    degree = min(2, len(ns) - 1)
-    coeffs = np.polyfit(np.array(ns, float), np.array(totals, float), degree)[::-1]
-    return [float(x) for x in coeffs] + [0.0] * (2 - degree)
+    """a, b, c of a + b N + c N^2 (least squares; exact for three node counts); a line where the N^2 term comes out
+    below zero (noise about a linear cost)."""
+    for degree in range(min(2, len(ns) - 1), 0, -1):
+        coeffs = [float(x) for x in np.polyfit(np.array(ns, float), np.array(totals, float), degree)[::-1]]
+        if coeffs[-1] >= 0 or degree == 1:
+            return coeffs + [0.0] * (2 - degree)
+    raise SystemExit("fit: give at least two node counts")
 
 
 def main() -> None:
@@ -124,7 +127,7 @@ def main() -> None:
             time.sleep(2 * 2.0)  # two heartbeats (heartbeat_s = 2): every node's watch has seen every other
             idle = idle_rate(running, opts.seconds)
             results["idle"][n] = idle
-            print(f"{n} nodes, idle: {sum(idle.values()):8.1f} commands/s  "
+            print(f"{n} nodes, idle: {sum(idle.values()):8.1f} commands/s ({sum(idle.values()) / n:.1f} a node)  "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items(), key=lambda kv: -kv[1])), flush=True)
             if n == 2:
                 for kind in ("one rank", "two ranks (DDP, ring)"):
