@@ -105,6 +105,16 @@ def start(config_path, **flags) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    if "pycuda.driver" in sys.modules:
+        # stopped cleanly: leave without the interpreter's finalisation, during which a kernel compilation still
+        # running in the background (op-cuda warms its cache) aborts in NVRTC (free() of an invalid pointer)
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @main.command("config")
