@@ -140,8 +140,33 @@ def _pool_out(geo: tuple) -> tuple[int, ...]:
 @pytest.mark.parametrize("dtype", ordered(OPS["maxpool2d"].dtypes))
 @pytest.mark.parametrize("geo", POOLS)
 def test_pooling_ops_and_their_gradients_match_torch(rng, dtype, geo):
+    _check_pool(rng, dtype, geo, ties=False)
+
+
+@pytest.mark.parametrize("native_loops", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("geo", [*POOLS, (4, 16, 33, 34, 3, 3, (2, 2), (1, 1)), (2, 64, 20, 20, 2, 3, (1, 2), (2, 1))],
+                         ids=lambda g: "x".join(map(str, g[:6])))
+def test_pooling_loops_match_torch(rng, monkeypatch, dtype, geo, ties, native_loops):
+    """The native pooling loops (threads split by plane on the last two, larger, geometries) and numpy's strided
+    views: torch's values, and with ties (inputs from a handful of values) the gradient to each window's first
+    maximum, as torch's."""
+    from deepxd.kernels.cpu import native
+
+    if not native_loops:
+        monkeypatch.setattr(native, "_enabled", False)
+    elif not native.available():
+        pytest.skip("no C compiler: the native pooling loops cannot be built")
+    _check_pool(rng, dtype, geo, ties)
+
+
+def _check_pool(rng, dtype: str, geo: tuple, ties: bool) -> None:
     n, c, h, w, kh, kw, stride, dilation = geo
-    x = rand(rng, dtype, (n, c, h, w), -1, 1)
+    if ties:
+        x = rng.integers(-2, 3, (n, c, h, w)).astype(dtype)
+    else:
+        x = rand(rng, dtype, (n, c, h, w), -1, 1)
     gy = rand(rng, dtype, _pool_out(geo), -1, 1)
     xt = torch.tensor(f64(x), requires_grad=True)
     y_max = torch.nn.functional.max_pool2d(xt, (kh, kw), stride, 0, dilation)

@@ -14,9 +14,11 @@ strided copies and adds, per chunk, with the same results). A chunk spans at lea
 BLAS loses its speed (O=32, C*kh*kw=800: 124 GFLOP/s at 256 columns, 250 at 1024). The 16-bit floats compute in
 float32 and round once, as the other kernels do.
 
-Pooling reads windows of an input already padded (the SDK pads max_pool2d's input with -inf, avg_pool2d's with 0)
-through a strided view, `_taps(xp, ...)`: shape (N, C, kh, kw, Hout, Wout), element [n, c, i, j, y, x] the input at
-(y * stride + i * dilation, x * stride + j * dilation).
+Pooling reads windows of an input already padded (the SDK pads max_pool2d's input with -inf, avg_pool2d's with 0):
+C loops (`POOL` in SOURCE) over the planes (n, c), split across threads by plane from native.OMP_MIN elements, the
+forward ops a row of outputs at a time, tap by tap; maxpool2dgrad adds each window's gradient at its first maximum,
+as torch does. Without native kernels, numpy over a strided view, `_taps(xp, ...)`: shape (N, C, kh, kw, Hout,
+Wout), element [n, c, i, j, y, x] the input at (y * stride + i * dilation, x * stride + j * dilation).
 """
 
 from __future__ import annotations
@@ -92,7 +94,77 @@ void col2im_##S(const T *restrict col, T *restrict dx, long c, long h, long w, l
         } \
     } \
 }
+/* Pooling over an input padded already, planes (n, c) of h x w into planes of oh x ow, split across threads by
+   plane (a plane's gradient is its thread's alone). Output row oy reads input rows oy * sh + i * dh; a window's taps
+   in row-major order (i, j), the first of equal maxima kept and a NaN taking over: torch's choice. */
+#define POOL(T, S) \
+void maxpool_##S(const T *restrict x, T *restrict y, long planes, long h, long w, long kh, long kw, long sh, \
+                 long sw, long dh, long dw, long oh, long ow, int split) { \
+    _Pragma("omp parallel for schedule(static) if(split)") \
+    for (long p = 0; p < planes; p++) { \
+        const T *restrict xp = x + p * h * w; \
+        for (long oy = 0; oy < oh; oy++) { \
+            T *restrict d = y + (p * oh + oy) * ow; \
+            for (long i = 0; i < kh; i++) for (long j = 0; j < kw; j++) { \
+                const T *restrict s = xp + (oy * sh + i * dh) * w + j * dw; \
+                if (i == 0 && j == 0) { for (long q = 0; q < ow; q++) d[q] = s[q * sw]; continue; } \
+                for (long q = 0; q < ow; q++) { T v = s[q * sw], m = d[q]; d[q] = (v > m || v != v) ? v : m; } \
+            } \
+        } \
+    } \
+} \
+void maxpoolgrad_##S(const T *restrict x, const T *restrict g, T *restrict dx, long planes, long h, long w, \
+                     long kh, long kw, long sh, long sw, long dh, long dw, long oh, long ow, int split) { \
+    _Pragma("omp parallel for schedule(static) if(split)") \
+    for (long p = 0; p < planes; p++) { \
+        const T *restrict xp = x + p * h * w; \
+        const T *restrict gp = g + p * oh * ow; \
+        T *restrict dp = dx + p * h * w; \
+        memset(dp, 0, h * w * sizeof(T)); \
+        for (long oy = 0; oy < oh; oy++) for (long ox = 0; ox < ow; ox++) { \
+            long best = oy * sh * w + ox * sw; \
+            T m = xp[best]; \
+            for (long i = 0; i < kh && m == m; i++) for (long j = 0; j < kw; j++) { \
+                long at = (oy * sh + i * dh) * w + ox * sw + j * dw; \
+                T v = xp[at]; \
+                if (v > m || v != v) { m = v; best = at; if (v != v) break; } \
+            } \
+            dp[best] += gp[oy * ow + ox]; \
+        } \
+    } \
+} \
+void sumpool_##S(const T *restrict x, T *restrict y, long planes, long h, long w, long kh, long kw, long sh, \
+                 long sw, long dh, long dw, long oh, long ow, int split) { \
+    _Pragma("omp parallel for schedule(static) if(split)") \
+    for (long p = 0; p < planes; p++) { \
+        const T *restrict xp = x + p * h * w; \
+        for (long oy = 0; oy < oh; oy++) { \
+            T *restrict d = y + (p * oh + oy) * ow; \
+            for (long q = 0; q < ow; q++) d[q] = 0; \
+            for (long i = 0; i < kh; i++) for (long j = 0; j < kw; j++) { \
+                const T *restrict s = xp + (oy * sh + i * dh) * w + j * dw; \
+                for (long q = 0; q < ow; q++) d[q] += s[q * sw]; \
+            } \
+        } \
+    } \
+} \
+void sumpoolgrad_##S(const T *restrict g, T *restrict dx, long planes, long h, long w, long kh, long kw, \
+                     long sh, long sw, long dh, long dw, long oh, long ow, int split) { \
+    _Pragma("omp parallel for schedule(static) if(split)") \
+    for (long p = 0; p < planes; p++) { \
+        T *restrict dp = dx + p * h * w; \
+        memset(dp, 0, h * w * sizeof(T)); \
+        for (long oy = 0; oy < oh; oy++) { \
+            const T *restrict s = g + (p * oh + oy) * ow; \
+            for (long i = 0; i < kh; i++) for (long j = 0; j < kw; j++) { \
+                T *restrict d = dp + (oy * sh + i * dh) * w + j * dw; \
+                for (long q = 0; q < ow; q++) d[q * sw] += s[q]; \
+            } \
+        } \
+    } \
+}
 CONV(float, f32) CONV(double, f64)
+POOL(float, f32) POOL(double, f64)
 """
 
 _fns: dict[str, Any] | None = None
@@ -100,8 +172,8 @@ _LONG = ctypes.c_long
 
 
 def _native() -> dict[str, Any] | None:
-    """im2col and col2im for float32 and float64, compiled on first use (once per machine: native.py's cache), or
-    None where native kernels are off or cannot be built."""
+    """im2col, col2im and the pooling loops for float32 and float64, compiled on first use (once per machine:
+    native.py's cache), or None where native kernels are off or cannot be built."""
     global _fns
     if _fns is None:
         lib = native.load(SOURCE, openmp=True) or native.load(SOURCE)
@@ -112,6 +184,10 @@ def _native() -> dict[str, Any] | None:
             for name in ("im2col", "col2im"):
                 f = getattr(lib, f"{name}_{s}")
                 f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_void_p, *[_LONG] * 17, ctypes.c_int], None
+                fns[f"{name}_{s}"] = f
+            for name, arrays in (("maxpool", 2), ("maxpoolgrad", 3), ("sumpool", 2), ("sumpoolgrad", 2)):
+                f = getattr(lib, f"{name}_{s}")
+                f.argtypes, f.restype = [*[ctypes.c_void_p] * arrays, *[_LONG] * 11, ctypes.c_int], None
                 fns[f"{name}_{s}"] = f
         _fns = fns
     return _fns if native.enabled() else None
@@ -309,20 +385,47 @@ def _windows(a: np.ndarray, kernel: Sequence[int], stride: Sequence[int], dilati
     return _taps(a, int(kernel[0]), int(kernel[1]), [int(s) for s in stride], [int(d) for d in dilation], oh, ow)
 
 
+def _pool_native(name: str, ins: Sequence[np.ndarray], out: np.ndarray, kernel: Sequence[int],
+                 stride: Sequence[int], dilation: Sequence[int], hw: Sequence[int], ohw: Sequence[int]) -> bool:
+    """Run the C loop `name` (maxpool, maxpoolgrad, sumpool, sumpoolgrad) of ins' dtype into out; False where native
+    kernels are off or the dtype is not float32 or float64 (numpy's path then). hw: the (padded) input's plane,
+    ohw: the output's."""
+    dt = ins[0].dtype
+    fns = _native() if dt in (F32, F64) else None
+    if fns is None:
+        return False
+    res = out if out.dtype == dt and out.flags.c_contiguous else np.empty(out.shape, dt)
+    arrays = [np.ascontiguousarray(a) for a in ins]
+    planes = int(out.shape[0]) * int(out.shape[1])
+    big = planes * int(hw[0]) * int(hw[1]) >= native.OMP_MIN
+    fns[f"{name}_{'f32' if dt == F32 else 'f64'}"](
+        *[_address(a) for a in arrays], _address(res), planes, int(hw[0]), int(hw[1]), int(kernel[0]),
+        int(kernel[1]), int(stride[0]), int(stride[1]), int(dilation[0]), int(dilation[1]), int(ohw[0]),
+        int(ohw[1]), int(big and native.split()))
+    if res is not out:
+        out[...] = res
+    return True
+
+
 def maxpool2d(a, kernel, stride, dilation, out):
     x = _work(a)
     oh, ow = out.shape[2:]
+    if _pool_native("maxpool", [x], out, kernel, stride, dilation, x.shape[2:], (oh, ow)):
+        return
     out[...] = _windows(x, kernel, stride, dilation, oh, ow).max(axis=(2, 3))  # NaN propagates, as torch's
 
 
 def maxpool2dgrad(a, g, kernel, stride, dilation, out):
     """Each window's gradient to its first maximum (row by row; a NaN counts as the maximum), added where windows
-    overlap, one kernel tap at a time (no two windows of one tap share a position)."""
+    overlap; on numpy one kernel tap at a time (no two windows of one tap share a position)."""
     x, gy = _work(a), _work(g)
+    oh, ow = gy.shape[2:]
+    if x.dtype == gy.dtype and _pool_native("maxpoolgrad", [x, gy], out, kernel, stride, dilation, x.shape[2:],
+                                            (oh, ow)):
+        return
     kh, kw = int(kernel[0]), int(kernel[1])
     sh, sw = int(stride[0]), int(stride[1])
     dh, dw = int(dilation[0]), int(dilation[1])
-    oh, ow = gy.shape[2:]
     win = _windows(x, kernel, stride, dilation, oh, ow)
     n, c = x.shape[:2]
     first = np.argmax(win.transpose(0, 1, 4, 5, 2, 3).reshape(n, c, oh, ow, kh * kw), axis=-1)
@@ -337,16 +440,21 @@ def maxpool2dgrad(a, g, kernel, stride, dilation, out):
 def sumpool2d(a, kernel, stride, dilation, out):
     x = _work(a)
     oh, ow = out.shape[2:]
+    if _pool_native("sumpool", [x], out, kernel, stride, dilation, x.shape[2:], (oh, ow)):
+        return
     out[...] = _windows(x, kernel, stride, dilation, oh, ow).sum(axis=(2, 3))
 
 
 def sumpool2dgrad(g, input_shape, kernel, stride, dilation, out):
     gy = _work(g)
+    shape = tuple(int(d) for d in input_shape)
+    oh, ow = gy.shape[2:]
+    if _pool_native("sumpoolgrad", [gy], out, kernel, stride, dilation, shape[2:], (oh, ow)):
+        return
     kh, kw = int(kernel[0]), int(kernel[1])
     sh, sw = int(stride[0]), int(stride[1])
     dh, dw = int(dilation[0]), int(dilation[1])
-    oh, ow = gy.shape[2:]
-    grad = np.zeros(tuple(int(d) for d in input_shape), dtype=gy.dtype)
+    grad = np.zeros(shape, dtype=gy.dtype)
     for i in range(kh):
         for j in range(kw):
             h0, w0 = i * dh, j * dw
