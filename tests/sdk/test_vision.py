@@ -87,9 +87,14 @@ def test_conv1d_follows_torch(kw):
     (lambda x: F.adaptive_avg_pool2d(x, (3, 5)), lambda x: TF.adaptive_avg_pool2d(x, (3, 5))),
     (lambda x: F.adaptive_avg_pool2d(x[0], (3, None)), lambda x: TF.adaptive_avg_pool2d(x[0], (3, None))),
 ])
-def test_pools_follow_torch(f, tf):
-    x, tx = _t(np.random.default_rng(2).standard_normal((2, 3, 8, 10)))
-    _grads_match(f(x), tf(tx), [(x, tx)], "float64")
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_pools_follow_torch(f, tf, dtype, ties):
+    """With ties (inputs from a handful of values) max pooling's gradient goes to each window's first maximum."""
+    rng = np.random.default_rng(2)
+    a = rng.integers(-2, 3, (2, 3, 8, 10)) if ties else rng.standard_normal((2, 3, 8, 10))
+    x, tx = _t(a.astype(dtype))
+    _grads_match(f(x), tf(tx), [(x, tx)], dtype)
 
 
 def test_batch_norm_trains_and_evaluates_as_torch():
