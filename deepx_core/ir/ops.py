@@ -1294,7 +1294,8 @@ op("maxpool2d", "conv", [_A, *_POOL], [_C], _F, _pool2d,
    "C[n, c, y, x] = the maximum of A[n, c, y*stride + i*dilation, x*stride + j*dilation] over the window (i, j) "
    "(NaN wins); A is padded already (by -inf: the SDK's max_pool2d)", grad=True, deepxir=False)
 op("maxpool2dgrad", "conv", [_A, t("G"), *_POOL], [t("dA")], _F, _pool2dgrad(0),
-   "maxpool2d's gradient: each window's G goes to the first position (row by row) holding its maximum",
+   "maxpool2d's gradient: each window's G goes to the first position (row by row) holding its maximum, or to its "
+   "last NaN where it holds any (torch's choice)",
    deepxir=False)
 op("sumpool2d", "conv", [_A, *_POOL], [_C], _F, _pool2d,
    "C[n, c, y, x] = the sum of A[n, c, y*stride + i*dilation, x*stride + j*dilation] over the window (i, j) "

@@ -146,14 +146,15 @@ def test_pooling_ops_and_their_gradients_match_torch(rng, dtype, geo):
 @pytest.mark.parametrize("native_loops", [True, False], ids=["native", "numpy"])
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("geo", [*POOLS, (4, 16, 33, 34, 3, 3, (2, 2), (1, 1)), (2, 64, 20, 20, 2, 3, (1, 2), (2, 1))],
-                         ids=lambda g: "x".join(map(str, g[:6])))
+@pytest.mark.parametrize("geo", [*POOLS, (1, 2, 5, 600, 2, 3, (1, 2), (1, 1)), (4, 16, 33, 34, 3, 3, (2, 2), (1, 1)),
+                                 (2, 64, 20, 20, 2, 3, (1, 2), (2, 1))], ids=lambda g: "x".join(map(str, g[:6])))
 def test_pooling_loops_match_torch(rng, monkeypatch, dtype, geo, ties, native_loops):
-    """The native pooling loops (threads split by plane on the last two, larger, geometries) and numpy's strided
-    views: torch's values, and with ties (inputs from a handful of values) the gradient to each window's first
-    maximum, as torch's."""
-    from deepxd.kernels.cpu import native
+    """The native pooling loops (rows of 299 outputs: more than a block of POOL_BLOCK; threads split by plane on the
+    last two geometries) and numpy's strided views: torch's values, and with ties (inputs from a handful of values)
+    the gradient to each window's first maximum, as torch's."""
+    from deepxd.kernels.cpu import conv, native
 
+    monkeypatch.setattr(conv, "POOL_SPLIT_MIN", 1 << 15)
     if not native_loops:
         monkeypatch.setattr(native, "_enabled", False)
     elif not native.available():
@@ -195,6 +196,32 @@ def test_maxpool2d_propagates_nan_and_its_gradient_goes_to_the_first_maximum():
     y = ex.get("y")
     assert np.isnan(y[0, 0, 0, 0]) and y[0, 0, 0, 1] == 3.0
     np.testing.assert_array_equal(ex.get("dx"), [[[[0.0, 20.0, 0.0], [10.0, 0.0, 0.0]]]])
+
+
+@pytest.mark.parametrize("native_loops", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_maxpool2d_with_nans_matches_torch(rng, monkeypatch, dtype, native_loops):
+    """A third of the inputs NaN, so that windows hold none, one or several: NaN wins the forward, and the gradient
+    goes to the window's last NaN, as torch's."""
+    from deepxd.kernels.cpu import native
+
+    if not native_loops:
+        monkeypatch.setattr(native, "_enabled", False)
+    elif not native.available():
+        pytest.skip("no C compiler: the native pooling loops cannot be built")
+    geo = (2, 3, 9, 8, 3, 2, (2, 1), (1, 2))
+    x = rng.integers(-2, 3, geo[:4]).astype(dtype)
+    x[rng.random(x.shape) < 1 / 3] = np.nan
+    gy = rand(rng, dtype, _pool_out(geo), -1, 1)
+    xt = torch.tensor(f64(x), requires_grad=True)
+    y = torch.nn.functional.max_pool2d(xt, geo[4:6], geo[6], 0, geo[7])
+    (dx,) = torch.autograd.grad(y, xt, torch.tensor(f64(gy)))
+    ex = executor(x=x, gy=gy)
+    geometry = [VEC(geo[4:6]), VEC(geo[6]), VEC(geo[7])]
+    run(ex, "maxpool2d", [T("x", dtype), *geometry], [T("y", dtype)])
+    run(ex, "maxpool2dgrad", [T("x", dtype), T("gy", dtype), *geometry], [T("dx", dtype)])
+    np.testing.assert_array_equal(f64(ex.get("y")), y.detach().numpy())
+    assert_close(ex.get("dx"), dx.numpy(), dtype, scale=np.full(x.shape, 6), what="maxpool2dgrad")
 
 
 def test_pooling_refuses_what_does_not_fit():

@@ -15,10 +15,11 @@ BLAS loses its speed (O=32, C*kh*kw=800: 124 GFLOP/s at 256 columns, 250 at 1024
 float32 and round once, as the other kernels do.
 
 Pooling reads windows of an input already padded (the SDK pads max_pool2d's input with -inf, avg_pool2d's with 0):
-C loops (`POOL` in SOURCE) over the planes (n, c), split across threads by plane from native.OMP_MIN elements, the
-forward ops a row of outputs at a time, tap by tap; maxpool2dgrad adds each window's gradient at its first maximum,
-as torch does. Without native kernels, numpy over a strided view, `_taps(xp, ...)`: shape (N, C, kh, kw, Hout,
-Wout), element [n, c, i, j, y, x] the input at (y * stride + i * dilation, x * stride + j * dilation).
+C loops (`POOL` in SOURCE) over the planes (n, c), split across threads by plane from POOL_SPLIT_MIN elements, the
+forward ops a row of outputs at a time, tap by tap; maxpool2dgrad adds each window's gradient at its first maximum
+(its last NaN where it holds any), as torch does. Without native kernels, numpy over a strided view, `_taps(xp,
+...)`: shape (N, C, kh, kw, Hout, Wout), element [n, c, i, j, y, x] the input at (y * stride + i * dilation,
+x * stride + j * dilation).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from deepxd.kernels.cpu.matmul import matmul as _matmul
 CHUNK_BYTES = 1 << 21
 #: ...but spans at least this many output positions (columns), where BLAS runs near its speed
 MIN_COLS = 1024
+#: pooling splits its planes across threads from this many input elements: below, waking the threads costs more
+#: than they save (examples/train_cnn.py's 32 x 16 x 8 x 8 max pooling: 0.07 ms split, 0.04 on one thread)
+POOL_SPLIT_MIN = 1 << 17
 
 SOURCE = r"""
 #include <string.h>
@@ -96,7 +100,8 @@ void col2im_##S(const T *restrict col, T *restrict dx, long c, long h, long w, l
 }
 /* Pooling over an input padded already, planes (n, c) of h x w into planes of oh x ow, split across threads by
    plane (a plane's gradient is its thread's alone). Output row oy reads input rows oy * sh + i * dh; a window's taps
-   in row-major order (i, j), the first of equal maxima kept and a NaN taking over: torch's choice. */
+   in row-major order (i, j), the first of equal maxima kept and each NaN taking over (the last NaN): torch's. */
+#define POOL_BLOCK 256
 #define POOL(T, S) \
 void maxpool_##S(const T *restrict x, T *restrict y, long planes, long h, long w, long kh, long kw, long sh, \
                  long sw, long dh, long dw, long oh, long ow, int split) { \
@@ -118,18 +123,27 @@ void maxpoolgrad_##S(const T *restrict x, const T *restrict g, T *restrict dx, l
     _Pragma("omp parallel for schedule(static) if(split)") \
     for (long p = 0; p < planes; p++) { \
         const T *restrict xp = x + p * h * w; \
-        const T *restrict gp = g + p * oh * ow; \
         T *restrict dp = dx + p * h * w; \
         memset(dp, 0, h * w * sizeof(T)); \
-        for (long oy = 0; oy < oh; oy++) for (long ox = 0; ox < ow; ox++) { \
-            long best = oy * sh * w + ox * sw; \
-            T m = xp[best]; \
-            for (long i = 0; i < kh && m == m; i++) for (long j = 0; j < kw; j++) { \
-                long at = (oy * sh + i * dh) * w + ox * sw + j * dw; \
-                T v = xp[at]; \
-                if (v > m || v != v) { m = v; best = at; if (v != v) break; } \
+        for (long oy = 0; oy < oh; oy++) for (long q0 = 0; q0 < ow; q0 += POOL_BLOCK) { \
+            long nq = ow - q0 < POOL_BLOCK ? ow - q0 : POOL_BLOCK; \
+            T m[POOL_BLOCK]; long at[POOL_BLOCK]; /* a block of windows' maxima so far, and where */ \
+            for (long i = 0; i < kh; i++) for (long j = 0; j < kw; j++) { \
+                long base = (oy * sh + i * dh) * w + j * dw + q0 * sw; \
+                const T *restrict s = xp + base; \
+                if (i == 0 && j == 0) { \
+                    for (long q = 0; q < nq; q++) { m[q] = s[q * sw]; at[q] = base + q * sw; } \
+                    continue; \
+                } \
+                for (long q = 0; q < nq; q++) { /* selects, not branches: random data mispredicts them */ \
+                    T v = s[q * sw], b = m[q]; \
+                    int take = v > b || v != v; \
+                    m[q] = take ? v : b; \
+                    at[q] = take ? base + q * sw : at[q]; \
+                } \
             } \
-            dp[best] += gp[oy * ow + ox]; \
+            const T *restrict gr = g + (p * oh + oy) * ow + q0; \
+            for (long q = 0; q < nq; q++) dp[at[q]] += gr[q]; \
         } \
     } \
 } \
@@ -397,7 +411,7 @@ def _pool_native(name: str, ins: Sequence[np.ndarray], out: np.ndarray, kernel: 
     res = out if out.dtype == dt and out.flags.c_contiguous else np.empty(out.shape, dt)
     arrays = [np.ascontiguousarray(a) for a in ins]
     planes = int(out.shape[0]) * int(out.shape[1])
-    big = planes * int(hw[0]) * int(hw[1]) >= native.OMP_MIN
+    big = planes * int(hw[0]) * int(hw[1]) >= POOL_SPLIT_MIN
     fns[f"{name}_{'f32' if dt == F32 else 'f64'}"](
         *[_address(a) for a in arrays], _address(res), planes, int(hw[0]), int(hw[1]), int(kernel[0]),
         int(kernel[1]), int(stride[0]), int(stride[1]), int(dilation[0]), int(dilation[1]), int(ohw[0]),
@@ -416,8 +430,8 @@ def maxpool2d(a, kernel, stride, dilation, out):
 
 
 def maxpool2dgrad(a, g, kernel, stride, dilation, out):
-    """Each window's gradient to its first maximum (row by row; a NaN counts as the maximum), added where windows
-    overlap; on numpy one kernel tap at a time (no two windows of one tap share a position)."""
+    """Each window's gradient to its first maximum (row by row), or to its last NaN where it holds one, as torch's;
+    added where windows overlap; on numpy one kernel tap at a time (no two windows of one tap share a position)."""
     x, gy = _work(a), _work(g)
     oh, ow = gy.shape[2:]
     if x.dtype == gy.dtype and _pool_native("maxpoolgrad", [x, gy], out, kernel, stride, dilation, x.shape[2:],
@@ -428,7 +442,11 @@ def maxpool2dgrad(a, g, kernel, stride, dilation, out):
     dh, dw = int(dilation[0]), int(dilation[1])
     win = _windows(x, kernel, stride, dilation, oh, ow)
     n, c = x.shape[:2]
-    first = np.argmax(win.transpose(0, 1, 4, 5, 2, 3).reshape(n, c, oh, ow, kh * kw), axis=-1)
+    taps = win.transpose(0, 1, 4, 5, 2, 3).reshape(n, c, oh, ow, kh * kw)
+    first = np.argmax(taps, axis=-1)  # the first maximum, or the first NaN
+    nan = np.isnan(taps)
+    if nan.any():
+        first = np.where(nan.any(axis=-1), kh * kw - 1 - np.argmax(nan[..., ::-1], axis=-1), first)
     grad = np.zeros(x.shape, dtype=gy.dtype)
     for t in range(kh * kw):
         i, j = divmod(t, kw)

@@ -117,17 +117,16 @@ extern "C" __global__ void conv2d_grad_weight(T* dw_, const T* x, const T* gy, l
 
 #define PGEOM int C, int H, int W, int OH, int OW, int KH, int KW, int sh, int sw, int dh, int dw
 
-// the first position (tap i * KW + j, row by row) of window (oy, ox) holding its maximum; a NaN counts as it
+// the first position (tap i * KW + j, row by row) of window (oy, ox) holding its maximum, or its last NaN where it
+// holds any: torch's choice
 __device__ __forceinline__ int pool_argmax(const T* xp, int W, int oy, int ox, int KH, int KW, int sh, int sw,
                                            int dh, int dw, A* value) {
     int best = 0;
     A m = ld(xp[(ll)(oy * sh) * W + ox * sw]);
-    if (m != m) { *value = m; return 0; }
     for (int i = 0; i < KH; ++i)
         for (int j = 0; j < KW; ++j) {
             const A v = ld(xp[(ll)(oy * sh + i * dh) * W + ox * sw + j * dw]);
-            if (v != v) { *value = v; return i * KW + j; }
-            if (v > m) { m = v; best = i * KW + j; }
+            if (v > m || v != v) { m = v; best = i * KW + j; }
         }
     *value = m;
     return best;
