@@ -126,6 +126,14 @@ class _Link:
     bytes_per_s: float | None = None  # measured by transfers (an average that leans to the latest)
 
 
+async def node_ids(kv: KV) -> list[str]:
+    """Every node of the plane: from the `nodes` index, or where the plane has none, from a scan of `node:*`."""
+    index = await kv.hgetall(NODES)
+    if index:
+        return sorted(n[len("node:"):] for n in index if n.startswith("node:"))
+    return [key.split(":", 1)[1] for key in await kv.keys("node:*")]
+
+
 def index_node(b: Batch, node: str) -> None:
     """In a batch that writes node `node`'s record: list it in the index, and tell every node to read the records
     again (a version no one saw, not a counter: a plane that restarted empty would count up to an old one)."""
@@ -218,10 +226,7 @@ class Peers:
         self._trusted -= 1
         if version is not None and version == self._seen and self._trusted > 0:
             return self._running
-        if version is None:
-            nodes = [key.split(":", 1)[1] for key in await self.kv.keys("node:*")]
-        else:
-            nodes = [n[len("node:"):] for n in await self.kv.hgetall(NODES) if n.startswith("node:")]
+        nodes = await node_ids(self.kv)
         running = {}
         for node in nodes:
             if node == self.node_id:

@@ -45,6 +45,7 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, SymbolicEnv, TensorMeta, bind
 from deepx_core.ir.shapes import numel
 from deepxd.actors.messages import Fetch, Metas, Put, Remote, Run, RunProgram, State, WorkerTensors
+from deepxd.peers import node_ids
 
 if TYPE_CHECKING:
     from deepxd.actors.base import ActorRef
@@ -574,9 +575,8 @@ class Across:
             return self._nodes
         self._read_at = now
         records: dict[str, dict[str, str]] = {}
-        for key in await self.kv.keys("node:*"):
-            node = key.split(":", 1)[1]
-            record = await self.kv.hgetall(key)
+        for node in await node_ids(self.kv):
+            record = await self.kv.hgetall(f"node:{node}")
             if node != self.node_id and (record.get("state") != "running" or
                                          "scheduler" not in record.get("roles", "").split(",")):
                 continue
