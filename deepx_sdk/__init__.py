@@ -119,10 +119,8 @@ def __getattr__(name: str) -> Any:
     if name in composite.__all__:
         return getattr(composite, name)
     from deepx_sdk._torch_names import TENSOR
-    from deepx_sdk.tensor import _TORCH_ONLY
 
-    # as Tensor's: a DeepxError that is an AttributeError (hasattr answers False)
-    if name in _TORCH_ONLY or name in TENSOR:
+    if name in TENSOR:  # as Tensor's: a DeepxError that is an AttributeError (hasattr answers False)
         raise DeepxAttributeError(f"deepx_sdk.{name} is not supported by deepx (no op in its catalogue computes it); "
                                   "`deepxctl ops catalogue` lists the ops there are")
     raise AttributeError(f"module 'deepx_sdk' has no attribute {name!r}")

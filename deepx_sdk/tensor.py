@@ -1794,17 +1794,6 @@ class _ValuesIndices(tuple):
         return self[1]
 
 
-#: torch names deepx does not have beyond torch.Tensor's (deepx_sdk/_torch_names.py): reading one raises
-#: DeepxAttributeError (see _torch_only)
-_TORCH_ONLY = frozenset({
-    "sign", "log2", "log10", "mode",
-    "index_fill", "masked_scatter", "nonzero", "unique", "logsumexp", "norm", "renorm", "lerp", "addmm", "baddbmm",
-    "einsum", "retain_grad", "register_hook", "to_sparse", "stride", "storage", "data_ptr", "pin_memory", "cuda",
-    "half_", "angle", "real", "imag", "conj", "isclose", "allclose", "nan_to_num", "diff", "flip", "roll", "rot90",
-    "diag", "diagonal", "trace", "tile", "repeat_interleave", "narrow", "unfold", "as_strided",
-})
-
-
 def _torch_only(name: str) -> property:
     def missing(self: Tensor) -> Any:
         raise DeepxAttributeError(f"Tensor.{name} is not supported by deepx (no op in its catalogue computes it); "
@@ -1863,7 +1852,7 @@ def _set_torch_names() -> None:
     for alias, name in _ALIASES.items():
         if not hasattr(Tensor, alias):
             setattr(Tensor, alias, getattr(Tensor, name))
-    for name in sorted(TENSOR | _TORCH_ONLY):
+    for name in sorted(TENSOR):
         if inspect.getattr_static(Tensor, name, None) is not None:
             continue
         if name.endswith("_") and name not in _NOT_IN_PLACE and method(name[:-1]):
