@@ -1,8 +1,10 @@
-"""Where a training step's time goes: the character transformer of examples/train_transformer.py, warm steps
-profiled with yappi across every thread (the SDK's, the event loop's, op-cuda's device thread), the functions that
-cost most printed per thread. Not a benchmark (no peer): the map for making one faster.
+"""Where a training step's time goes: the character transformer of examples/train_transformer.py (or, with
+`--model mlp`, bench/gpu.py's MLP step), warm steps profiled with yappi across every thread (the SDK's, the event
+loop's, op-cuda's device thread), the functions that cost most printed per thread. Not a benchmark (no peer): the map
+for making one faster.
 
-    pip install yappi; python bench/profile_step.py [--roles heapmem,op-cuda] [--steps 30] [--top 40]
+    pip install yappi; python bench/profile_step.py [--roles heapmem,op-cuda] [--model mlp] [--compiled]
+        [--steps 30] [--top 40]
 
 Writes the text to $OUT/profile_step.txt when OUT is set.
 """
@@ -14,7 +16,9 @@ import io
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -32,6 +36,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--model", choices=("transformer", "mlp"), default="transformer")
+    ap.add_argument("--compiled", action="store_true", help="the step under dx.compile")
     opts = ap.parse_args()
     import yappi
 
@@ -39,7 +45,10 @@ def main() -> None:
 
     ex = load_example("deepx")
     ex["dx"].connect(roles=opts.roles.split(","))
-    step = trainer(ex, opts.context, opts.d_model, opts.layers, opts.batch)
+    if opts.model == "mlp":
+        step = mlp_step(opts.compiled)
+    else:
+        step = trainer(ex, opts.context, opts.d_model, opts.layers, opts.batch, compiled=opts.compiled)
 
     for _ in range(opts.warmup):
         step()
@@ -51,7 +60,8 @@ def main() -> None:
     wall = time.perf_counter() - t0
     yappi.stop()
     out = io.StringIO()
-    out.write(f"{opts.steps} warm steps, {1e3 * wall / opts.steps:.2f} ms per step (roles {opts.roles})\n")
+    out.write(f"{opts.steps} warm {opts.model} steps{' (dx.compile)' if opts.compiled else ''}, "
+              f"{1e3 * wall / opts.steps:.2f} ms per step (roles {opts.roles})\n")
     threads = {t.id: t.name for t in yappi.get_thread_stats()}
     for tid, name in threads.items():
         stats = yappi.get_func_stats(filter_callback=lambda f, tid=tid: f.ctx_id == tid)
@@ -68,6 +78,32 @@ def main() -> None:
     sys.stdout.write(text_out)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "profile_step.txt").write_text(text_out)
+
+
+def mlp_step(compiled: bool) -> Callable[[], None]:
+    """bench/gpu.py's MLP step (784-512-512-10, SGD with momentum, batch 256, the loss read back)."""
+    import numpy as np
+
+    import deepx_sdk as dx
+    import deepx_sdk.nn as nn
+    import deepx_sdk.nn.functional as F
+    from deepx_sdk.optim import SGD
+
+    rng = np.random.default_rng(0)
+    x = dx.tensor(rng.standard_normal((256, 784)).astype(np.float32))
+    y = dx.tensor(rng.integers(0, 10, 256))
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def core(x: Any, y: Any) -> Any:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    run = dx.compile(core) if compiled else core
+    return lambda: run(x, y).item()
 
 
 if __name__ == "__main__":
