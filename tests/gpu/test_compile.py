@@ -107,3 +107,19 @@ def test_a_compile_error_names_the_module_and_the_line(tmp_path):
     comp = Compiler("sm_90", tmp_path, compiler="nvrtc")
     with pytest.raises(DeepxError, match=r"compiling the kernels of broken module failed.*undefined"):
         comp.cubin('extern "C" __global__ void k(float* x) { x[0] = not_declared_here; }', "broken module")
+
+
+def test_a_short_script_exits_cleanly_while_the_warm_up_compiles(tmp_path):
+    """An embedded op-cuda daemon on an empty kernel cache: the script's one op done, it ends while the background
+    warm-up is compiling; closing the executor waits for the modules in flight, so the exit is clean."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import numpy as np, deepx_sdk as dx\n"
+              "dx.connect(roles=['heapmem', 'op-cuda'])\n"
+              "print(float((dx.tensor(np.ones(4, np.float32)) * 2).sum().item()))\n")
+    env = {**os.environ, "DEEPX_CUDA_CACHE": str(tmp_path / "cache"), "DEEPX_CUDA_WARM": "1"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "8.0"

@@ -27,6 +27,8 @@ from typing import Any
 
 from deepx_core.errors import DeepxError
 
+#: how long closing an executor waits for the warm-up's modules in flight (one module each)
+STOP_WAIT_S = 30.0
 log = logging.getLogger(__name__)
 
 # no --use_fast_math: it turns exp/log/sin/division into approximate forms, and the kernels keep IEEE results
@@ -229,15 +231,19 @@ class ModuleCache:
     def warm(self, sources: Iterable[tuple[str, str]], workers: int | None = None) -> Warming:
         """Compile `sources` not yet on disk, in order, in background daemon threads, while the executor goes on:
         the modules a first step needs are ready (or in flight) when it asks for them. The threads never hold up the
-        process's exit (a module half compiled is not written), and `stop()` ends them after their current one."""
+        process's exit (a module half compiled is not written), and `stop_warming()` ends them after their current
+        one."""
         todo = [(s, w) for s, w in sources if not self.compiler.cached(s)] if self.compiler.writable else []
         workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
         self._warming = Warming(self.compiler, todo, workers)
         return self._warming
 
-    def stop_warming(self) -> None:
+    def stop_warming(self, wait_s: float = STOP_WAIT_S) -> None:
+        """End the warm-up after the modules in flight, waiting up to `wait_s` for them: a thread still inside NVRTC
+        while Python finalises aborts the process (executor close, before the exit)."""
         if self._warming is not None:
             self._warming.stop()
+            self._warming.join(wait_s)
 
 
 class Warming:
