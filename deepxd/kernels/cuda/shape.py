@@ -362,17 +362,25 @@ def indexselect(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, axis: in
     return True
 
 
+def _index_into(ex: CudaExecutor, op: str, a: DeviceTensor, index: DeviceTensor, src: DeviceTensor, axis: int,
+                out: DeviceTensor) -> tuple[int, int, DeviceTensor]:
+    """indexadd's and indexcopy's start: (size of the axis, elements after it, the source), the index checked against
+    the axis and a source that is the output's memory copied first (the output is written before it is read)."""
+    axis %= a.ndim
+    _outer, dim, inner = _split(a, axis)
+    check_range(ex, op, index, dim, f"an index is out of range for axis {axis} of size {dim}")
+    if src.ptr == out.ptr:
+        copy = ex.empty(src.shape, src.dtype, op, "(source copy)")
+        ex.copy(copy, src)
+        src = copy
+    return dim, inner, src
+
+
 def indexadd(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, src: DeviceTensor, axis: int,
              out: DeviceTensor) -> bool:
     from deepxd.kernels.cuda.elementwise import todtype
 
-    axis %= a.ndim
-    _outer, dim, inner = _split(a, axis)
-    check_range(ex, "indexadd", index, dim, f"an index is out of range for axis {axis} of size {dim}")
-    if src.ptr == out.ptr:
-        copy = ex.empty(src.shape, src.dtype, "indexadd", "(source copy)")
-        ex.copy(copy, src)
-        src = copy
+    dim, inner, src = _index_into(ex, "indexadd", a, index, src, axis, out)
     acc_dtype = _ACC[a.dname][0]
     if acc_dtype == a.dname:
         if out.ptr != a.ptr:
@@ -392,13 +400,7 @@ def indexadd(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, src: Device
 
 def indexcopy(ex: CudaExecutor, a: DeviceTensor, index: DeviceTensor, src: DeviceTensor, axis: int,
               out: DeviceTensor) -> bool:
-    axis %= a.ndim
-    _outer, dim, inner = _split(a, axis)
-    check_range(ex, "indexcopy", index, dim, f"an index is out of range for axis {axis} of size {dim}")
-    if src.ptr == out.ptr:
-        copy = ex.empty(src.shape, src.dtype, "indexcopy", "(source copy)")
-        ex.copy(copy, src)
-        src = copy
+    dim, inner, src = _index_into(ex, "indexcopy", a, index, src, axis, out)
     if out.ptr != a.ptr:
         ex.copy(out, a)
     n = src.size
