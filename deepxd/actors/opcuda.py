@@ -21,9 +21,11 @@ time because each program ends with its results fetched or the stream synchronis
 A plan that runs again as prepared is captured as CUDA graphs at its second prepared run (`GraphSlot`, config
 `cuda_graphs`) and replayed from then on: one graph launch per segment instead of a launch (and Python) per
 instruction. Its optimizer updates' new numbers are written into the graph's slots; a replay whose tensors moved, or
-whose other numbers changed, drops the graph and runs the instructions as before. At most GRAPHS_MAX graphs live at
-once (each keeps its program's temporaries), the least recently run given back first, and all of them when an
-op-by-op run finds the GPU out of memory. Replays are counted in the op stats under `cudagraph`, not per op.
+whose other numbers changed, drops the graph and runs the instructions as before; inputs it only reads that moved (a
+batch put anew each step) are copied into buffers of the graph's own by the next capture's launches. At most
+GRAPHS_MAX graphs live at once (each keeps its program's temporaries), the least recently run given back first, and
+all of them when an op-by-op run finds the GPU out of memory. Replays are counted in the op stats under `cudagraph`,
+not per op.
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ GRAPHS_MAX = 16
 class GraphSlot:
     """op-cuda's CUDA graph of one prepared plan (`Prepared.graph`): the executor's `graphs.Captured` once captured;
     the prepared runs so far; the updates whose numbers changed since the last replay (`redo`: refreshed on the
-    CUDA thread before the next); why the plan runs without a graph (`off`, "" while it may have one)."""
+    CUDA thread before the next); why the plan runs without a graph (`off`, "" while it may have one); the inputs
+    its captures copy into buffers of their own (`stage`: ones found in other memory at a replay)."""
 
-    __slots__ = ("captured", "heap", "misses", "off", "redo", "runs")
+    __slots__ = ("captured", "heap", "misses", "off", "redo", "runs", "stage")
 
     def __init__(self) -> None:
         self.captured: Any = None
@@ -81,6 +84,7 @@ class GraphSlot:
         self.misses = 0
         self.redo: list[int] = []
         self.off = ""
+        self.stage: set[str] = set()
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -463,7 +467,7 @@ class CudaWorker(OpWorker):
             while len(self._live) >= GRAPHS_MAX:  # room for this one: the least recently run graph goes
                 self._release(next(iter(self._live)))
             try:
-                captured = ex.capture(prepared.bounds)
+                captured = ex.capture(prepared.bounds, slot.stage)
             except Exception as e:  # it was captured, and its first launch failed (a kernel's flag, a fault)
                 self._miss(slot, "its capture's launch failed")
                 return self._graph_failed(result, e, start)
@@ -489,6 +493,9 @@ class CudaWorker(OpWorker):
                     if not all(ex.refresh(captured, i, prepared.bounds[i]) for i in redo):
                         return self._drop_graph(slot, "numbers the graph holds changed")
                 if not ex.replay(captured):
+                    moved = captured.movable(ex.tensors)
+                    if moved:  # inputs put anew each run (a batch): the next capture copies them in
+                        slot.stage.update(moved)
                     return self._drop_graph(slot, "a tensor it reads is other memory now")
             except Exception as e:
                 if not isinstance(e, DeepxError) or not hasattr(e, "index"):  # not a kernel's flag: a fault

@@ -119,6 +119,56 @@ def test_a_captured_step_replays_as_the_eager_steps_bit_for_bit(tmp_path):
         captured.destroy()
 
 
+def test_inputs_in_new_memory_each_step_replay_through_staged_copies(tmp_path):
+    """A batch put into other memory each step (the last one still held under another name): the graph refuses it
+    and says which inputs moved; captured again with those staged, it copies them in at each launch, gives the eager
+    steps' losses and weights bit for bit, leaves the inputs' names on the caller's memory and the older batches as
+    they were."""
+    from deepxd.kernels.cuda import CudaExecutor
+
+    program = parse_text(STEP)
+    steps = 6
+    with CudaExecutor(cache_dir=tmp_path) as eager, CudaExecutor(cache_dir=tmp_path) as graphed:
+        _setup(eager)
+        _setup(graphed)
+        want, got, held = [], [], []
+        captured = None
+        for k in range(steps):
+            _batch(eager, k)
+            _eager(eager, program)
+            want.append(eager.get("loss"))
+            if k:  # the last batch stays alive under its own names: this one lands in other memory
+                held.append((k - 1, graphed.tensors.pop("x"), graphed.tensors.pop("t")))
+                graphed.tensors[f"old_x{k - 1}"], graphed.tensors[f"old_t{k - 1}"] = held[-1][1:]
+            _batch(graphed, k)
+            if k == 0:
+                _eager(graphed, program)
+            elif k == 1:
+                bounds = check_program(program, graphed, graphed.plans)
+                first = graphed.capture(bounds)
+                assert first is not None
+            elif k == 2:
+                assert not graphed.replay(first)
+                assert sorted(first.movable(graphed.tensors)) == ["t", "x"]
+                first.destroy()
+                captured = graphed.capture(check_program(program, graphed, graphed.plans), ["x", "t", "w1"])
+                assert captured is not None and sorted(captured.staged) == ["t", "x"]  # w1 is written: not staged
+            else:
+                assert graphed.replay(captured), "staged inputs hold wherever their memory is"
+                assert graphed.tensors["x"] is not captured.staged["x"]
+            got.append(graphed.get("loss"))
+        assert captured.replays == steps - 3
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+        for name in ("w1", "w2", "b1", "b2"):
+            np.testing.assert_array_equal(graphed.get(name), eager.get(name))
+        for k, _, _ in held:
+            rng = np.random.default_rng(100 + k)
+            np.testing.assert_array_equal(graphed.get(f"old_x{k}"), rng.standard_normal((8, 16)).astype(np.float32))
+        graphed.put("x", np.zeros((9, 16), np.float32))  # another shape: refused, and not by moving
+        assert not graphed.replay(captured) and captured.movable(graphed.tensors) is None
+        captured.destroy()
+
+
 def test_a_program_that_needs_the_host_is_not_captured_and_the_table_is_kept(tmp_path):
     from deepxd.kernels.cuda import CudaExecutor
 

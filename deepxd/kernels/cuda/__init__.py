@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -597,13 +597,17 @@ class CudaExecutor:
                 return f"{b.op.name} has no CUDA kernel"
         return None
 
-    def capture(self, bounds: Sequence[Bound]) -> Any:
+    def capture(self, bounds: Sequence[Bound], stage: Collection[str] = ()) -> Any:
         """Run these checked instructions once, recording their launches as CUDA graphs, then launch them (this
         run's work); returns the `graphs.Captured` to `replay`, or None where an instruction needs the host mid-way
         (the tensor table is then as before and the caller runs the program as usual). Where a kernel may set the
         error flag (raise_flag), the capture is cut: the flag is read before anything after it runs, as an
         instruction-by-instruction run reads it. Tensors deleted and made again under one name keep their memory,
-        so that each replay finds the addresses it recorded. A kernel error raises DeepxError with `.index`."""
+        so that each replay finds the addresses it recorded. A kernel error raises DeepxError with `.index`.
+
+        `stage`: names of inputs that move between runs (a batch put anew each step): each one the program only
+        reads gets a buffer of the graph's own, which the graph reads and each launch first copies the input into
+        (`Captured.staged`), so a replay holds wherever the input's memory is."""
         from deepxd.kernels.cuda import graphs
 
         self._own()
@@ -633,8 +637,15 @@ class CudaExecutor:
                 touched[n] = None
                 written.add(n)
         before = {n: tensors.get(n) for n in touched}
+        staged: dict[str, DeviceTensor] = {}
+        for n in stage:
+            if n in reads and n not in written:
+                t = tensors[n]
+                staged[n] = tensors[n] = self.empty(t.shape, t.dtype, "capture", f"(staged copy of {n})")
+                reads[n] = (0, t.shape, t.dtype)  # any memory: the launch copies it
         cap = _Capture()
         cap.touched = touched
+        cap.keep.extend(staged.values())
         updates = sum(max(1, repeat_count(b.instr) if b.instr.meta else 1) for b in bounds if b.op.family == "optim")
         if updates:  # the optimizer updates read their numbers from here (numbers())
             cap.numbers_dev = self.alloc(8 * cap.slot_width * updates, "capture", "optimizer numbers")
@@ -667,8 +678,13 @@ class CudaExecutor:
             return None
         finally:
             self._capturing = None
+        for seg in cap.segments:  # a staged input keeps the caller's memory under its name
+            for n, buf in staged.items():
+                if seg.after.get(n) is buf:
+                    del seg.after[n]
         captured = graphs.Captured(cap.segments, reads, cap.keep, numbers_dev=cap.numbers_dev,
-                                   numbers_host=cap.numbers_host, slots=cap.slots, calls=cap.calls)
+                                   numbers_host=cap.numbers_host, slots=cap.slots, calls=cap.calls,
+                                   staged=staged, stageable=frozenset(n for n in reads if n not in written))
         # the host side ran the whole program: the table goes back to where it began and the launch takes it on
         # segment by segment, so that a kernel error leaves it as a run stopped at that instruction leaves it
         _set_names(tensors, before)
@@ -702,6 +718,8 @@ class CudaExecutor:
             self.cuda.memcpy_htod_async(int(captured.numbers_dev), captured.numbers_host, self.stream)
             captured.copied = self.cuda.Event()
             captured.copied.record(self.stream)
+        for n, buf in captured.staged.items():  # the inputs that move, into the graph's own buffers
+            self.copy(buf, tensors[n])
         for seg in captured.segments:
             graphs.launch(seg.exe, self.stream.handle)
             failed = False

@@ -106,6 +106,8 @@ class Captured:
     copied: Any = None  # the event of that copy, waited for before refresh() writes the buffer again
     slots: dict[int, int] = field(default_factory=dict)  # instruction index -> offset in numbers_host
     calls: dict[int, Any] = field(default_factory=dict)  # instruction index -> (its arguments, outputs): refresh()
+    staged: dict[str, Any] = field(default_factory=dict)  # input name -> the graph's own copy, filled at each launch
+    stageable: frozenset[str] = frozenset()  # the inputs the program only reads (staging them keeps it right)
 
     @property
     def checks(self) -> list[tuple[int, str, str]]:
@@ -114,9 +116,23 @@ class Captured:
     def valid(self, tensors: Any) -> bool:
         for name, (ptr, shape, dtype) in self.reads.items():
             t = tensors.get(name)
-            if t is None or t.ptr != ptr or t.shape != shape or t.dtype != dtype:
+            if t is None or (ptr and t.ptr != ptr) or t.shape != shape or t.dtype != dtype:
                 return False
         return all(s.exe for s in self.segments)
+
+    def movable(self, tensors: Any) -> list[str] | None:
+        """The inputs that made `valid` false by being other memory of the same shape and dtype, where the program
+        only reads them (a capture that stages them holds); None where something else changed."""
+        moved = []
+        for name, (ptr, shape, dtype) in self.reads.items():
+            t = tensors.get(name)
+            if t is None or t.shape != shape or t.dtype != dtype:
+                return None
+            if ptr and t.ptr != ptr:
+                if name not in self.stageable:
+                    return None
+                moved.append(name)
+        return moved or None
 
     def destroy(self) -> None:
         """Free the graphs and let go of every tensor they held, the tables of names included (a dropped graph may
@@ -131,6 +147,7 @@ class Captured:
             seg.after = {}
         self.keep.clear()
         self.calls.clear()
+        self.staged = {}
         self.numbers_dev = None
         if self.copied is not None:  # the last launch's copy reads numbers_host until it is done
             self.copied.synchronize()
