@@ -154,7 +154,9 @@ def _binary_inputs(rng, dt, op, sa, sb):
 def _make_binary(op):
     def build(rng, dt):
         out = []
-        for sa, sb in [((5, 7), (5, 7)), ((64,), (64,)), ((3, 4, 5), (4, 1)), ((2, 1, 3), (1, 4, 1)), ((), (3,))]:
+        # (the last four: a row down a matrix, either way round, four a thread and one)
+        for sa, sb in [((5, 7), (5, 7)), ((64,), (64,)), ((3, 4, 5), (4, 1)), ((2, 1, 3), (1, 4, 1)), ((), (3,)),
+                       ((6, 8), (8,)), ((8,), (3, 6, 8)), ((5, 7), (7,)), ((7,), (3, 5, 7))]:
             a, b = _binary_inputs(rng, dt, op, sa, sb)
             out.append(one(op, {"A": a, "B": b}, [T("A"), T("B")]))
         a, b = _binary_inputs(rng, dt, op, (4, 6), (4, 6))

@@ -172,6 +172,38 @@ extern "C" __global__ void {name}_s(TC* c, const TA* a, const TA* b, ll n, doubl
 }}
 """
 
+# one operand whole, the other a row repeated down it ([M, C] and [C], either way round: `swap` when A is the row),
+# four elements a thread where C and the pointers allow (`vec`): a Linear's bias add
+_ROWS = r"""
+extern "C" __global__ void {name}_r(TC* c, const TA* a, const TA* b, ll n, double s0, double s1, ll si, int* err,
+                                     ll cols, int swap, int vec) {{
+    typedef {acc} A;
+    const {stype} S = {sval};
+    (void)S; (void)si; (void)s1; (void)err;
+    const TA* whole = swap ? b : a;
+    const TA* row = swap ? a : b;
+    ll nv = vec ? (n >> 2) : 0;
+    ll rv = cols >> 2;
+    GRID_STRIDE(j, nv) {{
+        Pack<TA, 4> pw = ((const Pack<TA, 4>*)whole)[j];
+        Pack<TA, 4> pr = ((const Pack<TA, 4>*)row)[j % rv];
+        Pack<TC, 4> pc;
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {{
+            A x = ld(swap ? pr.v[k] : pw.v[k]);
+            A y = ld(swap ? pw.v[k] : pr.v[k]);
+            pc.v[k] = st<TC>({expr});
+        }}
+        ((Pack<TC, 4>*)c)[j] = pc;
+    }}
+    for (ll j = nv * 4 + (ll)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (ll)gridDim.x * blockDim.x) {{
+        A x = ld(swap ? row[j % cols] : whole[j]);
+        A y = ld(swap ? whole[j] : row[j % cols]);
+        c[j] = st<TC>({expr});
+    }}
+}}
+"""
+
 _TODTYPE = r"""
 extern "C" __global__ void todtype_{dst}(TD* c, const TA* a, ll n) {{
     GRID_STRIDE(i, n) c[i] = st<TD>(wide(a[i]));
@@ -180,6 +212,7 @@ extern "C" __global__ void todtype_{dst}(TD* c, const TA* a, ll n) {{
 
 CONTIG_FMT = "PPPqddqPi"
 STRIDED_FMT = "PPPqddqPi" + dims_format(4)
+ROWS_FMT = "PPPqddqPqii"
 
 
 def _kernels(op: OpDef, dtype: str) -> str:
@@ -199,6 +232,7 @@ def _kernels(op: OpDef, dtype: str) -> str:
                                y_one="A y = ld(b[j]); (void)y;" if b else "")
         if b:
             text += _STRIDED.format(name=form.name, acc=acc, stype=stype, sval=sval, expr=form.code.text)
+            text += _ROWS.format(name=form.name, acc=acc, stype=stype, sval=sval, expr=form.code.text)
         parts.append(text + "#undef TC\n")
     return "".join(parts)
 
@@ -300,6 +334,15 @@ def launch(ex: CudaExecutor, op: str, kname: str, dtype: str, out: DeviceTensor,
                   float(s1), si, ex.flag_ptr, vec)
     else:
         shape, (sa, sb) = collapse(out.shape, _strides(a.shape, out.shape), _strides(b.shape, out.shape))
+        if len(shape) == 2 and sorted((sa, sb)) == [[0, 1], [shape[1], 1]]:  # a row down a matrix
+            cols = shape[1]
+            vec = _vec_ok(out, a, b) if cols % 4 == 0 else 0
+            f = ex.function(key, src, kname + "_r", ROWS_FMT, op)
+            ex.launch(op, f, ex.grid(n, 4 if vec else 1), (256, 1, 1), out.ptr, a.ptr, b.ptr, n, float(s0),
+                      float(s1), si, ex.flag_ptr, cols, int(sa[0] == 0), vec)
+            if flagged:
+                ex.raise_flag(op, flagged)
+            return True
         if len(shape) > MAXD:
             return False
         f = ex.function(key, src, kname + "_s", STRIDED_FMT, op)
