@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 #: outputs of at most this many elements come back with each replay (Tensor._v): a loss read next costs nothing
 SMALL_OUTPUT = 64
+#: signatures a compiled function remembers the digest of (CompiledFunction._key)
+KEYS_MAX = 256
 _BAD_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 #: ops whose output must exist before they run (they fill it): a first write by one of them is a use of a tensor
 #: from outside the graph
@@ -447,8 +449,8 @@ def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = Tru
 
     parts: list[Any] = []
     for m in mods:
-        parts.append([(k, p.name, p.shape, p.dtype, p.requires_grad) + ((p.grad is None,) if grads else ())
-                      for k, p in m.structure()[0]])
+        parts.append(tuple([(k, p.name, p.shape, p.dtype, p.requires_grad) + ((p.grad is None,) if grads else ())
+                            for k, p in m.structure()[0]]))
     for o in opts:
         # the optimizer itself: a graph's updates read their numbers from the optimizer they were captured with.
         # Its settings are read afresh at every replay (a schedule of lr, momentum or weight decay must not capture
@@ -457,14 +459,14 @@ def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = Tru
         parts.append((type(o).__qualname__, id(o)))
         for group in o.param_groups:
             row: list[Any] = [bool(group.get("momentum")),
-                              sorted((k, repr(v)) for k, v in group.items() if k not in _REPLAYED_SETTINGS)]
+                              tuple(sorted((k, repr(v)) for k, v in group.items() if k not in _REPLAYED_SETTINGS))]
             for p in group["params"]:
                 st = o.state.get(id(p), {})
-                row.append((p.name, p.requires_grad, sorted((k, v.name) for k, v in st.items()
-                                                             if isinstance(v, Tensor)))
+                row.append((p.name, p.requires_grad, tuple(sorted((k, v.name) for k, v in st.items()
+                                                                   if isinstance(v, Tensor))))
                            + ((p.grad is None,) if grads else ()))
-            parts.append(row)
-    return parts
+            parts.append(tuple(row))
+    return tuple(parts)
 
 
 # ------------------------------------------------------------------------------------------------ compiled functions
@@ -557,6 +559,7 @@ class CompiledFunction:
         if name is not None:
             check_graph_name(self.base)
         self._graphs: dict[str, _Graph] = {}
+        self._keys: dict[tuple[Any, ...], str] = {}  # signature -> its digest (_key)
         # (session, graph name) of every graph this function stored or took from the plane: when the function goes,
         # each session lets go of their plans and the temporaries their replays keep allocated (Recorder.graph_drops)
         self._made: list[tuple[Any, str]] = []
@@ -578,7 +581,8 @@ class CompiledFunction:
         return [g.name for g in self._graphs.values()]
 
     def _signature(self, s: Session, leaves: list[tuple[str, Any]], mods: Sequence[Any],
-                   opts: Sequence[Any]) -> list[Any]:
+                   opts: Sequence[Any]) -> tuple[Any, ...]:
+        """What tells this function's graphs apart, as nested tuples (hashable where its values are: _key)."""
         target = getattr(self.fn, "__func__", self.fn)
         code = getattr(target, "__code__", None)
         parts: list[Any] = [self.base, _code_digest(code) if code is not None else repr(self.fn), s.grad_enabled]
@@ -595,14 +599,28 @@ class CompiledFunction:
         parts.append(_state_signature(mods, opts))
         # train() and eval() trace apart, and so do settings a module holds outside its parameters (Dropout's p,
         # a layer's eps): what its extra_repr shows (two lambdas of one code over two Dropouts are two graphs)
-        parts.append([(type(mm).__qualname__, mm.training, mm.extra_repr()) for m in mods for mm in m.structure()[1]])
+        parts.append(tuple([(type(mm).__qualname__, mm.training, mm.extra_repr())
+                            for m in mods for mm in m.structure()[1]]))
         # the process group a collective in it names, and this rank of it (the graphs of the ranks of one job, and of
         # two jobs, are told apart in the plane they share)
         dist = sys.modules.get("deepx_sdk.distributed")
         if dist is not None and dist.is_initialized():
             g = dist._default(None, "dx.compile")
             parts.append(("group", g.name, g.gen, g.rank, g.world_size))
-        return parts
+        return tuple(parts)
+
+    def _key(self, sig: tuple[Any, ...]) -> str:
+        """The signature's digest (its stored graphs' names), remembered per signature: a replay's call then hashes
+        the tuple instead of printing and digesting it."""
+        try:
+            key = self._keys.get(sig)
+        except TypeError:  # (a value in it that does not hash)
+            return hashlib.sha1(repr(sig).encode()).hexdigest()[:12]
+        if key is None:
+            if len(self._keys) >= KEYS_MAX:
+                self._keys.clear()
+            key = self._keys[sig] = hashlib.sha1(repr(sig).encode()).hexdigest()[:12]
+        return key
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         s = session()
@@ -610,8 +628,7 @@ class CompiledFunction:
         _leaves(list(args), "args", leaves)
         _leaves(kwargs, "kwargs", leaves)
         mods, opts = _discover(self.fn, [*args, *kwargs.values()])
-        sig = self._signature(s, leaves, mods, opts)
-        key = hashlib.sha1(repr(sig).encode()).hexdigest()[:12]
+        key = self._key(self._signature(s, leaves, mods, opts))
         g = self._graphs.get(key)
         if g is None:
             g = self._find_stored(s, key, opts)
