@@ -6,6 +6,7 @@ category and precision annotations; values are Python scalars, strings, or tuple
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Union
@@ -175,6 +176,23 @@ def scalar_kinds(program: Sequence[Instr]) -> tuple[tuple[int, int, Any], ...]:
             t = type(p.value)
             if t is not str:
                 out.append((i, j, _kind(p.value)))
+    return tuple(out)
+
+
+def rekinded(kinds: tuple[tuple[int, int, Any], ...], program: Sequence[Instr], varied: Sequence[int]
+             ) -> tuple[tuple[int, int, Any], ...]:
+    """scalar_kinds(program), where `kinds` are those of a program that `program` repeats with new numbers at the
+    positions `varied` (renumbered's): only those instructions' numbers are looked at again."""
+    if not varied:
+        return kinds
+    at = set(varied)
+    lo = bisect.bisect_left(kinds, (min(at),))
+    hi = bisect.bisect_left(kinds, (max(at) + 1,))
+    out = list(kinds)
+    for pos in range(lo, hi):
+        i, j, _ = out[pos]
+        if i in at:
+            out[pos] = (i, j, _kind(program[i].args[j].value))
     return tuple(out)
 
 

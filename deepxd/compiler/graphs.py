@@ -42,10 +42,12 @@ class GraphPlan:
     passes: list[str]
     touches: dict[str, list[int]] = field(default_factory=dict)  # input/output name -> plan indices naming it
     slots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # scalar key -> (plan index, arg)
-    # the bindings of the last few replays without data and what bind_replay made of them: a training loop replays
-    # with the same ones every step (two in turn where it keeps the last loss alive while it calls the next step: its
-    # output takes the other name), and the same program object lets the worker know it
-    recent: Cache[Any, Bound] = field(default_factory=lambda: Cache("graph.bindings", RECENT_BINDINGS))
+    # the bindings of the last few replays without data (their names, and their scalars' keys and kinds) and what
+    # bind_replay made of them, with the scalars' values: a training loop replays with the same ones every step (two
+    # in turn where it keeps the last loss alive while it calls the next step: its output takes the other name), and
+    # the same program object lets the worker know it; new values (Adam's step count) change only their slots
+    recent: Cache[Any, tuple[Bound, tuple[Any, ...]]] = field(
+        default_factory=lambda: Cache("graph.bindings", RECENT_BINDINGS))
 
     def __post_init__(self) -> None:
         self.recent.owner = self.record.name
@@ -137,15 +139,14 @@ def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, A
     if all(type(v) is str for v in inputs.values()):  # no data: the same bindings bind the same way
         try:
             memo = (tuple(inputs.items()), tuple(outputs.items()),
-                    tuple((k, type(v), v, math.copysign(1.0, v) if type(v) is float else 0)
-                          for k, v in scalars.items()))
+                    tuple((k, type(v), math.copysign(1.0, v) if type(v) is float else 0) for k, v in scalars.items()))
             hash(memo)
         except TypeError:
             memo = None
         if memo is not None:
             found = g.recent.get(memo)
             if found is not None:
-                return found
+                return _renumbered(g, memo, found, scalars)
     unknown = [k for k in inputs if k not in want_in]
     if unknown:
         raise DeepxError(f"replay of graph {name!r}: it has no input {', '.join(map(repr, unknown))}; its inputs are "
@@ -207,8 +208,32 @@ def bind_replay(g: GraphPlan, inputs: Mapping[str, Any], outputs: Mapping[str, A
     program.extend(Instr("deltensor", (), (Param.tensor(n, d),)) for n, d, _, _ in puts)
     made = Bound(program, puts, bound, list(outputs.values()))
     if memo is not None and not puts:
-        g.recent.put(memo, made)
+        g.recent.put(memo, (made, tuple(scalars.values())))
     return made
+
+
+def _renumbered(g: GraphPlan, memo: Any, found: tuple[Bound, tuple[Any, ...]], scalars: Mapping[str, Any]) -> Bound:
+    """The program of a replay bound as one before it (`found`: its Bound, and its scalars' values), with the
+    scalars that changed put in their slots (same keys and types, the memo says): the instructions without one are
+    the very objects of that program (as the worker and the plan cache compare them first)."""
+    made, before = found
+    values = tuple(scalars.values())
+    if values == before:
+        return made
+    changed: dict[int, dict[int, Any]] = {}
+    for (key, v), old in zip(scalars.items(), before):
+        if v == old and v == v:  # (a NaN is put again)
+            continue
+        for k, j in g.slots[key]:
+            changed.setdefault(k, {})[j] = v
+    program = list(made.program)
+    for k, at in changed.items():
+        instr = program[k]
+        args = tuple(p._replace(value=at[j]) if j in at else p for j, p in enumerate(instr.args))
+        program[k] = Instr(instr.name, args, instr.returns, instr.meta)
+    new = Bound(program, [], made.bound_inputs, made.outputs)
+    g.recent.put(memo, (new, values))
+    return new
 
 
 def _substitute(instr: Instr, rename: Mapping[str, str], values: Mapping[int, Any]) -> Instr:

@@ -224,6 +224,28 @@ def test_bindings_that_differ_only_in_the_sign_of_a_zero_bind_apart() -> None:
     assert bind_replay(plan, inputs, outputs, {"k": -0.0}) is negative
 
 
+def test_new_scalar_values_change_only_their_slots() -> None:
+    """A replay with the bindings of one before and new numbers (Adam's step count) is that program with those
+    numbers in their slots: the other instructions are the very objects, and a value seen before binds as it did."""
+    from deepx_core.ir.ops import TensorMeta
+    from deepxd.compiler.graphs import bind_replay, plan_graph
+
+    rec = GraphRecord(G, parse_text(PROGRAM), [(f"{G}.in0", "float32", (2, 3)), (f"{G}.in1", "float32", (2, 3))],
+                      [(f"{G}.out0", "float32", (2, 3))], scalars=[(0, 1, "k")])
+    plan = plan_graph(G, rec.pack(), {n: TensorMeta((2, 3), "float32") for n in ("a", "b")}, [], ["off"])
+    inputs, outputs = {f"{G}.in0": "a", f"{G}.in1": "b"}, {f"{G}.out0": "y"}
+    two = bind_replay(plan, inputs, outputs, {"k": 2.0})
+    three = bind_replay(plan, inputs, outputs, {"k": 3.0})
+    assert three.program[0].args[1].value == 3.0 and two.program[0].args[1].value == 2.0
+    assert all(a is b for a, b in zip(three.program[1:], two.program[1:])) and len(three.program) == len(two.program)
+    assert three.program[0].args[0] is two.program[0].args[0]
+    again = bind_replay(plan, inputs, outputs, {"k": 2.0})
+    assert again.program[0].args[1].value == 2.0 and again.program[1:] == two.program[1:]
+    assert bind_replay(plan, inputs, outputs, {"k": 2.0}) is again
+    with pytest.raises(DeepxError, match="scalar 'k' must be a number"):
+        bind_replay(plan, inputs, outputs, {"k": "2"})
+
+
 def test_graph_drop_lets_go_of_the_plan_and_its_kept_temporaries(daemon) -> None:
     """A replay keeps a graph's temporaries that live to its end allocated for the next one; graph_drop (what the
     SDK sends when a compiled function is collected) deletes them and forgets the plan, and the record stays: a

@@ -4,7 +4,7 @@ count, a scheduled learning rate), which the daemon's caches then take as the sa
 from __future__ import annotations
 
 from deepx_core.ir import parse_text
-from deepx_core.ir.instr import probe, renumbered
+from deepx_core.ir.instr import probe, rekinded, renumbered, scalar_kinds
 
 STEP = """
     mul (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:t)
@@ -42,3 +42,10 @@ def test_anything_else_makes_another_program():
     assert renumbered(step(lr="lr_var"), known) is None  # a variable's name in place of a number
     assert renumbered(step(**{"tensor<float32>:g": "tensor<float32>:h"}), known) is None  # another tensor
     assert renumbered(step()[:-1], known) is None
+
+
+def test_the_kinds_of_a_renumbered_program_are_found_again_at_its_updates_only():
+    known = step()
+    for new in (step(lr="0.05", step=2), step(lr="-0.0", wd="-0.0"), step(nesterov="true"), step()):
+        varied = renumbered(new, known)
+        assert rekinded(scalar_kinds(known), new, varied) == scalar_kinds(new)
