@@ -790,7 +790,8 @@ def _set_names(tensors: Any, state: dict[str, Any]) -> None:
     """Make each name of `state` in the tensor table what `state` says (None: absent)."""
     for n, t in state.items():
         if t is None:
-            tensors.pop(n, None)
+            if n in tensors:  # (a replay's temporaries are gone already: no write, no new version)
+                tensors.pop(n)
         elif tensors.get(n) is not t:
             tensors[n] = t
 
