@@ -129,7 +129,7 @@ class Plan:
             if found is None:
                 return False
             sent, changed = found
-        elif len(self.sent) == len(planned_old) and all(a == b for a, b in zip(self.sent, planned_old)):
+        elif list(self.sent) == list(planned_old):  # (compared in C, the same objects first)
             sent = list(planned)
         else:
             return False
