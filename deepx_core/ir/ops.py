@@ -745,22 +745,28 @@ def _pad(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(tuple(d + pads[2 * i] + pads[2 * i + 1] for i, d in enumerate(a.shape)), a.dtype)]
 
 
+def update_numbers(op: OpDef, args: Sequence[Any]) -> None:
+    """An optimizer update's numbers checked (the part of its rule that reads no tensor): DeepxError naming each
+    one out of its range."""
+    hp = {a.name: v for a, v in zip(op.args, args) if a.kind == "var"}
+    problems = [f"{k}={hp[k]} must be >= 0" for k in ("lr", "eps", "weight_decay", "momentum", "dampening")
+                if k in hp and not hp[k] >= 0]
+    problems += [f"{k}={hp[k]} must be in [0, 1)" for k in ("beta1", "beta2") if k in hp and not 0 <= hp[k] < 1]
+    if hp.get("step", 1) < 1:
+        problems.append(f"step={hp['step']} must count from 1")
+    if hp.get("nesterov") and not (hp.get("momentum", 0) > 0 and hp.get("dampening", 0) == 0):
+        problems.append("nesterov needs momentum > 0 and dampening 0")
+    if problems:
+        raise DeepxError(f"{op.name}: {'; '.join(problems)}")
+
+
 def _update(n_state: int) -> Infer:
     """Optimizer updates: param, grad and n_state state tensors all alike; written in place."""
 
     def rule(c: Call) -> list[TensorMeta | None]:
         idx = list(range(2 + n_state))
         _dtype_match(c, *idx)
-        hp = {a.name: v for a, v in zip(c.op.args, c.args) if a.kind == "var"}
-        problems = [f"{k}={hp[k]} must be >= 0" for k in ("lr", "eps", "weight_decay", "momentum", "dampening")
-                    if k in hp and not hp[k] >= 0]
-        problems += [f"{k}={hp[k]} must be in [0, 1)" for k in ("beta1", "beta2") if k in hp and not 0 <= hp[k] < 1]
-        if hp.get("step", 1) < 1:
-            problems.append(f"step={hp['step']} must count from 1")
-        if hp.get("nesterov") and not (hp.get("momentum", 0) > 0 and hp.get("dampening", 0) == 0):
-            problems.append("nesterov needs momentum > 0 and dampening 0")
-        if problems:
-            raise DeepxError(f"{c.op.name}: {'; '.join(problems)}")
+        update_numbers(c.op, c.args)
         p = c.args[0]
         for i in idx[1:]:
             if c.args[i].shape != p.shape:
@@ -1769,6 +1775,9 @@ def rebind_numbers(old: Bound, instr: Instr) -> Bound:
             args[i] = _var(op, a, p, None)
     if args == old.args:
         return old._replace(instr=instr)
+    if op.family == "optim":  # its outputs are its tensors, whatever the numbers: only those are checked again
+        update_numbers(op, args)
+        return Bound(op, instr, args, old.names, old.outs, old.out_names, old.nbytes)
     out_dtypes = [p.dtype for p in instr.returns]
     inferred = op.infer(Call(op, args, old.names, list(old.outs), out_dtypes, old.out_names, instr.meta))
     nbytes = old.nbytes if inferred == old.outs else _nbytes(op, inferred, old.out_names)
