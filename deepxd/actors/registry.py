@@ -35,7 +35,7 @@ from deepxd.actors.messages import (
 )
 from deepxd.kv.base import KV, Batch, escape_glob
 from deepxd.owners import Owners, shown
-from deepxd.peers import Peers, index_node
+from deepxd.peers import Peers, index_node, index_ops
 
 if TYPE_CHECKING:
     from deepxd.actors.heapmem import HeapMemory
@@ -126,6 +126,7 @@ class Registry(Actor):
             b.delete(*(f"ops:{self.node_id}:{worker}" for worker in self.workers))
             self._signatures(b)
             index_node(b, self.node_id)
+            index_ops(b, self.node_id, list(self.workers))
         if self._tick is None:
             self._tick = asyncio.get_running_loop().create_task(self._ticker(), name="registry:tick")
 
@@ -161,13 +162,16 @@ class Registry(Actor):
                 self._signatures(b)
                 index_node(b, self.node_id)
                 self._executors = {}
-            self._executors_written(b, executors)
+            wrote = self._executors_written(b, executors) or lost
             for worker, ops in stats.items():
                 before = self._written_stats.get(worker, {})
                 changed = {f"{op}.{k}": v for op, s in ops.items() if s != before.get(op) for k, v in s.items()}
                 if changed:
                     b.hset(f"ops:{self.node_id}:{worker}", changed)
+                    wrote = True
                 self._written_stats[worker] = ops
+            if wrote:  # placement reads a node's op statistics again only when their version changed
+                index_ops(b, self.node_id, [*self.workers, *executors])
         if lost and self.scheduler is not None:
             self._graphs_lost = True
         if self._graphs_lost:
@@ -194,10 +198,10 @@ class Registry(Actor):
             log.warning("registry: the storage plane had lost %d stored graphs planned here; wrote them again: %s",
                         len(written), ", ".join(sorted(written)))
 
-    def _executors_written(self, b: Batch, now: dict[str, float]) -> None:
+    def _executors_written(self, b: Batch, now: dict[str, float]) -> bool:
         """The ops of the executors registered now, as a worker's (`ops:NODE:NAME`: signature and cost, then the
         counters), those of the executors gone deleted, and those of an executor registered again under its name
-        written afresh."""
+        written afresh; whether any was."""
         gone = [name for name, since in self._executors.items() if now.get(name) != since]
         if gone:
             b.delete(*(f"ops:{self.node_id}:{name}" for name in gone))
@@ -209,6 +213,7 @@ class Registry(Actor):
             for name in new:
                 b.hset(f"ops:{self.node_id}:{name}", signatures.get(name, {}))
         self._executors = dict(now)
+        return bool(gone or new)
 
     def on_flush(self) -> Any:
         return self.flush()
