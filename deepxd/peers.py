@@ -335,9 +335,7 @@ class Peers:
                 self._measure(node).rtts.append(time.perf_counter() - sent)
                 if reply.get("node") != node:
                     raise DeepxError(f"its address is answered by node {reply.get('node')!r}")
-                if link.heard is None or link.error:
-                    log.info("peers: linked to node %s over %s", node, link.address)
-                link.heard, link.error = time.time(), ""
+                self._answered(node, link)
                 self._keep(node, link, client)
             except asyncio.CancelledError:
                 if client is not None:
@@ -350,6 +348,12 @@ class Peers:
                 link.error = str(e) or type(e).__name__
                 if client is not None:
                     client.close()
+
+    def _answered(self, node: str, link: _Link) -> None:
+        """`node` answered over `link` (a connection made, a ping answered)."""
+        if link.heard is None or link.error:
+            log.info("peers: linked to node %s over %s", node, link.address)
+        link.heard, link.error = time.time(), ""
 
     def _measure(self, node: str) -> _Measured:
         m = self._measured.get(node)
@@ -460,7 +464,7 @@ class Peers:
         except BaseException:
             link.busy -= 1
             raise
-        link.heard, link.error = time.time(), ""  # (it proved itself: the same token, or this host's socket)
+        self._answered(node, link)  # (it proved itself: the same token, or this host's socket)
         return link, client
 
     def _keep(self, node: str, link: _Link, client: NativeClient) -> None:
@@ -565,7 +569,7 @@ class Peers:
             link.error = str(e) or type(e).__name__
             raise DeepxError(f"node {node} does not answer over its peer link: {e}") from None
         link.owned.append(client)
-        link.heard, link.error = time.time(), ""
+        self._answered(node, link)
         return client
 
     async def read(self, far: Far, record: dict[str, str]) -> np.ndarray:
