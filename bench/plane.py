@@ -2,16 +2,16 @@
 per training step of the MLP on two nodes, counted by the redis-server itself (INFO commandstats).
 
 1. Idle: N deepxd (N = 2, 4, 8 by default), each saying it runs on a host of its own (peer links over TCP with the
-   token) and holding 100 small heap tensors, on one redis-server of the benchmark's own: once every node is
-   linked to every other, the commands the
-   plane serves per second, in all and by command, fitted to a + b N + c N^2 (per second); docs/cluster.md takes
-   the fit to 1,000 nodes.
+   token) and holding 100 small heap tensors, on one redis-server of the benchmark's own: once every node knows
+   every other, the commands the plane serves per second, in all and by command, fitted to a + b N + c N^2 (per
+   second), and the peer links each node holds open (links open on demand: none while idle; each is pinged once a
+   heartbeat); docs/cluster.md takes the fit to 1,000 nodes.
 2. Training: the MLP of bench/ddp.py (784-512-512-10, batch 256 a rank, SGD with momentum) on one rank connected
    to one of two nodes, and under DistributedDataParallel on two ranks, one per node (the ring over the peer
    links): the commands of a run of S1 steps and of one of S2 steps, less the idle rate over each run's time; the
    difference over S2 - S1 is the plane's cost of a step (the group's formation and the start-up cancel out).
 
-    python bench/plane.py [--nodes 2 4 8] [--seconds 10] [--steps 10 40] [--tensors 100]
+    python bench/plane.py [--nodes 2 4 8] [--seconds 10] [--steps 10 40] [--tensors 100] [--no-training]
 
 Prints the tables and writes bench/results/plane.json.
 """
@@ -47,7 +47,8 @@ def client(running: Running) -> Any:
     return redis.Redis(host="127.0.0.1", port=running.redis_port)
 
 
-def all_linked(running: Running) -> None:
+def all_known(running: Running) -> None:
+    """Until every node knows every other runs (LINK none, or a link)."""
     from deepx_core.client import NativeClient
 
     nodes = list(running.addresses)
@@ -59,6 +60,17 @@ def all_linked(running: Running) -> None:
                     linked(c, f"bench{os.getpid()}{other}")
         finally:
             c.close()
+
+
+def open_links(running: Running) -> list[int]:
+    """The peer links each node holds open now (its `nodes` rows whose LINK is a link, up or down)."""
+    from deepx_core.client import NativeClient
+
+    out = []
+    for address in running.addresses.values():
+        with NativeClient(address, timeout=60) as c:
+            out.append(sum(1 for n in c.admin("nodes") if n.get("link") in ("unix", "tcp", "tls", "down")))
+    return out
 
 
 def put_tensors(running: Running, count: int) -> None:
@@ -114,22 +126,26 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="how long each idle count runs")
     ap.add_argument("--steps", type=int, nargs=2, default=[10, 40], metavar=("S1", "S2"))
     ap.add_argument("--tensors", type=int, default=100, help="heap tensors put on each node before the idle count")
+    ap.add_argument("--no-training", action="store_true", help="only the idle counts")
     opts = ap.parse_args()
     s1, s2 = opts.steps
     if not 0 < s1 < s2:
         raise SystemExit(f"--steps: give two step counts, the first smaller ({s1} {s2})")
-    results: dict[str, Any] = {"cpus": os.cpu_count(), "idle": {}, "training": {}}
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "idle": {}, "links": {}, "training": {}}
     for n in opts.nodes:
         layout = tuple((f"n{i}", f"bench-host-{i}", "cost") for i in range(n))
         with tempfile.TemporaryDirectory(prefix="deepx-bench-plane-") as tmp, cluster(Path(tmp), layout) as running:
-            all_linked(running)
+            all_known(running)
             put_tensors(running, opts.tensors)
             time.sleep(2 * 2.0)  # two heartbeats (heartbeat_s = 2): every node's watch has seen every other
             idle = idle_rate(running, opts.seconds)
+            links = open_links(running)
             results["idle"][n] = idle
-            print(f"{n} nodes, idle: {sum(idle.values()):8.1f} commands/s ({sum(idle.values()) / n:.1f} a node)  "
+            results["links"][n] = links
+            print(f"{n} nodes, idle: {sum(idle.values()):8.1f} commands/s ({sum(idle.values()) / n:.1f} a node), "
+                  f"links a node {sum(links) / n:.1f} (max {max(links)}): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items(), key=lambda kv: -kv[1])), flush=True)
-            if n == 2:
+            if n == 2 and not opts.no_training:
                 for kind in ("one rank", "two ranks (DDP, ring)"):
                     short, long = (training_run(running, kind, s, idle) for s in (s1, s2))
                     per_step = {k: v / (s2 - s1) for k, v in less(long, short).items()}
