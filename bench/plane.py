@@ -5,7 +5,9 @@ per training step of the MLP on two nodes, counted by the redis-server itself (I
    token) and holding 100 small heap tensors, on one redis-server of the benchmark's own: once every node knows
    every other, the commands the plane serves per second, in all and by command, fitted to a + b N + c N^2 (per
    second), and the peer links each node holds open (links open on demand: none while idle; each is pinged once a
-   heartbeat); docs/cluster.md takes the fit to 1,000 nodes.
+   heartbeat); docs/cluster.md takes the fit to 1,000 nodes. Then the same nodes while one of them runs a new
+   program every 0.1 s: what placement reads of the plane (the other nodes, their op statistics), over the idle
+   rate.
 2. Training: the MLP of bench/ddp.py (784-512-512-10, batch 256 a rank, SGD with momentum) on one rank connected
    to one of two nodes, and under DistributedDataParallel on two ranks, one per node (the ring over the peer
    links): the commands of a run of S1 steps and of one of S2 steps, less the idle rate over each run's time; the
@@ -86,15 +88,50 @@ def put_tensors(running: Running, count: int) -> None:
             c.close()
 
 
-def idle_rate(running: Running, seconds: float) -> dict[str, float]:
-    """Commands per second, by command, while the nodes do nothing but keep alive."""
+def cpu_s(pids: list[int]) -> float:
+    """User and system CPU seconds the processes `pids` have used (/proc/<pid>/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def idle_rate(running: Running, seconds: float) -> tuple[dict[str, float], float]:
+    """Commands per second, by command, while the nodes do nothing but keep alive; and the CPU the nodes used, in
+    milliseconds per second a node (their pids from their records: the benchmark's own machine)."""
     r = client(running)
+    pids = [int(r.hget(key, "pid") or 0) for key in r.keys(f"benchcluster{os.getpid()}:node:*")]
     r.config_resetstat()
-    start = time.monotonic()
+    cpu0, start = cpu_s(pids), time.monotonic()
     time.sleep(seconds)
     got = counts(r)
     spent = time.monotonic() - start
-    return {k: v / spent for k, v in got.items() if k not in ("info", "config|resetstat", "config")}
+    cpu = (cpu_s(pids) - cpu0) / spent / max(1, len(pids)) * 1e3
+    return {k: v / spent for k, v in got.items() if k not in ("info", "config|resetstat", "config")}, cpu
+
+
+def placing_rate(running: Running, seconds: float, idle: dict[str, float]) -> dict[str, float]:
+    """Commands per second, by command, less the idle rate, while one node runs a new program every 0.1 s (each a
+    new plan, so each asks placement, which reads the other nodes from the plane at most once a heartbeat)."""
+    from deepx_core.client import NativeClient
+    from deepx_core.ir import parse_text
+
+    r = client(running)
+    with NativeClient(next(iter(running.addresses.values())), timeout=60) as c:
+        c.put("x", np.ones(4, np.float32))
+        r.config_resetstat()
+        start = time.monotonic()
+        i = 0
+        while time.monotonic() - start < seconds:
+            c.run(parse_text(f"addscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:p{i})"))
+            i += 1
+            time.sleep(0.1)
+        got = counts(r)
+        spent = time.monotonic() - start
+    rate = {k: v / spent for k, v in got.items() if k not in ("info", "config|resetstat", "config")}
+    return {k: v for k, v in less(rate, idle).items() if abs(v) >= 0.05}
 
 
 def training_run(running: Running, kind: str, steps: int, idle: dict[str, float]) -> dict[str, float]:
@@ -138,13 +175,18 @@ def main() -> None:
             all_known(running)
             put_tensors(running, opts.tensors)
             time.sleep(2 * 2.0)  # two heartbeats (heartbeat_s = 2): every node's watch has seen every other
-            idle = idle_rate(running, opts.seconds)
+            idle, cpu = idle_rate(running, opts.seconds)
             links = open_links(running)
             results["idle"][n] = idle
             results["links"][n] = links
+            results.setdefault("cpu_ms_per_s", {})[n] = cpu
+            placing = placing_rate(running, opts.seconds, idle)
+            results.setdefault("placing", {})[n] = placing
             print(f"{n} nodes, idle: {sum(idle.values()):8.1f} commands/s ({sum(idle.values()) / n:.1f} a node), "
-                  f"links a node {sum(links) / n:.1f} (max {max(links)}): "
+                  f"links a node {sum(links) / n:.1f} (max {max(links)}), CPU a node {cpu:.2f} ms/s: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items(), key=lambda kv: -kv[1])), flush=True)
+            print(f"{n} nodes, one placing new plans: {sum(placing.values()):8.1f} commands/s more: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(placing.items(), key=lambda kv: -kv[1])), flush=True)
             if n == 2 and not opts.no_training:
                 for kind in ("one rank", "two ranks (DDP, ring)"):
                     short, long = (training_run(running, kind, s, idle) for s in (s1, s2))

@@ -59,7 +59,8 @@ PEER_TIMEOUT_S = 10.0
 REMOTE_HOLDER = "node:"
 #: the plane's index of nodes, a hash: a field `node:<id>` per node that started on the plane (any id, `version`
 #: too), `version`, new whenever a node's record changed what the others read of it (its state, its addresses), and
-#: `ops:<id>`, a version and the node's `ops:<id>:*` hashes, new whenever its registry wrote one (index_ops)
+#: `ops:<id>`, a version and the node's `ops:<id>:*` hashes, new whenever they tell placement something new
+#: (index_ops; deepxd/placement.py, DRIFT)
 NODES = "nodes"
 #: the index is trusted this many heartbeats (5 min at 2 s); then every record is read again, so that a plane edited
 #: by hand heals (one that lost its keys has no index: each node reads every record until they are written again)
@@ -159,8 +160,9 @@ def index_node(b: Batch, node: str) -> None:
 
 
 def index_ops(b: Batch, node: str, workers: Sequence[str]) -> None:
-    """In a batch that writes node `node`'s op statistics (`ops:<node>:<worker>` for each of `workers`): a new
-    version of them in the index, so that placement reads them again only then (deepxd/placement.py)."""
+    """In a batch that writes node `node`'s op statistics (`ops:<node>:<worker>` for each of `workers`) where they
+    tell placement something new: a new version of them in the index, so that placement reads them again only then
+    (deepxd/placement.py)."""
     b.hset(NODES, {f"ops:{node}": f"{secrets.token_hex(8)} {','.join(sorted(workers))}"})
 
 

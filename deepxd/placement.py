@@ -64,12 +64,35 @@ TEMP = "_dx."
 #: times): closer means are noise, a first call's warm-up among them, and placement must not flip with them
 CLEARLY = 2.0
 MIN_CALLS = 8
+#: a node's op statistics are news to placement (a new version in the index) where an op ran for the first time or
+#: for the MIN_CALLS-th, or its mean time moved by this factor (well inside CLEARLY): not at every counter's change
+DRIFT = 1.25
 #: the longest program placed across nodes (a longer one runs here whole)
 MAX_PLACED = 4096
 #: a round trip assumed where a link has not been timed yet (seconds)
 DEFAULT_RTT_S = 1e-3
 
 _VALUE_CATEGORIES = frozenset(("var", "vector", ""))
+
+
+def placement_view(ops: Mapping[str, Mapping[str, float]]) -> dict[str, float | None]:
+    """What placement reads of a worker's op counters (`OpStats`): each op's mean seconds per call where it ran
+    MIN_CALLS times, else None."""
+    return {op: s.get("seconds", 0.0) / s["calls"] if s.get("calls", 0) >= MIN_CALLS else None
+            for op, s in ops.items()}
+
+
+def moved(before: Mapping[str, float | None], now: Mapping[str, float | None]) -> bool:
+    """Whether placement_view `now` tells placement something `before` did not (see DRIFT)."""
+    if before.keys() != now.keys():
+        return True
+    for op, m in now.items():
+        b = before[op]
+        if (m is None) != (b is None):
+            return True
+        if m is not None and b is not None and not b / DRIFT <= m <= b * DRIFT:
+            return True
+    return False
 
 
 def temp_prefix(node: str) -> str:

@@ -36,6 +36,7 @@ from deepxd.actors.messages import (
 from deepxd.kv.base import KV, Batch, escape_glob
 from deepxd.owners import Owners, shown
 from deepxd.peers import Peers, index_node, index_ops
+from deepxd.placement import moved, placement_view
 
 if TYPE_CHECKING:
     from deepxd.actors.heapmem import HeapMemory
@@ -78,6 +79,8 @@ class Registry(Actor):
         self._graphs_lost = False  # the plane lost this node's record: its graphs to write back (until it works)
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
+        # per worker, what placement read of its counters at the version last written to the index (placement_view)
+        self._indexed: dict[str, dict[str, float | None]] = {}
         # the executors whose ops:NODE:NAME hash this registry wrote: name -> when that one registered
         self._executors: dict[str, float] = {}
         self._tick: asyncio.Task[None] | None = None
@@ -162,16 +165,19 @@ class Registry(Actor):
                 self._signatures(b)
                 index_node(b, self.node_id)
                 self._executors = {}
-            wrote = self._executors_written(b, executors) or lost
+            news = self._executors_written(b, executors) or lost
+            views = {}
             for worker, ops in stats.items():
                 before = self._written_stats.get(worker, {})
                 changed = {f"{op}.{k}": v for op, s in ops.items() if s != before.get(op) for k, v in s.items()}
                 if changed:
                     b.hset(f"ops:{self.node_id}:{worker}", changed)
-                    wrote = True
+                    views[worker] = placement_view(ops)
+                    news = news or moved(self._indexed.get(worker, {}), views[worker])
                 self._written_stats[worker] = ops
-            if wrote:  # placement reads a node's op statistics again only when their version changed
+            if news:  # placement reads a node's op statistics again only when their version changed
                 index_ops(b, self.node_id, [*self.workers, *executors])
+                self._indexed.update(views)
         if lost and self.scheduler is not None:
             self._graphs_lost = True
         if self._graphs_lost:
