@@ -7,7 +7,8 @@ per training step of the MLP on two nodes, counted by the redis-server itself (I
    second), and the peer links each node holds open (links open on demand: none while idle; each is pinged once a
    heartbeat); docs/cluster.md takes the fit to 1,000 nodes. Then the same nodes while one of them runs a new
    program every 0.1 s: what placement reads of the plane (the other nodes, their op statistics), over the idle
-   rate.
+   rate. At 2 nodes, a small fetch of node 0's tensor from node 1 over a link opened for it (the nodes run with
+   peer_idle_s = 2) against the same over the open link.
 2. Training: the MLP of bench/ddp.py (784-512-512-10, batch 256 a rank, SGD with momentum) on one rank connected
    to one of two nodes, and under DistributedDataParallel on two ranks, one per node (the ring over the peer
    links): the commands of a run of S1 steps and of one of S2 steps, less the idle rate over each run's time; the
@@ -134,6 +135,29 @@ def placing_rate(running: Running, seconds: float, idle: dict[str, float]) -> di
     return {k: v for k, v in less(rate, idle).items() if abs(v) >= 0.05}
 
 
+def first_request(running: Running, iters: int) -> dict[str, float] | None:
+    """A fetch of node 0's small heap tensor from node 1 over a link opened for it (the last one closed after
+    peer_idle_s, IDLE_S here) against the same fetch over the open link: seconds, medians. None where the link
+    never closes (a tree with a full mesh)."""
+    from deepx_core.client import NativeClient
+
+    first, second = list(running.addresses)[:2]
+    name, to = f"{first}_t0", f"bench{os.getpid()}{first}"
+    cold, warm = [], []
+    with NativeClient(running.addresses[second], timeout=60) as c:
+        for _ in range(iters):
+            deadline = time.monotonic() + float(IDLE_S) + 10
+            while next(n["link"] for n in c.admin("nodes") if n["node"] == to) != "none":
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.1)
+            for times in (cold, warm):
+                start = time.perf_counter()
+                c.fetch(name)
+                times.append(time.perf_counter() - start)
+    return {"cold_s": float(np.median(cold)), "warm_s": float(np.median(warm))}
+
+
 def training_run(running: Running, kind: str, steps: int, idle: dict[str, float]) -> dict[str, float]:
     """The commands of one training run of `steps` steps (the ranks' start included), less the idle nodes' own."""
     r = client(running)
@@ -156,8 +180,14 @@ def fit(ns: list[int], totals: list[float]) -> list[float]:
     raise SystemExit("fit: give at least two node counts")
 
 
+#: peer_idle_s of the benchmark's nodes: short, so that first_request finds its link closed soon (idle nodes have
+#: none whatever it is)
+IDLE_S = "2"
+
+
 def main() -> None:
     sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DEEPX_PEER_IDLE_S", IDLE_S)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--seconds", type=float, default=10.0, help="how long each idle count runs")
@@ -187,6 +217,13 @@ def main() -> None:
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items(), key=lambda kv: -kv[1])), flush=True)
             print(f"{n} nodes, one placing new plans: {sum(placing.values()):8.1f} commands/s more: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(placing.items(), key=lambda kv: -kv[1])), flush=True)
+            if n == 2:
+                cold = first_request(running, 7)
+                results["first_request"] = cold
+                print("a fetch of a small tensor of another node: " + (
+                    f"over a link opened for it {cold['cold_s'] * 1e3:.2f} ms, over the open link "
+                    f"{cold['warm_s'] * 1e3:.2f} ms ({cold['cold_s'] / cold['warm_s']:.2f}x)" if cold
+                    else "links never close here (a full mesh)"), flush=True)
             if n == 2 and not opts.no_training:
                 for kind in ("one rank", "two ranks (DDP, ring)"):
                     short, long = (training_run(running, kind, s, idle) for s in (s1, s2))
