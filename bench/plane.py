@@ -2,16 +2,19 @@
 per training step of the MLP on two nodes, counted by the redis-server itself (INFO commandstats).
 
 1. Idle: N deepxd (N = 2, 4, 8 by default), each saying it runs on a host of its own (peer links over TCP with the
-   token) and holding 100 small heap tensors, on one redis-server of the benchmark's own: once every node is
-   linked to every other, the commands the
-   plane serves per second, in all and by command, fitted to a + b N + c N^2 (per second); docs/cluster.md takes
-   the fit to 1,000 nodes.
+   token) and holding 100 small heap tensors, on one redis-server of the benchmark's own: once every node knows
+   every other, the commands the plane serves per second, in all and by command, fitted to a + b N + c N^2 (per
+   second), and the peer links each node holds open (links open on demand: none while idle; each is pinged once a
+   heartbeat); docs/cluster.md takes the fit to 1,000 nodes. Then the same nodes while one of them runs a new
+   program every 0.1 s: what placement reads of the plane (the other nodes, their op statistics), over the idle
+   rate. At 2 nodes, a small fetch of node 0's tensor from node 1 over a link opened for it (the nodes run with
+   peer_idle_s = 2) against the same over the open link.
 2. Training: the MLP of bench/ddp.py (784-512-512-10, batch 256 a rank, SGD with momentum) on one rank connected
    to one of two nodes, and under DistributedDataParallel on two ranks, one per node (the ring over the peer
    links): the commands of a run of S1 steps and of one of S2 steps, less the idle rate over each run's time; the
    difference over S2 - S1 is the plane's cost of a step (the group's formation and the start-up cancel out).
 
-    python bench/plane.py [--nodes 2 4 8] [--seconds 10] [--steps 10 40] [--tensors 100]
+    python bench/plane.py [--nodes 2 4 8] [--seconds 10] [--steps 10 40] [--tensors 100] [--no-training]
 
 Prints the tables and writes bench/results/plane.json.
 """
@@ -47,7 +50,8 @@ def client(running: Running) -> Any:
     return redis.Redis(host="127.0.0.1", port=running.redis_port)
 
 
-def all_linked(running: Running) -> None:
+def all_known(running: Running) -> None:
+    """Until every node knows every other runs (LINK none, or a link)."""
     from deepx_core.client import NativeClient
 
     nodes = list(running.addresses)
@@ -59,6 +63,17 @@ def all_linked(running: Running) -> None:
                     linked(c, f"bench{os.getpid()}{other}")
         finally:
             c.close()
+
+
+def open_links(running: Running) -> list[int]:
+    """The peer links each node holds open now (its `nodes` rows whose LINK is a link, up or down)."""
+    from deepx_core.client import NativeClient
+
+    out = []
+    for address in running.addresses.values():
+        with NativeClient(address, timeout=60) as c:
+            out.append(sum(1 for n in c.admin("nodes") if n.get("link") in ("unix", "tcp", "tls", "down")))
+    return out
 
 
 def put_tensors(running: Running, count: int) -> None:
@@ -74,15 +89,73 @@ def put_tensors(running: Running, count: int) -> None:
             c.close()
 
 
-def idle_rate(running: Running, seconds: float) -> dict[str, float]:
-    """Commands per second, by command, while the nodes do nothing but keep alive."""
+def cpu_s(pids: list[int]) -> float:
+    """User and system CPU seconds the processes `pids` have used (/proc/<pid>/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def idle_rate(running: Running, seconds: float) -> tuple[dict[str, float], float]:
+    """Commands per second, by command, while the nodes do nothing but keep alive; and the CPU the nodes used, in
+    milliseconds per second a node (their pids from their records: the benchmark's own machine)."""
     r = client(running)
+    pids = [int(r.hget(key, "pid") or 0) for key in r.keys(f"benchcluster{os.getpid()}:node:*")]
     r.config_resetstat()
-    start = time.monotonic()
+    cpu0, start = cpu_s(pids), time.monotonic()
     time.sleep(seconds)
     got = counts(r)
     spent = time.monotonic() - start
-    return {k: v / spent for k, v in got.items() if k not in ("info", "config|resetstat", "config")}
+    cpu = (cpu_s(pids) - cpu0) / spent / max(1, len(pids)) * 1e3
+    return {k: v / spent for k, v in got.items() if k not in ("info", "config|resetstat", "config")}, cpu
+
+
+def placing_rate(running: Running, seconds: float, idle: dict[str, float]) -> dict[str, float]:
+    """Commands per second, by command, less the idle rate, while one node runs a new program every 0.1 s (each a
+    new plan, so each asks placement, which reads the other nodes from the plane at most once a heartbeat)."""
+    from deepx_core.client import NativeClient
+    from deepx_core.ir import parse_text
+
+    r = client(running)
+    with NativeClient(next(iter(running.addresses.values())), timeout=60) as c:
+        c.put("x", np.ones(4, np.float32))
+        r.config_resetstat()
+        start = time.monotonic()
+        i = 0
+        while time.monotonic() - start < seconds:
+            c.run(parse_text(f"addscalar (tensor<float32>:x, var<float32>:1.0) -> (tensor<float32>:p{i})"))
+            i += 1
+            time.sleep(0.1)
+        got = counts(r)
+        spent = time.monotonic() - start
+    rate = {k: v / spent for k, v in got.items() if k not in ("info", "config|resetstat", "config")}
+    return {k: v for k, v in less(rate, idle).items() if abs(v) >= 0.05}
+
+
+def first_request(running: Running, iters: int) -> dict[str, float] | None:
+    """A fetch of node 0's small heap tensor from node 1 over a link opened for it (the last one closed after
+    peer_idle_s, IDLE_S here) against the same fetch over the open link: seconds, medians. None where the link
+    never closes (a tree with a full mesh)."""
+    from deepx_core.client import NativeClient
+
+    first, second = list(running.addresses)[:2]
+    name, to = f"{first}_t0", f"bench{os.getpid()}{first}"
+    cold, warm = [], []
+    with NativeClient(running.addresses[second], timeout=60) as c:
+        for _ in range(iters):
+            deadline = time.monotonic() + float(IDLE_S) + 10
+            while next(n["link"] for n in c.admin("nodes") if n["node"] == to) != "none":
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.1)
+            for times in (cold, warm):
+                start = time.perf_counter()
+                c.fetch(name)
+                times.append(time.perf_counter() - start)
+    return {"cold_s": float(np.median(cold)), "warm_s": float(np.median(warm))}
 
 
 def training_run(running: Running, kind: str, steps: int, idle: dict[str, float]) -> dict[str, float]:
@@ -107,29 +180,51 @@ def fit(ns: list[int], totals: list[float]) -> list[float]:
     raise SystemExit("fit: give at least two node counts")
 
 
+#: peer_idle_s of the benchmark's nodes: short, so that first_request finds its link closed soon (idle nodes have
+#: none whatever it is)
+IDLE_S = "2"
+
+
 def main() -> None:
     sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DEEPX_PEER_IDLE_S", IDLE_S)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--seconds", type=float, default=10.0, help="how long each idle count runs")
     ap.add_argument("--steps", type=int, nargs=2, default=[10, 40], metavar=("S1", "S2"))
     ap.add_argument("--tensors", type=int, default=100, help="heap tensors put on each node before the idle count")
+    ap.add_argument("--no-training", action="store_true", help="only the idle counts")
     opts = ap.parse_args()
     s1, s2 = opts.steps
     if not 0 < s1 < s2:
         raise SystemExit(f"--steps: give two step counts, the first smaller ({s1} {s2})")
-    results: dict[str, Any] = {"cpus": os.cpu_count(), "idle": {}, "training": {}}
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "idle": {}, "links": {}, "training": {}}
     for n in opts.nodes:
         layout = tuple((f"n{i}", f"bench-host-{i}", "cost") for i in range(n))
         with tempfile.TemporaryDirectory(prefix="deepx-bench-plane-") as tmp, cluster(Path(tmp), layout) as running:
-            all_linked(running)
+            all_known(running)
             put_tensors(running, opts.tensors)
             time.sleep(2 * 2.0)  # two heartbeats (heartbeat_s = 2): every node's watch has seen every other
-            idle = idle_rate(running, opts.seconds)
+            idle, cpu = idle_rate(running, opts.seconds)
+            links = open_links(running)
             results["idle"][n] = idle
-            print(f"{n} nodes, idle: {sum(idle.values()):8.1f} commands/s ({sum(idle.values()) / n:.1f} a node)  "
+            results["links"][n] = links
+            results.setdefault("cpu_ms_per_s", {})[n] = cpu
+            placing = placing_rate(running, opts.seconds, idle)
+            results.setdefault("placing", {})[n] = placing
+            print(f"{n} nodes, idle: {sum(idle.values()):8.1f} commands/s ({sum(idle.values()) / n:.1f} a node), "
+                  f"links a node {sum(links) / n:.1f} (max {max(links)}), CPU a node {cpu:.2f} ms/s: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items(), key=lambda kv: -kv[1])), flush=True)
+            print(f"{n} nodes, one placing new plans: {sum(placing.values()):8.1f} commands/s more: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(placing.items(), key=lambda kv: -kv[1])), flush=True)
             if n == 2:
+                cold = first_request(running, 7)
+                results["first_request"] = cold
+                print("a fetch of a small tensor of another node: " + (
+                    f"over a link opened for it {cold['cold_s'] * 1e3:.2f} ms, over the open link "
+                    f"{cold['warm_s'] * 1e3:.2f} ms ({cold['cold_s'] / cold['warm_s']:.2f}x)" if cold
+                    else "links never close here (a full mesh)"), flush=True)
+            if n == 2 and not opts.no_training:
                 for kind in ("one rank", "two ranks (DDP, ring)"):
                     short, long = (training_run(running, kind, s, idle) for s in (s1, s2))
                     per_step = {k: v / (s2 - s1) for k, v in less(long, short).items()}

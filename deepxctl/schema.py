@@ -250,7 +250,8 @@ class Node(Schema):
     addresses: dict[str, str] = field(default_factory=dict, metadata=col(render=urls, whole=True))
     heartbeat_age_s: float | None = field(default=None, metadata=col("HEARTBEAT AGE", render=seconds, right=True))
     devices: list[str] = field(default_factory=list, metadata=col(render=words, whole=True))
-    # the peer link of the daemon asked to it: unix, tcp, tls, down (link_error says why), self; "" read from the plane
+    # the peer link of the daemon asked to it: unix, tcp, tls, down (link_error says why), self, none (a running peer
+    # with no link open: one opens when something needs it); "" read from the plane
     link: str = field(default="", metadata=col(detail=True))
     host: str = field(default="", metadata=col(detail=True))
     link_age_s: float | None = field(default=None, metadata=col("LINK AGE", detail=True, render=seconds, right=True))

@@ -51,6 +51,9 @@ _options = [
     click.option("--peer-timeout", "peer_timeout_s", type=float, default=None, metavar="SECONDS",
                  help="Another node silent this long (no heartbeat in the plane, none over its peer link) is dead: "
                  "its heap tensors unreachable, its holds released (default 10)."),
+    click.option("--peer-idle", "peer_idle_s", type=float, default=None, metavar="SECONDS",
+                 help="A peer link no request used this long is closed; links open when something needs them "
+                 "(default 60)."),
     click.option("--placement", "placement", type=click.Choice(["cost", "local"]), default=None,
                  help="cost: a program's instructions may run on other nodes' workers where the cost model says it "
                  "pays (docs/cluster.md); local: all on this node's worker (default cost)."),

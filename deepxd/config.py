@@ -41,6 +41,8 @@ class Config:
     heartbeat_s: float = 2.0
     # another node silent this long (no heartbeat in the plane, nothing over its peer link) is dead (docs/cluster.md)
     peer_timeout_s: float = 10.0
+    # a peer link no request used this long is closed (links open on demand: docs/cluster.md, "Peer links")
+    peer_idle_s: float = 60.0
     host: str = ""  # the host this node says it runs on (default: the host name); nodes of one host map each other
     # where a program's instructions run: cost (on other nodes' workers where the cost model says it pays, docs/
     # cluster.md) or local (every instruction on this node's worker)
@@ -132,6 +134,8 @@ class Config:
         if c.peer_timeout_s < 2 * c.heartbeat_s:
             raise DeepxError(f"peer_timeout_s: {c.peer_timeout_s} s is less than two heartbeats (heartbeat_s = "
                              f"{c.heartbeat_s}): a live node would be taken for dead between two of its heartbeats")
+        if not c.peer_idle_s > 0:
+            raise DeepxError(f"peer_idle_s: {c.peer_idle_s} must be > 0 (seconds a peer link may stay unused)")
         c.placement = c.placement.strip().lower()
         if c.placement not in ("cost", "local"):
             raise DeepxError(f"placement: {c.placement!r} must be cost (other nodes' workers where the cost model "

@@ -74,14 +74,14 @@ class Node:
             self.kv = open_kv(c.kv, prefix=c.kv_prefix, password=c.kv_password or None)
         await self.kv.connect()
         self.peers = Peers(self.kv, c.node_id, host=c.host, token=c.token, tls_cafile=c.tls_cafile or c.tls_cert,
-                           heartbeat_s=c.heartbeat_s, timeout_s=c.peer_timeout_s)
+                           heartbeat_s=c.heartbeat_s, timeout_s=c.peer_timeout_s, idle_s=c.peer_idle_s)
         self.comm = Collectives(self)
         try:
             await self._refuse_a_live_namesake()
             await self._start_actors()
-            await self._start_transports()
-            if not c.kv.startswith("memory"):  # a plane others can share: ping them (an embedded node has none)
+            if not c.kv.startswith("memory"):  # a plane others can share: the peers that run, known before it serves
                 await self.peers.start()
+            await self._start_transports()
         except BaseException:
             await self.shutdown()
             raise

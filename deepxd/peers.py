@@ -3,17 +3,22 @@
 - A link is a native connection (deepx_core.client.NativeClient) to the address in the peer's `node:<id>` record:
   its Unix socket where it runs on this host (the same `host` and /dev/shm), else its TCP listener, where both sides
   prove the shared token (deepx_core/auth.py: the HMAC challenge each way), over TLS where it listens so.
-- Every `heartbeat_s` each running peer is pinged over a link of its own (`peer_ping`, which tells the peer that
-  this node is alive too). A peer is dead once it has been silent `timeout_s` (peer_timeout_s, 10 s by default):
-  no heartbeat in the plane, or nothing over its link. Its heap tensors are then unreachable, and the holds it took
+- Links are opened on demand (docs/decisions/0047-links-on-demand.md): a request to a peer (a tensor of its, a
+  segment placed there, a hold, a delete) or a ring neighbour's connection (`open_link`) opens one; a link no
+  request used for `idle_s` (peer_idle_s) is closed. An idle plane has no links: each node reads one field of the
+  `nodes` index per heartbeat, and its heartbeat in the plane is what the others know of it.
+- A peer is dead once it has been silent `timeout_s` (peer_timeout_s, 10 s by default): its heartbeat in the plane
+  that old, or, while a link to it is open, nothing over that link (pinged every `heartbeat_s` with `peer_ping`,
+  which tells the peer that this node is alive too). Its heap tensors are then unreachable, and the holds it took
   on this node's are released (HeapMemory.on_release_dead).
 - A program here that names another node's heap tensor reaches it (`reach`): on this host, the owner records this
   node's hold over the link first, then the segment is mapped (no copy); on another host, its bytes are streamed
   over the link in bounded chunks (deepxd/net/peerlink.py) into a copy that lives for one program.
 - Requests are blocking clients run on a small thread pool of this object's: a slow or vanished peer holds a thread
   of its own, never the event loop or another peer's link.
-- What placement reads of a link (deepxd/placement.py): its round trip (the pings'), its bandwidth (the transfers
-  of a MiB or more over it), and `call`, a request that may run as long as the peer lives (a segment of a program).
+- What placement reads of a peer (deepxd/placement.py): its round trip (the pings'), its bandwidth (the transfers
+  of a MiB or more over its link), both kept when the link closes, and `call`, a request that may run as long as the
+  peer lives (a segment of a program).
 """
 
 from __future__ import annotations
@@ -53,13 +58,17 @@ PEER_TIMEOUT_S = 10.0
 #: a holder that is another node (its heap tensors mapped there): `node:<id>`
 REMOTE_HOLDER = "node:"
 #: the plane's index of nodes, a hash: a field `node:<id>` per node that started on the plane (any id, `version`
-#: too), and `version`, new whenever a node's record changed what the others read of it (its state, its addresses)
+#: too), `version`, new whenever a node's record changed what the others read of it (its state, its addresses), and
+#: `ops:<id>`, a version and the node's `ops:<id>:*` hashes, new whenever they tell placement something new
+#: (index_ops; deepxd/placement.py, DRIFT)
 NODES = "nodes"
 #: the index is trusted this many heartbeats (5 min at 2 s); then every record is read again, so that a plane edited
 #: by hand heals (one that lost its keys has no index: each node reads every record until they are written again)
 INDEX_TRUSTED = 150
-#: idle connections kept per peer for requests and reads
+#: idle connections kept per peer link for requests, reads and pings
 IDLE_LINKS = 2
+#: the default of peer_idle_s: a link no request used this long is closed
+PEER_IDLE_S = 60.0
 #: threads that run the blocking requests of all peer links
 LINK_THREADS = 8
 #: a link's round trip is the least of its last pings this many
@@ -113,17 +122,27 @@ class Reached:
 
 
 @dataclass
-class _Link:
-    """A peer as the pings over its link found it."""
+class _Measured:
+    """What placement knows of a peer's link, kept while the peer runs (a link closed when idle opens again)."""
 
-    since: float  # when this node began to ping it
-    kind: str  # unix, tcp or tls: how it is reached
-    heard: float | None = None  # its last answer, or its last ping to this node
-    error: str = ""  # why the last ping failed
-    client: NativeClient | None = None
-    task: asyncio.Task[None] | None = None
     rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RTT_SAMPLES))
     bytes_per_s: float | None = None  # measured by transfers (an average that leans to the latest)
+
+
+@dataclass
+class _Link:
+    """An open link to a peer: its connections and what its pings found."""
+
+    since: float  # when it was opened
+    kind: str  # unix, tcp or tls: how it is reached
+    address: str
+    used: float  # when a request over it last began or ended (time.monotonic)
+    heard: float | None = None  # its last answer, or its last ping to this node
+    error: str = ""  # why the last ping or connection failed
+    task: asyncio.Task[None] | None = None  # its pinger
+    idle: list[NativeClient] = field(default_factory=list)  # connections free for a request or a ping
+    busy: int = 0  # requests in flight over it
+    owned: list[NativeClient] = field(default_factory=list)  # connections given out whole (a ring's), open or not
 
 
 async def node_ids(kv: KV) -> list[str]:
@@ -140,12 +159,28 @@ def index_node(b: Batch, node: str) -> None:
     b.hset(NODES, {f"node:{node}": "1", "version": secrets.token_hex(8)})
 
 
+def index_ops(b: Batch, node: str, workers: Sequence[str]) -> None:
+    """In a batch that writes node `node`'s op statistics (`ops:<node>:<worker>` for each of `workers`) where they
+    tell placement something new: a new version of them in the index, so that placement reads them again only then
+    (deepxd/placement.py)."""
+    b.hset(NODES, {f"ops:{node}": f"{secrets.token_hex(8)} {','.join(sorted(workers))}"})
+
+
+def indexed_ops(index: dict[str, str], node: str) -> tuple[str, list[str]] | None:
+    """The version of node `node`'s op statistics and its workers, as the index says (None where it says nothing)."""
+    entry = index.get(f"ops:{node}")
+    if entry is None:
+        return None
+    version, _, workers = entry.partition(" ")
+    return version, [w for w in workers.split(",") if w]
+
+
 class Peers:
     """This node's view of the other nodes and its links to them (see the module's docstring). Without `start()`, no
-    pings: liveness is then what the plane says, and links are made when a request needs one."""
+    pings and no idle links closed: liveness is then what the plane says."""
 
     def __init__(self, kv: KV, node_id: str, *, host: str = "", token: str = "", tls_cafile: str = "",
-                 heartbeat_s: float = 2.0, timeout_s: float = PEER_TIMEOUT_S) -> None:
+                 heartbeat_s: float = 2.0, timeout_s: float = PEER_TIMEOUT_S, idle_s: float = PEER_IDLE_S) -> None:
         self.kv = kv
         self.node_id = node_id
         self.host = host or socket.gethostname()
@@ -154,13 +189,15 @@ class Peers:
         self.tls_cafile = tls_cafile
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
+        self.idle_s = idle_s
         # this node's heapmem: what peers' holds and reads are served from
         self.heapmem: ActorRef[HeapMemory] | None = None
-        self._links: dict[str, _Link] = {}  # the peers pinged, by node id
+        self._links: dict[str, _Link] = {}  # the open links, by node id
+        self._measured: dict[str, _Measured] = {}  # round trips and bandwidth, by node id
+        self.opened = 0  # links opened since start (a test's and a benchmark's count)
         self._running: dict[str, str] = {}  # the running peers by the records last read, and how each is reached
         self._seen: str | None = None  # the index's version when they were read
         self._trusted = 0  # heartbeats the index is trusted for, before every record is read again
-        self._idle: dict[str, list[tuple[str, NativeClient]]] = {}  # (address, connection) free for a request
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -197,8 +234,13 @@ class Peers:
 
     # -- liveness
     async def start(self) -> None:
-        """Ping the running peers every heartbeat_s, until stop()."""
+        """Read which peers run (so that a node started after them knows them at once), then every heartbeat_s:
+        read it again where the index changed, ping the open links, close the idle ones; until stop()."""
         if self._task is None:
+            try:
+                await self._running_peers()
+            except Exception as e:  # (the watch tries again at each heartbeat)
+                log.warning("peers: could not read the nodes of the storage plane: %s", e)
             self._task = asyncio.get_running_loop().create_task(self._watch(), name="peers:watch")
 
     async def stop(self) -> None:
@@ -208,13 +250,9 @@ class Peers:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for link in self._links.values():
-            if link.client is not None:
-                link.client.close()
-        self._links.clear()
-        for idle in self._idle.values():
-            for _, client in idle:
+            for client in link.idle:
                 client.close()
-        self._idle.clear()
+        self._links.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -242,81 +280,117 @@ class Peers:
         return running
 
     async def _watch(self) -> None:
-        """Every heartbeat: a pinger for each running peer of the plane, none for the others."""
+        """Every heartbeat: the links of peers that stopped, and those idle for idle_s, closed."""
         while not self._stopped:
+            await asyncio.sleep(self.heartbeat_s)
             try:
                 running = await self._running_peers()
-                for node, kind in running.items():
-                    link = self._links.get(node)
-                    if link is None:
-                        link = self._links[node] = _Link(since=time.time(), kind=kind)
-                    link.kind = kind
-                    if link.task is None or link.task.done():
-                        link.task = asyncio.get_running_loop().create_task(self._pinger(node, link),
-                                                                           name=f"peers:ping:{node}")
                 for node in [n for n in self._links if n not in running]:
-                    self._drop_link(node)
+                    self._drop_link(node, "it stopped")
+                for node in [n for n in self._measured if n not in running]:
+                    del self._measured[node]
+                self._close_idle()
             except Exception as e:  # a lost plane must not end the watch
                 log.warning("peers: could not read the nodes of the storage plane: %s", e)
-            await asyncio.sleep(self.heartbeat_s)
 
-    def _drop_link(self, node: str) -> None:
+    def _close_idle(self) -> None:
+        now = time.monotonic()
+        for node, link in list(self._links.items()):
+            link.owned = [c for c in link.owned if c.sock.fileno() != -1]
+            if not link.busy and not link.owned and now - link.used >= self.idle_s:
+                self._drop_link(node, f"idle for {now - link.used:.0f} s")
+
+    def _drop_link(self, node: str, why: str) -> None:
         link = self._links.pop(node)
+        log.info("peers: closed the link to node %s (%s)", node, why)
         if link.task is not None:
             link.task.cancel()
-        if link.client is not None:
-            link.client.close()
+        for client in link.idle:
+            client.close()
+        link.idle.clear()
+
+    def _open(self, node: str, record: dict[str, str]) -> _Link:
+        """The link to `node` (its record as read now): the open one, else a new one, pinged from now on."""
+        address, kind = self.address(node, record)
+        link = self._links.get(node)
+        if link is not None and link.address != address:
+            self._drop_link(node, f"it moved to {address}")
+            link = None
+        if link is None:
+            link = self._links[node] = _Link(since=time.time(), kind=kind, address=address, used=time.monotonic())
+            self.opened += 1
+            log.debug("peers: opened a link to node %s at %s", node, address)
+            if self._task is not None and not self._stopped:
+                link.task = asyncio.get_running_loop().create_task(self._pinger(node, link), name=f"peers:ping:{node}")
+        return link
 
     async def _pinger(self, node: str, link: _Link) -> None:
+        """Ping `node` every heartbeat over a connection of the link's (the first a heartbeat after it opened: the
+        request that opened it is the first word from the peer)."""
         while not self._stopped:
+            await asyncio.sleep(self.heartbeat_s)
+            client: NativeClient | None = None
             try:
-                if link.client is None:
-                    address, link.kind = self.address(node, await self.kv.hgetall(f"node:{node}"))
-                    link.client = await self._run(self._connect, address, link.kind)
+                client = link.idle.pop() if link.idle else await self._run(self._connect, link.address, link.kind)
                 sent = time.perf_counter()
-                reply = await self._run(functools.partial(link.client.request, "peer_ping", node=self.node_id))
-                link.rtts.append(time.perf_counter() - sent)
+                reply = await self._run(functools.partial(client.request, "peer_ping", node=self.node_id))
+                self._measure(node).rtts.append(time.perf_counter() - sent)
                 if reply.get("node") != node:
                     raise DeepxError(f"its address is answered by node {reply.get('node')!r}")
-                if link.heard is None or link.error:
-                    log.info("peers: linked to node %s over %s", node, link.client.address)
-                link.heard, link.error = time.time(), ""
+                self._answered(node, link)
+                self._keep(node, link, client)
             except asyncio.CancelledError:
+                if client is not None:
+                    client.close()
                 raise
             except Exception as e:
                 if not link.error:  # (a node just started may not listen yet: said only once it was linked)
                     log.log(logging.WARNING if link.heard else logging.DEBUG,
                             "peers: node %s does not answer over its peer link: %s", node, e)
                 link.error = str(e) or type(e).__name__
-                if link.client is not None:
-                    link.client.close()
-                    link.client = None
-            await asyncio.sleep(self.heartbeat_s)
+                if client is not None:
+                    client.close()
+
+    def _answered(self, node: str, link: _Link) -> None:
+        """`node` answered over `link` (a connection made, a ping answered)."""
+        if link.heard is None or link.error:
+            log.info("peers: linked to node %s over %s", node, link.address)
+        link.heard, link.error = time.time(), ""
+
+    def _measure(self, node: str) -> _Measured:
+        m = self._measured.get(node)
+        if m is None:
+            m = self._measured[node] = _Measured()
+        return m
 
     def linked(self) -> bool:
-        """Whether a peer answers over its link now (no cost where there is none: one node, or an embedded one)."""
-        for link in self._links.values():
-            if link.heard is not None and not link.error:
-                return True
-        return False
+        """Whether another node runs in the plane, as read at the last heartbeat, or answers over a link (a look at
+        two dicts: no cost on one node, or an embedded one)."""
+        if self._running:
+            return True
+        return any(link.heard is not None and not link.error for link in self._links.values())
+
+    def links(self) -> list[str]:
+        """The peers a link is open to now."""
+        return sorted(self._links)
 
     def rtt_s(self, node: str) -> float | None:
-        """The round trip of the link to `node`: the least of its last pings (None before one answered)."""
-        link = self._links.get(node)
-        return min(link.rtts) if link is not None and link.rtts else None
+        """The round trip to `node`: the least of its last pings (None before one answered)."""
+        m = self._measured.get(node)
+        return min(m.rtts) if m is not None and m.rtts else None
 
     def bandwidth(self, node: str) -> float | None:
-        """Bytes per second over the link to `node`, as its transfers of a MiB or more went (None before one)."""
-        link = self._links.get(node)
-        return link.bytes_per_s if link is not None else None
+        """Bytes per second over a link to `node`, as its transfers of a MiB or more went (None before one)."""
+        m = self._measured.get(node)
+        return m.bytes_per_s if m is not None else None
 
     def note_transfer(self, node: str, nbytes: int, seconds: float) -> None:
         """`nbytes` went over the link to `node` in `seconds` (a request's whole time: its round trip included)."""
-        link = self._links.get(node)
-        if link is None or nbytes < BANDWIDTH_MIN_BYTES or seconds <= 0:
+        if nbytes < BANDWIDTH_MIN_BYTES or seconds <= 0:
             return
+        m = self._measure(node)
         rate = nbytes / seconds
-        link.bytes_per_s = rate if link.bytes_per_s is None else 0.5 * link.bytes_per_s + 0.5 * rate
+        m.bytes_per_s = rate if m.bytes_per_s is None else 0.5 * m.bytes_per_s + 0.5 * rate
 
     def heard_from(self, node: str) -> None:
         """A peer pinged this node: it is alive."""
@@ -326,7 +400,7 @@ class Peers:
 
     async def why_dead(self, node: str, record: dict[str, str] | None = None) -> str | None:
         """Why node `node` cannot be reached now, in words that follow "node X": its record says so, its heartbeat in
-        the plane or its peer link has been silent timeout_s; None where it is alive."""
+        the plane or its open peer link has been silent timeout_s; None where it is alive."""
         if record is None:
             record = await self.kv.hgetall(f"node:{node}")
         why = unreachable(record, node, self.timeout_s)
@@ -347,15 +421,15 @@ class Peers:
 
     def link_row(self, node: str) -> dict[str, Any]:
         """What `deepxctl nodes ls` shows of the link to `node`: its kind, or `down` and why; seconds since it was
-        last heard."""
+        last heard; `none` for a running peer with no link open."""
         if node == self.node_id:
             return {"link": "self"}
         link = self._links.get(node)
         if link is None:
-            return {"link": ""}
+            return {"link": "none" if node in self._running else ""}
         age = time.time() - (link.heard or link.since)
         silent = age > self.timeout_s
-        return {"link": "down" if link.error or link.heard is None or silent else link.kind,
+        return {"link": "down" if link.error or silent else link.kind,
                 "link_age_s": round(age, 3) if link.heard else None,
                 "link_error": link.error or (f"silent for {age:.1f} s" if silent else "")}
 
@@ -375,26 +449,45 @@ class Peers:
         return NativeClient(address, timeout=self.timeout_s, client=me, token=self.token or None, tls=tls,
                             cafile=(self.tls_cafile or None) if tls else None)
 
-    async def _client(self, node: str, record: dict[str, str]) -> NativeClient:
-        address, kind = self.address(node, record)
-        idle = self._idle.get(node)
-        while idle:
-            was, kept = idle.pop()
-            if was == address:
-                return kept
-            kept.close()
+    async def _client(self, node: str, record: dict[str, str]) -> tuple[_Link, NativeClient]:
+        """A connection for one request to `node`, over its link (opened now where none is): give it back with
+        _done (one that failed: _lost)."""
+        link = self._open(node, record)
+        link.busy += 1
+        link.used = time.monotonic()
+        if link.idle:
+            return link, link.idle.pop()
         try:
-            client: NativeClient = await self._run(self._connect, address, kind)
+            client: NativeClient = await self._run(self._connect, link.address, link.kind)
         except DeepxError as e:
+            link.busy -= 1
+            link.error = str(e) or type(e).__name__
             raise DeepxError(f"node {node} does not answer over its peer link: {e}") from None
-        return client
+        except BaseException:
+            link.busy -= 1
+            raise
+        self._answered(node, link)  # (it proved itself: the same token, or this host's socket)
+        return link, client
 
-    def _give_back(self, node: str, client: NativeClient) -> None:
-        idle = self._idle.setdefault(node, [])
-        if len(idle) < IDLE_LINKS and not self._stopped:
-            idle.append((client.address, client))
+    def _keep(self, node: str, link: _Link, client: NativeClient) -> None:
+        if self._links.get(node) is link and len(link.idle) < IDLE_LINKS and not self._stopped:
+            link.idle.append(client)
         else:
             client.close()
+
+    def _done(self, node: str, link: _Link, client: NativeClient) -> None:
+        """A request over `link` was answered: the peer lives, and the connection is kept for the next."""
+        link.busy -= 1
+        link.used = time.monotonic()
+        link.heard = time.time()
+        self._keep(node, link, client)
+
+    def _lost(self, link: _Link, client: NativeClient) -> None:
+        """A request over `link` failed: its connection is closed (a refusal leaves it usable, a lost one does not:
+        a new one is cheap)."""
+        link.busy -= 1
+        link.used = time.monotonic()
+        client.close()
 
     async def _alive(self, node: str) -> dict[str, str]:
         """`node`'s record; DeepxError naming the node where it is not alive."""
@@ -408,13 +501,13 @@ class Peers:
         """Node `node`'s reply to native request `op`, over a link (DeepxError with its error, or why it cannot be
         reached)."""
         record = await self._alive(node)
-        client = await self._client(node, record)
+        link, client = await self._client(node, record)
         try:
             reply: dict[str, Any] = await self._run(functools.partial(client.request, op, **fields))
         except BaseException:
-            client.close()  # (a refusal leaves the connection usable, a lost one does not: a new one is cheap)
+            self._lost(link, client)
             raise
-        self._give_back(node, client)
+        self._done(node, link, client)
         return reply
 
     async def call(self, peer: str, op: str, cancel: Callable[[], bool] | None = None,
@@ -430,7 +523,7 @@ class Peers:
             why = await self.why_dead(peer, record)
             if why is not None:
                 raise DeepxError(f"node {peer} {why}")
-        client = await self._client(peer, record)
+        link, client = await self._client(peer, record)
         client.sock.settimeout(None)
         fut = asyncio.ensure_future(self._run(functools.partial(client.request, op, **fields)))
         try:
@@ -442,6 +535,7 @@ class Peers:
                 if cancel is not None and cancel():
                     fut.add_done_callback(_quiet)
                     _shut(client)
+                    self._lost(link, client)
                     return None
                 if time.monotonic() - looked >= self.heartbeat_s:
                     looked = time.monotonic()
@@ -458,21 +552,26 @@ class Peers:
         except BaseException:
             if not fut.done():
                 fut.add_done_callback(_quiet)
-            client.close()
+            self._lost(link, client)
             raise
         client.sock.settimeout(self.timeout_s)
-        self._give_back(peer, client)
+        self._done(peer, link, client)
         return reply
 
     async def open_link(self, node: str) -> NativeClient:
-        """A connection of its own to node `node`, outside the pool (a process group's ring reads over it, one
-        request after another, for as long as the group lasts): DeepxError naming the node where it cannot be made."""
+        """A connection of its own to node `node`, outside the link's pool (a process group's ring reads over it,
+        one request after another, for as long as the group lasts): the link stays open while it is:
+        DeepxError naming the node where it cannot be made."""
         record = await self._alive(node)
-        address, kind = self.address(node, record)
+        link = self._open(node, record)
+        link.used = time.monotonic()
         try:
-            client: NativeClient = await self._run(self._connect, address, kind)
+            client: NativeClient = await self._run(self._connect, link.address, link.kind)
         except DeepxError as e:
+            link.error = str(e) or type(e).__name__
             raise DeepxError(f"node {node} does not answer over its peer link: {e}") from None
+        link.owned.append(client)
+        self._answered(node, link)
         return client
 
     async def read(self, far: Far, record: dict[str, str]) -> np.ndarray:
@@ -485,18 +584,22 @@ class Peers:
                              f"{far.dtype}{list(far.shape)} is {out.nbytes}")
         if not out.nbytes:
             return out
-        client = await self._client(far.node, record)
+        try:
+            link, client = await self._client(far.node, record)
+        except DeepxError as e:
+            raise DeepxError(f"tensor '{far.name}' is a heap tensor of node {far.node}, which cannot be read: {e}") \
+                from None
         t0 = time.perf_counter()
         try:
             await self._run(read_chunks, client, far.name, far.handle, far.ctime, out.reshape(-1).view(np.uint8))
         except DeepxError as e:
-            client.close()
+            self._lost(link, client)
             raise DeepxError(f"tensor '{far.name}' of node {far.node} could not be read over the peer link: {e}") \
                 from None
         except BaseException:
-            client.close()
+            self._lost(link, client)
             raise
-        self._give_back(far.node, client)
+        self._done(far.node, link, client)
         self.note_transfer(far.node, far.nbytes, time.perf_counter() - t0)
         log.debug("peers: read tensor '%s' of node %s (%d bytes) in %.3f s", far.name, far.node, far.nbytes,
                   time.perf_counter() - t0)

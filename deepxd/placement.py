@@ -7,7 +7,8 @@ the scheduler's cache, and other nodes are linked, the scheduler asks `Across.pl
 here, as on one node) or a `Placed`: where each instruction runs and what moves.
 
 - **What is known**: the live nodes of the plane and the ops each serves, with their mean time per call
-  (`ops:<node>:<worker>`: the registries' op statistics, read at most once per heartbeat), each peer link's round
+  (`ops:<node>:<worker>`: the registries' op statistics, read again only where their version in the `nodes` index
+  changed, and the index at most once per heartbeat), each peer link's round
   trip (its pings) and bandwidth (its transfers; `peer_bandwidth_mbs` until one is measured), and the bytes of the
   tensors the program reads (the worker's metas, the plane's heap records) and writes (the ops' shape rules).
 - **The cost model** (`place`): instruction by instruction, each node that may run it costs the bytes its inputs
@@ -45,7 +46,7 @@ from deepx_core.ir.instr import Instr, Param
 from deepx_core.ir.ops import OPS, SymbolicEnv, TensorMeta, bind
 from deepx_core.ir.shapes import numel
 from deepxd.actors.messages import Fetch, Metas, Put, Remote, Run, RunProgram, State, WorkerTensors
-from deepxd.peers import node_ids
+from deepxd.peers import INDEX_TRUSTED, NODES, indexed_ops
 
 if TYPE_CHECKING:
     from deepxd.actors.base import ActorRef
@@ -63,12 +64,35 @@ TEMP = "_dx."
 #: times): closer means are noise, a first call's warm-up among them, and placement must not flip with them
 CLEARLY = 2.0
 MIN_CALLS = 8
+#: a node's op statistics are news to placement (a new version in the index) where an op ran for the first time or
+#: for the MIN_CALLS-th, or its mean time moved by this factor (well inside CLEARLY): not at every counter's change
+DRIFT = 1.25
 #: the longest program placed across nodes (a longer one runs here whole)
 MAX_PLACED = 4096
 #: a round trip assumed where a link has not been timed yet (seconds)
 DEFAULT_RTT_S = 1e-3
 
 _VALUE_CATEGORIES = frozenset(("var", "vector", ""))
+
+
+def placement_view(ops: Mapping[str, Mapping[str, float]]) -> dict[str, float | None]:
+    """What placement reads of a worker's op counters (`OpStats`): each op's mean seconds per call where it ran
+    MIN_CALLS times, else None."""
+    return {op: s.get("seconds", 0.0) / s["calls"] if s.get("calls", 0) >= MIN_CALLS else None
+            for op, s in ops.items()}
+
+
+def moved(before: Mapping[str, float | None], now: Mapping[str, float | None]) -> bool:
+    """Whether placement_view `now` tells placement something `before` did not (see DRIFT)."""
+    if before.keys() != now.keys():
+        return True
+    for op, m in now.items():
+        b = before[op]
+        if (m is None) != (b is None):
+            return True
+        if m is not None and b is not None and not b / DRIFT <= m <= b * DRIFT:
+            return True
+    return False
 
 
 def temp_prefix(node: str) -> str:
@@ -556,6 +580,10 @@ class Across:
         self._nodes: dict[str, Node] = {}
         self._records: dict[str, dict[str, str]] = {}  # the nodes' records as read with _nodes
         self._read_at = -math.inf
+        # each node's op statistics as last read, by the version the index gave them (deepxd/peers.py, index_ops)
+        self._ops: dict[str, tuple[str, dict[str, dict[str, str]]]] = {}
+        self._ops_trusted = 0  # reads of the index the versions are trusted for, before all are read again
+        self.ops_read = 0  # op statistics hashes read (a test's count)
         # other nodes' heap tensors as their records said, and when read: kept a heartbeat (a segment reaches a
         # tensor by name, so a record gone stale costs an estimate, never a wrong value)
         self._far: dict[str, tuple[Far, float]] = {}
@@ -575,7 +603,10 @@ class Across:
             return self._nodes
         self._read_at = now
         records: dict[str, dict[str, str]] = {}
-        for node in await node_ids(self.kv):
+        index = await self.kv.hgetall(NODES)
+        ids = (sorted(n[len("node:"):] for n in index if n.startswith("node:")) if index
+               else [key.split(":", 1)[1] for key in await self.kv.keys("node:*")])
+        for node in ids:
             record = await self.kv.hgetall(f"node:{node}")
             if node != self.node_id and (record.get("state") != "running" or
                                          "scheduler" not in record.get("roles", "").split(",")):
@@ -583,11 +614,7 @@ class Across:
             if node != self.node_id and await self.peers.why_dead(node, record) is not None:
                 continue
             records[node] = record
-        stats: dict[str, dict[str, dict[str, str]]] = {}
-        for key in await self.kv.keys("ops:*"):
-            _, node, worker = key.split(":", 2)
-            if node in records:
-                stats.setdefault(node, {})[worker] = await self.kv.hgetall(key)
+        stats = await self._op_stats(index, records)
         out: dict[str, Node] = {}
         for node, record in records.items():
             roles = record.get("roles", "").split(",")
@@ -629,6 +656,40 @@ class Across:
         self._nodes = out
         self._records = records
         return out
+
+    async def _op_stats(self, index: dict[str, str], records: Mapping[str, object]) -> dict[str, dict[str, dict[str,
+                                                                                                       str]]]:
+        """Each node's op statistics by worker: read again only where the index gives them a version not seen
+        (and all once in INDEX_TRUSTED reads, so that a plane edited by hand heals); a scan of `ops:*` only where a
+        node has no version there (a plane that lost its index)."""
+        self._ops_trusted -= 1
+        if self._ops_trusted <= 0:
+            self._ops.clear()
+            self._ops_trusted = INDEX_TRUSTED
+        for node in [n for n in self._ops if n not in records]:
+            del self._ops[node]
+        unindexed = []
+        for node in records:
+            entry = indexed_ops(index, node)
+            if entry is None:
+                unindexed.append(node)
+                continue
+            version, workers = entry
+            if node in self._ops and self._ops[node][0] == version:
+                continue
+            by_worker = {}
+            for w in workers:
+                by_worker[w] = await self.kv.hgetall(f"ops:{node}:{w}")
+                self.ops_read += 1
+            self._ops[node] = (version, by_worker)
+        stats = {node: by_worker for node, (_, by_worker) in self._ops.items()}
+        if unindexed:
+            for key in await self.kv.keys("ops:*"):
+                _, node, worker = key.split(":", 2)
+                if node in unindexed:
+                    stats.setdefault(node, {})[worker] = await self.kv.hgetall(key)
+                    self.ops_read += 1
+        return stats
 
     def forget_nodes(self) -> None:
         """The next placement reads the plane again (a peer failed a segment)."""

@@ -35,7 +35,8 @@ from deepxd.actors.messages import (
 )
 from deepxd.kv.base import KV, Batch, escape_glob
 from deepxd.owners import Owners, shown
-from deepxd.peers import Peers, index_node
+from deepxd.peers import Peers, index_node, index_ops
+from deepxd.placement import moved, placement_view
 
 if TYPE_CHECKING:
     from deepxd.actors.heapmem import HeapMemory
@@ -78,6 +79,8 @@ class Registry(Actor):
         self._graphs_lost = False  # the plane lost this node's record: its graphs to write back (until it works)
         self.started = time.time()
         self._written_stats: dict[str, dict[str, dict[str, float]]] = {}
+        # per worker, what placement read of its counters at the version last written to the index (placement_view)
+        self._indexed: dict[str, dict[str, float | None]] = {}
         # the executors whose ops:NODE:NAME hash this registry wrote: name -> when that one registered
         self._executors: dict[str, float] = {}
         self._tick: asyncio.Task[None] | None = None
@@ -126,6 +129,7 @@ class Registry(Actor):
             b.delete(*(f"ops:{self.node_id}:{worker}" for worker in self.workers))
             self._signatures(b)
             index_node(b, self.node_id)
+            index_ops(b, self.node_id, list(self.workers))
         if self._tick is None:
             self._tick = asyncio.get_running_loop().create_task(self._ticker(), name="registry:tick")
 
@@ -161,13 +165,19 @@ class Registry(Actor):
                 self._signatures(b)
                 index_node(b, self.node_id)
                 self._executors = {}
-            self._executors_written(b, executors)
+            news = self._executors_written(b, executors) or lost
+            views = {}
             for worker, ops in stats.items():
                 before = self._written_stats.get(worker, {})
                 changed = {f"{op}.{k}": v for op, s in ops.items() if s != before.get(op) for k, v in s.items()}
                 if changed:
                     b.hset(f"ops:{self.node_id}:{worker}", changed)
+                    views[worker] = placement_view(ops)
+                    news = news or moved(self._indexed.get(worker, {}), views[worker])
                 self._written_stats[worker] = ops
+            if news:  # placement reads a node's op statistics again only when their version changed
+                index_ops(b, self.node_id, [*self.workers, *executors])
+                self._indexed.update(views)
         if lost and self.scheduler is not None:
             self._graphs_lost = True
         if self._graphs_lost:
@@ -194,10 +204,10 @@ class Registry(Actor):
             log.warning("registry: the storage plane had lost %d stored graphs planned here; wrote them again: %s",
                         len(written), ", ".join(sorted(written)))
 
-    def _executors_written(self, b: Batch, now: dict[str, float]) -> None:
+    def _executors_written(self, b: Batch, now: dict[str, float]) -> bool:
         """The ops of the executors registered now, as a worker's (`ops:NODE:NAME`: signature and cost, then the
         counters), those of the executors gone deleted, and those of an executor registered again under its name
-        written afresh."""
+        written afresh; whether any was."""
         gone = [name for name, since in self._executors.items() if now.get(name) != since]
         if gone:
             b.delete(*(f"ops:{self.node_id}:{name}" for name in gone))
@@ -209,6 +219,7 @@ class Registry(Actor):
             for name in new:
                 b.hset(f"ops:{self.node_id}:{name}", signatures.get(name, {}))
         self._executors = dict(now)
+        return bool(gone or new)
 
     def on_flush(self) -> Any:
         return self.flush()

@@ -6,7 +6,19 @@ from __future__ import annotations
 
 from deepx_core.ir import parse_text
 from deepx_core.ir.ops import TensorMeta
-from deepxd.placement import Held, Node, Step, describe, inputs, place, rename, segments
+from deepxd.placement import (
+    MIN_CALLS,
+    Held,
+    Node,
+    Step,
+    describe,
+    inputs,
+    moved,
+    place,
+    placement_view,
+    rename,
+    segments,
+)
 
 MiB = 1 << 20
 A, B, C = "a", "b", "c"
@@ -138,3 +150,20 @@ npnorm (tensor<float32>:c, tensor<float32>:d) -> (tensor<float32>:e)""")
     assert [p.value for p in renamed.args] == ["a", "_dx.b.b"] and renamed.returns[0].value == "_dx.b.c"
     other = rename(program[1], lambda n: f"T{n}")  # an op of another node: by its params' categories
     assert [p.value for p in other.args] == ["Tc", "Td"] and other.returns[0].value == "Te"
+
+
+def test_op_statistics_are_news_to_placement_only_where_what_it_reads_moved() -> None:
+    """A node's registry gives its op statistics a new version in the `nodes` index only where placement would read
+    something new: an op run for the first time or the MIN_CALLS-th, a mean moved by DRIFT (1.25x) or more."""
+    def view(**ops: tuple[int, float]) -> dict[str, float | None]:
+        return placement_view({op: {"calls": c, "seconds": s, "bytes": 0} for op, (c, s) in ops.items()})
+
+    first = view(add=(1, 1e-3))
+    assert first == {"add": None} and moved({}, first)
+    assert not moved(first, view(add=(MIN_CALLS - 1, 7e-3)))  # more calls, still too few for a mean
+    eight = view(add=(MIN_CALLS, MIN_CALLS * 1e-3))
+    assert eight == {"add": 1e-3} and moved(first, eight)
+    assert not moved(eight, view(add=(100, 100 * 1.2e-3)))  # 1.2x: noise to a model that wants 2x
+    assert moved(eight, view(add=(100, 100 * 1.3e-3)))
+    assert moved(eight, view(add=(100, 100 * 0.7e-3)))
+    assert moved(eight, view(add=(MIN_CALLS, MIN_CALLS * 1e-3), mul=(1, 1e-3)))  # another op

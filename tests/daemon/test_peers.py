@@ -181,17 +181,23 @@ def test_another_hosts_heap_tensor_is_streamed_over_the_peer_link(cluster: Clust
 
 def test_a_node_whose_link_refuses_this_one_is_dead_though_its_heartbeat_goes_on(cluster: Cluster,
                                                                                    tmp_path: Path) -> None:
-    """Another token: neither node can prove itself to the other, so each finds the other silent on its link, and
-    dead after peer_timeout_s, while both heartbeats go on in the plane."""
+    """Another token: a program on node 1 that reads node 2's tensor opens a link, which node 2 refuses: the
+    program fails at once, naming the tensor and the node; the link, tried each heartbeat, stays silent, and node 2
+    is dead for node 1 after peer_timeout_s, while both heartbeats go on in the plane."""
     (d1,) = hosts(cluster, tmp_path, "host-a")
     (d2,) = hosts(cluster, tmp_path, "host-b", token="f" * 32, first=2)
+    uses_v = parse_text("addscalar (tensor<float32>:v, var<float32>:1.0) -> (tensor<float32>:o)")
     with d2.client() as c2:
         c2.put("v", np.ones(2, np.float32), heap=True)
+    with d1.client() as c1:
+        bad = c1.run(uses_v)
+        assert not bad.ok and "'v'" in bad.error and d2.node_id in bad.error and "peer link" in bad.error, bad.error
+        assert "wrong token" in bad.error, bad.error
     row = eventually(lambda: (n := nodes(d1)[d2.node_id])["state"] == "dead" and n, what="node 2 dead for node 1")
     assert row["link"] == "down" and "wrong token" in row["link_error"], row
     assert row["heartbeat_age_s"] < 4  # its plane heartbeat is fresh
     with d1.client() as c1:
-        bad = c1.run(parse_text("addscalar (tensor<float32>:v, var<float32>:1.0) -> (tensor<float32>:o)"))
+        bad = c1.run(uses_v)
         assert not bad.ok and "'v'" in bad.error and d2.node_id in bad.error and "peer link" in bad.error, bad.error
         assert {t["name"]: t["state"] for t in c1.admin("tensors")}["v"] == "unreachable"
 
@@ -228,7 +234,8 @@ def test_a_node_id_in_use_on_another_host_is_refused(cluster: Cluster, tmp_path:
 
 def test_nodes_read_the_index_not_every_record_each_heartbeat(tmp_path: Path, new_redis_server: Any) -> None:
     """The plane's `nodes` index lists every node and changes its version when one starts or stops; a node reads the
-    others' records only then (and once in INDEX_TRUSTED heartbeats), not all of them every heartbeat."""
+    others' records only then (and once in INDEX_TRUSTED heartbeats), not all of them every heartbeat; a link to a
+    node that stops is closed."""
     import time
 
     import redis
@@ -240,11 +247,15 @@ def test_nodes_read_the_index_not_every_record_each_heartbeat(tmp_path: Path, ne
     try:
         ds = [cluster.start(i, QUICK) for i in (1, 2, 3)]
         index = cluster.hash("nodes")
-        assert set(index) == {f"node:{d.node_id}" for d in ds} | {"version"}
+        assert set(index) == {f"{k}:{d.node_id}" for d in ds for k in ("node", "ops")} | {"version"}
         for d in ds:
             others = {o.node_id for o in ds} - {d.node_id}
-            eventually(lambda d=d, others=others: all(nodes(d)[o].get("link") in ("tcp", "unix") for o in others),
-                       what="every node linked to the others")
+            eventually(lambda d=d, others=others: all(nodes(d)[o].get("link") == "none" for o in others),
+                       what="every node knows the others")
+        with ds[0].client() as c0, ds[2].client() as c2:  # a link from node 1 to node 3
+            c2.put("w3", np.ones(2, np.float32), heap=True)
+            np.testing.assert_array_equal(c0.fetch("w3")["w3"], [1, 1])
+        assert nodes(ds[0])[ds[2].node_id].get("link") in ("tcp", "unix")
         r = redis.Redis.from_url(server.url, decode_responses=True)
         r.config_resetstat()
         start = time.monotonic()
@@ -256,7 +267,7 @@ def test_nodes_read_the_index_not_every_record_each_heartbeat(tmp_path: Path, ne
         version = index["version"]
         assert ds[2].stop() == 0, ds[2].output()
         assert cluster.hash("nodes")["version"] != version
-        eventually(lambda: nodes(ds[0])[ds[2].node_id].get("link") not in ("tcp", "unix"),
+        eventually(lambda: nodes(ds[0])[ds[2].node_id].get("link") == "",
                    what="node 1 let go of its link to the stopped node 3")
     finally:
         cluster.stop()

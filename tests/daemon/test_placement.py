@@ -32,7 +32,9 @@ def cluster(tmp_path: Path, redis_server: Any) -> Iterator[Cluster]:
 
 
 def linked(b: Daemon, a: Daemon) -> None:
-    eventually(lambda: nodes(b)[a.node_id]["link"] in ("unix", "tcp", "tls"), what=f"{b.node_id} linked to {a.node_id}")
+    """Until b knows a runs (a link opens when b places an instruction there)."""
+    eventually(lambda: nodes(b)[a.node_id]["link"] in ("none", "unix", "tcp", "tls"),
+               what=f"{b.node_id} knows {a.node_id}")
 
 
 def run(c: NativeClient, text: str, fetch: list[str] | None = None) -> Any:

@@ -267,14 +267,18 @@ def test_two_ranks_on_two_hosts_reduce_over_the_peer_links(redis_server, tmp_pat
     """Each rank's daemon says it runs on a host of its own: the ring reads over TCP (with the token); meeting in
     the plane, the other rank's buffers are not mapped but streamed over the peer link. Either way the ranks train
     as one process."""
+    from tests.daemon.conftest import eventually
     from tests.daemon.test_cluster import Cluster
-    from tests.daemon.test_peers import hosts
+    from tests.daemon.test_peers import hosts, nodes
 
     cluster = Cluster(tmp_path, redis_server.url)
     try:
         daemons = hosts(cluster, tmp_path, "host-a", "host-b")
+        eventually(lambda: all(nodes(d)[o.node_id]["link"] == "none" for d, o in zip(daemons, daemons[::-1])),
+                   what="each knows the other, and no link is open yet")
         train_on(tmp_path, [d.address for d in daemons], backend)
         for d, other in zip(daemons, daemons[::-1]):
+            assert nodes(d)[other.node_id]["link"] == "tcp"  # opened by the ring (or the reads), kept peer_idle_s
             if backend == "ring":
                 assert f"(node {other.node_id}) over tcp://" in d.output(), d.output()  # the ring's link
             else:
