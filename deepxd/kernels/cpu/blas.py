@@ -16,7 +16,10 @@ GEMM leaves spinning is the one that takes the next loop's half.
     DEEPX_BLAS=mkl    MKL, and an error at start-up where it cannot be loaded
 
 On an AVX-512 Xeon MKL won (15-20% on the MLP step); on an AMD EPYC with AVX2 only, numpy's OpenBLAS did (its
-products 6-11% faster alone, the step 0.97x torch's time against 1.22x on MKL), hence the measurement.
+products 6-11% faster alone, the step 0.97x torch's time against 1.22x on MKL), hence the measurement. auto also
+times small products (SMALL_SHAPES: a small MLP's, SMALL_WORK multiply-adds or fewer) on each, apart: where MKL is
+chosen, those go to numpy's BLAS if it makes them faster (on an AMD EPYC, MKL's two threads took 15 us for a
+64 x 64 @ 64 x 128 product that numpy's took 11 us for on one, and 13-38 us inside the digits step against 13-21).
 
 The config's `blas` key says the same for a daemon. MKL gives other bits than OpenBLAS (another order of the
 products' sums), within float32's rounding of each other; one process uses one library for every matmul.
@@ -68,6 +71,7 @@ _mkl: Any = None  # the loaded libmkl_rt (a ctypes.CDLL), or None
 _tried = False
 _why = ""  # why MKL is not in use, for the start-up line
 _lib_dir: Path | None = None  # where libiomp5 lies, for native kernels that link it
+_small_numpy = False  # auto chose MKL, and numpy's BLAS for small products (SMALL_WORK)
 
 
 def _after_fork_in_child() -> None:
@@ -95,7 +99,7 @@ def _find(dist: str, stem: str) -> Path | None:
 
 def set_mode(mode: str) -> None:
     """auto, numpy or mkl (the config's `blas`), before the first matmul; `mkl` raises where MKL cannot be had."""
-    global _mode, _tried, _mkl, _why
+    global _mode, _tried, _mkl, _why, _small_numpy
     mode = mode.strip().lower()
     if mode not in CHOICES:
         raise DeepxError(f"blas: {mode!r} must be one of {', '.join(CHOICES)}")
@@ -106,6 +110,8 @@ def set_mode(mode: str) -> None:
                 _tried = False  # looked for again under the new mode
             elif mode == "numpy":
                 _mkl, _why = None, "blas = numpy"  # the loaded library stays loaded, unused
+            if mode != "auto":
+                _small_numpy = False
     _native.set_split(mode != "numpy")  # kernels built with OpenMP run their serial loops under numpy's BLAS
     if mode == "mkl" and mkl() is None:
         raise DeepxError(f"blas = mkl, but MKL cannot be loaded: {_why} (pip install 'deepx[mkl]')")
@@ -124,7 +130,7 @@ def mkl() -> Any:
 
 
 def _load() -> None:
-    global _mkl, _why, _lib_dir
+    global _mkl, _why, _lib_dir, _small_numpy
     if _mode == "numpy":
         _why = "blas = numpy"
         return
@@ -177,6 +183,7 @@ def _load() -> None:
                     f"{choice['mkl_us']:.0f} for the MLP step's largest products ({CHOICE_FILE})")
             _native.set_split(False)
             return
+        _small_numpy = choice.get("small_blas") == "numpy"
     _mkl, _lib_dir = lib, omp.parent
     _why = ""
 
@@ -190,6 +197,11 @@ def _load() -> None:
 #: client importing), kept a wrong choice for good (numpy's BLAS on a Xeon where MKL makes the step 1.28x faster:
 #: a moment's load slows MKL's two threads, which wait for each other, more than numpy's)
 CHOICE_SHAPES = ((256, 784, 512), (256, 512, 512))
+#: ...and apart, small products (m, k, n): the digits MLP's (64-128-64, batch 64); a 2-D product of SMALL_WORK
+#: multiply-adds or fewer goes to the library that made these faster (skinny ones too: numpy's BLAS made a 64 x 64 @
+#: 64 x 10 product in 2-5 us where the native loops' team took 7-17)
+SMALL_SHAPES = ((64, 64, 128), (64, 128, 64), (128, 64, 64))
+SMALL_WORK = 1 << 19
 CHOICE_ROUNDS = 5
 CHOICE_PAUSE_S = 0.15
 CHOICE_TIMES = 3
@@ -256,16 +268,34 @@ def _measured_or_known(lib: Any, path: Path) -> dict[str, Any]:
             times, kept = int(got.get("times", 1)), (float(got["mkl_us"]), float(got["numpy_us"]))
     except (KeyError, TypeError, ValueError):  # a record damaged or edited by hand: as if there were none
         times = 0
-    if times >= CHOICE_TIMES and isinstance(got, dict):
+    small_times, small_kept = 0, (float("inf"), float("inf"))
+    try:  # (measured apart: a record from before small products were timed has none)
+        if times and got.get("small_blas") in ("mkl", "numpy"):  # type: ignore[union-attr]
+            small_times = int(got["small_times"])  # type: ignore[index]
+            small_kept = (float(got["small_mkl_us"]), float(got["small_numpy_us"]))  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        small_times = 0
+    if times >= CHOICE_TIMES and small_times >= CHOICE_TIMES and isinstance(got, dict):
         return got
     mkl_us, numpy_us = measure_products(lib)
-    # the best of this start's figures and the ones kept: a start on a busy machine measures slow
-    mkl_us, numpy_us = min(mkl_us, kept[0]), min(numpy_us, kept[1])
-    times += 1
-    got = {"blas": "numpy" if numpy_us < NUMPY_MARGIN * mkl_us else "mkl", "mkl_us": round(mkl_us, 1),
-           "numpy_us": round(numpy_us, 1), "times": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    log.info("blas: auto measured MKL %.0f us and numpy's BLAS %.0f us for the MLP step's largest products (the "
-             "best of %d starts' measurements): %s", mkl_us, numpy_us, times, got["blas"])
+    small_mkl_us, small_numpy_us = measure_products(lib, SMALL_SHAPES)
+    if times >= CHOICE_TIMES and isinstance(got, dict):  # the large products' choice stands as kept
+        got = dict(got)
+    else:
+        # the best of this start's figures and the ones kept: a start on a busy machine measures slow
+        mkl_us, numpy_us = min(mkl_us, kept[0]), min(numpy_us, kept[1])
+        times += 1
+        got = {"blas": "numpy" if numpy_us < NUMPY_MARGIN * mkl_us else "mkl", "mkl_us": round(mkl_us, 1),
+               "numpy_us": round(numpy_us, 1), "times": times}
+        log.info("blas: auto measured MKL %.0f us and numpy's BLAS %.0f us for the MLP step's largest products (the "
+                 "best of %d starts' measurements): %s", mkl_us, numpy_us, times, got["blas"])
+    small_mkl_us, small_numpy_us = min(small_mkl_us, small_kept[0]), min(small_numpy_us, small_kept[1])
+    small_times += 1
+    got.update(small_blas="numpy" if small_numpy_us < NUMPY_MARGIN * small_mkl_us else "mkl",
+               small_mkl_us=round(small_mkl_us, 1), small_numpy_us=round(small_numpy_us, 1),
+               small_times=small_times, measured=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    log.info("blas: auto measured MKL %.1f us and numpy's BLAS %.1f us for small products (%d starts): %s",
+             small_mkl_us, small_numpy_us, small_times, got["small_blas"])
     known[key] = got
     try:
         tmp = path.with_name(f"{CHOICE_FILE}.{os.getpid()}")
@@ -276,11 +306,11 @@ def _measured_or_known(lib: Any, path: Path) -> dict[str, Any]:
     return got
 
 
-def measure_products(lib: Any) -> tuple[float, float]:
-    """The microseconds of CHOICE_SHAPES's products, each the best of CHOICE_ROUNDS, on MKL and on numpy's BLAS."""
+def measure_products(lib: Any, shapes: tuple[tuple[int, int, int], ...] = CHOICE_SHAPES) -> tuple[float, float]:
+    """The microseconds of `shapes`'s products, each the best of CHOICE_ROUNDS, on MKL and on numpy's BLAS."""
     rng = np.random.default_rng(0)
     operands = []
-    for m, k, n in CHOICE_SHAPES:
+    for m, k, n in shapes:
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
         operands.append((m, k, n, a, b, np.empty((m, n), np.float32)))
@@ -395,6 +425,8 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     n = b.shape[-1]
     if b.shape[-2] != k or out.shape[-2:] != (m, n) or not k or max(m, n, k) > _INT_MAX:
         return False
+    if _small_numpy and nd == 2 and m * n * k <= SMALL_WORK:
+        return False  # numpy's BLAS makes it faster here (auto's measurement)
     try:
         o = _addressof(_CHAR.from_buffer(out))  # type: ignore[arg-type]  # C-contiguous and writable
     except (TypeError, ValueError):
