@@ -234,6 +234,20 @@ def renumbered(program: Sequence[Instr], known: Sequence[Instr]) -> list[int] | 
     return out
 
 
+def same_kinds(program: Sequence[Instr], known: Sequence[Instr], varied: Sequence[int]) -> bool:
+    """Whether `program`, which `renumbered` found differing from `known` at `varied` alone, has known's
+    scalar_kinds: its new numbers are of the old types, so only a zero's sign can tell them apart."""
+    for i in varied:
+        for p, q in zip(program[i].args, known[i].args):
+            if p is q:
+                continue
+            v, w = p.value, q.value
+            t = type(v)
+            if (t is tuple or (t is float and (v == 0.0 or w == 0.0))) and _kind(v) != _kind(w):
+                return False
+    return True
+
+
 def probe(program: Sequence[Instr]) -> tuple[Any, ...]:
     """The key a program is remembered by (the scheduler's plans, expansions' derivations: a Cache's buckets): its
     length and its first and last instructions, an optimizer update's numbers left out, so that a program it repeats

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from deepx_core.ir.instr import Instr, renumbered, same_program, scalar_kinds
+from deepx_core.ir.instr import Instr, renumbered, same_kinds, same_program, scalar_kinds
 from deepx_core.ir.ops import Bound, TensorMeta
 
 if TYPE_CHECKING:
@@ -133,7 +133,8 @@ class Plan:
             sent = list(planned)
         else:
             return False
-        self.program, self.kinds, self.expanded, self.sent = program, scalar_kinds(program), expanded, sent
+        kinds = self.kinds if same_kinds(program, old, varied) else scalar_kinds(program)
+        self.program, self.kinds, self.expanded, self.sent = program, kinds, expanded, sent
         self.redo.extend(sorted(changed))
         return True
 

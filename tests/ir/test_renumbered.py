@@ -4,7 +4,7 @@ count, a scheduled learning rate), which the daemon's caches then take as the sa
 from __future__ import annotations
 
 from deepx_core.ir import parse_text
-from deepx_core.ir.instr import probe, renumbered
+from deepx_core.ir.instr import probe, renumbered, same_kinds, scalar_kinds
 
 STEP = """
     mul (tensor<float32>:x, tensor<float32>:w) -> (tensor<float32>:t)
@@ -42,3 +42,15 @@ def test_anything_else_makes_another_program():
     assert renumbered(step(lr="lr_var"), known) is None  # a variable's name in place of a number
     assert renumbered(step(**{"tensor<float32>:g": "tensor<float32>:h"}), known) is None  # another tensor
     assert renumbered(step()[:-1], known) is None
+
+
+def test_same_kinds_tells_whether_a_renumbered_program_keeps_the_scalar_kinds():
+    """A plan renumbered keeps its scalar_kinds where same_kinds says so: they are then the new program's."""
+    known = step()
+    for new in (step(lr="0.05", step=2), step(step=7), step(nesterov="true"), step(lr="-0.0"), step(wd="1e-4"),
+                step(lr="0.0")):
+        varied = renumbered(new, known)
+        assert varied is not None
+        assert same_kinds(new, known, varied) == (scalar_kinds(new) == scalar_kinds(known)), new
+    assert not same_kinds(step(lr="-0.0"), known, [2, 3]) and not same_kinds(step(wd="-0.0"), known, [3])
+    assert not same_kinds(step(wd="0.5"), known, [3]) and same_kinds(step(wd="0.5"), step(wd="0.25"), [3])
