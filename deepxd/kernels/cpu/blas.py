@@ -17,12 +17,11 @@ GEMM leaves spinning is the one that takes the next loop's half.
 
 On an AVX-512 Xeon MKL won (15-20% on the MLP step); on an AMD EPYC with AVX2 only, numpy's OpenBLAS did (its
 products 6-11% faster alone, the step 0.97x torch's time against 1.22x on MKL), hence the measurement. auto also
-times small products (SMALL_SHAPES: a small MLP's, SMALL_WORK multiply-adds or fewer) on each, apart: where MKL is
-chosen, those go to numpy's BLAS if it makes them faster (on an AMD EPYC, MKL's two threads took 15 us for a
-64 x 64 @ 64 x 128 product that numpy's took 11 us for on one, and 13-38 us inside the digits step against 13-21).
+runs small products on one thread where MKL is chosen (SMALL_WORK), and times the smallest on each, apart: those go
+to numpy's BLAS where it makes them faster (NUMPY_WORK, SMALL_SHAPES).
 
 The config's `blas` key says the same for a daemon. MKL gives other bits than OpenBLAS (another order of the
-products' sums), within float32's rounding of each other; one process uses one library for every matmul.
+products' sums), within float32's rounding of each other; one process makes each shape of product the same way.
 """
 
 from __future__ import annotations
@@ -71,7 +70,8 @@ _mkl: Any = None  # the loaded libmkl_rt (a ctypes.CDLL), or None
 _tried = False
 _why = ""  # why MKL is not in use, for the start-up line
 _lib_dir: Path | None = None  # where libiomp5 lies, for native kernels that link it
-_small_numpy = False  # auto chose MKL, and numpy's BLAS for small products (SMALL_WORK)
+_small = False  # auto chose MKL: small products run on one thread (SMALL_WORK)
+_small_numpy = False  # ...and the smallest on numpy's BLAS (NUMPY_WORK)
 
 
 def _after_fork_in_child() -> None:
@@ -99,7 +99,7 @@ def _find(dist: str, stem: str) -> Path | None:
 
 def set_mode(mode: str) -> None:
     """auto, numpy or mkl (the config's `blas`), before the first matmul; `mkl` raises where MKL cannot be had."""
-    global _mode, _tried, _mkl, _why, _small_numpy
+    global _mode, _tried, _mkl, _why, _small, _small_numpy
     mode = mode.strip().lower()
     if mode not in CHOICES:
         raise DeepxError(f"blas: {mode!r} must be one of {', '.join(CHOICES)}")
@@ -111,7 +111,7 @@ def set_mode(mode: str) -> None:
             elif mode == "numpy":
                 _mkl, _why = None, "blas = numpy"  # the loaded library stays loaded, unused
             if mode != "auto":
-                _small_numpy = False
+                _small = _small_numpy = False
     _native.set_split(mode != "numpy")  # kernels built with OpenMP run their serial loops under numpy's BLAS
     if mode == "mkl" and mkl() is None:
         raise DeepxError(f"blas = mkl, but MKL cannot be loaded: {_why} (pip install 'deepx[mkl]')")
@@ -130,7 +130,7 @@ def mkl() -> Any:
 
 
 def _load() -> None:
-    global _mkl, _why, _lib_dir, _small_numpy
+    global _mkl, _why, _lib_dir, _small, _small_numpy
     if _mode == "numpy":
         _why = "blas = numpy"
         return
@@ -168,6 +168,7 @@ def _load() -> None:
                            p, c_int, c_int, c_int]
             fn.restype = None
         lib.MKL_Get_Max_Threads.restype = c_int
+        lib.MKL_Set_Num_Threads_Local.argtypes, lib.MKL_Set_Num_Threads_Local.restype = [c_int], c_int
         # a product on the machine's threads gives the same bits whatever the arrays' alignment (MKL's conditional
         # numerical reproducibility, AUTO branch): a program and its stored graph's replay agree to the bit
         if lib.MKL_CBWR_Set(2) != 0:
@@ -183,7 +184,7 @@ def _load() -> None:
                     f"{choice['mkl_us']:.0f} for the MLP step's largest products ({CHOICE_FILE})")
             _native.set_split(False)
             return
-        _small_numpy = choice.get("small_blas") == "numpy"
+        _small, _small_numpy = True, choice.get("small_blas") == "numpy"
     _mkl, _lib_dir = lib, omp.parent
     _why = ""
 
@@ -197,11 +198,15 @@ def _load() -> None:
 #: client importing), kept a wrong choice for good (numpy's BLAS on a Xeon where MKL makes the step 1.28x faster:
 #: a moment's load slows MKL's two threads, which wait for each other, more than numpy's)
 CHOICE_SHAPES = ((256, 784, 512), (256, 512, 512))
-#: ...and apart, small products (m, k, n): the digits MLP's (64-128-64, batch 64); a 2-D product of SMALL_WORK
-#: multiply-adds or fewer goes to the library that made these faster (skinny ones too: numpy's BLAS made a 64 x 64 @
-#: 64 x 10 product in 2-5 us where the native loops' team took 7-17)
-SMALL_SHAPES = ((64, 64, 128), (64, 128, 64), (128, 64, 64))
+#: where MKL is chosen, a 2-D product of SMALL_WORK multiply-adds or fewer runs on one thread: inside the digits MLP's
+#: step (64-128-64, batch 64) MKL took 13-22 us for a 64 x 64 @ 64 x 128 product on one thread against 32-50 on two,
+#: and on a loaded machine 16 us against 160 (two threads wait for each other); skinny ones too (the native loops'
+#: team took 14-22 us). At NUMPY_WORK or fewer (where OpenBLAS runs on one thread too: its threads spin on after a
+#: product, and on a loaded machine woke 14 ms late) auto measures MKL on one thread against numpy's BLAS on these
+#: small products (m, k, n), apart, and takes the faster (numpy's, 2-5 us against 13-15 on an AMD EPYC)
 SMALL_WORK = 1 << 19
+NUMPY_WORK = 1 << 18
+SMALL_SHAPES = ((64, 64, 64), (64, 64, 10), (64, 10, 64), (10, 64, 64))
 CHOICE_ROUNDS = 5
 CHOICE_PAUSE_S = 0.15
 CHOICE_TIMES = 3
@@ -278,7 +283,7 @@ def _measured_or_known(lib: Any, path: Path) -> dict[str, Any]:
     if times >= CHOICE_TIMES and small_times >= CHOICE_TIMES and isinstance(got, dict):
         return got
     mkl_us, numpy_us = measure_products(lib)
-    small_mkl_us, small_numpy_us = measure_products(lib, SMALL_SHAPES)
+    small_mkl_us, small_numpy_us = measure_products(lib, SMALL_SHAPES, one_thread=True)
     if times >= CHOICE_TIMES and isinstance(got, dict):  # the large products' choice stands as kept
         got = dict(got)
     else:
@@ -306,8 +311,10 @@ def _measured_or_known(lib: Any, path: Path) -> dict[str, Any]:
     return got
 
 
-def measure_products(lib: Any, shapes: tuple[tuple[int, int, int], ...] = CHOICE_SHAPES) -> tuple[float, float]:
-    """The microseconds of `shapes`'s products, each the best of CHOICE_ROUNDS, on MKL and on numpy's BLAS."""
+def measure_products(lib: Any, shapes: tuple[tuple[int, int, int], ...] = CHOICE_SHAPES, one_thread: bool = False
+                     ) -> tuple[float, float]:
+    """The microseconds of `shapes`'s products, each the best of CHOICE_ROUNDS, on MKL (on one thread: one_thread)
+    and on numpy's BLAS."""
     rng = np.random.default_rng(0)
     operands = []
     for m, k, n in shapes:
@@ -316,8 +323,11 @@ def measure_products(lib: Any, shapes: tuple[tuple[int, int, int], ...] = CHOICE
         operands.append((m, k, n, a, b, np.empty((m, n), np.float32)))
 
     def on_mkl(m: int, k: int, n: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        threads = lib.MKL_Set_Num_Threads_Local(1) if one_thread else 0
         lib.cblas_sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data, n, 0.0,
                         out.ctypes.data, n)
+        if one_thread:
+            lib.MKL_Set_Num_Threads_Local(threads)
 
     def on_numpy(m: int, k: int, n: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         np.matmul(a, b, out=out)
@@ -425,7 +435,8 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     n = b.shape[-1]
     if b.shape[-2] != k or out.shape[-2:] != (m, n) or not k or max(m, n, k) > _INT_MAX:
         return False
-    if _small_numpy and nd == 2 and m * n * k <= SMALL_WORK:
+    small = _small and nd == 2 and m * n * k <= SMALL_WORK
+    if small and _small_numpy and m * n * k <= NUMPY_WORK:
         return False  # numpy's BLAS makes it faster here (auto's measurement)
     try:
         o = _addressof(_CHAR.from_buffer(out))  # type: ignore[arg-type]  # C-contiguous and writable
@@ -438,6 +449,12 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     if la is None or lb is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False
     single = dt is _F32
+    if small:
+        fn = lib.cblas_sgemm if single else lib.cblas_dgemm
+        threads = lib.MKL_Set_Num_Threads_Local(1)  # (this thread's, till set back)
+        fn(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, _address(a), la[1], _address(b), lb[1], 0.0, o, n)
+        lib.MKL_Set_Num_Threads_Local(threads)
+        return True
     if nd == 2:
         if (m <= _SMALL or n <= _SMALL or k <= _SMALL) and _native.small_product(
                 a, b, out, la[0] == _TRANS, la[1], lb[0] == _TRANS, lb[1]):

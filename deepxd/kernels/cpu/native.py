@@ -67,7 +67,9 @@ HOT = 3
 MAX_THREADS = max(1, min(8, os.cpu_count() or 1))  # the kernels' thread pool (fused._threads) and its pieces
 #: relu runs on numpy below this many elements, where a call through ctypes costs more than the loop saves
 RELU_MIN = 1 << 15
-#: fused expressions run on numpy's tape below this many elements, where the tape costs less than the call
+#: fused expressions run on numpy's tape below this many elements, where the tape costs less than the call; not
+#: those with column sums (fusedcolsum: a ReLU's gradient and its bias's, 64 x 128, 25-30 us on numpy in the digits
+#: step)
 FUSED_MIN = 1 << 15
 #: with a row or column input (numpy's broadcasting iterator, slow on small tensors), from this many elements up
 BROADCAST_MIN = 256
@@ -1671,8 +1673,8 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.nda
             if cols and found[1] != cols:
                 return False
             cols = found[1]
-    if not cols and n < FUSED_MIN:  # numpy's tape runs flat operands faster than a call here
-        return False
+    if not cols and n < FUSED_MIN and sums is None:  # numpy's tape runs flat operands faster than a call here
+        return False  # (not with the sums: numpy's are another pass, after the tape's, which the loop saves)
     key = (plan.text, len(inputs), CTYPE[dt], tuple(layouts), sums is not None)
     fn = _fused_fns.get(key)
     if fn is None:
@@ -1770,7 +1772,7 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
             if cols and found[1] != cols:
                 return never
             cols = found[1]
-    if not cols and n < FUSED_MIN:
+    if not cols and n < FUSED_MIN and not with_sums:  # (as fused's)
         return never
     key = (plan.text, len(shapes), CTYPE[dt], tuple(layouts), with_sums)
     shapes = [tuple(s) for s in shapes]
