@@ -772,6 +772,21 @@ def test_a_prepared_adam_call_gives_adams_bits(dtype, weight_decay, step, decoup
     same(v, v2)
 
 
+def test_adams_numbers_kept_from_the_last_update_are_those_it_would_make():
+    """_adam_numbers keeps its last set (a step's updates share their numbers); a number of another type or a zero
+    of another sign is another set."""
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    sets = [(f32, 1e-3, 0.9, 0.999, 1e-8, 0.0, 3, False), (f32, 1e-3, 0.9, 0.999, 1e-8, 0.0, 3, False),
+            (f32, 1e-3, 0.9, 0.999, 1e-8, -0.0, 3, False), (f32, 1e-3, 0.9, 0.999, 0.0, -0.0, 3, False),
+            (f32, 1e-3, 0.9, 0.999, -0.0, -0.0, 3, False), (f64, 1e-3, 0.9, 0.999, -0.0, -0.0, 3, False),
+            (f64, 1e-3, 0.9, 0.999, -0.0, -0.0, 4, False), (f64, 1e-3, 0.9, 0.999, -0.0, -0.0, 4, True),
+            (f64, 1e-3, 0.9, 0.999, -0.0, -0.0, 4, 1), (f64, 1e-3, 0.9, 0.999, -0.0, -0.0, 4.0, 1)]
+    for numbers in sets:
+        got, want = native._adam_numbers(*numbers), native._adam_numbers_of(*numbers)
+        assert [(type(a), a.tobytes() if hasattr(a, "tobytes") else a) for a in got] == [
+            (type(a), a.tobytes() if hasattr(a, "tobytes") else a) for a in want], numbers
+
+
 def test_a_prepared_adam_call_declines_what_adam_must_decide():
     n = 64
     p, g, m, v = (np.ones(n, np.float32) for _ in range(4))

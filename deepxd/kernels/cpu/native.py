@@ -83,8 +83,8 @@ SGD_CALL_MIN = 256
 #: the call on any tensor but a handful of elements (the digits MLP's bias of 10: 7.6 us on numpy, the loop about 2)
 ADAM_CALL_MIN = 8
 #: sums over leading axes (colsum) run on numpy below this many elements; a bias gradient of 256x10 (2560 values)
-#: took 17 us in C against 28-30 us on numpy inside the MLP step
-COLSUM_MIN = 1 << 11
+#: took 17 us in C against 28-30 us on numpy inside the MLP step, and of 64x10 (the digits MLP's) 3-4 against 15
+COLSUM_MIN = 1 << 8
 #: elements per thread below which a kernel runs on the calling thread alone (Python's thread pool, without MKL)
 THREAD_MIN = 1 << 18
 #: ...for erf and gelu, which compute far longer per element than they take to read (about 0.5 ns a float32)
@@ -1291,7 +1291,24 @@ def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: 
 def _adam_numbers(dt: np.dtype, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                   decoupled: bool) -> tuple[Any, ...]:
     """The adam loop's arguments after its pointers, in its dtype: b1, 1 - b1, b2, 1 - b2, eps, weight_decay, the
-    decoupled shrink, lr / bc1, sqrt(bc2), and the flags (decay, decoupled)."""
+    decoupled shrink, lr / bc1, sqrt(bc2), and the flags (decay, decoupled). The last set is kept: a step's updates
+    (one per parameter) share their numbers."""
+    global _last_adam
+    key = (lr, beta1, beta2, eps, weight_decay, step, decoupled)
+    last = _last_adam
+    if last is not None and last[0] is dt and last[1] == key and all(
+            type(a) is type(b) and (a or math.copysign(1.0, a) == math.copysign(1.0, b)) for a, b in zip(last[1], key)):
+        return last[2]
+    args = _adam_numbers_of(dt, lr, beta1, beta2, eps, weight_decay, step, decoupled)
+    _last_adam = (dt, key, args)
+    return args
+
+
+_last_adam: tuple[np.dtype, tuple[Any, ...], tuple[Any, ...]] | None = None  # the last _adam_numbers: dtype, key, args
+
+
+def _adam_numbers_of(dt: np.dtype, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                     step: int, decoupled: bool) -> tuple[Any, ...]:
     real = dt.type
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     return (real(beta1), real(1 - beta1), real(beta2), real(1 - beta2), real(eps), real(weight_decay),
