@@ -1,10 +1,10 @@
-"""Where a training step's time goes: the character transformer of examples/train_transformer.py (or, with
-`--model mlp`, bench/gpu.py's MLP step), warm steps profiled with yappi across every thread (the SDK's, the event
-loop's, op-cuda's device thread), the functions that cost most printed per thread. Not a benchmark (no peer): the map
-for making one faster.
+"""Where a training step's time goes: the character transformer of examples/train_transformer.py (or, with `--model
+mlp`, bench/gpu.py's MLP step; with `--model digits`, bench/train.py's digits step), warm steps profiled with yappi
+across every thread (the SDK's, the event loop's, op-cuda's device thread), the functions that cost most printed per
+thread. Not a benchmark (no peer): the map for making one faster.
 
-    pip install yappi; python bench/profile_step.py [--roles heapmem,op-cuda] [--model mlp] [--compiled]
-        [--steps 30] [--top 40]
+    pip install yappi; python bench/profile_step.py [--roles heapmem,op-cuda] [--model mlp|digits] [--compiled]
+        [--steps 30] [--top 40] [--clock wall|cpu]
 
 Writes the text to $OUT/profile_step.txt when OUT is set.
 """
@@ -36,23 +36,27 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--model", choices=("transformer", "mlp"), default="transformer")
+    ap.add_argument("--model", choices=("transformer", "mlp", "digits"), default="transformer")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: each thread's own CPU time")
     ap.add_argument("--compiled", action="store_true", help="the step under dx.compile")
     opts = ap.parse_args()
     import yappi
 
     os.environ.setdefault("DEEPX_CUDA_WARM", "0")  # no background compilation during the profiled steps
+    os.environ.setdefault("DEEPX_NATIVE_BACKGROUND", "0")
 
     ex = load_example("deepx")
     ex["dx"].connect(roles=opts.roles.split(","))
     if opts.model == "mlp":
         step = mlp_step(opts.compiled)
+    elif opts.model == "digits":
+        step = digits_step(opts.compiled)
     else:
         step = trainer(ex, opts.context, opts.d_model, opts.layers, opts.batch, compiled=opts.compiled)
 
     for _ in range(opts.warmup):
         step()
-    yappi.set_clock_type("wall")
+    yappi.set_clock_type(opts.clock)
     yappi.start(builtins=True, profile_threads=True)
     t0 = time.perf_counter()
     for _ in range(opts.steps):
@@ -61,7 +65,7 @@ def main() -> None:
     yappi.stop()
     out = io.StringIO()
     out.write(f"{opts.steps} warm {opts.model} steps{' (dx.compile)' if opts.compiled else ''}, "
-              f"{1e3 * wall / opts.steps:.2f} ms per step (roles {opts.roles})\n")
+              f"{1e3 * wall / opts.steps:.2f} ms per step (roles {opts.roles}, {opts.clock} clock)\n")
     threads = {t.id: t.name for t in yappi.get_thread_stats()}
     for tid, name in threads.items():
         stats = yappi.get_func_stats(filter_callback=lambda f, tid=tid: f.ctx_id == tid)
@@ -94,6 +98,32 @@ def mlp_step(compiled: bool) -> Callable[[], None]:
     y = dx.tensor(rng.integers(0, 10, 256))
     model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
     opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def core(x: Any, y: Any) -> Any:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    run = dx.compile(core) if compiled else core
+    return lambda: run(x, y).item()
+
+
+def digits_step(compiled: bool) -> Callable[[], None]:
+    """bench/train.py's digits step (64-128-64-10, Adam, batch 64, the loss read back)."""
+    import numpy as np
+
+    import deepx_sdk as dx
+    import deepx_sdk.nn as nn
+    import deepx_sdk.nn.functional as F
+    from deepx_sdk.optim import Adam
+
+    rng = np.random.default_rng(0)
+    x = dx.tensor(rng.standard_normal((64, 64)).astype(np.float32))
+    y = dx.tensor(rng.integers(0, 10, 64))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = Adam(model.parameters(), lr=1e-3)
 
     def core(x: Any, y: Any) -> Any:
         opt.zero_grad()

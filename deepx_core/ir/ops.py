@@ -112,6 +112,9 @@ class OpDef:
     # whether it touches files or the output (deepx_core/ir/effects.py; `op(..., effect=KIND)`, or derived from the
     # family and the returns); `effect.pure`: it does nothing but write its returns
     effect: Effect = _WRITES
+    # the check of its numbers alone, for an op whose results' metas do not depend on them (the optimizer updates):
+    # an instruction that only renumbers one already bound (rebind_numbers) runs this instead of `infer`
+    numbers: Callable[[OpDef, Sequence[Any]], None] | None = None
 
     def signature(self) -> str:
         def fmt(a: Arg) -> str:
@@ -745,28 +748,13 @@ def _pad(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(tuple(d + pads[2 * i] + pads[2 * i + 1] for i, d in enumerate(a.shape)), a.dtype)]
 
 
-def update_numbers(op: OpDef, args: Sequence[Any]) -> None:
-    """An optimizer update's numbers checked (the part of its rule that reads no tensor): DeepxError naming each
-    one out of its range."""
-    hp = {a.name: v for a, v in zip(op.args, args) if a.kind == "var"}
-    problems = [f"{k}={hp[k]} must be >= 0" for k in ("lr", "eps", "weight_decay", "momentum", "dampening")
-                if k in hp and not hp[k] >= 0]
-    problems += [f"{k}={hp[k]} must be in [0, 1)" for k in ("beta1", "beta2") if k in hp and not 0 <= hp[k] < 1]
-    if hp.get("step", 1) < 1:
-        problems.append(f"step={hp['step']} must count from 1")
-    if hp.get("nesterov") and not (hp.get("momentum", 0) > 0 and hp.get("dampening", 0) == 0):
-        problems.append("nesterov needs momentum > 0 and dampening 0")
-    if problems:
-        raise DeepxError(f"{op.name}: {'; '.join(problems)}")
-
-
 def _update(n_state: int) -> Infer:
     """Optimizer updates: param, grad and n_state state tensors all alike; written in place."""
 
     def rule(c: Call) -> list[TensorMeta | None]:
         idx = list(range(2 + n_state))
         _dtype_match(c, *idx)
-        update_numbers(c.op, c.args)
+        _update_numbers(c.op, c.args)
         p = c.args[0]
         for i in idx[1:]:
             if c.args[i].shape != p.shape:
@@ -780,6 +768,20 @@ def _update(n_state: int) -> Infer:
         return list(outs)
 
     return rule
+
+
+def _update_numbers(op: OpDef, args: Sequence[Any]) -> None:
+    """An optimizer update's numbers (its `numbers` check): rates and eps >= 0, betas in [0, 1), steps from 1."""
+    hp = {a.name: v for a, v in zip(op.args, args) if a.kind == "var"}
+    problems = [f"{k}={hp[k]} must be >= 0" for k in ("lr", "eps", "weight_decay", "momentum", "dampening")
+                if k in hp and not hp[k] >= 0]
+    problems += [f"{k}={hp[k]} must be in [0, 1)" for k in ("beta1", "beta2") if k in hp and not 0 <= hp[k] < 1]
+    if hp.get("step", 1) < 1:
+        problems.append(f"step={hp['step']} must count from 1")
+    if hp.get("nesterov") and not (hp.get("momentum", 0) > 0 and hp.get("dampening", 0) == 0):
+        problems.append("nesterov needs momentum > 0 and dampening 0")
+    if problems:
+        raise DeepxError(f"{op.name}: {'; '.join(problems)}")
 
 
 def stats_dtype(dtype: str) -> str:
@@ -953,12 +955,13 @@ ALIAS_SAFE_FAMILIES = frozenset({"elementwise", "compare", "optim", "fused", "ex
 
 def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtypes: frozenset[str], infer: Infer,
        doc: str, *, grad: bool | Callable[..., Any] = False, deepxir: bool = True,
-       expr: str = "", alias_safe: bool = False, effect: str | None = None, reads_returns: bool = False) -> OpDef:
+       expr: str = "", alias_safe: bool = False, effect: str | None = None, reads_returns: bool = False,
+       numbers: Callable[[OpDef, Sequence[Any]], None] | None = None) -> OpDef:
     """Add an op to the catalogue. `grad`: True where autograd's GRAD_RULES has the op's rule, or the rule itself
     written on value handles (see OpDef.grad_rule). Family "expr" needs no kernel: its CPU and CUDA kernels evaluate
     `expr` (an elementwise op on float tensors, whose scalar args are vars). `effect`: what it does to its tensor
     returns, a kind of effects.py (derived where not given: see effects.declare); `reads_returns`: its result
-    depends on a return as it was."""
+    depends on a return as it was; `numbers`: see OpDef.numbers."""
     if name in OPS:
         raise ValueError(f"op {name} defined twice")
     if expr:
@@ -968,7 +971,7 @@ def op(name: str, family: str, args: Sequence[Arg], returns: Sequence[Arg], dtyp
     d = OpDef(name, family, tuple(args), tuple(returns), frozenset(dtypes), infer, doc, bool(grad), deepxir,
               sum(a.required for a in args), sum(a.required for a in returns), expr,
               grad if callable(grad) else None, alias_safe or family in ALIAS_SAFE_FAMILIES,
-              declare(effect, family, args, returns, reads_returns))
+              declare(effect, family, args, returns, reads_returns), numbers)
     OPS[name] = d
     return d
 
@@ -1367,13 +1370,13 @@ op("sgd", "optim", [t("param"), t("grad"), t("momentum_buffer"), v("lr"), v("mom
                     v("step", "int", 1)],
    [t("param"), t("momentum_buffer")], _F, _update(1),
    "torch.optim.SGD's update, in place; step is 1 on the first call (the buffer then starts as the gradient)",
-   deepxir=False)
+   deepxir=False, numbers=_update_numbers)
 for _n, _d in [("adam", "torch.optim.Adam's update (L2 weight decay), in place; step counts from 1"),
                ("adamw", "torch.optim.AdamW's update (decoupled weight decay), in place; step counts from 1")]:
     op(_n, "optim", [t("param"), t("grad"), t("exp_avg"), t("exp_avg_sq"), v("lr"), v("beta1", default=0.9),
                      v("beta2", default=0.999), v("eps", default=1e-8),
                      v("weight_decay", default=0.0 if _n == "adam" else 0.01), v("step", "int", 1)],
-       [t("param"), t("exp_avg"), t("exp_avg_sq")], _F, _update(2), _d, deepxir=False)
+       [t("param"), t("exp_avg"), t("exp_avg_sq")], _F, _update(2), _d, deepxir=False, numbers=_update_numbers)
 
 
 # -- collectives: the ranks of a process group combine their tensors (deepx_sdk.distributed; docs/distributed.md).
@@ -1761,8 +1764,9 @@ def bind(instr: Instr, env: Env) -> Bound:
 def rebind_numbers(old: Bound, instr: Instr) -> Bound:
     """`old` for `instr`, the same instruction but for its numbers (an optimizer update's step count, a schedule's
     learning rate): its scalar arguments read and checked as `bind` reads them, and the op's rule run on them with
-    the metas `old` holds, without looking its tensors up again. DeepxError as `bind` raises it; a number given as a
-    variable's name is refused here (the caller binds such an instruction whole)."""
+    the metas `old` holds (its `numbers` check alone where it has one), without looking its tensors up again.
+    DeepxError as `bind` raises it; a number given as a variable's name is refused here (the caller binds such an
+    instruction whole)."""
     op = old.op
     params, before = instr.args, old.instr.args
     args = list(old.args)
@@ -1775,9 +1779,9 @@ def rebind_numbers(old: Bound, instr: Instr) -> Bound:
             args[i] = _var(op, a, p, None)
     if args == old.args:
         return old._replace(instr=instr)
-    if op.family == "optim":  # its outputs are its tensors, whatever the numbers: only those are checked again
-        update_numbers(op, args)
-        return Bound(op, instr, args, old.names, old.outs, old.out_names, old.nbytes)
+    if op.numbers is not None:  # its results' metas are its tensors' alone, as old holds them
+        op.numbers(op, args)
+        return old._replace(instr=instr, args=args)
     out_dtypes = [p.dtype for p in instr.returns]
     inferred = op.infer(Call(op, args, old.names, list(old.outs), out_dtypes, old.out_names, instr.meta))
     nbytes = old.nbytes if inferred == old.outs else _nbytes(op, inferred, old.out_names)

@@ -5,6 +5,7 @@ the StepLR, CosineAnnealingLR, LambdaLR, LinearLR (warm-up) and OneCycleLR sched
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ def _var(value: bool | int | float) -> Param:
     return p
 
 
+_NUMBERS = (float, int, bool)
 _SGD_HYPER, _SGD_KINDS = ("lr", "momentum", "dampening", "weight_decay", "nesterov"), (float,) * 4 + (bool,)
 _ADAM_HYPER, _ADAM_KINDS = ("lr", "eps", "weight_decay"), (float,) * 3
 
@@ -53,8 +55,9 @@ class Optimizer:
         for g in groups:
             self.add_param_group(g)
         self.state: dict[int, dict[str, Any]] = {}  # by id(param): a Tensor's == records a comparison
-        # by id(group): its hyperparameters' values and their var params (_hyper); the line that called step (_at)
-        self._hypers: dict[int, tuple[tuple[Any, ...], tuple[Param, ...]]] = {}
+        # by (id(group), names): its hyperparameters' values, their key and var params (_hyper); the line that called
+        # step (_at)
+        self._hypers: dict[tuple[int, tuple[str, ...]], tuple[list[Any], tuple[Any, ...], tuple[Param, ...]]] = {}
         self._at: Any = None
         self._count: tuple[dict[str, Any], int] | None = None  # (state, step before) of the update being recorded
 
@@ -119,13 +122,19 @@ class Optimizer:
     def _hyper(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...]) -> tuple[Param, ...]:
         """The var params of a group's hyperparameters, remade only when one changed (a scheduler's lr): every step
         records the same objects. Floats are told apart by sign too (-0.0 is not 0.0)."""
-        values = tuple(kind(group[n]) for n, kind in zip(names, kinds))
+        raw = [group[n] for n in names]
+        at = (id(group), names)
+        made = self._hypers.get(at)
+        if made is not None and all(map(operator.is_, raw, made[0])):  # the very values: the same params
+            return made[2]
+        values = tuple(kind(v) for v, kind in zip(raw, kinds))
         key = tuple((v, math.copysign(1.0, v)) if type(v) is float else v for v in values)
-        made = self._hypers.get(id(group))
-        if made is not None and made[0] == key:
-            return made[1]
-        params = tuple(_var(v) for v in values)
-        self._hypers[id(group)] = (key, params)
+        if made is not None and made[1] == key:
+            params = made[2]
+        else:
+            params = tuple(_var(v) for v in values)
+        # (kept for the identity check only where no value can change in place: Python's numbers)
+        self._hypers[at] = (raw if all(type(v) in _NUMBERS for v in raw) else [None] * len(raw), key, params)
         return params
 
     def _buffer(self, p: Tensor, state: dict[str, Any], key: str) -> Tensor:

@@ -42,3 +42,21 @@ def test_numbers_bind_refuses_are_refused_with_its_message():
         assert str(got.value) == str(want.value)
     with pytest.raises(DeepxError, match="no variable"):  # a variable's name: the caller binds it whole
         rebind_numbers(old, _adamw("lr_var", 2))
+
+
+def test_ops_with_a_numbers_check_are_the_updates_and_rebind_as_bind_binds():
+    """An op's `numbers` check stands for its rule where only numbers change: each such op, renumbered, binds as
+    bind binds it (the same metas, bytes and args)."""
+    from deepx_core.ir.ops import OPS
+
+    assert sorted(name for name, d in OPS.items() if d.numbers is not None) == ["adam", "adamw", "sgd"]
+    (adam,) = parse_text(str(_adamw("0.001", 1)).replace("adamw", "adam", 1))
+    (adam2,) = parse_text(str(_adamw("0.002", 5)).replace("adamw", "adam", 1))
+    assert rebind_numbers(bind(adam, ENV), adam2) == bind(adam2, ENV)
+    text = ("sgd (tensor<float32>:w, tensor<float32>:g, tensor<float32>:b, var<float64>:0.1, var<float64>:{m}, "
+            "var<float64>:0.0, var<float64>:0.0, var<bool>:{nesterov}, var<int32>:1) -> (tensor<float32>:w, "
+            "tensor<float32>:b)")
+    (sgd,) = parse_text(text.format(m="0.9", nesterov="false"))
+    (bad,) = parse_text(text.format(m="0.0", nesterov="true"))
+    with pytest.raises(DeepxError, match="nesterov needs momentum"):
+        rebind_numbers(bind(sgd, ENV), bad)

@@ -596,3 +596,63 @@ def test_auto_takes_the_library_it_measures_faster_and_keeps_the_choice(tmp_path
     # DEEPX_BLAS=mkl or numpy is never measured
     forced = _script(body, DEEPX_KERNEL_CACHE=str(tmp_path / "other"))
     assert "describe mkl (" in forced.stdout and not (tmp_path / "other" / "blas-choice.json").exists()
+
+
+@needs_mkl
+def test_small_products_run_on_one_thread_and_the_smallest_where_auto_measured_faster(tmp_path):
+    """Where auto chooses MKL, a 2-D product of SMALL_WORK multiply-adds or fewer runs on one of its threads, and one
+    of NUMPY_WORK or fewer goes to numpy's BLAS if auto measured it faster on such products (blas.SMALL_SHAPES,
+    timed apart); larger ones and stacks as before. A record from before small products were timed keeps its choice
+    and has them measured."""
+    body = """
+        import ctypes, logging
+        logging.basicConfig(level=logging.INFO)
+        import numpy as np
+        from deepxd.kernels.cpu import blas
+        from deepxd.kernels.cpu.matmul import matmul
+        rng = np.random.default_rng(0)
+        done = []
+        # small: the smallest (skinny, and one read transposed), two on one thread; a larger one, a stack
+        for sa, sb, tb in (((64, 64), (64, 10), False), ((10, 64), (64, 64), True), ((64, 64), (64, 128), False),
+                           ((128, 64), (64, 64), True), ((64, 128), (128, 65), False), ((2, 64, 64), (64, 128), False)):
+            a = rng.standard_normal(sa).astype(np.float32)
+            b = rng.standard_normal(sb[::-1] if tb else sb).astype(np.float32)
+            b = b.T if tb else b
+            out = np.empty(sa[:-1] + sb[-1:], np.float32)
+            done.append(blas.gemm(a, b, out))
+            out[...] = np.nan
+            matmul(a, b, out)
+            assert np.allclose(out, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+        lib = blas.mkl()  # (None where auto's first measurement chose numpy's BLAS)
+        assert lib is None or lib.MKL_Set_Num_Threads_Local(0) == 0  # the thread's setting given back each time
+        print("describe", blas.describe().split(" ")[0], "small", blas._small, blas._small_numpy, "gemm", done)
+    """
+    import json
+
+    from deepxd.kernels.cpu.blas import CHOICE_TIMES, NUMPY_WORK, SMALL_WORK
+
+    assert 64 * 64 * 10 <= NUMPY_WORK < 64 * 64 * 128 <= SMALL_WORK < 64 * 128 * 65
+    cache = tmp_path / "cache"
+    first = _script(body, DEEPX_BLAS="auto", DEEPX_KERNEL_CACHE=str(cache))
+    assert "for small products (1 starts)" in first.stderr, first.stderr
+    (key, record), = json.loads((cache / "blas-choice.json").read_text()).items()
+    assert record["small_times"] == 1 and record["small_blas"] in ("mkl", "numpy")
+    for small in ("numpy", "mkl"):
+        kept = {"blas": "mkl", "mkl_us": 1.0, "numpy_us": 1.0, "times": CHOICE_TIMES, "small_blas": small,
+                "small_mkl_us": 1.0, "small_numpy_us": 1.0, "small_times": CHOICE_TIMES}
+        (cache / "blas-choice.json").write_text(json.dumps({key: kept}))
+        r = _script(body, DEEPX_BLAS="auto", DEEPX_KERNEL_CACHE=str(cache))
+        assert "auto measured" not in r.stderr
+        mkl = small == "mkl"
+        assert f"describe mkl small True {not mkl} gemm [{mkl}, {mkl}, True, True, True, True]" in r.stdout, r.stdout
+    # a record without small products' figures: its choice stands, the small products are measured
+    old = {"blas": "mkl", "mkl_us": 1.0, "numpy_us": 1.0, "times": CHOICE_TIMES}
+    (cache / "blas-choice.json").write_text(json.dumps({key: old}))
+    r = _script(body, DEEPX_BLAS="auto", DEEPX_KERNEL_CACHE=str(cache))
+    assert "for the MLP step's largest products" not in r.stderr and "for small products (1 starts)" in r.stderr
+    (record,) = json.loads((cache / "blas-choice.json").read_text()).values()
+    assert record["blas"] == "mkl" and record["mkl_us"] == 1.0 and record["times"] == CHOICE_TIMES
+    assert record["small_times"] == 1 and "describe mkl small True" in r.stdout
+    # forced to MKL, every product is MKL's as it always was
+    forced = _script(body, DEEPX_KERNEL_CACHE=str(cache))
+    assert "small False False gemm [True, True, True, True, True, True]" in forced.stdout, forced.stdout

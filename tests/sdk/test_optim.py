@@ -191,6 +191,12 @@ def test_an_update_records_the_same_hyperparameter_params_until_one_changes():
     opt.param_groups[0]["weight_decay"] = -0.0
     fourth = recorded()
     assert str(fourth[3].value) == "-0.0" and str(third[3].value) == "0.0"
+    # a value that can change in place (a 0-d array) is read again every step, not taken for the same by identity
+    lr = np.array(0.2)
+    opt.param_groups[0]["lr"] = lr
+    assert recorded()[0].value == 0.2
+    lr[...] = 0.3
+    assert recorded()[0].value == 0.3
     s.sync()
     np.testing.assert_array_less(p.numpy(), 1.0)  # the updates ran
 

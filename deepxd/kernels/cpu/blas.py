@@ -16,10 +16,12 @@ GEMM leaves spinning is the one that takes the next loop's half.
     DEEPX_BLAS=mkl    MKL, and an error at start-up where it cannot be loaded
 
 On an AVX-512 Xeon MKL won (15-20% on the MLP step); on an AMD EPYC with AVX2 only, numpy's OpenBLAS did (its
-products 6-11% faster alone, the step 0.97x torch's time against 1.22x on MKL), hence the measurement.
+products 6-11% faster alone, the step 0.97x torch's time against 1.22x on MKL), hence the measurement. auto also
+runs small products on one thread where MKL is chosen (SMALL_WORK), and times the smallest on each, apart: those go
+to numpy's BLAS where it makes them faster (NUMPY_WORK, SMALL_SHAPES).
 
 The config's `blas` key says the same for a daemon. MKL gives other bits than OpenBLAS (another order of the
-products' sums), within float32's rounding of each other; one process uses one library for every matmul.
+products' sums), within float32's rounding of each other; one process makes each shape of product the same way.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ _mkl: Any = None  # the loaded libmkl_rt (a ctypes.CDLL), or None
 _tried = False
 _why = ""  # why MKL is not in use, for the start-up line
 _lib_dir: Path | None = None  # where libiomp5 lies, for native kernels that link it
+_small = False  # auto chose MKL: small products run on one thread (SMALL_WORK)
+_small_numpy = False  # ...and the smallest on numpy's BLAS (NUMPY_WORK)
 
 
 def _after_fork_in_child() -> None:
@@ -95,7 +99,7 @@ def _find(dist: str, stem: str) -> Path | None:
 
 def set_mode(mode: str) -> None:
     """auto, numpy or mkl (the config's `blas`), before the first matmul; `mkl` raises where MKL cannot be had."""
-    global _mode, _tried, _mkl, _why
+    global _mode, _tried, _mkl, _why, _small, _small_numpy
     mode = mode.strip().lower()
     if mode not in CHOICES:
         raise DeepxError(f"blas: {mode!r} must be one of {', '.join(CHOICES)}")
@@ -106,6 +110,8 @@ def set_mode(mode: str) -> None:
                 _tried = False  # looked for again under the new mode
             elif mode == "numpy":
                 _mkl, _why = None, "blas = numpy"  # the loaded library stays loaded, unused
+            if mode != "auto":
+                _small = _small_numpy = False
     _native.set_split(mode != "numpy")  # kernels built with OpenMP run their serial loops under numpy's BLAS
     if mode == "mkl" and mkl() is None:
         raise DeepxError(f"blas = mkl, but MKL cannot be loaded: {_why} (pip install 'deepx[mkl]')")
@@ -124,7 +130,7 @@ def mkl() -> Any:
 
 
 def _load() -> None:
-    global _mkl, _why, _lib_dir
+    global _mkl, _why, _lib_dir, _small, _small_numpy
     if _mode == "numpy":
         _why = "blas = numpy"
         return
@@ -162,6 +168,7 @@ def _load() -> None:
                            p, c_int, c_int, c_int]
             fn.restype = None
         lib.MKL_Get_Max_Threads.restype = c_int
+        lib.MKL_Set_Num_Threads_Local.argtypes, lib.MKL_Set_Num_Threads_Local.restype = [c_int], c_int
         # a product on the machine's threads gives the same bits whatever the arrays' alignment (MKL's conditional
         # numerical reproducibility, AUTO branch): a program and its stored graph's replay agree to the bit
         if lib.MKL_CBWR_Set(2) != 0:
@@ -177,6 +184,7 @@ def _load() -> None:
                     f"{choice['mkl_us']:.0f} for the MLP step's largest products ({CHOICE_FILE})")
             _native.set_split(False)
             return
+        _small, _small_numpy = True, choice.get("small_blas") == "numpy"
     _mkl, _lib_dir = lib, omp.parent
     _why = ""
 
@@ -190,6 +198,15 @@ def _load() -> None:
 #: client importing), kept a wrong choice for good (numpy's BLAS on a Xeon where MKL makes the step 1.28x faster:
 #: a moment's load slows MKL's two threads, which wait for each other, more than numpy's)
 CHOICE_SHAPES = ((256, 784, 512), (256, 512, 512))
+#: where MKL is chosen, a 2-D product of SMALL_WORK multiply-adds or fewer runs on one thread: inside the digits MLP's
+#: step (64-128-64, batch 64) MKL took 13-22 us for a 64 x 64 @ 64 x 128 product on one thread against 32-50 on two,
+#: and on a loaded machine 16 us against 160 (two threads wait for each other); skinny ones too (the native loops'
+#: team took 14-22 us). At NUMPY_WORK or fewer (where OpenBLAS runs on one thread too: its threads spin on after a
+#: product, and on a loaded machine woke 14 ms late) auto measures MKL on one thread against numpy's BLAS on these
+#: small products (m, k, n), apart, and takes the faster (numpy's, 2-5 us against 13-15 on an AMD EPYC)
+SMALL_WORK = 1 << 19
+NUMPY_WORK = 1 << 18
+SMALL_SHAPES = ((64, 64, 64), (64, 64, 10), (64, 10, 64), (10, 64, 64))
 CHOICE_ROUNDS = 5
 CHOICE_PAUSE_S = 0.15
 CHOICE_TIMES = 3
@@ -256,16 +273,34 @@ def _measured_or_known(lib: Any, path: Path) -> dict[str, Any]:
             times, kept = int(got.get("times", 1)), (float(got["mkl_us"]), float(got["numpy_us"]))
     except (KeyError, TypeError, ValueError):  # a record damaged or edited by hand: as if there were none
         times = 0
-    if times >= CHOICE_TIMES and isinstance(got, dict):
+    small_times, small_kept = 0, (float("inf"), float("inf"))
+    try:  # (measured apart: a record from before small products were timed has none)
+        if times and got.get("small_blas") in ("mkl", "numpy"):  # type: ignore[union-attr]
+            small_times = int(got["small_times"])  # type: ignore[index]
+            small_kept = (float(got["small_mkl_us"]), float(got["small_numpy_us"]))  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        small_times = 0
+    if times >= CHOICE_TIMES and small_times >= CHOICE_TIMES and isinstance(got, dict):
         return got
     mkl_us, numpy_us = measure_products(lib)
-    # the best of this start's figures and the ones kept: a start on a busy machine measures slow
-    mkl_us, numpy_us = min(mkl_us, kept[0]), min(numpy_us, kept[1])
-    times += 1
-    got = {"blas": "numpy" if numpy_us < NUMPY_MARGIN * mkl_us else "mkl", "mkl_us": round(mkl_us, 1),
-           "numpy_us": round(numpy_us, 1), "times": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    log.info("blas: auto measured MKL %.0f us and numpy's BLAS %.0f us for the MLP step's largest products (the "
-             "best of %d starts' measurements): %s", mkl_us, numpy_us, times, got["blas"])
+    small_mkl_us, small_numpy_us = measure_products(lib, SMALL_SHAPES, one_thread=True)
+    if times >= CHOICE_TIMES and isinstance(got, dict):  # the large products' choice stands as kept
+        got = dict(got)
+    else:
+        # the best of this start's figures and the ones kept: a start on a busy machine measures slow
+        mkl_us, numpy_us = min(mkl_us, kept[0]), min(numpy_us, kept[1])
+        times += 1
+        got = {"blas": "numpy" if numpy_us < NUMPY_MARGIN * mkl_us else "mkl", "mkl_us": round(mkl_us, 1),
+               "numpy_us": round(numpy_us, 1), "times": times}
+        log.info("blas: auto measured MKL %.0f us and numpy's BLAS %.0f us for the MLP step's largest products (the "
+                 "best of %d starts' measurements): %s", mkl_us, numpy_us, times, got["blas"])
+    small_mkl_us, small_numpy_us = min(small_mkl_us, small_kept[0]), min(small_numpy_us, small_kept[1])
+    small_times += 1
+    got.update(small_blas="numpy" if small_numpy_us < NUMPY_MARGIN * small_mkl_us else "mkl",
+               small_mkl_us=round(small_mkl_us, 1), small_numpy_us=round(small_numpy_us, 1),
+               small_times=small_times, measured=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    log.info("blas: auto measured MKL %.1f us and numpy's BLAS %.1f us for small products (%d starts): %s",
+             small_mkl_us, small_numpy_us, small_times, got["small_blas"])
     known[key] = got
     try:
         tmp = path.with_name(f"{CHOICE_FILE}.{os.getpid()}")
@@ -276,18 +311,23 @@ def _measured_or_known(lib: Any, path: Path) -> dict[str, Any]:
     return got
 
 
-def measure_products(lib: Any) -> tuple[float, float]:
-    """The microseconds of CHOICE_SHAPES's products, each the best of CHOICE_ROUNDS, on MKL and on numpy's BLAS."""
+def measure_products(lib: Any, shapes: tuple[tuple[int, int, int], ...] = CHOICE_SHAPES, one_thread: bool = False
+                     ) -> tuple[float, float]:
+    """The microseconds of `shapes`'s products, each the best of CHOICE_ROUNDS, on MKL (on one thread: one_thread)
+    and on numpy's BLAS."""
     rng = np.random.default_rng(0)
     operands = []
-    for m, k, n in CHOICE_SHAPES:
+    for m, k, n in shapes:
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
         operands.append((m, k, n, a, b, np.empty((m, n), np.float32)))
 
     def on_mkl(m: int, k: int, n: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        threads = lib.MKL_Set_Num_Threads_Local(1) if one_thread else 0
         lib.cblas_sgemm(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data, n, 0.0,
                         out.ctypes.data, n)
+        if one_thread:
+            lib.MKL_Set_Num_Threads_Local(threads)
 
     def on_numpy(m: int, k: int, n: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         np.matmul(a, b, out=out)
@@ -395,6 +435,9 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     n = b.shape[-1]
     if b.shape[-2] != k or out.shape[-2:] != (m, n) or not k or max(m, n, k) > _INT_MAX:
         return False
+    small = _small and nd == 2 and m * n * k <= SMALL_WORK
+    if small and _small_numpy and m * n * k <= NUMPY_WORK:
+        return False  # numpy's BLAS makes it faster here (auto's measurement)
     try:
         o = _addressof(_CHAR.from_buffer(out))  # type: ignore[arg-type]  # C-contiguous and writable
     except (TypeError, ValueError):
@@ -406,6 +449,12 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     if la is None or lb is None or np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False
     single = dt is _F32
+    if small:
+        fn = lib.cblas_sgemm if single else lib.cblas_dgemm
+        threads = lib.MKL_Set_Num_Threads_Local(1)  # (this thread's, till set back)
+        fn(_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, _address(a), la[1], _address(b), lb[1], 0.0, o, n)
+        lib.MKL_Set_Num_Threads_Local(threads)
+        return True
     if nd == 2:
         if (m <= _SMALL or n <= _SMALL or k <= _SMALL) and _native.small_product(
                 a, b, out, la[0] == _TRANS, la[1], lb[0] == _TRANS, lb[1]):

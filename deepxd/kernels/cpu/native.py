@@ -67,7 +67,9 @@ HOT = 3
 MAX_THREADS = max(1, min(8, os.cpu_count() or 1))  # the kernels' thread pool (fused._threads) and its pieces
 #: relu runs on numpy below this many elements, where a call through ctypes costs more than the loop saves
 RELU_MIN = 1 << 15
-#: fused expressions run on numpy's tape below this many elements, where the tape costs less than the call
+#: fused expressions run on numpy's tape below this many elements, where the tape costs less than the call; not
+#: those with column sums (fusedcolsum: a ReLU's gradient and its bias's, 64 x 128, 25-30 us on numpy in the digits
+#: step)
 FUSED_MIN = 1 << 15
 #: with a row or column input (numpy's broadcasting iterator, slow on small tensors), from this many elements up
 BROADCAST_MIN = 256
@@ -81,8 +83,8 @@ SGD_CALL_MIN = 256
 #: the call on any tensor but a handful of elements (the digits MLP's bias of 10: 7.6 us on numpy, the loop about 2)
 ADAM_CALL_MIN = 8
 #: sums over leading axes (colsum) run on numpy below this many elements; a bias gradient of 256x10 (2560 values)
-#: took 17 us in C against 28-30 us on numpy inside the MLP step
-COLSUM_MIN = 1 << 11
+#: took 17 us in C against 28-30 us on numpy inside the MLP step, and of 64x10 (the digits MLP's) 3-4 against 15
+COLSUM_MIN = 1 << 8
 #: elements per thread below which a kernel runs on the calling thread alone (Python's thread pool, without MKL)
 THREAD_MIN = 1 << 18
 #: ...for erf and gelu, which compute far longer per element than they take to read (about 0.5 ns a float32)
@@ -1289,7 +1291,24 @@ def adam(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, lr: 
 def _adam_numbers(dt: np.dtype, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                   decoupled: bool) -> tuple[Any, ...]:
     """The adam loop's arguments after its pointers, in its dtype: b1, 1 - b1, b2, 1 - b2, eps, weight_decay, the
-    decoupled shrink, lr / bc1, sqrt(bc2), and the flags (decay, decoupled)."""
+    decoupled shrink, lr / bc1, sqrt(bc2), and the flags (decay, decoupled). The last set is kept: a step's updates
+    (one per parameter) share their numbers."""
+    global _last_adam
+    key = (lr, beta1, beta2, eps, weight_decay, step, decoupled)
+    last = _last_adam
+    if last is not None and last[0] is dt and last[1] == key and all(
+            type(a) is type(b) and (a or math.copysign(1.0, a) == math.copysign(1.0, b)) for a, b in zip(last[1], key)):
+        return last[2]
+    args = _adam_numbers_of(dt, lr, beta1, beta2, eps, weight_decay, step, decoupled)
+    _last_adam = (dt, key, args)
+    return args
+
+
+_last_adam: tuple[np.dtype, tuple[Any, ...], tuple[Any, ...]] | None = None  # the last _adam_numbers: dtype, key, args
+
+
+def _adam_numbers_of(dt: np.dtype, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                     step: int, decoupled: bool) -> tuple[Any, ...]:
     real = dt.type
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     return (real(beta1), real(1 - beta1), real(beta2), real(1 - beta2), real(eps), real(weight_decay),
@@ -1671,8 +1690,8 @@ def fused(plan: Any, inputs: Sequence[np.ndarray], out: np.ndarray, sums: np.nda
             if cols and found[1] != cols:
                 return False
             cols = found[1]
-    if not cols and n < FUSED_MIN:  # numpy's tape runs flat operands faster than a call here
-        return False
+    if not cols and n < FUSED_MIN and sums is None:  # numpy's tape runs flat operands faster than a call here
+        return False  # (not with the sums: numpy's are another pass, after the tape's, which the loop saves)
     key = (plan.text, len(inputs), CTYPE[dt], tuple(layouts), sums is not None)
     fn = _fused_fns.get(key)
     if fn is None:
@@ -1770,7 +1789,7 @@ def fused_call(plan: Any, shapes: Sequence[tuple[int, ...]], dt: np.dtype, shape
             if cols and found[1] != cols:
                 return never
             cols = found[1]
-    if not cols and n < FUSED_MIN:
+    if not cols and n < FUSED_MIN and not with_sums:  # (as fused's)
         return never
     key = (plan.text, len(shapes), CTYPE[dt], tuple(layouts), with_sums)
     shapes = [tuple(s) for s in shapes]
