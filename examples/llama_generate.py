@@ -47,8 +47,8 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             self.eps = eps
             self.weight = nn.Parameter(torch.ones(dim))
 
-        def forward(self, x: Any) -> Any:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        def forward(self, x: Any) -> Any:  # x * rsqrt(mean(x^2) + eps) * weight, one op (deepx's rmsnorm)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def rotate_half(x: Any) -> Any:
         half = x.shape[-1] // 2
@@ -124,7 +124,7 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             # the positions as a tensor, not as constants of slices: every decoding step is then the same program,
             # which deepx's daemon plans once and replays (docs/decisions/0045); given as one, or from the first
             positions = torch.tensor(list(range(pos, pos + tokens.shape[1]))) if isinstance(pos, int) else pos
-            cos, sin = self.cos[positions], self.sin[positions]
+            cos, sin = F.embedding(positions, self.cos), F.embedding(positions, self.sin)  # the tables' rows
             # query i (at positions[i]) sees the cached keys at positions <= its own
             mask = self.key_positions <= positions.unsqueeze(-1) if use_cache else None
             h = self.tok_embeddings(tokens)
