@@ -122,7 +122,7 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
 
         def forward(self, tokens: Any, pos: Any = 0, use_cache: bool = False) -> Any:
             # the positions as a tensor, not as constants of slices: every decoding step is then the same program,
-            # which deepx's daemon plans once and replays (docs/decisions/0045); given as one, or from the first
+            # which deepx's daemon plans once and replays (docs/decisions/0045); `pos`: that tensor, or the first
             positions = torch.tensor(list(range(pos, pos + tokens.shape[1]))) if isinstance(pos, int) else pos
             cos, sin = F.embedding(positions, self.cos), F.embedding(positions, self.sin)  # the tables' rows
             # query i (at positions[i]) sees the cached keys at positions <= its own
@@ -149,7 +149,6 @@ def generate(torch: Any, model: Any, prompt: list[int], n: int, temperature: flo
     tokens = list(prompt)
     with torch.no_grad():
         logits = model(torch.tensor([tokens]), 0, use_cache)
-        nxt = -1
         for _ in range(n):
             if logits is not None:
                 last = logits[0, -1]
