@@ -12,7 +12,8 @@ StaticCache: each step writes its keys and values at its positions (`index_copy_
 `max_len` cached positions under a mask, so that every decoding step is the same program (deepx's daemon plans it
 once and replays the plan). Decoding runs the prompt once, filling each layer's cache, then one token at a time,
 each step reading the cache instead of recomputing the prefix; `generate(..., use_cache=False)` recomputes the
-whole sequence every step, which gives the same tokens.
+whole sequence every step, which gives the same tokens. A greedy step is `next_token`, which deepx runs under
+`dx.compile`: captured once, then replayed with the token and its position as inputs.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             self.eps = eps
             self.weight = nn.Parameter(torch.ones(dim))
 
-        def forward(self, x: Any) -> Any:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        def forward(self, x: Any) -> Any:  # x * rsqrt(mean(x^2) + eps) * weight, one op (deepx's rmsnorm)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def rotate_half(x: Any) -> Any:
         half = x.shape[-1] // 2
@@ -119,11 +120,11 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
             self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], dim=-1), persistent=False)
             self.register_buffer("key_positions", torch.arange(cfg.max_len), persistent=False)
 
-        def forward(self, tokens: Any, pos: int = 0, use_cache: bool = False) -> Any:
+        def forward(self, tokens: Any, pos: Any = 0, use_cache: bool = False) -> Any:
             # the positions as a tensor, not as constants of slices: every decoding step is then the same program,
-            # which deepx's daemon plans once and replays (docs/decisions/0045)
-            positions = torch.tensor(list(range(pos, pos + tokens.shape[1])))
-            cos, sin = self.cos[positions], self.sin[positions]
+            # which deepx's daemon plans once and replays (docs/decisions/0045); `pos`: that tensor, or the first
+            positions = torch.tensor(list(range(pos, pos + tokens.shape[1]))) if isinstance(pos, int) else pos
+            cos, sin = F.embedding(positions, self.cos), F.embedding(positions, self.sin)  # the tables' rows
             # query i (at positions[i]) sees the cached keys at positions <= its own
             mask = self.key_positions <= positions.unsqueeze(-1) if use_cache else None
             h = self.tok_embeddings(tokens)
@@ -134,20 +135,31 @@ def build(torch: Any, nn: Any, F: Any, cfg: Config) -> Any:
     return Llama
 
 
+def next_token(model: Any, tokens: Any, positions: Any) -> Any:
+    """One greedy decoding step with the cache: each row's most likely token after `tokens` at `positions` (a
+    tensor). A function of tensors alone, so that `dx.compile(next_token)` captures it once and replays it for every
+    token, the position an input: no Python runs the model again (docs/decisions/0048)."""
+    return model(tokens, positions, True)[:, -1].argmax(-1)
+
+
 def generate(torch: Any, model: Any, prompt: list[int], n: int, temperature: float = 0.0,
-             use_cache: bool = True) -> list[int]:
-    """`n` tokens after `prompt`: greedy (temperature 0) or sampled from softmax(logits / temperature)."""
+             use_cache: bool = True, step: Any = next_token) -> list[int]:
+    """`n` tokens after `prompt`: greedy (temperature 0) or sampled from softmax(logits / temperature). `step`:
+    the greedy step with the cache, `next_token` or it compiled (`dx.compile(next_token)`)."""
     tokens = list(prompt)
     with torch.no_grad():
         logits = model(torch.tensor([tokens]), 0, use_cache)
         for _ in range(n):
-            last = logits[0, -1]
-            if temperature > 0:
-                nxt = int(torch.multinomial((last / temperature).softmax(-1), 1).item())
-            else:
-                nxt = int(last.argmax().item())
+            if logits is not None:
+                last = logits[0, -1]
+                if temperature > 0:
+                    nxt = int(torch.multinomial((last / temperature).softmax(-1), 1).item())
+                else:
+                    nxt = int(last.argmax().item())
             tokens.append(nxt)
-            if use_cache:
+            if use_cache and temperature == 0:  # the token itself comes back, not the logits
+                logits, nxt = None, int(step(model, torch.tensor([[nxt]]), torch.tensor([len(tokens) - 1])).item())
+            elif use_cache:
                 logits = model(torch.tensor([[nxt]]), len(tokens) - 1, True)
             else:
                 logits = model(torch.tensor([tokens]), 0, False)
@@ -172,7 +184,7 @@ def main() -> None:
         model.load_state_dict(dx.io.load(opts.weights))
     prompt = list(opts.prompt.encode())
     started = time.perf_counter()
-    out = generate(dx, model, prompt, opts.tokens, opts.temperature)
+    out = generate(dx, model, prompt, opts.tokens, opts.temperature, step=dx.compile(next_token))
     took = time.perf_counter() - started
     print(repr(bytes(out).decode("utf-8", "replace")))
     print(f"{len(out)} tokens in {took:.2f} s ({len(out) / took:.1f} tokens/s; {cfg.layers} layers, dim {cfg.dim}, "

@@ -711,6 +711,35 @@ def _attentiongrad(c: Call) -> list[TensorMeta | None]:
     return [TensorMeta(q.shape, dt), TensorMeta(k.shape, dt), TensorMeta(v.shape, dt)]
 
 
+def attention_mask(what: str, q: Shape, tk: int, mask: TensorMeta, dtype: str, name: Any = "mask") -> None:
+    """DeepxError unless `mask` is bool or `dtype` and broadcasts to the scores (..., Hq, Tq, Tk) as they are."""
+    scores = (*q[:-1], tk)
+    if mask.dtype not in ("bool", dtype):
+        raise DeepxError(f"{what}: the mask '{name}' is {mask.dtype}; give bool (True: the key takes part) or "
+                         f"{dtype} as q (added to the scores)")
+    m = mask.shape
+    if len(m) > len(scores) or any(a not in (1, b) for a, b in zip(m[::-1], scores[::-1])):
+        raise DeepxError(f"{what}: the mask '{name}' {list(m)} does not broadcast to the scores {list(scores)} "
+                         "(..., query heads, Tq, Tk)")
+
+
+def _maskedattention(c: Call) -> list[TensorMeta | None]:
+    q, k, v, mask = c.args[0], c.args[1], c.args[2], c.args[3]
+    dt = _dtype_match(c, 0, 1, 2)
+    attention_heads(c.op.name, q.shape, k.shape, v.shape, c.names[:3])
+    attention_mask(c.op.name, q.shape, k.shape[-2], mask, dt, c.names[3])
+    return [TensorMeta((*q.shape[:-1], v.shape[-1]), dt), TensorMeta(q.shape[:-1], lse_dtype(dt))]
+
+
+def _maskedattentiongrad(c: Call) -> list[TensorMeta | None]:
+    """As attentiongrad's rule, with the mask (arg 3) between v and C."""
+    q, k, mask = c.args[0], c.args[1], c.args[3]
+    dt = _dtype_match(c, 0, 1, 2)
+    attention_mask(c.op.name, q.shape, k.shape[-2], mask, dt, c.names[3])
+    keep = [0, 1, 2, 4, 5, 6, 7]
+    return _attentiongrad(c._replace(args=[c.args[i] for i in keep], names=[c.names[i] for i in keep]))
+
+
 def _slices(c: Call) -> tuple[Shape, tuple[slice, ...]]:
     a, starts, ends, steps = c.args[0], c.args[1], c.args[2], c.args[3]
     n = len(a.shape)
@@ -1244,6 +1273,17 @@ op("attentiongrad", "attention", [t("q"), t("k"), t("v"), t("C"), t("lse", _LSE)
    "attention's gradients for upstream gradient g of its result C, from the probabilities recomputed with lse "
    "(FlashAttention-2's scheme): with P = exp(q k^T * scale - lse) and D = rowsum(g C), dv = P^T g, "
    "dS = P (g v^T - D), dq = dS k * scale, dk = dS^T q * scale (summed over a key head's query heads); what "
+   "autograd emits", deepxir=False)
+_MASK = t("mask", frozenset({"bool", *_F}))
+op("maskedattention", "attention", [t("q"), t("k"), t("v"), _MASK, v("scale")], [_C, t("lse", _LSE)], _F,
+   _maskedattention,
+   "attention under a mask: C = softmax(q k^T * scale + mask) v, lse as attention's; mask broadcasts to (..., Hq, "
+   "Tq, Tk), bool (True: the key takes part, torch's attn_mask) or q's dtype (added); a row whose every key is "
+   "masked gives zeros and lse -inf (torch's safe softmax); grouped heads as attention's; no gradient for the mask",
+   grad=True, deepxir=False)
+op("maskedattentiongrad", "attention", [t("q"), t("k"), t("v"), _MASK, t("C"), t("lse", _LSE), t("g"), v("scale")],
+   [t("dq"), t("dk"), t("dv")], _F, _maskedattentiongrad,
+   "maskedattention's gradients for q, k and v, as attentiongrad's with the mask added to the recomputed scores; what "
    "autograd emits", deepxir=False)
 _CONV = [vec("stride"), vec("padding"), vec("dilation"), v("groups", "int", 1)]
 op("conv2d", "conv", [_A, t("weight"), *_CONV], [_C], _F, _conv2d,

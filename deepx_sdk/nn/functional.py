@@ -178,9 +178,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """softmax(query @ key^T * scale + mask) @ value over the last two dims, as torch's: a bool attn_mask keeps the
     True positions, a float one is added; is_causal masks the upper triangle (aligned top-left).
 
-    Without attn_mask and dropout, one `attention` op (a fused kernel: no (L, S) scores in memory) when query, key and
-    value share a float dtype and their leading dims (or, with enable_gqa, key and value have fewer heads); else the
-    composite of matmuls, masks and softmax."""
+    Without dropout, one `attention` op (a fused kernel: no (L, S) scores in memory) when query, key and value share a
+    float dtype and their leading dims (or, with enable_gqa, key and value have fewer heads); with attn_mask one
+    `maskedattention` op where the mask is bool or the query's dtype, broadcasts to the scores and takes no
+    gradient; else the composite of matmuls, masks and softmax."""
     grouped = enable_gqa and query.ndim >= 3 and key.ndim >= 3 and key.shape[-3] != query.shape[-3]
     if grouped:
         hq, hk = query.shape[-3], key.shape[-3]
@@ -189,9 +190,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                              f"of the key's and value's ({hk} and {value.shape[-3]})")
     if _amp.dtype is not None:
         query, key, value = lower(query, key, value)
-    if attn_mask is None and dropout_p == 0.0 and _fits_attention(query, key, value, grouped):
+    if dropout_p == 0.0 and _fits_attention(query, key, value, grouped) and _fits_mask(query, key, attn_mask,
+                                                                                       is_causal):
         return _attention(query, key, value, scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
-                          is_causal)
+                          is_causal, attn_mask)
     if grouped:
         from deepx_sdk.composite import repeat_interleave
 
@@ -241,20 +243,36 @@ def _fits_attention(q: Tensor, k: Tensor, v: Tensor, grouped: bool) -> bool:
     return q.shape[:-2] == k.shape[:-2] or (grouped and q.shape[:-3] == k.shape[:-3])
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
-    """One attention op: the result, and each row's logsumexp, which the gradient reads (held by the result's graph
-    node, with the inputs, for as long as the graph lives)."""
+def _fits_mask(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> bool:
+    """Whether maskedattention takes this mask (none: attention): bool or q's dtype, broadcasting to the scores as
+    they are, without a gradient, and not beside is_causal (the composite refuses that)."""
+    if mask is None:
+        return True
+    scores = (*q.shape[:-1], k.shape[-2])
+    return (not causal and mask.dtype in ("bool", q.dtype) and not mask.requires_grad and mask.ndim <= len(scores)
+            and all(a in (1, b) for a, b in zip(mask.shape[::-1], scores[::-1])))
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, mask: Tensor | None = None) -> Tensor:
+    """One attention op (maskedattention with a mask): the result, and each row's logsumexp, which the gradient
+    reads (held by the result's graph node, with the inputs, for as long as the graph lives)."""
     from deepx_core.ir.instr import Instr
     from deepx_core.ir.ops import lse_dtype
 
     out = q._new((*q.shape[:-1], v.shape[-1]), q.dtype)
     lse = q._new(q.shape[:-1], lse_dtype(q.dtype))
-    instr = Instr("attention", (_tp(q), _tp(k), _tp(v), _vp(float(scale)), _vp(bool(causal))), (_tp(out), _tp(lse)))
+    if mask is None:
+        instr = Instr("attention", (_tp(q), _tp(k), _tp(v), _vp(float(scale)), _vp(bool(causal))),
+                      (_tp(out), _tp(lse)))
+        held: tuple[Tensor, ...] = (q, k, v, lse)
+    else:
+        instr = Instr("maskedattention", (_tp(q), _tp(k), _tp(v), _tp(mask), _vp(float(scale))), (_tp(out), _tp(lse)))
+        held = (q, k, v, mask, lse)
     s = q._s
     s.recorder.record(instr)
     if s.grad_enabled and (q.requires_grad or k.requires_grad or v.requires_grad):
         out.requires_grad = True
-        s.tape.append((instr, out, (q, k, v, lse)))
+        s.tape.append((instr, out, held))
     return out
 
 

@@ -1197,6 +1197,17 @@ def _attention(gr: Grad, g: str) -> dict[int, str]:
     return {i: grads[i] for i in range(3) if gr.needs(i)}
 
 
+@rule("maskedattention")
+def _maskedattention(gr: Grad, g: str) -> dict[int, str]:
+    """as attention's, with the mask added to the recomputed scores; the mask takes no gradient"""
+    if gr.needs(3):
+        raise DeepxError("autograd: maskedattention's mask cannot take a gradient; use the composite of matmul, add "
+                         "and softmax for a learned mask")
+    grads = gr.emit_all("maskedattentiongrad", gr.x(0), gr.x(1), gr.x(2), gr.x(3), gr.y(0), gr.y(1), g,
+                        float(gr.arg(4)))
+    return {i: grads[i] for i in range(3) if gr.needs(i)}
+
+
 @rule("mse")
 def _mse(gr: Grad, g: str) -> dict[int, str]:
     """dA = 2 g (A - B) (/ numel for mean), dB = -dA"""

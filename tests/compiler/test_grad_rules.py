@@ -332,6 +332,16 @@ CASES: dict[str, list[Case]] = {
                                                   ((1, 4, 3, 4), (1, 2, 7, 4), (1, 2, 7, 4), 0.3, False, "q k v"),
                                                   ((3, 4), (5, 4), (5, 2), 1.0, False, "k"),
                                                   ((3, 4), (5, 4), (5, 2), 1.0, True, "q v")]],
+    "maskedattention": [c(f"maskedattention (tensor<T>:q, tensor<T>:k, tensor<T>:v, tensor<{mt}>:m, var<float64>:{sc})"
+                          " -> (tensor<T>:y, tensor:lse)", {"q": r(*qs), "k": r(*ks), "v": r(*vs), "m": Fixed(m)}, wrt,
+                          lambda t, sc=sc, gqa=qs[:-2] != ks[:-2]: TF.scaled_dot_product_attention(
+                              t["q"], t["k"], t["v"], attn_mask=t["m"], scale=sc, enable_gqa=gqa))
+                        for qs, ks, vs, m, mt, sc, wrt in [
+                            ((2, 5, 4), (2, 5, 4), (2, 5, 3), np.tril(np.ones((5, 5), bool)), "bool", 0.5, "q k v"),
+                            ((1, 4, 3, 4), (1, 2, 7, 4), (1, 2, 7, 4), np.arange(7) <= np.arange(3)[:, None] + 4,
+                             "bool", 0.3, "q k v"),  # a chunk of 3 queries after 4 cached keys
+                            ((2, 3, 4), (2, 6, 4), (2, 6, 2), np.where(np.arange(6) % 4 == 3, -np.inf,
+                                                                       np.linspace(-1, 1, 6)), "T", 0.7, "q k v")]],
     "batchnorm": [c("batchnorm (tensor<T>:a, tensor<T>:w, tensor<T>:b, var<float64>:1e-5) -> (tensor<T>:y, tensor:m, "
                     "tensor:v)", {"a": r(*a, lo=-2, hi=3), "w": r(a[1]), "b": r(a[1])}, wrt,
                     lambda t: TF.batch_norm(t["a"], None, None, t["w"], t["b"], training=True))

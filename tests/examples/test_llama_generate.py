@@ -1,6 +1,6 @@
 """examples/llama_generate.py: the LLaMA-style decoder written once runs on torch and on deepx from one safetensors
 file written by torch, to the same logits and the same greedy tokens; decoding with the key/value cache equals
-recomputing the whole sequence."""
+recomputing the whole sequence, eager or with the step compiled."""
 
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ def test_cached_decoding_equals_recomputation_and_torch(pair):
     cached = llama.generate(dx, ours, prompt, 12)
     assert cached == llama.generate(dx, ours, prompt, 12, use_cache=False)
     assert cached == llama.generate(torch, theirs, prompt, 12)
+    step = dx.compile(llama.next_token)  # captured once, replayed for every later token and call
+    assert cached == llama.generate(dx, ours, prompt, 12, step=step)
+    assert cached == llama.generate(dx, ours, prompt, 12, step=step)
+    assert len(step.graph_names) == 1
     # the cache's logits, step by step, are the full recomputation's
     seq = prompt + cached
     with dx.no_grad():

@@ -606,6 +606,34 @@ def _attention(rng, dt):
     return out
 
 
+@case("maskedattention", "maskedattentiongrad")
+def _masked_attention(rng, dt):
+    """Under bool and additive masks: one shared by every head, one per batch item, a decoding step's single row
+    over a static cache of keys, grouped heads, and rows that see no key; result, logsumexp and the gradients."""
+    out = []
+    lse = "float64" if dt == "float64" else "float32"
+    for qs, ks, dv, ms, kind in [((2, 3, 70, 64), (2, 3, 70, 64), 64, (70, 70), "bool"),
+                                 ((1, 4, 1, 32), (1, 2, 256, 32), 32, (1, 256), "bool"),
+                                 ((2, 2, 33, 80), (2, 2, 45, 80), 80, (2, 1, 33, 45), "float"),
+                                 ((3, 37, 5), (3, 29, 5), 7, (29,), "float"),
+                                 ((2, 2, 12, 16), (2, 2, 12, 16), 16, (2, 2, 12, 12), "dead")]:
+        keep = rng.random(ms) < 0.6
+        if kind == "dead":
+            keep[..., 3, :] = False
+        mask = keep
+        if kind == "float":
+            mask = r(rng, dt, ms, -1, 1)
+            mask[~keep] = -np.inf
+        ins = {"q": r(rng, dt, qs, -2, 2), "k": r(rng, dt, ks, -2, 2), "v": r(rng, dt, (*ks[:-1], dv), -2, 2),
+               "g": r(rng, dt, (*qs[:-1], dv), -1, 1), "m": mask}
+        attend = [T("q"), T("k"), T("v"), T("m"), V(1.0 / qs[-1] ** 0.5)]
+        program = [instr("maskedattention", attend, [T("y"), T("lse", lse)]),
+                   instr("maskedattentiongrad", [*attend[:4], T("y"), T("lse"), T("g"), attend[4]],
+                         [T("dq"), T("dk"), T("dv")])]
+        out.append(Case(ins, program, ["y", "lse", "dq", "dk", "dv"], scale="max"))
+    return out
+
+
 @case("batchnorm", "batchnormgrad", "groupnorm", "groupnormgrad")
 def _norms(rng, dt):
     """batchnorm and groupnorm with their statistics, then their gradient ops on those statistics, on shapes from a

@@ -425,12 +425,19 @@ def _attention(rng: np.random.Generator, name: str) -> Built:
     """attention on (2, 3, 4) queries and (2, 5, 4) keys, and its gradient op; both fresh or written over an input."""
     dt = fdtype(rng)
     tensors = {"q": rand(rng, (2, 3, 4), dt), "k": rand(rng, (2, 5, 4), dt), "v": rand(rng, (2, 5, 4), dt),
-               "y": rand(rng, (2, 3, 4), dt), "lse": rand(rng, (2, 3), dt), "g": rand(rng, (2, 3, 4), dt)}
+               "y": rand(rng, (2, 3, 4), dt), "lse": rand(rng, (2, 3), dt), "g": rand(rng, (2, 3, 4), dt),
+               "mask": np.arange(5) <= np.arange(3)[:, None] + 2}
     over = bool(rng.integers(0, 2))
     if name == "attention":
         return tensors, [T("q"), T("k"), T("v"), V(0.5), V(bool(rng.integers(0, 2)))], [
             T("y" if over else "out"), T("lse" if over else "lse_out")]
-    args = [T("q"), T("k"), T("v"), T("y"), T("lse"), T("g"), V(0.5), V(True)]
+    if name == "maskedattention":
+        return tensors, [T("q"), T("k"), T("v"), T("mask"), V(0.5)], [
+            T("y" if over else "out"), T("lse" if over else "lse_out")]
+    if name == "maskedattentiongrad":
+        args = [T("q"), T("k"), T("v"), T("mask"), T("y"), T("lse"), T("g"), V(0.5)]
+    else:
+        args = [T("q"), T("k"), T("v"), T("y"), T("lse"), T("g"), V(0.5), V(True)]
     return tensors, args, [T("g" if over else "dq"), T("dk"), T("v" if over else "dv")]
 
 
@@ -455,7 +462,8 @@ BUILDERS: dict[str, Callable[[np.random.Generator, str], Built]] = {
     "gather": _gather, "scatter": _gather, "scatteradd": _gather, "argsort": _sort, "argtopk": _sort,
     "conv2d": _conv, "conv2dgradinput": _conv, "conv2dgradweight": _conv,
     "maxpool2d": _pool, "maxpool2dgrad": _pool, "sumpool2d": _pool, "sumpool2dgrad": _pool,
-    "attention": _attention, "attentiongrad": _attention,
+    "attention": _attention, "attentiongrad": _attention, "maskedattention": _attention,
+    "maskedattentiongrad": _attention,
     "batchnorm": _norms, "batchnormeval": _norms, "batchnormgrad": _norms, "batchnormupdate": _norms,
     "groupnorm": _norms, "groupnormgrad": _norms, "interpnearest": _interp, "interpnearestgrad": _interp,
     "interpbilinear": _interp, "interpbilineargrad": _interp,

@@ -129,3 +129,94 @@ def test_the_gradient_op_checks_its_result_and_logsumexp():
             [T("a"), T("b"), T("c")])
     with pytest.raises(DeepxError, match="attention: dtypes float64 \\('q'\\) and float32 \\('lse32'\\) differ"):
         run(ex, "attention", [T("q"), T("lse32"), T("v"), V(1.0)], [T("y2"), T("l2")])
+
+
+MASKED = [  # q, k, value size, mask shape
+    ((2, 3, 5, 8), (2, 3, 5, 8), 8, (5, 5)),  # one mask for every batch item and head
+    ((2, 6, 7, 4), (2, 2, 9, 4), 4, (2, 6, 7, 9)),  # a mask per query head, grouped-query heads
+    ((2, 4, 3, 5), (2, 2, 6, 5), 3, (2, 1, 3, 6)),  # per batch item, shared by heads: read an item at a time
+    ((3, 2, 1, 6), (3, 2, 11, 6), 5, (3, 1, 1, 11)),  # one query row (a decoding step), padding-like keys
+    ((4, 6), (7, 6), 3, (7,)),  # no batch dims, a mask over keys alone
+]
+
+
+def _masked_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, g: np.ndarray,
+                      scale: float) -> list[np.ndarray]:
+    tq, tk, tv = (torch.tensor(f64(a), requires_grad=True) for a in (q, k, v))
+    tm = torch.tensor(mask if mask.dtype == np.bool_ else f64(mask))
+    y = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=tm, scale=scale,
+                                                         enable_gqa=q.shape[:-2] != k.shape[:-2])
+    kr = tk.repeat_interleave(q.shape[-3] // k.shape[-3], -3) if q.ndim > 2 else tk
+    s = (tq @ kr.transpose(-1, -2)) * scale
+    s = s.masked_fill(~tm, -torch.inf) if mask.dtype == np.bool_ else s + tm
+    lse = torch.logsumexp(s, -1)
+    y.backward(torch.tensor(f64(g)))
+    return [y.detach().numpy(), lse.detach().numpy(), tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()]
+
+
+def _check_masked(rng: np.random.Generator, dtype: str, qs: tuple[int, ...], ks: tuple[int, ...], dv: int,
+                  ms: tuple[int, ...], kind: str, scale: float = 0.4) -> None:
+    q, k = rand(rng, dtype, qs, -1, 1), rand(rng, dtype, ks, -1, 1)
+    v, g = rand(rng, dtype, (*ks[:-1], dv), -1, 1), rand(rng, dtype, (*qs[:-1], dv), -1, 1)
+    keep = rng.random(ms) < 0.7
+    keep[..., 0] = True  # every row sees a key: torch's lse of a row that sees none is -inf, as ours, but nan's grad
+    mask = keep if kind == "bool" else np.where(keep, rand(rng, dtype, ms, -1, 1), -np.inf).astype(dtype)
+    want = _masked_reference(q, k, v, mask, g, scale)
+    ex = executor(q=q, k=k, v=v, g=g, mask=mask)
+    lse_dt = "float64" if dtype == "float64" else "float32"
+    run(ex, "maskedattention", [T("q", dtype), T("k", dtype), T("v", dtype), T("mask"), V(scale)],
+        [T("y", dtype), T("lse", lse_dt)])
+    run(ex, "maskedattentiongrad", [T("q", dtype), T("k", dtype), T("v", dtype), T("mask"), T("y", dtype),
+                                    T("lse", lse_dt), T("g", dtype), V(scale)],
+        [T("dq", dtype), T("dk", dtype), T("dv", dtype)])
+    rtol = RTOL.get(dtype)
+    for name, w, dt in zip(("y", "lse", "dq", "dk", "dv"), want, (dtype, lse_dt, dtype, dtype, dtype)):
+        scale_of = np.full(w.shape, np.abs(w).max(initial=1.0))
+        assert_close(ex.get(name), w, dt, scale=scale_of, rtol=rtol, atol=rtol and 1e-12,
+                     what=f"maskedattention {name} {qs} {ks} mask {ms} {kind}")
+
+
+@pytest.mark.parametrize("dtype", ordered(OPS["maskedattention"].dtypes))
+@pytest.mark.parametrize("shapes", MASKED, ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masked_attention_and_its_gradient_op_match_torch(rng, dtype, shapes, kind):
+    _check_masked(rng, dtype, *shapes, kind)
+
+
+def test_masked_blocks_give_the_same_values(rng, monkeypatch):
+    """Blocks of a few rows and of single batch items, the mask read per block (a view, or an item at a time)."""
+    monkeypatch.setattr(attention_kernels, "BLOCK", 7 * 40)
+    for ms in [(37, 40), (3, 1, 37, 40), (3, 2, 1, 40)]:
+        _check_masked(rng, "float64", (3, 2, 37, 5), (3, 2, 40, 5), 4, ms, "bool")
+        _check_masked(rng, "float32", (3, 2, 37, 5), (3, 2, 40, 5), 4, ms, "float")
+
+
+def test_rows_that_see_no_key_give_zeros(rng):
+    """A row whose every key is masked: zeros and lse -inf, as torch's safe softmax, and a zero gradient for it."""
+    q, k, v, g = (rng.standard_normal(s) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6), (2, 3, 6)])
+    mask = np.ones((3, 5), bool)
+    mask[1] = False
+    ex = executor(q=q, k=k, v=v, g=g, mask=mask)
+    run(ex, "maskedattention", [T("q"), T("k"), T("v"), T("mask"), V(0.5)], [T("y"), T("lse")])
+    run(ex, "maskedattentiongrad", [T("q"), T("k"), T("v"), T("mask"), T("y"), T("lse"), T("g"), V(0.5)],
+        [T("dq"), T("dk"), T("dv")])
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    y = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=torch.tensor(mask), scale=0.5)
+    y.backward(torch.tensor(g))
+    np.testing.assert_array_equal(ex.get("y")[:, 1], 0)
+    np.testing.assert_array_equal(ex.get("lse")[:, 1], -np.inf)
+    np.testing.assert_array_equal(ex.get("dq")[:, 1], 0)
+    for name, want in (("y", y), ("dq", tq.grad), ("dk", tk.grad), ("dv", tv.grad)):
+        np.testing.assert_allclose(ex.get(name), want.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize(("mask", "message"), [
+    (np.ones((5, 6), np.int64), "dtype int64 of 'mask' is not supported"),
+    (np.ones((5, 6), np.float32), "the mask 'mask' is float32; give bool \\(True: the key takes part\\) or float64"),
+    (np.ones((5, 7), bool), "the mask 'mask' \\[5, 7\\] does not broadcast to the scores \\[2, 5, 6\\]"),
+    (np.ones((3, 2, 5, 6), bool), "does not broadcast"),
+])
+def test_masks_that_do_not_fit_are_refused_by_name(mask, message):
+    ex = executor(q=np.ones((2, 5, 4)), k=np.ones((2, 6, 4)), v=np.ones((2, 6, 3)), mask=mask)
+    with pytest.raises(DeepxError, match="maskedattention: .*" + message):
+        run(ex, "maskedattention", [T("q"), T("k"), T("v"), T("mask"), V(1.0)], [T("y"), T("lse")])

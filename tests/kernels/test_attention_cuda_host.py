@@ -30,18 +30,20 @@ needs_gxx = pytest.mark.skipif(GXX is None, reason="g++ (C++20, <barrier>) is no
 
 HERE = Path(__file__).parent / "cuda_host"
 
+_MASK_SIG, _MASK_CALL = "const void* mask, int mkind, ll mb, ll mh, ll mr, ll mc", "mask, mkind, mb, mh, mr, mc"
 # a host entry point per kernel: the grid, then the kernel's own arguments
 _ENTRIES = {
     "attention_fwd": ("T* out, A* lse, const T* q, const T* k, const T* v, ll tq, ll tk, int d, int dv, int hq, "
-                      "int group, double scale, int causal, ll rbase",
-                      "out, lse, q, k, v, tq, tk, d, dv, hq, group, scale, causal, rbase"),
+                      f"int group, double scale, int causal, {_MASK_SIG}, ll rbase",
+                      f"out, lse, q, k, v, tq, tk, d, dv, hq, group, scale, causal, {_MASK_CALL}, rbase"),
     "attention_rowdot": ("A* dd, const T* o, const T* g, ll rows, int dv", "dd, o, g, rows, dv"),
     "attention_dq": ("T* dq, const T* q, const T* k, const T* v, const T* g, const A* lse, const A* dd, ll tq, ll tk, "
-                     "int d, int dv, int hq, int group, double scale, int causal, ll rbase",
-                     "dq, q, k, v, g, lse, dd, tq, tk, d, dv, hq, group, scale, causal, rbase"),
+                     f"int d, int dv, int hq, int group, double scale, int causal, {_MASK_SIG}, ll rbase",
+                     f"dq, q, k, v, g, lse, dd, tq, tk, d, dv, hq, group, scale, causal, {_MASK_CALL}, rbase"),
     "attention_dkdv": ("T* dk, T* dvo, const T* q, const T* k, const T* v, const T* g, const A* lse, const A* dd, "
-                       "ll tq, ll tk, int d, int dv, int hq, int group, double scale, int causal, ll kbase",
-                       "dk, dvo, q, k, v, g, lse, dd, tq, tk, d, dv, hq, group, scale, causal, kbase"),
+                       f"ll tq, ll tk, int d, int dv, int hq, int group, double scale, int causal, {_MASK_SIG}, "
+                       "ll kbase",
+                       f"dk, dvo, q, k, v, g, lse, dd, tq, tk, d, dv, hq, group, scale, causal, {_MASK_CALL}, kbase"),
 }
 _CTYPES = {"P": ctypes.c_void_p, "q": ctypes.c_longlong, "i": ctypes.c_int, "d": ctypes.c_double}
 _GUARD = 4096  # bytes past a launch's shared memory that must stay as they were
@@ -125,7 +127,7 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> HostDevice:
 
 
 def _check(host: HostDevice, rng: np.random.Generator, dtype: str, qs: tuple[int, ...], ks: tuple[int, ...], dv: int,
-           causal: bool) -> None:
+           causal: bool, mask: np.ndarray | None = None) -> None:
     q, k = rng.uniform(-2, 2, qs).astype(dtype), rng.uniform(-2, 2, ks).astype(dtype)
     v, g = rng.uniform(-2, 2, (*ks[:-1], dv)).astype(dtype), rng.uniform(-1, 1, (*qs[:-1], dv)).astype(dtype)
     scale = 1 / math.sqrt(max(qs[-1], 1))
@@ -133,11 +135,19 @@ def _check(host: HostDevice, rng: np.random.Generator, dtype: str, qs: tuple[int
            np.full(ks, np.nan, dtype), np.full(v.shape, np.nan, dtype)]
     want = [np.empty_like(a) for a in got]
     ins = [_tensor(a) for a in (q, k, v)]
-    assert cuda.attention(host, *ins, scale, causal, _tensor(got[0]), _tensor(got[1]))  # type: ignore[arg-type]
-    assert cuda.attentiongrad(host, *ins, _tensor(got[0]), _tensor(got[1]), _tensor(g), scale, causal,  # type: ignore
-                              *(_tensor(a) for a in got[2:]))
-    cpu.attention(q, k, v, scale, causal, want[0], want[1])
-    cpu.attentiongrad(q, k, v, want[0], want[1], g, scale, causal, *want[2:])
+    if mask is None:
+        assert cuda.attention(host, *ins, scale, causal, _tensor(got[0]), _tensor(got[1]))  # type: ignore[arg-type]
+        assert cuda.attentiongrad(host, *ins, _tensor(got[0]), _tensor(got[1]), _tensor(g), scale,  # type: ignore
+                                  causal, *(_tensor(a) for a in got[2:]))
+        cpu.attention(q, k, v, scale, causal, want[0], want[1])
+        cpu.attentiongrad(q, k, v, want[0], want[1], g, scale, causal, *want[2:])
+    else:
+        m = _tensor(mask)
+        assert cuda.maskedattention(host, *ins, m, scale, _tensor(got[0]), _tensor(got[1]))  # type: ignore[arg-type]
+        assert cuda.maskedattentiongrad(host, *ins, m, _tensor(got[0]), _tensor(got[1]), _tensor(g),  # type: ignore
+                                        scale, *(_tensor(a) for a in got[2:]))
+        cpu.maskedattention(q, k, v, mask, scale, want[0], want[1])
+        cpu.maskedattentiongrad(q, k, v, mask, want[0], want[1], g, scale, *want[2:])
     rtol = 1e-12 if dtype == "float64" else 2e-6
     for name, a, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
         np.testing.assert_allclose(a, w, rtol=rtol, atol=rtol * max(1.0, float(np.abs(w[np.isfinite(w)]).max(
@@ -157,6 +167,30 @@ def _check(host: HostDevice, rng: np.random.Generator, dtype: str, qs: tuple[int
 ])
 def test_the_kernels_match_the_cpu_kernels(host, rng, dtype, qs, ks, dv, causal):
     _check(host, rng, dtype, qs, ks, dv, causal)
+
+
+@needs_gxx
+@pytest.mark.parametrize(("dtype", "qs", "ks", "dv", "ms", "kind"), [
+    ("float32", (2, 3, 70, 64), (2, 3, 70, 64), 64, (70, 70), "bool"),  # one mask for every head, several tiles
+    ("float32", (2, 4, 1, 20), (2, 2, 90, 20), 20, (2, 1, 1, 90), "bool"),  # a decoding step: one row, grouped
+    ("float64", (1, 6, 20, 16), (1, 2, 35, 16), 9, (1, 6, 20, 35), "float"),  # a mask per head
+    ("float32", (2, 17, 5), (2, 9, 5), 7, (9,), "float"),  # no head dim, a mask over keys
+    ("float64", (3, 2, 12, 8), (3, 2, 12, 8), 8, (3, 1, 12, 12), "dead"),  # some rows see no key
+])
+def test_the_masked_kernels_match_the_cpu_kernels(host, rng, dtype, qs, ks, dv, ms, kind):
+    keep = rng.random(ms) < 0.6
+    if kind == "dead":
+        keep[..., 3, :] = False
+    mask = keep if kind != "float" else np.where(keep, rng.uniform(-1, 1, ms), -np.inf).astype(dtype)
+    _check(host, rng, dtype, qs, ks, dv, False, np.ascontiguousarray(mask))
+
+
+def test_a_mask_whose_batch_dims_do_not_flatten_is_left_to_the_cpu():
+    """(B, X) batch dims with X broadcast and B not: no one stride over the flattened batch."""
+    q = DeviceTensor(None, 0, (2, 3, 4, 5, 8), np.float32)
+    assert cuda._mask_args(DeviceTensor(None, 1, (2, 1, 4, 5, 6), np.bool_), q.shape, 6) is None
+    assert cuda._mask_args(DeviceTensor(None, 1, (2, 3, 1, 5, 6), np.bool_), q.shape, 6) == (1, 1, 30, 0, 6, 1)
+    assert cuda._mask_args(DeviceTensor(None, 1, (5, 6), np.float32), q.shape, 6) == (1, 2, 0, 0, 6, 1)
 
 
 @needs_gxx

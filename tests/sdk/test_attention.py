@@ -1,6 +1,6 @@
-"""F.scaled_dot_product_attention as one `attention` op (without a mask or dropout) against torch, forward and
-backward; where it stays the composite; and a small transformer trained on the op gives the composite's losses and
-weights."""
+"""F.scaled_dot_product_attention as one `attention` op (without a mask or dropout) or one `maskedattention` op (with
+a mask) against torch, forward and backward; where it stays the composite; and a small transformer trained on either
+op gives the composite's losses and weights."""
 
 from __future__ import annotations
 
@@ -53,16 +53,45 @@ def test_the_op_matches_torch_forward_and_backward(rng, dtype, shapes, kw):
         np.testing.assert_allclose(a.grad.numpy(), t.grad.numpy(), **TOL[dtype])
 
 
-def test_a_mask_dropout_or_mismatched_operands_take_the_composite(rng):
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize(("shapes", "mask_shape", "kw"), [
+    (((2, 3, 7, 8), (2, 3, 7, 8), (2, 3, 7, 8)), (7, 7), {}),
+    (((2, 3, 5, 8), (2, 3, 9, 8), (2, 3, 9, 6)), (2, 1, 5, 9), {"scale": 0.3}),
+    (((1, 4, 1, 8), (1, 2, 16, 8), (1, 2, 16, 8)), (1, 16), {"enable_gqa": True}),  # a decoding step, a static cache
+    (((6, 4), (11, 4), (11, 3)), (6, 11), {}),
+], ids=str)
+def test_the_masked_op_matches_torch_forward_and_backward(rng, dtype, kind, shapes, mask_shape, kw):
+    mine, ref = _pairs(rng, dtype, *shapes)
+    keep = rng.random(mask_shape) < 0.6
+    keep[..., 0] = True
+    mask = keep if kind == "bool" else np.where(keep, rng.standard_normal(mask_shape), -np.inf).astype(dtype)
+    ops = _recorded(lambda: F.scaled_dot_product_attention(*mine, attn_mask=dx.tensor(mask), **kw))
+    assert "maskedattention" in ops and "softmax" not in ops and "matmul" not in ops, ops
+    out = F.scaled_dot_product_attention(*mine, attn_mask=dx.tensor(mask), **kw)
+    tout = TF.scaled_dot_product_attention(*ref, attn_mask=torch.from_numpy(mask), **kw)
+    np.testing.assert_allclose(out.numpy(), tout.detach().numpy(), **TOL[dtype])
+    w = rng.standard_normal(tout.shape).astype(dtype)
+    (out * dx.tensor(w)).sum().backward()
+    (tout * torch.from_numpy(w)).sum().backward()
+    for a, t in zip(mine, ref, strict=True):
+        np.testing.assert_allclose(a.grad.numpy(), t.grad.numpy(), **TOL[dtype])
+
+
+def test_dropout_a_learned_mask_or_mismatched_operands_take_the_composite(rng):
     (q, k, v), _ = _pairs(rng, "float32", (2, 5, 4), (2, 5, 4), (2, 5, 4))
     mask = dx.tensor(np.tril(np.ones((5, 5), bool)))
-    for call in (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+    learned = dx.tensor(np.where(np.tril(np.ones((5, 5), bool)), 0, -np.inf).astype(np.float32), requires_grad=True)
+    for call in (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=learned),
                  lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1),
+                 lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1),
                  lambda: F.scaled_dot_product_attention(q, k[:1], v[:1]),  # a broadcast batch
                  lambda: F.scaled_dot_product_attention(q, k.double(), v.double())):
         ops = _recorded(call)
-        assert "attention" not in ops and "softmax" in ops, ops
-    # the same values either way: a causal mask as a tensor, and is_causal
+        assert "attention" not in ops and "maskedattention" not in ops and "softmax" in ops, ops
+    # the same values every way: a causal mask as a tensor, the composite's, and is_causal
+    np.testing.assert_allclose(F.scaled_dot_product_attention(q, k, v, attn_mask=learned).detach().numpy(),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True).numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).numpy(),
                                F.scaled_dot_product_attention(q, k, v, is_causal=True).numpy(), rtol=1e-6, atol=1e-7)
 
@@ -87,9 +116,10 @@ def test_autocast_runs_the_op_in_bfloat16(rng):
     assert q.grad.dtype == "float32" and np.isfinite(q.grad.numpy()).all()
 
 
-def _transformer(seed: int, fused: bool) -> tuple[list[float], dict[str, np.ndarray]]:
+def _transformer(seed: int, how: str) -> tuple[list[float], dict[str, np.ndarray]]:
     """A two-block causal transformer trained 4 steps with AdamW: its losses and final weights, its attention the
-    op (fused) or the composite (the same causal mask given as a tensor)."""
+    op (causal), the masked op (the causal mask as a bool tensor) or the composite (as a float mask that requires
+    grad)."""
     nn = dx.nn
     dx.manual_seed(seed)
     vocab, d, heads, t = 11, 16, 4, 9
@@ -103,11 +133,14 @@ def _transformer(seed: int, fused: bool) -> tuple[list[float], dict[str, np.ndar
         def forward(self, x):  # type: ignore[no-untyped-def]
             b, n, _ = x.shape
             q, k, v = self.qkv(x).view(b, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4).unbind(0)
-            if fused:
+            mask = dx.arange(n) <= dx.arange(n).unsqueeze(-1)
+            if how == "causal":
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                mask = dx.arange(n) <= dx.arange(n).unsqueeze(-1)
+            elif how == "mask":
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            else:
+                learned = dx.where(mask, 0.0, -float("inf")).requires_grad_()
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=learned)
             return self.proj(y.transpose(1, 2).reshape(b, n, d))
 
     class Block(nn.Module):
@@ -139,9 +172,10 @@ def _transformer(seed: int, fused: bool) -> tuple[list[float], dict[str, np.ndar
     return losses, {n: p.numpy() for n, p in model.named_parameters()}
 
 
-def test_a_transformer_trains_on_the_op_as_on_the_composite():
-    fused_losses, fused_weights = _transformer(3, True)
-    losses, weights = _transformer(3, False)
+@pytest.mark.parametrize("how", ["causal", "mask"])
+def test_a_transformer_trains_on_the_op_as_on_the_composite(how):
+    fused_losses, fused_weights = _transformer(3, how)
+    losses, weights = _transformer(3, "composite")
     np.testing.assert_allclose(fused_losses, losses, rtol=1e-5)
     assert fused_losses[-1] < fused_losses[0]
     for name, w in weights.items():

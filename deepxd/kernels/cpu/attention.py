@@ -8,6 +8,9 @@ causal: query i sees keys j <= i (torch's is_causal, aligned top-left), so a blo
 i1 keys only. The forward writes each row's logsumexp (lse), from which the gradient recomputes the probabilities
 (FlashAttention-2's scheme): D = rowsum(dO O), P = exp(q k^T scale - lse), dV = P^T dO, dS = P (dO v^T - D),
 dQ = dS k scale, dK = dS^T q scale.
+
+maskedattention takes a mask broadcastable to (..., Hq, Tq, Tk) instead of `causal`: bool (True: the key takes part)
+or float (added to the scores); a row whose every key is masked gives zeros and lse -inf (torch's safe softmax).
 """
 
 from __future__ import annotations
@@ -81,7 +84,58 @@ def _triangle(rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
     return np.where(np.arange(cols) > np.arange(rows)[:, None], -np.inf, 0).astype(dtype)
 
 
+class _Mask:
+    """A mask broadcast to the grouped scores (B, G, Tq, Tk), read a block at a time: a view where the batch and
+    key-head dims merge without a copy (a mask shared by all of them, or a whole one), else one batch item at a time."""
+
+    def __init__(self, mask: np.ndarray, q_shape: tuple[int, ...], tk: int, b: int, g: int) -> None:
+        tq = q_shape[-2]
+        self.rows: np.ndarray | None = None
+        if mask.ndim <= 2:  # (Tq or 1, Tk or 1): numpy broadcasts it over a block as it is (broadcast_to costs 30 us)
+            self.rows = mask.reshape((1,) * (2 - mask.ndim) + mask.shape)
+            return
+        lead = (*q_shape[:-3], q_shape[-3] // g) if len(q_shape) >= 3 else ()
+        self.m = np.broadcast_to(mask, (*q_shape[:-1], tk)).reshape(*lead, g, tq, tk)
+        self.lead = lead
+        try:
+            self.flat: np.ndarray | None = np.reshape(self.m, (b, g, tq, tk), copy=False)
+        except ValueError:
+            self.flat = None
+
+    def block(self, bs: slice, i0: int, i1: int, n: int) -> np.ndarray:
+        if self.rows is not None:
+            r = self.rows
+            return r[i0:i1 if r.shape[0] > 1 else 1, :n if r.shape[1] > 1 else 1]
+        if self.flat is not None:
+            return self.flat[bs, :, i0:i1, :n]
+        return np.stack([self.m[np.unravel_index(j, self.lead)][:, i0:i1, :n] for j in range(bs.start, bs.stop)])
+
+    def apply(self, s4: np.ndarray, bs: slice, i0: int, i1: int) -> None:
+        """The mask on a block's scores s4 (items, G, rows, keys), in place."""
+        mb = self.block(bs, i0, i1, s4.shape[-1])
+        if mb.dtype == np.bool_:
+            np.copyto(s4, -np.inf, where=np.logical_not(mb))
+        else:
+            s4 += mb
+
+
 def attention(q, k, v, scale, causal, out, lse):
+    _forward(q, k, v, scale, causal, None, out, lse)
+
+
+def maskedattention(q, k, v, mask, scale, out, lse):
+    _forward(q, k, v, scale, False, mask, out, lse)
+
+
+def attentiongrad(q, k, v, c, lse, g_out, scale, causal, dq, dk, dv):
+    _backward(q, k, v, None, c, lse, g_out, scale, causal, dq, dk, dv)
+
+
+def maskedattentiongrad(q, k, v, mask, c, lse, g_out, scale, dq, dk, dv):
+    _backward(q, k, v, mask, c, lse, g_out, scale, False, dq, dk, dv)
+
+
+def _forward(q, k, v, scale, causal, mask, out, lse):
     qq, kk, vv = _grouped(q, k, v)
     b, g, tq, d = qq.shape
     tk, dv = kk.shape[1], vv.shape[2]
@@ -91,6 +145,7 @@ def attention(q, k, v, scale, causal, out, lse):
         o[...] = 0
         ls[...] = -np.inf
         return
+    masks = None if mask is None else _Mask(mask, q.shape, tk, b, g)
     for bs, i0, i1 in _blocks(b, g, tq, tk, causal):
         n, r = _keys(causal, tk, i1), i1 - i0
         qb = qq[bs, :, i0:i1].reshape(-1, g * r, d)
@@ -99,17 +154,23 @@ def attention(q, k, v, scale, causal, out, lse):
         s4 = s.reshape(-1, g, r, n)
         if causal:
             _masked(s4, i0, i1)
+        if masks is not None:
+            masks.apply(s4, bs, i0, i1)
         m = s4.max(-1, keepdims=True)
+        if masks is not None:  # a row with every key masked: exp(-inf - 0) = 0, a sum of 0, lse -inf
+            np.copyto(m, 0, where=m == -np.inf)
         s4 -= m
         np.exp(s4, out=s4)
         den = s4.sum(-1, keepdims=True)
+        ls[bs, :, i0:i1] = (m + np.log(den))[..., 0]
+        if masks is not None:
+            np.copyto(den, 1, where=den == 0)  # and zeros for its result
         ob = _mm(s, vv[bs, :n]).reshape(-1, g, r, dv)
         ob /= den
         o[bs, :, i0:i1] = ob
-        ls[bs, :, i0:i1] = (m + np.log(den))[..., 0]
 
 
-def attentiongrad(q, k, v, c, lse, g_out, scale, causal, dq, dk, dv):
+def _backward(q, k, v, mask, c, lse, g_out, scale, causal, dq, dk, dv):
     qq, kk, vv = _grouped(q, k, v)
     b, g, tq, d = qq.shape
     tk, nv = kk.shape[1], vv.shape[2]
@@ -120,6 +181,9 @@ def attentiongrad(q, k, v, c, lse, g_out, scale, causal, dq, dk, dv):
     ct = qq.dtype
     go = _compute(g_out).reshape(b, g, tq, nv)
     ls = lse.reshape(b, g, tq).astype(ct, copy=False)
+    masks = None if mask is None else _Mask(mask, q.shape, tk, b, g)
+    if masks is not None:  # rows that saw no key (lse -inf): exp(s - inf) = 0, a zero gradient
+        ls = np.where(ls == -np.inf, np.inf, ls)
     dd = np.einsum("bgtd,bgtd->bgt", go, _compute(c).reshape(b, g, tq, nv))  # D = rowsum(dO O)
     acc_k = np.zeros((b, tk, d), ct)
     acc_v = np.zeros((b, tk, nv), ct)
@@ -132,6 +196,8 @@ def attentiongrad(q, k, v, c, lse, g_out, scale, causal, dq, dk, dv):
         p4 = p.reshape(-1, g, r, n)
         if causal:
             _masked(p4, i0, i1)
+        if masks is not None:
+            masks.apply(p4, bs, i0, i1)
         p4 -= ls[bs, :, i0:i1, None]
         np.exp(p4, out=p4)
         acc_v[bs, :n] += _mm(p.swapaxes(-1, -2), gb)

@@ -12,6 +12,10 @@ heads summed in the block, no atomics), accumulating dV += P^T dO and dK += dS^T
 rows and walks the keys as the forward does, accumulating dQ += dS k. dS = P (dO v^T - D), P = exp(s - lse). Two
 passes over the scores instead of atomics: the results are deterministic and match the CPU kernel's closely.
 
+maskedattention runs the same kernels with a mask added to each score (`mask_at`: a bool mask's 0 or -inf, an
+additive one's value), read in place through strides (0 where broadcast); a mask whose batch dims do not flatten to
+one stride runs the CPU kernel. Rows that see no key give zeros and lse -inf, and no gradient.
+
 Tiles are in the compute type (float for 16-bit storage, double for float64) in dynamic shared memory (up to about
 170 KB for head size 256: the H100 allows 227 KB a block); one module per (dtype, padded head size): head sizes
 (and value sizes) up to 32, 64, 128 or 256, zero-padded; larger ones, or a device with less shared memory, run the
@@ -63,10 +67,19 @@ __device__ __forceinline__ ll kv_head(ll bh, int hq, int group) {
     return (bh / hq) * (hq / group) + (bh % hq) / group;
 }
 
-// out (bh, tq, dv) = softmax(q k^T * scale) v, lse (bh, tq) = each row's logsumexp. grid (bh, row blocks)
+// maskedattention's term for score (bh, i, j): a bool mask's 0 or -inf (mkind 1), an additive mask's value (2);
+// (mb, mh, mr, mc): the mask's strides over batch (bh / hq), head (bh % hq), row and key, 0 where broadcast
+__device__ __forceinline__ A mask_at(const void* mask, int mkind, ll bh, int hq, ll i, ll j, ll mb, ll mh, ll mr,
+                                     ll mc) {
+    const ll at = (bh / hq) * mb + (bh % hq) * mh + i * mr + j * mc;
+    if (mkind == 1) return ((const unsigned char*)mask)[at] ? (A)0 : (A)-INFINITY;
+    return ld(((const T*)mask)[at]);
+}
+
+// out (bh, tq, dv) = softmax(q k^T * scale + mask) v, lse (bh, tq) = each row's logsumexp. grid (bh, row blocks)
 extern "C" __global__ void __launch_bounds__(NT) attention_fwd(
         T* out, A* lse, const T* q, const T* k, const T* v, ll tq, ll tk, int d, int dv, int hq, int group,
-        double scale, int causal, ll rbase) {
+        double scale, int causal, const void* mask, int mkind, ll mb, ll mh, ll mr, ll mc, ll rbase) {
     extern __shared__ __align__(16) unsigned char smem[];
     A* Qs = (A*)smem;                // BR x DP, scaled
     A* Ks = Qs + BR * DP;            // BC x SP
@@ -118,6 +131,7 @@ extern "C" __global__ void __launch_bounds__(NT) attention_fwd(
             for (int c = 0; c < KPL; ++c) {
                 const ll j = j0 + c * 32 + lane;
                 if (j >= tk || (causal && j > i)) s[r][c] = -INFINITY;
+                else if (mkind && i < tq) s[r][c] += mask_at(mask, mkind, bh, hq, i, j, mb, mh, mr, mc);
                 mt = mx(mt, s[r][c]);
             }
             mt = warp_max(mt);
@@ -179,7 +193,8 @@ extern "C" __global__ void attention_rowdot(A* dd, const T* o, const T* g, ll ro
 // forward's
 extern "C" __global__ void __launch_bounds__(NT) attention_dq(
         T* dq, const T* q, const T* k, const T* v, const T* g, const A* lse, const A* dd, ll tq, ll tk, int d, int dv,
-        int hq, int group, double scale, int causal, ll rbase) {
+        int hq, int group, double scale, int causal, const void* mask, int mkind, ll mb, ll mh, ll mr, ll mc,
+        ll rbase) {
     extern __shared__ __align__(16) unsigned char smem[];
     A* Qs = (A*)smem;                // BR x DP, scaled
     A* Gs = Qs + BR * DP;            // BR x DP
@@ -239,7 +254,8 @@ extern "C" __global__ void __launch_bounds__(NT) attention_dq(
             for (int c = 0; c < KPL; ++c) {
                 const ll j = j0 + c * 32 + lane;
                 const bool seen = i < tq && j < tk && !(causal && j > i);
-                const A p = seen ? exp(s[r][c] - L[r]) : (A)0;
+                const A sm = seen && mkind ? s[r][c] + mask_at(mask, mkind, bh, hq, i, j, mb, mh, mr, mc) : s[r][c];
+                const A p = seen && sm != -INFINITY ? exp(sm - L[r]) : (A)0;  // (a row that sees no key: lse -inf)
                 Ss[(w * RW + r) * BC + c * 32 + lane] = p * (t[r][c] - Dr[r]);
             }
         }
@@ -272,7 +288,8 @@ extern "C" __global__ void __launch_bounds__(NT) attention_dq(
 // query heads: dv += P^T g, dk += dS^T q * scale. grid (batch x key heads, key blocks)
 extern "C" __global__ void __launch_bounds__(NT) attention_dkdv(
         T* dk, T* dvo, const T* q, const T* k, const T* v, const T* g, const A* lse, const A* dd, ll tq, ll tk, int d,
-        int dv, int hq, int group, double scale, int causal, ll kbase) {
+        int dv, int hq, int group, double scale, int causal, const void* mask, int mkind, ll mb, ll mh, ll mr, ll mc,
+        ll kbase) {
     extern __shared__ __align__(16) unsigned char smem[];
     A* Ks = (A*)smem;                // BK x DP
     A* Vs = Ks + BK * DP;            // BK x DP
@@ -338,7 +355,9 @@ extern "C" __global__ void __launch_bounds__(NT) attention_dkdv(
                     const int e = c * 32 + lane;
                     const ll i = i0 + e;
                     const bool seen = i < tq && j < tk && !(causal && j > i);
-                    const A p = seen ? exp(s[r][c] - Ls[e]) : (A)0;
+                    const A sm = seen && mkind ? s[r][c] + mask_at(mask, mkind, bh, hq, i, j, mb, mh, mr, mc)
+                                               : s[r][c];
+                    const A p = seen && sm != -INFINITY ? exp(sm - Ls[e]) : (A)0;
                     Ps[(w * RK + r) * BQ + e] = p;
                     Ss[(w * RK + r) * BQ + e] = p * (t[r][c] - Ds[e]);
                 }
@@ -407,7 +426,8 @@ def sources() -> list[tuple[str, str]]:
     return [(source(d, dp), f"attention {dp} ({d})") for d in sorted(FLOATS) for dp in HEAD_SIZES]
 
 
-SUPPORT = {"attention": frozenset(FLOATS), "attentiongrad": frozenset(FLOATS)}
+SUPPORT = {"attention": frozenset(FLOATS), "attentiongrad": frozenset(FLOATS), "maskedattention": frozenset(FLOATS),
+           "maskedattentiongrad": frozenset(FLOATS)}
 
 
 def _head_size(d: int, dv: int) -> int | None:
@@ -449,53 +469,105 @@ def _launch_rows(ex: CudaExecutor, op: str, f: Any, nbytes: int, x: int, blocks:
         ex.launch(op, f, (x, min(_GRID_Y, blocks - base), 1), (32 * WARPS, 1, 1), *args, base, shared=nbytes)
 
 
+_NO_MASK = (0, 0, 0, 0, 0, 0)
+
+
+def _mask_args(mask: DeviceTensor, q_shape: tuple[int, ...], tk: int) -> tuple[int, ...] | None:
+    """The kernels' (pointer, kind, batch, head, row and key strides) of a contiguous mask broadcast to the scores
+    (..., Hq, Tq, Tk); None where its batch dims do not flatten to one stride (the CPU kernel runs it)."""
+    scores = (*q_shape[:-1], tk)
+    shape = (1,) * (len(scores) - len(mask.shape)) + tuple(mask.shape)
+    strides, step = [0] * len(shape), 1
+    for i in range(len(shape) - 1, -1, -1):
+        strides[i] = 0 if shape[i] == 1 else step
+        step *= shape[i]
+    kind = 1 if mask.dname == "bool" else 2
+    if len(scores) == 2:
+        return (mask.ptr, kind, 0, 0, *strides)
+    sb: int | None = None
+    span = 1
+    for size, st in zip(reversed(scores[:-3]), reversed(strides[:-3])):
+        if size > 1:
+            if sb is None:
+                sb = st // span
+            elif st != sb * span:
+                return None
+        span *= size
+    return (mask.ptr, kind, sb or 0, *strides[-3:])
+
+
 def attention(ex: CudaExecutor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, scale: float, causal: bool,
               out: DeviceTensor, lse: DeviceTensor) -> bool:
+    return _forward(ex, q, k, v, scale, causal, _NO_MASK, out, lse)
+
+
+def maskedattention(ex: CudaExecutor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, mask: DeviceTensor,
+                    scale: float, out: DeviceTensor, lse: DeviceTensor) -> bool:
+    margs = _mask_args(mask, q.shape, k.shape[-2])
+    return margs is not None and _forward(ex, q, k, v, scale, False, margs, out, lse, "maskedattention")
+
+
+def _forward(ex: CudaExecutor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, scale: float, causal: bool,
+             margs: tuple[int, ...], out: DeviceTensor, lse: DeviceTensor, op: str = "attention") -> bool:
     bh, tq, tk, d, dv, hq, group = _geometry(q, k, v)
     dp = _head_size(d, dv)
     if dp is None:
         return False
-    got = _function(ex, q.dname, dp, "attention_fwd", "PPPPPqqiiiidiq", "attention")
+    got = _function(ex, q.dname, dp, "attention_fwd", "PPPPPqqiiiidiPiqqqqq", op)
     if got is None:
         return False
     if not bh or not tq:
         return True
     f, nbytes = got
     br = WARPS * tiles(q.dname, dp)["RW"]
-    _launch_rows(ex, "attention", f, nbytes, bh, -(-tq // br), out.ptr, lse.ptr, q.ptr, k.ptr, v.ptr, tq, tk, d,
-                 dv, hq, group, float(scale), int(bool(causal)))
+    _launch_rows(ex, op, f, nbytes, bh, -(-tq // br), out.ptr, lse.ptr, q.ptr, k.ptr, v.ptr, tq, tk, d,
+                 dv, hq, group, float(scale), int(bool(causal)), *margs)
     return True
 
 
 def attentiongrad(ex: CudaExecutor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, c: DeviceTensor,
                   lse: DeviceTensor, g: DeviceTensor, scale: float, causal: bool, dq: DeviceTensor, dk: DeviceTensor,
                   dv_out: DeviceTensor) -> bool:
+    return _backward(ex, q, k, v, _NO_MASK, c, lse, g, scale, causal, dq, dk, dv_out)
+
+
+def maskedattentiongrad(ex: CudaExecutor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, mask: DeviceTensor,
+                        c: DeviceTensor, lse: DeviceTensor, g: DeviceTensor, scale: float, dq: DeviceTensor,
+                        dk: DeviceTensor, dv_out: DeviceTensor) -> bool:
+    margs = _mask_args(mask, q.shape, k.shape[-2])
+    return margs is not None and _backward(ex, q, k, v, margs, c, lse, g, scale, False, dq, dk, dv_out,
+                                           "maskedattentiongrad")
+
+
+def _backward(ex: CudaExecutor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, margs: tuple[int, ...],
+              c: DeviceTensor, lse: DeviceTensor, g: DeviceTensor, scale: float, causal: bool, dq: DeviceTensor,
+              dk: DeviceTensor, dv_out: DeviceTensor, op: str = "attentiongrad") -> bool:
     bh, tq, tk, d, dv, hq, group = _geometry(q, k, v)
     dp = _head_size(d, dv)
     if dp is None:
         return False
     dt = q.dname
-    got_q = _function(ex, dt, dp, "attention_dq", "PPPPPPPqqiiiidiq", "attentiongrad")
-    got_kv = _function(ex, dt, dp, "attention_dkdv", "PPPPPPPPqqiiiidiq", "attentiongrad")
+    got_q = _function(ex, dt, dp, "attention_dq", "PPPPPPPqqiiiidiPiqqqqq", op)
+    got_kv = _function(ex, dt, dp, "attention_dkdv", "PPPPPPPPqqiiiidiPiqqqqq", op)
     if got_q is None or got_kv is None:
         return False
     if not bh:
         return True
     p = tiles(dt, dp)
     rows = bh * tq
-    dd = ex.alloc(max(rows, 1) * (8 if dt == "float64" else 4), "attentiongrad", "(row dots)")
+    dd = ex.alloc(max(rows, 1) * (8 if dt == "float64" else 4), op, "(row dots)")
     if rows:
-        f = ex.function(f"attention:{dt}:{dp}", source(dt, dp), "attention_rowdot", "PPPqi", "attentiongrad")
-        ex.launch("attentiongrad", f, (max(1, min(ex.max_blocks, -(-rows // 8))), 1, 1), (256, 1, 1), int(dd), c.ptr,
+        f = ex.function(f"attention:{dt}:{dp}", source(dt, dp), "attention_rowdot", "PPPqi", op)
+        ex.launch(op, f, (max(1, min(ex.max_blocks, -(-rows // 8))), 1, 1), (256, 1, 1), int(dd), c.ptr,
                   g.ptr, rows, dv)
     causal_flag = int(bool(causal))
     if tq:
         f, nbytes = got_q
-        _launch_rows(ex, "attentiongrad", f, nbytes, bh, -(-tq // (WARPS * p["RW"])), dq.ptr, q.ptr, k.ptr, v.ptr,
-                     g.ptr, lse.ptr, int(dd), tq, tk, d, dv, hq, group, float(scale), causal_flag)
+        _launch_rows(ex, op, f, nbytes, bh, -(-tq // (WARPS * p["RW"])), dq.ptr, q.ptr, k.ptr, v.ptr,
+                     g.ptr, lse.ptr, int(dd), tq, tk, d, dv, hq, group, float(scale), causal_flag, *margs)
     if tk:
         f, nbytes = got_kv
-        _launch_rows(ex, "attentiongrad", f, nbytes, bh // group, -(-tk // (WARPS * p["RK"])), dk.ptr, dv_out.ptr,
+        _launch_rows(ex, op, f, nbytes, bh // group, -(-tk // (WARPS * p["RK"])), dk.ptr, dv_out.ptr,
                      q.ptr, k.ptr, v.ptr, g.ptr, lse.ptr, int(dd), tq, tk, d, dv, hq, group, float(scale),
-                     causal_flag)
+                     causal_flag, *margs)
     return True
