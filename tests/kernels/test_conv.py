@@ -63,11 +63,68 @@ def test_conv2d_chunks_match_torch(rng, monkeypatch, dtype, geo, cols, native_lo
     size = {"half": oh * ow // 2 + 1, "two": 2 * oh * ow}.get(cols, cols)
     monkeypatch.setattr(conv, "CHUNK_BYTES", 0)
     monkeypatch.setattr(conv, "MIN_COLS", size)
+    monkeypatch.setattr(conv, "_direct_fits", lambda *a: False)  # im2col, not the direct loops
+    monkeypatch.setattr(conv, "GW_MIN_POSITIONS", 1 << 40)
     if not native_loops:
         monkeypatch.setattr(native, "_enabled", False)
     elif not native.available():
         pytest.skip("no C compiler: native im2col cannot be built")
     _check(rng, dtype, geo)
+
+
+DIRECT = [  # geometries for the direct loops: strides, dilation, output channels past a block of 8 or 4
+    (3, 4, 11, 9, 8, 3, 3, (1, 1), (1, 1), (1, 1), 1),
+    (2, 5, 12, 10, 11, 3, 2, (2, 1), (1, 2), (2, 1), 1),
+    (2, 4, 9, 13, 5, 2, 3, (3, 2), (2, 1), (1, 2), 1),
+    (1, 2, 8, 8, 4, 1, 1, (1, 1), (0, 0), (1, 1), 1),
+    (2, 3, 9, 7, 6, 2, 3, (1, 2), (0, 3), (3, 1), 1),  # padding wider than the kernel's reach: gradinput on im2col
+    (4, 6, 26, 25, 9, 5, 5, (1, 1), (2, 2), (1, 1), 1),  # several images summed at a time in the weight's gradient
+]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("geo", DIRECT)
+def test_conv2d_direct_loops_match_torch(rng, monkeypatch, dtype, geo):
+    """The direct loops (no im2col) for every op that takes them here, against torch."""
+    from deepxd.kernels.cpu import conv, native
+
+    if not native.available():
+        pytest.skip("no C compiler: the direct loops cannot be built")
+    monkeypatch.setattr(conv, "DIRECT_KEPT", 0.0)
+    monkeypatch.setattr(conv, "GW_MIN_POSITIONS", 0)
+    monkeypatch.setattr(conv, "_GW_CACHE", 1 << 12)
+    ran = []
+    for name in ("_direct", "_direct_gw"):
+        def spy(*args, _f=getattr(conv, name), _name=name):
+            r = _f(*args)
+            ran.append(_name if r is not None and r is not False else None)
+            return r
+        monkeypatch.setattr(conv, name, spy)
+    _check(rng, dtype, geo)
+    if conv._native() is not None:
+        _, c, _, _, _, kh, kw, stride, (ph, pw), (dh, dw), _ = geo
+        gradinput = stride == (1, 1) and c >= 4 and dh * (kh - 1) >= ph and dw * (kw - 1) >= pw
+        assert ran.count("_direct") == 1 + gradinput
+        assert "_direct_gw" in ran
+
+
+def test_conv2d_direct_weight_gradient_of_an_infinite_input_matches_torch(rng, monkeypatch):
+    """An infinity in the input: the direct weight's gradient would multiply it by the zeros past each row (a NaN
+    torch does not make), so im2col takes it."""
+    from deepxd.kernels.cpu import conv
+
+    monkeypatch.setattr(conv, "GW_MIN_POSITIONS", 0)
+    geo = (2, 3, 6, 6, 4, 3, 3, (1, 1), (0, 0), (1, 1), 1)
+    x = rand(rng, "float64", (2, 3, 6, 6), -1, 1)
+    x[0, 0, 0, 5] = np.inf  # read only by output column 3 of tap j = 2
+    gy = rand(rng, "float64", _out_shape(geo), -1, 1)
+    wt = rand(rng, "float64", (4, 3, 3, 3), -1, 1)
+    ex = executor(x=x, gy=gy)
+    geometry = [VEC((1, 1)), VEC((0, 0)), VEC((1, 1)), V(1)]
+    run(ex, "conv2dgradweight", [T("x", "float64"), T("gy", "float64"), VEC(wt.shape), *geometry],
+        [T("dw", "float64")])
+    want = _reference(x, wt, gy, geo)[2]
+    np.testing.assert_array_equal(np.isfinite(ex.get("dw")), np.isfinite(want))
 
 
 @pytest.mark.parametrize(("min_cols", "want"), [

@@ -44,9 +44,32 @@ MIN_COLS = 1024
 #: pooling splits its planes across threads from this many input elements: below, waking the threads costs more
 #: than they save (examples/train_cnn.py's 32 x 16 x 8 x 8 max pooling: 0.07 ms split, 0.04 on one thread)
 POOL_SPLIT_MIN = 1 << 17
+#: the direct loops' blocks of output channels (DIRECT in SOURCE): 8 where there are as many, else 4; fewer than 4
+#: output channels go to im2col (a block of 4 would be mostly empty)
+DIRECT_BLOCKS = (8, 4)
+#: the direct loops compute every column of a plane's rows, ow of wq kept: they run where at least this share of
+#: the positions they compute is kept, or where the product is small (O * C * kh * kw up to DIRECT_SMALL), and BLAS
+#: on im2col elsewhere (8 x 8 images of 256 channels: 0.85x im2col's speed, 64 of 96 positions kept)
+DIRECT_KEPT = 0.7
+DIRECT_SMALL = 1 << 16
+#: the direct weight's gradient runs from this many positions an image (rows of wq columns): below, its sums over
+#: few positions cost more than BLAS's product on im2col (16 x 16 images, stride 2: 0.7x)
+GW_MIN_POSITIONS = 512
+_DIRECT_POSITIONS = 32  # a block's positions in float32 (NV * L in DIRECT), 16 in float64
+_GW_CHANNELS, _GW_TAPS = 4, 4  # GW_OB and GW_TB in SOURCE
+_GW_CACHE = 1 << 19  # the weight's gradient sums over as many images at a time as have planes of this size
 
 SOURCE = r"""
+#include <stdlib.h>
 #include <string.h>
+#define GW_OB 4
+#define GW_TB 4
+/* a vector kept in a register (the compiler otherwise reloads it for each product) */
+#if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+#define KEEP(v) __asm__("" : "+v"(v))
+#else
+#define KEEP(v) (void)0
+#endif
 /* Built with OpenMP where MKL's runtime is in use (native.load), the loops split across its threads when `split`.
    The columns of a chunk are the output rows r0 .. r1 - 1 of the batch (r = n * oh + y), ow positions each. A row
    of col is one (channel c, kernel tap i, j) of channels c0 .. c0 + cn - 1; the columns of output x where the tap
@@ -177,8 +200,121 @@ void sumpoolgrad_##S(const T *restrict g, T *restrict dx, long planes, long h, l
         } \
     } \
 }
+/* Direct convolution (one group): each image's input as planes (c, pi, pj) of hq x wq, plane (pi, pj) of channel c
+   holding the padded input's rows pi, pi + sh, ... and columns pj, pj + sw, ... (one plane per channel at stride
+   1). Kernel tap t = (c, i, j) then reads one plane from the offset off[t], and output position q = y * wq + x reads
+   xs[off[t] + q]: a stride-1 correlation along q, without im2col. Columns x >= ow are computed and dropped. */
+#define DIRECT_INPUT(T, S) \
+void direct_input_##S(const T *restrict x, T *restrict xs, long planes, long h, long w, long sh, long sw, \
+                      long ph, long pw, long hq, long wq, int split) { \
+    _Pragma("omp parallel for schedule(static) if(split)") \
+    for (long p = 0; p < planes; p++) for (long pi = 0; pi < sh; pi++) for (long pj = 0; pj < sw; pj++) { \
+        T *restrict d = xs + ((p * sh + pi) * sw + pj) * hq * wq; \
+        long lo, hi; \
+        span_##S(w, pj - pw, sw, wq, &lo, &hi); \
+        for (long yy = 0; yy < hq; yy++, d += wq) { \
+            long iy = yy * sh + pi - ph; \
+            if (iy < 0 || iy >= h) { memset(d, 0, wq * sizeof(T)); continue; } \
+            const T *restrict s = x + (p * h + iy) * w + pj - pw; \
+            for (long q = 0; q < lo; q++) d[q] = 0; \
+            if (sw == 1) memcpy(d + lo, s + lo, (hi - lo) * sizeof(T)); \
+            else for (long q = lo; q < hi; q++) d[q] = s[q * sw]; \
+            for (long q = hi; q < wq; q++) d[q] = 0; \
+        } \
+    } \
+}
+/* A block of OB output channels x NV vectors of L positions stays in registers over all k taps; weights packed as
+   (output channel blocks, k, OB). Fused multiply-adds here (the products' sums are BLAS's anyway). */
+#define DIRECT(T, S, L, OB, NV) \
+typedef T vec_##S##_##OB __attribute__((vector_size(L * sizeof(T)))); \
+__attribute__((optimize("fp-contract=fast"))) \
+void direct_##S##_##OB(const T *restrict xs, const long *restrict off, const T *restrict wp, T *restrict y, \
+                       long n, long img, long k, long wq, long o, long oh, long ow, int split) { \
+    typedef vec_##S##_##OB V; \
+    long qall = oh * wq, blk = NV * L, nob = (o + OB - 1) / OB; \
+    _Pragma("omp parallel for collapse(2) schedule(static) if(split)") \
+    for (long b = 0; b < n; b++) for (long ob = 0; ob < nob; ob++) { \
+        const T *restrict xb = xs + b * img; \
+        const T *restrict wb = wp + ob * k * OB; \
+        long on = o - ob * OB < OB ? o - ob * OB : OB; \
+        T *restrict yb = y + (b * o + ob * OB) * oh * ow; \
+        for (long q0 = 0; q0 < qall; q0 += blk) { \
+            V acc[OB][NV]; \
+            for (int u = 0; u < OB; u++) for (int v = 0; v < NV; v++) acc[u][v] = (V){0}; \
+            for (long t = 0; t < k; t++) { \
+                const T *restrict s = xb + off[t] + q0; \
+                const T *restrict wt = wb + t * OB; \
+                V a[NV]; \
+                for (int v = 0; v < NV; v++) memcpy(&a[v], s + v * L, sizeof(V)); \
+                for (int u = 0; u < OB; u++) { T c = wt[u]; for (int v = 0; v < NV; v++) acc[u][v] += a[v] * c; } \
+            } \
+            T tmp[OB][NV * L]; \
+            memcpy(tmp, acc, sizeof(tmp)); \
+            long qe = q0 + blk < qall ? q0 + blk : qall; \
+            for (long q = q0; q < qe;) { /* the block's rows, their columns below ow */ \
+                long yy = q / wq, xx = q - yy * wq, e = (yy + 1) * wq < qe ? (yy + 1) * wq : qe; \
+                long m = xx < ow ? (e - q < ow - xx ? e - q : ow - xx) : 0; \
+                for (int u = 0; u < on && m > 0; u++) \
+                    memcpy(yb + u * oh * ow + yy * ow + xx, tmp[u] + (q - q0), m * sizeof(T)); \
+                q = e; \
+            } \
+        } \
+    } \
+}
+/* The weight's gradient from the same layout: dw[o, t] = sum over images b and positions q of g[b, o, q] *
+   xs[b * img + off[t] + q], g laid out as (n, op, qp) rows of wq columns, zero past ow columns and oh rows. Images
+   in `parts` fixed runs, each run's sums into its own (op, kp) slice of dw (added up by the caller: the same bits
+   whatever the threads); OB output channels x TB taps of vectors kept in registers along q. */
+#define DIRECT_GW(T, S, L, OB, TB) \
+__attribute__((optimize("fp-contract=fast"))) \
+void direct_gw_##S(const T *restrict xs, const long *restrict off, const T *restrict g, T *restrict dw, \
+                   long n, long img, long kp, long qn, long qp, long o, long parts, long nb, int split) { \
+    typedef vec_##S##_8 V; \
+    long op = (o + OB - 1) / OB * OB; \
+    T *zero = calloc(qn, sizeof(T)); /* the rows of the last block's channels past o */ \
+    _Pragma("omp parallel for schedule(static) if(split)") \
+    for (long p = 0; p < parts; p++) { \
+        T *restrict part = dw + p * op * kp; \
+        long end = n * (p + 1) / parts; \
+        for (long b0 = n * p / parts; b0 < end; b0 += nb) /* nb images at a time: their planes stay in cache */ \
+        for (long o0 = 0; o0 < op; o0 += OB) for (long t0 = 0; t0 < kp; t0 += TB) { \
+            V acc[OB][TB]; \
+            for (int u = 0; u < OB; u++) for (int t = 0; t < TB; t++) acc[u][t] = (V){0}; \
+            for (long b = b0; b < b0 + nb && b < end; b++) { \
+                const T *gr[OB], *xr[TB]; \
+                for (int u = 0; u < OB; u++) gr[u] = o0 + u < o ? g + (b * o + o0 + u) * qp : zero; \
+                for (int t = 0; t < TB; t++) xr[t] = xs + b * img + off[t0 + t]; \
+                for (long q = 0; q < qn; q += L) { \
+                    V gv[OB], xv[TB]; \
+                    for (int t = 0; t < TB; t++) { memcpy(&xv[t], xr[t] + q, sizeof(V)); KEEP(xv[t]); } \
+                    for (int u = 0; u < OB; u++) { \
+                        memcpy(&gv[u], gr[u] + q, sizeof(V)); \
+                        KEEP(gv[u]); \
+                        for (int t = 0; t < TB; t++) acc[u][t] += gv[u] * xv[t]; \
+                    } \
+                } \
+            } \
+            for (int u = 0; u < OB; u++) for (int t = 0; t < TB; t++) { /* halves added: no serial chain */ \
+                T tmp[L]; \
+                memcpy(tmp, &acc[u][t], sizeof(V)); \
+                for (int h = L / 2; h >= 1; h /= 2) for (int l = 0; l < h; l++) tmp[l] += tmp[l + h]; \
+                part[(o0 + u) * kp + t0 + t] += tmp[0]; \
+            } \
+        } \
+    } \
+    free(zero); \
+} \
+int finite_##S(const T *restrict x, long n) { \
+    int bad = 0; \
+    for (long i = 0; i < n; i++) bad |= x[i] - x[i] != 0; \
+    return !bad; \
+}
 CONV(float, f32) CONV(double, f64)
 POOL(float, f32) POOL(double, f64)
+DIRECT_INPUT(float, f32) DIRECT_INPUT(double, f64)
+DIRECT(float, f32, 16, 8, 2) DIRECT(float, f32, 16, 4, 2)
+DIRECT(double, f64, 8, 8, 2) DIRECT(double, f64, 8, 4, 2)
+DIRECT_GW(float, f32, 16, GW_OB, GW_TB) DIRECT_GW(double, f64, 8, GW_OB, GW_TB)
 """
 
 _fns: dict[str, Any] | None = None
@@ -203,6 +339,19 @@ def _native() -> dict[str, Any] | None:
                 f = getattr(lib, f"{name}_{s}")
                 f.argtypes, f.restype = [*[ctypes.c_void_p] * arrays, *[_LONG] * 11, ctypes.c_int], None
                 fns[f"{name}_{s}"] = f
+            f = lib[f"direct_input_{s}"]
+            f.argtypes, f.restype = [ctypes.c_void_p] * 2 + [_LONG] * 9 + [ctypes.c_int], None
+            fns[f"direct_input_{s}"] = f
+            f = lib[f"direct_gw_{s}"]
+            f.argtypes, f.restype = [ctypes.c_void_p] * 4 + [_LONG] * 8 + [ctypes.c_int], None
+            fns[f"direct_gw_{s}"] = f
+            f = lib[f"finite_{s}"]
+            f.argtypes, f.restype = [ctypes.c_void_p, _LONG], ctypes.c_int
+            fns[f"finite_{s}"] = f
+            for ob in DIRECT_BLOCKS:
+                f = lib[f"direct_{s}_{ob}"]
+                f.argtypes, f.restype = [ctypes.c_void_p] * 4 + [_LONG] * 7 + [ctypes.c_int], None
+                fns[f"direct_{s}_{ob}"] = f
         _fns = fns
     return _fns if native.enabled() else None
 
@@ -238,6 +387,94 @@ class _Geometry:
     def args(self, r0: int, r1: int) -> tuple[int, ...]:
         return (self.c, self.h, self.w, 0, self.c, self.kh, self.kw, self.sh, self.sw, self.ph, self.pw, self.dh,
                 self.dw, self.oh, self.ow, r0, r1, native.split())
+
+
+def _layout(fns: dict[str, Any], x: np.ndarray, kh: int, kw: int, stride: Sequence[int], padding: Sequence[int],
+            dilation: Sequence[int], oh: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """x (N, C, H, W) laid out for the direct loops (DIRECT_INPUT in SOURCE): (xs, off, wq, img): the planes, the
+    offset of each kernel tap (c, i, j), a plane's row length and an image's size."""
+    n, c, h, w = (int(d) for d in x.shape)
+    (sh, sw), (ph, pw), (dh, dw) = ((int(a), int(b)) for a, b in (stride, padding, dilation))
+    hq, wq = -(-(h + 2 * ph) // sh), -(-(w + 2 * pw) // sw)
+    img = c * sh * sw * hq * wq
+    i, j = np.arange(kh)[:, None] * dh, np.arange(kw)[None, :] * dw
+    tap = ((i % sh) * sw + j % sw) * hq * wq + (i // sh) * wq + j // sw  # (kh, kw): the offset within a channel
+    off = (np.arange(c)[:, None, None] * (sh * sw * hq * wq) + tap).reshape(-1).astype(np.int64)
+    blk = _DIRECT_POSITIONS * 4 // x.dtype.itemsize
+    # the loops read whole blocks of positions: room past the last image for the last block's reads
+    size = max(n * img, (n - 1) * img + int(off[-1]) + -(-oh * wq // blk) * blk)
+    xs = np.empty(size, x.dtype)
+    xs[n * img:] = 0
+    fns[f"direct_input_{_suffix(x.dtype)}"](_address(x), _address(xs), n * c, h, w, sh, sw, ph, pw, hq, wq,
+                                            int(n * c * h * w >= POOL_SPLIT_MIN and native.split()))
+    return xs, off, wq, img
+
+
+def _suffix(dt: np.dtype) -> str:
+    return "f32" if dt == F32 else "f64"
+
+
+def _direct_fits(o: int, k: int, oh: int, ow: int, wq: int) -> bool:
+    """Whether the direct loops beat im2col and BLAS on o output channels, k taps, an oh x ow output whose planes'
+    rows are wq long (DIRECT_KEPT, DIRECT_SMALL)."""
+    blk = _DIRECT_POSITIONS
+    kept = oh * ow / (-(-oh * wq // blk) * blk)
+    return o >= DIRECT_BLOCKS[-1] and (kept >= DIRECT_KEPT or o * k <= DIRECT_SMALL)
+
+
+def _direct(x: np.ndarray, w: np.ndarray, stride: Sequence[int], padding: Sequence[int],
+            dilation: Sequence[int], out: np.ndarray) -> bool:
+    """out = the convolution of x (N, C, H, W) with w (O, C, kh, kw), one group, by the direct loops (DIRECT in
+    SOURCE); False where native kernels are off or the dtype is neither float32 nor float64. x, w: contiguous; out:
+    C-contiguous, of x's dtype."""
+    dt = x.dtype
+    fns = _native() if dt in (F32, F64) else None
+    n, c, _, wd = (int(d) for d in x.shape)
+    o, _, kh, kw = (int(d) for d in w.shape)
+    oh, ow = (int(d) for d in out.shape[2:])
+    if fns is None or not _direct_fits(o, c * kh * kw, oh, ow, -(-(wd + 2 * int(padding[1])) // int(stride[1]))):
+        return False
+    xs, off, wq, img = _layout(fns, x, kh, kw, stride, padding, dilation, oh)
+    ob = next(b for b in DIRECT_BLOCKS if o >= b)
+    nob = -(-o // ob)
+    k = c * kh * kw
+    packed = np.zeros((nob * ob, k), dt)
+    packed[:o] = w.reshape(o, k)
+    packed = np.ascontiguousarray(packed.reshape(nob, ob, k).transpose(0, 2, 1))
+    fns[f"direct_{_suffix(dt)}_{ob}"](_address(xs), _address(off), _address(packed), _address(out), n, img, k, wq, o,
+                                      oh, ow, native.split())
+    return True
+
+
+def _direct_gw(x: np.ndarray, gy: np.ndarray, kh: int, kw: int, stride: Sequence[int], padding: Sequence[int],
+               dilation: Sequence[int]) -> np.ndarray | None:
+    """The weight's gradient (O, C * kh * kw) by the direct loops (DIRECT_GW in SOURCE), or None where they do not
+    run: native kernels off, another dtype, or x not finite (positions past ow multiply zeros of gy by inputs that
+    no output reads: an infinity there would make a NaN that torch does not)."""
+    dt = x.dtype
+    fns = _native() if dt in (F32, F64) else None
+    s = _suffix(dt)
+    n, c, _, wd = (int(d) for d in x.shape)
+    o, oh, ow = (int(d) for d in gy.shape[1:])
+    if (fns is None or oh * -(-(wd + 2 * int(padding[1])) // int(stride[1])) < GW_MIN_POSITIONS
+            or not fns[f"finite_{s}"](_address(x), x.size)):
+        return None
+    xs, off, wq, img = _layout(fns, x, kh, kw, stride, padding, dilation, oh)
+    lanes = 64 // dt.itemsize
+    k = c * kh * kw
+    kp, op = -(-k // _GW_TAPS) * _GW_TAPS, -(-o // _GW_CHANNELS) * _GW_CHANNELS
+    qn = -(-oh * wq // lanes) * lanes  # the positions the loops read: whole vectors
+    hg = -(-qn // wq)
+    g = np.empty(n * o * hg * wq, dt)  # gy's rows as wq columns, zero past ow columns and oh rows
+    fns[f"direct_input_{s}"](_address(gy), _address(g), n * o, oh, ow, 1, 1, 0, 0, hg, wq, 0)
+    offs = np.zeros(kp, np.int64)
+    offs[:k] = off
+    parts = min(n, native.MAX_THREADS) if native.split() else 1
+    dw = np.zeros((parts, op, kp), dt)
+    nb = max(1, _GW_CACHE // ((img + o * hg * wq) * dt.itemsize))
+    fns[f"direct_gw_{s}"](_address(xs), _address(offs), _address(g), _address(dw), n, img, kp, qn, hg * wq, o, parts,
+                          nb, native.split())
+    return dw.sum(axis=0)[:o, :k] if parts > 1 else dw[0, :o, :k]
 
 
 def _taps(xp: np.ndarray, kh: int, kw: int, stride: Sequence[int], dilation: Sequence[int], oh: int,
@@ -334,6 +571,10 @@ def conv2d(a, weight, stride, padding, dilation, groups, out):
     dt = x.dtype
     g = _Geometry(x.shape, w.shape, stride, padding, dilation, groups, *out.shape[2:])
     y = out if out.dtype == dt and out.flags.c_contiguous else np.empty(out.shape, dt)
+    if g.groups == 1 and _direct(x, w, stride, padding, dilation, y):
+        if y is not out:
+            out[...] = y
+        return
     cols = _Cols(g, dt)
     wg = _grouped(g, w)
     prod = np.empty((g.groups, g.o // g.groups, cols.col.size // g.k), dt)
@@ -357,6 +598,11 @@ def conv2dgradweight(a, g, weight_shape, stride, padding, dilation, groups, out)
     x, gy = np.ascontiguousarray(_work(a)), np.ascontiguousarray(_work(g))
     dt = x.dtype
     geo = _Geometry(x.shape, [int(d) for d in weight_shape], stride, padding, dilation, groups, *gy.shape[2:])
+    if geo.groups == 1 and gy.dtype == dt:
+        dw = _direct_gw(x, gy, geo.kh, geo.kw, stride, padding, dilation)
+        if dw is not None:
+            out[...] = dw.reshape(out.shape)
+            return
     cols = _Cols(geo, dt)
     og, kg = geo.o // geo.groups, geo.cg * geo.kh * geo.kw
     acc = np.zeros((geo.groups, kg, og), dt)  # dweight^T per group, summed over the chunks
@@ -373,6 +619,16 @@ def conv2dgradinput(g, weight, input_shape, stride, padding, dilation, groups, o
     gy, w = np.ascontiguousarray(_work(g)), np.ascontiguousarray(_work(weight))
     dt = gy.dtype
     geo = _Geometry([int(d) for d in input_shape], w.shape, stride, padding, dilation, groups, *gy.shape[2:])
+    eh, ew = geo.dh * (geo.kh - 1) - geo.ph, geo.dw * (geo.kw - 1) - geo.pw
+    if geo.groups == 1 and (geo.sh, geo.sw) == (1, 1) and eh >= 0 and ew >= 0:
+        # at stride 1, the gradient is a convolution of gy padded by the kernel's reach less the padding, with the
+        # kernel flipped and its channels swapped
+        grad = out if out.dtype == dt and out.flags.c_contiguous else np.empty(out.shape, dt)
+        flipped = np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
+        if _direct(gy, flipped, (1, 1), (eh, ew), (geo.dh, geo.dw), grad):
+            if grad is not out:
+                out[...] = grad
+            return
     cols = _Cols(geo, dt)
     if cols.fns is not None:
         grad = out if out.dtype == dt and out.flags.c_contiguous else np.empty(out.shape, dt)
