@@ -93,13 +93,19 @@ def test_conv2d_direct_loops_match_torch(rng, monkeypatch, dtype, geo):
     monkeypatch.setattr(conv, "DIRECT_KEPT", 0.0)
     monkeypatch.setattr(conv, "GW_MIN_POSITIONS", 0)
     monkeypatch.setattr(conv, "_GW_CACHE", 1 << 12)
-    ran = []
-    for name in ("_direct", "_direct_gw"):
-        def spy(*args, _f=getattr(conv, name), _name=name):
-            r = _f(*args)
-            ran.append(_name if r is not None and r is not False else None)
+    ran: list[str | None] = []
+
+    def spied(name: str):
+        f = getattr(conv, name)
+
+        def spy(*args):
+            r = f(*args)
+            ran.append(name if r is not None and r is not False else None)
             return r
-        monkeypatch.setattr(conv, name, spy)
+        return spy
+
+    for name in ("_direct", "_direct_gw"):
+        monkeypatch.setattr(conv, name, spied(name))
     _check(rng, dtype, geo)
     if conv._native() is not None:
         _, c, _, _, _, kh, kw, stride, (ph, pw), (dh, dw), _ = geo
