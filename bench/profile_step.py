@@ -1,10 +1,12 @@
 """Where a training step's time goes: the character transformer of examples/train_transformer.py (or, with `--model
-mlp`, bench/gpu.py's MLP step; with `--model digits`, bench/train.py's digits step), warm steps profiled with yappi
-across every thread (the SDK's, the event loop's, op-cuda's device thread), the functions that cost most printed per
-thread. Not a benchmark (no peer): the map for making one faster.
+mlp`, bench/gpu.py's MLP step; with `--model digits`, bench/train.py's digits step; with `--model cnn`,
+examples/train_cnn.py's step on a batch of 32, as bench/conv.py times it), warm steps profiled with yappi across
+every thread (the SDK's, the event loop's, op-cuda's device thread), the functions that cost most printed per thread.
+Not a benchmark (no peer): the map for making one faster.
 
-    pip install yappi; python bench/profile_step.py [--roles heapmem,op-cuda] [--model mlp|digits] [--compiled]
+    pip install yappi; python bench/profile_step.py [--roles heapmem,op-cuda] [--model mlp|digits|cnn] [--compiled]
         [--steps 30] [--top 40] [--clock wall|cpu]
+    python bench/profile_step.py --roles registry,heapmem,scheduler,op-cpu --model cnn   # on the CPU
 
 Writes the text to $OUT/profile_step.txt when OUT is set.
 """
@@ -36,7 +38,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--model", choices=("transformer", "mlp", "digits"), default="transformer")
+    ap.add_argument("--model", choices=("transformer", "mlp", "digits", "cnn"), default="transformer")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: each thread's own CPU time")
     ap.add_argument("--compiled", action="store_true", help="the step under dx.compile")
     opts = ap.parse_args()
@@ -51,6 +53,8 @@ def main() -> None:
         step = mlp_step(opts.compiled)
     elif opts.model == "digits":
         step = digits_step(opts.compiled)
+    elif opts.model == "cnn":
+        step = cnn_step(opts.compiled)
     else:
         step = trainer(ex, opts.context, opts.d_model, opts.layers, opts.batch, compiled=opts.compiled)
 
@@ -124,6 +128,37 @@ def digits_step(compiled: bool) -> Callable[[], None]:
     y = dx.tensor(rng.integers(0, 10, 64))
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = Adam(model.parameters(), lr=1e-3)
+
+    def core(x: Any, y: Any) -> Any:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    run = dx.compile(core) if compiled else core
+    return lambda: run(x, y).item()
+
+
+def cnn_step(compiled: bool) -> Callable[[], None]:
+    """examples/train_cnn.py's model, one Adam step on a batch of 32 digit-sized images, the loss read back."""
+    import importlib.util
+
+    import numpy as np
+
+    import deepx_sdk as dx
+    import deepx_sdk.nn.functional as F
+
+    spec = importlib.util.spec_from_file_location("train_cnn", ROOT.parent / "examples" / "train_cnn.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rng = np.random.default_rng(0)
+    x = dx.tensor(rng.random((32, 1, 8, 8)).astype(np.float32))
+    y = dx.tensor(rng.integers(0, 10, 32))
+    dx.manual_seed(0)
+    model = example.model()
+    opt = dx.optim.Adam(model.parameters(), lr=5e-3)
 
     def core(x: Any, y: Any) -> Any:
         opt.zero_grad()

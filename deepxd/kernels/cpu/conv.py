@@ -25,6 +25,7 @@ x * stride + j * dilation).
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -397,9 +398,7 @@ def _layout(fns: dict[str, Any], x: np.ndarray, kh: int, kw: int, stride: Sequen
     (sh, sw), (ph, pw), (dh, dw) = ((int(a), int(b)) for a, b in (stride, padding, dilation))
     hq, wq = -(-(h + 2 * ph) // sh), -(-(w + 2 * pw) // sw)
     img = c * sh * sw * hq * wq
-    i, j = np.arange(kh)[:, None] * dh, np.arange(kw)[None, :] * dw
-    tap = ((i % sh) * sw + j % sw) * hq * wq + (i // sh) * wq + j // sw  # (kh, kw): the offset within a channel
-    off = (np.arange(c)[:, None, None] * (sh * sw * hq * wq) + tap).reshape(-1).astype(np.int64)
+    off = _offsets(c, kh, kw, sh, sw, dh, dw, hq, wq)
     blk = _DIRECT_POSITIONS * 4 // x.dtype.itemsize
     # the loops read whole blocks of positions: room past the last image for the last block's reads
     size = max(n * img, (n - 1) * img + int(off[-1]) + -(-oh * wq // blk) * blk)
@@ -408,6 +407,16 @@ def _layout(fns: dict[str, Any], x: np.ndarray, kh: int, kw: int, stride: Sequen
     fns[f"direct_input_{_suffix(x.dtype)}"](_address(x), _address(xs), n * c, h, w, sh, sw, ph, pw, hq, wq,
                                             int(n * c * h * w >= POOL_SPLIT_MIN and native.split()))
     return xs, off, wq, img
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(c: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, hq: int, wq: int) -> np.ndarray:
+    """Where each kernel tap (c, i, j) starts reading an image's planes (DIRECT_INPUT's layout)."""
+    i, j = np.arange(kh)[:, None] * dh, np.arange(kw)[None, :] * dw
+    tap = ((i % sh) * sw + j % sw) * hq * wq + (i // sh) * wq + j // sw  # (kh, kw): the offset within a channel
+    off = (np.arange(c)[:, None, None] * (sh * sw * hq * wq) + tap).reshape(-1).astype(np.int64)
+    off.flags.writeable = False
+    return off
 
 
 def _suffix(dt: np.dtype) -> str:
