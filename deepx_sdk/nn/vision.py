@@ -1,6 +1,6 @@
 """Convolution, pooling, normalisation and resizing for convolutional nets, on the ops of the catalogue.
 
-A convolution is the `conv2d` op (on the CPU im2col as a strided view and one GEMM per group,
+A convolution is the `conv2d` op (on the CPU direct loops, or im2col in chunks and one GEMM per group,
 deepxd/kernels/cpu/conv.py; on op-cuda a direct kernel, deepxd/kernels/cuda/conv.py), its gradient the ops
 conv2dgradinput and conv2dgradweight. Pooling pads the input and runs `maxpool2d` or `sumpool2d`. Batch norm in
 training and group norm are the `batchnorm` and `groupnorm` ops, which also return the statistics their gradient ops

@@ -1,4 +1,13 @@
-"""Convolution on the CPU: im2col in chunks of output rows, each chunk one GEMM (batched over groups) on BLAS.
+"""Convolution on the CPU: direct C loops where they win (one group), else im2col in chunks of output rows, each
+chunk one GEMM (batched over groups) on BLAS.
+
+The direct loops (DIRECT in SOURCE) lay each image's padded input out as planes, one per channel and stride phase,
+so that kernel tap (c, i, j) reads one plane from a fixed offset and output position q = y * wq + x (wq: a plane's
+row) reads element off[c, i, j] + q: a correlation along q with no im2col, a block of output channels x positions
+in registers over every tap; columns x >= ow are computed and dropped. conv2d takes them where enough of the
+computed positions are kept (DIRECT_KEPT) or the product is small; conv2dgradinput at stride 1 as the convolution of
+the gradient padded by the kernel's reach with the kernel flipped; conv2dgradweight (DIRECT_GW) from
+GW_MIN_POSITIONS positions an image, on a finite input. docs/decisions/0040-fast-cpu-convolution.md has the figures.
 
 A chunk is a run of output rows, either whole images or rows of one image, whose im2col matrix `col` (C * kh * kw
 rows in (c, i, j) order, one column per output position of the chunk) fits about CHUNK_BYTES, so that BLAS reads
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -59,6 +69,10 @@ GW_MIN_POSITIONS = 512
 _DIRECT_POSITIONS = 32  # a block's positions in float32 (NV * L in DIRECT), 16 in float64
 _GW_CHANNELS, _GW_TAPS = 4, 4  # GW_OB and GW_TB in SOURCE
 _GW_CACHE = 1 << 19  # the weight's gradient sums over as many images at a time as have planes of this size
+#: scratch arrays (the direct loops' planes, im2col's chunk) up to this many bytes are kept per thread for the next
+#: call: fresh pages cost a fault each (a 32 x 16 x 32 x 32 step: 650 more a step, about 1 ms on this machine)
+SCRATCH_MAX = 1 << 26
+_scratch = threading.local()
 
 SOURCE = r"""
 #include <stdlib.h>
@@ -402,11 +416,23 @@ def _layout(fns: dict[str, Any], x: np.ndarray, kh: int, kw: int, stride: Sequen
     blk = _DIRECT_POSITIONS * 4 // x.dtype.itemsize
     # the loops read whole blocks of positions: room past the last image for the last block's reads
     size = max(n * img, (n - 1) * img + int(off[-1]) + -(-oh * wq // blk) * blk)
-    xs = np.empty(size, x.dtype)
+    xs = _buffer("planes", size, x.dtype)
     xs[n * img:] = 0
     fns[f"direct_input_{_suffix(x.dtype)}"](_address(x), _address(xs), n * c, h, w, sh, sw, ph, pw, hq, wq,
                                             int(n * c * h * w >= POOL_SPLIT_MIN and native.split()))
     return xs, off, wq, img
+
+
+def _buffer(name: str, size: int, dt: np.dtype) -> np.ndarray:
+    """An uninitialised array of `size` elements, the thread's scratch `name` where it fits SCRATCH_MAX."""
+    nbytes = size * dt.itemsize
+    if nbytes > SCRATCH_MAX:
+        return np.empty(size, dt)
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    b = bufs.get(name)
+    if b is None or b.size < nbytes:
+        b = bufs[name] = np.empty(max(nbytes, 64), np.uint8)
+    return b[:nbytes].view(dt)
 
 
 @functools.lru_cache(maxsize=256)
@@ -474,7 +500,7 @@ def _direct_gw(x: np.ndarray, gy: np.ndarray, kh: int, kw: int, stride: Sequence
     kp, op = -(-k // _GW_TAPS) * _GW_TAPS, -(-o // _GW_CHANNELS) * _GW_CHANNELS
     qn = -(-oh * wq // lanes) * lanes  # the positions the loops read: whole vectors
     hg = -(-qn // wq)
-    g = np.empty(n * o * hg * wq, dt)  # gy's rows as wq columns, zero past ow columns and oh rows
+    g = _buffer("rows", n * o * hg * wq, dt)  # gy's rows as wq columns, zero past ow columns and oh rows
     fns[f"direct_input_{s}"](_address(gy), _address(g), n * o, oh, ow, 1, 1, 0, 0, hg, wq, 0)
     offs = np.zeros(kp, np.int64)
     offs[:k] = off
@@ -517,7 +543,7 @@ class _Cols:
         fns = _native()
         self.fns = fns if dt in (F32, F64) else None
         self.suffix = "f32" if dt == F32 else "f64"
-        self.col = np.empty(max(r1 - r0 for r0, r1 in g.chunks(dt.itemsize)) * g.ow * g.k, dt)
+        self.col = _buffer("col", max(r1 - r0 for r0, r1 in g.chunks(dt.itemsize)) * g.ow * g.k, dt)
         self.taps: np.ndarray | None = None
 
     def buffer(self, r0: int, r1: int) -> np.ndarray:
