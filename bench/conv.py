@@ -10,9 +10,11 @@ for a few layer shapes (batch, channels, image, kernel). Each figure is the medi
 y = conv2d(x, w); y.sum().backward(); reading the gradients back. Then max_pool2d and avg_pool2d (forward, backward,
 the input's gradient read back) against torch's, and examples/train_cnn.py's model: one training step (forward,
 cross entropy, backward, Adam, the loss read back) on a batch of 32 digits against the same model in torch. Prints
-tables of milliseconds and the ratios torch/op; writes bench/results/conv.json (conv_cuda.json with --cuda).
+tables of milliseconds and the ratios torch/op; writes bench/results/conv.json (conv_cuda.json with --cuda,
+conv_cpu_time.json with --cpu-time).
 
     python bench/conv.py [--steps N] [--cuda]     # --cuda: deepx on op-cuda, torch on the GPU
+    python bench/conv.py --cpu-time               # one thread each, the process's CPU time (a loaded machine)
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +43,9 @@ POOLS = [  # (kind, N, C, H, W, k, stride, padding)
     ("avg", 16, 64, 16, 16, 3, 1, 1),
 ]
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_cnn.py"
+
+
+CLOCK = time.perf_counter  # time.process_time with --cpu-time
 
 
 def _pools(dx, torch, device: str, steps: int) -> list[dict]:
@@ -62,8 +69,8 @@ def _pools(dx, torch, device: str, steps: int) -> list[dict]:
             ft(xt, k, s, p).sum().backward()
             xt.grad.cpu()
 
-        op = median_ms(deepx_step, steps)
-        ref = median_ms(torch_step, steps)
+        op = median_ms(deepx_step, steps, CLOCK)
+        ref = median_ms(torch_step, steps, CLOCK)
         rows.append({"pool": kind, "shape": [n, c, h, w, k, s, p], "op_ms": op, "torch_ms": ref,
                      "torch_over_op": ref / op})
     return rows
@@ -104,8 +111,8 @@ def _cnn(dx, torch, device: str, steps: int) -> dict:
         topt.step()
         loss.item()
 
-    op = median_ms(deepx_step, steps * 5)
-    t = median_ms(torch_step, steps * 5)
+    op = median_ms(deepx_step, steps * 5, CLOCK)
+    t = median_ms(torch_step, steps * 5, CLOCK)
     return {"op_ms": op, "torch_ms": t, "torch_over_op": t / op}
 
 
@@ -114,9 +121,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cuda", action="store_true", help="deepx on op-cuda and torch on the GPU")
     ap.add_argument("--no-conv", action="store_true", help="pooling and the CNN step only")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="deepx and torch on one thread each, timed by the process's CPU time, not wall time")
     args = ap.parse_args()
 
+    global CLOCK
+    if args.cpu_time:  # before deepx and torch start their threads
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+        CLOCK = time.process_time
     dx, torch, device = deepx_then_torch(args.cuda)
+    if args.cpu_time:
+        torch.set_num_threads(1)
     from deepx_sdk.nn import vision
 
     rng = np.random.default_rng(0)
@@ -146,9 +161,9 @@ def main() -> None:
             xt.grad.cpu()  # read back, as the deepx step reads its gradients
             wtt.grad.cpu()
 
-        op = median_ms(lambda: deepx_step(False), args.steps)
-        taps = median_ms(lambda: deepx_step(True), args.steps)
-        ref = median_ms(torch_step, args.steps)
+        op = median_ms(lambda: deepx_step(False), args.steps, CLOCK)
+        taps = median_ms(lambda: deepx_step(True), args.steps, CLOCK)
+        ref = median_ms(torch_step, args.steps, CLOCK)
         rows.append({"shape": [n, c, h, w, o, k, s, p], "op_ms": op, "taps_ms": taps, "torch_ms": ref,
                      "torch_over_op": ref / op, "taps_over_op": taps / op})
     print("| N, C, H, W -> O, k, stride, pad | op ms | taps ms | torch ms | op speed / torch | op speed / taps |")
@@ -169,7 +184,7 @@ def main() -> None:
     print(f"| train step | {cnn['op_ms']:.3f} | {cnn['torch_ms']:.3f} | {cnn['torch_over_op']:.2f}x |")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / ("conv_cuda.json" if args.cuda else "conv.json")).write_text(
+    (out / ("conv_cuda.json" if args.cuda else "conv_cpu_time.json" if args.cpu_time else "conv.json")).write_text(
         json.dumps({"conv": rows, "pool": pools, "cnn_step": cnn}, indent=1))
 
 
