@@ -114,6 +114,23 @@ def test_conv2d_direct_loops_match_torch(rng, monkeypatch, dtype, geo):
         assert "_direct_gw" in ran
 
 
+def test_conv2d_direct_weight_gradient_gives_the_same_bits_split_or_not(rng, monkeypatch):
+    """Images summed in fixed runs, the runs' sums added in order: threads or none, the same result."""
+    from deepxd.kernels.cpu import conv, native
+
+    if conv._native() is None:
+        pytest.skip("no native kernels here")
+    monkeypatch.setattr(conv, "GW_MIN_POSITIONS", 0)
+    x = rng.standard_normal((7, 4, 20, 20))
+    gy = rng.standard_normal((7, 5, 20, 20))
+    got = []
+    for on in (True, False):
+        monkeypatch.setattr(native, "_split_on", on)
+        got.append(conv._direct_gw(x, gy, 3, 3, (1, 1), (1, 1), (1, 1)))
+    assert got[0] is not None
+    np.testing.assert_array_equal(got[0], got[1])
+
+
 def test_conv2d_direct_weight_gradient_of_an_infinite_input_matches_torch(rng, monkeypatch):
     """An infinity in the input: the direct weight's gradient would multiply it by the zeros past each row (a NaN
     torch does not make), so im2col takes it."""

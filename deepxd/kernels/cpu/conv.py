@@ -508,7 +508,7 @@ def _direct_gw(x: np.ndarray, gy: np.ndarray, kh: int, kw: int, stride: Sequence
     fns[f"direct_input_{s}"](_address(gy), _address(g), n * o, oh, ow, 1, 1, 0, 0, hg, wq, 0)
     offs = np.zeros(kp, np.int64)
     offs[:k] = off
-    parts = min(n, native.MAX_THREADS) if native.split() else 1
+    parts = min(n, native.MAX_THREADS)  # split or not: the same sums
     dw = np.zeros((parts, op, kp), dt)
     nb = max(1, _GW_CACHE // ((img + o * hg * wq) * dt.itemsize))
     fns[f"direct_gw_{s}"](_address(xs), _address(offs), _address(g), _address(dw), n, img, kp, qn, hg * wq, o, parts,
