@@ -1,13 +1,15 @@
 """One training step of an MLP, float32: deepx (embedded daemon) against torch eager on the CPU, in one run. Prints ms
-per step and the ratio; writes bench/results/train.json (train_digits.json with --model digits).
+per step and the ratio; writes bench/results/train.json (train_<model>.json with another --model).
 
-    python bench/train.py [--steps 10] [--rounds 6] [--model mnist|digits]
+    python bench/train.py [--steps 10] [--rounds 6] [--model mnist|digits|deep]
 
 The eager step is timed in two styles: a function whose loss dies when it returns ("deepx"), and the body of a
 top-level loop whose `out` and `loss` outlive the step ("deepx loop").
 
     mnist   784-512-512-10, batch 256, SGD with momentum: a step where the kernels dominate
     digits  64-128-64-10, batch 64, Adam: a small model whose step is host work (issue 25's item 7)
+    deep    35 layers of 16, batch 8, Adam: 70 parameters of tiny tensors, the host cost per parameter (a replay's
+            renumbered updates above all)
 
 The four steps take turns, in rounds of `steps` timed steps each (after 3 untimed), with a short pause between
 turns: on a shared machine whose speed drifts over seconds, a slow spell then falls on every side instead of on
@@ -37,9 +39,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--model", choices=("mnist", "digits"), default="mnist")
+    ap.add_argument("--model", choices=("mnist", "digits", "deep"), default="mnist")
     opts = ap.parse_args()
-    sizes, batch = ((784, 512, 512, 10), 256) if opts.model == "mnist" else ((64, 128, 64, 10), 64)
+    sizes, batch = {"mnist": ((784, 512, 512, 10), 256), "digits": ((64, 128, 64, 10), 64),
+                    "deep": ((16,) * 35 + (10,), 8)}[opts.model]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
     y = rng.integers(0, 10, batch)
@@ -153,7 +156,7 @@ def main() -> None:
           f"the op worker's kernels {split['kernels'] * 1e3:.2f} ms and the rest (recording, the hand-off to the "
           f"daemon's thread and back, the scheduler) {(split['step'] - split['kernels']) * 1e3:.2f} ms")
     results["split"] = split
-    out = Path(__file__).parent / "results" / ("train.json" if opts.model == "mnist" else "train_digits.json")
+    out = Path(__file__).parent / "results" / ("train.json" if opts.model == "mnist" else f"train_{opts.model}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({**results, "rounds": rounds, "blas": blas.describe()}, indent=2))
 
