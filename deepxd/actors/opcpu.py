@@ -310,6 +310,14 @@ class CpuWorker(OpWorker):
                 if renumber is None or not renumber(bounds[i]):
                     steps[i] = self._launching(prepared, i, self.ex.prepare(bounds[i]))
 
+    def _prepare_renamed(self, prepared: Prepared, changed: list[int], mappings: list[dict[str, str]]) -> None:
+        """The prepared steps of the instructions bound again under new names: prepared again (a step reads its
+        tensors by name)."""
+        if prepared.steps:
+            steps, bounds = prepared.steps, prepared.bounds
+            for i in changed:
+                steps[i] = self._launching(prepared, i, self.ex.prepare(bounds[i]))
+
     def _begin_prepared(self, prepared: Prepared) -> RunResult:
         """As OpWorker's, with the plan's steps prepared the first time."""
         result = super()._begin_prepared(prepared)

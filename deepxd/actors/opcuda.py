@@ -73,9 +73,10 @@ class GraphSlot:
     """op-cuda's CUDA graph of one prepared plan (`Prepared.graph`): the executor's `graphs.Captured` once captured;
     the prepared runs so far; the updates whose numbers changed since the last replay (`redo`: refreshed on the
     CUDA thread before the next); why the plan runs without a graph (`off`, "" while it may have one); the inputs
-    its captures copy into buffers of their own (`stage`: ones found in other memory at a replay)."""
+    its captures copy into buffers of their own (`stage`: ones found in other memory at a replay); the new names its
+    plan took for its inputs since (`renames`: the graph reads them under those before the next replay)."""
 
-    __slots__ = ("captured", "heap", "misses", "off", "redo", "runs", "stage")
+    __slots__ = ("captured", "heap", "misses", "off", "redo", "renames", "runs", "stage")
 
     def __init__(self) -> None:
         self.captured: Any = None
@@ -85,6 +86,7 @@ class GraphSlot:
         self.redo: list[int] = []
         self.off = ""
         self.stage: set[str] = set()
+        self.renames: list[dict[str, str]] = []
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -442,12 +444,37 @@ class CudaWorker(OpWorker):
         if slot is not None and slot.captured is not None:
             slot.redo.extend(changed)
 
+    def _prepare_renamed(self, prepared: Prepared, changed: list[int], mappings: list[dict[str, str]]) -> None:
+        """Instructions bound again under new names (OpWorker._rename): a graph reads its inputs under those before
+        its next replay (GraphSlot.renames)."""
+        super()._prepare_renamed(prepared, changed, mappings)
+        slot = prepared.graph
+        if slot is not None:
+            slot.renames.extend(mappings)
+
+    @staticmethod
+    def _rename_graph(slot: GraphSlot) -> None:
+        """A graph's inputs under the names its plan took (on the CUDA thread): what a replay checks (the address
+        of each input read, where not staged) and copies in (staged inputs) by name. An input is only read, so its
+        memory is not among the heap tensors the graph writes (`heap`)."""
+        captured = slot.captured
+        for mapping in slot.renames:
+            slot.stage = {mapping.get(n, n) for n in slot.stage}
+            slot.heap = tuple((n, ptr) for n, ptr in slot.heap if n not in mapping)
+            if captured is not None:
+                captured.reads = {mapping.get(n, n): r for n, r in captured.reads.items()}
+                captured.staged = {mapping.get(n, n): t for n, t in captured.staged.items()}
+                captured.stageable = frozenset(mapping.get(n, n) for n in captured.stageable)
+        slot.renames.clear()
+
     def _run_graph(self, prepared: Prepared, result: RunResult) -> bool:
         """Run a prepared plan as its CUDA graph: replayed, or captured now at its run after GRAPH_AFTER (the
         capture runs the program too). False, with nothing run, where it runs instruction by instruction."""
         slot = prepared.graph
         if slot is None:
             slot = prepared.graph = GraphSlot()
+        if slot.renames:
+            self._rename_graph(slot)
         if slot.off:
             return False
         ex = self.ex

@@ -3,20 +3,23 @@
 The scheduler makes a plan the first time a program comes (its backward instructions expanded, the passes run) and
 keeps it in its one plan cache, keyed by `probe(program)`; the worker checks the plan's program the first time it
 runs it and keeps its part on the plan (`Prepared`: each instruction checked and prepared for the executor, and
-what that check read of the worker's tensors). A repeat of the program (the same instructions, or new numbers in
-its optimizer updates) finds the plan, and the worker runs it on one condition: its state's version is the one the
-plan's last run left, or else the tensors the plan read are as it found them. Where neither holds the plan does not
-stand (the worker runs nothing and answers None) and the scheduler makes another for the state as it is.
+what that check read of the worker's tensors). A repeat of the program (the same instructions, new numbers in its
+optimizer updates, or new names for its inputs: `Plan.renamed`) finds the plan, and the worker runs it on one
+condition: its state's version is the one the plan's last run left, or else the tensors the plan read are as it
+found them. Where neither holds the plan does not stand (the worker runs nothing and answers None) and the scheduler
+makes another for the state as it is.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from deepx_core.ir.instr import Instr, rekinded, renumbered, same_program, scalar_kinds
-from deepx_core.ir.ops import Bound, TensorMeta
+from deepx_core.ir.effects import RENAMES
+from deepx_core.ir.instr import Instr, Param, rekinded, renumbered, same_program, scalar_kinds
+from deepx_core.ir.ops import OPS, Bound, TensorMeta
 
 if TYPE_CHECKING:
     from deepxd.actors.base import ActorRef
@@ -58,8 +61,9 @@ class Plan:
     """One program made runnable (see the module's doc). The scheduler's part is fixed once made, but for the numbers
     of optimizer updates (`renumber`); the worker's (`prepared`, `version`, `redo`) is the worker's to write."""
 
-    __slots__ = ("backwards", "ctx", "expanded", "fetch", "id", "kinds", "origins", "pair_min", "prepared",
-                 "program", "reads", "redo", "runs", "seen", "sent", "step_keys", "version", "where", "worker")
+    __slots__ = ("_inputs", "backwards", "ctx", "expanded", "fetch", "id", "kinds", "origins", "pair_min", "prepared",
+                 "program", "reads", "redo", "renames", "runs", "seen", "sent", "step_keys", "version", "where",
+                 "worker")
 
     def __init__(self, program: list[Instr], fetch: tuple[str, ...], backwards: tuple[BackwardSpec, ...],
                  worker: ActorRef[OpWorker], sent: list[Instr], *, expanded: list[Instr] | None = None,
@@ -84,6 +88,9 @@ class Plan:
         self.prepared: Prepared | None = None
         self.version = -1
         self.redo: list[int] = []
+        # inputs renamed since the worker bound it: (old name -> new, the positions of `sent` that name them)
+        self.renames: list[tuple[dict[str, str], list[int]]] = []
+        self._inputs: Inputs | bool | None = False  # worked out at the first renamed look (False: not yet)
 
     def __repr__(self) -> str:
         return f"Plan(#{self.id}, {len(self.program)} instructions -> {len(self.sent)})"
@@ -138,17 +145,85 @@ class Plan:
         self.redo.extend(sorted(changed))
         return True
 
-    def _same_backwards(self, backwards: Sequence[dict[str, Any]] | None) -> bool:
-        for spec, (index, loss, wrt, grad_loss, prefix, names, forward, kinds) in zip(backwards or (),
-                                                                                     self.backwards):
-            f, k = spec.get("forward"), spec.get("index")
-            # what the whole path checks too: an index 3.0 or a tuple for an instruction are refused there
-            if (type(k) is not int or k != index or spec.get("loss") != loss or spec.get("wrt") != wrt
-                    or spec.get("grad_loss") != grad_loss or spec.get("prefix", "g_") != prefix
-                    or spec.get("names") != names or type(f) is not list or not all(type(i) is Instr for i in f)
-                    or not same_program(f, forward, kinds)):
+    def renamed(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] | None
+                ) -> bool:
+        """Whether `program` (with `fetch` and `backwards`) is this plan's with its inputs (Inputs) under other names,
+        one to one, and perhaps new numbers in its optimizer updates: then the plan takes the names (and numbers) as
+        its own, in its program, its expansion, what the worker runs and its backwards; the worker binds the
+        instructions that name them again (`renames`), and compares the new tensors' metas with those it planned
+        on, as it compares any state (a plan that does not stand there runs nothing)."""
+        if len(program) != len(self.program) or len(backwards or ()) != len(self.backwards) or (
+                tuple(fetch) != self.fetch):
+            return False
+        inputs = self._inputs
+        if inputs is False:
+            inputs = self._inputs = inputs_of([self.program, *(b[6] for b in self.backwards)],
+                                              [self.expanded, self.sent], (*self.fetch, *self.reads_fixed()))
+        if inputs is None:
+            return False
+        assert isinstance(inputs, Inputs)
+        sources = [program, *((spec.get("forward") for spec in backwards) if backwards else ())]
+        mapping = inputs.mapping(sources)
+        if not mapping:
+            return False
+        known = renamed_at(self.program, inputs.at[0], mapping)
+        varied = None
+        if not same_program(program, known, self.kinds):
+            varied = renumbered(program, known)
+            if not varied:
                 return False
+        specs = tuple(_renamed_spec(spec, renamed_at(spec[6], at, mapping), mapping)
+                      for spec, at in zip(self.backwards, inputs.at[1:]))
+        if specs and not _same_backwards(backwards, specs):
+            return False
+        planned = self.planned
+        expanded = None
+        if self.expanded is not None:
+            expanded = renamed_at(self.expanded, inputs.more[0], mapping)
+        new_planned = expanded if expanded is not None else known
+        sent = new_planned if self.sent is planned else renamed_at(self.sent, inputs.more[1], mapping)
+        changed = [k for k, (a, b) in enumerate(zip(sent, self.sent)) if a is not b]
+        self.program, self.expanded, self.sent, self.backwards = known, expanded, sent, specs
+        self.reads = tuple(mapping.get(n, n) for n in self.reads)
+        self.step_keys = tuple(tuple(sorted(spec[2])) for spec in self.backwards)
+        inputs.names = [mapping.get(n, n) for n in inputs.names]
+        if self.ctx is not None:  # a failed run is set straight from it: the metas under the new names
+            from deepxd.compiler.pipeline import new_context
+
+            ctx = self.ctx
+            self.ctx = new_context({mapping.get(n, n): m for n, m in ctx.metas.items()}, fetch=ctx.fetch,
+                                   keep=[mapping.get(n, n) for n in ctx.keep], cache=ctx.cache)
+        self.renames.append((mapping, changed))
+        if varied is not None:
+            return self.renumber(program, varied)
+        self.program = program if type(program) is list else list(program)
         return True
+
+    def reads_fixed(self) -> tuple[str, ...]:
+        """The names of its backwards that stay: each loss, gradient given to the loss, and gradient's name."""
+        out: list[str] = []
+        for _, loss, _, grad_loss, _, names, _, _ in self.backwards:
+            out.append(loss)
+            if grad_loss is not None:
+                out.append(grad_loss)
+            if names:
+                out.extend(names.values())
+        return tuple(out)
+
+    def _same_backwards(self, backwards: Sequence[dict[str, Any]] | None) -> bool:
+        return _same_backwards(backwards, self.backwards)
+
+
+def _same_backwards(backwards: Sequence[dict[str, Any]] | None, known: Sequence[BackwardSpec]) -> bool:
+    for spec, (index, loss, wrt, grad_loss, prefix, names, forward, kinds) in zip(backwards or (), known):
+        f, k = spec.get("forward"), spec.get("index")
+        # what the whole path checks too: an index 3.0 or a tuple for an instruction are refused there
+        if (type(k) is not int or k != index or spec.get("loss") != loss or spec.get("wrt") != wrt
+                or spec.get("grad_loss") != grad_loss or spec.get("prefix", "g_") != prefix
+                or spec.get("names") != names or type(f) is not list or not all(type(i) is Instr for i in f)
+                or not same_program(f, forward, kinds)):
+            return False
+    return True
 
 
 def _substituted(items: Sequence[Instr], origins: Sequence[int], changed: set[int], old: Sequence[Instr],
@@ -162,3 +237,144 @@ def _substituted(items: Sequence[Instr], origins: Sequence[int], changed: set[in
     for k in at:
         out[k] = new[origins[k]]
     return out, set(at)
+
+
+# ---------------------------------------------------------------- the same plan under new input names
+
+
+class Inputs:
+    """The inputs of a plan: the tensors it reads and never makes, deletes or renames (`names`), where each is first
+    named in the parts a client sends (`first`: part, instruction, arg, list index or -1), and per part the positions
+    of the instructions that name one (`at`: those sent; `more`: those the scheduler made of them). What a plan under
+    new names needs: the names it makes stay (`fixed`: no input may take one)."""
+
+    __slots__ = ("at", "first", "fixed", "more", "names")
+
+    def __init__(self, names: list[str], first: list[tuple[int, int, int, int]], at: list[list[int]],
+                 more: list[list[int]], fixed: frozenset[str]) -> None:
+        self.names, self.first, self.at, self.more, self.fixed = names, first, at, more, fixed
+
+    def mapping(self, sources: Sequence[Any]) -> dict[str, str] | None:
+        """Each input's new name (old -> new, those that changed), read where it is first named in `sources` (the
+        client's parts); None where a name there is missing, not one to one, or one the plan makes."""
+        mapping: dict[str, str] = {}
+        for name, (part, i, j, k) in zip(self.names, self.first):
+            try:
+                v = sources[part][i].args[j].value
+                if k >= 0:
+                    v = v[k]
+            except (IndexError, TypeError, AttributeError):
+                return None
+            if type(v) is not str:
+                return None
+            if v != name:
+                mapping[name] = v
+        if not mapping:
+            return None
+        new = set(mapping.values())
+        if len(new) != len(mapping) or not self.fixed.isdisjoint(new):
+            return None
+        if len(mapping) < len(self.names) and not new.isdisjoint(n for n in self.names if n not in mapping):
+            return None
+        return mapping
+
+
+_WORDS = re.compile(r"[^\s,\[\]()]+")
+
+
+def _names_in(p: Param) -> tuple[str, ...]:
+    v = p.value
+    if p.category == "tensor" and type(v) is str:
+        return (v,)
+    if p.category == "listtensor" and type(v) is tuple:
+        return tuple(x for x in v if type(x) is str)
+    return ()
+
+
+def inputs_of(sent: Sequence[Sequence[Instr]], more: Sequence[Sequence[Instr] | None],
+              fixed: Sequence[str] = ()) -> Inputs | None:
+    """The Inputs of a plan whose client sends the parts `sent` (its program, each backward's forward) and which made
+    `more` of them (its expansion, what the worker runs; None: none); `fixed`: names that stay besides those it makes.
+    None where it has none. A name written as text where a tensor goes (an untyped param), or named by an op outside
+    the catalogue (but the backward marker) or a rename, stays."""
+    read: dict[str, None] = {}
+    made = set(fixed)
+    parts = [*sent, *(m for m in more if m is not None)]
+    for part in parts:
+        for instr in part:
+            op = OPS.get(instr.name)
+            plain = instr.name == "backward" if op is None else op.effect.kind is not RENAMES
+            for p in instr.args:
+                names = _names_in(p)
+                if names:
+                    if plain:
+                        read.update(dict.fromkeys(names))
+                    else:
+                        made.update(names)
+                elif p.category not in ("var", "vector") and type(p.value) is str:
+                    made.update(_WORDS.findall(p.value))  # (text where a tensor may go: what it may name stays)
+            for p in instr.returns:
+                made.update(_names_in(p))
+                if type(p.value) is str:
+                    made.update(_WORDS.findall(p.value))
+    names = [n for n in read if n not in made]
+    if not names:
+        return None
+    first: dict[str, tuple[int, int, int, int]] = {}
+    for s, part in enumerate(sent):
+        for i, instr in enumerate(part):
+            for j, p in enumerate(instr.args):
+                if p.category == "tensor":
+                    if type(p.value) is str and p.value not in first:
+                        first[p.value] = (s, i, j, -1)
+                elif p.category == "listtensor" and type(p.value) is tuple:
+                    for k, v in enumerate(p.value):
+                        if v not in first:
+                            first[v] = (s, i, j, k)
+    names = [n for n in names if n in first]  # (one named only by what the scheduler made of them stays)
+    if not names:
+        return None
+    names.sort(key=first.__getitem__)
+    inputs = set(names)
+    made.update(n for n in read if n not in inputs)
+
+    def at(part: Sequence[Instr] | None) -> list[int]:
+        return [] if part is None else [i for i, instr in enumerate(part)
+                                        if any(not inputs.isdisjoint(_names_in(p)) for p in instr.args)]
+
+    return Inputs(names, [first[n] for n in names], [at(part) for part in sent], [at(part) for part in more],
+                  frozenset(made))
+
+
+def _renamed_param(p: Param, mapping: dict[str, str]) -> Param:
+    v = p.value
+    if p.category == "tensor":
+        new = mapping.get(v) if type(v) is str else None
+        return p if new is None else p._replace(value=new)
+    if p.category == "listtensor" and type(v) is tuple and any(x in mapping for x in v):
+        return p._replace(value=tuple(mapping.get(x, x) for x in v))
+    return p
+
+
+def renamed_at(program: Sequence[Instr], at: Sequence[int], mapping: dict[str, str]) -> list[Instr]:
+    """`program` with the tensors its instructions at `at` read renamed by `mapping` (the rest the very objects)."""
+    out = list(program)
+    for i in at:
+        instr = out[i]
+        args = tuple(_renamed_param(p, mapping) for p in instr.args)
+        if any(a is not b for a, b in zip(args, instr.args)):
+            out[i] = instr._replace(args=args)
+    return out
+
+
+def _renamed_spec(spec: BackwardSpec, forward: list[Instr], mapping: dict[str, str]) -> BackwardSpec:
+    index, loss, wrt, grad_loss, prefix, names, _, kinds = spec
+    return (index, loss, [mapping.get(w, w) for w in wrt], grad_loss, prefix,
+            {mapping.get(w, w): g for w, g in names.items()} if names is not None else None, forward, kinds)
+
+
+def renamed_bound(b: Bound, mapping: dict[str, str]) -> Bound:
+    """A checked instruction with the tensors it reads renamed (the same metas: the caller compares them)."""
+    names = [mapping.get(n, n) if type(n) is str else
+             type(n)(mapping.get(x, x) for x in n) if type(n) in (list, tuple) else n for n in b.names]
+    return b._replace(names=names)

@@ -20,14 +20,14 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from deepx_core.cache import Cache
 from deepx_core.errors import DeepxError
 from deepx_core.ir.effects import SETS, apply_effect, kind_of
-from deepx_core.ir.instr import Instr, Param, probe, scalar_kinds
+from deepx_core.ir.instr import Instr, Param, input_probe, probe, scalar_kinds
 from deepx_core.ir.ops import OPS, ProgramError, TensorMeta
 from deepxd.actors.base import Actor, ActorRef, Envelope
 from deepxd.actors.messages import (
@@ -43,7 +43,7 @@ from deepxd.actors.messages import (
     Variables,
     WorkerTensors,
 )
-from deepxd.actors.plan import BackwardSpec, Plan
+from deepxd.actors.plan import BackwardSpec, Inputs, Plan, inputs_of, renamed_at
 from deepxd.actors.worker import (
     LONG_PROGRAM,
     REMEMBER_MAX,
@@ -197,6 +197,55 @@ def _backward_key(spec: dict[str, Any]) -> tuple[str, ...] | None:
     return tuple(sorted(wrt))
 
 
+def _derived_key(forward: Sequence[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None, prefix: str,
+                 names: dict[str, str] | None) -> tuple[Any, ...]:
+    return (*probe(forward), loss, tuple(wrt), grad_loss, prefix, tuple(names.items()) if names else None)
+
+
+class _Derived:
+    """A backward program derived before (Scheduler._derive): its request, the metas it was derived against, the
+    program and the gradients' names; `renamed` takes a forward that is its own with its inputs under other names."""
+
+    __slots__ = ("fixed", "forward", "grads", "inputs", "kinds", "loss", "metas", "names", "program", "wrt")
+
+    def __init__(self, forward: list[Instr], loss: str, wrt: Sequence[str], grad_loss: str | None,
+                 names: dict[str, str] | None, metas: dict[str, Any], program: list[Instr],
+                 grads: dict[str, str]) -> None:
+        self.forward, self.kinds, self.loss, self.wrt = forward, scalar_kinds(forward), loss, list(wrt)
+        self.names = dict(names) if names else None
+        self.metas, self.program, self.grads = dict(metas), program, dict(grads)
+        self.inputs: Inputs | bool | None = False  # worked out at the first renamed look
+        self.fixed = (loss, *([grad_loss] if grad_loss else []), *self.grads.values())  # names that stay
+
+    def renamed(self, forward: Sequence[Instr], loss: str, wrt: Sequence[str], names: dict[str, str] | None,
+                metas: dict[str, Any]) -> bool:
+        """Whether `forward` (with loss, wrt, names, and the metas of what it names) is this one's with its inputs
+        under other names, the metas under those names the same: then it takes the names as its own, and its
+        program reads them."""
+        from deepx_core.ir.instr import same_program
+
+        inputs = self.inputs
+        if inputs is False:
+            inputs = self.inputs = inputs_of([self.forward], [self.program], self.fixed)
+        if inputs is None or loss != self.loss or len(wrt) != len(self.wrt):
+            return False
+        assert isinstance(inputs, Inputs)
+        mapping = inputs.mapping([forward])
+        if not mapping:
+            return False
+        known = renamed_at(self.forward, inputs.at[0], mapping)
+        if (not same_program(forward, known, self.kinds) or list(wrt) != [mapping.get(w, w) for w in self.wrt]
+                or (names or None) != ({mapping.get(w, w): g for w, g in self.names.items()} if self.names else None)
+                or metas != {mapping.get(n, n): m for n, m in self.metas.items()}):
+            return False
+        self.forward, self.wrt, self.metas = known, list(wrt), dict(metas)
+        self.names = dict(names) if names else None
+        self.grads = {mapping.get(w, w): g for w, g in self.grads.items()}
+        self.program = renamed_at(self.program, inputs.more[0], mapping)
+        inputs.names = [mapping.get(n, n) for n in inputs.names]
+        return True
+
+
 class _Steps:
     """The steps carrying one backward request's parameters (see Scheduler._apart): how many in a row no plan
     matched, and whether they run in parts."""
@@ -263,6 +312,10 @@ class Scheduler(Actor):
         # the plans: every program that may come again, made runnable once (deepxd/actors/plan.py), by probe(); a
         # bucket holds the plans of one program for the states it came on
         self.plans: Cache[tuple[Any, ...], list[Plan]] = Cache("scheduler.plans", PLANS, per_key=8, owner=name)
+        # the same plans by input_probe(): a program that is one of them with its inputs under other names (a batch
+        # held among others) runs by it, under those names (Plan.renamed)
+        self.renamable: Cache[tuple[Any, ...], list[Plan]] = Cache("scheduler.renamable", PLANS, per_key=8,
+                                                                    owner=name, counted=False)
         # what a plan is made from: checks by structure (the passes check programs too), the passes' rewrites by
         # structure (a program under new names), and derived backward programs by forward graph (_derive)
         self.binds = BindMemo(owner=name)
@@ -275,15 +328,18 @@ class Scheduler(Actor):
         self.eliminated = 0  # instructions they removed
         self.graphs: dict[str, GraphPlan] = {}  # stored graph name -> its plan (deepxd/compiler/graphs.py)
         self.replays = 0
-        # backward programs derived before (_derive): probe -> [(forward, its scalar kinds, metas, program, grads)]
-        self.backwards: Cache[Any, list[tuple[list[Instr], Any, dict[str, Any], list[Instr], dict[str, str]]]] = (
-            Cache("scheduler.backwards", 64, per_key=4, owner=name))
+        # backward programs derived before (_derive), by their request (_derived_key), and the same by input_probe
+        # (a forward under new names for its inputs: a batch held among others)
+        self.backwards: Cache[Any, list[_Derived]] = Cache("scheduler.backwards", 64, per_key=4, owner=name)
+        self.backwards_renamed: Cache[Any, list[_Derived]] = Cache("scheduler.backwards_renamed", 64, per_key=4,
+                                                                   owner=name, counted=False)
         self.backward_hits = 0
         self.backward_misses = 0
         # per backward request's parameters (_backward_key): [steps in a row carrying it that were no plan's,
         # whether its steps go in parts] (see _apart)
         self.steps: Cache[tuple[str, ...], _Steps] = Cache("scheduler.steps", 64, owner=name)
         self.plan_hits = 0  # runs of a plan from the cache
+        self.renamed_hits = 0  # ...of which under new names for its inputs
         self.plan_misses = 0  # plans made
         self.stale = 0  # plans from the cache that did not stand on the worker's state
         self.now_hits = 0  # runs and replays taken by now_run and now_replay (the embedded daemon's, no loop step)
@@ -419,8 +475,33 @@ class Scheduler(Actor):
                 continue
             self._hit(key, plan, result)
             return result
+        for plan in self._renamed(program, fetch, backwards, key):
+            result = await self._run_plan(plan, program)
+            if result is None:
+                self.stale += 1
+                continue
+            self.renamed_hits += 1
+            self._hit(key, plan, result)
+            return result
         self.plans.miss()
         return None
+
+    def _renamed(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] | None,
+                 key: tuple[Any, ...]) -> Iterator[Plan]:
+        """The plans that `program` is with its inputs under other names, each renamed so (Plan.renamed) and kept
+        under `key` from then on, the newest first: the second look, after the plans under `key` missed."""
+        look = input_probe(program)
+        for plan in reversed(list(self.renamable.bucket(look))):
+            before = probe(plan.program)
+            if not plan.renamed(program, fetch, backwards):
+                continue
+            if plan.pair_min is not None and plan.pair_min != default_pair_min():
+                self.renamable.discard(look, plan)
+                continue
+            if before != key:  # (its first or last instruction reads a renamed input)
+                self.plans.discard(before, plan)
+                self.plans.add(key, plan)
+            yield plan
 
     def _hit(self, key: tuple[Any, ...], plan: Plan, result: RunResult) -> None:
         """A plan from the cache ran: counted; where it failed, the program's plans go (the next run takes the whole
@@ -429,6 +510,7 @@ class Scheduler(Actor):
         self.plan_hits += 1
         if result.error:
             self.plans.pop(key)
+            self.renamable.discard(input_probe(plan.program), plan)
         for k in plan.step_keys:  # its steps repeat: whole (see _apart)
             counts = self.steps.peek(k)
             if counts is not None:
@@ -492,6 +574,7 @@ class Scheduler(Actor):
                 plan.ctx = new_context({n: m for n, m in zip(p.names, p.metas) if m is not None}, fetch=plan.fetch,
                                        keep=[n for n, h in zip(p.names, p.heaped) if h], cache=self.binds)
             self.plans.add(probe(program), plan)
+            self.renamable.add(input_probe(program), plan)
         return result
 
     async def _make_plan(self, worker: ActorRef[OpWorker], program: Sequence[Instr], fetch: Sequence[str],
@@ -608,6 +691,11 @@ class Scheduler(Actor):
                 return None
             if worker.now(Stands(plan)):
                 return plan
+        for plan in self._renamed(program, fetch, backwards, probe(program) if key is None else key):
+            if plan.worker is worker and worker.now(Stands(plan)):
+                self.renamed_hits += 1
+                return plan
+            break  # (on_run runs it, or the next)
         return None
 
     def _now_run(self, plan: Plan, program: Sequence[Instr], origin: str, key: Any) -> Finished:
@@ -1091,7 +1179,7 @@ class Scheduler(Actor):
         returns the very program derived before, so the worker's repeated-program path applies to it too.
         variables, vectors: the worker's, for a forward that reads one by name (argset's); its backward is derived
         afresh each time (it may depend on their values) and never remembered."""
-        from deepx_core.ir.instr import probe, same_program, scalar_kinds
+        from deepx_core.ir.instr import same_program
         from deepx_core.ir.ops import SymbolicEnv
         from deepxd.compiler.autograd import grad_program
 
@@ -1101,12 +1189,21 @@ class Scheduler(Actor):
                                                                                 dict(vectors or {})),
                                           grad_loss=grad_loss, prefix=prefix)
             return _renamed(program, grads, names, metas) if names else (program, grads)
-        key = (*probe(forward), loss, tuple(wrt), grad_loss, prefix, tuple(names.items()) if names else None)
-        for known, kinds, known_metas, program, grads in self.backwards.bucket(key):
-            if known_metas == metas and same_program(forward, known, kinds):
+        key = _derived_key(forward, loss, wrt, grad_loss, prefix, names)
+        for known in self.backwards.bucket(key):
+            if known.metas == metas and same_program(forward, known.forward, known.kinds):
                 self.backward_hits += 1
                 self.backwards.hit()
-                return program, dict(grads)
+                return known.program, dict(known.grads)
+        look = (input_probe(forward), loss, len(wrt), grad_loss, prefix, tuple(names.values()) if names else None)
+        for known in reversed(list(self.backwards_renamed.bucket(look))):
+            before = _derived_key(known.forward, known.loss, known.wrt, grad_loss, prefix, known.names)
+            if known.renamed(forward, loss, wrt, names, metas):
+                self.backward_hits += 1
+                self.backwards.hit()
+                self.backwards.discard(before, known)
+                self.backwards.add(key, known)
+                return known.program, dict(known.grads)
         self.backward_misses += 1
         self.backwards.miss()
         program, grads = grad_program(list(forward), loss, list(wrt), SymbolicEnv(metas), grad_loss=grad_loss,
@@ -1114,7 +1211,9 @@ class Scheduler(Actor):
         if names:
             program, grads = _renamed(program, grads, names, metas)
         if len(forward) + len(program) <= REMEMBER_MAX:
-            self.backwards.add(key, (forward, scalar_kinds(forward), dict(metas), program, grads))
+            derived = _Derived(forward, loss, wrt, grad_loss, names, metas, program, grads)
+            self.backwards.add(key, derived)
+            self.backwards_renamed.add(look, derived)
         return program, dict(grads)
 
     # -- stored graphs (dx.compile): the plan of each is made once, then every replay binds into it
@@ -1285,6 +1384,7 @@ class Scheduler(Actor):
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
                 "plan_hits": self.plan_hits, "plan_misses": self.plan_misses, "stale": self.stale,
+                "renamed_hits": self.renamed_hits,
                 "now_hits": self.now_hits, "apart": self.apart, "rewrite_hits": self.rewrites.hits,
                 "graphs": len(self.graphs), "replays": self.replays, "beside": self.beside,
                 "backward_hits": self.backward_hits, "backward_misses": self.backward_misses,

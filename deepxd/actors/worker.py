@@ -24,7 +24,7 @@ from deepx_core.ir.ops import OPS, Bound, ProgramError, TensorMeta, check_progra
 from deepx_core.ir.shapes import numel
 from deepxd.actors.base import Actor, ActorRef, Envelope
 from deepxd.actors.messages import ArrayOf, Attach, Create, Fetch, Info, Put, Release, RunPlan, RunProgram
-from deepxd.actors.plan import Plan, Prepared
+from deepxd.actors.plan import Plan, Prepared, renamed_bound
 from deepxd.compiler.analysis import named_tensors
 from deepxd.kernels.cpu import check_instruction, dtype_name
 from deepxd.kernels.cpu.life import refused_heap_replace
@@ -322,9 +322,12 @@ class OpWorker(Actor):
         program is checked whole, as any program's. Renumbered updates are bound and prepared again here."""
         prepared = plan.prepared
         if prepared is None:  # its first run: on the state it was planned on
+            plan.renames.clear()  # (its program is checked whole, under the names it has)
             return None if plan.seen is None or (self.ex is not None and plan.seen == self._state()) else False
         if self.ex is None:
             return False
+        if plan.renames:
+            self._rename(plan, prepared)
         if plan.version < 0 or plan.version != self._state():
             if not self._meets(prepared.names, prepared.metas,
                                prepared.heaped if self.heap or any(prepared.heaped) else None):
@@ -352,6 +355,36 @@ class OpWorker(Actor):
 
     def _prepare_again(self, prepared: Prepared, changed: list[int]) -> None:
         """The prepared steps at positions `changed`, bound again: none here (prepared again at the next run)."""
+        prepared.steps.clear()
+
+    def _rename(self, plan: Plan, prepared: Prepared) -> None:
+        """Bind again, under their new names, the instructions of `plan` that read inputs it took new names for
+        (Plan.renamed), and prepare them again. The metas stay: the comparison that follows (its version forgotten)
+        finds whether the new tensors have them; where not, the plan does not stand."""
+        bounds, redo = prepared.bounds, plan.redo
+        before: dict[int, Bound] = {}
+        mappings = []
+        for mapping, at in plan.renames:
+            mappings.append(mapping)
+            prepared.names = tuple([mapping.get(n, n) for n in prepared.names])
+            for i in at:
+                before.setdefault(i, bounds[i])
+                bounds[i] = renamed_bound(bounds[i], mapping)
+        plan.renames.clear()
+        plan.version = -1
+        transient = prepared.transient
+        for i, old in before.items():
+            b = bounds[i]
+            if i not in redo:  # (one whose numbers changed too keeps the instruction its numbers are read against)
+                b = bounds[i] = b._replace(instr=plan.sent[i])
+            if id(old) in transient:
+                transient.discard(id(old))
+                transient.add(id(b))
+        self._prepare_renamed(prepared, sorted(before), mappings)
+
+    def _prepare_renamed(self, prepared: Prepared, changed: list[int], mappings: list[dict[str, str]]) -> None:
+        """The prepared steps at positions `changed`, bound again under new names (`mappings`, old -> new, in
+        order): none here (prepared again at the next run)."""
         prepared.steps.clear()
 
     def now_stands(self, plan: Plan) -> bool:
@@ -581,6 +614,7 @@ class OpWorker(Actor):
         if more:  # a name it reads back or was planned on: its meta is part of the check
             names += tuple(more)
         metas, heap = self.ex.tensors.metas, self.heap
+        plan.renames.clear()  # (checked under the names it has)
         plan.prepared = Prepared(names, [metas.get(n) for n in names], [n in heap for n in names], bounds, heavy,
                                  tuple(deletions(bounds)), transient if transient is not None else set())
 

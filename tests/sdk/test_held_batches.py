@@ -1,0 +1,47 @@
+"""A training loop over batches held as tensors of their own (a list put up front, a prefetching loader's) sends a
+program that differs from the last step's only in its inputs' names: the daemon runs it by the plan it made for
+the first, under the new names (Plan.renamed), with the numbers of a loop that puts a fresh tensor every step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import deepx_sdk as dx
+import deepx_sdk.nn as nn
+import deepx_sdk.nn.functional as F
+from deepx_sdk.optim import Adam
+
+
+def _train(data: list[tuple[np.ndarray, np.ndarray]], held: bool, steps: int, warm: int
+           ) -> tuple[list[float], list[np.ndarray], dict[str, float]]:
+    dx.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    opt = Adam(model.parameters(), lr=1e-2)
+    batches = [(dx.tensor(x), dx.tensor(y)) for x, y in data] if held else None
+    scheduler = dx.session().transport.node.ref("scheduler")._actor
+    losses = []
+    for k in range(steps):
+        if k == warm:
+            before = dict(scheduler.on_stats())
+        x, y = batches[k % len(data)] if batches is not None else (dx.tensor(data[k % len(data)][0]),
+                                                                   dx.tensor(data[k % len(data)][1]))
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    after = scheduler.on_stats()
+    counts = {k: after[k] - before[k] for k in ("plan_hits", "plan_misses", "backward_misses", "renamed_hits")}
+    return losses, [p.detach().numpy() for p in model.parameters()], counts
+
+
+def test_held_batches_train_as_fresh_ones_by_one_plan(rng):
+    dx.connect()
+    data = [(rng.standard_normal((10, 6)), rng.integers(0, 3, 10)) for _ in range(5)]
+    fresh_losses, fresh_weights, _ = _train(data, held=False, steps=24, warm=8)
+    held_losses, held_weights, counts = _train(data, held=True, steps=24, warm=8)
+    assert held_losses == fresh_losses
+    for a, b in zip(held_weights, fresh_weights):
+        np.testing.assert_array_equal(a, b)
+    assert counts["plan_misses"] == 0 and counts["backward_misses"] == 0, counts
+    assert counts["renamed_hits"] >= 16 and counts["plan_hits"] >= 16, counts
