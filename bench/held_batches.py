@@ -3,7 +3,7 @@ heap tensors) against the same step with a fresh `dx.tensor` per step: the MLP o
 Adam, batch 64) on the embedded daemon's op-cpu. Each step's program differs from the last only in its inputs'
 names; it prints ms/step for both loops, their ratio, and the scheduler's plan and backward counts per step.
 
-    python bench/held_batches.py [--steps 100] [--rounds 3]
+    python bench/held_batches.py [--steps 100] [--rounds 3] [--roles heapmem,op-cpu]
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def _loop(dx: Any, s: Any, held: bool, steps: int, batches: int, seed: int = 0) 
         step(k)
     ms = 1e3 * (time.perf_counter() - t0) / steps
     after = sched.on_stats()
-    per = {k: (after[k] - before[k]) / steps for k in ("plan_hits", "plan_misses", "backward_hits",
-                                                        "backward_misses", "apart")}
+    per = {k: (after[k] - before.get(k, 0)) / steps for k in ("plan_hits", "plan_misses", "backward_hits",
+                                                               "backward_misses", "renamed_hits") if k in after}
     return ms, per
 
 
@@ -55,10 +55,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--roles", default="heapmem,op-cpu", help="the embedded daemon's roles")
     opts = ap.parse_args()
     import deepx_sdk as dx
 
-    s = dx.connect(roles=["heapmem", "op-cpu"])
+    s = dx.connect(roles=opts.roles.split(","))
     times: dict[bool, list[float]] = {True: [], False: []}
     counts: dict[bool, dict[str, float]] = {}
     for _ in range(opts.rounds):

@@ -29,9 +29,10 @@ def _data(step: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((64, 32)).astype(np.float32), rng.integers(0, 10, 64)
 
 
-def _train(monkeypatch: pytest.MonkeyPatch, graphs: bool, optimizer: str, fresh: bool, compiled: bool = False
-           ) -> tuple[list[float], dict[str, np.ndarray], int]:
-    """The losses, the final weights and how many programs op-cuda replayed as graphs."""
+def _train(monkeypatch: pytest.MonkeyPatch, graphs: bool, optimizer: str, fresh: bool, compiled: bool = False,
+           cycle: int = 0, held: bool = False) -> tuple[list[float], dict[str, np.ndarray], int]:
+    """The losses, the final weights and how many programs op-cuda replayed as graphs. `cycle`: that many batches
+    in turn; `held`: each put once, up front (else put anew each step)."""
     monkeypatch.setenv("DEEPX_CUDA_GRAPHS", "1" if graphs else "0")
     monkeypatch.delenv("DEEPX_ADDRESS", raising=False)
     s = dx.connect(roles=["heapmem", "op-cuda"])
@@ -41,7 +42,7 @@ def _train(monkeypatch: pytest.MonkeyPatch, graphs: bool, optimizer: str, fresh:
                               nn.Linear(64, 10))
         params = list(model.parameters())
         opt = SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd" else AdamW(params, lr=3e-3)
-        batches = [_data(i if fresh else 0) for i in range(STEPS)]
+        batches = [_data((i % cycle if cycle else i) if fresh else 0) for i in range(STEPS)]
 
         def step(x: dx.Tensor, y: dx.Tensor) -> dx.Tensor:
             opt.zero_grad()
@@ -51,7 +52,11 @@ def _train(monkeypatch: pytest.MonkeyPatch, graphs: bool, optimizer: str, fresh:
             return loss
 
         run = dx.compile(step) if compiled else step
-        losses = [float(run(dx.tensor(x), dx.tensor(y)).item()) for x, y in batches]
+        if held:
+            kept = [(dx.tensor(x), dx.tensor(y)) for x, y in batches[:cycle]]
+            losses = [float(run(*kept[i % cycle]).item()) for i in range(STEPS)]
+        else:
+            losses = [float(run(dx.tensor(x), dx.tensor(y)).item()) for x, y in batches]
         weights = {k: v.numpy() for k, v in model.state_dict().items()}
         worker = s.transport.node.ref("op-cuda")._actor
         stat = worker.op_stats.get("cudagraph")
@@ -73,6 +78,18 @@ def test_a_training_loop_replayed_as_graphs_equals_the_loop_run_op_by_op(monkeyp
         np.testing.assert_allclose(weights[k], eager_weights[k], rtol=1e-5, atol=1e-6, err_msg=k)
     if not fresh:  # (a new batch of random labels each step need not lower the loss)
         assert losses[-1] < losses[0]
+
+
+def test_held_batches_replay_as_graphs_under_their_names(monkeypatch):
+    """Batches held as tensors of their own, in turn (a list put up front): each step is the plan of the first under
+    new names for its inputs (Plan.renamed), and its graph reads them under those names (copied in: staged), so the
+    loop replays as graphs and trains as the loop that puts each batch anew, op by op."""
+    eager_losses, eager_weights, _ = _train(monkeypatch, False, "adamw", True, cycle=4)
+    losses, weights, replays = _train(monkeypatch, True, "adamw", True, cycle=4, held=True)
+    assert replays >= REPLAYS, f"only {replays} of {STEPS} steps replayed as CUDA graphs"
+    np.testing.assert_allclose(losses, eager_losses, rtol=1e-5)
+    for k in eager_weights:
+        np.testing.assert_allclose(weights[k], eager_weights[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_at_most_graphs_max_graphs_live_and_the_loop_still_trains_as_op_by_op(monkeypatch):
