@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from deepx_core.ir.effects import RENAMES
-from deepx_core.ir.instr import Instr, Param, rekinded, renumbered, same_program, scalar_kinds
+from deepx_core.ir.instr import Instr, rekinded, renumbered, same_program, scalar_kinds
 from deepx_core.ir.ops import OPS, Bound, TensorMeta
 
 if TYPE_CHECKING:
+    from deepx_core.ir.instr import Param
     from deepxd.actors.base import ActorRef
     from deepxd.actors.worker import OpWorker
     from deepxd.compiler.analysis import PassContext
