@@ -266,16 +266,18 @@ def probe(program: Sequence[Instr]) -> tuple[Any, ...]:
 
 
 def _blanked(instr: Instr) -> Any:
+    def blank(params: tuple[Param, ...]) -> tuple[Any, ...]:
+        return tuple((p.category, p.precisions) if p.category in ("tensor", "listtensor") else p for p in params)
+
     if instr.name in NUMBERED_OPS:
-        return instr.name, instr.returns
-    return (instr.name, tuple((p.category, p.precisions) if p.category in ("tensor", "listtensor") else p
-                              for p in instr.args), instr.returns, instr.meta)
+        return instr.name, blank(instr.returns)
+    return instr.name, blank(instr.args), blank(instr.returns), instr.meta
 
 
 def input_probe(program: Sequence[Instr]) -> tuple[Any, ...]:
     """The key a plan is found by under other names for its inputs (the scheduler's second look, after `probe`'s
-    misses): probe's with the tensors its first and last instructions read left out, as their names would be. The
-    plans found are then matched one to one (Plan.renamed)."""
+    misses): probe's with the tensors its first and last instructions name left out (a deletion's returns may be
+    inputs too). The plans found are then matched one to one (Plan.renamed)."""
     if not program:
         return (0, None, None)
     return (len(program), _blanked(program[0]), _blanked(program[-1]))

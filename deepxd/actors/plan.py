@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from deepx_core.ir.effects import RENAMES
+from deepx_core.ir.effects import DELETES, RENAMES
 from deepx_core.ir.instr import Instr, rekinded, renumbered, same_program, scalar_kinds
 from deepx_core.ir.ops import OPS, Bound, TensorMeta
 
@@ -244,10 +244,10 @@ def _substituted(items: Sequence[Instr], origins: Sequence[int], changed: set[in
 
 
 class Inputs:
-    """The inputs of a plan: the tensors it reads and never makes, deletes or renames (`names`), where each is first
-    named in the parts a client sends (`first`: part, instruction, arg, list index or -1), and per part the positions
-    of the instructions that name one (`at`: those sent; `more`: those the scheduler made of them). What a plan under
-    new names needs: the names it makes stay (`fixed`: no input may take one)."""
+    """The inputs of a plan: the tensors it reads or deletes and never makes, writes or renames (`names`), where each
+    is first named in the parts a client sends (`first`: part, instruction, arg or -1 - return, list index or -1),
+    and per part the positions of the instructions that name one (`at`: those sent; `more`: those the scheduler made
+    of them). What a plan under new names needs: the names it makes stay (`fixed`: no input may take one)."""
 
     __slots__ = ("at", "first", "fixed", "more", "names")
 
@@ -261,7 +261,8 @@ class Inputs:
         mapping: dict[str, str] = {}
         for name, (part, i, j, k) in zip(self.names, self.first):
             try:
-                v = sources[part][i].args[j].value
+                instr = sources[part][i]
+                v = (instr.args[j] if j >= 0 else instr.returns[-1 - j]).value
                 if k >= 0:
                     v = v[k]
             except (IndexError, TypeError, AttributeError):
@@ -292,39 +293,49 @@ def _names_in(p: Param) -> tuple[str, ...]:
     return ()
 
 
+def _renamable(instr: Instr) -> list[tuple[int, Param]]:
+    """The params of `instr` whose tensors may take new names, by position (an arg's, or -1 - k for return k): the
+    tensor args of an op of the catalogue (the backward marker's too; a rename's none), and a deletion's returns."""
+    op = OPS.get(instr.name)
+    if op is None:
+        return list(enumerate(instr.args)) if instr.name == "backward" else []
+    kind = op.effect.kind
+    if kind is RENAMES:
+        return []
+    out = list(enumerate(instr.args))
+    if kind is DELETES:
+        out += [(-1 - k, p) for k, p in enumerate(instr.returns)]
+    return out
+
+
 def inputs_of(sent: Sequence[Sequence[Instr]], more: Sequence[Sequence[Instr] | None],
               fixed: Sequence[str] = ()) -> Inputs | None:
     """The Inputs of a plan whose client sends the parts `sent` (its program, each backward's forward) and which made
     `more` of them (its expansion, what the worker runs; None: none); `fixed`: names that stay besides those it makes.
-    None where it has none. A name written as text where a tensor goes (an untyped param), or named by an op outside
-    the catalogue (but the backward marker) or a rename, stays."""
-    read: dict[str, None] = {}
+    An input is read or deleted (a batch of the step before), never made or written. None where it has none. A name
+    written as text where a tensor goes (an untyped param), or named by an op outside the catalogue (but the
+    backward marker) or a rename, stays."""
+    seen: dict[str, None] = {}
     made = set(fixed)
     parts = [*sent, *(m for m in more if m is not None)]
     for part in parts:
         for instr in part:
-            op = OPS.get(instr.name)
-            plain = instr.name == "backward" if op is None else op.effect.kind is not RENAMES
-            for p in instr.args:
+            free = {id(p) for _, p in _renamable(instr)}
+            for p in (*instr.args, *instr.returns):
                 names = _names_in(p)
-                if names:
-                    if plain:
-                        read.update(dict.fromkeys(names))
-                    else:
-                        made.update(names)
+                if names and id(p) in free:
+                    seen.update(dict.fromkeys(names))
+                elif names:
+                    made.update(names)
                 elif p.category not in ("var", "vector") and type(p.value) is str:
                     made.update(_WORDS.findall(p.value))  # (text where a tensor may go: what it may name stays)
-            for p in instr.returns:
-                made.update(_names_in(p))
-                if type(p.value) is str:
-                    made.update(_WORDS.findall(p.value))
-    names = [n for n in read if n not in made]
+    names = [n for n in seen if n not in made]
     if not names:
         return None
     first: dict[str, tuple[int, int, int, int]] = {}
     for s, part in enumerate(sent):
         for i, instr in enumerate(part):
-            for j, p in enumerate(instr.args):
+            for j, p in _renamable(instr):
                 if p.category == "tensor":
                     if type(p.value) is str and p.value not in first:
                         first[p.value] = (s, i, j, -1)
@@ -337,11 +348,11 @@ def inputs_of(sent: Sequence[Sequence[Instr]], more: Sequence[Sequence[Instr] | 
         return None
     names.sort(key=first.__getitem__)
     inputs = set(names)
-    made.update(n for n in read if n not in inputs)
+    made.update(n for n in seen if n not in inputs)
 
     def at(part: Sequence[Instr] | None) -> list[int]:
         return [] if part is None else [i for i, instr in enumerate(part)
-                                        if any(not inputs.isdisjoint(_names_in(p)) for p in instr.args)]
+                                        if any(not inputs.isdisjoint(_names_in(p)) for _, p in _renamable(instr))]
 
     return Inputs(names, [first[n] for n in names], [at(part) for part in sent], [at(part) for part in more],
                   frozenset(made))
@@ -364,7 +375,10 @@ def renamed_at(program: Sequence[Instr], at: Sequence[int], mapping: dict[str, s
         instr = out[i]
         args = tuple(_renamed_param(p, mapping) for p in instr.args)
         if any(a is not b for a, b in zip(args, instr.args)):
-            out[i] = instr._replace(args=args)
+            instr = out[i] = instr._replace(args=args)
+        op = OPS.get(instr.name)
+        if op is not None and op.effect.kind is DELETES:
+            out[i] = instr._replace(returns=tuple(_renamed_param(p, mapping) for p in instr.returns))
     return out
 
 
@@ -375,7 +389,10 @@ def _renamed_spec(spec: BackwardSpec, forward: list[Instr], mapping: dict[str, s
 
 
 def renamed_bound(b: Bound, mapping: dict[str, str]) -> Bound:
-    """A checked instruction with the tensors it reads renamed (the same metas: the caller compares them)."""
-    names = [mapping.get(n, n) if type(n) is str else
-             type(n)(mapping.get(x, x) for x in n) if type(n) in (list, tuple) else n for n in b.names]
-    return b._replace(names=names)
+    """A checked instruction with the tensors it reads (or deletes) renamed (the same metas: the caller compares
+    them)."""
+    def new(names: list[Any]) -> list[Any]:
+        return [mapping.get(n, n) if type(n) is str else
+                type(n)(mapping.get(x, x) for x in n) if type(n) in (list, tuple) else n for n in names]
+
+    return b._replace(names=new(b.names), out_names=new(b.out_names))

@@ -339,7 +339,7 @@ class Scheduler(Actor):
         # whether its steps go in parts] (see _apart)
         self.steps: Cache[tuple[str, ...], _Steps] = Cache("scheduler.steps", 64, owner=name)
         self.plan_hits = 0  # runs of a plan from the cache
-        self.renamed_hits = 0  # ...of which under new names for its inputs
+        self.renamed = 0  # plans from the cache that took new names for their inputs (then ran, or were stale)
         self.plan_misses = 0  # plans made
         self.stale = 0  # plans from the cache that did not stand on the worker's state
         self.now_hits = 0  # runs and replays taken by now_run and now_replay (the embedded daemon's, no loop step)
@@ -475,19 +475,18 @@ class Scheduler(Actor):
                 continue
             self._hit(key, plan, result)
             return result
-        for plan in self._renamed(program, fetch, backwards, key):
+        for plan in self._under_new_names(program, fetch, backwards, key):
             result = await self._run_plan(plan, program)
             if result is None:
                 self.stale += 1
                 continue
-            self.renamed_hits += 1
             self._hit(key, plan, result)
             return result
         self.plans.miss()
         return None
 
-    def _renamed(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] | None,
-                 key: tuple[Any, ...]) -> Iterator[Plan]:
+    def _under_new_names(self, program: Sequence[Instr], fetch: Sequence[str],
+                         backwards: Sequence[dict[str, Any]] | None, key: tuple[Any, ...]) -> Iterator[Plan]:
         """The plans that `program` is with its inputs under other names, each renamed so (Plan.renamed) and kept
         under `key` from then on, the newest first: the second look, after the plans under `key` missed."""
         look = input_probe(program)
@@ -498,7 +497,8 @@ class Scheduler(Actor):
             if plan.pair_min is not None and plan.pair_min != default_pair_min():
                 self.renamable.discard(look, plan)
                 continue
-            if before != key:  # (its first or last instruction reads a renamed input)
+            self.renamed += 1
+            if before != key:  # (its first or last instruction names a renamed input)
                 self.plans.discard(before, plan)
                 self.plans.add(key, plan)
             yield plan
@@ -691,9 +691,8 @@ class Scheduler(Actor):
                 return None
             if worker.now(Stands(plan)):
                 return plan
-        for plan in self._renamed(program, fetch, backwards, probe(program) if key is None else key):
+        for plan in self._under_new_names(program, fetch, backwards, probe(program) if key is None else key):
             if plan.worker is worker and worker.now(Stands(plan)):
-                self.renamed_hits += 1
                 return plan
             break  # (on_run runs it, or the next)
         return None
@@ -1384,7 +1383,7 @@ class Scheduler(Actor):
         return {"programs": self.programs, "instructions": self.instructions, "failed": self.failed,
                 "busy_s": self.busy_s, "rewritten": self.rewritten, "eliminated": self.eliminated,
                 "plan_hits": self.plan_hits, "plan_misses": self.plan_misses, "stale": self.stale,
-                "renamed_hits": self.renamed_hits,
+                "renamed": self.renamed,
                 "now_hits": self.now_hits, "apart": self.apart, "rewrite_hits": self.rewrites.hits,
                 "graphs": len(self.graphs), "replays": self.replays, "beside": self.beside,
                 "backward_hits": self.backward_hits, "backward_misses": self.backward_misses,

@@ -332,6 +332,9 @@ class OpWorker(Actor):
             if not self._meets(prepared.names, prepared.metas,
                                prepared.heaped if self.heap or any(prepared.heaped) else None):
                 return False
+            heap = self.heap
+            if heap and prepared.deletes and any(n in heap and n not in self.heap_held for _, n in prepared.deletes):
+                return False  # (a heap tensor held by others: the whole check says why it may not be deleted here)
         if plan.redo and not self._rebind(plan, prepared):
             plan.prepared = None
             return None
@@ -372,6 +375,9 @@ class OpWorker(Actor):
                 bounds[i] = renamed_bound(bounds[i], mapping)
         plan.renames.clear()
         plan.version = -1
+        if prepared.deletes:
+            for mapping in mappings:
+                prepared.deletes = tuple((i, mapping.get(n, n)) for i, n in prepared.deletes)
         transient = prepared.transient
         for i, old in before.items():
             b = bounds[i]

@@ -10,6 +10,7 @@ import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
 from deepx_sdk.optim import Adam
+from deepx_sdk.utils.data import DataLoader, Dataset
 
 
 def _train(data: list[tuple[np.ndarray, np.ndarray]], held: bool, steps: int, warm: int
@@ -31,7 +32,7 @@ def _train(data: list[tuple[np.ndarray, np.ndarray]], held: bool, steps: int, wa
         opt.step()
         losses.append(loss.item())
     after = scheduler.on_stats()
-    counts = {k: after[k] - before[k] for k in ("plan_hits", "plan_misses", "backward_misses", "renamed_hits")}
+    counts = {k: after[k] - before[k] for k in ("plan_hits", "plan_misses", "backward_misses", "renamed")}
     return losses, [p.detach().numpy() for p in model.parameters()], counts
 
 
@@ -44,4 +45,44 @@ def test_held_batches_train_as_fresh_ones_by_one_plan(rng):
     for a, b in zip(held_weights, fresh_weights):
         np.testing.assert_array_equal(a, b)
     assert counts["plan_misses"] == 0 and counts["backward_misses"] == 0, counts
-    assert counts["renamed_hits"] >= 16 and counts["plan_hits"] >= 16, counts
+    assert counts["renamed"] >= 16 and counts["plan_hits"] >= 16, counts
+
+
+class _Samples(Dataset):
+    def __init__(self) -> None:
+        rng = np.random.default_rng(5)
+        self.x, self.y = rng.standard_normal((60, 6)), rng.integers(0, 3, 60)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return self.x[i], int(self.y[i])
+
+
+def test_a_prefetching_loader_trains_by_one_plan():
+    """A loader's workers put each batch as a heap tensor of its own ahead of the step, and the step deletes the one
+    before: its program is the last but one's under new names, and trains as the loop without workers."""
+    dx.connect()
+    scheduler = dx.session().transport.node.ref("scheduler")._actor
+
+    def train(workers: int) -> tuple[list[float], dict[str, float]]:
+        dx.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+        opt = Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for epoch in range(3):
+            if epoch == 1:
+                before = dict(scheduler.on_stats())
+            for x, y in DataLoader(_Samples(), batch_size=10, num_workers=workers):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        after = scheduler.on_stats()
+        return losses, {k: after[k] - before[k] for k in ("plan_misses", "backward_misses", "renamed")}
+
+    prefetched, counts = train(1)
+    assert prefetched == train(0)[0]
+    assert counts["plan_misses"] == 0 and counts["backward_misses"] == 0 and counts["renamed"] >= 12, counts
