@@ -167,27 +167,28 @@ class Plan:
         mapping = inputs.mapping(sources)
         if not mapping:
             return False
-        known = renamed_at(self.program, inputs.at[0], mapping)
+        known = renamed_at(self.program, inputs.where(inputs.at[0], mapping), mapping)
         varied = None
         if not same_program(program, known, self.kinds):
             varied = renumbered(program, known)
             if not varied:
                 return False
         specs = tuple(_renamed_spec(spec, renamed_at(spec[6], at, mapping), mapping)
-                      for spec, at in zip(self.backwards, inputs.at[1:]))
+                      for spec, at in zip(self.backwards, (inputs.where(u, mapping) for u in inputs.at[1:])))
         if specs and not _same_backwards(backwards, specs):
             return False
         planned = self.planned
         expanded = None
         if self.expanded is not None:
-            expanded = renamed_at(self.expanded, inputs.more[0], mapping)
+            expanded = renamed_at(self.expanded, inputs.where(inputs.more[0], mapping), mapping)
         new_planned = expanded if expanded is not None else known
-        sent = new_planned if self.sent is planned else renamed_at(self.sent, inputs.more[1], mapping)
-        changed = [k for k, (a, b) in enumerate(zip(sent, self.sent)) if a is not b]
+        at = inputs.where(inputs.more[1], mapping)
+        sent = new_planned if self.sent is planned else renamed_at(self.sent, at, mapping)
+        changed = [k for k in at if sent[k] is not self.sent[k]]
         self.program, self.expanded, self.sent, self.backwards = known, expanded, sent, specs
         self.reads = tuple(mapping.get(n, n) for n in self.reads)
         self.step_keys = tuple(tuple(sorted(spec[2])) for spec in self.backwards)
-        inputs.names = [mapping.get(n, n) for n in inputs.names]
+        inputs.renamed(mapping)
         if self.ctx is not None:  # a failed run is set straight from it: the metas under the new names
             from deepxd.compiler.pipeline import new_context
 
@@ -246,14 +247,27 @@ def _substituted(items: Sequence[Instr], origins: Sequence[int], changed: set[in
 class Inputs:
     """The inputs of a plan: the tensors it reads or deletes and never makes, writes or renames (`names`), where each
     is first named in the parts a client sends (`first`: part, instruction, arg or -1 - return, list index or -1),
-    and per part the positions of the instructions that name one (`at`: those sent; `more`: those the scheduler made
-    of them). What a plan under new names needs: the names it makes stay (`fixed`: no input may take one)."""
+    and per part, per input, the positions of the instructions that name it (`at`: the parts sent; `more`: those the
+    scheduler made of them). What a plan under new names needs: the names it makes stay (`fixed`: none may take one)."""
 
     __slots__ = ("at", "first", "fixed", "more", "names")
 
-    def __init__(self, names: list[str], first: list[tuple[int, int, int, int]], at: list[list[int]],
-                 more: list[list[int]], fixed: frozenset[str]) -> None:
+    def __init__(self, names: list[str], first: list[tuple[int, int, int, int]], at: list[dict[str, list[int]]],
+                 more: list[dict[str, list[int]]], fixed: frozenset[str]) -> None:
         self.names, self.first, self.at, self.more, self.fixed = names, first, at, more, fixed
+
+    def renamed(self, mapping: dict[str, str]) -> None:
+        """The inputs under their new names (a plan took them)."""
+        self.names = [mapping.get(n, n) for n in self.names]
+        for uses in (*self.at, *self.more):
+            moved = {n: uses.pop(n) for n in mapping if n in uses}
+            uses.update((mapping[n], k) for n, k in moved.items())
+
+    @staticmethod
+    def where(uses: dict[str, list[int]], mapping: dict[str, str]) -> list[int]:
+        """The positions of the instructions of a part (`uses`: one of `at` or `more`) that name an input renamed."""
+        found = [uses[n] for n in mapping if n in uses]
+        return found[0] if len(found) == 1 else sorted(set().union(*found))
 
     def mapping(self, sources: Sequence[Any]) -> dict[str, str] | None:
         """Each input's new name (old -> new, those that changed), read where it is first named in `sources` (the
@@ -350,9 +364,12 @@ def inputs_of(sent: Sequence[Sequence[Instr]], more: Sequence[Sequence[Instr] | 
     inputs = set(names)
     made.update(n for n in seen if n not in inputs)
 
-    def at(part: Sequence[Instr] | None) -> list[int]:
-        return [] if part is None else [i for i, instr in enumerate(part)
-                                        if any(not inputs.isdisjoint(_names_in(p)) for _, p in _renamable(instr))]
+    def at(part: Sequence[Instr] | None) -> dict[str, list[int]]:
+        uses: dict[str, list[int]] = {}
+        for i, instr in enumerate(part or ()):
+            for n in dict.fromkeys(n for _, p in _renamable(instr) for n in _names_in(p) if n in inputs):
+                uses.setdefault(n, []).append(i)
+        return uses
 
     return Inputs(names, [first[n] for n in names], [at(part) for part in sent], [at(part) for part in more],
                   frozenset(made))

@@ -233,7 +233,7 @@ class _Derived:
         mapping = inputs.mapping([forward])
         if not mapping:
             return False
-        known = renamed_at(self.forward, inputs.at[0], mapping)
+        known = renamed_at(self.forward, inputs.where(inputs.at[0], mapping), mapping)
         if (not same_program(forward, known, self.kinds) or list(wrt) != [mapping.get(w, w) for w in self.wrt]
                 or (names or None) != ({mapping.get(w, w): g for w, g in self.names.items()} if self.names else None)
                 or metas != {mapping.get(n, n): m for n, m in self.metas.items()}):
@@ -241,8 +241,8 @@ class _Derived:
         self.forward, self.wrt, self.metas = known, list(wrt), dict(metas)
         self.names = dict(names) if names else None
         self.grads = {mapping.get(w, w): g for w, g in self.grads.items()}
-        self.program = renamed_at(self.program, inputs.more[0], mapping)
-        inputs.names = [mapping.get(n, n) for n in inputs.names]
+        self.program = renamed_at(self.program, inputs.where(inputs.more[0], mapping), mapping)
+        inputs.renamed(mapping)
         return True
 
 
