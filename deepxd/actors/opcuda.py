@@ -455,8 +455,8 @@ class CudaWorker(OpWorker):
     @staticmethod
     def _rename_graph(slot: GraphSlot) -> None:
         """A graph's inputs under the names its plan took (on the CUDA thread): what a replay checks (the address
-        of each input read, where not staged) and copies in (staged inputs) by name. An input is only read, so its
-        memory is not among the heap tensors the graph writes (`heap`)."""
+        of each input read, where not staged), copies in (staged inputs) and leaves in the table, by name. An input
+        is never written, so its memory is not among the heap tensors the graph writes (`heap`)."""
         captured = slot.captured
         for mapping in slot.renames:
             slot.stage = {mapping.get(n, n) for n in slot.stage}
@@ -465,6 +465,8 @@ class CudaWorker(OpWorker):
                 captured.reads = {mapping.get(n, n): r for n, r in captured.reads.items()}
                 captured.staged = {mapping.get(n, n): t for n, t in captured.staged.items()}
                 captured.stageable = frozenset(mapping.get(n, n) for n in captured.stageable)
+                for seg in captured.segments:  # (an input it deletes: the name a replay takes out of the table)
+                    seg.after = {mapping.get(n, n): t for n, t in seg.after.items()}
         slot.renames.clear()
 
     def _run_graph(self, prepared: Prepared, result: RunResult) -> bool:
