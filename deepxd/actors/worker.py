@@ -403,6 +403,8 @@ class OpWorker(Actor):
         prepared = plan.prepared
         if prepared is None or not self._now_ok(prepared):
             return False
+        if plan.renames:  # (what it deletes under the new names)
+            self._rename(plan, prepared)
         heap = self.heap
         if heap and any(name in heap for _, name in prepared.deletes):
             return False

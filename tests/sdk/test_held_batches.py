@@ -4,12 +4,16 @@ the first, under the new names (Plan.renamed), with the numbers of a loop that p
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 import deepx_sdk as dx
 import deepx_sdk.nn as nn
 import deepx_sdk.nn.functional as F
+from deepx_core.client import NativeClient
 from deepx_sdk.optim import Adam
+from deepx_sdk.session import session
 from deepx_sdk.utils.data import DataLoader, Dataset
 
 
@@ -86,3 +90,7 @@ def test_a_prefetching_loader_trains_by_one_plan():
     prefetched, counts = train(1)
     assert prefetched == train(0)[0]
     assert counts["plan_misses"] == 0 and counts["backward_misses"] == 0 and counts["renamed"] >= 12, counts
+    gc.collect()
+    dx.ones(1).numpy()  # a program, which carries the deletes of collected handles
+    with NativeClient(session().transport.address) as c:  # each batch's heap tensors went, under its own name
+        assert not [t["name"] for t in c.admin("tensors") if t["name"].startswith("dl") and t["kind"] == "heap"]
