@@ -361,7 +361,7 @@ class OpWorker(Actor):
         prepared.steps.clear()
 
     def _rename(self, plan: Plan, prepared: Prepared) -> None:
-        """Bind again, under their new names, the instructions of `plan` that read inputs it took new names for
+        """Bind again, under their new names, the instructions of `plan` that name inputs it took new names for
         (Plan.renamed), and prepare them again. The metas stay: the comparison that follows (its version forgotten)
         finds whether the new tensors have them; where not, the plan does not stand."""
         bounds, redo = prepared.bounds, plan.redo
