@@ -169,6 +169,24 @@ def test_inputs_in_new_memory_each_step_replay_through_staged_copies(tmp_path):
         captured.destroy()
 
 
+def test_a_capture_out_of_memory_for_its_staged_copies_leaves_the_table(tmp_path):
+    """Two inputs to stage, each 30% of the free memory: the second copy does not fit. The capture fails with the
+    allocation's error and the inputs' names are still the caller's memory (not a half-made graph's buffers)."""
+    from deepxd.kernels.cuda import CudaExecutor
+
+    program = parse_text("add (tensor<float32>:x, tensor<float32>:t) -> (tensor<float32>:y)")
+    with CudaExecutor(cache_dir=tmp_path) as ex:
+        free, _ = ex.cuda.mem_get_info()
+        n = int(free * 0.3) // 4
+        ex.tensors["x"] = ex.zeros((n,), "float32")
+        ex.tensors["t"] = ex.zeros((n,), "float32")
+        x, t = ex.tensors["x"], ex.tensors["t"]
+        bounds = check_program(program, ex, ex.plans)
+        with pytest.raises(DeepxError, match="out of device memory"):
+            ex.capture(bounds, ["x", "t"])
+        assert ex.tensors["x"] is x and ex.tensors["t"] is t and "y" not in ex.tensors
+
+
 def test_a_program_that_needs_the_host_is_not_captured_and_the_table_is_kept(tmp_path):
     from deepxd.kernels.cuda import CudaExecutor
 
