@@ -241,6 +241,39 @@ mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
         captured.destroy()
 
 
+def test_a_kernel_error_in_a_replay_of_staged_inputs_leaves_their_names_on_the_callers_memory(tmp_path):
+    """Both inputs staged, then put anew in other memory with a bad label: the replay stops at crossentropy, the
+    inputs' names are the caller's new tensors (not the graph's copies) and the next replay reads them again."""
+    from deepxd.kernels.cuda import CudaExecutor
+
+    program = parse_text("""
+exp (tensor<float32>:z) -> (tensor<float32>:ez)
+crossentropy (tensor<float32>:ez, tensor<int64>:k, var<int32>:-100, var<string>:mean) -> (tensor<float32>:l)
+mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
+""")
+    with CudaExecutor(cache_dir=tmp_path) as ex:
+        ex.put("z", np.zeros((3, 4), np.float32))
+        ex.put("k", np.array([0, 1, 2], np.int64))
+        captured = ex.capture(check_program(program, ex, ex.plans), ["z", "k"])
+        assert captured is not None and sorted(captured.staged) == ["k", "z"]
+        np.testing.assert_allclose(ex.get("l2"), 2 * np.log(4.0), rtol=1e-6)
+        held = ex.tensors.pop("z"), ex.tensors.pop("k")  # still alive: the new ones land elsewhere
+        ex.put("z", np.ones((3, 4), np.float32))
+        ex.put("k", np.array([0, 9, 2], np.int64))
+        z, k = ex.tensors["z"], ex.tensors["k"]
+        assert (z.ptr, k.ptr) != (held[0].ptr, held[1].ptr)
+        ex.put("l2", np.array(7.0, np.float32))
+        with pytest.raises(DeepxError, match="label is out of range") as e:
+            ex.replay(captured)
+        assert e.value.index == 1 and ex.get("l2") == 7.0
+        assert ex.tensors["z"] is z and ex.tensors["k"] is k
+        np.testing.assert_array_equal(ex.get("k"), [0, 9, 2])
+        ex.put("k", np.array([3, 1, 2], np.int64))  # in place: the caller's memory, copied in at the launch
+        assert ex.replay(captured) and ex.tensors["z"] is z and ex.tensors["k"] is k
+        np.testing.assert_allclose(ex.get("l2"), 2 * np.log(4.0), rtol=1e-6)
+        captured.destroy()
+
+
 def test_a_kernel_error_in_the_captures_own_run_leaves_the_table_as_a_run_stopped_there(tmp_path):
     """The capture runs the host side of the whole program before its first launch: where that launch stops at a
     flagged kernel, the names of the instructions after it are as they were (a tensor made later absent, one deleted
