@@ -442,7 +442,7 @@ _REPLAYED_SETTINGS = frozenset({"params", "lr", "momentum", "dampening", "weight
                                 "initial_lr"})
 
 
-def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = True) -> list[Any]:
+def _state_signature(mods: Sequence[Any], opts: Sequence[Any], grads: bool = True) -> tuple[Any, ...]:
     """The parameters of the modules and the state tensors of the optimizers; with `grads`, also which parameters
     hold a gradient (a backward adds to it: a call that starts with gradients is another program)."""
     from deepx_sdk.tensor import Tensor

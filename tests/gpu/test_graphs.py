@@ -169,6 +169,24 @@ def test_inputs_in_new_memory_each_step_replay_through_staged_copies(tmp_path):
         captured.destroy()
 
 
+def test_a_capture_out_of_memory_for_its_staged_copies_leaves_the_table(tmp_path):
+    """Two inputs to stage, each 30% of the free memory: the second copy does not fit. The capture fails with the
+    allocation's error and the inputs' names are still the caller's memory (not a half-made graph's buffers)."""
+    from deepxd.kernels.cuda import CudaExecutor
+
+    program = parse_text("add (tensor<float32>:x, tensor<float32>:t) -> (tensor<float32>:y)")
+    with CudaExecutor(cache_dir=tmp_path) as ex:
+        free, _ = ex.cuda.mem_get_info()
+        n = int(free * 0.3) // 4
+        ex.tensors["x"] = ex.zeros((n,), "float32")
+        ex.tensors["t"] = ex.zeros((n,), "float32")
+        x, t = ex.tensors["x"], ex.tensors["t"]
+        bounds = check_program(program, ex, ex.plans)
+        with pytest.raises(DeepxError, match="out of device memory"):
+            ex.capture(bounds, ["x", "t"])
+        assert ex.tensors["x"] is x and ex.tensors["t"] is t and "y" not in ex.tensors
+
+
 def test_a_program_that_needs_the_host_is_not_captured_and_the_table_is_kept(tmp_path):
     from deepxd.kernels.cuda import CudaExecutor
 
@@ -219,6 +237,39 @@ mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
         assert ex.get("l2") == 7.0  # the instruction after the failing one did not run
         ex.put("k", np.array([3, 1, 2], np.int64))
         assert ex.replay(captured)
+        np.testing.assert_allclose(ex.get("l2"), 2 * np.log(4.0), rtol=1e-6)
+        captured.destroy()
+
+
+def test_a_kernel_error_in_a_replay_of_staged_inputs_leaves_their_names_on_the_callers_memory(tmp_path):
+    """Both inputs staged, then put anew in other memory with a bad label: the replay stops at crossentropy, the
+    inputs' names are the caller's new tensors (not the graph's copies) and the next replay reads them again."""
+    from deepxd.kernels.cuda import CudaExecutor
+
+    program = parse_text("""
+exp (tensor<float32>:z) -> (tensor<float32>:ez)
+crossentropy (tensor<float32>:ez, tensor<int64>:k, var<int32>:-100, var<string>:mean) -> (tensor<float32>:l)
+mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
+""")
+    with CudaExecutor(cache_dir=tmp_path) as ex:
+        ex.put("z", np.zeros((3, 4), np.float32))
+        ex.put("k", np.array([0, 1, 2], np.int64))
+        captured = ex.capture(check_program(program, ex, ex.plans), ["z", "k"])
+        assert captured is not None and sorted(captured.staged) == ["k", "z"]
+        np.testing.assert_allclose(ex.get("l2"), 2 * np.log(4.0), rtol=1e-6)
+        held = ex.tensors.pop("z"), ex.tensors.pop("k")  # still alive: the new ones land elsewhere
+        ex.put("z", np.ones((3, 4), np.float32))
+        ex.put("k", np.array([0, 9, 2], np.int64))
+        z, k = ex.tensors["z"], ex.tensors["k"]
+        assert (z.ptr, k.ptr) != (held[0].ptr, held[1].ptr)
+        ex.put("l2", np.array(7.0, np.float32))
+        with pytest.raises(DeepxError, match="label is out of range") as e:
+            ex.replay(captured)
+        assert e.value.index == 1 and ex.get("l2") == 7.0
+        assert ex.tensors["z"] is z and ex.tensors["k"] is k
+        np.testing.assert_array_equal(ex.get("k"), [0, 9, 2])
+        ex.put("k", np.array([3, 1, 2], np.int64))  # in place: the caller's memory, copied in at the launch
+        assert ex.replay(captured) and ex.tensors["z"] is z and ex.tensors["k"] is k
         np.testing.assert_allclose(ex.get("l2"), 2 * np.log(4.0), rtol=1e-6)
         captured.destroy()
 

@@ -641,7 +641,7 @@ class CudaExecutor:
         for n in stage:
             if n in reads and n not in written:
                 t = tensors[n]
-                staged[n] = tensors[n] = self.empty(t.shape, t.dtype, "capture", f"(staged copy of {n})")
+                staged[n] = self.empty(t.shape, t.dtype, "capture", f"(staged copy of {n})")
                 reads[n] = (0, t.shape, t.dtype)  # any memory: the launch copies it
         cap = _Capture()
         cap.touched = touched
@@ -651,6 +651,10 @@ class CudaExecutor:
             cap.numbers_dev = self.alloc(8 * cap.slot_width * updates, "capture", "optimizer numbers")
             cap.numbers_host = self.cuda.pagelocked_zeros(cap.slot_width * updates, np.float64)
         cap.keep.extend(t for t in before.values() if t is not None)
+        # the table names the staged copies only once every allocation above is made (one out of memory raises
+        # with the table as it was)
+        for n, buf in staged.items():
+            tensors[n] = buf
         self._capturing = cap
         stream = self.stream.handle
         begun = False
