@@ -272,5 +272,7 @@ class Warming:
         self._stopped.set()
 
     def join(self, timeout: float | None = None) -> None:
+        """Wait for every thread, `timeout` seconds in all (None: as long as they take)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in self.threads:
-            t.join(timeout)
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
