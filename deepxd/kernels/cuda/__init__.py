@@ -650,7 +650,8 @@ class CudaExecutor:
         if updates:  # the optimizer updates read their numbers from here (numbers())
             cap.numbers_dev = self.alloc(8 * cap.slot_width * updates, "capture", "optimizer numbers")
             cap.numbers_host = self.cuda.pagelocked_zeros(cap.slot_width * updates, np.float64)
-        cap.keep.extend(t for t in before.values() if t is not None)
+        # (a staged input's own memory is the caller's: the graph reads its copy, so it does not hold that)
+        cap.keep.extend(t for n, t in before.items() if t is not None and n not in staged)
         # the table names the staged copies only once every allocation above is made (one out of memory raises
         # with the table as it was)
         for n, buf in staged.items():
