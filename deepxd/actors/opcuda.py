@@ -505,7 +505,9 @@ class CudaWorker(OpWorker):
                 return False
             slot.captured = captured
             heap = self.heap
-            slot.heap = tuple((n, heap[n].ptr) for n in prepared.names if n in heap)
+            # the heap tensors it writes (one it only reads is an input: the replay's own check, and staging where
+            # it moves, as a prefetched batch does)
+            slot.heap = tuple((n, heap[n].ptr) for n in prepared.names if n in heap and n not in captured.stageable)
             self._live[slot] = None
             weakref.finalize(prepared, self.submit, self._release, slot)
         else:
