@@ -90,44 +90,32 @@ def main() -> None:
 
 def mlp_step(compiled: bool) -> Callable[[], None]:
     """bench/gpu.py's MLP step (784-512-512-10, SGD with momentum, batch 256, the loss read back)."""
-    import numpy as np
-
-    import deepx_sdk as dx
-    import deepx_sdk.nn as nn
-    import deepx_sdk.nn.functional as F
-    from deepx_sdk.optim import SGD
-
-    rng = np.random.default_rng(0)
-    x = dx.tensor(rng.standard_normal((256, 784)).astype(np.float32))
-    y = dx.tensor(rng.integers(0, 10, 256))
-    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def core(x: Any, y: Any) -> Any:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    run = dx.compile(core) if compiled else core
-    return lambda: run(x, y).item()
+    return _mlp((784, 512, 512, 10), 256, compiled, lambda optim, p: optim.SGD(p, lr=0.01, momentum=0.9))
 
 
 def digits_step(compiled: bool) -> Callable[[], None]:
     """bench/train.py's digits step (64-128-64-10, Adam, batch 64, the loss read back)."""
+    return _mlp((64, 128, 64, 10), 64, compiled, lambda optim, p: optim.Adam(p, lr=1e-3))
+
+
+def _mlp(sizes: tuple[int, ...], batch: int, compiled: bool, optimizer: Callable[[Any, Any], Any]
+         ) -> Callable[[], None]:
+    """One step of an MLP of `sizes` (ReLU between), cross-entropy on a fixed random batch, the loss read back."""
     import numpy as np
 
     import deepx_sdk as dx
     import deepx_sdk.nn as nn
     import deepx_sdk.nn.functional as F
-    from deepx_sdk.optim import Adam
+    import deepx_sdk.optim as optim
 
     rng = np.random.default_rng(0)
-    x = dx.tensor(rng.standard_normal((64, 64)).astype(np.float32))
-    y = dx.tensor(rng.integers(0, 10, 64))
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
-    opt = Adam(model.parameters(), lr=1e-3)
+    x = dx.tensor(rng.standard_normal((batch, sizes[0])).astype(np.float32))
+    y = dx.tensor(rng.integers(0, sizes[-1], batch))
+    layers: list[Any] = []
+    for k in range(len(sizes) - 1):
+        layers += [nn.Linear(sizes[k], sizes[k + 1])] + ([nn.ReLU()] if k < len(sizes) - 2 else [])
+    model = nn.Sequential(*layers)
+    opt = optimizer(optim, model.parameters())
 
     def core(x: Any, y: Any) -> Any:
         opt.zero_grad()
