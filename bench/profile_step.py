@@ -105,7 +105,6 @@ def _mlp(sizes: tuple[int, ...], batch: int, compiled: bool, optimizer: Callable
 
     import deepx_sdk as dx
     import deepx_sdk.nn as nn
-    import deepx_sdk.nn.functional as F
     import deepx_sdk.optim as optim
 
     rng = np.random.default_rng(0)
@@ -117,15 +116,7 @@ def _mlp(sizes: tuple[int, ...], batch: int, compiled: bool, optimizer: Callable
     model = nn.Sequential(*layers)
     opt = optimizer(optim, model.parameters())
 
-    def core(x: Any, y: Any) -> Any:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    run = dx.compile(core) if compiled else core
-    return lambda: run(x, y).item()
+    return _stepper(model, opt, x, y, compiled)
 
 
 def cnn_step(compiled: bool) -> Callable[[], None]:
@@ -135,7 +126,6 @@ def cnn_step(compiled: bool) -> Callable[[], None]:
     import numpy as np
 
     import deepx_sdk as dx
-    import deepx_sdk.nn.functional as F
 
     spec = importlib.util.spec_from_file_location("train_cnn", ROOT.parent / "examples" / "train_cnn.py")
     assert spec is not None and spec.loader is not None
@@ -147,6 +137,14 @@ def cnn_step(compiled: bool) -> Callable[[], None]:
     dx.manual_seed(0)
     model = example.model()
     opt = dx.optim.Adam(model.parameters(), lr=5e-3)
+
+    return _stepper(model, opt, x, y, compiled)
+
+
+def _stepper(model: Any, opt: Any, x: Any, y: Any, compiled: bool) -> Callable[[], None]:
+    """A training step of `model` on (x, y) with cross-entropy, eager or under dx.compile, the loss read back."""
+    import deepx_sdk as dx
+    import deepx_sdk.nn.functional as F
 
     def core(x: Any, y: Any) -> Any:
         opt.zero_grad()

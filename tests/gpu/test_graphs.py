@@ -59,6 +59,13 @@ deltensor () -> (tensor<float32>:gw1)
 """.format(**{f"SGD{i}": f"sgd (tensor<float32>:w{i}, tensor<float32>:gw{i}, tensor<float32>:b{i}, var<float32>:0.01, "
                            f"var<float32>:0.9) -> (tensor<float32>:w{i}, tensor<float32>:b{i})" for i in (1, 2)})
 
+#: a loss whose kernel may flag a bad label: a capture is cut after it
+LABELLED = """
+exp (tensor<float32>:z) -> (tensor<float32>:ez)
+crossentropy (tensor<float32>:ez, tensor<int64>:k, var<int32>:-100, var<string>:mean) -> (tensor<float32>:l)
+mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
+"""
+
 
 def _setup(ex, rng_seed: int = 0) -> None:
     rng = np.random.default_rng(rng_seed)
@@ -217,11 +224,7 @@ def test_a_kernel_error_stops_a_replay_where_it_stops_a_run(tmp_path):
     naming the instruction, and the instruction after it does not run, as instruction by instruction."""
     from deepxd.kernels.cuda import CudaExecutor
 
-    program = parse_text("""
-exp (tensor<float32>:z) -> (tensor<float32>:ez)
-crossentropy (tensor<float32>:ez, tensor<int64>:k, var<int32>:-100, var<string>:mean) -> (tensor<float32>:l)
-mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
-""")
+    program = parse_text(LABELLED)
     with CudaExecutor(cache_dir=tmp_path) as ex:
         ex.put("z", np.zeros((3, 4), np.float32))
         ex.put("k", np.array([0, 1, 2], np.int64))
@@ -246,11 +249,7 @@ def test_a_kernel_error_in_a_replay_of_staged_inputs_leaves_their_names_on_the_c
     inputs' names are the caller's new tensors (not the graph's copies) and the next replay reads them again."""
     from deepxd.kernels.cuda import CudaExecutor
 
-    program = parse_text("""
-exp (tensor<float32>:z) -> (tensor<float32>:ez)
-crossentropy (tensor<float32>:ez, tensor<int64>:k, var<int32>:-100, var<string>:mean) -> (tensor<float32>:l)
-mulscalar (tensor<float32>:l, var<float32>:2.0) -> (tensor<float32>:l2)
-""")
+    program = parse_text(LABELLED)
     with CudaExecutor(cache_dir=tmp_path) as ex:
         ex.put("z", np.zeros((3, 4), np.float32))
         ex.put("k", np.array([0, 1, 2], np.int64))
