@@ -110,11 +110,12 @@ def test_a_prefetching_loader_trains_by_one_plan():
                 opt.step()
                 losses.append(loss.item())
         after = scheduler.on_stats()
-        return losses, {k: after[k] - before[k] for k in ("plan_misses", "backward_misses", "renamed")}
+        return losses, {k: after[k] - before[k] for k in ("programs", "plan_misses", "backward_misses", "renamed")}
 
     prefetched, counts = train(1)
     assert prefetched == train(0)[0]
     assert counts["plan_misses"] == 0 and counts["backward_misses"] == 0 and counts["renamed"] >= 12, counts
+    assert counts["programs"] == 12, counts  # one a step: its backward in it (NamePool.differentiated)
     gc.collect()
     dx.ones(1).numpy()  # a program, which carries the deletes of collected handles
     with NativeClient(session().transport.address) as c:  # each batch's heap tensors went, under its own name
