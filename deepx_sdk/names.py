@@ -13,11 +13,12 @@ from __future__ import annotations
 import itertools
 from bisect import insort
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 from deepx_core.ir.effects import apply_effect
 from deepx_core.ir.instr import Instr, same_program, scalar_kinds
+from deepx_core.ir.renaming import Inputs, inputs_of, renamed_at
 
 # a named tuple made without its Python-level __new__ (one flush, one call fewer)
 _tuple_new = tuple.__new__
@@ -38,6 +39,50 @@ def _given(instr: Instr) -> tuple[str, ...]:
 def name_order(name: str) -> tuple[int, str]:
     """A session's names are its prefix and a number: by length, then text, is by number."""
     return len(name), name
+
+
+#: a tensor's (shape, dtype)
+Meta = tuple[Any, str]
+
+
+class _Graph:
+    """A forward graph differentiated before (NamePool.differentiated): the request, and the metas of the tensors
+    its forward reads, for a forward under new names (`renamed`)."""
+
+    __slots__ = ("forward", "grad_loss", "inputs", "kinds", "loss", "metas", "wrt")
+
+    def __init__(self, spec: dict[str, Any], metas: dict[str, Meta]) -> None:
+        self.forward = list(spec["forward"])
+        self.kinds = scalar_kinds(self.forward)
+        self.loss, self.wrt, self.grad_loss = spec["loss"], list(spec["wrt"]), spec["grad_loss"]
+        self.metas = metas
+        self.inputs: Inputs | bool | None = False  # worked out at the first renamed look
+
+    def same(self, spec: dict[str, Any]) -> bool:
+        return (self.loss == spec["loss"] and self.wrt == spec["wrt"] and self.grad_loss == spec["grad_loss"]
+                and same_program(spec["forward"], self.forward, self.kinds))
+
+    def renamed(self, spec: dict[str, Any], metas: Callable[[], dict[str, Meta]]) -> bool:
+        """Whether `spec` is this request with the forward's inputs (what it reads and never makes; the parameters
+        it differentiates stay) renamed one to one, each new name of its old one's shape and dtype."""
+        if self.loss != spec["loss"] or self.wrt != spec["wrt"] or self.grad_loss != spec["grad_loss"]:
+            return False
+        inputs = self.inputs
+        if inputs is False:
+            fixed = (self.loss, *self.wrt, *([self.grad_loss] if self.grad_loss else []))
+            inputs = self.inputs = inputs_of([self.forward], [], fixed)
+        if inputs is None:
+            return False
+        assert isinstance(inputs, Inputs)
+        forward = spec["forward"]
+        mapping = inputs.mapping([forward])
+        if not mapping:
+            return False
+        known = renamed_at(self.forward, inputs.where(inputs.at[0], mapping), mapping)
+        if not same_program(forward, known, self.kinds):
+            return False
+        now = metas()
+        return all(old in self.metas and self.metas[old] == now.get(new) for old, new in mapping.items())
 
 
 class HandOut(NamedTuple):
@@ -70,7 +115,7 @@ class NamePool:
         self.grad_root = f"{prefix}g"
         self._grad_live: dict[int, int] = {}  # k -> live gradient handles; -1: never handed out again
         # k -> the last few graphs differentiated under it, their backward run whole (see differentiated)
-        self._grad_graphs: dict[int, list[tuple[Any, ...]]] = {}
+        self._grad_graphs: dict[int, list[_Graph]] = {}
         # names of collected temporaries kept for reuse, by (shape, dtype), with their tensors: the next result of
         # that shape and dtype takes one, so a loop sends the same instructions every step (the daemon's checks are
         # then cached, and it writes into the buffer it already has) and needs no deltensor at all
@@ -300,27 +345,27 @@ class NamePool:
         self._grad_live[k] = -1
         self._grad_graphs.pop(k, None)
 
-    def differentiated(self, k: int, spec: dict[str, Any]) -> bool:
+    def differentiated(self, k: int, spec: dict[str, Any], metas: Callable[[], dict[str, Meta]]) -> bool:
         """Whether backward request `spec` (forward graph, loss, wrt, upstream gradient, gradient names) was run
         under gradient prefix k before: then it is recorded into the step's program, and a loop sends one program
         per step. The first backward of a graph under a prefix is sent on its own, so that its errors are raised at
-        the line of backward(), as torch raises them. Whether the step then repeats is the daemon's to judge."""
-        return self._graph_known(k, spec)
-
-    def _graph_known(self, k: int, spec: dict[str, Any]) -> bool:
-        forward = spec["forward"]
-        for known, kinds, loss, wrt, grad_loss in self._grad_graphs.get(k, ()):
-            if (loss == spec["loss"] and wrt == spec["wrt"] and grad_loss == spec["grad_loss"]
-                    and same_program(forward, known, kinds)):
+        the line of backward(), as torch raises them. Whether the step then repeats is the daemon's to judge.
+        A known forward with its inputs under other names of the same shapes and dtypes (a held batch: `metas()`,
+        those of the tensors the forward reads) is known too: its backward is derived alike (decision 0049)."""
+        graphs = self._grad_graphs.get(k)
+        if not graphs:
+            return False
+        for graph in graphs:
+            if graph.same(spec):
                 return True
-        return False
+        return any(graph.renamed(spec, metas) for graph in graphs)
 
-    def note_differentiated(self, k: int, spec: dict[str, Any]) -> None:
-        """Backward request `spec` ran under gradient prefix k (see differentiated); the last four are kept per k."""
-        if not self._graph_known(k, spec):
-            graphs = self._grad_graphs.setdefault(k, [])
-            graphs.append((list(spec["forward"]), scalar_kinds(spec["forward"]), spec["loss"], list(spec["wrt"]),
-                           spec["grad_loss"]))
+    def note_differentiated(self, k: int, spec: dict[str, Any], metas: dict[str, Meta]) -> None:
+        """Backward request `spec` ran under gradient prefix k (see differentiated), `metas` those of the tensors its
+        forward reads; the last four are kept per k."""
+        graphs = self._grad_graphs.setdefault(k, [])
+        if not any(graph.same(spec) for graph in graphs):
+            graphs.append(_Graph(spec, metas))
             del graphs[:-4]
 
     def _grad_gone(self, name: str) -> None:

@@ -109,5 +109,10 @@ def graph_of(root: Node, what: str) -> tuple[list[Node], list[Instr], dict[str, 
     return path, [n.instr for n in nodes], leaves
 
 
+def read_metas(path: list[Node]) -> dict[str, tuple[Any, str]]:
+    """(shape, dtype) of each tensor the nodes of `path` read, by name (a held batch's among them)."""
+    return {t.name: (t.shape, t.dtype) for n in path for t in n.inputs}
+
+
 def _seq_of(n: Node) -> int:
     return n.seq

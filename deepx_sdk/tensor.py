@@ -28,7 +28,7 @@ from deepx_sdk.amp import lower as _amp_lower
 from deepx_sdk.amp import state as _amp
 from deepx_sdk.recorder import _IN_SDK, origin
 from deepx_sdk.session import Session, session
-from deepx_sdk.tape import graph_of
+from deepx_sdk.tape import graph_of, read_metas
 
 Shape = tuple[int, ...]
 
@@ -559,7 +559,8 @@ class Tensor:
                     "prefix": prefix, "names": grads}
             rec = s.recorder
             transport = rec.transport  # (a capture's stand-in while dx.compile captures)
-            if transport.takes_backwards and rec.capture is None and s.names.differentiated(k, spec):
+            if transport.takes_backwards and rec.capture is None and s.names.differentiated(
+                    k, spec, lambda: read_metas(path)):
                 # run before under these names (a training loop): recorded, and expanded by the daemon where it
                 # stands in the program, so that the whole step goes as one program
                 rec.record_backward(Instr("backward", (_tp(loss),), tuple(Param.tensor(n, leaves[w].dtype)
@@ -573,7 +574,7 @@ class Tensor:
                 except BaseException:
                     s.names.grad_prefix_failed(k)
                     raise
-                s.names.note_differentiated(k, spec)
+                s.names.note_differentiated(k, spec, read_metas(path))
             s.names.grad_prefix_taken(k, len(grads))
             with _no_tape(s):
                 for name, leaf in leaves.items():

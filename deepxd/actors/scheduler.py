@@ -29,6 +29,7 @@ from deepx_core.errors import DeepxError
 from deepx_core.ir.effects import SETS, apply_effect, kind_of
 from deepx_core.ir.instr import Instr, Param, input_probe, probe, scalar_kinds
 from deepx_core.ir.ops import OPS, ProgramError, TensorMeta
+from deepx_core.ir.renaming import Inputs, inputs_of, renamed_at
 from deepxd.actors.base import Actor, ActorRef, Envelope
 from deepxd.actors.messages import (
     Fetch,
@@ -43,7 +44,7 @@ from deepxd.actors.messages import (
     Variables,
     WorkerTensors,
 )
-from deepxd.actors.plan import BackwardSpec, Inputs, Plan, inputs_of, renamed_at
+from deepxd.actors.plan import BackwardSpec, Plan
 from deepxd.actors.worker import (
     LONG_PROGRAM,
     REMEMBER_MAX,

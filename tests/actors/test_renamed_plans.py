@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from deepx_core.ir.instr import Instr, Param
+from deepx_core.ir.renaming import inputs_of
 from deepxd.actors.messages import Put, Run, SchedulerStats
 from deepxd.actors.opcpu import CpuWorker
-from deepxd.actors.plan import inputs_of
 from deepxd.actors.scheduler import Scheduler
 from tests.compiler.helpers import program
 

@@ -112,7 +112,7 @@ def test_a_recorded_backward_that_fails_raises_at_the_next_read_naming_its_line(
     loss = h.sum()
     h.add_(1.0)
     # as if this graph's backward had been derived before: recorded, and derived by the daemon only when it runs
-    monkeypatch.setattr(NamePool, "differentiated", lambda self, k, spec: True)
+    monkeypatch.setattr(NamePool, "differentiated", lambda self, k, spec, metas: True)
     loss.backward(); line = _line()  # noqa: E702
     grad = w.grad
     with pytest.raises(DeepxError, match=rf"backward: .*overwrites.*test_backward_program.py:{line}"):
@@ -244,8 +244,8 @@ def test_a_loop_over_new_batches_names_them_alike_and_records_its_backward(rng):
     recorded = []
     seen = NamePool.differentiated
 
-    def spy(self, k, spec):  # type: ignore[no-untyped-def]
-        r = seen(self, k, spec)
+    def spy(self, k, spec, metas):  # type: ignore[no-untyped-def]
+        r = seen(self, k, spec, metas)
         recorded.append(r)
         return r
 
