@@ -45,6 +45,9 @@ class Node:
 _last_write = [-1]
 
 
+_new_node = object.__new__
+
+
 class Tape:
     """Where ops whose result requires grad are recorded: each becomes the result's `grad_fn` node. Nothing is kept
     here: a graph that Python no longer references is dropped with its tensors."""
@@ -61,7 +64,14 @@ class Tape:
 
     def made(self, instr: Instr, out: Any, inputs: tuple[Any, ...]) -> None:
         """append(), for a result just made (it has no node yet): the recording hot path (Tensor._op)."""
-        out.grad_fn = Node(next(self._seq), instr, inputs, tuple([t.grad_fn for t in inputs]), None)
+        n = _new_node(Node)  # (Node's fields set here: no __init__ call)
+        n.seq = next(self._seq)
+        n.instr = instr
+        n.inputs = inputs
+        n.parents = tuple([t.grad_fn for t in inputs])
+        n.prev = None
+        n.freed = False
+        out.grad_fn = n
 
     def wrote(self, t: Any) -> None:
         """An in-place write of `t` that is not on the tape (under no_grad, of a leaf, an optimizer's update): its
@@ -106,7 +116,7 @@ def graph_of(root: Node, what: str) -> tuple[list[Node], list[Instr], dict[str, 
                 later[id(g)] = g
                 g = g.prev
     path.sort(key=_seq_of)
-    if _last_write[0] > path[0].seq:  # writes not on the tape, after a node that read the value (Tape.wrote)
+    if path and _last_write[0] > path[0].seq:  # writes not on the tape, after a node that read the value (Tape.wrote)
         for n in path:
             for t in n.inputs:
                 w = getattr(t, "_w", -1)

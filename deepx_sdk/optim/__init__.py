@@ -61,6 +61,8 @@ class Optimizer:
         self._hypers: dict[tuple[int, tuple[str, ...]], tuple[list[Any], tuple[Any, ...], tuple[Param, ...]]] = {}
         self._betas: dict[int, tuple[Any, Param, Param]] = {}  # by id(group): its betas and their var params (Adam)
         self._at: Any = None
+        # the hyperparameters' params of each group, by (id(group), names), within one step (its parameters share them)
+        self._this_step: dict[tuple[int, tuple[str, ...]], tuple[Param, ...]] | None = None
         self._count: tuple[dict[str, Any], int] | None = None  # (state, step before) of the update being recorded
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -93,6 +95,7 @@ class Optimizer:
         # the user's line that called step, looked up once for all the updates (an error in one names it); None
         # again after, so that an update recorded by another step (a subclass's) finds its own line
         self._at = origin(sys._getframe(1))
+        self._this_step = {}
         try:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -109,7 +112,7 @@ class Optimizer:
                     g = p.grad
                     self._update(p, g if g.dtype == p.dtype else g.type_as_dtype(p.dtype), state, group)
         finally:
-            self._at = self._count = None
+            self._at = self._count = self._this_step = None
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise DeepxError(f"{type(self).__name__} defines no update")
@@ -127,8 +130,19 @@ class Optimizer:
     def _hyper(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...]) -> tuple[Param, ...]:
         """The var params of a group's hyperparameters, remade only when one changed (a scheduler's lr): every step
         records the same objects. Floats are told apart by sign too (-0.0 is not 0.0)."""
-        raw = [group[n] for n in names]
         at = (id(group), names)
+        this_step = self._this_step
+        if this_step is not None:
+            params = this_step.get(at)
+            if params is not None:  # another parameter of the group, in this step
+                return params  # type: ignore[no-any-return]
+            this_step[at] = params = self._hyper_params(group, names, kinds, at)
+            return params
+        return self._hyper_params(group, names, kinds, at)
+
+    def _hyper_params(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...],
+                      at: tuple[int, tuple[str, ...]]) -> tuple[Param, ...]:
+        raw = [group[n] for n in names]
         made = self._hypers.get(at)
         if made is not None and all(map(operator.is_, raw, made[0])):  # the very values: the same params
             return made[2]
