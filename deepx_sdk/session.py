@@ -28,6 +28,13 @@ from deepx_sdk.transports import NativeTransport, Transport, open_transport
 log = logging.getLogger(__name__)
 
 
+class _GradMode(threading.local):
+    """A thread's grad mode: on unless set (a class default, so that reading it where no thread set it is a plain
+    attribute read: every op that requires grad reads it)."""
+
+    on = True
+
+
 class Session:
     """Records instructions and runs them through a transport when a value is needed: the parts do the work
     (docs/layout.md), the session holds them together, with closing, the grad mode and the random seed."""
@@ -45,7 +52,7 @@ class Session:
         self.pending, self.origins, self.collected = rec.pending, rec.origins, rec.collected
         self.max_pending = max_pending
         self.explicit_broadcast = transport.explicit_broadcast
-        self._grad_mode = threading.local()  # grad_enabled, per thread as torch's (no_grad in one thread is its own)
+        self._grad_mode = _GradMode()  # grad_enabled, per thread as torch's (no_grad in one thread is its own)
         self.seed_counter = itertools.count(1)
         self.device_chosen = False  # dx.connect(device=...) placed it: init_process_group does not move it
         self.base_seed: int | None = None
@@ -73,7 +80,7 @@ class Session:
     @property
     def grad_enabled(self) -> bool:
         """Whether operations of this thread record gradients (dx.no_grad and the like set it, per thread)."""
-        return getattr(self._grad_mode, "on", True)
+        return self._grad_mode.on  # type: ignore[no-any-return]
 
     @grad_enabled.setter
     def grad_enabled(self, on: bool) -> None:

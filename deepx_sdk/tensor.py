@@ -175,6 +175,7 @@ def _vec(v: Iterable[int]) -> Param:
 
 # vector params by the tuple they were made from (equal tuples of numbers make equal int vectors)
 _VECTORS: Cache[tuple[Any, ...], Param] = Cache("sdk.vectors", 4096, counted=False)
+_SWAP = Param("vector", ("int32",), (1, 0))  # a matrix's transpose (every Linear's weight, every step)
 
 def infer_meta(name: str, args: list[Any], names: list[Any]) -> TensorMeta:
     """The result meta of op `name` on `args` by the catalogue's shape and dtype rule (raises DeepxError)."""
@@ -506,9 +507,9 @@ class Tensor:
         out = _emit(s, name, args, shape, dtype, depth + 1, deleted)
         for t in inputs:
             if t.requires_grad:
-                if s.grad_enabled and dtype in FLOATS:  # an integer or bool result has no gradient, as in torch
+                if dtype in FLOATS and s._grad_mode.on:  # an integer or bool result has no gradient, as in torch
                     out.requires_grad = True
-                    s.tape.append((_tuple_new(Instr, (name, args, (out._p,), ())), out, tuple(inputs)))
+                    s.tape.made(_tuple_new(Instr, (name, args, (out._p,), ())), out, tuple(inputs))
                 break
         return out
 
@@ -1004,7 +1005,7 @@ class Tensor:
     # -- unary math (method forms of dx.*)
     def _unary(self, op: str, floating: _bool = True) -> Tensor:
         if self.dtype in _FLOAT_RANK:  # depth 3: _op <- _unary <- the method <- its caller
-            return self._op(op, (_tp(self),), self.shape, self.dtype, (self,), 3)
+            return self._op(op, (self._p or _tp(self),), self.shape, self.dtype, (self,), 3)
         a = self.type_as_dtype(DEFAULT_FLOAT) if floating else self
         return self._op(op, (_tp(a),), a.shape, a.dtype, [a])
 
@@ -1435,7 +1436,7 @@ class Tensor:
     def t(self) -> Tensor:
         shape = self.shape
         if len(shape) == 2:  # every Linear's weight, every step: straight to the instruction
-            out = self._op("transpose", (_tp(self), _vec((1, 0))), (shape[1], shape[0]), self.dtype, [self],
+            out = self._op("transpose", (self._p or _tp(self), _SWAP), (shape[1], shape[0]), self.dtype, [self],
                            deleted=True)  # a view in the daemon: see permute
             return _viewed(out, self)
         if self.ndim > 2:
@@ -2201,7 +2202,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     sa, sb = a.shape, b.shape
     if len(sa) == 2 and len(sb) == 2 and sa[1] == sb[0] and a.dtype is b.dtype and a.dtype in _MATMUL_DTYPES:
         # two matrices of one dtype (a Linear layer's): what the general path below works out, without its steps
-        return a._op("matmul", (_tp(a), _tp(b)), (sa[0], sb[1]), a.dtype, [a, b])
+        return a._op("matmul", (a._p or _tp(a), b._p or _tp(b)), (sa[0], sb[1]), a.dtype, [a, b])
     dt = promote(a.dtype, b.dtype)
     a, b = a.type_as_dtype(dt), b.type_as_dtype(dt)
     squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1

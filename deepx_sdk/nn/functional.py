@@ -117,7 +117,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias.dtype is y.dtype and bias.shape == y.shape[-1:] and not y._s.explicit_broadcast:
         # a bias of the result's last dim and dtype: the `y + bias` below, without working out a broadcast and a
         # promotion that cannot change anything (every Linear, every step)
-        return y._op("add", (_tp(y), _tp(bias)), y.shape, y.dtype, [y, bias])
+        return y._op("add", (y._p or _tp(y), bias._p or _tp(bias)), y.shape, y.dtype, [y, bias])
     return y + bias
 
 

@@ -37,6 +37,7 @@ def _var(value: bool | int | float) -> Param:
 
 
 _NUMBERS = (float, int, bool)
+_tuple_new = tuple.__new__  # an Instr without the named tuple's Python-level __new__ (as deepx_sdk.tensor's)
 _SGD_HYPER, _SGD_KINDS = ("lr", "momentum", "dampening", "weight_decay", "nesterov"), (float,) * 4 + (bool,)
 _ADAM_HYPER, _ADAM_KINDS = ("lr", "eps", "weight_decay"), (float,) * 3
 
@@ -58,7 +59,10 @@ class Optimizer:
         # by (id(group), names): its hyperparameters' values, their key and var params (_hyper); the line that called
         # step (_at)
         self._hypers: dict[tuple[int, tuple[str, ...]], tuple[list[Any], tuple[Any, ...], tuple[Param, ...]]] = {}
+        self._betas: dict[int, tuple[Any, Param, Param]] = {}  # by id(group): its betas and their var params (Adam)
         self._at: Any = None
+        # the hyperparameters' params of each group, by (id(group), names), within one step (its parameters share them)
+        self._this_step: dict[tuple[int, tuple[str, ...]], tuple[Param, ...]] | None = None
         self._count: tuple[dict[str, Any], int] | None = None  # (state, step before) of the update being recorded
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -91,6 +95,7 @@ class Optimizer:
         # the user's line that called step, looked up once for all the updates (an error in one names it); None
         # again after, so that an update recorded by another step (a subclass's) finds its own line
         self._at = origin(sys._getframe(1))
+        self._this_step = {}
         try:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -99,12 +104,15 @@ class Optimizer:
                     if p.grad.shape != p.shape:
                         raise DeepxError(f"{type(self).__name__}: gradient of '{p.name}' has shape {p.grad.shape}, "
                                          f"the parameter {p.shape}")
-                    state = self.state.setdefault(id(p), {"step": 0})
+                    state = self.state.get(id(p))
+                    if state is None:
+                        state = self.state[id(p)] = {"step": 0}
                     self._count = (state, state["step"])
                     state["step"] += 1
-                    self._update(p, p.grad.type_as_dtype(p.dtype), state, group)
+                    g = p.grad
+                    self._update(p, g if g.dtype == p.dtype else g.type_as_dtype(p.dtype), state, group)
         finally:
-            self._at = self._count = None
+            self._at = self._count = self._this_step = None
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise DeepxError(f"{type(self).__name__} defines no update")
@@ -122,8 +130,19 @@ class Optimizer:
     def _hyper(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...]) -> tuple[Param, ...]:
         """The var params of a group's hyperparameters, remade only when one changed (a scheduler's lr): every step
         records the same objects. Floats are told apart by sign too (-0.0 is not 0.0)."""
-        raw = [group[n] for n in names]
         at = (id(group), names)
+        this_step = self._this_step
+        if this_step is not None:
+            params = this_step.get(at)
+            if params is not None:  # another parameter of the group, in this step
+                return params  # type: ignore[no-any-return]
+            this_step[at] = params = self._hyper_params(group, names, kinds, at)
+            return params
+        return self._hyper_params(group, names, kinds, at)
+
+    def _hyper_params(self, group: dict[str, Any], names: tuple[str, ...], kinds: tuple[type, ...],
+                      at: tuple[int, tuple[str, ...]]) -> tuple[Param, ...]:
+        raw = [group[n] for n in names]
         made = self._hypers.get(at)
         if made is not None and all(map(operator.is_, raw, made[0])):  # the very values: the same params
             return made[2]
@@ -223,11 +242,17 @@ class Adam(Optimizer):
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         m = self._buffer(p, state, "exp_avg")
         v = self._buffer(p, state, "exp_avg_sq")
-        b1, b2 = group["betas"]
+        betas = group["betas"]
+        made = self._betas.get(id(group))
+        if made is None or made[0] is not betas:
+            b1, b2 = betas
+            # kept for the identity check only where the values cannot change in place: a tuple of Python numbers
+            kept = betas if type(betas) is tuple and type(b1) in _NUMBERS and type(b2) in _NUMBERS else None
+            made = self._betas[id(group)] = (kept, _var(float(b1)), _var(float(b2)))
         lr, eps, wd = self._hyper(group, _ADAM_HYPER, _ADAM_KINDS)
-        args = (_tp(p), _tp(g), _tp(m), _tp(v), lr, _var(float(b1)), _var(float(b2)), eps, wd,
-                _var(int(state["step"])))
-        self._record(p, Instr(self.op, args, (_tp(p), _tp(m), _tp(v))))
+        pp, pm, pv = p._p or _tp(p), m._p or _tp(m), v._p or _tp(v)
+        args = (pp, g._p or _tp(g), pm, pv, lr, made[1], made[2], eps, wd, _var(int(state["step"])))
+        self._record(p, _tuple_new(Instr, (self.op, args, (pp, pm, pv), ())))
 
 
 class AdamW(Adam):
