@@ -17,6 +17,7 @@ instructions, whatever the passes made of them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import time
@@ -463,20 +464,8 @@ class Scheduler(Actor):
         """The program run by its plan from the cache, the newest of its plans that stands on the worker's state
         (each matching plan asked in turn: one that does not stand ran nothing); None where none does."""
         key = probe(program)
-        bucket = self.plans.bucket(key)
-        for plan in reversed(bucket):
-            if not plan.matches(program, fetch, backwards):
-                continue
-            if plan.pair_min is not None and plan.pair_min != default_pair_min():  # native kernels came or went
-                self.plans.discard(key, plan)
-                continue
-            result = await self._run_plan(plan, program)
-            if result is None:
-                self.stale += 1
-                continue
-            self._hit(key, plan, result)
-            return result
-        for plan in self._under_new_names(program, fetch, backwards, key):
+        for plan in itertools.chain(self._matching(program, fetch, backwards, key),
+                                    self._under_new_names(program, fetch, backwards, key)):
             result = await self._run_plan(plan, program)
             if result is None:
                 self.stale += 1
@@ -485,6 +474,18 @@ class Scheduler(Actor):
             return result
         self.plans.miss()
         return None
+
+    def _matching(self, program: Sequence[Instr], fetch: Sequence[str], backwards: Sequence[dict[str, Any]] | None,
+                  key: tuple[Any, ...]) -> Iterator[Plan]:
+        """The plans of `program` under its own names, newest first; one made before native kernels came or went is
+        forgotten."""
+        for plan in reversed(self.plans.bucket(key)):
+            if not plan.matches(program, fetch, backwards):
+                continue
+            if plan.pair_min is not None and plan.pair_min != default_pair_min():
+                self.plans.discard(key, plan)
+                continue
+            yield plan
 
     def _under_new_names(self, program: Sequence[Instr], fetch: Sequence[str],
                          backwards: Sequence[dict[str, Any]] | None, key: tuple[Any, ...]) -> Iterator[Plan]:
