@@ -1082,16 +1082,22 @@ def _indexadd(gr: Grad, g: str) -> dict[int, str]:
     return out
 
 
-@rule("indexcopy")
-def _indexcopy(gr: Grad, g: str) -> dict[int, str]:
-    """dA = g, 0 where src was written (indexcopy of zeros); dsrc = g at the indices (indexselect)"""
+def _overwritten(gr: Grad, g: str, write: str, read: str) -> dict[int, str]:
+    """The gradient of an op that writes src into A at indices (`write`: indexcopy, scatter; args A, index, src,
+    axis): dA = g with zeros written where src went (`write` of zeros), dsrc = g read back from there (`read`)."""
     out = {}
     axis = int(gr.arg(3))
     if gr.needs(0):
-        out[0] = gr.emit("indexcopy", g, gr.x(1), gr.filled(gr.meta(2), 0.0), axis)
+        out[0] = gr.emit(write, g, gr.x(1), gr.filled(gr.meta(2), 0.0), axis)
     if gr.needs(2):
-        out[2] = gr.emit("indexselect", g, gr.x(1), axis)
+        out[2] = gr.emit(read, g, gr.x(1), axis)
     return out
+
+
+@rule("indexcopy")
+def _indexcopy(gr: Grad, g: str) -> dict[int, str]:
+    """dA = g, 0 where src was written (indexcopy of zeros); dsrc = g at the indices (indexselect)"""
+    return _overwritten(gr, g, "indexcopy", "indexselect")
 
 
 @rule("gather")
@@ -1104,13 +1110,7 @@ def _gather(gr: Grad, g: str) -> dict[int, str]:
 @rule("scatter")
 def _scatter(gr: Grad, g: str) -> dict[int, str]:
     """dA = g, 0 where src was written (scatter of zeros); dsrc = g where each element went (gather)"""
-    out = {}
-    dim = int(gr.arg(3))
-    if gr.needs(0):
-        out[0] = gr.emit("scatter", g, gr.x(1), gr.filled(gr.meta(2), 0.0), dim)
-    if gr.needs(2):
-        out[2] = gr.emit("gather", g, gr.x(1), dim)
-    return out
+    return _overwritten(gr, g, "scatter", "gather")
 
 
 @rule("scatteradd")
